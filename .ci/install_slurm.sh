@@ -1,0 +1,18 @@
+#!/bin/sh
+# Install Slurm and munge (Debian/Ubuntu packages) so that tests/test_slurm.py can start its
+# one-node test cluster. Idempotent: does nothing when slurmctld is already installed.
+# Needs root (CI containers run as root); without root or apt-get it says so and exits 0, and the
+# Slurm tests are then skipped with that reason.
+set -eu
+if command -v slurmctld >/dev/null 2>&1 || [ -x /usr/sbin/slurmctld ]; then
+    exit 0
+fi
+if [ "$(id -u)" != 0 ] || ! command -v apt-get >/dev/null 2>&1; then
+    echo "install_slurm.sh: needs root and apt-get to install slurm-wlm and munge; the Slurm tests will be skipped" >&2
+    exit 0
+fi
+echo "installing slurm-wlm and munge (about 30 s)"
+export DEBIAN_FRONTEND=noninteractive
+apt-get update -qq
+# The packages' own services are not used: the tests start private daemons with their own config.
+apt-get install -y -qq --no-install-recommends slurm-wlm munge >/dev/null
