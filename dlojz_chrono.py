@@ -1,0 +1,713 @@
+"""Chronometer for dlojz: per-step timings that stay true on a GPU, and a report that says what to change next.
+
+Calling style (the course's toggles: the first call opens a phase, the second call closes it)::
+
+    chrono = Chronometer(enabled=args.test, rank=rank, device=device)
+    chrono.start()
+    chrono.dataload()                      # open: waiting for the first batch
+    for i, (images, labels) in enumerate(train_loader):
+        images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
+        chrono.dataload()                  # close: DataLoader wait + host->device copy
+        chrono.forward()                   # zero_grad + forward + loss
+        ...
+        chrono.forward()
+        chrono.backward()                  # backward + optimizer/scaler step
+        ...
+        chrono.backward()                  # closes the step (step = forward + backward)
+        if i == 0:
+            chrono.first_step_done()       # time to the first step: start-up, cudnn autotune, compilation
+        chrono.validation() ... chrono.validation()   # whole validation pass (measured even when disabled)
+        chrono.dataload()                  # open: waiting for the next batch
+    chrono.gather(all_gather_object)       # collective, every rank, once at the end
+    chrono.write_trace(out_dir / "chrono_trace.json", ctx=ctx)
+    chrono.display(ctx)                    # rank 0 prints; chrono.summary(ctx) gives the same figures as a dict
+
+A load phase left open when the loop ends (the StopIteration wait) is simply never recorded. If a validation pass
+runs while a load phase is open, its duration is taken out of that load.
+
+Truth on a GPU: CUDA kernels run asynchronously, so every phase boundary first waits for the device (``sync``,
+by default ``torch.cuda.synchronize(device)`` on CUDA devices, a no-op on CPU). When the chronometer is disabled
+(a normal full training) the training toggles return at once: no synchronisation, no clock read, no list grows.
+Only the rare once-per-run / once-per-epoch measurements still run when disabled: ``start()``, ``first_step_done()``
+and ``validation()`` (the last two synchronise once, which costs nothing at that frequency and keeps them true).
+
+Statistics skip the first ``warmup_steps`` steps (cudnn autotune, allocator growth, compilation); if no step is
+left after them, all steps are used and the summary says so (``warmup_excluded: False``).
+
+Power and energy: with NVML (``nvidia-ml-py``, ``import pynvml``) on a CUDA device, the power draw is read at each
+step boundary (peak W) and the GPU's energy counter between the end of the warm-up and the last step, validation
+passes taken out (J per image, energy per epoch estimate). Without NVML (not installed, no driver, no GPU, any NVML
+error) those figures are left out; nothing crashes.
+
+Other helpers: ``train_flops_per_image(model, image_size)`` counts a model's training FLOPs for one image with
+``torch.utils.flop_counter.FlopCounterMode`` on a weightless "meta" copy; ``peak_flops(device_name, dtype)`` gives
+the dense peak of V100/A100/H100/H200 GPUs; ``plot_trace(trace, png)`` draws the per-step timeline, also on the
+command line: ``python dlojz_chrono.py plot TRACE.json -o timeline.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+# ``nvml`` default: import pynvml lazily, and only for CUDA devices.
+_TRY_PYNVML = object()
+
+# Loading is "significant" above this share of the compute step: then display() prints one line of advice.
+LOAD_ADVICE_THRESHOLD = 0.05
+
+
+class _Toggle:
+    """When a toggled phase was opened (None while it is closed)."""
+
+    __slots__ = ("opened_at",)
+
+    def __init__(self):
+        self.opened_at = None
+
+
+class Chronometer:
+    """Times the load / forward / backward phases of each training step, the validation and the run.
+
+    enabled: record per-step figures (dlojz passes ``args.test``). When False the toggles are no-ops.
+    rank: only rank 0 prints in display().
+    device: the training device; decides the default ``sync`` and whether NVML is tried.
+    warmup_steps: first steps left out of the statistics.
+    clock: returns seconds (injectable for tests).
+    sync: waits for the device's queued work; default ``torch.cuda.synchronize(device)`` on CUDA, else a no-op.
+    nvml: a pynvml-compatible module, or None for no power/energy figures. Default: ``import pynvml`` on CUDA.
+    """
+
+    def __init__(self, enabled: bool, rank: int = 0, device: torch.device | str = "cpu", warmup_steps: int = 5,
+                 clock=time.perf_counter, sync=None, nvml=_TRY_PYNVML):
+        if warmup_steps < 0:
+            raise ValueError(f"Chronometer: warmup_steps must be >= 0, got {warmup_steps}")
+        self._enabled = bool(enabled)
+        self.rank = rank
+        self.device = torch.device(device)
+        self.warmup_steps = int(warmup_steps)
+        self._clock = clock
+        self._sync = sync if sync is not None else _default_sync(self.device)
+
+        self._run_start = None
+        self._run_end = None            # frozen by gather(): every later report shows the same total
+        self._time_to_first_step = None
+        self._val_time = None
+        self._val_energy_j = None
+
+        # Per-step records, appended only when enabled.
+        self._loads = []                # seconds, NaN when the step had no closed load phase
+        self._forwards = []
+        self._backwards = []
+        self._pending_load = None
+        self._pending_forward = None
+        self._load = _Toggle()
+        self._forward = _Toggle()
+        self._backward = _Toggle()
+        self._validation = _Toggle()
+        self._val_energy_open_mj = None
+
+        # NVML: power samples at step ends; energy counter from the end of warm-up to the last step.
+        self._nvml = None
+        self._nvml_handle = None
+        self._power_w = []
+        self._energy_start_mj = None
+        self._energy_last_mj = None
+        self._energy_excluded_mj = 0.0
+        self._val_energy_pending_mj = 0.0
+        self._energy_steps = 0
+        self._energy_ok = True
+        if self._enabled:
+            self._init_nvml(nvml)
+
+        self._gathered = None
+        self._last_ctx = {}
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def enabled(self) -> bool:
+        return self._enabled
+
+    @property
+    def steps(self) -> int:
+        """Number of recorded training steps (0 when disabled)."""
+        return len(self._backwards)
+
+    @property
+    def val_time(self):
+        """Wall time in seconds of the last validation pass (None before the first one)."""
+        return self._val_time
+
+    # ------------------------------------------------------------------ recording
+    def start(self):
+        """Start of the run (always recorded: one clock read)."""
+        self._run_start = self._clock()
+
+    def dataload(self):
+        """Toggle: waiting for the DataLoader + host->device copy."""
+        if not self._enabled:
+            return
+        duration = self._toggle(self._load)
+        if duration is None:
+            self._maybe_start_energy()
+        else:
+            self._pending_load = duration
+
+    def forward(self):
+        """Toggle: zero_grad + forward + loss."""
+        if not self._enabled:
+            return
+        duration = self._toggle(self._forward)
+        if duration is None:
+            self._maybe_start_energy()
+        else:
+            self._pending_forward = duration
+
+    def backward(self):
+        """Toggle: backward + optimizer/scaler step. Closing it records the step."""
+        if not self._enabled:
+            return
+        duration = self._toggle(self._backward)
+        if duration is None:
+            return
+        self._loads.append(math.nan if self._pending_load is None else self._pending_load)
+        self._forwards.append(math.nan if self._pending_forward is None else self._pending_forward)
+        self._backwards.append(duration)
+        self._pending_load = None
+        self._pending_forward = None
+        if self._nvml_handle is not None:
+            self._read_power_and_energy()
+
+    def validation(self):
+        """Toggle: the whole validation pass. Always measured (also when disabled), synchronised at both ends."""
+        self._sync()
+        now = self._clock()
+        if self._validation.opened_at is None:
+            self._validation.opened_at = now
+            self._val_energy_open_mj = self._read_energy() if self._nvml_handle is not None else None
+            return
+        duration = now - self._validation.opened_at
+        self._validation.opened_at = None
+        self._val_time = duration
+        if self._load.opened_at is not None:
+            # A load phase open across the validation: the validation is not data loading.
+            self._load.opened_at += duration
+        if self._val_energy_open_mj is not None:
+            closed_mj = self._read_energy()
+            if closed_mj is not None:
+                self._val_energy_j = (closed_mj - self._val_energy_open_mj) / 1000.0
+                if self._energy_start_mj is not None:
+                    # taken out of the window only once a later step's reading covers this validation
+                    self._val_energy_pending_mj += closed_mj - self._val_energy_open_mj
+            self._val_energy_open_mj = None
+
+    def first_step_done(self):
+        """Called once after the first training step: records the time to the first step (always, cheap)."""
+        if self._time_to_first_step is not None or self._run_start is None:
+            return
+        self._sync()
+        self._time_to_first_step = self._clock() - self._run_start
+
+    def _toggle(self, phase: _Toggle):
+        self._sync()
+        now = self._clock()
+        if phase.opened_at is None:
+            phase.opened_at = now
+            return None
+        duration = now - phase.opened_at
+        phase.opened_at = None
+        return duration
+
+    # ------------------------------------------------------------------ NVML
+    def _init_nvml(self, nvml):
+        if nvml is _TRY_PYNVML:
+            if self.device.type != "cuda":
+                return
+            try:
+                import pynvml as nvml
+            except ImportError:
+                return
+        if nvml is None:
+            return
+        try:
+            nvml.nvmlInit()
+            self._nvml_handle = _nvml_handle_for(nvml, self.device)
+            self._nvml = nvml
+        except Exception:   # NVMLError (no driver, no GPU, not permitted) or anything odd: no power lines
+            self._nvml_handle = None
+
+    def _read_energy(self):
+        """GPU energy counter in mJ, or None (and energy figures dropped) if the GPU cannot report it."""
+        if not self._energy_ok:
+            return None
+        try:
+            return float(self._nvml.nvmlDeviceGetTotalEnergyConsumption(self._nvml_handle))
+        except Exception:
+            self._energy_ok = False
+            return None
+
+    def _maybe_start_energy(self):
+        # The energy window opens with the first phase of the first measured (post warm-up) step.
+        if (self._nvml_handle is not None and self._energy_start_mj is None
+                and len(self._backwards) >= self.warmup_steps):
+            self._energy_start_mj = self._read_energy()
+            self._energy_last_mj = self._energy_start_mj
+            self._energy_steps = 0
+
+    def _read_power_and_energy(self):
+        try:
+            self._power_w.append(self._nvml.nvmlDeviceGetPowerUsage(self._nvml_handle) / 1000.0)
+        except Exception:
+            pass
+        if self._energy_start_mj is not None:
+            reading = self._read_energy()
+            if reading is not None:
+                self._energy_last_mj = reading
+                self._energy_steps += 1
+                self._energy_excluded_mj += self._val_energy_pending_mj
+                self._val_energy_pending_mj = 0.0
+
+    def _energy_window_j(self):
+        if self._energy_start_mj is None or not self._energy_ok or self._energy_steps == 0:
+            return None
+        return (self._energy_last_mj - self._energy_start_mj - self._energy_excluded_mj) / 1000.0
+
+    # ------------------------------------------------------------------ reporting
+    def _measured(self, values):
+        """The values after warm-up (all of them if warm-up would leave nothing), as a float array."""
+        values = np.asarray(values, dtype=float)
+        return values[self.warmup_steps:] if len(values) > self.warmup_steps else values
+
+    def _step_array(self):
+        """Per-step seconds: forward + backward (a step without a forward phase counts its backward only)."""
+        return np.nan_to_num(np.asarray(self._forwards, dtype=float)) + np.asarray(self._backwards, dtype=float)
+
+    def _local_record(self):
+        return {
+            "rank": self.rank,
+            "load_median_s": _nanmedian(self._measured(self._loads)),
+            "step_median_s": _nanmedian(self._measured(self._step_array())),
+            "train_energy_j": self._energy_window_j(),
+            "energy_steps": self._energy_steps,
+            "val_energy_j": self._val_energy_j,
+            "peak_power_w": max(self._power_w) if self._power_w else None,
+        }
+
+    def gather(self, all_gather_object=None):
+        """Collective, once at the end on every rank: gathers each rank's medians and energy; fixes the run's end.
+
+        all_gather_object(obj) -> list of every rank's obj (e.g. a wrapper around
+        torch.distributed.all_gather_object). None = single process. Returns the gathered list.
+        """
+        if self._run_end is None:
+            self._run_end = self._clock()
+        record = self._local_record()
+        self._gathered = list(all_gather_object(record)) if all_gather_object is not None else [record]
+        return self._gathered
+
+    def summary(self, ctx: dict | None = None) -> dict:
+        """The report's figures as a dict, in SI units (s, images/s, FLOP/s, W, J, bytes, fractions).
+
+        Keys whose figure cannot be computed (missing ctx entry, disabled chronometer, no NVML) are absent.
+        """
+        ctx = dict(ctx or {})
+        self._last_ctx = ctx
+        out = {"enabled": self._enabled}
+        if self._run_start is not None:
+            end = self._run_end if self._run_end is not None else self._clock()
+            out["total_time_s"] = end - self._run_start
+        if self._time_to_first_step is not None:
+            out["time_to_first_step_s"] = self._time_to_first_step
+
+        batch = ctx.get("global_batch_size")
+        world = ctx.get("world_size") or 1
+        step_med = load_med = None
+        if self.steps:
+            forwards = self._measured(self._forwards)
+            backwards = self._measured(self._backwards)
+            steps = self._measured(self._step_array())
+            loads = self._measured(self._loads)
+            out.update(steps=self.steps, measured_steps=len(steps),
+                       warmup_excluded=self.steps > self.warmup_steps)
+            step_med = float(np.median(steps))
+            out.update(step_min_s=float(np.min(steps)), step_median_s=step_med, step_std_s=float(np.std(steps)))
+            if not np.all(np.isnan(loads)):
+                load_med = float(np.nanmedian(loads))
+                out.update(load_min_s=float(np.nanmin(loads)), load_median_s=load_med,
+                           load_std_s=float(np.nanstd(loads)))
+            if not np.all(np.isnan(forwards)):
+                fwd_med, bwd_med = float(np.nanmedian(forwards)), float(np.median(backwards))
+                out.update(forward_median_s=fwd_med, backward_median_s=bwd_med)
+                if step_med > 0:
+                    out.update(forward_share=fwd_med / step_med, backward_share=bwd_med / step_med)
+            if batch and step_med > 0:
+                out["throughput_img_s"] = batch / (step_med + (load_med or 0.0))
+                out["compute_throughput_img_s"] = batch / step_med
+
+            # The slowest rank's loading sets the pace of DDP: the advice is judged on it.
+            slowest = self._slowest_rank()
+            if slowest is not None:
+                out["slowest_rank"] = slowest["rank"]
+                out["slowest_rank_load_median_s"] = slowest["load_median_s"]
+            known_loads = [x for x in (load_med, out.get("slowest_rank_load_median_s")) if x is not None]
+            worst_load = max(known_loads) if known_loads else None
+            if worst_load is not None and step_med > 0:
+                out["load_share"] = worst_load / step_med
+                if worst_load > LOAD_ADVICE_THRESHOLD * step_med:
+                    out["advice"] = loading_advice(worst_load, step_med, ctx)
+
+        if self._val_time is not None:
+            out["val_time_s"] = self._val_time
+            done, total = ctx.get("val_batches_done"), ctx.get("val_batches_total")
+            full_val = self._val_time / done * total if done and total else self._val_time
+            if done and total and done != total:
+                out["val_full_estimate_s"] = full_val
+        else:
+            full_val = 0.0
+        if step_med is not None and ctx.get("steps_per_epoch"):
+            out["epoch_time_estimate_s"] = ctx["steps_per_epoch"] * (step_med + (load_med or 0.0)) + full_val
+
+        flops = ctx.get("train_flops_per_image")
+        if flops and "throughput_img_s" in out:
+            out["train_flops_per_image"] = float(flops)
+            out["achieved_flops"] = flops * out["throughput_img_s"]
+            peak = peak_flops(ctx.get("device_name") or "", ctx.get("compute_dtype") or "")
+            if peak:
+                out["peak_flops_per_gpu"] = peak
+                out["mfu"] = out["achieved_flops"] / (peak * world)
+        if ctx.get("peak_memory_bytes") is not None:
+            out["peak_memory_bytes"] = int(ctx["peak_memory_bytes"])
+
+        out.update(self._energy_summary(ctx))
+        if ctx.get("trace_path"):
+            out["trace_path"] = str(ctx["trace_path"])
+        return out
+
+    def _slowest_rank(self):
+        if not self._gathered or len(self._gathered) < 2:
+            return None
+        candidates = [r for r in self._gathered if r.get("load_median_s") is not None]
+        return max(candidates, key=lambda r: r["load_median_s"]) if candidates else None
+
+    def _energy_summary(self, ctx):
+        """Peak power, J per image and energy per epoch; summed over ranks when gathered, else rank 0 x world."""
+        records = self._gathered or [self._local_record()]
+        out = {}
+        powers = [r["peak_power_w"] for r in records if r.get("peak_power_w") is not None]
+        if powers:
+            out["peak_power_w"] = max(powers)
+        energies = [r["train_energy_j"] for r in records]
+        batch = ctx.get("global_batch_size")
+        n_steps = records[0].get("energy_steps") or 0
+        if batch and n_steps and all(e is not None for e in energies):
+            scale = 1 if self._gathered and len(records) > 1 else (ctx.get("world_size") or 1)
+            train_j = sum(energies) * scale
+            out["train_energy_j"] = train_j
+            out["energy_per_image_j"] = train_j / (n_steps * batch)
+            if ctx.get("steps_per_epoch"):
+                epoch_j = out["energy_per_image_j"] * ctx["steps_per_epoch"] * batch
+                val_energies = [r["val_energy_j"] for r in records]
+                if all(e is not None for e in val_energies):
+                    done, total = ctx.get("val_batches_done"), ctx.get("val_batches_total")
+                    val_j = sum(val_energies) * scale
+                    epoch_j += val_j / done * total if done and total else val_j
+                out["epoch_energy_estimate_j"] = epoch_j
+        return out
+
+    def display(self, ctx: dict | None = None) -> None:
+        """Rank 0 prints the report (the order of issue 3). Lines whose figures are unknown are left out."""
+        s = self.summary(ctx)
+        if self.rank != 0:
+            return
+        lines = []
+        if "total_time_s" in s:
+            line = f"=>>> Training complete in: {_fmt_duration(s['total_time_s'])}"
+            if "time_to_first_step_s" in s:
+                line += f" (time to first step: {s['time_to_first_step_s']:.2f} s)"
+            lines.append(line)
+        if "step_median_s" in s:
+            note = f"warm-up: first {self.warmup_steps} steps skipped" if s["warmup_excluded"] else \
+                f"only {s['steps']} steps: warm-up NOT skipped"
+            lines.append(f"=>>> Step time (forward+backward): min {_ms(s['step_min_s'])} median "
+                         f"{_ms(s['step_median_s'])} +/- {_ms(s['step_std_s'])} over {s['measured_steps']} steps "
+                         f"({note})")
+        if "load_median_s" in s:
+            lines.append(f"=>>> Load time (DataLoader + host->device): min {_ms(s['load_min_s'])} median "
+                         f"{_ms(s['load_median_s'])} +/- {_ms(s['load_std_s'])}")
+        if "forward_median_s" in s:
+            shares = (f" ({s['forward_share']:.0%} / {s['backward_share']:.0%} of the step)"
+                      if "forward_share" in s else "")
+            lines.append(f"=>>> Forward median {_ms(s['forward_median_s'])}, backward median "
+                         f"{_ms(s['backward_median_s'])}{shares}")
+        if "throughput_img_s" in s:
+            lines.append(f"=>>> Throughput: {s['throughput_img_s']:.1f} images/s (global batch / (step + load)); "
+                         f"compute throughput: {s['compute_throughput_img_s']:.1f} images/s (global batch / step)")
+        if "load_share" in s:
+            line = f"=>>> Data loading: {s['load_share']:.1%} of the step"
+            if "slowest_rank" in s:
+                line += (f" (slowest rank {s['slowest_rank']}: load median "
+                         f"{_ms(s['slowest_rank_load_median_s'])})")
+            lines.append(line)
+        if "advice" in s:
+            lines.append(f"=>>> Advice: {s['advice']}")
+        if "val_time_s" in s:
+            line = f"=>>> Validation time: {s['val_time_s']:.2f} s"
+            if "val_full_estimate_s" in s:
+                line += f" (estimate for the full validation set: {_fmt_duration(s['val_full_estimate_s'])})"
+            lines.append(line)
+        if "epoch_time_estimate_s" in s:
+            lines.append(f"=>>> Estimated epoch time (full data set, with validation): "
+                         f"{_fmt_duration(s['epoch_time_estimate_s'])}")
+        if "achieved_flops" in s:
+            line = (f"=>>> Model FLOP/s: {_si(s['achieved_flops'], 'FLOP/s')} "
+                    f"({_si(s['train_flops_per_image'], 'FLOP')} per training image, forward + backward)")
+            if "mfu" in s:
+                line += (f", model FLOPs utilisation {s['mfu']:.1%} of the {s['peak_flops_per_gpu'] / 1e12:.0f} "
+                         f"TFLOP/s peak per GPU")
+            lines.append(line)
+        if "peak_memory_bytes" in s:
+            lines.append(f"=>>> Peak memory: {s['peak_memory_bytes'] / 2**30:.2f} GiB ({s['peak_memory_bytes']} bytes)")
+        if "peak_power_w" in s:
+            lines.append(f"=>>> Peak power: {s['peak_power_w']:.0f} W")
+        if "energy_per_image_j" in s:
+            line = f"=>>> Energy: {s['energy_per_image_j']:.3f} J per image"
+            if "epoch_energy_estimate_j" in s:
+                line += f", {s['epoch_energy_estimate_j'] / 3600:.1f} Wh per epoch (estimate, all GPUs)"
+            lines.append(line)
+        if self._enabled and self.steps:
+            # the course's line, rounded to the microsecond to stay readable (the trace file keeps full precision)
+            steps = [round(x, 6) for x in self._step_times()]
+            loads = [None if x is None else round(x, 6) for x in _nan_to_none(self._loads)]
+            lines.append("=>>>JSON " + json.dumps({"GPU process - Forward/Backward": steps,
+                                                   "CPU process - Dataloader": loads}))
+        if "trace_path" in s:
+            lines.append(f"=>>> Trace written to {s['trace_path']}")
+        print("\n".join(lines), flush=True)
+
+    def _step_times(self):
+        return self._step_array().tolist()
+
+    def write_trace(self, path, ctx: dict | None = None) -> None:
+        """JSON trace: per-step load/forward/backward/step seconds, power samples and the summary.
+
+        ctx: as for summary(); default: the last ctx given to summary()/display().
+        """
+        ctx = self._last_ctx if ctx is None else ctx
+        trace = {
+            "warmup_steps": self.warmup_steps,
+            "load_s": _nan_to_none(self._loads),
+            "forward_s": _nan_to_none(self._forwards),
+            "backward_s": _nan_to_none(self._backwards),
+            "step_s": self._step_times(),
+            "power_w": list(self._power_w),
+            "summary": self.summary(ctx),
+        }
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(trace, indent=1))
+
+
+def loading_advice(load_s: float, step_s: float, ctx: dict) -> str:
+    """One line saying what to change when loading takes load_s against a step of step_s (ctx as in summary)."""
+    head = f"data loading takes {load_s / step_s:.0%} of the step ({_ms(load_s)} vs {_ms(step_s)}): "
+    workers, cpus = ctx.get("num_workers"), ctx.get("cpus_per_task")
+    on_gpu = (ctx.get("device_name") or "cpu").lower() != "cpu"
+    todo = []
+    if workers is not None and cpus and workers < cpus:
+        todo.append(f"raise --num-workers from {workers} (the task has {cpus} CPUs)")
+    elif workers is not None and cpus and workers >= cpus:
+        todo.append(f"the input pipeline is CPU-bound ({workers} workers for {cpus} CPUs): ask for more CPUs "
+                    f"per task, use a smaller --image-size, or faster decoding (pre-resized images, DALI)")
+    elif workers is not None:
+        todo.append(f"raise --num-workers from {workers} (up to the CPUs per task)")
+    else:
+        todo.append("use more DataLoader workers (up to the CPUs per task)")
+    if on_gpu and ctx.get("pin_memory") is False:
+        todo.append("turn on --pin-memory")
+    if ctx.get("persistent_workers") is False and workers:
+        todo.append("turn on --persistent-workers")
+    return head + "; ".join(todo)
+
+
+# ---------------------------------------------------------------------- FLOPs
+def train_flops_per_image(model: torch.nn.Module, image_size: int, channels_last: bool = False,
+                          in_channels: int = 3, batch_size: int = 2) -> float:
+    """Training FLOPs (forward + backward) for one image, counted by FlopCounterMode.
+
+    The model is copied to the "meta" device (shapes only: no weights copied, no memory kept, the model's
+    parameters, gradients and BatchNorm statistics untouched). Unwraps DDP (``.module``) and torch.compile
+    (``._orig_mod``). Call it before attaching hooks that expect real tensors (e.g. wandb.watch).
+    batch_size: images counted at once (2 keeps BatchNorm happy); the result is divided by it.
+    """
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model = getattr(model, "_orig_mod", model)           # torch.compile wrapper
+    if isinstance(model, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)):
+        model = model.module
+    # deepcopy with a memo that maps every parameter/buffer to a meta tensor: the copy never holds weights.
+    memo = {}
+    for tensor in list(model.parameters()) + list(model.buffers()):
+        meta = torch.empty_like(tensor, device="meta")
+        memo[id(tensor)] = torch.nn.Parameter(meta, requires_grad=tensor.requires_grad) \
+            if isinstance(tensor, torch.nn.Parameter) else meta
+    meta_model = copy.deepcopy(model, memo)
+    images = torch.empty(batch_size, in_channels, image_size, image_size, device="meta")
+    if channels_last:
+        images = images.contiguous(memory_format=torch.channels_last)
+        meta_model = meta_model.to(memory_format=torch.channels_last)
+    counter = FlopCounterMode(display=False)
+    with counter:
+        outputs = meta_model(images)
+        _sum_outputs(outputs).backward()
+    return counter.get_total_flops() / batch_size
+
+
+def _sum_outputs(outputs):
+    if isinstance(outputs, torch.Tensor):
+        return outputs.float().sum()
+    if isinstance(outputs, dict):
+        outputs = list(outputs.values())
+    return sum(_sum_outputs(o) for o in outputs if isinstance(o, (torch.Tensor, list, tuple, dict)))
+
+
+# Dense (no sparsity) peaks in FLOP/s per GPU: NVIDIA data sheets. Keys: substring of the lower-cased device name,
+# most specific first. "tf32" = float32 matmuls on tensor cores; V100 has no TF32 nor bfloat16 units.
+_PEAKS = [
+    ("v100s", {"float16": 130e12, "float32": 16.4e12, "tf32": 16.4e12}),
+    ("v100-pcie", {"float16": 112e12, "float32": 14e12, "tf32": 14e12}),
+    ("v100", {"float16": 125e12, "float32": 15.7e12, "tf32": 15.7e12}),                 # SXM2 (Jean Zay)
+    ("a100", {"float16": 312e12, "bfloat16": 312e12, "tf32": 156e12, "float32": 19.5e12}),
+    ("h100 pcie", {"float16": 756e12, "bfloat16": 756e12, "tf32": 378e12, "float32": 51.2e12}),
+    ("h100 nvl", {"float16": 835e12, "bfloat16": 835e12, "tf32": 417.5e12, "float32": 60e12}),
+    ("h100", {"float16": 989.4e12, "bfloat16": 989.4e12, "tf32": 494.7e12, "float32": 66.9e12}),   # SXM5
+    ("h200 nvl", {"float16": 835e12, "bfloat16": 835e12, "tf32": 417.5e12, "float32": 60e12}),
+    ("h200", {"float16": 989.4e12, "bfloat16": 989.4e12, "tf32": 494.7e12, "float32": 66.9e12}),
+]
+
+
+def peak_flops(device_name: str, compute_dtype: str) -> float | None:
+    """Dense peak FLOP/s of one V100/A100/H100/H200 for compute_dtype ("float16", "bfloat16", "float32",
+    "tf32"); None for other devices or a dtype the GPU has no units for."""
+    name = device_name.lower()
+    for key, peaks in _PEAKS:
+        if key in name:
+            return peaks.get(compute_dtype.lower())
+    return None
+
+
+# ---------------------------------------------------------------------- plot
+def plot_trace(trace_path, png_path) -> None:
+    """Per-step stacked bars (load, forward, backward) with the medians marked; warm-up steps shaded."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    trace = json.loads(Path(trace_path).read_text())
+    loads = np.array([np.nan if x is None else x for x in trace["load_s"]], dtype=float) * 1e3
+    forwards = np.array([np.nan if x is None else x for x in trace["forward_s"]], dtype=float) * 1e3
+    backwards = np.array(trace["backward_s"], dtype=float) * 1e3
+    steps_ms = np.array(trace["step_s"], dtype=float) * 1e3
+    warmup = trace.get("warmup_steps", 0)
+    x = np.arange(1, len(backwards) + 1)
+    loads0, forwards0 = np.nan_to_num(loads), np.nan_to_num(forwards)
+
+    fig, ax = plt.subplots(figsize=(max(6.0, min(20.0, 0.15 * len(x) + 4)), 4.5))
+    ax.bar(x, loads0, color="tab:orange", label="load (DataLoader + H2D)")
+    ax.bar(x, forwards0, bottom=loads0, color="tab:blue", label="forward")
+    ax.bar(x, backwards, bottom=loads0 + forwards0, color="tab:green", label="backward")
+    measured = slice(warmup, None) if len(x) > warmup else slice(None)
+    if len(x):
+        # Bars stack load under compute, so the compute median is drawn on top of the load median.
+        step_med = np.median(steps_ms[measured])
+        load_med = 0.0 if np.all(np.isnan(loads[measured])) else np.nanmedian(loads[measured])
+        if load_med > 0:
+            ax.axhline(load_med, color="tab:orange", ls="--", label=f"median load {load_med:.2f} ms")
+        ax.axhline(load_med + step_med, color="black", ls="--",
+                   label=f"median load + median step ({step_med:.2f} ms)")
+    if 0 < warmup < len(x):
+        ax.axvspan(0.5, warmup + 0.5, color="grey", alpha=0.15, label="warm-up (not in medians)")
+    ax.set_xlabel("training step")
+    ax.set_ylabel("time (ms)")
+    ax.set_title("dlojz: per-step load vs compute")
+    ax.legend(fontsize="small", loc="upper right")
+    fig.tight_layout()
+    Path(png_path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(png_path, dpi=100)
+    plt.close(fig)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="dlojz_chrono.py", description="dlojz chronometer tools")
+    sub = parser.add_subparsers(dest="command", required=True)
+    plot = sub.add_parser("plot", help="draw the per-step timeline of a chronometer trace")
+    plot.add_argument("trace", help="trace JSON written by Chronometer.write_trace")
+    plot.add_argument("-o", "--output", default="timeline.png", help="PNG to write (default: timeline.png)")
+    args = parser.parse_args(argv)
+    trace = Path(args.trace)
+    if not trace.is_file():
+        parser.error(f"trace file {trace} not found: give the JSON written by the chronometer (--test run)")
+    try:
+        plot_trace(trace, args.output)
+    except (json.JSONDecodeError, KeyError, TypeError) as err:
+        parser.error(f"{trace} is not a chronometer trace ({err.__class__.__name__}: {err})")
+    print(f"timeline written to {args.output}")
+    return 0
+
+
+# ---------------------------------------------------------------------- helpers
+def _default_sync(device: torch.device):
+    if device.type == "cuda":
+        return lambda: torch.cuda.synchronize(device)
+    return lambda: None
+
+
+def _nvml_handle_for(nvml, device: torch.device):
+    """NVML handle of the torch device: by UUID (NVML indexes ignore CUDA_VISIBLE_DEVICES), else by index."""
+    if device.type == "cuda" and torch.cuda.is_available():
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        uuid = getattr(torch.cuda.get_device_properties(index), "uuid", None)
+        if uuid is not None:
+            try:
+                return nvml.nvmlDeviceGetHandleByUUID(f"GPU-{uuid}")
+            except Exception:
+                pass
+        return nvml.nvmlDeviceGetHandleByIndex(index)
+    return nvml.nvmlDeviceGetHandleByIndex(device.index or 0)
+
+
+def _nanmedian(values):
+    values = np.asarray(values, dtype=float)
+    return None if values.size == 0 or np.all(np.isnan(values)) else float(np.nanmedian(values))
+
+
+def _nan_to_none(values):
+    return [None if math.isnan(v) else v for v in values]
+
+
+def _si(value: float, unit: str) -> str:
+    for prefix, scale in (("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(value) >= scale:
+            return f"{value / scale:.2f} {prefix}{unit}"
+    return f"{value:.2f} {unit}"
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e6:.1f} µs" if abs(seconds) < 1e-4 else f"{seconds * 1e3:.2f} ms"
+
+
+def _fmt_duration(seconds: float) -> str:
+    minutes, secs = divmod(seconds, 60)
+    hours, minutes = divmod(int(minutes), 60)
+    return f"{seconds:.1f} s ({hours:d}:{minutes:02d}:{secs:04.1f})" if seconds >= 60 else f"{seconds:.2f} s"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
