@@ -1,0 +1,260 @@
+"""Loader benchmark: dlojz's uint8 input pipeline vs the torchvision classification reference, in one run.
+
+Both pipelines read the same ImageFolder with the same DataLoader settings (workers, batch size, sampler) and are
+timed over the same number of batches after a warm-up:
+
+* reference: ``ImageFolder`` + ``RandomResizedCrop`` + ``RandomHorizontalFlip`` + ``PILToTensor`` +
+  ``ConvertImageDtype(float)`` + ``Normalize`` in the workers (torchvision's classification reference recipe);
+* dlojz: ``ImageFolder(loader=lazy_pil_loader, transform=TrainTransform)`` in the workers, uint8 batches, then
+  ``DeviceNormalize`` on the CPU in the main process (what training on CPU does; on a GPU that step moves there).
+
+Without ``--data`` it builds, once, an ImageNet-like folder under ``$XDG_CACHE_HOME/dlojz/bench-imagenet`` (default
+``~/.cache/dlojz/bench-imagenet``): JPEGs of about 500x375 px and ~100 KB with natural-image statistics (1/f
+colour noise plus flat shapes), in a few classes. Run from the repository root::
+
+    python bench/bench_loader.py                      # 2 workers, 224 and 176 px
+    python bench/bench_loader.py --data /path/to/imagenet --workers 8 --batch-size 128
+
+It prints, per image size, images/s of both pipelines and their ratio (medians over ``--repeats`` back-to-back
+pairs, to resist other load on the machine), and the CPU time per image (main process + workers).
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import multiprocessing
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import psutil
+import torch
+import torchvision.transforms as T
+from PIL import Image, ImageDraw
+from torch.utils.data import DataLoader, RandomSampler
+from torchvision.datasets import ImageFolder
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import dlojz_transforms  # noqa: E402
+from dlojz_transforms import (IMAGENET_MEAN, IMAGENET_STD, DeviceNormalize,  # noqa: E402
+                              TrainTransform, lazy_pil_loader)
+
+BENCH_SET_VERSION = "2"  # bump when the generated images change, so that caches are rebuilt
+
+
+def default_cache_dir() -> Path:
+    cache_home = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(cache_home) / "dlojz" / "bench-imagenet"
+
+
+def natural_like_jpeg(seed: int, width: int, height: int, quality: int = 92) -> bytes:
+    """A JPEG whose content compresses like a photograph: 1/f colour noise (the power spectrum of natural images)
+    with a few flat-coloured shapes (edges). At 500x375 and quality 92 it weighs about 100 KB, like ImageNet's."""
+    rng = np.random.default_rng(seed)
+    fy = np.fft.fftfreq(height)[:, None]
+    fx = np.fft.rfftfreq(width)[None, :]
+    frequency = np.hypot(fx, fy)
+    frequency[0, 0] = 1.0
+    channels = []
+    for _ in range(3):
+        spectrum = (rng.standard_normal(frequency.shape) + 1j * rng.standard_normal(frequency.shape)) / frequency
+        spectrum[0, 0] = 0
+        field = np.fft.irfft2(spectrum, s=(height, width))
+        channels.append(field / field.std())
+    # Correlated channels, as in real colour images.
+    mixing = rng.normal(size=(3, 3)) * 0.5 + np.eye(3)
+    pixels = np.stack(channels, -1) @ mixing.T
+    pixels = 128 + 40 * pixels / pixels.std() + rng.uniform(-40, 40, size=3)
+    img = Image.fromarray(np.clip(pixels, 0, 255).astype(np.uint8))
+    draw = ImageDraw.Draw(img)
+    for _ in range(rng.integers(3, 8)):
+        x0, y0 = int(rng.integers(0, width)), int(rng.integers(0, height))
+        x1, y1 = x0 + int(rng.integers(20, 200)), y0 + int(rng.integers(20, 200))
+        colour = tuple(int(v) for v in rng.integers(0, 256, 3))
+        (draw.ellipse if rng.random() < 0.5 else draw.rectangle)([x0, y0, x1, y1], fill=colour)
+    buffer = io.BytesIO()
+    img.save(buffer, "JPEG", quality=quality)
+    return buffer.getvalue()
+
+
+def _write_one(job):
+    path, seed = job
+    # Three landscape (500x375) for one portrait (375x500), as in ImageNet.
+    width, height = (375, 500) if seed % 4 == 3 else (500, 375)
+    Path(path).write_bytes(natural_like_jpeg(seed, width, height))
+    return os.path.getsize(path)
+
+
+def build_bench_set(root: Path, num_images: int, num_classes: int, processes: int) -> Path:
+    """Create ``root/train/<class>/*.JPEG`` once (atomically: built aside, then renamed); return the train folder."""
+    marker = root / f".complete-v{BENCH_SET_VERSION}-{num_images}x{num_classes}"
+    if marker.exists():
+        return root / "train"
+    staging = root.with_name(root.name + f".tmp{os.getpid()}")
+    jobs = []
+    for index in range(num_images):
+        class_dir = staging / "train" / f"n{index % num_classes:08d}"
+        class_dir.mkdir(parents=True, exist_ok=True)
+        jobs.append((str(class_dir / f"bench_{index:06d}.JPEG"), index))
+    print(f"building {num_images} JPEGs in {root} (once) ...", flush=True)
+    with multiprocessing.Pool(max(1, processes)) as pool:
+        sizes = pool.map(_write_one, jobs, chunksize=16)
+    (staging / marker.name).touch()
+    if root.exists():  # an older or different set: replace it
+        old = root.with_name(root.name + f".old{os.getpid()}")
+        root.rename(old)
+        staging.rename(root)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        staging.rename(root)
+    print(f"built: mean JPEG size {np.mean(sizes) / 1e3:.0f} KB", flush=True)
+    return root / "train"
+
+
+def resolve_train_folder(data: str | None, num_images: int, num_classes: int, processes: int) -> Path:
+    if data is None:
+        return build_bench_set(default_cache_dir(), num_images, num_classes, processes)
+    folder = Path(data)
+    if (folder / "train").is_dir():
+        folder = folder / "train"
+    if not folder.is_dir():
+        sys.exit(f"bench_loader: --data {data}: not a folder (expected an ImageFolder root or a folder with train/)")
+    try:
+        ImageFolder(str(folder))
+    except (FileNotFoundError, OSError) as error:  # no class folders, or classes without images
+        sys.exit(f"bench_loader: --data {data}: not an ImageFolder ({error})")
+    return folder
+
+
+def reference_dataset(folder: Path, image_size: int) -> ImageFolder:
+    transform = T.Compose([
+        T.RandomResizedCrop(image_size),
+        T.RandomHorizontalFlip(),
+        T.PILToTensor(),
+        T.ConvertImageDtype(torch.float),
+        T.Normalize(mean=IMAGENET_MEAN, std=IMAGENET_STD),
+    ])
+    return ImageFolder(str(folder), transform=transform)
+
+
+def dlojz_dataset(folder: Path, image_size: int) -> ImageFolder:
+    return ImageFolder(str(folder), transform=TrainTransform(image_size), loader=lazy_pil_loader)
+
+
+def _cpu_seconds(processes) -> float:
+    total = 0.0
+    for process in processes:
+        try:
+            times = process.cpu_times()
+        except psutil.NoSuchProcess:
+            continue
+        total += times.user + times.system
+    return total
+
+
+def measure(dataset, finish_batch, workers: int, batch_size: int, batches: int, warmup: int, seed: int):
+    """Images/s (wall clock) and CPU milliseconds per image (main process + workers) of iterating ``dataset``
+    through a DataLoader, ``finish_batch`` applied to each batch of images in the main process.
+
+    One sampler covers warm-up and timed batches (no worker restart inside the timing); the clocks start once the
+    warm-up batches (worker start-up, first reads) have been received. CPU time is insensitive to other jobs
+    sharing the machine, wall-clock time is what training sees.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    sampler = RandomSampler(dataset, num_samples=(warmup + batches) * batch_size, generator=generator)
+    loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=workers,
+                        prefetch_factor=2 if workers else None, drop_last=True)
+    iterator = iter(loader)
+    for _ in range(warmup):
+        finish_batch(next(iterator)[0])
+    main_process = psutil.Process()
+    processes = [main_process] + main_process.children(recursive=True)
+    cpu_start, start = _cpu_seconds(processes), time.perf_counter()
+    count = 0
+    for images, _labels in iterator:
+        finish_batch(images)
+        count += images.shape[0]
+        if count == batches * batch_size:
+            break  # stop the clocks before the workers are shut down
+    elapsed, cpu = time.perf_counter() - start, _cpu_seconds(processes) - cpu_start
+    del iterator
+    return count / elapsed, 1e3 * cpu / count
+
+
+def warm_page_cache(folder: Path):
+    # Both pipelines should read from memory, not from disk: read every file once before timing.
+    for path in folder.rglob("*"):
+        if path.is_file():
+            path.read_bytes()
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--data", default=None,
+                        help="ImageFolder root (or a folder holding train/); default: a generated ImageNet-like set")
+    parser.add_argument("--workers", type=int, default=2, help="DataLoader workers (both pipelines)")
+    parser.add_argument("--batch-size", type=int, default=32, help="batch size (both pipelines)")
+    parser.add_argument("--batches", type=int, default=25, help="timed batches per measurement")
+    parser.add_argument("--warmup-batches", type=int, default=4, help="batches received before the clock starts")
+    parser.add_argument("--sizes", type=int, nargs="+", default=[224, 176], help="training crop sizes")
+    parser.add_argument("--repeats", type=int, default=5,
+                        help="back-to-back measurement pairs per size; medians are reported")
+    parser.add_argument("--images", type=int, default=1000, help="images in the generated set")
+    parser.add_argument("--classes", type=int, default=10, help="classes in the generated set")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    for flag in ("workers", "batch_size", "batches", "repeats", "images", "classes"):
+        value = getattr(args, flag)
+        if value < (0 if flag == "workers" else 1):
+            parser.error(f"--{flag.replace('_', '-')} must be {'>= 0' if flag == 'workers' else '>= 1'}, got {value}")
+
+    folder = resolve_train_folder(args.data, args.images, args.classes, max(1, args.workers))
+    warm_page_cache(folder)
+    normalize = DeviceNormalize("cpu")
+    decoder = ("simplejpeg " + dlojz_transforms.simplejpeg.__version__ if dlojz_transforms.simplejpeg
+               else "PIL (simplejpeg not installed)")
+    print(f"data {folder}  workers {args.workers}  batch {args.batch_size}  timed batches {args.batches} "
+          f"(+{args.warmup_batches} warm-up)  pairs {args.repeats}  torch threads {torch.get_num_threads()}  "
+          f"dlojz JPEG decoder: {decoder}", flush=True)
+
+    rows = []
+    for size in args.sizes:
+        rates = {"reference": [], "dlojz": []}
+        cpu_ms = {"reference": [], "dlojz": []}
+        for repeat in range(args.repeats):
+            # Back-to-back pairs, alternating which pipeline goes first: both of a pair see the same load from
+            # other jobs, and the median over pairs resists the moments when that load changes.
+            order = ["reference", "dlojz"] if repeat % 2 == 0 else ["dlojz", "reference"]
+            for name in order:
+                if name == "reference":
+                    dataset, finish = reference_dataset(folder, size), (lambda images: images)
+                else:
+                    dataset, finish = dlojz_dataset(folder, size), normalize
+                images_per_s, ms_per_image = measure(dataset, finish, args.workers, args.batch_size, args.batches,
+                                                     args.warmup_batches, args.seed + repeat)
+                rates[name].append(images_per_s)
+                cpu_ms[name].append(ms_per_image)
+        pair_ratios = [ours / reference for ours, reference in zip(rates["dlojz"], rates["reference"])]
+        rows.append((size, np.median(rates["reference"]), np.median(rates["dlojz"]), np.median(pair_ratios),
+                     np.median(cpu_ms["reference"]), np.median(cpu_ms["dlojz"])))
+
+    print()
+    print("| size | workers | batch | reference img/s | dlojz img/s | ratio | reference CPU ms/img | "
+          "dlojz CPU ms/img | CPU ratio |")
+    print("|-----:|--------:|------:|----------------:|------------:|------:|---------------------:|"
+          "-----------------:|----------:|")
+    for size, reference, ours, ratio, reference_cpu, ours_cpu in rows:
+        print(f"| {size} | {args.workers} | {args.batch_size} | {reference:.0f} | {ours:.0f} | {ratio:.2f} | "
+              f"{reference_cpu:.2f} | {ours_cpu:.2f} | {reference_cpu / ours_cpu:.2f} |")
+    print(f"\nMedians over {args.repeats} back-to-back pairs. img/s: wall clock; ratio: dlojz / reference within each "
+          "pair; CPU ms/img: main process + workers (less sensitive to other jobs on the machine).")
+    return rows
+
+
+if __name__ == "__main__":
+    main()
