@@ -1,0 +1,300 @@
+"""Data sets and DataLoaders for dlojz.py.
+
+- `resolve_data_root(arg)`: --data-root, then $DLOJZ_DATA, $ALL_CCFRSCRATCH/imagenet, $DSDIR/imagenet, else the
+  embedded data set (generated once by `make_embedded_dataset` into the cache folder).
+- `build_datasets(root, train_tf, val_tf)`: torchvision ImageNet layout (meta.bin + train/ + val/, as on Jean Zay)
+  or plain ImageFolder (train/<class>/, val/<class>/). Unreadable files are skipped with a warning naming them.
+- `EpochSampler` / `ShardSampler`: the training sampler (DistributedSampler order, resumable mid-epoch) and the
+  validation sampler (each image on exactly one rank, no padding), both yielding (epoch, index) pairs so that the
+  random augmentation of a sample depends only on (seed, epoch, index): identical whatever the number of workers
+  and after a resume.
+- `SyntheticLoader`: one random batch made once on the device, served N times (compute-only benchmark).
+
+Every bad input raises `DataError` with a one-line message that dlojz.py prints.
+"""
+import math
+import os
+import random
+import sys
+from pathlib import Path
+
+import torch
+import torchvision
+from PIL import Image, ImageDraw
+
+from dlojz_transforms import lazy_pil_loader
+
+IMAGENET_TRAIN_IMAGES = 1_281_167
+IMAGENET_VAL_IMAGES = 50_000
+IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
+
+
+class DataError(Exception):
+    """A problem with the data the user can fix; the message is one line and names the path."""
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Where the data is
+def default_cache_dir():
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "dlojz"
+
+
+def resolve_data_root(data_root):
+    """Return (path, how it was found). An explicit --data-root must exist; the fall-backs are tried in order."""
+    if data_root:
+        path = Path(data_root)
+        if not path.is_dir():
+            raise DataError(f"--data-root {data_root}: no such directory (give the folder holding train/ and val/)")
+        return path, "--data-root"
+    candidates = [("$DLOJZ_DATA", os.environ.get("DLOJZ_DATA"))]
+    for var in ("ALL_CCFRSCRATCH", "DSDIR"):
+        if os.environ.get(var):
+            candidates.append((f"${var}/imagenet", os.path.join(os.environ[var], "imagenet")))
+    for name, value in candidates:
+        if value and Path(value).is_dir():
+            return Path(value), name
+    return None, "embedded"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The embedded data set: small real JPEGs in ImageFolder layout whose classes a model can learn
+EMBEDDED_CLASSES = ("disc", "square", "triangle", "h_stripes", "v_stripes",
+                    "checker", "ring", "cross", "diagonal", "dots")
+
+
+CLASS_COLOURS = ((230, 25, 75), (60, 180, 75), (255, 225, 25), (0, 130, 200), (245, 130, 48),
+                 (145, 30, 180), (70, 240, 240), (240, 50, 230), (128, 0, 0), (0, 0, 128))
+
+
+def _draw_sample(cls, rng, size):
+    """One image of class `cls`: a coloured shape/texture at a random place, size and colour on a noisy background."""
+    w, h = size
+    # Each class has its own hue (learnable in a few hundred steps) and its own shape (learnable later);
+    # backgrounds are grey-ish so that the hue stands out.
+    grey = rng.randint(20, 235)
+    bg = tuple(min(255, max(0, grey + rng.randint(-25, 25))) for _ in range(3))
+    fg = tuple(min(255, max(0, c + rng.randint(-30, 30))) for c in CLASS_COLOURS[EMBEDDED_CLASSES.index(cls)])
+    img = Image.new("RGB", size, bg)
+    d = ImageDraw.Draw(img)
+    s = rng.randint(min(w, h) // 2, min(w, h) * 9 // 10)
+    x0, y0 = rng.randint(0, w - s), rng.randint(0, h - s)
+    box = (x0, y0, x0 + s, y0 + s)
+    step = max(3, s // rng.randint(4, 7))
+    if cls == "disc":
+        d.ellipse(box, fill=fg)
+    elif cls == "square":
+        d.rectangle(box, fill=fg)
+    elif cls == "triangle":
+        d.polygon([(x0, y0 + s), (x0 + s // 2, y0), (x0 + s, y0 + s)], fill=fg)
+    elif cls == "h_stripes":
+        for y in range(y0, y0 + s, 2 * step):
+            d.rectangle((x0, y, x0 + s, y + step - 1), fill=fg)
+    elif cls == "v_stripes":
+        for x in range(x0, x0 + s, 2 * step):
+            d.rectangle((x, y0, x + step - 1, y0 + s), fill=fg)
+    elif cls == "checker":
+        for i, y in enumerate(range(y0, y0 + s, step)):
+            for j, x in enumerate(range(x0, x0 + s, step)):
+                if (i + j) % 2 == 0:
+                    d.rectangle((x, y, x + step - 1, y + step - 1), fill=fg)
+    elif cls == "ring":
+        d.ellipse(box, outline=fg, width=max(2, s // 8))
+    elif cls == "cross":
+        t = max(2, s // 6)
+        d.rectangle((x0 + s // 2 - t, y0, x0 + s // 2 + t, y0 + s), fill=fg)
+        d.rectangle((x0, y0 + s // 2 - t, x0 + s, y0 + s // 2 + t), fill=fg)
+    elif cls == "diagonal":
+        d.line((x0, y0, x0 + s, y0 + s), fill=fg, width=max(2, s // 6))
+    elif cls == "dots":
+        for y in range(y0, y0 + s, step):
+            for x in range(x0, x0 + s, step):
+                d.ellipse((x, y, x + step // 2, y + step // 2), fill=fg)
+    # sensor-like noise so that JPEG files differ and the task is not trivial
+    noise = Image.effect_noise(size, rng.randint(10, 30)).convert("RGB")
+    return Image.blend(img, noise, 0.15)
+
+
+def make_embedded_dataset(root, n_classes=10, train_per_class=120, val_per_class=25, size=(96, 80), seed=0):
+    """Write an ImageFolder-layout JPEG data set into `root` (once: a `.complete` marker makes it reusable)."""
+    root = Path(root)
+    if (root / ".complete").exists():
+        return root
+    tmp = root.with_name(root.name + f".tmp{os.getpid()}")
+    rng = random.Random(seed)
+    for split, per_class in (("train", train_per_class), ("val", val_per_class)):
+        for cls in EMBEDDED_CLASSES[:n_classes]:
+            folder = tmp / split / cls
+            folder.mkdir(parents=True, exist_ok=True)
+            for k in range(per_class):
+                _draw_sample(cls, rng, size).save(folder / f"{cls}_{k:04d}.JPEG", quality=90)
+    (tmp / ".complete").write_text("dlojz embedded data set\n")
+    try:
+        os.replace(tmp, root)  # atomic: concurrent ranks/jobs never see a half-written folder
+    except OSError:  # another process finished first
+        import shutil
+        shutil.rmtree(tmp, ignore_errors=True)
+    return root
+
+
+EMBEDDED_NAME = "embedded-v3"  # bump when the generator changes: old caches are then left alone
+
+
+def embedded_dataset_root():
+    return make_embedded_dataset(default_cache_dir() / EMBEDDED_NAME)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Data sets
+class SafeImageFolder(torchvision.datasets.ImageFolder):
+    """ImageFolder that receives (epoch, index), seeds the augmentation from (seed, epoch, index), and skips an
+    unreadable file with a warning naming it (the next readable sample is used instead)."""
+
+    seed = 0
+
+    def __getitem__(self, key):
+        epoch, index = key if isinstance(key, tuple) else (0, key)
+        for attempt in range(len(self.samples)):
+            i = (index + attempt) % len(self.samples)
+            path, target = self.samples[i]
+            # Per-sample seed: augmentation independent of worker count and resume position.
+            sample_seed = (self.seed * 1_000_003 + epoch) * 10_000_019 + i
+            torch.manual_seed(sample_seed)
+            random.seed(sample_seed)
+            try:
+                return self.transform(self.loader(path)), target
+            except (OSError, ValueError, SyntaxError) as err:
+                print(f"WARNING: skipping unreadable image {path}: {err}", file=sys.stderr, flush=True)
+        raise DataError(f"no readable image in {self.root}")
+
+
+def _has_class_dirs(path):
+    return path.is_dir() and any(p.is_dir() for p in path.iterdir())
+
+
+def find_layout(root):
+    root = Path(root)
+    if not root.is_dir() or not any(root.iterdir()):
+        raise DataError(f"data root {root} is missing or empty (give --data-root with train/ and val/ inside)")
+    for split in ("train", "val"):
+        if not _has_class_dirs(root / split):
+            raise DataError(f"data root {root}: no {split}/<class>/ folders; expected the ImageNet layout "
+                            "(meta.bin, train/, val/) or ImageFolder (train/<class>/, val/<class>/)")
+    return "imagenet" if (root / "meta.bin").exists() else "imagefolder"
+
+
+def build_datasets(root, train_transform, val_transform, seed=0):
+    """Return (train_set, val_set, classes, layout)."""
+    root = Path(root)
+    layout = find_layout(root)
+    sets = []
+    for split, tf in (("train", train_transform), ("val", val_transform)):
+        try:
+            ds = SafeImageFolder(str(root / split), transform=tf, loader=lazy_pil_loader,
+                                 is_valid_file=lambda p: p.lower().endswith(IMG_EXTENSIONS))
+        except (FileNotFoundError, RuntimeError) as err:
+            raise DataError(f"data root {root}/{split}: {str(err).splitlines()[0]}") from None
+        ds.seed = seed
+        sets.append(ds)
+    train_set, val_set = sets
+    if train_set.classes != val_set.classes:
+        only_train = sorted(set(train_set.classes) - set(val_set.classes))[:5]
+        only_val = sorted(set(val_set.classes) - set(train_set.classes))[:5]
+        raise DataError(f"data root {root}: train/ and val/ have different classes "
+                        f"(only in train: {only_train}, only in val: {only_val})")
+    if layout == "imagenet":
+        # meta.bin maps WordNet ids to readable names, as torchvision.datasets.ImageNet does
+        wnid_to_names = torch.load(root / "meta.bin", weights_only=True)[0]
+        classes = [wnid_to_names.get(w, (w,))[0] for w in train_set.classes]
+    else:
+        classes = list(train_set.classes)
+    # One cheap check up front: a folder of non-images fails here, not after an hour of training.
+    first = train_set.samples[0][0]
+    try:
+        lazy_pil_loader(first).load()
+    except Exception as err:
+        raise DataError(f"{first}: not a readable image ({err}); check --data-root") from None
+    return train_set, val_set, classes, layout
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Samplers
+class EpochSampler(torch.utils.data.DistributedSampler):
+    """DistributedSampler that yields (epoch, index) and can start mid-epoch (`skip` samples already seen)."""
+
+    def __init__(self, dataset, num_replicas, rank, shuffle=True, seed=0, drop_last=False):
+        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed,
+                         drop_last=drop_last)
+        self.skip = 0
+
+    def __iter__(self):
+        indices = list(super().__iter__())[self.skip:]
+        return iter([(self.epoch, i) for i in indices])
+
+    def __len__(self):
+        return self.num_samples - self.skip
+
+
+class ShardSampler(torch.utils.data.Sampler):
+    """Validation: rank r gets images r, r+W, r+2W... Every image counted once, none twice (no padding)."""
+
+    def __init__(self, dataset, num_replicas, rank):
+        self.indices = range(rank, len(dataset), num_replicas)
+
+    def __iter__(self):
+        return iter([(0, i) for i in self.indices])
+
+    def __len__(self):
+        return len(self.indices)
+
+
+def _worker_init(_):
+    # Slurm's preemption signal reaches every process of the step: the workers must not die of it,
+    # the main process handles it (finishes the step, checkpoints).
+    import signal
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    torch.set_num_threads(1)
+
+
+def close_loader(loader):
+    """Stop a DataLoader's persistent workers now. They ignore SIGTERM (so that Slurm's SIGTERM lets the main
+    process checkpoint), hence they must not be left for the interpreter's exit, which would wait for them forever."""
+    iterator = getattr(loader, "_iterator", None)
+    if iterator is not None and hasattr(iterator, "_shutdown_workers"):
+        iterator._shutdown_workers()
+    if hasattr(loader, "_iterator"):
+        loader._iterator = None
+
+
+def make_loader(dataset, sampler, batch_size, num_workers, pin_memory, persistent_workers, prefetch_factor,
+                drop_last):
+    workers_opts = {}
+    if num_workers > 0:
+        workers_opts = dict(persistent_workers=persistent_workers, prefetch_factor=prefetch_factor,
+                            worker_init_fn=_worker_init)
+    return torch.utils.data.DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers,
+                                       pin_memory=pin_memory, drop_last=drop_last, **workers_opts)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Synthetic data: no disk, no decoding
+class SyntheticLoader:
+    """Serves one random, already normalised batch on the device `num_batches` times (like DLE's synthetic)."""
+
+    def __init__(self, num_images, batch_size, image_size, num_classes, device, channels_last, num_replicas=1,
+                 drop_last=False, seed=0):
+        gen = torch.Generator().manual_seed(seed)
+        images = torch.randn(batch_size, 3, image_size, image_size, generator=gen)
+        self.labels = torch.randint(0, num_classes, (batch_size,), generator=gen).to(device)
+        memory_format = torch.channels_last if channels_last else torch.contiguous_format
+        self.images = images.to(device).contiguous(memory_format=memory_format)
+        per_rank = num_images // num_replicas
+        self.num_batches = per_rank // batch_size if drop_last else math.ceil(per_rank / batch_size)
+        self.skip = 0
+
+    def __iter__(self):
+        for _ in range(self.num_batches - self.skip):
+            yield self.images, self.labels
+
+    def __len__(self):
+        return self.num_batches - self.skip

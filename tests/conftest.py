@@ -1,0 +1,56 @@
+"""Shared fixtures: run dlojz.py as a user would (a subprocess), on small data the tests make themselves."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+# Small and fast on 2 CPU cores: resnet18 at 32 px.
+SMALL = ["--device", "cpu", "--arch", "resnet18", "--image-size", "32", "--val-resize-size", "36",
+         "--val-crop-size", "32", "--num-workers", "1"]
+
+
+def clean_env(**extra):
+    """The environment of a plain shell: no launcher variables (Slurm, torchrun), no data variables."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("SLURM_", "TORCHELASTIC_", "DLOJZ_", "WANDB_"))
+           and k not in ("ALL_CCFRSCRATCH", "DSDIR", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env["PYTHONUNBUFFERED"] = "1"
+    env["OMP_NUM_THREADS"] = env.get("OMP_NUM_THREADS", "2")
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+def run_dlojz(*args, env=None, timeout=600, launcher=None, cwd=None):
+    """Run dlojz.py; `launcher` e.g. ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]."""
+    cmd = [sys.executable] + (launcher or []) + [str(ROOT / "dlojz.py")] + [str(a) for a in args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env or clean_env(),
+                          cwd=cwd or ROOT)
+
+
+def read_json(path):
+    return json.loads(Path(path).read_text())
+
+
+def show(proc):
+    """Context for a failed assertion."""
+    return f"exit {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-4000:]}"
+
+
+@pytest.fixture(scope="session")
+def tiny_data(tmp_path_factory):
+    """3 classes, 24 train images per class, 5 val per class: 15 val images, not divisible by 2."""
+    from dlojz_data import make_embedded_dataset
+    return make_embedded_dataset(tmp_path_factory.mktemp("data") / "tiny", n_classes=3, train_per_class=24,
+                                 val_per_class=5, size=(48, 40))
+
+
+@pytest.fixture(scope="session")
+def embedded_cache(tmp_path_factory):
+    """An XDG cache in which dlojz generates its embedded data set (once for the session)."""
+    return tmp_path_factory.mktemp("xdg-cache")

@@ -1,0 +1,224 @@
+"""dlojz.py end to end on the CPU: it learns, validates exactly across ranks, runs every precision path, reports,
+and turns every bad input into one clear line."""
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from conftest import ROOT, SMALL, clean_env, read_json, run_dlojz, show
+
+TORCHRUN2 = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+
+
+def assert_one_line_error(proc, *fragments, status=2):
+    assert proc.returncode == status, show(proc)
+    assert "Traceback" not in proc.stderr, show(proc)
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("dlojz: error:"), show(proc)
+    for fragment in fragments:
+        assert fragment in last, f"{fragment!r} not in {last!r}"
+
+
+def test_learns_on_embedded_data(tmp_path, embedded_cache):
+    """No --data-root: the embedded data set is generated, announced, and a model learns it well above chance."""
+    out, metrics = tmp_path / "run", tmp_path / "m.json"
+    proc = run_dlojz(*SMALL, "-b", "32", "--epochs", "3", "--no-wandb", "--output-dir", out,
+                     "--metrics-json", metrics, env=clean_env(XDG_CACHE_HOME=embedded_cache))
+    assert proc.returncode == 0, show(proc)
+    assert "embedded data set" in proc.stdout
+    m = read_json(metrics)
+    assert m["val_images"] == 250 and m["epochs"] == 3 and m["world_size"] == 1
+    assert m["val_accuracy"] > 0.35, m  # 10 classes: chance is 0.10
+    assert m["images_per_second"] > 0 and m["max_memory_bytes"] > 0
+    # one checkpoint per epoch, the last 3 kept, `latest` names the newest
+    names = sorted(p.name for p in out.glob("ckpt_*.pt"))
+    assert len(names) == 3 and (out / "latest").read_text().strip() == names[-1]
+    assert proc.stdout.count("Epoch 1/3, Step") == 10  # 10 console lines per epoch, as in the course
+
+
+@pytest.fixture(scope="module")
+def trained_checkpoint(tiny_data, tmp_path_factory):
+    out = tmp_path_factory.mktemp("trained")
+    proc = run_dlojz(*SMALL, "--data-root", tiny_data, "-b", "8", "--epochs", "1", "--no-wandb", "--output-dir", out)
+    assert proc.returncode == 0, show(proc)
+    return out / (out / "latest").read_text().strip()
+
+
+def test_eval_one_vs_two_processes_identical(trained_checkpoint, tiny_data, tmp_path):
+    """15 validation images on 2 ranks (8 + 7): every image counted once, same numbers as 1 process."""
+    results = []
+    for launcher in (None, TORCHRUN2):
+        metrics = tmp_path / f"eval{len(results)}.json"
+        proc = run_dlojz(*SMALL, "--data-root", tiny_data, "--val-batch-size", "4", "--eval-only",
+                         "--resume", trained_checkpoint, "--metrics-json", metrics, "--output-dir", tmp_path / "o",
+                         launcher=launcher)
+        assert proc.returncode == 0, show(proc)
+        results.append(read_json(metrics))
+    one, two = results
+    assert one["world_size"] == 1 and two["world_size"] == 2
+    assert one["val_images"] == two["val_images"] == 15
+    assert one["val_accuracy"] == two["val_accuracy"]
+    assert one["val_loss"] == pytest.approx(two["val_loss"], rel=1e-5, abs=1e-6)
+
+
+def test_bf16_autocast_and_channels_last(tiny_data, tmp_path):
+    metrics = tmp_path / "m.json"
+    proc = run_dlojz(*SMALL, "--data-root", tiny_data, "-b", "8", "--test", "--test-nsteps", "4", "--amp",
+                     "--amp-dtype", "bfloat16", "--channels-last", "--metrics-json", metrics, "--output-dir", tmp_path)
+    assert proc.returncode == 0, show(proc)
+    m = read_json(metrics)
+    assert m["steps"] == 4 and m["train_loss"] > 0 and m["compute_dtype"] == "bfloat16"
+
+
+def test_float16_uses_grad_scaler(tiny_data, tmp_path):
+    """float16 autocast turns the GradScaler on (its loss scale is reported); bfloat16 leaves it off."""
+    scales = {}
+    for dtype in ("float16", "bfloat16"):
+        metrics = tmp_path / f"{dtype}.json"
+        proc = run_dlojz(*SMALL, "--image-size", "16", "--val-resize-size", "18", "--val-crop-size", "16",
+                         "--data-root", tiny_data, "-b", "8", "--test", "--test-nsteps", "2", "--amp",
+                         "--amp-dtype", dtype, "--metrics-json", metrics, "--output-dir", tmp_path)
+        if dtype == "float16" and "cannot run on cpu" in proc.stderr:
+            pytest.skip("this torch build has no float16 autocast on CPU")
+        assert proc.returncode == 0, show(proc)
+        m = read_json(metrics)
+        assert m["compute_dtype"] == dtype and m["steps"] == 2
+        scales[dtype] = m["grad_scaler_scale"]
+    assert scales["float16"] > 0  # 65536 at start, halved on overflowing steps
+    assert scales["bfloat16"] is None
+
+
+def test_test_mode_prints_chronometer_report(tiny_data, tmp_path):
+    proc = run_dlojz(*SMALL, "--data-root", tiny_data, "-b", "8", "--test", "--test-nsteps", "8",
+                     "--output-dir", tmp_path)
+    assert proc.returncode == 0, show(proc)
+    assert "Number of batch per epoch: 9" in proc.stdout  # 72 train images / 8
+    assert "images/s" in proc.stdout and ">>>JSON" in proc.stdout
+    assert (tmp_path / "chrono_trace.json").is_file()
+    assert (tmp_path / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not list(tmp_path.glob("ckpt_*.pt")) and not (tmp_path / "wandb").exists()  # --test writes neither
+
+
+def test_synthetic_runs_without_touching_disk(tmp_path):
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    metrics = tmp_path / "m.json"
+    proc = run_dlojz(*SMALL, "--synthetic", "-b", "8", "--test", "--test-nsteps", "12", "--val-batch-size", "8",
+                     "--metrics-json", metrics, "--output-dir", tmp_path / "o",
+                     env=clean_env(XDG_CACHE_HOME=cache, DLOJZ_DATA=tmp_path / "no-such-dir"))
+    assert proc.returncode == 0, show(proc)
+    assert not (cache / "dlojz").exists()  # no embedded data set generated, no data read
+    m = read_json(metrics)
+    assert m["val_images"] == 20 * 8 and m["steps"] == 12 and m["images_per_second"] > 0
+
+
+def test_non_test_run_leaves_wandb_offline_files(tiny_data, tmp_path):
+    proc = run_dlojz(*SMALL, "--data-root", tiny_data, "-b", "24", "--output-dir", tmp_path)
+    assert proc.returncode == 0, show(proc)
+    runs = list((tmp_path / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1 and list(runs[0].glob("*.wandb")), show(proc)
+
+
+# ----------------------------------------------------------------------------- bad input: one line, exit 2
+def test_missing_data_root(tmp_path):
+    proc = run_dlojz(*SMALL, "--data-root", tmp_path / "nope", "--output-dir", tmp_path)
+    assert_one_line_error(proc, "--data-root", "no such directory")
+
+
+def test_empty_data_root(tmp_path):
+    (tmp_path / "empty").mkdir()
+    proc = run_dlojz(*SMALL, "--data-root", tmp_path / "empty", "--output-dir", tmp_path)
+    assert_one_line_error(proc, "missing or empty")
+
+
+def test_layout_neither_imagenet_nor_imagefolder(tmp_path):
+    root = tmp_path / "flat"
+    (root / "train").mkdir(parents=True)
+    (root / "train" / "a.jpg").write_bytes(b"x")
+    proc = run_dlojz(*SMALL, "--data-root", root, "--output-dir", tmp_path)
+    assert_one_line_error(proc, "train/<class>/", "ImageFolder")
+
+
+def test_train_and_val_classes_differ(tiny_data, tmp_path):
+    root = tmp_path / "mismatch"
+    shutil.copytree(tiny_data, root)
+    shutil.rmtree(root / "val" / "disc")
+    proc = run_dlojz(*SMALL, "--data-root", root, "--output-dir", tmp_path)
+    assert_one_line_error(proc, "different classes", "disc")
+
+
+def test_unreadable_image_is_skipped_with_its_name(tiny_data, tmp_path):
+    root = tmp_path / "corrupt"
+    shutil.copytree(tiny_data, root)
+    bad = root / "train" / "square" / "square_0003.JPEG"
+    bad.write_bytes(b"this is not a jpeg")
+    proc = run_dlojz(*SMALL, "--data-root", root, "-b", "8", "--test", "--test-nsteps", "9", "--num-workers", "0",
+                     "--output-dir", tmp_path)
+    assert proc.returncode == 0, show(proc)
+    assert f"skipping unreadable image {bad}" in proc.stderr
+
+
+def test_batch_larger_than_dataset_with_drop_last(tiny_data, tmp_path):
+    proc = run_dlojz(*SMALL, "--data-root", tiny_data, "-b", "100", "--drop-last", "--output-dir", tmp_path)
+    assert_one_line_error(proc, "--batch-size 100", "--drop-last")
+
+
+def test_unknown_arch(tiny_data, tmp_path):
+    proc = run_dlojz("--device", "cpu", "--arch", "resnet51", "--data-root", tiny_data, "--output-dir", tmp_path)
+    assert_one_line_error(proc, "--arch resnet51", "resnet50")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a GPU")
+def test_cuda_without_gpu(tmp_path):
+    proc = run_dlojz("--device", "cuda", "--synthetic", "--output-dir", tmp_path)
+    assert_one_line_error(proc, "--device cuda", "no CUDA GPU")
+
+
+def test_autocast_dtype_that_cannot_run(monkeypatch):
+    """Where autocast in the chosen dtype fails on the device, dlojz says so before training, naming the flag."""
+    import dlojz
+
+    def broken_autocast(*args, **kwargs):
+        raise RuntimeError("Current CPU device does not support float16 autocast\nmore details")
+
+    monkeypatch.setattr(torch, "autocast", broken_autocast)
+    with pytest.raises(dlojz.UserError, match=r"^--amp-dtype float16 cannot run on cpu: Current CPU device"):
+        dlojz.check_autocast(torch.device("cpu"), torch.float16)
+
+
+def test_unwritable_output_dir(tiny_data, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("a file, not a folder")
+    proc = run_dlojz(*SMALL, "--data-root", tiny_data, "--output-dir", blocker / "run")
+    assert_one_line_error(proc, "--output-dir", "not writable")
+
+
+def test_nan_loss_stops_with_step_and_keeps_checkpoint(tiny_data, tmp_path, trained_checkpoint):
+    out = tmp_path / "run"
+    out.mkdir()
+    shutil.copy(trained_checkpoint, out / trained_checkpoint.name)
+    (out / "latest").write_text(trained_checkpoint.name + "\n")
+    before = (out / trained_checkpoint.name).read_bytes()
+    proc = run_dlojz(*SMALL, "--data-root", tiny_data, "-b", "8", "--lr", "1e30", "--epochs", "2", "--no-wandb",
+                     "--output-dir", out)
+    assert_one_line_error(proc, "not finite", "at step", trained_checkpoint.name, status=3)
+    assert (out / trained_checkpoint.name).read_bytes() == before
+    assert (out / "latest").read_text().strip() == trained_checkpoint.name
+    assert sorted(p.name for p in out.glob("ckpt_*.pt")) == [trained_checkpoint.name]
+
+
+def test_eval_only_needs_resume(tmp_path):
+    proc = run_dlojz(*SMALL, "--synthetic", "--eval-only", "--output-dir", tmp_path)
+    assert_one_line_error(proc, "--eval-only", "--resume")
+
+
+def test_resume_refuses_foreign_file(tiny_data, tmp_path):
+    foreign = tmp_path / "foreign.pt"
+    torch.save({"state_dict": {}}, foreign)
+    proc = run_dlojz(*SMALL, "--data-root", tiny_data, "--eval-only", "--resume", foreign, "--output-dir", tmp_path)
+    assert_one_line_error(proc, "--resume", "not written by dlojz")
