@@ -1,0 +1,362 @@
+"""A real one-node Slurm cluster on localhost, for tests.
+
+API
+---
+``slurm_cluster`` (pytest fixture, session scope) -> :class:`SlurmCluster`
+    Starts ``munged``, ``slurmctld`` and ``slurmd`` in a temporary directory with a
+    ``slurm.conf`` written for this machine (CPUs, memory and host name from
+    ``slurmd -C``), waits until ``sinfo`` shows the node idle, yields, and at the end
+    stops the three daemons by their pids.  Where Slurm is not installed, we are not
+    root, or a daemon does not start, every test using the fixture is SKIPPED with the
+    reason (and the daemon's log tail) in the skip message, never silently.
+
+``SlurmCluster``
+    ``env``                         environment for Slurm commands (``SLURM_CONF`` set)
+    ``run(args, check=True, timeout=60, cwd=None, env=None) -> CompletedProcess``
+                                    run a Slurm client command (``env`` defaults to ``self.env``)
+    ``submit(args, cwd, env=None) -> int``
+                                    ``sbatch --parsable *args`` run in ``cwd``; the job id.  sbatch
+                                    exports ``env`` to the job (its default ``--export=ALL``).
+    ``job_info(job_id) -> dict``    ``scontrol show job -o`` as a dict (``{}`` once forgotten)
+    ``wait(job_id, timeout, until=FINAL_STATES) -> JobResult``
+                                    polls ``scontrol show job`` (``sacct`` needs accounting,
+                                    which this cluster does not have) until the job reaches
+                                    a state in ``until``; raises ``TimeoutError`` (after
+                                    ``scancel``) when ``timeout`` seconds pass first.
+    ``wait_for_output(path, needle, timeout, job_id=None) -> str``
+                                    waits until the text file ``path`` contains ``needle``.
+
+``JobResult(job_id, state, output_path, restarts, info)``
+    ``state`` is Slurm's ``JobState`` (``COMPLETED``, ``FAILED``, ...), ``output_path`` the
+    job's ``StdOut`` file (a ``pathlib.Path``), ``restarts`` Slurm's ``Restarts`` count,
+    ``info`` the full ``scontrol show job`` dict; ``output_text()`` reads the output file.
+
+The cluster uses its own munge key and socket (``AuthInfo=socket=...``), non-default
+ports, ``ProctrackType=proctrack/linuxproc`` and ``TaskPlugin=task/none`` (no cgroups
+needed, so it runs in containers), no accounting, and ``JobRequeue=1``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pathlib
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+
+import pytest
+
+# Job states after which a job never runs again (a requeued job passes through
+# REQUEUED/PENDING, which are deliberately not here).
+FINAL_STATES = frozenset({
+    "COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
+    "BOOT_FAIL", "DEADLINE", "PREEMPTED",
+})
+PARTITION = "debug"
+REQUIRED_PROGRAMS = ("munged", "slurmctld", "slurmd", "sbatch", "srun", "scontrol", "sinfo",
+                     "squeue", "scancel")
+
+
+@dataclasses.dataclass
+class JobResult:
+    job_id: int
+    state: str
+    output_path: pathlib.Path | None
+    restarts: int
+    info: dict
+
+    def output_text(self) -> str:
+        if self.output_path is None or not self.output_path.exists():
+            return ""
+        return self.output_path.read_text(errors="replace")
+
+
+def parse_scontrol_record(line: str) -> dict:
+    """``scontrol show job -o`` prints ``Key=Value`` pairs separated by spaces; values
+    may themselves contain spaces (Command, WorkDir, ...), so a token without ``=`` is
+    glued to the previous value."""
+    record: dict = {}
+    last_key = None
+    for token in line.strip().split(" "):
+        key, sep, value = token.partition("=")
+        if sep and key and " " not in key and (key[0].isupper() or key.startswith("Tres")):
+            record[key] = value
+            last_key = key
+        elif last_key is not None:
+            record[last_key] += " " + token
+    return record
+
+
+class SlurmCluster:
+    def __init__(self, root: pathlib.Path):
+        self.root = root
+        self.conf_path = root / "etc" / "slurm.conf"
+        self.log_dir = root / "log"
+        self.env = dict(os.environ, SLURM_CONF=str(self.conf_path))
+        # Variables a surrounding Slurm job (CI running under Slurm) would leak into ours.
+        for name in list(self.env):
+            if name.startswith(("SLURM_", "SBATCH_", "SRUN_", "SALLOC_")) and name != "SLURM_CONF":
+                del self.env[name]
+        self.node_name = ""
+        self.pids: dict[str, int] = {}
+
+    # -- client commands ---------------------------------------------------------------
+    def run(self, args, check=True, timeout=60, cwd=None, env=None) -> subprocess.CompletedProcess:
+        proc = subprocess.run(list(map(str, args)), env=env or self.env, cwd=cwd, capture_output=True,
+                              text=True, timeout=timeout)
+        if check and proc.returncode != 0:
+            raise RuntimeError(f"{' '.join(map(str, args))} exited {proc.returncode}: "
+                               f"{proc.stderr.strip() or proc.stdout.strip()}")
+        return proc
+
+    def submit(self, args, cwd, env=None) -> int:
+        out = self.run(["sbatch", "--parsable", *args], cwd=cwd, env=env).stdout.strip()
+        return int(out.split(";")[0])  # "<id>[;<cluster>]"
+
+    def job_info(self, job_id: int) -> dict:
+        proc = self.run(["scontrol", "show", "job", "-o", str(job_id)], check=False)
+        if proc.returncode != 0 or not proc.stdout.strip():
+            return {}  # unknown: purged after MinJobAge
+        return parse_scontrol_record(proc.stdout.splitlines()[0])
+
+    def wait(self, job_id: int, timeout: float, until=FINAL_STATES) -> JobResult:
+        deadline = time.monotonic() + timeout
+        info: dict = {}
+        while time.monotonic() < deadline:
+            info = self.job_info(job_id) or info
+            if info.get("JobState") in until:
+                return self._result(job_id, info)
+            time.sleep(1.0)
+        self.run(["scancel", str(job_id)], check=False)
+        result = self._result(job_id, info)
+        raise TimeoutError(f"job {job_id} still {info.get('JobState')} after {timeout:.0f} s; "
+                           f"output:\n{result.output_text()[-3000:]}\n{self.log_tail()}")
+
+    def wait_for_output(self, path: pathlib.Path, needle: str, timeout: float, job_id=None) -> str:
+        deadline = time.monotonic() + timeout
+        text = ""
+        while time.monotonic() < deadline:
+            text = path.read_text(errors="replace") if path.exists() else ""
+            if needle in text:
+                return text
+            if job_id is not None and self.job_info(job_id).get("JobState") in FINAL_STATES:
+                break
+            time.sleep(1.0)
+        raise TimeoutError(f"{needle!r} not found in {path} within {timeout:.0f} s "
+                           f"(job {job_id}: {self.job_info(job_id).get('JobState') if job_id else '-'});"
+                           f" output:\n{text[-3000:]}")
+
+    def _result(self, job_id: int, info: dict) -> JobResult:
+        out = info.get("StdOut")
+        return JobResult(job_id=job_id, state=info.get("JobState", "UNKNOWN"),
+                         output_path=pathlib.Path(out) if out else None,
+                         restarts=int(info.get("Restarts", 0) or 0), info=info)
+
+    def log_tail(self, lines=15) -> str:
+        parts = []
+        for log in sorted(self.log_dir.glob("*.log")):
+            tail = log.read_text(errors="replace").splitlines()[-lines:]
+            parts.append(f"--- {log.name} ---\n" + "\n".join(tail))
+        return "\n".join(parts)
+
+    # -- start / stop -------------------------------------------------------------------
+    def start(self) -> None:
+        for sub in ("etc", "log", "state", "spool", "run", "munge"):
+            (self.root / sub).mkdir(mode=0o700, parents=True, exist_ok=True)
+        munge_socket = self._start_munged()
+        self.node_name, node_line = _node_description()
+        ctld_port, slurmd_port = _free_port(), _free_port()
+        self.conf_path.write_text(_slurm_conf(self.root, self.node_name, node_line,
+                                              munge_socket, ctld_port, slurmd_port))
+        self._start_daemon("slurmctld", [program("slurmctld"), "-f", self.conf_path,
+                                         "-L", self.log_dir / "slurmctld.log"],
+                           self.root / "run" / "slurmctld.pid")
+        self._start_daemon("slurmd", [program("slurmd"), "-f", self.conf_path, "-N", self.node_name,
+                                      "-L", self.log_dir / "slurmd.log"],
+                           self.root / "run" / "slurmd.pid")
+        self._wait_node_idle(timeout=60)
+
+    def stop(self) -> None:
+        # Jobs first (a test that timed out may leave one running: its processes must not outlive us),
+        # then slurmd, the controller and munge, each by its pid.
+        if "slurmctld" in self.pids:
+            self.run(["scancel", "--full", "--partition", PARTITION], check=False)
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                if not self.run(["squeue", "-h", "-o", "%i"], check=False).stdout.strip():
+                    break
+                time.sleep(1.0)
+        for name in ("slurmd", "slurmctld", "munged"):
+            pid = self.pids.pop(name, None)
+            if pid is not None:
+                _terminate(pid)
+
+    def _start_munged(self) -> pathlib.Path:
+        munge_dir = self.root / "munge"
+        key = munge_dir / "munge.key"
+        key.write_bytes(os.urandom(1024))  # a key of our own: never touches /etc/munge
+        key.chmod(0o400)
+        sock = munge_dir / "munge.socket"
+        pid_file = munge_dir / "munged.pid"
+        # --force: munged refuses a socket directory that others cannot enter (ours is 0700, and only
+        # root, which runs everything here, talks to it).
+        self._start_daemon("munged", [program("munged"), "--force", "--key-file", key, "--socket", sock,
+                                      "--pid-file", pid_file, "--seed-file", munge_dir / "munged.seed",
+                                      "--log-file", self.log_dir / "munged.log"],
+                           pid_file)
+        return sock
+
+    def _start_daemon(self, name, argv, pid_file: pathlib.Path, timeout=20) -> None:
+        # Each daemon forks into the background and writes its pid file: we stop it by that pid.
+        proc = subprocess.run(list(map(str, argv)), env=self.env, capture_output=True, text=True,
+                              timeout=timeout)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if pid_file.exists() and pid_file.read_text().strip():
+                pid = int(pid_file.read_text().split()[0])
+                if _alive(pid):
+                    self.pids[name] = pid
+                    return
+            if proc.returncode != 0:
+                break
+            time.sleep(0.2)
+        raise RuntimeError(f"{name} did not start (exit {proc.returncode}): "
+                           f"{(proc.stderr or proc.stdout).strip()}\n{self.log_tail()}")
+
+    def _wait_node_idle(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        state = ""
+        while time.monotonic() < deadline:
+            proc = self.run(["sinfo", "-h", "-N", "-o", "%T", "-n", self.node_name], check=False)
+            state = proc.stdout.strip() or proc.stderr.strip()
+            if state == "idle":
+                return
+            time.sleep(0.5)
+        raise RuntimeError(f"node {self.node_name} not idle after {timeout:.0f} s (sinfo: {state!r})\n"
+                           f"{self.log_tail()}")
+
+
+def _node_description() -> tuple[str, str]:
+    """``slurmd -C`` prints this machine's NodeName line (CPUs, sockets, memory)."""
+    out = subprocess.run([program("slurmd"), "-C"], capture_output=True, text=True, timeout=30, check=True).stdout
+    line = next(l for l in out.splitlines() if l.startswith("NodeName="))
+    name = line.split()[0].split("=", 1)[1]
+    return name, line
+
+
+def _slurm_conf(root, node_name, node_line, munge_socket, ctld_port, slurmd_port) -> str:
+    return f"""\
+# Written by tests/slurm_cluster.py for a throw-away one-node cluster.
+ClusterName=dlojztest
+SlurmctldHost={node_name}(127.0.0.1)
+SlurmctldPort={ctld_port}
+SlurmdPort={slurmd_port}
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/munge
+CredType=cred/munge
+# cred_expire also sets how long a requeued job waits before it may start again (default 120 s).
+AuthInfo=socket={munge_socket},cred_expire=10
+StateSaveLocation={root}/state
+SlurmdSpoolDir={root}/spool
+SlurmctldPidFile={root}/run/slurmctld.pid
+SlurmdPidFile={root}/run/slurmd.pid
+SlurmctldLogFile={root}/log/slurmctld.log
+SlurmdLogFile={root}/log/slurmd.log
+# No cgroups: works in containers and on machines without cgroup delegation.
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+MpiDefault=none
+SwitchType=switch/none
+SchedulerType=sched/backfill
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+AccountingStorageType=accounting_storage/none
+JobAcctGatherType=jobacct_gather/none
+JobCompType=jobcomp/none
+JobRequeue=1
+# Job ids from a random start: idr_torch derives the rendezvous port from the job id (10000 + id % 20000),
+# so two test clusters on one machine (parallel test sessions) do not collide on job 1's port.
+FirstJobId={random.randrange(1000, 900000)}
+ReturnToService=2
+# Keep finished jobs visible to `scontrol show job` long enough for the tests.
+MinJobAge=600
+MailProg=/bin/true
+KillWait=10
+InactiveLimit=0
+SlurmctldTimeout=60
+SlurmdTimeout=120
+SlurmctldDebug=info
+SlurmdDebug=info
+{node_line.split(' UpTime=')[0]} NodeAddr=127.0.0.1 State=UNKNOWN
+PartitionName={PARTITION} Nodes={node_name} Default=YES MaxTime=INFINITE State=UP
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+
+def _terminate(pid: int, timeout=15.0) -> None:
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and _alive(pid):
+        time.sleep(0.2)
+    if _alive(pid):
+        os.kill(pid, signal.SIGKILL)
+
+
+def program(name: str) -> str | None:
+    """Full path of a Slurm/munge program; daemons live in /usr/sbin, often not in a user's PATH."""
+    return shutil.which(name, path=os.pathsep.join([os.environ.get("PATH", ""), "/usr/sbin", "/sbin"]))
+
+
+def why_slurm_unavailable() -> str | None:
+    """The reason this machine cannot host the test cluster, or None."""
+    missing = [p for p in REQUIRED_PROGRAMS if program(p) is None]
+    if missing:
+        return (f"Slurm not installed (missing {', '.join(missing)}): run .ci/install_slurm.sh "
+                f"(apt-get install slurm-wlm munge)")
+    if os.geteuid() != 0:
+        return "the test Slurm cluster needs root (slurmd launches jobs as their user)"
+    return None
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster(tmp_path_factory):
+    reason = why_slurm_unavailable()
+    if reason:
+        pytest.skip(reason)
+    root = tmp_path_factory.mktemp("slurm")  # kept by pytest for a few sessions: the daemons' logs stay readable
+    if len(str(root / "munge" / "munge.socket")) > 100:  # a socket path must fit in sockaddr_un (108 bytes)
+        root = pathlib.Path(tempfile.mkdtemp(prefix="dlojz-slurm-"))
+    cluster = SlurmCluster(root)
+    try:
+        cluster.start()
+    except Exception as exc:  # noqa: BLE001 - any start failure becomes a visible skip
+        cluster.stop()
+        pytest.skip(f"could not start the test Slurm cluster: {exc}")
+    try:
+        yield cluster
+    finally:
+        cluster.stop()

@@ -1,0 +1,167 @@
+"""dlojz under a real Slurm: the slurm/ scripts submitted with sbatch to a one-node test cluster.
+
+The cluster (munged + slurmctld + slurmd on localhost) comes from the ``slurm_cluster`` fixture of
+tests/slurm_cluster.py; without Slurm or root every test here is skipped with the reason.
+Run only these tests:  python -m pytest tests/test_slurm.py -v -rs   (about 3 minutes on 2 cores)
+"""
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dlojz_data import EMBEDDED_NAME
+from slurm_cluster import slurm_cluster  # noqa: F401  (the session fixture)
+
+ROOT = Path(__file__).resolve().parent.parent
+SLURM_DIR = ROOT / "slurm"
+CPU_SCRIPT = SLURM_DIR / "dlojz_cpu.slurm"
+GPU_SCRIPTS = ["dlojz_1gpu.slurm", "dlojz_1node.slurm", "dlojz_multinode.slurm", "dlojz_test.slurm"]
+LONG_JOBS = ["dlojz_cpu.slurm", "dlojz_1gpu.slurm", "dlojz_1node.slurm", "dlojz_multinode.slurm"]
+
+
+def directives(script: Path) -> dict:
+    """The active ``#SBATCH --key=value`` lines of a script (``##SBATCH`` is commented out)."""
+    found = {}
+    for line in script.read_text().splitlines():
+        m = re.match(r"#SBATCH\s+(--?[\w-]+)(?:[=\s]([^\s#]+))?", line)
+        if m:
+            found[m.group(1)] = m.group(2)
+    return found
+
+
+def job_env(cluster):
+    """The cluster's environment plus this interpreter's venv, which slurm/dlojz_env.sh activates
+    (sbatch exports the submitting environment to the job)."""
+    env = dict(cluster.env, PYTHONUNBUFFERED="1")
+    for name in ("DLOJZ_DATA", "ALL_CCFRSCRATCH", "DSDIR", "RANK", "WORLD_SIZE", "LOCAL_RANK",
+                 "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)  # the embedded data set, and idr_torch reading Slurm, not a leaked launcher
+    if sys.prefix != sys.base_prefix:
+        env["DLOJZ_VENV"] = sys.prefix
+    else:  # not a venv: put this python first in PATH, and tell dlojz_env.sh an environment is active
+        env["PATH"] = f"{Path(sys.executable).parent}:{env['PATH']}"
+        env["VIRTUAL_ENV"] = sys.prefix
+    return env
+
+
+def submit_cpu_job(cluster, tmp_path, *dlojz_args, **extra_env):
+    """sbatch slurm/dlojz_cpu.slurm from the project directory (the script cds to the submit dir),
+    its log in tmp_path instead of the project."""
+    env = dict(job_env(cluster), **{k: str(v) for k, v in extra_env.items()})
+    return cluster.submit([f"--output={tmp_path}/%x_%j.out", CPU_SCRIPT, "--no-wandb", *dlojz_args],
+                          cwd=ROOT, env=env)
+
+
+def show(result):
+    return f"job {result.job_id}: {result.state}, restarts {result.restarts}\n{result.output_text()[-5000:]}"
+
+
+# ---------------------------------------------------------------- the scripts themselves (no cluster)
+
+@pytest.mark.parametrize("name", GPU_SCRIPTS + ["dlojz_cpu.slurm"])
+def test_script_directives(name):
+    script = SLURM_DIR / name
+    text = script.read_text()
+    subprocess.run(["bash", "-n", str(script)], check=True)
+    d = directives(script)
+    assert d.get("--output") == "%x_%j.out", "log named by job name and id"
+    assert "--hint" in d and d["--hint"] == "nomultithread"
+    assert "--cpus-per-task" in d
+    assert 'cd "${SLURM_SUBMIT_DIR' in text and "source slurm/dlojz_env.sh" in text
+    # a task that fails ends the others at once instead of leaving them in a collective
+    assert re.search(r"^srun --kill-on-bad-exit=1 python -u dlojz\.py\b", text, re.M)
+    assert '"$@"' in text, "extra sbatch arguments must reach dlojz.py"
+    if name in GPU_SCRIPTS:
+        gpus = int(d["--gres"].split(":")[-1])
+        assert int(d["--ntasks-per-node"]) == gpus, "one task per GPU"
+    if name in LONG_JOBS:
+        assert re.fullmatch(r"USR1@\d+", d.get("--signal") or ""), "long jobs get SIGUSR1 before the time limit"
+        assert "--requeue" in d and "--resume auto" in text
+
+
+def test_env_script_names_a_missing_venv(tmp_path):
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "DLOJZ_VENV": str(tmp_path / "no-venv")}
+    proc = subprocess.run(["bash", "-c", "source slurm/dlojz_env.sh"], cwd=ROOT, env=env,
+                          capture_output=True, text=True)
+    assert proc.returncode == 1
+    assert proc.stderr.count("\n") == 1 and "DLOJZ_VENV" in proc.stderr and "no-venv" in proc.stderr, proc.stderr
+
+
+# ---------------------------------------------------------------- on the test cluster
+
+# What the controller of this GPU-less test cluster may answer to the GPU scripts once sbatch has
+# parsed them: resources it lacks, not mistakes in the scripts.
+NO_GPU_HERE = ("Invalid generic resource", "Invalid partition", "Invalid account", "Invalid qos",
+               "Requested node configuration is not available")
+
+
+@pytest.mark.parametrize("name", GPU_SCRIPTS + ["dlojz_cpu.slurm"])
+def test_sbatch_accepts_the_script_options(slurm_cluster, name):
+    """A misspelt #SBATCH option or value is otherwise noticed only at submission on the real machine.
+    sbatch rejects those itself (before asking the controller); the controller then only lacks GPUs."""
+    proc = slurm_cluster.run(["sbatch", "--test-only", SLURM_DIR / name], check=False, cwd=ROOT)
+    answer = (proc.stderr + proc.stdout).strip()
+    if name == "dlojz_cpu.slurm":
+        assert proc.returncode == 0 and "to start at" in answer, answer
+    else:
+        assert proc.returncode != 0 and any(reason in answer for reason in NO_GPU_HERE), answer
+
+
+def test_script_refuses_a_wrong_submit_directory(slurm_cluster, tmp_path):
+    job = slurm_cluster.submit([f"--output={tmp_path}/%x_%j.out", CPU_SCRIPT], cwd=tmp_path,
+                               env=job_env(slurm_cluster))
+    result = slurm_cluster.wait(job, timeout=60)
+    assert result.state == "FAILED", show(result)
+    assert "dlojz.py not found" in result.output_text() and "submit from the project directory" in result.output_text()
+
+
+def test_cluster_runs_a_two_task_job(slurm_cluster, tmp_path):
+    job = slurm_cluster.submit(["-n", "2", f"--output={tmp_path}/%x_%j.out", "--wrap", "srun hostname"],
+                               cwd=tmp_path)
+    result = slurm_cluster.wait(job, timeout=60)
+    assert result.state == "COMPLETED", show(result)
+    assert result.output_text().split() == [slurm_cluster.node_name] * 2, show(result)
+
+
+def test_cpu_script_trains_with_two_ddp_ranks(slurm_cluster, tmp_path):
+    metrics_path = tmp_path / "metrics.json"
+    # A fresh cache: a new user's first job, where both ranks find no embedded data set and make it at once.
+    job = submit_cpu_job(slurm_cluster, tmp_path, "--epochs", "1", "--metrics-json", metrics_path,
+                         "--output-dir", tmp_path / "run", XDG_CACHE_HOME=tmp_path / "cache")
+    result = slurm_cluster.wait(job, timeout=300)
+    assert result.state == "COMPLETED", show(result)
+    assert result.output_path.parent == tmp_path and result.output_path.name == f"dlojz_cpu_{job}.out"
+    metrics = json.loads(metrics_path.read_text())
+    assert metrics["world_size"] == 2, metrics          # both srun tasks joined one gloo process group
+    assert metrics["global_batch_size"] == 2 * 16, metrics  # -b 16 per rank, from the script
+    assert metrics["epochs"] == 1 and metrics["val_images"] > 0, metrics
+    assert "Traceback" not in result.output_text(), show(result)
+    assert (tmp_path / "cache" / "dlojz" / EMBEDDED_NAME / ".complete").exists(), show(result)
+
+
+def test_usr1_checkpoints_requeues_and_resumes(slurm_cluster, tmp_path):
+    # -b 8: 75 steps per epoch, so the signal, sent at the first "Epoch" line, lands mid-epoch
+    # (the ranks look for it every 10 steps) and the resumed run finishes the epoch.
+    epochs = 1
+    metrics_path = tmp_path / "metrics.json"
+    job = submit_cpu_job(slurm_cluster, tmp_path, "--epochs", epochs, "-b", 8, "--metrics-json", metrics_path,
+                         "--output-dir", tmp_path / "run")
+    log = tmp_path / f"dlojz_cpu_{job}.out"
+    slurm_cluster.wait_for_output(log, "Epoch", timeout=180, job_id=job)  # training has started
+    # What Slurm does before the time limit (--signal=USR1@60) or a preemption, sent now:
+    slurm_cluster.run(["scancel", "--signal=USR1", job])
+    result = slurm_cluster.wait(job, timeout=600)
+    text = result.output_text()
+    assert result.state == "COMPLETED", show(result)
+    assert result.restarts >= 1, show(result)  # Slurm counted the requeue
+    assert "requeue" in text, show(result)
+    resumed = text[text.index("requeue"):]
+    assert "resumed from" in resumed, show(result)  # the second start continued from the checkpoint
+    assert list((tmp_path / "run").glob("*.pt")), "checkpoints in the output dir"
+    metrics = json.loads(metrics_path.read_text())
+    assert metrics["world_size"] == 2 and metrics["epochs"] == epochs, metrics
+    assert "stopped_by" not in metrics, metrics  # written by the finished run, not the interrupted one
