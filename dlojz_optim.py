@@ -1,0 +1,332 @@
+"""Optimizers, learning-rate schedules and the LR range test for dlojz.
+
+The course teaches these by editing the training script; here each is a function the script calls from its flags.
+
+Public API
+----------
+``OPTIMIZERS``, ``SCHEDULERS``
+    The accepted values of ``--optimizer`` and ``--lr-scheduler``.
+``param_groups(model, weight_decay, no_wd_norm_bias) -> list[dict]``
+    Parameter groups for an optimizer; with ``no_wd_norm_bias`` (``--no-wd-norm-bias``) the parameters of
+    normalisation layers and all biases get ``weight_decay=0``.
+``build_optimizer(name, params, lr, momentum, weight_decay) -> torch.optim.Optimizer``
+    ``sgd`` (torch SGD with momentum), ``adamw`` (torch AdamW, ``betas=(momentum, 0.999)``), and timm's
+    large-batch optimizers ``lamb`` (``betas=(momentum, 0.999)``), ``lars`` (``momentum``) and ``lion``
+    (``betas=(momentum, 0.99)``).
+``build_scheduler(name, optimizer, lr, total_steps, warmup_steps=0, step_milestones=None, gamma=0.1)``
+    A torch LR scheduler to be stepped once per optimizer step. ``lr`` is the peak LR of every group.
+``lr_scaling_line(lr, global_batch_size) -> str``
+    The LR expressed per 256 images (linear scaling rule, Goyal et al. 2017), for the start-up log.
+``LRFinder(optimizer, start_lr, end_lr, num_steps)``
+    The course's LR range test: the LR grows exponentially from ``start_lr`` to ``end_lr`` over ``num_steps``
+    optimizer steps; ``step(loss, accuracy)`` after each optimizer step records the point and sets the next LR.
+    ``write_csv(path)``, ``plot(png_path)``, ``suggestion() -> (lr, rule)``.
+``soft_target_accuracy(outputs, targets) -> torch.Tensor``
+    Batch accuracy (0-dim tensor in [0, 1]) against class indices or soft labels (MixUp/CutMix).
+
+Typical use in the training loop::
+
+    optimizer = build_optimizer(args.optimizer, param_groups(model, args.wd, args.no_wd_norm_bias),
+                                args.lr, args.mom, args.wd)
+    scheduler = build_scheduler(args.lr_scheduler, optimizer, args.lr, total_steps, warmup_steps)
+    for images, labels in loader:
+        ...; optimizer.step(); scheduler.step()
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+OPTIMIZERS = ("sgd", "adamw", "lamb", "lars", "lion")
+SCHEDULERS = ("onecycle", "cosine", "step", "constant")
+
+# Layers whose affine parameters are normalisation scales/shifts: decaying them towards 0 only fights the
+# normalisation (see "Bag of Tricks", He et al. 2019), hence --no-wd-norm-bias.
+NORM_LAYERS = tuple(
+    getattr(nn, name)
+    for name in (
+        "BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "SyncBatchNorm",
+        "InstanceNorm1d", "InstanceNorm2d", "InstanceNorm3d",
+        "GroupNorm", "LayerNorm", "LocalResponseNorm", "RMSNorm",
+    )
+    if hasattr(nn, name)
+)
+
+
+def param_groups(model: nn.Module, weight_decay: float, no_wd_norm_bias: bool) -> list[dict]:
+    """Return optimizer parameter groups for the trainable parameters of ``model``.
+
+    Without ``no_wd_norm_bias``: one group with ``weight_decay``. With it: a group of the other parameters with
+    ``weight_decay`` and a group of norm-layer parameters and biases with ``weight_decay=0``.
+    Frozen parameters (``requires_grad=False``) are left out; shared parameters appear once.
+    """
+    decay, no_decay, seen = [], [], set()
+    for module in model.modules():
+        is_norm = isinstance(module, NORM_LAYERS)
+        for name, param in module.named_parameters(recurse=False):
+            if not param.requires_grad or id(param) in seen:
+                continue
+            seen.add(id(param))
+            if no_wd_norm_bias and (is_norm or name == "bias"):
+                no_decay.append(param)
+            else:
+                decay.append(param)
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return [group for group in groups if group["params"]]
+
+
+def build_optimizer(name: str, params, lr: float, momentum: float, weight_decay: float) -> torch.optim.Optimizer:
+    """Build the optimizer ``name`` (one of ``OPTIMIZERS``) over ``params`` (parameters or param groups).
+
+    ``momentum`` (``--mom``) is SGD/LARS momentum or the first beta of AdamW/LAMB/Lion. ``weight_decay`` is the
+    default for groups that do not set their own. LAMB keeps timm's defaults (global gradient-norm clipping at
+    1.0), as does LARS (trust coefficient 1e-3: its LR is much larger than SGD's). Both adapt the step layer-wise
+    only for groups with weight decay, unless ``weight_decay`` is 0, when every layer is adapted.
+    """
+    if name not in OPTIMIZERS:
+        raise ValueError(f"--optimizer {name!r} is unknown: choose one of {', '.join(OPTIMIZERS)}")
+    if not lr > 0:
+        raise ValueError(f"--lr must be > 0, got {lr}")
+    if not 0 <= momentum < 1:
+        raise ValueError(f"--mom must be in [0, 1), got {momentum}")
+    if not weight_decay >= 0:
+        raise ValueError(f"--wd must be >= 0, got {weight_decay}")
+
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay)
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=lr, betas=(momentum, 0.999), weight_decay=weight_decay)
+
+    import timm.optim  # imported here so that sgd/adamw runs do not pay timm's import time
+
+    # timm's LAMB/LARS adapt the step layer-wise only for groups with weight decay (so norm layers and biases
+    # excluded by --no-wd-norm-bias keep a plain step). With --wd 0 (the course default) that would silently turn
+    # them into Adam/SGD: adapt every layer then.
+    always_adapt = weight_decay == 0
+    if name == "lamb":
+        return timm.optim.Lamb(params, lr=lr, betas=(momentum, 0.999), weight_decay=weight_decay,
+                               always_adapt=always_adapt)
+    if name == "lars":
+        return timm.optim.Lars(params, lr=lr, momentum=momentum, weight_decay=weight_decay,
+                               always_adapt=always_adapt)
+    return timm.optim.Lion(params, lr=lr, betas=(momentum, 0.99), weight_decay=weight_decay)
+
+
+def _warmup_factor(step: int, warmup_steps: int) -> float:
+    """Linear warmup from 0 (step 0) towards 1 (reached at step ``warmup_steps``)."""
+    return step / warmup_steps
+
+
+def build_scheduler(
+    name: str,
+    optimizer: torch.optim.Optimizer,
+    lr: float,
+    total_steps: int,
+    warmup_steps: int = 0,
+    step_milestones=None,
+    gamma: float = 0.1,
+) -> torch.optim.lr_scheduler.LRScheduler:
+    """Build the LR schedule ``name`` (one of ``SCHEDULERS``), stepped once per optimizer step.
+
+    ``lr`` becomes the peak LR of every param group. With ``s`` the optimizer step (0-based, ``T=total_steps``,
+    ``W=warmup_steps``), the LR used by step ``s`` is:
+
+    - ``onecycle``: torch ``OneCycleLR(max_lr=lr, total_steps=T)`` with its defaults, as in the course (its own
+      30 % warmup from lr/25, cosine annealing, momentum cycled 0.95 -> 0.85 -> 0.95); ``warmup_steps`` is ignored.
+    - ``cosine``: ``lr*s/W`` for ``s < W``, then ``lr*(1+cos(pi*(s-W)/(T-W)))/2`` (reaches 0 at ``s = T``).
+    - ``step``: ``lr*s/W`` for ``s < W``, then ``lr*gamma**k`` with ``k`` the number of milestones <= ``s``;
+      milestones default to 30, 60 and 90 % of ``T`` (in optimizer steps).
+    - ``constant``: ``lr*s/W`` for ``s < W``, then ``lr``.
+
+    The warmup schedules are one ``LambdaLR`` each: an exact closed formula per step, and unlike ``SequentialLR``
+    + ``LinearLR`` it can start the warmup from 0 and has no milestone hand-over to get wrong.
+    """
+    if name not in SCHEDULERS:
+        raise ValueError(f"--lr-scheduler {name!r} is unknown: choose one of {', '.join(SCHEDULERS)}")
+    if total_steps < 2:
+        raise ValueError(f"the schedule needs at least 2 optimizer steps, got {total_steps}: raise --epochs")
+    if not 0 <= warmup_steps < total_steps:
+        raise ValueError(f"warmup lasts {warmup_steps} steps out of {total_steps}: lower --warmup-epochs")
+
+    if name == "onecycle":
+        return torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=lr, total_steps=total_steps)
+
+    for group in optimizer.param_groups:  # LambdaLR multiplies each group's own LR: make it the peak
+        group["lr"] = lr
+        group.pop("initial_lr", None)
+
+    if name == "cosine":
+        decay_steps = total_steps - warmup_steps
+
+        def factor(step: int) -> float:
+            if step < warmup_steps:
+                return _warmup_factor(step, warmup_steps)
+            progress = min(step - warmup_steps, decay_steps) / decay_steps
+            return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    elif name == "step":
+        if step_milestones is None:
+            step_milestones = [round(fraction * total_steps) for fraction in (0.3, 0.6, 0.9)]
+        milestones = sorted(int(m) for m in step_milestones)
+
+        def factor(step: int) -> float:
+            if step < warmup_steps:
+                return _warmup_factor(step, warmup_steps)
+            return gamma ** sum(step >= milestone for milestone in milestones)
+
+    else:  # constant
+
+        def factor(step: int) -> float:
+            return _warmup_factor(step, warmup_steps) if step < warmup_steps else 1.0
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def lr_scaling_line(lr: float, global_batch_size: int) -> str:
+    """Describe ``lr`` per 256 images, the reference batch of the linear scaling rule (Goyal et al. 2017)."""
+    if global_batch_size < 1:
+        raise ValueError(f"global batch size must be >= 1, got {global_batch_size}: check --batch-size")
+    per_256 = lr * 256 / global_batch_size
+    return f"lr {lr:g} for {global_batch_size} images = {per_256:.4g} per 256 images (linear scaling rule)"
+
+
+class LRFinder:
+    """The LR range test (Smith 2017; the course's ``--findlr``): an exponential LR sweep recording the loss.
+
+    The constructor sets every param group to ``start_lr``; after each optimizer step call
+    ``step(loss, accuracy)``, which records ``(lr, loss, accuracy)`` and sets the LR of the next step.
+    Step ``i`` uses ``start_lr * (end_lr/start_lr) ** (i/(num_steps-1))``: the first step runs at ``start_lr``,
+    step ``num_steps-1`` at ``end_lr`` (later steps stay at ``end_lr``). Do not step an LR scheduler as well.
+    """
+
+    divergence_factor = 4.0  # the sweep has diverged once the smoothed loss exceeds 4x its minimum so far
+
+    def __init__(self, optimizer: torch.optim.Optimizer, start_lr: float = 1e-8, end_lr: float = 1.0,
+                 num_steps: int = 100):
+        if not 0 < start_lr < end_lr:
+            raise ValueError(f"the LR sweep needs 0 < start lr ({start_lr:g}) < end lr ({end_lr:g}): check --lr")
+        if num_steps < 2:
+            raise ValueError(f"the LR sweep needs at least 2 steps, got {num_steps}: run more steps")
+        self.optimizer = optimizer
+        self.start_lr, self.end_lr, self.num_steps = start_lr, end_lr, num_steps
+        self.lrs: list[float] = []
+        self.losses: list[float] = []
+        self.accuracies: list[float] = []
+        self._set_lr(self.lr_at(0))
+
+    def lr_at(self, step: int) -> float:
+        """LR of optimizer step ``step`` (0-based), clamped to the swept range."""
+        fraction = min(max(step, 0), self.num_steps - 1) / (self.num_steps - 1)
+        return self.start_lr * (self.end_lr / self.start_lr) ** fraction
+
+    def _set_lr(self, lr: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+    def step(self, loss: float, accuracy: float) -> None:
+        """Record the loss and accuracy of the step just taken, then set the LR of the next step."""
+        self.lrs.append(self.lr_at(len(self.lrs)))
+        self.losses.append(float(loss))
+        self.accuracies.append(float(accuracy))
+        self._set_lr(self.lr_at(len(self.lrs)))
+
+    def write_csv(self, path) -> None:
+        """Write the recorded points as CSV with a ``lr,loss,accuracy`` header."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("w", newline="") as file:
+            writer = csv.writer(file)
+            writer.writerow(["lr", "loss", "accuracy"])
+            writer.writerows(zip(self.lrs, self.losses, self.accuracies))
+
+    def _analyse(self) -> dict:
+        """Smooth the loss, find where the sweep diverged, and derive the suggested LR and its rule."""
+        if not self.losses:
+            raise RuntimeError("the LR finder has recorded no step: call LRFinder.step() after each optimizer step")
+        lrs, losses = np.asarray(self.lrs), np.asarray(self.losses, dtype=float)
+        # Divergence, part 1: everything from the first NaN/inf loss on is unusable.
+        finite = np.isfinite(losses)
+        usable = len(losses) if finite.all() else int(np.argmin(finite))
+        if usable == 0:
+            return {"smoothed": np.array([]), "usable": 0, "lr": float(lrs[0]),
+                    "rule": "no finite loss recorded: the first LR of the sweep is returned; check the data and model"}
+        # A centred moving average (about 5 % of the sweep) rather than an EMA: an EMA lags, which would move the
+        # steepest point towards larger, riskier LRs.
+        window = max(3, usable // 20) | 1
+        padded = np.pad(losses[:usable], window // 2, mode="edge")
+        smoothed = np.convolve(padded, np.ones(window) / window, mode="valid")
+        # Divergence, part 2: the smoothed loss blows up past divergence_factor x its running minimum.
+        blown_up = smoothed > self.divergence_factor * np.minimum.accumulate(smoothed)
+        if blown_up.any():
+            usable = max(1, int(np.argmax(blown_up)))
+            smoothed = smoothed[:usable]
+        diverged_at = f"diverged at lr {lrs[usable]:.2e}" if usable < len(losses) else "did not diverge"
+
+        best = int(np.argmin(smoothed))
+        min_over_10 = max(float(lrs[best]) / 10, self.start_lr)
+        if usable >= 3:
+            slope = np.gradient(smoothed, np.log10(lrs[:usable]))
+            steepest = int(np.argmin(slope))
+            if slope[steepest] < 0:
+                rule = (f"steepest descent of the smoothed loss (moving average over {window} steps) before "
+                        f"divergence; sweep {diverged_at}; the min-loss/10 rule gives {min_over_10:.2e}")
+                return {"smoothed": smoothed, "usable": usable, "lr": float(lrs[steepest]), "rule": rule}
+        rule = (f"min-loss/10: LR of the lowest smoothed loss ({lrs[best]:.2e}) divided by 10, as the smoothed "
+                f"loss never decreased; sweep {diverged_at}")
+        return {"smoothed": smoothed, "usable": usable, "lr": min_over_10, "rule": rule}
+
+    def suggestion(self) -> tuple[float, str]:
+        """Return the suggested LR (inside the swept range) and a sentence stating the rule used.
+
+        Rule: the LR where the smoothed loss falls fastest (most negative slope against log10(lr)), looking only
+        before the divergence (first NaN/inf loss, or smoothed loss above 4x its running minimum). If the loss
+        never falls, the min-loss/10 rule: the LR of the lowest smoothed loss divided by 10.
+        """
+        analysis = self._analyse()
+        return analysis["lr"], analysis["rule"]
+
+    def plot(self, png_path) -> None:
+        """Plot the loss (raw and smoothed) against the LR on a log axis, with the suggested LR marked, to PNG."""
+        from matplotlib.figure import Figure  # object API with the Agg canvas: no display, no global backend state
+
+        analysis = self._analyse()
+        lrs, losses = np.asarray(self.lrs), np.asarray(self.losses, dtype=float)
+        figure = Figure(figsize=(7, 4.5))
+        axes = figure.add_subplot()
+        axes.plot(lrs, losses, color="0.7", linewidth=0.8, label="loss")
+        usable, smoothed = analysis["usable"], analysis["smoothed"]
+        if usable:
+            axes.plot(lrs[:usable], smoothed, color="tab:blue", label="smoothed loss (before divergence)")
+            # Keep the diverged tail from squashing the interesting part of the curve.
+            low, high = float(np.min(smoothed)), float(np.max(smoothed))
+            margin = 0.1 * (high - low) or 0.1 * abs(high) or 1.0
+            axes.set_ylim(low - margin, high + margin)
+        axes.axvline(analysis["lr"], color="tab:red", linestyle="--", label=f"suggested lr {analysis['lr']:.2e}")
+        axes.set_xlim(self.start_lr, self.end_lr)  # the whole swept range, even if the sweep stopped early
+        axes.set_xscale("log")
+        axes.set_xlabel("learning rate")
+        axes.set_ylabel("training loss")
+        axes.set_title("LR range test")
+        axes.legend()
+        figure.tight_layout()
+        path = Path(png_path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        figure.savefig(path, format="png", dpi=100)
+
+
+def soft_target_accuracy(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Fraction of the batch whose predicted class (argmax of ``outputs``) matches the target class.
+
+    ``targets`` holds class indices (shape ``[N]``) or soft labels (shape ``[N, C]``, from MixUp/CutMix or label
+    smoothing), whose target class is their argmax. Returns a 0-dim float tensor on the outputs' device, so no
+    GPU synchronisation happens until the caller reads it.
+    """
+    predicted = outputs.detach().argmax(dim=1)
+    labels = targets.argmax(dim=1) if targets.ndim == outputs.ndim else targets
+    return (predicted == labels).float().mean()

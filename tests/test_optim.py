@@ -1,0 +1,384 @@
+"""Tests of dlojz_optim: optimizers, parameter groups, LR schedules, LR finder and soft-label accuracy.
+
+CPU only, tiny models, a few seconds. Run from the repository root: ``python -m pytest tests/test_optim.py``.
+"""
+
+import csv
+import math
+import re
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from dlojz_optim import (
+    OPTIMIZERS,
+    SCHEDULERS,
+    LRFinder,
+    build_optimizer,
+    build_scheduler,
+    lr_scaling_line,
+    param_groups,
+    soft_target_accuracy,
+)
+
+# An LR per optimizer that trains the tiny model below in a few steps (LARS scales its step by 1e-3 * |w|/|g|).
+GOOD_LR = {"sgd": 0.1, "adamw": 1e-2, "lamb": 1e-2, "lars": 5.0, "lion": 1e-3}
+
+
+def tiny_classifier() -> nn.Module:
+    """A model with every kind of parameter param_groups has to sort: weights, biases, norm scales/shifts."""
+    return nn.Sequential(
+        nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(),
+        nn.Conv2d(4, 4, 3, padding=1, bias=False), nn.GroupNorm(2, 4), nn.ReLU(),
+        nn.Flatten(), nn.Linear(4 * 8 * 8, 16), nn.LayerNorm(16), nn.ReLU(), nn.Linear(16, 5),
+    )
+
+
+def fixed_batch():
+    generator = torch.Generator().manual_seed(0)
+    return torch.randn(16, 3, 8, 8, generator=generator), torch.randint(0, 5, (16,), generator=generator)
+
+
+def lr_of(optimizer) -> float:
+    return optimizer.param_groups[0]["lr"]
+
+
+# ----------------------------------------------------------------------------------------------- param_groups
+
+def test_param_groups_put_norm_and_bias_params_at_zero_weight_decay():
+    model = tiny_classifier()
+    norm_params = {id(p) for m in model.modules() if isinstance(m, (nn.BatchNorm2d, nn.GroupNorm, nn.LayerNorm))
+                   for p in m.parameters()}
+    bias_params = {id(m.bias) for m in model.modules() if getattr(m, "bias", None) is not None}
+    all_params = {id(p) for p in model.parameters()}
+
+    groups = param_groups(model, weight_decay=0.05, no_wd_norm_bias=True)
+
+    by_wd = {group["weight_decay"]: {id(p) for p in group["params"]} for group in groups}
+    assert set(by_wd) == {0.05, 0.0}
+    assert by_wd[0.0] == norm_params | bias_params
+    assert by_wd[0.05] == all_params - norm_params - bias_params
+    # Only conv/linear weights keep decay: all of them are matrices or kernels.
+    assert all(p.ndim >= 2 for p in groups[0]["params"] if id(p) in by_wd[0.05])
+
+
+def test_param_groups_without_the_flag_decay_every_trainable_param_once():
+    model = tiny_classifier()
+    model[0].weight.requires_grad_(False)  # frozen params must not reach the optimizer
+    model.append(model[-1])  # a shared layer: its params must appear once
+
+    groups = param_groups(model, weight_decay=0.05, no_wd_norm_bias=False)
+
+    assert len(groups) == 1 and groups[0]["weight_decay"] == 0.05
+    ids = [id(p) for p in groups[0]["params"]]
+    assert len(ids) == len(set(ids))
+    assert set(ids) == {id(p) for p in model.parameters() if p.requires_grad}
+
+
+# ----------------------------------------------------------------------------------------------- optimizers
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_each_optimizer_lowers_the_loss_on_a_fixed_batch(name):
+    torch.manual_seed(0)
+    model = tiny_classifier()
+    images, labels = fixed_batch()
+    criterion = nn.CrossEntropyLoss()
+    optimizer = build_optimizer(name, param_groups(model, 1e-4, no_wd_norm_bias=True), GOOD_LR[name], 0.9, 1e-4)
+    assert name in type(optimizer).__name__.lower()
+    with torch.no_grad():
+        initial_loss = criterion(model(images), labels).item()
+
+    for _ in range(15):
+        optimizer.zero_grad()
+        loss = criterion(model(images), labels)
+        loss.backward()
+        optimizer.step()
+
+    with torch.no_grad():
+        final_loss = criterion(model(images), labels).item()
+    assert final_loss < 0.7 * initial_loss, f"{name}: loss {initial_loss:.3f} -> {final_loss:.3f}"
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_momentum_flag_sets_momentum_or_first_beta(name):
+    optimizer = build_optimizer(name, nn.Linear(2, 2).parameters(), lr=0.01, momentum=0.8, weight_decay=0.0)
+    group = optimizer.param_groups[0]
+    assert group.get("momentum", group.get("betas", (None,))[0]) == 0.8
+
+
+def test_lars_with_zero_weight_decay_still_adapts_layer_wise():
+    """With --wd 0 LARS must not fall back to plain SGD: its step must not grow with the gradient's scale."""
+    def first_step_size(loss_scale):
+        torch.manual_seed(0)
+        layer = nn.Linear(8, 4)
+        before = layer.weight.detach().clone()
+        optimizer = build_optimizer("lars", layer.parameters(), lr=1.0, momentum=0.0, weight_decay=0.0)
+        (loss_scale * layer(torch.ones(2, 8)).square().sum()).backward()
+        optimizer.step()
+        return (layer.weight.detach() - before).norm().item()
+
+    assert first_step_size(1000.0) == pytest.approx(first_step_size(1.0), rel=1e-3)
+
+
+def test_unknown_optimizer_or_bad_lr_gives_one_line_naming_the_flag():
+    with pytest.raises(ValueError) as error:
+        build_optimizer("adam", nn.Linear(2, 2).parameters(), 0.1, 0.9, 0.0)
+    message = str(error.value)
+    assert "--optimizer" in message and "\n" not in message
+    assert all(name in message for name in OPTIMIZERS)
+    with pytest.raises(ValueError, match="--lr"):
+        build_optimizer("sgd", nn.Linear(2, 2).parameters(), 0.0, 0.9, 0.0)
+    with pytest.raises(ValueError, match="--mom"):
+        build_optimizer("adamw", nn.Linear(2, 2).parameters(), 0.1, 1.0, 0.0)
+
+
+def test_lr_scaling_line_gives_the_lr_per_256_images():
+    assert "0.025 per 256 images" in lr_scaling_line(0.1, 1024)
+    assert "0.2 per 256 images" in lr_scaling_line(0.1, 128)
+    assert "1024 images" in lr_scaling_line(0.1, 1024)
+    with pytest.raises(ValueError, match="--batch-size"):
+        lr_scaling_line(0.1, 0)
+
+
+# ----------------------------------------------------------------------------------------------- schedules
+
+def lr_curve(name, total_steps, warmup_steps=0, lr=0.4, **kwargs):
+    """LRs used by each optimizer step, with the optimizer built at another LR (the schedule sets the peak)."""
+    optimizer = build_optimizer("sgd", nn.Linear(2, 2).parameters(), lr=1e-3, momentum=0.9, weight_decay=0.0)
+    scheduler = build_scheduler(name, optimizer, lr, total_steps, warmup_steps, **kwargs)
+    lrs = []
+    for _ in range(total_steps):
+        lrs.append(lr_of(optimizer))
+        optimizer.step()
+        scheduler.step()
+    return lrs
+
+
+def test_cosine_schedule_warms_up_linearly_then_follows_the_cosine_to_zero():
+    lr, total, warmup = 0.4, 40, 8
+    lrs = lr_curve("cosine", total, warmup, lr)
+    for step in (0, 1, 4, 7):
+        assert lrs[step] == pytest.approx(lr * step / warmup)
+    for step in (8, 13, 24, 39):
+        expected = lr * 0.5 * (1 + math.cos(math.pi * (step - warmup) / (total - warmup)))
+        assert lrs[step] == pytest.approx(expected)
+    assert max(lrs) == pytest.approx(lr) and lrs[24] == pytest.approx(lr / 2)
+
+
+def test_cosine_schedule_without_warmup_starts_at_the_peak():
+    lrs = lr_curve("cosine", 10, 0, 0.4)
+    assert lrs[0] == pytest.approx(0.4)
+    assert all(later < earlier for earlier, later in zip(lrs, lrs[1:]))
+
+
+def test_step_schedule_divides_by_gamma_at_30_60_90_percent_after_warmup():
+    lr, gamma = 0.4, 0.1
+    lrs = lr_curve("step", 100, 5, lr, gamma=gamma)
+    assert lrs[2] == pytest.approx(lr * 2 / 5)
+    assert lrs[5] == lrs[29] == pytest.approx(lr)
+    assert lrs[30] == lrs[59] == pytest.approx(lr * gamma)
+    assert lrs[60] == lrs[89] == pytest.approx(lr * gamma**2)
+    assert lrs[90] == lrs[99] == pytest.approx(lr * gamma**3)
+
+
+def test_step_schedule_honours_given_milestones_and_gamma():
+    lrs = lr_curve("step", 20, 0, 0.4, step_milestones=[15, 5], gamma=0.5)
+    assert lrs[4] == pytest.approx(0.4)
+    assert lrs[5] == lrs[14] == pytest.approx(0.2)
+    assert lrs[15] == lrs[19] == pytest.approx(0.1)
+
+
+def test_constant_schedule_warms_up_then_holds():
+    lrs = lr_curve("constant", 20, 4, 0.4)
+    assert lrs[:4] == pytest.approx([0.0, 0.1, 0.2, 0.3])
+    assert lrs[4:] == pytest.approx([0.4] * 16)
+
+
+def test_onecycle_is_the_course_one_cycle():
+    lr, total = 0.4, 100
+    lrs = lr_curve("onecycle", total, 0, lr)
+    peak = int(np.argmax(lrs))
+    assert lrs[0] == pytest.approx(lr / 25)  # OneCycleLR's default div_factor
+    assert lrs[peak] == pytest.approx(lr) and peak == round(0.3 * total) - 1  # default pct_start
+    assert all(a <= b for a, b in zip(lrs[:peak], lrs[1:peak + 1]))
+    assert all(a >= b for a, b in zip(lrs[peak:], lrs[peak + 1:]))
+    assert lrs[-1] < lr / 1e4
+
+
+@pytest.mark.parametrize("optimizer_name", OPTIMIZERS)
+@pytest.mark.parametrize("scheduler_name", SCHEDULERS)
+def test_every_schedule_drives_every_optimizer(optimizer_name, scheduler_name):
+    """OneCycleLR also cycles momentum/betas: every optimizer must expose one of them."""
+    layer = nn.Linear(2, 1)
+    optimizer = build_optimizer(optimizer_name, layer.parameters(), 0.01, 0.9, 0.0)
+    scheduler = build_scheduler(scheduler_name, optimizer, 0.01, total_steps=10, warmup_steps=2)
+    for _ in range(3):
+        optimizer.zero_grad()
+        layer(torch.ones(1, 2)).sum().backward()
+        optimizer.step()
+        scheduler.step()
+    assert 0 < lr_of(optimizer) <= 0.01
+
+
+@pytest.mark.parametrize("scheduler_name", SCHEDULERS)
+def test_schedule_resumes_from_a_checkpoint_on_the_same_curve(scheduler_name):
+    """Checkpoint/resume: a rebuilt optimizer and schedule loading the saved states continue the same LR curve."""
+    def build():
+        optimizer = build_optimizer("sgd", nn.Linear(2, 2).parameters(), 0.4, 0.9, 0.0)
+        return optimizer, build_scheduler(scheduler_name, optimizer, 0.4, total_steps=30, warmup_steps=5)
+
+    def take_steps(optimizer, scheduler, count):
+        lrs = []
+        for _ in range(count):
+            lrs.append(lr_of(optimizer))
+            optimizer.step()
+            scheduler.step()
+        return lrs
+
+    uninterrupted = take_steps(*build(), 30)
+    optimizer, scheduler = build()
+    first_half = take_steps(optimizer, scheduler, 12)
+    saved = optimizer.state_dict(), scheduler.state_dict()
+    optimizer, scheduler = build()
+    optimizer.load_state_dict(saved[0])
+    scheduler.load_state_dict(saved[1])
+    assert first_half + take_steps(optimizer, scheduler, 18) == pytest.approx(uninterrupted)
+
+
+def test_bad_schedule_input_gives_one_line_naming_the_flag():
+    optimizer = build_optimizer("sgd", nn.Linear(2, 2).parameters(), 0.1, 0.9, 0.0)
+    with pytest.raises(ValueError) as error:
+        build_scheduler("linear", optimizer, 0.1, 100)
+    assert "--lr-scheduler" in str(error.value) and all(name in str(error.value) for name in SCHEDULERS)
+    with pytest.raises(ValueError, match="--warmup-epochs"):
+        build_scheduler("cosine", optimizer, 0.1, total_steps=100, warmup_steps=100)
+
+
+# ----------------------------------------------------------------------------------------------- LR finder
+
+def synthetic_loss(lr, rng, blow_up_to=float("nan")):
+    """A textbook range-test curve: flat, falls between 1e-4 and 1e-2 (steepest at 1e-3), bottoms near 5e-2,
+    blows up past 0.1 (to ``blow_up_to`` once above 20)."""
+    x = math.log10(lr)
+    loss = 2.3 - 2.0 / (1 + math.exp(-3 * (x + 3))) + rng.normal(0, 0.02)
+    if x > -1.3:
+        loss += math.exp(6 * (x + 1.3)) - 1
+    return loss if loss < 20 else blow_up_to
+
+
+def run_sweep(num_steps, loss_of_lr, start_lr=1e-8, end_lr=1.0):
+    optimizer = build_optimizer("sgd", nn.Linear(2, 2).parameters(), 0.1, 0.9, 0.0)
+    finder = LRFinder(optimizer, start_lr, end_lr, num_steps)
+    used = []
+    for _ in range(num_steps):
+        used.append(lr_of(optimizer))
+        optimizer.step()
+        finder.step(loss_of_lr(used[-1]), 0.5)
+    return finder, used
+
+
+def test_lr_finder_sweeps_exponentially_from_start_to_end():
+    finder, used = run_sweep(50, lambda lr: 1.0, start_lr=1e-8, end_lr=0.1)
+    assert used == pytest.approx(finder.lrs)  # the optimizer ran each step at the recorded LR
+    assert finder.lrs[0] == pytest.approx(1e-8) and finder.lrs[-1] == pytest.approx(0.1)
+    ratios = np.array(finder.lrs[1:]) / np.array(finder.lrs[:-1])
+    assert ratios == pytest.approx(np.full(49, (0.1 / 1e-8) ** (1 / 49)))
+    assert finder.lr_at(10) == pytest.approx(finder.lrs[10])
+
+
+def test_lr_finder_writes_csv_and_png(tmp_path):
+    rng = np.random.default_rng(0)
+    finder, _ = run_sweep(60, lambda lr: synthetic_loss(lr, rng))
+    finder.write_csv(tmp_path / "findlr.csv")
+    finder.plot(tmp_path / "plots" / "findlr.png")
+
+    with open(tmp_path / "findlr.csv", newline="") as file:
+        rows = list(csv.DictReader(file))
+    assert list(rows[0]) == ["lr", "loss", "accuracy"]
+    assert len(rows) == 60
+    assert [float(row["lr"]) for row in rows] == pytest.approx(finder.lrs)
+    assert float(rows[5]["loss"]) == pytest.approx(finder.losses[5])
+    png = (tmp_path / "plots" / "findlr.png").read_bytes()
+    assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 10_000
+
+
+@pytest.mark.parametrize("num_steps", [40, 300])
+def test_lr_finder_suggests_an_lr_in_the_falling_part_of_the_curve(num_steps):
+    rng = np.random.default_rng(1)
+    finder, _ = run_sweep(num_steps, lambda lr: synthetic_loss(lr, rng))
+    assert any(math.isnan(loss) for loss in finder.losses)  # the curve did diverge
+
+    lr, rule = finder.suggestion()
+
+    assert 1e-8 <= lr <= 1.0
+    assert 5e-4 <= lr <= 2e-3, f"{lr:.2e} ({rule})"  # the curve falls fastest at 1e-3; a sweep step is x1.6 at most
+    assert rule.startswith("steepest descent") and "diverged" in rule
+
+
+def test_lr_finder_detects_divergence_without_nan():
+    rng = np.random.default_rng(2)
+    finder, _ = run_sweep(100, lambda lr: synthetic_loss(lr, rng, blow_up_to=1e6))
+    lr, rule = finder.suggestion()
+    diverged_lr = float(re.search(r"diverged at lr (\S+);", rule).group(1))
+    assert 0.05 <= diverged_lr <= 0.3  # the loss passes 4x its minimum between these
+    assert 5e-4 <= lr <= 2e-3
+
+
+def test_lr_finder_falls_back_to_min_loss_over_10_when_the_loss_never_falls():
+    finder, _ = run_sweep(30, lambda lr: 1.0 + lr)  # rises over the whole sweep: best loss at the first lr
+    lr, rule = finder.suggestion()
+    assert "min-loss/10" in rule
+    assert lr == pytest.approx(1e-8)  # the lowest loss is at the start, /10 is clamped into the swept range
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_lr_finder_survives_non_finite_losses(bad, tmp_path):
+    finder, _ = run_sweep(20, lambda lr: bad)
+    lr, rule = finder.suggestion()
+    assert lr == pytest.approx(1e-8) and "no finite loss" in rule
+    finder.plot(tmp_path / "findlr.png")  # still draws the (empty) curve
+    assert (tmp_path / "findlr.png").exists()
+
+
+def test_lr_finder_rejects_an_empty_sweep_range():
+    optimizer = build_optimizer("sgd", nn.Linear(2, 2).parameters(), 0.1, 0.9, 0.0)
+    with pytest.raises(ValueError, match="--lr"):
+        LRFinder(optimizer, start_lr=1e-8, end_lr=1e-9, num_steps=10)
+    with pytest.raises(RuntimeError, match="no step"):
+        LRFinder(optimizer, 1e-8, 0.1, 10).suggestion()
+
+
+# ----------------------------------------------------------------------------------------------- accuracy
+
+def test_soft_target_accuracy_on_class_indices():
+    outputs = torch.tensor([[2.0, 0.1, 0.0], [0.0, 3.0, 0.1], [0.0, 0.1, 1.0], [5.0, 0.0, 0.0]])
+    targets = torch.tensor([0, 1, 2, 2])  # the last prediction (class 0) is wrong
+    accuracy = soft_target_accuracy(outputs, targets)
+    assert accuracy.ndim == 0
+    assert accuracy.item() == pytest.approx(3 / 4)
+
+
+def test_soft_target_accuracy_on_soft_labels_uses_their_argmax():
+    torch.manual_seed(0)
+    outputs = torch.randn(32, 10)
+    hard = torch.randint(0, 10, (32,))
+    # MixUp-style labels: 0.7 of the true class, 0.3 of another one, so the argmax is the true class.
+    soft = 0.7 * nn.functional.one_hot(hard, 10).float() + 0.3 * nn.functional.one_hot((hard + 3) % 10, 10).float()
+    assert soft_target_accuracy(outputs, soft).item() == pytest.approx(soft_target_accuracy(outputs, hard).item())
+    perfect = soft * 10  # logits whose argmax is the target class
+    assert soft_target_accuracy(perfect, soft).item() == 1.0
+
+
+def test_soft_target_accuracy_stays_in_0_1_with_torchvision_mixup_and_cutmix():
+    from torchvision.transforms import v2
+
+    torch.manual_seed(0)
+    images, labels = torch.rand(8, 3, 16, 16), torch.randint(0, 4, (8,))
+    mix = v2.RandomChoice([v2.MixUp(alpha=1.0, num_classes=4), v2.CutMix(alpha=1.0, num_classes=4)])
+    for _ in range(5):
+        _, soft_labels = mix(images, labels)
+        assert soft_labels.shape == (8, 4)
+        accuracy = soft_target_accuracy(torch.randn(8, 4), soft_labels)
+        assert accuracy.ndim == 0 and 0.0 <= accuracy.item() <= 1.0
