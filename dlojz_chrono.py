@@ -32,7 +32,8 @@ Only the rare once-per-run / once-per-epoch measurements still run when disabled
 and ``validation()`` (the last two synchronise once, which costs nothing at that frequency and keeps them true).
 
 Statistics skip the first ``warmup_steps`` steps (cudnn autotune, allocator growth, compilation); if no step is
-left after them, all steps are used and the summary says so (``warmup_excluded: False``).
+left after them, only the first step (start-up, compilation) is left out and the summary says so
+(``warmup_excluded: False``).
 
 Power and energy: with NVML (``nvidia-ml-py``, ``import pynvml``) on a CUDA device, the power draw is read at each
 step boundary (peak W) and the GPU's energy counter between the end of the warm-up and the last step, validation
@@ -282,9 +283,12 @@ class Chronometer:
 
     # ------------------------------------------------------------------ reporting
     def _measured(self, values):
-        """The values after warm-up (all of them if warm-up would leave nothing), as a float array."""
+        """The values after warm-up; if warm-up would leave nothing, all but the first step (which carries start-up,
+        cuDNN autotuning and torch.compile, and is reported apart as the time to the first step)."""
         values = np.asarray(values, dtype=float)
-        return values[self.warmup_steps:] if len(values) > self.warmup_steps else values
+        if len(values) > self.warmup_steps:
+            return values[self.warmup_steps:]
+        return values[1:] if len(values) > 1 else values
 
     def _step_array(self):
         """Per-step seconds: forward + backward (a step without a forward phase counts its backward only)."""
@@ -435,7 +439,7 @@ class Chronometer:
             lines.append(line)
         if "step_median_s" in s:
             note = f"warm-up: first {self.warmup_steps} steps skipped" if s["warmup_excluded"] else \
-                f"only {s['steps']} steps: warm-up NOT skipped"
+                f"only {s['steps']} steps: only the first skipped"
             lines.append(f"=>>> Step time (forward+backward): min {_ms(s['step_min_s'])} median "
                          f"{_ms(s['step_median_s'])} +/- {_ms(s['step_std_s'])} over {s['measured_steps']} steps "
                          f"({note})")
