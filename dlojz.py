@@ -32,6 +32,7 @@ from dlojz_data import (IMAGENET_TRAIN_IMAGES, IMAGENET_VAL_IMAGES, DataError, E
                         SyntheticLoader, build_datasets, close_loader, embedded_dataset_root, make_loader,
                         resolve_data_root)
 from dlojz_transforms import DeviceNormalize, DevicePrefetcher, TrainTransform, ValTransform
+import dlojz_optim as optim
 
 LOG_EVERY = 10  # steps between W&B logs and between the ranks' checks for a stop signal or a NaN loss
 
@@ -63,12 +64,43 @@ def parse_args(argv=None):
     p.add_argument("--arch", default="resnet50", help="any torchvision classification model name (default: resnet50)")
     p.add_argument("--seed", type=int, default=123, help="random seed (default: 123)")
 
+    p = parser.add_argument_group("optimizer and schedule (dlojz_optim.py)")
+    p.add_argument("--optimizer", default="sgd", help="sgd | adamw | lamb | lars | lion; momentum/beta1 from --mom (default: sgd)")
+    p.add_argument("--no-wd-norm-bias", action="store_true", help="no weight decay on norm layers and biases")
+    p.add_argument("--lr-scheduler", default="onecycle", help="onecycle | cosine | step | constant, stepped every optimizer step (default: onecycle)")
+    p.add_argument("--warmup-epochs", type=float, default=0.0, help="linear warm-up for cosine/step/constant (default: 0)")
+    p.add_argument("--findlr", action="store_true", help="LR range test: exponential sweep from 1e-8 to --lr over the run, no validation;\n"
+                   "writes findlr.csv and findlr.png, prints a suggested lr")
+
+    p = parser.add_argument_group("memory and speed")
+    p.add_argument("--grad-acc", type=int, default=1, help="accumulate gradients over N micro-batches per optimizer step (default: 1)")
+    p.add_argument("--grad-checkpointing", action="store_true", help="recompute activations of the model's stages in the backward")
+    p.add_argument("--compile", action="store_true", help="torch.compile the model (compilation shows as the time to the first step)")
+    p.add_argument("--sync-bn", action="store_true", help="synchronised BatchNorm across ranks")
+    p.add_argument("--model-ema", action="store_true", help="keep an exponential moving average of the weights, validated alongside")
+    p.add_argument("--model-ema-decay", type=float, default=0.9998, help="EMA decay per optimizer step (default: 0.9998)")
+
+    p = parser.add_argument_group("augmentation")
+    p.add_argument("--randaugment", type=int, nargs=2, metavar=("N", "M"), default=None, help="RandAugment with N ops of magnitude M")
+    p.add_argument("--trivialaugment", action="store_true", help="TrivialAugmentWide")
+    p.add_argument("--random-erase", type=float, default=0.0, metavar="P", help="RandomErasing probability (default: 0)")
+    p.add_argument("--mixup-alpha", type=float, default=0.0, help="batch-level MixUp alpha (default: 0 = off)")
+    p.add_argument("--cutmix-alpha", type=float, default=0.0, help="batch-level CutMix alpha (default: 0 = off)")
+
+    p = parser.add_argument_group("profiler (torch.profiler)")
+    p.add_argument("--prof", action="store_true", help="profile a few steps; traces in <output-dir>/profiler (TensorBoard, Perfetto)")
+    p.add_argument("--prof-wait", type=int, default=1, help="steps skipped before profiling (default: 1)")
+    p.add_argument("--prof-warmup", type=int, default=1, help="profiled steps thrown away (default: 1)")
+    p.add_argument("--prof-active", type=int, default=3, help="profiled steps recorded (default: 3)")
+
     p = parser.add_argument_group("modes")
     p.add_argument("--test", action="store_true", help="benchmark: stop after --test-nsteps steps, validate on 20 batches,\n"
                    "no W&B, no checkpoint, chronometer report")
     p.add_argument("--test-nsteps", type=int, default=50, help="steps in --test mode (default: 50)")
     p.add_argument("--synthetic", action="store_true", help="random tensors made once in memory: no disk, no decoding")
     p.add_argument("--eval-only", action="store_true", help="validate the checkpoint given by --resume and stop")
+    p.add_argument("--loader-only", action="store_true", help="time the training DataLoader alone (no model) over\n"
+                   "--test-nsteps batches: images/s overall and per worker")
 
     p = parser.add_argument_group("data")
     p.add_argument("--data-root", default=None, help="folder with train/ and val/ (ImageNet or ImageFolder layout);\n"
@@ -108,6 +140,49 @@ def parse_args(argv=None):
 
 def fail(message):
     raise UserError(message)
+
+
+def train_transform(args):
+    """The fast crop + flip of dlojz_transforms, then the optional policies (torchvision v2, on uint8 tensors)."""
+    from torchvision.transforms import v2
+    extra = []
+    if args.randaugment:
+        extra.append(v2.RandAugment(num_ops=args.randaugment[0], magnitude=args.randaugment[1]))
+    if args.trivialaugment:
+        extra.append(v2.TrivialAugmentWide())
+    if args.random_erase > 0:
+        extra.append(v2.RandomErasing(p=args.random_erase))
+    crop_flip = TrainTransform(args.image_size)
+    return v2.Compose([crop_flip, *extra]) if extra else crop_flip
+
+
+def batch_mixing(args, num_classes):
+    """MixUp and/or CutMix on the device batch (soft labels), or None."""
+    from torchvision.transforms import v2
+    mixes = []
+    if args.mixup_alpha > 0:
+        mixes.append(v2.MixUp(alpha=args.mixup_alpha, num_classes=num_classes))
+    if args.cutmix_alpha > 0:
+        mixes.append(v2.CutMix(alpha=args.cutmix_alpha, num_classes=num_classes))
+    if not mixes:
+        return None
+    return mixes[0] if len(mixes) == 1 else v2.RandomChoice(mixes)
+
+
+def enable_grad_checkpointing(model, arch):
+    """Recompute each stage's activations in the backward instead of keeping them (ResNet-like layer1..4, or the
+    children of `.features`). The parameters are untouched, so checkpoints keep their keys."""
+    stages = [getattr(model, name) for name in ("layer1", "layer2", "layer3", "layer4") if hasattr(model, name)]
+    if not stages and isinstance(getattr(model, "features", None), torch.nn.Sequential):
+        stages = list(model.features)
+    if not stages:
+        fail(f"--grad-checkpointing: --arch {arch} has neither layer1..layer4 nor a .features Sequential to checkpoint")
+    for stage in stages:
+        def checkpointed(*inputs, _forward=stage.forward):
+            if torch.is_grad_enabled():
+                return torch.utils.checkpoint.checkpoint(_forward, *inputs, use_reentrant=False)
+            return _forward(*inputs)
+        stage.forward = checkpointed
 
 
 def resolve_device(args, local_rank):
@@ -195,6 +270,20 @@ def train(args):
             fail(f"--{flag.replace('_', '-')} must be at least 1 (got {getattr(args, flag)})")
     if args.num_workers < 0 or args.prefetch_factor < 1:
         fail("--num-workers must be >= 0 and --prefetch-factor >= 1")
+    if args.grad_acc < 1:
+        fail(f"--grad-acc must be at least 1 (got {args.grad_acc})")
+    if args.findlr and (args.eval_only or args.loader_only):
+        fail("--findlr trains: it cannot go with --eval-only or --loader-only")
+    if not 0 < args.model_ema_decay < 1:
+        fail(f"--model-ema-decay must be in (0, 1) (got {args.model_ema_decay})")
+    if not 0 <= args.random_erase <= 1 or args.mixup_alpha < 0 or args.cutmix_alpha < 0:
+        fail("--random-erase is a probability in [0, 1]; --mixup-alpha and --cutmix-alpha must be >= 0")
+    if args.prof and (args.prof_wait < 0 or args.prof_warmup < 0 or args.prof_active < 1):
+        fail("--prof-wait and --prof-warmup must be >= 0, --prof-active >= 1")
+    if args.sync_bn and device.type != "cuda":
+        fail("--sync-bn needs CUDA: torch's SyncBatchNorm works with GPU modules only")
+    if args.loader_only and args.synthetic:
+        fail("--loader-only times the DataLoader, which --synthetic does not use: drop one of them")
     if args.eval_only and not args.resume:
         fail("--eval-only needs --resume CHECKPOINT (or --resume auto with --output-dir)")
     amp_dtype = getattr(torch, args.amp_dtype)
@@ -246,7 +335,7 @@ def train(args):
             log(f"No --data-root, $DLOJZ_DATA, $ALL_CCFRSCRATCH/imagenet or $DSDIR/imagenet: using the embedded "
                 f"data set ({root}, 10 classes of shapes and textures)")
         train_set, val_set, classes, layout = build_datasets(
-            root, TrainTransform(args.image_size), ValTransform(args.val_resize_size, args.val_crop_size), seed=args.seed)
+            root, train_transform(args), ValTransform(args.val_resize_size, args.val_crop_size), seed=args.seed)
         data_desc = f"{root} ({layout} layout, found by {found_by}): {len(train_set)} train / {len(val_set)} val images"
     log(f"data: {data_desc}, {len(classes)} classes")
 
@@ -258,23 +347,40 @@ def train(args):
         names = torchvision.models.list_models(module=torchvision.models)
         close = difflib.get_close_matches(args.arch, names, n=3)
         fail(f"--arch {args.arch}: unknown torchvision classification model" + (f" (did you mean {', '.join(close)}?)" if close else ""))
+    if args.sync_bn and distributed:
+        model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
     model = model.to(device)
     if channels_last:
         model = model.to(memory_format=torch.channels_last)
+    if args.grad_checkpointing:
+        enable_grad_checkpointing(model, args.arch)
     log(f"model: {args.arch}, {sum(p.numel() for p in model.parameters()):,} parameters")
-    model_without_ddp = model
+    model_without_ddp = model  # what is checkpointed and validated
+    ema = None
+    if args.model_ema:
+        ema = torch.optim.swa_utils.AveragedModel(
+            model, multi_avg_fn=torch.optim.swa_utils.get_ema_multi_avg_fn(args.model_ema_decay), use_buffers=True)
     if distributed:
         model = torch.nn.parallel.DistributedDataParallel(
             model, device_ids=[local_rank] if device.type == "cuda" else None, gradient_as_bucket_view=True)
+    if args.compile:
+        model = torch.compile(model)
 
     mini_batch_size = args.batch_size
-    global_batch_size = mini_batch_size * world_size
-    log(f"global batch size: {global_batch_size} - mini batch size: {mini_batch_size}")
+    global_batch_size = mini_batch_size * world_size  # images per micro-step, all ranks
+    step_batch_size = global_batch_size * args.grad_acc  # images per optimizer step
+    log(f"global batch size: {step_batch_size} - mini batch size: {mini_batch_size}"
+        + (f" - {args.grad_acc} accumulated micro-batches per optimizer step" if args.grad_acc > 1 else ""))
 
-    criterion = torch.nn.CrossEntropyLoss(label_smoothing=args.label_smoothing)
+    criterion = torch.nn.CrossEntropyLoss(label_smoothing=args.label_smoothing)  # also takes mixup's soft labels
     val_criterion = torch.nn.CrossEntropyLoss(label_smoothing=args.label_smoothing, reduction="sum")
-    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.mom, weight_decay=args.wd)
-    log(f"optimizer: SGD(lr={args.lr}, momentum={args.mom}, weight_decay={args.wd})")
+    try:
+        optimizer = optim.build_optimizer(args.optimizer, optim.param_groups(model_without_ddp, args.wd, args.no_wd_norm_bias),
+                                          lr=args.lr, momentum=args.mom, weight_decay=args.wd)
+    except ValueError as err:
+        fail(str(err))
+    log(f"optimizer: {args.optimizer} (lr {args.lr}, momentum {args.mom}, weight decay {args.wd}"
+        f"{', none on norms and biases' if args.no_wd_norm_bias else ''}); {optim.lr_scaling_line(args.lr, step_batch_size)}")
     scaler = torch.amp.GradScaler(device.type, enabled=args.amp and amp_dtype == torch.float16)
     autocast = (lambda: torch.autocast(device.type, dtype=amp_dtype)) if args.amp else contextlib.nullcontext
 
@@ -306,7 +412,25 @@ def train(args):
         fail(f"--batch-size {mini_batch_size} with --drop-last leaves no batch: the training set has "
              f"{len(train_set) // world_size} images per process; lower --batch-size or use --no-drop-last")
 
-    scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=args.lr, steps_per_epoch=N_batch, epochs=args.epochs)
+    if args.loader_only:
+        metrics = measure_loader(train_loader, train_sampler, args.test_nsteps, args.num_workers, distributed, log)
+        metrics.update(world_size=world_size, global_batch_size=global_batch_size)
+        if is_main and args.metrics_json:
+            write_json(args.metrics_json, metrics)
+        return metrics
+
+    steps_per_epoch = math.ceil(N_batch / args.grad_acc)  # optimizer steps: what schedules and logs count
+    total_steps = args.epochs * steps_per_epoch
+    scheduler, lr_finder = None, None
+    try:
+        if args.findlr:  # the course's range test: the finder sets the lr of every step, no scheduler
+            lr_finder = optim.LRFinder(optimizer, 1e-8, args.lr, min(total_steps, args.test_nsteps) if args.test else total_steps)
+        else:
+            scheduler = optim.build_scheduler(args.lr_scheduler, optimizer, args.lr, total_steps,
+                                              warmup_steps=round(args.warmup_epochs * steps_per_epoch))
+    except ValueError as err:
+        fail(str(err))
+    mix = batch_mixing(args, len(classes))
 
     # ================================ INITIALISATION: resume, W&B, signals ================================
     start_epoch, start_batch, global_step, wandb_id, resumed_from = 0, 0, 0, None, None
@@ -328,9 +452,12 @@ def train(args):
             except RuntimeError as err:
                 fail(f"--resume {resumed_from}: the weights do not fit --arch {args.arch} with {len(classes)} classes "
                      f"({str(err).splitlines()[0][:120]})")
+            if ema is not None and state.get("ema") is not None:
+                ema.load_state_dict(state["ema"])
             if not args.eval_only:
                 optimizer.load_state_dict(state["optimizer"])
-                scheduler.load_state_dict(state["scheduler"])
+                if scheduler is not None:
+                    scheduler.load_state_dict(state["scheduler"])
                 scaler.load_state_dict(state["scaler"])
                 start_epoch, start_batch, global_step = state["epoch"], state["batch"], state["global_step"]
                 wandb_id = state.get("wandb_id")
@@ -342,18 +469,19 @@ def train(args):
                 f"global step {state['global_step']})")
 
     run = None
-    if is_main and args.wandb and not args.test and not args.eval_only and args.wandb_mode != "disabled":
+    if is_main and args.wandb and not args.test and not args.eval_only and not args.findlr and args.wandb_mode != "disabled":
         import wandb  # imported here: slow to import, and never needed in --test
         os.environ.setdefault("WANDB_SILENT", "true")
         run = wandb.init(project=args.wandb_project, name=output_dir.name, dir=str(output_dir), mode=args.wandb_mode,
                          config=dict(vars(args), architecture=args.arch, world_size=world_size,
-                                     global_batch_size=global_batch_size, optimizer="SGD", lr_scheduler="OneCycleLR"),
+                                     global_batch_size=step_batch_size),
                          id=wandb_id, resume="allow" if wandb_id else None)
         wandb_id = run.id
 
     def save_checkpoint(epoch, batch):
         state = dict(model=model_without_ddp.state_dict(), optimizer=optimizer.state_dict(),
-                     scheduler=scheduler.state_dict(), scaler=scaler.state_dict(), epoch=epoch, batch=batch,
+                     scheduler=scheduler.state_dict() if scheduler is not None else None,
+                     ema=ema.state_dict() if ema is not None else None, scaler=scaler.state_dict(), epoch=epoch, batch=batch,
                      global_step=global_step, args=vars(args), wandb_id=wandb_id,
                      rng=dict(torch=torch.get_rng_state(), python=random.getstate(),
                               cuda=torch.cuda.get_rng_state(device) if device.type == "cuda" else None))
@@ -362,30 +490,30 @@ def train(args):
         return path
 
     # ================================ VALIDATION (a function: also used by --eval-only) ================================
-    def validate(max_batches=None):
+    def validate(net, max_batches=None):
         """Loss and top-1 over exactly the images this run evaluates, summed on every rank then all-reduced."""
         if distributed:  # BN statistics drift per rank in training: validate rank 0's model, as checkpointed
-            for buffer in model_without_ddp.buffers():
+            for buffer in net.buffers():
                 dist.broadcast(buffer, 0)
-        model_without_ddp.eval()
+        net.eval()
         totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, images
         with torch.no_grad():
             for iv, (val_images, val_labels) in enumerate(val_batches):
                 if max_batches is not None and iv >= max_batches:
                     break
                 with autocast():
-                    val_outputs = model_without_ddp(val_images)
+                    val_outputs = net(val_images)
                 loss = val_criterion(val_outputs.float(), val_labels)
                 totals += torch.stack([loss.double(), (val_outputs.argmax(1) == val_labels).sum().double(),
                                        torch.tensor(val_labels.numel(), dtype=torch.float64, device=device)])
         if distributed:
             dist.all_reduce(totals)
-        model_without_ddp.train()
+        net.train()
         loss_sum, correct, count = totals.tolist()
         return loss_sum / max(count, 1), correct / max(count, 1), int(count)
 
     val_max_batches = 20 if args.test else None
-    metrics = dict(world_size=world_size, global_batch_size=global_batch_size, steps=0, epochs=0, train_loss=None,
+    metrics = dict(world_size=world_size, global_batch_size=step_batch_size, steps=0, epochs=0, train_loss=None,
                    val_loss=None, val_accuracy=None, val_images=0, images_per_second=None,
                    compute_dtype=args.amp_dtype if args.amp else ("tf32" if args.tf32 else "float32"))
 
@@ -393,7 +521,7 @@ def train(args):
     run_start = time.perf_counter()
     if args.eval_only:
         chrono.validation()
-        val_loss, val_accuracy, val_images = validate(val_max_batches)
+        val_loss, val_accuracy, val_images = validate(model_without_ddp, val_max_batches)
         chrono.validation()
         log(f"##EVALUATION## {resumed_from}: Validation Loss: {val_loss:.4f}, Validation Accuracy: {val_accuracy:.4f} "
             f"({val_images} images, {chrono.val_time:.1f} s)")
@@ -401,12 +529,23 @@ def train(args):
         return finish(args, metrics, device, chrono, None, is_main, distributed)
 
     # ================================ TRAINING ================================
-    log_lines = math.ceil(N_batch / 10)  # 10 console lines per epoch, as in the course
+    # 10 console lines per epoch, as in the course, at optimizer-step boundaries.
+    log_lines = math.ceil(math.ceil(N_batch / 10) / args.grad_acc) * args.grad_acc
     interactive = sys.stdout.isatty() and "SLURM_JOB_ID" not in os.environ
-    timed_steps, timed_seconds = 0, 0.0  # steady-state throughput, measured between synchronised log points
-    last_mark = None
-    warmup_steps = LOG_EVERY  # the first steps (cuDNN autotuning, allocator, workers starting) are not counted
+    micro_steps, timed_micro_steps, timed_seconds = 0, 0, 0.0  # steady-state throughput between synchronised points
+    warmup_micro_steps = LOG_EVERY * args.grad_acc  # cuDNN autotuning, allocator, workers starting: not counted
     stop_reason = None
+    label = torch.profiler.record_function if args.prof else (lambda name: contextlib.nullcontext())
+    profiler = None
+    if args.prof:
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if device.type == "cuda":
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        profiler = torch.profiler.profile(
+            activities=activities,
+            schedule=torch.profiler.schedule(wait=args.prof_wait, warmup=args.prof_warmup, active=args.prof_active, repeat=1),
+            on_trace_ready=torch.profiler.tensorboard_trace_handler(str(output_dir / "profiler"), worker_name=f"rank{rank}"))
+        profiler.start()
     model.train()
     for epoch in range(start_epoch, args.epochs):
         first_batch = start_batch if epoch == start_epoch else 0
@@ -423,46 +562,73 @@ def train(args):
         batches = iter(train_batches)
         while True:
             chrono.dataload()
-            try:
-                images, labels = next(batches)
-            except StopIteration:
-                chrono.dataload()  # the end-of-epoch wait is not recorded as a load: no step follows it
-                break
+            with label("data_loading"):
+                try:
+                    images, labels = next(batches)
+                except StopIteration:
+                    chrono.dataload()  # the end-of-epoch wait is not recorded as a load: no step follows it
+                    break
             chrono.dataload()
             i += 1
+            micro_steps += 1
             if i == first_batch and epoch == start_epoch:
                 log(f"image batch shape: {tuple(images.shape)}, dtype {images.dtype}")
+            targets = labels
+            if mix is not None:  # soft labels; the loss and the train accuracy take them as they are
+                images, targets = mix(images, labels)
+            last_of_epoch = i == N_batch - 1
+            optimizer_step = (i + 1) % args.grad_acc == 0 or last_of_epoch
+            # Accumulating micro-batches: no gradient all-reduce until the last one.
+            sync_context = model.no_sync if (distributed and not optimizer_step) else contextlib.nullcontext
 
             chrono.forward()
-            optimizer.zero_grad(set_to_none=True)
-            with autocast():
-                outputs = model(images)
-                loss = criterion(outputs, labels)
-            chrono.forward()
+            with sync_context():
+                with autocast():
+                    with label("forward"):
+                        outputs = model(images)
+                    with label("loss"):
+                        loss = criterion(outputs, targets)
+                chrono.forward()
 
+                chrono.backward()
+                with label("backward"):
+                    scaler.scale(loss / args.grad_acc).backward()
+            if optimizer_step:
+                with label("optimizer_step"):
+                    scaler.step(optimizer)
+                    scaler.update()
+                    optimizer.zero_grad(set_to_none=True)
+                    if ema is not None:
+                        ema.update_parameters(model_without_ddp)
             chrono.backward()
-            scaler.scale(loss).backward()
-            scaler.step(optimizer)
-            scaler.update()
-            chrono.backward()
-            scheduler.step()
+            if profiler is not None:
+                profiler.step()
+            if i == first_batch and epoch == start_epoch:
+                chrono.first_step_done()  # includes start-up, cuDNN autotuning and torch.compile
+            if not optimizer_step:
+                continue
             global_step += 1
-            if global_step == 1 or (i == first_batch and epoch == start_epoch):
-                chrono.first_step_done()
+            if scheduler is not None:
+                scheduler.step()
 
             # Metrics stay on the device: no host synchronisation except at log points.
             with torch.no_grad():
                 loss_d = loss.detach().double()
-                batch_stats = torch.stack([loss_d * labels.numel(), (outputs.argmax(1) == labels).sum().double(),
+                batch_stats = torch.stack([loss_d * labels.numel(),
+                                           optim.soft_target_accuracy(outputs, targets).double() * labels.numel(),
                                            torch.tensor(labels.numel(), dtype=torch.float64, device=device)])
                 running += batch_stats
                 epoch_totals += batch_stats
                 first_nonfinite = torch.where((first_nonfinite < 0) & ~torch.isfinite(loss_d),
                                               torch.tensor(float(global_step), dtype=torch.float64, device=device),
                                               first_nonfinite)
+            if lr_finder is not None:  # the range test needs every step's loss: one synchronisation per step
+                lr_finder.step(loss.item(), batch_stats[1].item() / labels.numel())
+                if not math.isfinite(lr_finder.losses[-1]) or global_step >= lr_finder.num_steps:
+                    break
+                continue
 
             end_of_test = args.test and global_step >= args.test_nsteps
-            last_of_epoch = i == N_batch - 1
             console_line = (i + 1) % log_lines == 0 or last_of_epoch or end_of_test
             if global_step % LOG_EVERY == 0 or console_line:
                 # One small all-reduce: the ranks agree on a stop signal or a NaN loss (the signal may reach them
@@ -473,10 +639,10 @@ def train(args):
                     dist.all_reduce(control, op=dist.ReduceOp.MAX)
                 stop_requested, bad_step = control.tolist()  # synchronises with the device
                 now = time.perf_counter()
-                if last_mark is not None and last_mark[0] >= warmup_steps:
-                    timed_steps += global_step - last_mark[0]
+                if last_mark is not None and last_mark[0] >= warmup_micro_steps:
+                    timed_micro_steps += micro_steps - last_mark[0]
                     timed_seconds += now - last_mark[1]
-                last_mark = (global_step, now)
+                last_mark = (micro_steps, now)
                 if bad_step >= 0:
                     kept = ckpt.list_checkpoints(output_dir) if output_dir.is_dir() else []
                     where = f"; last good checkpoint kept: {kept[-1]}" if kept else "; no checkpoint written"
@@ -485,10 +651,10 @@ def train(args):
                 if run is not None and global_step % LOG_EVERY == 0:
                     loss_sum, correct, count = running.tolist()
                     run.log({"train loss": loss.item(), "train accuracy": correct / max(count, 1),
-                             "learning rate": scheduler.get_last_lr()[0]}, step=global_step)
+                             "learning rate": optimizer.param_groups[0]["lr"]}, step=global_step)
                 if console_line:
                     loss_sum, correct, count = running.tolist()
-                    rate = timed_steps * global_batch_size / timed_seconds if timed_seconds else float("nan")
+                    rate = timed_micro_steps * global_batch_size / timed_seconds if timed_seconds else float("nan")
                     line = (f"Epoch {epoch + 1}/{args.epochs}, Step {i + 1}/{N_batch}, Time: {time.perf_counter() - run_start:.3f}, "
                             f"Loss: {loss_sum / max(count, 1):.4f}, Acc: {correct / max(count, 1):.4f}, "
                             f"{rate:.1f} images/s")
@@ -514,6 +680,11 @@ def train(args):
         metrics.update(train_loss=loss_sum / max(count, 1), train_accuracy=correct / max(count, 1))
         metrics["steps"] = global_step
 
+        if lr_finder is not None:
+            if lr_finder.losses and (not math.isfinite(lr_finder.losses[-1]) or global_step >= lr_finder.num_steps):
+                break
+            continue  # the sweep goes on over the next epoch, without validation
+
         if stop_reason:
             # Preempted or at the time limit: checkpoint mid-epoch, requeue under Slurm, exit cleanly.
             log(f"{stop_reason} received: saving a checkpoint at epoch {epoch + 1}, step {i + 1}/{N_batch}")
@@ -531,13 +702,18 @@ def train(args):
 
         # ================================ VALIDATION ================================
         chrono.validation()
-        val_loss, val_accuracy, val_images = validate(val_max_batches)
+        val_loss, val_accuracy, val_images = validate(model_without_ddp, val_max_batches)
         chrono.validation()
         metrics.update(val_loss=val_loss, val_accuracy=val_accuracy, val_images=val_images, epochs=epoch + 1)
         log("##EVALUATION STEP##")
         log(f"Epoch [{epoch + 1}/{args.epochs}], Validation Loss: {val_loss:.4f}, Validation Accuracy: "
             f"{val_accuracy:.4f} ({val_images} images)")
         log(f">>> Validation complete in: {chrono.val_time:.2f} s")
+        if ema is not None:
+            ema_loss, ema_accuracy, _ = validate(ema.module, val_max_batches)
+            metrics.update(ema_val_loss=ema_loss, ema_val_accuracy=ema_accuracy)
+            log(f"Epoch [{epoch + 1}/{args.epochs}], EMA model: Validation Loss: {ema_loss:.4f}, "
+                f"Validation Accuracy: {ema_accuracy:.4f}")
         if run is not None:
             run.log({"test accuracy": val_accuracy, "test loss": val_loss, "epoch": epoch + 1}, step=global_step)
 
@@ -546,9 +722,22 @@ def train(args):
             save_checkpoint(epoch + 1, 0)
         if args.test:
             break
+    if profiler is not None:
+        profiler.stop()
+        log(f">>> Profiler traces: {output_dir / 'profiler'} (tensorboard --logdir {output_dir / 'profiler'}, "
+            "or open the .json in https://ui.perfetto.dev)")
+    if lr_finder is not None and is_main:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        lr_finder.write_csv(output_dir / "findlr.csv")
+        lr_finder.plot(output_dir / "findlr.png")
+        suggested, rule = lr_finder.suggestion()
+        metrics.update(findlr_suggested_lr=suggested, findlr_csv=str(output_dir / "findlr.csv"))
+        print(f">>> LR finder: {len(lr_finder.lrs)} steps from {lr_finder.lrs[0]:.2e} to {lr_finder.lrs[-1]:.2e}; "
+              f"suggested --lr {suggested:.3g} ({rule})")
+        print(f">>> LR finder: {output_dir / 'findlr.csv'}, {output_dir / 'findlr.png'}")
 
     # ================================ REPORT ================================
-    metrics["images_per_second"] = timed_steps * global_batch_size / timed_seconds if timed_seconds else None
+    metrics["images_per_second"] = timed_micro_steps * global_batch_size / timed_seconds if timed_seconds else None
     metrics["grad_scaler_scale"] = scaler.get_scale() if scaler.is_enabled() else None  # float16 loss scale
     flops = None
     if args.test and is_main:
@@ -593,14 +782,43 @@ def finish(args, metrics, device, chrono, run, is_main, distributed, ctx=None, n
         if metrics.get("images_per_second"):
             print(f">>> Throughput (steady state, all ranks): {metrics['images_per_second']:.1f} images/s")
         if args.metrics_json:
-            Path(args.metrics_json).parent.mkdir(parents=True, exist_ok=True)
-            tmp = f"{args.metrics_json}.tmp{os.getpid()}"
-            with open(tmp, "w") as f:
-                json.dump(metrics, f, indent=2, default=float)
-            os.replace(tmp, args.metrics_json)
+            write_json(args.metrics_json, metrics)
     if run is not None:
         run.finish()
     return metrics
+
+
+def write_json(path, obj):
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=2, default=float)
+    os.replace(tmp, path)
+
+
+def measure_loader(loader, sampler, nsteps, num_workers, distributed, log):
+    """--loader-only: batches/s of the DataLoader alone, after the workers' start-up, summed over the ranks."""
+    warmup = max(1, min(10, nsteps // 5))  # worker start-up and first prefetches are not the steady state
+    images, epoch, t0, done = 0, 0, None, 0
+    while done < warmup + nsteps:
+        sampler.set_epoch(epoch)
+        for batch_images, _ in loader:
+            done += 1
+            if done == warmup:
+                t0 = time.perf_counter()
+            elif done > warmup:
+                images += batch_images.shape[0]
+            if done >= warmup + nsteps:
+                break
+        epoch += 1
+    rate = images / (time.perf_counter() - t0)
+    total = sum(_all_gather_object(rate)) if distributed else rate
+    per_worker = rate / num_workers if num_workers else rate
+    log(f">>> DataLoader alone: {rate:.1f} images/s per process ({per_worker:.1f} per worker, {num_workers} workers), "
+        f"{total:.1f} images/s for all processes, over {nsteps} batches after {warmup} warm-up batches")
+    log(f">>> A GPU eating 2,500 images/s (ResNet-50, AMP, A100) needs about {math.ceil(2500 / per_worker)} such workers")
+    return dict(loader_images_per_second=total, loader_images_per_second_per_process=rate,
+                loader_images_per_second_per_worker=per_worker, loader_batches=nsteps, num_workers=num_workers)
 
 
 def _all_gather_object(obj):

@@ -222,3 +222,19 @@ def test_resume_refuses_foreign_file(tiny_data, tmp_path):
     torch.save({"state_dict": {}}, foreign)
     proc = run_dlojz(*SMALL, "--data-root", tiny_data, "--eval-only", "--resume", foreign, "--output-dir", tmp_path)
     assert_one_line_error(proc, "--resume", "not written by dlojz")
+
+
+def test_loader_only_reports_images_per_second(tiny_data, tmp_path):
+    metrics = tmp_path / "m.json"
+    proc = run_dlojz(*SMALL, "--data-root", tiny_data, "-b", "8", "--loader-only", "--test-nsteps", "12",
+                     "--num-workers", "2", "--metrics-json", metrics, "--output-dir", tmp_path)
+    assert proc.returncode == 0, show(proc)
+    m = read_json(metrics)
+    assert m["loader_images_per_second"] > 0 and m["loader_batches"] == 12  # 12 batches > 9 per epoch: wraps
+    assert m["loader_images_per_second_per_worker"] == pytest.approx(m["loader_images_per_second"] / 2)
+    assert "DataLoader alone" in proc.stdout and "per worker" in proc.stdout
+
+
+def test_loader_only_with_synthetic_is_refused(tmp_path):
+    proc = run_dlojz(*SMALL, "--synthetic", "--loader-only", "--output-dir", tmp_path)
+    assert_one_line_error(proc, "--loader-only", "--synthetic")
