@@ -1,0 +1,138 @@
+"""The course's optimisation toolbox as dlojz.py flags (issue 6), end to end on the CPU."""
+import csv
+import gzip
+import shutil
+
+import pytest
+import torch
+
+from conftest import SMALL, read_json, run_dlojz, show
+from test_dlojz import assert_one_line_error
+
+
+@pytest.fixture(scope="module")
+def eight_images(tmp_path_factory):
+    """8 train images: one epoch is 2 optimizer steps of 4 images, or 2 of 2 x 2 accumulated micro-batches."""
+    from dlojz_data import make_embedded_dataset
+    return make_embedded_dataset(tmp_path_factory.mktemp("data") / "eight", n_classes=2, train_per_class=4,
+                                 val_per_class=1, size=(48, 40))
+
+
+def weights(out):
+    return torch.load(out / (out / "latest").read_text().strip(), weights_only=True)["model"]
+
+
+def test_grad_acc_gives_the_same_update_as_one_big_batch(eight_images, tmp_path):
+    """ViT-B/32: LayerNorm and no dropout, so a batch of 4 and 2 x 2 accumulated are the same computation.
+    lr 1 makes the update large: a missing 1/N loss scaling or an extra optimizer step would show."""
+    common = ["--device", "cpu", "--arch", "vit_b_32", "--image-size", "224", "--val-resize-size", "224",
+              "--val-crop-size", "224", "--val-batch-size", "2", "--num-workers", "0", "--data-root", eight_images,
+              "--epochs", "1", "--optimizer", "sgd", "--mom", "0", "--lr", "1", "--lr-scheduler", "constant",
+              "--label-smoothing", "0", "--no-wandb"]
+    one = run_dlojz(*common, "-b", "4", "--output-dir", tmp_path / "one", "--metrics-json", tmp_path / "one.json")
+    acc = run_dlojz(*common, "-b", "2", "--grad-acc", "2", "--output-dir", tmp_path / "acc",
+                    "--metrics-json", tmp_path / "acc.json")
+    assert one.returncode == 0, show(one)
+    assert acc.returncode == 0, show(acc)
+    assert read_json(tmp_path / "one.json")["steps"] == read_json(tmp_path / "acc.json")["steps"] == 2
+    assert read_json(tmp_path / "acc.json")["global_batch_size"] == 4
+    a, b = weights(tmp_path / "one"), weights(tmp_path / "acc")
+    for key in a:
+        assert torch.allclose(a[key].float(), b[key].float(), rtol=1e-5, atol=1e-6), key
+    shutil.rmtree(tmp_path)  # 2 x 350 MB
+
+
+def test_grad_checkpointing_gives_the_same_gradients(tiny_data, tmp_path):
+    """Same run with and without activation checkpointing: the trained parameters are the same (BN running
+    statistics are left out: the recomputation updates them a second time, as in torch and timm)."""
+    common = [*SMALL, "--data-root", tiny_data, "-b", "8", "--epochs", "1", "--optimizer", "sgd", "--mom", "0",
+              "--lr", "0.5", "--lr-scheduler", "constant", "--no-wandb"]
+    plain = run_dlojz(*common, "--output-dir", tmp_path / "plain")
+    ckpt = run_dlojz(*common, "--grad-checkpointing", "--output-dir", tmp_path / "ckpt")
+    assert plain.returncode == 0, show(plain)
+    assert ckpt.returncode == 0, show(ckpt)
+    a, b = weights(tmp_path / "plain"), weights(tmp_path / "ckpt")
+    params = [k for k in a if not k.endswith(("running_mean", "running_var", "num_batches_tracked"))]
+    assert len(params) > 50
+    for key in params:
+        assert torch.allclose(a[key], b[key], rtol=1e-5, atol=1e-6), key
+
+
+def test_findlr_writes_csv_png_and_a_suggestion_in_range(tiny_data, tmp_path):
+    metrics = tmp_path / "m.json"
+    proc = run_dlojz(*SMALL, "--data-root", tiny_data, "-b", "8", "--findlr", "--test", "--test-nsteps", "16",
+                     "--lr", "10", "--output-dir", tmp_path, "--metrics-json", metrics)
+    assert proc.returncode == 0, show(proc)
+    rows = list(csv.DictReader((tmp_path / "findlr.csv").open()))
+    assert 2 <= len(rows) <= 16
+    lrs = [float(r["lr"]) for r in rows]
+    assert lrs[0] == pytest.approx(1e-8) and all(b > a for a, b in zip(lrs, lrs[1:]))  # exponential sweep up
+    assert (tmp_path / "findlr.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    suggested = read_json(metrics)["findlr_suggested_lr"]
+    assert lrs[0] <= suggested <= lrs[-1]
+    assert "suggested --lr" in proc.stdout
+    assert "Validation" not in proc.stdout  # the range test does not validate
+
+
+def test_profiler_trace_has_the_labels(tiny_data, tmp_path):
+    proc = run_dlojz(*SMALL, "--data-root", tiny_data, "-b", "8", "--test", "--test-nsteps", "5", "--prof",
+                     "--prof-wait", "1", "--prof-warmup", "1", "--prof-active", "2", "--output-dir", tmp_path)
+    assert proc.returncode == 0, show(proc)
+    traces = list((tmp_path / "profiler").glob("rank0*.json*"))
+    assert len(traces) == 1, list((tmp_path / "profiler").iterdir())
+    raw = traces[0].read_bytes()
+    text = (gzip.decompress(raw) if traces[0].suffix == ".gz" else raw).decode()
+    for name in ("data_loading", "forward", "loss", "backward", "optimizer_step"):
+        assert f'"name": "{name}"' in text or f'"name":"{name}"' in text, name
+
+
+def test_mixup_cutmix_and_policies_run_with_accuracy_in_range(tiny_data, tmp_path):
+    metrics = tmp_path / "m.json"
+    proc = run_dlojz(*SMALL, "--data-root", tiny_data, "-b", "8", "--test", "--test-nsteps", "4",
+                     "--mixup-alpha", "0.2", "--cutmix-alpha", "1.0", "--randaugment", "2", "9", "--trivialaugment",
+                     "--random-erase", "0.5", "--metrics-json", metrics, "--output-dir", tmp_path)
+    assert proc.returncode == 0, show(proc)
+    m = read_json(metrics)
+    assert 0.0 <= m["train_accuracy"] <= 1.0 and m["train_loss"] > 0
+
+
+def test_optimizer_schedule_ema_and_scaling_rule(tiny_data, tmp_path):
+    metrics = tmp_path / "m.json"
+    proc = run_dlojz(*SMALL, "--data-root", tiny_data, "-b", "8", "--epochs", "2", "--optimizer", "lamb",
+                     "--lr-scheduler", "cosine", "--warmup-epochs", "1", "--wd", "0.05", "--no-wd-norm-bias",
+                     "--model-ema", "--model-ema-decay", "0.9", "--no-wandb", "--metrics-json", metrics,
+                     "--output-dir", tmp_path)
+    assert proc.returncode == 0, show(proc)
+    assert "per 256 images (linear scaling rule)" in proc.stdout
+    m = read_json(metrics)
+    assert 0 <= m["ema_val_accuracy"] <= 1 and m["ema_val_loss"] > 0
+    state = torch.load(tmp_path / (tmp_path / "latest").read_text().strip(), weights_only=True)
+    assert state["ema"] is not None and state["scheduler"]["last_epoch"] == 18
+    decays = sorted({g["weight_decay"] for g in state["optimizer"]["param_groups"]})
+    assert decays == [0.0, 0.05]
+
+
+def test_compile_runs_a_few_steps(tiny_data, tmp_path):
+    if shutil.which("cc") is None and shutil.which("gcc") is None:
+        pytest.skip("torch.compile needs a C compiler on the CPU: none found")
+    metrics = tmp_path / "m.json"
+    proc = run_dlojz(*SMALL, "--data-root", tiny_data, "-b", "8", "--test", "--test-nsteps", "3", "--compile",
+                     "--metrics-json", metrics, "--output-dir", tmp_path, timeout=900)
+    assert proc.returncode == 0, show(proc)
+    m = read_json(metrics)
+    chrono = m["chrono"]
+    # compilation is shown apart (time to the first step) and kept out of the step statistics
+    assert chrono["time_to_first_step_s"] > chrono["step_median_s"] and chrono["measured_steps"] == 2
+
+
+@pytest.mark.parametrize("flags, fragments", [
+    (["--findlr", "--eval-only", "--resume", "x.pt"], ["--findlr", "--eval-only"]),
+    (["--grad-acc", "0"], ["--grad-acc"]),
+    (["--optimizer", "adamx"], ["--optimizer"]),
+    (["--lr-scheduler", "poly"], ["--lr-scheduler"]),
+    (["--sync-bn"], ["--sync-bn", "CUDA"]),
+    (["--model-ema", "--model-ema-decay", "1.5"], ["--model-ema-decay"]),
+])
+def test_incompatible_or_bad_toolbox_flags(tiny_data, tmp_path, flags, fragments):
+    proc = run_dlojz(*SMALL, "--data-root", tiny_data, *flags, "--output-dir", tmp_path)
+    assert_one_line_error(proc, *fragments)
