@@ -853,6 +853,7 @@ def main(argv=None):
         status = 1
     for loader in LOADERS:
         close_loader(loader)
+    LOADERS.clear()
     if dist.is_available() and dist.is_initialized():
         if status == 0:
             dist.destroy_process_group()

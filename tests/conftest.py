@@ -5,6 +5,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import signal
+from types import SimpleNamespace
+
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -54,3 +57,24 @@ def tiny_data(tmp_path_factory):
 def embedded_cache(tmp_path_factory):
     """An XDG cache in which dlojz generates its embedded data set (once for the session)."""
     return tmp_path_factory.mktemp("xdg-cache")
+
+
+@pytest.fixture
+def run_inline(capsys, monkeypatch):
+    """Run dlojz.main(argv) inside the test process (no interpreter start-up, torch already imported): for the
+    runs that stop before training, i.e. the bad-input paths. Returns an object shaped like CompletedProcess."""
+    import dlojz
+    for key in list(os.environ):
+        if key.startswith(("SLURM_", "TORCHELASTIC_", "DLOJZ_", "WANDB_")) or key in ("ALL_CCFRSCRATCH", "DSDIR"):
+            monkeypatch.delenv(key)
+
+    def run(*args):
+        saved = {s: signal.getsignal(s) for s in (signal.SIGUSR1, signal.SIGTERM)}
+        try:
+            status = dlojz.main([str(a) for a in args])
+        finally:
+            for s, handler in saved.items():
+                signal.signal(s, handler)
+        out = capsys.readouterr()
+        return SimpleNamespace(returncode=status, stdout=out.out, stderr=out.err)
+    return run

@@ -125,30 +125,30 @@ def test_non_test_run_leaves_wandb_offline_files(tiny_data, tmp_path):
 
 
 # ----------------------------------------------------------------------------- bad input: one line, exit 2
-def test_missing_data_root(tmp_path):
-    proc = run_dlojz(*SMALL, "--data-root", tmp_path / "nope", "--output-dir", tmp_path)
+def test_missing_data_root(tmp_path, run_inline):
+    proc = run_inline(*SMALL, "--data-root", tmp_path / "nope", "--output-dir", tmp_path)
     assert_one_line_error(proc, "--data-root", "no such directory")
 
 
-def test_empty_data_root(tmp_path):
+def test_empty_data_root(tmp_path, run_inline):
     (tmp_path / "empty").mkdir()
-    proc = run_dlojz(*SMALL, "--data-root", tmp_path / "empty", "--output-dir", tmp_path)
+    proc = run_inline(*SMALL, "--data-root", tmp_path / "empty", "--output-dir", tmp_path)
     assert_one_line_error(proc, "missing or empty")
 
 
-def test_layout_neither_imagenet_nor_imagefolder(tmp_path):
+def test_layout_neither_imagenet_nor_imagefolder(tmp_path, run_inline):
     root = tmp_path / "flat"
     (root / "train").mkdir(parents=True)
     (root / "train" / "a.jpg").write_bytes(b"x")
-    proc = run_dlojz(*SMALL, "--data-root", root, "--output-dir", tmp_path)
+    proc = run_inline(*SMALL, "--data-root", root, "--output-dir", tmp_path)
     assert_one_line_error(proc, "train/<class>/", "ImageFolder")
 
 
-def test_train_and_val_classes_differ(tiny_data, tmp_path):
+def test_train_and_val_classes_differ(tiny_data, tmp_path, run_inline):
     root = tmp_path / "mismatch"
     shutil.copytree(tiny_data, root)
     shutil.rmtree(root / "val" / "disc")
-    proc = run_dlojz(*SMALL, "--data-root", root, "--output-dir", tmp_path)
+    proc = run_inline(*SMALL, "--data-root", root, "--output-dir", tmp_path)
     assert_one_line_error(proc, "different classes", "disc")
 
 
@@ -163,19 +163,19 @@ def test_unreadable_image_is_skipped_with_its_name(tiny_data, tmp_path):
     assert f"skipping unreadable image {bad}" in proc.stderr
 
 
-def test_batch_larger_than_dataset_with_drop_last(tiny_data, tmp_path):
-    proc = run_dlojz(*SMALL, "--data-root", tiny_data, "-b", "100", "--drop-last", "--output-dir", tmp_path)
+def test_batch_larger_than_dataset_with_drop_last(tiny_data, tmp_path, run_inline):
+    proc = run_inline(*SMALL, "--data-root", tiny_data, "-b", "100", "--drop-last", "--output-dir", tmp_path)
     assert_one_line_error(proc, "--batch-size 100", "--drop-last")
 
 
-def test_unknown_arch(tiny_data, tmp_path):
-    proc = run_dlojz("--device", "cpu", "--arch", "resnet51", "--data-root", tiny_data, "--output-dir", tmp_path)
+def test_unknown_arch(tiny_data, tmp_path, run_inline):
+    proc = run_inline("--device", "cpu", "--arch", "resnet51", "--data-root", tiny_data, "--output-dir", tmp_path)
     assert_one_line_error(proc, "--arch resnet51", "resnet50")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a GPU")
-def test_cuda_without_gpu(tmp_path):
-    proc = run_dlojz("--device", "cuda", "--synthetic", "--output-dir", tmp_path)
+def test_cuda_without_gpu(tmp_path, run_inline):
+    proc = run_inline("--device", "cuda", "--synthetic", "--output-dir", tmp_path)
     assert_one_line_error(proc, "--device cuda", "no CUDA GPU")
 
 
@@ -191,10 +191,10 @@ def test_autocast_dtype_that_cannot_run(monkeypatch):
         dlojz.check_autocast(torch.device("cpu"), torch.float16)
 
 
-def test_unwritable_output_dir(tiny_data, tmp_path):
+def test_unwritable_output_dir(tiny_data, tmp_path, run_inline):
     blocker = tmp_path / "file"
     blocker.write_text("a file, not a folder")
-    proc = run_dlojz(*SMALL, "--data-root", tiny_data, "--output-dir", blocker / "run")
+    proc = run_inline(*SMALL, "--data-root", tiny_data, "--output-dir", blocker / "run")
     assert_one_line_error(proc, "--output-dir", "not writable")
 
 
@@ -212,15 +212,15 @@ def test_nan_loss_stops_with_step_and_keeps_checkpoint(tiny_data, tmp_path, trai
     assert sorted(p.name for p in out.glob("ckpt_*.pt")) == [trained_checkpoint.name]
 
 
-def test_eval_only_needs_resume(tmp_path):
-    proc = run_dlojz(*SMALL, "--synthetic", "--eval-only", "--output-dir", tmp_path)
+def test_eval_only_needs_resume(tmp_path, run_inline):
+    proc = run_inline(*SMALL, "--synthetic", "--eval-only", "--output-dir", tmp_path)
     assert_one_line_error(proc, "--eval-only", "--resume")
 
 
-def test_resume_refuses_foreign_file(tiny_data, tmp_path):
+def test_resume_refuses_foreign_file(tiny_data, tmp_path, run_inline):
     foreign = tmp_path / "foreign.pt"
     torch.save({"state_dict": {}}, foreign)
-    proc = run_dlojz(*SMALL, "--data-root", tiny_data, "--eval-only", "--resume", foreign, "--output-dir", tmp_path)
+    proc = run_inline(*SMALL, "--data-root", tiny_data, "--eval-only", "--resume", foreign, "--output-dir", tmp_path)
     assert_one_line_error(proc, "--resume", "not written by dlojz")
 
 
@@ -235,6 +235,6 @@ def test_loader_only_reports_images_per_second(tiny_data, tmp_path):
     assert "DataLoader alone" in proc.stdout and "per worker" in proc.stdout
 
 
-def test_loader_only_with_synthetic_is_refused(tmp_path):
-    proc = run_dlojz(*SMALL, "--synthetic", "--loader-only", "--output-dir", tmp_path)
+def test_loader_only_with_synthetic_is_refused(tmp_path, run_inline):
+    proc = run_inline(*SMALL, "--synthetic", "--loader-only", "--output-dir", tmp_path)
     assert_one_line_error(proc, "--loader-only", "--synthetic")

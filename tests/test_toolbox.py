@@ -133,6 +133,6 @@ def test_compile_runs_a_few_steps(tiny_data, tmp_path):
     (["--sync-bn"], ["--sync-bn", "CUDA"]),
     (["--model-ema", "--model-ema-decay", "1.5"], ["--model-ema-decay"]),
 ])
-def test_incompatible_or_bad_toolbox_flags(tiny_data, tmp_path, flags, fragments):
-    proc = run_dlojz(*SMALL, "--data-root", tiny_data, *flags, "--output-dir", tmp_path)
+def test_incompatible_or_bad_toolbox_flags(tiny_data, tmp_path, flags, fragments, run_inline):
+    proc = run_inline(*SMALL, "--data-root", tiny_data, *flags, "--output-dir", tmp_path)
     assert_one_line_error(proc, *fragments)
