@@ -169,20 +169,63 @@ def batch_mixing(args, num_classes):
     return mixes[0] if len(mixes) == 1 else v2.RandomChoice(mixes)
 
 
+def saved_activation_bytes(model, image_size, channels_last, checkpointing, arch):
+    """Bytes per image autograd keeps for the backward of a forward of a CPU copy of `model` (float32), with or
+    without activation checkpointing: what --grad-checkpointing saves, per image, without risking an OOM."""
+    import copy
+    with (contextlib.nullcontext() if checkpointing else plain_stages(model)):
+        net = copy.deepcopy(model).cpu().float().train()
+    if checkpointing and not any(isinstance(m, CheckpointedStage) for m in net.modules()):
+        enable_grad_checkpointing(net, arch)
+    image = torch.randn(2, 3, image_size, image_size)  # 2: BatchNorm refuses a batch of 1 in training mode
+    if channels_last:
+        net, image = net.to(memory_format=torch.channels_last), image.contiguous(memory_format=torch.channels_last)
+    kept = {}
+    weights = {p.untyped_storage().data_ptr() for p in net.parameters()}  # saved too, but they are not activations
+
+    def pack(tensor):
+        if tensor.untyped_storage().data_ptr() not in weights:
+            kept[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        net(image)
+    return sum(kept.values()) // 2
+
+
+class CheckpointedStage:
+    """Mixed into a stage's class: its activations are recomputed in the backward instead of being kept."""
+
+    def forward(self, *inputs):
+        forward = super().forward
+        if torch.is_grad_enabled():
+            return torch.utils.checkpoint.checkpoint(forward, *inputs, use_reentrant=False)
+        return forward(*inputs)
+
+
+@contextlib.contextmanager
+def plain_stages(model):
+    """Temporarily without activation checkpointing: model FLOPs count no recomputation."""
+    stages = [(m, type(m)) for m in model.modules() if isinstance(m, CheckpointedStage)]
+    for module, cls in stages:
+        module.__class__ = cls.__bases__[1]
+    try:
+        yield model
+    finally:
+        for module, cls in stages:
+            module.__class__ = cls
+
+
 def enable_grad_checkpointing(model, arch):
     """Recompute each stage's activations in the backward instead of keeping them (ResNet-like layer1..4, or the
-    children of `.features`). The parameters are untouched, so checkpoints keep their keys."""
+    children of `.features`). Only the stages' classes change: parameters and checkpoint keys stay, copies work."""
     stages = [getattr(model, name) for name in ("layer1", "layer2", "layer3", "layer4") if hasattr(model, name)]
     if not stages and isinstance(getattr(model, "features", None), torch.nn.Sequential):
         stages = list(model.features)
     if not stages:
         fail(f"--grad-checkpointing: --arch {arch} has neither layer1..layer4 nor a .features Sequential to checkpoint")
     for stage in stages:
-        def checkpointed(*inputs, _forward=stage.forward):
-            if torch.is_grad_enabled():
-                return torch.utils.checkpoint.checkpoint(_forward, *inputs, use_reentrant=False)
-            return _forward(*inputs)
-        stage.forward = checkpointed
+        stage.__class__ = type(f"Checkpointed{type(stage).__name__}", (CheckpointedStage, type(stage)), {})
 
 
 def resolve_device(args, local_rank):
@@ -741,7 +784,12 @@ def train(args):
     metrics["grad_scaler_scale"] = scaler.get_scale() if scaler.is_enabled() else None  # float16 loss scale
     flops = None
     if args.test and is_main:
-        flops = train_flops_per_image(model_without_ddp, args.image_size, channels_last)
+        with plain_stages(model_without_ddp):  # model FLOPs: the recomputation is not useful work
+            flops = train_flops_per_image(model_without_ddp, args.image_size, channels_last)
+        if args.grad_checkpointing:  # what checkpointing saves, estimated from one image (float32)
+            plain, kept = (saved_activation_bytes(model_without_ddp, args.image_size, channels_last, c, args.arch)
+                           for c in (False, True))
+            metrics.update(activation_bytes_per_image=kept, activation_bytes_per_image_without_checkpointing=plain)
     ctx = dict(global_batch_size=global_batch_size, world_size=world_size, steps_per_epoch=N_batch,
                val_batches_done=min(val_max_batches or N_val_batch, N_val_batch), val_batches_total=N_val_batch,
                num_workers=args.num_workers, cpus_per_task=cpus_per_task, pin_memory=args.pin_memory,
@@ -773,6 +821,12 @@ def finish(args, metrics, device, chrono, run, is_main, distributed, ctx=None, n
                 print(f">>> Timeline plot: {output_dir / 'timeline.png'}")
             except Exception as err:  # a plot is a bonus: never lose the run for it
                 print(f"WARNING: timeline plot not written: {err}")
+        if metrics.get("activation_bytes_per_image"):
+            kept, plain = metrics["activation_bytes_per_image"], metrics["activation_bytes_per_image_without_checkpointing"]
+            batch = args.batch_size
+            print(f">>> --grad-checkpointing: activations kept for the backward {kept * batch / 2**30:.3f} GiB per batch of "
+                  f"{batch} instead of {plain * batch / 2**30:.3f} GiB (saves {(plain - kept) * batch / 2**30:.3f} GiB; "
+                  f"float32 estimate from one image)")
         if n_batch is not None:
             print(f">>> Number of batch per epoch: {n_batch}")
         if device.type == "cuda":

@@ -136,3 +136,19 @@ def test_compile_runs_a_few_steps(tiny_data, tmp_path):
 def test_incompatible_or_bad_toolbox_flags(tiny_data, tmp_path, flags, fragments, run_inline):
     proc = run_inline(*SMALL, "--data-root", tiny_data, *flags, "--output-dir", tmp_path)
     assert_one_line_error(proc, *fragments)
+
+
+def test_grad_checkpointing_reports_the_memory_it_saves(tiny_data, tmp_path):
+    figures = {}
+    for name, extra in (("plain", []), ("ckpt", ["--grad-checkpointing"])):
+        metrics = tmp_path / f"{name}.json"
+        proc = run_dlojz(*SMALL, "--data-root", tiny_data, "-b", "8", "--test", "--test-nsteps", "2", *extra,
+                         "--metrics-json", metrics, "--output-dir", tmp_path / name)
+        assert proc.returncode == 0, show(proc)
+        figures[name] = read_json(metrics)
+    kept = figures["ckpt"]["activation_bytes_per_image"]
+    plain = figures["ckpt"]["activation_bytes_per_image_without_checkpointing"]
+    assert 0 < kept < plain / 2
+    assert "--grad-checkpointing: activations kept for the backward" in proc.stdout
+    # model FLOPs do not count the recomputation
+    assert figures["ckpt"]["chrono"]["train_flops_per_image"] == figures["plain"]["chrono"]["train_flops_per_image"]
