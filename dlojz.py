@@ -548,7 +548,7 @@ def train(args):
                     val_outputs = net(val_images)
                 loss = val_criterion(val_outputs.float(), val_labels)
                 totals += torch.stack([loss.double(), (val_outputs.argmax(1) == val_labels).sum().double(),
-                                       torch.tensor(val_labels.numel(), dtype=torch.float64, device=device)])
+                                       torch.full((), float(val_labels.numel()), dtype=torch.float64, device=device)])
         if distributed:
             dist.all_reduce(totals)
         net.train()
@@ -659,11 +659,11 @@ def train(args):
                 loss_d = loss.detach().double()
                 batch_stats = torch.stack([loss_d * labels.numel(),
                                            optim.soft_target_accuracy(outputs, targets).double() * labels.numel(),
-                                           torch.tensor(labels.numel(), dtype=torch.float64, device=device)])
+                                           torch.full((), float(labels.numel()), dtype=torch.float64, device=device)])
                 running += batch_stats
                 epoch_totals += batch_stats
-                first_nonfinite = torch.where((first_nonfinite < 0) & ~torch.isfinite(loss_d),
-                                              torch.tensor(float(global_step), dtype=torch.float64, device=device),
+                # torch.full / a Python scalar: torch.tensor(x, device=cuda) would copy from the host and wait
+                first_nonfinite = torch.where((first_nonfinite < 0) & ~torch.isfinite(loss_d), float(global_step),
                                               first_nonfinite)
             if lr_finder is not None:  # the range test needs every step's loss: one synchronisation per step
                 lr_finder.step(loss.item(), batch_stats[1].item() / labels.numel())
