@@ -741,7 +741,7 @@ def train(args):
             elif is_main:
                 print(f"stopped cleanly; continue with --resume auto --output-dir {output_dir}", flush=True)
             metrics.update(stopped_by=stop_reason, epochs=epoch)
-            return finish(args, metrics, device, chrono, run, is_main, distributed, stopped=True)
+            return finish(args, metrics, device, chrono, run, is_main, distributed)
 
         # ================================ VALIDATION ================================
         chrono.validation()
@@ -803,7 +803,7 @@ class TrainingDiverged(Exception):
     """The loss became NaN/inf: stop (exit 3), keep the last good checkpoint."""
 
 
-def finish(args, metrics, device, chrono, run, is_main, distributed, ctx=None, n_batch=None, stopped=False):
+def finish(args, metrics, device, chrono, run, is_main, distributed, ctx=None, n_batch=None):
     """Report: chronometer, memory, metrics JSON; close W&B."""
     chrono.gather(_all_gather_object if distributed else None)
     metrics["max_memory_bytes"] = peak_memory_bytes(device)
