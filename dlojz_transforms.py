@@ -5,18 +5,20 @@ The torchvision reference pipeline (``ImageFolder`` + ``RandomResizedCrop`` + ``
 DataLoader workers, so that each sample travels to the main process as 4-byte floats. This module keeps the same
 augmentation statistics while doing less work per image:
 
-* ``lazy_pil_loader(path)`` opens a file without decoding it, so that the transform can still choose how to decode.
+* ``lazy_image_loader(path)`` reads a file without decoding it: a JPEG as its bytes and size (``EncodedJpeg``),
+  anything else as a lazily opened PIL image (``lazy_pil_loader``), so that the transform can choose how to decode.
 * ``TrainTransform(image_size)`` draws the crop box on the original image size with torchvision's own
-  ``RandomResizedCrop.get_params`` (same random numbers, same distribution), then, when the crop will be shrunk by
-  2x or more, has libjpeg-turbo decode directly at 1/2, 1/4 or 1/8 scale in the DCT domain (PIL's draft mode), maps
-  the box into the reduced image, crops, resizes (bilinear with antialiasing, as torchvision does on PIL images)
-  and flips. It returns a ``uint8`` tensor ``[3, image_size, image_size]`` (RGB).
+  ``RandomResizedCrop.get_params`` (same random numbers, same distribution), then decodes only the region of the
+  JPEG around the crop (libjpeg-turbo: rows above it skipped, columns outside it left out, rows below it never
+  read; see dlojz_jpeg.py), at 1/2, 1/4 or 1/8 scale in the DCT domain when the crop will be shrunk by 2x or more,
+  resizes (bilinear with antialiasing, as torchvision does on PIL images) and flips. It returns a ``uint8`` tensor
+  ``[3, image_size, image_size]`` (RGB).
 * ``ValTransform(resize_size, crop_size)`` is the reference ``Resize(resize_size) + CenterCrop(crop_size)`` done as
-  one resize of the matching box of the original (same pixels up to rare 1-level rounding), with draft decoding
-  for large images.
-* JPEG decoding: when the optional ``simplejpeg`` package is installed, YCbCr and grayscale JPEGs are decoded by it
-  (the same libjpeg-turbo, bit-identical pixels and DCT scaling, about 20% less time per training sample because it
-  decodes straight into a packed RGB array); PIL decodes everything else and everything when it is absent.
+  one resize of the matching box of the original (same pixels up to rare 1-level rounding), decoding only that box
+  (at reduced scale for large images).
+* JPEG decoders, fastest first, all libjpeg-turbo with the same settings (identical pixels): the region decoder of
+  dlojz_jpeg.py (compiled on first use; needs a C compiler and libjpeg headers), simplejpeg (whole image, straight
+  into a packed RGB array), PIL (everything else, and CMYK or files the others refuse).
 * ``DeviceNormalize(device)`` turns a ``uint8`` batch into normalised floats (optionally channels-last) on the device.
 * ``DevicePrefetcher(loader, device, normalize)`` iterates a DataLoader of ``(uint8 images, labels)`` and yields
   ``(normalised float images, labels)`` already on the device; on CUDA it copies and normalises the next batch on a
@@ -24,7 +26,7 @@ augmentation statistics while doing less work per image:
 
 Typical use (the DataLoader's default collate stacks the uint8 samples)::
 
-    train_set = torchvision.datasets.ImageFolder(root, transform=TrainTransform(224), loader=lazy_pil_loader)
+    train_set = torchvision.datasets.ImageFolder(root, transform=TrainTransform(224), loader=lazy_image_loader)
     loader = torch.utils.data.DataLoader(train_set, batch_size=128, num_workers=8, pin_memory=True)
     for images, labels in DevicePrefetcher(loader, device, DeviceNormalize(device, channels_last=True)):
         ...
@@ -41,6 +43,8 @@ import torch.nn.functional as F
 from PIL import Image
 from torchvision.transforms import RandomResizedCrop
 
+import dlojz_jpeg
+
 try:  # optional, faster JPEG decoder (same libjpeg-turbo pixels as PIL); PIL is used when it is absent
     import simplejpeg
 except ImportError:
@@ -50,6 +54,8 @@ __all__ = [
     "IMAGENET_MEAN",
     "IMAGENET_STD",
     "UnreadableImageError",
+    "EncodedJpeg",
+    "lazy_image_loader",
     "lazy_pil_loader",
     "TrainTransform",
     "ValTransform",
@@ -70,6 +76,48 @@ class UnreadableImageError(OSError):
 
 def _image_name(img: Image.Image) -> str:
     return getattr(img, "filename", "") or "<in-memory image>"
+
+
+class EncodedJpeg:
+    """A JPEG file read into memory but not decoded: the transforms decode only the region their crop needs.
+
+    ``size`` is ``(width, height)`` as PIL gives it; ``filename`` names the file in messages.
+    """
+
+    __slots__ = ("filename", "data", "size")
+
+    def __init__(self, filename: str, data: bytes, size: tuple):
+        self.filename, self.data, self.size = filename, data, size
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.filename!r}, {len(self.data)} bytes, size={self.size})"
+
+    def close(self) -> None:
+        """Nothing to release (the file is already closed); here so that callers treat both kinds alike."""
+
+
+def lazy_image_loader(path: str):
+    """The DataLoader's loader: a file ready for the transforms, not decoded yet.
+
+    With libjpeg-turbo region decoding available (dlojz_jpeg.py), a JPEG in an RGB-decodable colour space comes
+    back as an ``EncodedJpeg`` (its bytes and size, read without PIL's header parsing); anything else (PNG, CMYK,
+    a file libjpeg rejects) as a lazily opened PIL image, as ``lazy_pil_loader`` gives it. Raises
+    ``UnreadableImageError`` naming the file if it is missing or not an image.
+    """
+    if dlojz_jpeg.load() is not None:
+        try:
+            with open(path, "rb") as file:
+                data = file.read()
+        except OSError as error:
+            raise UnreadableImageError(f"{path}: cannot be read as an image ({error})") from error
+        if data[:3] == b"\xff\xd8\xff":  # JPEG start-of-image and a first marker
+            try:
+                width, height, rgb_decodable = dlojz_jpeg.info(data)
+            except dlojz_jpeg.JpegError:
+                rgb_decodable = False  # PIL decides below, and names the file if it cannot read it either
+            if rgb_decodable:
+                return EncodedJpeg(path, data, (width, height))
+    return lazy_pil_loader(path)
 
 
 def lazy_pil_loader(path: str) -> Image.Image:
@@ -95,39 +143,75 @@ def _scale_box(box: tuple, fx: float, fy: float) -> tuple:
     return (box[0] * fx, box[1] * fy, box[2] * fx, box[3] * fy)
 
 
-def _jpeg_bytes_for_simplejpeg(img: Image.Image) -> bytes | None:
-    """The raw bytes of ``img`` when simplejpeg can decode it in PIL's place, else None.
-
-    Only for JPEGs opened by path and not decoded yet (so the file is ours to read and close), in YCbCr or
-    grayscale (CMYK and other rare colour spaces stay with PIL, which converts them correctly).
-    """
-    if (simplejpeg is None or img.format != "JPEG" or not getattr(img, "filename", None)
+def _jpeg_file_bytes(img: Image.Image) -> bytes | None:
+    """The raw bytes of ``img`` when it is a JPEG opened by path and not decoded yet (so the file is ours to read
+    and close), in YCbCr/RGB or grayscale (CMYK and other rare colour spaces stay with PIL, which converts them
+    correctly); else None."""
+    if (img.format != "JPEG" or img.mode not in ("RGB", "L") or not getattr(img, "filename", None)
             or getattr(img, "fp", None) is None or not img.tile):
         return None
     img.fp.seek(0)
-    data = img.fp.read()
+    return img.fp.read()
+
+
+def _decode_region(data: bytes, size: tuple, box: tuple, reduction: int, out_width: int, out_height: int):
+    """libjpeg-turbo decode of the part of the image around ``box`` that a resize of ``box`` to the output size
+    reads (see dlojz_jpeg.py), at 1/reduction. Returns ``(pixels, box)`` with ``box`` in the region's coordinates,
+    or None when the file is left to the other decoders (which then decode it or report it)."""
+    width, height = size
+    left, top, right, bottom = _scale_box(box, 1 / reduction, 1 / reduction)
+    scaled_width, scaled_height = dlojz_jpeg.scaled_size(width, height, reduction)
+    # PIL's antialiased resize of a box reads up to (shrink factor x filter support) pixels beyond it; an integral
+    # box at full scale is sliced exactly by the caller, so it needs none.
+    integral = reduction == 1 and all(float(c).is_integer() for c in box)
+    margin_x = 0 if integral else int(np.ceil((right - left) / out_width)) + 2
+    margin_y = 0 if integral else int(np.ceil((bottom - top) / out_height)) + 2
+    region_left = max(int(np.floor(left)) - margin_x, 0)
+    region_top = max(int(np.floor(top)) - margin_y, 0)
+    region_right = min(int(np.ceil(right)) + margin_x, scaled_width)
+    region_bottom = min(int(np.ceil(bottom)) + margin_y, scaled_height)
     try:
-        colorspace = simplejpeg.decode_jpeg_header(data)[2]
-    except ValueError:
-        colorspace = None  # let PIL decode it and report the error
-    if colorspace not in ("YCbCr", "Gray"):
-        img.fp.seek(0)
-        return None
-    return data
+        pixels = dlojz_jpeg.decode_region(data, width, height, reduction, region_left, region_top, region_right,
+                                          region_bottom)
+    except dlojz_jpeg.JpegError:
+        return None  # corrupt, truncated or unsupported: PIL decides, as in the reference pipeline
+    return pixels, (left - region_left, top - region_top, right - region_left, bottom - region_top)
 
 
-def _decode(img: Image.Image, box: tuple, out_width: int, out_height: int, draft: bool):
+def _size_only(img):
+    """What ``RandomResizedCrop.get_params`` may read: a PIL image as it is, an ``EncodedJpeg`` as an empty tensor
+    view of its shape (no memory behind it)."""
+    if isinstance(img, EncodedJpeg):
+        width, height = img.size
+        return torch.empty((), dtype=torch.uint8).expand(3, height, width)
+    return img
+
+
+def _decode(img, box: tuple, out_width: int, out_height: int, draft: bool):
     """Decode ``img`` to RGB, at reduced scale when ``draft`` and the crop ``box`` allow it.
 
-    Returns ``(pixels, box)``: pixels as an HWC uint8 RGB ndarray (simplejpeg) or an RGB PIL image, and ``box``
-    (left, top, right, bottom) mapped into them. libjpeg-turbo does the reduction in the DCT domain (1/2, 1/4, 1/8),
-    skipping most of the inverse DCT and colour conversion work. simplejpeg and PIL decode to identical pixels (same
-    libjpeg-turbo, same settings); simplejpeg is faster because it decodes straight into a packed RGB array.
+    Returns ``(pixels, box)``: pixels as an HWC uint8 ndarray (libjpeg-turbo region decode or simplejpeg) or an RGB
+    PIL image, and ``box`` (left, top, right, bottom) mapped into them. libjpeg-turbo does the reduction in the DCT
+    domain (1/2, 1/4, 1/8), skipping most of the inverse DCT and colour conversion work. The three decoders give
+    identical pixels (same libjpeg-turbo, same settings); the region decoder only decodes around the box, simplejpeg
+    decodes the whole image straight into a packed RGB array, PIL is the slowest and handles every format.
     """
     reduction = _reduction_for_crop(box, out_width, out_height) if draft else 1
     width, height = img.size
-    data = _jpeg_bytes_for_simplejpeg(img)
-    if data is not None:
+    if isinstance(img, EncodedJpeg):
+        decoded = _decode_region(img.data, img.size, box, reduction, out_width, out_height)
+        if decoded is not None:
+            return decoded
+        img = lazy_pil_loader(img.filename)  # libjpeg refused it: PIL decodes it, or names it as unreadable
+        data = None
+    else:
+        data = _jpeg_file_bytes(img)
+        if data is not None and dlojz_jpeg.load() is not None:
+            decoded = _decode_region(data, img.size, box, reduction, out_width, out_height)
+            if decoded is not None:
+                img.close()
+                return decoded
+    if data is not None and simplejpeg is not None:
         try:
             # Asking for at least ceil(size / reduction) selects libjpeg-turbo's 1/reduction scaling factor.
             pixels = simplejpeg.decode_jpeg(data, colorspace="RGB", min_height=-(-height // reduction),
@@ -145,6 +229,8 @@ def _decode(img: Image.Image, box: tuple, out_width: int, out_height: int, draft
             else:  # another scaling factor was chosen (not expected): map by the decoded size
                 box = _scale_box(box, decoded_width / width, decoded_height / height)
             return pixels, box
+    if data is not None:
+        img.fp.seek(0)
     if reduction > 1:
         # PIL picks the largest reduction that keeps the decoded image at least the requested size.
         drafted = img.draft("RGB", (width // reduction, height // reduction))
@@ -196,7 +282,7 @@ class TrainTransform:
 
     def __call__(self, img: Image.Image) -> torch.Tensor:
         size = self.image_size
-        top, left, height, width = RandomResizedCrop.get_params(img, self.scale, self.ratio)
+        top, left, height, width = RandomResizedCrop.get_params(_size_only(img), self.scale, self.ratio)
         pixels, box = _decode(img, (left, top, left + width, top + height), size, size, self.draft)
         if all(float(c).is_integer() for c in box):
             # Full-scale decode: slice the crop exactly and resize it with torch's vectorised uint8 antialiased
@@ -259,8 +345,9 @@ class ValTransform:
 class DeviceNormalize:
     """Convert a uint8 image batch to normalised floats on ``device``: ``(x / 255 - mean) / std``.
 
-    Accepts ``[N, C, H, W]`` (or a single ``[C, H, W]``) uint8 tensors on any device; the result is on ``device``,
-    in ``dtype``, channels-last when asked (for 4-D input). The arithmetic is done in float32, then cast.
+    Accepts ``[N, C, H, W]`` (or a single ``[C, H, W]``) uint8 tensors on any device, in either memory layout; the
+    result is on ``device``, in ``dtype``, channels-last when asked (for 4-D input), NCHW-contiguous otherwise. The
+    layout change, if any, is done on the uint8 tensor (4x less memory to move), the arithmetic in float32.
     """
 
     def __init__(self, device, mean=IMAGENET_MEAN, std=IMAGENET_STD, channels_last: bool = False,
@@ -268,25 +355,43 @@ class DeviceNormalize:
         self.device = torch.device(device)
         self.channels_last = channels_last
         self.dtype = dtype
-        mean = torch.tensor(mean, dtype=torch.float32).view(-1, 1, 1)
-        std = torch.tensor(std, dtype=torch.float32).view(-1, 1, 1)
+        mean = torch.tensor(mean, dtype=torch.float32)
+        std = torch.tensor(std, dtype=torch.float32)
         # (x / 255 - mean) / std == x * scale - shift: one multiply and one subtract, both in place.
         self.scale = (1.0 / (255.0 * std)).to(self.device)
         self.shift = (mean / std).to(self.device)
+        self._rows = {}
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(device={self.device}, channels_last={self.channels_last}, "
                 f"dtype={self.dtype})")
 
+    def _row_constants(self, width: int):
+        # Per-channel constants repeated along a row of HWC memory, [W * C]: the multiply then broadcasts over
+        # rows and vectorises, where a [C, 1, 1] broadcast over channels-last memory is several times slower on CPU.
+        if width not in self._rows:
+            self._rows[width] = (self.scale.repeat(width), self.shift.repeat(width))
+        return self._rows[width]
+
     def __call__(self, images_uint8: torch.Tensor) -> torch.Tensor:
         if images_uint8.dtype != torch.uint8:
             raise TypeError(f"DeviceNormalize expects uint8 images (from TrainTransform/ValTransform), "
                             f"got {images_uint8.dtype}")
-        images = images_uint8.to(self.device, non_blocking=True).to(torch.float32)
-        images.mul_(self.scale).sub_(self.shift)
-        if self.channels_last and images.dim() == 4:
-            # After the float conversion: on CPU, converting and permuting in one step is 2x slower.
-            images = images.contiguous(memory_format=torch.channels_last)
+        images = images_uint8.to(self.device, non_blocking=True)
+        if images.dim() == 4:
+            images = images.contiguous(memory_format=torch.channels_last if self.channels_last
+                                        else torch.contiguous_format)
+        else:
+            images = images.contiguous()
+        images = images.to(torch.float32)  # keeps the memory layout
+        n_channels = images.shape[-3]
+        if images.dim() == 4 and not images.is_contiguous():  # channels-last memory: normalise rows of HWC
+            n, _, height, width = images.shape
+            scale, shift = self._row_constants(width)
+            rows = images.permute(0, 2, 3, 1).view(n * height, width * n_channels)
+            rows.mul_(scale).sub_(shift)
+        else:
+            images.mul_(self.scale.view(-1, 1, 1)).sub_(self.shift.view(-1, 1, 1))
         return images if self.dtype == torch.float32 else images.to(self.dtype)
 
 

@@ -5,8 +5,12 @@ timed over the same number of batches after a warm-up:
 
 * reference: ``ImageFolder`` + ``RandomResizedCrop`` + ``RandomHorizontalFlip`` + ``PILToTensor`` +
   ``ConvertImageDtype(float)`` + ``Normalize`` in the workers (torchvision's classification reference recipe);
-* dlojz: ``ImageFolder(loader=lazy_pil_loader, transform=TrainTransform)`` in the workers, uint8 batches, then
-  ``DeviceNormalize`` on the CPU in the main process (what training on CPU does; on a GPU that step moves there).
+* dlojz: what dlojz.py builds, ``SafeImageFolder(loader=lazy_image_loader, transform=TrainTransform)`` (per-sample
+  seeding, unreadable files skipped) in the workers, uint8 batches, then ``DeviceNormalize`` on the CPU in the main
+  process (what training on CPU does; on a GPU that step moves there).
+
+The main process runs torch with ``--main-threads`` (default 1) threads: on a machine with as many cores as workers,
+a multi-threaded normalisation would spin against the workers (OpenMP threads busy-wait after each operation).
 
 Without ``--data`` it builds, once, an ImageNet-like folder under ``$XDG_CACHE_HOME/dlojz/bench-imagenet`` (default
 ``~/.cache/dlojz/bench-imagenet``): JPEGs of about 500x375 px and ~100 KB with natural-image statistics (1/f
@@ -39,9 +43,11 @@ from torch.utils.data import DataLoader, RandomSampler
 from torchvision.datasets import ImageFolder
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import dlojz_jpeg  # noqa: E402
 import dlojz_transforms  # noqa: E402
+from dlojz_data import SafeImageFolder  # noqa: E402
 from dlojz_transforms import (IMAGENET_MEAN, IMAGENET_STD, DeviceNormalize,  # noqa: E402
-                              TrainTransform, lazy_pil_loader)
+                              TrainTransform, lazy_image_loader)
 
 BENCH_SET_VERSION = "2"  # bump when the generated images change, so that caches are rebuilt
 
@@ -142,7 +148,7 @@ def reference_dataset(folder: Path, image_size: int) -> ImageFolder:
 
 
 def dlojz_dataset(folder: Path, image_size: int) -> ImageFolder:
-    return ImageFolder(str(folder), transform=TrainTransform(image_size), loader=lazy_pil_loader)
+    return SafeImageFolder(str(folder), transform=TrainTransform(image_size), loader=lazy_image_loader)
 
 
 def _cpu_seconds(processes) -> float:
@@ -206,18 +212,26 @@ def main(argv=None):
                         help="back-to-back measurement pairs per size; medians are reported")
     parser.add_argument("--images", type=int, default=1000, help="images in the generated set")
     parser.add_argument("--classes", type=int, default=10, help="classes in the generated set")
+    parser.add_argument("--main-threads", type=int, default=1,
+                        help="torch threads of the main process (it normalises dlojz's batches)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    for flag in ("workers", "batch_size", "batches", "repeats", "images", "classes"):
+    for flag in ("workers", "batch_size", "batches", "repeats", "images", "classes", "main_threads"):
         value = getattr(args, flag)
         if value < (0 if flag == "workers" else 1):
             parser.error(f"--{flag.replace('_', '-')} must be {'>= 0' if flag == 'workers' else '>= 1'}, got {value}")
 
     folder = resolve_train_folder(args.data, args.images, args.classes, max(1, args.workers))
     warm_page_cache(folder)
+    torch.set_num_threads(args.main_threads)
     normalize = DeviceNormalize("cpu")
-    decoder = ("simplejpeg " + dlojz_transforms.simplejpeg.__version__ if dlojz_transforms.simplejpeg
-               else "PIL (simplejpeg not installed)")
+    if dlojz_jpeg.load() is not None:
+        decoder = "libjpeg-turbo region decoding (dlojz_jpeg.c)"
+    elif dlojz_transforms.simplejpeg is not None:
+        decoder = (f"simplejpeg {dlojz_transforms.simplejpeg.__version__}, whole images (region decoding "
+                   f"{dlojz_jpeg.status()})")
+    else:
+        decoder = f"PIL, whole images (region decoding {dlojz_jpeg.status()})"
     print(f"data {folder}  workers {args.workers}  batch {args.batch_size}  timed batches {args.batches} "
           f"(+{args.warmup_batches} warm-up)  pairs {args.repeats}  torch threads {torch.get_num_threads()}  "
           f"dlojz JPEG decoder: {decoder}", flush=True)
