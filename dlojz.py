@@ -31,7 +31,7 @@ from dlojz_chrono import Chronometer, plot_trace, train_flops_per_image
 from dlojz_data import (IMAGENET_TRAIN_IMAGES, IMAGENET_VAL_IMAGES, DataError, EpochSampler, ShardSampler,
                         SyntheticLoader, build_datasets, close_loader, embedded_dataset_root, make_loader,
                         resolve_data_root)
-from dlojz_transforms import DeviceNormalize, DevicePrefetcher, TrainTransform, ValTransform
+from dlojz_transforms import DeviceNormalize, DevicePrefetcher, TrainTransform, ValTransform, decoder_description
 import dlojz_optim as optim
 
 LOG_EVERY = 10  # steps between W&B logs and between the ranks' checks for a stop signal or a NaN loss
@@ -381,6 +381,8 @@ def train(args):
             root, train_transform(args), ValTransform(args.val_resize_size, args.val_crop_size), seed=args.seed)
         data_desc = f"{root} ({layout} layout, found by {found_by}): {len(train_set)} train / {len(val_set)} val images"
     log(f"data: {data_desc}, {len(classes)} classes")
+    if not args.synthetic:
+        log(f"JPEG decoding: {decoder_description()}")
 
     # ================================ INSTANTIATION: model, loss, optimizer ================================
     try:

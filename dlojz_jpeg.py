@@ -110,7 +110,7 @@ def load():
         if not path.exists():
             _build(path, SOURCE)
         _library = _declare(ctypes.CDLL(str(path)))
-        _status = f"libjpeg-turbo region decoding ({path})"
+        _status = str(path)
     except (OSError, subprocess.SubprocessError, AttributeError) as error:
         _library = None
         _status = (f"unavailable ({error}); whole images are decoded instead. To enable it: a C compiler and "
@@ -119,7 +119,7 @@ def load():
 
 
 def status() -> str:
-    """One line: which JPEG region decoder is in use, or why none is."""
+    """One line: the compiled library in use, or why there is none."""
     load()
     return _status
 

@@ -43,12 +43,12 @@ from torch.utils.data import DataLoader, RandomSampler
 from torchvision.datasets import ImageFolder
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import dlojz_jpeg  # noqa: E402
 import dlojz_transforms  # noqa: E402
 from dlojz_data import SafeImageFolder  # noqa: E402
 from dlojz_transforms import (IMAGENET_MEAN, IMAGENET_STD, DeviceNormalize,  # noqa: E402
                               TrainTransform, lazy_image_loader)
 
+PREFETCH = int(os.environ.get("PF", 2))
 BENCH_SET_VERSION = "2"  # bump when the generated images change, so that caches are rebuilt
 
 
@@ -173,7 +173,7 @@ def measure(dataset, finish_batch, workers: int, batch_size: int, batches: int, 
     generator = torch.Generator().manual_seed(seed)
     sampler = RandomSampler(dataset, num_samples=(warmup + batches) * batch_size, generator=generator)
     loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=workers,
-                        prefetch_factor=2 if workers else None, drop_last=True)
+                        prefetch_factor=PREFETCH if workers else None, drop_last=True)
     iterator = iter(loader)
     for _ in range(warmup):
         finish_batch(next(iterator)[0])
@@ -225,48 +225,52 @@ def main(argv=None):
     warm_page_cache(folder)
     torch.set_num_threads(args.main_threads)
     normalize = DeviceNormalize("cpu")
-    if dlojz_jpeg.load() is not None:
-        decoder = "libjpeg-turbo region decoding (dlojz_jpeg.c)"
-    elif dlojz_transforms.simplejpeg is not None:
-        decoder = (f"simplejpeg {dlojz_transforms.simplejpeg.__version__}, whole images (region decoding "
-                   f"{dlojz_jpeg.status()})")
-    else:
-        decoder = f"PIL, whole images (region decoding {dlojz_jpeg.status()})"
+    decoder = dlojz_transforms.decoder_description()
     print(f"data {folder}  workers {args.workers}  batch {args.batch_size}  timed batches {args.batches} "
           f"(+{args.warmup_batches} warm-up)  pairs {args.repeats}  torch threads {torch.get_num_threads()}  "
           f"dlojz JPEG decoder: {decoder}", flush=True)
 
+    pipelines = {
+        # name: (dataset builder, what the main process does with each batch of images)
+        "reference": (reference_dataset, lambda images: images),
+        "dlojz": (dlojz_dataset, lambda images: images),  # uint8 batches: on a GPU node they are normalised there
+        "dlojz+norm": (dlojz_dataset, normalize),  # CPU training: normalised in the main process
+    }
+    names = list(pipelines)
     rows = []
     for size in args.sizes:
-        rates = {"reference": [], "dlojz": []}
-        cpu_ms = {"reference": [], "dlojz": []}
+        rates = {name: [] for name in names}
+        cpu_ms = {name: [] for name in names}
         for repeat in range(args.repeats):
-            # Back-to-back pairs, alternating which pipeline goes first: both of a pair see the same load from
-            # other jobs, and the median over pairs resists the moments when that load changes.
-            order = ["reference", "dlojz"] if repeat % 2 == 0 else ["dlojz", "reference"]
-            for name in order:
-                if name == "reference":
-                    dataset, finish = reference_dataset(folder, size), (lambda images: images)
-                else:
-                    dataset, finish = dlojz_dataset(folder, size), normalize
-                images_per_s, ms_per_image = measure(dataset, finish, args.workers, args.batch_size, args.batches,
-                                                     args.warmup_batches, args.seed + repeat)
+            # Back-to-back rounds, rotating which pipeline goes first: the pipelines of a round see the same load
+            # from other jobs, and the median over rounds resists the moments when that load changes.
+            for name in names[repeat % 3:] + names[:repeat % 3]:
+                make_dataset, finish = pipelines[name]
+                images_per_s, ms_per_image = measure(make_dataset(folder, size), finish, args.workers,
+                                                     args.batch_size, args.batches, args.warmup_batches,
+                                                     args.seed + repeat)
                 rates[name].append(images_per_s)
                 cpu_ms[name].append(ms_per_image)
-        pair_ratios = [ours / reference for ours, reference in zip(rates["dlojz"], rates["reference"])]
-        rows.append((size, np.median(rates["reference"]), np.median(rates["dlojz"]), np.median(pair_ratios),
-                     np.median(cpu_ms["reference"]), np.median(cpu_ms["dlojz"])))
+        ratios = {name: np.median([ours / reference for ours, reference in zip(rates[name], rates["reference"])])
+                  for name in names}
+        rows.append(dict(size=size, **{f"{name} img/s": np.median(rates[name]) for name in names},
+                         **{f"{name} ratio": ratios[name] for name in names},
+                         **{f"{name} CPU ms/img": np.median(cpu_ms[name]) for name in names}))
 
     print()
-    print("| size | workers | batch | reference img/s | dlojz img/s | ratio | reference CPU ms/img | "
-          "dlojz CPU ms/img | CPU ratio |")
-    print("|-----:|--------:|------:|----------------:|------------:|------:|---------------------:|"
-          "-----------------:|----------:|")
-    for size, reference, ours, ratio, reference_cpu, ours_cpu in rows:
-        print(f"| {size} | {args.workers} | {args.batch_size} | {reference:.0f} | {ours:.0f} | {ratio:.2f} | "
-              f"{reference_cpu:.2f} | {ours_cpu:.2f} | {reference_cpu / ours_cpu:.2f} |")
-    print(f"\nMedians over {args.repeats} back-to-back pairs. img/s: wall clock; ratio: dlojz / reference within each "
-          "pair; CPU ms/img: main process + workers (less sensitive to other jobs on the machine).")
+    print("| size | workers | batch | reference img/s | dlojz img/s | ratio | dlojz+norm img/s | ratio | "
+          "CPU ms/img: reference | dlojz | dlojz+norm |")
+    print("|-----:|--------:|------:|----------------:|------------:|------:|-----------------:|------:|"
+          "----------------------:|------:|-----------:|")
+    for row in rows:
+        print(f"| {row['size']} | {args.workers} | {args.batch_size} | {row['reference img/s']:.0f} | "
+              f"{row['dlojz img/s']:.0f} | {row['dlojz ratio']:.2f} | {row['dlojz+norm img/s']:.0f} | "
+              f"{row['dlojz+norm ratio']:.2f} | {row['reference CPU ms/img']:.2f} | {row['dlojz CPU ms/img']:.2f} | "
+              f"{row['dlojz+norm CPU ms/img']:.2f} |")
+    print(f"\nMedians over {args.repeats} rounds. img/s: wall clock; ratio: over the reference within each round. "
+          "dlojz: uint8 batches as a GPU receives them (it converts and normalises them); dlojz+norm: also "
+          "normalised to float32 in the main process, as when training on the CPU. CPU ms/img: main process + "
+          "workers (less sensitive to other jobs on the machine).")
     return rows
 
 

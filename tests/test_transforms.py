@@ -2,7 +2,8 @@
 device normalisation and prefetching, clear errors on unreadable files.
 
 Every image is made here with PIL (small, in tmp_path); the whole file runs in a few seconds on 2 CPU cores.
-Decoding tests run twice: with simplejpeg (when installed) and with PIL alone.
+Decoding tests run three times: with libjpeg-turbo region decoding (dlojz_jpeg.c, when it builds here), with
+simplejpeg (when installed) and with PIL alone.
 """
 
 import io
@@ -17,17 +18,24 @@ import torchvision.transforms as T
 from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import dlojz_jpeg  # noqa: E402
 import dlojz_transforms  # noqa: E402
 from dlojz_transforms import (IMAGENET_MEAN, IMAGENET_STD, DeviceNormalize, DevicePrefetcher,  # noqa: E402
-                              TrainTransform, UnreadableImageError, ValTransform, lazy_pil_loader)
+                              EncodedJpeg, TrainTransform, UnreadableImageError, ValTransform, lazy_image_loader,
+                              lazy_pil_loader)
 
 # ----------------------------------------------------------------------------------------------------------------
 # Helpers
 
 
-@pytest.fixture(params=["simplejpeg", "pil"])
+@pytest.fixture(params=["region", "simplejpeg", "pil"])
 def decoder(request, monkeypatch):
-    """Run a test with each JPEG decoder the module can use."""
+    """Run a test with each JPEG decoder the module can use (the faster ones turned off for the slower ones)."""
+    if request.param == "region":
+        if dlojz_jpeg.load() is None:
+            pytest.skip(f"region decoding: {dlojz_jpeg.status()}")
+        return request.param
+    monkeypatch.setattr(dlojz_jpeg, "load", lambda: None)
     if request.param == "simplejpeg":
         if dlojz_transforms.simplejpeg is None:
             pytest.skip("simplejpeg is not installed")
@@ -157,7 +165,7 @@ def assert_same_distribution(gaps):
 
 def test_train_crops_follow_torchvision_distribution(gradient_jpeg, reference_geometry, decoder):
     transform = TrainTransform(CROP_OUT)
-    samples = geometry_samples(lambda: transform(lazy_pil_loader(gradient_jpeg)), seed=2)
+    samples = geometry_samples(lambda: transform(lazy_image_loader(gradient_jpeg)), seed=2)
     # Both decode paths must have been exercised: crops shrunk by 2x or more (draft) and the others.
     area = samples[:, 0] * GRADIENT_SIZE[0] * GRADIENT_SIZE[1]
     shortest_side = np.sqrt(area) * np.exp(-np.abs(samples[:, 1]) / 2)
@@ -191,7 +199,7 @@ def test_train_transform_matches_torchvision_draw_for_draw(tmp_path, decoder):
             torch.manual_seed(seed)
             expected = reference(reference_img).int()
             torch.manual_seed(seed)
-            got = TrainTransform(image_size)(lazy_pil_loader(path))
+            got = TrainTransform(image_size)(lazy_image_loader(path))
             assert got.dtype == torch.uint8 and got.shape == (3, image_size, image_size)
             difference = (got.int() - expected).abs().float().mean().item()
             torch.manual_seed(seed)
@@ -209,7 +217,7 @@ def test_train_transform_matches_torchvision_draw_for_draw(tmp_path, decoder):
 def test_val_path_matches_reference(tmp_path, decoder, width, height):
     path = save(photo_like(width, height, seed=width), tmp_path / "val.jpg", quality=90)
     expected = reference_val(Image.open(path))
-    out = ValTransform(256, 224)(lazy_pil_loader(path))
+    out = ValTransform(256, 224)(lazy_image_loader(path))
     assert out.dtype == torch.uint8 and out.shape == (3, 224, 224)
     got = DeviceNormalize("cpu")(out.unsqueeze(0))[0]
     # Back to pixel levels (0-255) to state the tolerance in JPEG terms.
@@ -243,7 +251,7 @@ def test_any_input_gives_rgb_uint8(tmp_path, decoder, kind):
     img, extension, options = images[kind]
     path = save(img, tmp_path / f"{kind}.{extension}", **options)
     for transform, size in [(TrainTransform(48), 48), (ValTransform(64, 56), 56)]:
-        out = transform(lazy_pil_loader(path))
+        out = transform(lazy_image_loader(path))
         assert out.dtype == torch.uint8 and out.shape == (3, size, size), kind
         if kind.startswith("gray"):
             assert torch.equal(out[0], out[1]) and torch.equal(out[1], out[2])
@@ -251,7 +259,7 @@ def test_any_input_gives_rgb_uint8(tmp_path, decoder, kind):
     # pixels exactly (reduced decoding has its own tolerance test above).
     expected = (reference_val(Image.open(path), 64, 56) * torch.tensor(IMAGENET_STD).view(3, 1, 1)
                 + torch.tensor(IMAGENET_MEAN).view(3, 1, 1)) * 255
-    got = ValTransform(64, 56, draft=False)(lazy_pil_loader(path)).float()
+    got = ValTransform(64, 56, draft=False)(lazy_image_loader(path)).float()
     assert_reference_pixels(got, expected, kind)
 
 
@@ -259,14 +267,32 @@ def test_any_input_gives_rgb_uint8(tmp_path, decoder, kind):
 # Unreadable files and pickling
 
 
-def test_loader_names_non_image_and_missing_files(tmp_path):
+@pytest.mark.parametrize("loader", [lazy_image_loader, lazy_pil_loader])
+def test_loader_names_non_image_and_missing_files(tmp_path, loader):
     not_an_image = tmp_path / "notes.JPEG"
     not_an_image.write_text("this is not a picture")
     with pytest.raises(UnreadableImageError, match="notes.JPEG"):
-        lazy_pil_loader(str(not_an_image))
+        loader(str(not_an_image))
+    fake_jpeg = tmp_path / "fake.JPEG"  # starts and ends like a JPEG, but is not one
+    fake_jpeg.write_bytes(b"\xff\xd8\xff" + b"garbage" * 10 + b"\xff\xd9")
+    with pytest.raises(UnreadableImageError, match="fake.JPEG"):
+        TrainTransform(32)(loader(str(fake_jpeg)))
     with pytest.raises(UnreadableImageError, match="missing.JPEG"):
-        lazy_pil_loader(str(tmp_path / "missing.JPEG"))
+        loader(str(tmp_path / "missing.JPEG"))
     assert issubclass(UnreadableImageError, OSError)
+
+
+def test_image_loader_gives_encoded_jpegs_only_to_region_decoding(tmp_path, decoder):
+    photo = photo_like(90, 70)
+    jpeg, png = save(photo, tmp_path / "a.jpg"), save(photo, tmp_path / "a.png")
+    cmyk = save(photo.convert("CMYK"), tmp_path / "cmyk.jpg")
+    loaded = lazy_image_loader(jpeg)
+    if decoder == "region":
+        assert isinstance(loaded, EncodedJpeg) and loaded.size == (90, 70) and loaded.filename == jpeg
+    else:
+        assert isinstance(loaded, Image.Image) and loaded.size == (90, 70)
+    assert isinstance(lazy_image_loader(png), Image.Image)
+    assert isinstance(lazy_image_loader(cmyk), Image.Image)  # libjpeg does not convert CMYK to RGB: PIL does
 
 
 def test_truncated_jpeg_is_reported_with_its_name(tmp_path, decoder):
@@ -276,7 +302,7 @@ def test_truncated_jpeg_is_reported_with_its_name(tmp_path, decoder):
     truncated.write_bytes(data.getvalue()[: len(data.getvalue()) // 2])
     for transform in (TrainTransform(32), ValTransform(40, 32)):
         with pytest.raises(UnreadableImageError, match="truncated.JPEG"):
-            transform(lazy_pil_loader(str(truncated)))
+            transform(lazy_image_loader(str(truncated)))
 
 
 def test_jpeg_with_libjpeg_warning_is_read_like_the_reference(tmp_path, decoder):
@@ -290,17 +316,18 @@ def test_jpeg_with_libjpeg_warning_is_read_like_the_reference(tmp_path, decoder)
     path.write_bytes(data[:start_of_scan] + b"\x00\x00" + data[start_of_scan:])
     expected = (reference_val(Image.open(path), 64, 56) * torch.tensor(IMAGENET_STD).view(3, 1, 1)
                 + torch.tensor(IMAGENET_MEAN).view(3, 1, 1)) * 255
-    assert_reference_pixels(ValTransform(64, 56)(lazy_pil_loader(str(path))).float(), expected, "stray bytes")
-    assert TrainTransform(32)(lazy_pil_loader(str(path))).shape == (3, 32, 32)
+    assert_reference_pixels(ValTransform(64, 56)(lazy_image_loader(str(path))).float(), expected, "stray bytes")
+    assert TrainTransform(32)(lazy_image_loader(str(path))).shape == (3, 32, 32)
 
 
 def test_everything_workers_need_is_picklable(tmp_path):
     path = save(photo_like(120, 90), tmp_path / "p.jpg")
-    for obj in (lazy_pil_loader, TrainTransform(32), ValTransform(40, 32), DeviceNormalize("cpu")):
+    for obj in (lazy_image_loader, lazy_pil_loader, TrainTransform(32), ValTransform(40, 32),
+                DeviceNormalize("cpu")):
         clone = pickle.loads(pickle.dumps(obj))
         assert type(clone) is type(obj) or clone is obj
-    loader = pickle.loads(pickle.dumps(lazy_pil_loader))
-    out = pickle.loads(pickle.dumps(ValTransform(40, 32)))(loader(path))
+    loader = pickle.loads(pickle.dumps(lazy_image_loader))
+    out = pickle.loads(pickle.dumps(ValTransform(40, 32)))(pickle.loads(pickle.dumps(loader(path))))
     assert out.shape == (3, 32, 32)
 
 
@@ -315,6 +342,13 @@ def test_device_normalize_values_layout_and_dtype():
     assert got.dtype == torch.float32 and torch.allclose(got, expected, atol=1e-5)
     last = DeviceNormalize("cpu", channels_last=True)(images)
     assert last.is_contiguous(memory_format=torch.channels_last) and torch.allclose(last, expected, atol=1e-5)
+    # A batch in channels-last memory (as stacked from HWC samples) gives the same values in the asked layout.
+    nhwc = images.contiguous(memory_format=torch.channels_last)
+    from_nhwc = DeviceNormalize("cpu")(nhwc)
+    assert from_nhwc.is_contiguous() and torch.allclose(from_nhwc, expected, atol=1e-5)
+    from_nhwc_last = DeviceNormalize("cpu", channels_last=True)(nhwc)
+    assert from_nhwc_last.is_contiguous(memory_format=torch.channels_last)
+    assert torch.allclose(from_nhwc_last, expected, atol=1e-5)
     half = DeviceNormalize("cpu", dtype=torch.bfloat16)(images)
     assert half.dtype == torch.bfloat16 and torch.allclose(half.float(), expected, atol=0.02)
     assert torch.equal(images, images.clone())  # the uint8 input is left untouched
@@ -416,7 +450,7 @@ def test_imagefolder_dataloader_batches_are_uint8(tmp_path):
         class_dir.mkdir()
         for image_index in range(3):
             save(photo_like(90, 70, seed=image_index), class_dir / f"{image_index}.JPEG")
-    dataset = ImageFolder(str(tmp_path), transform=TrainTransform(32), loader=lazy_pil_loader)
+    dataset = ImageFolder(str(tmp_path), transform=TrainTransform(32), loader=lazy_image_loader)
     loader = torch.utils.data.DataLoader(dataset, batch_size=6, num_workers=1)
     images, labels = next(iter(loader))
     assert images.dtype == torch.uint8 and images.shape == (6, 3, 32, 32)
