@@ -1,13 +1,14 @@
 """Loader benchmark: dlojz's uint8 input pipeline vs the torchvision classification reference, in one run.
 
-Both pipelines read the same ImageFolder with the same DataLoader settings (workers, batch size, sampler) and are
+Three pipelines read the same ImageFolder with the same DataLoader settings (workers, batch size, sampler) and are
 timed over the same number of batches after a warm-up:
 
 * reference: ``ImageFolder`` + ``RandomResizedCrop`` + ``RandomHorizontalFlip`` + ``PILToTensor`` +
   ``ConvertImageDtype(float)`` + ``Normalize`` in the workers (torchvision's classification reference recipe);
 * dlojz: what dlojz.py builds, ``SafeImageFolder(loader=lazy_image_loader, transform=TrainTransform)`` (per-sample
-  seeding, unreadable files skipped) in the workers, uint8 batches, then ``DeviceNormalize`` on the CPU in the main
-  process (what training on CPU does; on a GPU that step moves there).
+  seeding, unreadable files skipped) in the workers, uint8 batches: the CPU work of a GPU node, where the float
+  conversion and normalisation run on the GPU;
+* dlojz+norm: the same, then ``DeviceNormalize`` on the CPU in the main process (what training on the CPU does).
 
 The main process runs torch with ``--main-threads`` (default 1) threads: on a machine with as many cores as workers,
 a multi-threaded normalisation would spin against the workers (OpenMP threads busy-wait after each operation).
@@ -19,8 +20,8 @@ colour noise plus flat shapes), in a few classes. Run from the repository root::
     python bench/bench_loader.py                      # 2 workers, 224 and 176 px
     python bench/bench_loader.py --data /path/to/imagenet --workers 8 --batch-size 128
 
-It prints, per image size, images/s of both pipelines and their ratio (medians over ``--repeats`` back-to-back
-pairs, to resist other load on the machine), and the CPU time per image (main process + workers).
+It prints, per image size, images/s of each pipeline and its ratio to the reference (medians over ``--repeats``
+back-to-back rounds, to resist other load on the machine), and the CPU time per image (main process + workers).
 """
 
 from __future__ import annotations
@@ -48,7 +49,6 @@ from dlojz_data import SafeImageFolder  # noqa: E402
 from dlojz_transforms import (IMAGENET_MEAN, IMAGENET_STD, DeviceNormalize,  # noqa: E402
                               TrainTransform, lazy_image_loader)
 
-PREFETCH = int(os.environ.get("PF", 2))
 BENCH_SET_VERSION = "2"  # bump when the generated images change, so that caches are rebuilt
 
 
@@ -173,7 +173,7 @@ def measure(dataset, finish_batch, workers: int, batch_size: int, batches: int, 
     generator = torch.Generator().manual_seed(seed)
     sampler = RandomSampler(dataset, num_samples=(warmup + batches) * batch_size, generator=generator)
     loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=workers,
-                        prefetch_factor=PREFETCH if workers else None, drop_last=True)
+                        prefetch_factor=2 if workers else None, drop_last=True)
     iterator = iter(loader)
     for _ in range(warmup):
         finish_batch(next(iterator)[0])
@@ -208,8 +208,9 @@ def main(argv=None):
     parser.add_argument("--batches", type=int, default=25, help="timed batches per measurement")
     parser.add_argument("--warmup-batches", type=int, default=4, help="batches received before the clock starts")
     parser.add_argument("--sizes", type=int, nargs="+", default=[224, 176], help="training crop sizes")
-    parser.add_argument("--repeats", type=int, default=5,
-                        help="back-to-back measurement pairs per size; medians are reported")
+    parser.add_argument("--repeats", type=int, default=9,
+                        help="back-to-back measurement rounds (one run of each pipeline) per size; medians are "
+                             "reported")
     parser.add_argument("--images", type=int, default=1000, help="images in the generated set")
     parser.add_argument("--classes", type=int, default=10, help="classes in the generated set")
     parser.add_argument("--main-threads", type=int, default=1,
@@ -227,8 +228,8 @@ def main(argv=None):
     normalize = DeviceNormalize("cpu")
     decoder = dlojz_transforms.decoder_description()
     print(f"data {folder}  workers {args.workers}  batch {args.batch_size}  timed batches {args.batches} "
-          f"(+{args.warmup_batches} warm-up)  pairs {args.repeats}  torch threads {torch.get_num_threads()}  "
-          f"dlojz JPEG decoder: {decoder}", flush=True)
+          f"(+{args.warmup_batches} warm-up)  rounds {args.repeats}  main-process torch threads "
+          f"{torch.get_num_threads()}  dlojz JPEG decoder: {decoder}", flush=True)
 
     pipelines = {
         # name: (dataset builder, what the main process does with each batch of images)

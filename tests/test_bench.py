@@ -1,0 +1,38 @@
+"""The loader benchmark runs end to end (on tiny data) and builds ImageNet-like JPEGs: benchmarks must not rot."""
+import io
+import subprocess
+import sys
+
+from PIL import Image
+
+from conftest import ROOT, clean_env
+
+sys.path.insert(0, str(ROOT / "bench"))
+import bench_loader  # noqa: E402
+
+
+def test_bench_loader_prints_the_three_pipelines(tiny_data):
+    command = [sys.executable, str(ROOT / "bench" / "bench_loader.py"), "--data", str(tiny_data), "--workers", "1",
+               "--batch-size", "4", "--batches", "2", "--warmup-batches", "1", "--repeats", "1", "--sizes", "32"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=clean_env(), cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "dlojz JPEG decoder:" in result.stdout
+    rows = [line for line in result.stdout.splitlines() if line.startswith("| 32 |")]
+    assert len(rows) == 1, result.stdout
+    cells = [cell.strip() for cell in rows[0].strip("|").split("|")]
+    reference, ours, ratio, ours_normalised, ratio_normalised = (float(cell) for cell in cells[3:8])
+    assert min(reference, ours, ours_normalised) > 0
+    assert abs(ratio - ours / reference) < 0.5 * ratio and ratio_normalised > 0
+
+
+def test_bench_loader_rejects_a_folder_that_is_not_an_image_folder(tmp_path):
+    command = [sys.executable, str(ROOT / "bench" / "bench_loader.py"), "--data", str(tmp_path / "nowhere")]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120, env=clean_env(), cwd=ROOT)
+    assert result.returncode != 0 and "--data" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_generated_jpegs_look_like_imagenet_files():
+    data = bench_loader.natural_like_jpeg(seed=1, width=500, height=375)
+    img = Image.open(io.BytesIO(data))
+    assert img.format == "JPEG" and img.size == (500, 375) and img.mode == "RGB"
+    assert 60_000 < len(data) < 160_000  # ImageNet's training JPEGs average ~110 KB
