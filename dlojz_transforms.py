@@ -219,10 +219,11 @@ def _decode(img, box: tuple, out_width: int, out_height: int, draft: bool, snap:
     """Decode ``img`` to RGB, at reduced scale when ``draft`` and the crop ``box`` allow it.
 
     Returns ``(pixels, box)``: pixels as an HWC uint8 ndarray (libjpeg-turbo region decode or simplejpeg) or an RGB
-    PIL image, and ``box`` (left, top, right, bottom) mapped into them, rounded to whole pixels with ``snap``. libjpeg-turbo does the reduction in the DCT
-    domain (1/2, 1/4, 1/8), skipping most of the inverse DCT and colour conversion work. The three decoders give
-    identical pixels (same libjpeg-turbo, same settings); the region decoder only decodes around the box, simplejpeg
-    decodes the whole image straight into a packed RGB array, PIL is the slowest and handles every format.
+    PIL image, and ``box`` (left, top, right, bottom) mapped into them, rounded to whole pixels with ``snap``.
+    libjpeg-turbo does the reduction in the DCT domain (1/2, 1/4, 1/8), skipping most of the inverse DCT and colour
+    conversion work. The three decoders give identical pixels (same libjpeg-turbo, same settings); the region
+    decoder only decodes around the box, simplejpeg decodes the whole image straight into a packed RGB array, PIL
+    is the slowest and handles every format.
     """
     reduction = _reduction_for_crop(box, out_width, out_height) if draft else 1
     width, height = img.size
