@@ -699,10 +699,11 @@ def train(args):
                              "learning rate": optimizer.param_groups[0]["lr"]}, step=global_step)
                 if console_line:
                     loss_sum, correct, count = running.tolist()
-                    rate = timed_micro_steps * global_batch_size / timed_seconds if timed_seconds else float("nan")
+                    # No rate until steps past the warm-up have been timed.
+                    rate = (f", {timed_micro_steps * global_batch_size / timed_seconds:.1f} images/s"
+                            if timed_seconds else ", warming up")
                     line = (f"Epoch {epoch + 1}/{args.epochs}, Step {i + 1}/{N_batch}, Time: {time.perf_counter() - run_start:.3f}, "
-                            f"Loss: {loss_sum / max(count, 1):.4f}, Acc: {correct / max(count, 1):.4f}, "
-                            f"{rate:.1f} images/s")
+                            f"Loss: {loss_sum / max(count, 1):.4f}, Acc: {correct / max(count, 1):.4f}{rate}")
                     if interactive and is_main:
                         print("\r" + line, end="" if not last_of_epoch else "\n", flush=True)
                     else:

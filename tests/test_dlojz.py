@@ -99,6 +99,7 @@ def test_test_mode_prints_chronometer_report(tiny_data, tmp_path):
     assert proc.returncode == 0, show(proc)
     assert "Number of batch per epoch: 9" in proc.stdout  # 72 train images / 8
     assert "images/s" in proc.stdout and ">>>JSON" in proc.stdout
+    assert "nan" not in proc.stdout.lower()  # console lines before the first timed steps say "warming up"
     assert (tmp_path / "chrono_trace.json").is_file()
     assert (tmp_path / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert not list(tmp_path.glob("ckpt_*.pt")) and not (tmp_path / "wandb").exists()  # --test writes neither
