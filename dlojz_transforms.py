@@ -168,11 +168,12 @@ def _snap_box(box: tuple, width: int, height: int) -> tuple:
 
 
 def _jpeg_file_bytes(img: Image.Image) -> bytes | None:
-    """The raw bytes of ``img`` when it is a JPEG opened by path and not decoded yet (so the file is ours to read
-    and close), in YCbCr/RGB or grayscale (CMYK and other rare colour spaces stay with PIL, which converts them
-    correctly); else None."""
+    """The raw bytes of ``img`` when a faster decoder than PIL can take it: a JPEG opened by path and not decoded
+    yet (so the file is ours to read and close), in YCbCr/RGB or grayscale (CMYK and other rare colour spaces stay
+    with PIL, which converts them correctly); else None."""
     if (img.format != "JPEG" or img.mode not in ("RGB", "L") or not getattr(img, "filename", None)
-            or getattr(img, "fp", None) is None or not img.tile):
+            or getattr(img, "fp", None) is None or not img.tile
+            or (simplejpeg is None and dlojz_jpeg.load() is None)):
         return None
     img.fp.seek(0)
     return img.fp.read()
