@@ -36,11 +36,13 @@ import dlojz_optim as optim
 
 LOG_EVERY = 10  # steps between W&B logs and between the ranks' checks for a stop signal or a NaN loss
 
-# GPU defaults are the course's; without a GPU the CPU profile keeps `--test` to a few minutes on a laptop.
+# GPU defaults are the course's; without a GPU the CPU profile keeps `--test` to a few minutes on a laptop, with the
+# learning rate scaled to its smaller batch by the linear scaling rule (0.1 x 32/128: at 0.1, ResNet-50 at batch 32
+# diverged on the embedded data; at 0.025 it reached 71 % validation accuracy in 2 epochs).
 # Any flag given explicitly overrides its profile value.
 PROFILES = {
-    "gpu": dict(batch_size=128, image_size=224, val_resize_size=256, val_crop_size=224, val_batch_size=256),
-    "cpu": dict(batch_size=32, image_size=64, val_resize_size=73, val_crop_size=64, val_batch_size=64),
+    "gpu": dict(batch_size=128, image_size=224, val_resize_size=256, val_crop_size=224, val_batch_size=256, lr=0.1),
+    "cpu": dict(batch_size=32, image_size=64, val_resize_size=73, val_crop_size=64, val_batch_size=64, lr=0.025),
 }
 
 
@@ -57,7 +59,7 @@ def parse_args(argv=None):
     p.add_argument("-b", "--batch-size", type=int, default=None, help="batch size per process (default: 128; CPU profile: 32)")
     p.add_argument("-e", "--epochs", type=int, default=1, help="number of epochs (default: 1)")
     p.add_argument("--image-size", type=int, default=None, help="training crop size in px (default: 224; CPU profile: 64)")
-    p.add_argument("--lr", type=float, default=0.1, help="peak learning rate (default: 0.1)")
+    p.add_argument("--lr", type=float, default=None, help="peak learning rate (default: 0.1; CPU profile: 0.025)")
     p.add_argument("--wd", type=float, default=0.0, help="weight decay (default: 0.)")
     p.add_argument("--mom", type=float, default=0.9, help="momentum (default: 0.9)")
     p.add_argument("--label-smoothing", type=float, default=0.1, help="label smoothing of the loss (default: 0.1)")

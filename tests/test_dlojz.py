@@ -239,3 +239,17 @@ def test_loader_only_reports_images_per_second(tiny_data, tmp_path):
 def test_loader_only_with_synthetic_is_refused(tmp_path, run_inline):
     proc = run_inline(*SMALL, "--synthetic", "--loader-only", "--output-dir", tmp_path)
     assert_one_line_error(proc, "--loader-only", "--synthetic")
+
+
+def test_cpu_profile_scales_the_learning_rate_unless_given(tiny_data, tmp_path, run_inline):
+    # Without a GPU the profile's batch is 4x smaller than the course's: the lr follows the linear scaling rule.
+    common = ("--device", "cpu", "--arch", "resnet18", "--data-root", tiny_data, "--loader-only",
+              "--test-nsteps", "1", "--num-workers", "0", "--output-dir", tmp_path)
+    proc = run_inline(*common)
+    assert proc.returncode == 0, proc.stderr
+    assert "--batch-size 32" in proc.stdout and "--lr 0.025" in proc.stdout
+    assert "optimizer: sgd (lr 0.025," in proc.stdout
+    proc = run_inline(*common, "--lr", "0.1", "-b", "16")
+    assert proc.returncode == 0, proc.stderr
+    assert "--lr" not in proc.stdout.split("CPU profile")[1].splitlines()[0]  # given explicitly: not in the profile
+    assert "optimizer: sgd (lr 0.1," in proc.stdout
