@@ -579,6 +579,7 @@ def train(args):
     # 10 console lines per epoch, as in the course, at optimizer-step boundaries.
     log_lines = math.ceil(math.ceil(N_batch / 10) / args.grad_acc) * args.grad_acc
     interactive = sys.stdout.isatty() and "SLURM_JOB_ID" not in os.environ
+    live_line_open = False
     micro_steps, timed_micro_steps, timed_seconds = 0, 0, 0.0  # steady-state throughput between synchronised points
     warmup_micro_steps = LOG_EVERY * args.grad_acc  # cuDNN autotuning, allocator, workers starting: not counted
     stop_reason = None
@@ -706,8 +707,9 @@ def train(args):
                             if timed_seconds else ", warming up")
                     line = (f"Epoch {epoch + 1}/{args.epochs}, Step {i + 1}/{N_batch}, Time: {time.perf_counter() - run_start:.3f}, "
                             f"Loss: {loss_sum / max(count, 1):.4f}, Acc: {correct / max(count, 1):.4f}{rate}")
-                    if interactive and is_main:
+                    if interactive and is_main:  # one live line, rewritten in place, ended with the epoch
                         print("\r" + line, end="" if not last_of_epoch else "\n", flush=True)
+                        live_line_open = not last_of_epoch
                     else:
                         log(line, flush=True)
                     running.zero_()
@@ -718,8 +720,9 @@ def train(args):
                 break
         batches.close()  # leaving mid-epoch (test, stop signal): release this epoch's iterator now
 
-        if interactive and is_main:
+        if live_line_open:  # the epoch was left before its last line (--test, stop signal): end the live line
             print()
+            live_line_open = False
         loss_sum, correct, count = epoch_totals.tolist()
         if distributed:
             totals = torch.tensor([loss_sum, correct, count], dtype=torch.float64, device=device)

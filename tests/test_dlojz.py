@@ -253,3 +253,30 @@ def test_cpu_profile_scales_the_learning_rate_unless_given(tiny_data, tmp_path, 
     assert proc.returncode == 0, proc.stderr
     assert "--lr" not in proc.stdout.split("CPU profile")[1].splitlines()[0]  # given explicitly: not in the profile
     assert "optimizer: sgd (lr 0.1," in proc.stdout
+
+
+def test_interactive_terminal_gets_one_live_line_per_epoch(tiny_data, tmp_path):
+    # In a terminal the console lines of an epoch rewrite one line ("\r"), ended once: no blank lines, whether the
+    # epoch runs to its end or --test leaves it early.
+    import pty
+    for extra in (["--epochs", "1", "--no-wandb"], ["--test", "--test-nsteps", "4"]):
+        leader, follower = pty.openpty()
+        proc = subprocess.Popen([sys.executable, str(ROOT / "dlojz.py"), *SMALL, "--data-root", str(tiny_data),
+                                 "-b", "8", "--output-dir", str(tmp_path / extra[0]), *extra],
+                                stdout=follower, stderr=subprocess.DEVNULL, env=clean_env(), cwd=ROOT)
+        os.close(follower)
+        chunks = []
+        while True:
+            try:
+                chunk = os.read(leader, 65536)
+            except OSError:  # the child closed the terminal
+                break
+            if not chunk:
+                break
+            chunks.append(chunk)
+        os.close(leader)
+        assert proc.wait(timeout=300) == 0
+        text = b"".join(chunks).decode(errors="replace").replace("\r\n", "\n")
+        assert "\rEpoch 1/1, Step" in text  # rewritten in place
+        assert "\n\n" not in text, text[-2000:]
+        assert "\n##EVALUATION STEP##" in text
