@@ -32,14 +32,18 @@ struct error_manager {
     int message_size;
 };
 
+static void set_message(char *message, int message_size, const char *text) {
+    if (message_size > 0) {
+        strncpy(message, text, (size_t)message_size - 1);
+        message[message_size - 1] = '\0';
+    }
+}
+
 static void raise_error(j_common_ptr cinfo) {
     struct error_manager *err = (struct error_manager *)cinfo->err;
     char buffer[JMSG_LENGTH_MAX];
     (*cinfo->err->format_message)(cinfo, buffer);
-    if (err->message_size > 0) {
-        strncpy(err->message, buffer, (size_t)err->message_size - 1);
-        err->message[err->message_size - 1] = '\0';
-    }
+    set_message(err->message, err->message_size, buffer);
     longjmp(err->jump, 1);
 }
 
@@ -51,11 +55,20 @@ static void on_message(j_common_ptr cinfo, int level) {
     }
 }
 
-static void set_message(char *message, int message_size, const char *text) {
-    if (message_size > 0) {
-        strncpy(message, text, (size_t)message_size - 1);
-        message[message_size - 1] = '\0';
-    }
+/* Errors longjmp to the caller's setjmp(err->jump) with their text in `message` (setjmp must stay in the caller:
+ * its frame is the one still alive when libjpeg fails). */
+static void use_error_manager(struct jpeg_decompress_struct *cinfo, struct error_manager *err, char *message,
+                              int message_size) {
+    cinfo->err = jpeg_std_error(&err->pub);
+    err->pub.error_exit = raise_error;
+    err->pub.emit_message = on_message;
+    err->message = message;
+    err->message_size = message_size;
+}
+
+static int rgb_decodable(const struct jpeg_decompress_struct *cinfo) {
+    return cinfo->jpeg_color_space == JCS_YCbCr || cinfo->jpeg_color_space == JCS_RGB ||
+           cinfo->jpeg_color_space == JCS_GRAYSCALE;
 }
 
 /* Size and colour space of a JPEG: width, height, and 1 if it can be decoded to RGB here (YCbCr, RGB, grayscale),
@@ -64,11 +77,7 @@ int dlojz_jpeg_info(const unsigned char *data, unsigned long size, int *width, i
                     char *message, int message_size) {
     struct jpeg_decompress_struct cinfo;
     struct error_manager err;
-    cinfo.err = jpeg_std_error(&err.pub);
-    err.pub.error_exit = raise_error;
-    err.pub.emit_message = on_message;
-    err.message = message;
-    err.message_size = message_size;
+    use_error_manager(&cinfo, &err, message, message_size);
     if (setjmp(err.jump)) {
         jpeg_destroy_decompress(&cinfo);
         return DLOJZ_ERROR;
@@ -78,8 +87,7 @@ int dlojz_jpeg_info(const unsigned char *data, unsigned long size, int *width, i
     jpeg_read_header(&cinfo, TRUE);
     *width = (int)cinfo.image_width;
     *height = (int)cinfo.image_height;
-    *rgb_capable = cinfo.jpeg_color_space == JCS_YCbCr || cinfo.jpeg_color_space == JCS_RGB ||
-                   cinfo.jpeg_color_space == JCS_GRAYSCALE;
+    *rgb_capable = rgb_decodable(&cinfo);
     jpeg_destroy_decompress(&cinfo);
     return DLOJZ_OK;
 }
@@ -95,11 +103,7 @@ int dlojz_jpeg_decode_region(const unsigned char *data, unsigned long size, int 
     struct jpeg_decompress_struct cinfo;
     struct error_manager err;
     JSAMPROW row_pointers[16];
-    cinfo.err = jpeg_std_error(&err.pub);
-    err.pub.error_exit = raise_error;
-    err.pub.emit_message = on_message;
-    err.message = message;
-    err.message_size = message_size;
+    use_error_manager(&cinfo, &err, message, message_size);
     if (setjmp(err.jump)) {
         jpeg_destroy_decompress(&cinfo);
         return DLOJZ_ERROR;
@@ -107,8 +111,7 @@ int dlojz_jpeg_decode_region(const unsigned char *data, unsigned long size, int 
     jpeg_create_decompress(&cinfo);
     jpeg_mem_src(&cinfo, data, size);
     jpeg_read_header(&cinfo, TRUE);
-    if (!(cinfo.jpeg_color_space == JCS_YCbCr || cinfo.jpeg_color_space == JCS_RGB ||
-          cinfo.jpeg_color_space == JCS_GRAYSCALE)) {
+    if (!rgb_decodable(&cinfo)) {
         set_message(message, message_size, "colour space not decodable to RGB here");
         jpeg_destroy_decompress(&cinfo);
         return DLOJZ_UNSUPPORTED;
