@@ -13,7 +13,9 @@ so that concurrent ranks and jobs can share it. That needs a C compiler and libj
 which sets ``CPATH``/``LIBRARY_PATH`` for the compiler). Without them ``load()`` returns None, ``status()`` says
 why, and dlojz_transforms.py decodes whole images with simplejpeg or PIL instead (same augmentation, slower).
 
-Set ``DLOJZ_JPEG_DECODER=simplejpeg`` (or ``pil``) to turn region decoding off; ``CC`` picks the compiler.
+``DLOJZ_JPEG_DECODER`` (read here only, once per process: ``decoder_choice()``) picks the decoders:
+``auto`` (default: the fastest available), ``simplejpeg`` (region decoding off, simplejpeg then PIL) or ``pil``
+(region decoding and simplejpeg off: PIL only). ``CC`` picks the compiler.
 """
 
 from __future__ import annotations
@@ -28,12 +30,15 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["JpegError", "UnsupportedJpeg", "load", "status", "info", "decode_region", "scaled_size"]
+__all__ = ["JpegError", "UnsupportedJpeg", "decoder_choice", "load", "status", "info", "decode_region", "scaled_size"]
 
 SOURCE = Path(__file__).with_name("dlojz_jpeg.c")
 _OK, _ERROR, _UNSUPPORTED = 0, 1, 2
 _MESSAGE_SIZE = 200
 
+DECODER_CHOICES = ("auto", "simplejpeg", "pil")
+
+_choice = None
 _library = None
 _load_tried = False
 _status = "not loaded yet"
@@ -91,6 +96,16 @@ def _declare(library: ctypes.CDLL) -> ctypes.CDLL:
     return library
 
 
+def decoder_choice() -> str:
+    """``DLOJZ_JPEG_DECODER`` as one of ``DECODER_CHOICES`` ("auto" when unset or not one of them), read once per
+    process: the one place that reads it, for this module and dlojz_transforms.py alike."""
+    global _choice
+    if _choice is None:
+        value = os.environ.get("DLOJZ_JPEG_DECODER", "auto").strip().lower()
+        _choice = value if value in DECODER_CHOICES else "auto"
+    return _choice
+
+
 def load():
     """The compiled library (building it on first use), or None when region decoding is off or cannot be built.
 
@@ -100,8 +115,8 @@ def load():
     if _load_tried:
         return _library
     _load_tried = True
-    choice = os.environ.get("DLOJZ_JPEG_DECODER", "auto").strip().lower()
-    if choice in ("simplejpeg", "pil"):
+    choice = decoder_choice()
+    if choice != "auto":
         _status = f"off (DLOJZ_JPEG_DECODER={choice})"
         return None
     try:

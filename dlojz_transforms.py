@@ -19,6 +19,8 @@ augmentation statistics while doing less work per image:
 * JPEG decoders, fastest first, all libjpeg-turbo with the same settings (identical pixels): the region decoder of
   dlojz_jpeg.py (compiled on first use; needs a C compiler and libjpeg headers), simplejpeg (whole image, straight
   into a packed RGB array), PIL (everything else, and CMYK or files the others refuse).
+  ``DLOJZ_JPEG_DECODER=simplejpeg`` turns region decoding off, ``DLOJZ_JPEG_DECODER=pil`` turns both faster
+  decoders off (read by ``dlojz_jpeg.decoder_choice()``).
 * ``DeviceNormalize(device)`` turns a ``uint8`` batch into normalised floats (optionally channels-last) on the device.
 * ``DevicePrefetcher(loader, device, normalize)`` iterates a DataLoader of ``(uint8 images, labels)`` and yields
   ``(normalised float images, labels)`` already on the device; on CUDA it copies and normalises the next batch on a
@@ -71,13 +73,20 @@ IMAGENET_STD = (0.229, 0.224, 0.225)
 _PIL_READ_ERRORS = (OSError, ValueError, SyntaxError, Image.DecompressionBombError)
 
 
+def _simplejpeg():
+    """The simplejpeg module when it is installed and allowed (not ``DLOJZ_JPEG_DECODER=pil``), else None."""
+    return simplejpeg if simplejpeg is not None and dlojz_jpeg.decoder_choice() != "pil" else None
+
+
 def decoder_description() -> str:
     """One line for reports: which JPEG decoder the transforms use, and why not a faster one."""
     if dlojz_jpeg.load() is not None:
         return f"region decoding with libjpeg-turbo ({dlojz_jpeg.status()})"
-    if simplejpeg is not None:
+    if _simplejpeg() is not None:
         return f"simplejpeg {simplejpeg.__version__}, whole images (region decoding {dlojz_jpeg.status()})"
-    return f"PIL, whole images (region decoding {dlojz_jpeg.status()})"
+    if dlojz_jpeg.decoder_choice() == "pil":
+        return "PIL, whole images (DLOJZ_JPEG_DECODER=pil: region decoding and simplejpeg off)"
+    return f"PIL, whole images (simplejpeg not installed; region decoding {dlojz_jpeg.status()})"
 
 
 class UnreadableImageError(OSError):
@@ -173,7 +182,7 @@ def _jpeg_file_bytes(img: Image.Image) -> bytes | None:
     with PIL, which converts them correctly); else None."""
     if (img.format != "JPEG" or img.mode not in ("RGB", "L") or not getattr(img, "filename", None)
             or getattr(img, "fp", None) is None or not img.tile
-            or (simplejpeg is None and dlojz_jpeg.load() is None)):
+            or (_simplejpeg() is None and dlojz_jpeg.load() is None)):
         return None
     img.fp.seek(0)
     return img.fp.read()
@@ -241,11 +250,12 @@ def _decode(img, box: tuple, out_width: int, out_height: int, draft: bool, snap:
             if decoded is not None:
                 img.close()
                 return decoded
-    if data is not None and simplejpeg is not None:
+    fast_whole_decoder = _simplejpeg()
+    if data is not None and fast_whole_decoder is not None:
         try:
             # Asking for at least ceil(size / reduction) selects libjpeg-turbo's 1/reduction scaling factor.
-            pixels = simplejpeg.decode_jpeg(data, colorspace="RGB", min_height=-(-height // reduction),
-                                            min_width=-(-width // reduction))
+            pixels = fast_whole_decoder.decode_jpeg(data, colorspace="RGB", min_height=-(-height // reduction),
+                                                    min_width=-(-width // reduction))
         except ValueError:
             # simplejpeg also stops at libjpeg's warnings (e.g. extraneous bytes), which PIL tolerates: let PIL
             # decide, so that exactly the files the reference pipeline reads are read (and the others reported).

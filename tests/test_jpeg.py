@@ -1,7 +1,9 @@
 """Tests of dlojz_jpeg: region decoding gives the pixels of a full decode, errors are clear, the build falls back.
 
 Every JPEG is made here with PIL. The comparisons are exact (0 levels): the region decoder and PIL/simplejpeg run
-the same libjpeg-turbo algorithms (accurate integer IDCT, fancy upsampling).
+the same libjpeg-turbo algorithms (accurate integer IDCT, fancy upsampling). Tests that need the compiled decoder
+skip, with the reason, where it cannot be built, except under CI=true, where that is a failure (CI installs gcc and
+libjpeg-dev so that the fast path is the one tested).
 """
 
 import io
@@ -18,7 +20,24 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 import dlojz_jpeg  # noqa: E402
 
-needs_library = pytest.mark.skipif(dlojz_jpeg.load() is None, reason=f"region decoding: {dlojz_jpeg.status()}")
+
+def in_ci() -> bool:
+    return os.environ.get("CI", "").strip().lower() in ("1", "true", "yes")
+
+
+def require_region_decoder():
+    """Skip the calling test when the region decoder cannot be built here, with the reason; fail instead under
+    CI=true, where a missing decoder would otherwise leave the fast path untested without anyone noticing."""
+    if dlojz_jpeg.load() is None:
+        reason = f"region decoding: {dlojz_jpeg.status()}"
+        if in_ci():
+            pytest.fail(f"{reason} (CI=true: the region decoder must be built and tested)", pytrace=False)
+        pytest.skip(reason)
+
+
+@pytest.fixture
+def needs_library():
+    require_region_decoder()
 
 
 def photo_jpeg(width, height, seed=0, mode="RGB", **options):
@@ -51,7 +70,7 @@ KINDS = {
 }
 
 
-@needs_library
+@pytest.mark.usefixtures("needs_library")
 @pytest.mark.parametrize("kind", list(KINDS))
 @pytest.mark.parametrize("width,height", [(500, 375), (97, 61)])
 def test_region_has_the_pixels_of_a_full_decode(kind, width, height):
@@ -79,7 +98,7 @@ def test_region_has_the_pixels_of_a_full_decode(kind, width, height):
                                            f"{(left, top, right, bottom)}: {difference.max()} levels off")
 
 
-@needs_library
+@pytest.mark.usefixtures("needs_library")
 def test_corrupt_truncated_and_unsupported_data_raise_clear_errors():
     data = photo_jpeg(200, 160)
     with pytest.raises(dlojz_jpeg.JpegError, match="Not a JPEG"):
@@ -121,13 +140,14 @@ def test_a_failed_build_leaves_a_reason_and_no_library(tmp_path):
     assert not list((tmp_path / "cache" / "dlojz").glob("*.so")) and not list((tmp_path / "cache").rglob("*.tmp"))
 
 
-def test_region_decoding_can_be_turned_off(tmp_path):
-    loaded, status = _status_in_subprocess(tmp_path, DLOJZ_JPEG_DECODER="simplejpeg")
-    assert not loaded and status == "off (DLOJZ_JPEG_DECODER=simplejpeg)"
+@pytest.mark.parametrize("choice", ["simplejpeg", "pil", " PIL "])
+def test_region_decoding_can_be_turned_off(tmp_path, choice):
+    loaded, status = _status_in_subprocess(tmp_path, DLOJZ_JPEG_DECODER=choice)
+    assert not loaded and status == f"off (DLOJZ_JPEG_DECODER={choice.strip().lower()})"
     assert not (tmp_path / "cache" / "dlojz").exists()  # nothing compiled
 
 
-@needs_library
+@pytest.mark.usefixtures("needs_library")
 def test_concurrent_first_builds_share_one_library(tmp_path):
     # Ranks of a job start together and may all find no library: each builds aside and renames into place.
     code = "import dlojz_jpeg; assert dlojz_jpeg.load() is not None, dlojz_jpeg.status(); print(dlojz_jpeg.status())"
@@ -145,6 +165,20 @@ def test_concurrent_first_builds_share_one_library(tmp_path):
 
 def test_region_decoding_is_built_in_ci():
     # CI installs a C compiler and libjpeg's headers (.ci/run): there the fast path must be the one tested.
-    if not os.environ.get("CI"):
-        pytest.skip("only asserted in CI")
+    if not in_ci():
+        pytest.skip("only asserted under CI=true")
     assert dlojz_jpeg.load() is not None, dlojz_jpeg.status()
+
+
+@pytest.mark.parametrize("ci", ["true", None])
+def test_a_missing_region_decoder_fails_in_ci_and_skips_elsewhere(monkeypatch, ci):
+    monkeypatch.setattr(dlojz_jpeg, "load", lambda: None)
+    monkeypatch.setattr(dlojz_jpeg, "status", lambda: "unavailable (no C compiler here)")
+    if ci:
+        monkeypatch.setenv("CI", ci)
+    else:
+        monkeypatch.delenv("CI", raising=False)
+    # Both outcomes are BaseExceptions: catch either, so that a skip where a failure is due fails this test.
+    with pytest.raises(BaseException, match="no C compiler here") as outcome:
+        require_region_decoder()
+    assert outcome.type is (pytest.fail.Exception if ci else pytest.skip.Exception)

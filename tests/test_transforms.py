@@ -2,8 +2,9 @@
 device normalisation and prefetching, clear errors on unreadable files.
 
 Every image is made here with PIL (small, in tmp_path); the whole file runs in a few seconds on 2 CPU cores.
-Decoding tests run three times: with libjpeg-turbo region decoding (dlojz_jpeg.c, when it builds here), with
-simplejpeg (when installed) and with PIL alone.
+Decoding tests run three times, selected with DLOJZ_JPEG_DECODER: with libjpeg-turbo region decoding (dlojz_jpeg.c;
+skipped with the reason where it cannot be built, a failure under CI=true), with simplejpeg (when installed) and
+with PIL alone.
 """
 
 import io
@@ -18,30 +19,79 @@ import torchvision.transforms as T
 from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 import dlojz_jpeg  # noqa: E402
 import dlojz_transforms  # noqa: E402
 from dlojz_transforms import (IMAGENET_MEAN, IMAGENET_STD, DeviceNormalize, DevicePrefetcher,  # noqa: E402
                               EncodedJpeg, TrainTransform, UnreadableImageError, ValTransform, lazy_image_loader,
                               lazy_pil_loader)
+from test_jpeg import require_region_decoder  # noqa: E402
 
 # ----------------------------------------------------------------------------------------------------------------
 # Helpers
 
 
+@pytest.fixture
+def decoder_env(monkeypatch):
+    """``set_choice(value)``: DLOJZ_JPEG_DECODER=value as a new process would see it. dlojz_jpeg reads the variable
+    and loads its library once per process: that state is reset here, and restored after the test."""
+    def set_choice(value):
+        monkeypatch.setenv("DLOJZ_JPEG_DECODER", value)
+        for name, fresh in (("_choice", None), ("_library", None), ("_load_tried", False),
+                            ("_status", "not loaded yet")):
+            monkeypatch.setattr(dlojz_jpeg, name, fresh)
+    return set_choice
+
+
 @pytest.fixture(params=["region", "simplejpeg", "pil"])
-def decoder(request, monkeypatch):
+def decoder(request, decoder_env):
     """Run a test with each JPEG decoder the module can use (the faster ones turned off for the slower ones)."""
+    decoder_env("auto" if request.param == "region" else request.param)
     if request.param == "region":
-        if dlojz_jpeg.load() is None:
-            pytest.skip(f"region decoding: {dlojz_jpeg.status()}")
-        return request.param
-    monkeypatch.setattr(dlojz_jpeg, "load", lambda: None)
-    if request.param == "simplejpeg":
-        if dlojz_transforms.simplejpeg is None:
-            pytest.skip("simplejpeg is not installed")
-    else:
-        monkeypatch.setattr(dlojz_transforms, "simplejpeg", None)
+        require_region_decoder()
+    elif request.param == "simplejpeg" and dlojz_transforms.simplejpeg is None:
+        pytest.skip("simplejpeg is not installed")
     return request.param
+
+
+class _CountingSimplejpeg:
+    """Stands in for the simplejpeg module: counts the decodes asked of it, then does them with the real one when it
+    is installed (else declines, as simplejpeg does on libjpeg warnings, and PIL decodes)."""
+
+    def __init__(self, real):
+        self.real, self.calls = real, 0
+        self.__version__ = getattr(real, "__version__", "(test stand-in)")
+
+    def decode_jpeg(self, data, **options):
+        self.calls += 1
+        if self.real is None:
+            raise ValueError("simplejpeg is not installed")
+        return self.real.decode_jpeg(data, **options)
+
+
+@pytest.mark.parametrize("choice", ["pil", "simplejpeg"])
+def test_decoder_env_var_turns_the_faster_decoders_off(tmp_path, monkeypatch, decoder_env, choice):
+    # =simplejpeg: no region decoding; =pil: no region decoding and no simplejpeg either. Both in what the run
+    # reports (decoder_description) and in what actually decodes.
+    decoder_env(choice)
+    counting = _CountingSimplejpeg(dlojz_transforms.simplejpeg)
+    monkeypatch.setattr(dlojz_transforms, "simplejpeg", counting)
+    region_calls = []
+    monkeypatch.setattr(dlojz_jpeg, "decode_region", lambda *args: region_calls.append(args))
+    path = save(photo_like(200, 150), tmp_path / "a.jpg")
+    assert isinstance(lazy_image_loader(path), Image.Image)  # no EncodedJpeg: that is for region decoding only
+    expected = (reference_val(Image.open(path), 64, 56) * torch.tensor(IMAGENET_STD).view(3, 1, 1)
+                + torch.tensor(IMAGENET_MEAN).view(3, 1, 1)) * 255
+    assert_reference_pixels(ValTransform(64, 56, draft=False)(lazy_image_loader(path)).float(), expected, choice)
+    assert TrainTransform(32)(lazy_image_loader(path)).shape == (3, 32, 32)
+    description = dlojz_transforms.decoder_description()
+    assert not region_calls
+    if choice == "pil":
+        assert counting.calls == 0, "DLOJZ_JPEG_DECODER=pil, yet simplejpeg decoded"
+        assert description.startswith("PIL, whole images") and "DLOJZ_JPEG_DECODER=pil" in description, description
+    else:
+        assert counting.calls == 2, "DLOJZ_JPEG_DECODER=simplejpeg, yet simplejpeg was not used"
+        assert description.startswith("simplejpeg ") and "DLOJZ_JPEG_DECODER=simplejpeg" in description, description
 
 
 def photo_like(width, height, seed=0):
@@ -337,13 +387,18 @@ def test_everything_workers_need_is_picklable(tmp_path):
 
 def test_device_normalize_values_layout_and_dtype():
     images = torch.randint(0, 256, (4, 3, 10, 12), dtype=torch.uint8)
+    original = images.clone()
     expected = T.Normalize(IMAGENET_MEAN, IMAGENET_STD)(images.float() / 255)
     got = DeviceNormalize("cpu")(images)
+    # On the CPU .to(device) and .contiguous() return the input itself: the in-place arithmetic must not reach it
+    # (the caller's batch, e.g. one still held by a DataLoader).
+    assert torch.equal(images, original), "DeviceNormalize modified its uint8 input"
     assert got.dtype == torch.float32 and torch.allclose(got, expected, atol=1e-5)
     last = DeviceNormalize("cpu", channels_last=True)(images)
     assert last.is_contiguous(memory_format=torch.channels_last) and torch.allclose(last, expected, atol=1e-5)
     # A batch in channels-last memory (as stacked from HWC samples) gives the same values in the asked layout.
     nhwc = images.contiguous(memory_format=torch.channels_last)
+    nhwc_original = nhwc.clone(memory_format=torch.channels_last)
     from_nhwc = DeviceNormalize("cpu")(nhwc)
     assert from_nhwc.is_contiguous() and torch.allclose(from_nhwc, expected, atol=1e-5)
     from_nhwc_last = DeviceNormalize("cpu", channels_last=True)(nhwc)
@@ -351,7 +406,7 @@ def test_device_normalize_values_layout_and_dtype():
     assert torch.allclose(from_nhwc_last, expected, atol=1e-5)
     half = DeviceNormalize("cpu", dtype=torch.bfloat16)(images)
     assert half.dtype == torch.bfloat16 and torch.allclose(half.float(), expected, atol=0.02)
-    assert torch.equal(images, images.clone())  # the uint8 input is left untouched
+    assert torch.equal(images, original) and torch.equal(nhwc, nhwc_original)  # inputs left untouched
     with pytest.raises(TypeError, match="uint8"):
         DeviceNormalize("cpu")(images.float())
 

@@ -1,0 +1,187 @@
+"""Tests of dlojz_data: where the data is found, the two layouts, unreadable files, and per-sample augmentation that
+depends only on (seed, epoch, index), hence is the same whatever the number of DataLoader workers.
+
+Small data only (the session's tiny_data set of 48x40 JPEGs, or a few files made here); a few seconds on 2 cores.
+"""
+import re
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torchvision.transforms import v2
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from dlojz_data import (DataError, EpochSampler, SafeImageFolder, build_datasets, close_loader,  # noqa: E402
+                        make_loader, resolve_data_root)
+from dlojz_transforms import TrainTransform, ValTransform, lazy_image_loader  # noqa: E402
+
+DATA_VARIABLES = ("DLOJZ_DATA", "ALL_CCFRSCRATCH", "DSDIR")
+
+
+def train_transform():
+    """The training transform of `--randaugment 2 9 --random-erase 0.5`, so that torchvision's random policies
+    draw from the per-sample seed too."""
+    return v2.Compose([TrainTransform(32), v2.RandAugment(num_ops=2, magnitude=9), v2.RandomErasing(p=0.5)])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Where the data is
+
+
+def test_data_root_fallbacks_in_order(tmp_path, monkeypatch):
+    for name in DATA_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    dlojz_data = tmp_path / "mine"
+    scratch, dsdir = tmp_path / "scratch", tmp_path / "dsdir"
+    for folder in (dlojz_data, scratch / "imagenet", dsdir / "imagenet"):
+        folder.mkdir(parents=True)
+    assert resolve_data_root(None) == (None, "embedded")
+    monkeypatch.setenv("DSDIR", str(dsdir))
+    assert resolve_data_root(None) == (dsdir / "imagenet", "$DSDIR/imagenet")
+    monkeypatch.setenv("ALL_CCFRSCRATCH", str(scratch))
+    assert resolve_data_root(None) == (scratch / "imagenet", "$ALL_CCFRSCRATCH/imagenet")
+    monkeypatch.setenv("DLOJZ_DATA", str(dlojz_data))
+    assert resolve_data_root(None) == (dlojz_data, "$DLOJZ_DATA")
+    # A variable naming a missing folder is passed over, not an error: the next one is tried.
+    monkeypatch.setenv("DLOJZ_DATA", str(tmp_path / "gone"))
+    shutil.rmtree(scratch / "imagenet")
+    assert resolve_data_root(None) == (dsdir / "imagenet", "$DSDIR/imagenet")
+    # An explicit --data-root wins over all of them.
+    assert resolve_data_root(str(dlojz_data)) == (dlojz_data, "--data-root")
+
+
+def test_missing_explicit_data_root_is_an_error_naming_the_flag(tmp_path, monkeypatch):
+    monkeypatch.setenv("DLOJZ_DATA", str(tmp_path))  # an existing fall-back must not hide the mistake
+    with pytest.raises(DataError, match=r"^--data-root .*nowhere: no such directory"):
+        resolve_data_root(str(tmp_path / "nowhere"))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Layouts
+
+
+def test_imagenet_layout_gives_readable_class_names(tmp_path, tiny_data):
+    # torchvision's ImageNet layout: one folder per WordNet id, meta.bin = (wnid -> names, val wnids).
+    wnids = {"disc": "n01440764", "square": "n01443537", "triangle": "n01484850"}
+    root = tmp_path / "imagenet"
+    for split in ("train", "val"):
+        for name, wnid in wnids.items():
+            shutil.copytree(tiny_data / split / name, root / split / wnid)
+    names = {"n01440764": ("tench", "Tinca tinca"), "n01443537": ("goldfish", "Carassius auratus")}
+    torch.save((names, sorted(wnids.values()) * 5), root / "meta.bin")
+    train_set, val_set, classes, layout = build_datasets(root, TrainTransform(32), ValTransform(36, 32))
+    assert layout == "imagenet"
+    # The first name of each id, in the order of the class indices; an id meta.bin lacks keeps its id.
+    assert classes == ["tench", "goldfish", "n01484850"]
+    assert train_set.classes == sorted(wnids.values()) and len(train_set) == 72 and len(val_set) == 15
+    _, _, plain_classes, plain_layout = build_datasets(tiny_data, TrainTransform(32), ValTransform(36, 32))
+    assert plain_layout == "imagefolder" and plain_classes == ["disc", "square", "triangle"]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Unreadable files
+
+
+def _garbage_folder(root, classes=("a", "b"), per_class=2):
+    for split in ("train", "val"):
+        for cls in classes:
+            (root / split / cls).mkdir(parents=True)
+            for k in range(per_class):
+                (root / split / cls / f"{cls}{k}.JPEG").write_text("not a picture")
+    return root
+
+
+def test_a_set_without_any_readable_image_raises(tmp_path, capsys):
+    root = _garbage_folder(tmp_path / "garbage")
+    train_set = SafeImageFolder(str(root / "train"), transform=TrainTransform(32), loader=lazy_image_loader)
+    with pytest.raises(DataError, match="no readable image in .*train"):
+        train_set[(0, 1)]
+    warnings = capsys.readouterr().err
+    # Each file was tried once, each named in its warning.
+    assert sorted(Path(path).name for path, _ in train_set.samples) == ["a0.JPEG", "a1.JPEG", "b0.JPEG", "b1.JPEG"]
+    for path, _ in train_set.samples:
+        assert warnings.count(f"skipping unreadable image {path}") == 1
+
+
+def test_an_unreadable_image_is_replaced_by_the_next_one(tmp_path, tiny_data, capsys):
+    root = tmp_path / "one_bad"
+    shutil.copytree(tiny_data, root)
+    bad = root / "train" / "square" / "square_0003.JPEG"
+    bad.write_bytes(b"\xff\xd8\xff" + b"not really a JPEG" * 10 + b"\xff\xd9")
+    train_set, _, _, _ = build_datasets(root, train_transform(), ValTransform(36, 32), seed=7)
+    index = [path for path, _ in train_set.samples].index(str(bad))
+    image, label = train_set[(2, index)]
+    assert f"skipping unreadable image {bad}" in capsys.readouterr().err
+    # The next sample, with its own (seed, epoch, index) augmentation: exactly what asking for it gives.
+    next_image, next_label = train_set[(2, index + 1)]
+    assert label == next_label == train_set.class_to_idx["square"] and torch.equal(image, next_image)
+
+
+def test_an_unreadable_first_image_stops_build_datasets_naming_it(tmp_path, tiny_data):
+    root = tmp_path / "first_bad"
+    shutil.copytree(tiny_data, root)
+    first = root / "train" / "disc" / "disc_0000.JPEG"
+    first.write_text("not a picture")
+    with pytest.raises(DataError, match=rf"^{re.escape(str(first))}: not a readable image"):
+        build_datasets(root, TrainTransform(32), ValTransform(36, 32))
+    with pytest.raises(DataError, match=r"garbage/train/a/a0\.JPEG: not a readable image"):
+        build_datasets(_garbage_folder(tmp_path / "garbage"), TrainTransform(32), ValTransform(36, 32))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Augmentation: a function of (seed, epoch, index) only
+
+
+def test_augmentation_depends_only_on_seed_epoch_and_index(tiny_data):
+    train_set, _, _, _ = build_datasets(tiny_data, train_transform(), ValTransform(36, 32), seed=123)
+    image, label = train_set[(3, 10)]
+    # Whatever was drawn before (other samples, other random numbers), the same key gives the same tensor.
+    torch.rand(100)
+    train_set[(3, 11)]
+    train_set[(0, 10)]
+    again, again_label = train_set[(3, 10)]
+    assert torch.equal(image, again) and label == again_label
+    assert image.dtype == torch.uint8 and image.shape == (3, 32, 32)
+    assert not torch.equal(image, train_set[(4, 10)][0]), "another epoch must give another augmentation"
+    other_seed, _, _, _ = build_datasets(tiny_data, train_transform(), ValTransform(36, 32), seed=124)
+    assert not torch.equal(image, other_seed[(3, 10)][0]), "another --seed must give another augmentation"
+
+
+def _loader_epochs(train_set, num_workers, epochs=(0, 1)):
+    """{epoch: (indices in the sampler's order, the batches' images, their labels)}, with persistent workers
+    serving every epoch as in training with --persistent-workers."""
+    sampler = EpochSampler(train_set, num_replicas=1, rank=0, shuffle=True, seed=123)
+    loader = make_loader(train_set, sampler, batch_size=8, num_workers=num_workers, pin_memory=False,
+                         persistent_workers=num_workers > 0, prefetch_factor=2, drop_last=False)
+    out = {}
+    try:
+        for epoch in epochs:
+            sampler.set_epoch(epoch)
+            batches = list(loader)
+            out[epoch] = ([index for _, index in sampler], [images for images, _ in batches],
+                          [labels for _, labels in batches])
+    finally:
+        close_loader(loader)
+    return out
+
+
+def test_augmentation_is_the_same_for_any_number_of_workers(tiny_data):
+    train_set, _, _, _ = build_datasets(tiny_data, train_transform(), ValTransform(36, 32), seed=123)
+    by_workers = {workers: _loader_epochs(train_set, workers) for workers in (0, 1, 2)}
+    reference = by_workers[1]
+    for workers in (0, 2):
+        for epoch in (0, 1):
+            order, images, labels = by_workers[workers][epoch]
+            assert order == reference[epoch][0]
+            assert len(images) == len(reference[epoch][1]) == 9  # 72 images, batches of 8
+            for batch, (got, expected) in enumerate(zip(images, reference[epoch][1])):
+                assert torch.equal(got, expected), f"{workers} vs 1 workers, epoch {epoch}: batch {batch} differs"
+            assert all(torch.equal(a, b) for a, b in zip(labels, reference[epoch][2]))
+    # Between epochs, each image gets a new augmentation (not only a new place in the order).
+    assert reference[0][0] != reference[1][0]
+    first, second = ({index: image for index, image in zip(reference[epoch][0], torch.cat(reference[epoch][1]))}
+                     for epoch in (0, 1))
+    same = [index for index in first if torch.equal(first[index], second[index])]
+    assert not same, f"images {same} have the same augmentation in epochs 0 and 1"
