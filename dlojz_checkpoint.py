@@ -6,9 +6,16 @@
 - `load_latest(output_dir)`: the newest complete checkpoint: the one `latest` names, else the newest that loads;
   each refused file is reported with a warning and the previous one is tried.
 
+- `CheckpointSaver(output_dir, keep, device, fixed, model=..., optimizer=..., ...)`: what dlojz.py saves: the
+  `state_dict()` of each part given (None for a part that is off), the training position, what stays the same all
+  run (`fixed`: the run's config as `args`, the schedule's length) and the random generators' states (`rng`: torch,
+  python, cuda), through `save`.
+- `restore_rng(state, device)`: put the random generators back as they were saved.
+
 A checkpoint is a plain dict with `FORMAT_KEY` set, so a file written by another program is refused clearly.
 """
 import os
+import random
 import re
 import sys
 import tempfile
@@ -106,3 +113,28 @@ def load_latest(output_dir):
         except CheckpointError as err:
             print(f"WARNING: {err}; trying the previous checkpoint", file=sys.stderr, flush=True)
     return None, None
+
+
+class CheckpointSaver:
+    """Saves the parts of a run (objects with `state_dict()`, or None) with the training position, on rank 0."""
+
+    def __init__(self, output_dir, keep, device, fixed, **parts):
+        self.output_dir, self.keep, self.device, self.fixed, self.parts = Path(output_dir), keep, device, fixed, parts
+
+    def save(self, position):
+        """Write a checkpoint of the parts at `position` (a dict: epoch, batch, global_step, ...); return its path."""
+        state = {name: part.state_dict() if part is not None else None for name, part in self.parts.items()}
+        state.update(self.fixed, **position, rng=rng_state(self.device))
+        return save(state, self.output_dir, checkpoint_name(position["epoch"], position["global_step"]), keep=self.keep)
+
+
+def rng_state(device):
+    return dict(torch=torch.get_rng_state(), python=random.getstate(),
+                cuda=torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
+
+
+def restore_rng(state, device):
+    torch.set_rng_state(state["rng"]["torch"])
+    random.setstate(state["rng"]["python"])
+    if device.type == "cuda" and state["rng"].get("cuda") is not None:
+        torch.cuda.set_rng_state(state["rng"]["cuda"], device)

@@ -40,16 +40,17 @@ step boundary (peak W) and the GPU's energy counter between the end of the warm-
 passes taken out (J per image, energy per epoch estimate). Without NVML (not installed, no driver, no GPU, any NVML
 error) those figures are left out; nothing crashes.
 
-Other helpers: ``train_flops_per_image(model, image_size)`` counts a model's training FLOPs for one image with
-``torch.utils.flop_counter.FlopCounterMode`` on a weightless "meta" copy; ``peak_flops(device_name, dtype)`` gives
-the dense peak of V100/A100/H100/H200 GPUs; ``plot_trace(trace, png)`` draws the per-step timeline, also on the
-command line: ``python dlojz_chrono.py plot TRACE.json -o timeline.png``.
+The MFU uses ``dlojz_model.peak_flops(device_name, dtype)`` (the dense peak of V100/A100/H100/H200 GPUs) and the
+context's ``train_flops_per_image`` (``dlojz_model.train_flops_per_image``). ``plot_trace(trace, png)`` draws the
+per-step timeline, also on the command line: ``python dlojz_chrono.py plot TRACE.json -o timeline.png``.
+
+A step is one micro-batch's forward and backward on every rank; the context's ``images_per_step`` is that many
+images (micro-batch x ranks), whatever the gradient accumulation.
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import math
 import sys
@@ -58,6 +59,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+from dlojz_model import peak_flops
 
 # ``nvml`` default: import pynvml lazily, and only for CUDA devices.
 _TRY_PYNVML = object()
@@ -331,7 +334,7 @@ class Chronometer:
         if self._time_to_first_step is not None:
             out["time_to_first_step_s"] = self._time_to_first_step
 
-        batch = ctx.get("global_batch_size")
+        batch = ctx.get("images_per_step")
         world = ctx.get("world_size") or 1
         step_med = load_med = None
         if self.steps:
@@ -409,7 +412,7 @@ class Chronometer:
         if powers:
             out["peak_power_w"] = max(powers)
         energies = [r["train_energy_j"] for r in records]
-        batch = ctx.get("global_batch_size")
+        batch = ctx.get("images_per_step")
         n_steps = records[0].get("energy_steps") or 0
         if batch and n_steps and all(e is not None for e in energies):
             scale = 1 if self._gathered and len(records) > 1 else (ctx.get("world_size") or 1)
@@ -539,72 +542,6 @@ def loading_advice(load_s: float, step_s: float, ctx: dict) -> str:
     if ctx.get("persistent_workers") is False and workers:
         todo.append("turn on --persistent-workers")
     return head + "; ".join(todo)
-
-
-# ---------------------------------------------------------------------- FLOPs
-def train_flops_per_image(model: torch.nn.Module, image_size: int, channels_last: bool = False,
-                          in_channels: int = 3, batch_size: int = 2) -> float:
-    """Training FLOPs (forward + backward) for one image, counted by FlopCounterMode.
-
-    The model is copied to the "meta" device (shapes only: no weights copied, no memory kept, the model's
-    parameters, gradients and BatchNorm statistics untouched). Unwraps DDP (``.module``) and torch.compile
-    (``._orig_mod``). Call it before attaching hooks that expect real tensors (e.g. wandb.watch).
-    batch_size: images counted at once (2 keeps BatchNorm happy); the result is divided by it.
-    """
-    from torch.utils.flop_counter import FlopCounterMode
-
-    model = getattr(model, "_orig_mod", model)           # torch.compile wrapper
-    if isinstance(model, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)):
-        model = model.module
-    # deepcopy with a memo that maps every parameter/buffer to a meta tensor: the copy never holds weights.
-    memo = {}
-    for tensor in list(model.parameters()) + list(model.buffers()):
-        meta = torch.empty_like(tensor, device="meta")
-        memo[id(tensor)] = torch.nn.Parameter(meta, requires_grad=tensor.requires_grad) \
-            if isinstance(tensor, torch.nn.Parameter) else meta
-    meta_model = copy.deepcopy(model, memo)
-    images = torch.empty(batch_size, in_channels, image_size, image_size, device="meta")
-    if channels_last:
-        images = images.contiguous(memory_format=torch.channels_last)
-        meta_model = meta_model.to(memory_format=torch.channels_last)
-    counter = FlopCounterMode(display=False)
-    with counter:
-        outputs = meta_model(images)
-        _sum_outputs(outputs).backward()
-    return counter.get_total_flops() / batch_size
-
-
-def _sum_outputs(outputs):
-    if isinstance(outputs, torch.Tensor):
-        return outputs.float().sum()
-    if isinstance(outputs, dict):
-        outputs = list(outputs.values())
-    return sum(_sum_outputs(o) for o in outputs if isinstance(o, (torch.Tensor, list, tuple, dict)))
-
-
-# Dense (no sparsity) peaks in FLOP/s per GPU: NVIDIA data sheets. Keys: substring of the lower-cased device name,
-# most specific first. "tf32" = float32 matmuls on tensor cores; V100 has no TF32 nor bfloat16 units.
-_PEAKS = [
-    ("v100s", {"float16": 130e12, "float32": 16.4e12, "tf32": 16.4e12}),
-    ("v100-pcie", {"float16": 112e12, "float32": 14e12, "tf32": 14e12}),
-    ("v100", {"float16": 125e12, "float32": 15.7e12, "tf32": 15.7e12}),                 # SXM2 (Jean Zay)
-    ("a100", {"float16": 312e12, "bfloat16": 312e12, "tf32": 156e12, "float32": 19.5e12}),
-    ("h100 pcie", {"float16": 756e12, "bfloat16": 756e12, "tf32": 378e12, "float32": 51.2e12}),
-    ("h100 nvl", {"float16": 835e12, "bfloat16": 835e12, "tf32": 417.5e12, "float32": 60e12}),
-    ("h100", {"float16": 989.4e12, "bfloat16": 989.4e12, "tf32": 494.7e12, "float32": 66.9e12}),   # SXM5
-    ("h200 nvl", {"float16": 835e12, "bfloat16": 835e12, "tf32": 417.5e12, "float32": 60e12}),
-    ("h200", {"float16": 989.4e12, "bfloat16": 989.4e12, "tf32": 494.7e12, "float32": 66.9e12}),
-]
-
-
-def peak_flops(device_name: str, compute_dtype: str) -> float | None:
-    """Dense peak FLOP/s of one V100/A100/H100/H200 for compute_dtype ("float16", "bfloat16", "float32",
-    "tf32"); None for other devices or a dtype the GPU has no units for."""
-    name = device_name.lower()
-    for key, peaks in _PEAKS:
-        if key in name:
-            return peaks.get(compute_dtype.lower())
-    return None
 
 
 # ---------------------------------------------------------------------- plot

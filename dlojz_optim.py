@@ -15,6 +15,10 @@ Public API
     (``betas=(momentum, 0.99)``).
 ``build_scheduler(name, optimizer, lr, total_steps, warmup_steps=0, step_milestones=None, gamma=0.1)``
     A torch LR scheduler to be stepped once per optimizer step. ``lr`` is the peak LR of every group.
+``check_hyperparameters(lr, momentum, weight_decay)``
+    Raises ``ValueError`` naming ``--lr``, ``--mom`` or ``--wd`` when one is out of range.
+``fast_forward(scheduler, step)``
+    Puts a fresh scheduler at optimizer step ``step`` (a run resumed with a different length).
 ``lr_scaling_line(lr, global_batch_size) -> str``
     The LR expressed per 256 images (linear scaling rule, Goyal et al. 2017), for the start-up log.
 ``LRFinder(optimizer, start_lr, end_lr, num_steps)``
@@ -37,6 +41,7 @@ from __future__ import annotations
 
 import csv
 import math
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -91,12 +96,7 @@ def build_optimizer(name: str, params, lr: float, momentum: float, weight_decay:
     """
     if name not in OPTIMIZERS:
         raise ValueError(f"--optimizer {name!r} is unknown: choose one of {', '.join(OPTIMIZERS)}")
-    if not lr > 0:
-        raise ValueError(f"--lr must be > 0, got {lr}")
-    if not 0 <= momentum < 1:
-        raise ValueError(f"--mom must be in [0, 1), got {momentum}")
-    if not weight_decay >= 0:
-        raise ValueError(f"--wd must be >= 0, got {weight_decay}")
+    check_hyperparameters(lr, momentum, weight_decay)
 
     if name == "sgd":
         return torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay)
@@ -116,6 +116,28 @@ def build_optimizer(name: str, params, lr: float, momentum: float, weight_decay:
         return timm.optim.Lars(params, lr=lr, momentum=momentum, weight_decay=weight_decay,
                                always_adapt=always_adapt)
     return timm.optim.Lion(params, lr=lr, betas=(momentum, 0.99), weight_decay=weight_decay)
+
+
+def check_hyperparameters(lr: float, momentum: float, weight_decay: float) -> None:
+    """Raise ValueError naming the flag if ``--lr``, ``--mom`` or ``--wd`` is out of range."""
+    if not lr > 0:
+        raise ValueError(f"--lr must be > 0, got {lr}")
+    if not 0 <= momentum < 1:
+        raise ValueError(f"--mom must be in [0, 1), got {momentum}")
+    if not weight_decay >= 0:
+        raise ValueError(f"--wd must be >= 0, got {weight_decay}")
+
+
+def fast_forward(scheduler: torch.optim.lr_scheduler.LRScheduler, step: int) -> None:
+    """Put a freshly built scheduler at optimizer step ``step``, as if it had been stepped ``step`` times.
+
+    Every schedule here is a closed formula of the step (``LambdaLR``, ``OneCycleLR``), so setting the step and
+    stepping once gives the same LR (and OneCycle momentum) as replaying them all.
+    """
+    scheduler.last_epoch = step - 1
+    with warnings.catch_warnings():  # "lr_scheduler.step() before optimizer.step()": intended here
+        warnings.simplefilter("ignore", UserWarning)
+        scheduler.step()
 
 
 def _warmup_factor(step: int, warmup_steps: int) -> float:
@@ -235,6 +257,11 @@ class LRFinder:
         self.losses.append(float(loss))
         self.accuracies.append(float(accuracy))
         self._set_lr(self.lr_at(len(self.lrs)))
+
+    @property
+    def done(self) -> bool:
+        """The sweep is over: all its steps taken, or the last loss is not finite."""
+        return bool(self.losses) and (not math.isfinite(self.losses[-1]) or len(self.losses) >= self.num_steps)
 
     def write_csv(self, path) -> None:
         """Write the recorded points as CSV with a ``lr,loss,accuracy`` header."""

@@ -22,6 +22,8 @@ augmentation statistics while doing less work per image:
   ``DLOJZ_JPEG_DECODER=simplejpeg`` turns region decoding off, ``DLOJZ_JPEG_DECODER=pil`` turns both faster
   decoders off (read by ``dlojz_jpeg.decoder_choice()``).
 * ``DeviceNormalize(device)`` turns a ``uint8`` batch into normalised floats (optionally channels-last) on the device.
+* ``train_transform(cfg)`` and ``batch_mixing(cfg, num_classes)``: ``TrainTransform`` followed by the policies of
+  dlojz's flags (``--randaugment``, ``--trivialaugment``, ``--random-erase``), and MixUp/CutMix on the device batch.
 * ``DevicePrefetcher(loader, device, normalize)`` iterates a DataLoader of ``(uint8 images, labels)`` and yields
   ``(normalised float images, labels)`` already on the device; on CUDA it copies and normalises the next batch on a
   side stream while the current batch is being used.
@@ -43,7 +45,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from PIL import Image
-from torchvision.transforms import RandomResizedCrop
+from torchvision.transforms import RandomResizedCrop, v2
 
 import dlojz_jpeg
 
@@ -64,6 +66,8 @@ __all__ = [
     "ValTransform",
     "DeviceNormalize",
     "DevicePrefetcher",
+    "train_transform",
+    "batch_mixing",
 ]
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -488,3 +492,30 @@ class DevicePrefetcher:
             labels.record_stream(compute_stream)
             upcoming = start_copy()  # overlaps with the caller's work on (images, labels)
             yield images, labels
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The augmentation policies of dlojz's flags (torchvision v2)
+def train_transform(cfg):
+    """The fast crop + flip above, then the optional policies (torchvision v2, on uint8 tensors)."""
+    extra = []
+    if cfg.randaugment:
+        extra.append(v2.RandAugment(num_ops=cfg.randaugment[0], magnitude=cfg.randaugment[1]))
+    if cfg.trivialaugment:
+        extra.append(v2.TrivialAugmentWide())
+    if cfg.random_erase > 0:
+        extra.append(v2.RandomErasing(p=cfg.random_erase))
+    crop_flip = TrainTransform(cfg.image_size)
+    return v2.Compose([crop_flip, *extra]) if extra else crop_flip
+
+
+def batch_mixing(cfg, num_classes):
+    """MixUp and/or CutMix on the device batch (soft labels), or None."""
+    mixes = []
+    if cfg.mixup_alpha > 0:
+        mixes.append(v2.MixUp(alpha=cfg.mixup_alpha, num_classes=num_classes))
+    if cfg.cutmix_alpha > 0:
+        mixes.append(v2.CutMix(alpha=cfg.cutmix_alpha, num_classes=num_classes))
+    if not mixes:
+        return None
+    return mixes[0] if len(mixes) == 1 else v2.RandomChoice(mixes)

@@ -11,12 +11,11 @@ Measured, each in its own fresh subprocess (so that no run inherits another's al
 * ``dlojz --test``: ``python dlojz.py --synthetic --test --test-nsteps STEPS --no-wandb --metrics-json ...``, as a
   user runs it. ``--test`` turns the chronometer on, which synchronises the device at every phase boundary on a GPU
   (load, forward, backward), so this figure includes the chronometer's cost.
-* ``dlojz epoch``: the normal training path, chronometer off. dlojz has no flag to make a short non-test run (a
-  ``--synthetic`` epoch is ImageNet-sized: 1,281,167 images), so this variant imports ``dlojz`` and shrinks its
-  synthetic epoch to STEPS batches (``dlojz.IMAGENET_TRAIN_IMAGES``) and its validation set to one batch
-  (``dlojz.IMAGENET_VAL_IMAGES``), then calls ``dlojz.main()`` with ``--synthetic --epochs 1``; every line of the
-  training loop is dlojz's own. It writes one checkpoint after the timed steps. Note that an epoch of STEPS steps
-  prints a console line every ceil(STEPS/10) steps, each a synchronisation point; a real epoch has 10 per epoch.
+* ``dlojz epoch``: the normal training path, chronometer off. A ``--synthetic`` epoch is ImageNet-sized (1,281,167
+  images), so this variant imports ``dlojz`` and runs its ``train_one_epoch`` in-process on ``dlojz.synthetic_loop``
+  (the parts ``main()`` builds, from the same flags, ``--synthetic --epochs 1``, with an epoch of STEPS batches);
+  every line of the training loop is dlojz's own. Note that an epoch of STEPS steps prints a console line every
+  ceil(STEPS/10) steps, each a synchronisation point; a real epoch has 10 per epoch.
 * ``bare``: this file's ``bare_loop()``: model, SGD(lr 0.1, momentum 0.9), CrossEntropyLoss(label_smoothing 0.1),
   autocast + GradScaler, ``zero_grad / forward / backward / step``, nothing else (no scheduler object, no metrics).
   One bare run per dlojz variant: each step's learning rate and momentum are set to the values dlojz's default
@@ -194,13 +193,15 @@ def onecycle_values(max_lr, total_steps, steps):
 
 
 def run_dlojz_short_epoch(steps, dlojz_argv):
-    """dlojz's normal (non --test) training path on a synthetic epoch of `steps` batches."""
+    """dlojz's normal (non --test) training loop, its own train_one_epoch, over a synthetic epoch of `steps` batches
+    (dlojz.synthetic_loop), writing the metrics the driver reads."""
     import dlojz
-    flags = dlojz.parse_args(dlojz_argv)  # only to size the epoch; dlojz.main() parses them again itself
-    profile = dlojz.PROFILES["gpu" if flags.device == "cuda" else "cpu"]
-    dlojz.IMAGENET_TRAIN_IMAGES = steps * (flags.batch_size or profile["batch_size"])  # read by train() for its loaders
-    dlojz.IMAGENET_VAL_IMAGES = flags.val_batch_size or profile["val_batch_size"]  # one validation batch, not timed
-    return dlojz.main(dlojz_argv)
+    from dlojz_log import write_json
+    loop = dlojz.synthetic_loop(dlojz_argv, n_batches=steps)
+    result = dlojz.train_one_epoch(**loop)
+    write_json(loop["cfg"].metrics_json, dict(steps=loop["state"].global_step, train_loss=result.train_loss,
+                                              images_per_second=loop["progress"].images_per_second()))
+    return 0
 
 
 # ================================ the driver ================================
@@ -232,7 +233,7 @@ def dlojz_commands(args, tmp):
     if "epoch" in args.variants:
         epoch_args = ["--synthetic", "--no-wandb", "--epochs", "1"] + common_flags(args) + [
             "--metrics-json", str(tmp / "epoch.json"), "--output-dir", str(tmp / "epoch")]
-        # The hidden entry point shrinks dlojz's synthetic epoch to --steps batches, then calls dlojz.main(epoch_args).
+        # The hidden entry point runs dlojz's train_one_epoch on a synthetic epoch of --steps batches.
         cmds["epoch"] = [sys.executable, str(Path(__file__).resolve()), "--run-dlojz-epoch", str(args.steps),
                          "--"] + epoch_args
     return cmds

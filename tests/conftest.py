@@ -61,7 +61,7 @@ def embedded_cache(tmp_path_factory):
 
 @pytest.fixture
 def run_inline(capsys, monkeypatch):
-    """Run dlojz.main(argv) inside the test process (no interpreter start-up, torch already imported): for the
+    """Run dlojz.cli(argv) inside the test process (no interpreter start-up, torch already imported): for the
     runs that stop before training, i.e. the bad-input paths. Returns an object shaped like CompletedProcess."""
     import dlojz
     for key in list(os.environ):
@@ -71,7 +71,7 @@ def run_inline(capsys, monkeypatch):
     def run(*args):
         saved = {s: signal.getsignal(s) for s in (signal.SIGUSR1, signal.SIGTERM)}
         try:
-            status = dlojz.main([str(a) for a in args])
+            status = dlojz.cli([str(a) for a in args])
         finally:
             for s, handler in saved.items():
                 signal.signal(s, handler)

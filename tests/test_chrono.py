@@ -11,7 +11,8 @@ import pytest
 import torch
 from torch import nn
 
-from dlojz_chrono import Chronometer, loading_advice, main, peak_flops, train_flops_per_image
+from dlojz_chrono import Chronometer, loading_advice, main
+from dlojz_model import peak_flops, train_flops_per_image
 
 
 class FakeClock:
@@ -161,7 +162,7 @@ def test_step_without_dataload_has_no_load_figures(tmp_path):
     for _ in range(3):
         chrono.forward(); clock.advance(0.1); chrono.forward()
         chrono.backward(); clock.advance(0.2); chrono.backward()
-    s = chrono.summary({"global_batch_size": 30})
+    s = chrono.summary({"images_per_step": 30})
     assert "load_median_s" not in s and "advice" not in s
     assert s["step_median_s"] == pytest.approx(0.3)
     assert s["throughput_img_s"] == pytest.approx(100.0)
@@ -178,7 +179,7 @@ def test_statistics_skip_warmup_and_match_numpy():
     for load, fwd, bwd in zip(loads, fwds, bwds):
         run_step(chrono, clock, load, fwd, bwd)
 
-    s = chrono.summary({"global_batch_size": 256, "steps_per_epoch": 1000})
+    s = chrono.summary({"images_per_step": 256, "steps_per_epoch": 1000})
     steps = np.add(fwds, bwds)[2:]
     assert s["measured_steps"] == 9 and s["steps"] == 11 and s["warmup_excluded"]
     assert s["step_min_s"] == pytest.approx(steps.min())
@@ -224,7 +225,7 @@ def test_model_flops_and_utilisation():
     chrono, clock, _ = make()
     for _ in range(3):
         run_step(chrono, clock, 0.0, 0.1, 0.3)
-    ctx = {"global_batch_size": 512, "world_size": 4, "train_flops_per_image": 24.3e9,
+    ctx = {"images_per_step": 512, "world_size": 4, "train_flops_per_image": 24.3e9,
            "device_name": "NVIDIA A100-SXM4-80GB", "compute_dtype": "bfloat16"}
     s = chrono.summary(ctx)
     assert s["achieved_flops"] == pytest.approx(24.3e9 * 512 / 0.4)
@@ -250,7 +251,7 @@ def test_advice_appears_exactly_when_loading_dominates(load_share, expected, cap
     chrono, clock, _ = make()
     for _ in range(5):
         run_step(chrono, clock, load=0.1 * load_share, fwd=0.03, bwd=0.07)
-    ctx = {"global_batch_size": 64, "num_workers": 2, "cpus_per_task": 10, "device_name": "NVIDIA A100-SXM4-80GB",
+    ctx = {"images_per_step": 64, "num_workers": 2, "cpus_per_task": 10, "device_name": "NVIDIA A100-SXM4-80GB",
            "pin_memory": True, "persistent_workers": True}
     s = chrono.summary(ctx)
     assert ("advice" in s) is expected
@@ -291,7 +292,7 @@ def test_slowest_rank_load_drives_the_advice():
 
     gathered = chrono.gather(all_gather_object)
     assert len(gathered) == 2
-    s = chrono.summary({"global_batch_size": 64})
+    s = chrono.summary({"images_per_step": 64})
     assert s["slowest_rank"] == 1 and s["slowest_rank_load_median_s"] == pytest.approx(0.02)
     assert s["load_share"] == pytest.approx(0.2)
     assert "advice" in s
@@ -315,7 +316,7 @@ def test_disabled_records_nothing_and_never_syncs_in_training_steps(tmp_path):
     assert sync.calls == 0 and clock.reads == reads_after_start
     assert chrono.steps == 0 and not chrono.enabled
     assert chrono._loads == [] and chrono._forwards == [] and chrono._backwards == [] and chrono._power_w == []
-    s = chrono.summary({"global_batch_size": 64, "steps_per_epoch": 10})
+    s = chrono.summary({"images_per_step": 64, "steps_per_epoch": 10})
     assert "step_median_s" not in s and "peak_power_w" not in s and "epoch_time_estimate_s" not in s
     assert s["total_time_s"] == pytest.approx(30.0)
     trace = read_trace(chrono, tmp_path)
@@ -336,7 +337,7 @@ def test_fake_nvml_gives_peak_power_and_energy():
     chrono.validation(); clock.advance(10.0); chrono.validation()
     clock.now = 300.0                                   # idle time after the run is not counted
 
-    ctx = {"global_batch_size": 32, "world_size": 1, "steps_per_epoch": 100,
+    ctx = {"images_per_step": 32, "world_size": 1, "steps_per_epoch": 100,
            "val_batches_done": 5, "val_batches_total": 50}
     s = chrono.summary(ctx)
     assert s["peak_power_w"] == pytest.approx(400.0)
@@ -354,7 +355,7 @@ def test_validation_inside_the_energy_window_is_taken_out():
     run_step(chrono, clock, 0.5, 0.5, 1.0)             # t 100 -> 102
     chrono.validation(); clock.advance(3.0); chrono.validation()
     run_step(chrono, clock, 0.5, 0.5, 1.0)             # t 105 -> 107
-    s = chrono.summary({"global_batch_size": 10})
+    s = chrono.summary({"images_per_step": 10})
     assert s["train_energy_j"] == pytest.approx(300.0 * 4.0)
     assert s["energy_per_image_j"] == pytest.approx(300.0 * 4.0 / 20)
 
@@ -366,7 +367,7 @@ def test_gathered_energy_is_summed_over_ranks():
     for _ in range(2):
         run_step(chrono, clock, 0.0, 0.5, 0.5)
     chrono.gather(lambda obj: [obj, dict(obj, rank=1, train_energy_j=600.0, peak_power_w=350.0)])
-    s = chrono.summary({"global_batch_size": 8, "world_size": 2})
+    s = chrono.summary({"images_per_step": 8, "world_size": 2})
     assert s["train_energy_j"] == pytest.approx(400.0 + 600.0)
     assert s["energy_per_image_j"] == pytest.approx(1000.0 / 16)
     assert s["peak_power_w"] == pytest.approx(350.0)
@@ -381,7 +382,7 @@ def test_no_nvml_gives_no_power_lines(nvml, capsys):
     chrono = Chronometer(True, warmup_steps=0, clock=clock, sync=lambda: None, **kwargs)
     for _ in range(3):
         run_step(chrono, clock, 0.01, 0.1, 0.2)
-    ctx = {"global_batch_size": 8, "steps_per_epoch": 10}
+    ctx = {"images_per_step": 8, "steps_per_epoch": 10}
     s = chrono.summary(ctx)
     assert not {"peak_power_w", "train_energy_j", "energy_per_image_j", "epoch_energy_estimate_j"} & set(s)
     chrono.display(ctx)
@@ -395,7 +396,7 @@ def test_gpu_without_energy_counter_still_reports_power(capsys):
                          nvml=FakeNVML(clock, lambda t: 280.0, energy_supported=False))
     for _ in range(3):
         run_step(chrono, clock, 0.01, 0.1, 0.2)
-    s = chrono.summary({"global_batch_size": 8, "steps_per_epoch": 10})
+    s = chrono.summary({"images_per_step": 8, "steps_per_epoch": 10})
     assert s["peak_power_w"] == pytest.approx(280.0) and "energy_per_image_j" not in s
 
 
@@ -407,7 +408,7 @@ def test_display_order_and_rank(capsys):
         run_step(chrono, clock, 0.05, 0.1, 0.2)
     chrono.first_step_done()
     chrono.validation(); clock.advance(1.0); chrono.validation()
-    ctx = {"global_batch_size": 64, "world_size": 1, "steps_per_epoch": 100, "val_batches_done": 2,
+    ctx = {"images_per_step": 64, "world_size": 1, "steps_per_epoch": 100, "val_batches_done": 2,
            "val_batches_total": 20, "num_workers": 2, "cpus_per_task": 4, "train_flops_per_image": 1e9,
            "device_name": "cpu", "compute_dtype": "float32", "peak_memory_bytes": 3 * 2**30,
            "trace_path": "out/trace.json"}
@@ -432,7 +433,7 @@ def test_plot_command_writes_a_png(tmp_path, capsys):
     for i in range(8):
         run_step(chrono, clock, 0.01 * (i % 3), 0.02, 0.05)
     trace = tmp_path / "trace.json"
-    chrono.write_trace(trace, ctx={"global_batch_size": 4})
+    chrono.write_trace(trace, ctx={"images_per_step": 4})
     png = tmp_path / "plots" / "timeline.png"
     assert main(["plot", str(trace), "-o", str(png)]) == 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

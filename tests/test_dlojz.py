@@ -2,10 +2,8 @@
 and turns every bad input into one clear line."""
 import os
 import shutil
-import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -182,14 +180,14 @@ def test_cuda_without_gpu(tmp_path, run_inline):
 
 def test_autocast_dtype_that_cannot_run(monkeypatch):
     """Where autocast in the chosen dtype fails on the device, dlojz says so before training, naming the flag."""
-    import dlojz
+    import dlojz_config
 
     def broken_autocast(*args, **kwargs):
         raise RuntimeError("Current CPU device does not support float16 autocast\nmore details")
 
     monkeypatch.setattr(torch, "autocast", broken_autocast)
-    with pytest.raises(dlojz.UserError, match=r"^--amp-dtype float16 cannot run on cpu: Current CPU device"):
-        dlojz.check_autocast(torch.device("cpu"), torch.float16)
+    with pytest.raises(dlojz_config.UserError, match=r"^--amp-dtype float16 cannot run on cpu: Current CPU device"):
+        dlojz_config.check_autocast(torch.device("cpu"), torch.float16)
 
 
 def test_unwritable_output_dir(tiny_data, tmp_path, run_inline):
@@ -241,18 +239,17 @@ def test_loader_only_with_synthetic_is_refused(tmp_path, run_inline):
     assert_one_line_error(proc, "--loader-only", "--synthetic")
 
 
-def test_cpu_profile_scales_the_learning_rate_unless_given(tiny_data, tmp_path, run_inline):
+def test_cpu_profile_scales_the_learning_rate_unless_given(tmp_path, monkeypatch):
     # Without a GPU the profile's batch is 4x smaller than the course's: the lr follows the linear scaling rule.
-    common = ("--device", "cpu", "--arch", "resnet18", "--data-root", tiny_data, "--loader-only",
-              "--test-nsteps", "1", "--num-workers", "0", "--output-dir", tmp_path)
-    proc = run_inline(*common)
-    assert proc.returncode == 0, proc.stderr
-    assert "--batch-size 32" in proc.stdout and "--lr 0.025" in proc.stdout
-    assert "optimizer: sgd (lr 0.025," in proc.stdout
-    proc = run_inline(*common, "--lr", "0.1", "-b", "16")
-    assert proc.returncode == 0, proc.stderr
-    assert "--lr" not in proc.stdout.split("CPU profile")[1].splitlines()[0]  # given explicitly: not in the profile
-    assert "optimizer: sgd (lr 0.1," in proc.stdout
+    from dlojz_config import get_args_parser, resolve_config
+    monkeypatch.chdir(tmp_path)  # the default --output-dir is made under ./runs
+    common = ["--device", "cpu", "--arch", "resnet18"]
+    cfg = resolve_config(get_args_parser().parse_args(common))
+    assert (cfg.batch_size, cfg.lr) == (32, 0.025)
+    assert "--batch-size 32" in cfg.notes[0] and "--lr 0.025" in cfg.notes[0]
+    cfg = resolve_config(get_args_parser().parse_args(common + ["--lr", "0.1", "-b", "16"]))
+    assert (cfg.batch_size, cfg.lr) == (16, 0.1)
+    assert "--lr" not in cfg.notes[0] and "--batch-size" not in cfg.notes[0]  # given explicitly: not in the profile
 
 
 def test_interactive_terminal_gets_one_live_line_per_epoch(tiny_data, tmp_path):

@@ -1,7 +1,6 @@
 """Preemption without Slurm: a signal mid-run saves a checkpoint and exits 0; `--resume auto` then ends with the
 same weights as an uninterrupted run. With several ranks, a signal reaching one rank stops all of them at the same
 step, and a rank that dies ends the others in bounded time."""
-import os
 import signal
 import socket
 import subprocess

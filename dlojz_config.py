@@ -1,0 +1,321 @@
+"""dlojz's arguments: the command line (`get_args_parser`) and the run's settings (`resolve_config` -> `Config`).
+
+`resolve_config(args)` fills what the user left unset (the GPU defaults, or the CPU profile without a GPU; AMP,
+TF32 and DataLoader workers from the device and the Slurm task) and checks every flag, all before any process
+group starts or any data is read: a typo costs one line and exit status 2, never a data scan. It returns a frozen
+`Config`: nothing in the run changes a setting afterwards, except the output folder that rank 0 names for all
+ranks (`dataclasses.replace`, in dlojz.setup_distributed).
+"""
+import argparse
+import dataclasses
+import os
+import warnings
+from datetime import datetime
+from pathlib import Path
+
+import torch
+
+import idr_torch
+import dlojz_optim as optim
+
+warnings.filterwarnings("ignore", category=idr_torch.IdrTorchWarning)  # "not distributed" is fine: one process
+
+# GPU defaults are the course's; without a GPU the CPU profile keeps `--test` to a few minutes on a laptop, with the
+# learning rate scaled to its smaller batch by the linear scaling rule (0.1 x 32/128: at 0.1, ResNet-50 at batch 32
+# diverged on the embedded data; at 0.025 it reached 71 % validation accuracy in 2 epochs).
+# Any flag given explicitly overrides its profile value.
+PROFILES = {
+    "gpu": dict(batch_size=128, image_size=224, val_resize_size=256, val_crop_size=224, val_batch_size=256, lr=0.1),
+    "cpu": dict(batch_size=32, image_size=64, val_resize_size=73, val_crop_size=64, val_batch_size=64, lr=0.025),
+}
+
+
+class UserError(Exception):
+    """Bad input the user can fix: printed as one line, exit status 2."""
+
+
+def fail(message):
+    raise UserError(message)
+
+
+def get_args_parser():
+    parser = argparse.ArgumentParser(prog="dlojz", description="dlojz: ResNet-50 / ImageNet training, optimised "
+                                     "flag by flag", formatter_class=argparse.RawTextHelpFormatter)
+    p = parser.add_argument_group("training")
+    p.add_argument("-b", "--batch-size", type=int, default=None, help="batch size per process (default: 128; CPU profile: 32)")
+    p.add_argument("-e", "--epochs", type=int, default=1, help="number of epochs (default: 1)")
+    p.add_argument("--image-size", type=int, default=None, help="training crop size in px (default: 224; CPU profile: 64)")
+    p.add_argument("--lr", type=float, default=None, help="peak learning rate (default: 0.1; CPU profile: 0.025)")
+    p.add_argument("--wd", type=float, default=0.0, help="weight decay (default: 0.)")
+    p.add_argument("--mom", type=float, default=0.9, help="momentum (default: 0.9)")
+    p.add_argument("--label-smoothing", type=float, default=0.1, help="label smoothing of the loss (default: 0.1)")
+    p.add_argument("--arch", default="resnet50", help="any torchvision classification model name (default: resnet50)")
+    p.add_argument("--seed", type=int, default=123, help="random seed (default: 123)")
+
+    p = parser.add_argument_group("optimizer and schedule (dlojz_optim.py)")
+    p.add_argument("--optimizer", default="sgd", choices=optim.OPTIMIZERS, help="momentum/beta1 from --mom (default: sgd)")
+    p.add_argument("--no-wd-norm-bias", action="store_true", help="no weight decay on norm layers and biases")
+    p.add_argument("--lr-scheduler", default="onecycle", choices=optim.SCHEDULERS, help="stepped every optimizer step (default: onecycle)")
+    p.add_argument("--warmup-epochs", type=float, default=0.0, help="linear warm-up for cosine/step/constant (default: 0)")
+    p.add_argument("--findlr", action="store_true", help="LR range test: exponential sweep from 1e-8 to --lr over the run, no validation;\n"
+                   "writes findlr.csv and findlr.png, prints a suggested lr")
+
+    p = parser.add_argument_group("memory and speed")
+    p.add_argument("--grad-acc", type=int, default=1, help="accumulate gradients over N micro-batches per optimizer step (default: 1)")
+    p.add_argument("--grad-checkpointing", action="store_true", help="recompute activations of the model's stages in the backward")
+    p.add_argument("--compile", action="store_true", help="torch.compile the model (compilation shows as the time to the first step)")
+    p.add_argument("--sync-bn", action="store_true", help="synchronised BatchNorm across ranks")
+    p.add_argument("--model-ema", action="store_true", help="keep an exponential moving average of the weights, validated alongside")
+    p.add_argument("--model-ema-decay", type=float, default=0.9998, help="EMA decay per optimizer step (default: 0.9998)")
+
+    p = parser.add_argument_group("augmentation")
+    p.add_argument("--randaugment", type=int, nargs=2, metavar=("N", "M"), default=None, help="RandAugment with N ops of magnitude M")
+    p.add_argument("--trivialaugment", action="store_true", help="TrivialAugmentWide")
+    p.add_argument("--random-erase", type=float, default=0.0, metavar="P", help="RandomErasing probability (default: 0)")
+    p.add_argument("--mixup-alpha", type=float, default=0.0, help="batch-level MixUp alpha (default: 0 = off)")
+    p.add_argument("--cutmix-alpha", type=float, default=0.0, help="batch-level CutMix alpha (default: 0 = off)")
+
+    p = parser.add_argument_group("profiler (torch.profiler)")
+    p.add_argument("--prof", action="store_true", help="profile a few steps; traces in <output-dir>/profiler (TensorBoard, Perfetto)")
+    p.add_argument("--prof-wait", type=int, default=1, help="steps skipped before profiling (default: 1)")
+    p.add_argument("--prof-warmup", type=int, default=1, help="profiled steps thrown away (default: 1)")
+    p.add_argument("--prof-active", type=int, default=3, help="profiled steps recorded (default: 3)")
+
+    p = parser.add_argument_group("modes")
+    p.add_argument("--test", action="store_true", help="benchmark: stop after --test-nsteps steps, validate on 20 batches,\n"
+                   "no W&B, no checkpoint, chronometer report")
+    p.add_argument("--test-nsteps", type=int, default=50, help="steps in --test mode (default: 50)")
+    p.add_argument("--synthetic", action="store_true", help="random tensors made once in memory: no disk, no decoding")
+    p.add_argument("--eval-only", action="store_true", help="validate the checkpoint given by --resume and stop")
+    p.add_argument("--loader-only", action="store_true", help="time the training DataLoader alone (no model) over\n"
+                   "--test-nsteps batches: images/s overall and per worker")
+
+    p = parser.add_argument_group("data")
+    p.add_argument("--data-root", default=None, help="folder with train/ and val/ (ImageNet or ImageFolder layout);\n"
+                   "default: $DLOJZ_DATA, $ALL_CCFRSCRATCH/imagenet, $DSDIR/imagenet,\nelse the embedded data set")
+    p.add_argument("--val-resize-size", type=int, default=None, help="validation resize (default: 256; CPU profile: 73)")
+    p.add_argument("--val-crop-size", type=int, default=None, help="validation center crop (default: 224; CPU profile: 64)")
+    p.add_argument("--val-batch-size", type=int, default=None, help="validation batch size per process (default: 256; CPU profile: 64)")
+
+    p = parser.add_argument_group("DataLoader")
+    p.add_argument("--num-workers", type=int, default=None, help="workers per process (default: CPUs per task, at most 16)")
+    p.add_argument("--persistent-workers", default=True, action=argparse.BooleanOptionalAction, help="keep workers between epochs (default: on)")
+    p.add_argument("--pin-memory", default=True, action=argparse.BooleanOptionalAction, help="page-locked host buffers (default: on)")
+    p.add_argument("--non-blocking", default=True, action=argparse.BooleanOptionalAction, help="asynchronous host-to-GPU copies (default: on)")
+    p.add_argument("--prefetch-factor", type=int, default=3, help="batches prefetched per worker, ignored with 0 workers (default: 3)")
+    p.add_argument("--drop-last", default=False, action=argparse.BooleanOptionalAction, help="drop the last incomplete batch (default: off)")
+
+    p = parser.add_argument_group("device and precision")
+    p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto", help="(default: auto = cuda if available)")
+    p.add_argument("--amp", default=None, action=argparse.BooleanOptionalAction, help="automatic mixed precision (default: on with CUDA, off on CPU)")
+    p.add_argument("--amp-dtype", choices=("float16", "bfloat16"), default=None, help="AMP dtype (default: float16 on CUDA, bfloat16 on CPU)")
+    p.add_argument("--channels-last", default=False, action=argparse.BooleanOptionalAction, help="NHWC memory format for model and inputs (default: off)")
+    p.add_argument("--tf32", default=None, action=argparse.BooleanOptionalAction, help="TF32 matmul/cuDNN (default: on for Ampere and newer)")
+
+    p = parser.add_argument_group("distribution")
+    p.add_argument("--dist-timeout", type=float, default=600, help="seconds before a collective waiting for a dead rank fails (default: 600)")
+
+    p = parser.add_argument_group("logging, checkpoints, resume")
+    p.add_argument("--output-dir", default=None, help="checkpoints, metrics, traces (default: ./runs/<job name>_<job id or timestamp>)")
+    p.add_argument("--metrics-json", default=None, help="write the run's final metrics to this JSON file (rank 0)")
+    p.add_argument("--resume", default=None, help="'auto' (newest checkpoint in --output-dir, if any) or a checkpoint path")
+    p.add_argument("--keep-checkpoints", type=int, default=3, help="checkpoints kept in --output-dir (default: 3)")
+    p.add_argument("--wandb", default=True, action=argparse.BooleanOptionalAction, help="W&B logging on rank 0 (default: on; never in --test)")
+    p.add_argument("--wandb-project", default="Imagenet Race Cup", help="(default: 'Imagenet Race Cup')")
+    p.add_argument("--wandb-mode", choices=("offline", "online", "disabled"), default="offline", help="(default: offline: never needs the network)")
+    return parser
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Every setting of a run: the flags (same names), the profile's values filled in, and what follows from the
+    device and the Slurm task. Saved in checkpoints as `args` and given to W&B as its config."""
+    # training
+    batch_size: int
+    epochs: int
+    image_size: int
+    lr: float
+    wd: float
+    mom: float
+    label_smoothing: float
+    arch: str
+    seed: int
+    # optimizer and schedule
+    optimizer: str
+    no_wd_norm_bias: bool
+    lr_scheduler: str
+    warmup_epochs: float
+    findlr: bool
+    # memory and speed
+    grad_acc: int
+    grad_checkpointing: bool
+    compile: bool
+    sync_bn: bool
+    model_ema: bool
+    model_ema_decay: float
+    # augmentation
+    randaugment: tuple | None
+    trivialaugment: bool
+    random_erase: float
+    mixup_alpha: float
+    cutmix_alpha: float
+    # profiler
+    prof: bool
+    prof_wait: int
+    prof_warmup: int
+    prof_active: int
+    # modes
+    test: bool
+    test_nsteps: int
+    synthetic: bool
+    eval_only: bool
+    loader_only: bool
+    # data and DataLoader
+    data_root: str | None
+    val_resize_size: int
+    val_crop_size: int
+    val_batch_size: int
+    num_workers: int
+    persistent_workers: bool
+    pin_memory: bool
+    non_blocking: bool
+    prefetch_factor: int
+    drop_last: bool
+    # device and precision
+    device: str              # the flag: auto, cuda or cpu
+    amp: bool
+    amp_dtype: str
+    channels_last: bool
+    tf32: bool
+    dist_timeout: float
+    # logging, checkpoints, resume
+    output_dir: str
+    metrics_json: str | None
+    resume: str | None
+    keep_checkpoints: int
+    wandb: bool
+    wandb_project: str
+    wandb_mode: str
+    # what follows from the machine
+    torch_device: str        # this rank's device: "cuda:<index>" or "cpu"
+    cpus_per_task: int
+    notes: tuple = ()        # lines rank 0 prints once the run starts (profile values, warnings)
+
+    @property
+    def autocast_dtype(self):
+        return getattr(torch, self.amp_dtype)
+
+    @property
+    def compute_dtype(self):
+        """What the convolutions compute in: the AMP dtype, else tf32 or float32."""
+        return self.amp_dtype if self.amp else ("tf32" if self.tf32 else "float32")
+
+
+def resolve_config(args) -> Config:
+    """Fill the defaults that depend on the machine and check every flag; raise UserError on bad input."""
+    values = vars(args).copy()
+    notes = []
+    torch_device = local_device(args.device, idr_torch.local_rank)
+    on_gpu = torch_device != "cpu"
+
+    profile = PROFILES["gpu" if on_gpu else "cpu"]
+    unset = [key for key in profile if values[key] is None]
+    values.update({key: profile[key] for key in unset})
+    if not on_gpu and unset:
+        notes.append("CPU profile (no GPU): " + " ".join(f"--{k.replace('_', '-')} {profile[k]}" for k in unset)
+                     + "  (any flag given explicitly wins)")
+    cpus_per_task = idr_torch.cpus_per_task
+    if values["num_workers"] is None:
+        values["num_workers"] = max(0, min(cpus_per_task, 16))
+    elif values["num_workers"] > cpus_per_task:
+        notes.append(f"WARNING: --num-workers {values['num_workers']} exceeds the {cpus_per_task} CPUs of this task: "
+                     "workers will compete")
+    if values["amp"] is None:
+        values["amp"] = on_gpu
+    if values["amp_dtype"] is None:
+        values["amp_dtype"] = "float16" if on_gpu else "bfloat16"
+    if values["tf32"] is None:
+        values["tf32"] = on_gpu and torch.cuda.get_device_capability(torch_device)[0] >= 8
+    if values["randaugment"] is not None:
+        values["randaugment"] = tuple(values["randaugment"])
+    if values["output_dir"] is None:
+        job = os.environ.get("SLURM_JOB_NAME", "dlojz")
+        job_id = os.environ.get("SLURM_JOB_ID") or datetime.now().strftime("%Y%m%d-%H%M%S")
+        values["output_dir"] = os.path.join("runs", f"{job}_{job_id}")
+    cfg = Config(**values, torch_device=torch_device, cpus_per_task=cpus_per_task, notes=())
+    check(cfg)
+    if on_gpu and cfg.amp and (cfg.batch_size % 8 or cfg.image_size % 8):
+        notes.append(f"WARNING: with AMP, Tensor Cores want multiples of 8: --batch-size {cfg.batch_size}, "
+                     f"--image-size {cfg.image_size}")
+    return dataclasses.replace(cfg, notes=tuple(notes))
+
+
+def local_device(device_flag, local_rank):
+    """This rank's device as a string: one GPU per task, picked by the local rank, or the CPU."""
+    if device_flag == "cpu" or (device_flag == "auto" and not torch.cuda.is_available()):
+        return "cpu"
+    if not torch.cuda.is_available():
+        fail("--device cuda: no CUDA GPU is visible here; use --device cpu or run on a GPU node")
+    if local_rank >= torch.cuda.device_count():
+        fail(f"local rank {local_rank} has no GPU ({torch.cuda.device_count()} visible): one task per GPU (--gres/--ntasks-per-node)")
+    return f"cuda:{local_rank}"
+
+
+def check(cfg: Config):
+    """Every check of the flags alone and of the files they name (the data is checked when it is read)."""
+    for flag in ("batch_size", "epochs", "image_size", "val_resize_size", "val_crop_size", "val_batch_size", "test_nsteps"):
+        if getattr(cfg, flag) < 1:
+            fail(f"--{flag.replace('_', '-')} must be at least 1 (got {getattr(cfg, flag)})")
+    if cfg.num_workers < 0 or cfg.prefetch_factor < 1:
+        fail("--num-workers must be >= 0 and --prefetch-factor >= 1")
+    if cfg.grad_acc < 1:
+        fail(f"--grad-acc must be at least 1 (got {cfg.grad_acc})")
+    try:
+        optim.check_hyperparameters(cfg.lr, cfg.mom, cfg.wd)
+    except ValueError as err:
+        fail(str(err))
+    if cfg.warmup_epochs < 0:
+        fail(f"--warmup-epochs must be >= 0 (got {cfg.warmup_epochs})")
+    if cfg.findlr and (cfg.eval_only or cfg.loader_only):
+        fail("--findlr trains: it cannot go with --eval-only or --loader-only")
+    if not 0 < cfg.model_ema_decay < 1:
+        fail(f"--model-ema-decay must be in (0, 1) (got {cfg.model_ema_decay})")
+    if not 0 <= cfg.random_erase <= 1 or cfg.mixup_alpha < 0 or cfg.cutmix_alpha < 0:
+        fail("--random-erase is a probability in [0, 1]; --mixup-alpha and --cutmix-alpha must be >= 0")
+    if cfg.prof and (cfg.prof_wait < 0 or cfg.prof_warmup < 0 or cfg.prof_active < 1):
+        fail("--prof-wait and --prof-warmup must be >= 0, --prof-active >= 1")
+    if cfg.sync_bn and cfg.torch_device == "cpu":
+        fail("--sync-bn needs CUDA: torch's SyncBatchNorm works with GPU modules only")
+    if cfg.loader_only and cfg.synthetic:
+        fail("--loader-only times the DataLoader, which --synthetic does not use: drop one of them")
+    if cfg.eval_only and not cfg.resume:
+        fail("--eval-only needs --resume CHECKPOINT (or --resume auto with --output-dir)")
+    if cfg.amp:
+        check_autocast(torch.device(cfg.torch_device), cfg.autocast_dtype)
+    if idr_torch.rank == 0:
+        if not cfg.test:
+            check_writable(Path(cfg.output_dir), "--output-dir")
+        if cfg.metrics_json:
+            check_writable(Path(cfg.metrics_json).resolve().parent, "--metrics-json")
+
+
+def check_autocast(device, dtype):
+    """Fail with one line, before any training, if this device cannot run autocast in `dtype`."""
+    if device.type == "cuda" and dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported():
+        fail(f"--amp-dtype bfloat16: {torch.cuda.get_device_name(device)} has no bfloat16 support; use --amp-dtype float16")
+    try:
+        conv = torch.nn.Conv2d(3, 4, 3).to(device)
+        with torch.autocast(device.type, dtype=dtype):
+            conv(torch.randn(1, 3, 8, 8, device=device)).float().sum().backward()
+    except RuntimeError as err:
+        fail(f"--amp-dtype {str(dtype).split('.')[-1]} cannot run on {device.type}: {str(err).splitlines()[0]}")
+
+
+def check_writable(path, flag):
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".write-test-{os.getpid()}"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as err:
+        fail(f"{flag} {path} is not writable ({err.strerror}); choose another folder")

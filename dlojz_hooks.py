@@ -1,0 +1,81 @@
+"""Optional observers of dlojz's training loop: the chronometer, torch.profiler and the LR range test.
+
+The loop calls the same few methods whatever is plugged in, so that it reads the same with or without them:
+
+    for images, labels in hooks.loading(batches):     # "data_loading" phase around each next()
+        with hooks.phase("forward"): ...               # also "loss", "backward", "optimizer_step"
+        hooks.step_done()                             # after each micro-batch
+        if hooks.optimizer_step_done(loss, stats): break   # the LR finder has swept its range
+
+- The chronometer (`dlojz_chrono.Chronometer`) times data loading, forward (with the loss) and backward (with the
+  optimizer step, as the course counts it); disabled, its toggles cost nothing.
+- The profiler (`make_profiler`) labels each phase with `record_function` and is stepped after each micro-batch.
+- The LR finder (`dlojz_optim.LRFinder`) reads every optimizer step's loss (one host synchronisation per step: the
+  range test needs it) and sets the next step's learning rate.
+"""
+import contextlib
+
+import torch
+
+_CHRONO_OPENS = {"data_loading": "dataload", "forward": "forward", "backward": "backward"}
+_CHRONO_CLOSES = {"data_loading": "dataload", "forward": "forward"}  # "backward" closes in step_done
+
+
+class LoopHooks:
+    def __init__(self, chrono, profiler=None, lr_finder=None):
+        self.chrono, self.profiler, self.lr_finder = chrono, profiler, lr_finder
+
+    def loading(self, batches):
+        """Iterate `batches`, each wait being a "data_loading" phase; closing this generator closes theirs."""
+        iterator = iter(batches)
+        try:
+            while True:
+                with self.phase("data_loading"):
+                    try:
+                        batch = next(iterator)
+                    except StopIteration:
+                        return
+                yield batch
+        finally:
+            close = getattr(iterator, "close", None)
+            if close is not None:  # leaving mid-epoch (test, stop signal): release this epoch's iterator now
+                close()
+
+    @contextlib.contextmanager
+    def phase(self, name):
+        if name in _CHRONO_OPENS:
+            getattr(self.chrono, _CHRONO_OPENS[name])()
+        with torch.profiler.record_function(name) if self.profiler is not None else contextlib.nullcontext():
+            yield
+        if name in _CHRONO_CLOSES:
+            getattr(self.chrono, _CHRONO_CLOSES[name])()
+
+    def step_done(self):
+        self.chrono.backward()  # closes the step: backward + optimizer step
+        if self.profiler is not None:
+            self.profiler.step()
+        self.chrono.first_step_done()  # once: start-up, cuDNN autotuning and torch.compile
+
+    def optimizer_step_done(self, loss, correct, count):
+        """Return True when the run should stop here (the LR finder has swept its range or diverged)."""
+        if self.lr_finder is None:
+            return False
+        self.lr_finder.step(loss.item(), correct.item() / count)
+        return self.lr_finder.done
+
+    def close(self):
+        if self.profiler is not None:
+            self.profiler.stop()
+
+
+def make_profiler(cfg, trace_dir, rank, device):
+    """torch.profiler over --prof-wait/--prof-warmup/--prof-active steps, traces for TensorBoard and Perfetto."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    profiler = torch.profiler.profile(
+        activities=activities,
+        schedule=torch.profiler.schedule(wait=cfg.prof_wait, warmup=cfg.prof_warmup, active=cfg.prof_active, repeat=1),
+        on_trace_ready=torch.profiler.tensorboard_trace_handler(str(trace_dir), worker_name=f"rank{rank}"))
+    profiler.start()
+    return profiler

@@ -1,0 +1,201 @@
+"""What a dlojz run says: console lines, W&B, the metrics JSON and the final report, in one place.
+
+- `Console(is_main)`: rank 0 prints, the other ranks stay silent. In an interactive terminal (not under Slurm) the
+  progress lines of an epoch rewrite one live line, ended once with the epoch.
+- `Progress(...)`: the training loop's bookkeeping between log points: losses and accuracies summed on the device
+  (read only at log points), the steady-state throughput (timed between synchronised log points, warm-up left
+  out), the console progress line (10 per epoch, as in the course) and W&B's train curves.
+- `start_wandb(cfg, ...)`: W&B on rank 0, offline unless asked, resumed under the same run id; a `NoWandb` stands
+  in when it is off, so that callers never test for it.
+- `finish(...)`: the report at the end of a run: the chronometer's figures gathered from every rank, then on rank 0
+  its report (`chrono_context` gives it the model's FLOPs and the run's shape), memory and throughput lines and the
+  metrics JSON (`write_json`, atomic); W&B closed. `write_lr_finder` writes the LR range test's CSV and plot.
+"""
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from dlojz_model import peak_memory_bytes, plain_stages, saved_activation_bytes, train_flops_per_image
+
+LOG_EVERY = 10  # optimizer steps between W&B points and between the ranks' checks for a stop signal or a NaN loss
+
+
+class Console:
+    def __init__(self, is_main):
+        self.is_main = is_main
+        self.interactive = sys.stdout.isatty() and "SLURM_JOB_ID" not in os.environ
+        self._live_line_open = False
+
+    def __call__(self, *args, **kwargs):
+        if self.is_main:
+            print(*args, **kwargs)
+
+    def progress(self, line, end_of_epoch):
+        if not self.is_main:
+            return
+        if self.interactive:  # one live line, rewritten in place, ended with the epoch
+            print("\r" + line, end="\n" if end_of_epoch else "", flush=True)
+            self._live_line_open = not end_of_epoch
+        else:
+            print(line, flush=True)
+
+    def end_live_line(self):
+        """The epoch was left before its last line (--test, stop signal): end the live line."""
+        if self._live_line_open:
+            print()
+            self._live_line_open = False
+
+
+class NoWandb:
+    id = None
+
+    def log(self, values, step):
+        pass
+
+    def finish(self):
+        pass
+
+
+def start_wandb(cfg, config, run_name, wandb_id):
+    """W&B run on rank 0 (offline by default: never needs the network), or a NoWandb."""
+    if not cfg.wandb or cfg.test or cfg.eval_only or cfg.findlr or cfg.wandb_mode == "disabled":
+        return NoWandb()
+    import wandb  # imported here: slow to import, and never needed in --test
+    os.environ.setdefault("WANDB_SILENT", "true")
+    return wandb.init(project=cfg.wandb_project, name=run_name, dir=cfg.output_dir, mode=cfg.wandb_mode,
+                      config=config, id=wandb_id, resume="allow" if wandb_id else None)
+
+
+class Progress:
+    """Running statistics, throughput and progress lines of the training loop (see the module docstring)."""
+
+    def __init__(self, console, wandb_run, device, epochs, n_batches, grad_acc, images_per_step):
+        self.console, self.wandb_run, self.device = console, wandb_run, device
+        self.epochs, self.n_batches, self.images_per_step = epochs, n_batches, images_per_step
+        # 10 console lines per epoch, as in the course, at optimizer-step boundaries.
+        self.line_every = math.ceil(math.ceil(n_batches / 10) / grad_acc) * grad_acc
+        self.warmup_micro_steps = LOG_EVERY * grad_acc  # cuDNN autotuning, allocator, workers starting: not counted
+        self.micro_steps = 0  # of this run (not counting the steps before a resume)
+        self.timed_micro_steps, self.timed_seconds, self._last_mark = 0, 0.0, None
+        self.run_start = time.perf_counter()
+        self.running = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, images since last line
+
+    def is_console_line(self, batch_index):
+        return (batch_index + 1) % self.line_every == 0 or batch_index == self.n_batches - 1
+
+    def mark(self):
+        """At a synchronised point: time the micro-steps since the previous mark, once past the warm-up."""
+        now = time.perf_counter()
+        if self._last_mark is not None and self._last_mark[0] >= self.warmup_micro_steps:
+            self.timed_micro_steps += self.micro_steps - self._last_mark[0]
+            self.timed_seconds += now - self._last_mark[1]
+        self._last_mark = (self.micro_steps, now)
+
+    def new_epoch(self):
+        self._last_mark = None  # the epoch change (validation, new workers) is not a training step
+
+    def images_per_second(self):
+        return self.timed_micro_steps * self.images_per_step / self.timed_seconds if self.timed_seconds else None
+
+    def log_train(self, step, loss, lr):
+        loss_sum, correct, count = self.running.tolist()
+        self.wandb_run.log({"train loss": loss.item(), "train accuracy": correct / max(count, 1),
+                            "learning rate": lr}, step=step)
+
+    def console_line(self, epoch, batch_index):
+        loss_sum, correct, count = self.running.tolist()
+        rate = self.images_per_second()
+        line = (f"Epoch {epoch + 1}/{self.epochs}, Step {batch_index + 1}/{self.n_batches}, "
+                f"Time: {time.perf_counter() - self.run_start:.3f}, Loss: {loss_sum / max(count, 1):.4f}, "
+                f"Acc: {correct / max(count, 1):.4f}"
+                + (f", {rate:.1f} images/s" if rate else ", warming up"))  # no rate until past the warm-up
+        self.console.progress(line, end_of_epoch=batch_index == self.n_batches - 1)
+        self.running.zero_()
+
+
+def write_lr_finder(lr_finder, output_dir) -> dict:
+    output_dir.mkdir(parents=True, exist_ok=True)
+    lr_finder.write_csv(output_dir / "findlr.csv")
+    lr_finder.plot(output_dir / "findlr.png")
+    suggested, rule = lr_finder.suggestion()
+    print(f">>> LR finder: {len(lr_finder.lrs)} steps from {lr_finder.lrs[0]:.2e} to {lr_finder.lrs[-1]:.2e}; "
+          f"suggested --lr {suggested:.3g} ({rule})")
+    print(f">>> LR finder: {output_dir / 'findlr.csv'}, {output_dir / 'findlr.png'}")
+    return dict(findlr_suggested_lr=suggested, findlr_csv=str(output_dir / "findlr.csv"))
+
+
+def chrono_context(cfg, model, loaders, ranks, metrics, val_max_batches) -> dict:
+    """What the chronometer's report needs beyond its timings: the model's FLOPs, the run's shape, the machine."""
+    with plain_stages(model.module):  # model FLOPs: the recomputation is not useful work
+        flops = train_flops_per_image(model.module, cfg.image_size, cfg.channels_last)
+    if cfg.grad_checkpointing:  # what checkpointing saves, estimated from one image (float32)
+        plain, kept = (saved_activation_bytes(model.module, cfg.image_size, cfg.channels_last, c, cfg.arch)
+                       for c in (False, True))
+        metrics.update(activation_bytes_per_image=kept, activation_bytes_per_image_without_checkpointing=plain)
+    device = ranks.device
+    return dict(images_per_step=cfg.batch_size * ranks.world_size, world_size=ranks.world_size,
+                steps_per_epoch=loaders.n_train_batches,
+                val_batches_done=min(val_max_batches or loaders.n_val_batches, loaders.n_val_batches),
+                val_batches_total=loaders.n_val_batches, num_workers=cfg.num_workers, cpus_per_task=cfg.cpus_per_task,
+                pin_memory=cfg.pin_memory, persistent_workers=cfg.persistent_workers, train_flops_per_image=flops,
+                device_name=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+                compute_dtype=cfg.compute_dtype, peak_memory_bytes=peak_memory_bytes(device))
+
+
+def finish(cfg, metrics, chrono, ranks, wandb_run=None, ctx=None, n_batches=None) -> dict:
+    """Report on rank 0 (chronometer, memory, metrics JSON), close W&B. Every rank calls it: the chronometer's
+    figures are gathered from all of them."""
+    chrono.gather(ranks.all_gather if ranks.enabled else None)
+    metrics["max_memory_bytes"] = peak_memory_bytes(ranks.device)
+    if ranks.is_main:
+        print_report(cfg, metrics, chrono, ctx, n_batches)
+    if wandb_run is not None:
+        wandb_run.finish()
+    return metrics
+
+
+def print_report(cfg, metrics, chrono, ctx, n_batches):
+    """Rank 0's closing lines: the chronometer (in --test), memory, throughput; then the metrics JSON."""
+    if ctx is not None and chrono.enabled:
+        output_dir = Path(cfg.output_dir)
+        output_dir.mkdir(parents=True, exist_ok=True)
+        trace = output_dir / "chrono_trace.json"
+        ctx["trace_path"] = str(trace)
+        chrono.write_trace(trace, ctx=ctx)
+        chrono.display(ctx)
+        metrics["chrono"] = chrono.summary(ctx)
+        try:
+            from dlojz_chrono import plot_trace
+            plot_trace(trace, output_dir / "timeline.png")
+            print(f">>> Timeline plot: {output_dir / 'timeline.png'}")
+        except Exception as err:  # a plot is a bonus: never lose the run for it
+            print(f"WARNING: timeline plot not written: {err}")
+    if metrics.get("activation_bytes_per_image"):
+        kept, plain = metrics["activation_bytes_per_image"], metrics["activation_bytes_per_image_without_checkpointing"]
+        batch = cfg.batch_size
+        print(f">>> --grad-checkpointing: activations kept for the backward {kept * batch / 2**30:.3f} GiB per batch of "
+              f"{batch} instead of {plain * batch / 2**30:.3f} GiB (saves {(plain - kept) * batch / 2**30:.3f} GiB; "
+              f"float32 estimate from one image)")
+    if n_batches is not None:
+        print(f">>> Number of batch per epoch: {n_batches}")
+    if cfg.torch_device.startswith("cuda"):
+        print(f">>> Max Memory Allocated: {metrics['max_memory_bytes']:,} bytes")
+    else:
+        print(f">>> Peak RSS (CPU): {metrics['max_memory_bytes']:,} bytes")
+    if metrics.get("images_per_second"):
+        print(f">>> Throughput (steady state, all ranks): {metrics['images_per_second']:.1f} images/s")
+    if cfg.metrics_json:
+        write_json(cfg.metrics_json, metrics)
+
+
+def write_json(path, obj):
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=2, default=float)
+    os.replace(tmp, path)

@@ -1,0 +1,165 @@
+"""The model and what dlojz knows about it: creation by name, activation checkpointing, FLOPs, GPU peaks.
+
+- `create_model(arch, num_classes)`: any torchvision classification model by name, random weights (no download);
+  an unknown name is a `UserError` with the closest names.
+- `enable_grad_checkpointing(model, arch)`: recompute each stage's activations in the backward (`--grad-checkpointing`);
+  `plain_stages(model)` undoes it for as long as a `with` lasts (FLOP counts exclude the recomputation).
+- `saved_activation_bytes(model, image_size, channels_last, checkpointing, arch)`: bytes per image that autograd
+  keeps for the backward, measured on a real forward of a CPU copy.
+- `train_flops_per_image(model, image_size)`: training FLOPs of one image (FlopCounterMode on a weightless copy);
+  `peak_flops(device_name, dtype)`: the dense peak of V100/A100/H100/H200 GPUs, for the MFU.
+- `peak_memory_bytes(device)`: the most memory this process used (CUDA allocator peak, or the CPU's peak RSS).
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+
+import torch
+import torchvision
+
+from dlojz_config import fail
+
+
+def create_model(arch: str, num_classes: int) -> torch.nn.Module:
+    try:
+        return torchvision.models.get_model(arch, weights=None, num_classes=num_classes)
+    except (ValueError, KeyError):
+        import difflib
+        names = torchvision.models.list_models(module=torchvision.models)
+        close = difflib.get_close_matches(arch, names, n=3)
+        fail(f"--arch {arch}: unknown torchvision classification model" + (f" (did you mean {', '.join(close)}?)" if close else ""))
+
+
+# ---------------------------------------------------------------------- activation checkpointing
+class CheckpointedStage:
+    """Mixed into a stage's class: its activations are recomputed in the backward instead of being kept."""
+
+    def forward(self, *inputs):
+        forward = super().forward
+        if torch.is_grad_enabled():
+            return torch.utils.checkpoint.checkpoint(forward, *inputs, use_reentrant=False)
+        return forward(*inputs)
+
+
+def enable_grad_checkpointing(model, arch):
+    """Recompute each stage's activations in the backward instead of keeping them (ResNet-like layer1..4, or the
+    children of `.features`). Only the stages' classes change: parameters and checkpoint keys stay, copies work."""
+    stages = [getattr(model, name) for name in ("layer1", "layer2", "layer3", "layer4") if hasattr(model, name)]
+    if not stages and isinstance(getattr(model, "features", None), torch.nn.Sequential):
+        stages = list(model.features)
+    if not stages:
+        fail(f"--grad-checkpointing: --arch {arch} has neither layer1..layer4 nor a .features Sequential to checkpoint")
+    for stage in stages:
+        stage.__class__ = type(f"Checkpointed{type(stage).__name__}", (CheckpointedStage, type(stage)), {})
+
+
+@contextlib.contextmanager
+def plain_stages(model):
+    """Temporarily without activation checkpointing: model FLOPs count no recomputation."""
+    stages = [(m, type(m)) for m in model.modules() if isinstance(m, CheckpointedStage)]
+    for module, cls in stages:
+        module.__class__ = cls.__bases__[1]
+    try:
+        yield model
+    finally:
+        for module, cls in stages:
+            module.__class__ = cls
+
+
+def saved_activation_bytes(model, image_size, channels_last, checkpointing, arch):
+    """Bytes per image autograd keeps for the backward of a forward of a CPU copy of `model` (float32), with or
+    without activation checkpointing: what --grad-checkpointing saves, per image, without risking an OOM."""
+    with (contextlib.nullcontext() if checkpointing else plain_stages(model)):
+        net = copy.deepcopy(model).cpu().float().train()
+    if checkpointing and not any(isinstance(m, CheckpointedStage) for m in net.modules()):
+        enable_grad_checkpointing(net, arch)
+    image = torch.randn(2, 3, image_size, image_size)  # 2: BatchNorm refuses a batch of 1 in training mode
+    if channels_last:
+        net, image = net.to(memory_format=torch.channels_last), image.contiguous(memory_format=torch.channels_last)
+    kept = {}
+    weights = {p.untyped_storage().data_ptr() for p in net.parameters()}  # saved too, but they are not activations
+
+    def pack(tensor):
+        if tensor.untyped_storage().data_ptr() not in weights:
+            kept[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        net(image)
+    return sum(kept.values()) // 2
+
+
+def peak_memory_bytes(device):
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+# ---------------------------------------------------------------------- FLOPs and peaks
+def train_flops_per_image(model: torch.nn.Module, image_size: int, channels_last: bool = False,
+                          in_channels: int = 3, batch_size: int = 2) -> float:
+    """Training FLOPs (forward + backward) for one image, counted by FlopCounterMode.
+
+    The model is copied to the "meta" device (shapes only: no weights copied, no memory kept, the model's
+    parameters, gradients and BatchNorm statistics untouched). Unwraps DDP (``.module``) and torch.compile
+    (``._orig_mod``). Call it before attaching hooks that expect real tensors (e.g. wandb.watch).
+    batch_size: images counted at once (2 keeps BatchNorm happy); the result is divided by it.
+    """
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model = getattr(model, "_orig_mod", model)           # torch.compile wrapper
+    if isinstance(model, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)):
+        model = model.module
+    # deepcopy with a memo that maps every parameter/buffer to a meta tensor: the copy never holds weights.
+    memo = {}
+    for tensor in list(model.parameters()) + list(model.buffers()):
+        meta = torch.empty_like(tensor, device="meta")
+        memo[id(tensor)] = torch.nn.Parameter(meta, requires_grad=tensor.requires_grad) \
+            if isinstance(tensor, torch.nn.Parameter) else meta
+    meta_model = copy.deepcopy(model, memo)
+    images = torch.empty(batch_size, in_channels, image_size, image_size, device="meta")
+    if channels_last:
+        images = images.contiguous(memory_format=torch.channels_last)
+        meta_model = meta_model.to(memory_format=torch.channels_last)
+    counter = FlopCounterMode(display=False)
+    with counter:
+        outputs = meta_model(images)
+        _sum_outputs(outputs).backward()
+    return counter.get_total_flops() / batch_size
+
+
+def _sum_outputs(outputs):
+    if isinstance(outputs, torch.Tensor):
+        return outputs.float().sum()
+    if isinstance(outputs, dict):
+        outputs = list(outputs.values())
+    return sum(_sum_outputs(o) for o in outputs if isinstance(o, (torch.Tensor, list, tuple, dict)))
+
+
+# Dense (no sparsity) peaks in FLOP/s per GPU: NVIDIA data sheets. Keys: substring of the lower-cased device name,
+# most specific first. "tf32" = float32 matmuls on tensor cores; V100 has no TF32 nor bfloat16 units.
+_PEAKS = [
+    ("v100s", {"float16": 130e12, "float32": 16.4e12, "tf32": 16.4e12}),
+    ("v100-pcie", {"float16": 112e12, "float32": 14e12, "tf32": 14e12}),
+    ("v100", {"float16": 125e12, "float32": 15.7e12, "tf32": 15.7e12}),                 # SXM2 (Jean Zay)
+    ("a100", {"float16": 312e12, "bfloat16": 312e12, "tf32": 156e12, "float32": 19.5e12}),
+    ("h100 pcie", {"float16": 756e12, "bfloat16": 756e12, "tf32": 378e12, "float32": 51.2e12}),
+    ("h100 nvl", {"float16": 835e12, "bfloat16": 835e12, "tf32": 417.5e12, "float32": 60e12}),
+    ("h100", {"float16": 989.4e12, "bfloat16": 989.4e12, "tf32": 494.7e12, "float32": 66.9e12}),   # SXM5
+    ("h200 nvl", {"float16": 835e12, "bfloat16": 835e12, "tf32": 417.5e12, "float32": 60e12}),
+    ("h200", {"float16": 989.4e12, "bfloat16": 989.4e12, "tf32": 494.7e12, "float32": 66.9e12}),
+]
+
+
+def peak_flops(device_name: str, compute_dtype: str) -> float | None:
+    """Dense peak FLOP/s of one V100/A100/H100/H200 for compute_dtype ("float16", "bfloat16", "float32",
+    "tf32"); None for other devices or a dtype the GPU has no units for."""
+    name = device_name.lower()
+    for key, peaks in _PEAKS:
+        if key in name:
+            return peaks.get(compute_dtype.lower())
+    return None
+
+
