@@ -38,8 +38,15 @@ def fail(message):
     raise UserError(message)
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """A bad flag is one line, as every other bad input (argparse would print the whole usage first)."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (--help lists the flags)\n")
+
+
 def get_args_parser():
-    parser = argparse.ArgumentParser(prog="dlojz", description="dlojz: ResNet-50 / ImageNet training, optimised "
+    parser = OneLineParser(prog="dlojz", description="dlojz: ResNet-50 / ImageNet training, optimised "
                                      "flag by flag", formatter_class=argparse.RawTextHelpFormatter)
     p = parser.add_argument_group("training")
     p.add_argument("-b", "--batch-size", type=int, default=None, help="batch size per process (default: 128; CPU profile: 32)")

@@ -18,6 +18,7 @@ from dlojz_optim import (
     LRFinder,
     build_optimizer,
     build_scheduler,
+    fast_forward,
     lr_scaling_line,
     param_groups,
     soft_target_accuracy,
@@ -382,3 +383,26 @@ def test_soft_target_accuracy_stays_in_0_1_with_torchvision_mixup_and_cutmix():
         assert soft_labels.shape == (8, 4)
         accuracy = soft_target_accuracy(torch.randn(8, 4), soft_labels)
         assert accuracy.ndim == 0 and 0.0 <= accuracy.item() <= 1.0
+
+
+@pytest.mark.parametrize("name", SCHEDULERS)
+@pytest.mark.parametrize("step", [1, 7, 23, 40])
+def test_fast_forward_gives_the_lr_and_momentum_of_stepping_one_by_one(name, step):
+    """A resumed run with a new length puts its fresh schedule at the saved step: the same lr (and OneCycle's
+    momentum) as a schedule stepped that many times."""
+    def fresh():
+        optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1, momentum=0.9)
+        return optimizer, build_scheduler(name, optimizer, 0.1, total_steps=40, warmup_steps=0 if name == "onecycle" else 5)
+
+    stepped_optimizer, stepped = fresh()
+    for _ in range(step):
+        stepped_optimizer.step()
+        stepped.step()
+    optimizer, scheduler = fresh()
+    fast_forward(scheduler, step)
+    assert scheduler.last_epoch == stepped.last_epoch == step
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(stepped_optimizer.param_groups[0]["lr"], rel=1e-12)
+    assert optimizer.param_groups[0]["momentum"] == pytest.approx(stepped_optimizer.param_groups[0]["momentum"])
+    if step < 40:  # and it goes on as the stepped one does
+        optimizer.step(), scheduler.step(), stepped_optimizer.step(), stepped.step()
+        assert optimizer.param_groups[0]["lr"] == pytest.approx(stepped_optimizer.param_groups[0]["lr"], rel=1e-12)

@@ -116,3 +116,130 @@ def test_a_dead_rank_ends_the_others_in_bounded_time(resume_data, tmp_path):
     assert rank0.returncode not in (0, None)
     assert "dlojz: rank 0 failed" in log0, log0[-2000:]
     print(f"rank 0 ended {time.time() - t0:.1f} s after rank 1 was killed")
+
+
+# ----------------------------------------------------------------------------- resume, in-process (no interpreter start)
+TINY = [*SMALL, "--image-size", "16", "--val-resize-size", "18", "--val-crop-size", "16", "-b", "8", "--no-wandb",
+        "--num-workers", "0"]
+
+
+def latest_state(out):
+    return torch.load(out / (out / "latest").read_text().strip(), weights_only=True)
+
+
+def lr_after(name, steps, total_steps, lr=0.025):
+    """The learning rate a fresh schedule of `total_steps` gives after `steps` steps, stepped one by one."""
+    import dlojz_optim
+    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=lr, momentum=0.9)
+    scheduler = dlojz_optim.build_scheduler(name, optimizer, lr, total_steps)
+    for _ in range(steps):
+        optimizer.step()
+        scheduler.step()
+    return optimizer.param_groups[0]["lr"]
+
+
+@pytest.mark.parametrize("schedule", ["onecycle", "cosine", "step", "constant"])
+def test_resume_with_more_epochs_continues_a_rebuilt_schedule(schedule, tiny_data, tmp_path, run_inline):
+    out = tmp_path / "run"
+    common = [*TINY, "--data-root", tiny_data, "--output-dir", out, "--lr-scheduler", schedule]
+    first = run_inline(*common, "-e", "1")
+    assert first.returncode == 0, first.stderr
+    checkpoint = out / (out / "latest").read_text().strip()
+    longer = run_inline(*common, "-e", "2", "--resume", checkpoint)
+    assert longer.returncode == 0, longer.stderr
+    assert "the learning-rate schedule is rebuilt for 18 optimizer steps and continues from step 9" in longer.stdout
+    state = latest_state(out)
+    assert state["global_step"] == 18 and state["epoch"] == 2 and state["total_steps"] == 18
+    # the run ended where the 2-epoch schedule ends (fast_forward's steps are checked in test_optim)
+    assert state["optimizer"]["param_groups"][0]["lr"] == pytest.approx(lr_after(schedule, 18, 18))
+    assert state["scheduler"]["last_epoch"] == 18
+
+
+def test_same_length_resume_loads_the_schedule_as_saved(tiny_data, tmp_path, run_inline):
+    out = tmp_path / "run"
+    proc = run_inline(*TINY, "--data-root", tiny_data, "--output-dir", out, "-e", "2", "--test-nsteps", "1")
+    assert proc.returncode == 0, proc.stderr
+    first = sorted(out.glob("ckpt_*.pt"))[0]
+    again = run_inline(*TINY, "--data-root", tiny_data, "--output-dir", tmp_path / "again", "-e", "2",
+                       "--resume", first)
+    assert again.returncode == 0, again.stderr
+    assert "rebuilt" not in again.stdout
+
+
+def test_float16_resumes_a_checkpoint_written_with_the_scaler_off(tiny_data, tmp_path, run_inline):
+    out = tmp_path / "run"
+    common = [*TINY, "--data-root", tiny_data, "--output-dir", out]
+    assert run_inline(*common, "-e", "1", "--amp", "--amp-dtype", "bfloat16").returncode == 0
+    assert latest_state(out)["scaler"] == {}  # bfloat16: GradScaler off, nothing saved
+    proc = run_inline(*common, "-e", "2", "--amp", "--amp-dtype", "float16", "--resume", "auto")
+    assert proc.returncode == 0, proc.stderr
+    state = latest_state(out)
+    assert state["global_step"] == 18 and state["scaler"]["scale"] > 0  # float16's scaler started afresh
+
+
+def test_resume_auto_with_nothing_to_resume(tiny_data, tmp_path, run_inline):
+    out = tmp_path / "empty"
+    proc = run_inline(*TINY, "--data-root", tiny_data, "--output-dir", out, "--resume", "auto", "-e", "1")
+    assert proc.returncode == 0, proc.stderr
+    assert f"--resume auto: no checkpoint in {out}, starting from scratch" in proc.stdout
+    assert latest_state(out)["global_step"] == 9
+    proc = run_inline(*TINY, "--data-root", tiny_data, "--output-dir", tmp_path / "none", "--resume", "auto",
+                      "--eval-only")
+    assert proc.returncode == 2 and "--resume auto: no usable checkpoint" in proc.stderr
+
+
+def test_keep_checkpoints_prunes_the_oldest(tiny_data, tmp_path, run_inline):
+    out = tmp_path / "run"
+    proc = run_inline(*TINY, "--data-root", tiny_data, "--output-dir", out, "-e", "4", "--keep-checkpoints", "2")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.count("checkpoint written:") == 4
+    names = sorted(p.name for p in out.glob("ckpt_*.pt"))
+    assert names == ["ckpt_e0003_s000000027.pt", "ckpt_e0004_s000000036.pt"]
+    assert (out / "latest").read_text().strip() == names[-1]
+
+
+def test_a_checkpoint_written_before_the_restructuring_still_resumes(tiny_data, tmp_path, run_inline):
+    """tests/fixtures/ckpt_before_restructuring.pt: written by the dlojz.py of one train() function (squeezenet1_1,
+    1 epoch of the tiny data, SGD without momentum, constant schedule): its keys must still be read."""
+    fixture = ROOT / "tests" / "fixtures" / "ckpt_before_restructuring.pt"
+    saved = torch.load(fixture, weights_only=True)
+    assert "total_steps" not in saved  # older than the key: its length comes from its args
+    common = [*SMALL, "--arch", "squeezenet1_1", "--data-root", tiny_data, "-b", "8", "--mom", "0",
+              "--lr-scheduler", "constant", "--no-wandb", "--num-workers", "0", "--resume", fixture]
+    proc = run_inline(*common, "--eval-only", "--metrics-json", tmp_path / "eval.json", "--output-dir", tmp_path / "e")
+    assert proc.returncode == 0, proc.stderr
+    assert f"resumed from {fixture} (epoch 2, step 0/9, global step 9)" in proc.stdout
+    out = tmp_path / "run"
+    proc = run_inline(*common, "-e", "2", "--output-dir", out)
+    assert proc.returncode == 0, proc.stderr
+    state = latest_state(out)
+    assert state["global_step"] == 18 and state["epoch"] == 2
+    assert not torch.equal(state["model"]["classifier.1.weight"], saved["model"]["classifier.1.weight"])
+
+
+def test_sigterm_takes_the_same_path_as_usr1(resume_data, tmp_path):
+    out = tmp_path / "run"
+    proc = start([*RUN, "--data-root", resume_data, "--output-dir", out], clean_env())
+    early = wait_for_line(proc, "Epoch 1/2, Step")
+    proc.send_signal(signal.SIGTERM)
+    rest, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, early + rest
+    assert "SIGTERM received: saving a checkpoint" in rest and "continue with --resume auto" in rest
+    assert 0 < final_weights(out)["global_step"] < 30
+
+
+def test_ema_and_wandb_run_are_continued_on_resume(tiny_data, tmp_path):
+    out = tmp_path / "run"
+    common = [*TINY, "--data-root", tiny_data, "--output-dir", out, "--model-ema", "--model-ema-decay", "0.9",
+              "--wandb", "--wandb-mode", "offline"]
+    proc = run_dlojz(*common, "-e", "1", env=clean_env(WANDB_MODE="offline"))
+    assert proc.returncode == 0, show(proc)
+    first = latest_state(out)
+    assert first["wandb_id"] and int(first["ema"]["n_averaged"]) == 9
+    proc = run_dlojz(*common, "-e", "2", "--resume", "auto", env=clean_env(WANDB_MODE="offline"))
+    assert proc.returncode == 0, show(proc)
+    second = latest_state(out)
+    assert second["wandb_id"] == first["wandb_id"]  # the same W&B run goes on
+    assert int(second["ema"]["n_averaged"]) == 18  # the average went on from the saved one, not from scratch
+    runs = sorted(p.name for p in (out / "wandb").glob("offline-run-*"))
+    assert len(runs) == 2 and all(name.endswith(first["wandb_id"]) for name in runs), runs

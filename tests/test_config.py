@@ -1,0 +1,89 @@
+"""resolve_config: the profile's defaults, every check of the flags, all before any process group or data scan."""
+import pytest
+
+from conftest import SMALL
+from dlojz_config import UserError, get_args_parser, resolve_config
+from test_dlojz import assert_one_line_error
+
+
+def resolve(*flags):
+    return resolve_config(get_args_parser().parse_args(["--device", "cpu", *map(str, flags)]))
+
+
+@pytest.fixture(autouse=True)
+def in_tmp(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the default --output-dir (./runs/...) is made and checked writable
+
+
+@pytest.mark.parametrize("flags, fragment", [
+    (["-b", "0"], "--batch-size must be at least 1"),
+    (["-e", "0"], "--epochs must be at least 1"),
+    (["--image-size", "0"], "--image-size must be at least 1"),
+    (["--val-resize-size", "-1"], "--val-resize-size must be at least 1"),
+    (["--val-crop-size", "0"], "--val-crop-size must be at least 1"),
+    (["--val-batch-size", "0"], "--val-batch-size must be at least 1"),
+    (["--test-nsteps", "0"], "--test-nsteps must be at least 1"),
+    (["--num-workers", "-1"], "--num-workers must be >= 0"),
+    (["--prefetch-factor", "0"], "--prefetch-factor >= 1"),
+    (["--grad-acc", "0"], "--grad-acc must be at least 1"),
+    (["--lr", "0"], "--lr must be > 0"),
+    (["--mom", "1"], "--mom must be in [0, 1)"),
+    (["--wd", "-0.1"], "--wd must be >= 0"),
+    (["--warmup-epochs", "-1"], "--warmup-epochs must be >= 0"),
+    (["--findlr", "--loader-only"], "--findlr trains"),
+    (["--model-ema-decay", "1"], "--model-ema-decay must be in (0, 1)"),
+    (["--random-erase", "1.5"], "--random-erase is a probability"),
+    (["--mixup-alpha", "-1"], "--mixup-alpha and --cutmix-alpha must be >= 0"),
+    (["--cutmix-alpha", "-1"], "--mixup-alpha and --cutmix-alpha must be >= 0"),
+    (["--prof", "--prof-active", "0"], "--prof-active >= 1"),
+    (["--prof", "--prof-wait", "-1"], "--prof-wait and --prof-warmup must be >= 0"),
+    (["--sync-bn"], "--sync-bn needs CUDA"),
+    (["--loader-only", "--synthetic"], "--loader-only times the DataLoader"),
+    (["--eval-only"], "--eval-only needs --resume"),
+])
+def test_each_bound_is_checked(flags, fragment):
+    with pytest.raises(UserError) as err:
+        resolve(*flags)
+    assert fragment in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_within_bounds_is_accepted():
+    cfg = resolve("-b", "1", "--lr", "1e-4", "--mom", "0", "--wd", "0", "--model-ema-decay", "0.5",
+                  "--random-erase", "1", "--grad-acc", "3")
+    assert (cfg.batch_size, cfg.grad_acc, cfg.random_erase) == (1, 3, 1.0)
+
+
+def test_cpu_defaults_follow_the_device():
+    cfg = resolve()
+    assert (cfg.amp, cfg.amp_dtype, cfg.tf32, cfg.torch_device) == (False, "bfloat16", False, "cpu")
+    assert cfg.compute_dtype == "float32"
+    assert resolve("--amp").compute_dtype == "bfloat16"
+
+
+def test_config_is_frozen():
+    cfg = resolve()
+    with pytest.raises(AttributeError):
+        cfg.lr = 1.0
+
+
+def test_more_workers_than_cpus_is_a_warning(monkeypatch):
+    import idr_torch
+    monkeypatch.setattr(type(idr_torch), "cpus_per_task", property(lambda self: 2))  # idr_torch: class properties
+    assert not any("exceeds" in note for note in resolve("--num-workers", "2").notes)
+    notes = resolve("--num-workers", "5").notes
+    assert any("WARNING: --num-workers 5 exceeds the 2 CPUs of this task" in note for note in notes), notes
+    assert resolve().num_workers == 2  # unset: one worker per CPU of the task
+
+
+def test_unknown_optimizer_is_refused_before_the_data_is_read(tmp_path, run_inline):
+    # --data-root does not exist: a check that waited for the data would report it first.
+    proc = run_inline(*SMALL, "--data-root", tmp_path / "no-such-dir", "--optimizer", "adamx")
+    assert_one_line_error(proc, "--optimizer", "adamx")
+    assert "--data-root" not in proc.stderr
+
+
+def test_help_lists_the_closed_choices(run_inline):
+    proc = run_inline("--help")
+    assert proc.returncode == 0
+    assert "{sgd,adamw,lamb,lars,lion}" in proc.stdout and "{onecycle,cosine,step,constant}" in proc.stdout
