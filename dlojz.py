@@ -14,8 +14,6 @@ import dataclasses
 import math
 import os
 import random
-import signal
-import subprocess
 import sys
 from datetime import timedelta
 from pathlib import Path
@@ -32,6 +30,7 @@ from dlojz_config import Config, UserError, fail, get_args_parser, resolve_confi
 from dlojz_data import (IMAGENET_TRAIN_IMAGES, IMAGENET_VAL_IMAGES, DataError, EpochSampler, ShardSampler,
                         SyntheticLoader, build_datasets, close_loader, embedded_dataset_root, make_loader,
                         measure_loader, resolve_data_root)
+from dlojz_dist import Distribution, StopSignal, agree_on_stop, stop_and_requeue
 from dlojz_hooks import LoopHooks, make_profiler
 from dlojz_log import (LOG_EVERY, Console, NoWandb, Progress, chrono_context, finish, start_wandb, write_json,
                        write_lr_finder)
@@ -62,42 +61,6 @@ class EpochResult:
     train_loss: float
     train_accuracy: float
     stop_reason: str | None      # a signal's name: the epoch was left for a checkpoint and a requeue
-
-
-class StopSignal:
-    """Slurm's preemption warning (--signal=USR1@T) or SIGTERM: finish the current step, checkpoint, requeue."""
-
-    def __init__(self):
-        self.name = None  # the signal received, if any
-
-    def install(self):
-        signal.signal(signal.SIGUSR1, self._receive)
-        signal.signal(signal.SIGTERM, self._receive)
-        return self
-
-    def _receive(self, signum, _frame):
-        self.name = signal.Signals(signum).name
-
-
-@dataclasses.dataclass
-class Distribution:
-    world_size: int
-    rank: int
-    local_rank: int
-    device: torch.device
-
-    @property
-    def enabled(self):
-        return self.world_size > 1
-
-    @property
-    def is_main(self):
-        return self.rank == 0
-
-    def all_gather(self, obj):
-        out = [None] * self.world_size
-        dist.all_gather_object(out, obj)
-        return out
 
 
 @dataclasses.dataclass
@@ -521,37 +484,11 @@ def restore_schedule(cfg, opt, saved, n_train_batches, log):
             f"continues from step {saved['global_step']} (the checkpoint's schedule had {saved_total})")
 
 
-def agree_on_stop(stop, first_nonfinite, ranks):
-    """One small all-reduce: the ranks agree on a stop signal or a NaN loss (a signal may reach them at different
-    steps; they stop at the same one). Returns (stop requested, first non-finite step or -1)."""
-    control = torch.stack([torch.full((), 1.0 if stop.name else 0.0, dtype=torch.float64, device=ranks.device),
-                           first_nonfinite])
-    if ranks.enabled:
-        dist.all_reduce(control, op=dist.ReduceOp.MAX)
-    stop_requested, bad_step = control.tolist()
-    return bool(stop_requested), bad_step
-
-
 def diverged(cfg, bad_step, epoch):
     kept = ckpt.list_checkpoints(cfg.output_dir) if Path(cfg.output_dir).is_dir() else []
     where = f"; last good checkpoint kept: {kept[-1]}" if kept else "; no checkpoint written"
     raise TrainingDiverged(f"loss is not finite (nan/inf) at step {int(bad_step)} (epoch {epoch + 1}): "
                            f"stopping{where}; lower --lr or check the data")
-
-
-def stop_and_requeue(cfg, saver, state, reason, n_train_batches, ranks, log):
-    """Checkpoint mid-epoch (rank 0), then requeue the Slurm job or say how to continue."""
-    log(f"{reason} received: saving a checkpoint at epoch {state.epoch + 1}, step {state.batch}/{n_train_batches}")
-    if ranks.is_main and not cfg.test:
-        log(f"checkpoint written: {saver.save(dataclasses.asdict(state))}")
-    if ranks.enabled:
-        dist.barrier()
-    job_id = os.environ.get("SLURM_JOB_ID")
-    if ranks.is_main and job_id and not cfg.test:
-        print(f"requeue: scontrol requeue {job_id} (resume with --resume auto)", flush=True)
-        subprocess.run(["scontrol", "requeue", job_id], check=False)
-    elif ranks.is_main:
-        print(f"stopped cleanly; continue with --resume auto --output-dir {cfg.output_dir}", flush=True)
 
 
 def validate(cfg, epoch, model, val_batches, opt, ranks, chrono, max_batches, log) -> dict:

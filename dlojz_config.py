@@ -46,6 +46,7 @@ class OneLineParser(argparse.ArgumentParser):
 
 
 def get_args_parser():
+    # One flat list, grouped as --help shows it: split into functions, the flags would be harder to find.
     parser = OneLineParser(prog="dlojz", description="dlojz: ResNet-50 / ImageNet training, optimised "
                                      "flag by flag", formatter_class=argparse.RawTextHelpFormatter)
     p = parser.add_argument_group("training")
