@@ -214,7 +214,8 @@ def train_one_epoch(model, opt, loaders, state, cfg, ranks, hooks, progress, sto
     first_nonfinite = torch.full((), -1.0, dtype=torch.float64, device=device)  # optimizer step of a NaN/inf loss
     stop_reason = None
     model.net.train()
-    for images, labels in hooks.loading(loaders.train_batches):
+    batches = hooks.loading(loaders.train_batches)
+    for images, labels in batches:
         if progress.micro_steps == 0:
             progress.console(f"image batch shape: {tuple(images.shape)}, dtype {images.dtype}")
         batch_index = state.batch
@@ -272,6 +273,7 @@ def train_one_epoch(model, opt, loaders, state, cfg, ranks, hooks, progress, sto
                 break
         if end_of_test:
             break
+    batches.close()  # leaving mid-epoch (test, stop signal): release this epoch's iterator and its workers' batches now
     progress.console.end_live_line()
     if ranks.enabled:
         dist.all_reduce(epoch_totals)
