@@ -316,8 +316,10 @@ def setup_distributed(cfg: Config):
         torch.backends.cudnn.allow_tf32 = cfg.tf32
     ranks = Distribution(idr_torch.world_size, idr_torch.rank, idr_torch.local_rank, device)
     if ranks.enabled:
+        # device_id: NCCL connects now (a broken fabric fails at start-up) and knows each rank's GPU.
         idr_torch.init_process_group(backend="nccl" if device.type == "cuda" else "gloo",
-                                     timeout=timedelta(seconds=cfg.dist_timeout))
+                                     timeout=timedelta(seconds=cfg.dist_timeout),
+                                     device_id=device if device.type == "cuda" else None)
         holder = [cfg.output_dir]
         dist.broadcast_object_list(holder, src=0)
         cfg = dataclasses.replace(cfg, output_dir=holder[0])

@@ -259,14 +259,48 @@ def resolve_config(args) -> Config:
 
 
 def local_device(device_flag, local_rank):
-    """This rank's device as a string: one GPU per task, picked by the local rank, or the CPU."""
+    """This rank's device as a string: one GPU per task, picked by the local rank among the GPUs this task sees
+    (all of the node's, or only its own when Slurm binds GPUs to tasks), or the CPU."""
     if device_flag == "cpu" or (device_flag == "auto" and not torch.cuda.is_available()):
         return "cpu"
     if not torch.cuda.is_available():
-        fail("--device cuda: no CUDA GPU is visible here; use --device cpu or run on a GPU node")
-    if local_rank >= torch.cuda.device_count():
-        fail(f"local rank {local_rank} has no GPU ({torch.cuda.device_count()} visible): one task per GPU (--gres/--ntasks-per-node)")
-    return f"cuda:{local_rank}"
+        fail("--device cuda: no CUDA GPU is visible here" + (driver_too_old() or "")
+             + "; use --device cpu or run on a GPU node")
+    index = local_rank % torch.cuda.device_count()
+    check_kernels(index)
+    return f"cuda:{index}"
+
+
+CUDA12_HINT = ("install a CUDA 12 build of torch (pip install torch --index-url <PyTorch's wheel index>/whl/cu126) "
+               "or load the site's PyTorch (module load pytorch-gpu/...)")
+
+
+def check_kernels(index):
+    """Fail in one line if this torch has no kernels for the GPU (the pinned CUDA 13 wheel stops at sm_75: no V100)."""
+    major, minor = torch.cuda.get_device_capability(index)
+    archs = torch.cuda.get_arch_list()
+    built = {int(a.split("_")[1]) for a in archs if a.startswith("sm_")}
+    ptx = [int(a.split("_")[1]) for a in archs if a.startswith("compute_")]  # JIT-compiled for newer GPUs
+    if archs and 10 * major + minor not in built and not any(p <= 10 * major + minor for p in ptx):
+        fail(f"this torch {torch.__version__} (CUDA {torch.version.cuda}) has no kernels for "
+             f"{torch.cuda.get_device_name(index)} (sm_{major}{minor}; built for {', '.join(archs)}): {CUDA12_HINT}")
+
+
+def driver_too_old():
+    """', the NVIDIA driver ... is too old for this torch's CUDA' when NVML says so, else None."""
+    try:
+        import pynvml
+        pynvml.nvmlInit()
+        driver_cuda = pynvml.nvmlSystemGetCudaDriverVersion()  # e.g. 12040 for CUDA 12.4
+        driver = pynvml.nvmlSystemGetDriverVersion()
+    except Exception:  # no NVML, no driver: nothing more to say
+        return None
+    needed = tuple(int(x) for x in (torch.version.cuda or "0.0").split(".")[:2])
+    if (driver_cuda // 1000, driver_cuda % 1000 // 10) < needed:
+        driver = driver.decode() if isinstance(driver, bytes) else driver
+        return (f": the NVIDIA driver {driver} supports CUDA up to {driver_cuda // 1000}.{driver_cuda % 1000 // 10}, "
+                f"this torch needs CUDA {torch.version.cuda}; {CUDA12_HINT}")
+    return None
 
 
 def check(cfg: Config):
@@ -309,7 +343,8 @@ def check(cfg: Config):
 
 def check_autocast(device, dtype):
     """Fail with one line, before any training, if this device cannot run autocast in `dtype`."""
-    if device.type == "cuda" and dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported():
+    # Emulated bfloat16 (V100) runs, but slower than float32: refuse it.
+    if device.type == "cuda" and dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported(including_emulation=False):
         fail(f"--amp-dtype bfloat16: {torch.cuda.get_device_name(device)} has no bfloat16 support; use --amp-dtype float16")
     try:
         conv = torch.nn.Conv2d(3, 4, 3).to(device)

@@ -71,7 +71,7 @@ def saved_activation_bytes(model, image_size, channels_last, checkpointing, arch
     """Bytes per image autograd keeps for the backward of a forward of a CPU copy of `model` (float32), with or
     without activation checkpointing: what --grad-checkpointing saves, per image, without risking an OOM."""
     with (contextlib.nullcontext() if checkpointing else plain_stages(model)):
-        net = copy.deepcopy(model).cpu().float().train()
+        net = without_sync_batchnorm(copy.deepcopy(model)).cpu().float().train()
     if checkpointing and not any(isinstance(m, CheckpointedStage) for m in net.modules()):
         enable_grad_checkpointing(net, arch)
     image = torch.randn(2, 3, image_size, image_size)  # 2: BatchNorm refuses a batch of 1 in training mode
@@ -88,6 +88,19 @@ def saved_activation_bytes(model, image_size, channels_last, checkpointing, arch
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         net(image)
     return sum(kept.values()) // 2
+
+
+def without_sync_batchnorm(module):
+    """`module` with each SyncBatchNorm turned back into a BatchNorm2d (same weights and statistics), which a
+    forward in training mode outside the process group and on the CPU accepts."""
+    if isinstance(module, torch.nn.SyncBatchNorm):
+        plain = torch.nn.BatchNorm2d(module.num_features, module.eps, module.momentum, module.affine,
+                                     module.track_running_stats)
+        plain.load_state_dict(module.state_dict())
+        return plain.train(module.training)
+    for name, child in module.named_children():
+        setattr(module, name, without_sync_batchnorm(child))
+    return module
 
 
 def peak_memory_bytes(device):
@@ -118,7 +131,8 @@ def train_flops_per_image(model: torch.nn.Module, image_size: int, channels_last
         meta = torch.empty_like(tensor, device="meta")
         memo[id(tensor)] = torch.nn.Parameter(meta, requires_grad=tensor.requires_grad) \
             if isinstance(tensor, torch.nn.Parameter) else meta
-    meta_model = copy.deepcopy(model, memo)
+    # Eval mode: conv/matmul FLOPs are the same, and SyncBatchNorm does not reach for a process group.
+    meta_model = copy.deepcopy(model, memo).eval()
     images = torch.empty(batch_size, in_channels, image_size, image_size, device="meta")
     if channels_last:
         images = images.contiguous(memory_format=torch.channels_last)

@@ -1,0 +1,99 @@
+"""The GPU start-up checks, reached on the CPU with a faked CUDA: which GPU a rank takes, a torch without kernels
+for the GPU, a driver too old for the wheel's CUDA, emulated bfloat16; FLOPs and activation bytes of a SyncBN model."""
+import sys
+import types
+
+import pytest
+import torch
+import torchvision
+
+import dlojz_config
+from dlojz_config import UserError, check_autocast, local_device
+from dlojz_model import saved_activation_bytes, train_flops_per_image
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    """A node whose task sees `count` GPUs of compute capability `capability`, torch built for `archs`."""
+    def make(count=1, capability=(9, 0), archs=("sm_75", "sm_80", "sm_86", "sm_90", "sm_100", "sm_120")):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: capability)
+        monkeypatch.setattr(torch.cuda, "get_arch_list", lambda: list(archs))
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: "Tesla V100-SXM2-32GB")
+    return make
+
+
+@pytest.mark.parametrize("visible, local_rank, expected", [(4, 3, "cuda:3"), (1, 3, "cuda:0"), (2, 3, "cuda:1")])
+def test_each_rank_takes_a_gpu_it_sees(fake_cuda, visible, local_rank, expected):
+    # 4 visible: the node's GPUs, one per local rank; 1 visible: Slurm bound one GPU to each task (--gpus-per-task)
+    fake_cuda(count=visible)
+    assert local_device("auto", local_rank) == expected
+
+
+def test_a_gpu_the_wheel_has_no_kernels_for_is_one_line(fake_cuda):
+    fake_cuda(capability=(7, 0))  # V100 with the CUDA 13 wheel (sm_75 and newer)
+    with pytest.raises(UserError) as err:
+        local_device("cuda", 0)
+    message = str(err.value)
+    assert "no kernels for Tesla V100-SXM2-32GB (sm_70" in message and "cu126" in message and "module load" in message
+
+
+def test_ptx_for_an_older_arch_runs_on_a_newer_gpu(fake_cuda):
+    fake_cuda(capability=(10, 3), archs=("sm_80", "compute_90"))
+    assert local_device("cuda", 0) == "cuda:0"
+
+
+def test_a_driver_too_old_for_the_wheel_is_named(monkeypatch):
+    nvml = types.SimpleNamespace(nvmlInit=lambda: None, nvmlSystemGetCudaDriverVersion=lambda: 12040,
+                                 nvmlSystemGetDriverVersion=lambda: "550.54")
+    monkeypatch.setitem(sys.modules, "pynvml", nvml)
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(UserError) as err:
+        local_device("cuda", 0)
+    assert "driver 550.54 supports CUDA up to 12.4, this torch needs CUDA 13.0" in str(err.value)
+    monkeypatch.setattr(nvml, "nvmlSystemGetCudaDriverVersion", lambda: 13000)
+    assert dlojz_config.driver_too_old() is None
+
+
+def test_emulated_bfloat16_is_refused(monkeypatch):
+    calls = []
+
+    def is_bf16_supported(including_emulation=True):
+        calls.append(including_emulation)
+        return including_emulation  # a V100: only by emulation
+
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", is_bf16_supported)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: "Tesla V100-SXM2-32GB")
+    with pytest.raises(UserError, match=r"^--amp-dtype bfloat16: Tesla V100-SXM2-32GB has no bfloat16 support"):
+        check_autocast(torch.device("cuda", 0), torch.bfloat16)
+    assert calls == [False]
+
+
+def syncbn_report_figures(rank, world_size, port, results):
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    try:
+        torch.manual_seed(0)
+        synced = torch.nn.SyncBatchNorm.convert_sync_batchnorm(torchvision.models.resnet18(num_classes=10))
+        figures = (train_flops_per_image(synced, 32), saved_activation_bytes(synced, 32, False, False, "resnet18"),
+                   any(isinstance(m, torch.nn.SyncBatchNorm) for m in synced.modules()))
+        results[rank] = figures
+    finally:
+        dist.destroy_process_group()
+
+
+def test_flops_and_activation_bytes_of_a_syncbn_model_in_a_process_group():
+    """--test --sync-bn on 2 ranks: the report's FLOP count and activation estimate run with the process group up
+    (a SyncBatchNorm in training mode would reach for the other rank, and refuse CPU/meta tensors)."""
+    import socket
+    import torch.multiprocessing as mp
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    results = mp.Manager().dict()
+    mp.spawn(syncbn_report_figures, args=(2, port, results), nprocs=2, join=True)
+    plain = torchvision.models.resnet18(num_classes=10)
+    expected = (train_flops_per_image(plain, 32), saved_activation_bytes(plain, 32, False, False, "resnet18"), True)
+    assert results[0] == results[1] == expected  # and the model itself keeps its SyncBatchNorm layers
