@@ -8,7 +8,8 @@ API
     ``slurmd -C``), waits until ``sinfo`` shows the node idle, yields, and at the end
     stops the three daemons by their pids.  Where Slurm is not installed, we are not
     root, or a daemon does not start, every test using the fixture is SKIPPED with the
-    reason (and the daemon's log tail) in the skip message, never silently.
+    reason (and the daemon's log tail) in the skip message, never silently; under CI
+    (``CI=true``) it FAILS instead: CI must not go green on tests it did not run.
 
 ``SlurmCluster``
     ``env``                         environment for Slurm commands (``SLURM_CONF`` set)
@@ -342,20 +343,27 @@ def why_slurm_unavailable() -> str | None:
     return None
 
 
+def unavailable(reason):
+    """Skip with the reason on a developer's machine; fail under CI, where Slurm is installed by .ci/run."""
+    if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+        pytest.fail(f"CI=true and the test Slurm cluster is unavailable: {reason}", pytrace=False)
+    pytest.skip(reason)
+
+
 @pytest.fixture(scope="session")
 def slurm_cluster(tmp_path_factory):
     reason = why_slurm_unavailable()
     if reason:
-        pytest.skip(reason)
+        unavailable(reason)
     root = tmp_path_factory.mktemp("slurm")  # kept by pytest for a few sessions: the daemons' logs stay readable
     if len(str(root / "munge" / "munge.socket")) > 100:  # a socket path must fit in sockaddr_un (108 bytes)
         root = pathlib.Path(tempfile.mkdtemp(prefix="dlojz-slurm-"))
     cluster = SlurmCluster(root)
     try:
         cluster.start()
-    except Exception as exc:  # noqa: BLE001 - any start failure becomes a visible skip
+    except Exception as exc:  # noqa: BLE001 - any start failure becomes a visible skip (a failure under CI)
         cluster.stop()
-        pytest.skip(f"could not start the test Slurm cluster: {exc}")
+        unavailable(f"could not start the test Slurm cluster: {exc}")
     try:
         yield cluster
     finally:

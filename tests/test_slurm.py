@@ -1,7 +1,7 @@
 """dlojz under a real Slurm: the slurm/ scripts submitted with sbatch to a one-node test cluster.
 
 The cluster (munged + slurmctld + slurmd on localhost) comes from the ``slurm_cluster`` fixture of
-tests/slurm_cluster.py; without Slurm or root every test here is skipped with the reason.
+tests/slurm_cluster.py; without Slurm or root every test here is skipped with the reason (under CI=true: fails).
 Run only these tests:  python -m pytest tests/test_slurm.py -v -rs   (about 3 minutes on 2 cores)
 """
 
@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from dlojz_data import EMBEDDED_NAME
+import slurm_cluster as cluster_module
 from slurm_cluster import slurm_cluster  # noqa: F401  (the session fixture)
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -21,6 +22,17 @@ SLURM_DIR = ROOT / "slurm"
 CPU_SCRIPT = SLURM_DIR / "dlojz_cpu.slurm"
 GPU_SCRIPTS = ["dlojz_1gpu.slurm", "dlojz_1node.slurm", "dlojz_multinode.slurm", "dlojz_test.slurm"]
 LONG_JOBS = ["dlojz_cpu.slurm", "dlojz_1gpu.slurm", "dlojz_1node.slurm", "dlojz_multinode.slurm"]
+
+
+@pytest.mark.parametrize("ci, outcome", [("true", pytest.fail.Exception), (None, pytest.skip.Exception)])
+def test_a_cluster_that_cannot_start_fails_under_ci_and_skips_elsewhere(monkeypatch, ci, outcome):
+    if ci is None:
+        monkeypatch.delenv("CI", raising=False)
+    else:
+        monkeypatch.setenv("CI", ci)
+    with pytest.raises(BaseException) as raised:
+        cluster_module.unavailable("slurmctld did not start (log tail)")
+    assert raised.type is outcome and "slurmctld did not start" in str(raised.value)
 
 
 def directives(script: Path) -> dict:
