@@ -1,0 +1,132 @@
+"""Each flag changes what the training loop computes: tests that fail when the flag is ignored.
+
+The loop runs in-process on dlojz.synthetic_loop (the parts main() builds from the flags, on --synthetic batches);
+hooks on the model see the batch and the activations it gets."""
+import pytest
+import torch
+
+import dlojz
+from dlojz_config import get_args_parser, resolve_config
+
+BASE = ["--device", "cpu", "--arch", "resnet18", "--image-size", "32", "-b", "4", "--val-batch-size", "4"]
+
+
+def loop_for(*flags, n_batches=2):
+    return dlojz.synthetic_loop([*BASE, *map(str, flags)], n_batches=n_batches)
+
+
+@pytest.fixture(autouse=True)
+def in_tmp(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the default --output-dir is made under ./runs
+
+
+def seen_by_model(loop):
+    """Run one epoch; return the inputs of the model's forwards and the outputs dtype of its first conv."""
+    inputs, conv_dtypes = [], []
+    module = loop["model"].module
+    handles = [module.register_forward_pre_hook(lambda m, args: inputs.append(args[0].detach().clone())),
+               module.conv1.register_forward_hook(lambda m, args, out: conv_dtypes.append(out.dtype))]
+    try:
+        dlojz.train_one_epoch(**loop)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return inputs, conv_dtypes
+
+
+def test_channels_last_reaches_weights_and_batch():
+    for flag, expected in (("--channels-last", True), ("--no-channels-last", False)):
+        loop = loop_for(flag)
+        inputs, _ = seen_by_model(loop)
+        weight = loop["model"].module.conv1.weight
+        assert weight.is_contiguous(memory_format=torch.channels_last) is expected, flag
+        assert inputs[0].is_contiguous(memory_format=torch.channels_last) is expected, flag
+        assert inputs[0].is_contiguous() is not expected, flag
+
+
+def test_amp_dtype_is_the_dtype_of_the_convolutions():
+    assert set(seen_by_model(loop_for("--amp", "--amp-dtype", "bfloat16"))[1]) == {torch.bfloat16}
+    assert set(seen_by_model(loop_for("--no-amp"))[1]) == {torch.float32}
+    float16 = seen_by_model(loop_for("--amp", "--amp-dtype", "float16"))[1]  # CPU autocast takes float16 too
+    assert set(float16) == {torch.float16}
+
+
+@pytest.mark.parametrize("flag", ["--mixup-alpha", "--cutmix-alpha"])
+def test_mixing_changes_the_batch_and_gives_soft_labels(flag):
+    loop = loop_for(flag, "1.0")
+    plain_images = next(iter(loop["loaders"].train_batches))[0].clone()
+    targets = []
+    criterion = loop["opt"].criterion
+    loop["opt"].criterion = lambda outputs, target: (targets.append(target), criterion(outputs, target))[1]
+    inputs, _ = seen_by_model(loop)
+    assert not torch.equal(inputs[0], plain_images)
+    soft = targets[0]
+    assert soft.shape == (4, 1000) and torch.allclose(soft.sum(1), torch.ones(4))
+    assert not torch.equal(soft, torch.nn.functional.one_hot(soft.argmax(1), 1000).to(soft.dtype))
+    loop = loop_for()  # without the flag: the batch as loaded, class indices
+    assert loop["opt"].mix is None and torch.equal(seen_by_model(loop)[0][0], plain_images)
+
+
+def test_model_ema_is_the_exponential_average_of_the_weights():
+    decay = 0.5
+    loop = loop_for("--model-ema", "--model-ema-decay", decay, n_batches=4)
+    after_step = []
+    loop["opt"].optimizer.register_step_post_hook(
+        lambda *args: after_step.append([p.detach().clone() for p in loop["model"].module.parameters()]))
+    dlojz.train_one_epoch(**loop)
+    assert len(after_step) == 4
+    expected = after_step[0]  # AveragedModel's first update copies the weights
+    for weights in after_step[1:]:
+        expected = [decay * e + (1 - decay) * w for e, w in zip(expected, weights)]
+    ema = list(loop["model"].ema.module.parameters())
+    for e, got in zip(expected, ema):
+        assert torch.allclose(e, got, atol=1e-6)
+    assert not torch.allclose(ema[0], after_step[-1][0])  # an average, not the last weights
+
+
+def saved_for_backward_bytes(loop):
+    """Bytes autograd keeps for the backward of one training forward of the run's model."""
+    kept = {}
+    images = next(iter(loop["loaders"].train_batches))[0]
+    loop["model"].net.train()
+
+    def pack(tensor):
+        kept[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        loop["model"].net(images).sum().backward()
+    return sum(kept.values())
+
+
+def test_grad_checkpointing_keeps_less_for_the_backward():
+    plain = saved_for_backward_bytes(loop_for())
+    checkpointed = saved_for_backward_bytes(loop_for("--grad-checkpointing"))
+    assert checkpointed < plain / 2, (checkpointed, plain)
+
+
+@pytest.mark.parametrize("flags", [["--randaugment", "2", "9"], ["--trivialaugment"], ["--random-erase", "1"]])
+def test_augmentation_policies_change_the_crops(flags, tiny_data):
+    from dlojz_data import build_datasets
+    from dlojz_transforms import ValTransform, train_transform
+
+    def crops(*extra):
+        cfg = resolve_config(get_args_parser().parse_args([*BASE, *extra]))
+        train_set = build_datasets(tiny_data, train_transform(cfg), ValTransform(36, 32), seed=cfg.seed)[0]
+        return torch.stack([train_set[(0, i)][0] for i in range(8)])
+
+    plain = crops()
+    assert torch.equal(plain, crops())  # same seed, same crops: a difference below is the flag's
+    assert not torch.equal(plain, crops(*flags))
+
+
+def test_compile_runs_the_compiled_model():
+    import torch._dynamo
+    torch._dynamo.reset()
+    assert not isinstance(loop_for()["model"].net, torch._dynamo.eval_frame.OptimizedModule)
+    loop = loop_for("--compile")
+    assert isinstance(loop["model"].net, torch._dynamo.eval_frame.OptimizedModule)
+    before = sum(torch._dynamo.utils.counters["stats"].values())
+    dlojz.train_one_epoch(**loop)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > 0
+    assert sum(torch._dynamo.utils.counters["stats"].values()) > before
