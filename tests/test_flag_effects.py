@@ -130,3 +130,38 @@ def test_compile_runs_the_compiled_model():
     dlojz.train_one_epoch(**loop)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > 0
     assert sum(torch._dynamo.utils.counters["stats"].values()) > before
+
+
+def test_grad_acc_gives_the_same_update_as_one_big_batch():
+    """ViT-B/32 (LayerNorm, no dropout: a batch of 4 and 2 x 2 accumulated are the same computation), in-process:
+    nothing written to disk. lr 1 makes the update large: a missing 1/N loss scaling or an extra step would show."""
+    common = ["--device", "cpu", "--arch", "vit_b_32", "--image-size", "224", "--epochs", "2", "--optimizer", "sgd",
+              "--mom", "0", "--lr", "1", "--lr-scheduler", "constant", "--label-smoothing", "0"]
+    generator = torch.Generator().manual_seed(0)
+    images, labels = torch.randn(4, 3, 224, 224, generator=generator), torch.randint(0, 1000, (4,), generator=generator)
+    weights = {}
+    for name, flags, batches in (("one", ["-b", "4"], [(images, labels)]),
+                                 ("acc", ["-b", "2", "--grad-acc", "2"], [(images[:2], labels[:2]), (images[2:], labels[2:])])):
+        loop = dlojz.synthetic_loop(common + flags, n_batches=len(batches))
+        torch.manual_seed(1)  # the same initial weights for both
+        loop["model"].module.load_state_dict(torchvision_vit_state())
+        loop["loaders"].train_batches = batches
+        dlojz.train_one_epoch(**loop)
+        assert loop["state"].global_step == 1, name  # one optimizer step in each
+        weights[name] = {k: v.clone() for k, v in loop["model"].module.state_dict().items()}
+    assert loop["cfg"].batch_size * loop["cfg"].grad_acc == 4
+    for key, value in weights["one"].items():
+        assert torch.allclose(value, weights["acc"][key], rtol=1e-5, atol=1e-6), key
+    assert not torch.equal(weights["one"]["heads.head.weight"], torchvision_vit_state()["heads.head.weight"])
+
+
+_VIT_STATE = {}
+
+
+def torchvision_vit_state():
+    """One set of initial ViT-B/32 weights shared by the runs compared."""
+    if not _VIT_STATE:
+        import torchvision
+        torch.manual_seed(0)
+        _VIT_STATE.update(torchvision.models.vit_b_32(num_classes=1000).state_dict())
+    return _VIT_STATE
