@@ -18,7 +18,9 @@ API
     ``submit(args, cwd, env=None) -> int``
                                     ``sbatch --parsable *args`` run in ``cwd``; the job id.  sbatch
                                     exports ``env`` to the job (its default ``--export=ALL``).
-    ``job_info(job_id) -> dict``    ``scontrol show job -o`` as a dict (``{}`` once forgotten)
+    ``job_info(job_id, timeout=30) -> dict``
+                                    ``scontrol show job -o`` as a dict (``{}`` once forgotten, or
+                                    when ``scontrol`` does not answer within ``timeout`` seconds)
     ``wait(job_id, timeout, until=FINAL_STATES) -> JobResult``
                                     polls ``scontrol show job`` (``sacct`` needs accounting,
                                     which this cluster does not have) until the job reaches
@@ -119,8 +121,11 @@ class SlurmCluster:
         out = self.run(["sbatch", "--parsable", *args], cwd=cwd, env=env).stdout.strip()
         return int(out.split(";")[0])  # "<id>[;<cluster>]"
 
-    def job_info(self, job_id: int) -> dict:
-        proc = self.run(["scontrol", "show", "job", "-o", str(job_id)], check=False)
+    def job_info(self, job_id: int, timeout: float = 30) -> dict:
+        try:
+            proc = self.run(["scontrol", "show", "job", "-o", str(job_id)], check=False, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return {}  # a controller that does not answer: the caller's own deadline reports it, with the logs
         if proc.returncode != 0 or not proc.stdout.strip():
             return {}  # unknown: purged after MinJobAge
         return parse_scontrol_record(proc.stdout.splitlines()[0])
@@ -129,11 +134,14 @@ class SlurmCluster:
         deadline = time.monotonic() + timeout
         info: dict = {}
         while time.monotonic() < deadline:
-            info = self.job_info(job_id) or info
+            info = self.job_info(job_id, timeout=_left(deadline)) or info
             if info.get("JobState") in until:
                 return self._result(job_id, info)
             time.sleep(1.0)
-        self.run(["scancel", str(job_id)], check=False)
+        try:
+            self.run(["scancel", str(job_id)], check=False, timeout=30)
+        except subprocess.TimeoutExpired:
+            pass  # the fixture's stop() cancels every job and stops the daemons anyway
         result = self._result(job_id, info)
         raise TimeoutError(f"job {job_id} still {info.get('JobState')} after {timeout:.0f} s; "
                            f"output:\n{result.output_text()[-3000:]}\n{self.log_tail()}")
@@ -145,12 +153,12 @@ class SlurmCluster:
             text = path.read_text(errors="replace") if path.exists() else ""
             if needle in text:
                 return text
-            if job_id is not None and self.job_info(job_id).get("JobState") in FINAL_STATES:
+            if job_id is not None and self.job_info(job_id, timeout=_left(deadline)).get("JobState") in FINAL_STATES:
                 break
             time.sleep(1.0)
-        raise TimeoutError(f"{needle!r} not found in {path} within {timeout:.0f} s "
-                           f"(job {job_id}: {self.job_info(job_id).get('JobState') if job_id else '-'});"
-                           f" output:\n{text[-3000:]}")
+        state = self.job_info(job_id, timeout=10).get("JobState") if job_id else "-"
+        raise TimeoutError(f"{needle!r} not found in {path} within {timeout:.0f} s (job {job_id}: {state});"
+                           f" output:\n{text[-3000:]}\n{self.log_tail()}")
 
     def _result(self, job_id: int, info: dict) -> JobResult:
         out = info.get("StdOut")
@@ -184,18 +192,24 @@ class SlurmCluster:
 
     def stop(self) -> None:
         # Jobs first (a test that timed out may leave one running: its processes must not outlive us),
-        # then slurmd, the controller and munge, each by its pid.
-        if "slurmctld" in self.pids:
-            self.run(["scancel", "--full", "--partition", PARTITION], check=False)
-            deadline = time.monotonic() + 30
-            while time.monotonic() < deadline:
-                if not self.run(["squeue", "-h", "-o", "%i"], check=False).stdout.strip():
-                    break
-                time.sleep(1.0)
-        for name in ("slurmd", "slurmctld", "munged"):
-            pid = self.pids.pop(name, None)
-            if pid is not None:
-                _terminate(pid)
+        # then slurmd, the controller and munge, each by its pid. At most about 30 + 3 x 15 s, and the
+        # daemons are stopped even when the controller no longer answers.
+        try:
+            if "slurmctld" in self.pids:
+                deadline = time.monotonic() + 30
+                self.run(["scancel", "--full", "--partition", PARTITION], check=False, timeout=_left(deadline))
+                while time.monotonic() < deadline:
+                    if not self.run(["squeue", "-h", "-o", "%i"], check=False,
+                                    timeout=_left(deadline)).stdout.strip():
+                        break
+                    time.sleep(1.0)
+        except subprocess.TimeoutExpired:
+            pass
+        finally:
+            for name in ("slurmd", "slurmctld", "munged"):
+                pid = self.pids.pop(name, None)
+                if pid is not None:
+                    _terminate(pid)
 
     def _start_munged(self) -> pathlib.Path:
         munge_dir = self.root / "munge"
@@ -214,26 +228,39 @@ class SlurmCluster:
 
     def _start_daemon(self, name, argv, pid_file: pathlib.Path, timeout=20) -> None:
         # Each daemon forks into the background and writes its pid file: we stop it by that pid.
-        proc = subprocess.run(list(map(str, argv)), env=self.env, capture_output=True, text=True,
-                              timeout=timeout)
+        try:
+            proc = subprocess.run(list(map(str, argv)), env=self.env, capture_output=True, text=True,
+                                  timeout=timeout)
+            status, said = f"exit {proc.returncode}", (proc.stderr or proc.stdout).strip()
+        except subprocess.TimeoutExpired as exc:
+            # Still in the foreground (slurmctld retries an unreadable slurm.conf for 60 s), or its daemon
+            # kept our pipes open: it may have written its pid file all the same, and is then recorded
+            # below, so that stop() ends it. What it said so far comes as bytes.
+            status, said = f"still running after {timeout} s", exc.stderr or exc.stdout or b""
+            said = (said.decode(errors="replace") if isinstance(said, bytes) else said).strip()
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if pid_file.exists() and pid_file.read_text().strip():
-                pid = int(pid_file.read_text().split()[0])
-                if _alive(pid):
-                    self.pids[name] = pid
-                    return
-            if proc.returncode != 0:
+            pid = _read_pid(pid_file)
+            if pid is not None and _alive(pid):
+                self.pids[name] = pid
+                if status != "exit 0":
+                    break
+                return
+            if status != "exit 0":  # exited with an error, or still running after the timeout
                 break
             time.sleep(0.2)
-        raise RuntimeError(f"{name} did not start (exit {proc.returncode}): "
-                           f"{(proc.stderr or proc.stdout).strip()}\n{self.log_tail()}")
+        raise RuntimeError(f"{name} did not start ({status}): {said}\n{self.log_tail()}")
 
     def _wait_node_idle(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         state = ""
         while time.monotonic() < deadline:
-            proc = self.run(["sinfo", "-h", "-N", "-o", "%T", "-n", self.node_name], check=False)
+            try:
+                proc = self.run(["sinfo", "-h", "-N", "-o", "%T", "-n", self.node_name], check=False,
+                                timeout=_left(deadline))
+            except subprocess.TimeoutExpired:
+                state = "sinfo did not answer"
+                continue
             state = proc.stdout.strip() or proc.stderr.strip()
             if state == "idle":
                 return
@@ -305,6 +332,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _left(deadline: float, least: float = 1.0) -> float:
+    """Seconds until ``deadline`` (time.monotonic()), at least ``least``: a client command's timeout that does
+    not carry a wait far past its own deadline."""
+    return max(least, deadline - time.monotonic())
+
+
+def _read_pid(pid_file: pathlib.Path) -> int | None:
+    try:
+        return int(pid_file.read_text().split()[0])
+    except (OSError, ValueError, IndexError):  # not written yet, or half written
+        return None
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -359,11 +399,17 @@ def slurm_cluster(tmp_path_factory):
     if len(str(root / "munge" / "munge.socket")) > 100:  # a socket path must fit in sockaddr_un (108 bytes)
         root = pathlib.Path(tempfile.mkdtemp(prefix="dlojz-slurm-"))
     cluster = SlurmCluster(root)
+    failure = None
     try:
         cluster.start()
     except Exception as exc:  # noqa: BLE001 - any start failure becomes a visible skip (a failure under CI)
         cluster.stop()
-        unavailable(f"could not start the test Slurm cluster: {exc}")
+        failure = f"could not start the test Slurm cluster: {exc}"
+    except BaseException:  # pytest-timeout's failure, Ctrl-C: the daemons started so far must not outlive us
+        cluster.stop()
+        raise
+    if failure:
+        unavailable(failure)  # outside the except clause: the reason is shown once, not twice as a chain
     try:
         yield cluster
     finally:

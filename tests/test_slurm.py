@@ -78,7 +78,7 @@ def show(result):
 def test_script_directives(name):
     script = SLURM_DIR / name
     text = script.read_text()
-    subprocess.run(["bash", "-n", str(script)], check=True)
+    subprocess.run(["bash", "-n", str(script)], check=True, timeout=30)
     d = directives(script)
     assert d.get("--output") == "%x_%j.out", "log named by job name and id"
     assert "--hint" in d and d["--hint"] == "nomultithread"
@@ -98,7 +98,7 @@ def test_script_directives(name):
 def test_env_script_names_a_missing_venv(tmp_path):
     env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "DLOJZ_VENV": str(tmp_path / "no-venv")}
     proc = subprocess.run(["bash", "-c", "source slurm/dlojz_env.sh"], cwd=ROOT, env=env,
-                          capture_output=True, text=True)
+                          capture_output=True, text=True, timeout=30)
     assert proc.returncode == 1
     assert proc.stderr.count("\n") == 1 and "DLOJZ_VENV" in proc.stderr and "no-venv" in proc.stderr, proc.stderr
 
