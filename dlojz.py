@@ -30,11 +30,12 @@ from dlojz_config import Config, UserError, fail, get_args_parser, resolve_confi
 from dlojz_data import (IMAGENET_TRAIN_IMAGES, IMAGENET_VAL_IMAGES, DataError, EpochSampler, ShardSampler,
                         SyntheticLoader, build_datasets, close_loader, embedded_dataset_root, make_loader,
                         measure_loader, resolve_data_root)
-from dlojz_dist import Distribution, StopSignal, agree_on_stop, stop_and_requeue
+from dlojz_dist import (Distribution, StopPoll, StopSignal, agree_on_stop, checkpoint_for_stop, requeue,
+                        start_compile_workers)
 from dlojz_hooks import LoopHooks, make_profiler
 from dlojz_log import (LOG_EVERY, Console, NoWandb, Progress, chrono_context, finish, start_wandb, write_json,
                        write_lr_finder)
-from dlojz_model import create_model, enable_grad_checkpointing
+from dlojz_model import ModelEma, create_model, enable_grad_checkpointing
 from dlojz_transforms import (DeviceNormalize, DevicePrefetcher, ValTransform, batch_mixing, decoder_description,
                               train_transform)
 
@@ -91,8 +92,9 @@ class Loaders:
     train_batches: object           # normalised device batches
     val_batches: object
     n_train_batches: int            # micro-batches per epoch, this rank
-    n_val_batches: int
+    n_val_batches: int              # on rank 0
     n_val_images: int
+    n_val_batches_every_rank: int   # that every rank has (the last ranks may have one image fewer than the first)
 
     def start_epoch(self, epoch, first_batch):
         """Shuffle for `epoch` and skip the batches a resumed run has already done."""
@@ -107,10 +109,11 @@ def main(argv=None) -> dict:
     """One run, in the course's order; returns its metrics. Bad input raises UserError (see cli)."""
     # ================================ ARGUMENTS: every check, before any process group or data scan
     cfg = resolve_config(get_args_parser().parse_args(argv))
-    stop = StopSignal().install()  # installed first: a signal arriving during start-up must not kill the job
+    stop_signal = StopSignal().install()  # installed first: a signal arriving during start-up must not kill the job
 
     # ================================ INSTANTIATION: distribution
     ranks, cfg = setup_distributed(cfg)
+    stop = StopPoll(stop_signal, ranks, timedelta(seconds=cfg.dist_timeout))
     log = Console(ranks.is_main)
     for note in cfg.notes:
         log(note)
@@ -144,7 +147,7 @@ def main(argv=None) -> dict:
     val_max_batches = TEST_VAL_BATCHES if cfg.test else None
     if cfg.eval_only:
         chrono.validation()
-        metrics.update(evaluate(model.module, loaders.val_batches, opt, ranks, val_max_batches))
+        metrics.update(evaluate(model.module, loaders, opt, ranks, val_max_batches))
         chrono.validation()
         log(f"##EVALUATION## {resumed_from}: Validation Loss: {metrics['val_loss']:.4f}, Validation Accuracy: "
             f"{metrics['val_accuracy']:.4f} ({metrics['val_images']} images, {chrono.val_time:.1f} s)")
@@ -167,19 +170,22 @@ def main(argv=None) -> dict:
     chrono.start()
     for epoch in range(state.epoch, cfg.epochs):
         result = train_one_epoch(model, opt, loaders, state, cfg, ranks, hooks, progress, stop)
-        metrics.update(train_loss=result.train_loss, train_accuracy=result.train_accuracy, steps=state.global_step)
+        if result.train_loss is not None:  # None: resumed after this epoch's training, before its validation
+            metrics.update(train_loss=result.train_loss, train_accuracy=result.train_accuracy)
+        metrics["steps"] = state.global_step
         if opt.lr_finder is not None:  # the range test sweeps on over the next epoch, without validation
             if opt.lr_finder.done:
                 break
             continue
         if result.stop_reason:  # preempted or at the time limit: checkpoint mid-epoch, requeue, exit cleanly
-            stop_and_requeue(cfg, saver, state, result.stop_reason, loaders.n_train_batches, ranks, log)
-            metrics.update(stopped_by=result.stop_reason, epochs=epoch)
-            return finish(cfg, metrics, chrono, ranks, wandb_run)
+            return stop_run(cfg, result.stop_reason, saver, state, loaders, ranks, log, metrics, chrono, wandb_run)
 
         # ================================ VALIDATION
-        metrics.update(validate(cfg, epoch, model, loaders.val_batches, opt, ranks, chrono, val_max_batches, log),
-                       epochs=epoch + 1)
+        validation = validate(cfg, epoch, model, loaders, opt, ranks, chrono, val_max_batches, log, stop)
+        if validation.get("stopped_by"):  # resumed, the run validates this epoch first
+            return stop_run(cfg, validation["stopped_by"], saver, state, loaders, ranks, log, metrics, chrono,
+                            wandb_run)
+        metrics.update(validation, epochs=epoch + 1)
         wandb_run.log({"test accuracy": metrics["val_accuracy"], "test loss": metrics["val_loss"], "epoch": epoch + 1},
                       step=state.global_step)
 
@@ -257,10 +263,13 @@ def train_one_epoch(model, opt, loaders, state, cfg, ranks, hooks, progress, sto
                                           float(state.global_step), first_nonfinite)
         if hooks.optimizer_step_done(loss, stats[1], count):  # the LR finder has swept its range
             break
+        if stop():  # a stop signal on any rank (asked without waiting for the GPU): all ranks stop here
+            stop_reason = stop.stop_signal.name or "signal on another rank"
+            break
         end_of_test = cfg.test and state.global_step >= cfg.test_nsteps
         console_line = progress.is_console_line(batch_index) or end_of_test
         if state.global_step % LOG_EVERY == 0 or console_line:
-            stop_requested, bad_step = agree_on_stop(stop, first_nonfinite, ranks)  # waits for the device
+            stop_requested, bad_step = agree_on_stop(stop.stop_signal, first_nonfinite, ranks)  # waits for the device
             progress.mark()
             if bad_step >= 0:
                 diverged(cfg, bad_step, state.epoch)
@@ -269,34 +278,43 @@ def train_one_epoch(model, opt, loaders, state, cfg, ranks, hooks, progress, sto
             if console_line:
                 progress.console_line(state.epoch, batch_index)
             if stop_requested:
-                stop_reason = stop.name or "signal on another rank"
+                stop_reason = stop.stop_signal.name or "signal on another rank"
                 break
         if end_of_test:
             break
     batches.close()  # leaving mid-epoch (test, stop signal): release this epoch's iterator and its workers' batches now
+    stop.settle()
     progress.console.end_live_line()
     if ranks.enabled:
         dist.all_reduce(epoch_totals)
     loss_sum, correct, count = epoch_totals.tolist()
-    return EpochResult(loss_sum / max(count, 1), correct / max(count, 1), stop_reason)
+    if count == 0:  # resumed after this epoch's training (stopped during its validation)
+        return EpochResult(None, None, stop_reason)
+    return EpochResult(loss_sum / count, correct / count, stop_reason)
 
 
-def evaluate(net, batches, opt, ranks, max_batches=None) -> dict:
-    """Loss and top-1 over exactly the images this run evaluates, summed on every rank then all-reduced."""
+def evaluate(net, loaders, opt, ranks, max_batches=None, stop=None) -> dict:
+    """Loss and top-1 over exactly the images this run evaluates, summed on every rank then all-reduced. With
+    `stop` (a StopPoll), a stop signal ends it between two batches: returns {"stopped_by": signal name}."""
     if ranks.enabled:  # BN statistics drift per rank in training: validate rank 0's model, as checkpointed
         for buffer in net.buffers():
             dist.broadcast(buffer, 0)
     net.eval()
     totals = torch.zeros(3, dtype=torch.float64, device=ranks.device)  # loss sum, correct, images
     with torch.no_grad():
-        for batch_index, (images, labels) in enumerate(batches):
+        for batch_index, (images, labels) in enumerate(loaders.val_batches):
             if max_batches is not None and batch_index >= max_batches:
                 break
+            # Asked only while every rank has a batch (the last may have one fewer): the same calls on all.
+            if stop is not None and batch_index < loaders.n_val_batches_every_rank and stop():
+                return dict(stopped_by=stop.stop_signal.name or "signal on another rank")
             with opt.autocast():
                 outputs = net(images)
             loss = opt.val_criterion(outputs.float(), labels)
             totals += torch.stack([loss.double(), (outputs.argmax(1) == labels).sum().double(),
                                    torch.full((), float(labels.numel()), dtype=torch.float64, device=ranks.device)])
+    if stop is not None:
+        stop.settle()  # a signal it found is asked again at the next call: this validation is complete
     if ranks.enabled:
         dist.all_reduce(totals)
     net.train()
@@ -364,13 +382,13 @@ def build_model(cfg, num_classes, ranks, log) -> Model:
     log(f"model: {cfg.arch}, {sum(p.numel() for p in module.parameters()):,} parameters")
     ema = None
     if cfg.model_ema:
-        ema = torch.optim.swa_utils.AveragedModel(
-            module, multi_avg_fn=torch.optim.swa_utils.get_ema_multi_avg_fn(cfg.model_ema_decay), use_buffers=True)
+        ema = ModelEma(module, cfg.model_ema_decay)
     net = module
     if ranks.enabled:
         net = torch.nn.parallel.DistributedDataParallel(
             net, device_ids=[ranks.device.index] if ranks.device.type == "cuda" else None, gradient_as_bucket_view=True)
     if cfg.compile:
+        start_compile_workers()  # deaf to Slurm's preemption signal, which this process handles
         net = torch.compile(net)
     return Model(net, module, ema, num_classes)
 
@@ -396,7 +414,7 @@ def build_loaders(cfg, train_set, val_set, num_classes, ranks, log) -> Loaders:
     normalize = DeviceNormalize(ranks.device, channels_last=cfg.channels_last)
     return Loaders(train, train_sampler, DevicePrefetcher(train, ranks.device, normalize, non_blocking=cfg.non_blocking),
                    DevicePrefetcher(val, ranks.device, normalize, non_blocking=cfg.non_blocking), len(train),
-                   math.ceil(len(val_set) / ranks.world_size / cfg.val_batch_size), len(val_set))
+                   len(val), len(val_set), math.ceil(len(val_set) // ranks.world_size / cfg.val_batch_size))
 
 
 def synthetic_loaders(cfg, num_classes, ranks, train_images, val_images) -> Loaders:
@@ -405,8 +423,7 @@ def synthetic_loaders(cfg, num_classes, ranks, train_images, val_images) -> Load
                             ranks.world_size, cfg.drop_last, seed=cfg.seed)
     val = SyntheticLoader(val_images, cfg.val_batch_size, cfg.val_crop_size, num_classes, ranks.device,
                           cfg.channels_last, ranks.world_size, seed=cfg.seed + 1)
-    return Loaders(train, None, train, val, len(train), math.ceil(val_images / ranks.world_size / cfg.val_batch_size),
-                   val_images)
+    return Loaders(train, None, train, val, len(train), len(val), val_images, len(val))
 
 
 def build_optimization(cfg, model, n_train_batches, num_classes, ranks, log) -> Optimization:
@@ -416,9 +433,11 @@ def build_optimization(cfg, model, n_train_batches, num_classes, ranks, log) -> 
         + (f" - {cfg.grad_acc} accumulated micro-batches per optimizer step" if cfg.grad_acc > 1 else ""))
     criterion = torch.nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing)  # also takes mixup's soft labels
     val_criterion = torch.nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing, reduction="sum")
+    # Fused steps (sgd, adamw): no host synchronisation with the float16 GradScaler (see dlojz_optim).
     optimizer = optim.build_optimizer(cfg.optimizer, optim.param_groups(model.module, cfg.wd, cfg.no_wd_norm_bias),
-                                      lr=cfg.lr, momentum=cfg.mom, weight_decay=cfg.wd)
-    log(f"optimizer: {cfg.optimizer} (lr {cfg.lr}, momentum {cfg.mom}, weight decay {cfg.wd}"
+                                      lr=cfg.lr, momentum=cfg.mom, weight_decay=cfg.wd, fused=True)
+    fused = optimizer.defaults.get("fused")
+    log(f"optimizer: {cfg.optimizer}{' (fused step)' if fused else ''} (lr {cfg.lr}, momentum {cfg.mom}, weight decay {cfg.wd}"
         f"{', none on norms and biases' if cfg.no_wd_norm_bias else ''}); {optim.lr_scaling_line(cfg.lr, step_images)}")
     steps_per_epoch = math.ceil(n_train_batches / cfg.grad_acc)  # optimizer steps: what schedules and logs count
     total_steps = cfg.epochs * steps_per_epoch
@@ -488,6 +507,18 @@ def restore_schedule(cfg, opt, saved, n_train_batches, log):
             f"continues from step {saved['global_step']} (the checkpoint's schedule had {saved_total})")
 
 
+def stop_run(cfg, reason, saver, state, loaders, ranks, log, metrics, chrono, wandb_run):
+    """A stop signal (preemption, time limit): checkpoint where training is, write W&B and the metrics, then
+    requeue the Slurm job (last: Slurm ends the job's processes as it requeues it)."""
+    checkpoint_for_stop(cfg, saver, state, reason, loaders.n_train_batches, ranks, log)
+    metrics.update(stopped_by=reason, epochs=state.epoch)
+    finish(cfg, metrics, chrono, ranks, wandb_run, teardown=True)
+    if ranks.enabled:
+        dist.barrier()  # every rank has written what it had to
+    requeue(cfg, ranks)
+    return metrics
+
+
 def diverged(cfg, bad_step, epoch):
     kept = ckpt.list_checkpoints(cfg.output_dir) if Path(cfg.output_dir).is_dir() else []
     where = f"; last good checkpoint kept: {kept[-1]}" if kept else "; no checkpoint written"
@@ -495,18 +526,23 @@ def diverged(cfg, bad_step, epoch):
                            f"stopping{where}; lower --lr or check the data")
 
 
-def validate(cfg, epoch, model, val_batches, opt, ranks, chrono, max_batches, log) -> dict:
-    """The end-of-epoch validation of the model (and of its EMA), timed, with its console lines."""
+def validate(cfg, epoch, model, loaders, opt, ranks, chrono, max_batches, log, stop) -> dict:
+    """The end-of-epoch validation of the model (and of its EMA), timed, with its console lines; or
+    {"stopped_by": signal} when a stop signal interrupted it."""
     chrono.validation()
-    metrics = evaluate(model.module, val_batches, opt, ranks, max_batches)
+    metrics = evaluate(model.module, loaders, opt, ranks, max_batches, stop)
     chrono.validation()
+    if "stopped_by" in metrics:
+        return metrics
     epoch = f"Epoch [{epoch + 1}/{cfg.epochs}]"
     log("##EVALUATION STEP##")
     log(f"{epoch}, Validation Loss: {metrics['val_loss']:.4f}, Validation Accuracy: {metrics['val_accuracy']:.4f} "
         f"({metrics['val_images']} images)")
     log(f">>> Validation complete in: {chrono.val_time:.2f} s")
     if model.ema is not None:
-        ema = evaluate(model.ema.module, val_batches, opt, ranks, max_batches)
+        ema = evaluate(model.ema.module, loaders, opt, ranks, max_batches, stop)
+        if "stopped_by" in ema:
+            return ema
         metrics.update(ema_val_loss=ema["val_loss"], ema_val_accuracy=ema["val_accuracy"])
         log(f"{epoch}, EMA model: Validation Loss: {ema['val_loss']:.4f}, Validation Accuracy: {ema['val_accuracy']:.4f}")
     return metrics
@@ -526,7 +562,7 @@ def synthetic_loop(argv, n_batches):
                         cfg.batch_size * ranks.world_size)
     return dict(model=model, opt=opt, loaders=loaders, state=TrainState(), cfg=cfg, ranks=ranks,
                 hooks=LoopHooks(Chronometer(enabled=cfg.test, device=ranks.device)), progress=progress,
-                stop=StopSignal())
+                stop=StopPoll(StopSignal(), ranks))
 
 
 def cli(argv=None) -> int:

@@ -26,7 +26,7 @@ A load phase left open when the loop ends (the StopIteration wait) is simply nev
 runs while a load phase is open, its duration is taken out of that load.
 
 Truth on a GPU: CUDA kernels run asynchronously, so every phase boundary first waits for the device (``sync``,
-by default ``torch.cuda.synchronize(device)`` on CUDA devices, a no-op on CPU). When the chronometer is disabled
+by default the device's current (compute) stream on CUDA, not the prefetcher's copy stream; a no-op on CPU). When the chronometer is disabled
 (a normal full training) the training toggles return at once: no synchronisation, no clock read, no list grows.
 Only the rare once-per-run / once-per-epoch measurements still run when disabled: ``start()``, ``first_step_done()``
 and ``validation()`` (the last two synchronise once, which costs nothing at that frequency and keeps them true).
@@ -86,7 +86,7 @@ class Chronometer:
     device: the training device; decides the default ``sync`` and whether NVML is tried.
     warmup_steps: first steps left out of the statistics.
     clock: returns seconds (injectable for tests).
-    sync: waits for the device's queued work; default ``torch.cuda.synchronize(device)`` on CUDA, else a no-op.
+    sync: waits for the device's queued work; default: the current CUDA stream of ``device``, else a no-op.
     nvml: a pynvml-compatible module, or None for no power/energy figures. Default: ``import pynvml`` on CUDA.
     """
 
@@ -605,8 +605,10 @@ def main(argv=None):
 
 # ---------------------------------------------------------------------- helpers
 def _default_sync(device: torch.device):
+    """Waits for the compute stream only: torch.cuda.synchronize would also wait for the prefetcher's copy of the
+    next batch on its side stream, and count it in the step (the untimed run overlaps it)."""
     if device.type == "cuda":
-        return lambda: torch.cuda.synchronize(device)
+        return lambda: torch.cuda.current_stream(device).synchronize()
     return lambda: None
 
 

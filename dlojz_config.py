@@ -106,12 +106,12 @@ def get_args_parser():
     p.add_argument("--val-batch-size", type=int, default=None, help="validation batch size per process (default: 256; CPU profile: 64)")
 
     p = parser.add_argument_group("DataLoader")
-    p.add_argument("--num-workers", type=int, default=None, help="workers per process (default: CPUs per task, at most 16)")
+    p.add_argument("--num-workers", type=int, default=None, help="workers per process (default: CPUs per task - 1, at most 16)")
     p.add_argument("--persistent-workers", default=True, action=argparse.BooleanOptionalAction, help="keep workers between epochs (default: on)")
     p.add_argument("--pin-memory", default=True, action=argparse.BooleanOptionalAction, help="page-locked host buffers (default: on)")
     p.add_argument("--non-blocking", default=True, action=argparse.BooleanOptionalAction, help="asynchronous host-to-GPU copies (default: on)")
     p.add_argument("--prefetch-factor", type=int, default=3, help="batches prefetched per worker, ignored with 0 workers (default: 3)")
-    p.add_argument("--drop-last", default=False, action=argparse.BooleanOptionalAction, help="drop the last incomplete batch (default: off)")
+    p.add_argument("--drop-last", default=None, action=argparse.BooleanOptionalAction, help="drop the last incomplete batch (default: off; on with --compile)")
 
     p = parser.add_argument_group("device and precision")
     p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto", help="(default: auto = cuda if available)")
@@ -233,8 +233,8 @@ def resolve_config(args) -> Config:
         notes.append("CPU profile (no GPU): " + " ".join(f"--{k.replace('_', '-')} {profile[k]}" for k in unset)
                      + "  (any flag given explicitly wins)")
     cpus_per_task = idr_torch.cpus_per_task
-    if values["num_workers"] is None:
-        values["num_workers"] = max(0, min(cpus_per_task, 16))
+    if values["num_workers"] is None:  # one core left to the training process, which feeds the GPU
+        values["num_workers"] = max(0, min(cpus_per_task - 1, 16))
     elif values["num_workers"] > cpus_per_task:
         notes.append(f"WARNING: --num-workers {values['num_workers']} exceeds the {cpus_per_task} CPUs of this task: "
                      "workers will compete")
@@ -244,6 +244,12 @@ def resolve_config(args) -> Config:
         values["amp_dtype"] = "float16" if on_gpu else "bfloat16"
     if values["tf32"] is None:
         values["tf32"] = on_gpu and torch.cuda.get_device_capability(torch_device)[0] >= 8
+    if values["drop_last"] is None:
+        # A last, smaller batch is a new input shape: a new cuDNN autotuning and, compiled, a recompilation.
+        values["drop_last"] = bool(values["compile"])
+        if values["compile"]:
+            notes.append("--compile: the last incomplete batch of each epoch is dropped (a new shape would recompile); "
+                         "--no-drop-last keeps it")
     if values["randaugment"] is not None:
         values["randaugment"] = tuple(values["randaugment"])
     if values["output_dir"] is None:
@@ -252,10 +258,27 @@ def resolve_config(args) -> Config:
         values["output_dir"] = os.path.join("runs", f"{job}_{job_id}")
     cfg = Config(**values, torch_device=torch_device, cpus_per_task=cpus_per_task, notes=())
     check(cfg)
+    if on_gpu:
+        notes.extend(precision_notes(cfg, torch.cuda.get_device_capability(torch_device)))
     if on_gpu and cfg.amp and (cfg.batch_size % 8 or cfg.image_size % 8):
         notes.append(f"WARNING: with AMP, Tensor Cores want multiples of 8: --batch-size {cfg.batch_size}, "
                      f"--image-size {cfg.image_size}")
     return dataclasses.replace(cfg, notes=tuple(notes))
+
+
+def precision_notes(cfg, capability):
+    """What a float16 run on this GPU should know: bfloat16 needs no GradScaler where the GPU has it (compute
+    capability 8.0 and newer); an optimizer without a fused step waits for the GPU at every float16 step."""
+    notes = []
+    if cfg.amp and cfg.amp_dtype == "float16":
+        if capability[0] >= 8:
+            notes.append("AMP float16 with a GradScaler (loss scaling, skipped overflow steps); on this GPU "
+                         "--amp-dtype bfloat16 needs no GradScaler")
+        if cfg.optimizer not in optim.FUSED:
+            notes.append(f"WARNING: --optimizer {cfg.optimizer} has no fused step: the float16 GradScaler reads its "
+                         "overflow flag on the host, one GPU synchronisation per optimizer step; "
+                         + ("--amp-dtype bfloat16 avoids it" if capability[0] >= 8 else f"{', '.join(optim.FUSED)} avoid it"))
+    return notes
 
 
 def local_device(device_flag, local_rank):
@@ -316,6 +339,12 @@ def check(cfg: Config):
         optim.check_hyperparameters(cfg.lr, cfg.mom, cfg.wd)
     except ValueError as err:
         fail(str(err))
+    if cfg.optimizer not in optim.FUSED:  # timm's; timm is imported only for them
+        try:
+            import timm.optim  # noqa: F401
+        except ImportError as err:
+            fail(f"--optimizer {cfg.optimizer} needs timm, which does not import here ({err}): pip install timm, "
+                 f"or use --optimizer {' or '.join(optim.FUSED)}")
     if cfg.warmup_epochs < 0:
         fail(f"--warmup-epochs must be >= 0 (got {cfg.warmup_epochs})")
     if cfg.findlr and (cfg.eval_only or cfg.loader_only):

@@ -4,9 +4,14 @@
   `is_main` on rank 0, `all_gather(obj)`); dlojz.setup_distributed makes it.
 - `StopSignal().install()`: Slurm's preemption warning (`--signal=USR1@T`) or SIGTERM sets `.name`; the training
   loop finishes its step instead of dying.
-- `agree_on_stop(stop, first_nonfinite, ranks)`: one small all-reduce at log points, so that a signal received by
-  one rank, or a NaN loss on one rank, stops every rank at the same step.
-- `stop_and_requeue(...)`: the checkpoint mid-epoch, then `scontrol requeue` under Slurm (resume with --resume auto).
+- `StopPoll(stop_signal, ranks)`: called at every optimizer step and between validation batches, says whether any rank
+  has received a stop signal, without waiting for the GPU (a one-number all-reduce on a CPU group, read one call
+  later), so that every rank stops at the same step.
+- `agree_on_stop(stop_signal, first_nonfinite, ranks)`: one small all-reduce at log points, so that a NaN loss on one
+  rank (or a signal) stops every rank at the same step.
+- `checkpoint_for_stop(...)` writes the checkpoint mid-epoch; `requeue(...)`, once W&B and the metrics are written,
+  asks Slurm to requeue the job (resume with --resume auto).
+- `start_compile_workers()`: torch.compile's worker processes, started deaf to Slurm's signals.
 """
 import dataclasses
 import os
@@ -53,10 +58,41 @@ class StopSignal:
         self.name = signal.Signals(signum).name
 
 
-def agree_on_stop(stop, first_nonfinite, ranks):
+class StopPoll:
+    """Whether any rank has received a stop signal, asked at every optimizer step and between validation batches.
+    With several ranks, each call starts a one-number MAX all-reduce on a CPU (gloo) group and reads the one the
+    previous call started: no GPU synchronisation, no wait beyond the step's own gradient all-reduce, and every rank
+    gets the same answer at the same call, one call after the signal arrived. Every rank must make the same calls,
+    and `settle()` before it leaves a loop."""
+
+    def __init__(self, stop_signal, ranks, timeout=None):
+        self.stop_signal = stop_signal
+        self.group = dist.new_group(backend="gloo", timeout=timeout) if ranks.enabled else None
+        self._pending = None  # (work, flag) of the all-reduce in flight
+
+    def __call__(self) -> bool:
+        if self.group is None:
+            return self.stop_signal.name is not None
+        if self.settle():
+            return True  # every rank stops at this call: none starts another
+        flag = torch.full((1,), 1.0 if self.stop_signal.name else 0.0)
+        self._pending = (dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True), flag)
+        return False
+
+    def settle(self) -> bool:
+        """Wait for the all-reduce in flight, if any: whether it found a signal on some rank."""
+        if self._pending is None:
+            return False
+        work, flag = self._pending
+        self._pending = None
+        work.wait()
+        return bool(flag.numpy()[0])  # a CPU tensor: nothing to wait for on a GPU
+
+
+def agree_on_stop(stop_signal, first_nonfinite, ranks):
     """One small all-reduce: the ranks agree on a stop signal or a NaN loss (a signal may reach them at different
     steps; they stop at the same one). Returns (stop requested, first non-finite step or -1)."""
-    control = torch.stack([torch.full((), 1.0 if stop.name else 0.0, dtype=torch.float64, device=ranks.device),
+    control = torch.stack([torch.full((), 1.0 if stop_signal.name else 0.0, dtype=torch.float64, device=ranks.device),
                            first_nonfinite])
     if ranks.enabled:
         dist.all_reduce(control, op=dist.ReduceOp.MAX)
@@ -64,16 +100,39 @@ def agree_on_stop(stop, first_nonfinite, ranks):
     return bool(stop_requested), bad_step
 
 
-def stop_and_requeue(cfg, saver, state, reason, n_train_batches, ranks, log):
-    """Checkpoint mid-epoch (rank 0), then requeue the Slurm job or say how to continue."""
-    log(f"{reason} received: saving a checkpoint at epoch {state.epoch + 1}, step {state.batch}/{n_train_batches}")
+def checkpoint_for_stop(cfg, saver, state, reason, n_train_batches, ranks, log):
+    """Checkpoint where training is (rank 0); every rank waits for it."""
+    where = (f"after epoch {state.epoch + 1}'s training, before its validation" if state.batch >= n_train_batches
+             else f"at epoch {state.epoch + 1}, step {state.batch}/{n_train_batches}")
+    log(f"{reason} received: saving a checkpoint {where}")
     if ranks.is_main and not cfg.test:
         log(f"checkpoint written: {saver.save(dataclasses.asdict(state))}")
     if ranks.enabled:
         dist.barrier()
+
+
+def requeue(cfg, ranks):
+    """Requeue the Slurm job, or say how to continue. Last thing a stopped run does: Slurm ends the job's
+    processes as it requeues it, so W&B and the metrics must be written before."""
     job_id = os.environ.get("SLURM_JOB_ID")
     if ranks.is_main and job_id and not cfg.test:
         print(f"requeue: scontrol requeue {job_id} (resume with --resume auto)", flush=True)
         subprocess.run(["scontrol", "requeue", job_id], check=False)
     elif ranks.is_main:
         print(f"stopped cleanly; continue with --resume auto --output-dir {cfg.output_dir}", flush=True)
+
+
+def start_compile_workers():
+    """Start torch.compile's compile worker processes with SIGUSR1 and SIGTERM blocked. Slurm signals every process
+    of the job step, and a worker killed by the preemption warning fails the next compilation; a signal blocked
+    when a process starts stays blocked in it (and its children) across exec. This process keeps its handlers:
+    a signal that arrives meanwhile is delivered when the `with` ends."""
+    try:
+        from torch._inductor.async_compile import AsyncCompile
+    except ImportError:  # a torch without inductor: nothing to start
+        return
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1, signal.SIGTERM})
+    try:
+        AsyncCompile.warm_pool()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)

@@ -147,15 +147,18 @@ def chrono_context(cfg, model, loaders, ranks, metrics, val_max_batches) -> dict
                 compute_dtype=cfg.compute_dtype, peak_memory_bytes=peak_memory_bytes(device))
 
 
-def finish(cfg, metrics, chrono, ranks, wandb_run=None, ctx=None, n_batches=None) -> dict:
+def finish(cfg, metrics, chrono, ranks, wandb_run=None, ctx=None, n_batches=None, teardown=False) -> dict:
     """Report on rank 0 (chronometer, memory, metrics JSON), close W&B. Every rank calls it: the chronometer's
-    figures are gathered from all of them."""
+    figures are gathered from all of them. `teardown`: also stop W&B's service process now, not at the
+    interpreter's exit (a requeue follows, and Slurm ends the job's processes as it requeues it)."""
     chrono.gather(ranks.all_gather if ranks.enabled else None)
     metrics["max_memory_bytes"] = peak_memory_bytes(ranks.device)
     if ranks.is_main:
         print_report(cfg, metrics, chrono, ctx, n_batches)
     if wandb_run is not None:
         wandb_run.finish()
+    if teardown and "wandb" in sys.modules:
+        sys.modules["wandb"].teardown()
     return metrics
 
 

@@ -2,8 +2,11 @@
 
 - `create_model(arch, num_classes)`: any torchvision classification model by name, random weights (no download);
   an unknown name is a `UserError` with the closest names.
-- `enable_grad_checkpointing(model, arch)`: recompute each stage's activations in the backward (`--grad-checkpointing`);
-  `plain_stages(model)` undoes it for as long as a `with` lasts (FLOP counts exclude the recomputation).
+- `enable_grad_checkpointing(model, arch)`: recompute each stage's activations in the backward (`--grad-checkpointing`),
+  BatchNorm running statistics updated once per step as without it; `plain_stages(model)` undoes it for as long
+  as a `with` lasts (FLOP counts exclude the recomputation).
+- `ModelEma(model, decay)`: `--model-ema`'s exponential moving average of the weights and buffers, updated without
+  waiting for the device (torch's AveragedModel reads its step count back from the GPU every step).
 - `saved_activation_bytes(model, image_size, channels_last, checkpointing, arch)`: bytes per image that autograd
   keeps for the backward, measured on a real forward of a CPU copy.
 - `train_flops_per_image(model, image_size)`: training FLOPs of one image (FlopCounterMode on a weightless copy);
@@ -37,9 +40,37 @@ class CheckpointedStage:
 
     def forward(self, *inputs):
         forward = super().forward
-        if torch.is_grad_enabled():
-            return torch.utils.checkpoint.checkpoint(forward, *inputs, use_reentrant=False)
-        return forward(*inputs)
+        if not torch.is_grad_enabled():
+            return forward(*inputs)
+        calls = 0
+
+        def run(*args):
+            nonlocal calls
+            calls += 1
+            if calls == 1:
+                return forward(*args)
+            with running_stats_frozen(self):  # the recomputation in the backward: same batch statistics, no update
+                return forward(*args)
+        return torch.utils.checkpoint.checkpoint(run, *inputs, use_reentrant=False)
+
+
+@contextlib.contextmanager
+def running_stats_frozen(module):
+    """BatchNorm layers of `module` normalise with the batch's statistics, as in training, and save the same
+    tensors for the backward, but leave their running statistics and batch count as they were: a recomputed
+    forward must not count the batch twice. (Momentum 0 keeps the running statistics exactly.)"""
+    norms = [m for m in module.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.training
+             and m.track_running_stats]
+    momenta = [norm.momentum for norm in norms]
+    for norm in norms:
+        norm.momentum = 0.0
+    try:
+        yield
+    finally:
+        for norm, momentum in zip(norms, momenta):
+            norm.momentum = momentum
+            if norm.num_batches_tracked is not None:
+                norm.num_batches_tracked.sub_(1)  # counted again by the recomputation
 
 
 def enable_grad_checkpointing(model, arch):
@@ -65,6 +96,38 @@ def plain_stages(model):
     finally:
         for module, cls in stages:
             module.__class__ = cls
+
+
+# ---------------------------------------------------------------------- exponential moving average
+class ModelEma(torch.optim.swa_utils.AveragedModel):
+    """The exponential moving average of `model`'s weights and buffers, `decay` per update. The update count is
+    kept in Python (`updates`) so that no update waits for the device; `n_averaged` stays in the state dict, as
+    AveragedModel writes it, so that checkpoints of either load into the other."""
+
+    def __init__(self, model, decay):
+        super().__init__(model, use_buffers=True)
+        self.decay = decay
+        self.updates = 0
+
+    @torch.no_grad()
+    def update_parameters(self, model):
+        averaged = [*self.module.parameters(), *self.module.buffers()]
+        current = [t.detach() for t in (*model.parameters(), *model.buffers())]
+        floating = [(a, c) for a, c in zip(averaged, current) if a.is_floating_point()]
+        if self.updates == 0:  # the first update copies, as AveragedModel does
+            torch._foreach_copy_([a for a, _ in floating], [c for _, c in floating])
+        else:
+            torch._foreach_lerp_([a for a, _ in floating], [c for _, c in floating], 1.0 - self.decay)
+        for a, c in zip(averaged, current):
+            if not a.is_floating_point():  # BatchNorm's num_batches_tracked: the model's count
+                a.copy_(c)
+        self.n_averaged += 1  # on the device, without reading it
+        self.updates += 1
+
+    def load_state_dict(self, state_dict, strict=True, assign=False):
+        result = super().load_state_dict(state_dict, strict=strict, assign=assign)
+        self.updates = int(self.n_averaged)  # once, at resume
+        return result
 
 
 def saved_activation_bytes(model, image_size, channels_last, checkpointing, arch):

@@ -9,8 +9,11 @@ Public API
 ``param_groups(model, weight_decay, no_wd_norm_bias) -> list[dict]``
     Parameter groups for an optimizer; with ``no_wd_norm_bias`` (``--no-wd-norm-bias``) the parameters of
     normalisation layers and all biases get ``weight_decay=0``.
-``build_optimizer(name, params, lr, momentum, weight_decay) -> torch.optim.Optimizer``
-    ``sgd`` (torch SGD with momentum), ``adamw`` (torch AdamW, ``betas=(momentum, 0.999)``), and timm's
+``build_optimizer(name, params, lr, momentum, weight_decay, fused=False) -> torch.optim.Optimizer``
+    ``sgd`` (torch SGD with momentum), ``adamw`` (torch AdamW, ``betas=(momentum, 0.999)``), both with torch's
+    fused step when ``fused`` and this torch has one for the parameters' device (``optimizer.defaults["fused"]``
+    says which): one kernel per step, and GradScaler hands it the scale and the inf flag as tensors instead of
+    reading the inf flag on the host every step. And timm's
     large-batch optimizers ``lamb`` (``betas=(momentum, 0.999)``), ``lars`` (``momentum``) and ``lion``
     (``betas=(momentum, 0.99)``).
 ``build_scheduler(name, optimizer, lr, total_steps, warmup_steps=0, step_milestones=None, gamma=0.1)``
@@ -49,6 +52,7 @@ import torch
 from torch import nn
 
 OPTIMIZERS = ("sgd", "adamw", "lamb", "lars", "lion")
+FUSED = ("sgd", "adamw")  # with a fused step in torch (build_optimizer's fused=True)
 SCHEDULERS = ("onecycle", "cosine", "step", "constant")
 
 # Layers whose affine parameters are normalisation scales/shifts: decaying them towards 0 only fights the
@@ -86,7 +90,8 @@ def param_groups(model: nn.Module, weight_decay: float, no_wd_norm_bias: bool) -
     return [group for group in groups if group["params"]]
 
 
-def build_optimizer(name: str, params, lr: float, momentum: float, weight_decay: float) -> torch.optim.Optimizer:
+def build_optimizer(name: str, params, lr: float, momentum: float, weight_decay: float,
+                    fused: bool = False) -> torch.optim.Optimizer:
     """Build the optimizer ``name`` (one of ``OPTIMIZERS``) over ``params`` (parameters or param groups).
 
     ``momentum`` (``--mom``) is SGD/LARS momentum or the first beta of AdamW/LAMB/Lion. ``weight_decay`` is the
@@ -98,10 +103,20 @@ def build_optimizer(name: str, params, lr: float, momentum: float, weight_decay:
         raise ValueError(f"--optimizer {name!r} is unknown: choose one of {', '.join(OPTIMIZERS)}")
     check_hyperparameters(lr, momentum, weight_decay)
 
-    if name == "sgd":
-        return torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay)
-    if name == "adamw":
-        return torch.optim.AdamW(params, lr=lr, betas=(momentum, 0.999), weight_decay=weight_decay)
+    if name in ("sgd", "adamw"):
+        params = list(params)  # read twice when the fused step is refused
+        cls, options = ((torch.optim.SGD, dict(momentum=momentum)) if name == "sgd"
+                        else (torch.optim.AdamW, dict(betas=(momentum, 0.999))))
+        if fused:
+            try:
+                optimizer = cls(params, lr=lr, weight_decay=weight_decay, fused=True, **options)
+            except (RuntimeError, ValueError):  # no fused kernel for this device or dtype in this torch
+                pass
+            else:
+                if name == "sgd":
+                    zero_momentum_buffers(optimizer)
+                return optimizer
+        return cls(params, lr=lr, weight_decay=weight_decay, **options)
 
     import timm.optim  # imported here so that sgd/adamw runs do not pay timm's import time
 
@@ -116,6 +131,17 @@ def build_optimizer(name: str, params, lr: float, momentum: float, weight_decay:
         return timm.optim.Lars(params, lr=lr, momentum=momentum, weight_decay=weight_decay,
                                always_adapt=always_adapt)
     return timm.optim.Lion(params, lr=lr, betas=(momentum, 0.99), weight_decay=weight_decay)
+
+
+def zero_momentum_buffers(optimizer):
+    """Momentum buffers of zeros before the first step of torch's fused SGD. On its first step that SGD allocates
+    them uninitialised (`empty_like`) and leaves them so when the float16 GradScaler skips the step for an
+    overflow, frequent at the first steps: the next step then moves the weights by whatever that memory held.
+    From zeros, the first step sets each buffer to its gradient, as the unfused SGD does."""
+    for group in optimizer.param_groups:
+        if group["momentum"] != 0:
+            for param in group["params"]:
+                optimizer.state[param].setdefault("momentum_buffer", torch.zeros_like(param))
 
 
 def check_hyperparameters(lr: float, momentum: float, weight_decay: float) -> None:

@@ -5,6 +5,7 @@ Run from the repository root: ``python -m pytest tests/test_chrono.py`` (a few s
 """
 
 import json
+import types
 
 import numpy as np
 import pytest
@@ -299,6 +300,19 @@ def test_slowest_rank_load_drives_the_advice():
 
 
 # ------------------------------------------------------------------ sync and disabled
+def test_default_sync_waits_for_the_compute_stream_only(monkeypatch):
+    """Not torch.cuda.synchronize: that would wait for the prefetcher's side stream too (the next batch's copy)."""
+    from dlojz_chrono import _default_sync
+    waited = []
+    stream = types.SimpleNamespace(synchronize=lambda: waited.append("compute stream"))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: waited.append(device) or stream)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: waited.append("whole device"))
+    _default_sync(torch.device("cuda", 1))()
+    assert waited == [torch.device("cuda", 1), "compute stream"]
+    _default_sync(torch.device("cpu"))()
+    assert len(waited) == 2
+
+
 def test_enabled_syncs_before_reading_the_clock_at_every_boundary():
     chrono, clock, sync = make()
     run_step(chrono, clock, 0.1, 0.1, 0.1)

@@ -73,7 +73,33 @@ def test_more_workers_than_cpus_is_a_warning(monkeypatch):
     assert not any("exceeds" in note for note in resolve("--num-workers", "2").notes)
     notes = resolve("--num-workers", "5").notes
     assert any("WARNING: --num-workers 5 exceeds the 2 CPUs of this task" in note for note in notes), notes
-    assert resolve().num_workers == 2  # unset: one worker per CPU of the task
+    assert resolve().num_workers == 1  # unset: one core left to the training process
+
+
+@pytest.mark.parametrize("cpus, workers", [(1, 0), (2, 1), (10, 9), (40, 16)])
+def test_default_workers_leave_a_core_to_the_training_process(monkeypatch, cpus, workers):
+    import idr_torch
+    monkeypatch.setattr(type(idr_torch), "cpus_per_task", property(lambda self: cpus))
+    assert resolve().num_workers == workers
+
+
+def test_compile_drops_the_last_batch_unless_told_otherwise():
+    assert resolve().drop_last is False
+    cfg = resolve("--compile")
+    assert cfg.drop_last is True and any("--compile: the last incomplete batch" in note for note in cfg.notes)
+    assert resolve("--compile", "--no-drop-last").drop_last is False
+    assert resolve("--drop-last").drop_last is True
+
+
+def test_float16_on_a_recent_gpu_says_bfloat16_needs_no_scaler():
+    from dlojz_config import precision_notes
+    float16 = resolve("--amp", "--amp-dtype", "float16")
+    assert any("--amp-dtype bfloat16 needs no GradScaler" in n for n in precision_notes(float16, (9, 0)))
+    assert precision_notes(float16, (7, 5)) == []  # Turing: no bfloat16
+    assert precision_notes(resolve("--amp", "--amp-dtype", "bfloat16"), (9, 0)) == []
+    lamb = precision_notes(resolve("--amp", "--amp-dtype", "float16", "--optimizer", "lamb"), (9, 0))
+    assert any("--optimizer lamb has no fused step" in n and "one GPU synchronisation per optimizer step" in n
+               for n in lamb)
 
 
 def test_unknown_optimizer_is_refused_before_the_data_is_read(tmp_path, run_inline):

@@ -105,6 +105,20 @@ def test_grad_checkpointing_keeps_less_for_the_backward():
     assert checkpointed < plain / 2, (checkpointed, plain)
 
 
+def test_grad_checkpointing_trains_as_the_plain_model():
+    """The recomputed forward must not count a batch twice in BatchNorm's running statistics: after 3 steps the
+    checkpointed model's weights and buffers (running means, variances, batch counts) are the plain model's."""
+    states = []
+    for flags in ([], ["--grad-checkpointing"]):
+        loop = loop_for("--no-amp", *flags, n_batches=3)
+        dlojz.train_one_epoch(**loop)
+        states.append(loop["model"].module.state_dict())
+    plain, checkpointed = states
+    assert int(plain["bn1.num_batches_tracked"]) == 3
+    for key in plain:
+        torch.testing.assert_close(checkpointed[key], plain[key], rtol=1e-4, atol=1e-5, msg=key)
+
+
 @pytest.mark.parametrize("flags", [["--randaugment", "2", "9"], ["--trivialaugment"], ["--random-erase", "1"]])
 def test_augmentation_policies_change_the_crops(flags, tiny_data):
     from dlojz_data import build_datasets

@@ -169,8 +169,10 @@ def test_same_length_resume_loads_the_schedule_as_saved(tiny_data, tmp_path, run
 def test_float16_resumes_a_checkpoint_written_with_the_scaler_off(tiny_data, tmp_path, run_inline):
     out = tmp_path / "run"
     common = [*TINY, "--data-root", tiny_data, "--output-dir", out]
-    assert run_inline(*common, "-e", "1", "--amp", "--amp-dtype", "bfloat16").returncode == 0
-    assert latest_state(out)["scaler"] == {}  # bfloat16: GradScaler off, nothing saved
+    # --no-amp, not bfloat16: at 16 px, torch's CPU bfloat16 convolution on layer4's 1x1 inputs returns
+    # uninitialised weight gradients for the kernel taps that see only padding (torch 2.14, oneDNN).
+    assert run_inline(*common, "-e", "1", "--no-amp").returncode == 0
+    assert latest_state(out)["scaler"] == {}  # GradScaler off (float32, or bfloat16): nothing saved
     proc = run_inline(*common, "-e", "2", "--amp", "--amp-dtype", "float16", "--resume", "auto")
     assert proc.returncode == 0, proc.stderr
     state = latest_state(out)

@@ -60,12 +60,12 @@ def job_env(cluster):
     return env
 
 
-def submit_cpu_job(cluster, tmp_path, *dlojz_args, **extra_env):
+def submit_cpu_job(cluster, tmp_path, *dlojz_args, wandb=False, **extra_env):
     """sbatch slurm/dlojz_cpu.slurm from the project directory (the script cds to the submit dir),
     its log in tmp_path instead of the project."""
     env = dict(job_env(cluster), **{k: str(v) for k, v in extra_env.items()})
-    return cluster.submit([f"--output={tmp_path}/%x_%j.out", CPU_SCRIPT, "--no-wandb", *dlojz_args],
-                          cwd=ROOT, env=env)
+    return cluster.submit([f"--output={tmp_path}/%x_%j.out", CPU_SCRIPT, *([] if wandb else ["--no-wandb"]),
+                           *dlojz_args], cwd=ROOT, env=env)
 
 
 def show(result):
@@ -108,7 +108,7 @@ def test_env_script_names_a_missing_venv(tmp_path):
 # What the controller of this GPU-less test cluster may answer to the GPU scripts once sbatch has
 # parsed them: resources it lacks, not mistakes in the scripts.
 NO_GPU_HERE = ("Invalid generic resource", "Invalid partition", "Invalid account", "Invalid qos",
-               "Requested node configuration is not available")
+               "Requested node configuration is not available", "Invalid feature specification")
 
 
 @pytest.mark.parametrize("name", GPU_SCRIPTS + ["dlojz_cpu.slurm"])
@@ -121,6 +121,16 @@ def test_sbatch_accepts_the_script_options(slurm_cluster, name):
         assert proc.returncode == 0 and "to start at" in answer, answer
     else:
         assert proc.returncode != 0 and any(reason in answer for reason in NO_GPU_HERE), answer
+
+
+@pytest.mark.parametrize("name", ["dlojz_1node.slurm", "dlojz_multinode.slurm"])
+def test_sbatch_accepts_gpus_bound_per_task(slurm_cluster, name):
+    """Sites (or users) that bind one GPU to each task: each rank then sees one GPU, and dlojz takes
+    local_rank % (GPUs it sees). The scripts must take the option on the command line."""
+    proc = slurm_cluster.run(["sbatch", "--test-only", "--gpus-per-task=1", "--gpu-bind=single:1", SLURM_DIR / name],
+                             check=False, cwd=ROOT)
+    answer = (proc.stderr + proc.stdout).strip()
+    assert proc.returncode != 0 and any(reason in answer for reason in NO_GPU_HERE), answer
 
 
 def test_script_refuses_a_wrong_submit_directory(slurm_cluster, tmp_path):
@@ -157,11 +167,12 @@ def test_cpu_script_trains_with_two_ddp_ranks(slurm_cluster, tmp_path):
 
 def test_usr1_checkpoints_requeues_and_resumes(slurm_cluster, tmp_path):
     # -b 8: 75 steps per epoch, so the signal, sent at the first "Epoch" line, lands mid-epoch
-    # (the ranks look for it every 10 steps) and the resumed run finishes the epoch.
+    # and the resumed run finishes the epoch. W&B on (offline), as a user runs it: the requeue must come
+    # after the W&B run is closed, or Slurm kills rank 0 in the middle of it.
     epochs = 1
     metrics_path = tmp_path / "metrics.json"
     job = submit_cpu_job(slurm_cluster, tmp_path, "--epochs", epochs, "-b", 8, "--metrics-json", metrics_path,
-                         "--output-dir", tmp_path / "run")
+                         "--output-dir", tmp_path / "run", wandb=True, WANDB_MODE="offline")
     log = tmp_path / f"dlojz_cpu_{job}.out"
     slurm_cluster.wait_for_output(log, "Epoch", timeout=180, job_id=job)  # training has started
     # What Slurm does before the time limit (--signal=USR1@60) or a preemption, sent now:
@@ -177,3 +188,7 @@ def test_usr1_checkpoints_requeues_and_resumes(slurm_cluster, tmp_path):
     metrics = json.loads(metrics_path.read_text())
     assert metrics["world_size"] == 2 and metrics["epochs"] == epochs, metrics
     assert "stopped_by" not in metrics, metrics  # written by the finished run, not the interrupted one
+    for trace in ("Traceback", "Error", "failed"):  # e.g. wandb's MailboxClosedError, "dlojz: rank 0 failed"
+        assert trace not in text, show(result)
+    runs = list((tmp_path / "run" / "wandb").glob("offline-run-*"))
+    assert len(runs) == 2 and len({run.name.split("-")[-1] for run in runs}) == 1, runs  # one W&B run, continued
