@@ -15,6 +15,7 @@ import math
 import os
 import random
 import sys
+import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -55,6 +56,7 @@ class TrainState:
     batch: int = 0               # micro-batches done in it
     global_step: int = 0         # optimizer steps done since the start of training
     wandb_id: str | None = None  # the W&B run that a resume continues
+    elapsed_s: float = 0.0       # wall-clock seconds of training and validation before this run started
 
 
 @dataclasses.dataclass
@@ -108,6 +110,7 @@ class Loaders:
 def main(argv=None) -> dict:
     """One run, in the course's order; returns its metrics. Bad input raises UserError (see cli)."""
     # ================================ ARGUMENTS: every check, before any process group or data scan
+    run_start = time.perf_counter()  # time to target counts from here, start-up included
     cfg = resolve_config(get_args_parser().parse_args(argv))
     stop_signal = StopSignal().install()  # installed first: a signal arriving during start-up must not kill the job
 
@@ -131,8 +134,9 @@ def main(argv=None) -> dict:
     loaders = build_loaders(cfg, train_set, val_set, len(classes), ranks, log)
     images_per_step = cfg.batch_size * ranks.world_size  # one micro-batch on every rank
     metrics = dict(world_size=ranks.world_size, global_batch_size=images_per_step * cfg.grad_acc, steps=0,
-                   epochs=0, train_loss=None, val_loss=None, val_accuracy=None, val_images=0,
-                   images_per_second=None, compute_dtype=cfg.compute_dtype)
+                   epochs=0, train_loss=None, val_loss=None, val_accuracy=None, val_top5_accuracy=None, val_images=0,
+                   images_per_second=None, compute_dtype=cfg.compute_dtype, time_to_target_s=None,
+                   epochs_to_target=None)
     if cfg.loader_only:
         metrics = dict(measure_loader(loaders.train, loaders.train_sampler, cfg.test_nsteps, cfg.num_workers,
                                       ranks.all_gather if ranks.enabled else None, log),
@@ -147,10 +151,11 @@ def main(argv=None) -> dict:
     val_max_batches = TEST_VAL_BATCHES if cfg.test else None
     if cfg.eval_only:
         chrono.validation()
-        metrics.update(evaluate(model.module, loaders, opt, ranks, val_max_batches))
+        metrics.update(evaluate(model.module, loaders, opt, ranks, val_max_batches, tta_flip=cfg.tta_flip))
         chrono.validation()
         log(f"##EVALUATION## {resumed_from}: Validation Loss: {metrics['val_loss']:.4f}, Validation Accuracy: "
-            f"{metrics['val_accuracy']:.4f} ({metrics['val_images']} images, {chrono.val_time:.1f} s)")
+            f"{metrics['val_accuracy']:.4f}, top-5 {metrics['val_top5_accuracy']:.4f} ({metrics['val_images']} "
+            f"images{', flip TTA' if cfg.tta_flip else ''}, {chrono.val_time:.1f} s)")
         return finish(cfg, metrics, chrono, ranks)
     wandb_run = NoWandb()
     if ranks.is_main:
@@ -168,11 +173,15 @@ def main(argv=None) -> dict:
 
     # ================================ TRAINING
     chrono.start()
+    started = run_start - state.elapsed_s  # a resumed run goes on counting from the first run's start
     for epoch in range(state.epoch, cfg.epochs):
+        epoch_start = time.perf_counter()
         result = train_one_epoch(model, opt, loaders, state, cfg, ranks, hooks, progress, stop)
+        train_seconds = time.perf_counter() - epoch_start
         if result.train_loss is not None:  # None: resumed after this epoch's training, before its validation
             metrics.update(train_loss=result.train_loss, train_accuracy=result.train_accuracy)
         metrics["steps"] = state.global_step
+        state.elapsed_s = time.perf_counter() - started
         if opt.lr_finder is not None:  # the range test sweeps on over the next epoch, without validation
             if opt.lr_finder.done:
                 break
@@ -180,20 +189,29 @@ def main(argv=None) -> dict:
         if result.stop_reason:  # preempted or at the time limit: checkpoint mid-epoch, requeue, exit cleanly
             return stop_run(cfg, result.stop_reason, saver, state, loaders, ranks, log, metrics, chrono, wandb_run)
 
-        # ================================ VALIDATION
-        validation = validate(cfg, epoch, model, loaders, opt, ranks, chrono, val_max_batches, log, stop)
-        if validation.get("stopped_by"):  # resumed, the run validates this epoch first
-            return stop_run(cfg, validation["stopped_by"], saver, state, loaders, ranks, log, metrics, chrono,
-                            wandb_run)
-        metrics.update(validation, epochs=epoch + 1)
-        wandb_run.log({"test accuracy": metrics["val_accuracy"], "test loss": metrics["val_loss"], "epoch": epoch + 1},
-                      step=state.global_step)
+        # ================================ VALIDATION (every --val-every epochs and at the last)
+        target_reached = False
+        if (epoch + 1) % cfg.val_every == 0 or epoch + 1 == cfg.epochs or cfg.test:
+            validation = validate(cfg, epoch, model, loaders, opt, ranks, chrono, val_max_batches, log, stop,
+                                  train_seconds)
+            if validation.get("stopped_by"):  # resumed, the run validates this epoch first
+                return stop_run(cfg, validation["stopped_by"], saver, state, loaders, ranks, log, metrics, chrono,
+                                wandb_run)
+            metrics.update(validation)
+            wandb_run.log({"test accuracy": metrics["val_accuracy"], "test top5 accuracy": metrics["val_top5_accuracy"],
+                           "test loss": metrics["val_loss"], "epoch": epoch + 1}, step=state.global_step)
+            target_reached = cfg.target_accuracy is not None and metrics["val_accuracy"] >= cfg.target_accuracy
+            if target_reached:
+                metrics.update(time_to_target_s=time.perf_counter() - started, epochs_to_target=epoch + 1)
+                log(f">>> Target top-1 {cfg.target_accuracy:.4f} reached after {epoch + 1} epochs, "
+                    f"{metrics['time_to_target_s']:.1f} s from the start: stopping")
+        metrics["epochs"] = epoch + 1
 
         # ================================ CHECKPOINT
-        state.epoch, state.batch = epoch + 1, 0
+        state.epoch, state.batch, state.elapsed_s = epoch + 1, 0, time.perf_counter() - started
         if ranks.is_main and not cfg.test:
             log(f"checkpoint written: {saver.save(dataclasses.asdict(state))}")
-        if cfg.test:
+        if cfg.test or target_reached:
             break
     hooks.close()
     if profiler is not None:
@@ -239,6 +257,9 @@ def train_one_epoch(model, opt, loaders, state, cfg, ranks, hooks, progress, sto
                 opt.scaler.scale(loss / cfg.grad_acc).backward()
         if optimizer_step:
             with hooks.phase("optimizer_step"):
+                if cfg.clip_grad_norm is not None:  # on the true gradients: unscaled first under float16
+                    opt.scaler.unscale_(opt.optimizer)
+                    torch.nn.utils.clip_grad_norm_(model.module.parameters(), cfg.clip_grad_norm, foreach=True)
                 opt.scaler.step(opt.optimizer)  # skipped by the float16 scaler when gradients overflowed
                 opt.scaler.update()
                 opt.optimizer.zero_grad(set_to_none=True)
@@ -293,14 +314,15 @@ def train_one_epoch(model, opt, loaders, state, cfg, ranks, hooks, progress, sto
     return EpochResult(loss_sum / count, correct / count, stop_reason)
 
 
-def evaluate(net, loaders, opt, ranks, max_batches=None, stop=None) -> dict:
-    """Loss and top-1 over exactly the images this run evaluates, summed on every rank then all-reduced. With
-    `stop` (a StopPoll), a stop signal ends it between two batches: returns {"stopped_by": signal name}."""
+def evaluate(net, loaders, opt, ranks, max_batches=None, stop=None, tta_flip=False) -> dict:
+    """Loss, top-1 and top-5 over exactly the images this run evaluates, summed on every rank then all-reduced.
+    `tta_flip`: the logits are the mean of the image's and its mirror's. With `stop` (a StopPoll), a stop signal
+    ends it between two batches: returns {"stopped_by": signal name}."""
     if ranks.enabled:  # BN statistics drift per rank in training: validate rank 0's model, as checkpointed
         for buffer in net.buffers():
             dist.broadcast(buffer, 0)
     net.eval()
-    totals = torch.zeros(3, dtype=torch.float64, device=ranks.device)  # loss sum, correct, images
+    totals = torch.zeros(4, dtype=torch.float64, device=ranks.device)  # loss sum, top-1 and top-5 correct, images
     with torch.no_grad():
         for batch_index, (images, labels) in enumerate(loaders.val_batches):
             if max_batches is not None and batch_index >= max_batches:
@@ -309,17 +331,23 @@ def evaluate(net, loaders, opt, ranks, max_batches=None, stop=None) -> dict:
             if stop is not None and batch_index < loaders.n_val_batches_every_rank and stop():
                 return dict(stopped_by=stop.stop_signal.name or "signal on another rank")
             with opt.autocast():
-                outputs = net(images)
-            loss = opt.val_criterion(outputs.float(), labels)
-            totals += torch.stack([loss.double(), (outputs.argmax(1) == labels).sum().double(),
+                outputs = net(images).float()
+                if tta_flip:
+                    outputs = (outputs + net(images.flip(3)).float()) / 2
+            loss = opt.val_criterion(outputs, labels)
+            top5 = outputs.topk(min(5, outputs.shape[1]), dim=1).indices
+            totals += torch.stack([loss.double(), (top5[:, 0] == labels).sum().double(),
+                                   (top5 == labels[:, None]).any(dim=1).sum().double(),
                                    torch.full((), float(labels.numel()), dtype=torch.float64, device=ranks.device)])
     if stop is not None:
         stop.settle()  # a signal it found is asked again at the next call: this validation is complete
     if ranks.enabled:
         dist.all_reduce(totals)
     net.train()
-    loss_sum, correct, count = totals.tolist()
-    return dict(val_loss=loss_sum / max(count, 1), val_accuracy=correct / max(count, 1), val_images=int(count))
+    loss_sum, correct, correct5, count = totals.tolist()
+    count_or_1 = max(count, 1)
+    return dict(val_loss=loss_sum / count_or_1, val_accuracy=correct / count_or_1,
+                val_top5_accuracy=correct5 / count_or_1, val_images=int(count))
 
 
 # ================================================================ the sections' functions, in main's order
@@ -371,7 +399,7 @@ def build_data(cfg, ranks, log):
 
 
 def build_model(cfg, num_classes, ranks, log) -> Model:
-    module = create_model(cfg.arch, num_classes)
+    module = create_model(cfg.arch, num_classes, cfg.zero_init_residual)
     if cfg.sync_bn and ranks.enabled:
         module = torch.nn.SyncBatchNorm.convert_sync_batchnorm(module)
     module = module.to(ranks.device)
@@ -446,8 +474,12 @@ def build_optimization(cfg, model, n_train_batches, num_classes, ranks, log) -> 
         if cfg.findlr:  # the course's range test: the finder sets the lr of every step, no scheduler
             lr_finder = optim.LRFinder(optimizer, 1e-8, cfg.lr, min(total_steps, cfg.test_nsteps) if cfg.test else total_steps)
         else:
+            warmup_epochs = cfg.lr_peak_epoch if cfg.lr_scheduler == "linear" else cfg.warmup_epochs
+            if cfg.lr_scheduler == "linear" and cfg.lr_peak_epoch >= cfg.epochs:
+                fail(f"--lr-peak-epoch {cfg.lr_peak_epoch} must come before the end (--epochs {cfg.epochs})")
             scheduler = optim.build_scheduler(cfg.lr_scheduler, optimizer, cfg.lr, total_steps,
-                                              warmup_steps=round(cfg.warmup_epochs * steps_per_epoch))
+                                              warmup_steps=round(warmup_epochs * steps_per_epoch),
+                                              poly_power=cfg.lr_poly_power)
     except ValueError as err:
         fail(str(err))
     float16 = cfg.amp and cfg.amp_dtype == "float16"
@@ -488,7 +520,8 @@ def restore(cfg, model, opt, n_train_batches, device, log):
             restore_schedule(cfg, opt, saved, n_train_batches, log)
         if saved.get("scaler"):  # none when it was written with the scaler off (bfloat16, --no-amp, CPU)
             opt.scaler.load_state_dict(saved["scaler"])
-        state = TrainState(saved["epoch"], saved["batch"], saved["global_step"], saved.get("wandb_id"))
+        state = TrainState(saved["epoch"], saved["batch"], saved["global_step"], saved.get("wandb_id"),
+                           saved.get("elapsed_s", 0.0))
         ckpt.restore_rng(saved, device)
     log(f"resumed from {path} (epoch {saved['epoch'] + 1}, step {saved['batch']}/{n_train_batches}, "
         f"global step {saved['global_step']})")
@@ -526,25 +559,28 @@ def diverged(cfg, bad_step, epoch):
                            f"stopping{where}; lower --lr or check the data")
 
 
-def validate(cfg, epoch, model, loaders, opt, ranks, chrono, max_batches, log, stop) -> dict:
+def validate(cfg, epoch, model, loaders, opt, ranks, chrono, max_batches, log, stop, train_seconds) -> dict:
     """The end-of-epoch validation of the model (and of its EMA), timed, with its console lines; or
     {"stopped_by": signal} when a stop signal interrupted it."""
     chrono.validation()
-    metrics = evaluate(model.module, loaders, opt, ranks, max_batches, stop)
+    metrics = evaluate(model.module, loaders, opt, ranks, max_batches, stop, cfg.tta_flip)
     chrono.validation()
     if "stopped_by" in metrics:
         return metrics
     epoch = f"Epoch [{epoch + 1}/{cfg.epochs}]"
     log("##EVALUATION STEP##")
-    log(f"{epoch}, Validation Loss: {metrics['val_loss']:.4f}, Validation Accuracy: {metrics['val_accuracy']:.4f} "
-        f"({metrics['val_images']} images)")
-    log(f">>> Validation complete in: {chrono.val_time:.2f} s")
+    log(f"{epoch}, Validation Loss: {metrics['val_loss']:.4f}, Validation Accuracy: {metrics['val_accuracy']:.4f}, "
+        f"top-5 {metrics['val_top5_accuracy']:.4f} ({metrics['val_images']} images"
+        f"{', flip TTA' if cfg.tta_flip else ''})")
+    log(f">>> Validation complete in: {chrono.val_time:.2f} s (this epoch's training: {train_seconds:.2f} s)")
     if model.ema is not None:
-        ema = evaluate(model.ema.module, loaders, opt, ranks, max_batches, stop)
+        ema = evaluate(model.ema.module, loaders, opt, ranks, max_batches, stop, cfg.tta_flip)
         if "stopped_by" in ema:
             return ema
-        metrics.update(ema_val_loss=ema["val_loss"], ema_val_accuracy=ema["val_accuracy"])
-        log(f"{epoch}, EMA model: Validation Loss: {ema['val_loss']:.4f}, Validation Accuracy: {ema['val_accuracy']:.4f}")
+        metrics.update(ema_val_loss=ema["val_loss"], ema_val_accuracy=ema["val_accuracy"],
+                       ema_val_top5_accuracy=ema["val_top5_accuracy"])
+        log(f"{epoch}, EMA model: Validation Loss: {ema['val_loss']:.4f}, Validation Accuracy: {ema['val_accuracy']:.4f}, "
+            f"top-5 {ema['val_top5_accuracy']:.4f}")
     return metrics
 
 

@@ -59,12 +59,16 @@ def get_args_parser():
     p.add_argument("--label-smoothing", type=float, default=0.1, help="label smoothing of the loss (default: 0.1)")
     p.add_argument("--arch", default="resnet50", help="any torchvision classification model name (default: resnet50)")
     p.add_argument("--seed", type=int, default=123, help="random seed (default: 123)")
+    p.add_argument("--zero-init-residual", action="store_true", help="last BatchNorm scale of each residual block at 0 (ResNets)")
+    p.add_argument("--clip-grad-norm", type=float, default=None, metavar="X", help="clip the gradients' global norm to X (after unscaling)")
 
     p = parser.add_argument_group("optimizer and schedule (dlojz_optim.py)")
     p.add_argument("--optimizer", default="sgd", choices=optim.OPTIMIZERS, help="momentum/beta1 from --mom (default: sgd)")
     p.add_argument("--no-wd-norm-bias", action="store_true", help="no weight decay on norm layers and biases")
     p.add_argument("--lr-scheduler", default="onecycle", choices=optim.SCHEDULERS, help="stepped every optimizer step (default: onecycle)")
-    p.add_argument("--warmup-epochs", type=float, default=0.0, help="linear warm-up for cosine/step/constant (default: 0)")
+    p.add_argument("--warmup-epochs", type=float, default=0.0, help="linear warm-up for cosine/step/constant/poly (default: 0)")
+    p.add_argument("--lr-peak-epoch", type=float, default=2.0, help="linear: epoch of the peak, as FFCV's (default: 2)")
+    p.add_argument("--lr-poly-power", type=float, default=2.0, help="poly: power of the decay, as MLPerf's (default: 2)")
     p.add_argument("--findlr", action="store_true", help="LR range test: exponential sweep from 1e-8 to --lr over the run, no validation;\n"
                    "writes findlr.csv and findlr.png, prints a suggested lr")
 
@@ -82,6 +86,12 @@ def get_args_parser():
     p.add_argument("--random-erase", type=float, default=0.0, metavar="P", help="RandomErasing probability (default: 0)")
     p.add_argument("--mixup-alpha", type=float, default=0.0, help="batch-level MixUp alpha (default: 0 = off)")
     p.add_argument("--cutmix-alpha", type=float, default=0.0, help="batch-level CutMix alpha (default: 0 = off)")
+
+    p = parser.add_argument_group("validation and time to accuracy")
+    p.add_argument("--val-every", type=int, default=1, metavar="N", help="validate every N epochs; the last always (default: 1)")
+    p.add_argument("--target-accuracy", type=float, default=None, metavar="A", help="stop at the first validation with top-1 >= A (0-1);\n"
+                   "the metrics JSON gets time_to_target_s and epochs_to_target")
+    p.add_argument("--tta-flip", action="store_true", help="validation averages the logits of each image and its mirror")
 
     p = parser.add_argument_group("profiler (torch.profiler)")
     p.add_argument("--prof", action="store_true", help="profile a few steps; traces in <output-dir>/profiler (TensorBoard, Perfetto)")
@@ -148,11 +158,15 @@ class Config:
     label_smoothing: float
     arch: str
     seed: int
+    zero_init_residual: bool
+    clip_grad_norm: float | None
     # optimizer and schedule
     optimizer: str
     no_wd_norm_bias: bool
     lr_scheduler: str
     warmup_epochs: float
+    lr_peak_epoch: float
+    lr_poly_power: float
     findlr: bool
     # memory and speed
     grad_acc: int
@@ -167,6 +181,10 @@ class Config:
     random_erase: float
     mixup_alpha: float
     cutmix_alpha: float
+    # validation and time to accuracy
+    val_every: int
+    target_accuracy: float | None
+    tta_flip: bool
     # profiler
     prof: bool
     prof_wait: int
@@ -345,8 +363,16 @@ def check(cfg: Config):
         except ImportError as err:
             fail(f"--optimizer {cfg.optimizer} needs timm, which does not import here ({err}): pip install timm, "
                  f"or use --optimizer {' or '.join(optim.FUSED)}")
-    if cfg.warmup_epochs < 0:
-        fail(f"--warmup-epochs must be >= 0 (got {cfg.warmup_epochs})")
+    if cfg.warmup_epochs < 0 or cfg.lr_peak_epoch < 0:
+        fail(f"--warmup-epochs and --lr-peak-epoch must be >= 0 (got {cfg.warmup_epochs}, {cfg.lr_peak_epoch})")
+    if cfg.lr_poly_power <= 0:
+        fail(f"--lr-poly-power must be > 0 (got {cfg.lr_poly_power})")
+    if cfg.clip_grad_norm is not None and cfg.clip_grad_norm <= 0:
+        fail(f"--clip-grad-norm must be > 0 (got {cfg.clip_grad_norm})")
+    if cfg.val_every < 1:
+        fail(f"--val-every must be at least 1 (got {cfg.val_every})")
+    if cfg.target_accuracy is not None and not 0 < cfg.target_accuracy <= 1:
+        fail(f"--target-accuracy is a top-1 fraction in (0, 1] (got {cfg.target_accuracy}; 75.9 % is 0.759)")
     if cfg.findlr and (cfg.eval_only or cfg.loader_only):
         fail("--findlr trains: it cannot go with --eval-only or --loader-only")
     if not 0 < cfg.model_ema_decay < 1:

@@ -24,9 +24,14 @@ import torchvision
 from dlojz_config import fail
 
 
-def create_model(arch: str, num_classes: int) -> torch.nn.Module:
+def create_model(arch: str, num_classes: int, zero_init_residual: bool = False) -> torch.nn.Module:
+    """`zero_init_residual`: the last BatchNorm scale of each residual block at 0 (torchvision's ResNet option),
+    so that each block starts as the identity."""
+    options = dict(zero_init_residual=True) if zero_init_residual else {}
     try:
-        return torchvision.models.get_model(arch, weights=None, num_classes=num_classes)
+        return torchvision.models.get_model(arch, weights=None, num_classes=num_classes, **options)
+    except TypeError:
+        fail(f"--zero-init-residual: --arch {arch} does not take it (ResNet, ResNeXt and Wide ResNet models do)")
     except (ValueError, KeyError):
         import difflib
         names = torchvision.models.list_models(module=torchvision.models)

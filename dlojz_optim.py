@@ -53,7 +53,7 @@ from torch import nn
 
 OPTIMIZERS = ("sgd", "adamw", "lamb", "lars", "lion")
 FUSED = ("sgd", "adamw")  # with a fused step in torch (build_optimizer's fused=True)
-SCHEDULERS = ("onecycle", "cosine", "step", "constant")
+SCHEDULERS = ("onecycle", "cosine", "step", "constant", "linear", "poly")
 
 # Layers whose affine parameters are normalisation scales/shifts: decaying them towards 0 only fights the
 # normalisation (see "Bag of Tricks", He et al. 2019), hence --no-wd-norm-bias.
@@ -179,6 +179,7 @@ def build_scheduler(
     warmup_steps: int = 0,
     step_milestones=None,
     gamma: float = 0.1,
+    poly_power: float = 2.0,
 ) -> torch.optim.lr_scheduler.LRScheduler:
     """Build the LR schedule ``name`` (one of ``SCHEDULERS``), stepped once per optimizer step.
 
@@ -191,6 +192,9 @@ def build_scheduler(
     - ``step``: ``lr*s/W`` for ``s < W``, then ``lr*gamma**k`` with ``k`` the number of milestones <= ``s``;
       milestones default to 30, 60 and 90 % of ``T`` (in optimizer steps).
     - ``constant``: ``lr*s/W`` for ``s < W``, then ``lr``.
+    - ``linear``: FFCV's triangle: ``lr*s/W`` for ``s < W`` (``W`` from ``--lr-peak-epoch``), then linear down to 0
+      at ``s = T``.
+    - ``poly``: MLPerf's polynomial decay: ``lr*s/W`` for ``s < W``, then ``lr*(1-(s-W)/(T-W))**poly_power``.
 
     The warmup schedules are one ``LambdaLR`` each: an exact closed formula per step, and unlike ``SequentialLR``
     + ``LinearLR`` it can start the warmup from 0 and has no milestone hand-over to get wrong.
@@ -227,6 +231,15 @@ def build_scheduler(
             if step < warmup_steps:
                 return _warmup_factor(step, warmup_steps)
             return gamma ** sum(step >= milestone for milestone in milestones)
+
+    elif name in ("linear", "poly"):
+        decay_steps = total_steps - warmup_steps
+        power = 1.0 if name == "linear" else poly_power
+
+        def factor(step: int) -> float:
+            if step < warmup_steps:
+                return _warmup_factor(step, warmup_steps)
+            return (1.0 - min(step - warmup_steps, decay_steps) / decay_steps) ** power
 
     else:  # constant
 

@@ -112,4 +112,4 @@ def test_unknown_optimizer_is_refused_before_the_data_is_read(tmp_path, run_inli
 def test_help_lists_the_closed_choices(run_inline):
     proc = run_inline("--help")
     assert proc.returncode == 0
-    assert "{sgd,adamw,lamb,lars,lion}" in proc.stdout and "{onecycle,cosine,step,constant}" in proc.stdout
+    assert "{sgd,adamw,lamb,lars,lion}" in proc.stdout and "{onecycle,cosine,step,constant,linear,poly}" in proc.stdout

@@ -204,6 +204,22 @@ def test_cosine_schedule_warms_up_linearly_then_follows_the_cosine_to_zero():
     assert max(lrs) == pytest.approx(lr) and lrs[24] == pytest.approx(lr / 2)
 
 
+def test_linear_schedule_is_ffcvs_triangle():
+    lr, total, peak = 0.4, 40, 8
+    lrs = lr_curve("linear", total, peak, lr)
+    assert lrs[0] == 0 and lrs[4] == pytest.approx(lr / 2) and lrs[peak] == pytest.approx(lr)
+    assert lrs[24] == pytest.approx(lr / 2) and lrs[39] == pytest.approx(lr / 32)  # 0 after the last step
+    assert max(lrs) == pytest.approx(lr)
+
+
+def test_poly_schedule_is_mlperfs_polynomial_decay():
+    lr, total, warmup = 0.4, 40, 8
+    lrs = lr_curve("poly", total, warmup, lr, poly_power=2.0)
+    assert lrs[4] == pytest.approx(lr / 2) and lrs[warmup] == pytest.approx(lr)
+    assert lrs[24] == pytest.approx(lr / 4)  # half-way through the decay: (1/2)**2
+    assert lrs[24] != pytest.approx(lr_curve("linear", total, warmup, lr)[24])
+
+
 def test_cosine_schedule_without_warmup_starts_at_the_peak():
     lrs = lr_curve("cosine", 10, 0, 0.4)
     assert lrs[0] == pytest.approx(0.4)
@@ -287,7 +303,7 @@ def test_schedule_resumes_from_a_checkpoint_on_the_same_curve(scheduler_name):
 def test_bad_schedule_input_gives_one_line_naming_the_flag():
     optimizer = build_optimizer("sgd", nn.Linear(2, 2).parameters(), 0.1, 0.9, 0.0)
     with pytest.raises(ValueError) as error:
-        build_scheduler("linear", optimizer, 0.1, 100)
+        build_scheduler("triangle", optimizer, 0.1, 100)
     assert "--lr-scheduler" in str(error.value) and all(name in str(error.value) for name in SCHEDULERS)
     with pytest.raises(ValueError, match="--warmup-epochs"):
         build_scheduler("cosine", optimizer, 0.1, total_steps=100, warmup_steps=100)

@@ -3,6 +3,7 @@ batch, by every rank at the same step, and the run resumes exactly; torch.compil
 
 Signals are simulated by setting the StopSignal's name, as its handler does, at a chosen step: a real signal's
 timing could not be chosen. tests/test_slurm.py sends real ones through Slurm."""
+import inspect
 import os
 import signal
 import socket
@@ -87,9 +88,10 @@ def test_a_signal_during_validation_checkpoints_and_the_resumed_run_validates_fi
     calls = []
 
     def signal_during_validation(*args):
-        calls.append(args[1])
+        arguments = inspect.signature(validate).bind(*args).arguments
+        calls.append(arguments["epoch"])
         if len(calls) == 1:
-            args[-1].stop_signal.name = "SIGTERM"  # arrives as the first validation starts
+            arguments["stop"].stop_signal.name = "SIGTERM"  # arrives as the first validation starts
         return validate(*args)
     monkeypatch.setattr(dlojz, "validate", signal_during_validation)
     stopped = run_inline(*common, "--output-dir", tmp_path / "run", "--metrics-json", tmp_path / "stopped.json")
