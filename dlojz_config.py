@@ -39,16 +39,77 @@ def fail(message):
 
 
 class OneLineParser(argparse.ArgumentParser):
-    """A bad flag is one line, as every other bad input (argparse would print the whole usage first)."""
+    """A bad flag is one line, as every other bad input (argparse would print the whole usage first). `--config
+    FILE.toml` fills the flags' defaults from a recipe file before the command line is read: a flag given on the
+    command line wins over the file, the file over the built-in defaults and the CPU/GPU profile."""
 
     def error(self, message):
         self.exit(2, f"{self.prog}: error: {message} (--help lists the flags)\n")
+
+    def parse_args(self, args=None, namespace=None):
+        pre = argparse.ArgumentParser(add_help=False)
+        pre.add_argument("--config", default=None)
+        config = pre.parse_known_args(args)[0].config
+        if config is not None:
+            self.set_defaults(**read_recipe(self, config))
+        return super().parse_args(args, namespace)
+
+
+def read_recipe(parser, path):
+    """The flag values of a recipe file: one TOML key per flag, its long name without the dashes (`-` or `_`).
+    Raises UserError naming the file and the key for an unknown key or a value of the wrong type."""
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10
+        fail(f"--config {path}: reading TOML needs Python 3.11 or newer (tomllib)")
+    try:
+        with open(path, "rb") as file:
+            recipe = tomllib.load(file)
+    except OSError as err:
+        fail(f"--config {path}: cannot be read ({err.strerror})")
+    except tomllib.TOMLDecodeError as err:
+        fail(f"--config {path}: not valid TOML ({err})")
+    actions = {action.dest: action for action in parser._actions if action.dest not in ("help", "config")}
+    values = {}
+    for key, value in recipe.items():
+        dest = key.replace("-", "_")
+        action = actions.get(dest)
+        if action is None:
+            import difflib
+            close = difflib.get_close_matches(dest, list(actions), n=1)
+            fail(f"--config {path}: unknown key '{key}', not a dlojz flag"
+                 + (f" (did you mean '{close[0].replace('_', '-')}'?)" if close else ""))
+        values[dest] = recipe_value(action, value, f"--config {path}: key '{key}'")
+    return values
+
+
+def recipe_value(action, value, where):
+    """`value` checked against what the flag takes, as the command line would check it."""
+    if action.nargs == 0 or isinstance(action, argparse.BooleanOptionalAction):  # switches
+        if not isinstance(value, bool):
+            fail(f"{where} is a switch: true or false (got {value!r})")
+        return value
+    if action.nargs is not None:  # e.g. --randaugment N M
+        if not isinstance(value, list) or len(value) != action.nargs:
+            fail(f"{where} takes a list of {action.nargs} values (got {value!r})")
+        return [recipe_value(argparse.Action([], action.dest, type=action.type), v, where) for v in value]
+    expected = action.type or str
+    if expected is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if not isinstance(value, expected) or isinstance(value, bool):
+        fail(f"{where} must be {'a number' if expected is float else 'an integer' if expected is int else 'a string'} "
+             f"(got {value!r})")
+    if action.choices is not None and value not in action.choices:
+        fail(f"{where} must be one of {', '.join(map(str, action.choices))} (got {value!r})")
+    return value
 
 
 def get_args_parser():
     # One flat list, grouped as --help shows it: split into functions, the flags would be harder to find.
     parser = OneLineParser(prog="dlojz", description="dlojz: ResNet-50 / ImageNet training, optimised "
                                      "flag by flag", formatter_class=argparse.RawTextHelpFormatter)
+    parser.add_argument("--config", default=None, metavar="FILE.toml", help="recipe file: one key per flag (lr = 0.5, label-smoothing = 0.1);\n"
+                        "a flag given on the command line wins")
     p = parser.add_argument_group("training")
     p.add_argument("-b", "--batch-size", type=int, default=None, help="batch size per process (default: 128; CPU profile: 32)")
     p.add_argument("-e", "--epochs", type=int, default=1, help="number of epochs (default: 1)")
@@ -148,6 +209,7 @@ def get_args_parser():
 class Config:
     """Every setting of a run: the flags (same names), the profile's values filled in, and what follows from the
     device and the Slurm task. Saved in checkpoints as `args` and given to W&B as its config."""
+    config: str | None       # the recipe file the defaults came from
     # training
     batch_size: int
     epochs: int
@@ -274,6 +336,9 @@ def resolve_config(args) -> Config:
         job = os.environ.get("SLURM_JOB_NAME", "dlojz")
         job_id = os.environ.get("SLURM_JOB_ID") or datetime.now().strftime("%Y%m%d-%H%M%S")
         values["output_dir"] = os.path.join("runs", f"{job}_{job_id}")
+    if values["config"]:
+        notes.append(f"recipe {values['config']}: " + ", ".join(
+            f"{key}={values[key]}" for key in read_recipe(get_args_parser(), values["config"])))
     cfg = Config(**values, torch_device=torch_device, cpus_per_task=cpus_per_task, notes=())
     check(cfg)
     if on_gpu:
