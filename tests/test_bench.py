@@ -36,3 +36,11 @@ def test_generated_jpegs_look_like_imagenet_files():
     img = Image.open(io.BytesIO(data))
     assert img.format == "JPEG" and img.size == (500, 375) and img.mode == "RGB"
     assert 60_000 < len(data) < 160_000  # ImageNet's training JPEGs average ~110 KB
+
+
+def test_gpu_acceptance_says_no_cuda_gpu_here():
+    """The one-command GPU acceptance run, on a machine without a GPU: non-zero, and its last line says why."""
+    proc = subprocess.run(["bash", str(ROOT / "bench" / "gpu_acceptance.sh"), sys.executable], capture_output=True,
+                          text=True, timeout=300, env=clean_env(CUDA_VISIBLE_DEVICES=""))
+    assert proc.returncode != 0
+    assert proc.stdout.strip().splitlines()[-1].startswith("no CUDA GPU found"), proc.stdout + proc.stderr

@@ -123,10 +123,10 @@ def test_lars_with_zero_weight_decay_still_adapts_layer_wise():
     assert first_step_size(1000.0) == pytest.approx(first_step_size(1.0), rel=1e-3)
 
 
-def grad_scaler_steps(optimizer, model, overflow_at):
+def grad_scaler_steps(optimizer, model, overflow_at, device="cpu"):
     """Float16-style steps through a GradScaler; the gradients of the steps in `overflow_at` hold an inf."""
-    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
-    images, labels = fixed_batch()
+    scaler = torch.amp.GradScaler(device, init_scale=1024.0)
+    images, labels = (t.to(device) for t in fixed_batch())
     for step in range(4):
         scaler.scale(nn.functional.cross_entropy(model(images), labels)).backward()
         if step in overflow_at:
