@@ -428,8 +428,9 @@ def check(cfg: Config):
         except ImportError as err:
             fail(f"--optimizer {cfg.optimizer} needs timm, which does not import here ({err}): pip install timm, "
                  f"or use --optimizer {' or '.join(optim.FUSED)}")
-    if cfg.warmup_epochs < 0 or cfg.lr_peak_epoch < 0:
-        fail(f"--warmup-epochs and --lr-peak-epoch must be >= 0 (got {cfg.warmup_epochs}, {cfg.lr_peak_epoch})")
+    for flag in ("warmup_epochs", "lr_peak_epoch"):
+        if getattr(cfg, flag) < 0:
+            fail(f"--{flag.replace('_', '-')} must be >= 0 (got {getattr(cfg, flag)})")
     if cfg.lr_poly_power <= 0:
         fail(f"--lr-poly-power must be > 0 (got {cfg.lr_poly_power})")
     if cfg.clip_grad_norm is not None and cfg.clip_grad_norm <= 0:

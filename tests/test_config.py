@@ -38,6 +38,11 @@ def in_tmp(tmp_path, monkeypatch):
     (["--prof", "--prof-active", "0"], "--prof-active >= 1"),
     (["--prof", "--prof-wait", "-1"], "--prof-wait and --prof-warmup must be >= 0"),
     (["--sync-bn"], "--sync-bn needs CUDA"),
+    (["--lr-peak-epoch", "-1"], "--lr-peak-epoch must be >= 0"),
+    (["--lr-poly-power", "0"], "--lr-poly-power must be > 0"),
+    (["--clip-grad-norm", "0"], "--clip-grad-norm must be > 0"),
+    (["--val-every", "0"], "--val-every must be at least 1"),
+    (["--target-accuracy", "76"], "--target-accuracy is a top-1 fraction in (0, 1]"),
     (["--loader-only", "--synthetic"], "--loader-only times the DataLoader"),
     (["--eval-only"], "--eval-only needs --resume"),
 ])
