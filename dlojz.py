@@ -38,7 +38,7 @@ from dlojz_log import (LOG_EVERY, Console, NoWandb, Progress, chrono_context, fi
                        write_lr_finder)
 from dlojz_model import ModelEma, create_model, enable_grad_checkpointing
 from dlojz_transforms import (DeviceNormalize, DevicePrefetcher, ValTransform, batch_mixing, decoder_description,
-                              train_transform)
+                              train_transform, training_resolution)
 
 LOADERS = []  # DataLoaders whose workers cli() stops before exiting (see dlojz_data.close_loader)
 TEST_VAL_BATCHES = 20  # --test validates on this many batches
@@ -176,6 +176,12 @@ def main(argv=None) -> dict:
     started = run_start - state.elapsed_s  # a resumed run goes on counting from the first run's start
     for epoch in range(state.epoch, cfg.epochs):
         epoch_start = time.perf_counter()
+        if cfg.min_res is not None:  # the data set's workers crop at this resolution (the sample keys carry the epoch)
+            resolution = training_resolution(cfg, epoch)
+            log(f"epoch {epoch + 1}: training resolution {resolution} px (progressive resizing "
+                f"{cfg.min_res}->{cfg.max_res} px, epochs {cfg.start_ramp}->{cfg.end_ramp} counted from 0); "
+                f"validation {cfg.val_crop_size} px, {cfg.val_crop_size / resolution:.2f}x")
+            wandb_run.log({"resolution": resolution}, step=state.global_step)
         result = train_one_epoch(model, opt, loaders, state, cfg, ranks, hooks, progress, stop)
         train_seconds = time.perf_counter() - epoch_start
         if result.train_loss is not None:  # None: resumed after this epoch's training, before its validation
@@ -428,6 +434,9 @@ def build_loaders(cfg, train_set, val_set, num_classes, ranks, log) -> Loaders:
         f"non_blocking={cfg.non_blocking} prefetch_factor={cfg.prefetch_factor} drop_last={cfg.drop_last}")
     if cfg.synthetic:
         return synthetic_loaders(cfg, num_classes, ranks, IMAGENET_TRAIN_IMAGES, IMAGENET_VAL_IMAGES)
+    if cfg.min_res is None:  # validating at a larger size than training pays (train-test resolution discrepancy)
+        log(f"resolution: training {cfg.image_size} px, validation {cfg.val_crop_size} px "
+            f"({cfg.val_crop_size / cfg.image_size:.2f}x)")
     train_sampler = EpochSampler(train_set, ranks.world_size, ranks.rank, shuffle=True, seed=cfg.seed,
                                  drop_last=cfg.drop_last)
     options = dict(num_workers=cfg.num_workers, pin_memory=cfg.pin_memory and ranks.device.type == "cuda",

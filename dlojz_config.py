@@ -153,6 +153,11 @@ def get_args_parser():
     p.add_argument("--target-accuracy", type=float, default=None, metavar="A", help="stop at the first validation with top-1 >= A (0-1);\n"
                    "the metrics JSON gets time_to_target_s and epochs_to_target")
     p.add_argument("--tta-flip", action="store_true", help="validation averages the logits of each image and its mirror")
+    p.add_argument("--min-res", type=int, default=None, help="progressive resizing (FFCV's): training resolution up to --start-ramp")
+    p.add_argument("--max-res", type=int, default=None, help="progressive resizing: training resolution from --end-ramp")
+    p.add_argument("--start-ramp", type=int, default=0, help="progressive resizing: epoch (from 0) the ramp starts (default: 0)")
+    p.add_argument("--end-ramp", type=int, default=0, help="progressive resizing: epoch (from 0) the ramp ends")
+    p.add_argument("--res-step", type=int, default=32, help="progressive resizing: resolutions are multiples of it (default: 32)")
 
     p = parser.add_argument_group("profiler (torch.profiler)")
     p.add_argument("--prof", action="store_true", help="profile a few steps; traces in <output-dir>/profiler (TensorBoard, Perfetto)")
@@ -247,6 +252,11 @@ class Config:
     val_every: int
     target_accuracy: float | None
     tta_flip: bool
+    min_res: int | None
+    max_res: int | None
+    start_ramp: int
+    end_ramp: int
+    res_step: int
     # profiler
     prof: bool
     prof_wait: int
@@ -435,6 +445,15 @@ def check(cfg: Config):
         fail(f"--lr-poly-power must be > 0 (got {cfg.lr_poly_power})")
     if cfg.clip_grad_norm is not None and cfg.clip_grad_norm <= 0:
         fail(f"--clip-grad-norm must be > 0 (got {cfg.clip_grad_norm})")
+    if (cfg.min_res is None) != (cfg.max_res is None):
+        fail("progressive resizing needs both --min-res and --max-res")
+    if cfg.min_res is not None:
+        if not 1 <= cfg.min_res <= cfg.max_res or cfg.res_step < 1:
+            fail(f"--min-res {cfg.min_res} must be >= 1 and <= --max-res {cfg.max_res}, --res-step >= 1")
+        if not 0 <= cfg.start_ramp < cfg.end_ramp:
+            fail(f"--start-ramp {cfg.start_ramp} must be >= 0 and before --end-ramp {cfg.end_ramp}")
+        if cfg.synthetic:
+            fail("--synthetic trains on one fixed batch: progressive resizing (--min-res/--max-res) needs the data")
     if cfg.val_every < 1:
         fail(f"--val-every must be at least 1 (got {cfg.val_every})")
     if cfg.target_accuracy is not None and not 0 < cfg.target_accuracy <= 1:

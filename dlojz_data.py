@@ -164,8 +164,10 @@ class SafeImageFolder(torchvision.datasets.ImageFolder):
             # per sample. The transforms draw from these two generators only.
             torch.default_generator.manual_seed(sample_seed)
             random.seed(sample_seed)
+            # Progressive resizing: the transform of this sample's epoch (dlojz_transforms.EpochTransforms).
+            transform = self.transform.for_epoch(epoch) if hasattr(self.transform, "for_epoch") else self.transform
             try:
-                return self.transform(self.loader(path)), target
+                return transform(self.loader(path)), target
             except (OSError, ValueError, SyntaxError) as err:
                 print(f"WARNING: skipping unreadable image {path}: {err}", file=sys.stderr, flush=True)
         raise DataError(f"no readable image in {self.root}")

@@ -496,8 +496,53 @@ class DevicePrefetcher:
 
 # ---------------------------------------------------------------------------------------------------------------
 # The augmentation policies of dlojz's flags (torchvision v2)
+def resolution_at(epoch, min_res, max_res, start_ramp, end_ramp, res_step):
+    """FFCV's progressive resizing: `min_res` up to epoch `start_ramp`, `max_res` from `end_ramp`, linear in
+    between, rounded to a multiple of `res_step` (epochs counted from 0, as FFCV counts them)."""
+    if epoch <= start_ramp:
+        return min_res
+    if epoch >= end_ramp:
+        return max_res
+    res = min_res + (max_res - min_res) * (epoch - start_ramp) / (end_ramp - start_ramp)
+    return int(round(res / res_step)) * res_step
+
+
+def training_resolution(cfg, epoch):
+    """The crop size of epoch `epoch`: --image-size, or the progressive resizing schedule's."""
+    if cfg.min_res is None:
+        return cfg.image_size
+    return resolution_at(epoch, cfg.min_res, cfg.max_res, cfg.start_ramp, cfg.end_ramp, cfg.res_step)
+
+
+class EpochTransforms:
+    """A transform per training resolution: the data set asks `for_epoch(epoch)` with the epoch of each sample's
+    key, so that every worker (persistent ones too) and a run resumed mid-epoch crop at that epoch's resolution.
+    The batch size stays the same; each new size is built once per worker."""
+
+    def __init__(self, make, resolution):
+        self.make, self.resolution = make, resolution
+        self._by_size = {}
+
+    def for_epoch(self, epoch):
+        size = self.resolution(epoch)
+        if size not in self._by_size:
+            self._by_size[size] = self.make(size)
+        return self._by_size[size]
+
+    def __call__(self, img):  # a sample without an epoch: epoch 0
+        return self.for_epoch(0)(img)
+
+
 def train_transform(cfg):
-    """The fast crop + flip above, then the optional policies (torchvision v2, on uint8 tensors)."""
+    """The fast crop + flip above, then the optional policies (torchvision v2, on uint8 tensors); with progressive
+    resizing (--min-res/--max-res), one such transform per epoch's resolution."""
+    if cfg.min_res is not None:
+        return EpochTransforms(lambda size: fixed_size_train_transform(cfg, size),
+                               lambda epoch: training_resolution(cfg, epoch))
+    return fixed_size_train_transform(cfg, cfg.image_size)
+
+
+def fixed_size_train_transform(cfg, image_size):
     extra = []
     if cfg.randaugment:
         extra.append(v2.RandAugment(num_ops=cfg.randaugment[0], magnitude=cfg.randaugment[1]))
@@ -505,7 +550,7 @@ def train_transform(cfg):
         extra.append(v2.TrivialAugmentWide())
     if cfg.random_erase > 0:
         extra.append(v2.RandomErasing(p=cfg.random_erase))
-    crop_flip = TrainTransform(cfg.image_size)
+    crop_flip = TrainTransform(image_size)
     return v2.Compose([crop_flip, *extra]) if extra else crop_flip
 
 

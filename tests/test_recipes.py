@@ -56,14 +56,15 @@ def test_a_missing_recipe_file_is_one_line(tmp_path, run_inline):
 
 
 @pytest.mark.parametrize("path", RECIPES, ids=[p.name for p in RECIPES])
-def test_every_shipped_recipe_parses_and_starts(path, tmp_path, run_inline):
+def test_every_shipped_recipe_parses_and_starts(path, tmp_path, run_inline, tiny_data):
     """One step of a tiny model with each recipe: the heavy values are overridden on the command line, as a user
     trying a recipe on a laptop would."""
     metrics = tmp_path / "m.json"
     proc = run_inline("--config", path, "--device", "cpu", "--arch", "resnet18", "--image-size", "32",
+                      "--min-res", "16", "--max-res", "32", "--start-ramp", "0", "--end-ramp", "1",
                       "--val-resize-size", "36", "--val-crop-size", "32", "-b", "4", "--val-batch-size", "4",
-                      "--synthetic", "--test", "--test-nsteps", "1", "--output-dir", tmp_path / "run",
-                      "--metrics-json", metrics)
+                      "--data-root", tiny_data, "--num-workers", "0", "--test", "--test-nsteps", "1",
+                      "--output-dir", tmp_path / "run", "--metrics-json", metrics)
     assert proc.returncode == 0, proc.stderr
     assert f"recipe {path}" in proc.stdout
     assert read_json(metrics)["steps"] == 1
