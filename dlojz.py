@@ -36,7 +36,7 @@ from dlojz_dist import (Distribution, StopPoll, StopSignal, agree_on_stop, check
 from dlojz_hooks import LoopHooks, make_profiler
 from dlojz_log import (LOG_EVERY, Console, NoWandb, Progress, chrono_context, finish, start_wandb, write_json,
                        write_lr_finder)
-from dlojz_model import ModelEma, create_model, enable_grad_checkpointing
+from dlojz_model import ModelEma, apply_blurpool, create_model, enable_grad_checkpointing
 from dlojz_transforms import (DeviceNormalize, DevicePrefetcher, ValTransform, batch_mixing, decoder_description,
                               train_transform, training_resolution)
 
@@ -406,6 +406,11 @@ def build_data(cfg, ranks, log):
 
 def build_model(cfg, num_classes, ranks, log) -> Model:
     module = create_model(cfg.arch, num_classes, cfg.zero_init_residual)
+    if cfg.blurpool:  # before the copies below (SyncBN, EMA): they keep the blurred layers
+        changed = apply_blurpool(module)
+        if changed == 0:
+            fail(f"--blurpool: --arch {cfg.arch} has no strided convolution or max-pool to blur")
+        log(f"BlurPool: {changed} strided convolutions and max-pools blur their input first")
     if cfg.sync_bn and ranks.enabled:
         module = torch.nn.SyncBatchNorm.convert_sync_batchnorm(module)
     module = module.to(ranks.device)

@@ -120,6 +120,7 @@ def get_args_parser():
     p.add_argument("--label-smoothing", type=float, default=0.1, help="label smoothing of the loss (default: 0.1)")
     p.add_argument("--arch", default="resnet50", help="any torchvision classification model name (default: resnet50)")
     p.add_argument("--seed", type=int, default=123, help="random seed (default: 123)")
+    p.add_argument("--blurpool", action="store_true", help="anti-aliased downsampling: blur before strided convolutions and max-pools")
     p.add_argument("--zero-init-residual", action="store_true", help="last BatchNorm scale of each residual block at 0 (ResNets)")
     p.add_argument("--clip-grad-norm", type=float, default=None, metavar="X", help="clip the gradients' global norm to X (after unscaling)")
 
@@ -225,6 +226,7 @@ class Config:
     label_smoothing: float
     arch: str
     seed: int
+    blurpool: bool
     zero_init_residual: bool
     clip_grad_norm: float | None
     # optimizer and schedule

@@ -5,6 +5,10 @@
 - `enable_grad_checkpointing(model, arch)`: recompute each stage's activations in the backward (`--grad-checkpointing`),
   BatchNorm running statistics updated once per step as without it; `plain_stages(model)` undoes it for as long
   as a `with` lasts (FLOP counts exclude the recomputation).
+- `apply_blurpool(model)`: anti-aliased downsampling (`--blurpool`, Zhang 2019, as FFCV and Composer apply it): a
+  3x3 binomial blur before each strided convolution of 16+ input channels, and max-pools that take the max at
+  stride 1 then blur with the stride. Only classes change and the blur filter is a constant: the state dict keeps
+  its keys and loads into the model with or without it.
 - `ModelEma(model, decay)`: `--model-ema`'s exponential moving average of the weights and buffers, updated without
   waiting for the device (torch's AveragedModel reads its step count back from the GPU every step).
 - `saved_activation_bytes(model, image_size, channels_last, checkpointing, arch)`: bytes per image that autograd
@@ -101,6 +105,45 @@ def plain_stages(model):
     finally:
         for module, cls in stages:
             module.__class__ = cls
+
+
+# ---------------------------------------------------------------------- anti-aliased downsampling
+def blur(x, stride):
+    """Depthwise 3x3 binomial low-pass filter ([1 2 1] x [1 2 1] / 16), zero padding, with `stride`."""
+    channels = x.shape[1]
+    kernel = torch.tensor([1.0, 2.0, 1.0], device=x.device, dtype=x.dtype)
+    kernel = (kernel[:, None] * kernel[None, :] / 16).expand(channels, 1, 3, 3)
+    return torch.nn.functional.conv2d(x, kernel, stride=stride, padding=1, groups=channels)
+
+
+class BlurConv2d(torch.nn.Conv2d):
+    """A strided convolution that sees its input low-pass filtered first (FFCV's BlurPool): less aliasing."""
+
+    def forward(self, x):
+        return super().forward(blur(x, 1))
+
+
+class MaxBlurPool2d(torch.nn.MaxPool2d):
+    """Max-pool at stride 1, then blur with the stride (Zhang 2019's MaxBlurPool, Composer's)."""
+
+    def forward(self, x):
+        pooled = torch.nn.functional.max_pool2d(x, self.kernel_size, 1, self.padding, self.dilation,
+                                                ceil_mode=self.ceil_mode)
+        return blur(pooled, self.stride)
+
+
+def apply_blurpool(model, min_channels=16):
+    """Blur before each strided Conv2d with at least `min_channels` inputs (the stem's 3-channel conv keeps its
+    own), and turn each strided MaxPool2d into a MaxBlurPool2d. Returns how many layers changed."""
+    changed = 0
+    for module in model.modules():
+        if type(module) is torch.nn.Conv2d and max(module.stride) > 1 and module.in_channels >= min_channels:
+            module.__class__ = BlurConv2d
+            changed += 1
+        elif type(module) is torch.nn.MaxPool2d and module.stride not in (1, (1, 1)):
+            module.__class__ = MaxBlurPool2d
+            changed += 1
+    return changed
 
 
 # ---------------------------------------------------------------------- exponential moving average
