@@ -1,75 +1,190 @@
 #!/usr/bin/env bash
-# GPU acceptance run: one command on one GPU node proves dlojz's CUDA paths and measures it against the anchors.
-#     bash bench/gpu_acceptance.sh [PYTHON]        # default: python3; about 10 minutes on one H100
-# 1. checks the GPU and the imports (installs nothing: says which wheels to bring);
-# 2. runs the GPU tests (python -m pytest tests -m gpu);
-# 3. runs ResNet-50 at 224 px, batch 256, AMP, channels-last: --synthetic --test (the GPU alone), then --test on
-#    the embedded data set (decoding and augmentation in the DataLoader workers);
-# 4. prints img/s, MFU and J/image beside NVIDIA DeepLearningExamples' and MLPerf's figures.
-# Output folder: $OUT_DIR (default runs/gpu_acceptance_<time>). Exit status: 0 when every step passed.
+# GPU acceptance run: one command on one GPU node proves dlojz's CUDA paths and measures ResNet-50 on the node.
+#
+#     bash bench/gpu_acceptance.sh [PYTHON]      # default PYTHON: python3; about 10 minutes on one H100
+#
+# Installs nothing: it runs the Python it is given (a venv's, or the site's module). Steps:
+# 1. checks: a CUDA GPU visible to torch (else exit 1, last line "no CUDA GPU ..."), the imports dlojz needs
+#    (else exit 2, naming the wheels to bring);
+# 2. the GPU tests: $PYTHON -m pytest tests -m gpu (tests/test_gpu.py);
+# 3. ResNet-50, 224 px, batch 256, AMP, channels-last, 100 steps of --test (chronometer on): with --synthetic (the
+#    GPU alone), then through the real input pipeline (JPEG decoding and augmentation in nproc-1 DataLoader
+#    workers, prefetcher, normalisation on the GPU);
+# 4. a table of img/s, MFU and J/image beside NVIDIA DeepLearningExamples' and MLPerf's figures.
+# The real-pipeline run needs 100 batches of 256 images: dlojz's embedded data set has 1,200 (5 batches, images of
+# 96x80 px), so the same generator (dlojz_data.make_embedded_dataset) writes, once, 25,600 + 500 JPEGs of 500x375
+# px (ImageNet's usual size, ~35 KB each, ~1 GB) into $XDG_CACHE_HOME/dlojz (default ~/.cache/dlojz), reused by
+# later runs; DATA_ROOT=/path/to/imagenet uses that folder instead (train/ and val/).
+# Output: $OUT_DIR (default runs/gpu_acceptance_<epoch seconds>): metrics JSONs, chronometer traces, timelines.
+# Exit status: 0 when every step passed; 1 without a GPU or when a step failed; 2 when a package is missing.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 1
 PYTHON="${1:-python3}"
-OUT_DIR="${OUT_DIR:-runs/gpu_acceptance_$(date +%Y%m%d-%H%M%S)}"
+OUT_DIR="${OUT_DIR:-runs/gpu_acceptance_$(date +%s)}"
 
-if ! "$PYTHON" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
-    "$PYTHON" -c 'import torch; print("torch", torch.__version__, "CUDA", torch.version.cuda)' 2>&1 | tail -1
-    command -v nvidia-smi >/dev/null && nvidia-smi -L 2>&1 | head -4
-    echo "no CUDA GPU found: gpu_acceptance.sh needs a GPU node (and a torch built with CUDA)"
+# ------------------------------------------------------------------ 1. checks
+if ! "$PYTHON" -c 'import torch; assert torch.cuda.is_available()' >/dev/null 2>&1; then
+    echo "gpu_acceptance.sh: $PYTHON ($(command -v "$PYTHON" || echo 'not found'))"
+    if "$PYTHON" -c 'import torch' >/dev/null 2>&1; then
+        "$PYTHON" -c 'import torch; print(f"torch {torch.__version__}, built for CUDA {torch.version.cuda}, GPUs visible to it: {torch.cuda.device_count()}")' 2>&1 | tail -1
+        # the driver too old for this torch's CUDA: dlojz's own check names both versions
+        "$PYTHON" -c 'import dlojz_config as c; print((c.driver_too_old() or "").lstrip(": "))' 2>/dev/null | grep . || true
+    else
+        echo "torch does not import with $PYTHON: give the Python of the venv or module that has it"
+    fi
+    echo "CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES-<unset>}"
+    if command -v nvidia-smi >/dev/null 2>&1; then
+        nvidia-smi -L 2>&1 | head -8
+    else
+        echo "nvidia-smi: not found (no NVIDIA driver on this machine)"
+    fi
+    echo "no CUDA GPU found: gpu_acceptance.sh needs a GPU node (run it inside a GPU allocation, e.g. srun --gres=gpu:1)"
     exit 1
 fi
+
 missing=0
-for module in torch torchvision numpy idr_torch timm PIL; do
-    if ! "$PYTHON" -c "import $module" 2>/dev/null; then
-        missing=1
+advice() {  # the wheel to bring for a missing module
+    case $1 in
+        idr_torch) echo "missing: idr_torch (pure Python). On a machine with network: pip download --no-deps idr_torch==2.5.0;" \
+                        "copy the wheel here, then: $PYTHON -m pip install --no-index --no-deps --target DIR idr_torch-2.5.0-py3-none-any.whl" \
+                        "and export PYTHONPATH=DIR:\$PYTHONPATH" ;;
+        timm) echo "missing: timm (pure Python; LAMB, LARS, Lion). On a machine with network: pip download --no-deps timm;" \
+                   "here: $PYTHON -m pip install --no-index --no-deps --target DIR timm-*.whl and export PYTHONPATH=DIR:\$PYTHONPATH" ;;
+        pytest) echo "missing: pytest (pure Python: pip download pytest pluggy iniconfig packaging, then pip install --no-index" \
+                     "--target DIR *.whl and PYTHONPATH=DIR; pytest-timeout too if you can)" ;;
+        torch|torchvision) echo "missing: $1: use a Python that has PyTorch (module load pytorch-gpu/..., or a venv with" \
+                                "torch==2.14.1 torchvision==0.29.1, or a CUDA 12 build: see README)" ;;
+        PIL) echo "missing: Pillow (pip download --no-deps pillow for this Python's version and platform)" ;;
+        *) echo "missing: $1 (pip download --no-deps $1 on a machine with network, then pip install --no-index)" ;;
+    esac
+}
+for module in torch torchvision numpy PIL idr_torch timm pytest; do
+    "$PYTHON" -c "import $module" >/dev/null 2>&1 || { advice "$module"; missing=1; }
+done
+if [ "$missing" != 0 ]; then
+    echo "gpu_acceptance.sh: bring the packages above, then run it again"
+    exit 2
+fi
+for module in wandb simplejpeg pynvml matplotlib pytest_timeout; do
+    if ! "$PYTHON" -c "import $module" >/dev/null 2>&1; then
         case $module in
-            idr_torch) echo "missing: idr_torch (pure Python). On a machine with network: pip download --no-deps idr_torch==2.5.0;" \
-                            "here: pip install --no-index --no-deps --target DIR idr_torch-2.5.0-*.whl; export PYTHONPATH=DIR" ;;
-            *) echo "missing: $module (pip install $module, or load the site's module)" ;;
+            pynvml) why="no power and energy figures (nvidia-ml-py)" ;;
+            simplejpeg) why="PIL decodes the JPEGs where the region decoder cannot be built" ;;
+            matplotlib) why="no timeline plots" ;;
+            wandb) why="not used here (--no-wandb)" ;;
+            pytest_timeout) why="no per-test time limit" ;;
         esac
+        echo "optional, absent: $module: $why"
     fi
 done
-[ "$missing" = 0 ] || { echo "gpu_acceptance.sh: bring the packages above, then run it again"; exit 2; }
-for module in wandb simplejpeg pynvml pytest; do
-    "$PYTHON" -c "import $module" 2>/dev/null || echo "optional, absent: $module" \
-        "$([ $module = pynvml ] && echo '(no energy figures: nvidia-ml-py)')$([ $module = pytest ] && echo '(the GPU tests are skipped)')"
-done
-mkdir -p "$OUT_DIR"
-status=0
+"$PYTHON" -c 'import torch; print(f"GPU: {torch.cuda.get_device_name()} (x{torch.cuda.device_count()}), torch {torch.__version__}, CUDA {torch.version.cuda}")'
+mkdir -p "$OUT_DIR" || exit 1
+failed=()
+started=$SECONDS
+step_time() { echo "--- $1: $(( SECONDS - $2 )) s"; }
 
-echo "=== GPU tests"
-if "$PYTHON" -c "import pytest" 2>/dev/null; then
-    "$PYTHON" -m pytest tests -m gpu -q -ra -p no:cacheprovider || status=1
-fi
+# ------------------------------------------------------------------ 2. the GPU tests
+echo "=== GPU tests: $PYTHON -m pytest tests -m gpu"
+t=$SECONDS
+"$PYTHON" -m pytest tests -m gpu -q -ra -p no:cacheprovider || failed+=("GPU tests")
+step_time "GPU tests" "$t"
 
+# ------------------------------------------------------------------ 3. ResNet-50 runs
 workers=$(( $(nproc) - 1 ))
-common=(--test --no-wandb --arch resnet50 -b 256 --image-size 224 --val-resize-size 256 --val-crop-size 224
-        --amp --channels-last --test-nsteps 100 --num-workers "$workers")
-echo "=== ResNet-50, synthetic data (the GPU alone)"
-"$PYTHON" dlojz.py --synthetic "${common[@]}" --output-dir "$OUT_DIR/synthetic" \
-    --metrics-json "$OUT_DIR/synthetic.json" || status=1
-echo "=== ResNet-50, embedded data set (JPEG decoding and augmentation in $workers workers)"
-"$PYTHON" dlojz.py "${common[@]}" --output-dir "$OUT_DIR/data" --metrics-json "$OUT_DIR/data.json" || status=1
+[ "$workers" -ge 1 ] || workers=1
+common=(--test --no-wandb --arch resnet50 -b 256 --image-size 224 --amp --channels-last --test-nsteps 100)
 
-"$PYTHON" - "$OUT_DIR" <<'EOF'
+echo "=== ResNet-50, synthetic data (the GPU alone)"
+t=$SECONDS
+"$PYTHON" dlojz.py --synthetic "${common[@]}" --output-dir "$OUT_DIR/synthetic" \
+    --metrics-json "$OUT_DIR/synthetic.json" || failed+=("synthetic run")
+step_time "synthetic run" "$t"
+
+t=$SECONDS
+data_root="${DATA_ROOT:-}"
+if [ -z "$data_root" ]; then
+    data_root="${XDG_CACHE_HOME:-$HOME/.cache}/dlojz/acceptance-500x375-v1"
+    echo "=== data: 10 classes x (2,560 train + 50 val) JPEGs of 500x375 px in $data_root (once)"
+    "$PYTHON" - "$data_root" <<'EOF' || failed+=("data set")
+import multiprocessing, os, shutil, sys
+from pathlib import Path
+sys.path.insert(0, os.getcwd())
+from dlojz_data import make_embedded_dataset
+
+root = Path(sys.argv[1])
+TRAIN, VAL = 2560, 50  # per class: 100 batches of 256, and 2 validation batches
+if not (root / ".complete").exists():
+    parts = max(1, min(len(os.sched_getaffinity(0)), 32))
+    staging = root.with_name(f"{root.name}.tmp{os.getpid()}")
+
+    def part(i):  # one slice of every class, its own seed
+        return str(make_embedded_dataset(staging / f"part{i}", n_classes=10, train_per_class=-(-TRAIN // parts),
+                                         val_per_class=-(-VAL // parts), size=(500, 375), seed=1000 + i))
+    with multiprocessing.get_context("fork").Pool(parts) as pool:
+        done = pool.map(part, range(parts))
+    count = 0
+    for i, folder in enumerate(map(Path, done)):
+        for image in sorted(folder.glob("*/*/*.JPEG")):
+            target = staging / "data" / image.parent.relative_to(folder) / f"p{i:02d}_{image.name}"
+            target.parent.mkdir(parents=True, exist_ok=True)
+            image.rename(target)
+            count += 1
+    (staging / "data" / ".complete").write_text("gpu_acceptance.sh data set\n")
+    root.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.replace(staging / "data", root)
+    except OSError:  # another run finished first
+        pass
+    shutil.rmtree(staging, ignore_errors=True)
+    print(f"written: {count} JPEGs")
+train = sum(1 for _ in root.glob("train/*/*.JPEG"))
+print(f"{root}: {train} train images ({train // 256} batches of 256)")
+EOF
+fi
+echo "=== ResNet-50, real input pipeline ($data_root, $workers DataLoader workers)"
+"$PYTHON" dlojz.py "${common[@]}" --data-root "$data_root" --val-resize-size 256 --val-crop-size 224 \
+    --num-workers "$workers" --output-dir "$OUT_DIR/data" --metrics-json "$OUT_DIR/data.json" \
+    || failed+=("real-pipeline run")
+step_time "real-pipeline run (with the data set)" "$t"
+
+# ------------------------------------------------------------------ 4. the table
+"$PYTHON" - "$OUT_DIR" <<'EOF' || failed+=("table")
 import json, sys
 from pathlib import Path
 import torch
+
 out = Path(sys.argv[1])
-print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}, ResNet-50 224 px, batch 256, AMP, channels-last")
-print(f"{'run':<12}{'img/s':>10}{'MFU':>8}{'J/image':>10}{'step ms':>10}")
-for name in ("synthetic", "data"):
+print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}: ResNet-50, 224 px, batch 256, AMP float16, "
+      f"channels-last, 100 steps")
+print(f"{'run':<16}{'img/s':>9}{'chrono img/s':>14}{'MFU':>8}{'J/image':>9}{'step ms':>9}{'load ms':>9}")
+
+
+def cell(value, fmt):
+    return "n/a" if value is None else format(value, fmt)
+
+
+for name, label in (("synthetic", "synthetic"), ("data", "real pipeline")):
     path = out / f"{name}.json"
     if not path.exists():
-        print(f"{name:<12}{'failed':>10}")
+        print(f"{label:<16}{'failed: no ' + path.name:>30}")
         continue
-    chrono = json.loads(path.read_text()).get("chrono", {})
-    mfu, joules = chrono.get("mfu"), chrono.get("energy_per_image_j")
-    print(f"{name:<12}{chrono.get('throughput_img_s', float('nan')):>10.0f}"
-          f"{(f'{100 * mfu:.1f} %' if mfu else 'n/a'):>8}{(f'{joules:.3f}' if joules else 'n/a'):>10}"
-          f"{1000 * chrono.get('step_median_s', float('nan')):>10.1f}")
-print("anchors: NVIDIA DeepLearningExamples ResNet-50 AMP (DALI): 2,470 img/s per A100-80GB; "
+    m = json.loads(path.read_text())
+    chrono = m.get("chrono", {})
+    mfu = chrono.get("mfu")
+    step, load = chrono.get("step_median_s"), chrono.get("load_median_s")
+    print(f"{label:<16}{cell(m.get('images_per_second'), '.0f'):>9}{cell(chrono.get('throughput_img_s'), '.0f'):>14}"
+          f"{cell(None if mfu is None else 100 * mfu, '.1f') + (' %' if mfu is not None else ''):>8}"
+          f"{cell(chrono.get('energy_per_image_j'), '.3f'):>9}{cell(None if step is None else 1e3 * step, '.1f'):>9}"
+          f"{cell(None if load is None else 1e3 * load, '.1f'):>9}")
+print("img/s: steady state, wall clock between synchronised log points (steps 10-100); chrono img/s: "
+      "batch / median(step + load); MFU: model FLOPs / dense peak")
+print("anchors: NVIDIA DeepLearningExamples ResNet-50 AMP: 2,470 img/s per A100-80GB; "
       "MLPerf-class: ~7,000 img/s per H100")
 EOF
-[ "$status" = 0 ] && echo "gpu_acceptance.sh: all steps passed" || echo "gpu_acceptance.sh: a step failed (see above)"
-exit "$status"
+
+echo "=== output: $OUT_DIR ($(( SECONDS - started )) s)"
+if [ "${#failed[@]}" -ne 0 ]; then
+    echo "gpu_acceptance.sh: FAILED: ${failed[*]}"
+    exit 1
+fi
+echo "gpu_acceptance.sh: all steps passed"

@@ -1,9 +1,21 @@
-"""What only a CUDA GPU can prove: the precision paths, channels-last, the prefetcher's streams, the chronometer's
-synchronised phases, NVML energy, --compile, training steps that never wait for the GPU, and (2+ GPUs) NCCL.
+"""What only a CUDA GPU can prove: dlojz's CUDA paths, run as a user runs them, on one GPU (two for the last tests).
 
-Skipped, with the reason, where no CUDA GPU is visible (this project's CI). On a GPU node, one command:
-    python -m pytest tests -m gpu -v          # these tests, a few minutes on one H100
-    bash bench/gpu_acceptance.sh [PYTHON]     # these tests, then the throughput table against the anchors
+- precision: float16 autocast with a live GradScaler (ResNet-50), bfloat16 without one, both reported in the metrics;
+- `--channels-last`: weights, the batch the model gets and the convolutions' outputs are NHWC on the GPU;
+- the CUDA prefetcher (side stream, pinned memory, `--non-blocking` or not) hands out the very batches a CPU
+  normalisation gives;
+- the chronometer: its phases wait for the compute stream (and only for it), add up to the step and agree with the
+  wall clock; NVML's energy per image;
+- `--compile` trains on CUDA;
+- no host-device synchronisation in steady-state training steps: a whole epoch of dlojz's own `train_one_epoch`
+  under `torch.cuda.set_sync_debug_mode("error")` (fused SGD/AdamW under the float16 GradScaler, bfloat16, EMA,
+  gradient clipping), the only wait being the log point the test leaves at its end;
+- fused steps after an overflowed first step (GPU memory is reused, not zeroed);
+- with 2 GPUs or more: NCCL validation equal to 1 GPU's on an odd number of images, and a `--sync-bn` run.
+
+Skipped, with the reason, where no CUDA GPU is visible (this project's CI machine). On a GPU node, one command:
+    python -m pytest tests -m gpu -v          # these tests alone: a few minutes on one H100
+    bash bench/gpu_acceptance.sh [PYTHON]     # checks, these tests, then ResNet-50 throughput against the anchors
 """
 import math
 
@@ -11,14 +23,19 @@ import pytest
 import torch
 
 import dlojz
-from conftest import SMALL, clean_env, read_json, run_dlojz, show
-from test_optim import GOOD_LR, grad_scaler_steps, tiny_classifier
+from conftest import read_json, run_dlojz, show
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(),
-                                 reason="no CUDA GPU visible: the GPU tests run on a GPU node (bench/gpu_acceptance.sh)")]
+                                 reason="no CUDA GPU visible: the GPU acceptance tests run on a GPU node "
+                                        "(bench/gpu_acceptance.sh)")]
 
-CUDA = ["--device", "cuda", "--image-size", "64", "-b", "16", "--val-batch-size", "16", "--no-wandb"]
+two_gpus = pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.device_count() < 2,
+                              reason="needs 2 GPUs on this node")
+
+# Small enough for a few seconds per run on one GPU; the ResNet-50 tests raise the image size.
+CUDA = ["--device", "cuda", "--no-wandb", "--image-size", "64", "-b", "32", "--val-batch-size", "32",
+        "--val-resize-size", "73", "--val-crop-size", "64"]
 TORCHRUN2 = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
 
 
@@ -28,204 +45,338 @@ def in_tmp(tmp_path, monkeypatch):
 
 
 def loop_for(*flags, n_batches=3):
+    """The arguments of dlojz.train_one_epoch for these flags on CUDA (synthetic batches on the device)."""
     return dlojz.synthetic_loop([*CUDA, *map(str, flags)], n_batches=n_batches)
 
 
 def run_epoch_seen(loop):
-    """One epoch; the conv1 output dtypes and the batches the model got."""
-    dtypes, inputs = [], []
+    """One epoch of dlojz's loop; returns (EpochResult, conv1's outputs, the batches the model got)."""
+    conv_outputs, inputs = [], []
     module = loop["model"].module
-    handles = [module.conv1.register_forward_hook(lambda m, a, out: dtypes.append(out.dtype)),
-               module.register_forward_pre_hook(lambda m, a: inputs.append(a[0]))]
+    handles = [module.conv1.register_forward_hook(lambda m, args, out: conv_outputs.append(out.detach())),
+               module.register_forward_pre_hook(lambda m, args: inputs.append(args[0].detach()))]
     try:
         result = dlojz.train_one_epoch(**loop)
     finally:
         for handle in handles:
             handle.remove()
-    return result, dtypes, inputs
+    return result, conv_outputs, inputs
 
 
+def skip_without_bfloat16():
+    """Asked in the test, not at collection: asking starts CUDA in the pytest process, which a run of the other
+    tests alone (the DataLoader workers they fork) has no reason to do."""
+    if not torch.cuda.is_bf16_supported(including_emulation=False):
+        pytest.skip("this GPU has no native bfloat16 (compute capability < 8.0): dlojz refuses --amp-dtype "
+                    "bfloat16 there")
+
+
+def is_power_of_two(x):
+    return x is not None and math.isfinite(x) and x > 0 and math.log2(x).is_integer()
+
+
+# ---------------------------------------------------------------- precision
 def test_float16_with_the_grad_scaler_on_resnet50():
-    loop = loop_for("--arch", "resnet50", "--amp", "--amp-dtype", "float16")
-    result, dtypes, _ = run_epoch_seen(loop)
-    assert set(dtypes) == {torch.float16} and math.isfinite(result.train_loss)
+    loop = loop_for("--arch", "resnet50", "--image-size", "128", "--amp", "--amp-dtype", "float16")
+    result, conv_outputs, _ = run_epoch_seen(loop)
+    assert len(conv_outputs) == 3 and {out.dtype for out in conv_outputs} == {torch.float16}
+    assert math.isfinite(result.train_loss)
+    assert next(loop["model"].module.parameters()).dtype == torch.float32  # float32 master weights
     scaler = loop["opt"].scaler
-    assert scaler.is_enabled() and math.log2(scaler.get_scale()).is_integer()
-    assert loop["opt"].optimizer.defaults["fused"]
+    assert scaler.is_enabled() and is_power_of_two(scaler.get_scale()), scaler.get_scale()
+    assert loop["opt"].optimizer.defaults.get("fused"), "SGD's fused step: the scaler hands it tensors, no host read"
 
 
 def test_bfloat16_needs_no_scaler():
-    loop = loop_for("--arch", "resnet50", "--amp", "--amp-dtype", "bfloat16")
-    result, dtypes, _ = run_epoch_seen(loop)
-    assert set(dtypes) == {torch.bfloat16} and math.isfinite(result.train_loss)
+    skip_without_bfloat16()
+    loop = loop_for("--arch", "resnet50", "--image-size", "128", "--amp", "--amp-dtype", "bfloat16")
+    result, conv_outputs, _ = run_epoch_seen(loop)
+    assert {out.dtype for out in conv_outputs} == {torch.bfloat16}
+    assert math.isfinite(result.train_loss)
     assert not loop["opt"].scaler.is_enabled()
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_precision_reported_in_the_metrics(dtype, tmp_path):
+def test_precision_is_reported_in_the_metrics(dtype, tmp_path):
+    if dtype == "bfloat16":
+        skip_without_bfloat16()
     metrics = tmp_path / "m.json"
-    proc = run_dlojz(*CUDA, "--arch", "resnet18", "--synthetic", "--test", "--test-nsteps", "12", "--amp",
+    proc = run_dlojz(*CUDA, "--arch", "resnet50", "--synthetic", "--test", "--test-nsteps", "20", "--amp",
                      "--amp-dtype", dtype, "--metrics-json", metrics, "--output-dir", tmp_path / "run")
     assert proc.returncode == 0, show(proc)
     m = read_json(metrics)
-    assert m["compute_dtype"] == dtype
-    assert (m["grad_scaler_scale"] is not None) is (dtype == "float16")
+    assert m["compute_dtype"] == dtype and m["steps"] == 20 and math.isfinite(m["train_loss"])
+    if dtype == "float16":
+        assert is_power_of_two(m["grad_scaler_scale"]), m["grad_scaler_scale"]
+    else:
+        assert m["grad_scaler_scale"] is None
 
 
-def test_channels_last_on_cuda():
-    loop = loop_for("--arch", "resnet18", "--channels-last")
-    _, _, inputs = run_epoch_seen(loop)
-    assert loop["model"].module.conv1.weight.is_contiguous(memory_format=torch.channels_last)
-    assert inputs[0].is_cuda and inputs[0].is_contiguous(memory_format=torch.channels_last)
-    assert not inputs[0].is_contiguous()
+# ---------------------------------------------------------------- memory format
+@pytest.mark.parametrize("flag, expected", [("--channels-last", True), ("--no-channels-last", False)])
+def test_channels_last_on_cuda(flag, expected):
+    loop = loop_for("--arch", "resnet18", "--amp", flag)
+    _, conv_outputs, inputs = run_epoch_seen(loop)
+    nhwc = torch.channels_last
+    assert loop["model"].module.conv1.weight.is_contiguous(memory_format=nhwc) is expected
+    assert inputs[0].is_cuda and inputs[0].is_contiguous(memory_format=nhwc) is expected
+    assert inputs[0].is_contiguous() is not expected
+    assert conv_outputs[0].is_contiguous(memory_format=nhwc) is expected  # cuDNN ran the NHWC kernels
 
 
+# ---------------------------------------------------------------- the CUDA prefetcher
 def test_the_prefetcher_gives_the_same_batches_on_its_stream(tmp_path):
+    """Validation batches built by dlojz (DataLoader workers, pinned memory, DevicePrefetcher's copy stream,
+    normalisation on the GPU) with --non-blocking, --no-non-blocking and --channels-last: the same images and labels,
+    on the GPU, equal to the same uint8 batches normalised on the CPU."""
     from dlojz_config import get_args_parser, resolve_config
     from dlojz_data import make_embedded_dataset
     from dlojz_dist import Distribution
     from dlojz_log import Console
+    from dlojz_transforms import DeviceNormalize, DevicePrefetcher
     root = make_embedded_dataset(tmp_path / "d", n_classes=3, train_per_class=16, val_per_class=4, size=(48, 40))
-    batches = {}
-    for flag in ("--non-blocking", "--no-non-blocking"):
+    got, reference = {}, None
+    for name, flags in (("non-blocking", ["--non-blocking"]), ("blocking", ["--no-non-blocking"]),
+                        ("channels-last", ["--non-blocking", "--channels-last"])):
         cfg = resolve_config(get_args_parser().parse_args(
-            [*SMALL[2:], "--device", "cuda", "--data-root", str(root), "--val-batch-size", "5", "--num-workers", "1",
-             flag, "--output-dir", str(tmp_path / "run")]))
+            ["--device", "cuda", "--arch", "resnet18", "--data-root", str(root), "--image-size", "32",
+             "--val-resize-size", "36", "--val-crop-size", "32", "--val-batch-size", "5", "--num-workers", "1",
+             "--output-dir", str(tmp_path / "run"), *flags]))
+        assert cfg.non_blocking is (name != "blocking") and cfg.pin_memory
         ranks = Distribution(1, 0, 0, torch.device(cfg.torch_device))
         log = Console(False)
         train_set, val_set, classes = dlojz.build_data(cfg, ranks, log)
+        opened = len(dlojz.LOADERS)
         loaders = dlojz.build_loaders(cfg, train_set, val_set, len(classes), ranks, log)
-        got = [(images.cpu(), labels.cpu(), images.is_cuda) for images, labels in loaders.val_batches]
-        batches[flag] = got
-        for loader in dlojz.LOADERS:
-            dlojz.close_loader(loader)
-        dlojz.LOADERS.clear()
-    fast, plain = batches["--non-blocking"], batches["--no-non-blocking"]
-    assert len(fast) == len(plain) == 3 and all(on_gpu for _, _, on_gpu in fast)
-    for (a, la, _), (b, lb, _) in zip(fast, plain):
+        try:
+            prefetcher = loaders.val_batches
+            assert isinstance(prefetcher, DevicePrefetcher) and prefetcher.non_blocking is cfg.non_blocking
+            batches = []
+            for images, labels in prefetcher:
+                assert images.is_cuda and labels.is_cuda and images.dtype == torch.float32
+                assert images.is_contiguous(memory_format=torch.channels_last) is cfg.channels_last
+                batches.append((images.cpu(), labels.cpu()))  # read on the compute stream, at once
+            got[name] = batches
+            if reference is None:  # the loader's uint8 batches, normalised on the CPU
+                normalize = DeviceNormalize(torch.device("cpu"))
+                reference = [(normalize(images), labels) for images, labels in prefetcher.loader]
+        finally:
+            for loader in dlojz.LOADERS[opened:]:
+                dlojz.close_loader(loader)
+            del dlojz.LOADERS[opened:]
+    assert [len(images) for images, _ in reference] == [5, 5, 2]  # 12 validation images
+    for name, batches in got.items():
+        assert len(batches) == len(reference), name
+        for (images, labels), (ref_images, ref_labels) in zip(batches, reference):
+            assert torch.equal(labels, ref_labels), name
+            torch.testing.assert_close(images, ref_images, rtol=0, atol=1e-5, msg=name)
+    for (a, la), (b, lb) in zip(got["non-blocking"], got["blocking"]):
         assert torch.equal(a, b) and torch.equal(la, lb)
 
 
-def chrono_metrics(tmp_path, *flags):
-    metrics = tmp_path / "m.json"
-    proc = run_dlojz(*CUDA, "--synthetic", "--test", "--test-nsteps", "30", "--metrics-json", metrics,
-                     "--output-dir", tmp_path / "run", *flags)
+# ---------------------------------------------------------------- the chronometer
+def gpu_sleep_seconds(cycles):
+    """How long torch.cuda._sleep(cycles) keeps the GPU busy, timed with CUDA events."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(cycles)
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3
+
+
+def test_the_chronometer_waits_for_the_compute_stream_and_only_for_it():
+    """Kernels the host only queues (torch.cuda._sleep) are charged to the phase that queued them; a kernel on a
+    side stream (the prefetcher's copy of the next batch) is charged to none."""
+    from dlojz_chrono import Chronometer
+    device = torch.device("cuda", torch.cuda.current_device())
+    calibration = 10_000_000
+    gpu_sleep_seconds(calibration)  # first launch
+    cycles = int(calibration * 0.02 / gpu_sleep_seconds(calibration))  # about 20 ms on this GPU's clock
+    sleep_s = gpu_sleep_seconds(cycles)
+    chrono = Chronometer(enabled=True, device=device, warmup_steps=1, nvml=None)
+    side = torch.cuda.Stream(device)
+    chrono.start()
+    for _ in range(6):
+        chrono.dataload()
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(cycles)
+        chrono.dataload()
+        chrono.forward()
+        torch.cuda._sleep(cycles)
+        chrono.forward()
+        chrono.backward()
+        torch.cuda._sleep(2 * cycles)
+        chrono.backward()
+        side.synchronize()
+    s = chrono.summary({"images_per_step": 1})
+    assert s["forward_median_s"] == pytest.approx(sleep_s, rel=0.3), (s, sleep_s)
+    assert s["backward_median_s"] == pytest.approx(2 * sleep_s, rel=0.3), (s, sleep_s)
+    assert s["load_median_s"] < 0.25 * sleep_s, (s, sleep_s)
+
+
+@pytest.fixture(scope="module")
+def resnet50_test_metrics(tmp_path_factory):
+    """The metrics of one `--synthetic --test` ResNet-50 run at 224 px, batch 64, AMP (chronometer on)."""
+    out = tmp_path_factory.mktemp("resnet50_test")
+    proc = run_dlojz(*CUDA, "--arch", "resnet50", "--image-size", "224", "-b", "64", "--val-batch-size", "64",
+                     "--val-resize-size", "256", "--val-crop-size", "224", "--amp", "--synthetic", "--test",
+                     "--test-nsteps", "40", "--metrics-json", out / "m.json", "--output-dir", out / "run")
     assert proc.returncode == 0, show(proc)
-    return read_json(metrics)
+    return read_json(out / "m.json")
 
 
-def test_the_chronometer_phases_add_up_to_the_step(tmp_path):
-    chrono = chrono_metrics(tmp_path, "--arch", "resnet50", "--image-size", "128", "-b", "64", "--amp")["chrono"]
-    total = chrono["forward_median_s"] + chrono["backward_median_s"]
-    assert total == pytest.approx(chrono["step_median_s"], rel=0.15), chrono
-    assert chrono["throughput_img_s"] > 0 and 0 < chrono["mfu"] < 1
+def test_the_chronometer_phases_add_up_to_the_step(resnet50_test_metrics):
+    m = resnet50_test_metrics
+    chrono = m["chrono"]
+    assert chrono["steps"] == 40 and chrono["measured_steps"] == 35 and chrono["warmup_excluded"]
+    assert chrono["forward_median_s"] + chrono["backward_median_s"] == pytest.approx(chrono["step_median_s"],
+                                                                                     rel=0.15), chrono
+    assert 0 < chrono["forward_median_s"] < chrono["step_median_s"]
+    assert m["images_per_second"] > 0 and chrono["throughput_img_s"] > 0
+    # Against the untimed clock: the run's images/s is timed between the synchronised log points after steps 10
+    # and 40 (wall clock, warm-up left out); the phases of steps 11 to 40 lie inside that window, one after the
+    # other, and must fill it but for the loop's bookkeeping and NVML's readings between them.
+    trace = read_json(chrono["trace_path"])
+    phases_s = sum((load or 0.0) + step for load, step in zip(trace["load_s"][10:40], trace["step_s"][10:40]))
+    wall_s = 30 * m["global_batch_size"] / m["images_per_second"]
+    assert 0.8 * wall_s < phases_s < 1.02 * wall_s, (phases_s, wall_s, chrono)
+    from dlojz_model import peak_flops
+    if peak_flops(torch.cuda.get_device_name(), "float16"):  # V100/A100/H100/H200: the MFU is reported
+        assert 0 < chrono["mfu"] < 1, chrono
 
 
-def test_nvml_reads_the_energy_per_image(tmp_path):
-    pynvml = pytest.importorskip("pynvml", reason="nvidia-ml-py not installed: no energy figures")
+def test_nvml_reads_the_energy_per_image(resnet50_test_metrics):
+    try:
+        import pynvml
+    except ImportError:
+        pytest.skip("pynvml (nvidia-ml-py) is not installed: dlojz leaves the energy figures out")
     try:
         pynvml.nvmlInit()
     except pynvml.NVMLError as err:
-        pytest.skip(f"NVML does not start here: {err}")
-    chrono = chrono_metrics(tmp_path, "--arch", "resnet50", "--image-size", "128", "-b", "64", "--amp")["chrono"]
-    assert chrono.get("energy_per_image_j", 0) > 0, chrono
+        pytest.skip(f"NVML does not start here ({err}): dlojz leaves the energy figures out")
+    from dlojz_chrono import _nvml_handle_for
+    try:
+        pynvml.nvmlDeviceGetTotalEnergyConsumption(_nvml_handle_for(pynvml, torch.device("cuda", 0)))
+    except pynvml.NVMLError as err:
+        pytest.skip(f"this GPU has no energy counter ({err}): dlojz leaves the energy figures out")
+    chrono = resnet50_test_metrics["chrono"]
+    assert chrono.get("peak_power_w", 0) > 0, chrono
+    # ResNet-50 training: a fraction of a joule per image on an A100/H100; 20 J would be a unit error (mJ).
+    assert 0 < chrono.get("energy_per_image_j", 0) < 20, chrono
 
 
+# ---------------------------------------------------------------- torch.compile
 def test_compile_runs_on_cuda(tmp_path):
     metrics = tmp_path / "m.json"
     proc = run_dlojz(*CUDA, "--arch", "resnet18", "--synthetic", "--test", "--test-nsteps", "10", "--compile",
-                     "--metrics-json", metrics, "--output-dir", tmp_path / "run", timeout=900)
+                     "--metrics-json", metrics, "--output-dir", tmp_path / "run", timeout=800)
     assert proc.returncode == 0, show(proc)
-    assert read_json(metrics)["steps"] == 10
+    m = read_json(metrics)
+    assert m["steps"] == 10 and math.isfinite(m["train_loss"])
+    # the compilation is in the time to the first step, not in the step statistics
+    assert m["chrono"]["time_to_first_step_s"] > 5 * m["chrono"]["step_median_s"], m["chrono"]
 
 
-@pytest.mark.parametrize("flags", [
-    ["--optimizer", "sgd", "--amp", "--amp-dtype", "float16"],
-    ["--optimizer", "adamw", "--amp", "--amp-dtype", "float16"],
-    ["--optimizer", "sgd", "--amp", "--amp-dtype", "bfloat16", "--model-ema"],
-    ["--optimizer", "sgd", "--amp", "--amp-dtype", "float16", "--clip-grad-norm", "1.0", "--channels-last"],
-], ids=["sgd-float16", "adamw-float16", "sgd-bfloat16-ema", "sgd-float16-clip"])
+# ---------------------------------------------------------------- no host-device synchronisation per step
+SYNC_FREE = [
+    pytest.param(["--optimizer", "sgd", "--amp-dtype", "float16"], id="sgd-float16"),
+    pytest.param(["--optimizer", "adamw", "--amp-dtype", "float16"], id="adamw-float16"),
+    pytest.param(["--optimizer", "sgd", "--amp-dtype", "bfloat16"], id="sgd-bfloat16"),
+    pytest.param(["--optimizer", "sgd", "--amp-dtype", "float16", "--model-ema"], id="sgd-float16-ema"),
+    pytest.param(["--optimizer", "adamw", "--amp-dtype", "bfloat16", "--model-ema"], id="adamw-bfloat16-ema"),
+    pytest.param(["--optimizer", "sgd", "--amp-dtype", "float16", "--clip-grad-norm", "1.0", "--channels-last"],
+                 id="sgd-float16-clip-channels-last"),
+    pytest.param(["--optimizer", "lamb", "--amp-dtype", "float16"], id="lamb-float16", marks=pytest.mark.xfail(
+        strict=False, raises=RuntimeError,
+        reason="timm's LAMB has no fused step: the float16 GradScaler reads its overflow flag on the host at every "
+               "optimizer step (dlojz says so at start-up; --amp-dtype bfloat16 or sgd/adamw avoid it)")),
+]
+
+
+@pytest.mark.parametrize("flags", SYNC_FREE)
 def test_training_steps_never_wait_for_the_gpu(flags, monkeypatch):
-    """torch.cuda.set_sync_debug_mode("error") raises on any host-device synchronisation: on from the end of the
-    first micro-batch (cuDNN autotuning, the scaler's first scale) to the end of the last (whose totals the host
-    reads on purpose), log points moved out of reach."""
-    loop = loop_for("--arch", "resnet18", *flags, n_batches=8)
+    """torch.cuda.set_sync_debug_mode("error") raises at any host-device synchronisation. A first epoch warms up
+    (cuDNN autotuning, optimizer state, the scaler's first scale, EMA's first copy; its log points wait on purpose);
+    the second, dlojz's train_one_epoch itself, runs in that mode from its start to its one deliberate wait, the
+    log point of its last step (the others moved out of reach), which the test lets through."""
+    if "bfloat16" in flags:
+        skip_without_bfloat16()
+    loop = dlojz.synthetic_loop([*CUDA, "--arch", "resnet18", "--epochs", "2", "--amp", *flags], n_batches=9)
+    dlojz.train_one_epoch(**loop)
+    state = loop["state"]
+    assert state.global_step == 9
+    state.epoch, state.batch = 1, 0  # as main() does between epochs
     monkeypatch.setattr(dlojz, "LOG_EVERY", 10 ** 6)
     loop["progress"].line_every = 10 ** 6
-    hooks, state = loop["hooks"], loop["state"]
-    step_done = hooks.step_done
+    log_points = []
+    agree_on_stop = dlojz.agree_on_stop
 
-    def checked_step_done():
-        step_done()
-        torch.cuda.set_sync_debug_mode("error" if state.batch < 8 else 0)
-    hooks.step_done = checked_step_done
+    def log_point(*args):  # the ranks' agreement reads the device: the epoch's deliberate wait
+        torch.cuda.set_sync_debug_mode(0)
+        log_points.append(state.batch)
+        return agree_on_stop(*args)
+    monkeypatch.setattr(dlojz, "agree_on_stop", log_point)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
     try:
+        with pytest.raises(RuntimeError, match="synchroniz"):  # the mode is on: a host read fails
+            torch.ones((), device="cuda").item()
         result = dlojz.train_one_epoch(**loop)
     finally:
         torch.cuda.set_sync_debug_mode(0)
-    assert loop["state"].global_step == 8 and math.isfinite(result.train_loss)
+    assert log_points == [9], "one wait, at the last step's log point"
+    assert state.global_step == 18 and math.isfinite(result.train_loss)
+    if "--model-ema" in flags:
+        assert loop["model"].ema.updates == 18
 
 
-def test_timm_lamb_waits_for_the_gpu_with_float16():
-    """What the start-up line says: an optimizer without a fused step makes the GradScaler read its overflow flag
-    on the host at every step (bfloat16 needs no scaler)."""
-    loop = loop_for("--arch", "resnet18", "--optimizer", "lamb", "--amp", "--amp-dtype", "float16", n_batches=2)
-    opt, model = loop["opt"], loop["model"].module
-    images, labels = next(iter(loop["loaders"].train_batches))
-    for step in range(2):
-        with opt.autocast():
-            loss = opt.criterion(model(images), labels)
-        opt.scaler.scale(loss).backward()
-        torch.cuda.set_sync_debug_mode("error" if step == 1 else 0)
-        try:
-            if step == 1:
-                with pytest.raises(RuntimeError, match="synchroniz"):
-                    opt.scaler.step(opt.optimizer)
-            else:
-                opt.scaler.step(opt.optimizer)
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
-        opt.scaler.update()
-        opt.optimizer.zero_grad(set_to_none=True)
-
-
+# ---------------------------------------------------------------- fused steps after an overflow
 @pytest.mark.parametrize("name", ["sgd", "adamw"])
 def test_fused_step_skips_overflowed_steps_on_cuda(name, monkeypatch):
-    """The fused step's momentum buffers after an overflowed first step, with reused GPU memory (NaN-filled here):
-    the same weights as the unfused step."""
+    """The fused step (on the GPU, the scaler's inf flag read by the kernel) ends with the weights of the unfused
+    one when the first step overflows, even when the GPU memory it allocates holds garbage (NaN-filled here)."""
+    from test_optim import GOOD_LR, grad_scaler_steps, tiny_classifier
     results = {}
     for fused in (False, True):
         torch.manual_seed(0)
         model = tiny_classifier().cuda()
         optimizer = dlojz.optim.build_optimizer(name, model.parameters(), GOOD_LR[name], 0.9, 1e-4, fused=fused)
+        assert bool(optimizer.defaults.get("fused")) is fused
         empty_like = torch.empty_like
         monkeypatch.setattr(torch, "empty_like", lambda t, **kw: empty_like(t, **kw).fill_(float("nan")))
         results[fused] = grad_scaler_steps(optimizer, model, overflow_at=(0, 2), device="cuda")
         monkeypatch.undo()
-    atol = 1e-5 if name == "sgd" else 0.3 * GOOD_LR[name]
+    atol = 1e-5 if name == "sgd" else 0.3 * GOOD_LR[name]  # Adam's normalised step amplifies rounding near 0
     for unfused, fused in zip(results[False], results[True]):
         assert torch.isfinite(fused).all()
         torch.testing.assert_close(fused, unfused, rtol=0, atol=atol)
 
 
 # ---------------------------------------------------------------- two GPUs and more
-two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs on this node")
+TINY = ["--device", "cuda", "--arch", "resnet18", "--image-size", "32", "--val-resize-size", "36",
+        "--val-crop-size", "32", "--num-workers", "1", "--no-wandb"]
 
 
 @two_gpus
 def test_nccl_validation_on_two_gpus_equals_one(tmp_path, tiny_data):
-    common = [*SMALL[2:], "--device", "cuda", "--data-root", tiny_data, "--no-wandb", "--val-batch-size", "4"]
-    proc = run_dlojz(*common, "-b", "8", "--epochs", "1", "--output-dir", tmp_path / "train")
+    """A checkpoint trained on one GPU, validated with --eval-only on 1 and on 2 GPUs (NCCL): 15 images, 8 + 7 on
+    two ranks, every image counted once. float32 (no AMP, no TF32): the logits differ by rounding at most."""
+    train = tmp_path / "train"
+    proc = run_dlojz(*TINY, "--data-root", tiny_data, "-b", "8", "--epochs", "1", "--output-dir", train)
     assert proc.returncode == 0, show(proc)
+    assert (train / "latest").is_file()
     results = []
     for launcher in (None, TORCHRUN2):
         metrics = tmp_path / f"eval{len(results)}.json"
-        proc = run_dlojz(*common, "--eval-only", "--resume", "auto", "--output-dir", tmp_path / "train",
-                         "--metrics-json", metrics, launcher=launcher)
+        proc = run_dlojz(*TINY, "--data-root", tiny_data, "--val-batch-size", "4", "--no-amp", "--no-tf32",
+                         "--eval-only", "--resume", "auto", "--output-dir", train, "--metrics-json", metrics,
+                         launcher=launcher)
         assert proc.returncode == 0, show(proc)
         results.append(read_json(metrics))
     one, two = results
-    assert (one["world_size"], two["world_size"]) == (1, 2) and one["val_images"] == two["val_images"] == 15
+    assert (one["world_size"], two["world_size"]) == (1, 2)
+    assert one["val_images"] == two["val_images"] == 15
     assert one["val_accuracy"] == two["val_accuracy"] and one["val_top5_accuracy"] == two["val_top5_accuracy"]
     assert one["val_loss"] == pytest.approx(two["val_loss"], rel=1e-4)
 
@@ -234,8 +385,8 @@ def test_nccl_validation_on_two_gpus_equals_one(tmp_path, tiny_data):
 def test_sync_bn_test_run_on_two_gpus_reports(tmp_path):
     metrics = tmp_path / "m.json"
     proc = run_dlojz(*CUDA, "--arch", "resnet18", "--synthetic", "--test", "--test-nsteps", "10", "--sync-bn",
-                     "--metrics-json", metrics, "--output-dir", tmp_path / "run", launcher=TORCHRUN2,
-                     env=clean_env())
+                     "--metrics-json", metrics, "--output-dir", tmp_path / "run", launcher=TORCHRUN2)
     assert proc.returncode == 0, show(proc)
     m = read_json(metrics)
-    assert m["world_size"] == 2 and m["chrono"]["steps"] >= 10
+    assert m["world_size"] == 2 and m["global_batch_size"] == 64 and m["steps"] == 10
+    assert m["chrono"]["steps"] == 10 and math.isfinite(m["train_loss"])
