@@ -109,7 +109,7 @@ def test_compile_runs_a_few_steps(tiny_data, tmp_path):
     (["--findlr", "--eval-only", "--resume", "x.pt"], ["--findlr", "--eval-only"]),
     (["--grad-acc", "0"], ["--grad-acc"]),
     (["--optimizer", "adamx"], ["--optimizer"]),
-    (["--lr-scheduler", "poly"], ["--lr-scheduler"]),
+    (["--lr-scheduler", "polynomial"], ["--lr-scheduler"]),
     (["--sync-bn"], ["--sync-bn", "CUDA"]),
     (["--model-ema", "--model-ema-decay", "1.5"], ["--model-ema-decay"]),
 ])
