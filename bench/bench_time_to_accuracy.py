@@ -26,7 +26,8 @@ def recipes(size, epochs):
     val = [f"--val-crop-size", str(size), "--val-resize-size", str(round(size / 0.875))]
     course = ["--image-size", str(size), *val, "--lr-scheduler", "onecycle"]
     low = size * 3 // 4
-    race = ["--lr-scheduler", "linear", "--lr-peak-epoch", "2", "--min-res", str(low), "--max-res", str(size),
+    peak = 2 if epochs >= 4 else epochs / 4  # FFCV's epoch 2, earlier in a short smoke run
+    race = ["--lr-scheduler", "linear", "--lr-peak-epoch", str(peak), "--min-res", str(low), "--max-res", str(size),
             "--start-ramp", str(max(epochs // 2 - 1, 0)), "--end-ramp", str(max(epochs - 2, 1)), "--res-step", "8",
             "--image-size", str(size), "--val-crop-size", str(size + size // 4),
             "--val-resize-size", str(round((size + size // 4) / 0.875)), "--tta-flip", "--blurpool",

@@ -44,3 +44,12 @@ def test_gpu_acceptance_says_no_cuda_gpu_here():
                           text=True, timeout=300, env=clean_env(CUDA_VISIBLE_DEVICES=""))
     assert proc.returncode != 0
     assert proc.stdout.strip().splitlines()[-1].startswith("no CUDA GPU found"), proc.stdout + proc.stderr
+
+
+def test_bench_time_to_accuracy_prints_both_recipes(embedded_cache):
+    result = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_time_to_accuracy.py"), "--epochs", "2",
+                             "--size", "16", "--batch-size", "64"], capture_output=True, text=True, timeout=600,
+                            env=clean_env(XDG_CACHE_HOME=embedded_cache), cwd=ROOT)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    rows = [line.split() for line in result.stdout.splitlines() if line.startswith(("course ", "race "))]
+    assert [row[0] for row in rows] == ["course", "race"] and all(0 <= float(row[1]) <= 1 for row in rows)
