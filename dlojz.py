@@ -30,12 +30,12 @@ from dlojz_chrono import Chronometer
 from dlojz_config import Config, UserError, fail, get_args_parser, resolve_config
 from dlojz_data import (IMAGENET_TRAIN_IMAGES, IMAGENET_VAL_IMAGES, DataError, EpochSampler, ShardSampler,
                         SyntheticLoader, build_datasets, close_loader, embedded_dataset_root, make_loader,
-                        measure_loader, resolve_data_root)
+                        measure_loader, resolve_data_root, select_train_subset)
 from dlojz_dist import (Distribution, StopPoll, StopSignal, agree_on_stop, checkpoint_for_stop, requeue,
                         start_compile_workers)
 from dlojz_hooks import LoopHooks, make_profiler
-from dlojz_log import (LOG_EVERY, Console, NoWandb, Progress, chrono_context, finish, start_wandb, write_json,
-                       write_lr_finder)
+from dlojz_log import (LOG_EVERY, Console, NoWandb, Progress, append_json_line, chrono_context, finish, start_wandb,
+                       write_json, write_lr_finder)
 from dlojz_model import ModelEma, apply_blurpool, create_model, enable_grad_checkpointing
 from dlojz_transforms import (DeviceNormalize, DevicePrefetcher, ValTransform, batch_mixing, decoder_description,
                               train_transform, training_resolution)
@@ -204,6 +204,9 @@ def main(argv=None) -> dict:
                 return stop_run(cfg, validation["stopped_by"], saver, state, loaders, ranks, log, metrics, chrono,
                                 wandb_run)
             metrics.update(validation)
+            if ranks.is_main and cfg.val_history:  # followed live by dlojz_hpo.py's pruner
+                append_json_line(cfg.val_history, dict(epoch=epoch + 1, steps=state.global_step,
+                                                       elapsed_s=time.perf_counter() - started, **validation))
             wandb_run.log({"test accuracy": metrics["val_accuracy"], "test top5 accuracy": metrics["val_top5_accuracy"],
                            "test loss": metrics["val_loss"], "epoch": epoch + 1}, step=state.global_step)
             target_reached = cfg.target_accuracy is not None and metrics["val_accuracy"] >= cfg.target_accuracy
@@ -400,6 +403,8 @@ def build_data(cfg, ranks, log):
         root, train_transform(cfg), ValTransform(cfg.val_resize_size, cfg.val_crop_size), seed=cfg.seed)
     log(f"data: {root} ({layout} layout, found by {found_by}): {len(train_set)} train / {len(val_set)} val images, "
         f"{len(classes)} classes")
+    if cfg.train_subset is not None:  # cheap runs, e.g. hyper-parameter search trials
+        log(select_train_subset(train_set, cfg.train_subset))
     log(f"JPEG decoding: {decoder_description()}")
     return train_set, val_set, classes
 
@@ -562,7 +567,7 @@ def stop_run(cfg, reason, saver, state, loaders, ranks, log, metrics, chrono, wa
     finish(cfg, metrics, chrono, ranks, wandb_run, teardown=True)
     if ranks.enabled:
         dist.barrier()  # every rank has written what it had to
-    requeue(cfg, ranks)
+    requeue(cfg, ranks, reason)
     return metrics
 
 

@@ -181,6 +181,8 @@ def get_args_parser():
     p.add_argument("--val-resize-size", type=int, default=None, help="validation resize (default: 256; CPU profile: 73)")
     p.add_argument("--val-crop-size", type=int, default=None, help="validation center crop (default: 224; CPU profile: 64)")
     p.add_argument("--val-batch-size", type=int, default=None, help="validation batch size per process (default: 256; CPU profile: 64)")
+    p.add_argument("--train-subset", type=float, default=None, metavar="F", help="train on a fixed part of the training set, the same\n"
+                   "in every run whatever --seed: F < 1 a fraction, F >= 1 images per class\n(stratified; validation stays whole)")
 
     p = parser.add_argument_group("DataLoader")
     p.add_argument("--num-workers", type=int, default=None, help="workers per process (default: CPUs per task - 1, at most 16)")
@@ -203,11 +205,15 @@ def get_args_parser():
     p = parser.add_argument_group("logging, checkpoints, resume")
     p.add_argument("--output-dir", default=None, help="checkpoints, metrics, traces (default: ./runs/<job name>_<job id or timestamp>)")
     p.add_argument("--metrics-json", default=None, help="write the run's final metrics to this JSON file (rank 0)")
+    p.add_argument("--val-history", default=None, metavar="FILE.jsonl", help="append one JSON line per validation to this file (rank 0)")
     p.add_argument("--resume", default=None, help="'auto' (newest checkpoint in --output-dir, if any) or a checkpoint path")
+    p.add_argument("--requeue", default=True, action=argparse.BooleanOptionalAction, help="on a stop signal under Slurm, requeue the job after the\n"
+                   "checkpoint (default: on; dlojz_hpo.py's trials: off, the worker requeues)")
     p.add_argument("--keep-checkpoints", type=int, default=3, help="checkpoints kept in --output-dir (default: 3)")
     p.add_argument("--wandb", default=True, action=argparse.BooleanOptionalAction, help="W&B logging on rank 0 (default: on; never in --test)")
     p.add_argument("--wandb-project", default="Imagenet Race Cup", help="(default: 'Imagenet Race Cup')")
     p.add_argument("--wandb-mode", choices=("offline", "online", "disabled"), default="offline", help="(default: offline: never needs the network)")
+    p.add_argument("--wandb-group", default=None, help="W&B group of the run (dlojz_hpo.py: the study)")
     return parser
 
 
@@ -275,6 +281,7 @@ class Config:
     val_resize_size: int
     val_crop_size: int
     val_batch_size: int
+    train_subset: float | None
     num_workers: int
     persistent_workers: bool
     pin_memory: bool
@@ -291,11 +298,14 @@ class Config:
     # logging, checkpoints, resume
     output_dir: str
     metrics_json: str | None
+    val_history: str | None
     resume: str | None
+    requeue: bool
     keep_checkpoints: int
     wandb: bool
     wandb_project: str
     wandb_mode: str
+    wandb_group: str | None
     # what follows from the machine
     torch_device: str        # this rank's device: "cuda:<index>" or "cpu"
     cpus_per_task: int
@@ -470,6 +480,11 @@ def check(cfg: Config):
         fail("--prof-wait and --prof-warmup must be >= 0, --prof-active >= 1")
     if cfg.sync_bn and cfg.torch_device == "cpu":
         fail("--sync-bn needs CUDA: torch's SyncBatchNorm works with GPU modules only")
+    if cfg.train_subset is not None:
+        if cfg.train_subset <= 0 or (cfg.train_subset >= 1 and not cfg.train_subset.is_integer()):
+            fail(f"--train-subset is a fraction in (0, 1) or a whole number of images per class (got {cfg.train_subset:g})")
+        if cfg.synthetic:
+            fail("--train-subset picks images of the data set, which --synthetic does not read: drop one of them")
     if cfg.loader_only and cfg.synthetic:
         fail("--loader-only times the DataLoader, which --synthetic does not use: drop one of them")
     if cfg.eval_only and not cfg.resume:
@@ -479,8 +494,9 @@ def check(cfg: Config):
     if idr_torch.rank == 0:
         if not cfg.test:
             check_writable(Path(cfg.output_dir), "--output-dir")
-        if cfg.metrics_json:
-            check_writable(Path(cfg.metrics_json).resolve().parent, "--metrics-json")
+        for flag in ("metrics_json", "val_history"):
+            if getattr(cfg, flag):
+                check_writable(Path(getattr(cfg, flag)).resolve().parent, f"--{flag.replace('_', '-')}")
 
 
 def check_autocast(device, dtype):

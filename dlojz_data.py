@@ -4,6 +4,7 @@
   embedded data set (generated once by `make_embedded_dataset` into the cache folder).
 - `build_datasets(root, train_tf, val_tf)`: torchvision ImageNet layout (meta.bin + train/ + val/, as on Jean Zay)
   or plain ImageFolder (train/<class>/, val/<class>/). Unreadable files are skipped with a warning naming them.
+- `select_train_subset(dataset, spec)`: --train-subset, a fixed stratified part of the training set.
 - `EpochSampler` / `ShardSampler`: the training sampler (DistributedSampler order, resumable mid-epoch) and the
   validation sampler (each image on exactly one rank, no padding), both yielding (epoch, index) pairs so that the
   random augmentation of a sample depends only on (seed, epoch, index): identical whatever the number of workers
@@ -222,6 +223,26 @@ def build_datasets(root, train_transform, val_transform, seed=0):
     return train_set, val_set, classes, layout
 
 
+def select_train_subset(dataset, spec):
+    """Keep a fixed part of an ImageFolder's samples, in place: `spec` < 1 a fraction of each class (rounded, at
+    least one image), `spec` >= 1 that many images per class (all of a smaller class). The choice is seeded by the
+    class alone, never by --seed: every run and every process of a hyper-parameter search sees the same images.
+    Returns a one-line description."""
+    by_class = {}
+    for index, (_, target) in enumerate(dataset.samples):
+        by_class.setdefault(target, []).append(index)
+    kept = []
+    for target, indices in sorted(by_class.items()):
+        wanted = max(1, round(spec * len(indices))) if spec < 1 else min(int(spec), len(indices))
+        kept.extend(random.Random(f"dlojz-train-subset-{target}").sample(indices, wanted))
+    kept.sort()  # the data set's own order: class by class, file names sorted
+    total = len(dataset.samples)
+    dataset.samples = dataset.imgs = [dataset.samples[i] for i in kept]
+    dataset.targets = [target for _, target in dataset.samples]
+    per = f"{spec:.0%} of each class" if spec < 1 else f"{int(spec)} images per class"
+    return f"--train-subset {spec:g}: {len(kept)} of {total} training images ({per}, the same in every run)"
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Samplers
 class EpochSampler(torch.utils.data.DistributedSampler):
@@ -257,8 +278,8 @@ def _worker_init(_):
     # Slurm's preemption signal reaches every process of the step: the workers must not die of it,
     # the main process handles it (finishes the step, checkpoints).
     import signal
-    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    for signum in (signal.SIGUSR1, signal.SIGTERM, signal.SIGUSR2):
+        signal.signal(signum, signal.SIG_IGN)
     torch.set_num_threads(1)
 
 

@@ -2,8 +2,9 @@
 
 - `Distribution(world_size, rank, local_rank, device)`: this rank's place in the job (`enabled` with 2+ ranks,
   `is_main` on rank 0, `all_gather(obj)`); dlojz.setup_distributed makes it.
-- `StopSignal().install()`: Slurm's preemption warning (`--signal=USR1@T`) or SIGTERM sets `.name`; the training
-  loop finishes its step instead of dying.
+- `StopSignal().install()`: Slurm's preemption warning (`--signal=USR1@T`), SIGTERM or SIGUSR2 sets `.name`; the
+  training loop finishes its step instead of dying. USR1 and TERM end in a requeue; USR2 is a plain stop (a
+  checkpoint, no requeue): what a pruned hyper-parameter trial gets, and `scancel --signal=USR2 JOB` for a user.
 - `StopPoll(stop_signal, ranks)`: called at every optimizer step and between validation batches, says whether any rank
   has received a stop signal, without waiting for the GPU (a one-number all-reduce on a CPU group, read one call
   later), so that every rank stops at the same step.
@@ -43,15 +44,20 @@ class Distribution:
         return out
 
 
+STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM, signal.SIGUSR2)
+NO_REQUEUE = "SIGUSR2"  # stop and checkpoint, but do not requeue
+
+
 class StopSignal:
-    """Slurm's preemption warning (--signal=USR1@T) or SIGTERM: finish the current step, checkpoint, requeue."""
+    """Slurm's preemption warning (--signal=USR1@T) or SIGTERM: finish the current step, checkpoint, requeue.
+    SIGUSR2: the same without the requeue."""
 
     def __init__(self):
         self.name = None  # the signal received, if any
 
     def install(self):
-        signal.signal(signal.SIGUSR1, self._receive)
-        signal.signal(signal.SIGTERM, self._receive)
+        for signum in STOP_SIGNALS:
+            signal.signal(signum, self._receive)
         return self
 
     def _receive(self, signum, _frame):
@@ -111,11 +117,12 @@ def checkpoint_for_stop(cfg, saver, state, reason, n_train_batches, ranks, log):
         dist.barrier()
 
 
-def requeue(cfg, ranks):
+def requeue(cfg, ranks, reason=None):
     """Requeue the Slurm job, or say how to continue. Last thing a stopped run does: Slurm ends the job's
-    processes as it requeues it, so W&B and the metrics must be written before."""
+    processes as it requeues it, so W&B and the metrics must be written before. --no-requeue, or `reason`
+    NO_REQUEUE: only say how to continue."""
     job_id = os.environ.get("SLURM_JOB_ID")
-    if ranks.is_main and job_id and not cfg.test:
+    if ranks.is_main and job_id and not cfg.test and cfg.requeue and reason != NO_REQUEUE:
         print(f"requeue: scontrol requeue {job_id} (resume with --resume auto)", flush=True)
         subprocess.run(["scontrol", "requeue", job_id], check=False)
     elif ranks.is_main:
@@ -123,7 +130,7 @@ def requeue(cfg, ranks):
 
 
 def start_compile_workers():
-    """Start torch.compile's compile worker processes with SIGUSR1 and SIGTERM blocked. Slurm signals every process
+    """Start torch.compile's compile worker processes with the stop signals (SIGUSR1, SIGTERM, SIGUSR2) blocked. Slurm signals every process
     of the job step, and a worker killed by the preemption warning fails the next compilation; a signal blocked
     when a process starts stays blocked in it (and its children) across exec. This process keeps its handlers:
     a signal that arrives meanwhile is delivered when the `with` ends."""
@@ -131,7 +138,7 @@ def start_compile_workers():
         from torch._inductor.async_compile import AsyncCompile
     except ImportError:  # a torch without inductor: nothing to start
         return
-    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1, signal.SIGTERM})
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, set(STOP_SIGNALS))
     try:
         AsyncCompile.warm_pool()
     finally:

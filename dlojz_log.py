@@ -68,7 +68,7 @@ def start_wandb(cfg, config, run_name, wandb_id):
     import wandb  # imported here: slow to import, and never needed in --test
     os.environ.setdefault("WANDB_SILENT", "true")
     return wandb.init(project=cfg.wandb_project, name=run_name, dir=cfg.output_dir, mode=cfg.wandb_mode,
-                      config=config, id=wandb_id, resume="allow" if wandb_id else None)
+                      config=config, group=cfg.wandb_group, id=wandb_id, resume="allow" if wandb_id else None)
 
 
 class Progress:
@@ -194,6 +194,12 @@ def print_report(cfg, metrics, chrono, ctx, n_batches):
         print(f">>> Throughput (steady state, all ranks): {metrics['images_per_second']:.1f} images/s")
     if cfg.metrics_json:
         write_json(cfg.metrics_json, metrics)
+
+
+def append_json_line(path, obj):
+    """One line added to a JSON-lines file, flushed at once (a reader may be following it)."""
+    with open(path, "a") as f:
+        f.write(json.dumps(obj, default=float) + "\n")
 
 
 def write_json(path, obj):

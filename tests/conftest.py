@@ -69,7 +69,7 @@ def run_inline(capsys, monkeypatch):
             monkeypatch.delenv(key)
 
     def run(*args):
-        saved = {s: signal.getsignal(s) for s in (signal.SIGUSR1, signal.SIGTERM)}
+        saved = {s: signal.getsignal(s) for s in (signal.SIGUSR1, signal.SIGTERM, signal.SIGUSR2)}
         try:
             status = dlojz.cli([str(a) for a in args])
         finally:

@@ -111,7 +111,7 @@ NO_GPU_HERE = ("Invalid generic resource", "Invalid partition", "Invalid account
                "Requested node configuration is not available", "Invalid feature specification")
 
 
-@pytest.mark.parametrize("name", GPU_SCRIPTS + ["dlojz_cpu.slurm"])
+@pytest.mark.parametrize("name", GPU_SCRIPTS + ["dlojz_hpo.slurm", "dlojz_cpu.slurm"])
 def test_sbatch_accepts_the_script_options(slurm_cluster, name):
     """A misspelt #SBATCH option or value is otherwise noticed only at submission on the real machine.
     sbatch rejects those itself (before asking the controller); the controller then only lacks GPUs."""

@@ -1,0 +1,667 @@
+"""Hyper-parameter search for dlojz.py with Optuna: one study in a journal file on the shared file system, many
+workers (Slurm array tasks) adding trials to it, every trial a normal dlojz.py run pruned at its validations, and a
+report that ends in a recipe file for `dlojz.py --config`.
+
+    python dlojz_hpo.py search --study NAME --storage PATH --space FILE.toml --trials N [options] -- DLOJZ FLAGS
+    python dlojz_hpo.py report --study NAME --storage PATH --out DIR
+    sbatch --array=0-15 slurm/dlojz_hpo.slurm --study NAME --storage PATH --space FILE.toml --trials 4 -- ...
+
+The search space is one TOML table per dlojz.py flag (its long name, `-` or `_`):
+    [lr]               low = 0.01, high = 1.0, log = true     # a float flag: a range (log or linear, `step`)
+    [label-smoothing]  low = 0.0, high = 0.2
+    [batch-size]       low = 64, high = 256, step = 64         # an int flag: a range of integers
+    [optimizer]        choices = ["sgd", "adamw"]              # any flag: a list of values (switches: true/false)
+
+How it works, and why:
+- A trial is a subprocess, `[--launch ...] python -u dlojz.py SHARED-FLAGS SAMPLED-FLAGS --output-dir
+  OUT/STUDY/trial-NNNN --val-history ... --metrics-json ... --resume auto --no-requeue --wandb-group STUDY`, its
+  output in OUT/STUDY/trial-NNNN/dlojz.log. A subprocess, not main() in this process: a trial gets its own CUDA
+  context and process group, may span GPUs and nodes (`--launch "srun ..."`), and a crash or an out-of-memory ends
+  that trial, not the worker.
+- Pruning: the worker follows the trial's --val-history file, reports every validation's top-1 to the pruner and,
+  when the pruner says so, sends SIGUSR2: dlojz finishes its step, writes a checkpoint and exits.
+- Objective: `--direction maximize`, the last validation's top-1; `minimize`, the time to --target-accuracy (a trial
+  that never reaches it scores +inf). The pruner then sees the top-1 error (1 - top-1).
+- Preemption: Slurm's warning (`--signal=B:USR1@T`) or SIGTERM reaches the worker, which passes SIGUSR2 to its
+  trial (checkpoint), marks the trial failed, retries it (Optuna's RetryFailedTrialCallback, validations kept) and
+  requeues its own Slurm job. The retry runs in the failed trial's folder: it resumes from that checkpoint.
+- A worker that dies without a word (killed, node lost): Optuna's journal storage has no heartbeat (its RDB storage
+  has), so each worker writes one into its running trial every --heartbeat-interval s; before each new trial, every
+  worker fails the running trials whose heartbeat is older than --stale-after s and retries them in the same way.
+- `--trials N` counts this worker's finished or pruned trials, under its Slurm array task id: a requeued task goes
+  on with what it had left.
+"""
+import argparse
+import contextlib
+import csv
+import datetime
+import json
+import math
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import warnings
+from pathlib import Path
+
+from dlojz_config import UserError, get_args_parser, recipe_value, resolve_config
+
+DLOJZ = Path(__file__).resolve().parent / "dlojz.py"
+# Flags the worker sets for each trial: not in the search space nor after `--` (--output-dir is the trials' root).
+PER_TRIAL = ("metrics_json", "val_history", "resume", "requeue", "wandb_group", "config")
+NOT_IN_RECIPE = PER_TRIAL + ("output_dir", "help")
+RANGE_KEYS = {"low", "high", "log", "step"}
+
+
+def fail(message):
+    raise UserError(message)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The search space and the trials' flags
+def flag_actions(parser):
+    return {action.dest: action for action in parser._actions if action.dest != "help"}
+
+
+def long_flag(action):
+    return next(o for o in action.option_strings if o.startswith("--"))
+
+
+def read_space(path):
+    """{dest: (argparse action, optuna distribution)} from the search space file; UserError naming the key."""
+    import tomllib
+    from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
+    try:
+        with open(path, "rb") as file:
+            tables = tomllib.load(file)
+    except OSError as err:
+        fail(f"--space {path}: cannot be read ({err.strerror})")
+    except tomllib.TOMLDecodeError as err:
+        fail(f"--space {path}: not valid TOML ({err})")
+    if not tables:
+        fail(f"--space {path}: no flag to search (one table per flag: [lr] low = 0.01, high = 1.0, log = true)")
+    actions = flag_actions(get_args_parser())
+    space = {}
+    for key, table in tables.items():
+        where = f"--space {path}: [{key}]"
+        dest = key.replace("-", "_")
+        action = actions.get(dest)
+        if action is None:
+            import difflib
+            close = difflib.get_close_matches(dest, list(actions), n=1)
+            fail(f"{where}: not a dlojz.py flag" + (f" (did you mean [{close[0].replace('_', '-')}]?)" if close else ""))
+        if dest in PER_TRIAL or dest == "output_dir":
+            fail(f"{where}: dlojz_hpo.py sets {long_flag(action)} for each trial itself")
+        if not isinstance(table, dict):
+            fail(f"{where} must be a table: [{key}] then low = ..., high = ... or choices = [...]")
+        unknown = set(table) - RANGE_KEYS - {"choices"}
+        if unknown or ("choices" in table and set(table) != {"choices"}):
+            fail(f"{where}: unknown or mixed keys {sorted(set(table) - {'choices'} if 'choices' in table else unknown)} "
+                 f"(a range has low, high and optionally log or step; a list has choices only)")
+        if action.nargs not in (None, 0) and not isinstance(action, argparse.BooleanOptionalAction):
+            fail(f"{where}: {long_flag(action)} takes several values: not searchable")
+        if "choices" in table:
+            choices = table["choices"]
+            if not isinstance(choices, list) or not choices:
+                fail(f"{where}: choices must be a non-empty list (got {choices!r})")
+            values = [recipe_value(action, value, f"{where} choice") for value in choices]
+            if len(set(map(repr, values))) != len(values):
+                fail(f"{where}: a choice is repeated ({choices!r})")
+            space[dest] = (action, CategoricalDistribution(values))
+            continue
+        if action.type not in (int, float) or action.choices is not None:
+            fail(f"{where}: {long_flag(action)} is not a number: give choices = [...]")
+        if "low" not in table or "high" not in table:
+            fail(f"{where}: a range needs low and high (or give choices = [...])")
+        low, high = (recipe_value(action, table[k], f"{where} {k}") for k in ("low", "high"))
+        if not low < high:
+            fail(f"{where}: empty range, low {low} must be below high {high}")
+        log, step = table.get("log", False), table.get("step")
+        if not isinstance(log, bool):
+            fail(f"{where}: log is true or false (got {log!r})")
+        if log and low <= 0:
+            fail(f"{where}: a log range needs low > 0 (got {low})")
+        if step is not None:
+            step = recipe_value(action, step, f"{where} step")
+            if step <= 0 or log:
+                fail(f"{where}: step must be > 0, and cannot go with log = true (got {step})")
+        if action.type is int:
+            space[dest] = (action, IntDistribution(low, high, log=log, step=step or 1))
+        else:
+            space[dest] = (action, FloatDistribution(low, high, log=log, step=step))
+    return space
+
+
+def flag_argv(action, value):
+    """The command-line words that give `value` to this flag."""
+    if isinstance(action, argparse.BooleanOptionalAction):
+        return [long_flag(action) if value else "--no-" + long_flag(action)[2:]]
+    if action.nargs == 0:  # store_true / store_false: only the switched state has a word
+        return [long_flag(action)] if value != action.default else []
+    return [long_flag(action), str(value)]
+
+
+def split_shared(shared):
+    """(shared flags without --output-dir, the --output-dir given or None)."""
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--output-dir", default=None)
+    known, rest = parser.parse_known_args(shared)
+    return rest, known.output_dir
+
+
+def check_shared(shared, space, direction, root):
+    """Check the flags every trial shares, and each end of every range and every choice with them, as dlojz.py
+    itself would: one line, before any trial. Returns the shared flags' Config."""
+    actions = flag_actions(get_args_parser())
+    given = set()
+    for word in shared:
+        if word.startswith("--"):
+            name = word[2:].split("=")[0]
+            if name.startswith("no-") and name[3:].replace("-", "_") in actions:
+                name = name[3:]
+            given.add(name.replace("-", "_"))
+    for dest in sorted(given & set(PER_TRIAL)):
+        fail(f"after --: dlojz_hpo.py sets {long_flag(actions[dest])} for each trial itself: leave it out")
+    for dest in sorted(given & set(space)):
+        fail(f"after --: {long_flag(actions[dest])} is also in --space: give it in one place")
+
+    def config(extra, where):
+        parser = get_args_parser()
+        parser.error = lambda message: fail(f"{where}: {message}")  # one line, ours, not argparse's exit
+        try:
+            return resolve_config(parser.parse_args([*shared, *extra, "--output-dir", str(root)]))
+        except UserError as err:
+            fail(f"{where}: {str(err).removeprefix(where + ': ')}")
+
+    cfg = config([], "after --")
+    for dest, (action, dist) in space.items():
+        ends = dist.choices if hasattr(dist, "choices") else (dist.low, dist.high)
+        for value in ends:
+            config(flag_argv(action, value), f"--space [{long_flag(action)[2:]}] = {value!r} with the flags after --")
+    if direction == "minimize" and cfg.target_accuracy is None and "target_accuracy" not in space:
+        fail("--direction minimize is the time to --target-accuracy: give --target-accuracy after -- (or in --space)")
+    return cfg
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# One trial
+def gpu_energy_mj():
+    """Energy counter (mJ) summed over this node's visible GPUs, or None without NVML."""
+    try:
+        import pynvml
+        pynvml.nvmlInit()
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        indices = ([int(i) for i in visible.split(",") if i.strip().isdigit()] if visible
+                   else range(pynvml.nvmlDeviceGetCount()))
+        return sum(pynvml.nvmlDeviceGetTotalEnergyConsumption(pynvml.nvmlDeviceGetHandleByIndex(i)) for i in indices)
+    except Exception:  # no NVML, no driver, no GPU: no figure
+        return None
+
+
+# The trial's command runs through this: SIGUSR2 (checkpoint and stop) when the worker dies, instead of an orphan
+# training on (Linux's PR_SET_PDEATHSIG, kept across exec). Not Popen's preexec_fn: unsafe with the heartbeat thread.
+DIE_WITH_WORKER = ("import ctypes, os, signal, sys; ctypes.CDLL(None).prctl(1, int(signal.SIGUSR2)); "
+                   "os.getppid() == int(sys.argv[1]) or sys.exit(1); os.execvp(sys.argv[2], sys.argv[2:])")
+
+
+class Heartbeat(threading.Thread):
+    """Writes the time into the running trial every `interval` s, for the other workers' stale-trial check."""
+
+    def __init__(self, trial, interval):
+        super().__init__(daemon=True)
+        self.trial, self.interval, self.stopped = trial, interval, threading.Event()
+        self.beat()
+
+    def beat(self):
+        self.trial.set_user_attr("heartbeat", time.time())
+
+    def run(self):
+        while not self.stopped.wait(self.interval):
+            try:
+                self.beat()
+            except Exception:  # the trial was ended elsewhere (failed as stale by another worker): stop beating
+                return
+
+
+class Worker:
+    """One `search` process: asks the study for trials and runs them one after the other."""
+
+    def __init__(self, args, study, space, shared, root, on_gpu):
+        self.args, self.study, self.space, self.shared, self.root, self.on_gpu = args, study, space, shared, root, on_gpu
+        self.stop_signal = None
+        self.process = None
+        self.id = worker_id()
+
+    # -- signals: Slurm's warning or SIGTERM stops the trial (checkpoint) and, after it, this worker
+    def install(self):
+        for signum in (signal.SIGUSR1, signal.SIGTERM):
+            signal.signal(signum, self._receive)
+
+    def _receive(self, signum, _frame):
+        self.stop_signal = signal.Signals(signum).name
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGUSR2)
+
+    def trials_done(self):
+        from optuna.trial import TrialState
+        return sum(1 for t in self.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED))
+                   if t.user_attrs.get("worker") == self.id)
+
+    def run(self):
+        started = time.time()
+        while self.stop_signal is None:
+            done = self.trials_done()
+            if done >= self.args.trials:
+                print(f"worker {self.id}: {done} trials done (--trials {self.args.trials}): stopping", flush=True)
+                break
+            if self.args.timeout is not None and time.time() - started > self.args.timeout:
+                print(f"worker {self.id}: --timeout {self.args.timeout:g} s passed: no new trial", flush=True)
+                break
+            fail_stale_trials(self.study, self.args.stale_after)
+            self.run_trial()
+        if self.stop_signal is not None:
+            requeue_worker(self.stop_signal)
+
+    def run_trial(self):
+        from optuna.trial import TrialState
+        trial = self.study.ask({dest: dist for dest, (_, dist) in self.space.items()})
+        frozen = self.study._storage.get_trial(trial._trial_id)
+        heartbeat = Heartbeat(trial, self.args.heartbeat_interval)
+        heartbeat.start()
+        # A retry runs in the folder of the trial it retries, and resumes from its checkpoint.
+        first = frozen.system_attrs.get("failed_trial", trial.number)
+        folder = self.root / f"trial-{first:04d}"
+        folder.mkdir(parents=True, exist_ok=True)
+        trial.set_user_attr("worker", self.id)
+        trial.set_user_attr("output_dir", str(folder))
+        params = [word for dest, (action, _) in self.space.items() for word in flag_argv(action, trial.params[dest])]
+        command = [*shlex.split(self.args.launch or ""), sys.executable, "-u", str(DLOJZ), *self.shared, *params,
+                   "--output-dir", str(folder), "--metrics-json", str(folder / "metrics.json"),
+                   "--val-history", str(folder / "val_history.jsonl"), "--resume", "auto", "--no-requeue",
+                   "--wandb-group", self.study.study_name]
+        retry = f" (retry of trial {first})" if first != trial.number else ""
+        print(f"trial {trial.number}{retry}: {' '.join(params)} -> {folder}", flush=True)
+        (folder / "metrics.json").unlink(missing_ok=True)
+        energy_start, wall_start = gpu_energy_mj(), time.perf_counter()
+        with open(folder / "dlojz.log", "a") as log:
+            log.write(f"==== trial {trial.number}{retry}: {shlex.join(command)}\n")
+            log.flush()
+            self.process = subprocess.Popen([sys.executable, "-c", DIE_WITH_WORKER, str(os.getpid()), *command],
+                                            stdout=log, stderr=subprocess.STDOUT)
+            if self.stop_signal is not None:  # arrived while the trial was being set up
+                self.process.send_signal(signal.SIGUSR2)
+            pruned = self.follow(trial, folder / "val_history.jsonl")
+            status = self.process.returncode
+        self.process = None
+        heartbeat.stopped.set()
+        heartbeat.join()
+        wall = time.perf_counter() - wall_start
+        energy_end = gpu_energy_mj()
+        metrics = read_metrics(folder / "metrics.json")
+        world_size = metrics.get("world_size") or 1
+        trial.set_user_attr("wall_s", round(wall, 1) + (frozen.user_attrs.get("wall_s") or 0))
+        trial.set_user_attr("epochs", metrics.get("epochs"))
+        if self.on_gpu:
+            trial.set_user_attr("gpu_hours", wall * world_size / 3600 + (frozen.user_attrs.get("gpu_hours") or 0))
+        if energy_start is not None and energy_end is not None:
+            trial.set_user_attr("energy_j", (energy_end - energy_start) / 1000 + (frozen.user_attrs.get("energy_j") or 0))
+        try:
+            if pruned:
+                self.study.tell(trial, state=TrialState.PRUNED)
+                print(f"trial {trial.number}: pruned at epoch {pruned}", flush=True)
+            elif status == 0 and metrics and "stopped_by" not in metrics:
+                value = self.objective(metrics)
+                self.study.tell(trial, value)
+                print(f"trial {trial.number}: {self.objective_name()} {value:.4f}", flush=True)
+            elif self.stop_signal is not None or metrics.get("stopped_by"):
+                self.study.tell(trial, state=TrialState.FAIL)
+                retry_trial(self.study, trial._trial_id)
+                print(f"trial {trial.number}: stopped by {self.stop_signal or metrics.get('stopped_by')}, checkpoint "
+                      f"kept: failed, to be retried from it", flush=True)
+            else:
+                last = last_error_line(folder / "dlojz.log")
+                trial.set_user_attr("error", last)
+                self.study.tell(trial, state=TrialState.FAIL)
+                print(f"trial {trial.number}: failed (exit {status}): {last} (log: {folder / 'dlojz.log'})", flush=True)
+        except Exception as err:  # e.g. failed as stale by another worker meanwhile
+            print(f"trial {trial.number}: could not record its end ({type(err).__name__}: {err})", flush=True)
+
+    def follow(self, trial, history):
+        """Wait for the trial's process, reporting each new validation; SIGUSR2 when the pruner says so. Returns
+        the epoch at which the trial was pruned, or None."""
+        seen = set(self.study._storage.get_trial(trial._trial_id).intermediate_values)  # a retry inherits them
+        offset, pruned = 0, None
+        while True:
+            running = self.process.poll() is None
+            if history.exists():
+                with open(history) as file:
+                    file.seek(offset)
+                    for line in iter(file.readline, ""):
+                        if not line.endswith("\n"):  # being written: read it next time
+                            break
+                        offset += len(line)
+                        record = json.loads(line)
+                        epoch = record["epoch"]
+                        if epoch in seen or pruned:
+                            continue
+                        seen.add(epoch)
+                        top1 = record["val_accuracy"]
+                        trial.report(top1 if self.args.direction == "maximize" else 1 - top1, step=epoch)
+                        if trial.should_prune() and running:
+                            pruned = epoch
+                            self.process.send_signal(signal.SIGUSR2)  # checkpoint, then stop
+            if not running:
+                return pruned
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.process.wait(timeout=self.args.poll_interval)
+
+    def objective(self, metrics):
+        if self.args.direction == "maximize":
+            return metrics["val_accuracy"]
+        return metrics["time_to_target_s"] if metrics.get("time_to_target_s") is not None else math.inf
+
+    def objective_name(self):
+        return "top-1" if self.args.direction == "maximize" else "time to target (s)"
+
+
+def worker_id():
+    if os.environ.get("SLURM_ARRAY_JOB_ID"):
+        return f"{os.environ['SLURM_ARRAY_JOB_ID']}_{os.environ.get('SLURM_ARRAY_TASK_ID', 0)}"
+    if os.environ.get("SLURM_JOB_ID"):
+        return os.environ["SLURM_JOB_ID"]
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+def read_metrics(path):
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def last_error_line(log):
+    lines = [line for line in Path(log).read_text(errors="replace").splitlines() if line.strip()]
+    errors = [line for line in lines if "error" in line.lower()]
+    return (errors or lines or ["(no output)"])[-1][:300]
+
+
+def retry_trial(study, trial_id):
+    """Enqueue a copy of a failed trial (same parameters, its validations kept, its folder reused)."""
+    import copy
+    from optuna.storages import RetryFailedTrialCallback
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # experimental / deprecated-alias warnings
+        RetryFailedTrialCallback(inherit_intermediate_values=True)(study, copy.deepcopy(study._storage.get_trial(trial_id)))
+
+
+def fail_stale_trials(study, stale_after):
+    """Fail and retry the running trials whose worker stopped beating (killed, node lost)."""
+    from optuna.exceptions import UpdateFinishedTrialError
+    from optuna.trial import TrialState
+    now = time.time()
+    for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+        last = max(trial.user_attrs.get("heartbeat", 0), trial.datetime_start.timestamp() if trial.datetime_start else 0)
+        if now - last <= stale_after:
+            continue
+        try:
+            if not study._storage.set_trial_state_values(trial._trial_id, state=TrialState.FAIL):
+                continue
+        except UpdateFinishedTrialError:  # another worker got there first
+            continue
+        retry_trial(study, trial._trial_id)
+        print(f"trial {trial.number}: no heartbeat for {now - last:.0f} s (its worker died): failed, retried as a new "
+              f"trial that resumes from its checkpoint", flush=True)
+
+
+def requeue_worker(reason):
+    job_id = os.environ.get("SLURM_JOB_ID")
+    if job_id:
+        print(f"worker: {reason} received: requeue: scontrol requeue {job_id}", flush=True)
+        subprocess.run(["scontrol", "requeue", job_id], check=False)
+    else:
+        print(f"worker: {reason} received: stopped; run `search` again to go on (the stopped trial is retried)",
+              flush=True)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Commands
+def open_storage(path):
+    import optuna
+    if "://" in path:  # a database URL (sqlite:///..., postgresql://...): Optuna's RDB storage
+        return optuna.storages.RDBStorage(path)
+    Path(path).resolve().parent.mkdir(parents=True, exist_ok=True)
+    return optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(str(path)))
+
+
+def make_sampler(args, n_trials):
+    """The sampler, seeded by --sampler-seed and the study's size: a requeued worker does not draw again the
+    points of its first life."""
+    import optuna
+    seed = None if args.sampler_seed is None else args.sampler_seed * 1_000_003 + n_trials
+    if args.sampler == "random":
+        return optuna.samplers.RandomSampler(seed=seed)
+    # constant_liar: parallel workers do not all sample next to the same promising point
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return optuna.samplers.TPESampler(seed=seed, constant_liar=True)
+
+
+def make_pruner(args):
+    import optuna
+    if args.pruner == "median":
+        return optuna.pruners.MedianPruner(n_startup_trials=args.pruner_startup_trials,
+                                           n_warmup_steps=args.pruner_warmup_epochs)
+    if args.pruner == "hyperband":
+        return optuna.pruners.HyperbandPruner(min_resource=1, reduction_factor=3)
+    if args.pruner == "threshold":
+        if args.prune_below is None:
+            fail("--pruner threshold needs --prune-below TOP1")
+        if args.direction == "maximize":
+            return optuna.pruners.ThresholdPruner(lower=args.prune_below, n_warmup_steps=args.pruner_warmup_epochs)
+        return optuna.pruners.ThresholdPruner(upper=1 - args.prune_below, n_warmup_steps=args.pruner_warmup_epochs)
+    return optuna.pruners.NopPruner()
+
+
+def search(args, shared):
+    import optuna
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    space = read_space(args.space)
+    shared, output_dir = split_shared(shared)
+    root = Path(output_dir or "runs") / args.study
+    cfg = check_shared(shared, space, args.direction, root)
+    study = optuna.create_study(study_name=args.study, storage=open_storage(args.storage), direction=args.direction,
+                                pruner=make_pruner(args), load_if_exists=True)
+    study.sampler = make_sampler(args, len(study.get_trials(deepcopy=False)))
+    recorded = study.user_attrs.get("shared_flags")
+    if recorded is None:
+        study.set_user_attr("shared_flags", shared)
+        study.set_user_attr("space", {dest: dist.__class__.__name__ for dest, (_, dist) in space.items()})
+    elif recorded != shared:
+        fail(f"--study {args.study} already runs with other dlojz flags ({shlex.join(recorded)}): use the same flags "
+             f"after --, or another --study")
+    if study.direction.name.lower() != args.direction:
+        fail(f"--study {args.study} {study.direction.name.lower()}s: --direction {args.direction} does not match")
+    worker = Worker(args, study, space, shared, root, on_gpu=cfg.torch_device != "cpu")
+    worker.install()
+    print(f"worker {worker.id}: study {args.study} in {args.storage}, {args.direction} "
+          f"{'top-1' if args.direction == 'maximize' else 'time to target'}, {args.sampler} sampler, {args.pruner} "
+          f"pruner; trials in {root}", flush=True)
+    worker.run()
+    best = best_trial(study)
+    if best is not None:
+        print(f"best so far: trial {best.number}, {best.value:.4f}: {best.params}", flush=True)
+    return 0
+
+
+def best_trial(study):
+    with contextlib.suppress(ValueError):
+        return study.best_trial
+    return None
+
+
+def recipe_values(study, trial):
+    """{flag long name without dashes: value} of the best trial's run, as a recipe file gives them: the shared
+    flags and the sampled ones, wherever they differ from dlojz.py's defaults."""
+    actions = flag_actions(get_args_parser())
+    argv = list(study.user_attrs.get("shared_flags", []))
+    argv += [word for dest, value in trial.params.items() for word in flag_argv(actions[dest], value)]
+    chosen = vars(get_args_parser().parse_args(argv))
+    defaults = vars(get_args_parser().parse_args([]))
+    return {long_flag(actions[dest])[2:]: value for dest, value in chosen.items()
+            if dest not in NOT_IN_RECIPE and value != defaults[dest] and value is not None}
+
+
+def toml_value(value):
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value) if not (isinstance(value, float) and math.isinf(value)) else "inf"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(toml_value(v) for v in value) + "]"
+    return json.dumps(str(value))
+
+
+def write_recipe(path, study, trial, objective):
+    lines = [f"# Best trial of the dlojz_hpo.py study '{study.study_name}': trial {trial.number}, {objective} "
+             f"{trial.value:.4f}", f"# written {datetime.datetime.now().isoformat(timespec='seconds')}; run it with",
+             f"#     python dlojz.py --config {path}", ""]
+    lines += [f"{key} = {toml_value(value)}" for key, value in recipe_values(study, trial).items()]
+    tmp = Path(f"{path}.tmp{os.getpid()}")
+    tmp.write_text("\n".join(lines) + "\n")
+    os.replace(tmp, path)
+
+
+def write_csv(path, study):
+    trials = study.get_trials(deepcopy=False)
+    names = sorted({name for t in trials for name in t.params})
+    columns = ["number", "state", "value", *[name.replace("_", "-") for name in names], "epochs_validated", "epochs", "wall_s", "gpu_hours", "energy_j",
+               "retry_of", "worker", "output_dir"]
+    with open(path, "w", newline="") as file:
+        out = csv.writer(file)
+        out.writerow(columns)
+        for t in trials:
+            a = t.user_attrs
+            out.writerow([t.number, t.state.name, "" if t.value is None else t.value,
+                          *[t.params.get(name, "") for name in names], len(t.intermediate_values),
+                          a.get("epochs", ""), a.get("wall_s", ""), a.get("gpu_hours", ""), a.get("energy_j", ""),
+                          t.system_attrs.get("failed_trial", ""), a.get("worker", ""), a.get("output_dir", "")])
+
+
+def write_plots(out, study):
+    """Optuna's matplotlib figures; a figure that cannot be drawn yet (too few trials) is a line, not a failure."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from optuna.visualization import matplotlib as vis
+    written = []
+    for name, plot in (("history", vis.plot_optimization_history), ("importances", vis.plot_param_importances),
+                       ("parallel_coordinate", vis.plot_parallel_coordinate),
+                       ("intermediate_values", vis.plot_intermediate_values)):
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                axes = plot(study)
+            figure = (axes.flat[0] if hasattr(axes, "flat") else axes).figure
+            figure.savefig(out / f"{name}.png", dpi=100, bbox_inches="tight")
+            plt.close(figure)
+            written.append(f"{name}.png")
+        except Exception as err:
+            print(f"report: no {name}.png ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})")
+    return written
+
+
+def report(args):
+    import optuna
+    from optuna.trial import TrialState
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    if "://" not in args.storage and not Path(args.storage).is_file():
+        fail(f"--storage {args.storage}: no such journal file")
+    storage = open_storage(args.storage)
+    names = [s.study_name for s in optuna.get_all_study_summaries(storage, include_best_trial=False)]
+    if args.study not in names:
+        fail(f"--study {args.study}: not in {args.storage} (studies there: {', '.join(names) or 'none'})")
+    study = optuna.load_study(study_name=args.study, storage=storage)
+    trials = study.get_trials(deepcopy=False)
+    states = {state.name.lower(): sum(t.state == state for t in trials) for state in TrialState}
+    print(f"study {args.study}: {len(trials)} trials (" + ", ".join(f"{n} {s}" for s, n in states.items() if n) + ")")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    objective = "top-1" if study.direction.name == "MAXIMIZE" else "time to target (s)"
+    done = sorted((t for t in trials if t.state == TrialState.COMPLETE), key=lambda t: t.value,
+                  reverse=study.direction.name == "MAXIMIZE")
+    for rank, t in enumerate(done[:args.top], 1):
+        gpu = f", {t.user_attrs['gpu_hours']:.3f} GPU-h" if t.user_attrs.get("gpu_hours") else ""
+        print(f"  {rank}. trial {t.number}: {objective} {t.value:.4f} in {t.user_attrs.get('wall_s', 0):.0f} s{gpu}  "
+              + " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in t.params.items()))
+    write_csv(out / "trials.csv", study)
+    written = ["trials.csv", *write_plots(out, study)]
+    if done:
+        write_recipe(out / "best.toml", study, done[0], objective)
+        written.append("best.toml")
+    else:
+        print("report: no finished trial yet: no best.toml")
+    print(f"report: {', '.join(written)} in {out}")
+    return 0
+
+
+def get_parser():
+    parser = argparse.ArgumentParser(prog="dlojz_hpo", description="Optuna hyper-parameter search for dlojz.py",
+                                     formatter_class=argparse.RawTextHelpFormatter)
+    parser.error = lambda message: parser.exit(2, f"dlojz_hpo: error: {message} (--help lists the options)\n")
+    commands = parser.add_subparsers(dest="command", required=True)
+    s = commands.add_parser("search", help="run trials (one worker; start several on one study)")
+    s.add_argument("--study", required=True, help="study name (the trials' folder under --output-dir)")
+    s.add_argument("--storage", required=True, help="journal file on the shared file system (or a database URL)")
+    s.add_argument("--space", required=True, metavar="FILE.toml", help="search space: one table per dlojz.py flag")
+    s.add_argument("--trials", type=int, required=True, help="trials this worker finishes (or prunes)")
+    s.add_argument("--timeout", type=float, default=None, help="seconds after which this worker starts no new trial")
+    s.add_argument("--direction", choices=("maximize", "minimize"), default="maximize",
+                   help="maximize the last top-1 (default), or minimize the time to --target-accuracy")
+    s.add_argument("--sampler", choices=("tpe", "random"), default="tpe", help="(default: tpe)")
+    s.add_argument("--sampler-seed", type=int, default=None, help="give each worker its own (e.g. the array task id)")
+    s.add_argument("--pruner", choices=("median", "hyperband", "threshold", "none"), default="median",
+                   help="judges every validation (default: median)")
+    s.add_argument("--pruner-startup-trials", type=int, default=4, help="median: trials never pruned first (default: 4)")
+    s.add_argument("--pruner-warmup-epochs", type=int, default=0, help="validations never pruned (default: 0)")
+    s.add_argument("--prune-below", type=float, default=None, metavar="TOP1", help="threshold: prune below this top-1")
+    s.add_argument("--launch", default="", help='command before python for multi-GPU trials, e.g. "srun --kill-on-bad-exit=1"')
+    s.add_argument("--heartbeat-interval", type=float, default=30, help="seconds between heartbeats (default: 30)")
+    s.add_argument("--stale-after", type=float, default=180,
+                   help="a running trial without heartbeat for this long is failed and retried (default: 180)")
+    s.add_argument("--poll-interval", type=float, default=1.0, help=argparse.SUPPRESS)
+    r = commands.add_parser("report", help="best trials, plots, trials.csv and best.toml (a recipe for --config)")
+    r.add_argument("--study", required=True)
+    r.add_argument("--storage", required=True)
+    r.add_argument("--out", required=True, help="folder for the plots, the CSV and best.toml")
+    r.add_argument("--top", type=int, default=5, help="best trials printed (default: 5)")
+    for sub in (s, r):
+        sub.error = lambda message, sub=sub: sub.exit(2, f"dlojz_hpo {sub.prog.split()[-1]}: error: {message}\n")
+    return parser
+
+
+def main(argv=None):
+    argv = list(sys.argv[1:] if argv is None else argv)
+    shared = []
+    if "--" in argv:  # everything after -- goes to every trial's dlojz.py
+        cut = argv.index("--")
+        argv, shared = argv[:cut], argv[cut + 1:]
+    args = get_parser().parse_args(argv)
+    try:
+        if args.command == "search":
+            if args.trials < 1 or args.heartbeat_interval <= 0 or args.stale_after <= args.heartbeat_interval:
+                fail("--trials must be >= 1, and --stale-after longer than --heartbeat-interval > 0")
+            return search(args, shared)
+        if shared:
+            fail("report takes no dlojz flags after --")
+        return report(args)
+    except UserError as err:
+        print(f"dlojz_hpo: error: {err}", file=sys.stderr, flush=True)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
