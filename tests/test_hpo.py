@@ -230,6 +230,27 @@ def test_flag_words():
     assert dlojz_hpo.flag_argv(actions["batch_size"], 64) == ["--batch-size", "64"]
 
 
+def test_a_beating_trial_is_left_alone_and_a_silent_one_is_failed_and_retried(tmp_path):
+    import dlojz_hpo
+    storage = optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(str(tmp_path / "j.log")))
+    study = optuna.create_study(study_name="s", storage=storage, direction="maximize")
+    trial = study.ask({"lr": optuna.distributions.FloatDistribution(0.01, 1.0, log=True)})
+    trial.report(0.3, step=1)
+    heartbeat = dlojz_hpo.Heartbeat(trial, interval=0.2)
+    heartbeat.start()
+    time.sleep(1.5)
+    dlojz_hpo.fail_stale_trials(study, stale_after=0.8)  # started 1.5 s ago, but beating
+    assert [t.state.name for t in study.get_trials()] == ["RUNNING"]
+    heartbeat.stopped.set()
+    heartbeat.join()
+    time.sleep(1.0)
+    dlojz_hpo.fail_stale_trials(study, stale_after=0.8)
+    failed, retry = study.get_trials()
+    assert (failed.state.name, retry.state.name) == ("FAIL", "WAITING")
+    assert retry.params == failed.params and retry.system_attrs["failed_trial"] == 0
+    assert retry.intermediate_values == {1: 0.3}  # the pruner keeps what it saw
+
+
 # ---------------------------------------------------------------- searches
 def test_a_pruner_that_prunes_everything_stops_trials_after_their_first_validation(tiny_data, tmp_path):
     proc = hpo(*search_args(tmp_path, tiny_data, "--trials", "2", "--pruner", "threshold", "--prune-below", "1.01",
