@@ -401,7 +401,8 @@ def build_data(cfg, ranks, log):
             f"data set ({root}, 10 classes of shapes and textures)")
     train_set, val_set, classes, layout = build_datasets(
         root, train_transform(cfg), ValTransform(cfg.val_resize_size, cfg.val_crop_size), seed=cfg.seed)
-    log(f"data: {root} ({layout} layout, found by {found_by}): {len(train_set)} train / {len(val_set)} val images, "
+    kind = layout if layout.startswith("packed") else f"{layout} layout"
+    log(f"data: {root} ({kind}, found by {found_by}): {len(train_set)} train / {len(val_set)} val images, "
         f"{len(classes)} classes")
     if cfg.train_subset is not None:  # cheap runs, e.g. hyper-parameter search trials
         log(select_train_subset(train_set, cfg.train_subset))

@@ -2,8 +2,9 @@
 
 - `resolve_data_root(arg)`: --data-root, then $DLOJZ_DATA, $ALL_CCFRSCRATCH/imagenet, $DSDIR/imagenet, else the
   embedded data set (generated once by `make_embedded_dataset` into the cache folder).
-- `build_datasets(root, train_tf, val_tf)`: torchvision ImageNet layout (meta.bin + train/ + val/, as on Jean Zay)
-  or plain ImageFolder (train/<class>/, val/<class>/). Unreadable files are skipped with a warning naming them.
+- `build_datasets(root, train_tf, val_tf)`: torchvision ImageNet layout (meta.bin + train/ + val/, as on Jean Zay),
+  plain ImageFolder (train/<class>/, val/<class>/), or the webdataset shards dlojz_pack.py makes of either (found
+  by their manifest; `PackedImages`, read by index). Unreadable samples are skipped with a warning naming them.
 - `select_train_subset(dataset, spec)`: --train-subset, a fixed stratified part of the training set.
 - `EpochSampler` / `ShardSampler`: the training sampler (DistributedSampler order, resumable mid-epoch) and the
   validation sampler (each image on exactly one rank, no padding), both yielding (epoch, index) pairs so that the
@@ -25,7 +26,7 @@ import torch
 import torchvision
 from PIL import Image, ImageDraw
 
-from dlojz_transforms import lazy_image_loader, lazy_pil_loader
+from dlojz_transforms import image_from_bytes, lazy_image_loader, lazy_pil_loader
 
 IMAGENET_TRAIN_IMAGES = 1_281_167
 IMAGENET_VAL_IMAGES = 50_000
@@ -148,9 +149,10 @@ def embedded_dataset_root():
 
 # ---------------------------------------------------------------------------------------------------------------
 # Data sets
-class SafeImageFolder(torchvision.datasets.ImageFolder):
-    """ImageFolder that receives (epoch, index), seeds the augmentation from (seed, epoch, index), and skips an
-    unreadable file with a warning naming it (the next readable sample is used instead)."""
+class SeededSamples:
+    """What dlojz's data sets share: `__getitem__((epoch, index))` seeds the augmentation from (seed, epoch, index)
+    and skips an unreadable sample with a warning naming it (the next readable sample is used instead). A data set
+    gives `samples` (a list of (where, target)), `transform`, `root`, `load(i)` and `describe(i)`."""
 
     seed = 0
 
@@ -158,7 +160,6 @@ class SafeImageFolder(torchvision.datasets.ImageFolder):
         epoch, index = key if isinstance(key, tuple) else (0, key)
         for attempt in range(len(self.samples)):
             i = (index + attempt) % len(self.samples)
-            path, target = self.samples[i]
             # Per-sample seed: augmentation independent of worker count and resume position.
             sample_seed = (self.seed * 1_000_003 + epoch) * 10_000_019 + i
             # The CPU generator only: torch.manual_seed would also queue a CUDA seeding with a stack trace, 0.1 ms
@@ -168,10 +169,51 @@ class SafeImageFolder(torchvision.datasets.ImageFolder):
             # Progressive resizing: the transform of this sample's epoch (dlojz_transforms.EpochTransforms).
             transform = self.transform.for_epoch(epoch) if hasattr(self.transform, "for_epoch") else self.transform
             try:
-                return transform(self.loader(path)), target
+                return transform(self.load(i)), self.samples[i][1]
             except (OSError, ValueError, SyntaxError) as err:
-                print(f"WARNING: skipping unreadable image {path}: {err}", file=sys.stderr, flush=True)
+                print(f"WARNING: skipping unreadable image {self.describe(i)}: {err}", file=sys.stderr, flush=True)
         raise DataError(f"no readable image in {self.root}")
+
+
+class SafeImageFolder(SeededSamples, torchvision.datasets.ImageFolder):
+    """ImageFolder that receives (epoch, index), seeds the augmentation and skips unreadable files (SeededSamples)."""
+
+    def load(self, i):
+        return self.loader(self.samples[i][0])
+
+    def describe(self, i):
+        return self.samples[i][0]
+
+
+class PackedImages(SeededSamples, torch.utils.data.Dataset):
+    """One split of a packed data set (dlojz_pack.py's webdataset shards), read by index: sample i is the folder's
+    sample i, its bytes read with pread from a shard, so the samplers, the seeding, exact validation and resume
+    work as on folders. The samples of a truncated or missing shard are left out with one warning per shard; a
+    sample that cannot be read or decoded is skipped like a corrupt file, named by shard and key."""
+
+    def __init__(self, root, split, transform):
+        from dlojz_pack import PackedSplit
+        self.shards = PackedSplit(root, split)
+        self.root, self.transform = f"{root} ({split})", transform
+        self.classes, self.class_to_idx = self.shards.classes, self.shards.class_to_idx
+        rows, warnings = self.shards.intact_rows()
+        for line in warnings:
+            print(line, file=sys.stderr, flush=True)
+        targets = self.shards.targets
+        self.samples = [(row, targets[row]) for row in rows]  # (row of the index, target)
+        self.targets = [target for _, target in self.samples]
+        if not self.samples:
+            raise DataError(f"{root}: no readable sample in the {split} shards; repack with dlojz_pack.py")
+
+    def __len__(self):
+        return len(self.samples)
+
+    def load(self, i):
+        row = self.samples[i][0]
+        return image_from_bytes(self.shards.location(row), self.shards.read_bytes(row))
+
+    def describe(self, i):
+        return self.shards.location(self.samples[i][0])
 
 
 def _has_class_dirs(path):
@@ -192,6 +234,9 @@ def find_layout(root):
 def build_datasets(root, train_transform, val_transform, seed=0):
     """Return (train_set, val_set, classes, layout)."""
     root = Path(root)
+    from dlojz_pack import is_packed
+    if is_packed(root):
+        return build_packed_datasets(root, train_transform, val_transform, seed)
     layout = find_layout(root)
     sets = []
     for split, tf in (("train", train_transform), ("val", val_transform)):
@@ -241,6 +286,23 @@ def select_train_subset(dataset, spec):
     dataset.targets = [target for _, target in dataset.samples]
     per = f"{spec:.0%} of each class" if spec < 1 else f"{int(spec)} images per class"
     return f"--train-subset {spec:g}: {len(kept)} of {total} training images ({per}, the same in every run)"
+
+
+def build_packed_datasets(root, train_transform, val_transform, seed=0):
+    """build_datasets for a packed data set: (train_set, val_set, classes, layout)."""
+    sets = []
+    for split, tf in (("train", train_transform), ("val", val_transform)):
+        ds = PackedImages(root, split, tf)
+        ds.seed = seed
+        sets.append(ds)
+    train_set, val_set = sets
+    try:  # the first-image check of a folder data set
+        image_from_bytes(train_set.describe(0), train_set.shards.read_bytes(train_set.samples[0][0]))
+    except OSError as err:
+        raise DataError(f"{err}; check --data-root") from None
+    layout = (f"packed shards: {len(train_set.shards.shards)} train + {len(val_set.shards.shards)} val webdataset tar "
+              f"files of an {train_set.shards.layout} tree, read by index")
+    return train_set, val_set, train_set.shards.class_names, layout
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -41,6 +41,8 @@ Everything here is picklable, as DataLoader workers started with ``spawn`` or ``
 
 from __future__ import annotations
 
+import io
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -61,6 +63,7 @@ __all__ = [
     "decoder_description",
     "EncodedJpeg",
     "lazy_image_loader",
+    "image_from_bytes",
     "lazy_pil_loader",
     "TrainTransform",
     "ValTransform",
@@ -141,6 +144,29 @@ def lazy_image_loader(path: str):
             if rgb_decodable:
                 return EncodedJpeg(path, data, (width, height))
     return lazy_pil_loader(path)
+
+
+def image_from_bytes(name: str, data: bytes):
+    """A sample already in memory (read from a packed shard, dlojz_pack.py), made ready for the transforms as
+    ``lazy_image_loader`` makes a file: an ``EncodedJpeg`` for region decoding, else a lazily opened PIL image.
+    ``name`` (e.g. ``train-000003.tar:n01440764_10026``) stands for the file in messages."""
+    if dlojz_jpeg.load() is not None and _complete_jpeg(data):
+        try:
+            width, height, rgb_decodable = dlojz_jpeg.info(data)
+        except dlojz_jpeg.JpegError:
+            rgb_decodable = False
+        if rgb_decodable:
+            return EncodedJpeg(name, data, (width, height))
+    return _pil_from_bytes(name, data)
+
+
+def _pil_from_bytes(name: str, data: bytes) -> Image.Image:
+    try:
+        img = Image.open(io.BytesIO(data))
+    except _PIL_READ_ERRORS as error:
+        raise UnreadableImageError(f"{name}: cannot be read as an image ({error})") from error
+    img.filename = name  # names the sample in messages; its bytes stay in img.fp for the faster decoders
+    return img
 
 
 def _complete_jpeg(data: bytes) -> bool:
@@ -245,7 +271,7 @@ def _decode(img, box: tuple, out_width: int, out_height: int, draft: bool, snap:
         decoded = _decode_region(img.data, img.size, box, reduction, out_width, out_height, snap)
         if decoded is not None:
             return decoded
-        img = lazy_pil_loader(img.filename)  # libjpeg refused it: PIL decodes it, or names it as unreadable
+        img = _pil_from_bytes(img.filename, img.data)  # libjpeg refused it: PIL decodes it, or names it as unreadable
         data = None
     else:
         data = _jpeg_file_bytes(img)

@@ -1,0 +1,825 @@
+"""Pack an image tree into webdataset tar shards, and read its samples back at random.
+
+A parallel file system serves a few large files far better than 1.28 million small ones (every open is a request to
+the metadata servers). `python dlojz_pack.py SRC DST [--shard-size 1GB] [--workers N]` turns SRC, torchvision's
+ImageNet layout (meta.bin, train/<wnid>/, val/<wnid>/) or ImageFolder (train/<class>/, val/<class>/), into:
+
+- `DST/train-000000.tar`, `DST/train-000001.tar`, ..., `DST/val-000000.tar`, ...: webdataset's format, plain tars
+  that tarfile, GNU tar and webdataset read. Two members per sample: `KEY.jpg` (or the source's own extension,
+  lower-case, jpeg -> jpg) holding the source file's bytes unchanged, never re-encoded, and `KEY.cls`, the class
+  index in ASCII decimal, as webdataset's ImageNet examples write them. KEY is the file's path in its class folder
+  with `<class>_` in front (unless already there, as in ImageNet's `n01440764_10026`), every character but letters,
+  digits, `-` and `_` made `_` (webdataset cuts the key at the first dot), unique in its split. Train samples are in
+  a fixed shuffled order (a hash of the key: the same on every machine and Python), so that a sequential reader
+  such as webdataset sees mixed classes; val samples in the source's order.
+- `DST/train-index.npy`, `DST/val-index.npy`: the random-access index. Row i is sample i of
+  `ImageFolder(SRC/split)` with dlojz's IMG_EXTENSIONS, so a packed set and the folder give the same sample at the
+  same index, and dlojz's samplers and per-sample seeding behave identically. A numpy structured array (shard,
+  offset of the image's bytes in the tar, size, target, key): `np.load(mmap_mode="r")` opens it at once whatever
+  its size (1.28 M rows are not parsed, pages are read when used and shared by the DataLoader workers of a node),
+  a row is a few microseconds, and the keys, fixed-width ASCII in the same file, cost nothing until asked for
+  (ImageNet's train index: 34 bytes a row, 44 MB, opened in a millisecond; its targets listed in 30 ms).
+- `DST/dlojz_pack.json`, the manifest: format version, source path, layout, classes (ImageFolder order) and their
+  readable names (meta.bin's first name, as dlojz shows them), and per split the shard names, sizes and sample
+  counts. Written first as "in progress", marked "complete" at the end: a reader refuses an unfinished pack.
+
+Determinism and resume: the whole layout (which sample goes in which shard, every offset, every shard's size) is
+computed up front from the file sizes, and every tar header is one 512-byte block with constant mtime, mode and
+owner. So the same SRC gives byte-identical shards whatever --workers; worker processes write shards independently,
+each to a temporary name then renamed (a crash never leaves half a shard under its final name); and a rerun keeps
+the shards that are there with their planned size and writes only the others. A rerun on a complete pack of the
+same SRC says so and does nothing (it only lists SRC, no stat of every file: a file replaced by another of a
+different size goes unnoticed then); a damaged shard (wrong size) is rewritten. One pack at a time per DST.
+
+Functions:
+- `pack(src, dst, shard_size=None, workers=None, log=print) -> dict`: what the command does; returns a summary.
+- `main(argv=None) -> int`: the command line; a bad input is one line `dlojz_pack: error: ...`, exit status 2.
+- `parse_size("500MB") -> int`: 1000-based units (B, KB, MB, GB, TB), 1024-based ones (KiB, MiB, GiB, TiB).
+- `is_packed(root) -> bool`: root holds a dlojz pack (finished or not: PackedSplit says what is wrong).
+- `PackedSplit(root, split)`: `classes`, `class_names`, `len()`, `targets`, `key(i)`, `shard_path(i)`,
+  `location(i)`, `read_bytes(i)` (os.pread on descriptors opened lazily, cached per process, reopened after a
+  fork, never pickled), `check_shards()` (every shard there with its size: the start-up check).
+- `check_pack(root)`: `check_shards()` of every split.
+
+Errors: `PackError` (a `DataError`: one line naming the path and what to do); `ShardReadError` (a `PackError` and
+an `OSError`, as an unreadable image file is) names the shard and the key of a sample that cannot be read.
+"""
+import argparse
+import hashlib
+import io
+import json
+import multiprocessing
+import operator
+import os
+import re
+import sys
+import tarfile
+import tempfile
+import time
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+from dlojz_data import IMG_EXTENSIONS, DataError, find_layout
+
+FORMAT = "dlojz_pack"
+FORMAT_VERSION = 1
+MANIFEST = "dlojz_pack.json"
+SPLITS = ("train", "val")
+DEFAULT_SHARD_SIZE = 10**9
+SHUFFLE_SEED = 0
+# Random access touches every shard: keeping them open saves an open() (a metadata request) per sample. ImageNet in
+# 1 GB shards is ~150 files; the bound keeps a process well under the usual 1024 descriptors.
+MAX_OPEN = 128
+PROGRESS_EVERY = 5.0  # seconds between progress lines
+
+BLOCK = tarfile.BLOCKSIZE
+RECORD = tarfile.RECORDSIZE
+# Tar headers: constants, so that the same source gives the same bytes (webdataset's TarWriter stamps the time).
+MTIME = 946684800  # 2000-01-01 UTC (0 makes some tools warn of an implausibly old time stamp)
+MODE = 0o644
+OWNER = "dlojz"
+# A key and its extension fit the 100-byte name field of one ustar header: no extra header, offsets computable.
+MAX_KEY = 80
+MAX_SAMPLE = 2**32 - 1  # the index stores sizes as uint32
+
+_UNSAFE = re.compile(r"[^A-Za-z0-9_-]")
+_SHARD_RE = re.compile(r"^(train|val)-\d{6}\.tar$")
+_TEMP_RE = re.compile(r"^\.(dlojz_pack\.json|(train|val)-(index\.npy|\d{6}\.tar))\..*\.tmp$")
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([kmgt]?i?b?)\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+          "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+class PackError(DataError):
+    """A pack that cannot be made or read as asked; the message is one line naming the path and what to do."""
+
+
+class ShardReadError(PackError, OSError):
+    """A sample whose bytes cannot be read from its shard; the message names the shard and the key. An OSError,
+    like an unreadable image file, so that code skipping those skips these too."""
+
+
+def _first_line(err):
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
+def parse_size(text):
+    """'1GB' -> 10**9, '64KB' -> 64000, '1GiB' -> 2**30, '12345' -> 12345 bytes."""
+    match = _SIZE_RE.match(str(text))
+    unit = match and _UNITS.get(match.group(2).lower())
+    size = int(float(match.group(1)) * unit) if unit else 0
+    if size < 1:
+        raise PackError(f"--shard-size {text!r}: not a size; give e.g. 1GB, 500MB or 64KB")
+    return size
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Small file helpers
+def _atomic_write(path, write):
+    """Write through a temporary name in the same folder, then rename: `path` is whole or absent."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        _unlink(tmp)
+        raise
+
+
+def _unlink(path):
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def _fsync_dir(path):
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_json(path, obj):
+    _atomic_write(path, lambda f: f.write((json.dumps(obj, indent=1) + "\n").encode()))
+
+
+def _read_manifest(root, hint):
+    """The manifest of the pack in `root`; PackError (ending with `hint`, what to do) if it is not one."""
+    path = Path(root) / MANIFEST
+    try:
+        manifest = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise PackError(f"{root}: not a dlojz pack (no {MANIFEST}); {hint}") from None
+    except (OSError, ValueError) as err:
+        raise PackError(f"{path}: unreadable ({_first_line(err)}); {hint}") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise PackError(f"{path}: not a dlojz_pack manifest; {hint}")
+    if manifest.get("version") != FORMAT_VERSION:
+        raise PackError(f"{path}: pack format version {manifest.get('version')}, this dlojz_pack.py reads version "
+                        f"{FORMAT_VERSION}; repack with this one: python dlojz_pack.py {manifest.get('source')} {root}")
+    return manifest
+
+
+def _pack_files(manifest):
+    names = {MANIFEST}
+    for info in manifest.get("splits", {}).values():
+        names.update(info.get("shards", []))
+        names.add(info.get("index"))
+    return names
+
+
+def _repack_hint(manifest, root):
+    return f"repack: python dlojz_pack.py {manifest.get('source', 'SRC')} {root}"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The source tree
+def _is_image(path):
+    return path.lower().endswith(IMG_EXTENSIONS)  # what build_datasets gives ImageFolder
+
+
+def _has_class_dirs(path):
+    return path.is_dir() and any(p.is_dir() for p in path.iterdir())
+
+
+def _list_source(src):
+    """(layout, classes, {split: [(path, target)]}) in ImageFolder's order (torchvision's own functions)."""
+    from torchvision.datasets.folder import find_classes, make_dataset
+
+    if not src.is_dir():
+        raise PackError(f"SRC {src}: no such directory; give the folder holding train/ and val/")
+    for split in SPLITS:
+        if not _has_class_dirs(src / split):
+            raise PackError(f"SRC {src}: not a data tree (no {split}/<class>/ folders); give the folder holding "
+                            "train/<class>/ and val/<class>/ (ImageNet layout with meta.bin, or ImageFolder)")
+    layout = find_layout(src)
+    samples, classes = {}, {}
+    for split in SPLITS:
+        folder = str(src / split)
+        try:
+            classes[split], class_to_idx = find_classes(folder)
+            samples[split] = make_dataset(folder, class_to_idx, is_valid_file=_is_image)
+        except (FileNotFoundError, ValueError) as err:
+            raise PackError(f"SRC {folder}: {_first_line(err)}") from None
+    if classes["train"] != classes["val"]:
+        only_train = sorted(set(classes["train"]) - set(classes["val"]))[:5]
+        only_val = sorted(set(classes["val"]) - set(classes["train"]))[:5]
+        raise PackError(f"SRC {src}: train/ and val/ have different classes (only in train: {only_train}, "
+                        f"only in val: {only_val})")
+    return layout, classes["train"], samples
+
+
+def _class_names(src, classes, layout):
+    """meta.bin's first name of each WordNet id, as build_datasets shows them; the folder name otherwise."""
+    if layout != "imagenet":
+        return list(classes)
+    import torch
+    try:
+        wnid_to_names = torch.load(src / "meta.bin", weights_only=True)[0]
+        names = [wnid_to_names.get(w, (w,)) for w in classes]
+        return [n if isinstance(n, str) else str(n[0]) for n in names]
+    except Exception as err:
+        raise PackError(f"SRC {src}/meta.bin: unreadable ({type(err).__name__}: {_first_line(err)}); fix or "
+                        "remove it (the classes then keep their folder names)") from None
+
+
+def _listing_digest(src, classes, samples):
+    """What the folder listing says (no stat): enough to notice files added, removed or renamed."""
+    h = hashlib.sha256("\0".join(classes).encode("utf-8", "surrogateescape"))
+    for split in SPLITS:
+        h.update(f"\0{split}\0".encode())
+        for path, target in samples[split]:
+            h.update(f"{os.path.relpath(path, src)}\t{target}\n".encode("utf-8", "surrogateescape"))
+    return h.hexdigest()
+
+
+def _stat_sizes(paths):
+    """File sizes, stat'ed by threads: on a parallel file system each stat is a round trip to a metadata server."""
+    def sizes_of(chunk):
+        out = []
+        for p in chunk:
+            try:
+                out.append(os.stat(p).st_size)
+            except OSError as err:
+                raise PackError(f"SRC file {p}: {err.strerror or err}; fix it and rerun") from None
+        return out
+    chunks = [paths[i:i + 1000] for i in range(0, len(paths), 1000)]
+    with ThreadPoolExecutor(16) as pool:
+        return [size for chunk in pool.map(sizes_of, chunks) for size in chunk]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The plan: every shard's members and every offset, from the file sizes alone
+def _padded(n):
+    return -(-n // BLOCK) * BLOCK
+
+
+def _tar_size(body):
+    """A tar of `body` bytes of members: two zero blocks at the end, then padding to a whole record (tarfile)."""
+    return -(-(body + 2 * BLOCK) // RECORD) * RECORD
+
+
+def _footprint(size):
+    return BLOCK + _padded(size) + 2 * BLOCK  # image header + data, .cls header + data
+
+
+def _image_offset(ext):
+    # Members in sorted extension order, as webdataset's TarWriter writes them: `.cls` comes first for `.jpg`.
+    return 3 * BLOCK if "cls" < ext else BLOCK
+
+
+def _keys(split_dir, classes, samples):
+    keys, used = [], set()
+    for path, target in samples:
+        cls = classes[target]
+        rel = os.path.relpath(path, os.path.join(split_dir, cls))
+        key = _UNSAFE.sub("_", os.path.splitext(rel)[0])
+        prefix = _UNSAFE.sub("_", cls) + "_"
+        if not key.startswith(prefix):
+            key = prefix + key
+        if len(key) > MAX_KEY:
+            digest = hashlib.blake2b(os.fsencode(rel), digest_size=8).hexdigest()
+            key = f"{key[:MAX_KEY - 17]}_{digest}"
+        base, n = key, 0
+        while key in used:  # a.png next to a.jpg, or a_b.jpg next to a/b.jpg
+            n += 1
+            key = f"{base}_{n}"
+        used.add(key)
+        keys.append(key)
+    return keys
+
+
+def _extension(path):
+    ext = os.path.splitext(path)[1][1:].lower()
+    return "jpg" if ext == "jpeg" else ext
+
+
+def _shuffle_rank(key):
+    return hashlib.blake2b(f"{SHUFFLE_SEED}:{key}".encode(), digest_size=8).digest()
+
+
+def _plan_split(src, split, classes, samples, sizes, shard_size):
+    """(index array in ImageFolder order, [shard: dict(name, size, members)]) for one split."""
+    big = next((i for i, size in enumerate(sizes) if size > MAX_SAMPLE), None)
+    if big is not None:
+        raise PackError(f"SRC file {samples[big][0]}: {sizes[big]} bytes, more than an image can be; remove it")
+    keys = _keys(str(src / split), classes, samples)
+    n = len(samples)
+    order = sorted(range(n), key=lambda i: _shuffle_rank(keys[i])) if split == "train" else range(n)
+    dtype = np.dtype([("shard", "<u4"), ("offset", "<u8"), ("size", "<u4"), ("target", "<u4"),
+                      ("key", f"S{max(len(k) for k in keys)}")])
+    index = np.zeros(n, dtype=dtype)
+    index["key"] = keys
+    index["target"] = [t for _, t in samples]
+    index["size"] = sizes
+    shard_of, offset_of = np.zeros(n, dtype="<u4"), np.zeros(n, dtype="<u8")
+    shards, members, body = [], [], 0
+
+    def close_shard():
+        shards.append(dict(name=f"{split}-{len(shards):06d}.tar", size=_tar_size(body), members=members))
+
+    for i in order:
+        path, target = samples[i]
+        size, ext = sizes[i], _extension(path)
+        if members and _tar_size(body + _footprint(size)) > shard_size:
+            close_shard()
+            members, body = [], 0
+        shard_of[i], offset_of[i] = len(shards), body + _image_offset(ext)
+        members.append((path, keys[i], ext, target, size, body + _image_offset(ext)))
+        body += _footprint(size)
+    close_shard()
+    index["shard"], index["offset"] = shard_of, offset_of
+    return index, shards
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Writing
+def _read_source(path):
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def _tarinfo(name, size):
+    info = tarfile.TarInfo(name)
+    info.size, info.mtime, info.mode = size, MTIME, MODE
+    info.uid = info.gid = 0
+    info.uname = info.gname = OWNER
+    return info
+
+
+def _write_shard(dst, shard):
+    """Write one shard under a temporary name, check it against the plan, rename it. Returns (name, bytes, images)."""
+    final = os.path.join(dst, shard["name"])
+    fd, tmp = tempfile.mkstemp(dir=dst, prefix=f".{shard['name']}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            # ustar: a name that does not fit one header is an error here, never an extra header that would
+            # shift the planned offsets.
+            tar = tarfile.open(fileobj=f, mode="w", format=tarfile.USTAR_FORMAT)
+            for path, key, ext, target, size, offset in shard["members"]:
+                try:
+                    data = _read_source(path)
+                except OSError as err:
+                    raise PackError(f"SRC file {path}: unreadable ({err.strerror or err}); fix or remove it, "
+                                    "then rerun") from None
+                if len(data) != size:
+                    raise PackError(f"SRC file {path}: {len(data)} bytes now, {size} when the pack was planned "
+                                    "(SRC changed during the pack); rerun")
+                for member_ext, payload in sorted([(ext, data), ("cls", str(target).encode("ascii"))],
+                                                  key=lambda m: m[0]):
+                    tar.addfile(_tarinfo(f"{key}.{member_ext}", len(payload)), io.BytesIO(payload))
+                    if member_ext == ext and f.tell() - _padded(size) != offset:
+                        raise RuntimeError(f"{final}: {key} at {f.tell() - _padded(size)}, planned at {offset}")
+            tar.close()
+            if f.tell() != shard["size"]:
+                raise RuntimeError(f"{final}: {f.tell()} bytes written, {shard['size']} planned")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, final)
+    except BaseException:
+        _unlink(tmp)
+        raise
+    return shard["name"], shard["size"], len(shard["members"])
+
+
+def _pool_task(args):
+    return _write_shard(*args)
+
+
+def _ignore_sigint():
+    # Ctrl-C goes to the whole process group: the parent stops the pool, the workers must not die mid-message.
+    import signal
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def _write_shards(dst, todo, workers):
+    """Yield (name, bytes, images) as shards are finished, in-process for one worker, else by a process pool."""
+    if workers <= 1 or len(todo) <= 1:
+        for shard in todo:
+            yield _write_shard(str(dst), shard)
+        return
+    start = "fork" if "fork" in multiprocessing.get_all_start_methods() else None  # no re-import of torch
+    pool = multiprocessing.get_context(start).Pool(min(workers, len(todo)), initializer=_ignore_sigint)
+    try:
+        yield from pool.imap_unordered(_pool_task, [(str(dst), shard) for shard in todo], chunksize=1)
+        pool.close()
+    finally:
+        pool.terminate()
+        pool.join()
+
+
+def _remove_temps(dst):
+    for name in os.listdir(dst):
+        if _TEMP_RE.match(name):
+            _unlink(os.path.join(dst, name))
+
+
+def _damaged(dst, names, sizes):
+    """Shards missing or not of their planned size."""
+    out = []
+    for name, size in zip(names, sizes):
+        try:
+            if os.stat(os.path.join(dst, name)).st_size == size:
+                continue
+        except FileNotFoundError:
+            pass
+        out.append(name)
+    return out
+
+
+def _inspect_dst(dst, src, src_dirs):
+    """The manifest of a pack of `src` in `dst`, or None for a new or empty folder; refuse anything else."""
+    if any(dst.resolve().is_relative_to(d) for d in src_dirs):
+        raise PackError(f"DST {dst}: inside SRC's train/ or val/ (it would become a class); give a folder outside")
+    if dst.exists() and not dst.is_dir():
+        raise PackError(f"DST {dst}: not a folder; give a new or empty folder")
+    names = sorted(n for n in os.listdir(dst) if not _TEMP_RE.match(n)) if dst.exists() else []
+    if not names:
+        return None
+    if MANIFEST not in names:
+        more = f" and {len(names) - 1} more" if len(names) > 1 else ""
+        raise PackError(f"DST {dst}: holds other files ({names[0]}{more}) and is not a dlojz pack; give a new or "
+                        "empty folder")
+    manifest = _read_manifest(dst, "give another DST, or remove this one")
+    if manifest.get("source") != str(src):
+        raise PackError(f"DST {dst}: is a pack of {manifest.get('source')}, not of SRC {src}; give another DST, or "
+                        "remove this one")
+    strangers = sorted(set(names) - _pack_files(manifest))
+    if strangers:
+        raise PackError(f"DST {dst}: holds files that are not part of the pack ({strangers[0]}"
+                        f"{f' and {len(strangers) - 1} more' if len(strangers) > 1 else ''}); move them away or "
+                        "give another DST")
+    return manifest
+
+
+def _counts(counts):
+    return ", ".join(f"{split} {n:,}" for split, n in counts.items())
+
+
+def _default_workers():
+    try:
+        return min(8, len(os.sched_getaffinity(0)))  # the CPUs Slurm gave this job
+    except AttributeError:
+        return min(8, os.cpu_count() or 1)
+
+
+def pack(src, dst, shard_size=None, workers=None, log=print):
+    """Pack SRC into DST (see the module's docstring). `shard_size`: bytes or a string such as '1GB'; None for 1 GB,
+    or the size of the interrupted pack being finished. Returns a summary dict."""
+    t_start = time.monotonic()
+    requested = None if shard_size is None else (
+        parse_size(shard_size) if isinstance(shard_size, str) else int(shard_size))
+    if requested is not None and requested < 1:
+        raise PackError(f"--shard-size {shard_size}: not a size; give e.g. 1GB, 500MB or 64KB")
+    workers = _default_workers() if workers is None else workers
+    if not isinstance(workers, int) or workers < 1:
+        raise PackError(f"--workers {workers}: give 1 or more processes")
+    src, dst = Path(src), Path(dst)
+    layout, classes, samples = _list_source(src)
+    src_abs = src.resolve()
+    manifest = _inspect_dst(dst, src_abs, [(src_abs / s).resolve() for s in SPLITS])
+    listing = _listing_digest(src, classes, samples)
+    counts = {split: len(samples[split]) for split in SPLITS}
+    class_names = _class_names(src, classes, layout)
+    was_complete = manifest is not None and manifest.get("state") == "complete"
+
+    if was_complete:
+        old_counts = {s: manifest["splits"][s]["samples"] for s in SPLITS}
+        if manifest.get("listing_sha256") != listing:
+            raise PackError(f"DST {dst}: a complete pack of SRC {src_abs} as it was ({_counts(old_counts)} images); "
+                            f"SRC has changed since ({_counts(counts)}): remove DST, or give another, to pack it "
+                            "again")
+        if requested is not None and requested != manifest["shard_size"]:
+            raise PackError(f"DST {dst}: a complete pack of SRC in shards of {manifest['shard_size']} bytes, not "
+                            f"{requested}: remove DST, or give another, to pack it again")
+        damaged = [n for s in SPLITS for n in _damaged(dst, manifest["splits"][s]["shards"],
+                                                       manifest["splits"][s]["shard_sizes"])]
+        if not damaged:
+            log(f"dlojz_pack: {dst} is already a complete pack of {src_abs}: nothing to do")
+            return dict(dst=str(dst), already_complete=True, written=0,
+                        kept=sum(len(manifest["splits"][s]["shards"]) for s in SPLITS), samples=old_counts,
+                        bytes_written=0, seconds=time.monotonic() - t_start)
+        log(f"dlojz_pack: {dst}: {len(damaged)} shard(s) missing or of the wrong size ({damaged[0]}...): "
+            "writing them again")
+
+    if manifest is not None and requested is not None and requested != manifest["shard_size"]:
+        raise PackError(f"DST {dst}: an interrupted pack in shards of {manifest['shard_size']} bytes: rerun with "
+                        f"--shard-size {manifest['shard_size']} (or without it) to finish it, or remove DST")
+    shard_size = requested or (manifest or {}).get("shard_size") or DEFAULT_SHARD_SIZE
+
+    # The plan, from every file's size
+    all_paths = [path for split in SPLITS for path, _ in samples[split]]
+    all_sizes = _stat_sizes(all_paths)
+    sizes = {"train": all_sizes[:counts["train"]], "val": all_sizes[counts["train"]:]}
+    sizes_digest = hashlib.sha256(np.asarray(all_sizes, dtype="<u8").tobytes()).hexdigest()
+    plans = {split: _plan_split(src, split, classes, samples[split], sizes[split], shard_size) for split in SPLITS}
+
+    if manifest is not None and (manifest.get("listing_sha256"), manifest.get("sizes_sha256")) != (listing,
+                                                                                                   sizes_digest):
+        if was_complete:  # in use, maybe: not ours to delete
+            raise PackError(f"DST {dst}: a complete pack of SRC {src_abs} as it was; files of SRC have changed size "
+                            "since: remove DST, or give another, to pack it again")
+        log(f"dlojz_pack: SRC changed since the interrupted pack in {dst} began: starting again")
+        for name in _pack_files(manifest):
+            _unlink(dst / name)
+        manifest = None
+    try:
+        dst.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise PackError(f"DST {dst}: cannot create it ({err.strerror or err}); give a folder you can write") from None
+    if not os.access(dst, os.W_OK | os.X_OK):
+        raise PackError(f"DST {dst}: not writable; give a folder you can write")
+    _remove_temps(dst)  # left by a killed run
+
+    manifest = dict(
+        format=FORMAT, version=FORMAT_VERSION, state="in progress", source=str(src_abs), layout=layout,
+        classes=list(classes), class_names=class_names, shard_size=shard_size,
+        shuffle_seed=SHUFFLE_SEED, listing_sha256=listing, sizes_sha256=sizes_digest,
+        created=(manifest or {}).get("created") or time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        splits={split: dict(samples=counts[split], index=f"{split}-index.npy",
+                            shards=[s["name"] for s in shards], shard_sizes=[s["size"] for s in shards],
+                            shard_samples=[len(s["members"]) for s in shards])
+                for split, (_, shards) in plans.items()})
+    _write_json(dst / MANIFEST, manifest)  # first: a DST holding pack files always says whose they are
+    for split, (index, _) in plans.items():
+        _atomic_write(dst / f"{split}-index.npy", lambda f, index=index: np.save(f, index, allow_pickle=False))
+
+    shards = [s for split in SPLITS for s in plans[split][1]]
+    damaged = set(_damaged(dst, [s["name"] for s in shards], [s["size"] for s in shards]))
+    todo = [s for s in shards if s["name"] in damaged]
+    kept = len(shards) - len(todo)
+    total_bytes = sum(s["size"] for s in shards)
+    log(f"dlojz_pack: {src_abs} ({layout} layout, {len(classes)} classes): "
+        + "; ".join(f"{split} {counts[split]:,} images in {len(plans[split][1])} shards" for split in SPLITS)
+        + f"; {total_bytes / 1e6:,.1f} MB")
+    if kept:
+        log(f"dlojz_pack: finishing the pack in {dst}: {kept} shards already there, {len(todo)} to write")
+    log(f"dlojz_pack: writing {len(todo)} shards into {dst} with {min(workers, max(1, len(todo)))} process(es)")
+
+    t0, last, written_bytes, done_images = time.monotonic(), time.monotonic(), 0, 0
+    images_todo = sum(len(s["members"]) for s in todo)
+    results = _write_shards(dst, todo, workers)
+    try:
+        for k, (name, nbytes, images) in enumerate(results, 1):
+            written_bytes += nbytes
+            done_images += images
+            now = time.monotonic()
+            if k == len(todo) or now - last >= PROGRESS_EVERY:
+                last = now
+                log(f"dlojz_pack: {kept + k}/{len(shards)} shards ({name}), {done_images:,}/{images_todo:,} images "
+                    f"this run, {written_bytes / 1e6 / max(now - t0, 1e-9):,.1f} MB/s")
+    finally:
+        results.close()  # stops the pool's other shards at once if one failed
+        _remove_temps(dst)
+
+    missing = _damaged(dst, [s["name"] for s in shards], [s["size"] for s in shards])
+    if missing:
+        raise PackError(f"DST {dst}/{missing[0]}: missing or of the wrong size after packing (another process "
+                        "writing into DST?); rerun")
+    _fsync_dir(dst)  # the shards' renames reach the disk before the manifest says "complete"
+    manifest.update(state="complete", completed=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
+    _write_json(dst / MANIFEST, manifest)
+    seconds = time.monotonic() - t_start
+    log(f"dlojz_pack: done: {dst} holds {len(shards)} shards, {sum(counts.values()):,} images, "
+        f"{total_bytes / 1e6:,.1f} MB ({written_bytes / 1e6:,.1f} MB written in {seconds:.1f} s)")
+    return dict(dst=str(dst), already_complete=False, written=len(todo), kept=kept, samples=counts,
+                bytes_written=written_bytes, seconds=seconds)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Reading
+def is_packed(root):
+    """True if `root` holds a dlojz pack, finished or not (PackedSplit then says what is wrong with it)."""
+    try:
+        manifest = json.loads((Path(root) / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(manifest, dict) and manifest.get("format") == FORMAT
+
+
+class PackedSplit:
+    """One split of a pack, read at random: sample i is sample i of ImageFolder(SRC/split).
+
+    Picklable for DataLoader workers: the index (mmap) and the open shards are not pickled, but opened again by the
+    process that uses them; a forked process drops the descriptors it inherited and opens its own."""
+
+    def __init__(self, root, split, max_open=MAX_OPEN):
+        self.root = Path(root)
+        manifest = _read_manifest(self.root, f"make one with python dlojz_pack.py SRC {self.root}")
+        if manifest.get("state") != "complete":
+            raise PackError(f"{self.root}: the pack is not finished (interrupted?); finish it: python dlojz_pack.py "
+                            f"{manifest.get('source')} {self.root}")
+        if split not in manifest["splits"]:
+            raise PackError(f"{self.root}: no split {split!r} in the pack (it has {', '.join(manifest['splits'])})")
+        info = manifest["splits"][split]
+        self.split, self.source, self.layout = split, manifest["source"], manifest["layout"]
+        self.classes, self.class_names = list(manifest["classes"]), list(manifest["class_names"])
+        self.class_to_idx = {c: i for i, c in enumerate(self.classes)}
+        self.shards, self.shard_sizes = list(info["shards"]), list(info["shard_sizes"])
+        self.index_path = self.root / info["index"]
+        self._len, self.max_open = info["samples"], max_open
+        self._rows = self._targets = None
+        self._files, self._pid = OrderedDict(), os.getpid()
+        self._index()  # a missing or foreign index fails here, not in a worker
+
+    def _index(self):
+        if self._rows is None:
+            try:
+                rows = np.load(self.index_path, mmap_mode="r", allow_pickle=False)
+            except (OSError, ValueError) as err:
+                raise PackError(f"{self.index_path}: unreadable index ({_first_line(err)}); "
+                                f"{_repack_hint(dict(source=self.source), self.root)}") from None
+            if rows.dtype.names != ("shard", "offset", "size", "target", "key") or len(rows) != self._len:
+                raise PackError(f"{self.index_path}: not the index the manifest describes ({len(rows)} rows, "
+                                f"{self._len} expected); {_repack_hint(dict(source=self.source), self.root)}")
+            self._rows = rows
+        return self._rows
+
+    def __len__(self):
+        return self._len
+
+    def __repr__(self):
+        return f"PackedSplit({str(self.root)!r}, {self.split!r}: {self._len} samples, {len(self.shards)} shards)"
+
+    @property
+    def targets(self):
+        if self._targets is None:
+            self._targets = self._index()["target"].tolist()
+        return self._targets
+
+    def _row(self, i):
+        i = operator.index(i)
+        if not 0 <= i < self._len:
+            raise IndexError(f"sample {i} out of range: {self.split} has {self._len}")
+        return self._index()[i]
+
+    def key(self, i):
+        return self._row(i)["key"].decode("ascii")
+
+    def shard_path(self, i):
+        return self.root / self.shards[int(self._row(i)["shard"])]
+
+    def location(self, i):
+        """'DST/train-000003.tar:KEY', for messages (where a folder data set gives the file's path)."""
+        return f"{self.shard_path(i)}:{self.key(i)}"
+
+    def read_bytes(self, i):
+        """The bytes of sample i's image file, as they were in SRC."""
+        row = self._row(i)
+        shard, offset, size = int(row["shard"]), int(row["offset"]), int(row["size"])
+        path = self.root / self.shards[shard]
+        try:
+            fd = self._fd(shard)
+            chunks, got = [], 0
+            while got < size:  # pread may return less than asked for (network file systems)
+                chunk = os.pread(fd, size - got, offset + got)
+                if not chunk:
+                    break
+                chunks.append(chunk)
+                got += len(chunk)
+        except OSError as err:
+            raise ShardReadError(f"{path}: cannot read sample {row['key'].decode('ascii')} "
+                                 f"({err.strerror or err})") from None
+        if got != size:
+            raise ShardReadError(f"{path}: sample {row['key'].decode('ascii')} is cut short ({got} of {size} bytes "
+                                 f"at offset {offset}: the shard is truncated); "
+                                 f"{_repack_hint(dict(source=self.source), self.root)}")
+        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+    def _fd(self, shard):
+        if self._pid != os.getpid():
+            # A forked worker: the inherited descriptors are copies that the parent's cache bookkeeping counted;
+            # this process closes its copies and opens (and bounds) its own.
+            for fd in self._files.values():
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+            self._files, self._pid = OrderedDict(), os.getpid()
+        fd = self._files.get(shard)
+        if fd is not None:
+            self._files.move_to_end(shard)
+            return fd
+        fd = os.open(self.root / self.shards[shard], os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        self._files[shard] = fd
+        while len(self._files) > self.max_open:
+            os.close(self._files.popitem(last=False)[1])
+        return fd
+
+    def close(self):
+        """Close this process's descriptors (they are opened again when needed)."""
+        if self._pid == os.getpid():
+            for fd in self._files.values():
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+        self._files = OrderedDict()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def __getstate__(self):
+        # Descriptors are per process and the mmap would be pickled as a full copy: the receiver opens its own.
+        state = self.__dict__.copy()
+        state.update(_files=OrderedDict(), _rows=None, _targets=None, _pid=None)
+        return state
+
+    def intact_rows(self):
+        """(the samples whose bytes are all in their shard, one warning line per shard cut short or missing). A
+        truncated shard costs the samples it lost, as a corrupt file costs one sample; a shard larger than the
+        pack made it (replaced by something else) is a PackError."""
+        actual = []
+        for name, expected in zip(self.shards, self.shard_sizes):
+            try:
+                size = (self.root / name).stat().st_size
+            except OSError:
+                size = 0
+            if size > expected:
+                raise PackError(f"{self.root / name}: {size} bytes, the pack made it {expected} (replaced?); "
+                                f"{_repack_hint(dict(source=self.source), self.root)}")
+            actual.append(size)
+        rows = self._index()
+        intact = rows["offset"].astype(np.int64) + rows["size"] <= np.asarray(actual, dtype=np.int64)[rows["shard"]]
+        warnings = []
+        for shard in np.unique(rows["shard"][~intact]).tolist():
+            lost = int(np.count_nonzero(~intact & (rows["shard"] == shard)))
+            state = "missing" if actual[shard] == 0 else f"cut short ({actual[shard]} of {self.shard_sizes[shard]} bytes)"
+            warnings.append(f"WARNING: shard {self.root / self.shards[shard]} is {state}: {lost} of its samples are "
+                            f"left out; {_repack_hint(dict(source=self.source), self.root)}")
+        return np.flatnonzero(intact).tolist(), warnings
+
+    def check_shards(self):
+        """Every shard present with the size the manifest records; PackError naming the first that is not."""
+        for name, expected in zip(self.shards, self.shard_sizes):
+            path = self.root / name
+            try:
+                size = path.stat().st_size
+            except OSError as err:
+                raise PackError(f"{path}: shard missing ({err.strerror}); "
+                                f"{_repack_hint(dict(source=self.source), self.root)}") from None
+            if size != expected:
+                raise PackError(f"{path}: {size} bytes, the pack made it {expected} (truncated or replaced); "
+                                f"{_repack_hint(dict(source=self.source), self.root)}")
+
+
+def check_pack(root):
+    """The start-up check of a whole pack: every split's shards present with their sizes."""
+    manifest = _read_manifest(root, f"make one with python dlojz_pack.py SRC {root}")
+    for split in manifest.get("splits", {}):
+        PackedSplit(root, split).check_shards()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Command line
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, as for every other bad input
+        print(f"dlojz_pack: error: {message} (see python dlojz_pack.py --help)", file=sys.stderr, flush=True)
+        raise SystemExit(2)
+
+
+def main(argv=None) -> int:
+    """0 done (or nothing to do), 2 bad input, 1 an I/O error while packing, 130 interrupted."""
+    parser = _Parser(prog="dlojz_pack.py", description="Pack an ImageNet or ImageFolder tree (train/, val/) into "
+                     "webdataset tar shards with a random-access index (read by dlojz_pack.PackedSplit).")
+    parser.add_argument("src", metavar="SRC", help="folder holding train/<class>/ and val/<class>/ (and meta.bin)")
+    parser.add_argument("dst", metavar="DST", help="folder for the shards: new, empty, or an interrupted pack of SRC")
+    parser.add_argument("--shard-size", default=None, metavar="SIZE",
+                        help="bytes per shard, e.g. 1GB (default), 500MB, 64KB; 1000-based, KiB/MiB/GiB 1024-based")
+    parser.add_argument("--workers", type=int, default=None, metavar="N",
+                        help=f"processes writing shards (default: the CPUs available, at most 8: {_default_workers()})")
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as err:
+        return err.code if isinstance(err.code, int) else 2
+    try:
+        pack(args.src, args.dst, shard_size=args.shard_size, workers=args.workers)
+    except DataError as err:
+        print(f"dlojz_pack: error: {' '.join(str(err).splitlines())}", file=sys.stderr, flush=True)
+        return 2
+    except KeyboardInterrupt:
+        print("dlojz_pack: interrupted; rerun the same command to finish (finished shards are kept)",
+              file=sys.stderr, flush=True)
+        return 130
+    except OSError as err:  # disk full, quota, a file system going away: the finished shards are kept
+        print(f"dlojz_pack: error: {err}; rerun the same command to finish (finished shards are kept)",
+              file=sys.stderr, flush=True)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
