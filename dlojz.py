@@ -450,6 +450,8 @@ def build_loaders(cfg, train_set, val_set, num_classes, ranks, log) -> Loaders:
             f"({cfg.val_crop_size / cfg.image_size:.2f}x)")
     train_sampler = EpochSampler(train_set, ranks.world_size, ranks.rank, shuffle=True, seed=cfg.seed,
                                  drop_last=cfg.drop_last)
+    if cfg.data_backend == "dali":
+        return dali_loaders(cfg, train_set, val_set, train_sampler, ranks, log)
     options = dict(num_workers=cfg.num_workers, pin_memory=cfg.pin_memory and ranks.device.type == "cuda",
                    persistent_workers=cfg.persistent_workers, prefetch_factor=cfg.prefetch_factor)
     train = make_loader(train_set, train_sampler, cfg.batch_size, drop_last=cfg.drop_last, **options)
@@ -463,6 +465,28 @@ def build_loaders(cfg, train_set, val_set, num_classes, ranks, log) -> Loaders:
     return Loaders(train, train_sampler, DevicePrefetcher(train, ranks.device, normalize, non_blocking=cfg.non_blocking),
                    DevicePrefetcher(val, ranks.device, normalize, non_blocking=cfg.non_blocking), len(train),
                    len(val), len(val_set), math.ceil(len(val_set) // ranks.world_size / cfg.val_batch_size))
+
+
+def dali_loaders(cfg, train_set, val_set, train_sampler, ranks, log) -> Loaders:
+    """--data-backend dali: the same samples and samplers, decoded and augmented by DALI (dlojz_dali.py)."""
+    from dlojz_dali import DaliBatches, train_pipeline, val_pipeline
+    device_id = ranks.device.index if ranks.device.type == "cuda" else None
+    threads, seed = max(1, cfg.num_workers), cfg.seed * 1_000 + ranks.rank
+    log(f"DALI: decoding on the {'GPU (nvJPEG)' if device_id is not None else 'CPU (no GPU)'}, {threads} threads; "
+        f"a resumed run continues at the same sample with DALI's own crops")
+    normalize = DeviceNormalize(ranks.device, channels_last=cfg.channels_last)
+    train = DaliBatches(train_set, train_sampler, cfg.batch_size,
+                        lambda source: train_pipeline(source, cfg.batch_size, cfg.image_size, device_id, threads, seed),
+                        ranks.device, normalize, drop_last=cfg.drop_last)
+    val_sampler = ShardSampler(val_set, ranks.world_size, ranks.rank)
+    val = DaliBatches(val_set, val_sampler, cfg.val_batch_size,
+                      lambda source: val_pipeline(source, cfg.val_batch_size, cfg.val_resize_size, cfg.val_crop_size,
+                                                  device_id, threads, seed + 1),
+                      ranks.device, normalize)
+    if len(train) == 0:
+        fail(f"--batch-size {cfg.batch_size} with --drop-last leaves no batch: lower --batch-size or use --no-drop-last")
+    return Loaders(train, train_sampler, train, val, len(train), len(val), len(val_set),
+                   math.ceil(len(val_set) // ranks.world_size / cfg.val_batch_size))
 
 
 def synthetic_loaders(cfg, num_classes, ranks, train_images, val_images) -> Loaders:

@@ -181,6 +181,8 @@ def get_args_parser():
     p.add_argument("--val-resize-size", type=int, default=None, help="validation resize (default: 256; CPU profile: 73)")
     p.add_argument("--val-crop-size", type=int, default=None, help="validation center crop (default: 224; CPU profile: 64)")
     p.add_argument("--val-batch-size", type=int, default=None, help="validation batch size per process (default: 256; CPU profile: 64)")
+    p.add_argument("--data-backend", choices=("pytorch", "dali"), default="pytorch", help="who decodes and augments: the DataLoader's workers (default),\n"
+                   "or NVIDIA DALI (on the GPU; its CPU backend without one)")
     p.add_argument("--train-subset", type=float, default=None, metavar="F", help="train on a fixed part of the training set, the same\n"
                    "in every run whatever --seed: F < 1 a fraction, F >= 1 images per class\n(stratified; validation stays whole)")
 
@@ -281,6 +283,7 @@ class Config:
     val_resize_size: int
     val_crop_size: int
     val_batch_size: int
+    data_backend: str
     train_subset: float | None
     num_workers: int
     persistent_workers: bool
@@ -485,6 +488,16 @@ def check(cfg: Config):
             fail(f"--train-subset is a fraction in (0, 1) or a whole number of images per class (got {cfg.train_subset:g})")
         if cfg.synthetic:
             fail("--train-subset picks images of the data set, which --synthetic does not read: drop one of them")
+    if cfg.data_backend == "dali":
+        from dlojz_dali import check_available
+        if (reason := check_available()) is not None:
+            fail(reason)
+        unsupported = [flag for flag, on in (("--synthetic", cfg.synthetic), ("--min-res", cfg.min_res is not None),
+                                             ("--randaugment", cfg.randaugment), ("--trivialaugment", cfg.trivialaugment),
+                                             ("--random-erase", cfg.random_erase > 0)) if on]
+        if unsupported:
+            fail(f"--data-backend dali does RandomResizedCrop and flip only: {', '.join(unsupported)} needs "
+                 f"--data-backend pytorch")
     if cfg.loader_only and cfg.synthetic:
         fail("--loader-only times the DataLoader, which --synthetic does not use: drop one of them")
     if cfg.eval_only and not cfg.resume:

@@ -152,7 +152,8 @@ def embedded_dataset_root():
 class SeededSamples:
     """What dlojz's data sets share: `__getitem__((epoch, index))` seeds the augmentation from (seed, epoch, index)
     and skips an unreadable sample with a warning naming it (the next readable sample is used instead). A data set
-    gives `samples` (a list of (where, target)), `transform`, `root`, `load(i)` and `describe(i)`."""
+    gives `samples` (a list of (where, target)), `transform`, `root`, `load(i)`, `describe(i)` and `read_bytes(i)`
+    (the encoded file, for --data-backend dali)."""
 
     seed = 0
 
@@ -180,6 +181,10 @@ class SafeImageFolder(SeededSamples, torchvision.datasets.ImageFolder):
 
     def load(self, i):
         return self.loader(self.samples[i][0])
+
+    def read_bytes(self, i):
+        with open(self.samples[i][0], "rb") as file:
+            return file.read()
 
     def describe(self, i):
         return self.samples[i][0]
@@ -209,8 +214,10 @@ class PackedImages(SeededSamples, torch.utils.data.Dataset):
         return len(self.samples)
 
     def load(self, i):
-        row = self.samples[i][0]
-        return image_from_bytes(self.shards.location(row), self.shards.read_bytes(row))
+        return image_from_bytes(self.describe(i), self.read_bytes(i))
+
+    def read_bytes(self, i):
+        return self.shards.read_bytes(self.samples[i][0])
 
     def describe(self, i):
         return self.shards.location(self.samples[i][0])

@@ -8,7 +8,11 @@ timed over the same number of batches after a warm-up:
 * dlojz: what dlojz.py builds, ``SafeImageFolder(loader=lazy_image_loader, transform=TrainTransform)`` (per-sample
   seeding, unreadable files skipped) in the workers, uint8 batches: the CPU work of a GPU node, where the float
   conversion and normalisation run on the GPU;
-* dlojz+norm: the same, then ``DeviceNormalize`` on the CPU in the main process (what training on the CPU does).
+* dlojz+norm: the same, then ``DeviceNormalize`` on the CPU in the main process (what training on the CPU does);
+* dlojz shards: dlojz on the same images packed in webdataset shards, read by index (the generated set is packed
+  once, next to it, by dlojz_pack.py; with --data, give --shards PACK);
+* DALI-CPU: ``--data-backend dali`` without a GPU, DALI's CPU decoder with ``--workers`` threads (uint8 batches),
+  when DALI is installed.
 
 The main process runs torch with ``--main-threads`` (default 1) threads: on a machine with as many cores as workers,
 a multi-threaded normalisation would spin against the workers (OpenMP threads busy-wait after each operation).
@@ -45,7 +49,7 @@ from torchvision.datasets import ImageFolder
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import dlojz_transforms  # noqa: E402
-from dlojz_data import SafeImageFolder  # noqa: E402
+from dlojz_data import PackedImages, SafeImageFolder  # noqa: E402
 from dlojz_transforms import (IMAGENET_MEAN, IMAGENET_STD, DeviceNormalize,  # noqa: E402
                               TrainTransform, lazy_image_loader)
 
@@ -191,6 +195,44 @@ def measure(dataset, finish_batch, workers: int, batch_size: int, batches: int, 
     return count / elapsed, 1e3 * cpu / count
 
 
+def measure_dali(folder: Path, image_size: int, threads: int, batch_size: int, batches: int, warmup: int, seed: int):
+    """measure() for --data-backend dali on DALI's CPU backend (its decoding threads live in this process)."""
+    from dlojz_dali import DaliBatches, train_pipeline
+    from dlojz_data import EpochSampler
+    dataset = SafeImageFolder(str(folder))
+    sampler = EpochSampler(dataset, 1, 0, shuffle=True, seed=seed)
+    batches_iter = DaliBatches(dataset, sampler, batch_size,
+                               lambda source: train_pipeline(source, batch_size, image_size, None, max(1, threads), seed),
+                               torch.device("cpu"), lambda images: images, drop_last=True)
+    process = psutil.Process()
+    received, epoch = 0, 0
+    start = cpu_start = None
+    while received < warmup + batches:
+        sampler.set_epoch(epoch)
+        for images, _ in batches_iter:
+            received += 1
+            if received == warmup:
+                cpu_start, start = _cpu_seconds([process]), time.perf_counter()
+            if received >= warmup + batches:
+                break
+        epoch += 1
+    elapsed, cpu = time.perf_counter() - start, _cpu_seconds([process]) - cpu_start
+    return batches * batch_size / elapsed, 1e3 * cpu / (batches * batch_size)
+
+
+def packed_copy(folder: Path) -> Path:
+    """The train folder packed into webdataset shards, once (pack wants train/ and val/: the same images twice)."""
+    from dlojz_pack import pack
+    src = folder.parent.with_name(folder.parent.name + "-src")
+    src.mkdir(parents=True, exist_ok=True)
+    for split in ("train", "val"):
+        if not (src / split).exists():
+            (src / split).symlink_to(folder.resolve())
+    packed = src.with_name(src.name + "-packed")
+    pack(src, packed, shard_size="100MB", log=lambda *a, **k: None)
+    return packed
+
+
 def warm_page_cache(folder: Path):
     # Both pipelines should read from memory, not from disk: read every file once before timing.
     for path in folder.rglob("*"):
@@ -215,6 +257,8 @@ def main(argv=None):
     parser.add_argument("--classes", type=int, default=10, help="classes in the generated set")
     parser.add_argument("--main-threads", type=int, default=1,
                         help="torch threads of the main process (it normalises dlojz's batches)")
+    parser.add_argument("--shards", default=None, help="a dlojz_pack.py pack of the same images, for the shards row "
+                        "(default: the generated set is packed once; with --data, no shards row)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     for flag in ("workers", "batch_size", "batches", "repeats", "images", "classes", "main_threads"):
@@ -231,12 +275,22 @@ def main(argv=None):
           f"(+{args.warmup_batches} warm-up)  rounds {args.repeats}  main-process torch threads "
           f"{torch.get_num_threads()}  dlojz JPEG decoder: {decoder}", flush=True)
 
+    packed = Path(args.shards) if args.shards else packed_copy(folder) if args.data is None else None
     pipelines = {
         # name: (dataset builder, what the main process does with each batch of images)
         "reference": (reference_dataset, lambda images: images),
         "dlojz": (dlojz_dataset, lambda images: images),  # uint8 batches: on a GPU node they are normalised there
         "dlojz+norm": (dlojz_dataset, normalize),  # CPU training: normalised in the main process
     }
+    if packed is not None:
+        warm_page_cache(packed)
+        pipelines["dlojz shards"] = (lambda _, size: PackedImages(packed, "train", TrainTransform(size)),
+                                     lambda images: images)
+    from dlojz_dali import check_available
+    if check_available() is None:
+        pipelines["DALI-CPU"] = (None, None)
+    else:
+        print(f"no DALI-CPU row: {check_available()}")
     names = list(pipelines)
     rows = []
     for size in args.sizes:
@@ -245,11 +299,15 @@ def main(argv=None):
         for repeat in range(args.repeats):
             # Back-to-back rounds, rotating which pipeline goes first: the pipelines of a round see the same load
             # from other jobs, and the median over rounds resists the moments when that load changes.
-            for name in names[repeat % 3:] + names[:repeat % 3]:
+            for name in names[repeat % len(names):] + names[:repeat % len(names)]:
                 make_dataset, finish = pipelines[name]
-                images_per_s, ms_per_image = measure(make_dataset(folder, size), finish, args.workers,
-                                                     args.batch_size, args.batches, args.warmup_batches,
-                                                     args.seed + repeat)
+                if name == "DALI-CPU":
+                    images_per_s, ms_per_image = measure_dali(folder, size, args.workers, args.batch_size, args.batches,
+                                                              args.warmup_batches, args.seed + repeat)
+                else:
+                    images_per_s, ms_per_image = measure(make_dataset(folder, size), finish, args.workers,
+                                                         args.batch_size, args.batches, args.warmup_batches,
+                                                         args.seed + repeat)
                 rates[name].append(images_per_s)
                 cpu_ms[name].append(ms_per_image)
         ratios = {name: np.median([ours / reference for ours, reference in zip(rates[name], rates["reference"])])
@@ -259,18 +317,17 @@ def main(argv=None):
                          **{f"{name} CPU ms/img": np.median(cpu_ms[name]) for name in names}))
 
     print()
-    print("| size | workers | batch | reference img/s | dlojz img/s | ratio | dlojz+norm img/s | ratio | "
-          "CPU ms/img: reference | dlojz | dlojz+norm |")
-    print("|-----:|--------:|------:|----------------:|------------:|------:|-----------------:|------:|"
-          "----------------------:|------:|-----------:|")
+    print("| size | workers | batch | reference img/s | " + " | ".join(f"{name} img/s | ratio" for name in names[1:])
+          + " | CPU ms/img: " + " | ".join(names) + " |")
+    print("|" + "---:|" * (3 + 1 + 2 * (len(names) - 1) + len(names)))
     for row in rows:
         print(f"| {row['size']} | {args.workers} | {args.batch_size} | {row['reference img/s']:.0f} | "
-              f"{row['dlojz img/s']:.0f} | {row['dlojz ratio']:.2f} | {row['dlojz+norm img/s']:.0f} | "
-              f"{row['dlojz+norm ratio']:.2f} | {row['reference CPU ms/img']:.2f} | {row['dlojz CPU ms/img']:.2f} | "
-              f"{row['dlojz+norm CPU ms/img']:.2f} |")
+              + " | ".join(f"{row[name + ' img/s']:.0f} | {row[name + ' ratio']:.2f}" for name in names[1:]) + " | "
+              + " | ".join(f"{row[name + ' CPU ms/img']:.2f}" for name in names) + " |")
     print(f"\nMedians over {args.repeats} rounds. img/s: wall clock; ratio: over the reference within each round. "
           "dlojz: uint8 batches as a GPU receives them (it converts and normalises them); dlojz+norm: also "
-          "normalised to float32 in the main process, as when training on the CPU. CPU ms/img: main process + "
+          "normalised to float32 in the main process, as when training on the CPU; dlojz shards: dlojz reading the "
+          "same images from webdataset shards; DALI-CPU: DALI's CPU decoder, uint8. CPU ms/img: main process + "
           "workers (less sensitive to other jobs on the machine).")
     return rows
 

@@ -147,6 +147,22 @@ echo "=== ResNet-50, real input pipeline ($data_root, $workers DataLoader worker
     || failed+=("real-pipeline run")
 step_time "real-pipeline run (with the data set)" "$t"
 
+# The input pipeline alone (--loader-only), CPU workers vs DALI on the GPU; then training fed by DALI.
+t=$SECONDS
+loader=(--loader-only --test-nsteps 50 -b 256 --image-size 224 --data-root "$data_root" --no-wandb)
+"$PYTHON" dlojz.py "${loader[@]}" --num-workers "$workers" --metrics-json "$OUT_DIR/loader_pytorch.json" \
+    --output-dir "$OUT_DIR/loader_pytorch" || failed+=("loader-only pytorch")
+if "$PYTHON" -c "import nvidia.dali" 2>/dev/null; then
+    "$PYTHON" dlojz.py "${loader[@]}" --num-workers "$workers" --data-backend dali \
+        --metrics-json "$OUT_DIR/loader_dali.json" --output-dir "$OUT_DIR/loader_dali" || failed+=("loader-only dali")
+    "$PYTHON" dlojz.py "${common[@]}" --data-root "$data_root" --val-resize-size 256 --val-crop-size 224 \
+        --num-workers "$workers" --data-backend dali --output-dir "$OUT_DIR/dali" --metrics-json "$OUT_DIR/dali.json" \
+        || failed+=("DALI run")
+else
+    echo "=== no DALI here (pip install nvidia-dali-cuda130): its rows are left out"
+fi
+step_time "input pipelines" "$t"
+
 # ------------------------------------------------------------------ 4. the table
 "$PYTHON" - "$OUT_DIR" <<'EOF' || failed+=("table")
 import json, sys
@@ -163,8 +179,10 @@ def cell(value, fmt):
     return "n/a" if value is None else format(value, fmt)
 
 
-for name, label in (("synthetic", "synthetic"), ("data", "real pipeline")):
+for name, label in (("synthetic", "synthetic"), ("data", "real pipeline"), ("dali", "DALI pipeline")):
     path = out / f"{name}.json"
+    if name == "dali" and not path.exists():
+        continue
     if not path.exists():
         print(f"{label:<16}{'failed: no ' + path.name:>30}")
         continue
@@ -178,6 +196,12 @@ for name, label in (("synthetic", "synthetic"), ("data", "real pipeline")):
           f"{cell(None if load is None else 1e3 * load, '.1f'):>9}")
 print("img/s: steady state, wall clock between synchronised log points (steps 10-100); chrono img/s: "
       "batch / median(step + load); MFU: model FLOPs / dense peak")
+for name, label in (("loader_pytorch", "input pipeline alone, DataLoader ({} workers)"),
+                    ("loader_dali", "input pipeline alone, DALI on the GPU ({} threads)")):
+    path = out / f"{name}.json"
+    if path.exists():
+        m = json.loads(path.read_text())
+        print(label.format(m.get("num_workers")) + f": {m['loader_images_per_second']:.0f} img/s")
 print("anchors: NVIDIA DeepLearningExamples ResNet-50 AMP: 2,470 img/s per A100-80GB; "
       "MLPerf-class: ~7,000 img/s per H100")
 EOF

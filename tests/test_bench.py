@@ -11,9 +11,12 @@ sys.path.insert(0, str(ROOT / "bench"))
 import bench_loader  # noqa: E402
 
 
-def test_bench_loader_prints_the_three_pipelines(tiny_data):
+def test_bench_loader_prints_every_pipeline(tiny_data, tmp_path):
+    from dlojz_pack import pack
+    pack(tiny_data, tmp_path / "packed", log=lambda *a, **k: None)
     command = [sys.executable, str(ROOT / "bench" / "bench_loader.py"), "--data", str(tiny_data), "--workers", "1",
-               "--batch-size", "4", "--batches", "2", "--warmup-batches", "1", "--repeats", "1", "--sizes", "32"]
+               "--batch-size", "4", "--batches", "2", "--warmup-batches", "1", "--repeats", "1", "--sizes", "32",
+               "--shards", str(tmp_path / "packed")]
     result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=clean_env(), cwd=ROOT)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "dlojz JPEG decoder:" in result.stdout
@@ -23,6 +26,9 @@ def test_bench_loader_prints_the_three_pipelines(tiny_data):
     reference, ours, ratio, ours_normalised, ratio_normalised = (float(cell) for cell in cells[3:8])
     assert min(reference, ours, ours_normalised) > 0
     assert abs(ratio - ours / reference) < 0.5 * ratio and ratio_normalised > 0
+    shards, _, dali, _ = (float(cell) for cell in cells[8:12])  # the shards and DALI-CPU rows
+    assert shards > 0 and dali > 0, result.stdout
+    assert "dlojz shards img/s | ratio | DALI-CPU img/s" in result.stdout
 
 
 def test_bench_loader_rejects_a_folder_that_is_not_an_image_folder(tmp_path):

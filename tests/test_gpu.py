@@ -390,3 +390,31 @@ def test_sync_bn_test_run_on_two_gpus_reports(tmp_path):
     m = read_json(metrics)
     assert m["world_size"] == 2 and m["global_batch_size"] == 64 and m["steps"] == 10
     assert m["chrono"]["steps"] == 10 and math.isfinite(m["train_loss"])
+
+
+# ---------------------------------------------------------------- --data-backend dali on the GPU
+def test_dali_decodes_on_the_gpu_into_the_loop(tmp_path):
+    pytest.importorskip("nvidia.dali", reason="DALI is not installed on this node (pip install nvidia-dali-cuda130)")
+    from dlojz_data import make_embedded_dataset
+    data = make_embedded_dataset(tmp_path / "data", n_classes=3, train_per_class=40, val_per_class=7, size=(96, 80))
+    proc = run_dlojz(*CUDA, "--data-root", data, "--data-backend", "dali", "--channels-last", "--epochs", "2",
+                     "--metrics-json", tmp_path / "m.json", "--output-dir", tmp_path / "run")
+    assert proc.returncode == 0, show(proc)
+    assert "DALI: decoding on the GPU (nvJPEG)" in proc.stdout, show(proc)
+    metrics = read_json(tmp_path / "m.json")
+    assert metrics["val_images"] == 21 and metrics["steps"] == 2 * 4, metrics  # 120 images, -b 32: 4 steps
+
+
+def test_dali_batches_are_on_the_gpu_in_channels_last(tmp_path):
+    pytest.importorskip("nvidia.dali", reason="DALI is not installed on this node (pip install nvidia-dali-cuda130)")
+    from dlojz_dali import DaliBatches, train_pipeline
+    from dlojz_data import EpochSampler, build_datasets, make_embedded_dataset
+    from dlojz_transforms import DeviceNormalize
+    data = make_embedded_dataset(tmp_path / "data", n_classes=3, train_per_class=16, val_per_class=2, size=(96, 80))
+    train, _, _, _ = build_datasets(data, None, None)
+    device = torch.device("cuda", 0)
+    batches = DaliBatches(train, EpochSampler(train, 1, 0), 16, lambda s: train_pipeline(s, 16, 64, 0, 2, 1),
+                          device, DeviceNormalize(device, channels_last=True))
+    images, labels = next(iter(batches))
+    assert images.device == labels.device == device and images.dtype == torch.float32
+    assert images.shape == (16, 3, 64, 64) and images.is_contiguous(memory_format=torch.channels_last)
