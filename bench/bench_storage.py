@@ -8,8 +8,8 @@ For each format it prints:
   dropped before the pass, where the machine lets this process: root and /proc/sys/vm/drop_caches; otherwise it says
   so and leaves the row out), through a DataLoader with --workers workers, RandomResizedCrop at --size.
 
-Without --data it uses bench_loader.py's generated ImageNet-like set (~100 KB JPEGs of about 500x375 px), and packs
-it once next to it. Run from the repository root:
+Without --data it uses bench_loader.py's generated ImageNet-like set (~100 KB JPEGs of about 500x375 px); the tree
+is packed once into <tree>-packed next to it (with --data too: mind the disk space). Run from the repository root:
 
     python bench/bench_storage.py                  # 1,000 images, 2 workers, 224 px
 """
@@ -62,6 +62,7 @@ def main(argv=None):
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--size", type=int, default=224)
     parser.add_argument("--shard-size", default="100MB")
+    parser.add_argument("--no-cold", action="store_true", help="skip the cold-cache passes (no page cache dropped)")
     args = parser.parse_args(argv)
     if args.data:
         src = Path(args.data)
@@ -86,7 +87,7 @@ def main(argv=None):
         rows[name] = dict(opens=opens_per_1000(dataset, min(n, 1000)))
         warm_page_cache(folder if name == "files" else packed)
         rows[name]["warm"] = measure(dataset, lambda images: images, args.workers, args.batch_size, batches - 2, 2, 0)[0]
-        why = drop_page_cache()
+        why = "--no-cold" if args.no_cold else drop_page_cache()
         if why is None:
             rows[name]["cold"] = measure(dataset, lambda images: images, args.workers, args.batch_size, batches, 0, 1)[0]
         else:
@@ -99,7 +100,7 @@ def main(argv=None):
         cold = "not measured" if row["cold"] is None else f"{row['cold']:.0f}"
         print(f"| {name} | {row['opens']:.0f} | {row['warm']:.0f} | {cold} |")
     if rows["files"]["cold"] is None:
-        print(f"cold cache: {drop_page_cache()}")
+        print(f"cold cache: {'not asked (--no-cold)' if args.no_cold else drop_page_cache()}")
     return rows
 
 

@@ -59,3 +59,16 @@ def test_bench_time_to_accuracy_prints_both_recipes(embedded_cache):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     rows = [line.split() for line in result.stdout.splitlines() if line.startswith(("course ", "race "))]
     assert [row[0] for row in rows] == ["course", "race"] and all(0 <= float(row[1]) <= 1 for row in rows)
+
+
+def test_bench_storage_counts_opens_and_times_both_formats(tiny_data, tmp_path):
+    import shutil
+    data = shutil.copytree(tiny_data, tmp_path / "tree")
+    command = [sys.executable, str(ROOT / "bench" / "bench_storage.py"), "--data", str(data), "--workers", "1",
+               "--batch-size", "8", "--size", "32", "--shard-size", "10MB", "--no-cold"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=clean_env(), cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = {line.split("|")[1].strip(): line.split("|")[2:5] for line in result.stdout.splitlines()
+            if line.startswith("| files") or line.startswith("| shards")}
+    assert float(rows["files"][0]) >= 1000 and float(rows["shards"][0]) < 100, result.stdout  # one open per file
+    assert float(rows["files"][1]) > 0 and float(rows["shards"][1]) > 0 and "not measured" in rows["shards"][2]
