@@ -142,3 +142,11 @@ def test_without_dali_the_flag_is_one_line(run_inline, monkeypatch):
 def test_augmentations_dali_does_not_do_are_one_line(run_inline):
     proc = run_inline(*SMALL, "--data-backend", "dali", "--randaugment", "2", "9")
     assert proc.returncode == 2 and "--randaugment needs --data-backend pytorch" in proc.stderr, proc.stderr
+
+
+def test_loader_only_times_the_dali_pipeline(tiny_data, tmp_path):
+    proc = run_dlojz(*TINY, "--data-root", tiny_data, "--data-backend", "dali", "--loader-only", "--test-nsteps", "5",
+                     "--metrics-json", tmp_path / "m.json")
+    assert proc.returncode == 0 and "DALI: decoding on the CPU" in proc.stdout, show(proc)
+    metrics = read_json(tmp_path / "m.json")
+    assert metrics["loader_batches"] == 5 and metrics["loader_images_per_second"] > 0, metrics
