@@ -411,7 +411,7 @@ def build_data(cfg, ranks, log):
 
 
 def build_model(cfg, num_classes, ranks, log) -> Model:
-    module = create_model(cfg.arch, num_classes, cfg.zero_init_residual)
+    module = create_model(cfg.arch, num_classes, cfg.zero_init_residual, cfg.image_size)
     if cfg.blurpool:  # before the copies below (SyncBN, EMA): they keep the blurred layers
         changed = apply_blurpool(module)
         if changed == 0:

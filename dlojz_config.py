@@ -118,7 +118,7 @@ def get_args_parser():
     p.add_argument("--wd", type=float, default=0.0, help="weight decay (default: 0.)")
     p.add_argument("--mom", type=float, default=0.9, help="momentum (default: 0.9)")
     p.add_argument("--label-smoothing", type=float, default=0.1, help="label smoothing of the loss (default: 0.1)")
-    p.add_argument("--arch", default="resnet50", help="any torchvision classification model name (default: resnet50)")
+    p.add_argument("--arch", default="resnet50", help="any torchvision classification model name, or timm:NAME\nfor any timm model (default: resnet50)")
     p.add_argument("--seed", type=int, default=123, help="random seed (default: 123)")
     p.add_argument("--blurpool", action="store_true", help="anti-aliased downsampling: blur before strided convolutions and max-pools")
     p.add_argument("--zero-init-residual", action="store_true", help="last BatchNorm scale of each residual block at 0 (ResNets)")
@@ -469,6 +469,9 @@ def check(cfg: Config):
             fail(f"--start-ramp {cfg.start_ramp} must be >= 0 and before --end-ramp {cfg.end_ramp}")
         if cfg.synthetic:
             fail("--synthetic trains on one fixed batch: progressive resizing (--min-res/--max-res) needs the data")
+    if not 0 < cfg.val_crop_size <= cfg.val_resize_size:
+        fail(f"--val-crop-size {cfg.val_crop_size} must be > 0 and at most --val-resize-size {cfg.val_resize_size} "
+             f"(the center crop is cut from the resized image)")
     if cfg.val_every < 1:
         fail(f"--val-every must be at least 1 (got {cfg.val_every})")
     if cfg.target_accuracy is not None and not 0 < cfg.target_accuracy <= 1:

@@ -1,6 +1,7 @@
 """The model and what dlojz knows about it: creation by name, activation checkpointing, FLOPs, GPU peaks.
 
-- `create_model(arch, num_classes)`: any torchvision classification model by name, random weights (no download);
+- `create_model(arch, num_classes)`: any torchvision classification model by name, or any timm one as `timm:NAME`,
+  random weights (no download);
   an unknown name is a `UserError` with the closest names.
 - `enable_grad_checkpointing(model, arch)`: recompute each stage's activations in the backward (`--grad-checkpointing`),
   BatchNorm running statistics updated once per step as without it; `plain_stages(model)` undoes it for as long
@@ -28,9 +29,14 @@ import torchvision
 from dlojz_config import fail
 
 
-def create_model(arch: str, num_classes: int, zero_init_residual: bool = False) -> torch.nn.Module:
-    """`zero_init_residual`: the last BatchNorm scale of each residual block at 0 (torchvision's ResNet option),
-    so that each block starts as the identity."""
+def create_model(arch: str, num_classes: int, zero_init_residual: bool = False, image_size: int | None = None
+                 ) -> torch.nn.Module:
+    """`arch`: a torchvision classification model name, or `timm:NAME` for any timm model (random weights: nothing
+    is downloaded). `zero_init_residual`: the last BatchNorm scale of each residual block at 0 (torchvision's ResNet
+    option), so that each block starts as the identity. `image_size`: the training size, for the timm models that
+    fix one (vision transformers, CoAtNet), which then also take the validation's size."""
+    if arch.startswith("timm:"):
+        return create_timm_model(arch, num_classes, zero_init_residual, image_size)
     options = dict(zero_init_residual=True) if zero_init_residual else {}
     try:
         return torchvision.models.get_model(arch, weights=None, num_classes=num_classes, **options)
@@ -40,7 +46,32 @@ def create_model(arch: str, num_classes: int, zero_init_residual: bool = False) 
         import difflib
         names = torchvision.models.list_models(module=torchvision.models)
         close = difflib.get_close_matches(arch, names, n=3)
-        fail(f"--arch {arch}: unknown torchvision classification model" + (f" (did you mean {', '.join(close)}?)" if close else ""))
+        fail(f"--arch {arch}: unknown torchvision classification model" + (f" (did you mean {', '.join(close)}?)" if close
+                                                                             else "; timm models: --arch timm:NAME"))
+
+
+def create_timm_model(arch, num_classes, zero_init_residual, image_size):
+    try:
+        import timm
+    except ImportError as err:
+        fail(f"--arch {arch} needs timm, which does not import here ({err}): pip install timm")
+    name = arch[len("timm:"):]
+    if name not in timm.list_models():
+        import difflib
+        close = difflib.get_close_matches(name, timm.list_models(), n=3)
+        fail(f"--arch {arch}: unknown timm model" + (f" (did you mean {', '.join('timm:' + c for c in close)}?)"
+                                                     if close else " (python -c 'import timm; print(timm.list_models())')"))
+    if zero_init_residual:
+        fail(f"--zero-init-residual: --arch {arch}: a torchvision ResNet option; timm models set their own init")
+    # Models with a fixed input size take the training size, and any other (validation's) with dynamic_img_size.
+    for options in (dict(img_size=image_size, dynamic_img_size=True), dict(img_size=image_size), {}):
+        if image_size is None and options:
+            continue
+        try:
+            return timm.create_model(name, pretrained=False, num_classes=num_classes, **options)
+        except TypeError:
+            continue
+    fail(f"--arch {arch}: timm could not build it with num_classes={num_classes}")
 
 
 # ---------------------------------------------------------------------- activation checkpointing
@@ -84,10 +115,15 @@ def running_stats_frozen(module):
 
 def enable_grad_checkpointing(model, arch):
     """Recompute each stage's activations in the backward instead of keeping them (ResNet-like layer1..4, or the
-    children of `.features`). Only the stages' classes change: parameters and checkpoint keys stay, copies work."""
+    children of `.features`). Only the stages' classes change: parameters and checkpoint keys stay, copies work.
+    Other timm models (vision transformers, CoAtNet...) use their own `set_grad_checkpointing`, which does not
+    freeze BatchNorm's running statistics in the recomputation (the transformers have none)."""
     stages = [getattr(model, name) for name in ("layer1", "layer2", "layer3", "layer4") if hasattr(model, name)]
     if not stages and isinstance(getattr(model, "features", None), torch.nn.Sequential):
         stages = list(model.features)
+    if not stages and hasattr(model, "set_grad_checkpointing"):  # other timm models: their own block checkpointing
+        model.set_grad_checkpointing(True)
+        return
     if not stages:
         fail(f"--grad-checkpointing: --arch {arch} has neither layer1..layer4 nor a .features Sequential to checkpoint")
     for stage in stages:
