@@ -21,6 +21,7 @@ a warning before DALI sees it; one DALI cannot decode stops the run with DALI's 
 - `dali_batches(dataset, sampler, batch_size, ...)`: an iterable of (normalised images, labels) on the device,
   with `len()` and `batch_size`, in place of the DataLoader + DevicePrefetcher.
 """
+import collections
 import copy
 import math
 import sys
@@ -30,7 +31,8 @@ import numpy as np
 import torch
 
 DALI_PACKAGE = "nvidia-dali-cuda130"
-READ_THREADS = 4  # file reads release the GIL: a few threads keep the external source ahead of the decoder
+READ_THREADS = 8  # file reads release the GIL: a few threads keep the external source ahead of the decoder
+READ_AHEAD = 3  # batches read before DALI asks for them
 
 
 def check_available():
@@ -69,12 +71,22 @@ class EncodedSamples:
         return self._batches(keys)
 
     def _batches(self, keys):
+        """DALI calls the source from the training process's thread that runs the pipeline: the files of the next
+        READ_AHEAD batches are read meanwhile by the thread pool, so that a call only collects a batch already read."""
         if self.pool is None:
             self.pool = ThreadPoolExecutor(READ_THREADS)
+        pending = collections.deque()
         for start in range(0, len(keys), self.batch_size):
-            chunk = [index for _, index in keys[start:start + self.batch_size]]
-            samples = list(self.pool.map(self._read, chunk))
-            yield [data for data, _ in samples], [target for _, target in samples]
+            pending.append([self.pool.submit(self._read, index) for _, index in keys[start:start + self.batch_size]])
+            if len(pending) > READ_AHEAD:
+                yield self._collect(pending.popleft())
+        while pending:
+            yield self._collect(pending.popleft())
+
+    @staticmethod
+    def _collect(futures):
+        samples = [future.result() for future in futures]
+        return [data for data, _ in samples], [target for _, target in samples]
 
     def _read(self, index):
         """(bytes as a uint8 array, label) of sample `index`, or of the next readable one (as the pytorch backend)."""

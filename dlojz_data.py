@@ -401,7 +401,10 @@ class SyntheticLoader:
 def measure_loader(loader, sampler, nsteps, num_workers, all_gather=None, log=print):
     """Images/s of the DataLoader alone over `nsteps` batches after the workers' start-up, summed over the ranks
     (`all_gather(obj) -> list`, None for one process). Returns the metrics of --loader-only."""
-    warmup = max(1, min(10, nsteps // 5))  # worker start-up and first prefetches are not the steady state
+    # Not the steady state: the workers' start-up, and the batches they made meanwhile (num_workers x
+    # prefetch_factor wait ready at the start: timed, they would inflate the rate).
+    stock = num_workers * (getattr(loader, "prefetch_factor", None) or 0)
+    warmup = max(1, min(10, nsteps // 5), stock)
     images, epoch, t0, done = 0, 0, None, 0
     while done < warmup + nsteps:
         sampler.set_epoch(epoch)

@@ -185,3 +185,25 @@ def test_augmentation_is_the_same_for_any_number_of_workers(tiny_data):
                      for epoch in (0, 1))
     same = [index for index in first if torch.equal(first[index], second[index])]
     assert not same, f"images {same} have the same augmentation in epochs 0 and 1"
+
+
+def test_loader_timing_starts_after_the_batches_prefetched_at_start_up():
+    """3 workers x prefetch_factor 2: 6 batches are ready before the loop asks; timed, they would inflate the rate."""
+    import time
+    from dlojz_data import measure_loader
+
+    class Loader:
+        prefetch_factor = 2
+
+        def __iter__(self):
+            for index in range(1000):
+                if index >= 6:  # made while the loop waits: 20 ms a batch of 4
+                    time.sleep(0.02)
+                yield torch.zeros(4, 3, 2, 2), torch.zeros(4)
+
+    class Sampler:
+        def set_epoch(self, epoch):
+            pass
+
+    metrics = measure_loader(Loader(), Sampler(), nsteps=8, num_workers=3, log=lambda line: None)
+    assert metrics["loader_images_per_second_per_process"] <= 4 / 0.02, metrics
