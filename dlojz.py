@@ -36,7 +36,7 @@ from dlojz_dist import (Distribution, StopPoll, StopSignal, agree_on_stop, check
 from dlojz_hooks import LoopHooks, make_profiler
 from dlojz_log import (LOG_EVERY, Console, NoWandb, Progress, append_json_line, chrono_context, finish, start_wandb,
                        write_json, write_lr_finder)
-from dlojz_model import ModelEma, apply_blurpool, create_model, enable_grad_checkpointing
+from dlojz_model import ModelEma, apply_blurpool, create_model, enable_grad_checkpointing, meta_copy
 from dlojz_transforms import (DeviceNormalize, DevicePrefetcher, ValTransform, batch_mixing, decoder_description,
                               train_transform, training_resolution)
 
@@ -69,9 +69,20 @@ class EpochResult:
 @dataclasses.dataclass
 class Model:
     net: torch.nn.Module         # what trains: wrapped by DDP and torch.compile when asked
-    module: torch.nn.Module      # the plain model: checkpointed and validated
+    module: torch.nn.Module      # the model without those wrappers (sharded in place by --fsdp): checkpointed, validated
     ema: torch.nn.Module | None  # --model-ema's averaged copy
     num_classes: int
+    parallel: str                # "none", or "ddp" or "fsdp" across ranks
+    unsharded: torch.nn.Module   # the model whole, for FLOP counts: `module`, or with --fsdp its meta-device copy
+
+    def gradient_sync(self, sync):
+        """Context of a micro-batch's forward and backward: gradients are reduced across ranks only when `sync`
+        (the last micro-batch before an optimizer step)."""
+        if self.parallel == "fsdp":
+            self.module.set_requires_gradient_sync(sync)  # no reduce-scatter while accumulating
+        elif self.parallel == "ddp" and not sync:
+            return self.net.no_sync()  # no all-reduce while accumulating
+        return contextlib.nullcontext()
 
 
 @dataclasses.dataclass
@@ -97,6 +108,7 @@ class Loaders:
     n_val_batches: int              # on rank 0
     n_val_images: int
     n_val_batches_every_rank: int   # that every rank has (the last ranks may have one image fewer than the first)
+    n_val_batches_most: int         # that the first rank has
 
     def start_epoch(self, epoch, first_batch):
         """Shuffle for `epoch` and skip the batches a resumed run has already done."""
@@ -151,7 +163,8 @@ def main(argv=None) -> dict:
     val_max_batches = TEST_VAL_BATCHES if cfg.test else None
     if cfg.eval_only:
         chrono.validation()
-        metrics.update(evaluate(model.module, loaders, opt, ranks, val_max_batches, tta_flip=cfg.tta_flip))
+        metrics.update(evaluate(model.module, loaders, opt, ranks, val_max_batches, tta_flip=cfg.tta_flip,
+                                sharded=model.parallel == "fsdp"))
         chrono.validation()
         log(f"##EVALUATION## {resumed_from}: Validation Loss: {metrics['val_loss']:.4f}, Validation Accuracy: "
             f"{metrics['val_accuracy']:.4f}, top-5 {metrics['val_top5_accuracy']:.4f} ({metrics['val_images']} "
@@ -163,9 +176,7 @@ def main(argv=None) -> dict:
                                           global_batch_size=metrics["global_batch_size"]),
                                 Path(cfg.output_dir).name, state.wandb_id)
         state.wandb_id = wandb_run.id
-    saver = ckpt.CheckpointSaver(cfg.output_dir, cfg.keep_checkpoints, ranks.device,
-                                 dict(args=dataclasses.asdict(cfg), total_steps=opt.total_steps), model=model.module,
-                                 optimizer=opt.optimizer, scheduler=opt.scheduler, ema=model.ema, scaler=opt.scaler)
+    saver = make_saver(cfg, model, opt, ranks)
     profiler = make_profiler(cfg, Path(cfg.output_dir) / "profiler", ranks.rank, ranks.device) if cfg.prof else None
     hooks = LoopHooks(chrono, profiler, opt.lr_finder)
     progress = Progress(log, wandb_run, ranks.device, cfg.epochs, loaders.n_train_batches, cfg.grad_acc,
@@ -218,7 +229,7 @@ def main(argv=None) -> dict:
 
         # ================================ CHECKPOINT
         state.epoch, state.batch, state.elapsed_s = epoch + 1, 0, time.perf_counter() - started
-        if ranks.is_main and not cfg.test:
+        if not cfg.test:  # rank 0 writes; with --fsdp every rank writes its shards
             log(f"checkpoint written: {saver.save(dataclasses.asdict(state))}")
         if cfg.test or target_reached:
             break
@@ -231,6 +242,7 @@ def main(argv=None) -> dict:
 
     # ================================ REPORT
     metrics["images_per_second"] = progress.images_per_second()
+    metrics.update(state_bytes_per_rank(model, opt, ranks))  # what DDP copies and FSDP shards
     metrics["grad_scaler_scale"] = opt.scaler.get_scale() if opt.scaler.is_enabled() else None  # float16 loss scale
     ctx = chrono_context(cfg, model, loaders, ranks, metrics, val_max_batches) if cfg.test and ranks.is_main else None
     return finish(cfg, metrics, chrono, ranks, wandb_run, ctx=ctx or {}, n_batches=loaders.n_train_batches)
@@ -256,8 +268,7 @@ def train_one_epoch(model, opt, loaders, state, cfg, ranks, hooks, progress, sto
         if opt.mix is not None:  # soft labels; the loss and the train accuracy take them as they are
             images, targets = opt.mix(images, labels)
         optimizer_step = (batch_index + 1) % cfg.grad_acc == 0 or batch_index == loaders.n_train_batches - 1
-        # Accumulating micro-batches: no gradient all-reduce until the last one.
-        with model.net.no_sync() if ranks.enabled and not optimizer_step else contextlib.nullcontext():
+        with model.gradient_sync(optimizer_step):  # accumulating: gradients reduced at the last micro-batch only
             with hooks.phase("forward"), opt.autocast():
                 outputs = model.net(images)
                 with hooks.phase("loss"):
@@ -323,19 +334,24 @@ def train_one_epoch(model, opt, loaders, state, cfg, ranks, hooks, progress, sto
     return EpochResult(loss_sum / count, correct / count, stop_reason)
 
 
-def evaluate(net, loaders, opt, ranks, max_batches=None, stop=None, tta_flip=False) -> dict:
+def evaluate(net, loaders, opt, ranks, max_batches=None, stop=None, tta_flip=False, sharded=False) -> dict:
     """Loss, top-1 and top-5 over exactly the images this run evaluates, summed on every rank then all-reduced.
     `tta_flip`: the logits are the mean of the image's and its mirror's. With `stop` (a StopPoll), a stop signal
-    ends it between two batches: returns {"stopped_by": signal name}."""
+    ends it between two batches: returns {"stopped_by": signal name}. `sharded` (FSDP): each forward gathers
+    parameters from every rank, so a rank with one batch fewer runs one uncounted forward more."""
+    if sharded:
+        from dlojz_fsdp import reshard
     if ranks.enabled:  # BN statistics drift per rank in training: validate rank 0's model, as checkpointed
         for buffer in net.buffers():
             dist.broadcast(buffer, 0)
     net.eval()
     totals = torch.zeros(4, dtype=torch.float64, device=ranks.device)  # loss sum, top-1 and top-5 correct, images
+    forwards, images = 0, None
     with torch.no_grad():
         for batch_index, (images, labels) in enumerate(loaders.val_batches):
             if max_batches is not None and batch_index >= max_batches:
                 break
+            forwards += 1
             # Asked only while every rank has a batch (the last may have one fewer): the same calls on all.
             if stop is not None and batch_index < loaders.n_val_batches_every_rank and stop():
                 return dict(stopped_by=stop.stop_signal.name or "signal on another rank")
@@ -348,6 +364,13 @@ def evaluate(net, loaders, opt, ranks, max_batches=None, stop=None, tta_flip=Fal
             totals += torch.stack([loss.double(), (top5[:, 0] == labels).sum().double(),
                                    (top5 == labels[:, None]).any(dim=1).sum().double(),
                                    torch.full((), float(labels.numel()), dtype=torch.float64, device=ranks.device)])
+        if sharded:  # the other ranks' last forwards gather this rank's shards too
+            for _ in range(forwards, min(loaders.n_val_batches_most, max_batches or loaders.n_val_batches_most)):
+                with opt.autocast():  # (every rank has an image: build_loaders checks it)
+                    net(images[:1])
+                    if tta_flip:
+                        net(images[:1].flip(3))
+            reshard(net)  # blocks kept gathered after their forward (--no-fsdp-reshard-after-forward) free them
     if stop is not None:
         stop.settle()  # a signal it found is asked again at the next call: this validation is complete
     if ranks.enabled:
@@ -378,6 +401,9 @@ def setup_distributed(cfg: Config):
         holder = [cfg.output_dir]
         dist.broadcast_object_list(holder, src=0)
         cfg = dataclasses.replace(cfg, output_dir=holder[0])
+    elif cfg.fsdp:  # sharding over one process: a group of one (the same code path, and the GPU tests, on one GPU)
+        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0,
+                                world_size=1, device_id=device if device.type == "cuda" else None)
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
@@ -419,7 +445,8 @@ def build_model(cfg, num_classes, ranks, log) -> Model:
         log(f"BlurPool: {changed} strided convolutions and max-pools blur their input first")
     if cfg.sync_bn and ranks.enabled:
         module = torch.nn.SyncBatchNorm.convert_sync_batchnorm(module)
-    module = module.to(ranks.device)
+    if not cfg.fsdp:  # FSDP moves each rank's shards only to the device
+        module = module.to(ranks.device)
     if cfg.channels_last:
         module = module.to(memory_format=torch.channels_last)
     if cfg.grad_checkpointing:
@@ -428,14 +455,23 @@ def build_model(cfg, num_classes, ranks, log) -> Model:
     ema = None
     if cfg.model_ema:
         ema = ModelEma(module, cfg.model_ema_decay)
-    net = module
-    if ranks.enabled:
+    net, parallel, unsharded = module, "none", module
+    if cfg.fsdp:
+        from dlojz_fsdp import shard_model
+        unsharded = meta_copy(module)
+        blocks = shard_model(module, cfg, ranks.device)
+        parallel = "fsdp"
+        log(f"FSDP: {blocks} blocks and the root sharded over {ranks.world_size} ranks, parameters gathered in "
+            f"{cfg.amp_dtype if cfg.amp else 'float32'}, gradients reduced in float32, "
+            f"{'resharded' if cfg.fsdp_reshard_after_forward else 'kept gathered'} after each block's forward")
+    elif ranks.enabled:
         net = torch.nn.parallel.DistributedDataParallel(
             net, device_ids=[ranks.device.index] if ranks.device.type == "cuda" else None, gradient_as_bucket_view=True)
+        parallel = "ddp"
     if cfg.compile:
         start_compile_workers()  # deaf to Slurm's preemption signal, which this process handles
         net = torch.compile(net)
-    return Model(net, module, ema, num_classes)
+    return Model(net, module, ema, num_classes, parallel, unsharded)
 
 
 def build_loaders(cfg, train_set, val_set, num_classes, ranks, log) -> Loaders:
@@ -450,6 +486,8 @@ def build_loaders(cfg, train_set, val_set, num_classes, ranks, log) -> Loaders:
             f"({cfg.val_crop_size / cfg.image_size:.2f}x)")
     train_sampler = EpochSampler(train_set, ranks.world_size, ranks.rank, shuffle=True, seed=cfg.seed,
                                  drop_last=cfg.drop_last)
+    if cfg.fsdp and len(val_set) < ranks.world_size:
+        fail(f"--fsdp: the validation set has {len(val_set)} images for {ranks.world_size} ranks: each rank needs one")
     if cfg.data_backend == "dali":
         return dali_loaders(cfg, train_set, val_set, train_sampler, ranks, log)
     options = dict(num_workers=cfg.num_workers, pin_memory=cfg.pin_memory and ranks.device.type == "cuda",
@@ -464,7 +502,7 @@ def build_loaders(cfg, train_set, val_set, num_classes, ranks, log) -> Loaders:
     normalize = DeviceNormalize(ranks.device, channels_last=cfg.channels_last)
     return Loaders(train, train_sampler, DevicePrefetcher(train, ranks.device, normalize, non_blocking=cfg.non_blocking),
                    DevicePrefetcher(val, ranks.device, normalize, non_blocking=cfg.non_blocking), len(train),
-                   len(val), len(val_set), math.ceil(len(val_set) // ranks.world_size / cfg.val_batch_size))
+                   len(val), len(val_set), *val_batches_per_rank(len(val_set), ranks.world_size, cfg.val_batch_size))
 
 
 def dali_loaders(cfg, train_set, val_set, train_sampler, ranks, log) -> Loaders:
@@ -486,7 +524,7 @@ def dali_loaders(cfg, train_set, val_set, train_sampler, ranks, log) -> Loaders:
     if len(train) == 0:
         fail(f"--batch-size {cfg.batch_size} with --drop-last leaves no batch: lower --batch-size or use --no-drop-last")
     return Loaders(train, train_sampler, train, val, len(train), len(val), len(val_set),
-                   math.ceil(len(val_set) // ranks.world_size / cfg.val_batch_size))
+                   *val_batches_per_rank(len(val_set), ranks.world_size, cfg.val_batch_size))
 
 
 def synthetic_loaders(cfg, num_classes, ranks, train_images, val_images) -> Loaders:
@@ -495,7 +533,13 @@ def synthetic_loaders(cfg, num_classes, ranks, train_images, val_images) -> Load
                             ranks.world_size, cfg.drop_last, seed=cfg.seed)
     val = SyntheticLoader(val_images, cfg.val_batch_size, cfg.val_crop_size, num_classes, ranks.device,
                           cfg.channels_last, ranks.world_size, seed=cfg.seed + 1)
-    return Loaders(train, None, train, val, len(train), len(val), val_images, len(val))
+    return Loaders(train, None, train, val, len(train), len(val), val_images, len(val), len(val))
+
+
+def val_batches_per_rank(n_images, world_size, batch_size):
+    """Validation batches that every rank has, and that the first rank has (ShardSampler: ranks differ by at
+    most one image)."""
+    return math.ceil(n_images // world_size / batch_size), math.ceil(math.ceil(n_images / world_size) / batch_size)
 
 
 def build_optimization(cfg, model, n_train_batches, num_classes, ranks, log) -> Optimization:
@@ -505,9 +549,11 @@ def build_optimization(cfg, model, n_train_batches, num_classes, ranks, log) -> 
         + (f" - {cfg.grad_acc} accumulated micro-batches per optimizer step" if cfg.grad_acc > 1 else ""))
     criterion = torch.nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing)  # also takes mixup's soft labels
     val_criterion = torch.nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing, reduction="sum")
-    # Fused steps (sgd, adamw): no host synchronisation with the float16 GradScaler (see dlojz_optim).
+    # Fused steps (sgd, adamw): no host synchronisation with the float16 GradScaler (see dlojz_optim); FSDP's
+    # sharded parameters have no fused SGD (its foreach step is used, and bfloat16 needs no scaler).
+    fused = not (cfg.fsdp and cfg.optimizer == "sgd")
     optimizer = optim.build_optimizer(cfg.optimizer, optim.param_groups(model.module, cfg.wd, cfg.no_wd_norm_bias),
-                                      lr=cfg.lr, momentum=cfg.mom, weight_decay=cfg.wd, fused=True)
+                                      lr=cfg.lr, momentum=cfg.mom, weight_decay=cfg.wd, fused=fused)
     fused = optimizer.defaults.get("fused")
     log(f"optimizer: {cfg.optimizer}{' (fused step)' if fused else ''} (lr {cfg.lr}, momentum {cfg.mom}, weight decay {cfg.wd}"
         f"{', none on norms and biases' if cfg.no_wd_norm_bias else ''}); {optim.lr_scaling_line(cfg.lr, step_images)}")
@@ -533,6 +579,31 @@ def build_optimization(cfg, model, n_train_batches, num_classes, ranks, log) -> 
                         batch_mixing(cfg, num_classes), total_steps)
 
 
+def make_saver(cfg, model, opt, ranks):
+    """The checkpoint writer: one file by rank 0, or with --fsdp one folder of every rank's shards."""
+    fixed = dict(args=dataclasses.asdict(cfg), total_steps=opt.total_steps, world_size=ranks.world_size,
+                 num_classes=model.num_classes)
+    if model.parallel == "fsdp":
+        from dlojz_fsdp import ShardedCheckpointSaver
+        return ShardedCheckpointSaver(cfg.output_dir, cfg.keep_checkpoints, ranks.device, fixed, ranks.is_main,
+                                      model.module, opt.optimizer, opt.scheduler, opt.scaler)
+    return ckpt.CheckpointSaver(cfg.output_dir, cfg.keep_checkpoints, ranks.device, fixed, ranks.is_main,
+                                model=model.module, optimizer=opt.optimizer, scheduler=opt.scheduler, ema=model.ema,
+                                scaler=opt.scaler)
+
+
+def state_bytes_per_rank(model, opt, ranks) -> dict:
+    """Bytes of parameters, gradients and optimizer state on each rank (the largest), and each rank's peak."""
+    from dlojz_fsdp import state_bytes
+    from dlojz_model import peak_memory_bytes
+    local = dict(state_bytes(model.module, opt.optimizer), peak_memory_bytes=peak_memory_bytes(ranks.device))
+    every = ranks.all_gather(local) if ranks.enabled else [local]
+    result = {f"{key}_per_rank": max(rank[key] for rank in every) for key in local if key != "peak_memory_bytes"}
+    result["peak_memory_bytes_per_rank"] = [rank["peak_memory_bytes"] for rank in every]
+    result["parallel"] = model.parallel
+    return result
+
+
 def restore(cfg, model, opt, n_train_batches, device, log):
     """--resume: the weights (and EMA); unless --eval-only, also the optimizer, schedule, GradScaler, training
     position and random generators. Returns (TrainState, the checkpoint's path or None)."""
@@ -550,26 +621,56 @@ def restore(cfg, model, opt, n_train_batches, device, log):
             saved, path = ckpt.load(cfg.resume), cfg.resume
         except ckpt.CheckpointError as err:
             fail(f"--resume: {err}")
-    try:
-        model.module.load_state_dict(saved["model"])
-    except RuntimeError as err:
-        fail(f"--resume {path}: the weights do not fit --arch {cfg.arch} with {model.num_classes} classes "
-             f"({str(err).splitlines()[0][:120]})")
-    if model.ema is not None and saved.get("ema") is not None:
-        model.ema.load_state_dict(saved["ema"])
+    restore_weights(cfg, model, opt, saved, path)
     state = TrainState()
     if not cfg.eval_only:
-        opt.optimizer.load_state_dict(saved["optimizer"])
         if opt.scheduler is not None and saved.get("scheduler") is not None:
             restore_schedule(cfg, opt, saved, n_train_batches, log)
         if saved.get("scaler"):  # none when it was written with the scaler off (bfloat16, --no-amp, CPU)
             opt.scaler.load_state_dict(saved["scaler"])
         state = TrainState(saved["epoch"], saved["batch"], saved["global_step"], saved.get("wandb_id"),
                            saved.get("elapsed_s", 0.0))
+        saved_world, saved_batch_size = saved.get("world_size", idr_torch.world_size), saved["args"]["batch_size"]
+        images_per_batch = cfg.batch_size * idr_torch.world_size
+        if (saved_world, saved_batch_size) != (idr_torch.world_size, cfg.batch_size) and state.batch:
+            # The samplers deal out one order of the epoch's images: go on after as many as were trained on.
+            done = state.batch * saved_batch_size * saved_world
+            state.batch = done // images_per_batch
+            log(f"resumed on {idr_torch.world_size} ranks x {cfg.batch_size} images a checkpoint written on "
+                f"{saved_world} x {saved_batch_size}: the epoch goes on after its first {done} images"
+                + ("" if done % images_per_batch == 0 else f" ({done % images_per_batch} of them trained on again)"))
         ckpt.restore_rng(saved, device)
     log(f"resumed from {path} (epoch {saved['epoch'] + 1}, step {saved['batch']}/{n_train_batches}, "
         f"global step {saved['global_step']})")
     return state, path
+
+
+def restore_weights(cfg, model, opt, saved, path):
+    """The model's weights, the EMA's and (unless --eval-only) the optimizer's state, from a checkpoint file
+    or, with --fsdp, from a sharded checkpoint or a file."""
+    sharded = saved.get("sharded_path")
+    if sharded and not cfg.fsdp:
+        fail(f"--resume {path}: a sharded checkpoint (written with --fsdp): add --fsdp, or make one ordinary "
+             f"checkpoint of it: python dlojz_fsdp.py consolidate {path} OUT.pt")
+    if cfg.fsdp and not sharded and not cfg.eval_only:
+        fail(f"--resume {path}: --fsdp resumes training from sharded checkpoints (.dcp folders); an ordinary "
+             f"checkpoint gives its weights to --fsdp --eval-only, or resumes without --fsdp")
+    try:
+        if sharded:
+            from dlojz_fsdp import load_sharded
+            load_sharded(sharded, model.module, None if cfg.eval_only else opt.optimizer)
+        elif cfg.fsdp:
+            from dlojz_fsdp import load_full_weights
+            load_full_weights(model.module, saved["model"])
+        else:
+            model.module.load_state_dict(saved["model"])
+    except (RuntimeError, ValueError, KeyError) as err:
+        fail(f"--resume {path}: the weights do not fit --arch {cfg.arch} with {model.num_classes} classes "
+             f"({str(err).strip().splitlines()[0][:120] if str(err).strip() else type(err).__name__})")
+    if model.ema is not None and saved.get("ema") is not None:
+        model.ema.load_state_dict(saved["ema"])
+    if not cfg.eval_only and not sharded:
+        opt.optimizer.load_state_dict(saved["optimizer"])
 
 
 def restore_schedule(cfg, opt, saved, n_train_batches, log):
@@ -607,7 +708,7 @@ def validate(cfg, epoch, model, loaders, opt, ranks, chrono, max_batches, log, s
     """The end-of-epoch validation of the model (and of its EMA), timed, with its console lines; or
     {"stopped_by": signal} when a stop signal interrupted it."""
     chrono.validation()
-    metrics = evaluate(model.module, loaders, opt, ranks, max_batches, stop, cfg.tta_flip)
+    metrics = evaluate(model.module, loaders, opt, ranks, max_batches, stop, cfg.tta_flip, model.parallel == "fsdp")
     chrono.validation()
     if "stopped_by" in metrics:
         return metrics
@@ -675,7 +776,7 @@ def cli(argv=None) -> int:
         close_loader(loader)
     LOADERS.clear()
     if dist.is_available() and dist.is_initialized():
-        if status == 0:
+        if status == 0 or idr_torch.world_size == 1:  # (--fsdp's group of one: no peer to wait for)
             dist.destroy_process_group()
         else:
             sys.stdout.flush()

@@ -1,5 +1,6 @@
 """Checkpoints that survive a crash mid-write and a preempted job.
 
+- `write(state, path)`: one checkpoint file, atomically.
 - `save(state, output_dir, name, keep)`: write `name` atomically (temp file in the same folder, fsync, os.replace),
   then point `latest` at it (atomically too), then delete all but the `keep` newest dlojz checkpoints.
 - `load(path)`: `torch.load(weights_only=True)`; a truncated, foreign or unreadable file raises `CheckpointError`.
@@ -13,10 +14,17 @@
 - `restore_rng(state, device)`: put the random generators back as they were saved.
 
 A checkpoint is a plain dict with `FORMAT_KEY` set, so a file written by another program is refused clearly.
+
+Sharded checkpoints (--fsdp, written by dlojz_fsdp.ShardedCheckpointSaver) are folders `ckpt_e*_s*.dcp`: the
+shards of every rank (torch.distributed.checkpoint's files and `.metadata`) and `SHARDED_META`, the same dict
+without the model and optimizer. They are written under a hidden staging name and renamed into place
+(`publish_folder`), then named by `latest` and pruned like the files; `load` of such a folder checks that every
+shard file the metadata lists is there whole, and returns the dict with `sharded_path` set.
 """
 import os
 import random
 import re
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -26,23 +34,33 @@ import torch
 FORMAT_KEY = "dlojz_checkpoint_format"
 FORMAT_VERSION = 1
 LATEST = "latest"
-NAME_RE = re.compile(r"^ckpt_e(\d+)_s(\d+)\.pt$")
+NAME_RE = re.compile(r"^ckpt_e(\d+)_s(\d+)\.(pt|dcp)$")
+SHARDED_META = "dlojz.pt"
 
 
 class CheckpointError(Exception):
     """A checkpoint that cannot be used; the message is one line naming the file."""
 
 
-def checkpoint_name(epoch, global_step):
-    return f"ckpt_e{epoch:04d}_s{global_step:09d}.pt"
+def checkpoint_name(epoch, global_step, sharded=False):
+    return f"ckpt_e{epoch:04d}_s{global_step:09d}.{'dcp' if sharded else 'pt'}"
 
 
-def _atomic_write(path, write):
+def fsync_folder(folder):
+    """Make the renames and creations in `folder` durable."""
+    dir_fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def _atomic_write(path, write_to):
     path = Path(path)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
-            write(f)
+            write_to(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -52,39 +70,89 @@ def _atomic_write(path, write):
         except OSError:
             pass
         raise
-    # make the rename itself durable
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+    fsync_folder(path.parent)  # make the rename itself durable
 
 
 def list_checkpoints(output_dir):
     """dlojz checkpoints in `output_dir`, oldest first (by epoch then global step)."""
     found = []
-    for p in Path(output_dir).glob("ckpt_e*_s*.pt"):
+    for p in Path(output_dir).glob("ckpt_e*_s*.*"):
         m = NAME_RE.match(p.name)
         if m:
             found.append(((int(m.group(1)), int(m.group(2))), p))
     return [p for _, p in sorted(found)]
 
 
+def write(state, path):
+    """`state` as one dlojz checkpoint file at `path`, atomically (no `latest`, no pruning)."""
+    state = dict(state, **{FORMAT_KEY: FORMAT_VERSION})
+    _atomic_write(path, lambda f: torch.save(state, f))
+    return Path(path)
+
+
 def save(state, output_dir, name, keep=3):
     output_dir = Path(output_dir)
-    state = dict(state, **{FORMAT_KEY: FORMAT_VERSION})
-    path = output_dir / name
-    _atomic_write(path, lambda f: torch.save(state, f))
+    path = write(state, output_dir / name)
+    _point_latest_and_prune(output_dir, name, keep)
+    return path
+
+
+def publish_folder(meta, staging, output_dir, name, keep=3):
+    """Complete the sharded checkpoint being written in the folder `staging` with `meta` (SHARDED_META), then
+    rename it to `output_dir/name` (a folder appears whole or not at all), point `latest` at it and prune."""
+    output_dir = Path(output_dir)
+    write(meta, Path(staging) / SHARDED_META)
+    fsync_folder(staging)
+    final = output_dir / name
+    if final.exists():  # the same step saved again (a stop right after a checkpoint): the new one wins
+        replaced = output_dir / f".{name}.old"
+        shutil.rmtree(replaced, ignore_errors=True)
+        os.replace(final, replaced)
+        os.replace(staging, final)
+        shutil.rmtree(replaced, ignore_errors=True)
+    else:
+        os.replace(staging, final)
+    fsync_folder(output_dir)
+    _point_latest_and_prune(output_dir, name, keep)
+    return final
+
+
+def _point_latest_and_prune(output_dir, name, keep):
     _atomic_write(output_dir / LATEST, lambda f: f.write((name + "\n").encode()))
     if keep and keep > 0:
         for old in list_checkpoints(output_dir)[:-keep]:
             if old.name != name:
-                old.unlink(missing_ok=True)
-    return path
+                if old.is_dir():
+                    shutil.rmtree(old, ignore_errors=True)
+                else:
+                    old.unlink(missing_ok=True)
+
+
+def check_shards(path):
+    """Raise CheckpointError unless the sharded checkpoint folder `path` has its metadata and every shard file
+    it lists, long enough for every piece it holds."""
+    from torch.distributed.checkpoint import FileSystemReader
+    try:
+        metadata = FileSystemReader(path).read_metadata()
+    except Exception as err:
+        raise CheckpointError(f"checkpoint {path}: no readable shard metadata ({type(err).__name__}); "
+                              f"it was not written completely") from None
+    needed = {}
+    for item in (metadata.storage_data or {}).values():
+        needed[item.relative_path] = max(needed.get(item.relative_path, 0), item.offset + item.length)
+    for relative, size in sorted(needed.items()):
+        shard = Path(path) / relative
+        if not shard.is_file() or shard.stat().st_size < size:
+            raise CheckpointError(f"checkpoint {path}: shard file {relative} is missing or truncated")
 
 
 def load(path):
     path = Path(path)
+    if path.is_dir():
+        check_shards(path)
+        state = load(path / SHARDED_META)
+        state["sharded_path"] = str(path)
+        return state
     if not path.is_file():
         raise CheckpointError(f"checkpoint {path}: no such file")
     try:
@@ -116,13 +184,17 @@ def load_latest(output_dir):
 
 
 class CheckpointSaver:
-    """Saves the parts of a run (objects with `state_dict()`, or None) with the training position, on rank 0."""
+    """Saves the parts of a run (objects with `state_dict()`, or None) with the training position, on rank 0:
+    every rank calls `save`, the others return None."""
 
-    def __init__(self, output_dir, keep, device, fixed, **parts):
+    def __init__(self, output_dir, keep, device, fixed, is_main=True, **parts):
         self.output_dir, self.keep, self.device, self.fixed, self.parts = Path(output_dir), keep, device, fixed, parts
+        self.is_main = is_main
 
     def save(self, position):
         """Write a checkpoint of the parts at `position` (a dict: epoch, batch, global_step, ...); return its path."""
+        if not self.is_main:
+            return None
         state = {name: part.state_dict() if part is not None else None for name, part in self.parts.items()}
         state.update(self.fixed, **position, rng=rng_state(self.device))
         return save(state, self.output_dir, checkpoint_name(position["epoch"], position["global_step"]), keep=self.keep)

@@ -203,6 +203,11 @@ def get_args_parser():
 
     p = parser.add_argument_group("distribution")
     p.add_argument("--dist-timeout", type=float, default=600, help="seconds before a collective waiting for a dead rank fails (default: 600)")
+    p.add_argument("--fsdp", action="store_true", help="shard parameters, gradients and optimizer state across ranks (FSDP2, dlojz_fsdp.py)\n"
+                   "instead of DDP's full copy on each; sharded checkpoints (torch.distributed.checkpoint)")
+    p.add_argument("--fsdp-reshard-after-forward", default=None, action=argparse.BooleanOptionalAction,
+                   help="--fsdp: free each block's gathered parameters after its forward and gather them again for\n"
+                        "the backward (ZeRO-3, default), or keep them until the backward (ZeRO-2-like: faster, more memory)")
 
     p = parser.add_argument_group("logging, checkpoints, resume")
     p.add_argument("--output-dir", default=None, help="checkpoints, metrics, traces (default: ./runs/<job name>_<job id or timestamp>)")
@@ -298,6 +303,8 @@ class Config:
     channels_last: bool
     tf32: bool
     dist_timeout: float
+    fsdp: bool
+    fsdp_reshard_after_forward: bool | None  # set (default True) with --fsdp only
     # logging, checkpoints, resume
     output_dir: str
     metrics_json: str | None
@@ -345,8 +352,10 @@ def resolve_config(args) -> Config:
                      "workers will compete")
     if values["amp"] is None:
         values["amp"] = on_gpu
-    if values["amp_dtype"] is None:
-        values["amp_dtype"] = "float16" if on_gpu else "bfloat16"
+    if values["amp_dtype"] is None:  # FSDP: bfloat16, which needs no loss scaler across the shards
+        values["amp_dtype"] = "float16" if on_gpu and not values["fsdp"] else "bfloat16"
+    if values["fsdp"] and values["fsdp_reshard_after_forward"] is None:
+        values["fsdp_reshard_after_forward"] = True
     if values["tf32"] is None:
         values["tf32"] = on_gpu and torch.cuda.get_device_capability(torch_device)[0] >= 8
     if values["drop_last"] is None:
@@ -484,6 +493,11 @@ def check(cfg: Config):
         fail("--random-erase is a probability in [0, 1]; --mixup-alpha and --cutmix-alpha must be >= 0")
     if cfg.prof and (cfg.prof_wait < 0 or cfg.prof_warmup < 0 or cfg.prof_active < 1):
         fail("--prof-wait and --prof-warmup must be >= 0, --prof-active >= 1")
+    if cfg.fsdp_reshard_after_forward is not None and not cfg.fsdp:
+        fail("--fsdp-reshard-after-forward/--no-fsdp-reshard-after-forward set how --fsdp shards: add --fsdp")
+    if cfg.fsdp:
+        from dlojz_fsdp import check_config
+        check_config(cfg)
     if cfg.sync_bn and cfg.torch_device == "cpu":
         fail("--sync-bn needs CUDA: torch's SyncBatchNorm works with GPU modules only")
     if cfg.train_subset is not None:

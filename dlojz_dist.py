@@ -107,11 +107,11 @@ def agree_on_stop(stop_signal, first_nonfinite, ranks):
 
 
 def checkpoint_for_stop(cfg, saver, state, reason, n_train_batches, ranks, log):
-    """Checkpoint where training is (rank 0); every rank waits for it."""
+    """Checkpoint where training is (rank 0, or every rank's shards); every rank waits for it."""
     where = (f"after epoch {state.epoch + 1}'s training, before its validation" if state.batch >= n_train_batches
              else f"at epoch {state.epoch + 1}, step {state.batch}/{n_train_batches}")
     log(f"{reason} received: saving a checkpoint {where}")
-    if ranks.is_main and not cfg.test:
+    if not cfg.test:  # rank 0 writes; with --fsdp every rank writes its shards
         log(f"checkpoint written: {saver.save(dataclasses.asdict(state))}")
     if ranks.enabled:
         dist.barrier()

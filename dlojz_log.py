@@ -131,10 +131,11 @@ def write_lr_finder(lr_finder, output_dir) -> dict:
 
 def chrono_context(cfg, model, loaders, ranks, metrics, val_max_batches) -> dict:
     """What the chronometer's report needs beyond its timings: the model's FLOPs, the run's shape, the machine."""
-    with plain_stages(model.module):  # model FLOPs: the recomputation is not useful work
-        flops = train_flops_per_image(model.module, cfg.image_size, cfg.channels_last)
+    whole = model.unsharded  # with --fsdp, the shapes of the model before sharding
+    with plain_stages(whole):  # model FLOPs: the recomputation is not useful work
+        flops = train_flops_per_image(whole, cfg.image_size, cfg.channels_last)
     if cfg.grad_checkpointing:  # what checkpointing saves, estimated from one image (float32)
-        plain, kept = (saved_activation_bytes(model.module, cfg.image_size, cfg.channels_last, c, cfg.arch)
+        plain, kept = (saved_activation_bytes(whole, cfg.image_size, cfg.channels_last, c, cfg.arch)
                        for c in (False, True))
         metrics.update(activation_bytes_per_image=kept, activation_bytes_per_image_without_checkpointing=plain)
     device = ranks.device
@@ -190,10 +191,24 @@ def print_report(cfg, metrics, chrono, ctx, n_batches):
         print(f">>> Max Memory Allocated: {metrics['max_memory_bytes']:,} bytes")
     else:
         print(f">>> Peak RSS (CPU): {metrics['max_memory_bytes']:,} bytes")
+    if metrics.get("parameter_bytes_per_rank") is not None:
+        print(memory_line(metrics))
     if metrics.get("images_per_second"):
         print(f">>> Throughput (steady state, all ranks): {metrics['images_per_second']:.1f} images/s")
     if cfg.metrics_json:
         write_json(cfg.metrics_json, metrics)
+
+
+def memory_line(metrics):
+    """What each rank holds of the model's state (DDP: everything; FSDP: a 1/N shard), and each rank's peak."""
+    mib = 2**20
+    state = (metrics["parameter_bytes_per_rank"], metrics["gradient_bytes_per_rank"], metrics["optimizer_bytes_per_rank"])
+    peaks = metrics["peak_memory_bytes_per_rank"]
+    how = {"fsdp": f"FSDP, sharded over {len(peaks)} ranks", "ddp": f"DDP, a full copy on each of {len(peaks)} ranks",
+           "none": "one process"}[metrics["parallel"]]
+    return (f">>> Model state per rank ({how}): parameters {state[0] / mib:,.1f} MiB, gradients {state[1] / mib:,.1f} "
+            f"MiB, optimizer state {state[2] / mib:,.1f} MiB, total {sum(state) / mib:,.1f} MiB; peak memory per rank: "
+            + ", ".join(f"{peak / mib:,.0f}" for peak in peaks) + " MiB")
 
 
 def append_json_line(path, obj):

@@ -218,7 +218,9 @@ def saved_activation_bytes(model, image_size, channels_last, checkpointing, arch
     """Bytes per image autograd keeps for the backward of a forward of a CPU copy of `model` (float32), with or
     without activation checkpointing: what --grad-checkpointing saves, per image, without risking an OOM."""
     with (contextlib.nullcontext() if checkpointing else plain_stages(model)):
-        net = without_sync_batchnorm(copy.deepcopy(model)).cpu().float().train()
+        net = without_sync_batchnorm(copy.deepcopy(model))
+    # a meta copy (--fsdp's unsharded shapes) gets uninitialised CPU memory: only sizes are counted
+    net = (net.to_empty(device="cpu") if any(p.is_meta for p in net.parameters()) else net.cpu()).float().train()
     if checkpointing and not any(isinstance(m, CheckpointedStage) for m in net.modules()):
         enable_grad_checkpointing(net, arch)
     image = torch.randn(2, 3, image_size, image_size)  # 2: BatchNorm refuses a batch of 1 in training mode
@@ -272,14 +274,8 @@ def train_flops_per_image(model: torch.nn.Module, image_size: int, channels_last
     model = getattr(model, "_orig_mod", model)           # torch.compile wrapper
     if isinstance(model, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)):
         model = model.module
-    # deepcopy with a memo that maps every parameter/buffer to a meta tensor: the copy never holds weights.
-    memo = {}
-    for tensor in list(model.parameters()) + list(model.buffers()):
-        meta = torch.empty_like(tensor, device="meta")
-        memo[id(tensor)] = torch.nn.Parameter(meta, requires_grad=tensor.requires_grad) \
-            if isinstance(tensor, torch.nn.Parameter) else meta
     # Eval mode: conv/matmul FLOPs are the same, and SyncBatchNorm does not reach for a process group.
-    meta_model = copy.deepcopy(model, memo).eval()
+    meta_model = meta_copy(model).eval()
     images = torch.empty(batch_size, in_channels, image_size, image_size, device="meta")
     if channels_last:
         images = images.contiguous(memory_format=torch.channels_last)
@@ -289,6 +285,17 @@ def train_flops_per_image(model: torch.nn.Module, image_size: int, channels_last
         outputs = meta_model(images)
         _sum_outputs(outputs).backward()
     return counter.get_total_flops() / batch_size
+
+
+def meta_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy of `model` on the "meta" device: shapes only, no weights copied (deepcopy with a memo that maps
+    every parameter and buffer to a meta tensor)."""
+    memo = {}
+    for tensor in list(model.parameters()) + list(model.buffers()):
+        meta = torch.empty_like(tensor, device="meta")
+        memo[id(tensor)] = torch.nn.Parameter(meta, requires_grad=tensor.requires_grad) \
+            if isinstance(tensor, torch.nn.Parameter) else meta
+    return copy.deepcopy(model, memo)
 
 
 def _sum_outputs(outputs):

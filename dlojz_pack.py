@@ -62,6 +62,7 @@ from pathlib import Path
 
 import numpy as np
 
+from dlojz_checkpoint import fsync_folder
 from dlojz_data import IMG_EXTENSIONS, DataError, find_layout
 
 FORMAT = "dlojz_pack"
@@ -139,14 +140,6 @@ def _unlink(path):
         os.unlink(path)
     except FileNotFoundError:
         pass
-
-
-def _fsync_dir(path):
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _write_json(path, obj):
@@ -586,7 +579,7 @@ def pack(src, dst, shard_size=None, workers=None, log=print):
     if missing:
         raise PackError(f"DST {dst}/{missing[0]}: missing or of the wrong size after packing (another process "
                         "writing into DST?); rerun")
-    _fsync_dir(dst)  # the shards' renames reach the disk before the manifest says "complete"
+    fsync_folder(dst)  # the shards' renames reach the disk before the manifest says "complete"
     manifest.update(state="complete", completed=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
     _write_json(dst / MANIFEST, manifest)
     seconds = time.monotonic() - t_start

@@ -418,3 +418,70 @@ def test_dali_batches_are_on_the_gpu_in_channels_last(tmp_path):
     images, labels = next(iter(batches))
     assert images.device == labels.device == device and images.dtype == torch.float32
     assert images.shape == (16, 3, 64, 64) and images.is_contiguous(memory_format=torch.channels_last)
+
+
+# ---------------------------------------------------------------- --fsdp on the GPU
+VIT = ["--arch", "timm:test_vit", "--optimizer", "adamw", "--lr", "0.002"]
+
+
+def fsdp_epoch_seen():
+    from torch.distributed.tensor import DTensor
+    loop = loop_for(*VIT, "--fsdp")
+    seen = []
+    qkv = loop["model"].module.blocks[0].attn.qkv
+    qkv.register_forward_hook(lambda m, args, out: seen.append((m.weight.dtype, out.dtype)))
+    result = dlojz.train_one_epoch(**loop)
+    return (sorted(set(seen), key=str), isinstance(qkv.weight, DTensor), qkv.weight.dtype, qkv.weight.is_cuda,
+            result.train_loss, loop["opt"].scaler.is_enabled())
+
+
+def test_fsdp_gathers_bfloat16_parameters_and_keeps_float32_shards_on_cuda():
+    """One GPU (a group of one rank, NCCL, in a spawned interpreter: no process group may live in pytest's, which
+    forks later): the blocks compute with bfloat16 copies of their parameters; the shards the optimizer updates
+    stay float32 on the GPU; no GradScaler."""
+    skip_without_bfloat16()
+    from test_fsdp import in_fresh_process
+    seen, sharded, dtype, on_gpu, loss, scaler = in_fresh_process(fsdp_epoch_seen)
+    assert seen == [(torch.bfloat16, torch.bfloat16)], seen
+    assert sharded and dtype == torch.float32 and on_gpu
+    assert math.isfinite(loss) and not scaler
+
+
+def test_fsdp_checkpoints_and_resumes_on_cuda(tmp_path, tiny_data):
+    skip_without_bfloat16()
+    flags = [*CUDA, *VIT, "--data-root", tiny_data, "--fsdp", "-b", "8", "--output-dir", tmp_path / "run"]
+    proc = run_dlojz(*flags, "--epochs", "1")
+    assert proc.returncode == 0, show(proc)
+    proc = run_dlojz(*flags, "--epochs", "2", "--resume", "auto", "--metrics-json", tmp_path / "m.json")
+    assert proc.returncode == 0, show(proc)
+    assert "resumed from" in proc.stdout and ".dcp" in proc.stdout, show(proc)
+    metrics = read_json(tmp_path / "m.json")
+    assert metrics["parallel"] == "fsdp" and metrics["compute_dtype"] == "bfloat16" and metrics["steps"] == 2 * 9
+    assert (tmp_path / "run" / "ckpt_e0002_s000000018.dcp").is_dir()
+
+
+def test_fsdp_compiles_on_cuda(tmp_path):
+    skip_without_bfloat16()
+    proc = run_dlojz(*CUDA, *VIT, "--synthetic", "--test", "--test-nsteps", "10", "--fsdp", "--compile",
+                     "--metrics-json", tmp_path / "m.json", "--output-dir", tmp_path / "run", timeout=800)
+    assert proc.returncode == 0, show(proc)
+    m = read_json(tmp_path / "m.json")
+    assert m["steps"] == 10 and math.isfinite(m["train_loss"]) and m["parallel"] == "fsdp"
+
+
+@two_gpus
+def test_fsdp_on_two_gpus_trains_to_the_weights_of_ddp(tmp_path, tiny_data):
+    """NCCL: FSDP's reduce-scatter and DDP's all-reduce give the same weights (float32: --no-amp --no-tf32)."""
+    out = {}
+    for name, flags in (("ddp", []), ("fsdp", ["--fsdp"])):
+        out[name] = tmp_path / name
+        proc = run_dlojz(*TINY, *VIT, "--data-root", tiny_data, "-b", "8", "--epochs", "1", "--no-amp", "--no-tf32",
+                         "--output-dir", out[name], *flags, launcher=TORCHRUN2)
+        assert proc.returncode == 0, show(proc)
+    from dlojz_fsdp import consolidate
+    import dlojz_checkpoint as ckpt
+    sharded = ckpt.load_latest(out["fsdp"])[1]
+    fsdp = torch.load(consolidate(sharded, tmp_path / "fsdp.pt"), weights_only=True)["model"]
+    ddp = ckpt.load_latest(out["ddp"])[0]["model"]
+    for key in ddp:
+        assert torch.allclose(fsdp[key].float(), ddp[key].float().cpu(), atol=1e-5), key

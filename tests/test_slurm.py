@@ -20,8 +20,8 @@ from slurm_cluster import slurm_cluster  # noqa: F401  (the session fixture)
 ROOT = Path(__file__).resolve().parent.parent
 SLURM_DIR = ROOT / "slurm"
 CPU_SCRIPT = SLURM_DIR / "dlojz_cpu.slurm"
-GPU_SCRIPTS = ["dlojz_1gpu.slurm", "dlojz_1node.slurm", "dlojz_multinode.slurm", "dlojz_test.slurm"]
-LONG_JOBS = ["dlojz_cpu.slurm", "dlojz_1gpu.slurm", "dlojz_1node.slurm", "dlojz_multinode.slurm"]
+GPU_SCRIPTS = ["dlojz_1gpu.slurm", "dlojz_1node.slurm", "dlojz_multinode.slurm", "dlojz_test.slurm", "dlojz_fsdp.slurm"]
+LONG_JOBS = ["dlojz_cpu.slurm", "dlojz_1gpu.slurm", "dlojz_1node.slurm", "dlojz_multinode.slurm", "dlojz_fsdp.slurm"]
 
 
 @pytest.mark.parametrize("ci, outcome", [("true", pytest.fail.Exception), (None, pytest.skip.Exception)])

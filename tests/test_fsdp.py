@@ -1,0 +1,289 @@
+"""--fsdp (dlojz_fsdp.py): FSDP2 on 2 CPU ranks (gloo) trains to the weights of DDP and of one process, holds
+half of the model's state per rank, validates exactly, writes sharded checkpoints that resume mid-epoch on another
+number of ranks, survive a crash mid-write and consolidate into one ordinary checkpoint."""
+import multiprocessing
+import shutil
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import dlojz_checkpoint as ckpt
+from conftest import ROOT, clean_env, read_json, run_dlojz, show
+from dlojz_model import create_model
+from test_dlojz import assert_one_line_error
+from test_packed_data import TORCHRUN2
+from test_resume import start_ranks, wait_for_line
+
+# A small vision transformer (timm's test_vit: no BatchNorm, no dropout). 72 training images: 5 steps of a global
+# batch of 16; 15 validation images in batches of 7: rank 0 has 2 batches, rank 1 one (8 and 7 images).
+BASE = ["--device", "cpu", "--arch", "timm:test_vit", "--image-size", "32", "--val-resize-size", "36",
+        "--val-crop-size", "32", "--num-workers", "1", "--no-wandb", "--epochs", "1", "--optimizer", "adamw",
+        "--lr", "0.002", "--val-batch-size", "7", "--dist-timeout", "120"]
+
+
+def weights(path):
+    """The model's weights of a checkpoint, a sharded one consolidated first."""
+    path = ckpt.load_latest(path)[1] if path.is_dir() and not path.name.endswith(".dcp") else path
+    if path.name.endswith(".dcp"):
+        from dlojz_fsdp import consolidate
+        path = consolidate(path, path.with_suffix(".consolidated.pt"))
+    return torch.load(path, weights_only=True)["model"]
+
+
+def consolidate_command(source, target):
+    return subprocess.run([sys.executable, str(ROOT / "dlojz_fsdp.py"), "consolidate", str(source), str(target)],
+                          capture_output=True, text=True, env=clean_env(), timeout=300)
+
+
+def assert_same_weights(a, b, atol=2e-5):
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.allclose(a[key].float(), b[key].float(), atol=atol, rtol=1e-4), (key, (a[key] - b[key]).abs().max())
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_data, tmp_path_factory):
+    """The same training as one process (global batch 16), DDP on 2 ranks and FSDP on 2 ranks (8 per rank)."""
+    out = tmp_path_factory.mktemp("fsdp")
+    common = [*BASE, "--data-root", tiny_data]
+    for name, launcher, flags in (("single", None, ["-b", "16"]), ("ddp", TORCHRUN2, ["-b", "8"]),
+                                  ("fsdp", TORCHRUN2, ["-b", "8", "--fsdp"])):
+        proc = run_dlojz(*common, *flags, "--output-dir", out / name, "--metrics-json", out / f"{name}.json",
+                         launcher=launcher)
+        assert proc.returncode == 0, show(proc)
+        (out / f"{name}.log").write_text(proc.stdout)
+    return out
+
+
+def test_fsdp_trains_to_the_weights_of_ddp_and_of_one_process(runs):
+    fsdp = weights(runs / "fsdp")
+    assert_same_weights(fsdp, weights(runs / "ddp"))
+    assert_same_weights(fsdp, weights(runs / "single"))
+    assert read_json(runs / "fsdp.json")["steps"] == 5
+    log = (runs / "fsdp.log").read_text()
+    assert "FSDP: 6 blocks and the root sharded over 2 ranks" in log, log
+    assert (runs / "fsdp" / "ckpt_e0001_s000000005.dcp" / ckpt.SHARDED_META).is_file()
+
+
+def test_fsdp_holds_half_of_the_model_state_per_rank(runs):
+    ddp, fsdp = read_json(runs / "ddp.json"), read_json(runs / "fsdp.json")
+    assert (ddp["parallel"], fsdp["parallel"]) == ("ddp", "fsdp")
+    for key in ("parameter_bytes_per_rank", "gradient_bytes_per_rank", "optimizer_bytes_per_rank"):
+        assert 0.45 < fsdp[key] / ddp[key] < 0.56, (key, fsdp[key], ddp[key])  # 1/2, and the shards' padding
+    whole = sum(p.numel() for p in create_model("timm:test_vit", 3, False, 32).parameters())
+    assert ddp["parameter_bytes_per_rank"] == 4 * whole  # float32, whole on each rank
+    assert len(fsdp["peak_memory_bytes_per_rank"]) == 2
+    assert "Model state per rank (FSDP, sharded over 2 ranks)" in (runs / "fsdp.log").read_text()
+
+
+def test_uneven_validation_shards_are_exact_under_fsdp(runs):
+    """Rank 1 has one batch fewer: it runs one uncounted forward (else rank 0's all-gather would wait forever)."""
+    ddp, fsdp = read_json(runs / "ddp.json"), read_json(runs / "fsdp.json")
+    assert fsdp["val_images"] == 15
+    for key in ("val_loss", "val_accuracy", "val_top5_accuracy"):
+        assert fsdp[key] == pytest.approx(ddp[key], abs=1e-5), key
+
+
+def test_a_sharded_checkpoint_evaluates_on_one_rank_and_consolidates(runs, tiny_data, tmp_path):
+    sharded = runs / "fsdp" / "ckpt_e0001_s000000005.dcp"
+    expected = read_json(runs / "fsdp.json")
+    common = [*BASE, "--data-root", tiny_data, "--eval-only", "--metrics-json", tmp_path / "m.json"]
+    proc = run_dlojz(*common, "--fsdp", "--resume", sharded)  # written by 2 ranks, read by 1
+    assert proc.returncode == 0, show(proc)
+    assert read_json(tmp_path / "m.json")["val_loss"] == pytest.approx(expected["val_loss"], abs=1e-5)
+
+    target = tmp_path / "model.pt"
+    done = consolidate_command(sharded, target)
+    assert done.returncode == 0 and "written" in done.stdout, done.stderr
+    saved = torch.load(target, weights_only=True)
+    ddp = ckpt.load_latest(runs / "ddp")[0]  # an ordinary checkpoint of the same training
+    assert saved["global_step"] == 5 and saved["optimizer"]["param_groups"] == ddp["optimizer"]["param_groups"]
+    for index, state in ddp["optimizer"]["state"].items():  # AdamW's moments, consolidated too
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.allclose(saved["optimizer"]["state"][index][key], state[key], atol=1e-6), (index, key)
+    create_model("timm:test_vit", 3, False, 32).load_state_dict(saved["model"])  # an ordinary model takes it
+    for flags in ([], ["--fsdp"]):  # an ordinary run, and a sharded one given the whole weights
+        proc = run_dlojz(*common, "--resume", target, *flags)
+        assert proc.returncode == 0, show(proc)
+        assert read_json(tmp_path / "m.json")["val_loss"] == pytest.approx(expected["val_loss"], abs=1e-5)
+    proc = run_dlojz(*BASE, "--data-root", tiny_data, "-b", "16", "--epochs", "2", "--resume", target,
+                     "--output-dir", tmp_path / "more")  # DDP (here one process) training goes on from it
+    assert proc.returncode == 0, show(proc)
+    assert ckpt.load_latest(tmp_path / "more")[0]["global_step"] == 10
+
+    proc = run_dlojz(*common, "--resume", sharded)  # without --fsdp
+    assert_one_line_error(proc, "a sharded checkpoint (written with --fsdp): add --fsdp, or make one ordinary")
+
+
+def test_an_fsdp_run_stopped_mid_epoch_resumes_on_one_rank_to_the_same_weights(runs, tiny_data, tmp_path):
+    """Saved by 2 ranks x 8 images after a step or two, resumed by 1 process x 16: DCP reshards the model and the
+    optimizer, and the epoch goes on after the images already trained on."""
+    out = tmp_path / "run"
+    rank0, rank1 = start_ranks([*BASE, "--data-root", tiny_data, "-b", "8", "--fsdp", "--output-dir", out])
+    early = wait_for_line(rank0, "Epoch 1/1, Step 1/5")
+    rank0.send_signal(signal.SIGUSR1)
+    log = early + rank0.communicate(timeout=300)[0] + rank1.communicate(timeout=300)[0]
+    assert rank0.returncode == 0 and rank1.returncode == 0, log
+    stopped = ckpt.load_latest(out)[0]
+    assert stopped["sharded_path"].endswith(".dcp") and 1 <= stopped["batch"] < 5, log
+    shutil.copytree(out, tmp_path / "by8")
+    proc = run_dlojz(*BASE, "--data-root", tiny_data, "-b", "16", "--fsdp", "--output-dir", out, "--resume", "auto")
+    assert proc.returncode == 0, show(proc)
+    assert "a checkpoint written on 2 x 8: the epoch goes on after its first" in proc.stdout, proc.stdout
+    # AdamW turns the summation-order noise of near-zero gradients into up to ~2 % of a step (lr 0.002): a
+    # resume at the wrong image moves every weight by about a whole step.
+    assert_same_weights(weights(out), weights(runs / "fsdp"), atol=2e-4)
+    # On 1 x 8 the epoch has 9 batches; 16 images per step were done, so 2 per step saved are skipped.
+    proc = run_dlojz(*BASE, "--data-root", tiny_data, "-b", "8", "--fsdp", "--output-dir", tmp_path / "by8",
+                     "--resume", "auto")
+    assert proc.returncode == 0, show(proc)
+    done = stopped["batch"]
+    assert ckpt.load_latest(tmp_path / "by8")[0]["global_step"] == done + 9 - 2 * done, proc.stdout
+
+
+def test_fsdp_with_accumulation_checkpointing_and_no_reshard_trains_the_same(runs, tiny_data, tmp_path):
+    """2 micro-batches of 4 per rank and step, activations recomputed, parameters kept gathered: same weights."""
+    proc = run_dlojz(*BASE, "--data-root", tiny_data, "-b", "4", "--grad-acc", "2", "--grad-checkpointing",
+                     "--no-fsdp-reshard-after-forward", "--fsdp", "--output-dir", tmp_path / "run",
+                     "--metrics-json", tmp_path / "m.json", launcher=TORCHRUN2)
+    assert proc.returncode == 0, show(proc)
+    assert "kept gathered after each block's forward" in proc.stdout
+    assert_same_weights(weights(tmp_path / "run"), weights(runs / "fsdp"))
+    # validation's forwards gathered every block: freed afterwards, the shards alone remain
+    fsdp = read_json(runs / "fsdp.json")
+    assert read_json(tmp_path / "m.json")["parameter_bytes_per_rank"] == fsdp["parameter_bytes_per_rank"]
+
+
+def test_lamb_and_gradient_clipping_step_on_shards_as_on_the_whole_model(tiny_data, tmp_path):
+    """--clip-grad-norm and timm's LAMB (its own global-norm clipping, a trust ratio of norms per layer): computed on
+    sharded parameters (DTensors), the norms are those of the whole tensors."""
+    common = [*BASE, "--data-root", tiny_data, "--optimizer", "lamb", "--wd", "0.01", "--clip-grad-norm", "0.05"]
+    for name, launcher, flags in (("single", None, ["-b", "16"]), ("fsdp", TORCHRUN2, ["-b", "8", "--fsdp"])):
+        proc = run_dlojz(*common, *flags, "--output-dir", tmp_path / name, launcher=launcher)
+        assert proc.returncode == 0, show(proc)
+    assert_same_weights(weights(tmp_path / "fsdp"), weights(tmp_path / "single"), atol=1e-4)
+
+
+# ---------------------------------------------------------------------- in a group of one rank
+def in_fresh_process(function, *args):
+    """function(*args) in a spawned interpreter: a process group (and its threads) must never live in the pytest
+    process, which forks afterwards (DataLoader workers, pools), and a fork of a process with threads can hang."""
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        return pool.apply(function, args)
+
+
+def sharded_test_vit(*flags):
+    from dlojz_config import get_args_parser, resolve_config
+    from dlojz_fsdp import shard_model
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    cfg = resolve_config(get_args_parser().parse_args(["--device", "cpu", "--fsdp", "--test", *flags]))
+    model = create_model("timm:test_vit", 10, False, 32)
+    shard_model(model, cfg, torch.device("cpu"))
+    return model
+
+
+def block_weight_after_forward_is_sharded(flag):
+    model = sharded_test_vit(flag)
+    model(torch.randn(2, 3, 32, 32))
+    return isinstance(model.blocks[0].attn.qkv.weight, torch.distributed.tensor.DTensor)
+
+
+@pytest.mark.parametrize("flag, sharded", [("--fsdp-reshard-after-forward", True),
+                                           ("--no-fsdp-reshard-after-forward", False)])
+def test_reshard_after_forward_frees_the_gathered_parameters(flag, sharded):
+    """After a block's forward its weight is the shard again (a DTensor), or the gathered tensor until the backward."""
+    assert in_fresh_process(block_weight_after_forward_is_sharded, flag) is sharded
+
+
+def sharded_gradients_between_micro_batches():
+    import dlojz
+    loop = dlojz.synthetic_loop(["--device", "cpu", "--arch", "timm:test_vit", "--image-size", "32", "-b", "4",
+                                 "--grad-acc", "2", "--fsdp", "--no-wandb", "--optimizer", "adamw"], n_batches=4)
+    weight, seen = (lambda: loop["model"].module.blocks[0].attn.qkv.weight), []
+    step_done = loop["hooks"].step_done
+
+    def record():  # after each micro-batch (and after the optimizer step, when there is one)
+        seen.append(weight().grad is None)
+        step_done()
+    loop["hooks"].step_done = record
+    before = weight().full_tensor().clone()
+    dlojz.train_one_epoch(**loop)
+    return seen, loop["state"].global_step, not torch.equal(before, weight().full_tensor())
+
+
+def test_accumulated_micro_batches_reduce_no_gradient():
+    """Between the micro-batches of one step no sharded gradient exists: they were not reduce-scattered."""
+    seen, steps, trained = in_fresh_process(sharded_gradients_between_micro_batches)
+    assert steps == 2 and trained and seen == [True] * 4, seen
+
+
+def test_test_mode_reports_flops_of_the_unsharded_model(tiny_data, tmp_path):
+    """--test on a sharded model, with SGD (its foreach step: torch has no fused SGD for sharded parameters)."""
+    proc = run_dlojz(*BASE, "--data-root", tiny_data, "-b", "8", "--fsdp", "--test", "--test-nsteps", "3",
+                     "--grad-checkpointing", "--optimizer", "sgd", "--metrics-json", tmp_path / "m.json",
+                     "--output-dir", tmp_path / "o")
+    assert proc.returncode == 0, show(proc)
+    assert "optimizer: sgd (lr" in proc.stdout, proc.stdout
+    metrics = read_json(tmp_path / "m.json")
+    assert metrics["chrono"]["train_flops_per_image"] > 0 and metrics["activation_bytes_per_image"] > 0, metrics
+
+
+# ---------------------------------------------------------------------- sharded checkpoints on disk
+def write_sharded(out, epoch, step, value, keep=3):
+    """A sharded checkpoint as ShardedCheckpointSaver lays it out (one process writing every shard)."""
+    import torch.distributed.checkpoint as dcp
+    name = ckpt.checkpoint_name(epoch, step, sharded=True)
+    staging = out / f".{name}.tmp"
+    dcp.save({"model": {"w": torch.full((64,), float(value))}}, checkpoint_id=staging, no_dist=True)
+    return ckpt.publish_folder(dict(epoch=epoch, batch=0, global_step=step), staging, out, name, keep)
+
+
+def test_a_sharded_checkpoint_cut_short_is_refused_and_the_previous_one_used(tmp_path, capsys):
+    first = write_sharded(tmp_path, 1, 10, 1.0)
+    second = write_sharded(tmp_path, 2, 20, 2.0)
+    (tmp_path / ".ckpt_e0003_s000000030.dcp.tmp").mkdir()  # a writer killed before the rename: never a candidate
+    assert ckpt.load_latest(tmp_path)[1] == second
+    shard = next(second.glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:100])  # a shard truncated (a disk full, a node lost)
+    state, path = ckpt.load_latest(tmp_path)
+    assert path == first and state["global_step"] == 10 and state["sharded_path"] == str(first)
+    assert "shard file" in capsys.readouterr().err
+    (first / ".metadata").unlink()
+    assert ckpt.load_latest(tmp_path) == (None, None)
+    with pytest.raises(ckpt.CheckpointError, match="no readable shard metadata"):
+        ckpt.load(first)
+
+
+def test_sharded_checkpoints_are_pruned_like_files(tmp_path):
+    for step in range(1, 5):
+        write_sharded(tmp_path, step, step * 10, step, keep=2)
+    assert [p.name for p in ckpt.list_checkpoints(tmp_path)] == ["ckpt_e0003_s000000030.dcp", "ckpt_e0004_s000000040.dcp"]
+    assert (tmp_path / ckpt.LATEST).read_text().strip() == "ckpt_e0004_s000000040.dcp"
+
+
+def test_consolidating_what_is_not_a_sharded_checkpoint_is_one_line(tmp_path):
+    done = consolidate_command(tmp_path / "nothing.dcp", tmp_path / "out.pt")
+    assert done.returncode == 2 and done.stderr.count("\n") == 1 and "no such file" in done.stderr, done.stderr
+    done = consolidate_command(tmp_path / "nothing.dcp", tmp_path / "no" / "out.pt")  # checked before any reading
+    assert done.returncode == 2 and done.stderr.count("\n") == 1 and "its folder does not exist" in done.stderr, \
+        done.stderr
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--fsdp", "--sync-bn"], "--fsdp with --sync-bn"),
+    (["--fsdp", "--model-ema"], "--fsdp with --model-ema"),
+    (["--fsdp", "--amp", "--amp-dtype", "float16"], "--fsdp with --amp-dtype float16"),
+    (["--no-fsdp-reshard-after-forward"], "set how --fsdp shards: add --fsdp"),
+])
+def test_what_fsdp_cannot_take_is_one_line(flags, message, run_inline):
+    assert_one_line_error(run_inline("--device", "cpu", "--test", "--no-wandb", *flags), message)
+
+
+def test_fsdp_does_not_resume_training_from_an_ordinary_checkpoint(runs, tiny_data):
+    plain = ckpt.load_latest(runs / "single")[1]
+    assert_one_line_error(run_dlojz(*BASE, "--data-root", tiny_data, "--fsdp", "--resume", plain),
+                          "--fsdp resumes training from sharded checkpoints")
