@@ -401,7 +401,9 @@ def _write_shards(dst, todo, workers):
         for shard in todo:
             yield _write_shard(str(dst), shard)
         return
-    start = "fork" if "fork" in multiprocessing.get_all_start_methods() else None  # no re-import of torch
+    # Not "fork": a fork of a process with threads (torch's, a caller's) can copy a held lock into the worker,
+    # which then never starts and never exits. forkserver's workers come from a clean single-threaded server.
+    start = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
     pool = multiprocessing.get_context(start).Pool(min(workers, len(todo)), initializer=_ignore_sigint)
     try:
         yield from pool.imap_unordered(_pool_task, [(str(dst), shard) for shard in todo], chunksize=1)
