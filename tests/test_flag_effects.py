@@ -134,18 +134,6 @@ def test_augmentation_policies_change_the_crops(flags, tiny_data):
     assert not torch.equal(plain, crops(*flags))
 
 
-def test_compile_runs_the_compiled_model():
-    import torch._dynamo
-    torch._dynamo.reset()
-    assert not isinstance(loop_for()["model"].net, torch._dynamo.eval_frame.OptimizedModule)
-    loop = loop_for("--compile")
-    assert isinstance(loop["model"].net, torch._dynamo.eval_frame.OptimizedModule)
-    before = sum(torch._dynamo.utils.counters["stats"].values())
-    dlojz.train_one_epoch(**loop)
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > 0
-    assert sum(torch._dynamo.utils.counters["stats"].values()) > before
-
-
 def test_grad_acc_gives_the_same_update_as_one_big_batch():
     """ViT-B/32 (LayerNorm, no dropout: a batch of 4 and 2 x 2 accumulated are the same computation), in-process:
     nothing written to disk. lr 1 makes the update large: a missing 1/N loss scaling or an extra step would show."""

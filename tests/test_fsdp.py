@@ -39,6 +39,15 @@ def consolidate_command(source, target):
                           capture_output=True, text=True, env=clean_env(), timeout=300)
 
 
+def consolidate_inline(source, target, capsys):
+    """`python dlojz_fsdp.py consolidate SOURCE TARGET` in this process (no process group: one reader)."""
+    from types import SimpleNamespace
+    from dlojz_fsdp import main
+    status = main(["consolidate", str(source), str(target)])
+    out = capsys.readouterr()
+    return SimpleNamespace(returncode=status, stdout=out.out, stderr=out.err)
+
+
 def assert_same_weights(a, b, atol=2e-5):
     assert a.keys() == b.keys()
     for key in a:
@@ -88,7 +97,7 @@ def test_uneven_validation_shards_are_exact_under_fsdp(runs):
         assert fsdp[key] == pytest.approx(ddp[key], abs=1e-5), key
 
 
-def test_a_sharded_checkpoint_evaluates_on_one_rank_and_consolidates(runs, tiny_data, tmp_path):
+def test_a_sharded_checkpoint_evaluates_on_one_rank_and_consolidates(runs, tiny_data, tmp_path, run_inline):
     sharded = runs / "fsdp" / "ckpt_e0001_s000000005.dcp"
     expected = read_json(runs / "fsdp.json")
     common = [*BASE, "--data-root", tiny_data, "--eval-only", "--metrics-json", tmp_path / "m.json"]
@@ -115,7 +124,7 @@ def test_a_sharded_checkpoint_evaluates_on_one_rank_and_consolidates(runs, tiny_
     assert proc.returncode == 0, show(proc)
     assert ckpt.load_latest(tmp_path / "more")[0]["global_step"] == 10
 
-    proc = run_dlojz(*common, "--resume", sharded)  # without --fsdp
+    proc = run_inline(*common, "--resume", sharded)  # without --fsdp (no process group: in this process)
     assert_one_line_error(proc, "a sharded checkpoint (written with --fsdp): add --fsdp, or make one ordinary")
 
 
@@ -265,10 +274,10 @@ def test_sharded_checkpoints_are_pruned_like_files(tmp_path):
     assert (tmp_path / ckpt.LATEST).read_text().strip() == "ckpt_e0004_s000000040.dcp"
 
 
-def test_consolidating_what_is_not_a_sharded_checkpoint_is_one_line(tmp_path):
-    done = consolidate_command(tmp_path / "nothing.dcp", tmp_path / "out.pt")
+def test_consolidating_what_is_not_a_sharded_checkpoint_is_one_line(tmp_path, capsys):
+    done = consolidate_inline(tmp_path / "nothing.dcp", tmp_path / "out.pt", capsys)
     assert done.returncode == 2 and done.stderr.count("\n") == 1 and "no such file" in done.stderr, done.stderr
-    done = consolidate_command(tmp_path / "nothing.dcp", tmp_path / "no" / "out.pt")  # checked before any reading
+    done = consolidate_inline(tmp_path / "nothing.dcp", tmp_path / "no" / "out.pt", capsys)  # checked before reading
     assert done.returncode == 2 and done.stderr.count("\n") == 1 and "its folder does not exist" in done.stderr, \
         done.stderr
 

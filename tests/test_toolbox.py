@@ -6,7 +6,7 @@ import shutil
 import pytest
 import torch
 
-from conftest import SMALL, read_json, run_dlojz, show
+from conftest import SMALL, clean_env, read_json, run_dlojz, show
 from test_dlojz import assert_one_line_error
 
 
@@ -96,9 +96,12 @@ def test_compile_runs_a_few_steps(tiny_data, tmp_path):
     if shutil.which("cc") is None and shutil.which("gcc") is None:
         pytest.skip("torch.compile needs a C compiler on the CPU: none found")
     metrics = tmp_path / "m.json"
+    # A subprocess: inductor's compile workers and threads must not live in pytest's process, which forks later.
     proc = run_dlojz(*SMALL, "--data-root", tiny_data, "-b", "8", "--test", "--test-nsteps", "3", "--compile",
-                     "--metrics-json", metrics, "--output-dir", tmp_path, timeout=900)
+                     "--metrics-json", metrics, "--output-dir", tmp_path, timeout=900, env=clean_env(TORCH_LOGS="dynamo"))
     assert proc.returncode == 0, show(proc)
+    # the model that trained was traced by dynamo (its log says so; without --compile nothing is traced)
+    assert "torchdynamo done tracing forward" in proc.stderr, show(proc)
     m = read_json(metrics)
     chrono = m["chrono"]
     # compilation is shown apart (time to the first step) and kept out of the step statistics
