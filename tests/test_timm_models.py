@@ -63,3 +63,21 @@ def test_a_val_crop_larger_than_its_resize_is_one_line(run_inline):
 def test_a_wrong_model_name_is_one_line(run_inline, tiny_data, tmp_path, arch, needle):
     proc = run_inline(*RUN, "--arch", arch, "--data-root", tiny_data, "--output-dir", tmp_path)
     assert proc.returncode == 2 and needle in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr
+
+
+def test_channels_last_bfloat16_and_ema_reach_a_timm_model():
+    """In-process on --synthetic batches: the timm model's convolutions get channels-last inputs and weights and
+    compute in bfloat16, and --model-ema's copy moves with the training."""
+    import dlojz
+    loop = dlojz.synthetic_loop(["--device", "cpu", "--arch", "timm:resnet10t", "--image-size", "32", "-b", "4",
+                                 "--channels-last", "--amp", "--amp-dtype", "bfloat16", "--model-ema",
+                                 "--model-ema-decay", "0.5"], n_batches=2)
+    module, seen = loop["model"].module, []
+    conv = module.conv1[0]  # timm's ResNet-D stem: a sequence of convolutions
+    conv.register_forward_hook(lambda m, args, out: seen.append(
+        (args[0].is_contiguous(memory_format=torch.channels_last), out.dtype)))
+    assert conv.weight.is_contiguous(memory_format=torch.channels_last)
+    ema_before = loop["model"].ema.module.conv1[0].weight.detach().clone()
+    dlojz.train_one_epoch(**loop)
+    assert seen and set(seen) == {(True, torch.bfloat16)}, seen
+    assert not torch.equal(loop["model"].ema.module.conv1[0].weight, ema_before)
