@@ -430,7 +430,7 @@ class Chronometer:
         return out
 
     def display(self, ctx: dict | None = None) -> None:
-        """Rank 0 prints the report (the order of issue 3). Lines whose figures are unknown are left out."""
+        """Rank 0 prints the report, in the course's order. Lines whose figures are unknown are left out."""
         s = self.summary(ctx)
         if self.rank != 0:
             return
