@@ -42,12 +42,14 @@ def hpo_popen(*args, log):
 
 
 def load(storage, study):
+    if "://" in str(storage):  # a database URL
+        return optuna.load_study(study_name=study, storage=str(storage))
     backend = optuna.storages.journal.JournalFileBackend(str(storage))
     return optuna.load_study(study_name=study, storage=optuna.storages.JournalStorage(backend))
 
 
-def search_args(tmp_path, data, *options, study="s", trial_flags=("--epochs", "1")):
-    return ["search", "--study", study, "--storage", tmp_path / "j.log", "--space", write_space(tmp_path),
+def search_args(tmp_path, data, *options, study="s", trial_flags=("--epochs", "1"), storage=None):
+    return ["search", "--study", study, "--storage", storage or tmp_path / "j.log", "--space", write_space(tmp_path),
             "--poll-interval", "0.2", *options, "--", *TRIAL, "--data-root", data, "--output-dir", tmp_path / "out",
             *trial_flags]
 
@@ -252,12 +254,16 @@ def test_a_beating_trial_is_left_alone_and_a_silent_one_is_failed_and_retried(tm
 
 
 # ---------------------------------------------------------------- searches
-def test_a_pruner_that_prunes_everything_stops_trials_after_their_first_validation(tiny_data, tmp_path):
-    proc = hpo(*search_args(tmp_path, tiny_data, "--trials", "2", "--pruner", "threshold", "--prune-below", "1.01",
-                            trial_flags=("--epochs", "30")))
+@pytest.mark.parametrize("kind", ["journal", "database"])
+def test_a_pruner_that_prunes_everything_stops_trials_after_their_first_validation(tiny_data, tmp_path, kind):
+    """In a journal file, and in a database (Optuna's RDB storage, here SQLite) for sites that have one."""
+    storage = tmp_path / "j.log" if kind == "journal" else f"sqlite:///{tmp_path / 'study.db'}"
+    trials = 2 if kind == "journal" else 1
+    proc = hpo(*search_args(tmp_path, tiny_data, "--trials", trials, "--pruner", "threshold", "--prune-below", "1.01",
+                            trial_flags=("--epochs", "30"), storage=storage))
     assert proc.returncode == 0, show(proc)
-    study = load(tmp_path / "j.log", "s")
-    assert [t.state.name for t in study.trials] == ["PRUNED", "PRUNED"], show(proc)
+    study = load(storage, "s")
+    assert [t.state.name for t in study.trials] == ["PRUNED"] * trials, show(proc)
     for trial in study.trials:
         folder = Path(trial.user_attrs["output_dir"])
         assert list(trial.intermediate_values) == [1], trial.intermediate_values
@@ -269,7 +275,7 @@ def test_a_pruner_that_prunes_everything_stops_trials_after_their_first_validati
         # The trial's command: grouped in W&B by study, and the worker (not the trial) requeues.
         command = text.splitlines()[0]
         assert re.search(r"--wandb-group s( |$)", command) and "--no-requeue" in command, command
-    assert proc.stdout.count("pruned at epoch 1") == 2, show(proc)
+    assert proc.stdout.count("pruned at epoch 1") == trials, show(proc)
 
 
 @pytest.mark.parametrize("how", ["killed", "preempted"])
