@@ -461,7 +461,7 @@ def build_model(cfg, num_classes, ranks, log) -> Model:
         unsharded = meta_copy(module)
         blocks = shard_model(module, cfg, ranks.device)
         parallel = "fsdp"
-        log(f"FSDP: {blocks} blocks and the root sharded over {ranks.world_size} ranks, parameters gathered in "
+        log(f"FSDP: {blocks} blocks and the root sharded over {ranks.world_size} rank{'s' if ranks.world_size > 1 else ''}, parameters gathered in "
             f"{cfg.amp_dtype if cfg.amp else 'float32'}, gradients reduced in float32, "
             f"{'resharded' if cfg.fsdp_reshard_after_forward else 'kept gathered'} after each block's forward")
     elif ranks.enabled:

@@ -204,7 +204,8 @@ def memory_line(metrics):
     mib = 2**20
     state = (metrics["parameter_bytes_per_rank"], metrics["gradient_bytes_per_rank"], metrics["optimizer_bytes_per_rank"])
     peaks = metrics["peak_memory_bytes_per_rank"]
-    how = {"fsdp": f"FSDP, sharded over {len(peaks)} ranks", "ddp": f"DDP, a full copy on each of {len(peaks)} ranks",
+    ranks = f"{len(peaks)} rank{'s' if len(peaks) > 1 else ''}"
+    how = {"fsdp": f"FSDP, sharded over {ranks}", "ddp": f"DDP, a full copy on each of {ranks}",
            "none": "one process"}[metrics["parallel"]]
     return (f">>> Model state per rank ({how}): parameters {state[0] / mib:,.1f} MiB, gradients {state[1] / mib:,.1f} "
             f"MiB, optimizer state {state[2] / mib:,.1f} MiB, total {sum(state) / mib:,.1f} MiB; peak memory per rank: "
