@@ -78,3 +78,10 @@ def run_inline(capsys, monkeypatch):
         out = capsys.readouterr()
         return SimpleNamespace(returncode=status, stdout=out.out, stderr=out.err)
     return run
+
+
+def pytest_collection_modifyitems(config, items):
+    """The tests that start the one-node Slurm cluster carry the `slurm` marker: `-m "not slurm"` leaves them out."""
+    for item in items:
+        if "slurm_cluster" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.slurm)

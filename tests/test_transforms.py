@@ -506,7 +506,8 @@ def test_imagefolder_dataloader_batches_are_uint8(tmp_path):
         for image_index in range(3):
             save(photo_like(90, 70, seed=image_index), class_dir / f"{image_index}.JPEG")
     dataset = ImageFolder(str(tmp_path), transform=TrainTransform(32), loader=lazy_image_loader)
-    loader = torch.utils.data.DataLoader(dataset, batch_size=6, num_workers=1)
+    # forkserver: a fork of this process (torch's threads) can hang, and its shutdown waits for it
+    loader = torch.utils.data.DataLoader(dataset, batch_size=6, num_workers=1, multiprocessing_context="forkserver")
     images, labels = next(iter(loader))
     assert images.dtype == torch.uint8 and images.shape == (6, 3, 32, 32)
     assert sorted(labels.tolist()) == [0, 0, 0, 1, 1, 1]
