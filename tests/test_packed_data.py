@@ -60,27 +60,37 @@ def test_images_the_region_decoder_leaves_to_pil_read_the_same_from_shards(tiny_
         assert torch.equal(folder_train[(1, i)][0], train[(1, i)][0]), name
 
 
-def test_training_on_shards_equals_training_on_folders(tiny_data, packed, tmp_path):
-    results = {}
-    for name, root in (("folder", tiny_data), ("shards", packed)):
-        proc = run_dlojz(*TINY, "--epochs", "1", "--data-root", root, "--output-dir", tmp_path / name,
-                         "--metrics-json", tmp_path / f"{name}.json")
-        assert proc.returncode == 0, show(proc)
-        results[name] = (read_json(tmp_path / f"{name}.json"), final_weights(tmp_path / name), proc.stdout)
-    assert f"data: {packed} (packed shards: 5 train + 1 val webdataset tar files" in results["shards"][2]
-    for key in ("train_loss", "val_loss", "val_accuracy", "val_images", "steps"):
-        assert results["folder"][0][key] == results["shards"][0][key], key
-    for key, value in results["folder"][1]["model"].items():
-        assert torch.equal(value, results["shards"][1]["model"][key]), key
-
-
-def test_one_and_two_ranks_validate_the_same_images_on_shards(packed, tmp_path):
-    proc = run_dlojz(*TINY, "--epochs", "1", "--data-root", packed, "--output-dir", tmp_path / "run")
+@pytest.fixture(scope="module")
+def trained_on_shards(packed, tmp_path_factory):
+    """One epoch on the packed tiny data set: (output folder, metrics, console output)."""
+    out = tmp_path_factory.mktemp("shards-run")
+    proc = run_dlojz(*TINY, "--epochs", "1", "--data-root", packed, "--output-dir", out / "run",
+                     "--metrics-json", out / "m.json")
     assert proc.returncode == 0, show(proc)
+    return out / "run", read_json(out / "m.json"), proc.stdout
+
+
+def test_training_on_shards_equals_training_on_folders(tiny_data, packed, trained_on_shards, tmp_path):
+    proc = run_dlojz(*TINY, "--epochs", "1", "--data-root", tiny_data, "--output-dir", tmp_path / "folder",
+                     "--metrics-json", tmp_path / "folder.json")
+    assert proc.returncode == 0, show(proc)
+    shards_out, shards_metrics, shards_log = trained_on_shards
+    assert f"data: {packed} (packed shards: 5 train + 1 val webdataset tar files" in shards_log
+    folder_metrics = read_json(tmp_path / "folder.json")
+    for key in ("train_loss", "val_loss", "val_accuracy", "val_images", "steps"):
+        assert folder_metrics[key] == shards_metrics[key], key
+    shards_weights = final_weights(shards_out)["model"]
+    for key, value in final_weights(tmp_path / "folder")["model"].items():
+        assert torch.equal(value, shards_weights[key]), key
+
+
+def test_one_and_two_ranks_validate_the_same_images_on_shards(packed, trained_on_shards, tmp_path):
+    run = trained_on_shards[0]
+    checkpoint = run / (run / "latest").read_text().strip()
     metrics = {}
     for ranks, launcher in ((1, None), (2, TORCHRUN2)):
-        proc = run_dlojz(*TINY, "--data-root", packed, "--val-batch-size", "4", "--eval-only", "--resume", "auto",
-                         "--output-dir", tmp_path / "run", "--metrics-json", tmp_path / f"{ranks}.json",
+        proc = run_dlojz(*TINY, "--data-root", packed, "--val-batch-size", "4", "--eval-only", "--resume", checkpoint,
+                         "--output-dir", tmp_path / "eval", "--metrics-json", tmp_path / f"{ranks}.json",
                          launcher=launcher)
         assert proc.returncode == 0, show(proc)
         metrics[ranks] = read_json(tmp_path / f"{ranks}.json")
