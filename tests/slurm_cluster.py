@@ -288,8 +288,8 @@ SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
-# cred_expire also sets how long a requeued job waits before it may start again (default 120 s).
-AuthInfo=socket={munge_socket},cred_expire=10
+# cred_expire also sets how long a requeued job waits before it may start again (default 120 s; 5 s is the least).
+AuthInfo=socket={munge_socket},cred_expire=5
 StateSaveLocation={root}/state
 SlurmdSpoolDir={root}/spool
 SlurmctldPidFile={root}/run/slurmctld.pid
@@ -302,6 +302,9 @@ TaskPlugin=task/none
 MpiDefault=none
 SwitchType=switch/none
 SchedulerType=sched/backfill
+# A requeued job, once eligible again, is started by the next scheduling pass: every second here, not every 30 s
+# (the backfill scheduler's default), so that the requeue tests do not wait on the clock.
+SchedulerParameters=bf_interval=1,sched_interval=1
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 AccountingStorageType=accounting_storage/none
