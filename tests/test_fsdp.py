@@ -190,7 +190,7 @@ def test_lamb_and_gradient_clipping_step_on_shards_as_on_the_whole_model(tiny_da
     # LAMB's eps (1e-6) bounds how far it scales up the rounding noise of a zero gradient, unlike AdamW's (1e-8).
     fsdp, single = checkpoint(tmp_path / "fsdp"), checkpoint(tmp_path / "single")
     assert_same_weights(fsdp["model"], single["model"], atol=1e-5)
-    for index, state in single["optimizer"]["state"].items():  # Adam's moments (and step) consolidated from shards
+    for index, state in single["optimizer"]["state"].items():  # Adam's moments, consolidated from shards
         for key in ("exp_avg", "exp_avg_sq"):
             assert torch.allclose(fsdp["optimizer"]["state"][index][key], state[key], atol=1e-6), (index, key)
 
