@@ -13,6 +13,8 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+import preloaded  # noqa: E402  (after the path that finds dlojz)
+
 # Small and fast on 2 CPU cores: resnet18 at 32 px.
 SMALL = ["--device", "cpu", "--arch", "resnet18", "--image-size", "32", "--val-resize-size", "36",
          "--val-crop-size", "32", "--num-workers", "1"]
@@ -29,11 +31,16 @@ def clean_env(**extra):
     return env
 
 
-def run_dlojz(*args, env=None, timeout=600, launcher=None, cwd=None):
-    """Run dlojz.py; `launcher` e.g. ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]."""
-    cmd = [sys.executable] + (launcher or []) + [str(ROOT / "dlojz.py")] + [str(a) for a in args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env or clean_env(),
-                          cwd=cwd or ROOT)
+def run_dlojz(*args, env=None, timeout=600, launcher=None, cwd=None, fresh_interpreter=False):
+    """Run dlojz.py in a process of its own; `launcher` e.g. ["-m", "torch.distributed.run", "--standalone",
+    "--nproc-per-node", "2"]. Without a launcher, the process is a fork of a server that imported dlojz once
+    (tests/preloaded.py), unless the environment asks for a fresh interpreter or `fresh_interpreter` does."""
+    env = env or clean_env()
+    argv = [str(a) for a in args]
+    if not launcher and not fresh_interpreter and preloaded.can_run(env):
+        return preloaded.run(argv, env, cwd or ROOT, timeout)
+    cmd = [sys.executable] + (launcher or []) + [str(ROOT / "dlojz.py")] + argv
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd or ROOT)
 
 
 def read_json(path):
