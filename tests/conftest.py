@@ -31,16 +31,30 @@ def clean_env(**extra):
     return env
 
 
-def run_dlojz(*args, env=None, timeout=600, launcher=None, cwd=None, fresh_interpreter=False):
-    """Run dlojz.py in a process of its own; `launcher` e.g. ["-m", "torch.distributed.run", "--standalone",
-    "--nproc-per-node", "2"]. Without a launcher, the process is a fork of a server that imported dlojz once
-    (tests/preloaded.py), unless the environment asks for a fresh interpreter or `fresh_interpreter` does."""
+def run_dlojz(*args, env=None, timeout=600, launcher=None, cwd=None, ranks=1, fresh_interpreter=False):
+    """Run dlojz.py in a process of its own (`ranks` of them, as torchrun starts them on one node, when ranks > 1);
+    `launcher` e.g. ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]. Without a launcher,
+    each process is a fork of a server that imported dlojz once (tests/preloaded.py), unless the environment asks
+    for a fresh interpreter or `fresh_interpreter` does."""
     env = env or clean_env()
     argv = [str(a) for a in args]
     if not launcher and not fresh_interpreter and preloaded.can_run(env):
-        return preloaded.run(argv, env, cwd or ROOT, timeout)
+        return preloaded.run_ranks(argv, env, cwd or ROOT, timeout, world_size=ranks)
+    if ranks > 1 and not launcher:
+        launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks)]
     cmd = [sys.executable] + (launcher or []) + [str(ROOT / "dlojz.py")] + argv
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd or ROOT)
+
+
+def start_dlojz(*args, env=None, cwd=None):
+    """dlojz.py started and not waited for, shaped like Popen(stdout=PIPE, stderr=STDOUT, text=True): a fork of
+    the preloaded server where the environment allows, else a new interpreter."""
+    env = env or clean_env()
+    argv = [str(a) for a in args]
+    if preloaded.can_run(env):
+        return preloaded.Started(argv, env, cwd or ROOT)
+    return subprocess.Popen([sys.executable, str(ROOT / "dlojz.py"), *argv], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=env, cwd=cwd or ROOT)
 
 
 def read_json(path):

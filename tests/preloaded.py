@@ -9,16 +9,22 @@ thread running but the one `import torch` starts, so forking it is what forkserv
 What a fork cannot change is what the interpreter and torch read when they start: a run whose environment differs
 from the server's in such a variable (PYTHON*, TORCH_*, ATEN_*, ...) runs as a fresh `python dlojz.py`
 (`can_run` says which); so does a run under a launcher, and a test that is about the interpreter's start-up.
+Two ranks are started as torchrun starts them on one node (its environment variables), each a fork of the server;
+the tests that are about torchrun itself run it.
 """
 import atexit
 import locale
 import multiprocessing
 import multiprocessing.forkserver
 import os
+import socket
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 import traceback
+from multiprocessing import reduction
 from pathlib import Path
 
 DLOJZ = Path(__file__).resolve().parent.parent / "dlojz.py"
@@ -74,14 +80,31 @@ def _exit_status(code):
     return 1
 
 
-def _child(argv, env, cwd, out_path, err_path):
+class _FdForChild:
+    """A file descriptor of this process, given to the child as its own (multiprocessing passes it to the server)."""
+
+    def __init__(self, fd):
+        self.fd = fd
+
+    def __reduce__(self):
+        return _detach, (reduction.DupFd(self.fd),)
+
+
+def _detach(duplicate):
+    return duplicate.detach()
+
+
+def _child(argv, env, cwd, out, err):
+    """The forked process: `out` and `err` are a path or a file descriptor; err None is stderr=STDOUT."""
     os.environ.clear()
     os.environ.update(env)
     os.chdir(cwd)
-    for fd, path in ((1, out_path), (2, err_path)):
-        file_fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    for fd, target in ((1, out), (2, out if err is None else err)):
+        file_fd = target if isinstance(target, int) else os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         os.dup2(file_fd, fd)
-        os.close(file_fd)
+    for target in {out, err}:
+        if isinstance(target, int):
+            os.close(target)
     sys.stdout = open(1, "w", buffering=1, closefd=False)
     sys.stderr = open(2, "w", buffering=1, closefd=False)
     sys.argv = [str(DLOJZ), *argv]
@@ -110,22 +133,112 @@ def _read(path):
         return f.read()
 
 
-def run(argv, env, cwd, timeout):
-    """Like subprocess.run([python, dlojz.py, *argv], capture_output=True, text=True, ...), in a fork of the server."""
-    cmd = [sys.executable, str(DLOJZ), *argv]
-    with tempfile.TemporaryDirectory(prefix="dlojz-run-") as tmp:
-        out_path, err_path = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
-        process = _context.Process(target=_child, args=(argv, env, str(cwd), out_path, err_path), daemon=False)
-        process.start()
-        timed_out = False
-        try:
-            process.join(timeout)
-        finally:
-            if process.exitcode is None:  # past its timeout, or the test was interrupted
-                timed_out = True
+def _finish(processes, timeout):
+    """Wait for every process; kill what is left at `timeout`. Whether the deadline passed."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    try:
+        for process in processes:
+            process.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+    finally:
+        timed_out = any(process.exitcode is None for process in processes)  # or the test was interrupted
+        for process in processes:
+            if process.exitcode is None:
                 process.kill()
                 process.join()
-        out, err = _read(out_path), _read(err_path)
+    return timed_out
+
+
+def run(argv, env, cwd, timeout):
+    """Like subprocess.run([python, dlojz.py, *argv], capture_output=True, text=True, ...), in a fork of the server."""
+    return run_ranks(argv, env, cwd, timeout, world_size=1)
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rank_env(env, rank, world_size, port):
+    """The variables torchrun gives each of its processes on one node (idr_torch reads them)."""
+    return {**env, "TORCHELASTIC_RUN_ID": "test", "RANK": str(rank), "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(world_size), "GROUP_RANK": "0",
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+
+
+def run_ranks(argv, env, cwd, timeout, world_size):
+    """`world_size` ranks on this node, started as `torchrun --standalone --nproc-per-node N` starts them, each a
+    fork of the server. The result is shaped like torchrun's: every rank's stdout (then stderr) in rank order, and
+    exit status 0 if every rank ended with 0, else the first rank's non-zero status."""
+    cmd = [sys.executable, str(DLOJZ), *argv]
+    port = free_port()
+    with tempfile.TemporaryDirectory(prefix="dlojz-run-") as tmp:
+        paths, processes = [], []
+        for rank in range(world_size):
+            out, err = os.path.join(tmp, f"{rank}.out"), os.path.join(tmp, f"{rank}.err")
+            rank_environ = env if world_size == 1 else rank_env(env, rank, world_size, port)
+            processes.append(_context.Process(target=_child, args=(argv, rank_environ, str(cwd), out, err)))
+            paths.append((out, err))
+        for process in processes:
+            process.start()
+        timed_out = _finish(processes, timeout)
+        out = "".join(_read(path) for path, _ in paths)
+        err = "".join(_read(path) for _, path in paths)
         if timed_out:
             raise subprocess.TimeoutExpired(cmd, timeout, output=out, stderr=err)
-        return subprocess.CompletedProcess(cmd, process.exitcode, out, err)
+        status = next((p.exitcode for p in processes if p.exitcode != 0), 0)
+        return subprocess.CompletedProcess(cmd, status, out, err)
+
+
+class Started:
+    """A dlojz.py run forked from the server, shaped like subprocess.Popen(cmd, stdout=PIPE, stderr=STDOUT,
+    text=True): pid, stdout (read as it is written), send_signal, kill, poll, wait, communicate, returncode."""
+
+    def __init__(self, argv, env, cwd):
+        self.args = [sys.executable, str(DLOJZ), *argv]
+        read_fd, write_fd = os.pipe()
+        self._process = _context.Process(target=_child, args=(argv, env, str(cwd), _FdForChild(write_fd), None))
+        try:
+            self._process.start()
+        finally:
+            os.close(write_fd)  # the child holds the only writer: end of file when it (and its workers) end
+        self.pid = self._process.pid
+        self.stdout = open(read_fd, encoding=locale.getpreferredencoding(False))
+        self._rest = None
+
+    @property
+    def returncode(self):
+        return self._process.exitcode
+
+    def poll(self):
+        return self._process.exitcode
+
+    def send_signal(self, signum):
+        if self._process.exitcode is None:
+            os.kill(self.pid, signum)
+
+    def kill(self):
+        self._process.kill()
+
+    def terminate(self):
+        self._process.terminate()
+
+    def wait(self, timeout=None):
+        self._process.join(timeout)
+        if self._process.exitcode is None:
+            raise subprocess.TimeoutExpired(self.args, timeout)
+        return self._process.exitcode
+
+    def communicate(self, timeout=None):
+        """(the rest of stdout, None), once the process has ended and its output is closed."""
+        if self._rest is None:
+            self._rest = {}
+            threading.Thread(target=lambda: self._rest.setdefault("text", self.stdout.read()), daemon=True).start()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while "text" not in self._rest or self._process.exitcode is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            time.sleep(0.02)
+        self._process.join()
+        self.stdout.close()
+        return self._rest["text"], None

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from conftest import SMALL, read_json, run_dlojz, show
-from test_packed_data import TINY, TORCHRUN2, pack
+from test_packed_data import TINY, pack
 from test_transforms import (CROP_OUT, DRAWS, assert_same_distribution, crop_geometry, distribution_gaps,  # noqa: F401
                              gradient_jpeg, reference_geometry)
 
@@ -93,10 +93,10 @@ def test_one_and_two_ranks_validate_the_same_images_with_dali_on_shards(tiny_dat
     assert proc.returncode == 0, show(proc)
     assert "DALI: decoding on the CPU (no GPU)" in proc.stdout
     metrics = {}
-    for ranks, launcher in ((1, None), (2, TORCHRUN2)):
+    for ranks in (1, 2):
         proc = run_dlojz(*TINY, "--data-root", shards, "--val-batch-size", "4", "--eval-only", "--resume", "auto",
                          "--output-dir", tmp_path / "run", "--metrics-json", tmp_path / f"{ranks}.json",
-                         "--data-backend", "dali", launcher=launcher)
+                         "--data-backend", "dali", ranks=ranks)
         assert proc.returncode == 0, show(proc)
         metrics[ranks] = read_json(tmp_path / f"{ranks}.json")
     assert metrics[1]["val_images"] == metrics[2]["val_images"] == 15 and metrics[2]["world_size"] == 2

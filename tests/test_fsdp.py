@@ -15,7 +15,6 @@ import dlojz_checkpoint as ckpt
 from conftest import ROOT, clean_env, read_json, run_dlojz, show
 from dlojz_model import create_model
 from test_dlojz import assert_one_line_error
-from test_packed_data import TORCHRUN2
 from test_resume import start_ranks, wait_for_line
 
 # A small vision transformer (timm's test_vit: no BatchNorm, no dropout). 72 training images: 5 steps of a global
@@ -70,10 +69,10 @@ def runs(tiny_data, tmp_path_factory):
     """The same training as one process (global batch 16), DDP on 2 ranks and FSDP on 2 ranks (8 per rank)."""
     out = tmp_path_factory.mktemp("fsdp")
     common = [*BASE, "--data-root", tiny_data]
-    for name, launcher, flags in (("single", None, ["-b", "16"]), ("ddp", TORCHRUN2, ["-b", "8"]),
-                                  ("fsdp", TORCHRUN2, ["-b", "8", "--fsdp"])):
+    for name, ranks, flags in (("single", 1, ["-b", "16"]), ("ddp", 2, ["-b", "8"]),
+                               ("fsdp", 2, ["-b", "8", "--fsdp"])):
         proc = run_dlojz(*common, *flags, "--output-dir", out / name, "--metrics-json", out / f"{name}.json",
-                         launcher=launcher)
+                         ranks=ranks)
         assert proc.returncode == 0, show(proc)
         (out / f"{name}.log").write_text(proc.stdout)
     return out
@@ -171,7 +170,7 @@ def test_fsdp_with_accumulation_checkpointing_and_no_reshard_trains_the_same(run
     """2 micro-batches of 4 per rank and step, activations recomputed, parameters kept gathered: same weights."""
     proc = run_dlojz(*BASE, "--data-root", tiny_data, "-b", "4", "--grad-acc", "2", "--grad-checkpointing",
                      "--no-fsdp-reshard-after-forward", "--fsdp", "--output-dir", tmp_path / "run",
-                     "--metrics-json", tmp_path / "m.json", launcher=TORCHRUN2)
+                     "--metrics-json", tmp_path / "m.json", ranks=2)
     assert proc.returncode == 0, show(proc)
     assert "kept gathered after each block's forward" in proc.stdout
     assert_same_weights(weights(tmp_path / "run"), weights(runs / "fsdp"))
@@ -184,8 +183,8 @@ def test_lamb_and_gradient_clipping_step_on_shards_as_on_the_whole_model(tiny_da
     """--clip-grad-norm and timm's LAMB (its own global-norm clipping, a trust ratio of norms per layer): computed on
     sharded parameters (DTensors), the norms are those of the whole tensors."""
     common = [*BASE, "--data-root", tiny_data, "--optimizer", "lamb", "--wd", "0.01", "--clip-grad-norm", "0.05"]
-    for name, launcher, flags in (("single", None, ["-b", "16"]), ("fsdp", TORCHRUN2, ["-b", "8", "--fsdp"])):
-        proc = run_dlojz(*common, *flags, "--output-dir", tmp_path / name, launcher=launcher)
+    for name, ranks, flags in (("single", 1, ["-b", "16"]), ("fsdp", 2, ["-b", "8", "--fsdp"])):
+        proc = run_dlojz(*common, *flags, "--output-dir", tmp_path / name, ranks=ranks)
         assert proc.returncode == 0, show(proc)
     # LAMB's eps (1e-6) bounds how far it scales up the rounding noise of a zero gradient, unlike AdamW's (1e-8).
     fsdp, single = checkpoint(tmp_path / "fsdp"), checkpoint(tmp_path / "single")

@@ -4,13 +4,12 @@ step, and a rank that dies ends the others in bounded time."""
 import signal
 import socket
 import subprocess
-import sys
 import time
 
 import pytest
 import torch
 
-from conftest import ROOT, SMALL, clean_env, run_dlojz, show
+from conftest import ROOT, SMALL, clean_env, run_dlojz, show, start_dlojz
 
 # 240 train images, batch 16: 15 steps per epoch, long enough for a signal to land mid-run.
 RUN = [*SMALL, "--image-size", "48", "-b", "16", "--epochs", "2", "--no-wandb", "--num-workers", "1"]
@@ -24,8 +23,7 @@ def resume_data(tmp_path_factory):
 
 
 def start(args, env):
-    return subprocess.Popen([sys.executable, str(ROOT / "dlojz.py"), *map(str, args)], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT)
+    return start_dlojz(*args, env=env)
 
 
 def wait_for_line(proc, fragment, timeout=300):
