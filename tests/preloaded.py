@@ -129,7 +129,7 @@ def _read(path):
     # as subprocess.run(text=True) decodes: the locale's encoding, universal newlines
     if not os.path.exists(path):  # the child died before it opened its output
         return ""
-    with open(path, encoding=locale.getpreferredencoding(False), errors="strict") as f:
+    with open(path, encoding=locale.getpreferredencoding(False)) as f:
         return f.read()
 
 
@@ -148,11 +148,6 @@ def _finish(processes, timeout):
     return timed_out
 
 
-def run(argv, env, cwd, timeout):
-    """Like subprocess.run([python, dlojz.py, *argv], capture_output=True, text=True, ...), in a fork of the server."""
-    return run_ranks(argv, env, cwd, timeout, world_size=1)
-
-
 def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -167,8 +162,9 @@ def rank_env(env, rank, world_size, port):
 
 
 def run_ranks(argv, env, cwd, timeout, world_size):
-    """`world_size` ranks on this node, started as `torchrun --standalone --nproc-per-node N` starts them, each a
-    fork of the server. The result is shaped like torchrun's: every rank's stdout (then stderr) in rank order, and
+    """Like subprocess.run([python, dlojz.py, *argv], capture_output=True, text=True, ...), in forks of the server;
+    with world_size > 1, that many ranks on this node, started as `torchrun --standalone --nproc-per-node N`
+    starts them. The result is shaped like torchrun's: every rank's stdout (then stderr) in rank order, and
     exit status 0 if every rank ended with 0, else the first rank's non-zero status."""
     cmd = [sys.executable, str(DLOJZ), *argv]
     port = free_port()

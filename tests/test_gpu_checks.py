@@ -8,6 +8,7 @@ import torch
 import torchvision
 
 import dlojz_config
+import preloaded
 from dlojz_config import UserError, check_autocast, local_device
 from dlojz_model import saved_activation_bytes, train_flops_per_image
 
@@ -87,11 +88,8 @@ def syncbn_report_figures(rank, world_size, port, results):
 def test_flops_and_activation_bytes_of_a_syncbn_model_in_a_process_group():
     """--test --sync-bn on 2 ranks: the report's FLOP count and activation estimate run with the process group up
     (a SyncBatchNorm in training mode would reach for the other rank, and refuse CPU/meta tensors)."""
-    import socket
     import torch.multiprocessing as mp
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = preloaded.free_port()
     results = mp.Manager().dict()
     mp.spawn(syncbn_report_figures, args=(2, port, results), nprocs=2, join=True)
     plain = torchvision.models.resnet18(num_classes=10)

@@ -6,7 +6,6 @@ timing could not be chosen. tests/test_slurm.py sends real ones through Slurm.""
 import inspect
 import os
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -16,6 +15,7 @@ import pytest
 import torch.multiprocessing as mp
 
 import dlojz
+import preloaded
 from conftest import ROOT, SMALL, clean_env, read_json
 from test_flag_effects import BASE
 
@@ -67,9 +67,7 @@ def two_ranks(rank, port, out_dir, results):
 
 
 def test_every_rank_stops_at_the_same_step_and_validation_batch(tmp_path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = preloaded.free_port()
     results = mp.Manager().dict()
     mp.spawn(two_ranks, args=(port, str(tmp_path), results), nprocs=2, join=True)
     # Rank 1's signal after step 3 is read by both ranks at step 4 (one call later, without waiting for a GPU).

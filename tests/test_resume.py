@@ -2,13 +2,13 @@
 same weights as an uninterrupted run. With several ranks, a signal reaching one rank stops all of them at the same
 step, and a rank that dies ends the others in bounded time."""
 import signal
-import socket
 import subprocess
 import time
 
 import pytest
 import torch
 
+import preloaded
 from conftest import ROOT, SMALL, clean_env, run_dlojz, show, start_dlojz
 
 # 240 train images, batch 16: 15 steps per epoch, long enough for a signal to land mid-run.
@@ -70,21 +70,11 @@ def test_signal_then_resume_gives_the_same_weights(resume_data, tmp_path):
     assert a["scheduler"]["last_epoch"] == b["scheduler"]["last_epoch"]
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_ranks(args, world_size=2):
     """Two ranks started by hand, as torchrun would (idr_torch reads the torchelastic variables)."""
-    port = free_port()
-    procs = []
-    for rank in range(world_size):
-        env = clean_env(TORCHELASTIC_RUN_ID="test", RANK=rank, LOCAL_RANK=rank, WORLD_SIZE=world_size,
-                        LOCAL_WORLD_SIZE=world_size, MASTER_ADDR="127.0.0.1", MASTER_PORT=port, OMP_NUM_THREADS=1)
-        procs.append(start(args, env))
-    return procs
+    port = preloaded.free_port()
+    return [start(args, preloaded.rank_env(clean_env(OMP_NUM_THREADS=1), rank, world_size, port))
+            for rank in range(world_size)]
 
 
 def test_signal_on_one_rank_stops_all_ranks_at_the_same_step(resume_data, tmp_path):
