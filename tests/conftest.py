@@ -15,6 +15,11 @@ sys.path.insert(0, str(ROOT))
 
 import preloaded  # noqa: E402  (after the path that finds dlojz)
 
+# README's test command runs the suite in 2 xdist workers: each test's runs get their worker's share of the cores (a
+# run with 2 threads next to another with 2 on 2 cores takes longer than both one after the other). Alone: up to 2.
+WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+THREADS = str(int(os.environ.get("OMP_NUM_THREADS") or max(1, min(2, (os.cpu_count() or 1) // WORKERS))))
+
 # Small and fast on 2 CPU cores: resnet18 at 32 px.
 SMALL = ["--device", "cpu", "--arch", "resnet18", "--image-size", "32", "--val-resize-size", "36",
          "--val-crop-size", "32", "--num-workers", "1"]
@@ -26,7 +31,7 @@ def clean_env(**extra):
            if not k.startswith(("SLURM_", "TORCHELASTIC_", "DLOJZ_", "WANDB_"))
            and k not in ("ALL_CCFRSCRATCH", "DSDIR", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
     env["PYTHONUNBUFFERED"] = "1"
-    env["OMP_NUM_THREADS"] = env.get("OMP_NUM_THREADS", "2")
+    env["OMP_NUM_THREADS"] = env.get("OMP_NUM_THREADS", THREADS)
     env.update({k: str(v) for k, v in extra.items()})
     return env
 
@@ -99,6 +104,11 @@ def run_inline(capsys, monkeypatch):
         out = capsys.readouterr()
         return SimpleNamespace(returncode=status, stdout=out.out, stderr=out.err)
     return run
+
+
+def pytest_configure(config):
+    import torch
+    torch.set_num_threads(int(THREADS))  # the tests that train in this process
 
 
 def pytest_collection_modifyitems(config, items):
