@@ -19,15 +19,19 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
+if __name__ == "__main__":  # --help and a mistyped flag answer here, before the seconds that torch takes to import
+    from dlojz_config import UserError, get_args_parser
+    with contextlib.suppress(UserError):  # a bad recipe file: reported by cli(), as every other bad input
+        get_args_parser().parse_args()
+
 import numpy as np
 import torch
 import torch.distributed as dist
 
-import idr_torch
 import dlojz_checkpoint as ckpt
 import dlojz_optim as optim
 from dlojz_chrono import Chronometer
-from dlojz_config import Config, UserError, fail, get_args_parser, resolve_config
+from dlojz_config import Config, UserError, fail, get_args_parser, load_idr_torch, resolve_config
 from dlojz_data import (IMAGENET_TRAIN_IMAGES, IMAGENET_VAL_IMAGES, DataError, EpochSampler, ShardSampler,
                         SyntheticLoader, build_datasets, close_loader, embedded_dataset_root, make_loader,
                         measure_loader, resolve_data_root, select_train_subset)
@@ -40,6 +44,7 @@ from dlojz_model import ModelEma, apply_blurpool, create_model, enable_grad_chec
 from dlojz_transforms import (DeviceNormalize, DevicePrefetcher, ValTransform, batch_mixing, decoder_description,
                               train_transform, training_resolution)
 
+idr_torch = load_idr_torch()
 LOADERS = []  # DataLoaders whose workers cli() stops before exiting (see dlojz_data.close_loader)
 TEST_VAL_BATCHES = 20  # --test validates on this many batches
 SYNTHETIC_CLASSES = 1000  # --synthetic: ImageNet's

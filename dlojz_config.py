@@ -5,6 +5,9 @@ TF32 and DataLoader workers from the device and the Slurm task) and checks every
 group starts or any data is read: a typo costs one line and exit status 2, never a data scan. It returns a frozen
 `Config`: nothing in the run changes a setting afterwards, except the output folder that rank 0 names for all
 ranks (`dataclasses.replace`, in dlojz.setup_distributed).
+
+Importing this module imports no torch: `get_args_parser()` answers `--help` and a mistyped flag in a fraction of a
+second (dlojz.py parses its command line with it before its own imports).
 """
 import argparse
 import dataclasses
@@ -13,12 +16,12 @@ import warnings
 from datetime import datetime
 from pathlib import Path
 
-import torch
+# torch, idr_torch (which imports torch) and timm are imported in the functions that use them.
 
-import idr_torch
-import dlojz_optim as optim
-
-warnings.filterwarnings("ignore", category=idr_torch.IdrTorchWarning)  # "not distributed" is fine: one process
+# The accepted values of --optimizer and --lr-scheduler (dlojz_optim builds them; here for the command line).
+OPTIMIZERS = ("sgd", "adamw", "lamb", "lars", "lion")
+FUSED = ("sgd", "adamw")  # with a fused step in torch (build_optimizer's fused=True)
+SCHEDULERS = ("onecycle", "cosine", "step", "constant", "linear", "poly")
 
 # GPU defaults are the course's; without a GPU the CPU profile keeps `--test` to a few minutes on a laptop, with the
 # learning rate scaled to its smaller batch by the linear scaling rule (0.1 x 32/128: at 0.1, ResNet-50 at batch 32
@@ -28,6 +31,24 @@ PROFILES = {
     "gpu": dict(batch_size=128, image_size=224, val_resize_size=256, val_crop_size=224, val_batch_size=256, lr=0.1),
     "cpu": dict(batch_size=32, image_size=64, val_resize_size=73, val_crop_size=64, val_batch_size=64, lr=0.025),
 }
+
+
+def check_hyperparameters(lr: float, momentum: float, weight_decay: float) -> None:
+    """Raise ValueError naming the flag if ``--lr``, ``--mom`` or ``--wd`` is out of range."""
+    if not lr > 0:
+        raise ValueError(f"--lr must be > 0, got {lr}")
+    if not 0 <= momentum < 1:
+        raise ValueError(f"--mom must be in [0, 1), got {momentum}")
+    if not weight_decay >= 0:
+        raise ValueError(f"--wd must be >= 0, got {weight_decay}")
+
+
+def load_idr_torch():
+    """idr_torch (rank, world size, CPUs per task from Slurm or torchrun), imported on first use: it imports torch.
+    Its warning that no launcher was found is silenced: one process is a normal way to run dlojz."""
+    import idr_torch
+    warnings.filterwarnings("ignore", category=idr_torch.IdrTorchWarning)
+    return idr_torch
 
 
 class UserError(Exception):
@@ -125,9 +146,9 @@ def get_args_parser():
     p.add_argument("--clip-grad-norm", type=float, default=None, metavar="X", help="clip the gradients' global norm to X (after unscaling)")
 
     p = parser.add_argument_group("optimizer and schedule (dlojz_optim.py)")
-    p.add_argument("--optimizer", default="sgd", choices=optim.OPTIMIZERS, help="momentum/beta1 from --mom (default: sgd)")
+    p.add_argument("--optimizer", default="sgd", choices=OPTIMIZERS, help="momentum/beta1 from --mom (default: sgd)")
     p.add_argument("--no-wd-norm-bias", action="store_true", help="no weight decay on norm layers and biases")
-    p.add_argument("--lr-scheduler", default="onecycle", choices=optim.SCHEDULERS, help="stepped every optimizer step (default: onecycle)")
+    p.add_argument("--lr-scheduler", default="onecycle", choices=SCHEDULERS, help="stepped every optimizer step (default: onecycle)")
     p.add_argument("--warmup-epochs", type=float, default=0.0, help="linear warm-up for cosine/step/constant/poly (default: 0)")
     p.add_argument("--lr-peak-epoch", type=float, default=2.0, help="linear: epoch of the peak, as FFCV's (default: 2)")
     p.add_argument("--lr-poly-power", type=float, default=2.0, help="poly: power of the decay, as MLPerf's (default: 2)")
@@ -323,6 +344,7 @@ class Config:
 
     @property
     def autocast_dtype(self):
+        import torch
         return getattr(torch, self.amp_dtype)
 
     @property
@@ -333,6 +355,8 @@ class Config:
 
 def resolve_config(args) -> Config:
     """Fill the defaults that depend on the machine and check every flag; raise UserError on bad input."""
+    import torch
+    idr_torch = load_idr_torch()
     values = vars(args).copy()
     notes = []
     torch_device = local_device(args.device, idr_torch.local_rank)
@@ -391,16 +415,17 @@ def precision_notes(cfg, capability):
         if capability[0] >= 8:
             notes.append("AMP float16 with a GradScaler (loss scaling, skipped overflow steps); on this GPU "
                          "--amp-dtype bfloat16 needs no GradScaler")
-        if cfg.optimizer not in optim.FUSED:
+        if cfg.optimizer not in FUSED:
             notes.append(f"WARNING: --optimizer {cfg.optimizer} has no fused step: the float16 GradScaler reads its "
                          "overflow flag on the host, one GPU synchronisation per optimizer step; "
-                         + ("--amp-dtype bfloat16 avoids it" if capability[0] >= 8 else f"{', '.join(optim.FUSED)} avoid it"))
+                         + ("--amp-dtype bfloat16 avoids it" if capability[0] >= 8 else f"{', '.join(FUSED)} avoid it"))
     return notes
 
 
 def local_device(device_flag, local_rank):
     """This rank's device as a string: one GPU per task, picked by the local rank among the GPUs this task sees
     (all of the node's, or only its own when Slurm binds GPUs to tasks), or the CPU."""
+    import torch
     if device_flag == "cpu" or (device_flag == "auto" and not torch.cuda.is_available()):
         return "cpu"
     if not torch.cuda.is_available():
@@ -417,6 +442,7 @@ CUDA12_HINT = ("install a CUDA 12 build of torch (pip install torch --index-url 
 
 def check_kernels(index):
     """Fail in one line if this torch has no kernels for the GPU (the pinned CUDA 13 wheel stops at sm_75: no V100)."""
+    import torch
     major, minor = torch.cuda.get_device_capability(index)
     archs = torch.cuda.get_arch_list()
     built = {int(a.split("_")[1]) for a in archs if a.startswith("sm_")}
@@ -435,6 +461,7 @@ def driver_too_old():
         driver = pynvml.nvmlSystemGetDriverVersion()
     except Exception:  # no NVML, no driver: nothing more to say
         return None
+    import torch
     needed = tuple(int(x) for x in (torch.version.cuda or "0.0").split(".")[:2])
     if (driver_cuda // 1000, driver_cuda % 1000 // 10) < needed:
         driver = driver.decode() if isinstance(driver, bytes) else driver
@@ -445,6 +472,7 @@ def driver_too_old():
 
 def check(cfg: Config):
     """Every check of the flags alone and of the files they name (the data is checked when it is read)."""
+    import torch
     for flag in ("batch_size", "epochs", "image_size", "val_resize_size", "val_crop_size", "val_batch_size", "test_nsteps"):
         if getattr(cfg, flag) < 1:
             fail(f"--{flag.replace('_', '-')} must be at least 1 (got {getattr(cfg, flag)})")
@@ -453,15 +481,15 @@ def check(cfg: Config):
     if cfg.grad_acc < 1:
         fail(f"--grad-acc must be at least 1 (got {cfg.grad_acc})")
     try:
-        optim.check_hyperparameters(cfg.lr, cfg.mom, cfg.wd)
+        check_hyperparameters(cfg.lr, cfg.mom, cfg.wd)
     except ValueError as err:
         fail(str(err))
-    if cfg.optimizer not in optim.FUSED:  # timm's; timm is imported only for them
+    if cfg.optimizer not in FUSED:  # timm's; timm is imported only for them
         try:
             import timm.optim  # noqa: F401
         except ImportError as err:
             fail(f"--optimizer {cfg.optimizer} needs timm, which does not import here ({err}): pip install timm, "
-                 f"or use --optimizer {' or '.join(optim.FUSED)}")
+                 f"or use --optimizer {' or '.join(FUSED)}")
     for flag in ("warmup_epochs", "lr_peak_epoch"):
         if getattr(cfg, flag) < 0:
             fail(f"--{flag.replace('_', '-')} must be >= 0 (got {getattr(cfg, flag)})")
@@ -521,7 +549,7 @@ def check(cfg: Config):
         fail("--eval-only needs --resume CHECKPOINT (or --resume auto with --output-dir)")
     if cfg.amp:
         check_autocast(torch.device(cfg.torch_device), cfg.autocast_dtype)
-    if idr_torch.rank == 0:
+    if load_idr_torch().rank == 0:
         if not cfg.test:
             check_writable(Path(cfg.output_dir), "--output-dir")
         for flag in ("metrics_json", "val_history"):
@@ -531,6 +559,7 @@ def check(cfg: Config):
 
 def check_autocast(device, dtype):
     """Fail with one line, before any training, if this device cannot run autocast in `dtype`."""
+    import torch
     # Emulated bfloat16 (V100) runs, but slower than float32: refuse it.
     if device.type == "cuda" and dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported(including_emulation=False):
         fail(f"--amp-dtype bfloat16: {torch.cuda.get_device_name(device)} has no bfloat16 support; use --amp-dtype float16")

@@ -51,9 +51,8 @@ import numpy as np
 import torch
 from torch import nn
 
-OPTIMIZERS = ("sgd", "adamw", "lamb", "lars", "lion")
-FUSED = ("sgd", "adamw")  # with a fused step in torch (build_optimizer's fused=True)
-SCHEDULERS = ("onecycle", "cosine", "step", "constant", "linear", "poly")
+# The flags' values and their check live with the command line (torch-free, so that --help answers at once).
+from dlojz_config import FUSED, OPTIMIZERS, SCHEDULERS, check_hyperparameters  # noqa: F401
 
 # Layers whose affine parameters are normalisation scales/shifts: decaying them towards 0 only fights the
 # normalisation (see "Bag of Tricks", He et al. 2019), hence --no-wd-norm-bias.
@@ -142,16 +141,6 @@ def zero_momentum_buffers(optimizer):
         if group["momentum"] != 0:
             for param in group["params"]:
                 optimizer.state[param].setdefault("momentum_buffer", torch.zeros_like(param))
-
-
-def check_hyperparameters(lr: float, momentum: float, weight_decay: float) -> None:
-    """Raise ValueError naming the flag if ``--lr``, ``--mom`` or ``--wd`` is out of range."""
-    if not lr > 0:
-        raise ValueError(f"--lr must be > 0, got {lr}")
-    if not 0 <= momentum < 1:
-        raise ValueError(f"--mom must be in [0, 1), got {momentum}")
-    if not weight_decay >= 0:
-        raise ValueError(f"--wd must be >= 0, got {weight_decay}")
 
 
 def fast_forward(scheduler: torch.optim.lr_scheduler.LRScheduler, step: int) -> None:

@@ -1,7 +1,11 @@
-"""resolve_config: the profile's defaults, every check of the flags, all before any process group or data scan."""
+"""resolve_config: the profile's defaults, every check of the flags, all before any process group or data scan.
+And the command line itself: `--help` and a mistyped flag answer before torch is imported."""
+import subprocess
+import sys
+
 import pytest
 
-from conftest import SMALL
+from conftest import ROOT, SMALL, clean_env
 from dlojz_config import UserError, get_args_parser, resolve_config
 from test_dlojz import assert_one_line_error
 
@@ -118,3 +122,27 @@ def test_help_lists_the_closed_choices(run_inline):
     proc = run_inline("--help")
     assert proc.returncode == 0
     assert "{sgd,adamw,lamb,lars,lion}" in proc.stdout and "{onecycle,cosine,step,constant,linear,poly}" in proc.stdout
+
+
+HEAVY = {"torch", "torchvision", "timm", "wandb", "numpy", "idr_torch", "nvidia.dali", "optuna", "matplotlib"}
+
+
+@pytest.mark.parametrize("flags, status, needle", [
+    (["--help"], 0, "--epochs"),
+    (["--epochs", "x"], 2, "argument -e/--epochs: invalid int value: 'x'"),
+    (["--test", "--bogus"], 2, "unrecognized arguments: --bogus"),
+])
+def test_help_and_a_mistyped_flag_answer_before_torch_is_imported(flags, status, needle):
+    """The command as a user types it, under `python -X importtime`: which modules it imported."""
+    proc = subprocess.run([sys.executable, "-X", "importtime", str(ROOT / "dlojz.py"), *flags], capture_output=True,
+                          text=True, timeout=120, env=clean_env(), cwd=ROOT)
+    imports = [line for line in proc.stderr.splitlines() if line.startswith("import time:")]
+    stderr = [line for line in proc.stderr.splitlines() if not line.startswith("import time:")]
+    assert imports, "python -X importtime printed nothing"
+    imported = {line.rsplit("|", 1)[1].strip() for line in imports}
+    assert not imported & HEAVY, sorted(imported & HEAVY)
+    assert proc.returncode == status, proc.stdout + "\n".join(stderr)
+    if status:
+        assert len(stderr) == 1 and needle in stderr[0], stderr
+    else:
+        assert needle in proc.stdout and not stderr, stderr
