@@ -9,6 +9,7 @@ function below it; `train_one_epoch` and `evaluate` are the loop's two phases. T
 dlojz_config.py, the model's facts in dlojz_model.py, the lines the run prints in dlojz_log.py, the chronometer,
 profiler and LR finder hooks in dlojz_hooks.py.
 """
+
 import contextlib
 import dataclasses
 import math
@@ -21,6 +22,7 @@ from pathlib import Path
 
 if __name__ == "__main__":  # --help and a mistyped flag answer here, before the seconds that torch takes to import
     from dlojz_config import UserError, get_args_parser
+
     with contextlib.suppress(UserError):  # a bad recipe file: reported by cli(), as every other bad input
         get_args_parser().parse_args()
 
@@ -32,17 +34,53 @@ import dlojz_checkpoint as ckpt
 import dlojz_optim as optim
 from dlojz_chrono import Chronometer
 from dlojz_config import Config, UserError, fail, get_args_parser, load_idr_torch, resolve_config
-from dlojz_data import (IMAGENET_TRAIN_IMAGES, IMAGENET_VAL_IMAGES, DataError, EpochSampler, ShardSampler,
-                        SyntheticLoader, build_datasets, close_loader, embedded_dataset_root, make_loader,
-                        measure_loader, resolve_data_root, select_train_subset)
-from dlojz_dist import (Distribution, StopPoll, StopSignal, agree_on_stop, checkpoint_for_stop, requeue,
-                        start_compile_workers)
+from dlojz_data import (
+    IMAGENET_TRAIN_IMAGES,
+    IMAGENET_VAL_IMAGES,
+    DataError,
+    EpochSampler,
+    ShardSampler,
+    SyntheticLoader,
+    build_datasets,
+    close_loader,
+    embedded_dataset_root,
+    make_loader,
+    measure_loader,
+    resolve_data_root,
+    select_train_subset,
+)
+from dlojz_dist import (
+    Distribution,
+    StopPoll,
+    StopSignal,
+    agree_on_stop,
+    checkpoint_for_stop,
+    requeue,
+    start_compile_workers,
+)
 from dlojz_hooks import LoopHooks, make_profiler
-from dlojz_log import (LOG_EVERY, Console, NoWandb, Progress, append_json_line, chrono_context, finish, start_wandb,
-                       write_json, write_lr_finder)
+from dlojz_log import (
+    LOG_EVERY,
+    Console,
+    NoWandb,
+    Progress,
+    append_json_line,
+    chrono_context,
+    finish,
+    start_wandb,
+    write_json,
+    write_lr_finder,
+)
 from dlojz_model import ModelEma, apply_blurpool, create_model, enable_grad_checkpointing, meta_copy
-from dlojz_transforms import (DeviceNormalize, DevicePrefetcher, ValTransform, batch_mixing, decoder_description,
-                              train_transform, training_resolution)
+from dlojz_transforms import (
+    DeviceNormalize,
+    DevicePrefetcher,
+    ValTransform,
+    batch_mixing,
+    decoder_description,
+    train_transform,
+    training_resolution,
+)
 
 idr_torch = load_idr_torch()
 LOADERS = []  # DataLoaders whose workers cli() stops before exiting (see dlojz_data.close_loader)
@@ -57,28 +95,29 @@ class TrainingDiverged(Exception):
 @dataclasses.dataclass
 class TrainState:
     """Where training is: exactly what a checkpoint saves and a resume restores."""
-    epoch: int = 0               # the current epoch (0-based)
-    batch: int = 0               # micro-batches done in it
-    global_step: int = 0         # optimizer steps done since the start of training
+
+    epoch: int = 0  # the current epoch (0-based)
+    batch: int = 0  # micro-batches done in it
+    global_step: int = 0  # optimizer steps done since the start of training
     wandb_id: str | None = None  # the W&B run that a resume continues
-    elapsed_s: float = 0.0       # wall-clock seconds of training and validation before this run started
+    elapsed_s: float = 0.0  # wall-clock seconds of training and validation before this run started
 
 
 @dataclasses.dataclass
 class EpochResult:
     train_loss: float
     train_accuracy: float
-    stop_reason: str | None      # a signal's name: the epoch was left for a checkpoint and a requeue
+    stop_reason: str | None  # a signal's name: the epoch was left for a checkpoint and a requeue
 
 
 @dataclasses.dataclass
 class Model:
-    net: torch.nn.Module         # what trains: wrapped by DDP and torch.compile when asked
-    module: torch.nn.Module      # the model without those wrappers (sharded in place by --fsdp): checkpointed, validated
+    net: torch.nn.Module  # what trains: wrapped by DDP and torch.compile when asked
+    module: torch.nn.Module  # the model without those wrappers (sharded in place by --fsdp): checkpointed, validated
     ema: torch.nn.Module | None  # --model-ema's averaged copy
     num_classes: int
-    parallel: str                # "none", or "ddp" or "fsdp" across ranks
-    unsharded: torch.nn.Module   # the model whole, for FLOP counts: `module`, or with --fsdp its meta-device copy
+    parallel: str  # "none", or "ddp" or "fsdp" across ranks
+    unsharded: torch.nn.Module  # the model whole, for FLOP counts: `module`, or with --fsdp its meta-device copy
 
     def gradient_sync(self, sync):
         """Context of a micro-batch's forward and backward: gradients are reduced across ranks only when `sync`
@@ -95,25 +134,25 @@ class Optimization:
     criterion: torch.nn.Module
     val_criterion: torch.nn.Module  # summed over the images: exact totals across ranks
     optimizer: torch.optim.Optimizer
-    scheduler: object | None        # None for the LR finder, which sets the lr itself
+    scheduler: object | None  # None for the LR finder, which sets the lr itself
     lr_finder: optim.LRFinder | None
-    scaler: torch.amp.GradScaler    # on with float16 only
-    autocast: object                # () -> context manager
-    mix: object | None              # MixUp/CutMix on the device batch
-    total_steps: int                # optimizer steps the schedule spans
+    scaler: torch.amp.GradScaler  # on with float16 only
+    autocast: object  # () -> context manager
+    mix: object | None  # MixUp/CutMix on the device batch
+    total_steps: int  # optimizer steps the schedule spans
 
 
 @dataclasses.dataclass
 class Loaders:
-    train: object                   # DataLoader or SyntheticLoader
+    train: object  # DataLoader or SyntheticLoader
     train_sampler: EpochSampler | None
-    train_batches: object           # normalised device batches
+    train_batches: object  # normalised device batches
     val_batches: object
-    n_train_batches: int            # micro-batches per epoch, this rank
-    n_val_batches: int              # on rank 0
+    n_train_batches: int  # micro-batches per epoch, this rank
+    n_val_batches: int  # on rank 0
     n_val_images: int
-    n_val_batches_every_rank: int   # that every rank has (the last ranks may have one image fewer than the first)
-    n_val_batches_most: int         # that the first rank has
+    n_val_batches_every_rank: int  # that every rank has (the last ranks may have one image fewer than the first)
+    n_val_batches_most: int  # that the first rank has
 
     def start_epoch(self, epoch, first_batch):
         """Shuffle for `epoch` and skip the batches a resumed run has already done."""
@@ -137,8 +176,10 @@ def main(argv=None) -> dict:
     log = Console(ranks.is_main)
     for note in cfg.notes:
         log(note)
-    log(f">>> Training on {idr_torch.num_nodes} nodes and {ranks.world_size} processes ({idr_torch.current_API}), "
-        f"device {ranks.device}")
+    log(
+        f">>> Training on {idr_torch.num_nodes} nodes and {ranks.world_size} processes ({idr_torch.current_API}), "
+        f"device {ranks.device}"
+    )
     chrono = Chronometer(enabled=cfg.test, rank=ranks.rank, device=ranks.device)
 
     # ================================ DATA SETS (the model needs the number of classes)
@@ -150,14 +191,34 @@ def main(argv=None) -> dict:
     # ================================ DATALOADER
     loaders = build_loaders(cfg, train_set, val_set, len(classes), ranks, log)
     images_per_step = cfg.batch_size * ranks.world_size  # one micro-batch on every rank
-    metrics = dict(world_size=ranks.world_size, global_batch_size=images_per_step * cfg.grad_acc, steps=0,
-                   epochs=0, train_loss=None, val_loss=None, val_accuracy=None, val_top5_accuracy=None, val_images=0,
-                   images_per_second=None, compute_dtype=cfg.compute_dtype, time_to_target_s=None,
-                   epochs_to_target=None)
+    metrics = dict(
+        world_size=ranks.world_size,
+        global_batch_size=images_per_step * cfg.grad_acc,
+        steps=0,
+        epochs=0,
+        train_loss=None,
+        val_loss=None,
+        val_accuracy=None,
+        val_top5_accuracy=None,
+        val_images=0,
+        images_per_second=None,
+        compute_dtype=cfg.compute_dtype,
+        time_to_target_s=None,
+        epochs_to_target=None,
+    )
     if cfg.loader_only:
-        metrics = dict(measure_loader(loaders.train, loaders.train_sampler, cfg.test_nsteps, cfg.num_workers,
-                                      ranks.all_gather if ranks.enabled else None, log),
-                       world_size=ranks.world_size, global_batch_size=metrics["global_batch_size"])
+        metrics = dict(
+            measure_loader(
+                loaders.train,
+                loaders.train_sampler,
+                cfg.test_nsteps,
+                cfg.num_workers,
+                ranks.all_gather if ranks.enabled else None,
+                log,
+            ),
+            world_size=ranks.world_size,
+            global_batch_size=metrics["global_batch_size"],
+        )
         if ranks.is_main and cfg.metrics_json:
             write_json(cfg.metrics_json, metrics)
         return metrics
@@ -168,24 +229,44 @@ def main(argv=None) -> dict:
     val_max_batches = TEST_VAL_BATCHES if cfg.test else None
     if cfg.eval_only:
         chrono.validation()
-        metrics.update(evaluate(model.module, loaders, opt, ranks, val_max_batches, tta_flip=cfg.tta_flip,
-                                sharded=model.parallel == "fsdp"))
+        metrics.update(
+            evaluate(
+                model.module,
+                loaders,
+                opt,
+                ranks,
+                val_max_batches,
+                tta_flip=cfg.tta_flip,
+                sharded=model.parallel == "fsdp",
+            )
+        )
         chrono.validation()
-        log(f"##EVALUATION## {resumed_from}: Validation Loss: {metrics['val_loss']:.4f}, Validation Accuracy: "
+        log(
+            f"##EVALUATION## {resumed_from}: Validation Loss: {metrics['val_loss']:.4f}, Validation Accuracy: "
             f"{metrics['val_accuracy']:.4f}, top-5 {metrics['val_top5_accuracy']:.4f} ({metrics['val_images']} "
-            f"images{', flip TTA' if cfg.tta_flip else ''}, {chrono.val_time:.1f} s)")
+            f"images{', flip TTA' if cfg.tta_flip else ''}, {chrono.val_time:.1f} s)"
+        )
         return finish(cfg, metrics, chrono, ranks)
     wandb_run = NoWandb()
     if ranks.is_main:
-        wandb_run = start_wandb(cfg, dict(dataclasses.asdict(cfg), architecture=cfg.arch, world_size=ranks.world_size,
-                                          global_batch_size=metrics["global_batch_size"]),
-                                Path(cfg.output_dir).name, state.wandb_id)
+        wandb_run = start_wandb(
+            cfg,
+            dict(
+                dataclasses.asdict(cfg),
+                architecture=cfg.arch,
+                world_size=ranks.world_size,
+                global_batch_size=metrics["global_batch_size"],
+            ),
+            Path(cfg.output_dir).name,
+            state.wandb_id,
+        )
         state.wandb_id = wandb_run.id
     saver = make_saver(cfg, model, opt, ranks)
     profiler = make_profiler(cfg, Path(cfg.output_dir) / "profiler", ranks.rank, ranks.device) if cfg.prof else None
     hooks = LoopHooks(chrono, profiler, opt.lr_finder)
-    progress = Progress(log, wandb_run, ranks.device, cfg.epochs, loaders.n_train_batches, cfg.grad_acc,
-                        images_per_step)
+    progress = Progress(
+        log, wandb_run, ranks.device, cfg.epochs, loaders.n_train_batches, cfg.grad_acc, images_per_step
+    )
 
     # ================================ TRAINING
     chrono.start()
@@ -194,9 +275,11 @@ def main(argv=None) -> dict:
         epoch_start = time.perf_counter()
         if cfg.min_res is not None:  # the data set's workers crop at this resolution (the sample keys carry the epoch)
             resolution = training_resolution(cfg, epoch)
-            log(f"epoch {epoch + 1}: training resolution {resolution} px (progressive resizing "
+            log(
+                f"epoch {epoch + 1}: training resolution {resolution} px (progressive resizing "
                 f"{cfg.min_res}->{cfg.max_res} px, epochs {cfg.start_ramp}->{cfg.end_ramp} counted from 0); "
-                f"validation {cfg.val_crop_size} px, {cfg.val_crop_size / resolution:.2f}x")
+                f"validation {cfg.val_crop_size} px, {cfg.val_crop_size / resolution:.2f}x"
+            )
             wandb_run.log({"resolution": resolution}, step=state.global_step)
         result = train_one_epoch(model, opt, loaders, state, cfg, ranks, hooks, progress, stop)
         train_seconds = time.perf_counter() - epoch_start
@@ -214,22 +297,37 @@ def main(argv=None) -> dict:
         # ================================ VALIDATION (every --val-every epochs and at the last)
         target_reached = False
         if (epoch + 1) % cfg.val_every == 0 or epoch + 1 == cfg.epochs or cfg.test:
-            validation = validate(cfg, epoch, model, loaders, opt, ranks, chrono, val_max_batches, log, stop,
-                                  train_seconds)
+            validation = validate(
+                cfg, epoch, model, loaders, opt, ranks, chrono, val_max_batches, log, stop, train_seconds
+            )
             if validation.get("stopped_by"):  # resumed, the run validates this epoch first
-                return stop_run(cfg, validation["stopped_by"], saver, state, loaders, ranks, log, metrics, chrono,
-                                wandb_run)
+                return stop_run(
+                    cfg, validation["stopped_by"], saver, state, loaders, ranks, log, metrics, chrono, wandb_run
+                )
             metrics.update(validation)
             if ranks.is_main and cfg.val_history:  # followed live by dlojz_hpo.py's pruner
-                append_json_line(cfg.val_history, dict(epoch=epoch + 1, steps=state.global_step,
-                                                       elapsed_s=time.perf_counter() - started, **validation))
-            wandb_run.log({"test accuracy": metrics["val_accuracy"], "test top5 accuracy": metrics["val_top5_accuracy"],
-                           "test loss": metrics["val_loss"], "epoch": epoch + 1}, step=state.global_step)
+                append_json_line(
+                    cfg.val_history,
+                    dict(
+                        epoch=epoch + 1, steps=state.global_step, elapsed_s=time.perf_counter() - started, **validation
+                    ),
+                )
+            wandb_run.log(
+                {
+                    "test accuracy": metrics["val_accuracy"],
+                    "test top5 accuracy": metrics["val_top5_accuracy"],
+                    "test loss": metrics["val_loss"],
+                    "epoch": epoch + 1,
+                },
+                step=state.global_step,
+            )
             target_reached = cfg.target_accuracy is not None and metrics["val_accuracy"] >= cfg.target_accuracy
             if target_reached:
                 metrics.update(time_to_target_s=time.perf_counter() - started, epochs_to_target=epoch + 1)
-                log(f">>> Target top-1 {cfg.target_accuracy:.4f} reached after {epoch + 1} epochs, "
-                    f"{metrics['time_to_target_s']:.1f} s from the start: stopping")
+                log(
+                    f">>> Target top-1 {cfg.target_accuracy:.4f} reached after {epoch + 1} epochs, "
+                    f"{metrics['time_to_target_s']:.1f} s from the start: stopping"
+                )
         metrics["epochs"] = epoch + 1
 
         # ================================ CHECKPOINT
@@ -240,8 +338,10 @@ def main(argv=None) -> dict:
             break
     hooks.close()
     if profiler is not None:
-        log(f">>> Profiler traces: {Path(cfg.output_dir) / 'profiler'} (tensorboard --logdir "
-            f"{Path(cfg.output_dir) / 'profiler'}, or open the .json in https://ui.perfetto.dev)")
+        log(
+            f">>> Profiler traces: {Path(cfg.output_dir) / 'profiler'} (tensorboard --logdir "
+            f"{Path(cfg.output_dir) / 'profiler'}, or open the .json in https://ui.perfetto.dev)"
+        )
     if opt.lr_finder is not None and ranks.is_main:
         metrics.update(write_lr_finder(opt.lr_finder, Path(cfg.output_dir)))
 
@@ -300,13 +400,18 @@ def train_one_epoch(model, opt, loaders, state, cfg, ranks, hooks, progress, sto
             opt.scheduler.step()
         with torch.no_grad():  # a Python scalar or torch.full: torch.tensor(x, device=cuda) would wait for the host
             count = float(labels.numel())
-            stats = torch.stack([loss.detach().double() * count,
-                                 optim.soft_target_accuracy(outputs, targets).double() * count,
-                                 torch.full((), count, dtype=torch.float64, device=device)])
+            stats = torch.stack(
+                [
+                    loss.detach().double() * count,
+                    optim.soft_target_accuracy(outputs, targets).double() * count,
+                    torch.full((), count, dtype=torch.float64, device=device),
+                ]
+            )
             progress.running += stats
             epoch_totals += stats
-            first_nonfinite = torch.where((first_nonfinite < 0) & ~torch.isfinite(loss.detach()),
-                                          float(state.global_step), first_nonfinite)
+            first_nonfinite = torch.where(
+                (first_nonfinite < 0) & ~torch.isfinite(loss.detach()), float(state.global_step), first_nonfinite
+            )
         if hooks.optimizer_step_done(loss, stats[1], count):  # the LR finder has swept its range
             break
         if stop():  # a stop signal on any rank (asked without waiting for the GPU): all ranks stop here
@@ -366,9 +471,14 @@ def evaluate(net, loaders, opt, ranks, max_batches=None, stop=None, tta_flip=Fal
                     outputs = (outputs + net(images.flip(3)).float()) / 2
             loss = opt.val_criterion(outputs, labels)
             top5 = outputs.topk(min(5, outputs.shape[1]), dim=1).indices
-            totals += torch.stack([loss.double(), (top5[:, 0] == labels).sum().double(),
-                                   (top5 == labels[:, None]).any(dim=1).sum().double(),
-                                   torch.full((), float(labels.numel()), dtype=torch.float64, device=ranks.device)])
+            totals += torch.stack(
+                [
+                    loss.double(),
+                    (top5[:, 0] == labels).sum().double(),
+                    (top5 == labels[:, None]).any(dim=1).sum().double(),
+                    torch.full((), float(labels.numel()), dtype=torch.float64, device=ranks.device),
+                ]
+            )
         if sharded:  # the other ranks' last forwards gather this rank's shards too
             for _ in range(forwards, min(loaders.n_val_batches_most, max_batches or loaders.n_val_batches_most)):
                 with opt.autocast():  # (every rank has an image: build_loaders checks it)
@@ -383,8 +493,12 @@ def evaluate(net, loaders, opt, ranks, max_batches=None, stop=None, tta_flip=Fal
     net.train()
     loss_sum, correct, correct5, count = totals.tolist()
     count_or_1 = max(count, 1)
-    return dict(val_loss=loss_sum / count_or_1, val_accuracy=correct / count_or_1,
-                val_top5_accuracy=correct5 / count_or_1, val_images=int(count))
+    return dict(
+        val_loss=loss_sum / count_or_1,
+        val_accuracy=correct / count_or_1,
+        val_top5_accuracy=correct5 / count_or_1,
+        val_images=int(count),
+    )
 
 
 # ================================================================ the sections' functions, in main's order
@@ -400,15 +514,22 @@ def setup_distributed(cfg: Config):
     ranks = Distribution(idr_torch.world_size, idr_torch.rank, idr_torch.local_rank, device)
     if ranks.enabled:
         # device_id: NCCL connects now (a broken fabric fails at start-up) and knows each rank's GPU.
-        idr_torch.init_process_group(backend="nccl" if device.type == "cuda" else "gloo",
-                                     timeout=timedelta(seconds=cfg.dist_timeout),
-                                     device_id=device if device.type == "cuda" else None)
+        idr_torch.init_process_group(
+            backend="nccl" if device.type == "cuda" else "gloo",
+            timeout=timedelta(seconds=cfg.dist_timeout),
+            device_id=device if device.type == "cuda" else None,
+        )
         holder = [cfg.output_dir]
         dist.broadcast_object_list(holder, src=0)
         cfg = dataclasses.replace(cfg, output_dir=holder[0])
     elif cfg.fsdp:  # sharding over one process: a group of one (the same code path, and the GPU tests, on one GPU)
-        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0,
-                                world_size=1, device_id=device if device.type == "cuda" else None)
+        dist.init_process_group(
+            backend="nccl" if device.type == "cuda" else "gloo",
+            store=dist.HashStore(),
+            rank=0,
+            world_size=1,
+            device_id=device if device.type == "cuda" else None,
+        )
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
@@ -428,13 +549,18 @@ def build_data(cfg, ranks, log):
         if ranks.enabled:
             dist.barrier()
         root = embedded_dataset_root()
-        log(f"No --data-root, $DLOJZ_DATA, $ALL_CCFRSCRATCH/imagenet or $DSDIR/imagenet: using the embedded "
-            f"data set ({root}, 10 classes of shapes and textures)")
+        log(
+            f"No --data-root, $DLOJZ_DATA, $ALL_CCFRSCRATCH/imagenet or $DSDIR/imagenet: using the embedded "
+            f"data set ({root}, 10 classes of shapes and textures)"
+        )
     train_set, val_set, classes, layout = build_datasets(
-        root, train_transform(cfg), ValTransform(cfg.val_resize_size, cfg.val_crop_size), seed=cfg.seed)
+        root, train_transform(cfg), ValTransform(cfg.val_resize_size, cfg.val_crop_size), seed=cfg.seed
+    )
     kind = layout if layout.startswith("packed") else f"{layout} layout"
-    log(f"data: {root} ({kind}, found by {found_by}): {len(train_set)} train / {len(val_set)} val images, "
-        f"{len(classes)} classes")
+    log(
+        f"data: {root} ({kind}, found by {found_by}): {len(train_set)} train / {len(val_set)} val images, "
+        f"{len(classes)} classes"
+    )
     if cfg.train_subset is not None:  # cheap runs, e.g. hyper-parameter search trials
         log(select_train_subset(train_set, cfg.train_subset))
     log(f"JPEG decoding: {decoder_description()}")
@@ -463,15 +589,19 @@ def build_model(cfg, num_classes, ranks, log) -> Model:
     net, parallel, unsharded = module, "none", module
     if cfg.fsdp:
         from dlojz_fsdp import shard_model
+
         unsharded = meta_copy(module)
         blocks = shard_model(module, cfg, ranks.device)
         parallel = "fsdp"
-        log(f"FSDP: {blocks} blocks and the root sharded over {ranks.world_size} rank{'s' if ranks.world_size > 1 else ''}, parameters gathered in "
+        log(
+            f"FSDP: {blocks} blocks and the root sharded over {ranks.world_size} rank{'s' if ranks.world_size > 1 else ''}, parameters gathered in "
             f"{cfg.amp_dtype if cfg.amp else 'float32'}, gradients reduced in float32, "
-            f"{'resharded' if cfg.fsdp_reshard_after_forward else 'kept gathered'} after each block's forward")
+            f"{'resharded' if cfg.fsdp_reshard_after_forward else 'kept gathered'} after each block's forward"
+        )
     elif ranks.enabled:
         net = torch.nn.parallel.DistributedDataParallel(
-            net, device_ids=[ranks.device.index] if ranks.device.type == "cuda" else None, gradient_as_bucket_view=True)
+            net, device_ids=[ranks.device.index] if ranks.device.type == "cuda" else None, gradient_as_bucket_view=True
+        )
         parallel = "ddp"
     if cfg.compile:
         start_compile_workers()  # deaf to Slurm's preemption signal, which this process handles
@@ -482,62 +612,123 @@ def build_model(cfg, num_classes, ranks, log) -> Model:
 def build_loaders(cfg, train_set, val_set, num_classes, ranks, log) -> Loaders:
     """Training and validation batches on the device: DataLoaders (uint8 workers, device normalisation), or the
     synthetic loaders."""
-    log(f"DATALOADER workers={cfg.num_workers} persistent={cfg.persistent_workers} pin_memory={cfg.pin_memory} "
-        f"non_blocking={cfg.non_blocking} prefetch_factor={cfg.prefetch_factor} drop_last={cfg.drop_last}")
+    log(
+        f"DATALOADER workers={cfg.num_workers} persistent={cfg.persistent_workers} pin_memory={cfg.pin_memory} "
+        f"non_blocking={cfg.non_blocking} prefetch_factor={cfg.prefetch_factor} drop_last={cfg.drop_last}"
+    )
     if cfg.synthetic:
         return synthetic_loaders(cfg, num_classes, ranks, IMAGENET_TRAIN_IMAGES, IMAGENET_VAL_IMAGES)
     if cfg.min_res is None:  # validating at a larger size than training pays (train-test resolution discrepancy)
-        log(f"resolution: training {cfg.image_size} px, validation {cfg.val_crop_size} px "
-            f"({cfg.val_crop_size / cfg.image_size:.2f}x)")
-    train_sampler = EpochSampler(train_set, ranks.world_size, ranks.rank, shuffle=True, seed=cfg.seed,
-                                 drop_last=cfg.drop_last)
+        log(
+            f"resolution: training {cfg.image_size} px, validation {cfg.val_crop_size} px "
+            f"({cfg.val_crop_size / cfg.image_size:.2f}x)"
+        )
+    train_sampler = EpochSampler(
+        train_set, ranks.world_size, ranks.rank, shuffle=True, seed=cfg.seed, drop_last=cfg.drop_last
+    )
     if cfg.fsdp and len(val_set) < ranks.world_size:
         fail(f"--fsdp: the validation set has {len(val_set)} images for {ranks.world_size} ranks: each rank needs one")
     if cfg.data_backend == "dali":
         return dali_loaders(cfg, train_set, val_set, train_sampler, ranks, log)
-    options = dict(num_workers=cfg.num_workers, pin_memory=cfg.pin_memory and ranks.device.type == "cuda",
-                   persistent_workers=cfg.persistent_workers, prefetch_factor=cfg.prefetch_factor)
+    options = dict(
+        num_workers=cfg.num_workers,
+        pin_memory=cfg.pin_memory and ranks.device.type == "cuda",
+        persistent_workers=cfg.persistent_workers,
+        prefetch_factor=cfg.prefetch_factor,
+    )
     train = make_loader(train_set, train_sampler, cfg.batch_size, drop_last=cfg.drop_last, **options)
-    val = make_loader(val_set, ShardSampler(val_set, ranks.world_size, ranks.rank), cfg.val_batch_size,
-                      drop_last=False, **options)
+    val = make_loader(
+        val_set, ShardSampler(val_set, ranks.world_size, ranks.rank), cfg.val_batch_size, drop_last=False, **options
+    )
     LOADERS.extend([train, val])  # closed by cli(), whatever happens
     if len(train) == 0:
-        fail(f"--batch-size {cfg.batch_size} with --drop-last leaves no batch: the training set has "
-             f"{len(train_set) // ranks.world_size} images per process; lower --batch-size or use --no-drop-last")
+        fail(
+            f"--batch-size {cfg.batch_size} with --drop-last leaves no batch: the training set has "
+            f"{len(train_set) // ranks.world_size} images per process; lower --batch-size or use --no-drop-last"
+        )
     normalize = DeviceNormalize(ranks.device, channels_last=cfg.channels_last)
-    return Loaders(train, train_sampler, DevicePrefetcher(train, ranks.device, normalize, non_blocking=cfg.non_blocking),
-                   DevicePrefetcher(val, ranks.device, normalize, non_blocking=cfg.non_blocking), len(train),
-                   len(val), len(val_set), *val_batches_per_rank(len(val_set), ranks.world_size, cfg.val_batch_size))
+    return Loaders(
+        train,
+        train_sampler,
+        DevicePrefetcher(train, ranks.device, normalize, non_blocking=cfg.non_blocking),
+        DevicePrefetcher(val, ranks.device, normalize, non_blocking=cfg.non_blocking),
+        len(train),
+        len(val),
+        len(val_set),
+        *val_batches_per_rank(len(val_set), ranks.world_size, cfg.val_batch_size),
+    )
 
 
 def dali_loaders(cfg, train_set, val_set, train_sampler, ranks, log) -> Loaders:
     """--data-backend dali: the same samples and samplers, decoded and augmented by DALI (dlojz_dali.py)."""
     from dlojz_dali import DaliBatches, train_pipeline, val_pipeline
+
     device_id = ranks.device.index if ranks.device.type == "cuda" else None
     threads, seed = max(1, cfg.num_workers), cfg.seed * 1_000 + ranks.rank
-    log(f"DALI: decoding on the {'GPU (nvJPEG)' if device_id is not None else 'CPU (no GPU)'}, {threads} threads; "
-        f"a resumed run continues at the same sample with DALI's own crops")
+    log(
+        f"DALI: decoding on the {'GPU (nvJPEG)' if device_id is not None else 'CPU (no GPU)'}, {threads} threads; "
+        f"a resumed run continues at the same sample with DALI's own crops"
+    )
     normalize = DeviceNormalize(ranks.device, channels_last=cfg.channels_last)
-    train = DaliBatches(train_set, train_sampler, cfg.batch_size,
-                        lambda source: train_pipeline(source, cfg.batch_size, cfg.image_size, device_id, threads, seed),
-                        ranks.device, normalize, drop_last=cfg.drop_last)
+    train = DaliBatches(
+        train_set,
+        train_sampler,
+        cfg.batch_size,
+        lambda source: train_pipeline(source, cfg.batch_size, cfg.image_size, device_id, threads, seed),
+        ranks.device,
+        normalize,
+        drop_last=cfg.drop_last,
+    )
     val_sampler = ShardSampler(val_set, ranks.world_size, ranks.rank)
-    val = DaliBatches(val_set, val_sampler, cfg.val_batch_size,
-                      lambda source: val_pipeline(source, cfg.val_batch_size, cfg.val_resize_size, cfg.val_crop_size,
-                                                  device_id, threads, seed + 1),
-                      ranks.device, normalize)
+    val = DaliBatches(
+        val_set,
+        val_sampler,
+        cfg.val_batch_size,
+        lambda source: val_pipeline(
+            source, cfg.val_batch_size, cfg.val_resize_size, cfg.val_crop_size, device_id, threads, seed + 1
+        ),
+        ranks.device,
+        normalize,
+    )
     if len(train) == 0:
-        fail(f"--batch-size {cfg.batch_size} with --drop-last leaves no batch: lower --batch-size or use --no-drop-last")
-    return Loaders(train, train_sampler, train, val, len(train), len(val), len(val_set),
-                   *val_batches_per_rank(len(val_set), ranks.world_size, cfg.val_batch_size))
+        fail(
+            f"--batch-size {cfg.batch_size} with --drop-last leaves no batch: lower --batch-size or use --no-drop-last"
+        )
+    return Loaders(
+        train,
+        train_sampler,
+        train,
+        val,
+        len(train),
+        len(val),
+        len(val_set),
+        *val_batches_per_rank(len(val_set), ranks.world_size, cfg.val_batch_size),
+    )
 
 
 def synthetic_loaders(cfg, num_classes, ranks, train_images, val_images) -> Loaders:
     """--synthetic: one random batch made once on the device, served for an epoch of `train_images` images."""
-    train = SyntheticLoader(train_images, cfg.batch_size, cfg.image_size, num_classes, ranks.device, cfg.channels_last,
-                            ranks.world_size, cfg.drop_last, seed=cfg.seed)
-    val = SyntheticLoader(val_images, cfg.val_batch_size, cfg.val_crop_size, num_classes, ranks.device,
-                          cfg.channels_last, ranks.world_size, seed=cfg.seed + 1)
+    train = SyntheticLoader(
+        train_images,
+        cfg.batch_size,
+        cfg.image_size,
+        num_classes,
+        ranks.device,
+        cfg.channels_last,
+        ranks.world_size,
+        cfg.drop_last,
+        seed=cfg.seed,
+    )
+    val = SyntheticLoader(
+        val_images,
+        cfg.val_batch_size,
+        cfg.val_crop_size,
+        num_classes,
+        ranks.device,
+        cfg.channels_last,
+        ranks.world_size,
+        seed=cfg.seed + 1,
+    )
     return Loaders(train, None, train, val, len(train), len(val), val_images, len(val), len(val))
 
 
@@ -550,57 +741,108 @@ def val_batches_per_rank(n_images, world_size, batch_size):
 def build_optimization(cfg, model, n_train_batches, num_classes, ranks, log) -> Optimization:
     """Loss, optimizer, per-step schedule (or the LR finder), GradScaler, autocast and MixUp/CutMix."""
     step_images = cfg.batch_size * ranks.world_size * cfg.grad_acc
-    log(f"global batch size: {step_images} - mini batch size: {cfg.batch_size}"
-        + (f" - {cfg.grad_acc} accumulated micro-batches per optimizer step" if cfg.grad_acc > 1 else ""))
+    log(
+        f"global batch size: {step_images} - mini batch size: {cfg.batch_size}"
+        + (f" - {cfg.grad_acc} accumulated micro-batches per optimizer step" if cfg.grad_acc > 1 else "")
+    )
     criterion = torch.nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing)  # also takes mixup's soft labels
     val_criterion = torch.nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing, reduction="sum")
     # Fused steps (sgd, adamw): no host synchronisation with the float16 GradScaler (see dlojz_optim); FSDP's
     # sharded parameters have no fused SGD (its foreach step is used, and bfloat16 needs no scaler).
     fused = not (cfg.fsdp and cfg.optimizer == "sgd")
-    optimizer = optim.build_optimizer(cfg.optimizer, optim.param_groups(model.module, cfg.wd, cfg.no_wd_norm_bias),
-                                      lr=cfg.lr, momentum=cfg.mom, weight_decay=cfg.wd, fused=fused)
+    optimizer = optim.build_optimizer(
+        cfg.optimizer,
+        optim.param_groups(model.module, cfg.wd, cfg.no_wd_norm_bias),
+        lr=cfg.lr,
+        momentum=cfg.mom,
+        weight_decay=cfg.wd,
+        fused=fused,
+    )
     fused = optimizer.defaults.get("fused")
-    log(f"optimizer: {cfg.optimizer}{' (fused step)' if fused else ''} (lr {cfg.lr}, momentum {cfg.mom}, weight decay {cfg.wd}"
-        f"{', none on norms and biases' if cfg.no_wd_norm_bias else ''}); {optim.lr_scaling_line(cfg.lr, step_images)}")
+    log(
+        f"optimizer: {cfg.optimizer}{' (fused step)' if fused else ''} (lr {cfg.lr}, momentum {cfg.mom}, weight decay {cfg.wd}"
+        f"{', none on norms and biases' if cfg.no_wd_norm_bias else ''}); {optim.lr_scaling_line(cfg.lr, step_images)}"
+    )
     steps_per_epoch = math.ceil(n_train_batches / cfg.grad_acc)  # optimizer steps: what schedules and logs count
     total_steps = cfg.epochs * steps_per_epoch
     scheduler, lr_finder = None, None
     try:  # these checks need the data set's size
         if cfg.findlr:  # the course's range test: the finder sets the lr of every step, no scheduler
-            lr_finder = optim.LRFinder(optimizer, 1e-8, cfg.lr, min(total_steps, cfg.test_nsteps) if cfg.test else total_steps)
+            lr_finder = optim.LRFinder(
+                optimizer, 1e-8, cfg.lr, min(total_steps, cfg.test_nsteps) if cfg.test else total_steps
+            )
         else:
             warmup_epochs = cfg.lr_peak_epoch if cfg.lr_scheduler == "linear" else cfg.warmup_epochs
             if cfg.lr_scheduler == "linear" and cfg.lr_peak_epoch >= cfg.epochs:
                 fail(f"--lr-peak-epoch {cfg.lr_peak_epoch} must come before the end (--epochs {cfg.epochs})")
-            scheduler = optim.build_scheduler(cfg.lr_scheduler, optimizer, cfg.lr, total_steps,
-                                              warmup_steps=round(warmup_epochs * steps_per_epoch),
-                                              poly_power=cfg.lr_poly_power)
+            scheduler = optim.build_scheduler(
+                cfg.lr_scheduler,
+                optimizer,
+                cfg.lr,
+                total_steps,
+                warmup_steps=round(warmup_epochs * steps_per_epoch),
+                poly_power=cfg.lr_poly_power,
+            )
     except ValueError as err:
         fail(str(err))
     float16 = cfg.amp and cfg.amp_dtype == "float16"
-    autocast = (lambda: torch.autocast(ranks.device.type, dtype=cfg.autocast_dtype)) if cfg.amp else contextlib.nullcontext
-    return Optimization(criterion, val_criterion, optimizer, scheduler, lr_finder,
-                        torch.amp.GradScaler(ranks.device.type, enabled=float16), autocast,
-                        batch_mixing(cfg, num_classes), total_steps)
+    autocast = (
+        (lambda: torch.autocast(ranks.device.type, dtype=cfg.autocast_dtype)) if cfg.amp else contextlib.nullcontext
+    )
+    return Optimization(
+        criterion,
+        val_criterion,
+        optimizer,
+        scheduler,
+        lr_finder,
+        torch.amp.GradScaler(ranks.device.type, enabled=float16),
+        autocast,
+        batch_mixing(cfg, num_classes),
+        total_steps,
+    )
 
 
 def make_saver(cfg, model, opt, ranks):
     """The checkpoint writer: one file by rank 0, or with --fsdp one folder of every rank's shards."""
-    fixed = dict(args=dataclasses.asdict(cfg), total_steps=opt.total_steps, world_size=ranks.world_size,
-                 num_classes=model.num_classes)
+    fixed = dict(
+        args=dataclasses.asdict(cfg),
+        total_steps=opt.total_steps,
+        world_size=ranks.world_size,
+        num_classes=model.num_classes,
+    )
     if model.parallel == "fsdp":
         from dlojz_fsdp import ShardedCheckpointSaver
-        return ShardedCheckpointSaver(cfg.output_dir, cfg.keep_checkpoints, ranks.device, fixed, ranks.is_main,
-                                      model.module, opt.optimizer, opt.scheduler, opt.scaler)
-    return ckpt.CheckpointSaver(cfg.output_dir, cfg.keep_checkpoints, ranks.device, fixed, ranks.is_main,
-                                model=model.module, optimizer=opt.optimizer, scheduler=opt.scheduler, ema=model.ema,
-                                scaler=opt.scaler)
+
+        return ShardedCheckpointSaver(
+            cfg.output_dir,
+            cfg.keep_checkpoints,
+            ranks.device,
+            fixed,
+            ranks.is_main,
+            model.module,
+            opt.optimizer,
+            opt.scheduler,
+            opt.scaler,
+        )
+    return ckpt.CheckpointSaver(
+        cfg.output_dir,
+        cfg.keep_checkpoints,
+        ranks.device,
+        fixed,
+        ranks.is_main,
+        model=model.module,
+        optimizer=opt.optimizer,
+        scheduler=opt.scheduler,
+        ema=model.ema,
+        scaler=opt.scaler,
+    )
 
 
 def state_bytes_per_rank(model, opt, ranks) -> dict:
     """Bytes of parameters, gradients and optimizer state on each rank (the largest), and each rank's peak."""
     from dlojz_fsdp import state_bytes
     from dlojz_model import peak_memory_bytes
+
     local = dict(state_bytes(model.module, opt.optimizer), peak_memory_bytes=peak_memory_bytes(ranks.device))
     every = ranks.all_gather(local) if ranks.enabled else [local]
     result = {f"{key}_per_rank": max(rank[key] for rank in every) for key in local if key != "peak_memory_bytes"}
@@ -633,20 +875,25 @@ def restore(cfg, model, opt, n_train_batches, device, log):
             restore_schedule(cfg, opt, saved, n_train_batches, log)
         if saved.get("scaler"):  # none when it was written with the scaler off (bfloat16, --no-amp, CPU)
             opt.scaler.load_state_dict(saved["scaler"])
-        state = TrainState(saved["epoch"], saved["batch"], saved["global_step"], saved.get("wandb_id"),
-                           saved.get("elapsed_s", 0.0))
+        state = TrainState(
+            saved["epoch"], saved["batch"], saved["global_step"], saved.get("wandb_id"), saved.get("elapsed_s", 0.0)
+        )
         saved_world, saved_batch_size = saved.get("world_size", idr_torch.world_size), saved["args"]["batch_size"]
         images_per_batch = cfg.batch_size * idr_torch.world_size
         if (saved_world, saved_batch_size) != (idr_torch.world_size, cfg.batch_size) and state.batch:
             # The samplers deal out one order of the epoch's images: go on after as many as were trained on.
             done = state.batch * saved_batch_size * saved_world
             state.batch = done // images_per_batch
-            log(f"resumed on {idr_torch.world_size} ranks x {cfg.batch_size} images a checkpoint written on "
+            log(
+                f"resumed on {idr_torch.world_size} ranks x {cfg.batch_size} images a checkpoint written on "
                 f"{saved_world} x {saved_batch_size}: the epoch goes on after its first {done} images"
-                + ("" if done % images_per_batch == 0 else f" ({done % images_per_batch} of them trained on again)"))
+                + ("" if done % images_per_batch == 0 else f" ({done % images_per_batch} of them trained on again)")
+            )
         ckpt.restore_rng(saved, device)
-    log(f"resumed from {path} (epoch {saved['epoch'] + 1}, step {saved['batch']}/{n_train_batches}, "
-        f"global step {saved['global_step']})")
+    log(
+        f"resumed from {path} (epoch {saved['epoch'] + 1}, step {saved['batch']}/{n_train_batches}, "
+        f"global step {saved['global_step']})"
+    )
     return state, path
 
 
@@ -655,23 +902,31 @@ def restore_weights(cfg, model, opt, saved, path):
     or, with --fsdp, from a sharded checkpoint or a file."""
     sharded = saved.get("sharded_path")
     if sharded and not cfg.fsdp:
-        fail(f"--resume {path}: a sharded checkpoint (written with --fsdp): add --fsdp, or make one ordinary "
-             f"checkpoint of it: python dlojz_fsdp.py consolidate {path} OUT.pt")
+        fail(
+            f"--resume {path}: a sharded checkpoint (written with --fsdp): add --fsdp, or make one ordinary "
+            f"checkpoint of it: python dlojz_fsdp.py consolidate {path} OUT.pt"
+        )
     if cfg.fsdp and not sharded and not cfg.eval_only:
-        fail(f"--resume {path}: --fsdp resumes training from sharded checkpoints (.dcp folders); an ordinary "
-             f"checkpoint gives its weights to --fsdp --eval-only, or resumes without --fsdp")
+        fail(
+            f"--resume {path}: --fsdp resumes training from sharded checkpoints (.dcp folders); an ordinary "
+            f"checkpoint gives its weights to --fsdp --eval-only, or resumes without --fsdp"
+        )
     try:
         if sharded:
             from dlojz_fsdp import load_sharded
+
             load_sharded(sharded, model.module, None if cfg.eval_only else opt.optimizer)
         elif cfg.fsdp:
             from dlojz_fsdp import load_full_weights
+
             load_full_weights(model.module, saved["model"])
         else:
             model.module.load_state_dict(saved["model"])
     except (RuntimeError, ValueError, KeyError) as err:
-        fail(f"--resume {path}: the weights do not fit --arch {cfg.arch} with {model.num_classes} classes "
-             f"({str(err).strip().splitlines()[0][:120] if str(err).strip() else type(err).__name__})")
+        fail(
+            f"--resume {path}: the weights do not fit --arch {cfg.arch} with {model.num_classes} classes "
+            f"({str(err).strip().splitlines()[0][:120] if str(err).strip() else type(err).__name__})"
+        )
     if model.ema is not None and saved.get("ema") is not None:
         model.ema.load_state_dict(saved["ema"])
     if not cfg.eval_only and not sharded:
@@ -686,8 +941,10 @@ def restore_schedule(cfg, opt, saved, n_train_batches, log):
         opt.scheduler.load_state_dict(saved["scheduler"])
     elif saved["global_step"] <= opt.total_steps:
         optim.fast_forward(opt.scheduler, saved["global_step"])
-        log(f"--epochs {cfg.epochs}: the learning-rate schedule is rebuilt for {opt.total_steps} optimizer steps and "
-            f"continues from step {saved['global_step']} (the checkpoint's schedule had {saved_total})")
+        log(
+            f"--epochs {cfg.epochs}: the learning-rate schedule is rebuilt for {opt.total_steps} optimizer steps and "
+            f"continues from step {saved['global_step']} (the checkpoint's schedule had {saved_total})"
+        )
 
 
 def stop_run(cfg, reason, saver, state, loaders, ranks, log, metrics, chrono, wandb_run):
@@ -705,8 +962,10 @@ def stop_run(cfg, reason, saver, state, loaders, ranks, log, metrics, chrono, wa
 def diverged(cfg, bad_step, epoch):
     kept = ckpt.list_checkpoints(cfg.output_dir) if Path(cfg.output_dir).is_dir() else []
     where = f"; last good checkpoint kept: {kept[-1]}" if kept else "; no checkpoint written"
-    raise TrainingDiverged(f"loss is not finite (nan/inf) at step {int(bad_step)} (epoch {epoch + 1}): "
-                           f"stopping{where}; lower --lr or check the data")
+    raise TrainingDiverged(
+        f"loss is not finite (nan/inf) at step {int(bad_step)} (epoch {epoch + 1}): "
+        f"stopping{where}; lower --lr or check the data"
+    )
 
 
 def validate(cfg, epoch, model, loaders, opt, ranks, chrono, max_batches, log, stop, train_seconds) -> dict:
@@ -719,18 +978,25 @@ def validate(cfg, epoch, model, loaders, opt, ranks, chrono, max_batches, log, s
         return metrics
     epoch = f"Epoch [{epoch + 1}/{cfg.epochs}]"
     log("##EVALUATION STEP##")
-    log(f"{epoch}, Validation Loss: {metrics['val_loss']:.4f}, Validation Accuracy: {metrics['val_accuracy']:.4f}, "
+    log(
+        f"{epoch}, Validation Loss: {metrics['val_loss']:.4f}, Validation Accuracy: {metrics['val_accuracy']:.4f}, "
         f"top-5 {metrics['val_top5_accuracy']:.4f} ({metrics['val_images']} images"
-        f"{', flip TTA' if cfg.tta_flip else ''})")
+        f"{', flip TTA' if cfg.tta_flip else ''})"
+    )
     log(f">>> Validation complete in: {chrono.val_time:.2f} s (this epoch's training: {train_seconds:.2f} s)")
     if model.ema is not None:
         ema = evaluate(model.ema.module, loaders, opt, ranks, max_batches, stop, cfg.tta_flip)
         if "stopped_by" in ema:
             return ema
-        metrics.update(ema_val_loss=ema["val_loss"], ema_val_accuracy=ema["val_accuracy"],
-                       ema_val_top5_accuracy=ema["val_top5_accuracy"])
-        log(f"{epoch}, EMA model: Validation Loss: {ema['val_loss']:.4f}, Validation Accuracy: {ema['val_accuracy']:.4f}, "
-            f"top-5 {ema['val_top5_accuracy']:.4f}")
+        metrics.update(
+            ema_val_loss=ema["val_loss"],
+            ema_val_accuracy=ema["val_accuracy"],
+            ema_val_top5_accuracy=ema["val_top5_accuracy"],
+        )
+        log(
+            f"{epoch}, EMA model: Validation Loss: {ema['val_loss']:.4f}, Validation Accuracy: {ema['val_accuracy']:.4f}, "
+            f"top-5 {ema['val_top5_accuracy']:.4f}"
+        )
     return metrics
 
 
@@ -741,14 +1007,34 @@ def synthetic_loop(argv, n_batches):
     ranks, cfg = setup_distributed(cfg)
     log = Console(ranks.is_main)
     model = build_model(cfg, SYNTHETIC_CLASSES, ranks, log)
-    loaders = synthetic_loaders(cfg, SYNTHETIC_CLASSES, ranks, n_batches * cfg.batch_size * ranks.world_size,
-                                cfg.val_batch_size * ranks.world_size)
+    loaders = synthetic_loaders(
+        cfg,
+        SYNTHETIC_CLASSES,
+        ranks,
+        n_batches * cfg.batch_size * ranks.world_size,
+        cfg.val_batch_size * ranks.world_size,
+    )
     opt = build_optimization(cfg, model, loaders.n_train_batches, SYNTHETIC_CLASSES, ranks, log)
-    progress = Progress(log, NoWandb(), ranks.device, cfg.epochs, loaders.n_train_batches, cfg.grad_acc,
-                        cfg.batch_size * ranks.world_size)
-    return dict(model=model, opt=opt, loaders=loaders, state=TrainState(), cfg=cfg, ranks=ranks,
-                hooks=LoopHooks(Chronometer(enabled=cfg.test, device=ranks.device)), progress=progress,
-                stop=StopPoll(StopSignal(), ranks))
+    progress = Progress(
+        log,
+        NoWandb(),
+        ranks.device,
+        cfg.epochs,
+        loaders.n_train_batches,
+        cfg.grad_acc,
+        cfg.batch_size * ranks.world_size,
+    )
+    return dict(
+        model=model,
+        opt=opt,
+        loaders=loaders,
+        state=TrainState(),
+        cfg=cfg,
+        ranks=ranks,
+        hooks=LoopHooks(Chronometer(enabled=cfg.test, device=ranks.device)),
+        progress=progress,
+        stop=StopPoll(StopSignal(), ranks),
+    )
 
 
 def cli(argv=None) -> int:
@@ -773,9 +1059,13 @@ def cli(argv=None) -> int:
     except Exception as err:
         # A rank that fails must end the job, not leave the others waiting in a collective.
         import traceback
+
         traceback.print_exc()
-        print(f"dlojz: rank {rank} failed: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}",
-              file=sys.stderr, flush=True)
+        print(
+            f"dlojz: rank {rank} failed: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}",
+            file=sys.stderr,
+            flush=True,
+        )
         status = 1
     for loader in LOADERS:
         close_loader(loader)

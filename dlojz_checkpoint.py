@@ -21,6 +21,7 @@ without the model and optimizer. They are written under a hidden staging name an
 (`publish_folder`), then named by `latest` and pruned like the files; `load` of such a folder checks that every
 shard file the metadata lists is there whole, and returns the dict with `sharded_path` set.
 """
+
 import os
 import random
 import re
@@ -132,11 +133,13 @@ def check_shards(path):
     """Raise CheckpointError unless the sharded checkpoint folder `path` has its metadata and every shard file
     it lists, long enough for every piece it holds."""
     from torch.distributed.checkpoint import FileSystemReader
+
     try:
         metadata = FileSystemReader(path).read_metadata()
     except Exception as err:
-        raise CheckpointError(f"checkpoint {path}: no readable shard metadata ({type(err).__name__}); "
-                              f"it was not written completely") from None
+        raise CheckpointError(
+            f"checkpoint {path}: no readable shard metadata ({type(err).__name__}); it was not written completely"
+        ) from None
     needed = {}
     for item in (metadata.storage_data or {}).values():
         needed[item.relative_path] = max(needed.get(item.relative_path, 0), item.offset + item.length)
@@ -201,8 +204,11 @@ class CheckpointSaver:
 
 
 def rng_state(device):
-    return dict(torch=torch.get_rng_state(), python=random.getstate(),
-                cuda=torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
+    return dict(
+        torch=torch.get_rng_state(),
+        python=random.getstate(),
+        cuda=torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
+    )
 
 
 def restore_rng(state, device):

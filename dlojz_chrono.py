@@ -90,8 +90,16 @@ class Chronometer:
     nvml: a pynvml-compatible module, or None for no power/energy figures. Default: ``import pynvml`` on CUDA.
     """
 
-    def __init__(self, enabled: bool, rank: int = 0, device: torch.device | str = "cpu", warmup_steps: int = 5,
-                 clock=time.perf_counter, sync=None, nvml=_TRY_PYNVML):
+    def __init__(
+        self,
+        enabled: bool,
+        rank: int = 0,
+        device: torch.device | str = "cpu",
+        warmup_steps: int = 5,
+        clock=time.perf_counter,
+        sync=None,
+        nvml=_TRY_PYNVML,
+    ):
         if warmup_steps < 0:
             raise ValueError(f"Chronometer: warmup_steps must be >= 0, got {warmup_steps}")
         self._enabled = bool(enabled)
@@ -102,13 +110,13 @@ class Chronometer:
         self._sync = sync if sync is not None else _default_sync(self.device)
 
         self._run_start = None
-        self._run_end = None            # frozen by gather(): every later report shows the same total
+        self._run_end = None  # frozen by gather(): every later report shows the same total
         self._time_to_first_step = None
         self._val_time = None
         self._val_energy_j = None
 
         # Per-step records, appended only when enabled.
-        self._loads = []                # seconds, NaN when the step had no closed load phase
+        self._loads = []  # seconds, NaN when the step had no closed load phase
         self._forwards = []
         self._backwards = []
         self._pending_load = None
@@ -245,7 +253,7 @@ class Chronometer:
             nvml.nvmlInit()
             self._nvml_handle = _nvml_handle_for(nvml, self.device)
             self._nvml = nvml
-        except Exception:   # NVMLError (no driver, no GPU, not permitted) or anything odd: no power lines
+        except Exception:  # NVMLError (no driver, no GPU, not permitted) or anything odd: no power lines
             self._nvml_handle = None
 
     def _read_energy(self):
@@ -260,8 +268,11 @@ class Chronometer:
 
     def _maybe_start_energy(self):
         # The energy window opens with the first phase of the first measured (post warm-up) step.
-        if (self._nvml_handle is not None and self._energy_start_mj is None
-                and len(self._backwards) >= self.warmup_steps):
+        if (
+            self._nvml_handle is not None
+            and self._energy_start_mj is None
+            and len(self._backwards) >= self.warmup_steps
+        ):
             self._energy_start_mj = self._read_energy()
             self._energy_last_mj = self._energy_start_mj
             self._energy_steps = 0
@@ -290,7 +301,7 @@ class Chronometer:
         cuDNN autotuning and torch.compile, and is reported apart as the time to the first step)."""
         values = np.asarray(values, dtype=float)
         if len(values) > self.warmup_steps:
-            return values[self.warmup_steps:]
+            return values[self.warmup_steps :]
         return values[1:] if len(values) > 1 else values
 
     def _step_array(self):
@@ -342,14 +353,14 @@ class Chronometer:
             backwards = self._measured(self._backwards)
             steps = self._measured(self._step_array())
             loads = self._measured(self._loads)
-            out.update(steps=self.steps, measured_steps=len(steps),
-                       warmup_excluded=self.steps > self.warmup_steps)
+            out.update(steps=self.steps, measured_steps=len(steps), warmup_excluded=self.steps > self.warmup_steps)
             step_med = float(np.median(steps))
             out.update(step_min_s=float(np.min(steps)), step_median_s=step_med, step_std_s=float(np.std(steps)))
             if not np.all(np.isnan(loads)):
                 load_med = float(np.nanmedian(loads))
-                out.update(load_min_s=float(np.nanmin(loads)), load_median_s=load_med,
-                           load_std_s=float(np.nanstd(loads)))
+                out.update(
+                    load_min_s=float(np.nanmin(loads)), load_median_s=load_med, load_std_s=float(np.nanstd(loads))
+                )
             if not np.all(np.isnan(forwards)):
                 fwd_med, bwd_med = float(np.nanmedian(forwards)), float(np.median(backwards))
                 out.update(forward_median_s=fwd_med, backward_median_s=bwd_med)
@@ -441,27 +452,38 @@ class Chronometer:
                 line += f" (time to first step: {s['time_to_first_step_s']:.2f} s)"
             lines.append(line)
         if "step_median_s" in s:
-            note = f"warm-up: first {self.warmup_steps} steps skipped" if s["warmup_excluded"] else \
-                f"only {s['steps']} steps: only the first skipped"
-            lines.append(f"=>>> Step time (forward+backward): min {_ms(s['step_min_s'])} median "
-                         f"{_ms(s['step_median_s'])} +/- {_ms(s['step_std_s'])} over {s['measured_steps']} steps "
-                         f"({note})")
+            note = (
+                f"warm-up: first {self.warmup_steps} steps skipped"
+                if s["warmup_excluded"]
+                else f"only {s['steps']} steps: only the first skipped"
+            )
+            lines.append(
+                f"=>>> Step time (forward+backward): min {_ms(s['step_min_s'])} median "
+                f"{_ms(s['step_median_s'])} +/- {_ms(s['step_std_s'])} over {s['measured_steps']} steps "
+                f"({note})"
+            )
         if "load_median_s" in s:
-            lines.append(f"=>>> Load time (DataLoader + host->device): min {_ms(s['load_min_s'])} median "
-                         f"{_ms(s['load_median_s'])} +/- {_ms(s['load_std_s'])}")
+            lines.append(
+                f"=>>> Load time (DataLoader + host->device): min {_ms(s['load_min_s'])} median "
+                f"{_ms(s['load_median_s'])} +/- {_ms(s['load_std_s'])}"
+            )
         if "forward_median_s" in s:
-            shares = (f" ({s['forward_share']:.0%} / {s['backward_share']:.0%} of the step)"
-                      if "forward_share" in s else "")
-            lines.append(f"=>>> Forward median {_ms(s['forward_median_s'])}, backward median "
-                         f"{_ms(s['backward_median_s'])}{shares}")
+            shares = (
+                f" ({s['forward_share']:.0%} / {s['backward_share']:.0%} of the step)" if "forward_share" in s else ""
+            )
+            lines.append(
+                f"=>>> Forward median {_ms(s['forward_median_s'])}, backward median "
+                f"{_ms(s['backward_median_s'])}{shares}"
+            )
         if "throughput_img_s" in s:
-            lines.append(f"=>>> Throughput: {s['throughput_img_s']:.1f} images/s (global batch / (step + load)); "
-                         f"compute throughput: {s['compute_throughput_img_s']:.1f} images/s (global batch / step)")
+            lines.append(
+                f"=>>> Throughput: {s['throughput_img_s']:.1f} images/s (global batch / (step + load)); "
+                f"compute throughput: {s['compute_throughput_img_s']:.1f} images/s (global batch / step)"
+            )
         if "load_share" in s:
             line = f"=>>> Data loading: {s['load_share']:.1%} of the step"
             if "slowest_rank" in s:
-                line += (f" (slowest rank {s['slowest_rank']}: load median "
-                         f"{_ms(s['slowest_rank_load_median_s'])})")
+                line += f" (slowest rank {s['slowest_rank']}: load median {_ms(s['slowest_rank_load_median_s'])})"
             lines.append(line)
         if "advice" in s:
             lines.append(f"=>>> Advice: {s['advice']}")
@@ -471,14 +493,20 @@ class Chronometer:
                 line += f" (estimate for the full validation set: {_fmt_duration(s['val_full_estimate_s'])})"
             lines.append(line)
         if "epoch_time_estimate_s" in s:
-            lines.append(f"=>>> Estimated epoch time (full data set, with validation): "
-                         f"{_fmt_duration(s['epoch_time_estimate_s'])}")
+            lines.append(
+                f"=>>> Estimated epoch time (full data set, with validation): "
+                f"{_fmt_duration(s['epoch_time_estimate_s'])}"
+            )
         if "achieved_flops" in s:
-            line = (f"=>>> Model FLOP/s: {_si(s['achieved_flops'], 'FLOP/s')} "
-                    f"({_si(s['train_flops_per_image'], 'FLOP')} per training image, forward + backward)")
+            line = (
+                f"=>>> Model FLOP/s: {_si(s['achieved_flops'], 'FLOP/s')} "
+                f"({_si(s['train_flops_per_image'], 'FLOP')} per training image, forward + backward)"
+            )
             if "mfu" in s:
-                line += (f", model FLOPs utilisation {s['mfu']:.1%} of the {s['peak_flops_per_gpu'] / 1e12:.0f} "
-                         f"TFLOP/s peak per GPU")
+                line += (
+                    f", model FLOPs utilisation {s['mfu']:.1%} of the {s['peak_flops_per_gpu'] / 1e12:.0f} "
+                    f"TFLOP/s peak per GPU"
+                )
             lines.append(line)
         if "peak_memory_bytes" in s:
             lines.append(f"=>>> Peak memory: {s['peak_memory_bytes'] / 2**30:.2f} GiB ({s['peak_memory_bytes']} bytes)")
@@ -493,8 +521,9 @@ class Chronometer:
             # the course's line, rounded to the microsecond to stay readable (the trace file keeps full precision)
             steps = [round(x, 6) for x in self._step_times()]
             loads = [None if x is None else round(x, 6) for x in _nan_to_none(self._loads)]
-            lines.append("=>>>JSON " + json.dumps({"GPU process - Forward/Backward": steps,
-                                                   "CPU process - Dataloader": loads}))
+            lines.append(
+                "=>>>JSON " + json.dumps({"GPU process - Forward/Backward": steps, "CPU process - Dataloader": loads})
+            )
         if "trace_path" in s:
             lines.append(f"=>>> Trace written to {s['trace_path']}")
         print("\n".join(lines), flush=True)
@@ -531,8 +560,10 @@ def loading_advice(load_s: float, step_s: float, ctx: dict) -> str:
     if workers is not None and cpus and workers < cpus:
         todo.append(f"raise --num-workers from {workers} (the task has {cpus} CPUs)")
     elif workers is not None and cpus and workers >= cpus:
-        todo.append(f"the input pipeline is CPU-bound ({workers} workers for {cpus} CPUs): ask for more CPUs "
-                    f"per task, use a smaller --image-size, or faster decoding (pre-resized images, DALI)")
+        todo.append(
+            f"the input pipeline is CPU-bound ({workers} workers for {cpus} CPUs): ask for more CPUs "
+            f"per task, use a smaller --image-size, or faster decoding (pre-resized images, DALI)"
+        )
     elif workers is not None:
         todo.append(f"raise --num-workers from {workers} (up to the CPUs per task)")
     else:
@@ -548,6 +579,7 @@ def loading_advice(load_s: float, step_s: float, ctx: dict) -> str:
 def plot_trace(trace_path, png_path) -> None:
     """Per-step stacked bars (load, forward, backward) with the medians marked; warm-up steps shaded."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -571,8 +603,7 @@ def plot_trace(trace_path, png_path) -> None:
         load_med = 0.0 if np.all(np.isnan(loads[measured])) else np.nanmedian(loads[measured])
         if load_med > 0:
             ax.axhline(load_med, color="tab:orange", ls="--", label=f"median load {load_med:.2f} ms")
-        ax.axhline(load_med + step_med, color="black", ls="--",
-                   label=f"median load + median step ({step_med:.2f} ms)")
+        ax.axhline(load_med + step_med, color="black", ls="--", label=f"median load + median step ({step_med:.2f} ms)")
     if 0 < warmup < len(x):
         ax.axvspan(0.5, warmup + 0.5, color="grey", alpha=0.15, label="warm-up (not in medians)")
     ax.set_xlabel("training step")

@@ -9,6 +9,7 @@ ranks (`dataclasses.replace`, in dlojz.setup_distributed).
 Importing this module imports no torch: `get_args_parser()` answers `--help` and a mistyped flag in a fraction of a
 second (dlojz.py parses its command line with it before its own imports).
 """
+
 import argparse
 import dataclasses
 import os
@@ -47,6 +48,7 @@ def load_idr_torch():
     """idr_torch (rank, world size, CPUs per task from Slurm or torchrun), imported on first use: it imports torch.
     Its warning that no launcher was found is silenced: one process is a normal way to run dlojz."""
     import idr_torch
+
     warnings.filterwarnings("ignore", category=idr_torch.IdrTorchWarning)
     return idr_torch
 
@@ -97,9 +99,12 @@ def read_recipe(parser, path):
         action = actions.get(dest)
         if action is None:
             import difflib
+
             close = difflib.get_close_matches(dest, list(actions), n=1)
-            fail(f"--config {path}: unknown key '{key}', not a dlojz flag"
-                 + (f" (did you mean '{close[0].replace('_', '-')}'?)" if close else ""))
+            fail(
+                f"--config {path}: unknown key '{key}', not a dlojz flag"
+                + (f" (did you mean '{close[0].replace('_', '-')}'?)" if close else "")
+            )
         values[dest] = recipe_value(action, value, f"--config {path}: key '{key}'")
     return values
 
@@ -118,8 +123,10 @@ def recipe_value(action, value, where):
     if expected is float and isinstance(value, int) and not isinstance(value, bool):
         value = float(value)
     if not isinstance(value, expected) or isinstance(value, bool):
-        fail(f"{where} must be {'a number' if expected is float else 'an integer' if expected is int else 'a string'} "
-             f"(got {value!r})")
+        fail(
+            f"{where} must be {'a number' if expected is float else 'an integer' if expected is int else 'a string'} "
+            f"(got {value!r})"
+        )
     if action.choices is not None and value not in action.choices:
         fail(f"{where} must be one of {', '.join(map(str, action.choices))} (got {value!r})")
     return value
@@ -127,120 +134,331 @@ def recipe_value(action, value, where):
 
 def get_args_parser():
     # One flat list, grouped as --help shows it: split into functions, the flags would be harder to find.
-    parser = OneLineParser(prog="dlojz", description="dlojz: ResNet-50 / ImageNet training, optimised "
-                                     "flag by flag", formatter_class=argparse.RawTextHelpFormatter)
-    parser.add_argument("--config", default=None, metavar="FILE.toml", help="recipe file: one key per flag (lr = 0.5, label-smoothing = 0.1);\n"
-                        "a flag given on the command line wins")
+    parser = OneLineParser(
+        prog="dlojz",
+        description="dlojz: ResNet-50 / ImageNet training, optimised flag by flag",
+        formatter_class=argparse.RawTextHelpFormatter,
+    )
+    parser.add_argument(
+        "--config",
+        default=None,
+        metavar="FILE.toml",
+        help="recipe file: one key per flag (lr = 0.5, label-smoothing = 0.1);\na flag given on the command line wins",
+    )
     p = parser.add_argument_group("training")
-    p.add_argument("-b", "--batch-size", type=int, default=None, help="batch size per process (default: 128; CPU profile: 32)")
+    p.add_argument(
+        "-b", "--batch-size", type=int, default=None, help="batch size per process (default: 128; CPU profile: 32)"
+    )
     p.add_argument("-e", "--epochs", type=int, default=1, help="number of epochs (default: 1)")
-    p.add_argument("--image-size", type=int, default=None, help="training crop size in px (default: 224; CPU profile: 64)")
+    p.add_argument(
+        "--image-size", type=int, default=None, help="training crop size in px (default: 224; CPU profile: 64)"
+    )
     p.add_argument("--lr", type=float, default=None, help="peak learning rate (default: 0.1; CPU profile: 0.025)")
     p.add_argument("--wd", type=float, default=0.0, help="weight decay (default: 0.)")
     p.add_argument("--mom", type=float, default=0.9, help="momentum (default: 0.9)")
     p.add_argument("--label-smoothing", type=float, default=0.1, help="label smoothing of the loss (default: 0.1)")
-    p.add_argument("--arch", default="resnet50", help="any torchvision classification model name, or timm:NAME\nfor any timm model (default: resnet50)")
+    p.add_argument(
+        "--arch",
+        default="resnet50",
+        help="any torchvision classification model name, or timm:NAME\nfor any timm model (default: resnet50)",
+    )
     p.add_argument("--seed", type=int, default=123, help="random seed (default: 123)")
-    p.add_argument("--blurpool", action="store_true", help="anti-aliased downsampling: blur before strided convolutions and max-pools")
-    p.add_argument("--zero-init-residual", action="store_true", help="last BatchNorm scale of each residual block at 0 (ResNets)")
-    p.add_argument("--clip-grad-norm", type=float, default=None, metavar="X", help="clip the gradients' global norm to X (after unscaling)")
+    p.add_argument(
+        "--blurpool",
+        action="store_true",
+        help="anti-aliased downsampling: blur before strided convolutions and max-pools",
+    )
+    p.add_argument(
+        "--zero-init-residual", action="store_true", help="last BatchNorm scale of each residual block at 0 (ResNets)"
+    )
+    p.add_argument(
+        "--clip-grad-norm",
+        type=float,
+        default=None,
+        metavar="X",
+        help="clip the gradients' global norm to X (after unscaling)",
+    )
 
     p = parser.add_argument_group("optimizer and schedule (dlojz_optim.py)")
     p.add_argument("--optimizer", default="sgd", choices=OPTIMIZERS, help="momentum/beta1 from --mom (default: sgd)")
     p.add_argument("--no-wd-norm-bias", action="store_true", help="no weight decay on norm layers and biases")
-    p.add_argument("--lr-scheduler", default="onecycle", choices=SCHEDULERS, help="stepped every optimizer step (default: onecycle)")
-    p.add_argument("--warmup-epochs", type=float, default=0.0, help="linear warm-up for cosine/step/constant/poly (default: 0)")
+    p.add_argument(
+        "--lr-scheduler",
+        default="onecycle",
+        choices=SCHEDULERS,
+        help="stepped every optimizer step (default: onecycle)",
+    )
+    p.add_argument(
+        "--warmup-epochs", type=float, default=0.0, help="linear warm-up for cosine/step/constant/poly (default: 0)"
+    )
     p.add_argument("--lr-peak-epoch", type=float, default=2.0, help="linear: epoch of the peak, as FFCV's (default: 2)")
-    p.add_argument("--lr-poly-power", type=float, default=2.0, help="poly: power of the decay, as MLPerf's (default: 2)")
-    p.add_argument("--findlr", action="store_true", help="LR range test: exponential sweep from 1e-8 to --lr over the run, no validation;\n"
-                   "writes findlr.csv and findlr.png, prints a suggested lr")
+    p.add_argument(
+        "--lr-poly-power", type=float, default=2.0, help="poly: power of the decay, as MLPerf's (default: 2)"
+    )
+    p.add_argument(
+        "--findlr",
+        action="store_true",
+        help="LR range test: exponential sweep from 1e-8 to --lr over the run, no validation;\n"
+        "writes findlr.csv and findlr.png, prints a suggested lr",
+    )
 
     p = parser.add_argument_group("memory and speed")
-    p.add_argument("--grad-acc", type=int, default=1, help="accumulate gradients over N micro-batches per optimizer step (default: 1)")
-    p.add_argument("--grad-checkpointing", action="store_true", help="recompute activations of the model's stages in the backward")
-    p.add_argument("--compile", action="store_true", help="torch.compile the model (compilation shows as the time to the first step)")
+    p.add_argument(
+        "--grad-acc",
+        type=int,
+        default=1,
+        help="accumulate gradients over N micro-batches per optimizer step (default: 1)",
+    )
+    p.add_argument(
+        "--grad-checkpointing", action="store_true", help="recompute activations of the model's stages in the backward"
+    )
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="torch.compile the model (compilation shows as the time to the first step)",
+    )
     p.add_argument("--sync-bn", action="store_true", help="synchronised BatchNorm across ranks")
-    p.add_argument("--model-ema", action="store_true", help="keep an exponential moving average of the weights, validated alongside")
-    p.add_argument("--model-ema-decay", type=float, default=0.9998, help="EMA decay per optimizer step (default: 0.9998)")
+    p.add_argument(
+        "--model-ema",
+        action="store_true",
+        help="keep an exponential moving average of the weights, validated alongside",
+    )
+    p.add_argument(
+        "--model-ema-decay", type=float, default=0.9998, help="EMA decay per optimizer step (default: 0.9998)"
+    )
 
     p = parser.add_argument_group("augmentation")
-    p.add_argument("--randaugment", type=int, nargs=2, metavar=("N", "M"), default=None, help="RandAugment with N ops of magnitude M")
+    p.add_argument(
+        "--randaugment",
+        type=int,
+        nargs=2,
+        metavar=("N", "M"),
+        default=None,
+        help="RandAugment with N ops of magnitude M",
+    )
     p.add_argument("--trivialaugment", action="store_true", help="TrivialAugmentWide")
-    p.add_argument("--random-erase", type=float, default=0.0, metavar="P", help="RandomErasing probability (default: 0)")
+    p.add_argument(
+        "--random-erase", type=float, default=0.0, metavar="P", help="RandomErasing probability (default: 0)"
+    )
     p.add_argument("--mixup-alpha", type=float, default=0.0, help="batch-level MixUp alpha (default: 0 = off)")
     p.add_argument("--cutmix-alpha", type=float, default=0.0, help="batch-level CutMix alpha (default: 0 = off)")
 
     p = parser.add_argument_group("validation and time to accuracy")
-    p.add_argument("--val-every", type=int, default=1, metavar="N", help="validate every N epochs; the last always (default: 1)")
-    p.add_argument("--target-accuracy", type=float, default=None, metavar="A", help="stop at the first validation with top-1 >= A (0-1);\n"
-                   "the metrics JSON gets time_to_target_s and epochs_to_target")
-    p.add_argument("--tta-flip", action="store_true", help="validation averages the logits of each image and its mirror")
-    p.add_argument("--min-res", type=int, default=None, help="progressive resizing (FFCV's): training resolution up to --start-ramp")
-    p.add_argument("--max-res", type=int, default=None, help="progressive resizing: training resolution from --end-ramp")
-    p.add_argument("--start-ramp", type=int, default=0, help="progressive resizing: epoch (from 0) the ramp starts (default: 0)")
+    p.add_argument(
+        "--val-every", type=int, default=1, metavar="N", help="validate every N epochs; the last always (default: 1)"
+    )
+    p.add_argument(
+        "--target-accuracy",
+        type=float,
+        default=None,
+        metavar="A",
+        help="stop at the first validation with top-1 >= A (0-1);\n"
+        "the metrics JSON gets time_to_target_s and epochs_to_target",
+    )
+    p.add_argument(
+        "--tta-flip", action="store_true", help="validation averages the logits of each image and its mirror"
+    )
+    p.add_argument(
+        "--min-res",
+        type=int,
+        default=None,
+        help="progressive resizing (FFCV's): training resolution up to --start-ramp",
+    )
+    p.add_argument(
+        "--max-res", type=int, default=None, help="progressive resizing: training resolution from --end-ramp"
+    )
+    p.add_argument(
+        "--start-ramp", type=int, default=0, help="progressive resizing: epoch (from 0) the ramp starts (default: 0)"
+    )
     p.add_argument("--end-ramp", type=int, default=0, help="progressive resizing: epoch (from 0) the ramp ends")
-    p.add_argument("--res-step", type=int, default=32, help="progressive resizing: resolutions are multiples of it (default: 32)")
+    p.add_argument(
+        "--res-step", type=int, default=32, help="progressive resizing: resolutions are multiples of it (default: 32)"
+    )
 
     p = parser.add_argument_group("profiler (torch.profiler)")
-    p.add_argument("--prof", action="store_true", help="profile a few steps; traces in <output-dir>/profiler (TensorBoard, Perfetto)")
+    p.add_argument(
+        "--prof",
+        action="store_true",
+        help="profile a few steps; traces in <output-dir>/profiler (TensorBoard, Perfetto)",
+    )
     p.add_argument("--prof-wait", type=int, default=1, help="steps skipped before profiling (default: 1)")
     p.add_argument("--prof-warmup", type=int, default=1, help="profiled steps thrown away (default: 1)")
     p.add_argument("--prof-active", type=int, default=3, help="profiled steps recorded (default: 3)")
 
     p = parser.add_argument_group("modes")
-    p.add_argument("--test", action="store_true", help="benchmark: stop after --test-nsteps steps, validate on 20 batches,\n"
-                   "no W&B, no checkpoint, chronometer report")
+    p.add_argument(
+        "--test",
+        action="store_true",
+        help="benchmark: stop after --test-nsteps steps, validate on 20 batches,\n"
+        "no W&B, no checkpoint, chronometer report",
+    )
     p.add_argument("--test-nsteps", type=int, default=50, help="steps in --test mode (default: 50)")
     p.add_argument("--synthetic", action="store_true", help="random tensors made once in memory: no disk, no decoding")
     p.add_argument("--eval-only", action="store_true", help="validate the checkpoint given by --resume and stop")
-    p.add_argument("--loader-only", action="store_true", help="time the training DataLoader alone (no model) over\n"
-                   "--test-nsteps batches: images/s overall and per worker")
+    p.add_argument(
+        "--loader-only",
+        action="store_true",
+        help="time the training DataLoader alone (no model) over\n"
+        "--test-nsteps batches: images/s overall and per worker",
+    )
 
     p = parser.add_argument_group("data")
-    p.add_argument("--data-root", default=None, help="folder with train/ and val/ (ImageNet or ImageFolder layout);\n"
-                   "default: $DLOJZ_DATA, $ALL_CCFRSCRATCH/imagenet, $DSDIR/imagenet,\nelse the embedded data set")
-    p.add_argument("--val-resize-size", type=int, default=None, help="validation resize (default: 256; CPU profile: 73)")
-    p.add_argument("--val-crop-size", type=int, default=None, help="validation center crop (default: 224; CPU profile: 64)")
-    p.add_argument("--val-batch-size", type=int, default=None, help="validation batch size per process (default: 256; CPU profile: 64)")
-    p.add_argument("--data-backend", choices=("pytorch", "dali"), default="pytorch", help="who decodes and augments: the DataLoader's workers (default),\n"
-                   "or NVIDIA DALI (on the GPU; its CPU backend without one)")
-    p.add_argument("--train-subset", type=float, default=None, metavar="F", help="train on a fixed part of the training set, the same\n"
-                   "in every run whatever --seed: F < 1 a fraction, F >= 1 images per class\n(stratified; validation stays whole)")
+    p.add_argument(
+        "--data-root",
+        default=None,
+        help="folder with train/ and val/ (ImageNet or ImageFolder layout);\n"
+        "default: $DLOJZ_DATA, $ALL_CCFRSCRATCH/imagenet, $DSDIR/imagenet,\nelse the embedded data set",
+    )
+    p.add_argument(
+        "--val-resize-size", type=int, default=None, help="validation resize (default: 256; CPU profile: 73)"
+    )
+    p.add_argument(
+        "--val-crop-size", type=int, default=None, help="validation center crop (default: 224; CPU profile: 64)"
+    )
+    p.add_argument(
+        "--val-batch-size",
+        type=int,
+        default=None,
+        help="validation batch size per process (default: 256; CPU profile: 64)",
+    )
+    p.add_argument(
+        "--data-backend",
+        choices=("pytorch", "dali"),
+        default="pytorch",
+        help="who decodes and augments: the DataLoader's workers (default),\n"
+        "or NVIDIA DALI (on the GPU; its CPU backend without one)",
+    )
+    p.add_argument(
+        "--train-subset",
+        type=float,
+        default=None,
+        metavar="F",
+        help="train on a fixed part of the training set, the same\n"
+        "in every run whatever --seed: F < 1 a fraction, F >= 1 images per class\n(stratified; validation stays whole)",
+    )
 
     p = parser.add_argument_group("DataLoader")
-    p.add_argument("--num-workers", type=int, default=None, help="workers per process (default: CPUs per task - 1, at most 16)")
-    p.add_argument("--persistent-workers", default=True, action=argparse.BooleanOptionalAction, help="keep workers between epochs (default: on)")
-    p.add_argument("--pin-memory", default=True, action=argparse.BooleanOptionalAction, help="page-locked host buffers (default: on)")
-    p.add_argument("--non-blocking", default=True, action=argparse.BooleanOptionalAction, help="asynchronous host-to-GPU copies (default: on)")
-    p.add_argument("--prefetch-factor", type=int, default=3, help="batches prefetched per worker, ignored with 0 workers (default: 3)")
-    p.add_argument("--drop-last", default=None, action=argparse.BooleanOptionalAction, help="drop the last incomplete batch (default: off; on with --compile)")
+    p.add_argument(
+        "--num-workers", type=int, default=None, help="workers per process (default: CPUs per task - 1, at most 16)"
+    )
+    p.add_argument(
+        "--persistent-workers",
+        default=True,
+        action=argparse.BooleanOptionalAction,
+        help="keep workers between epochs (default: on)",
+    )
+    p.add_argument(
+        "--pin-memory",
+        default=True,
+        action=argparse.BooleanOptionalAction,
+        help="page-locked host buffers (default: on)",
+    )
+    p.add_argument(
+        "--non-blocking",
+        default=True,
+        action=argparse.BooleanOptionalAction,
+        help="asynchronous host-to-GPU copies (default: on)",
+    )
+    p.add_argument(
+        "--prefetch-factor",
+        type=int,
+        default=3,
+        help="batches prefetched per worker, ignored with 0 workers (default: 3)",
+    )
+    p.add_argument(
+        "--drop-last",
+        default=None,
+        action=argparse.BooleanOptionalAction,
+        help="drop the last incomplete batch (default: off; on with --compile)",
+    )
 
     p = parser.add_argument_group("device and precision")
-    p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto", help="(default: auto = cuda if available)")
-    p.add_argument("--amp", default=None, action=argparse.BooleanOptionalAction, help="automatic mixed precision (default: on with CUDA, off on CPU)")
-    p.add_argument("--amp-dtype", choices=("float16", "bfloat16"), default=None, help="AMP dtype (default: float16 on CUDA, bfloat16 on CPU)")
-    p.add_argument("--channels-last", default=False, action=argparse.BooleanOptionalAction, help="NHWC memory format for model and inputs (default: off)")
-    p.add_argument("--tf32", default=None, action=argparse.BooleanOptionalAction, help="TF32 matmul/cuDNN (default: on for Ampere and newer)")
+    p.add_argument(
+        "--device", choices=("auto", "cuda", "cpu"), default="auto", help="(default: auto = cuda if available)"
+    )
+    p.add_argument(
+        "--amp",
+        default=None,
+        action=argparse.BooleanOptionalAction,
+        help="automatic mixed precision (default: on with CUDA, off on CPU)",
+    )
+    p.add_argument(
+        "--amp-dtype",
+        choices=("float16", "bfloat16"),
+        default=None,
+        help="AMP dtype (default: float16 on CUDA, bfloat16 on CPU)",
+    )
+    p.add_argument(
+        "--channels-last",
+        default=False,
+        action=argparse.BooleanOptionalAction,
+        help="NHWC memory format for model and inputs (default: off)",
+    )
+    p.add_argument(
+        "--tf32",
+        default=None,
+        action=argparse.BooleanOptionalAction,
+        help="TF32 matmul/cuDNN (default: on for Ampere and newer)",
+    )
 
     p = parser.add_argument_group("distribution")
-    p.add_argument("--dist-timeout", type=float, default=600, help="seconds before a collective waiting for a dead rank fails (default: 600)")
-    p.add_argument("--fsdp", action="store_true", help="shard parameters, gradients and optimizer state across ranks (FSDP2, dlojz_fsdp.py)\n"
-                   "instead of DDP's full copy on each; sharded checkpoints (torch.distributed.checkpoint)")
-    p.add_argument("--fsdp-reshard-after-forward", default=None, action=argparse.BooleanOptionalAction,
-                   help="--fsdp: free each block's gathered parameters after its forward and gather them again for\n"
-                        "the backward (ZeRO-3, default), or keep them until the backward (ZeRO-2-like: faster, more memory)")
+    p.add_argument(
+        "--dist-timeout",
+        type=float,
+        default=600,
+        help="seconds before a collective waiting for a dead rank fails (default: 600)",
+    )
+    p.add_argument(
+        "--fsdp",
+        action="store_true",
+        help="shard parameters, gradients and optimizer state across ranks (FSDP2, dlojz_fsdp.py)\n"
+        "instead of DDP's full copy on each; sharded checkpoints (torch.distributed.checkpoint)",
+    )
+    p.add_argument(
+        "--fsdp-reshard-after-forward",
+        default=None,
+        action=argparse.BooleanOptionalAction,
+        help="--fsdp: free each block's gathered parameters after its forward and gather them again for\n"
+        "the backward (ZeRO-3, default), or keep them until the backward (ZeRO-2-like: faster, more memory)",
+    )
 
     p = parser.add_argument_group("logging, checkpoints, resume")
-    p.add_argument("--output-dir", default=None, help="checkpoints, metrics, traces (default: ./runs/<job name>_<job id or timestamp>)")
+    p.add_argument(
+        "--output-dir",
+        default=None,
+        help="checkpoints, metrics, traces (default: ./runs/<job name>_<job id or timestamp>)",
+    )
     p.add_argument("--metrics-json", default=None, help="write the run's final metrics to this JSON file (rank 0)")
-    p.add_argument("--val-history", default=None, metavar="FILE.jsonl", help="append one JSON line per validation to this file (rank 0)")
-    p.add_argument("--resume", default=None, help="'auto' (newest checkpoint in --output-dir, if any) or a checkpoint path")
-    p.add_argument("--requeue", default=True, action=argparse.BooleanOptionalAction, help="on a stop signal under Slurm, requeue the job after the\n"
-                   "checkpoint (default: on; dlojz_hpo.py's trials: off, the worker requeues)")
+    p.add_argument(
+        "--val-history",
+        default=None,
+        metavar="FILE.jsonl",
+        help="append one JSON line per validation to this file (rank 0)",
+    )
+    p.add_argument(
+        "--resume", default=None, help="'auto' (newest checkpoint in --output-dir, if any) or a checkpoint path"
+    )
+    p.add_argument(
+        "--requeue",
+        default=True,
+        action=argparse.BooleanOptionalAction,
+        help="on a stop signal under Slurm, requeue the job after the\n"
+        "checkpoint (default: on; dlojz_hpo.py's trials: off, the worker requeues)",
+    )
     p.add_argument("--keep-checkpoints", type=int, default=3, help="checkpoints kept in --output-dir (default: 3)")
-    p.add_argument("--wandb", default=True, action=argparse.BooleanOptionalAction, help="W&B logging on rank 0 (default: on; never in --test)")
+    p.add_argument(
+        "--wandb",
+        default=True,
+        action=argparse.BooleanOptionalAction,
+        help="W&B logging on rank 0 (default: on; never in --test)",
+    )
     p.add_argument("--wandb-project", default="Imagenet Race Cup", help="(default: 'Imagenet Race Cup')")
-    p.add_argument("--wandb-mode", choices=("offline", "online", "disabled"), default="offline", help="(default: offline: never needs the network)")
+    p.add_argument(
+        "--wandb-mode",
+        choices=("offline", "online", "disabled"),
+        default="offline",
+        help="(default: offline: never needs the network)",
+    )
     p.add_argument("--wandb-group", default=None, help="W&B group of the run (dlojz_hpo.py: the study)")
     return parser
 
@@ -249,7 +467,8 @@ def get_args_parser():
 class Config:
     """Every setting of a run: the flags (same names), the profile's values filled in, and what follows from the
     device and the Slurm task. Saved in checkpoints as `args` and given to W&B as its config."""
-    config: str | None       # the recipe file the defaults came from
+
+    config: str | None  # the recipe file the defaults came from
     # training
     batch_size: int
     epochs: int
@@ -318,7 +537,7 @@ class Config:
     prefetch_factor: int
     drop_last: bool
     # device and precision
-    device: str              # the flag: auto, cuda or cpu
+    device: str  # the flag: auto, cuda or cpu
     amp: bool
     amp_dtype: str
     channels_last: bool
@@ -338,13 +557,14 @@ class Config:
     wandb_mode: str
     wandb_group: str | None
     # what follows from the machine
-    torch_device: str        # this rank's device: "cuda:<index>" or "cpu"
+    torch_device: str  # this rank's device: "cuda:<index>" or "cpu"
     cpus_per_task: int
-    notes: tuple = ()        # lines rank 0 prints once the run starts (profile values, warnings)
+    notes: tuple = ()  # lines rank 0 prints once the run starts (profile values, warnings)
 
     @property
     def autocast_dtype(self):
         import torch
+
         return getattr(torch, self.amp_dtype)
 
     @property
@@ -356,6 +576,7 @@ class Config:
 def resolve_config(args) -> Config:
     """Fill the defaults that depend on the machine and check every flag; raise UserError on bad input."""
     import torch
+
     idr_torch = load_idr_torch()
     values = vars(args).copy()
     notes = []
@@ -366,14 +587,19 @@ def resolve_config(args) -> Config:
     unset = [key for key in profile if values[key] is None]
     values.update({key: profile[key] for key in unset})
     if not on_gpu and unset:
-        notes.append("CPU profile (no GPU): " + " ".join(f"--{k.replace('_', '-')} {profile[k]}" for k in unset)
-                     + "  (any flag given explicitly wins)")
+        notes.append(
+            "CPU profile (no GPU): "
+            + " ".join(f"--{k.replace('_', '-')} {profile[k]}" for k in unset)
+            + "  (any flag given explicitly wins)"
+        )
     cpus_per_task = idr_torch.cpus_per_task
     if values["num_workers"] is None:  # one core left to the training process, which feeds the GPU
         values["num_workers"] = max(0, min(cpus_per_task - 1, 16))
     elif values["num_workers"] > cpus_per_task:
-        notes.append(f"WARNING: --num-workers {values['num_workers']} exceeds the {cpus_per_task} CPUs of this task: "
-                     "workers will compete")
+        notes.append(
+            f"WARNING: --num-workers {values['num_workers']} exceeds the {cpus_per_task} CPUs of this task: "
+            "workers will compete"
+        )
     if values["amp"] is None:
         values["amp"] = on_gpu
     if values["amp_dtype"] is None:  # FSDP: bfloat16, which needs no loss scaler across the shards
@@ -386,8 +612,10 @@ def resolve_config(args) -> Config:
         # A last, smaller batch is a new input shape: a new cuDNN autotuning and, compiled, a recompilation.
         values["drop_last"] = bool(values["compile"])
         if values["compile"]:
-            notes.append("--compile: the last incomplete batch of each epoch is dropped (a new shape would recompile); "
-                         "--no-drop-last keeps it")
+            notes.append(
+                "--compile: the last incomplete batch of each epoch is dropped (a new shape would recompile); "
+                "--no-drop-last keeps it"
+            )
     if values["randaugment"] is not None:
         values["randaugment"] = tuple(values["randaugment"])
     if values["output_dir"] is None:
@@ -395,15 +623,19 @@ def resolve_config(args) -> Config:
         job_id = os.environ.get("SLURM_JOB_ID") or datetime.now().strftime("%Y%m%d-%H%M%S")
         values["output_dir"] = os.path.join("runs", f"{job}_{job_id}")
     if values["config"]:
-        notes.append(f"recipe {values['config']}: " + ", ".join(
-            f"{key}={values[key]}" for key in read_recipe(get_args_parser(), values["config"])))
+        notes.append(
+            f"recipe {values['config']}: "
+            + ", ".join(f"{key}={values[key]}" for key in read_recipe(get_args_parser(), values["config"]))
+        )
     cfg = Config(**values, torch_device=torch_device, cpus_per_task=cpus_per_task, notes=())
     check(cfg)
     if on_gpu:
         notes.extend(precision_notes(cfg, torch.cuda.get_device_capability(torch_device)))
     if on_gpu and cfg.amp and (cfg.batch_size % 8 or cfg.image_size % 8):
-        notes.append(f"WARNING: with AMP, Tensor Cores want multiples of 8: --batch-size {cfg.batch_size}, "
-                     f"--image-size {cfg.image_size}")
+        notes.append(
+            f"WARNING: with AMP, Tensor Cores want multiples of 8: --batch-size {cfg.batch_size}, "
+            f"--image-size {cfg.image_size}"
+        )
     return dataclasses.replace(cfg, notes=tuple(notes))
 
 
@@ -413,12 +645,16 @@ def precision_notes(cfg, capability):
     notes = []
     if cfg.amp and cfg.amp_dtype == "float16":
         if capability[0] >= 8:
-            notes.append("AMP float16 with a GradScaler (loss scaling, skipped overflow steps); on this GPU "
-                         "--amp-dtype bfloat16 needs no GradScaler")
+            notes.append(
+                "AMP float16 with a GradScaler (loss scaling, skipped overflow steps); on this GPU "
+                "--amp-dtype bfloat16 needs no GradScaler"
+            )
         if cfg.optimizer not in FUSED:
-            notes.append(f"WARNING: --optimizer {cfg.optimizer} has no fused step: the float16 GradScaler reads its "
-                         "overflow flag on the host, one GPU synchronisation per optimizer step; "
-                         + ("--amp-dtype bfloat16 avoids it" if capability[0] >= 8 else f"{', '.join(FUSED)} avoid it"))
+            notes.append(
+                f"WARNING: --optimizer {cfg.optimizer} has no fused step: the float16 GradScaler reads its "
+                "overflow flag on the host, one GPU synchronisation per optimizer step; "
+                + ("--amp-dtype bfloat16 avoids it" if capability[0] >= 8 else f"{', '.join(FUSED)} avoid it")
+            )
     return notes
 
 
@@ -426,54 +662,76 @@ def local_device(device_flag, local_rank):
     """This rank's device as a string: one GPU per task, picked by the local rank among the GPUs this task sees
     (all of the node's, or only its own when Slurm binds GPUs to tasks), or the CPU."""
     import torch
+
     if device_flag == "cpu" or (device_flag == "auto" and not torch.cuda.is_available()):
         return "cpu"
     if not torch.cuda.is_available():
-        fail("--device cuda: no CUDA GPU is visible here" + (driver_too_old() or "")
-             + "; use --device cpu or run on a GPU node")
+        fail(
+            "--device cuda: no CUDA GPU is visible here"
+            + (driver_too_old() or "")
+            + "; use --device cpu or run on a GPU node"
+        )
     index = local_rank % torch.cuda.device_count()
     check_kernels(index)
     return f"cuda:{index}"
 
 
-CUDA12_HINT = ("install a CUDA 12 build of torch (pip install torch --index-url <PyTorch's wheel index>/whl/cu126) "
-               "or load the site's PyTorch (module load pytorch-gpu/...)")
+CUDA12_HINT = (
+    "install a CUDA 12 build of torch (pip install torch --index-url <PyTorch's wheel index>/whl/cu126) "
+    "or load the site's PyTorch (module load pytorch-gpu/...)"
+)
 
 
 def check_kernels(index):
     """Fail in one line if this torch has no kernels for the GPU (the pinned CUDA 13 wheel stops at sm_75: no V100)."""
     import torch
+
     major, minor = torch.cuda.get_device_capability(index)
     archs = torch.cuda.get_arch_list()
     built = {int(a.split("_")[1]) for a in archs if a.startswith("sm_")}
     ptx = [int(a.split("_")[1]) for a in archs if a.startswith("compute_")]  # JIT-compiled for newer GPUs
     if archs and 10 * major + minor not in built and not any(p <= 10 * major + minor for p in ptx):
-        fail(f"this torch {torch.__version__} (CUDA {torch.version.cuda}) has no kernels for "
-             f"{torch.cuda.get_device_name(index)} (sm_{major}{minor}; built for {', '.join(archs)}): {CUDA12_HINT}")
+        fail(
+            f"this torch {torch.__version__} (CUDA {torch.version.cuda}) has no kernels for "
+            f"{torch.cuda.get_device_name(index)} (sm_{major}{minor}; built for {', '.join(archs)}): {CUDA12_HINT}"
+        )
 
 
 def driver_too_old():
     """', the NVIDIA driver ... is too old for this torch's CUDA' when NVML says so, else None."""
     try:
         import pynvml
+
         pynvml.nvmlInit()
         driver_cuda = pynvml.nvmlSystemGetCudaDriverVersion()  # e.g. 12040 for CUDA 12.4
         driver = pynvml.nvmlSystemGetDriverVersion()
     except Exception:  # no NVML, no driver: nothing more to say
         return None
     import torch
+
     needed = tuple(int(x) for x in (torch.version.cuda or "0.0").split(".")[:2])
     if (driver_cuda // 1000, driver_cuda % 1000 // 10) < needed:
         driver = driver.decode() if isinstance(driver, bytes) else driver
-        return (f": the NVIDIA driver {driver} supports CUDA up to {driver_cuda // 1000}.{driver_cuda % 1000 // 10}, "
-                f"this torch needs CUDA {torch.version.cuda}; {CUDA12_HINT}")
+        return (
+            f": the NVIDIA driver {driver} supports CUDA up to {driver_cuda // 1000}.{driver_cuda % 1000 // 10}, "
+            f"this torch needs CUDA {torch.version.cuda}; {CUDA12_HINT}"
+        )
     return None
 
 
 def check(cfg: Config):
     """Every check of the flags alone and of the files they name (the data is checked when it is read)."""
     import torch
-    for flag in ("batch_size", "epochs", "image_size", "val_resize_size", "val_crop_size", "val_batch_size", "test_nsteps"):
+
+    for flag in (
+        "batch_size",
+        "epochs",
+        "image_size",
+        "val_resize_size",
+        "val_crop_size",
+        "val_batch_size",
+        "test_nsteps",
+    ):
         if getattr(cfg, flag) < 1:
             fail(f"--{flag.replace('_', '-')} must be at least 1 (got {getattr(cfg, flag)})")
     if cfg.num_workers < 0 or cfg.prefetch_factor < 1:
@@ -488,8 +746,10 @@ def check(cfg: Config):
         try:
             import timm.optim  # noqa: F401
         except ImportError as err:
-            fail(f"--optimizer {cfg.optimizer} needs timm, which does not import here ({err}): pip install timm, "
-                 f"or use --optimizer {' or '.join(FUSED)}")
+            fail(
+                f"--optimizer {cfg.optimizer} needs timm, which does not import here ({err}): pip install timm, "
+                f"or use --optimizer {' or '.join(FUSED)}"
+            )
     for flag in ("warmup_epochs", "lr_peak_epoch"):
         if getattr(cfg, flag) < 0:
             fail(f"--{flag.replace('_', '-')} must be >= 0 (got {getattr(cfg, flag)})")
@@ -507,8 +767,10 @@ def check(cfg: Config):
         if cfg.synthetic:
             fail("--synthetic trains on one fixed batch: progressive resizing (--min-res/--max-res) needs the data")
     if not 0 < cfg.val_crop_size <= cfg.val_resize_size:
-        fail(f"--val-crop-size {cfg.val_crop_size} must be > 0 and at most --val-resize-size {cfg.val_resize_size} "
-             f"(the center crop is cut from the resized image)")
+        fail(
+            f"--val-crop-size {cfg.val_crop_size} must be > 0 and at most --val-resize-size {cfg.val_resize_size} "
+            f"(the center crop is cut from the resized image)"
+        )
     if cfg.val_every < 1:
         fail(f"--val-every must be at least 1 (got {cfg.val_every})")
     if cfg.target_accuracy is not None and not 0 < cfg.target_accuracy <= 1:
@@ -525,24 +787,38 @@ def check(cfg: Config):
         fail("--fsdp-reshard-after-forward/--no-fsdp-reshard-after-forward set how --fsdp shards: add --fsdp")
     if cfg.fsdp:
         from dlojz_fsdp import check_config
+
         check_config(cfg)
     if cfg.sync_bn and cfg.torch_device == "cpu":
         fail("--sync-bn needs CUDA: torch's SyncBatchNorm works with GPU modules only")
     if cfg.train_subset is not None:
         if cfg.train_subset <= 0 or (cfg.train_subset >= 1 and not cfg.train_subset.is_integer()):
-            fail(f"--train-subset is a fraction in (0, 1) or a whole number of images per class (got {cfg.train_subset:g})")
+            fail(
+                f"--train-subset is a fraction in (0, 1) or a whole number of images per class (got {cfg.train_subset:g})"
+            )
         if cfg.synthetic:
             fail("--train-subset picks images of the data set, which --synthetic does not read: drop one of them")
     if cfg.data_backend == "dali":
         from dlojz_dali import check_available
+
         if (reason := check_available()) is not None:
             fail(reason)
-        unsupported = [flag for flag, on in (("--synthetic", cfg.synthetic), ("--min-res", cfg.min_res is not None),
-                                             ("--randaugment", cfg.randaugment), ("--trivialaugment", cfg.trivialaugment),
-                                             ("--random-erase", cfg.random_erase > 0)) if on]
+        unsupported = [
+            flag
+            for flag, on in (
+                ("--synthetic", cfg.synthetic),
+                ("--min-res", cfg.min_res is not None),
+                ("--randaugment", cfg.randaugment),
+                ("--trivialaugment", cfg.trivialaugment),
+                ("--random-erase", cfg.random_erase > 0),
+            )
+            if on
+        ]
         if unsupported:
-            fail(f"--data-backend dali does RandomResizedCrop and flip only: {', '.join(unsupported)} needs "
-                 f"--data-backend pytorch")
+            fail(
+                f"--data-backend dali does RandomResizedCrop and flip only: {', '.join(unsupported)} needs "
+                f"--data-backend pytorch"
+            )
     if cfg.loader_only and cfg.synthetic:
         fail("--loader-only times the DataLoader, which --synthetic does not use: drop one of them")
     if cfg.eval_only and not cfg.resume:
@@ -560,9 +836,16 @@ def check(cfg: Config):
 def check_autocast(device, dtype):
     """Fail with one line, before any training, if this device cannot run autocast in `dtype`."""
     import torch
+
     # Emulated bfloat16 (V100) runs, but slower than float32: refuse it.
-    if device.type == "cuda" and dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported(including_emulation=False):
-        fail(f"--amp-dtype bfloat16: {torch.cuda.get_device_name(device)} has no bfloat16 support; use --amp-dtype float16")
+    if (
+        device.type == "cuda"
+        and dtype == torch.bfloat16
+        and not torch.cuda.is_bf16_supported(including_emulation=False)
+    ):
+        fail(
+            f"--amp-dtype bfloat16: {torch.cuda.get_device_name(device)} has no bfloat16 support; use --amp-dtype float16"
+        )
     try:
         conv = torch.nn.Conv2d(3, 4, 3).to(device)
         with torch.autocast(device.type, dtype=dtype):

@@ -21,6 +21,7 @@ a warning before DALI sees it; one DALI cannot decode stops the run with DALI's 
 - `dali_batches(dataset, sampler, batch_size, ...)`: an iterable of (normalised images, labels) on the device,
   with `len()` and `batch_size`, in place of the DataLoader + DevicePrefetcher.
 """
+
 import collections
 import copy
 import math
@@ -41,14 +42,18 @@ def check_available():
         import nvidia.dali  # noqa: F401
         import nvidia.dali.plugin.pytorch  # noqa: F401
     except ImportError as err:
-        return (f"--data-backend dali needs NVIDIA DALI, which does not import here ({err}): pip install "
-                f"{DALI_PACKAGE} (CUDA 13; nvidia-dali-cuda120 for CUDA 12), or use --data-backend pytorch")
+        return (
+            f"--data-backend dali needs NVIDIA DALI, which does not import here ({err}): pip install "
+            f"{DALI_PACKAGE} (CUDA 13; nvidia-dali-cuda120 for CUDA 12), or use --data-backend pytorch"
+        )
     return None
 
 
 def whole_image(data):
     """A whole JPEG (start and end markers) or PNG: what is worth handing to DALI's decoder."""
-    return (data[:3] == b"\xff\xd8\xff" and data.rstrip(b"\x00")[-2:] == b"\xff\xd9") or data[:8] == b"\x89PNG\r\n\x1a\n"
+    return (data[:3] == b"\xff\xd8\xff" and data.rstrip(b"\x00")[-2:] == b"\xff\xd9") or data[
+        :8
+    ] == b"\x89PNG\r\n\x1a\n"
 
 
 class EncodedSamples:
@@ -77,7 +82,7 @@ class EncodedSamples:
             self.pool = ThreadPoolExecutor(READ_THREADS)
         pending = collections.deque()
         for start in range(0, len(keys), self.batch_size):
-            pending.append([self.pool.submit(self._read, index) for _, index in keys[start:start + self.batch_size]])
+            pending.append([self.pool.submit(self._read, index) for _, index in keys[start : start + self.batch_size]])
             if len(pending) > READ_AHEAD:
                 yield self._collect(pending.popleft())
         while pending:
@@ -99,8 +104,9 @@ class EncodedSamples:
                     raise OSError("not a whole JPEG or PNG file")
                 return np.frombuffer(data, dtype=np.uint8), np.array([self.dataset.samples[i][1]], dtype=np.int64)
             except OSError as err:
-                print(f"WARNING: skipping unreadable image {self.dataset.describe(i)}: {err}", file=sys.stderr,
-                      flush=True)
+                print(
+                    f"WARNING: skipping unreadable image {self.dataset.describe(i)}: {err}", file=sys.stderr, flush=True
+                )
         raise OSError(f"no readable image in {self.dataset.root}")
 
     def __getstate__(self):  # the thread pool stays in the process that made it
@@ -110,17 +116,25 @@ class EncodedSamples:
 def train_pipeline(source, batch_size, image_size, device_id, num_threads, seed):
     from nvidia.dali import fn, pipeline_def, types
 
-    @pipeline_def(batch_size=batch_size, num_threads=num_threads, device_id=device_id, seed=seed,
-                  prefetch_queue_depth=2)
+    @pipeline_def(
+        batch_size=batch_size, num_threads=num_threads, device_id=device_id, seed=seed, prefetch_queue_depth=2
+    )
     def pipeline():
-        encoded, labels = fn.external_source(source=source, num_outputs=2, batch=True, cycle="raise",
-                                             dtype=[types.UINT8, types.INT64])
-        images = fn.decoders.image_random_crop(encoded, device="mixed" if device_id is not None else "cpu",
-                                               output_type=types.RGB, random_area=[0.08, 1.0],
-                                               random_aspect_ratio=[3 / 4, 4 / 3], num_attempts=10)
+        encoded, labels = fn.external_source(
+            source=source, num_outputs=2, batch=True, cycle="raise", dtype=[types.UINT8, types.INT64]
+        )
+        images = fn.decoders.image_random_crop(
+            encoded,
+            device="mixed" if device_id is not None else "cpu",
+            output_type=types.RGB,
+            random_area=[0.08, 1.0],
+            random_aspect_ratio=[3 / 4, 4 / 3],
+            num_attempts=10,
+        )
         images = fn.resize(images, resize_x=image_size, resize_y=image_size, antialias=True)
-        images = fn.crop_mirror_normalize(images, dtype=types.UINT8, output_layout="CHW",
-                                          mirror=fn.random.coin_flip(probability=0.5))
+        images = fn.crop_mirror_normalize(
+            images, dtype=types.UINT8, output_layout="CHW", mirror=fn.random.coin_flip(probability=0.5)
+        )
         return images, labels.gpu() if device_id is not None else labels
 
     return pipeline()
@@ -129,11 +143,13 @@ def train_pipeline(source, batch_size, image_size, device_id, num_threads, seed)
 def val_pipeline(source, batch_size, resize_size, crop_size, device_id, num_threads, seed):
     from nvidia.dali import fn, pipeline_def, types
 
-    @pipeline_def(batch_size=batch_size, num_threads=num_threads, device_id=device_id, seed=seed,
-                  prefetch_queue_depth=2)
+    @pipeline_def(
+        batch_size=batch_size, num_threads=num_threads, device_id=device_id, seed=seed, prefetch_queue_depth=2
+    )
     def pipeline():
-        encoded, labels = fn.external_source(source=source, num_outputs=2, batch=True, cycle="raise",
-                                             dtype=[types.UINT8, types.INT64])
+        encoded, labels = fn.external_source(
+            source=source, num_outputs=2, batch=True, cycle="raise", dtype=[types.UINT8, types.INT64]
+        )
         images = fn.decoders.image(encoded, device="mixed" if device_id is not None else "cpu", output_type=types.RGB)
         images = fn.resize(images, resize_shorter=resize_size, antialias=True)
         images = fn.crop_mirror_normalize(images, dtype=types.UINT8, output_layout="CHW", crop=(crop_size, crop_size))
@@ -173,6 +189,7 @@ class DaliBatches:
 
     def _batches(self):
         from nvidia.dali.plugin.pytorch import feed_ndarray
+
         left = len(self) - self._wanted()[1] // self.batch_size
         while left > 0:
             try:

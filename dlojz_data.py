@@ -15,6 +15,7 @@
 
 Every bad input raises `DataError` with a one-line message that dlojz.py prints.
 """
+
 import math
 import os
 import random
@@ -62,12 +63,32 @@ def resolve_data_root(data_root):
 
 # ---------------------------------------------------------------------------------------------------------------
 # The embedded data set: small real JPEGs in ImageFolder layout whose classes a model can learn
-EMBEDDED_CLASSES = ("disc", "square", "triangle", "h_stripes", "v_stripes",
-                    "checker", "ring", "cross", "diagonal", "dots")
+EMBEDDED_CLASSES = (
+    "disc",
+    "square",
+    "triangle",
+    "h_stripes",
+    "v_stripes",
+    "checker",
+    "ring",
+    "cross",
+    "diagonal",
+    "dots",
+)
 
 
-CLASS_COLOURS = ((230, 25, 75), (60, 180, 75), (255, 225, 25), (0, 130, 200), (245, 130, 48),
-                 (145, 30, 180), (70, 240, 240), (240, 50, 230), (128, 0, 0), (0, 0, 128))
+CLASS_COLOURS = (
+    (230, 25, 75),
+    (60, 180, 75),
+    (255, 225, 25),
+    (0, 130, 200),
+    (245, 130, 48),
+    (145, 30, 180),
+    (70, 240, 240),
+    (240, 50, 230),
+    (128, 0, 0),
+    (0, 0, 128),
+)
 
 
 def _draw_sample(cls, rng, size):
@@ -136,6 +157,7 @@ def make_embedded_dataset(root, n_classes=10, train_per_class=120, val_per_class
         os.replace(tmp, root)  # atomic: concurrent ranks/jobs never see a half-written folder
     except OSError:  # another process finished first
         import shutil
+
         shutil.rmtree(tmp, ignore_errors=True)
     return root
 
@@ -198,6 +220,7 @@ class PackedImages(SeededSamples, torch.utils.data.Dataset):
 
     def __init__(self, root, split, transform):
         from dlojz_pack import PackedSplit
+
         self.shards = PackedSplit(root, split)
         self.root, self.transform = f"{root} ({split})", transform
         self.classes, self.class_to_idx = self.shards.classes, self.shards.class_to_idx
@@ -233,8 +256,10 @@ def find_layout(root):
         raise DataError(f"data root {root} is missing or empty (give --data-root with train/ and val/ inside)")
     for split in ("train", "val"):
         if not _has_class_dirs(root / split):
-            raise DataError(f"data root {root}: no {split}/<class>/ folders; expected the ImageNet layout "
-                            "(meta.bin, train/, val/) or ImageFolder (train/<class>/, val/<class>/)")
+            raise DataError(
+                f"data root {root}: no {split}/<class>/ folders; expected the ImageNet layout "
+                "(meta.bin, train/, val/) or ImageFolder (train/<class>/, val/<class>/)"
+            )
     return "imagenet" if (root / "meta.bin").exists() else "imagefolder"
 
 
@@ -242,14 +267,19 @@ def build_datasets(root, train_transform, val_transform, seed=0):
     """Return (train_set, val_set, classes, layout)."""
     root = Path(root)
     from dlojz_pack import is_packed
+
     if is_packed(root):
         return build_packed_datasets(root, train_transform, val_transform, seed)
     layout = find_layout(root)
     sets = []
     for split, tf in (("train", train_transform), ("val", val_transform)):
         try:
-            ds = SafeImageFolder(str(root / split), transform=tf, loader=lazy_image_loader,
-                                 is_valid_file=lambda p: p.lower().endswith(IMG_EXTENSIONS))
+            ds = SafeImageFolder(
+                str(root / split),
+                transform=tf,
+                loader=lazy_image_loader,
+                is_valid_file=lambda p: p.lower().endswith(IMG_EXTENSIONS),
+            )
         except (FileNotFoundError, RuntimeError) as err:
             raise DataError(f"data root {root}/{split}: {str(err).splitlines()[0]}") from None
         ds.seed = seed
@@ -258,8 +288,10 @@ def build_datasets(root, train_transform, val_transform, seed=0):
     if train_set.classes != val_set.classes:
         only_train = sorted(set(train_set.classes) - set(val_set.classes))[:5]
         only_val = sorted(set(val_set.classes) - set(train_set.classes))[:5]
-        raise DataError(f"data root {root}: train/ and val/ have different classes "
-                        f"(only in train: {only_train}, only in val: {only_val})")
+        raise DataError(
+            f"data root {root}: train/ and val/ have different classes "
+            f"(only in train: {only_train}, only in val: {only_val})"
+        )
     if layout == "imagenet":
         # meta.bin maps WordNet ids to readable names, as torchvision.datasets.ImageNet does
         wnid_to_names = torch.load(root / "meta.bin", weights_only=True)[0]
@@ -307,8 +339,10 @@ def build_packed_datasets(root, train_transform, val_transform, seed=0):
         image_from_bytes(train_set.describe(0), train_set.shards.read_bytes(train_set.samples[0][0]))
     except OSError as err:
         raise DataError(f"{err}; check --data-root") from None
-    layout = (f"packed shards: {len(train_set.shards.shards)} train + {len(val_set.shards.shards)} val webdataset tar "
-              f"files of an {train_set.shards.layout} tree, read by index")
+    layout = (
+        f"packed shards: {len(train_set.shards.shards)} train + {len(val_set.shards.shards)} val webdataset tar "
+        f"files of an {train_set.shards.layout} tree, read by index"
+    )
     return train_set, val_set, train_set.shards.class_names, layout
 
 
@@ -318,12 +352,11 @@ class EpochSampler(torch.utils.data.DistributedSampler):
     """DistributedSampler that yields (epoch, index) and can start mid-epoch (`skip` samples already seen)."""
 
     def __init__(self, dataset, num_replicas, rank, shuffle=True, seed=0, drop_last=False):
-        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed,
-                         drop_last=drop_last)
+        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed, drop_last=drop_last)
         self.skip = 0
 
     def __iter__(self):
-        indices = list(super().__iter__())[self.skip:]
+        indices = list(super().__iter__())[self.skip :]
         return iter([(self.epoch, i) for i in indices])
 
     def __len__(self):
@@ -347,6 +380,7 @@ def _worker_init(_):
     # Slurm's preemption signal reaches every process of the step: the workers must not die of it,
     # the main process handles it (finishes the step, checkpoints).
     import signal
+
     for signum in (signal.SIGUSR1, signal.SIGTERM, signal.SIGUSR2):
         signal.signal(signum, signal.SIG_IGN)
     torch.set_num_threads(1)
@@ -362,14 +396,21 @@ def close_loader(loader):
         loader._iterator = None
 
 
-def make_loader(dataset, sampler, batch_size, num_workers, pin_memory, persistent_workers, prefetch_factor,
-                drop_last):
+def make_loader(dataset, sampler, batch_size, num_workers, pin_memory, persistent_workers, prefetch_factor, drop_last):
     workers_opts = {}
     if num_workers > 0:
-        workers_opts = dict(persistent_workers=persistent_workers, prefetch_factor=prefetch_factor,
-                            worker_init_fn=_worker_init)
-    return torch.utils.data.DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers,
-                                       pin_memory=pin_memory, drop_last=drop_last, **workers_opts)
+        workers_opts = dict(
+            persistent_workers=persistent_workers, prefetch_factor=prefetch_factor, worker_init_fn=_worker_init
+        )
+    return torch.utils.data.DataLoader(
+        dataset,
+        batch_size=batch_size,
+        sampler=sampler,
+        num_workers=num_workers,
+        pin_memory=pin_memory,
+        drop_last=drop_last,
+        **workers_opts,
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -377,8 +418,18 @@ def make_loader(dataset, sampler, batch_size, num_workers, pin_memory, persisten
 class SyntheticLoader:
     """Serves one random, already normalised batch on the device `num_batches` times (like DLE's synthetic)."""
 
-    def __init__(self, num_images, batch_size, image_size, num_classes, device, channels_last, num_replicas=1,
-                 drop_last=False, seed=0):
+    def __init__(
+        self,
+        num_images,
+        batch_size,
+        image_size,
+        num_classes,
+        device,
+        channels_last,
+        num_replicas=1,
+        drop_last=False,
+        seed=0,
+    ):
         gen = torch.Generator().manual_seed(seed)
         images = torch.randn(batch_size, 3, image_size, image_size, generator=gen)
         self.labels = torch.randint(0, num_classes, (batch_size,), generator=gen).to(device)
@@ -420,8 +471,17 @@ def measure_loader(loader, sampler, nsteps, num_workers, all_gather=None, log=pr
     rate = images / (time.perf_counter() - t0)
     total = sum(all_gather(rate)) if all_gather else rate
     per_worker = rate / num_workers if num_workers else rate
-    log(f">>> DataLoader alone: {rate:.1f} images/s per process ({per_worker:.1f} per worker, {num_workers} workers), "
-        f"{total:.1f} images/s for all processes, over {nsteps} batches after {warmup} warm-up batches")
-    log(f">>> A GPU eating 2,500 images/s (ResNet-50, AMP, A100) needs about {math.ceil(2500 / per_worker)} such workers")
-    return dict(loader_images_per_second=total, loader_images_per_second_per_process=rate,
-                loader_images_per_second_per_worker=per_worker, loader_batches=nsteps, num_workers=num_workers)
+    log(
+        f">>> DataLoader alone: {rate:.1f} images/s per process ({per_worker:.1f} per worker, {num_workers} workers), "
+        f"{total:.1f} images/s for all processes, over {nsteps} batches after {warmup} warm-up batches"
+    )
+    log(
+        f">>> A GPU eating 2,500 images/s (ResNet-50, AMP, A100) needs about {math.ceil(2500 / per_worker)} such workers"
+    )
+    return dict(
+        loader_images_per_second=total,
+        loader_images_per_second_per_process=rate,
+        loader_images_per_second_per_worker=per_worker,
+        loader_batches=nsteps,
+        num_workers=num_workers,
+    )

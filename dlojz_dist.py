@@ -14,6 +14,7 @@
   asks Slurm to requeue the job (resume with --resume auto).
 - `start_compile_workers()`: torch.compile's worker processes, started deaf to Slurm's signals.
 """
+
 import dataclasses
 import os
 import signal
@@ -98,8 +99,9 @@ class StopPoll:
 def agree_on_stop(stop_signal, first_nonfinite, ranks):
     """One small all-reduce: the ranks agree on a stop signal or a NaN loss (a signal may reach them at different
     steps; they stop at the same one). Returns (stop requested, first non-finite step or -1)."""
-    control = torch.stack([torch.full((), 1.0 if stop_signal.name else 0.0, dtype=torch.float64, device=ranks.device),
-                           first_nonfinite])
+    control = torch.stack(
+        [torch.full((), 1.0 if stop_signal.name else 0.0, dtype=torch.float64, device=ranks.device), first_nonfinite]
+    )
     if ranks.enabled:
         dist.all_reduce(control, op=dist.ReduceOp.MAX)
     stop_requested, bad_step = control.tolist()
@@ -108,8 +110,11 @@ def agree_on_stop(stop_signal, first_nonfinite, ranks):
 
 def checkpoint_for_stop(cfg, saver, state, reason, n_train_batches, ranks, log):
     """Checkpoint where training is (rank 0, or every rank's shards); every rank waits for it."""
-    where = (f"after epoch {state.epoch + 1}'s training, before its validation" if state.batch >= n_train_batches
-             else f"at epoch {state.epoch + 1}, step {state.batch}/{n_train_batches}")
+    where = (
+        f"after epoch {state.epoch + 1}'s training, before its validation"
+        if state.batch >= n_train_batches
+        else f"at epoch {state.epoch + 1}, step {state.batch}/{n_train_batches}"
+    )
     log(f"{reason} received: saving a checkpoint {where}")
     if not cfg.test:  # rank 0 writes; with --fsdp every rank writes its shards
         log(f"checkpoint written: {saver.save(dataclasses.asdict(state))}")

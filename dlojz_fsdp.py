@@ -23,6 +23,7 @@ Mixed precision (chosen here): parameters gathered and computed in the --amp-dty
 --fsdp), gradients reduced and kept in float32, like the float32 shards the optimizer updates; float16 is refused
 (its loss scaler would have to agree on overflows across the shards, which the fused optimizers cannot take).
 """
+
 import os
 import shutil
 import sys
@@ -36,8 +37,15 @@ import dlojz_checkpoint as ckpt
 from dlojz_config import fail
 
 # Class names of the blocks sharded one by one: torchvision's and timm's residual and transformer blocks.
-BLOCK_SUFFIXES = ("Block", "Bottleneck", "BasicBlock", "InvertedResidual", "EncoderBlock", "EncoderLayer",
-                  "DecoderLayer")
+BLOCK_SUFFIXES = (
+    "Block",
+    "Bottleneck",
+    "BasicBlock",
+    "InvertedResidual",
+    "EncoderBlock",
+    "EncoderLayer",
+    "DecoderLayer",
+)
 # timm's optimizers step on sharded (DTensor) parameters; torch's fused SGD has no sharded kernel (the
 # foreach one is used), fused AdamW has one.
 UNFUSED_UNDER_FSDP = ("sgd",)
@@ -46,14 +54,20 @@ UNFUSED_UNDER_FSDP = ("sgd",)
 def check_config(cfg):
     """One line for each flag that cannot go with --fsdp."""
     if cfg.sync_bn:
-        fail("--fsdp with --sync-bn: FSDP shards parameters, not BatchNorm's statistics, and synchronised "
-             "BatchNorm is a DDP feature; drop --sync-bn (or use a model without BatchNorm)")
+        fail(
+            "--fsdp with --sync-bn: FSDP shards parameters, not BatchNorm's statistics, and synchronised "
+            "BatchNorm is a DDP feature; drop --sync-bn (or use a model without BatchNorm)"
+        )
     if cfg.model_ema:
-        fail("--fsdp with --model-ema: the averaged copy would be a whole unsharded model on every rank; drop "
-             "--model-ema")
+        fail(
+            "--fsdp with --model-ema: the averaged copy would be a whole unsharded model on every rank; drop "
+            "--model-ema"
+        )
     if cfg.amp and cfg.amp_dtype == "float16":
-        fail("--fsdp with --amp-dtype float16: the loss scaler would have to agree on overflows across shards; "
-             "use --amp-dtype bfloat16 (the default with --fsdp) or --no-amp")
+        fail(
+            "--fsdp with --amp-dtype float16: the loss scaler would have to agree on overflows across shards; "
+            "use --amp-dtype bfloat16 (the default with --fsdp) or --no-amp"
+        )
 
 
 def sharding_units(module):
@@ -67,6 +81,7 @@ def sharding_units(module):
                 units.append(child)
             else:
                 visit(child)
+
     visit(module)
     if not units:
         units = [child for child in module.children() if any(True for _ in child.parameters())]
@@ -92,6 +107,7 @@ def shard_model(module, cfg, device):
 def reshard(module):
     """Free every gathered copy of parameters in the sharded `module` (each rank keeps its shards)."""
     from torch.distributed.fsdp import FSDPModule
+
     for submodule in module.modules():
         if isinstance(submodule, FSDPModule):
             submodule.reshard()
@@ -99,6 +115,7 @@ def reshard(module):
 
 def _local_bytes(tensor):
     from torch.distributed.tensor import DTensor
+
     local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
     return local.numel() * local.element_size()
 
@@ -107,11 +124,14 @@ def state_bytes(module, optimizer):
     """This rank's bytes of parameters, of gradients (float32 like the parameters: DDP's buckets or FSDP's
     sharded gradients, whether or not they exist right now) and of optimizer state."""
     params = list(module.parameters())
-    optimizer_bytes = sum(_local_bytes(value) for state in optimizer.state.values() for value in state.values()
-                          if torch.is_tensor(value))
-    return dict(parameter_bytes=sum(_local_bytes(p) for p in params),
-                gradient_bytes=sum(_local_bytes(p) for p in params if p.requires_grad),
-                optimizer_bytes=optimizer_bytes)
+    optimizer_bytes = sum(
+        _local_bytes(value) for state in optimizer.state.values() for value in state.values() if torch.is_tensor(value)
+    )
+    return dict(
+        parameter_bytes=sum(_local_bytes(p) for p in params),
+        gradient_bytes=sum(_local_bytes(p) for p in params if p.requires_grad),
+        optimizer_bytes=optimizer_bytes,
+    )
 
 
 # ---------------------------------------------------------------------- sharded checkpoints
@@ -121,12 +141,19 @@ class ShardedCheckpointSaver:
     generators, the run's config) and renames the folder into place. Every rank calls `save`."""
 
     def __init__(self, output_dir, keep, device, fixed, is_main, model, optimizer, scheduler, scaler):
-        self.output_dir, self.keep, self.device, self.fixed, self.is_main = Path(output_dir), keep, device, fixed, is_main
+        self.output_dir, self.keep, self.device, self.fixed, self.is_main = (
+            Path(output_dir),
+            keep,
+            device,
+            fixed,
+            is_main,
+        )
         self.model, self.optimizer, self.scheduler, self.scaler = model, optimizer, scheduler, scaler
 
     def save(self, position):
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict
+
         name = ckpt.checkpoint_name(position["epoch"], position["global_step"], sharded=True)
         staging = self.output_dir / f".{name}.tmp"
         if self.is_main:
@@ -136,8 +163,13 @@ class ShardedCheckpointSaver:
         model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
         dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=staging)
         if self.is_main:
-            meta = dict(self.fixed, **position, scheduler=self.scheduler.state_dict() if self.scheduler else None,
-                        scaler=self.scaler.state_dict(), rng=ckpt.rng_state(self.device))
+            meta = dict(
+                self.fixed,
+                **position,
+                scheduler=self.scheduler.state_dict() if self.scheduler else None,
+                scaler=self.scaler.state_dict(),
+                rng=ckpt.rng_state(self.device),
+            )
             ckpt.publish_folder(meta, staging, self.output_dir, name, self.keep)
         dist.barrier()  # nobody goes on (and maybe stops) before the checkpoint is in place
         return self.output_dir / name
@@ -147,8 +179,13 @@ def load_sharded(path, module, optimizer=None):
     """Load a sharded checkpoint's model (and optimizer) shards into the sharded `module` (and `optimizer`),
     whatever the number of ranks that wrote it. Every rank calls it."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict, set_model_state_dict,
-                                                         set_state_dict)
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_state_dict,
+        set_model_state_dict,
+        set_state_dict,
+    )
+
     if optimizer is not None:
         model_state, optimizer_state = get_state_dict(module, optimizer)
         state = {"model": model_state, "optimizer": optimizer_state}
@@ -164,6 +201,7 @@ def load_sharded(path, module, optimizer=None):
 def load_full_weights(module, weights):
     """An ordinary checkpoint's weights (rank 0's full tensors, every rank reads them) into a sharded model."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
     set_model_state_dict(module, weights, options=StateDictOptions(full_state_dict=True))
 
 
@@ -185,8 +223,14 @@ def consolidate(source, target):
     if args["blurpool"]:
         apply_blurpool(module)
     # as a run without --fsdp builds it (fused where torch has it): its param_groups are what such a run loads
-    optimizer = optim.build_optimizer(args["optimizer"], optim.param_groups(module, args["wd"], args["no_wd_norm_bias"]),
-                                      lr=args["lr"], momentum=args["mom"], weight_decay=args["wd"], fused=True)
+    optimizer = optim.build_optimizer(
+        args["optimizer"],
+        optim.param_groups(module, args["wd"], args["no_wd_norm_bias"]),
+        lr=args["lr"],
+        momentum=args["mom"],
+        weight_decay=args["wd"],
+        fused=True,
+    )
     # Everything the checkpoint holds, the schedule's entries in the optimizer's param_groups too (loading into
     # placeholders would keep only the keys a fresh optimizer has).
     whole = Path(target).with_name(f".{Path(target).name}.whole.tmp")
@@ -206,6 +250,7 @@ def consolidate(source, target):
 
 def main(argv=None):
     import argparse
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
     command = commands.add_parser("consolidate", help="one ordinary .pt checkpoint from a sharded (.dcp) one")
@@ -220,8 +265,10 @@ def main(argv=None):
     except ckpt.CheckpointError as err:
         print(f"dlojz_fsdp.py: error: {err}", file=sys.stderr)
         return 2
-    print(f"written: {args.target} ({os.path.getsize(args.target) / 2**20:.1f} MiB): --resume it without --fsdp, or "
-          f"torch.load(...)['model'] for the weights")
+    print(
+        f"written: {args.target} ({os.path.getsize(args.target) / 2**20:.1f} MiB): --resume it without --fsdp, or "
+        f"torch.load(...)['model'] for the weights"
+    )
     return 0
 
 

@@ -13,6 +13,7 @@ The loop calls the same few methods whatever is plugged in, so that it reads the
 - The LR finder (`dlojz_optim.LRFinder`) reads every optimizer step's loss (one host synchronisation per step: the
   range test needs it) and sets the next step's learning rate.
 """
+
 import contextlib
 
 import torch
@@ -76,6 +77,7 @@ def make_profiler(cfg, trace_dir, rank, device):
     profiler = torch.profiler.profile(
         activities=activities,
         schedule=torch.profiler.schedule(wait=cfg.prof_wait, warmup=cfg.prof_warmup, active=cfg.prof_active, repeat=1),
-        on_trace_ready=torch.profiler.tensorboard_trace_handler(str(trace_dir), worker_name=f"rank{rank}"))
+        on_trace_ready=torch.profiler.tensorboard_trace_handler(str(trace_dir), worker_name=f"rank{rank}"),
+    )
     profiler.start()
     return profiler

@@ -31,6 +31,7 @@ How it works, and why:
 - `--trials N` counts this worker's finished or pruned trials, under its Slurm array task id: a requeued task goes
   on with what it had left.
 """
+
 import argparse
 import contextlib
 import csv
@@ -75,6 +76,7 @@ def read_space(path):
     """{dest: (argparse action, optuna distribution)} from the search space file; UserError naming the key."""
     import tomllib
     from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
+
     try:
         with open(path, "rb") as file:
             tables = tomllib.load(file)
@@ -92,16 +94,21 @@ def read_space(path):
         action = actions.get(dest)
         if action is None:
             import difflib
+
             close = difflib.get_close_matches(dest, list(actions), n=1)
-            fail(f"{where}: not a dlojz.py flag" + (f" (did you mean [{close[0].replace('_', '-')}]?)" if close else ""))
+            fail(
+                f"{where}: not a dlojz.py flag" + (f" (did you mean [{close[0].replace('_', '-')}]?)" if close else "")
+            )
         if dest in PER_TRIAL or dest == "output_dir":
             fail(f"{where}: dlojz_hpo.py sets {long_flag(action)} for each trial itself")
         if not isinstance(table, dict):
             fail(f"{where} must be a table: [{key}] then low = ..., high = ... or choices = [...]")
         unknown = set(table) - RANGE_KEYS - {"choices"}
         if unknown or ("choices" in table and set(table) != {"choices"}):
-            fail(f"{where}: unknown or mixed keys {sorted(set(table) - {'choices'} if 'choices' in table else unknown)} "
-                 f"(a range has low, high and optionally log or step; a list has choices only)")
+            fail(
+                f"{where}: unknown or mixed keys {sorted(set(table) - {'choices'} if 'choices' in table else unknown)} "
+                f"(a range has low, high and optionally log or step; a list has choices only)"
+            )
         if action.nargs not in (None, 0) and not isinstance(action, argparse.BooleanOptionalAction):
             fail(f"{where}: {long_flag(action)} takes several values: not searchable")
         if "choices" in table:
@@ -193,10 +200,14 @@ def gpu_energy_mj():
     """Energy counter (mJ) summed over this node's visible GPUs, or None without NVML."""
     try:
         import pynvml
+
         pynvml.nvmlInit()
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        indices = ([int(i) for i in visible.split(",") if i.strip().isdigit()] if visible
-                   else range(pynvml.nvmlDeviceGetCount()))
+        indices = (
+            [int(i) for i in visible.split(",") if i.strip().isdigit()]
+            if visible
+            else range(pynvml.nvmlDeviceGetCount())
+        )
         return sum(pynvml.nvmlDeviceGetTotalEnergyConsumption(pynvml.nvmlDeviceGetHandleByIndex(i)) for i in indices)
     except Exception:  # no NVML, no driver, no GPU: no figure
         return None
@@ -204,8 +215,10 @@ def gpu_energy_mj():
 
 # The trial's command runs through this: SIGUSR2 (checkpoint and stop) when the worker dies, instead of an orphan
 # training on (Linux's PR_SET_PDEATHSIG, kept across exec). Not Popen's preexec_fn: unsafe with the heartbeat thread.
-DIE_WITH_WORKER = ("import ctypes, os, signal, sys; ctypes.CDLL(None).prctl(1, int(signal.SIGUSR2)); "
-                   "os.getppid() == int(sys.argv[1]) or sys.exit(1); os.execvp(sys.argv[2], sys.argv[2:])")
+DIE_WITH_WORKER = (
+    "import ctypes, os, signal, sys; ctypes.CDLL(None).prctl(1, int(signal.SIGUSR2)); "
+    "os.getppid() == int(sys.argv[1]) or sys.exit(1); os.execvp(sys.argv[2], sys.argv[2:])"
+)
 
 
 class Heartbeat(threading.Thread):
@@ -231,7 +244,14 @@ class Worker:
     """One `search` process: asks the study for trials and runs them one after the other."""
 
     def __init__(self, args, study, space, shared, root, on_gpu):
-        self.args, self.study, self.space, self.shared, self.root, self.on_gpu = args, study, space, shared, root, on_gpu
+        self.args, self.study, self.space, self.shared, self.root, self.on_gpu = (
+            args,
+            study,
+            space,
+            shared,
+            root,
+            on_gpu,
+        )
         self.stop_signal = None
         self.process = None
         self.id = worker_id()
@@ -248,8 +268,12 @@ class Worker:
 
     def trials_done(self):
         from optuna.trial import TrialState
-        return sum(1 for t in self.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED))
-                   if t.user_attrs.get("worker") == self.id)
+
+        return sum(
+            1
+            for t in self.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED))
+            if t.user_attrs.get("worker") == self.id
+        )
 
     def run(self):
         started = time.time()
@@ -268,6 +292,7 @@ class Worker:
 
     def run_trial(self):
         from optuna.trial import TrialState
+
         trial = self.study.ask({dest: dist for dest, (_, dist) in self.space.items()})
         frozen = self.study._storage.get_trial(trial._trial_id)
         heartbeat = Heartbeat(trial, self.args.heartbeat_interval)
@@ -279,10 +304,25 @@ class Worker:
         trial.set_user_attr("worker", self.id)
         trial.set_user_attr("output_dir", str(folder))
         params = [word for dest, (action, _) in self.space.items() for word in flag_argv(action, trial.params[dest])]
-        command = [*shlex.split(self.args.launch or ""), sys.executable, "-u", str(DLOJZ), *self.shared, *params,
-                   "--output-dir", str(folder), "--metrics-json", str(folder / "metrics.json"),
-                   "--val-history", str(folder / "val_history.jsonl"), "--resume", "auto", "--no-requeue",
-                   "--wandb-group", self.study.study_name]
+        command = [
+            *shlex.split(self.args.launch or ""),
+            sys.executable,
+            "-u",
+            str(DLOJZ),
+            *self.shared,
+            *params,
+            "--output-dir",
+            str(folder),
+            "--metrics-json",
+            str(folder / "metrics.json"),
+            "--val-history",
+            str(folder / "val_history.jsonl"),
+            "--resume",
+            "auto",
+            "--no-requeue",
+            "--wandb-group",
+            self.study.study_name,
+        ]
         retry = f" (retry of trial {first})" if first != trial.number else ""
         print(f"trial {trial.number}{retry}: {' '.join(params)} -> {folder}", flush=True)
         (folder / "metrics.json").unlink(missing_ok=True)
@@ -290,8 +330,11 @@ class Worker:
         with open(folder / "dlojz.log", "a") as log:
             log.write(f"==== trial {trial.number}{retry}: {shlex.join(command)}\n")
             log.flush()
-            self.process = subprocess.Popen([sys.executable, "-c", DIE_WITH_WORKER, str(os.getpid()), *command],
-                                            stdout=log, stderr=subprocess.STDOUT)
+            self.process = subprocess.Popen(
+                [sys.executable, "-c", DIE_WITH_WORKER, str(os.getpid()), *command],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
             if self.stop_signal is not None:  # arrived while the trial was being set up
                 self.process.send_signal(signal.SIGUSR2)
             pruned = self.follow(trial, folder / "val_history.jsonl")
@@ -308,7 +351,9 @@ class Worker:
         if self.on_gpu:
             trial.set_user_attr("gpu_hours", wall * world_size / 3600 + (frozen.user_attrs.get("gpu_hours") or 0))
         if energy_start is not None and energy_end is not None:
-            trial.set_user_attr("energy_j", (energy_end - energy_start) / 1000 + (frozen.user_attrs.get("energy_j") or 0))
+            trial.set_user_attr(
+                "energy_j", (energy_end - energy_start) / 1000 + (frozen.user_attrs.get("energy_j") or 0)
+            )
         try:
             if pruned:
                 self.study.tell(trial, state=TrialState.PRUNED)
@@ -320,8 +365,11 @@ class Worker:
             elif self.stop_signal is not None or metrics.get("stopped_by"):
                 self.study.tell(trial, state=TrialState.FAIL)
                 retry_trial(self.study, trial._trial_id)
-                print(f"trial {trial.number}: stopped by {self.stop_signal or metrics.get('stopped_by')}, checkpoint "
-                      f"kept: failed, to be retried from it", flush=True)
+                print(
+                    f"trial {trial.number}: stopped by {self.stop_signal or metrics.get('stopped_by')}, checkpoint "
+                    f"kept: failed, to be retried from it",
+                    flush=True,
+                )
             else:
                 last = last_error_line(folder / "dlojz.log")
                 trial.set_user_attr("error", last)
@@ -393,18 +441,24 @@ def retry_trial(study, trial_id):
     """Enqueue a copy of a failed trial (same parameters, its validations kept, its folder reused)."""
     import copy
     from optuna.storages import RetryFailedTrialCallback
+
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # experimental / deprecated-alias warnings
-        RetryFailedTrialCallback(inherit_intermediate_values=True)(study, copy.deepcopy(study._storage.get_trial(trial_id)))
+        RetryFailedTrialCallback(inherit_intermediate_values=True)(
+            study, copy.deepcopy(study._storage.get_trial(trial_id))
+        )
 
 
 def fail_stale_trials(study, stale_after):
     """Fail and retry the running trials whose worker stopped beating (killed, node lost)."""
     from optuna.exceptions import UpdateFinishedTrialError
     from optuna.trial import TrialState
+
     now = time.time()
     for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-        last = max(trial.user_attrs.get("heartbeat", 0), trial.datetime_start.timestamp() if trial.datetime_start else 0)
+        last = max(
+            trial.user_attrs.get("heartbeat", 0), trial.datetime_start.timestamp() if trial.datetime_start else 0
+        )
         if now - last <= stale_after:
             continue
         try:
@@ -413,8 +467,11 @@ def fail_stale_trials(study, stale_after):
         except UpdateFinishedTrialError:  # another worker got there first
             continue
         retry_trial(study, trial._trial_id)
-        print(f"trial {trial.number}: no heartbeat for {now - last:.0f} s (its worker died): failed, retried as a new "
-              f"trial that resumes from its checkpoint", flush=True)
+        print(
+            f"trial {trial.number}: no heartbeat for {now - last:.0f} s (its worker died): failed, retried as a new "
+            f"trial that resumes from its checkpoint",
+            flush=True,
+        )
 
 
 def requeue_worker(reason):
@@ -423,14 +480,17 @@ def requeue_worker(reason):
         print(f"worker: {reason} received: requeue: scontrol requeue {job_id}", flush=True)
         subprocess.run(["scontrol", "requeue", job_id], check=False)
     else:
-        print(f"worker: {reason} received: stopped; run `search` again to go on (the stopped trial is retried)",
-              flush=True)
+        print(
+            f"worker: {reason} received: stopped; run `search` again to go on (the stopped trial is retried)",
+            flush=True,
+        )
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # Commands
 def open_storage(path):
     import optuna
+
     if "://" in path:  # a database URL (sqlite:///..., postgresql://...): Optuna's RDB storage
         return optuna.storages.RDBStorage(path)
     Path(path).resolve().parent.mkdir(parents=True, exist_ok=True)
@@ -441,6 +501,7 @@ def make_sampler(args, n_trials):
     """The sampler, seeded by --sampler-seed and the study's size: a requeued worker does not draw again the
     points of its first life."""
     import optuna
+
     seed = None if args.sampler_seed is None else args.sampler_seed * 1_000_003 + n_trials
     if args.sampler == "random":
         return optuna.samplers.RandomSampler(seed=seed)
@@ -452,9 +513,11 @@ def make_sampler(args, n_trials):
 
 def make_pruner(args):
     import optuna
+
     if args.pruner == "median":
-        return optuna.pruners.MedianPruner(n_startup_trials=args.pruner_startup_trials,
-                                           n_warmup_steps=args.pruner_warmup_epochs)
+        return optuna.pruners.MedianPruner(
+            n_startup_trials=args.pruner_startup_trials, n_warmup_steps=args.pruner_warmup_epochs
+        )
     if args.pruner == "hyperband":
         return optuna.pruners.HyperbandPruner(min_resource=1, reduction_factor=3)
     if args.pruner == "threshold":
@@ -468,28 +531,39 @@ def make_pruner(args):
 
 def search(args, shared):
     import optuna
+
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     space = read_space(args.space)
     shared, output_dir = split_shared(shared)
     root = Path(output_dir or "runs") / args.study
     cfg = check_shared(shared, space, args.direction, root)
-    study = optuna.create_study(study_name=args.study, storage=open_storage(args.storage), direction=args.direction,
-                                pruner=make_pruner(args), load_if_exists=True)
+    study = optuna.create_study(
+        study_name=args.study,
+        storage=open_storage(args.storage),
+        direction=args.direction,
+        pruner=make_pruner(args),
+        load_if_exists=True,
+    )
     study.sampler = make_sampler(args, len(study.get_trials(deepcopy=False)))
     recorded = study.user_attrs.get("shared_flags")
     if recorded is None:
         study.set_user_attr("shared_flags", shared)
         study.set_user_attr("space", {dest: dist.__class__.__name__ for dest, (_, dist) in space.items()})
     elif recorded != shared:
-        fail(f"--study {args.study} already runs with other dlojz flags ({shlex.join(recorded)}): use the same flags "
-             f"after --, or another --study")
+        fail(
+            f"--study {args.study} already runs with other dlojz flags ({shlex.join(recorded)}): use the same flags "
+            f"after --, or another --study"
+        )
     if study.direction.name.lower() != args.direction:
         fail(f"--study {args.study} {study.direction.name.lower()}s: --direction {args.direction} does not match")
     worker = Worker(args, study, space, shared, root, on_gpu=cfg.torch_device != "cpu")
     worker.install()
-    print(f"worker {worker.id}: study {args.study} in {args.storage}, {args.direction} "
-          f"{'top-1' if args.direction == 'maximize' else 'time to target'}, {args.sampler} sampler, {args.pruner} "
-          f"pruner; trials in {root}", flush=True)
+    print(
+        f"worker {worker.id}: study {args.study} in {args.storage}, {args.direction} "
+        f"{'top-1' if args.direction == 'maximize' else 'time to target'}, {args.sampler} sampler, {args.pruner} "
+        f"pruner; trials in {root}",
+        flush=True,
+    )
     worker.run()
     best = best_trial(study)
     if best is not None:
@@ -511,8 +585,11 @@ def recipe_values(study, trial):
     argv += [word for dest, value in trial.params.items() for word in flag_argv(actions[dest], value)]
     chosen = vars(get_args_parser().parse_args(argv))
     defaults = vars(get_args_parser().parse_args([]))
-    return {long_flag(actions[dest])[2:]: value for dest, value in chosen.items()
-            if dest not in NOT_IN_RECIPE and value != defaults[dest] and value is not None}
+    return {
+        long_flag(actions[dest])[2:]: value
+        for dest, value in chosen.items()
+        if dest not in NOT_IN_RECIPE and value != defaults[dest] and value is not None
+    }
 
 
 def toml_value(value):
@@ -526,9 +603,13 @@ def toml_value(value):
 
 
 def write_recipe(path, study, trial, objective):
-    lines = [f"# Best trial of the dlojz_hpo.py study '{study.study_name}': trial {trial.number}, {objective} "
-             f"{trial.value:.4f}", f"# written {datetime.datetime.now().isoformat(timespec='seconds')}; run it with",
-             f"#     python dlojz.py --config {path}", ""]
+    lines = [
+        f"# Best trial of the dlojz_hpo.py study '{study.study_name}': trial {trial.number}, {objective} "
+        f"{trial.value:.4f}",
+        f"# written {datetime.datetime.now().isoformat(timespec='seconds')}; run it with",
+        f"#     python dlojz.py --config {path}",
+        "",
+    ]
     lines += [f"{key} = {toml_value(value)}" for key, value in recipe_values(study, trial).items()]
     tmp = Path(f"{path}.tmp{os.getpid()}")
     tmp.write_text("\n".join(lines) + "\n")
@@ -538,29 +619,58 @@ def write_recipe(path, study, trial, objective):
 def write_csv(path, study):
     trials = study.get_trials(deepcopy=False)
     names = sorted({name for t in trials for name in t.params})
-    columns = ["number", "state", "value", *[name.replace("_", "-") for name in names], "epochs_validated", "epochs", "wall_s", "gpu_hours", "energy_j",
-               "retry_of", "worker", "output_dir"]
+    columns = [
+        "number",
+        "state",
+        "value",
+        *[name.replace("_", "-") for name in names],
+        "epochs_validated",
+        "epochs",
+        "wall_s",
+        "gpu_hours",
+        "energy_j",
+        "retry_of",
+        "worker",
+        "output_dir",
+    ]
     with open(path, "w", newline="") as file:
         out = csv.writer(file)
         out.writerow(columns)
         for t in trials:
             a = t.user_attrs
-            out.writerow([t.number, t.state.name, "" if t.value is None else t.value,
-                          *[t.params.get(name, "") for name in names], len(t.intermediate_values),
-                          a.get("epochs", ""), a.get("wall_s", ""), a.get("gpu_hours", ""), a.get("energy_j", ""),
-                          t.system_attrs.get("failed_trial", ""), a.get("worker", ""), a.get("output_dir", "")])
+            out.writerow(
+                [
+                    t.number,
+                    t.state.name,
+                    "" if t.value is None else t.value,
+                    *[t.params.get(name, "") for name in names],
+                    len(t.intermediate_values),
+                    a.get("epochs", ""),
+                    a.get("wall_s", ""),
+                    a.get("gpu_hours", ""),
+                    a.get("energy_j", ""),
+                    t.system_attrs.get("failed_trial", ""),
+                    a.get("worker", ""),
+                    a.get("output_dir", ""),
+                ]
+            )
 
 
 def write_plots(out, study):
     """Optuna's matplotlib figures; a figure that cannot be drawn yet (too few trials) is a line, not a failure."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from optuna.visualization import matplotlib as vis
+
     written = []
-    for name, plot in (("history", vis.plot_optimization_history), ("importances", vis.plot_param_importances),
-                       ("parallel_coordinate", vis.plot_parallel_coordinate),
-                       ("intermediate_values", vis.plot_intermediate_values)):
+    for name, plot in (
+        ("history", vis.plot_optimization_history),
+        ("importances", vis.plot_param_importances),
+        ("parallel_coordinate", vis.plot_parallel_coordinate),
+        ("intermediate_values", vis.plot_intermediate_values),
+    ):
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
@@ -577,6 +687,7 @@ def write_plots(out, study):
 def report(args):
     import optuna
     from optuna.trial import TrialState
+
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     if "://" not in args.storage and not Path(args.storage).is_file():
         fail(f"--storage {args.storage}: no such journal file")
@@ -591,12 +702,17 @@ def report(args):
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     objective = "top-1" if study.direction.name == "MAXIMIZE" else "time to target (s)"
-    done = sorted((t for t in trials if t.state == TrialState.COMPLETE), key=lambda t: t.value,
-                  reverse=study.direction.name == "MAXIMIZE")
-    for rank, t in enumerate(done[:args.top], 1):
+    done = sorted(
+        (t for t in trials if t.state == TrialState.COMPLETE),
+        key=lambda t: t.value,
+        reverse=study.direction.name == "MAXIMIZE",
+    )
+    for rank, t in enumerate(done[: args.top], 1):
         gpu = f", {t.user_attrs['gpu_hours']:.3f} GPU-h" if t.user_attrs.get("gpu_hours") else ""
-        print(f"  {rank}. trial {t.number}: {objective} {t.value:.4f} in {t.user_attrs.get('wall_s', 0):.0f} s{gpu}  "
-              + " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in t.params.items()))
+        print(
+            f"  {rank}. trial {t.number}: {objective} {t.value:.4f} in {t.user_attrs.get('wall_s', 0):.0f} s{gpu}  "
+            + " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in t.params.items())
+        )
     write_csv(out / "trials.csv", study)
     written = ["trials.csv", *write_plots(out, study)]
     if done:
@@ -609,8 +725,11 @@ def report(args):
 
 
 def get_parser():
-    parser = argparse.ArgumentParser(prog="dlojz_hpo", description="Optuna hyper-parameter search for dlojz.py",
-                                     formatter_class=argparse.RawTextHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="dlojz_hpo",
+        description="Optuna hyper-parameter search for dlojz.py",
+        formatter_class=argparse.RawTextHelpFormatter,
+    )
     parser.error = lambda message: parser.exit(2, f"dlojz_hpo: error: {message} (--help lists the options)\n")
     commands = parser.add_subparsers(dest="command", required=True)
     s = commands.add_parser("search", help="run trials (one worker; start several on one study)")
@@ -619,19 +738,35 @@ def get_parser():
     s.add_argument("--space", required=True, metavar="FILE.toml", help="search space: one table per dlojz.py flag")
     s.add_argument("--trials", type=int, required=True, help="trials this worker finishes (or prunes)")
     s.add_argument("--timeout", type=float, default=None, help="seconds after which this worker starts no new trial")
-    s.add_argument("--direction", choices=("maximize", "minimize"), default="maximize",
-                   help="maximize the last top-1 (default), or minimize the time to --target-accuracy")
+    s.add_argument(
+        "--direction",
+        choices=("maximize", "minimize"),
+        default="maximize",
+        help="maximize the last top-1 (default), or minimize the time to --target-accuracy",
+    )
     s.add_argument("--sampler", choices=("tpe", "random"), default="tpe", help="(default: tpe)")
     s.add_argument("--sampler-seed", type=int, default=None, help="give each worker its own (e.g. the array task id)")
-    s.add_argument("--pruner", choices=("median", "hyperband", "threshold", "none"), default="median",
-                   help="judges every validation (default: median)")
-    s.add_argument("--pruner-startup-trials", type=int, default=4, help="median: trials never pruned first (default: 4)")
+    s.add_argument(
+        "--pruner",
+        choices=("median", "hyperband", "threshold", "none"),
+        default="median",
+        help="judges every validation (default: median)",
+    )
+    s.add_argument(
+        "--pruner-startup-trials", type=int, default=4, help="median: trials never pruned first (default: 4)"
+    )
     s.add_argument("--pruner-warmup-epochs", type=int, default=0, help="validations never pruned (default: 0)")
     s.add_argument("--prune-below", type=float, default=None, metavar="TOP1", help="threshold: prune below this top-1")
-    s.add_argument("--launch", default="", help='command before python for multi-GPU trials, e.g. "srun --kill-on-bad-exit=1"')
+    s.add_argument(
+        "--launch", default="", help='command before python for multi-GPU trials, e.g. "srun --kill-on-bad-exit=1"'
+    )
     s.add_argument("--heartbeat-interval", type=float, default=30, help="seconds between heartbeats (default: 30)")
-    s.add_argument("--stale-after", type=float, default=180,
-                   help="a running trial without heartbeat for this long is failed and retried (default: 180)")
+    s.add_argument(
+        "--stale-after",
+        type=float,
+        default=180,
+        help="a running trial without heartbeat for this long is failed and retried (default: 180)",
+    )
     s.add_argument("--poll-interval", type=float, default=1.0, help=argparse.SUPPRESS)
     r = commands.add_parser("report", help="best trials, plots, trials.csv and best.toml (a recipe for --config)")
     r.add_argument("--study", required=True)
@@ -648,7 +783,7 @@ def main(argv=None):
     shared = []
     if "--" in argv:  # everything after -- goes to every trial's dlojz.py
         cut = argv.index("--")
-        argv, shared = argv[:cut], argv[cut + 1:]
+        argv, shared = argv[:cut], argv[cut + 1 :]
     args = get_parser().parse_args(argv)
     try:
         if args.command == "search":

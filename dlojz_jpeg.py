@@ -70,12 +70,24 @@ def _build(target: Path, source_path: Path) -> None:
     os.close(handle)
     try:
         # Implicit declarations are errors: an IJG libjpeg (no jpeg_crop_scanline) must fail here, not at run time.
-        command = [compiler, "-O2", "-shared", "-fPIC", "-Werror=implicit-function-declaration",
-                   str(source_path), "-o", temporary, "-ljpeg"]
+        command = [
+            compiler,
+            "-O2",
+            "-shared",
+            "-fPIC",
+            "-Werror=implicit-function-declaration",
+            str(source_path),
+            "-o",
+            temporary,
+            "-ljpeg",
+        ]
         result = subprocess.run(command, capture_output=True, text=True, timeout=120)
         if result.returncode != 0:
-            lines = [line for line in result.stderr.splitlines() if "error" in line.lower()] or \
-                result.stderr.splitlines() or ["(no output)"]
+            lines = (
+                [line for line in result.stderr.splitlines() if "error" in line.lower()]
+                or result.stderr.splitlines()
+                or ["(no output)"]
+            )
             raise OSError(f"'{' '.join(command[:2])} ... -ljpeg' failed: {lines[0].strip()}")
         os.chmod(temporary, 0o755)
         os.replace(temporary, target)
@@ -86,12 +98,32 @@ def _build(target: Path, source_path: Path) -> None:
 
 def _declare(library: ctypes.CDLL) -> ctypes.CDLL:
     int_p = ctypes.POINTER(ctypes.c_int)
-    library.dlojz_jpeg_info.argtypes = [ctypes.c_char_p, ctypes.c_ulong, int_p, int_p, int_p,
-                                        ctypes.c_char_p, ctypes.c_int]
+    library.dlojz_jpeg_info.argtypes = [
+        ctypes.c_char_p,
+        ctypes.c_ulong,
+        int_p,
+        int_p,
+        int_p,
+        ctypes.c_char_p,
+        ctypes.c_int,
+    ]
     library.dlojz_jpeg_info.restype = ctypes.c_int
     library.dlojz_jpeg_decode_region.argtypes = [
-        ctypes.c_char_p, ctypes.c_ulong, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-        ctypes.c_void_p, ctypes.c_long, ctypes.c_long, int_p, int_p, ctypes.c_char_p, ctypes.c_int]
+        ctypes.c_char_p,
+        ctypes.c_ulong,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_void_p,
+        ctypes.c_long,
+        ctypes.c_long,
+        int_p,
+        int_p,
+        ctypes.c_char_p,
+        ctypes.c_int,
+    ]
     library.dlojz_jpeg_decode_region.restype = ctypes.c_int
     return library
 
@@ -128,8 +160,10 @@ def load():
         _status = str(path)
     except (OSError, subprocess.SubprocessError, AttributeError) as error:
         _library = None
-        _status = (f"unavailable ({error}); whole images are decoded instead. To enable it: a C compiler and "
-                   f"libjpeg-turbo's headers (e.g. apt install gcc libjpeg-dev, or module load libjpeg-turbo)")
+        _status = (
+            f"unavailable ({error}); whole images are decoded instead. To enable it: a C compiler and "
+            f"libjpeg-turbo's headers (e.g. apt install gcc libjpeg-dev, or module load libjpeg-turbo)"
+        )
     return _library
 
 
@@ -153,8 +187,18 @@ def info(data: bytes) -> tuple[int, int, bool]:
         raise RuntimeError(f"dlojz_jpeg: {status()}")
     width, height, rgb_capable = ctypes.c_int(), ctypes.c_int(), ctypes.c_int()
     message = ctypes.create_string_buffer(_MESSAGE_SIZE)
-    _check(library.dlojz_jpeg_info(data, len(data), ctypes.byref(width), ctypes.byref(height),
-                                   ctypes.byref(rgb_capable), message, _MESSAGE_SIZE), message)
+    _check(
+        library.dlojz_jpeg_info(
+            data,
+            len(data),
+            ctypes.byref(width),
+            ctypes.byref(height),
+            ctypes.byref(rgb_capable),
+            message,
+            _MESSAGE_SIZE,
+        ),
+        message,
+    )
     return width.value, height.value, bool(rgb_capable.value)
 
 
@@ -163,8 +207,9 @@ def scaled_size(width: int, height: int, reduction: int) -> tuple[int, int]:
     return -(-width // reduction), -(-height // reduction)
 
 
-def decode_region(data: bytes, width: int, height: int, reduction: int, left: int, top: int, right: int,
-                  bottom: int) -> np.ndarray:
+def decode_region(
+    data: bytes, width: int, height: int, reduction: int, left: int, top: int, right: int, bottom: int
+) -> np.ndarray:
     """RGB pixels ``[top:bottom, left:right]`` (HWC uint8 view) of the JPEG ``data`` decoded at 1/``reduction``.
 
     ``width``/``height`` are the original size (from ``info``); the region is in the coordinates of the scaled
@@ -178,8 +223,7 @@ def decode_region(data: bytes, width: int, height: int, reduction: int, left: in
         raise ValueError(f"reduction must be 1, 2, 4 or 8, got {reduction}")
     scaled_width, scaled_height = scaled_size(width, height, reduction)
     if not (0 <= left < right <= scaled_width and 0 <= top < bottom <= scaled_height):
-        raise ValueError(f"region {(left, top, right, bottom)} is not inside the {scaled_width}x{scaled_height} "
-                         f"image")
+        raise ValueError(f"region {(left, top, right, bottom)} is not inside the {scaled_width}x{scaled_height} image")
     # One more column on each side when there is one: with fancy upsampling, the edge columns of a cropped decode
     # lack their outer chroma neighbour and differ from a full decode. They are decoded, then left out.
     decode_left, decode_right = max(left - 1, 0), min(right + 1, scaled_width)
@@ -187,9 +231,24 @@ def decode_region(data: bytes, width: int, height: int, reduction: int, left: in
     out = np.empty((bottom - top, decode_right - decode_left + 64, 3), dtype=np.uint8)
     decoded_left, decoded_columns = ctypes.c_int(), ctypes.c_int()
     message = ctypes.create_string_buffer(_MESSAGE_SIZE)
-    _check(library.dlojz_jpeg_decode_region(
-        data, len(data), reduction, decode_left, top, decode_right - decode_left, bottom - top,
-        out.ctypes.data, out.strides[0], out.nbytes, ctypes.byref(decoded_left), ctypes.byref(decoded_columns),
-        message, _MESSAGE_SIZE), message)
+    _check(
+        library.dlojz_jpeg_decode_region(
+            data,
+            len(data),
+            reduction,
+            decode_left,
+            top,
+            decode_right - decode_left,
+            bottom - top,
+            out.ctypes.data,
+            out.strides[0],
+            out.nbytes,
+            ctypes.byref(decoded_left),
+            ctypes.byref(decoded_columns),
+            message,
+            _MESSAGE_SIZE,
+        ),
+        message,
+    )
     offset = left - decoded_left.value
-    return out[:, offset:offset + (right - left)]
+    return out[:, offset : offset + (right - left)]

@@ -11,6 +11,7 @@
   its report (`chrono_context` gives it the model's FLOPs and the run's shape), memory and throughput lines and the
   metrics JSON (`write_json`, atomic); W&B closed. `write_lr_finder` writes the LR range test's CSV and plot.
 """
+
 import json
 import math
 import os
@@ -66,9 +67,18 @@ def start_wandb(cfg, config, run_name, wandb_id):
     if not cfg.wandb or cfg.test or cfg.eval_only or cfg.findlr or cfg.wandb_mode == "disabled":
         return NoWandb()
     import wandb  # imported here: slow to import, and never needed in --test
+
     os.environ.setdefault("WANDB_SILENT", "true")
-    return wandb.init(project=cfg.wandb_project, name=run_name, dir=cfg.output_dir, mode=cfg.wandb_mode,
-                      config=config, group=cfg.wandb_group, id=wandb_id, resume="allow" if wandb_id else None)
+    return wandb.init(
+        project=cfg.wandb_project,
+        name=run_name,
+        dir=cfg.output_dir,
+        mode=cfg.wandb_mode,
+        config=config,
+        group=cfg.wandb_group,
+        id=wandb_id,
+        resume="allow" if wandb_id else None,
+    )
 
 
 class Progress:
@@ -104,16 +114,18 @@ class Progress:
 
     def log_train(self, step, loss, lr):
         loss_sum, correct, count = self.running.tolist()
-        self.wandb_run.log({"train loss": loss.item(), "train accuracy": correct / max(count, 1),
-                            "learning rate": lr}, step=step)
+        self.wandb_run.log(
+            {"train loss": loss.item(), "train accuracy": correct / max(count, 1), "learning rate": lr}, step=step
+        )
 
     def console_line(self, epoch, batch_index):
         loss_sum, correct, count = self.running.tolist()
         rate = self.images_per_second()
-        line = (f"Epoch {epoch + 1}/{self.epochs}, Step {batch_index + 1}/{self.n_batches}, "
-                f"Time: {time.perf_counter() - self.run_start:.3f}, Loss: {loss_sum / max(count, 1):.4f}, "
-                f"Acc: {correct / max(count, 1):.4f}"
-                + (f", {rate:.1f} images/s" if rate else ", warming up"))  # no rate until past the warm-up
+        line = (
+            f"Epoch {epoch + 1}/{self.epochs}, Step {batch_index + 1}/{self.n_batches}, "
+            f"Time: {time.perf_counter() - self.run_start:.3f}, Loss: {loss_sum / max(count, 1):.4f}, "
+            f"Acc: {correct / max(count, 1):.4f}" + (f", {rate:.1f} images/s" if rate else ", warming up")
+        )  # no rate until past the warm-up
         self.console.progress(line, end_of_epoch=batch_index == self.n_batches - 1)
         self.running.zero_()
 
@@ -123,8 +135,10 @@ def write_lr_finder(lr_finder, output_dir) -> dict:
     lr_finder.write_csv(output_dir / "findlr.csv")
     lr_finder.plot(output_dir / "findlr.png")
     suggested, rule = lr_finder.suggestion()
-    print(f">>> LR finder: {len(lr_finder.lrs)} steps from {lr_finder.lrs[0]:.2e} to {lr_finder.lrs[-1]:.2e}; "
-          f"suggested --lr {suggested:.3g} ({rule})")
+    print(
+        f">>> LR finder: {len(lr_finder.lrs)} steps from {lr_finder.lrs[0]:.2e} to {lr_finder.lrs[-1]:.2e}; "
+        f"suggested --lr {suggested:.3g} ({rule})"
+    )
     print(f">>> LR finder: {output_dir / 'findlr.csv'}, {output_dir / 'findlr.png'}")
     return dict(findlr_suggested_lr=suggested, findlr_csv=str(output_dir / "findlr.csv"))
 
@@ -135,17 +149,26 @@ def chrono_context(cfg, model, loaders, ranks, metrics, val_max_batches) -> dict
     with plain_stages(whole):  # model FLOPs: the recomputation is not useful work
         flops = train_flops_per_image(whole, cfg.image_size, cfg.channels_last)
     if cfg.grad_checkpointing:  # what checkpointing saves, estimated from one image (float32)
-        plain, kept = (saved_activation_bytes(whole, cfg.image_size, cfg.channels_last, c, cfg.arch)
-                       for c in (False, True))
+        plain, kept = (
+            saved_activation_bytes(whole, cfg.image_size, cfg.channels_last, c, cfg.arch) for c in (False, True)
+        )
         metrics.update(activation_bytes_per_image=kept, activation_bytes_per_image_without_checkpointing=plain)
     device = ranks.device
-    return dict(images_per_step=cfg.batch_size * ranks.world_size, world_size=ranks.world_size,
-                steps_per_epoch=loaders.n_train_batches,
-                val_batches_done=min(val_max_batches or loaders.n_val_batches, loaders.n_val_batches),
-                val_batches_total=loaders.n_val_batches, num_workers=cfg.num_workers, cpus_per_task=cfg.cpus_per_task,
-                pin_memory=cfg.pin_memory, persistent_workers=cfg.persistent_workers, train_flops_per_image=flops,
-                device_name=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-                compute_dtype=cfg.compute_dtype, peak_memory_bytes=peak_memory_bytes(device))
+    return dict(
+        images_per_step=cfg.batch_size * ranks.world_size,
+        world_size=ranks.world_size,
+        steps_per_epoch=loaders.n_train_batches,
+        val_batches_done=min(val_max_batches or loaders.n_val_batches, loaders.n_val_batches),
+        val_batches_total=loaders.n_val_batches,
+        num_workers=cfg.num_workers,
+        cpus_per_task=cfg.cpus_per_task,
+        pin_memory=cfg.pin_memory,
+        persistent_workers=cfg.persistent_workers,
+        train_flops_per_image=flops,
+        device_name=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        compute_dtype=cfg.compute_dtype,
+        peak_memory_bytes=peak_memory_bytes(device),
+    )
 
 
 def finish(cfg, metrics, chrono, ranks, wandb_run=None, ctx=None, n_batches=None, teardown=False) -> dict:
@@ -175,6 +198,7 @@ def print_report(cfg, metrics, chrono, ctx, n_batches):
         metrics["chrono"] = chrono.summary(ctx)
         try:
             from dlojz_chrono import plot_trace
+
             plot_trace(trace, output_dir / "timeline.png")
             print(f">>> Timeline plot: {output_dir / 'timeline.png'}")
         except Exception as err:  # a plot is a bonus: never lose the run for it
@@ -182,9 +206,11 @@ def print_report(cfg, metrics, chrono, ctx, n_batches):
     if metrics.get("activation_bytes_per_image"):
         kept, plain = metrics["activation_bytes_per_image"], metrics["activation_bytes_per_image_without_checkpointing"]
         batch = cfg.batch_size
-        print(f">>> --grad-checkpointing: activations kept for the backward {kept * batch / 2**30:.3f} GiB per batch of "
-              f"{batch} instead of {plain * batch / 2**30:.3f} GiB (saves {(plain - kept) * batch / 2**30:.3f} GiB; "
-              f"float32 estimate from one image)")
+        print(
+            f">>> --grad-checkpointing: activations kept for the backward {kept * batch / 2**30:.3f} GiB per batch of "
+            f"{batch} instead of {plain * batch / 2**30:.3f} GiB (saves {(plain - kept) * batch / 2**30:.3f} GiB; "
+            f"float32 estimate from one image)"
+        )
     if n_batches is not None:
         print(f">>> Number of batch per epoch: {n_batches}")
     if cfg.torch_device.startswith("cuda"):
@@ -202,14 +228,22 @@ def print_report(cfg, metrics, chrono, ctx, n_batches):
 def memory_line(metrics):
     """What each rank holds of the model's state (DDP: everything; FSDP: a 1/N shard), and each rank's peak."""
     mib = 2**20
-    state = (metrics["parameter_bytes_per_rank"], metrics["gradient_bytes_per_rank"], metrics["optimizer_bytes_per_rank"])
+    state = (
+        metrics["parameter_bytes_per_rank"],
+        metrics["gradient_bytes_per_rank"],
+        metrics["optimizer_bytes_per_rank"],
+    )
     peaks = metrics["peak_memory_bytes_per_rank"]
     ranks = f"{len(peaks)} rank{'s' if len(peaks) > 1 else ''}"
-    how = {"fsdp": f"FSDP, sharded over {ranks}", "ddp": f"DDP, a full copy on each of {ranks}",
-           "none": "one process"}[metrics["parallel"]]
-    return (f">>> Model state per rank ({how}): parameters {state[0] / mib:,.1f} MiB, gradients {state[1] / mib:,.1f} "
-            f"MiB, optimizer state {state[2] / mib:,.1f} MiB, total {sum(state) / mib:,.1f} MiB; peak memory per rank: "
-            + ", ".join(f"{peak / mib:,.0f}" for peak in peaks) + " MiB")
+    how = {"fsdp": f"FSDP, sharded over {ranks}", "ddp": f"DDP, a full copy on each of {ranks}", "none": "one process"}[
+        metrics["parallel"]
+    ]
+    return (
+        f">>> Model state per rank ({how}): parameters {state[0] / mib:,.1f} MiB, gradients {state[1] / mib:,.1f} "
+        f"MiB, optimizer state {state[2] / mib:,.1f} MiB, total {sum(state) / mib:,.1f} MiB; peak memory per rank: "
+        + ", ".join(f"{peak / mib:,.0f}" for peak in peaks)
+        + " MiB"
+    )
 
 
 def append_json_line(path, obj):

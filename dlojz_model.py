@@ -18,6 +18,7 @@
   `peak_flops(device_name, dtype)`: the dense peak of V100/A100/H100/H200 GPUs, for the MFU.
 - `peak_memory_bytes(device)`: the most memory this process used (CUDA allocator peak, or the CPU's peak RSS).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -29,8 +30,9 @@ import torchvision
 from dlojz_config import fail
 
 
-def create_model(arch: str, num_classes: int, zero_init_residual: bool = False, image_size: int | None = None
-                 ) -> torch.nn.Module:
+def create_model(
+    arch: str, num_classes: int, zero_init_residual: bool = False, image_size: int | None = None
+) -> torch.nn.Module:
     """`arch`: a torchvision classification model name, or `timm:NAME` for any timm model (random weights: nothing
     is downloaded). `zero_init_residual`: the last BatchNorm scale of each residual block at 0 (torchvision's ResNet
     option), so that each block starts as the identity. `image_size`: the training size, for the timm models that
@@ -44,10 +46,13 @@ def create_model(arch: str, num_classes: int, zero_init_residual: bool = False, 
         fail(f"--zero-init-residual: --arch {arch} does not take it (ResNet, ResNeXt and Wide ResNet models do)")
     except (ValueError, KeyError):
         import difflib
+
         names = torchvision.models.list_models(module=torchvision.models)
         close = difflib.get_close_matches(arch, names, n=3)
-        fail(f"--arch {arch}: unknown torchvision classification model" + (f" (did you mean {', '.join(close)}?)" if close
-                                                                             else "; timm models: --arch timm:NAME"))
+        fail(
+            f"--arch {arch}: unknown torchvision classification model"
+            + (f" (did you mean {', '.join(close)}?)" if close else "; timm models: --arch timm:NAME")
+        )
 
 
 def create_timm_model(arch, num_classes, zero_init_residual, image_size):
@@ -55,12 +60,19 @@ def create_timm_model(arch, num_classes, zero_init_residual, image_size):
         import timm
     except ImportError as err:
         fail(f"--arch {arch} needs timm, which does not import here ({err}): pip install timm")
-    name = arch[len("timm:"):]
+    name = arch[len("timm:") :]
     if name not in timm.list_models():
         import difflib
+
         close = difflib.get_close_matches(name, timm.list_models(), n=3)
-        fail(f"--arch {arch}: unknown timm model" + (f" (did you mean {', '.join('timm:' + c for c in close)}?)"
-                                                     if close else " (python -c 'import timm; print(timm.list_models())')"))
+        fail(
+            f"--arch {arch}: unknown timm model"
+            + (
+                f" (did you mean {', '.join('timm:' + c for c in close)}?)"
+                if close
+                else " (python -c 'import timm; print(timm.list_models())')"
+            )
+        )
     if zero_init_residual:
         fail(f"--zero-init-residual: --arch {arch}: a torchvision ResNet option; timm models set their own init")
     # Models with a fixed input size take the training size, and any other (validation's) with dynamic_img_size.
@@ -91,6 +103,7 @@ class CheckpointedStage:
                 return forward(*args)
             with running_stats_frozen(self):  # the recomputation in the backward: same batch statistics, no update
                 return forward(*args)
+
         return torch.utils.checkpoint.checkpoint(run, *inputs, use_reentrant=False)
 
 
@@ -99,8 +112,11 @@ def running_stats_frozen(module):
     """BatchNorm layers of `module` normalise with the batch's statistics, as in training, and save the same
     tensors for the backward, but leave their running statistics and batch count as they were: a recomputed
     forward must not count the batch twice. (Momentum 0 keeps the running statistics exactly.)"""
-    norms = [m for m in module.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.training
-             and m.track_running_stats]
+    norms = [
+        m
+        for m in module.modules()
+        if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.training and m.track_running_stats
+    ]
     momenta = [norm.momentum for norm in norms]
     for norm in norms:
         norm.momentum = 0.0
@@ -163,8 +179,9 @@ class MaxBlurPool2d(torch.nn.MaxPool2d):
     """Max-pool at stride 1, then blur with the stride (Zhang 2019's MaxBlurPool, Composer's)."""
 
     def forward(self, x):
-        pooled = torch.nn.functional.max_pool2d(x, self.kernel_size, 1, self.padding, self.dilation,
-                                                ceil_mode=self.ceil_mode)
+        pooled = torch.nn.functional.max_pool2d(
+            x, self.kernel_size, 1, self.padding, self.dilation, ceil_mode=self.ceil_mode
+        )
         return blur(pooled, self.stride)
 
 
@@ -217,7 +234,7 @@ class ModelEma(torch.optim.swa_utils.AveragedModel):
 def saved_activation_bytes(model, image_size, channels_last, checkpointing, arch):
     """Bytes per image autograd keeps for the backward of a forward of a CPU copy of `model` (float32), with or
     without activation checkpointing: what --grad-checkpointing saves, per image, without risking an OOM."""
-    with (contextlib.nullcontext() if checkpointing else plain_stages(model)):
+    with contextlib.nullcontext() if checkpointing else plain_stages(model):
         net = without_sync_batchnorm(copy.deepcopy(model))
     # a meta copy (--fsdp's unsharded shapes) gets uninitialised CPU memory: only sizes are counted
     net = (net.to_empty(device="cpu") if any(p.is_meta for p in net.parameters()) else net.cpu()).float().train()
@@ -243,8 +260,9 @@ def without_sync_batchnorm(module):
     """`module` with each SyncBatchNorm turned back into a BatchNorm2d (same weights and statistics), which a
     forward in training mode outside the process group and on the CPU accepts."""
     if isinstance(module, torch.nn.SyncBatchNorm):
-        plain = torch.nn.BatchNorm2d(module.num_features, module.eps, module.momentum, module.affine,
-                                     module.track_running_stats)
+        plain = torch.nn.BatchNorm2d(
+            module.num_features, module.eps, module.momentum, module.affine, module.track_running_stats
+        )
         plain.load_state_dict(module.state_dict())
         return plain.train(module.training)
     for name, child in module.named_children():
@@ -256,12 +274,14 @@ def peak_memory_bytes(device):
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
     import resource
+
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
 # ---------------------------------------------------------------------- FLOPs and peaks
-def train_flops_per_image(model: torch.nn.Module, image_size: int, channels_last: bool = False,
-                          in_channels: int = 3, batch_size: int = 2) -> float:
+def train_flops_per_image(
+    model: torch.nn.Module, image_size: int, channels_last: bool = False, in_channels: int = 3, batch_size: int = 2
+) -> float:
     """Training FLOPs (forward + backward) for one image, counted by FlopCounterMode.
 
     The model is copied to the "meta" device (shapes only: no weights copied, no memory kept, the model's
@@ -271,7 +291,7 @@ def train_flops_per_image(model: torch.nn.Module, image_size: int, channels_last
     """
     from torch.utils.flop_counter import FlopCounterMode
 
-    model = getattr(model, "_orig_mod", model)           # torch.compile wrapper
+    model = getattr(model, "_orig_mod", model)  # torch.compile wrapper
     if isinstance(model, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)):
         model = model.module
     # Eval mode: conv/matmul FLOPs are the same, and SyncBatchNorm does not reach for a process group.
@@ -293,8 +313,11 @@ def meta_copy(model: torch.nn.Module) -> torch.nn.Module:
     memo = {}
     for tensor in list(model.parameters()) + list(model.buffers()):
         meta = torch.empty_like(tensor, device="meta")
-        memo[id(tensor)] = torch.nn.Parameter(meta, requires_grad=tensor.requires_grad) \
-            if isinstance(tensor, torch.nn.Parameter) else meta
+        memo[id(tensor)] = (
+            torch.nn.Parameter(meta, requires_grad=tensor.requires_grad)
+            if isinstance(tensor, torch.nn.Parameter)
+            else meta
+        )
     return copy.deepcopy(model, memo)
 
 
@@ -311,11 +334,11 @@ def _sum_outputs(outputs):
 _PEAKS = [
     ("v100s", {"float16": 130e12, "float32": 16.4e12, "tf32": 16.4e12}),
     ("v100-pcie", {"float16": 112e12, "float32": 14e12, "tf32": 14e12}),
-    ("v100", {"float16": 125e12, "float32": 15.7e12, "tf32": 15.7e12}),                 # SXM2 (Jean Zay)
+    ("v100", {"float16": 125e12, "float32": 15.7e12, "tf32": 15.7e12}),  # SXM2 (Jean Zay)
     ("a100", {"float16": 312e12, "bfloat16": 312e12, "tf32": 156e12, "float32": 19.5e12}),
     ("h100 pcie", {"float16": 756e12, "bfloat16": 756e12, "tf32": 378e12, "float32": 51.2e12}),
     ("h100 nvl", {"float16": 835e12, "bfloat16": 835e12, "tf32": 417.5e12, "float32": 60e12}),
-    ("h100", {"float16": 989.4e12, "bfloat16": 989.4e12, "tf32": 494.7e12, "float32": 66.9e12}),   # SXM5
+    ("h100", {"float16": 989.4e12, "bfloat16": 989.4e12, "tf32": 494.7e12, "float32": 66.9e12}),  # SXM5
     ("h200 nvl", {"float16": 835e12, "bfloat16": 835e12, "tf32": 417.5e12, "float32": 60e12}),
     ("h200", {"float16": 989.4e12, "bfloat16": 989.4e12, "tf32": 494.7e12, "float32": 66.9e12}),
 ]
@@ -329,5 +352,3 @@ def peak_flops(device_name: str, compute_dtype: str) -> float | None:
         if key in name:
             return peaks.get(compute_dtype.lower())
     return None
-
-

@@ -59,9 +59,17 @@ from dlojz_config import FUSED, OPTIMIZERS, SCHEDULERS, check_hyperparameters  #
 NORM_LAYERS = tuple(
     getattr(nn, name)
     for name in (
-        "BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "SyncBatchNorm",
-        "InstanceNorm1d", "InstanceNorm2d", "InstanceNorm3d",
-        "GroupNorm", "LayerNorm", "LocalResponseNorm", "RMSNorm",
+        "BatchNorm1d",
+        "BatchNorm2d",
+        "BatchNorm3d",
+        "SyncBatchNorm",
+        "InstanceNorm1d",
+        "InstanceNorm2d",
+        "InstanceNorm3d",
+        "GroupNorm",
+        "LayerNorm",
+        "LocalResponseNorm",
+        "RMSNorm",
     )
     if hasattr(nn, name)
 )
@@ -89,8 +97,9 @@ def param_groups(model: nn.Module, weight_decay: float, no_wd_norm_bias: bool) -
     return [group for group in groups if group["params"]]
 
 
-def build_optimizer(name: str, params, lr: float, momentum: float, weight_decay: float,
-                    fused: bool = False) -> torch.optim.Optimizer:
+def build_optimizer(
+    name: str, params, lr: float, momentum: float, weight_decay: float, fused: bool = False
+) -> torch.optim.Optimizer:
     """Build the optimizer ``name`` (one of ``OPTIMIZERS``) over ``params`` (parameters or param groups).
 
     ``momentum`` (``--mom``) is SGD/LARS momentum or the first beta of AdamW/LAMB/Lion. ``weight_decay`` is the
@@ -104,8 +113,11 @@ def build_optimizer(name: str, params, lr: float, momentum: float, weight_decay:
 
     if name in ("sgd", "adamw"):
         params = list(params)  # read twice when the fused step is refused
-        cls, options = ((torch.optim.SGD, dict(momentum=momentum)) if name == "sgd"
-                        else (torch.optim.AdamW, dict(betas=(momentum, 0.999))))
+        cls, options = (
+            (torch.optim.SGD, dict(momentum=momentum))
+            if name == "sgd"
+            else (torch.optim.AdamW, dict(betas=(momentum, 0.999)))
+        )
         if fused:
             try:
                 optimizer = cls(params, lr=lr, weight_decay=weight_decay, fused=True, **options)
@@ -124,11 +136,11 @@ def build_optimizer(name: str, params, lr: float, momentum: float, weight_decay:
     # them into Adam/SGD: adapt every layer then.
     always_adapt = weight_decay == 0
     if name == "lamb":
-        return timm.optim.Lamb(params, lr=lr, betas=(momentum, 0.999), weight_decay=weight_decay,
-                               always_adapt=always_adapt)
+        return timm.optim.Lamb(
+            params, lr=lr, betas=(momentum, 0.999), weight_decay=weight_decay, always_adapt=always_adapt
+        )
     if name == "lars":
-        return timm.optim.Lars(params, lr=lr, momentum=momentum, weight_decay=weight_decay,
-                               always_adapt=always_adapt)
+        return timm.optim.Lars(params, lr=lr, momentum=momentum, weight_decay=weight_decay, always_adapt=always_adapt)
     return timm.optim.Lion(params, lr=lr, betas=(momentum, 0.99), weight_decay=weight_decay)
 
 
@@ -257,8 +269,9 @@ class LRFinder:
 
     divergence_factor = 4.0  # the sweep has diverged once the smoothed loss exceeds 4x its minimum so far
 
-    def __init__(self, optimizer: torch.optim.Optimizer, start_lr: float = 1e-8, end_lr: float = 1.0,
-                 num_steps: int = 100):
+    def __init__(
+        self, optimizer: torch.optim.Optimizer, start_lr: float = 1e-8, end_lr: float = 1.0, num_steps: int = 100
+    ):
         if not 0 < start_lr < end_lr:
             raise ValueError(f"the LR sweep needs 0 < start lr ({start_lr:g}) < end lr ({end_lr:g}): check --lr")
         if num_steps < 2:
@@ -309,8 +322,12 @@ class LRFinder:
         finite = np.isfinite(losses)
         usable = len(losses) if finite.all() else int(np.argmin(finite))
         if usable == 0:
-            return {"smoothed": np.array([]), "usable": 0, "lr": float(lrs[0]),
-                    "rule": "no finite loss recorded: the first LR of the sweep is returned; check the data and model"}
+            return {
+                "smoothed": np.array([]),
+                "usable": 0,
+                "lr": float(lrs[0]),
+                "rule": "no finite loss recorded: the first LR of the sweep is returned; check the data and model",
+            }
         # A centred moving average (about 5 % of the sweep) rather than an EMA: an EMA lags, which would move the
         # steepest point towards larger, riskier LRs.
         window = max(3, usable // 20) | 1
@@ -329,11 +346,15 @@ class LRFinder:
             slope = np.gradient(smoothed, np.log10(lrs[:usable]))
             steepest = int(np.argmin(slope))
             if slope[steepest] < 0:
-                rule = (f"steepest descent of the smoothed loss (moving average over {window} steps) before "
-                        f"divergence; sweep {diverged_at}; the min-loss/10 rule gives {min_over_10:.2e}")
+                rule = (
+                    f"steepest descent of the smoothed loss (moving average over {window} steps) before "
+                    f"divergence; sweep {diverged_at}; the min-loss/10 rule gives {min_over_10:.2e}"
+                )
                 return {"smoothed": smoothed, "usable": usable, "lr": float(lrs[steepest]), "rule": rule}
-        rule = (f"min-loss/10: LR of the lowest smoothed loss ({lrs[best]:.2e}) divided by 10, as the smoothed "
-                f"loss never decreased; sweep {diverged_at}")
+        rule = (
+            f"min-loss/10: LR of the lowest smoothed loss ({lrs[best]:.2e}) divided by 10, as the smoothed "
+            f"loss never decreased; sweep {diverged_at}"
+        )
         return {"smoothed": smoothed, "usable": usable, "lr": min_over_10, "rule": rule}
 
     def suggestion(self) -> tuple[float, str]:

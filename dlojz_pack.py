@@ -44,6 +44,7 @@ Functions:
 Errors: `PackError` (a `DataError`: one line naming the path and what to do); `ShardReadError` (a `PackError` and
 an `OSError`, as an unreadable image file is) names the shard and the key of a sample that cannot be read.
 """
+
 import argparse
 import hashlib
 import io
@@ -90,8 +91,22 @@ _UNSAFE = re.compile(r"[^A-Za-z0-9_-]")
 _SHARD_RE = re.compile(r"^(train|val)-\d{6}\.tar$")
 _TEMP_RE = re.compile(r"^\.(dlojz_pack\.json|(train|val)-(index\.npy|\d{6}\.tar))\..*\.tmp$")
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([kmgt]?i?b?)\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
-          "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 10**3,
+    "kb": 10**3,
+    "m": 10**6,
+    "mb": 10**6,
+    "g": 10**9,
+    "gb": 10**9,
+    "t": 10**12,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
 
 
 class PackError(DataError):
@@ -158,8 +173,10 @@ def _read_manifest(root, hint):
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise PackError(f"{path}: not a dlojz_pack manifest; {hint}")
     if manifest.get("version") != FORMAT_VERSION:
-        raise PackError(f"{path}: pack format version {manifest.get('version')}, this dlojz_pack.py reads version "
-                        f"{FORMAT_VERSION}; repack with this one: python dlojz_pack.py {manifest.get('source')} {root}")
+        raise PackError(
+            f"{path}: pack format version {manifest.get('version')}, this dlojz_pack.py reads version "
+            f"{FORMAT_VERSION}; repack with this one: python dlojz_pack.py {manifest.get('source')} {root}"
+        )
     return manifest
 
 
@@ -193,8 +210,10 @@ def _list_source(src):
         raise PackError(f"SRC {src}: no such directory; give the folder holding train/ and val/")
     for split in SPLITS:
         if not _has_class_dirs(src / split):
-            raise PackError(f"SRC {src}: not a data tree (no {split}/<class>/ folders); give the folder holding "
-                            "train/<class>/ and val/<class>/ (ImageNet layout with meta.bin, or ImageFolder)")
+            raise PackError(
+                f"SRC {src}: not a data tree (no {split}/<class>/ folders); give the folder holding "
+                "train/<class>/ and val/<class>/ (ImageNet layout with meta.bin, or ImageFolder)"
+            )
     layout = find_layout(src)
     samples, classes = {}, {}
     for split in SPLITS:
@@ -207,8 +226,9 @@ def _list_source(src):
     if classes["train"] != classes["val"]:
         only_train = sorted(set(classes["train"]) - set(classes["val"]))[:5]
         only_val = sorted(set(classes["val"]) - set(classes["train"]))[:5]
-        raise PackError(f"SRC {src}: train/ and val/ have different classes (only in train: {only_train}, "
-                        f"only in val: {only_val})")
+        raise PackError(
+            f"SRC {src}: train/ and val/ have different classes (only in train: {only_train}, only in val: {only_val})"
+        )
     return layout, classes["train"], samples
 
 
@@ -217,13 +237,16 @@ def _class_names(src, classes, layout):
     if layout != "imagenet":
         return list(classes)
     import torch
+
     try:
         wnid_to_names = torch.load(src / "meta.bin", weights_only=True)[0]
         names = [wnid_to_names.get(w, (w,)) for w in classes]
         return [n if isinstance(n, str) else str(n[0]) for n in names]
     except Exception as err:
-        raise PackError(f"SRC {src}/meta.bin: unreadable ({type(err).__name__}: {_first_line(err)}); fix or "
-                        "remove it (the classes then keep their folder names)") from None
+        raise PackError(
+            f"SRC {src}/meta.bin: unreadable ({type(err).__name__}: {_first_line(err)}); fix or "
+            "remove it (the classes then keep their folder names)"
+        ) from None
 
 
 def _listing_digest(src, classes, samples):
@@ -238,6 +261,7 @@ def _listing_digest(src, classes, samples):
 
 def _stat_sizes(paths):
     """File sizes, stat'ed by threads: on a parallel file system each stat is a round trip to a metadata server."""
+
     def sizes_of(chunk):
         out = []
         for p in chunk:
@@ -246,7 +270,8 @@ def _stat_sizes(paths):
             except OSError as err:
                 raise PackError(f"SRC file {p}: {err.strerror or err}; fix it and rerun") from None
         return out
-    chunks = [paths[i:i + 1000] for i in range(0, len(paths), 1000)]
+
+    chunks = [paths[i : i + 1000] for i in range(0, len(paths), 1000)]
     with ThreadPoolExecutor(16) as pool:
         return [size for chunk in pool.map(sizes_of, chunks) for size in chunk]
 
@@ -282,7 +307,7 @@ def _keys(split_dir, classes, samples):
             key = prefix + key
         if len(key) > MAX_KEY:
             digest = hashlib.blake2b(os.fsencode(rel), digest_size=8).hexdigest()
-            key = f"{key[:MAX_KEY - 17]}_{digest}"
+            key = f"{key[: MAX_KEY - 17]}_{digest}"
         base, n = key, 0
         while key in used:  # a.png next to a.jpg, or a_b.jpg next to a/b.jpg
             n += 1
@@ -309,8 +334,15 @@ def _plan_split(src, split, classes, samples, sizes, shard_size):
     keys = _keys(str(src / split), classes, samples)
     n = len(samples)
     order = sorted(range(n), key=lambda i: _shuffle_rank(keys[i])) if split == "train" else range(n)
-    dtype = np.dtype([("shard", "<u4"), ("offset", "<u8"), ("size", "<u4"), ("target", "<u4"),
-                      ("key", f"S{max(len(k) for k in keys)}")])
+    dtype = np.dtype(
+        [
+            ("shard", "<u4"),
+            ("offset", "<u8"),
+            ("size", "<u4"),
+            ("target", "<u4"),
+            ("key", f"S{max(len(k) for k in keys)}"),
+        ]
+    )
     index = np.zeros(n, dtype=dtype)
     index["key"] = keys
     index["target"] = [t for _, t in samples]
@@ -363,13 +395,17 @@ def _write_shard(dst, shard):
                 try:
                     data = _read_source(path)
                 except OSError as err:
-                    raise PackError(f"SRC file {path}: unreadable ({err.strerror or err}); fix or remove it, "
-                                    "then rerun") from None
+                    raise PackError(
+                        f"SRC file {path}: unreadable ({err.strerror or err}); fix or remove it, then rerun"
+                    ) from None
                 if len(data) != size:
-                    raise PackError(f"SRC file {path}: {len(data)} bytes now, {size} when the pack was planned "
-                                    "(SRC changed during the pack); rerun")
-                for member_ext, payload in sorted([(ext, data), ("cls", str(target).encode("ascii"))],
-                                                  key=lambda m: m[0]):
+                    raise PackError(
+                        f"SRC file {path}: {len(data)} bytes now, {size} when the pack was planned "
+                        "(SRC changed during the pack); rerun"
+                    )
+                for member_ext, payload in sorted(
+                    [(ext, data), ("cls", str(target).encode("ascii"))], key=lambda m: m[0]
+                ):
                     tar.addfile(_tarinfo(f"{key}.{member_ext}", len(payload)), io.BytesIO(payload))
                     if member_ext == ext and f.tell() - _padded(size) != offset:
                         raise RuntimeError(f"{final}: {key} at {f.tell() - _padded(size)}, planned at {offset}")
@@ -392,6 +428,7 @@ def _pool_task(args):
 def _ignore_sigint():
     # Ctrl-C goes to the whole process group: the parent stops the pool, the workers must not die mid-message.
     import signal
+
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
@@ -443,17 +480,21 @@ def _inspect_dst(dst, src, src_dirs):
         return None
     if MANIFEST not in names:
         more = f" and {len(names) - 1} more" if len(names) > 1 else ""
-        raise PackError(f"DST {dst}: holds other files ({names[0]}{more}) and is not a dlojz pack; give a new or "
-                        "empty folder")
+        raise PackError(
+            f"DST {dst}: holds other files ({names[0]}{more}) and is not a dlojz pack; give a new or empty folder"
+        )
     manifest = _read_manifest(dst, "give another DST, or remove this one")
     if manifest.get("source") != str(src):
-        raise PackError(f"DST {dst}: is a pack of {manifest.get('source')}, not of SRC {src}; give another DST, or "
-                        "remove this one")
+        raise PackError(
+            f"DST {dst}: is a pack of {manifest.get('source')}, not of SRC {src}; give another DST, or remove this one"
+        )
     strangers = sorted(set(names) - _pack_files(manifest))
     if strangers:
-        raise PackError(f"DST {dst}: holds files that are not part of the pack ({strangers[0]}"
-                        f"{f' and {len(strangers) - 1} more' if len(strangers) > 1 else ''}); move them away or "
-                        "give another DST")
+        raise PackError(
+            f"DST {dst}: holds files that are not part of the pack ({strangers[0]}"
+            f"{f' and {len(strangers) - 1} more' if len(strangers) > 1 else ''}); move them away or "
+            "give another DST"
+        )
     return manifest
 
 
@@ -472,8 +513,9 @@ def pack(src, dst, shard_size=None, workers=None, log=print):
     """Pack SRC into DST (see the module's docstring). `shard_size`: bytes or a string such as '1GB'; None for 1 GB,
     or the size of the interrupted pack being finished. Returns a summary dict."""
     t_start = time.monotonic()
-    requested = None if shard_size is None else (
-        parse_size(shard_size) if isinstance(shard_size, str) else int(shard_size))
+    requested = (
+        None if shard_size is None else (parse_size(shard_size) if isinstance(shard_size, str) else int(shard_size))
+    )
     if requested is not None and requested < 1:
         raise PackError(f"--shard-size {shard_size}: not a size; give e.g. 1GB, 500MB or 64KB")
     workers = _default_workers() if workers is None else workers
@@ -491,39 +533,60 @@ def pack(src, dst, shard_size=None, workers=None, log=print):
     if was_complete:
         old_counts = {s: manifest["splits"][s]["samples"] for s in SPLITS}
         if manifest.get("listing_sha256") != listing:
-            raise PackError(f"DST {dst}: a complete pack of SRC {src_abs} as it was ({_counts(old_counts)} images); "
-                            f"SRC has changed since ({_counts(counts)}): remove DST, or give another, to pack it "
-                            "again")
+            raise PackError(
+                f"DST {dst}: a complete pack of SRC {src_abs} as it was ({_counts(old_counts)} images); "
+                f"SRC has changed since ({_counts(counts)}): remove DST, or give another, to pack it "
+                "again"
+            )
         if requested is not None and requested != manifest["shard_size"]:
-            raise PackError(f"DST {dst}: a complete pack of SRC in shards of {manifest['shard_size']} bytes, not "
-                            f"{requested}: remove DST, or give another, to pack it again")
-        damaged = [n for s in SPLITS for n in _damaged(dst, manifest["splits"][s]["shards"],
-                                                       manifest["splits"][s]["shard_sizes"])]
+            raise PackError(
+                f"DST {dst}: a complete pack of SRC in shards of {manifest['shard_size']} bytes, not "
+                f"{requested}: remove DST, or give another, to pack it again"
+            )
+        damaged = [
+            n
+            for s in SPLITS
+            for n in _damaged(dst, manifest["splits"][s]["shards"], manifest["splits"][s]["shard_sizes"])
+        ]
         if not damaged:
             log(f"dlojz_pack: {dst} is already a complete pack of {src_abs}: nothing to do")
-            return dict(dst=str(dst), already_complete=True, written=0,
-                        kept=sum(len(manifest["splits"][s]["shards"]) for s in SPLITS), samples=old_counts,
-                        bytes_written=0, seconds=time.monotonic() - t_start)
-        log(f"dlojz_pack: {dst}: {len(damaged)} shard(s) missing or of the wrong size ({damaged[0]}...): "
-            "writing them again")
+            return dict(
+                dst=str(dst),
+                already_complete=True,
+                written=0,
+                kept=sum(len(manifest["splits"][s]["shards"]) for s in SPLITS),
+                samples=old_counts,
+                bytes_written=0,
+                seconds=time.monotonic() - t_start,
+            )
+        log(
+            f"dlojz_pack: {dst}: {len(damaged)} shard(s) missing or of the wrong size ({damaged[0]}...): "
+            "writing them again"
+        )
 
     if manifest is not None and requested is not None and requested != manifest["shard_size"]:
-        raise PackError(f"DST {dst}: an interrupted pack in shards of {manifest['shard_size']} bytes: rerun with "
-                        f"--shard-size {manifest['shard_size']} (or without it) to finish it, or remove DST")
+        raise PackError(
+            f"DST {dst}: an interrupted pack in shards of {manifest['shard_size']} bytes: rerun with "
+            f"--shard-size {manifest['shard_size']} (or without it) to finish it, or remove DST"
+        )
     shard_size = requested or (manifest or {}).get("shard_size") or DEFAULT_SHARD_SIZE
 
     # The plan, from every file's size
     all_paths = [path for split in SPLITS for path, _ in samples[split]]
     all_sizes = _stat_sizes(all_paths)
-    sizes = {"train": all_sizes[:counts["train"]], "val": all_sizes[counts["train"]:]}
+    sizes = {"train": all_sizes[: counts["train"]], "val": all_sizes[counts["train"] :]}
     sizes_digest = hashlib.sha256(np.asarray(all_sizes, dtype="<u8").tobytes()).hexdigest()
     plans = {split: _plan_split(src, split, classes, samples[split], sizes[split], shard_size) for split in SPLITS}
 
-    if manifest is not None and (manifest.get("listing_sha256"), manifest.get("sizes_sha256")) != (listing,
-                                                                                                   sizes_digest):
+    if manifest is not None and (manifest.get("listing_sha256"), manifest.get("sizes_sha256")) != (
+        listing,
+        sizes_digest,
+    ):
         if was_complete:  # in use, maybe: not ours to delete
-            raise PackError(f"DST {dst}: a complete pack of SRC {src_abs} as it was; files of SRC have changed size "
-                            "since: remove DST, or give another, to pack it again")
+            raise PackError(
+                f"DST {dst}: a complete pack of SRC {src_abs} as it was; files of SRC have changed size "
+                "since: remove DST, or give another, to pack it again"
+            )
         log(f"dlojz_pack: SRC changed since the interrupted pack in {dst} began: starting again")
         for name in _pack_files(manifest):
             _unlink(dst / name)
@@ -537,14 +600,29 @@ def pack(src, dst, shard_size=None, workers=None, log=print):
     _remove_temps(dst)  # left by a killed run
 
     manifest = dict(
-        format=FORMAT, version=FORMAT_VERSION, state="in progress", source=str(src_abs), layout=layout,
-        classes=list(classes), class_names=class_names, shard_size=shard_size,
-        shuffle_seed=SHUFFLE_SEED, listing_sha256=listing, sizes_sha256=sizes_digest,
+        format=FORMAT,
+        version=FORMAT_VERSION,
+        state="in progress",
+        source=str(src_abs),
+        layout=layout,
+        classes=list(classes),
+        class_names=class_names,
+        shard_size=shard_size,
+        shuffle_seed=SHUFFLE_SEED,
+        listing_sha256=listing,
+        sizes_sha256=sizes_digest,
         created=(manifest or {}).get("created") or time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        splits={split: dict(samples=counts[split], index=f"{split}-index.npy",
-                            shards=[s["name"] for s in shards], shard_sizes=[s["size"] for s in shards],
-                            shard_samples=[len(s["members"]) for s in shards])
-                for split, (_, shards) in plans.items()})
+        splits={
+            split: dict(
+                samples=counts[split],
+                index=f"{split}-index.npy",
+                shards=[s["name"] for s in shards],
+                shard_sizes=[s["size"] for s in shards],
+                shard_samples=[len(s["members"]) for s in shards],
+            )
+            for split, (_, shards) in plans.items()
+        },
+    )
     _write_json(dst / MANIFEST, manifest)  # first: a DST holding pack files always says whose they are
     for split, (index, _) in plans.items():
         _atomic_write(dst / f"{split}-index.npy", lambda f, index=index: np.save(f, index, allow_pickle=False))
@@ -554,9 +632,11 @@ def pack(src, dst, shard_size=None, workers=None, log=print):
     todo = [s for s in shards if s["name"] in damaged]
     kept = len(shards) - len(todo)
     total_bytes = sum(s["size"] for s in shards)
-    log(f"dlojz_pack: {src_abs} ({layout} layout, {len(classes)} classes): "
+    log(
+        f"dlojz_pack: {src_abs} ({layout} layout, {len(classes)} classes): "
         + "; ".join(f"{split} {counts[split]:,} images in {len(plans[split][1])} shards" for split in SPLITS)
-        + f"; {total_bytes / 1e6:,.1f} MB")
+        + f"; {total_bytes / 1e6:,.1f} MB"
+    )
     if kept:
         log(f"dlojz_pack: finishing the pack in {dst}: {kept} shards already there, {len(todo)} to write")
     log(f"dlojz_pack: writing {len(todo)} shards into {dst} with {min(workers, max(1, len(todo)))} process(es)")
@@ -571,24 +651,37 @@ def pack(src, dst, shard_size=None, workers=None, log=print):
             now = time.monotonic()
             if k == len(todo) or now - last >= PROGRESS_EVERY:
                 last = now
-                log(f"dlojz_pack: {kept + k}/{len(shards)} shards ({name}), {done_images:,}/{images_todo:,} images "
-                    f"this run, {written_bytes / 1e6 / max(now - t0, 1e-9):,.1f} MB/s")
+                log(
+                    f"dlojz_pack: {kept + k}/{len(shards)} shards ({name}), {done_images:,}/{images_todo:,} images "
+                    f"this run, {written_bytes / 1e6 / max(now - t0, 1e-9):,.1f} MB/s"
+                )
     finally:
         results.close()  # stops the pool's other shards at once if one failed
         _remove_temps(dst)
 
     missing = _damaged(dst, [s["name"] for s in shards], [s["size"] for s in shards])
     if missing:
-        raise PackError(f"DST {dst}/{missing[0]}: missing or of the wrong size after packing (another process "
-                        "writing into DST?); rerun")
+        raise PackError(
+            f"DST {dst}/{missing[0]}: missing or of the wrong size after packing (another process "
+            "writing into DST?); rerun"
+        )
     fsync_folder(dst)  # the shards' renames reach the disk before the manifest says "complete"
     manifest.update(state="complete", completed=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
     _write_json(dst / MANIFEST, manifest)
     seconds = time.monotonic() - t_start
-    log(f"dlojz_pack: done: {dst} holds {len(shards)} shards, {sum(counts.values()):,} images, "
-        f"{total_bytes / 1e6:,.1f} MB ({written_bytes / 1e6:,.1f} MB written in {seconds:.1f} s)")
-    return dict(dst=str(dst), already_complete=False, written=len(todo), kept=kept, samples=counts,
-                bytes_written=written_bytes, seconds=seconds)
+    log(
+        f"dlojz_pack: done: {dst} holds {len(shards)} shards, {sum(counts.values()):,} images, "
+        f"{total_bytes / 1e6:,.1f} MB ({written_bytes / 1e6:,.1f} MB written in {seconds:.1f} s)"
+    )
+    return dict(
+        dst=str(dst),
+        already_complete=False,
+        written=len(todo),
+        kept=kept,
+        samples=counts,
+        bytes_written=written_bytes,
+        seconds=seconds,
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -612,8 +705,10 @@ class PackedSplit:
         self.root = Path(root)
         manifest = _read_manifest(self.root, f"make one with python dlojz_pack.py SRC {self.root}")
         if manifest.get("state") != "complete":
-            raise PackError(f"{self.root}: the pack is not finished (interrupted?); finish it: python dlojz_pack.py "
-                            f"{manifest.get('source')} {self.root}")
+            raise PackError(
+                f"{self.root}: the pack is not finished (interrupted?); finish it: python dlojz_pack.py "
+                f"{manifest.get('source')} {self.root}"
+            )
         if split not in manifest["splits"]:
             raise PackError(f"{self.root}: no split {split!r} in the pack (it has {', '.join(manifest['splits'])})")
         info = manifest["splits"][split]
@@ -632,11 +727,15 @@ class PackedSplit:
             try:
                 rows = np.load(self.index_path, mmap_mode="r", allow_pickle=False)
             except (OSError, ValueError) as err:
-                raise PackError(f"{self.index_path}: unreadable index ({_first_line(err)}); "
-                                f"{_repack_hint(dict(source=self.source), self.root)}") from None
+                raise PackError(
+                    f"{self.index_path}: unreadable index ({_first_line(err)}); "
+                    f"{_repack_hint(dict(source=self.source), self.root)}"
+                ) from None
             if rows.dtype.names != ("shard", "offset", "size", "target", "key") or len(rows) != self._len:
-                raise PackError(f"{self.index_path}: not the index the manifest describes ({len(rows)} rows, "
-                                f"{self._len} expected); {_repack_hint(dict(source=self.source), self.root)}")
+                raise PackError(
+                    f"{self.index_path}: not the index the manifest describes ({len(rows)} rows, "
+                    f"{self._len} expected); {_repack_hint(dict(source=self.source), self.root)}"
+                )
             self._rows = rows
         return self._rows
 
@@ -683,12 +782,15 @@ class PackedSplit:
                 chunks.append(chunk)
                 got += len(chunk)
         except OSError as err:
-            raise ShardReadError(f"{path}: cannot read sample {row['key'].decode('ascii')} "
-                                 f"({err.strerror or err})") from None
+            raise ShardReadError(
+                f"{path}: cannot read sample {row['key'].decode('ascii')} ({err.strerror or err})"
+            ) from None
         if got != size:
-            raise ShardReadError(f"{path}: sample {row['key'].decode('ascii')} is cut short ({got} of {size} bytes "
-                                 f"at offset {offset}: the shard is truncated); "
-                                 f"{_repack_hint(dict(source=self.source), self.root)}")
+            raise ShardReadError(
+                f"{path}: sample {row['key'].decode('ascii')} is cut short ({got} of {size} bytes "
+                f"at offset {offset}: the shard is truncated); "
+                f"{_repack_hint(dict(source=self.source), self.root)}"
+            )
         return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
     def _fd(self, shard):
@@ -744,17 +846,23 @@ class PackedSplit:
             except OSError:
                 size = 0
             if size > expected:
-                raise PackError(f"{self.root / name}: {size} bytes, the pack made it {expected} (replaced?); "
-                                f"{_repack_hint(dict(source=self.source), self.root)}")
+                raise PackError(
+                    f"{self.root / name}: {size} bytes, the pack made it {expected} (replaced?); "
+                    f"{_repack_hint(dict(source=self.source), self.root)}"
+                )
             actual.append(size)
         rows = self._index()
         intact = rows["offset"].astype(np.int64) + rows["size"] <= np.asarray(actual, dtype=np.int64)[rows["shard"]]
         warnings = []
         for shard in np.unique(rows["shard"][~intact]).tolist():
             lost = int(np.count_nonzero(~intact & (rows["shard"] == shard)))
-            state = "missing" if actual[shard] == 0 else f"cut short ({actual[shard]} of {self.shard_sizes[shard]} bytes)"
-            warnings.append(f"WARNING: shard {self.root / self.shards[shard]} is {state}: {lost} of its samples are "
-                            f"left out; {_repack_hint(dict(source=self.source), self.root)}")
+            state = (
+                "missing" if actual[shard] == 0 else f"cut short ({actual[shard]} of {self.shard_sizes[shard]} bytes)"
+            )
+            warnings.append(
+                f"WARNING: shard {self.root / self.shards[shard]} is {state}: {lost} of its samples are "
+                f"left out; {_repack_hint(dict(source=self.source), self.root)}"
+            )
         return np.flatnonzero(intact).tolist(), warnings
 
     def check_shards(self):
@@ -764,11 +872,14 @@ class PackedSplit:
             try:
                 size = path.stat().st_size
             except OSError as err:
-                raise PackError(f"{path}: shard missing ({err.strerror}); "
-                                f"{_repack_hint(dict(source=self.source), self.root)}") from None
+                raise PackError(
+                    f"{path}: shard missing ({err.strerror}); {_repack_hint(dict(source=self.source), self.root)}"
+                ) from None
             if size != expected:
-                raise PackError(f"{path}: {size} bytes, the pack made it {expected} (truncated or replaced); "
-                                f"{_repack_hint(dict(source=self.source), self.root)}")
+                raise PackError(
+                    f"{path}: {size} bytes, the pack made it {expected} (truncated or replaced); "
+                    f"{_repack_hint(dict(source=self.source), self.root)}"
+                )
 
 
 def check_pack(root):
@@ -788,14 +899,26 @@ class _Parser(argparse.ArgumentParser):
 
 def main(argv=None) -> int:
     """0 done (or nothing to do), 2 bad input, 1 an I/O error while packing, 130 interrupted."""
-    parser = _Parser(prog="dlojz_pack.py", description="Pack an ImageNet or ImageFolder tree (train/, val/) into "
-                     "webdataset tar shards with a random-access index (read by dlojz_pack.PackedSplit).")
+    parser = _Parser(
+        prog="dlojz_pack.py",
+        description="Pack an ImageNet or ImageFolder tree (train/, val/) into "
+        "webdataset tar shards with a random-access index (read by dlojz_pack.PackedSplit).",
+    )
     parser.add_argument("src", metavar="SRC", help="folder holding train/<class>/ and val/<class>/ (and meta.bin)")
     parser.add_argument("dst", metavar="DST", help="folder for the shards: new, empty, or an interrupted pack of SRC")
-    parser.add_argument("--shard-size", default=None, metavar="SIZE",
-                        help="bytes per shard, e.g. 1GB (default), 500MB, 64KB; 1000-based, KiB/MiB/GiB 1024-based")
-    parser.add_argument("--workers", type=int, default=None, metavar="N",
-                        help=f"processes writing shards (default: the CPUs available, at most 8: {_default_workers()})")
+    parser.add_argument(
+        "--shard-size",
+        default=None,
+        metavar="SIZE",
+        help="bytes per shard, e.g. 1GB (default), 500MB, 64KB; 1000-based, KiB/MiB/GiB 1024-based",
+    )
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        metavar="N",
+        help=f"processes writing shards (default: the CPUs available, at most 8: {_default_workers()})",
+    )
     try:
         args = parser.parse_args(argv)
     except SystemExit as err:
@@ -806,12 +929,18 @@ def main(argv=None) -> int:
         print(f"dlojz_pack: error: {' '.join(str(err).splitlines())}", file=sys.stderr, flush=True)
         return 2
     except KeyboardInterrupt:
-        print("dlojz_pack: interrupted; rerun the same command to finish (finished shards are kept)",
-              file=sys.stderr, flush=True)
+        print(
+            "dlojz_pack: interrupted; rerun the same command to finish (finished shards are kept)",
+            file=sys.stderr,
+            flush=True,
+        )
         return 130
     except OSError as err:  # disk full, quota, a file system going away: the finished shards are kept
-        print(f"dlojz_pack: error: {err}; rerun the same command to finish (finished shards are kept)",
-              file=sys.stderr, flush=True)
+        print(
+            f"dlojz_pack: error: {err}; rerun the same command to finish (finished shards are kept)",
+            file=sys.stderr,
+            flush=True,
+        )
         return 1
     return 0
 

@@ -210,16 +210,20 @@ def _jpeg_file_bytes(img: Image.Image) -> bytes | None:
     """The raw bytes of ``img`` when a faster decoder than PIL can take it: a JPEG opened by path and not decoded
     yet (so the file is ours to read and close), in YCbCr/RGB or grayscale (CMYK and other rare colour spaces stay
     with PIL, which converts them correctly); else None."""
-    if (img.format != "JPEG" or img.mode not in ("RGB", "L") or not getattr(img, "filename", None)
-            or getattr(img, "fp", None) is None or not img.tile
-            or (_simplejpeg() is None and dlojz_jpeg.load() is None)):
+    if (
+        img.format != "JPEG"
+        or img.mode not in ("RGB", "L")
+        or not getattr(img, "filename", None)
+        or getattr(img, "fp", None) is None
+        or not img.tile
+        or (_simplejpeg() is None and dlojz_jpeg.load() is None)
+    ):
         return None
     img.fp.seek(0)
     return img.fp.read()
 
 
-def _decode_region(data: bytes, size: tuple, box: tuple, reduction: int, out_width: int, out_height: int,
-                   snap: bool):
+def _decode_region(data: bytes, size: tuple, box: tuple, reduction: int, out_width: int, out_height: int, snap: bool):
     """libjpeg-turbo decode of the part of the image around ``box`` that a resize of ``box`` to the output size
     reads (see dlojz_jpeg.py), at 1/reduction; with ``snap``, of the box rounded to whole decoded pixels. Returns
     ``(pixels, box)`` with ``box`` in the region's coordinates, or None when the file is left to the other
@@ -239,8 +243,9 @@ def _decode_region(data: bytes, size: tuple, box: tuple, reduction: int, out_wid
     region_right = min(int(np.ceil(right)) + margin_x, scaled_width)
     region_bottom = min(int(np.ceil(bottom)) + margin_y, scaled_height)
     try:
-        pixels = dlojz_jpeg.decode_region(data, width, height, reduction, region_left, region_top, region_right,
-                                          region_bottom)
+        pixels = dlojz_jpeg.decode_region(
+            data, width, height, reduction, region_left, region_top, region_right, region_bottom
+        )
     except dlojz_jpeg.JpegError:
         return None  # corrupt, truncated or unsupported: PIL decides, as in the reference pipeline
     return pixels, (left - region_left, top - region_top, right - region_left, bottom - region_top)
@@ -284,8 +289,9 @@ def _decode(img, box: tuple, out_width: int, out_height: int, draft: bool, snap:
     if data is not None and fast_whole_decoder is not None:
         try:
             # Asking for at least ceil(size / reduction) selects libjpeg-turbo's 1/reduction scaling factor.
-            pixels = fast_whole_decoder.decode_jpeg(data, colorspace="RGB", min_height=-(-height // reduction),
-                                                    min_width=-(-width // reduction))
+            pixels = fast_whole_decoder.decode_jpeg(
+                data, colorspace="RGB", min_height=-(-height // reduction), min_width=-(-width // reduction)
+            )
         except ValueError:
             # simplejpeg also stops at libjpeg's warnings (e.g. extraneous bytes), which PIL tolerates: let PIL
             # decide, so that exactly the files the reference pipeline reads are read (and the others reported).
@@ -340,8 +346,9 @@ class TrainTransform:
     that torch's fast uint8 resize can take it.
     """
 
-    def __init__(self, image_size: int, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3), flip_p: float = 0.5,
-                 draft: bool = True):
+    def __init__(
+        self, image_size: int, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3), flip_p: float = 0.5, draft: bool = True
+    ):
         if image_size < 1:
             raise ValueError(f"TrainTransform: image_size must be a positive number of pixels, got {image_size}")
         self.image_size = int(image_size)
@@ -351,8 +358,10 @@ class TrainTransform:
         self.draft = draft
 
     def __repr__(self) -> str:
-        return (f"{type(self).__name__}(image_size={self.image_size}, scale={self.scale}, ratio={self.ratio}, "
-                f"flip_p={self.flip_p}, draft={self.draft})")
+        return (
+            f"{type(self).__name__}(image_size={self.image_size}, scale={self.scale}, ratio={self.ratio}, "
+            f"flip_p={self.flip_p}, draft={self.draft})"
+        )
 
     def __call__(self, img: Image.Image) -> torch.Tensor:
         size = self.image_size
@@ -384,15 +393,16 @@ class ValTransform:
 
     def __init__(self, resize_size: int = 256, crop_size: int = 224, draft: bool = True):
         if not 0 < crop_size <= resize_size:
-            raise ValueError(f"ValTransform: need 0 < crop_size <= resize_size, got crop_size={crop_size}, "
-                             f"resize_size={resize_size} (check --val-crop-size and --val-resize-size)")
+            raise ValueError(
+                f"ValTransform: need 0 < crop_size <= resize_size, got crop_size={crop_size}, "
+                f"resize_size={resize_size} (check --val-crop-size and --val-resize-size)"
+            )
         self.resize_size = int(resize_size)
         self.crop_size = int(crop_size)
         self.draft = draft
 
     def __repr__(self) -> str:
-        return (f"{type(self).__name__}(resize_size={self.resize_size}, crop_size={self.crop_size}, "
-                f"draft={self.draft})")
+        return f"{type(self).__name__}(resize_size={self.resize_size}, crop_size={self.crop_size}, draft={self.draft})"
 
     def __call__(self, img: Image.Image) -> torch.Tensor:
         width, height = img.size
@@ -420,8 +430,14 @@ class DeviceNormalize:
     layout change, if any, is done on the uint8 tensor (4x less memory to move), the arithmetic in float32.
     """
 
-    def __init__(self, device, mean=IMAGENET_MEAN, std=IMAGENET_STD, channels_last: bool = False,
-                 dtype: torch.dtype = torch.float32):
+    def __init__(
+        self,
+        device,
+        mean=IMAGENET_MEAN,
+        std=IMAGENET_STD,
+        channels_last: bool = False,
+        dtype: torch.dtype = torch.float32,
+    ):
         self.device = torch.device(device)
         self.channels_last = channels_last
         self.dtype = dtype
@@ -433,8 +449,7 @@ class DeviceNormalize:
         self._rows = {}
 
     def __repr__(self) -> str:
-        return (f"{type(self).__name__}(device={self.device}, channels_last={self.channels_last}, "
-                f"dtype={self.dtype})")
+        return f"{type(self).__name__}(device={self.device}, channels_last={self.channels_last}, dtype={self.dtype})"
 
     def _row_constants(self, width: int):
         # Per-channel constants repeated along a row of HWC memory, [W * C]: the multiply then broadcasts over
@@ -445,12 +460,14 @@ class DeviceNormalize:
 
     def __call__(self, images_uint8: torch.Tensor) -> torch.Tensor:
         if images_uint8.dtype != torch.uint8:
-            raise TypeError(f"DeviceNormalize expects uint8 images (from TrainTransform/ValTransform), "
-                            f"got {images_uint8.dtype}")
+            raise TypeError(
+                f"DeviceNormalize expects uint8 images (from TrainTransform/ValTransform), got {images_uint8.dtype}"
+            )
         images = images_uint8.to(self.device, non_blocking=True)
         if images.dim() == 4:
-            images = images.contiguous(memory_format=torch.channels_last if self.channels_last
-                                        else torch.contiguous_format)
+            images = images.contiguous(
+                memory_format=torch.channels_last if self.channels_last else torch.contiguous_format
+            )
         else:
             images = images.contiguous()
         images = images.to(torch.float32)  # keeps the memory layout
@@ -563,8 +580,9 @@ def train_transform(cfg):
     """The fast crop + flip above, then the optional policies (torchvision v2, on uint8 tensors); with progressive
     resizing (--min-res/--max-res), one such transform per epoch's resolution."""
     if cfg.min_res is not None:
-        return EpochTransforms(lambda size: fixed_size_train_transform(cfg, size),
-                               lambda epoch: training_resolution(cfg, epoch))
+        return EpochTransforms(
+            lambda size: fixed_size_train_transform(cfg, size), lambda epoch: training_resolution(cfg, epoch)
+        )
     return fixed_size_train_transform(cfg, cfg.image_size)
 
 

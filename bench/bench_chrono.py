@@ -54,8 +54,10 @@ def main():
 
     enabled_us = toggle_cost_us(True, args.toggle_loops)
     disabled_us = toggle_cost_us(False, args.toggle_loops)
-    print(f"toggle cost per step (6 toggles): enabled {enabled_us:.2f} µs = {enabled_us / (step_s * 1e6):.3%} "
-          f"of a {args.step_ms:g} ms step; disabled {disabled_us:.2f} µs")
+    print(
+        f"toggle cost per step (6 toggles): enabled {enabled_us:.2f} µs = {enabled_us / (step_s * 1e6):.3%} "
+        f"of a {args.step_ms:g} ms step; disabled {disabled_us:.2f} µs"
+    )
 
     # A/B, interleaved in blocks of 10 steps so both arms see the same machine load.
     chrono = Chronometer(True, device="cpu", nvml=None)
@@ -71,8 +73,10 @@ def main():
             busy_wait(step_s)
         without.append((time.perf_counter() - t0) / 10)
     a, b = statistics.median(with_chrono), statistics.median(without)
-    print(f"A/B {args.steps} steps of {args.step_ms:g} ms: median with chronometer {a * 1e3:.4f} ms, "
-          f"without {b * 1e3:.4f} ms: overhead {(a - b) / b:+.3%} (noise included)")
+    print(
+        f"A/B {args.steps} steps of {args.step_ms:g} ms: median with chronometer {a * 1e3:.4f} ms, "
+        f"without {b * 1e3:.4f} ms: overhead {(a - b) / b:+.3%} (noise included)"
+    )
     print(f"chronometer's own median step: {chrono.summary({})['step_median_s'] * 1e3:.4f} ms")
 
 

@@ -50,8 +50,13 @@ from torchvision.datasets import ImageFolder
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import dlojz_transforms  # noqa: E402
 from dlojz_data import PackedImages, SafeImageFolder  # noqa: E402
-from dlojz_transforms import (IMAGENET_MEAN, IMAGENET_STD, DeviceNormalize,  # noqa: E402
-                              TrainTransform, lazy_image_loader)
+from dlojz_transforms import (
+    IMAGENET_MEAN,
+    IMAGENET_STD,
+    DeviceNormalize,  # noqa: E402
+    TrainTransform,
+    lazy_image_loader,
+)
 
 BENCH_SET_VERSION = "2"  # bump when the generated images change, so that caches are rebuilt
 
@@ -141,13 +146,15 @@ def resolve_train_folder(data: str | None, num_images: int, num_classes: int, pr
 
 
 def reference_dataset(folder: Path, image_size: int) -> ImageFolder:
-    transform = T.Compose([
-        T.RandomResizedCrop(image_size),
-        T.RandomHorizontalFlip(),
-        T.PILToTensor(),
-        T.ConvertImageDtype(torch.float),
-        T.Normalize(mean=IMAGENET_MEAN, std=IMAGENET_STD),
-    ])
+    transform = T.Compose(
+        [
+            T.RandomResizedCrop(image_size),
+            T.RandomHorizontalFlip(),
+            T.PILToTensor(),
+            T.ConvertImageDtype(torch.float),
+            T.Normalize(mean=IMAGENET_MEAN, std=IMAGENET_STD),
+        ]
+    )
     return ImageFolder(str(folder), transform=transform)
 
 
@@ -176,8 +183,14 @@ def measure(dataset, finish_batch, workers: int, batch_size: int, batches: int, 
     """
     generator = torch.Generator().manual_seed(seed)
     sampler = RandomSampler(dataset, num_samples=(warmup + batches) * batch_size, generator=generator)
-    loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=workers,
-                        prefetch_factor=2 if workers else None, drop_last=True)
+    loader = DataLoader(
+        dataset,
+        batch_size=batch_size,
+        sampler=sampler,
+        num_workers=workers,
+        prefetch_factor=2 if workers else None,
+        drop_last=True,
+    )
     iterator = iter(loader)
     for _ in range(warmup):
         finish_batch(next(iterator)[0])
@@ -199,11 +212,18 @@ def measure_dali(folder: Path, image_size: int, threads: int, batch_size: int, b
     """measure() for --data-backend dali on DALI's CPU backend (its decoding threads live in this process)."""
     from dlojz_dali import DaliBatches, train_pipeline
     from dlojz_data import EpochSampler
+
     dataset = SafeImageFolder(str(folder))
     sampler = EpochSampler(dataset, 1, 0, shuffle=True, seed=seed)
-    batches_iter = DaliBatches(dataset, sampler, batch_size,
-                               lambda source: train_pipeline(source, batch_size, image_size, None, max(1, threads), seed),
-                               torch.device("cpu"), lambda images: images, drop_last=True)
+    batches_iter = DaliBatches(
+        dataset,
+        sampler,
+        batch_size,
+        lambda source: train_pipeline(source, batch_size, image_size, None, max(1, threads), seed),
+        torch.device("cpu"),
+        lambda images: images,
+        drop_last=True,
+    )
     process = psutil.Process()
     received, epoch = 0, 0
     start = cpu_start = None
@@ -223,6 +243,7 @@ def measure_dali(folder: Path, image_size: int, threads: int, batch_size: int, b
 def packed_copy(folder: Path) -> Path:
     """The train folder packed into webdataset shards, once (pack wants train/ and val/: the same images twice)."""
     from dlojz_pack import pack
+
     src = folder.parent.with_name(folder.parent.name + "-src")
     src.mkdir(parents=True, exist_ok=True)
     for split in ("train", "val"):
@@ -241,24 +262,36 @@ def warm_page_cache(folder: Path):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--data", default=None,
-                        help="ImageFolder root (or a folder holding train/); default: a generated ImageNet-like set")
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    parser.add_argument(
+        "--data",
+        default=None,
+        help="ImageFolder root (or a folder holding train/); default: a generated ImageNet-like set",
+    )
     parser.add_argument("--workers", type=int, default=2, help="DataLoader workers (both pipelines)")
     parser.add_argument("--batch-size", type=int, default=32, help="batch size (both pipelines)")
     parser.add_argument("--batches", type=int, default=25, help="timed batches per measurement")
     parser.add_argument("--warmup-batches", type=int, default=4, help="batches received before the clock starts")
     parser.add_argument("--sizes", type=int, nargs="+", default=[224, 176], help="training crop sizes")
-    parser.add_argument("--repeats", type=int, default=9,
-                        help="back-to-back measurement rounds (one run of each pipeline) per size; medians are "
-                             "reported")
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=9,
+        help="back-to-back measurement rounds (one run of each pipeline) per size; medians are reported",
+    )
     parser.add_argument("--images", type=int, default=1000, help="images in the generated set")
     parser.add_argument("--classes", type=int, default=10, help="classes in the generated set")
-    parser.add_argument("--main-threads", type=int, default=1,
-                        help="torch threads of the main process (it normalises dlojz's batches)")
-    parser.add_argument("--shards", default=None, help="a dlojz_pack.py pack of the same images, for the shards row "
-                        "(default: the generated set is packed once; with --data, no shards row)")
+    parser.add_argument(
+        "--main-threads", type=int, default=1, help="torch threads of the main process (it normalises dlojz's batches)"
+    )
+    parser.add_argument(
+        "--shards",
+        default=None,
+        help="a dlojz_pack.py pack of the same images, for the shards row "
+        "(default: the generated set is packed once; with --data, no shards row)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     for flag in ("workers", "batch_size", "batches", "repeats", "images", "classes", "main_threads"):
@@ -271,9 +304,12 @@ def main(argv=None):
     torch.set_num_threads(args.main_threads)
     normalize = DeviceNormalize("cpu")
     decoder = dlojz_transforms.decoder_description()
-    print(f"data {folder}  workers {args.workers}  batch {args.batch_size}  timed batches {args.batches} "
-          f"(+{args.warmup_batches} warm-up)  rounds {args.repeats}  main-process torch threads "
-          f"{torch.get_num_threads()}  dlojz JPEG decoder: {decoder}", flush=True)
+    print(
+        f"data {folder}  workers {args.workers}  batch {args.batch_size}  timed batches {args.batches} "
+        f"(+{args.warmup_batches} warm-up)  rounds {args.repeats}  main-process torch threads "
+        f"{torch.get_num_threads()}  dlojz JPEG decoder: {decoder}",
+        flush=True,
+    )
 
     packed = Path(args.shards) if args.shards else packed_copy(folder) if args.data is None else None
     pipelines = {
@@ -284,9 +320,12 @@ def main(argv=None):
     }
     if packed is not None:
         warm_page_cache(packed)
-        pipelines["dlojz shards"] = (lambda _, size: PackedImages(packed, "train", TrainTransform(size)),
-                                     lambda images: images)
+        pipelines["dlojz shards"] = (
+            lambda _, size: PackedImages(packed, "train", TrainTransform(size)),
+            lambda images: images,
+        )
     from dlojz_dali import check_available
+
     if check_available() is None:
         pipelines["DALI-CPU"] = (None, None)
     else:
@@ -299,36 +338,67 @@ def main(argv=None):
         for repeat in range(args.repeats):
             # Back-to-back rounds, rotating which pipeline goes first: the pipelines of a round see the same load
             # from other jobs, and the median over rounds resists the moments when that load changes.
-            for name in names[repeat % len(names):] + names[:repeat % len(names)]:
+            for name in names[repeat % len(names) :] + names[: repeat % len(names)]:
                 make_dataset, finish = pipelines[name]
                 if name == "DALI-CPU":
-                    images_per_s, ms_per_image = measure_dali(folder, size, args.workers, args.batch_size, args.batches,
-                                                              args.warmup_batches, args.seed + repeat)
+                    images_per_s, ms_per_image = measure_dali(
+                        folder,
+                        size,
+                        args.workers,
+                        args.batch_size,
+                        args.batches,
+                        args.warmup_batches,
+                        args.seed + repeat,
+                    )
                 else:
-                    images_per_s, ms_per_image = measure(make_dataset(folder, size), finish, args.workers,
-                                                         args.batch_size, args.batches, args.warmup_batches,
-                                                         args.seed + repeat)
+                    images_per_s, ms_per_image = measure(
+                        make_dataset(folder, size),
+                        finish,
+                        args.workers,
+                        args.batch_size,
+                        args.batches,
+                        args.warmup_batches,
+                        args.seed + repeat,
+                    )
                 rates[name].append(images_per_s)
                 cpu_ms[name].append(ms_per_image)
-        ratios = {name: np.median([ours / reference for ours, reference in zip(rates[name], rates["reference"])])
-                  for name in names}
-        rows.append(dict(size=size, **{f"{name} img/s": np.median(rates[name]) for name in names},
-                         **{f"{name} ratio": ratios[name] for name in names},
-                         **{f"{name} CPU ms/img": np.median(cpu_ms[name]) for name in names}))
+        ratios = {
+            name: np.median([ours / reference for ours, reference in zip(rates[name], rates["reference"])])
+            for name in names
+        }
+        rows.append(
+            dict(
+                size=size,
+                **{f"{name} img/s": np.median(rates[name]) for name in names},
+                **{f"{name} ratio": ratios[name] for name in names},
+                **{f"{name} CPU ms/img": np.median(cpu_ms[name]) for name in names},
+            )
+        )
 
     print()
-    print("| size | workers | batch | reference img/s | " + " | ".join(f"{name} img/s | ratio" for name in names[1:])
-          + " | CPU ms/img: " + " | ".join(names) + " |")
+    print(
+        "| size | workers | batch | reference img/s | "
+        + " | ".join(f"{name} img/s | ratio" for name in names[1:])
+        + " | CPU ms/img: "
+        + " | ".join(names)
+        + " |"
+    )
     print("|" + "---:|" * (3 + 1 + 2 * (len(names) - 1) + len(names)))
     for row in rows:
-        print(f"| {row['size']} | {args.workers} | {args.batch_size} | {row['reference img/s']:.0f} | "
-              + " | ".join(f"{row[name + ' img/s']:.0f} | {row[name + ' ratio']:.2f}" for name in names[1:]) + " | "
-              + " | ".join(f"{row[name + ' CPU ms/img']:.2f}" for name in names) + " |")
-    print(f"\nMedians over {args.repeats} rounds. img/s: wall clock; ratio: over the reference within each round. "
-          "dlojz: uint8 batches as a GPU receives them (it converts and normalises them); dlojz+norm: also "
-          "normalised to float32 in the main process, as when training on the CPU; dlojz shards: dlojz reading the "
-          "same images from webdataset shards; DALI-CPU: DALI's CPU decoder, uint8. CPU ms/img: main process + "
-          "workers (less sensitive to other jobs on the machine).")
+        print(
+            f"| {row['size']} | {args.workers} | {args.batch_size} | {row['reference img/s']:.0f} | "
+            + " | ".join(f"{row[name + ' img/s']:.0f} | {row[name + ' ratio']:.2f}" for name in names[1:])
+            + " | "
+            + " | ".join(f"{row[name + ' CPU ms/img']:.2f}" for name in names)
+            + " |"
+        )
+    print(
+        f"\nMedians over {args.repeats} rounds. img/s: wall clock; ratio: over the reference within each round. "
+        "dlojz: uint8 batches as a GPU receives them (it converts and normalises them); dlojz+norm: also "
+        "normalised to float32 in the main process, as when training on the CPU; dlojz shards: dlojz reading the "
+        "same images from webdataset shards; DALI-CPU: DALI's CPU decoder, uint8. CPU ms/img: main process + "
+        "workers (less sensitive to other jobs on the machine)."
+    )
     return rows
 
 

@@ -13,6 +13,7 @@ is packed once into <tree>-packed next to it (with --data too: mind the disk spa
 
     python bench/bench_storage.py                  # 1,000 images, 2 workers, 224 px
 """
+
 import argparse
 import os
 import subprocess
@@ -77,8 +78,10 @@ def main(argv=None):
     packed = Path(str(src).rstrip("/") + "-packed")
     pack(src, packed, shard_size=args.shard_size, workers=max(1, args.workers))
     torch.set_num_threads(1)
-    datasets = {"files": SafeImageFolder(str(folder), transform=TrainTransform(args.size), loader=lazy_image_loader),
-                "shards": PackedImages(packed, "train", TrainTransform(args.size))}
+    datasets = {
+        "files": SafeImageFolder(str(folder), transform=TrainTransform(args.size), loader=lazy_image_loader),
+        "shards": PackedImages(packed, "train", TrainTransform(args.size)),
+    }
     n = len(datasets["files"])
     batches = n // args.batch_size
     sys.addaudithook(count_opens)
@@ -86,14 +89,20 @@ def main(argv=None):
     for name, dataset in datasets.items():
         rows[name] = dict(opens=opens_per_1000(dataset, min(n, 1000)))
         warm_page_cache(folder if name == "files" else packed)
-        rows[name]["warm"] = measure(dataset, lambda images: images, args.workers, args.batch_size, batches - 2, 2, 0)[0]
+        rows[name]["warm"] = measure(dataset, lambda images: images, args.workers, args.batch_size, batches - 2, 2, 0)[
+            0
+        ]
         why = "--no-cold" if args.no_cold else drop_page_cache()
         if why is None:
-            rows[name]["cold"] = measure(dataset, lambda images: images, args.workers, args.batch_size, batches, 0, 1)[0]
+            rows[name]["cold"] = measure(dataset, lambda images: images, args.workers, args.batch_size, batches, 0, 1)[
+                0
+            ]
         else:
             rows[name]["cold"] = None
-    print(f"\n{n} images ({folder}), {len(datasets['shards'].shards.shards)} shards in {packed}, {args.workers} "
-          f"workers, batch {args.batch_size}, {args.size} px")
+    print(
+        f"\n{n} images ({folder}), {len(datasets['shards'].shards.shards)} shards in {packed}, {args.workers} "
+        f"workers, batch {args.batch_size}, {args.size} px"
+    )
     print("| format | open() per 1,000 images | img/s, warm cache | img/s, cold cache |")
     print("|---|---:|---:|---:|")
     for name, row in rows.items():

@@ -8,6 +8,7 @@ reached the course recipe's final top-1 (start-up left out of both). The race re
 ideas at this scale: triangular schedule peaking at epoch 2, progressive resizing, validation at a larger size
 with flip TTA, BlurPool, no weight decay on norms. Figures only: the script does not assert a target.
 """
+
 import argparse
 import json
 import re
@@ -27,25 +28,60 @@ def recipes(size, epochs):
     course = ["--image-size", str(size), *val, "--lr-scheduler", "onecycle"]
     low = size * 3 // 4
     peak = 2 if epochs >= 4 else epochs / 4  # FFCV's epoch 2, earlier in a short smoke run
-    race = ["--lr-scheduler", "linear", "--lr-peak-epoch", str(peak), "--min-res", str(low), "--max-res", str(size),
-            "--start-ramp", str(max(epochs // 2 - 1, 0)), "--end-ramp", str(max(epochs - 2, 1)), "--res-step", "8",
-            "--image-size", str(size), "--val-crop-size", str(size + size // 4),
-            "--val-resize-size", str(round((size + size // 4) / 0.875)), "--tta-flip", "--blurpool",
-            "--no-wd-norm-bias", "--wd", "5e-5"]
+    race = [
+        "--lr-scheduler",
+        "linear",
+        "--lr-peak-epoch",
+        str(peak),
+        "--min-res",
+        str(low),
+        "--max-res",
+        str(size),
+        "--start-ramp",
+        str(max(epochs // 2 - 1, 0)),
+        "--end-ramp",
+        str(max(epochs - 2, 1)),
+        "--res-step",
+        "8",
+        "--image-size",
+        str(size),
+        "--val-crop-size",
+        str(size + size // 4),
+        "--val-resize-size",
+        str(round((size + size // 4) / 0.875)),
+        "--tta-flip",
+        "--blurpool",
+        "--no-wd-norm-bias",
+        "--wd",
+        "5e-5",
+    ]
     return {"course": course, "race": race}
 
 
 def run(name, flags, common, out):
     metrics = out / f"{name}.json"
     start = time.perf_counter()
-    proc = subprocess.run([sys.executable, str(ROOT / "dlojz.py"), *common, *flags, "--metrics-json", str(metrics),
-                           "--output-dir", str(out / name)], capture_output=True, text=True, cwd=ROOT)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "dlojz.py"),
+            *common,
+            *flags,
+            "--metrics-json",
+            str(metrics),
+            "--output-dir",
+            str(out / name),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
     wall = time.perf_counter() - start
     if proc.returncode != 0:
         sys.exit(f"{name} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
     accuracies = [(int(e), float(top1), float(top5)) for e, top1, top5 in VALIDATION.findall(proc.stdout)]
     times = [float(v) + float(t) for v, t in TIMES.findall(proc.stdout)]
-    cumulative = [sum(times[:i + 1]) for i in range(len(times))]
+    cumulative = [sum(times[: i + 1]) for i in range(len(times))]
     return dict(wall=wall, epochs=accuracies, elapsed=cumulative, metrics=json.loads(metrics.read_text()))
 
 
@@ -59,30 +95,55 @@ def main(argv=None):
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--workers", type=int, default=1)
     args = parser.parse_args(argv)
-    common = ["--device", args.device, "--arch", args.arch, "--epochs", str(args.epochs), "-b", str(args.batch_size),
-              "--lr", str(args.lr), "--label-smoothing", "0.1", "--no-wandb", "--num-workers", str(args.workers),
-              "--seed", "0"]
+    common = [
+        "--device",
+        args.device,
+        "--arch",
+        args.arch,
+        "--epochs",
+        str(args.epochs),
+        "-b",
+        str(args.batch_size),
+        "--lr",
+        str(args.lr),
+        "--label-smoothing",
+        "0.1",
+        "--no-wandb",
+        "--num-workers",
+        str(args.workers),
+        "--seed",
+        "0",
+    ]
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name, flags in recipes(args.size, args.epochs).items():
             results[name] = run(name, flags, common, Path(tmp))
             print(f"{name}: done in {results[name]['wall']:.0f} s", flush=True)
     target = results["course"]["epochs"][-1][1]
-    print(f"\n{args.arch}, {args.epochs} epochs, batch {args.batch_size}, lr {args.lr}, {args.device}; "
-          f"target = the course recipe's final top-1, {target:.4f}")
+    print(
+        f"\n{args.arch}, {args.epochs} epochs, batch {args.batch_size}, lr {args.lr}, {args.device}; "
+        f"target = the course recipe's final top-1, {target:.4f}"
+    )
     print(f"{'recipe':<8}{'top-1':>8}{'top-5':>8}{'wall s':>8}{'train+val s':>12}{'to target s':>12}{'epoch':>7}")
     for name, result in results.items():
         _, top1, top5 = result["epochs"][-1]
-        reached = next(((e, s) for (e, acc, _), s in zip(result["epochs"], result["elapsed"]) if acc >= target),
-                       (None, None))
-        print(f"{name:<8}{top1:>8.4f}{top5:>8.4f}{result['wall']:>8.0f}{result['elapsed'][-1]:>12.1f}"
-              f"{(f'{reached[1]:.1f}' if reached[1] is not None else 'never'):>12}{str(reached[0] or '-'):>7}")
+        reached = next(
+            ((e, s) for (e, acc, _), s in zip(result["epochs"], result["elapsed"]) if acc >= target), (None, None)
+        )
+        print(
+            f"{name:<8}{top1:>8.4f}{top5:>8.4f}{result['wall']:>8.0f}{result['elapsed'][-1]:>12.1f}"
+            f"{(f'{reached[1]:.1f}' if reached[1] is not None else 'never'):>12}{str(reached[0] or '-'):>7}"
+        )
     course_time = results["course"]["elapsed"][-1]
-    first = {name: next((s for (_, acc, _), s in zip(result["epochs"], result["elapsed"]) if acc >= target), None)
-             for name, result in results.items()}
+    first = {
+        name: next((s for (_, acc, _), s in zip(result["epochs"], result["elapsed"]) if acc >= target), None)
+        for name, result in results.items()
+    }
     if first["race"] is not None:
-        print(f"race time to the course's final top-1 / course's whole run: {first['race'] / course_time:.2f} "
-              f"(target: <= 0.7); / course's first time at that top-1: {first['race'] / first['course']:.2f}")
+        print(
+            f"race time to the course's final top-1 / course's whole run: {first['race'] / course_time:.2f} "
+            f"(target: <= 0.7); / course's first time at that top-1: {first['race'] / first['course']:.2f}"
+        )
     else:
         print("the race recipe did not reach the course's final top-1 in this budget")
 

@@ -63,25 +63,56 @@ VARIANTS = ("test", "epoch")
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--arch", default="resnet50", help="torchvision model name (default: resnet50)")
-    parser.add_argument("--batch-size", type=int, default=None, help="per process (default: 128 on GPU, 32 on CPU, like dlojz)")
+    parser.add_argument(
+        "--batch-size", type=int, default=None, help="per process (default: 128 on GPU, 32 on CPU, like dlojz)"
+    )
     parser.add_argument("--image-size", type=int, default=None, help="px (default: 224 on GPU, 64 on CPU, like dlojz)")
-    parser.add_argument("--steps", type=int, default=60,
-                        help=f"training steps per run, the first {WARMUP_STEPS} untimed; a multiple of {WARMUP_STEPS} (default: 60)")
-    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="(default: auto = cuda if available)")
-    parser.add_argument("--amp", default=None, action=argparse.BooleanOptionalAction, help="autocast (default: on with CUDA, off on CPU)")
-    parser.add_argument("--amp-dtype", choices=("float16", "bfloat16"), default=None,
-                        help="(default: float16 on CUDA, bfloat16 on CPU)")
-    parser.add_argument("--channels-last", default=False, action=argparse.BooleanOptionalAction, help="NHWC model and input (default: off)")
-    parser.add_argument("--repeats", type=int, default=1, help="rounds of interleaved runs; medians reported (default: 1)")
-    parser.add_argument("--variants", default=",".join(VARIANTS),
-                        help=f"dlojz runs to time, comma-separated among {','.join(VARIANTS)} (default: both)")
-    parser.add_argument("--threads", type=int, default=None,
-                        help="CPU threads of every run (OMP_NUM_THREADS); 1 resists a busy machine best (default: torch's)")
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=60,
+        help=f"training steps per run, the first {WARMUP_STEPS} untimed; a multiple of {WARMUP_STEPS} (default: 60)",
+    )
+    parser.add_argument(
+        "--device", choices=("auto", "cpu", "cuda"), default="auto", help="(default: auto = cuda if available)"
+    )
+    parser.add_argument(
+        "--amp",
+        default=None,
+        action=argparse.BooleanOptionalAction,
+        help="autocast (default: on with CUDA, off on CPU)",
+    )
+    parser.add_argument(
+        "--amp-dtype", choices=("float16", "bfloat16"), default=None, help="(default: float16 on CUDA, bfloat16 on CPU)"
+    )
+    parser.add_argument(
+        "--channels-last",
+        default=False,
+        action=argparse.BooleanOptionalAction,
+        help="NHWC model and input (default: off)",
+    )
+    parser.add_argument(
+        "--repeats", type=int, default=1, help="rounds of interleaved runs; medians reported (default: 1)"
+    )
+    parser.add_argument(
+        "--variants",
+        default=",".join(VARIANTS),
+        help=f"dlojz runs to time, comma-separated among {','.join(VARIANTS)} (default: both)",
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="CPU threads of every run (OMP_NUM_THREADS); 1 resists a busy machine best (default: torch's)",
+    )
     parser.add_argument("--timeout", type=float, default=1800, help="seconds allowed per subprocess (default: 1800)")
-    parser.add_argument("--seed", type=int, default=123, help="dlojz's default seed: same weights and batch on both sides")
+    parser.add_argument(
+        "--seed", type=int, default=123, help="dlojz's default seed: same weights and batch on both sides"
+    )
     # Internal: the subprocess entry points (hidden from --help).
     parser.add_argument("--run-bare", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--schedule-steps", type=int, default=None, help=argparse.SUPPRESS)  # dlojz's OneCycle length
@@ -107,8 +138,10 @@ def resolve_settings(args, parser):
     if args.tf32 is None:  # dlojz's rule: TF32 on Ampere and newer
         args.tf32 = gpu and torch.cuda.get_device_capability()[0] >= 8
     if args.steps <= WARMUP_STEPS or args.steps % WARMUP_STEPS:
-        parser.error(f"--steps must be a multiple of {WARMUP_STEPS} above {WARMUP_STEPS} (dlojz times between its "
-                     f"log points, every {WARMUP_STEPS} steps); got {args.steps}")
+        parser.error(
+            f"--steps must be a multiple of {WARMUP_STEPS} above {WARMUP_STEPS} (dlojz times between its "
+            f"log points, every {WARMUP_STEPS} steps); got {args.steps}"
+        )
     if args.batch_size < 1 or args.image_size < 1 or args.repeats < 1:
         parser.error("--batch-size, --image-size and --repeats must be at least 1")
     args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
@@ -119,15 +152,29 @@ def resolve_settings(args, parser):
 
 def common_flags(args):
     """Model, batch and precision flags given to every dlojz and bare run (both parsers share these names)."""
-    flags = ["--arch", args.arch, "--batch-size", str(args.batch_size), "--image-size", str(args.image_size),
-             "--device", args.device, "--amp" if args.amp else "--no-amp", "--amp-dtype", args.amp_dtype,
-             "--channels-last" if args.channels_last else "--no-channels-last", "--seed", str(args.seed)]
+    flags = [
+        "--arch",
+        args.arch,
+        "--batch-size",
+        str(args.batch_size),
+        "--image-size",
+        str(args.image_size),
+        "--device",
+        args.device,
+        "--amp" if args.amp else "--no-amp",
+        "--amp-dtype",
+        args.amp_dtype,
+        "--channels-last" if args.channels_last else "--no-channels-last",
+        "--seed",
+        str(args.seed),
+    ]
     if args.device == "cuda":
         flags.append("--tf32" if args.tf32 else "--no-tf32")
     return flags
 
 
 # ================================ the bare loop (runs in its own subprocess) ================================
+
 
 def bare_loop(args):
     """Train `args.steps` steps on one random batch; return images/s over the steps after the warm-up."""
@@ -140,6 +187,7 @@ def bare_loop(args):
     memory_format = torch.channels_last if args.channels_last else torch.contiguous_format
 
     import torchvision
+
     torch.manual_seed(args.seed)  # dlojz's seed before building the model: the same initial weights
     model = torchvision.models.get_model(args.arch, weights=None, num_classes=1000).to(device)
     model = model.to(memory_format=memory_format)
@@ -175,8 +223,12 @@ def bare_loop(args):
     sync()
     seconds = time.perf_counter() - start
     timed_steps = args.steps - WARMUP_STEPS
-    return dict(images_per_second=timed_steps * args.batch_size / seconds, timed_steps=timed_steps,
-                seconds=seconds, final_loss=loss.item())
+    return dict(
+        images_per_second=timed_steps * args.batch_size / seconds,
+        timed_steps=timed_steps,
+        seconds=seconds,
+        final_loss=loss.item(),
+    )
 
 
 def onecycle_values(max_lr, total_steps, steps):
@@ -197,14 +249,22 @@ def run_dlojz_short_epoch(steps, dlojz_argv):
     (dlojz.synthetic_loop), writing the metrics the driver reads."""
     import dlojz
     from dlojz_log import write_json
+
     loop = dlojz.synthetic_loop(dlojz_argv, n_batches=steps)
     result = dlojz.train_one_epoch(**loop)
-    write_json(loop["cfg"].metrics_json, dict(steps=loop["state"].global_step, train_loss=result.train_loss,
-                                              images_per_second=loop["progress"].images_per_second()))
+    write_json(
+        loop["cfg"].metrics_json,
+        dict(
+            steps=loop["state"].global_step,
+            train_loss=result.train_loss,
+            images_per_second=loop["progress"].images_per_second(),
+        ),
+    )
     return 0
 
 
 # ================================ the driver ================================
+
 
 def run(cmd, timeout, label, threads=None):
     """Run one measurement subprocess from the repository root; on failure, stop with its last lines.
@@ -216,7 +276,9 @@ def run(cmd, timeout, label, threads=None):
     try:
         proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
-        sys.exit(f"bench_train: the {label} run took more than --timeout {timeout:g} s; lower --steps or raise --timeout")
+        sys.exit(
+            f"bench_train: the {label} run took more than --timeout {timeout:g} s; lower --steps or raise --timeout"
+        )
     if proc.returncode != 0:
         tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-15:])
         sys.exit(f"{tail}\nbench_train: the {label} run failed (exit {proc.returncode}): {shlex.join(cmd)}")
@@ -228,14 +290,29 @@ def dlojz_commands(args, tmp):
     base = [sys.executable, "dlojz.py", "--synthetic", "--no-wandb"] + common_flags(args)
     cmds = {}
     if "test" in args.variants:
-        cmds["test"] = base + ["--test", "--test-nsteps", str(args.steps),
-                               "--metrics-json", str(tmp / "test.json"), "--output-dir", str(tmp / "test")]
+        cmds["test"] = base + [
+            "--test",
+            "--test-nsteps",
+            str(args.steps),
+            "--metrics-json",
+            str(tmp / "test.json"),
+            "--output-dir",
+            str(tmp / "test"),
+        ]
     if "epoch" in args.variants:
-        epoch_args = ["--synthetic", "--no-wandb", "--epochs", "1"] + common_flags(args) + [
-            "--metrics-json", str(tmp / "epoch.json"), "--output-dir", str(tmp / "epoch")]
+        epoch_args = (
+            ["--synthetic", "--no-wandb", "--epochs", "1"]
+            + common_flags(args)
+            + ["--metrics-json", str(tmp / "epoch.json"), "--output-dir", str(tmp / "epoch")]
+        )
         # The hidden entry point runs dlojz's train_one_epoch on a synthetic epoch of --steps batches.
-        cmds["epoch"] = [sys.executable, str(Path(__file__).resolve()), "--run-dlojz-epoch", str(args.steps),
-                         "--"] + epoch_args
+        cmds["epoch"] = [
+            sys.executable,
+            str(Path(__file__).resolve()),
+            "--run-dlojz-epoch",
+            str(args.steps),
+            "--",
+        ] + epoch_args
     return cmds
 
 
@@ -248,7 +325,13 @@ def schedule_steps(args, variant):
 
 def measure(args):
     """Interleave the runs `args.repeats` times; return img/s and load average per run name, and the commands."""
-    bare_base = [sys.executable, str(Path(__file__).resolve()), "--run-bare", "--steps", str(args.steps)] + common_flags(args)
+    bare_base = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--run-bare",
+        "--steps",
+        str(args.steps),
+    ] + common_flags(args)
     bare_cmds = {f"bare-{v}": bare_base + ["--schedule-steps", str(schedule_steps(args, v))] for v in args.variants}
     order = [name for v in args.variants for name in (v, f"bare-{v}")]
     rates = {name: [] for name in order}
@@ -257,53 +340,75 @@ def measure(args):
         tmp = Path(tmpdir)
         cmds = dlojz_commands(args, tmp)
         for round_ in range(args.repeats):
-            for name in (order if round_ % 2 == 0 else order[::-1]):
+            for name in order if round_ % 2 == 0 else order[::-1]:
                 if name in bare_cmds:
                     out, load = run(bare_cmds[name], args.timeout, "bare loop", args.threads)
-                    result = json.loads(next(l for l in out.splitlines() if l.startswith(RESULT_TAG))[len(RESULT_TAG):])
+                    result = json.loads(
+                        next(l for l in out.splitlines() if l.startswith(RESULT_TAG))[len(RESULT_TAG) :]
+                    )
                     rate = result["images_per_second"]
                     if not math.isfinite(result["final_loss"]):  # NaN arithmetic could run at another speed
-                        print(f"  WARNING: the bare loop's loss ended {result['final_loss']}: its figure may not compare")
+                        print(
+                            f"  WARNING: the bare loop's loss ended {result['final_loss']}: its figure may not compare"
+                        )
                 else:
                     metrics_path = tmp / f"{name}.json"
                     metrics_path.unlink(missing_ok=True)
                     _, load = run(cmds[name], args.timeout, f"dlojz {name}", args.threads)
                     metrics = json.loads(metrics_path.read_text())
                     if metrics.get("steps") != args.steps or not metrics.get("images_per_second"):
-                        sys.exit(f"bench_train: dlojz {name} ran {metrics.get('steps')} steps (expected {args.steps}) "
-                                 f"or reported no images_per_second: {metrics_path}")
+                        sys.exit(
+                            f"bench_train: dlojz {name} ran {metrics.get('steps')} steps (expected {args.steps}) "
+                            f"or reported no images_per_second: {metrics_path}"
+                        )
                     rate = metrics["images_per_second"]
                 rates[name].append(rate)
                 loads[name].append(load)
-                print(f"  round {round_ + 1}/{args.repeats}  {name:<10} {rate:9.1f} img/s   (load avg {load:.2f})", flush=True)
+                print(
+                    f"  round {round_ + 1}/{args.repeats}  {name:<10} {rate:9.1f} img/s   (load avg {load:.2f})",
+                    flush=True,
+                )
     return rates, loads, cmds, bare_cmds
 
 
 def report(args, rates, loads, cmds, bare_cmds):
-    precision = (args.amp_dtype + " autocast" if args.amp else ("tf32" if args.tf32 else "float32"))
-    print(f"\n{args.arch}, {args.device}, batch {args.batch_size}, {args.image_size} px, {precision}, "
-          f"{'channels-last' if args.channels_last else 'contiguous'}, {args.steps} steps ({WARMUP_STEPS} warm-up), "
-          f"{args.threads or torch.get_num_threads()} threads, {args.repeats} round(s); img/s")
+    precision = args.amp_dtype + " autocast" if args.amp else ("tf32" if args.tf32 else "float32")
+    print(
+        f"\n{args.arch}, {args.device}, batch {args.batch_size}, {args.image_size} px, {precision}, "
+        f"{'channels-last' if args.channels_last else 'contiguous'}, {args.steps} steps ({WARMUP_STEPS} warm-up), "
+        f"{args.threads or torch.get_num_threads()} threads, {args.repeats} round(s); img/s"
+    )
     labels = {"test": "dlojz --test", "epoch": "dlojz short epoch"}
-    print(f"{'variant':<18}{'dlojz':>9}{'bare':>9}{'ratio':>8}{'target':>8}  {'result':<7}"
-          f"{'best dlojz/bare':>17}{'load':>7}  per-round ratios; all runs dlojz | bare")
+    print(
+        f"{'variant':<18}{'dlojz':>9}{'bare':>9}{'ratio':>8}{'target':>8}  {'result':<7}"
+        f"{'best dlojz/bare':>17}{'load':>7}  per-round ratios; all runs dlojz | bare"
+    )
     for name in args.variants:
         dlojz, bare = rates[name], rates[f"bare-{name}"]
         paired = [d / b for d, b in zip(dlojz, bare)]
         ratio = statistics.median(paired)
         best = f"{max(dlojz):.1f}/{max(bare):.1f}={max(dlojz) / max(bare):.3f}"
         load = statistics.median(loads[name] + loads[f"bare-{name}"])
-        print(f"{labels[name]:<18}{statistics.median(dlojz):>9.1f}{statistics.median(bare):>9.1f}{ratio:>8.3f}"
-              f"{TARGET_RATIO:>8.2f}  {'ok' if ratio >= TARGET_RATIO else 'SLOWER':<7}{best:>17}{load:>7.2f}  "
-              + " ".join(f"{r:.3f}" for r in paired) + "; "
-              + " ".join(f"{r:.1f}" for r in dlojz) + " | " + " ".join(f"{r:.1f}" for r in bare))
-    print("(dlojz, bare: median img/s; ratio: median over rounds of dlojz / the bare run beside it; "
-          "load: median 1-min load average during the runs)")
+        print(
+            f"{labels[name]:<18}{statistics.median(dlojz):>9.1f}{statistics.median(bare):>9.1f}{ratio:>8.3f}"
+            f"{TARGET_RATIO:>8.2f}  {'ok' if ratio >= TARGET_RATIO else 'SLOWER':<7}{best:>17}{load:>7.2f}  "
+            + " ".join(f"{r:.3f}" for r in paired)
+            + "; "
+            + " ".join(f"{r:.1f}" for r in dlojz)
+            + " | "
+            + " ".join(f"{r:.1f}" for r in bare)
+        )
+    print(
+        "(dlojz, bare: median img/s; ratio: median over rounds of dlojz / the bare run beside it; "
+        "load: median 1-min load average during the runs)"
+    )
     own_load = (args.threads or torch.get_num_threads()) if args.device == "cpu" else 1
     busiest = max(load for runs in loads.values() for load in runs)
     if busiest > own_load + 0.5:
-        print(f"WARNING: the load average reached {busiest:.2f} on {os.cpu_count()} CPUs while a run needs {own_load}: "
-              f"other processes shared the machine, the figures are noisy; rerun on an idle machine or raise --repeats")
+        print(
+            f"WARNING: the load average reached {busiest:.2f} on {os.cpu_count()} CPUs while a run needs {own_load}: "
+            f"other processes shared the machine, the figures are noisy; rerun on an idle machine or raise --repeats"
+        )
     print("\ncommands (from the repository root; metrics/output paths were temporary):")
     for name in args.variants:
         print(f"  {labels[name]}: {shlex.join(cmds[name])}")

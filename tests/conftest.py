@@ -1,4 +1,5 @@
 """Shared fixtures: run dlojz.py as a user would (a subprocess), on small data the tests make themselves."""
+
 import json
 import os
 import subprocess
@@ -21,15 +22,30 @@ WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 THREADS = str(int(os.environ.get("OMP_NUM_THREADS") or max(1, min(2, (os.cpu_count() or 1) // WORKERS))))
 
 # Small and fast on 2 CPU cores: resnet18 at 32 px.
-SMALL = ["--device", "cpu", "--arch", "resnet18", "--image-size", "32", "--val-resize-size", "36",
-         "--val-crop-size", "32", "--num-workers", "1"]
+SMALL = [
+    "--device",
+    "cpu",
+    "--arch",
+    "resnet18",
+    "--image-size",
+    "32",
+    "--val-resize-size",
+    "36",
+    "--val-crop-size",
+    "32",
+    "--num-workers",
+    "1",
+]
 
 
 def clean_env(**extra):
     """The environment of a plain shell: no launcher variables (Slurm, torchrun), no data variables."""
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("SLURM_", "TORCHELASTIC_", "DLOJZ_", "WANDB_"))
-           and k not in ("ALL_CCFRSCRATCH", "DSDIR", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("SLURM_", "TORCHELASTIC_", "DLOJZ_", "WANDB_"))
+        and k not in ("ALL_CCFRSCRATCH", "DSDIR", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    }
     env["PYTHONUNBUFFERED"] = "1"
     env["OMP_NUM_THREADS"] = env.get("OMP_NUM_THREADS", THREADS)
     env.update({k: str(v) for k, v in extra.items()})
@@ -58,8 +74,14 @@ def start_dlojz(*args, env=None, cwd=None):
     argv = [str(a) for a in args]
     if preloaded.can_run(env):
         return preloaded.Started(argv, env, cwd or ROOT)
-    return subprocess.Popen([sys.executable, str(ROOT / "dlojz.py"), *argv], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=env, cwd=cwd or ROOT)
+    return subprocess.Popen(
+        [sys.executable, str(ROOT / "dlojz.py"), *argv],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        cwd=cwd or ROOT,
+    )
 
 
 def read_json(path):
@@ -75,8 +97,10 @@ def show(proc):
 def tiny_data(tmp_path_factory):
     """3 classes, 24 train images per class, 5 val per class: 15 val images, not divisible by 2."""
     from dlojz_data import make_embedded_dataset
-    return make_embedded_dataset(tmp_path_factory.mktemp("data") / "tiny", n_classes=3, train_per_class=24,
-                                 val_per_class=5, size=(48, 40))
+
+    return make_embedded_dataset(
+        tmp_path_factory.mktemp("data") / "tiny", n_classes=3, train_per_class=24, val_per_class=5, size=(48, 40)
+    )
 
 
 @pytest.fixture(scope="session")
@@ -90,6 +114,7 @@ def run_inline(capsys, monkeypatch):
     """Run dlojz.cli(argv) inside the test process (no interpreter start-up, torch already imported): for the
     runs that stop before training, i.e. the bad-input paths. Returns an object shaped like CompletedProcess."""
     import dlojz
+
     for key in list(os.environ):
         if key.startswith(("SLURM_", "TORCHELASTIC_", "DLOJZ_", "WANDB_")) or key in ("ALL_CCFRSCRATCH", "DSDIR"):
             monkeypatch.delenv(key)
@@ -103,11 +128,13 @@ def run_inline(capsys, monkeypatch):
                 signal.signal(s, handler)
         out = capsys.readouterr()
         return SimpleNamespace(returncode=status, stdout=out.out, stderr=out.err)
+
     return run
 
 
 def pytest_configure(config):
     import torch
+
     torch.set_num_threads(int(THREADS))  # the tests that train in this process
 
 

@@ -12,6 +12,7 @@ from the server's in such a variable (PYTHON*, TORCH_*, ATEN_*, ...) runs as a f
 Two ranks are started as torchrun starts them on one node (its environment variables), each a fork of the server;
 the tests that are about torchrun itself run it.
 """
+
 import atexit
 import locale
 import multiprocessing
@@ -32,8 +33,13 @@ DLOJZ = Path(__file__).resolve().parent.parent / "dlojz.py"
 STARTUP_PREFIXES = ("PYTHON", "TORCH", "ATEN_", "LD_", "MKL_", "KMP_", "GOMP_", "CUDA_", "NCCL_", "GLOO_")
 # Harmless to a fork: output is line-buffered here and flushed at exit; the thread count is set in the child;
 # inductor reads its cache folder when it compiles (and sets it in os.environ: a run after a compile sees it).
-RUN_TIME = ("PYTHONUNBUFFERED", "PYTHONDONTWRITEBYTECODE", "OMP_NUM_THREADS", "TORCHINDUCTOR_CACHE_DIR",
-            "TRITON_CACHE_DIR")
+RUN_TIME = (
+    "PYTHONUNBUFFERED",
+    "PYTHONDONTWRITEBYTECODE",
+    "OMP_NUM_THREADS",
+    "TORCHINDUCTOR_CACHE_DIR",
+    "TRITON_CACHE_DIR",
+)
 
 _context = multiprocessing.get_context("forkserver")
 _context.set_forkserver_preload(["dlojz", "preloaded"])
@@ -109,9 +115,11 @@ def _child(argv, env, cwd, out, err):
     sys.stderr = open(2, "w", buffering=1, closefd=False)
     sys.argv = [str(DLOJZ), *argv]
     import torch
+
     if env.get("OMP_NUM_THREADS", "").isdigit():
         torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
     import dlojz
+
     try:
         status = _exit_status(dlojz.cli(argv))
     except SystemExit as err:
@@ -156,9 +164,17 @@ def free_port():
 
 def rank_env(env, rank, world_size, port):
     """The variables torchrun gives each of its processes on one node (idr_torch reads them)."""
-    return {**env, "TORCHELASTIC_RUN_ID": "test", "RANK": str(rank), "LOCAL_RANK": str(rank),
-            "WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(world_size), "GROUP_RANK": "0",
-            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    return {
+        **env,
+        "TORCHELASTIC_RUN_ID": "test",
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank),
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_WORLD_SIZE": str(world_size),
+        "GROUP_RANK": "0",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+    }
 
 
 def run_ranks(argv, env, cwd, timeout, world_size):

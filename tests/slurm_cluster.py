@@ -56,13 +56,21 @@ import pytest
 
 # Job states after which a job never runs again (a requeued job passes through
 # REQUEUED/PENDING, which are deliberately not here).
-FINAL_STATES = frozenset({
-    "COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
-    "BOOT_FAIL", "DEADLINE", "PREEMPTED",
-})
+FINAL_STATES = frozenset(
+    {
+        "COMPLETED",
+        "FAILED",
+        "CANCELLED",
+        "TIMEOUT",
+        "NODE_FAIL",
+        "OUT_OF_MEMORY",
+        "BOOT_FAIL",
+        "DEADLINE",
+        "PREEMPTED",
+    }
+)
 PARTITION = "debug"
-REQUIRED_PROGRAMS = ("munged", "slurmctld", "slurmd", "sbatch", "srun", "scontrol", "sinfo",
-                     "squeue", "scancel")
+REQUIRED_PROGRAMS = ("munged", "slurmctld", "slurmd", "sbatch", "srun", "scontrol", "sinfo", "squeue", "scancel")
 
 
 @dataclasses.dataclass
@@ -110,11 +118,13 @@ class SlurmCluster:
 
     # -- client commands ---------------------------------------------------------------
     def run(self, args, check=True, timeout=60, cwd=None, env=None) -> subprocess.CompletedProcess:
-        proc = subprocess.run(list(map(str, args)), env=env or self.env, cwd=cwd, capture_output=True,
-                              text=True, timeout=timeout)
+        proc = subprocess.run(
+            list(map(str, args)), env=env or self.env, cwd=cwd, capture_output=True, text=True, timeout=timeout
+        )
         if check and proc.returncode != 0:
-            raise RuntimeError(f"{' '.join(map(str, args))} exited {proc.returncode}: "
-                               f"{proc.stderr.strip() or proc.stdout.strip()}")
+            raise RuntimeError(
+                f"{' '.join(map(str, args))} exited {proc.returncode}: {proc.stderr.strip() or proc.stdout.strip()}"
+            )
         return proc
 
     def submit(self, args, cwd, env=None) -> int:
@@ -143,8 +153,10 @@ class SlurmCluster:
         except subprocess.TimeoutExpired:
             pass  # the fixture's stop() cancels every job and stops the daemons anyway
         result = self._result(job_id, info)
-        raise TimeoutError(f"job {job_id} still {info.get('JobState')} after {timeout:.0f} s; "
-                           f"output:\n{result.output_text()[-3000:]}\n{self.log_tail()}")
+        raise TimeoutError(
+            f"job {job_id} still {info.get('JobState')} after {timeout:.0f} s; "
+            f"output:\n{result.output_text()[-3000:]}\n{self.log_tail()}"
+        )
 
     def wait_for_output(self, path: pathlib.Path, needle: str, timeout: float, job_id=None) -> str:
         deadline = time.monotonic() + timeout
@@ -157,14 +169,20 @@ class SlurmCluster:
                 break
             time.sleep(1.0)
         state = self.job_info(job_id, timeout=10).get("JobState") if job_id else "-"
-        raise TimeoutError(f"{needle!r} not found in {path} within {timeout:.0f} s (job {job_id}: {state});"
-                           f" output:\n{text[-3000:]}\n{self.log_tail()}")
+        raise TimeoutError(
+            f"{needle!r} not found in {path} within {timeout:.0f} s (job {job_id}: {state});"
+            f" output:\n{text[-3000:]}\n{self.log_tail()}"
+        )
 
     def _result(self, job_id: int, info: dict) -> JobResult:
         out = info.get("StdOut")
-        return JobResult(job_id=job_id, state=info.get("JobState", "UNKNOWN"),
-                         output_path=pathlib.Path(out) if out else None,
-                         restarts=int(info.get("Restarts", 0) or 0), info=info)
+        return JobResult(
+            job_id=job_id,
+            state=info.get("JobState", "UNKNOWN"),
+            output_path=pathlib.Path(out) if out else None,
+            restarts=int(info.get("Restarts", 0) or 0),
+            info=info,
+        )
 
     def log_tail(self, lines=15) -> str:
         parts = []
@@ -180,14 +198,19 @@ class SlurmCluster:
         munge_socket = self._start_munged()
         self.node_name, node_line = _node_description()
         ctld_port, slurmd_port = _free_port(), _free_port()
-        self.conf_path.write_text(_slurm_conf(self.root, self.node_name, node_line,
-                                              munge_socket, ctld_port, slurmd_port))
-        self._start_daemon("slurmctld", [program("slurmctld"), "-f", self.conf_path,
-                                         "-L", self.log_dir / "slurmctld.log"],
-                           self.root / "run" / "slurmctld.pid")
-        self._start_daemon("slurmd", [program("slurmd"), "-f", self.conf_path, "-N", self.node_name,
-                                      "-L", self.log_dir / "slurmd.log"],
-                           self.root / "run" / "slurmd.pid")
+        self.conf_path.write_text(
+            _slurm_conf(self.root, self.node_name, node_line, munge_socket, ctld_port, slurmd_port)
+        )
+        self._start_daemon(
+            "slurmctld",
+            [program("slurmctld"), "-f", self.conf_path, "-L", self.log_dir / "slurmctld.log"],
+            self.root / "run" / "slurmctld.pid",
+        )
+        self._start_daemon(
+            "slurmd",
+            [program("slurmd"), "-f", self.conf_path, "-N", self.node_name, "-L", self.log_dir / "slurmd.log"],
+            self.root / "run" / "slurmd.pid",
+        )
         self._wait_node_idle(timeout=60)
 
     def stop(self) -> None:
@@ -199,16 +222,20 @@ class SlurmCluster:
                 deadline = time.monotonic() + 30
                 self.run(["scancel", "--full", "--partition", PARTITION], check=False, timeout=_left(deadline))
                 while time.monotonic() < deadline:
-                    if not self.run(["squeue", "-h", "-o", "%i"], check=False,
-                                    timeout=_left(deadline)).stdout.strip():
+                    if not self.run(["squeue", "-h", "-o", "%i"], check=False, timeout=_left(deadline)).stdout.strip():
                         break
                     time.sleep(1.0)
         except subprocess.TimeoutExpired:
             pass
         finally:
             # all three at once: each takes about 2 s to exit after SIGTERM, none waits for another
-            _terminate([pid for pid in (self.pids.pop(name, None) for name in ("slurmd", "slurmctld", "munged"))
-                        if pid is not None])
+            _terminate(
+                [
+                    pid
+                    for pid in (self.pids.pop(name, None) for name in ("slurmd", "slurmctld", "munged"))
+                    if pid is not None
+                ]
+            )
 
     def _start_munged(self) -> pathlib.Path:
         munge_dir = self.root / "munge"
@@ -219,17 +246,30 @@ class SlurmCluster:
         pid_file = munge_dir / "munged.pid"
         # --force: munged refuses a socket directory that others cannot enter (ours is 0700, and only
         # root, which runs everything here, talks to it).
-        self._start_daemon("munged", [program("munged"), "--force", "--key-file", key, "--socket", sock,
-                                      "--pid-file", pid_file, "--seed-file", munge_dir / "munged.seed",
-                                      "--log-file", self.log_dir / "munged.log"],
-                           pid_file)
+        self._start_daemon(
+            "munged",
+            [
+                program("munged"),
+                "--force",
+                "--key-file",
+                key,
+                "--socket",
+                sock,
+                "--pid-file",
+                pid_file,
+                "--seed-file",
+                munge_dir / "munged.seed",
+                "--log-file",
+                self.log_dir / "munged.log",
+            ],
+            pid_file,
+        )
         return sock
 
     def _start_daemon(self, name, argv, pid_file: pathlib.Path, timeout=20) -> None:
         # Each daemon forks into the background and writes its pid file: we stop it by that pid.
         try:
-            proc = subprocess.run(list(map(str, argv)), env=self.env, capture_output=True, text=True,
-                                  timeout=timeout)
+            proc = subprocess.run(list(map(str, argv)), env=self.env, capture_output=True, text=True, timeout=timeout)
             status, said = f"exit {proc.returncode}", (proc.stderr or proc.stdout).strip()
         except subprocess.TimeoutExpired as exc:
             # Still in the foreground (slurmctld retries an unreadable slurm.conf for 60 s), or its daemon
@@ -255,8 +295,9 @@ class SlurmCluster:
         state = ""
         while time.monotonic() < deadline:
             try:
-                proc = self.run(["sinfo", "-h", "-N", "-o", "%T", "-n", self.node_name], check=False,
-                                timeout=_left(deadline))
+                proc = self.run(
+                    ["sinfo", "-h", "-N", "-o", "%T", "-n", self.node_name], check=False, timeout=_left(deadline)
+                )
             except subprocess.TimeoutExpired:
                 state = "sinfo did not answer"
                 continue
@@ -264,8 +305,9 @@ class SlurmCluster:
             if state == "idle":
                 return
             time.sleep(0.5)
-        raise RuntimeError(f"node {self.node_name} not idle after {timeout:.0f} s (sinfo: {state!r})\n"
-                           f"{self.log_tail()}")
+        raise RuntimeError(
+            f"node {self.node_name} not idle after {timeout:.0f} s (sinfo: {state!r})\n{self.log_tail()}"
+        )
 
 
 def _node_description() -> tuple[str, str]:
@@ -324,7 +366,7 @@ SlurmctldTimeout=60
 SlurmdTimeout=120
 SlurmctldDebug=info
 SlurmdDebug=info
-{node_line.split(' UpTime=')[0]} NodeAddr=127.0.0.1 State=UNKNOWN
+{node_line.split(" UpTime=")[0]} NodeAddr=127.0.0.1 State=UNKNOWN
 PartitionName={PARTITION} Nodes={node_name} Default=YES MaxTime=INFINITE State=UP
 """
 
@@ -382,8 +424,10 @@ def why_slurm_unavailable() -> str | None:
     """The reason this machine cannot host the test cluster, or None."""
     missing = [p for p in REQUIRED_PROGRAMS if program(p) is None]
     if missing:
-        return (f"Slurm not installed (missing {', '.join(missing)}): run .ci/install_slurm.sh "
-                f"(apt-get install slurm-wlm munge)")
+        return (
+            f"Slurm not installed (missing {', '.join(missing)}): run .ci/install_slurm.sh "
+            f"(apt-get install slurm-wlm munge)"
+        )
     if os.geteuid() != 0:
         return "the test Slurm cluster needs root (slurmd launches jobs as their user)"
     return None

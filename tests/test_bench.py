@@ -1,4 +1,5 @@
 """The loader benchmark runs end to end (on tiny data) and builds ImageNet-like JPEGs: benchmarks must not rot."""
+
 import io
 import subprocess
 import sys
@@ -13,10 +14,28 @@ import bench_loader  # noqa: E402
 
 def test_bench_loader_prints_every_pipeline(tiny_data, tmp_path):
     from dlojz_pack import pack
+
     pack(tiny_data, tmp_path / "packed", log=lambda *a, **k: None)
-    command = [sys.executable, str(ROOT / "bench" / "bench_loader.py"), "--data", str(tiny_data), "--workers", "1",
-               "--batch-size", "4", "--batches", "2", "--warmup-batches", "1", "--repeats", "1", "--sizes", "32",
-               "--shards", str(tmp_path / "packed")]
+    command = [
+        sys.executable,
+        str(ROOT / "bench" / "bench_loader.py"),
+        "--data",
+        str(tiny_data),
+        "--workers",
+        "1",
+        "--batch-size",
+        "4",
+        "--batches",
+        "2",
+        "--warmup-batches",
+        "1",
+        "--repeats",
+        "1",
+        "--sizes",
+        "32",
+        "--shards",
+        str(tmp_path / "packed"),
+    ]
     result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=clean_env(), cwd=ROOT)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "dlojz JPEG decoder:" in result.stdout
@@ -46,16 +65,35 @@ def test_generated_jpegs_look_like_imagenet_files():
 
 def test_gpu_acceptance_says_no_cuda_gpu_here():
     """The one-command GPU acceptance run, on a machine without a GPU: non-zero, and its last line says why."""
-    proc = subprocess.run(["bash", str(ROOT / "bench" / "gpu_acceptance.sh"), sys.executable], capture_output=True,
-                          text=True, timeout=300, env=clean_env(CUDA_VISIBLE_DEVICES=""))
+    proc = subprocess.run(
+        ["bash", str(ROOT / "bench" / "gpu_acceptance.sh"), sys.executable],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=clean_env(CUDA_VISIBLE_DEVICES=""),
+    )
     assert proc.returncode != 0
     assert proc.stdout.strip().splitlines()[-1].startswith("no CUDA GPU found"), proc.stdout + proc.stderr
 
 
 def test_bench_time_to_accuracy_prints_both_recipes(embedded_cache):
-    result = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_time_to_accuracy.py"), "--epochs", "2",
-                             "--size", "16", "--batch-size", "64"], capture_output=True, text=True, timeout=600,
-                            env=clean_env(XDG_CACHE_HOME=embedded_cache), cwd=ROOT)
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "bench" / "bench_time_to_accuracy.py"),
+            "--epochs",
+            "2",
+            "--size",
+            "16",
+            "--batch-size",
+            "64",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=clean_env(XDG_CACHE_HOME=embedded_cache),
+        cwd=ROOT,
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     rows = [line.split() for line in result.stdout.splitlines() if line.startswith(("course ", "race "))]
     assert [row[0] for row in rows] == ["course", "race"] and all(0 <= float(row[1]) <= 1 for row in rows)
@@ -63,12 +101,29 @@ def test_bench_time_to_accuracy_prints_both_recipes(embedded_cache):
 
 def test_bench_storage_counts_opens_and_times_both_formats(tiny_data, tmp_path):
     import shutil
+
     data = shutil.copytree(tiny_data, tmp_path / "tree")
-    command = [sys.executable, str(ROOT / "bench" / "bench_storage.py"), "--data", str(data), "--workers", "1",
-               "--batch-size", "8", "--size", "32", "--shard-size", "10MB", "--no-cold"]
+    command = [
+        sys.executable,
+        str(ROOT / "bench" / "bench_storage.py"),
+        "--data",
+        str(data),
+        "--workers",
+        "1",
+        "--batch-size",
+        "8",
+        "--size",
+        "32",
+        "--shard-size",
+        "10MB",
+        "--no-cold",
+    ]
     result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=clean_env(), cwd=ROOT)
     assert result.returncode == 0, result.stderr[-3000:]
-    rows = {line.split("|")[1].strip(): line.split("|")[2:5] for line in result.stdout.splitlines()
-            if line.startswith("| files") or line.startswith("| shards")}
+    rows = {
+        line.split("|")[1].strip(): line.split("|")[2:5]
+        for line in result.stdout.splitlines()
+        if line.startswith("| files") or line.startswith("| shards")
+    }
     assert float(rows["files"][0]) >= 1000 and float(rows["shards"][0]) < 100, result.stdout  # one open per file
     assert float(rows["files"][1]) > 0 and float(rows["shards"][1]) > 0 and "not measured" in rows["shards"][2]

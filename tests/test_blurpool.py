@@ -1,5 +1,6 @@
 """--blurpool: anti-aliased downsampling on strided convolutions and max-pools; same shapes, same state dict keys,
 less aliasing (a one-pixel shift of the input changes the output less)."""
+
 import copy
 
 import pytest
@@ -51,6 +52,7 @@ def test_a_shifted_input_changes_a_blurred_downsampling_less():
         with torch.no_grad():
             a, b = layer(x)[..., 2:-2], layer(shifted)[..., 2:-2]
         return ((a - b).norm() / a.norm()).item()
+
     assert change(blurred) < 0.8 * change(conv)
     assert change(maxblur) < 0.8 * change(pool)
 
@@ -64,6 +66,7 @@ def test_the_flag_reaches_the_trained_model(monkeypatch, tmp_path):
 
 def test_a_model_with_nothing_to_blur_is_one_line(run_inline):
     from conftest import SMALL
+
     proc = run_inline(*SMALL, "--arch", "vit_b_32", "--blurpool", "--synthetic", "--test")
     assert proc.returncode == 2
     assert proc.stderr.startswith("dlojz: error: --blurpool: --arch vit_b_32 has no strided convolution")

@@ -1,4 +1,5 @@
 """Checkpoints: atomic writes, `latest` pointer, keep-last-K, refusal of truncated or foreign files."""
+
 import pytest
 import torch
 

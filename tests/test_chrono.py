@@ -72,13 +72,13 @@ class FakeNVML:
         return ("gpu", index)
 
     def nvmlDeviceGetPowerUsage(self, handle):
-        return int(self.watts(self.clock.now) * 1000)          # mW
+        return int(self.watts(self.clock.now) * 1000)  # mW
 
     def nvmlDeviceGetTotalEnergyConsumption(self, handle):
         if not self.energy_supported:
             raise FakeNVMLError("Not Supported")
         self._integrate()
-        return int(round(self.energy_mj))                       # mJ
+        return int(round(self.energy_mj))  # mJ
 
 
 def make(enabled=True, warmup_steps=0, nvml=None, rank=0):
@@ -112,7 +112,7 @@ def read_trace(chrono, tmp_path, ctx=None):
 def test_toggles_record_exact_intervals(tmp_path):
     chrono, clock, _ = make()
     chrono.start()
-    clock.advance(3.0)                              # start-up before the first step
+    clock.advance(3.0)  # start-up before the first step
     run_step(chrono, clock, load=0.5, fwd=0.25, bwd=0.75, untimed=0.125)
     chrono.first_step_done()
     run_step(chrono, clock, load=0.0625, fwd=0.5, bwd=1.0, untimed=2.0)
@@ -132,16 +132,20 @@ def test_load_open_at_loop_end_is_not_recorded_and_validation_is_not_loading(tmp
     chrono, clock, _ = make()
     chrono.start()
     run_step(chrono, clock, load=0.5, fwd=1.0, bwd=1.0)
-    chrono.dataload()                               # opens the wait for the next batch...
+    chrono.dataload()  # opens the wait for the next batch...
     clock.advance(0.25)
-    chrono.validation()                             # ...but a validation pass runs first
+    chrono.validation()  # ...but a validation pass runs first
     clock.advance(8.0)
     chrono.validation()
     clock.advance(0.5)
-    chrono.dataload()                               # load = 0.25 + 0.5, the 8 s of validation taken out
-    chrono.forward(); clock.advance(1.0); chrono.forward()
-    chrono.backward(); clock.advance(1.0); chrono.backward()
-    chrono.dataload()                               # opened, never closed (StopIteration): dropped
+    chrono.dataload()  # load = 0.25 + 0.5, the 8 s of validation taken out
+    chrono.forward()
+    clock.advance(1.0)
+    chrono.forward()
+    chrono.backward()
+    clock.advance(1.0)
+    chrono.backward()
+    chrono.dataload()  # opened, never closed (StopIteration): dropped
     clock.advance(30.0)
     trace = read_trace(chrono, tmp_path)
     assert trace["load_s"] == pytest.approx([0.5, 0.75])
@@ -153,16 +157,22 @@ def test_end_of_epoch_wait_closed_without_a_step_is_not_a_load(tmp_path):
     # dlojz: open, next(batches) raises StopIteration, close, break; the next epoch starts with a fresh load
     chrono, clock, _ = make()
     run_step(chrono, clock, load=0.5, fwd=1.0, bwd=1.0)
-    chrono.dataload(); clock.advance(9.0); chrono.dataload()      # end of epoch 1: no step follows
-    run_step(chrono, clock, load=0.25, fwd=1.0, bwd=1.0)           # epoch 2
+    chrono.dataload()
+    clock.advance(9.0)
+    chrono.dataload()  # end of epoch 1: no step follows
+    run_step(chrono, clock, load=0.25, fwd=1.0, bwd=1.0)  # epoch 2
     assert read_trace(chrono, tmp_path)["load_s"] == pytest.approx([0.5, 0.25])
 
 
 def test_step_without_dataload_has_no_load_figures(tmp_path):
     chrono, clock, _ = make()
     for _ in range(3):
-        chrono.forward(); clock.advance(0.1); chrono.forward()
-        chrono.backward(); clock.advance(0.2); chrono.backward()
+        chrono.forward()
+        clock.advance(0.1)
+        chrono.forward()
+        chrono.backward()
+        clock.advance(0.2)
+        chrono.backward()
     s = chrono.summary({"images_per_step": 30})
     assert "load_median_s" not in s and "advice" not in s
     assert s["step_median_s"] == pytest.approx(0.3)
@@ -174,7 +184,7 @@ def test_step_without_dataload_has_no_load_figures(tmp_path):
 def test_statistics_skip_warmup_and_match_numpy():
     rng = np.random.default_rng(0)
     chrono, clock, _ = make(warmup_steps=2)
-    loads = [5.0, 4.0] + list(rng.uniform(0.001, 0.002, 9))    # huge warm-up loads and steps
+    loads = [5.0, 4.0] + list(rng.uniform(0.001, 0.002, 9))  # huge warm-up loads and steps
     fwds = [7.0, 6.0] + list(rng.uniform(0.01, 0.02, 9))
     bwds = [9.0, 8.0] + list(rng.uniform(0.02, 0.04, 9))
     for load, fwd, bwd in zip(loads, fwds, bwds):
@@ -208,8 +218,10 @@ def test_too_few_steps_for_warmup_skips_only_the_first_and_says_so():
 
 
 def test_validation_estimate_and_epoch_estimate():
-    chrono, clock, _ = make(enabled=False)        # validation is measured even when disabled
-    chrono.validation(); clock.advance(4.0); chrono.validation()
+    chrono, clock, _ = make(enabled=False)  # validation is measured even when disabled
+    chrono.validation()
+    clock.advance(4.0)
+    chrono.validation()
     s = chrono.summary({"val_batches_done": 20, "val_batches_total": 196})
     assert s["val_time_s"] == pytest.approx(4.0)
     assert s["val_full_estimate_s"] == pytest.approx(4.0 / 20 * 196)
@@ -217,7 +229,9 @@ def test_validation_estimate_and_epoch_estimate():
     chrono, clock, _ = make()
     for _ in range(4):
         run_step(chrono, clock, 0.01, 0.05, 0.15)
-    chrono.validation(); clock.advance(2.0); chrono.validation()
+    chrono.validation()
+    clock.advance(2.0)
+    chrono.validation()
     s = chrono.summary({"val_batches_done": 10, "val_batches_total": 50, "steps_per_epoch": 100})
     assert s["epoch_time_estimate_s"] == pytest.approx(100 * 0.21 + 2.0 * 5)
 
@@ -226,8 +240,13 @@ def test_model_flops_and_utilisation():
     chrono, clock, _ = make()
     for _ in range(3):
         run_step(chrono, clock, 0.0, 0.1, 0.3)
-    ctx = {"images_per_step": 512, "world_size": 4, "train_flops_per_image": 24.3e9,
-           "device_name": "NVIDIA A100-SXM4-80GB", "compute_dtype": "bfloat16"}
+    ctx = {
+        "images_per_step": 512,
+        "world_size": 4,
+        "train_flops_per_image": 24.3e9,
+        "device_name": "NVIDIA A100-SXM4-80GB",
+        "compute_dtype": "bfloat16",
+    }
     s = chrono.summary(ctx)
     assert s["achieved_flops"] == pytest.approx(24.3e9 * 512 / 0.4)
     assert s["mfu"] == pytest.approx(s["achieved_flops"] / (4 * peak_flops(ctx["device_name"], "bfloat16")))
@@ -239,7 +258,7 @@ def test_peak_flops_lookup():
     assert peak_flops("NVIDIA H100 PCIe", "bfloat16") < peak_flops("NVIDIA H100 80GB HBM3", "bfloat16")
     assert peak_flops("nvidia a100-sxm4-40gb", "tf32") == peak_flops("NVIDIA A100-SXM4-80GB", "tf32")
     assert peak_flops("NVIDIA A100-SXM4-80GB", "tf32") < peak_flops("NVIDIA A100-SXM4-80GB", "float16")
-    assert peak_flops("Tesla V100-SXM2-32GB", "bfloat16") is None        # no bfloat16 units on Volta
+    assert peak_flops("Tesla V100-SXM2-32GB", "bfloat16") is None  # no bfloat16 units on Volta
     assert peak_flops("Tesla V100-SXM2-32GB", "float16") > 0
     assert peak_flops("NVIDIA H200", "float16") > 0
     assert peak_flops("NVIDIA GeForce RTX 4090", "float16") is None
@@ -252,8 +271,14 @@ def test_advice_appears_exactly_when_loading_dominates(load_share, expected, cap
     chrono, clock, _ = make()
     for _ in range(5):
         run_step(chrono, clock, load=0.1 * load_share, fwd=0.03, bwd=0.07)
-    ctx = {"images_per_step": 64, "num_workers": 2, "cpus_per_task": 10, "device_name": "NVIDIA A100-SXM4-80GB",
-           "pin_memory": True, "persistent_workers": True}
+    ctx = {
+        "images_per_step": 64,
+        "num_workers": 2,
+        "cpus_per_task": 10,
+        "device_name": "NVIDIA A100-SXM4-80GB",
+        "pin_memory": True,
+        "persistent_workers": True,
+    }
     s = chrono.summary(ctx)
     assert ("advice" in s) is expected
     assert s["load_share"] == pytest.approx(load_share)
@@ -266,30 +291,33 @@ def test_advice_appears_exactly_when_loading_dominates(load_share, expected, cap
 
 def test_advice_says_what_to_change_for_the_context():
     gpu = {"device_name": "NVIDIA H100 80GB HBM3"}
-    advice = loading_advice(0.02, 0.1, dict(gpu, num_workers=4, cpus_per_task=8, pin_memory=False,
-                                            persistent_workers=False))
+    advice = loading_advice(
+        0.02, 0.1, dict(gpu, num_workers=4, cpus_per_task=8, pin_memory=False, persistent_workers=False)
+    )
     assert "20%" in advice
     assert "raise --num-workers from 4 (the task has 8 CPUs)" in advice
     assert "--pin-memory" in advice and "--persistent-workers" in advice
 
-    advice = loading_advice(0.02, 0.1, dict(gpu, num_workers=8, cpus_per_task=8, pin_memory=True,
-                                            persistent_workers=True))
+    advice = loading_advice(
+        0.02, 0.1, dict(gpu, num_workers=8, cpus_per_task=8, pin_memory=True, persistent_workers=True)
+    )
     assert "CPU-bound" in advice and "--num-workers" not in advice
     assert "--pin-memory" not in advice and "--persistent-workers" not in advice
     # pinned memory only helps host->GPU copies
-    advice = loading_advice(0.02, 0.1, {"device_name": "cpu", "num_workers": 1, "cpus_per_task": 2,
-                                        "pin_memory": False})
+    advice = loading_advice(
+        0.02, 0.1, {"device_name": "cpu", "num_workers": 1, "cpus_per_task": 2, "pin_memory": False}
+    )
     assert "--pin-memory" not in advice
 
 
 def test_slowest_rank_load_drives_the_advice():
     chrono, clock, _ = make()
     for _ in range(5):
-        run_step(chrono, clock, load=0.001, fwd=0.03, bwd=0.07)     # rank 0 loads fast: 1 %
+        run_step(chrono, clock, load=0.001, fwd=0.03, bwd=0.07)  # rank 0 loads fast: 1 %
 
     def all_gather_object(obj):
         assert obj["rank"] == 0
-        return [obj, dict(obj, rank=1, load_median_s=0.02)]          # rank 1 waits 20 ms per batch
+        return [obj, dict(obj, rank=1, load_median_s=0.02)]  # rank 1 waits 20 ms per batch
 
     gathered = chrono.gather(all_gather_object)
     assert len(gathered) == 2
@@ -303,6 +331,7 @@ def test_slowest_rank_load_drives_the_advice():
 def test_default_sync_waits_for_the_compute_stream_only(monkeypatch):
     """Not torch.cuda.synchronize: that would wait for the prefetcher's side stream too (the next batch's copy)."""
     from dlojz_chrono import _default_sync
+
     waited = []
     stream = types.SimpleNamespace(synchronize=lambda: waited.append("compute stream"))
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: waited.append(device) or stream)
@@ -316,7 +345,7 @@ def test_default_sync_waits_for_the_compute_stream_only(monkeypatch):
 def test_enabled_syncs_before_reading_the_clock_at_every_boundary():
     chrono, clock, sync = make()
     run_step(chrono, clock, 0.1, 0.1, 0.1)
-    assert sync.calls == 6                           # three phases, opened and closed
+    assert sync.calls == 6  # three phases, opened and closed
     # each clock read during the step follows a sync: the phase ends only once the device is done
     assert clock.events == ["sync", "clock"] * 6
 
@@ -344,18 +373,25 @@ def test_fake_nvml_gives_peak_power_and_energy():
     watts = lambda t: 100.0 if 200.0 <= t < 210.0 else (400.0 if t >= 101.0 else 250.0)
     nvml = FakeNVML(clock, watts)
     chrono = Chronometer(True, warmup_steps=1, clock=clock, sync=lambda: None, nvml=nvml)
-    run_step(chrono, clock, 0.2, 0.3, 0.5)              # warm-up step, t 100 -> 101
+    run_step(chrono, clock, 0.2, 0.3, 0.5)  # warm-up step, t 100 -> 101
     for _ in range(4):
-        run_step(chrono, clock, 0.5, 0.5, 1.0)          # 4 measured steps of 2 s: t 101 -> 109
+        run_step(chrono, clock, 0.5, 0.5, 1.0)  # 4 measured steps of 2 s: t 101 -> 109
     clock.now = 200.0
-    chrono.validation(); clock.advance(10.0); chrono.validation()
-    clock.now = 300.0                                   # idle time after the run is not counted
+    chrono.validation()
+    clock.advance(10.0)
+    chrono.validation()
+    clock.now = 300.0  # idle time after the run is not counted
 
-    ctx = {"images_per_step": 32, "world_size": 1, "steps_per_epoch": 100,
-           "val_batches_done": 5, "val_batches_total": 50}
+    ctx = {
+        "images_per_step": 32,
+        "world_size": 1,
+        "steps_per_epoch": 100,
+        "val_batches_done": 5,
+        "val_batches_total": 50,
+    }
     s = chrono.summary(ctx)
     assert s["peak_power_w"] == pytest.approx(400.0)
-    train_j = 400.0 * 8.0                               # 4 steps x 2 s at 400 W
+    train_j = 400.0 * 8.0  # 4 steps x 2 s at 400 W
     assert s["train_energy_j"] == pytest.approx(train_j)
     assert s["energy_per_image_j"] == pytest.approx(train_j / (4 * 32))
     val_j = 100.0 * 10.0
@@ -366,9 +402,11 @@ def test_validation_inside_the_energy_window_is_taken_out():
     clock = FakeClock()
     watts = lambda t: 50.0 if 102.0 <= t < 105.0 else 300.0
     chrono = Chronometer(True, warmup_steps=0, clock=clock, sync=lambda: None, nvml=FakeNVML(clock, watts))
-    run_step(chrono, clock, 0.5, 0.5, 1.0)             # t 100 -> 102
-    chrono.validation(); clock.advance(3.0); chrono.validation()
-    run_step(chrono, clock, 0.5, 0.5, 1.0)             # t 105 -> 107
+    run_step(chrono, clock, 0.5, 0.5, 1.0)  # t 100 -> 102
+    chrono.validation()
+    clock.advance(3.0)
+    chrono.validation()
+    run_step(chrono, clock, 0.5, 0.5, 1.0)  # t 105 -> 107
     s = chrono.summary({"images_per_step": 10})
     assert s["train_energy_j"] == pytest.approx(300.0 * 4.0)
     assert s["energy_per_image_j"] == pytest.approx(300.0 * 4.0 / 20)
@@ -376,8 +414,7 @@ def test_validation_inside_the_energy_window_is_taken_out():
 
 def test_gathered_energy_is_summed_over_ranks():
     clock = FakeClock()
-    chrono = Chronometer(True, warmup_steps=0, clock=clock, sync=lambda: None,
-                         nvml=FakeNVML(clock, lambda t: 200.0))
+    chrono = Chronometer(True, warmup_steps=0, clock=clock, sync=lambda: None, nvml=FakeNVML(clock, lambda t: 200.0))
     for _ in range(2):
         run_step(chrono, clock, 0.0, 0.5, 0.5)
     chrono.gather(lambda obj: [obj, dict(obj, rank=1, train_energy_j=600.0, peak_power_w=350.0)])
@@ -390,9 +427,11 @@ def test_gathered_energy_is_summed_over_ranks():
 @pytest.mark.parametrize("nvml", ["missing", "init-fails", "default-on-cpu"])
 def test_no_nvml_gives_no_power_lines(nvml, capsys):
     clock = FakeClock()
-    kwargs = {"missing": {"nvml": None},
-              "init-fails": {"nvml": FakeNVML(clock, lambda t: 300.0, fail_init=True)},
-              "default-on-cpu": {}}[nvml]
+    kwargs = {
+        "missing": {"nvml": None},
+        "init-fails": {"nvml": FakeNVML(clock, lambda t: 300.0, fail_init=True)},
+        "default-on-cpu": {},
+    }[nvml]
     chrono = Chronometer(True, warmup_steps=0, clock=clock, sync=lambda: None, **kwargs)
     for _ in range(3):
         run_step(chrono, clock, 0.01, 0.1, 0.2)
@@ -406,8 +445,13 @@ def test_no_nvml_gives_no_power_lines(nvml, capsys):
 
 def test_gpu_without_energy_counter_still_reports_power(capsys):
     clock = FakeClock()
-    chrono = Chronometer(True, warmup_steps=0, clock=clock, sync=lambda: None,
-                         nvml=FakeNVML(clock, lambda t: 280.0, energy_supported=False))
+    chrono = Chronometer(
+        True,
+        warmup_steps=0,
+        clock=clock,
+        sync=lambda: None,
+        nvml=FakeNVML(clock, lambda t: 280.0, energy_supported=False),
+    )
     for _ in range(3):
         run_step(chrono, clock, 0.01, 0.1, 0.2)
     s = chrono.summary({"images_per_step": 8, "steps_per_epoch": 10})
@@ -421,16 +465,40 @@ def test_display_order_and_rank(capsys):
     for _ in range(3):
         run_step(chrono, clock, 0.05, 0.1, 0.2)
     chrono.first_step_done()
-    chrono.validation(); clock.advance(1.0); chrono.validation()
-    ctx = {"images_per_step": 64, "world_size": 1, "steps_per_epoch": 100, "val_batches_done": 2,
-           "val_batches_total": 20, "num_workers": 2, "cpus_per_task": 4, "train_flops_per_image": 1e9,
-           "device_name": "cpu", "compute_dtype": "float32", "peak_memory_bytes": 3 * 2**30,
-           "trace_path": "out/trace.json"}
+    chrono.validation()
+    clock.advance(1.0)
+    chrono.validation()
+    ctx = {
+        "images_per_step": 64,
+        "world_size": 1,
+        "steps_per_epoch": 100,
+        "val_batches_done": 2,
+        "val_batches_total": 20,
+        "num_workers": 2,
+        "cpus_per_task": 4,
+        "train_flops_per_image": 1e9,
+        "device_name": "cpu",
+        "compute_dtype": "float32",
+        "peak_memory_bytes": 3 * 2**30,
+        "trace_path": "out/trace.json",
+    }
     chrono.display(ctx)
     out = capsys.readouterr().out
-    markers = ["Training complete", "Step time", "Load time", "Forward median", "Throughput", "Data loading",
-               "Advice", "Validation time", "Estimated epoch time", "Model FLOP/s", "Peak memory", ">>>JSON",
-               "Trace written to out/trace.json"]
+    markers = [
+        "Training complete",
+        "Step time",
+        "Load time",
+        "Forward median",
+        "Throughput",
+        "Data loading",
+        "Advice",
+        "Validation time",
+        "Estimated epoch time",
+        "Model FLOP/s",
+        "Peak memory",
+        ">>>JSON",
+        "Trace written to out/trace.json",
+    ]
     positions = [out.find(m) for m in markers]
     assert -1 not in positions, dict(zip(markers, positions))
     assert positions == sorted(positions)
@@ -462,17 +530,18 @@ def test_plot_command_rejects_a_missing_trace(tmp_path, capsys):
 # ------------------------------------------------------------------ FLOPs
 def test_train_flops_per_image_by_hand_and_model_untouched():
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU(),
-                          nn.Flatten(), nn.Linear(8 * 4 * 4, 5))
+    model = nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 4 * 4, 5)
+    )
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    conv = 2 * (4 * 4) * 8 * (3 * 3 * 3)       # 2 FLOPs per MAC, per output pixel and channel
+    conv = 2 * (4 * 4) * 8 * (3 * 3 * 3)  # 2 FLOPs per MAC, per output pixel and channel
     linear = 2 * (8 * 4 * 4) * 5
     # backward: weight gradients for both layers, input gradient only for the Linear (the images need none)
     expected = (conv + linear) + (conv + linear) + linear
     assert train_flops_per_image(model, image_size=4) == pytest.approx(expected)
     assert train_flops_per_image(model, image_size=4, channels_last=True) == pytest.approx(expected)
     after = model.state_dict()
-    assert all(torch.equal(before[k], after[k]) for k in before)       # BN running stats included
+    assert all(torch.equal(before[k], after[k]) for k in before)  # BN running stats included
     assert all(p.grad is None for p in model.parameters())
     assert all(p.device.type == "cpu" for p in model.parameters())
     assert model.training
@@ -480,5 +549,5 @@ def test_train_flops_per_image_by_hand_and_model_untouched():
 
 def test_train_flops_unwraps_data_parallel_wrappers():
     model = nn.Sequential(nn.Flatten(), nn.Linear(3 * 2 * 2, 4))
-    wrapped = nn.DataParallel(model)                # same .module unwrapping as DistributedDataParallel
+    wrapped = nn.DataParallel(model)  # same .module unwrapping as DistributedDataParallel
     assert train_flops_per_image(wrapped, image_size=2) == pytest.approx(2 * (2 * 12 * 4))

@@ -1,5 +1,6 @@
 """resolve_config: the profile's defaults, every check of the flags, all before any process group or data scan.
 And the command line itself: `--help` and a mistyped flag answer before torch is imported."""
+
 import subprocess
 import sys
 
@@ -19,37 +20,40 @@ def in_tmp(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # the default --output-dir (./runs/...) is made and checked writable
 
 
-@pytest.mark.parametrize("flags, fragment", [
-    (["-b", "0"], "--batch-size must be at least 1"),
-    (["-e", "0"], "--epochs must be at least 1"),
-    (["--image-size", "0"], "--image-size must be at least 1"),
-    (["--val-resize-size", "-1"], "--val-resize-size must be at least 1"),
-    (["--val-crop-size", "0"], "--val-crop-size must be at least 1"),
-    (["--val-batch-size", "0"], "--val-batch-size must be at least 1"),
-    (["--test-nsteps", "0"], "--test-nsteps must be at least 1"),
-    (["--num-workers", "-1"], "--num-workers must be >= 0"),
-    (["--prefetch-factor", "0"], "--prefetch-factor >= 1"),
-    (["--grad-acc", "0"], "--grad-acc must be at least 1"),
-    (["--lr", "0"], "--lr must be > 0"),
-    (["--mom", "1"], "--mom must be in [0, 1)"),
-    (["--wd", "-0.1"], "--wd must be >= 0"),
-    (["--warmup-epochs", "-1"], "--warmup-epochs must be >= 0"),
-    (["--findlr", "--loader-only"], "--findlr trains"),
-    (["--model-ema-decay", "1"], "--model-ema-decay must be in (0, 1)"),
-    (["--random-erase", "1.5"], "--random-erase is a probability"),
-    (["--mixup-alpha", "-1"], "--mixup-alpha and --cutmix-alpha must be >= 0"),
-    (["--cutmix-alpha", "-1"], "--mixup-alpha and --cutmix-alpha must be >= 0"),
-    (["--prof", "--prof-active", "0"], "--prof-active >= 1"),
-    (["--prof", "--prof-wait", "-1"], "--prof-wait and --prof-warmup must be >= 0"),
-    (["--sync-bn"], "--sync-bn needs CUDA"),
-    (["--lr-peak-epoch", "-1"], "--lr-peak-epoch must be >= 0"),
-    (["--lr-poly-power", "0"], "--lr-poly-power must be > 0"),
-    (["--clip-grad-norm", "0"], "--clip-grad-norm must be > 0"),
-    (["--val-every", "0"], "--val-every must be at least 1"),
-    (["--target-accuracy", "76"], "--target-accuracy is a top-1 fraction in (0, 1]"),
-    (["--loader-only", "--synthetic"], "--loader-only times the DataLoader"),
-    (["--eval-only"], "--eval-only needs --resume"),
-])
+@pytest.mark.parametrize(
+    "flags, fragment",
+    [
+        (["-b", "0"], "--batch-size must be at least 1"),
+        (["-e", "0"], "--epochs must be at least 1"),
+        (["--image-size", "0"], "--image-size must be at least 1"),
+        (["--val-resize-size", "-1"], "--val-resize-size must be at least 1"),
+        (["--val-crop-size", "0"], "--val-crop-size must be at least 1"),
+        (["--val-batch-size", "0"], "--val-batch-size must be at least 1"),
+        (["--test-nsteps", "0"], "--test-nsteps must be at least 1"),
+        (["--num-workers", "-1"], "--num-workers must be >= 0"),
+        (["--prefetch-factor", "0"], "--prefetch-factor >= 1"),
+        (["--grad-acc", "0"], "--grad-acc must be at least 1"),
+        (["--lr", "0"], "--lr must be > 0"),
+        (["--mom", "1"], "--mom must be in [0, 1)"),
+        (["--wd", "-0.1"], "--wd must be >= 0"),
+        (["--warmup-epochs", "-1"], "--warmup-epochs must be >= 0"),
+        (["--findlr", "--loader-only"], "--findlr trains"),
+        (["--model-ema-decay", "1"], "--model-ema-decay must be in (0, 1)"),
+        (["--random-erase", "1.5"], "--random-erase is a probability"),
+        (["--mixup-alpha", "-1"], "--mixup-alpha and --cutmix-alpha must be >= 0"),
+        (["--cutmix-alpha", "-1"], "--mixup-alpha and --cutmix-alpha must be >= 0"),
+        (["--prof", "--prof-active", "0"], "--prof-active >= 1"),
+        (["--prof", "--prof-wait", "-1"], "--prof-wait and --prof-warmup must be >= 0"),
+        (["--sync-bn"], "--sync-bn needs CUDA"),
+        (["--lr-peak-epoch", "-1"], "--lr-peak-epoch must be >= 0"),
+        (["--lr-poly-power", "0"], "--lr-poly-power must be > 0"),
+        (["--clip-grad-norm", "0"], "--clip-grad-norm must be > 0"),
+        (["--val-every", "0"], "--val-every must be at least 1"),
+        (["--target-accuracy", "76"], "--target-accuracy is a top-1 fraction in (0, 1]"),
+        (["--loader-only", "--synthetic"], "--loader-only times the DataLoader"),
+        (["--eval-only"], "--eval-only needs --resume"),
+    ],
+)
 def test_each_bound_is_checked(flags, fragment):
     with pytest.raises(UserError) as err:
         resolve(*flags)
@@ -58,8 +62,22 @@ def test_each_bound_is_checked(flags, fragment):
 
 
 def test_within_bounds_is_accepted():
-    cfg = resolve("-b", "1", "--lr", "1e-4", "--mom", "0", "--wd", "0", "--model-ema-decay", "0.5",
-                  "--random-erase", "1", "--grad-acc", "3")
+    cfg = resolve(
+        "-b",
+        "1",
+        "--lr",
+        "1e-4",
+        "--mom",
+        "0",
+        "--wd",
+        "0",
+        "--model-ema-decay",
+        "0.5",
+        "--random-erase",
+        "1",
+        "--grad-acc",
+        "3",
+    )
     assert (cfg.batch_size, cfg.grad_acc, cfg.random_erase) == (1, 3, 1.0)
 
 
@@ -78,6 +96,7 @@ def test_config_is_frozen():
 
 def test_more_workers_than_cpus_is_a_warning(monkeypatch):
     import idr_torch
+
     monkeypatch.setattr(type(idr_torch), "cpus_per_task", property(lambda self: 2))  # idr_torch: class properties
     assert not any("exceeds" in note for note in resolve("--num-workers", "2").notes)
     notes = resolve("--num-workers", "5").notes
@@ -88,6 +107,7 @@ def test_more_workers_than_cpus_is_a_warning(monkeypatch):
 @pytest.mark.parametrize("cpus, workers", [(1, 0), (2, 1), (10, 9), (40, 16)])
 def test_default_workers_leave_a_core_to_the_training_process(monkeypatch, cpus, workers):
     import idr_torch
+
     monkeypatch.setattr(type(idr_torch), "cpus_per_task", property(lambda self: cpus))
     assert resolve().num_workers == workers
 
@@ -102,13 +122,15 @@ def test_compile_drops_the_last_batch_unless_told_otherwise():
 
 def test_float16_on_a_recent_gpu_says_bfloat16_needs_no_scaler():
     from dlojz_config import precision_notes
+
     float16 = resolve("--amp", "--amp-dtype", "float16")
     assert any("--amp-dtype bfloat16 needs no GradScaler" in n for n in precision_notes(float16, (9, 0)))
     assert precision_notes(float16, (7, 5)) == []  # Turing: no bfloat16
     assert precision_notes(resolve("--amp", "--amp-dtype", "bfloat16"), (9, 0)) == []
     lamb = precision_notes(resolve("--amp", "--amp-dtype", "float16", "--optimizer", "lamb"), (9, 0))
-    assert any("--optimizer lamb has no fused step" in n and "one GPU synchronisation per optimizer step" in n
-               for n in lamb)
+    assert any(
+        "--optimizer lamb has no fused step" in n and "one GPU synchronisation per optimizer step" in n for n in lamb
+    )
 
 
 def test_unknown_optimizer_is_refused_before_the_data_is_read(tmp_path, run_inline):
@@ -127,15 +149,24 @@ def test_help_lists_the_closed_choices(run_inline):
 HEAVY = {"torch", "torchvision", "timm", "wandb", "numpy", "idr_torch", "nvidia.dali", "optuna", "matplotlib"}
 
 
-@pytest.mark.parametrize("flags, status, needle", [
-    (["--help"], 0, "--epochs"),
-    (["--epochs", "x"], 2, "argument -e/--epochs: invalid int value: 'x'"),
-    (["--test", "--bogus"], 2, "unrecognized arguments: --bogus"),
-])
+@pytest.mark.parametrize(
+    "flags, status, needle",
+    [
+        (["--help"], 0, "--epochs"),
+        (["--epochs", "x"], 2, "argument -e/--epochs: invalid int value: 'x'"),
+        (["--test", "--bogus"], 2, "unrecognized arguments: --bogus"),
+    ],
+)
 def test_help_and_a_mistyped_flag_answer_before_torch_is_imported(flags, status, needle):
     """The command as a user types it, under `python -X importtime`: which modules it imported."""
-    proc = subprocess.run([sys.executable, "-X", "importtime", str(ROOT / "dlojz.py"), *flags], capture_output=True,
-                          text=True, timeout=120, env=clean_env(), cwd=ROOT)
+    proc = subprocess.run(
+        [sys.executable, "-X", "importtime", str(ROOT / "dlojz.py"), *flags],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=clean_env(),
+        cwd=ROOT,
+    )
     imports = [line for line in proc.stderr.splitlines() if line.startswith("import time:")]
     stderr = [line for line in proc.stderr.splitlines() if not line.startswith("import time:")]
     assert imports, "python -X importtime printed nothing"

@@ -1,6 +1,7 @@
 """--data-backend dali (dlojz_dali.py) on DALI's CPU backend: the samplers' order epoch after epoch and after a
 resume, exact validation on 1 and 2 ranks (on shards), RandomResizedCrop's distribution, a corrupt file skipped,
 and the one line when DALI is not installed. The GPU's "mixed" decoder runs in tests/test_gpu.py."""
+
 import sys
 
 import numpy as np
@@ -9,8 +10,15 @@ import torch
 
 from conftest import SMALL, read_json, run_dlojz, show
 from test_packed_data import TINY, pack
-from test_transforms import (CROP_OUT, DRAWS, assert_same_distribution, crop_geometry, distribution_gaps,  # noqa: F401
-                             gradient_jpeg, reference_geometry)
+from test_transforms import (
+    CROP_OUT,
+    DRAWS,
+    assert_same_distribution,
+    crop_geometry,
+    distribution_gaps,  # noqa: F401
+    gradient_jpeg,
+    reference_geometry,
+)
 
 # DALI is in requirements.txt: a missing DALI fails here (ImportError), it is not skipped
 import nvidia.dali  # noqa: E402,F401
@@ -29,12 +37,19 @@ def labels_of(batches):
 
 def in_batches(keys, targets, size):
     flat = [targets[i] for _, i in keys]
-    return [flat[k:k + size] for k in range(0, len(flat), size)]
+    return [flat[k : k + size] for k in range(0, len(flat), size)]
 
 
 def train_batches(dataset, sampler, batch=8, size=16, drop_last=False):
-    return DaliBatches(dataset, sampler, batch, lambda source: train_pipeline(source, batch, size, None, 1, 7),
-                       torch.device("cpu"), identity, drop_last=drop_last)
+    return DaliBatches(
+        dataset,
+        sampler,
+        batch,
+        lambda source: train_pipeline(source, batch, size, None, 1, 7),
+        torch.device("cpu"),
+        identity,
+        drop_last=drop_last,
+    )
 
 
 def test_dali_follows_the_sampler_epoch_after_epoch_and_after_a_resume(tiny_data):
@@ -77,8 +92,9 @@ def test_validation_sees_every_image_once(tiny_data, world_size):
     seen = []
     for rank in range(world_size):
         sampler = ShardSampler(val, world_size, rank)
-        batches = DaliBatches(val, sampler, 4, lambda s: val_pipeline(s, 4, 18, 16, None, 1, 1), torch.device("cpu"),
-                              identity)
+        batches = DaliBatches(
+            val, sampler, 4, lambda s: val_pipeline(s, 4, 18, 16, None, 1, 1), torch.device("cpu"), identity
+        )
         for _ in range(2):  # twice: validation after validation
             out = [(images.shape, labels.tolist()) for images, labels in batches]
         assert all(shape[1:] == (3, 16, 16) for shape, _ in out)
@@ -88,15 +104,30 @@ def test_validation_sees_every_image_once(tiny_data, world_size):
 
 def test_one_and_two_ranks_validate_the_same_images_with_dali_on_shards(tiny_data, tmp_path):
     shards = pack(tiny_data, tmp_path / "packed")
-    proc = run_dlojz(*TINY, "--epochs", "1", "--data-root", shards, "--output-dir", tmp_path / "run",
-                     "--data-backend", "dali")
+    proc = run_dlojz(
+        *TINY, "--epochs", "1", "--data-root", shards, "--output-dir", tmp_path / "run", "--data-backend", "dali"
+    )
     assert proc.returncode == 0, show(proc)
     assert "DALI: decoding on the CPU (no GPU)" in proc.stdout
     metrics = {}
     for ranks in (1, 2):
-        proc = run_dlojz(*TINY, "--data-root", shards, "--val-batch-size", "4", "--eval-only", "--resume", "auto",
-                         "--output-dir", tmp_path / "run", "--metrics-json", tmp_path / f"{ranks}.json",
-                         "--data-backend", "dali", ranks=ranks)
+        proc = run_dlojz(
+            *TINY,
+            "--data-root",
+            shards,
+            "--val-batch-size",
+            "4",
+            "--eval-only",
+            "--resume",
+            "auto",
+            "--output-dir",
+            tmp_path / "run",
+            "--metrics-json",
+            tmp_path / f"{ranks}.json",
+            "--data-backend",
+            "dali",
+            ranks=ranks,
+        )
         assert proc.returncode == 0, show(proc)
         metrics[ranks] = read_json(tmp_path / f"{ranks}.json")
     assert metrics[1]["val_images"] == metrics[2]["val_images"] == 15 and metrics[2]["world_size"] == 2
@@ -121,13 +152,14 @@ def test_dali_crops_follow_torchvision_distribution(gradient_jpeg, reference_geo
 
 def test_a_corrupt_file_is_skipped_with_its_name(tiny_data, tmp_path, capfd):
     import shutil
+
     root = shutil.copytree(tiny_data, tmp_path / "data")
     train, _, _, _ = build_datasets(root, None, None)
     victim = train.samples[4][0]
     with open(victim, "r+b") as file:
         file.truncate(200)  # cut short: no end-of-image marker
     source = EncodedSamples(train, ShardSampler(train, 1, 0), batch_size=72)
-    (encoded, labels), = list(iter(source))
+    ((encoded, labels),) = list(iter(source))
     assert len(encoded) == 72 and labels[4][0] == train.samples[5][1]  # the next file instead
     assert f"WARNING: skipping unreadable image {victim}" in capfd.readouterr().err
 
@@ -145,8 +177,18 @@ def test_augmentations_dali_does_not_do_are_one_line(run_inline):
 
 
 def test_loader_only_times_the_dali_pipeline(tiny_data, tmp_path):
-    proc = run_dlojz(*TINY, "--data-root", tiny_data, "--data-backend", "dali", "--loader-only", "--test-nsteps", "5",
-                     "--metrics-json", tmp_path / "m.json")
+    proc = run_dlojz(
+        *TINY,
+        "--data-root",
+        tiny_data,
+        "--data-backend",
+        "dali",
+        "--loader-only",
+        "--test-nsteps",
+        "5",
+        "--metrics-json",
+        tmp_path / "m.json",
+    )
     assert proc.returncode == 0 and "DALI: decoding on the CPU" in proc.stdout, show(proc)
     metrics = read_json(tmp_path / "m.json")
     assert metrics["loader_batches"] == 5 and metrics["loader_images_per_second"] > 0, metrics

@@ -3,6 +3,7 @@ depends only on (seed, epoch, index), hence is the same whatever the number of D
 
 Small data only (the session's tiny_data set of 48x40 JPEGs, or a few files made here); a few seconds on 2 cores.
 """
+
 import re
 import shutil
 import sys
@@ -13,8 +14,15 @@ import torch
 from torchvision.transforms import v2
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from dlojz_data import (DataError, EpochSampler, SafeImageFolder, build_datasets, close_loader,  # noqa: E402
-                        make_loader, resolve_data_root)
+from dlojz_data import (
+    DataError,
+    EpochSampler,
+    SafeImageFolder,
+    build_datasets,
+    close_loader,  # noqa: E402
+    make_loader,
+    resolve_data_root,
+)
 from dlojz_transforms import TrainTransform, ValTransform, lazy_image_loader  # noqa: E402
 
 DATA_VARIABLES = ("DLOJZ_DATA", "ALL_CCFRSCRATCH", "DSDIR")
@@ -153,15 +161,26 @@ def _loader_epochs(train_set, num_workers, epochs=(0, 1)):
     """{epoch: (indices in the sampler's order, the batches' images, their labels)}, with persistent workers
     serving every epoch as in training with --persistent-workers."""
     sampler = EpochSampler(train_set, num_replicas=1, rank=0, shuffle=True, seed=123)
-    loader = make_loader(train_set, sampler, batch_size=8, num_workers=num_workers, pin_memory=False,
-                         persistent_workers=num_workers > 0, prefetch_factor=2, drop_last=False)
+    loader = make_loader(
+        train_set,
+        sampler,
+        batch_size=8,
+        num_workers=num_workers,
+        pin_memory=False,
+        persistent_workers=num_workers > 0,
+        prefetch_factor=2,
+        drop_last=False,
+    )
     out = {}
     try:
         for epoch in epochs:
             sampler.set_epoch(epoch)
             batches = list(loader)
-            out[epoch] = ([index for _, index in sampler], [images for images, _ in batches],
-                          [labels for _, labels in batches])
+            out[epoch] = (
+                [index for _, index in sampler],
+                [images for images, _ in batches],
+                [labels for _, labels in batches],
+            )
     finally:
         close_loader(loader)
     return out
@@ -181,8 +200,9 @@ def test_augmentation_is_the_same_for_any_number_of_workers(tiny_data):
             assert all(torch.equal(a, b) for a, b in zip(labels, reference[epoch][2]))
     # Between epochs, each image gets a new augmentation (not only a new place in the order).
     assert reference[0][0] != reference[1][0]
-    first, second = ({index: image for index, image in zip(reference[epoch][0], torch.cat(reference[epoch][1]))}
-                     for epoch in (0, 1))
+    first, second = (
+        {index: image for index, image in zip(reference[epoch][0], torch.cat(reference[epoch][1]))} for epoch in (0, 1)
+    )
     same = [index for index in first if torch.equal(first[index], second[index])]
     assert not same, f"images {same} have the same augmentation in epochs 0 and 1"
 

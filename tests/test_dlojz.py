@@ -1,5 +1,6 @@
 """dlojz.py end to end on the CPU: it learns, validates exactly across ranks, runs every precision path, reports,
 and turns every bad input into one clear line."""
+
 import os
 import shutil
 import subprocess
@@ -25,8 +26,19 @@ def assert_one_line_error(proc, *fragments, status=2):
 def test_learns_on_embedded_data(tmp_path, embedded_cache):
     """No --data-root: the embedded data set is generated, announced, and a model learns it well above chance."""
     out, metrics = tmp_path / "run", tmp_path / "m.json"
-    proc = run_dlojz(*SMALL, "-b", "32", "--epochs", "3", "--no-wandb", "--output-dir", out,
-                     "--metrics-json", metrics, env=clean_env(XDG_CACHE_HOME=embedded_cache))
+    proc = run_dlojz(
+        *SMALL,
+        "-b",
+        "32",
+        "--epochs",
+        "3",
+        "--no-wandb",
+        "--output-dir",
+        out,
+        "--metrics-json",
+        metrics,
+        env=clean_env(XDG_CACHE_HOME=embedded_cache),
+    )
     assert proc.returncode == 0, show(proc)
     assert "embedded data set" in proc.stdout
     m = read_json(metrics)
@@ -52,9 +64,21 @@ def test_eval_one_vs_two_processes_identical(trained_checkpoint, tiny_data, tmp_
     results = []
     for launcher in (None, TORCHRUN2):
         metrics = tmp_path / f"eval{len(results)}.json"
-        proc = run_dlojz(*SMALL, "--data-root", tiny_data, "--val-batch-size", "4", "--eval-only",
-                         "--resume", trained_checkpoint, "--metrics-json", metrics, "--output-dir", tmp_path / "o",
-                         launcher=launcher)
+        proc = run_dlojz(
+            *SMALL,
+            "--data-root",
+            tiny_data,
+            "--val-batch-size",
+            "4",
+            "--eval-only",
+            "--resume",
+            trained_checkpoint,
+            "--metrics-json",
+            metrics,
+            "--output-dir",
+            tmp_path / "o",
+            launcher=launcher,
+        )
         assert proc.returncode == 0, show(proc)
         results.append(read_json(metrics))
     one, two = results
@@ -67,8 +91,24 @@ def test_eval_one_vs_two_processes_identical(trained_checkpoint, tiny_data, tmp_
 
 def test_bf16_autocast_and_channels_last(tiny_data, tmp_path):
     metrics = tmp_path / "m.json"
-    proc = run_dlojz(*SMALL, "--data-root", tiny_data, "-b", "8", "--test", "--test-nsteps", "4", "--amp",
-                     "--amp-dtype", "bfloat16", "--channels-last", "--metrics-json", metrics, "--output-dir", tmp_path)
+    proc = run_dlojz(
+        *SMALL,
+        "--data-root",
+        tiny_data,
+        "-b",
+        "8",
+        "--test",
+        "--test-nsteps",
+        "4",
+        "--amp",
+        "--amp-dtype",
+        "bfloat16",
+        "--channels-last",
+        "--metrics-json",
+        metrics,
+        "--output-dir",
+        tmp_path,
+    )
     assert proc.returncode == 0, show(proc)
     m = read_json(metrics)
     assert m["steps"] == 4 and m["train_loss"] > 0 and m["compute_dtype"] == "bfloat16"
@@ -82,9 +122,25 @@ def test_float16_uses_grad_scaler(tiny_data, tmp_path):
         # A tiny ViT, not a ResNet: on the CPU a float16 convolution's backward takes seconds (4 s a step for
         # resnet18 at 64 px), and at 16 px, where layer3 and layer4 convolve 1x1 maps, torch's reduced-precision
         # convolution (oneDNN, torch 2.14) can return uninitialised gradients: now and then a NaN loss at step 2.
-        proc = run_dlojz(*SMALL, "--arch", "timm:test_vit",
-                         "--data-root", tiny_data, "-b", "8", "--test", "--test-nsteps", "2", "--amp",
-                         "--amp-dtype", dtype, "--metrics-json", metrics, "--output-dir", tmp_path)
+        proc = run_dlojz(
+            *SMALL,
+            "--arch",
+            "timm:test_vit",
+            "--data-root",
+            tiny_data,
+            "-b",
+            "8",
+            "--test",
+            "--test-nsteps",
+            "2",
+            "--amp",
+            "--amp-dtype",
+            dtype,
+            "--metrics-json",
+            metrics,
+            "--output-dir",
+            tmp_path,
+        )
         if dtype == "float16" and "cannot run on cpu" in proc.stderr:
             pytest.skip("this torch build has no float16 autocast on CPU")
         assert proc.returncode == 0, show(proc)
@@ -96,8 +152,9 @@ def test_float16_uses_grad_scaler(tiny_data, tmp_path):
 
 
 def test_test_mode_prints_chronometer_report(tiny_data, tmp_path):
-    proc = run_dlojz(*SMALL, "--data-root", tiny_data, "-b", "8", "--test", "--test-nsteps", "8",
-                     "--output-dir", tmp_path)
+    proc = run_dlojz(
+        *SMALL, "--data-root", tiny_data, "-b", "8", "--test", "--test-nsteps", "8", "--output-dir", tmp_path
+    )
     assert proc.returncode == 0, show(proc)
     assert "Number of batch per epoch: 9" in proc.stdout  # 72 train images / 8
     assert "images/s" in proc.stdout and ">>>JSON" in proc.stdout
@@ -111,9 +168,22 @@ def test_synthetic_runs_without_touching_disk(tmp_path):
     cache = tmp_path / "cache"
     cache.mkdir()
     metrics = tmp_path / "m.json"
-    proc = run_dlojz(*SMALL, "--synthetic", "-b", "8", "--test", "--test-nsteps", "12", "--val-batch-size", "8",
-                     "--metrics-json", metrics, "--output-dir", tmp_path / "o",
-                     env=clean_env(XDG_CACHE_HOME=cache, DLOJZ_DATA=tmp_path / "no-such-dir"))
+    proc = run_dlojz(
+        *SMALL,
+        "--synthetic",
+        "-b",
+        "8",
+        "--test",
+        "--test-nsteps",
+        "12",
+        "--val-batch-size",
+        "8",
+        "--metrics-json",
+        metrics,
+        "--output-dir",
+        tmp_path / "o",
+        env=clean_env(XDG_CACHE_HOME=cache, DLOJZ_DATA=tmp_path / "no-such-dir"),
+    )
     assert proc.returncode == 0, show(proc)
     assert not (cache / "dlojz").exists()  # no embedded data set generated, no data read
     m = read_json(metrics)
@@ -160,8 +230,20 @@ def test_unreadable_image_is_skipped_with_its_name(tiny_data, tmp_path):
     shutil.copytree(tiny_data, root)
     bad = root / "train" / "square" / "square_0003.JPEG"
     bad.write_bytes(b"this is not a jpeg")
-    proc = run_dlojz(*SMALL, "--data-root", root, "-b", "8", "--test", "--test-nsteps", "9", "--num-workers", "0",
-                     "--output-dir", tmp_path)
+    proc = run_dlojz(
+        *SMALL,
+        "--data-root",
+        root,
+        "-b",
+        "8",
+        "--test",
+        "--test-nsteps",
+        "9",
+        "--num-workers",
+        "0",
+        "--output-dir",
+        tmp_path,
+    )
     assert proc.returncode == 0, show(proc)
     assert f"skipping unreadable image {bad}" in proc.stderr
 
@@ -207,8 +289,9 @@ def test_nan_loss_stops_with_step_and_keeps_checkpoint(tiny_data, tmp_path, trai
     shutil.copy(trained_checkpoint, out / trained_checkpoint.name)
     (out / "latest").write_text(trained_checkpoint.name + "\n")
     before = (out / trained_checkpoint.name).read_bytes()
-    proc = run_dlojz(*SMALL, "--data-root", tiny_data, "-b", "8", "--lr", "1e30", "--epochs", "2", "--no-wandb",
-                     "--output-dir", out)
+    proc = run_dlojz(
+        *SMALL, "--data-root", tiny_data, "-b", "8", "--lr", "1e30", "--epochs", "2", "--no-wandb", "--output-dir", out
+    )
     assert_one_line_error(proc, "not finite", "at step", trained_checkpoint.name, status=3)
     assert (out / trained_checkpoint.name).read_bytes() == before
     assert (out / "latest").read_text().strip() == trained_checkpoint.name
@@ -229,8 +312,22 @@ def test_resume_refuses_foreign_file(tiny_data, tmp_path, run_inline):
 
 def test_loader_only_reports_images_per_second(tiny_data, tmp_path):
     metrics = tmp_path / "m.json"
-    proc = run_dlojz(*SMALL, "--data-root", tiny_data, "-b", "8", "--loader-only", "--test-nsteps", "12",
-                     "--num-workers", "2", "--metrics-json", metrics, "--output-dir", tmp_path)
+    proc = run_dlojz(
+        *SMALL,
+        "--data-root",
+        tiny_data,
+        "-b",
+        "8",
+        "--loader-only",
+        "--test-nsteps",
+        "12",
+        "--num-workers",
+        "2",
+        "--metrics-json",
+        metrics,
+        "--output-dir",
+        tmp_path,
+    )
     assert proc.returncode == 0, show(proc)
     m = read_json(metrics)
     assert m["loader_images_per_second"] > 0 and m["loader_batches"] == 12  # 12 batches > 9 per epoch: wraps
@@ -246,6 +343,7 @@ def test_loader_only_with_synthetic_is_refused(tmp_path, run_inline):
 def test_cpu_profile_scales_the_learning_rate_unless_given(tmp_path, monkeypatch):
     # Without a GPU the profile's batch is 4x smaller than the course's: the lr follows the linear scaling rule.
     from dlojz_config import get_args_parser, resolve_config
+
     monkeypatch.chdir(tmp_path)  # the default --output-dir is made under ./runs
     common = ["--device", "cpu", "--arch", "resnet18"]
     cfg = resolve_config(get_args_parser().parse_args(common))
@@ -260,11 +358,27 @@ def test_interactive_terminal_gets_one_live_line_per_epoch(tiny_data, tmp_path):
     # In a terminal the console lines of an epoch rewrite one line ("\r"), ended once: no blank lines, whether the
     # epoch runs to its end or --test leaves it early.
     import pty
+
     for extra in (["--epochs", "1", "--no-wandb"], ["--test", "--test-nsteps", "4"]):
         leader, follower = pty.openpty()
-        proc = subprocess.Popen([sys.executable, str(ROOT / "dlojz.py"), *SMALL, "--data-root", str(tiny_data),
-                                 "-b", "8", "--output-dir", str(tmp_path / extra[0]), *extra],
-                                stdout=follower, stderr=subprocess.DEVNULL, env=clean_env(), cwd=ROOT)
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                str(ROOT / "dlojz.py"),
+                *SMALL,
+                "--data-root",
+                str(tiny_data),
+                "-b",
+                "8",
+                "--output-dir",
+                str(tmp_path / extra[0]),
+                *extra,
+            ],
+            stdout=follower,
+            stderr=subprocess.DEVNULL,
+            env=clean_env(),
+            cwd=ROOT,
+        )
         os.close(follower)
         chunks = []
         while True:

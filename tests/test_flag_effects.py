@@ -2,6 +2,7 @@
 
 The loop runs in-process on dlojz.synthetic_loop (the parts main() builds from the flags, on --synthetic batches);
 hooks on the model see the batch and the activations it gets."""
+
 import pytest
 import torch
 
@@ -24,8 +25,10 @@ def seen_by_model(loop):
     """Run one epoch; return the inputs of the model's forwards and the outputs dtype of its first conv."""
     inputs, conv_dtypes = [], []
     module = loop["model"].module
-    handles = [module.register_forward_pre_hook(lambda m, args: inputs.append(args[0].detach().clone())),
-               module.conv1.register_forward_hook(lambda m, args, out: conv_dtypes.append(out.dtype))]
+    handles = [
+        module.register_forward_pre_hook(lambda m, args: inputs.append(args[0].detach().clone())),
+        module.conv1.register_forward_hook(lambda m, args, out: conv_dtypes.append(out.dtype)),
+    ]
     try:
         dlojz.train_one_epoch(**loop)
     finally:
@@ -72,7 +75,8 @@ def test_model_ema_is_the_exponential_average_of_the_weights():
     loop = loop_for("--model-ema", "--model-ema-decay", decay, n_batches=4)
     after_step = []
     loop["opt"].optimizer.register_step_post_hook(
-        lambda *args: after_step.append([p.detach().clone() for p in loop["model"].module.parameters()]))
+        lambda *args: after_step.append([p.detach().clone() for p in loop["model"].module.parameters()])
+    )
     dlojz.train_one_epoch(**loop)
     assert len(after_step) == 4
     expected = after_step[0]  # AveragedModel's first update copies the weights
@@ -137,13 +141,33 @@ def test_augmentation_policies_change_the_crops(flags, tiny_data):
 def test_grad_acc_gives_the_same_update_as_one_big_batch():
     """ViT-B/32 (LayerNorm, no dropout: a batch of 4 and 2 x 2 accumulated are the same computation), in-process:
     nothing written to disk. lr 1 makes the update large: a missing 1/N loss scaling or an extra step would show."""
-    common = ["--device", "cpu", "--arch", "vit_b_32", "--image-size", "224", "--epochs", "2", "--optimizer", "sgd",
-              "--mom", "0", "--lr", "1", "--lr-scheduler", "constant", "--label-smoothing", "0"]
+    common = [
+        "--device",
+        "cpu",
+        "--arch",
+        "vit_b_32",
+        "--image-size",
+        "224",
+        "--epochs",
+        "2",
+        "--optimizer",
+        "sgd",
+        "--mom",
+        "0",
+        "--lr",
+        "1",
+        "--lr-scheduler",
+        "constant",
+        "--label-smoothing",
+        "0",
+    ]
     generator = torch.Generator().manual_seed(0)
     images, labels = torch.randn(4, 3, 224, 224, generator=generator), torch.randint(0, 1000, (4,), generator=generator)
     weights = {}
-    for name, flags, batches in (("one", ["-b", "4"], [(images, labels)]),
-                                 ("acc", ["-b", "2", "--grad-acc", "2"], [(images[:2], labels[:2]), (images[2:], labels[2:])])):
+    for name, flags, batches in (
+        ("one", ["-b", "4"], [(images, labels)]),
+        ("acc", ["-b", "2", "--grad-acc", "2"], [(images[:2], labels[:2]), (images[2:], labels[2:])]),
+    ):
         loop = dlojz.synthetic_loop(common + flags, n_batches=len(batches))
         torch.manual_seed(1)  # the same initial weights for both
         loop["model"].module.load_state_dict(torchvision_vit_state())
@@ -164,6 +188,7 @@ def torchvision_vit_state():
     """One set of initial ViT-B/32 weights shared by the runs compared."""
     if not _VIT_STATE:
         import torchvision
+
         torch.manual_seed(0)
         _VIT_STATE.update(torchvision.models.vit_b_32(num_classes=1000).state_dict())
     return _VIT_STATE

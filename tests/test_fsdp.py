@@ -1,6 +1,7 @@
 """--fsdp (dlojz_fsdp.py): FSDP2 on 2 CPU ranks (gloo) trains to the weights of DDP and of one process, holds
 half of the model's state per rank, validates exactly, writes sharded checkpoints that resume mid-epoch on another
 number of ranks, survive a crash mid-write and consolidate into one ordinary checkpoint."""
+
 import multiprocessing
 import shutil
 import signal
@@ -24,9 +25,31 @@ from test_resume import start_ranks, wait_for_line
 # that noise stays at float32's rounding. Adam divides each step by the gradient's own root mean square: where the
 # true gradient is zero (the key bias of attention: softmax ignores a shift shared by every key) the step is rounding
 # noise scaled up to a fraction of the learning rate, and no tolerance below the learning rate is a property of the code.
-BASE = ["--device", "cpu", "--arch", "timm:test_vit", "--image-size", "32", "--val-resize-size", "36",
-        "--val-crop-size", "32", "--num-workers", "1", "--no-wandb", "--epochs", "1", "--optimizer", "sgd",
-        "--lr", "0.05", "--val-batch-size", "7", "--dist-timeout", "120"]
+BASE = [
+    "--device",
+    "cpu",
+    "--arch",
+    "timm:test_vit",
+    "--image-size",
+    "32",
+    "--val-resize-size",
+    "36",
+    "--val-crop-size",
+    "32",
+    "--num-workers",
+    "1",
+    "--no-wandb",
+    "--epochs",
+    "1",
+    "--optimizer",
+    "sgd",
+    "--lr",
+    "0.05",
+    "--val-batch-size",
+    "7",
+    "--dist-timeout",
+    "120",
+]
 
 
 def checkpoint(path):
@@ -34,6 +57,7 @@ def checkpoint(path):
     path = ckpt.load_latest(path)[1] if path.is_dir() and not path.name.endswith(".dcp") else path
     if path.name.endswith(".dcp"):
         from dlojz_fsdp import consolidate
+
         target = path.with_suffix(".consolidated.pt")
         path = target if target.is_file() else consolidate(path, target)
     return torch.load(path, weights_only=True)
@@ -45,14 +69,20 @@ def weights(path):
 
 
 def consolidate_command(source, target):
-    return subprocess.run([sys.executable, str(ROOT / "dlojz_fsdp.py"), "consolidate", str(source), str(target)],
-                          capture_output=True, text=True, env=clean_env(), timeout=300)
+    return subprocess.run(
+        [sys.executable, str(ROOT / "dlojz_fsdp.py"), "consolidate", str(source), str(target)],
+        capture_output=True,
+        text=True,
+        env=clean_env(),
+        timeout=300,
+    )
 
 
 def consolidate_inline(source, target, capsys):
     """`python dlojz_fsdp.py consolidate SOURCE TARGET` in this process (no process group: one reader)."""
     from types import SimpleNamespace
     from dlojz_fsdp import main
+
     status = main(["consolidate", str(source), str(target)])
     out = capsys.readouterr()
     return SimpleNamespace(returncode=status, stdout=out.out, stderr=out.err)
@@ -61,7 +91,10 @@ def consolidate_inline(source, target, capsys):
 def assert_same_weights(a, b, atol=2e-6):
     assert a.keys() == b.keys()
     for key in a:
-        assert torch.allclose(a[key].float(), b[key].float(), atol=atol, rtol=1e-5), (key, (a[key] - b[key]).abs().max())
+        assert torch.allclose(a[key].float(), b[key].float(), atol=atol, rtol=1e-5), (
+            key,
+            (a[key] - b[key]).abs().max(),
+        )
 
 
 @pytest.fixture(scope="module")
@@ -69,10 +102,14 @@ def runs(tiny_data, tmp_path_factory):
     """The same training as one process (global batch 16), DDP on 2 ranks and FSDP on 2 ranks (8 per rank)."""
     out = tmp_path_factory.mktemp("fsdp")
     common = [*BASE, "--data-root", tiny_data]
-    for name, ranks, flags in (("single", 1, ["-b", "16"]), ("ddp", 2, ["-b", "8"]),
-                               ("fsdp", 2, ["-b", "8", "--fsdp"])):
-        proc = run_dlojz(*common, *flags, "--output-dir", out / name, "--metrics-json", out / f"{name}.json",
-                         ranks=ranks)
+    for name, ranks, flags in (
+        ("single", 1, ["-b", "16"]),
+        ("ddp", 2, ["-b", "8"]),
+        ("fsdp", 2, ["-b", "8", "--fsdp"]),
+    ):
+        proc = run_dlojz(
+            *common, *flags, "--output-dir", out / name, "--metrics-json", out / f"{name}.json", ranks=ranks
+        )
         assert proc.returncode == 0, show(proc)
         (out / f"{name}.log").write_text(proc.stdout)
     return out
@@ -123,18 +160,31 @@ def test_a_sharded_checkpoint_evaluates_on_one_rank_and_consolidates(runs, tiny_
     assert saved["global_step"] == 5
     # the same hyper-parameters; which kernel steps them differs (torch has no fused SGD for sharded parameters)
     kernel = ("fused", "foreach")
-    assert [{k: v for k, v in group.items() if k not in kernel} for group in saved["optimizer"]["param_groups"]] == \
-        [{k: v for k, v in group.items() if k not in kernel} for group in ddp["optimizer"]["param_groups"]]
+    assert [{k: v for k, v in group.items() if k not in kernel} for group in saved["optimizer"]["param_groups"]] == [
+        {k: v for k, v in group.items() if k not in kernel} for group in ddp["optimizer"]["param_groups"]
+    ]
     for index, state in ddp["optimizer"]["state"].items():  # SGD's momentum, consolidated too
-        assert torch.allclose(saved["optimizer"]["state"][index]["momentum_buffer"], state["momentum_buffer"],
-                              atol=1e-6), index
+        assert torch.allclose(
+            saved["optimizer"]["state"][index]["momentum_buffer"], state["momentum_buffer"], atol=1e-6
+        ), index
     create_model("timm:test_vit", 3, False, 32).load_state_dict(saved["model"])  # an ordinary model takes it
     for flags in ([], ["--fsdp"]):  # an ordinary run, and a sharded one given the whole weights
         proc = run_dlojz(*common, "--resume", target, *flags)
         assert proc.returncode == 0, show(proc)
         assert read_json(tmp_path / "m.json")["val_loss"] == pytest.approx(expected["val_loss"], abs=1e-5)
-    proc = run_dlojz(*BASE, "--data-root", tiny_data, "-b", "16", "--epochs", "2", "--resume", target,
-                     "--output-dir", tmp_path / "more")  # DDP (here one process) training goes on from it
+    proc = run_dlojz(
+        *BASE,
+        "--data-root",
+        tiny_data,
+        "-b",
+        "16",
+        "--epochs",
+        "2",
+        "--resume",
+        target,
+        "--output-dir",
+        tmp_path / "more",
+    )  # DDP (here one process) training goes on from it
     assert proc.returncode == 0, show(proc)
     assert ckpt.load_latest(tmp_path / "more")[0]["global_step"] == 10
 
@@ -159,8 +209,9 @@ def test_an_fsdp_run_stopped_mid_epoch_resumes_on_one_rank_to_the_same_weights(r
     assert "a checkpoint written on 2 x 8: the epoch goes on after its first" in proc.stdout, proc.stdout
     assert_same_weights(weights(out), weights(runs / "fsdp"))
     # On 1 x 8 the epoch has 9 batches; 16 images per step were done, so 2 per step saved are skipped.
-    proc = run_dlojz(*BASE, "--data-root", tiny_data, "-b", "8", "--fsdp", "--output-dir", tmp_path / "by8",
-                     "--resume", "auto")
+    proc = run_dlojz(
+        *BASE, "--data-root", tiny_data, "-b", "8", "--fsdp", "--output-dir", tmp_path / "by8", "--resume", "auto"
+    )
     assert proc.returncode == 0, show(proc)
     done = stopped["batch"]
     assert ckpt.load_latest(tmp_path / "by8")[0]["global_step"] == done + 9 - 2 * done, proc.stdout
@@ -168,9 +219,23 @@ def test_an_fsdp_run_stopped_mid_epoch_resumes_on_one_rank_to_the_same_weights(r
 
 def test_fsdp_with_accumulation_checkpointing_and_no_reshard_trains_the_same(runs, tiny_data, tmp_path):
     """2 micro-batches of 4 per rank and step, activations recomputed, parameters kept gathered: same weights."""
-    proc = run_dlojz(*BASE, "--data-root", tiny_data, "-b", "4", "--grad-acc", "2", "--grad-checkpointing",
-                     "--no-fsdp-reshard-after-forward", "--fsdp", "--output-dir", tmp_path / "run",
-                     "--metrics-json", tmp_path / "m.json", ranks=2)
+    proc = run_dlojz(
+        *BASE,
+        "--data-root",
+        tiny_data,
+        "-b",
+        "4",
+        "--grad-acc",
+        "2",
+        "--grad-checkpointing",
+        "--no-fsdp-reshard-after-forward",
+        "--fsdp",
+        "--output-dir",
+        tmp_path / "run",
+        "--metrics-json",
+        tmp_path / "m.json",
+        ranks=2,
+    )
     assert proc.returncode == 0, show(proc)
     assert "kept gathered after each block's forward" in proc.stdout
     assert_same_weights(weights(tmp_path / "run"), weights(runs / "fsdp"))
@@ -205,6 +270,7 @@ def in_fresh_process(function, *args):
 def sharded_test_vit(*flags):
     from dlojz_config import get_args_parser, resolve_config
     from dlojz_fsdp import shard_model
+
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     cfg = resolve_config(get_args_parser().parse_args(["--device", "cpu", "--fsdp", "--test", *flags]))
     model = create_model("timm:test_vit", 10, False, 32)
@@ -218,8 +284,9 @@ def block_weight_after_forward_is_sharded(flag):
     return isinstance(model.blocks[0].attn.qkv.weight, torch.distributed.tensor.DTensor)
 
 
-@pytest.mark.parametrize("flag, sharded", [("--fsdp-reshard-after-forward", True),
-                                           ("--no-fsdp-reshard-after-forward", False)])
+@pytest.mark.parametrize(
+    "flag, sharded", [("--fsdp-reshard-after-forward", True), ("--no-fsdp-reshard-after-forward", False)]
+)
 def test_reshard_after_forward_frees_the_gathered_parameters(flag, sharded):
     """After a block's forward its weight is the shard again (a DTensor), or the gathered tensor until the backward."""
     assert in_fresh_process(block_weight_after_forward_is_sharded, flag) is sharded
@@ -227,14 +294,33 @@ def test_reshard_after_forward_frees_the_gathered_parameters(flag, sharded):
 
 def sharded_gradients_between_micro_batches():
     import dlojz
-    loop = dlojz.synthetic_loop(["--device", "cpu", "--arch", "timm:test_vit", "--image-size", "32", "-b", "4",
-                                 "--grad-acc", "2", "--fsdp", "--no-wandb", "--optimizer", "adamw"], n_batches=4)
+
+    loop = dlojz.synthetic_loop(
+        [
+            "--device",
+            "cpu",
+            "--arch",
+            "timm:test_vit",
+            "--image-size",
+            "32",
+            "-b",
+            "4",
+            "--grad-acc",
+            "2",
+            "--fsdp",
+            "--no-wandb",
+            "--optimizer",
+            "adamw",
+        ],
+        n_batches=4,
+    )
     weight, seen = (lambda: loop["model"].module.blocks[0].attn.qkv.weight), []
     step_done = loop["hooks"].step_done
 
     def record():  # after each micro-batch (and after the optimizer step, when there is one)
         seen.append(weight().grad is None)
         step_done()
+
     loop["hooks"].step_done = record
     before = weight().full_tensor().clone()
     dlojz.train_one_epoch(**loop)
@@ -249,9 +335,24 @@ def test_accumulated_micro_batches_reduce_no_gradient():
 
 def test_test_mode_reports_flops_of_the_unsharded_model(tiny_data, tmp_path):
     """--test on a sharded model, with SGD (its foreach step: torch has no fused SGD for sharded parameters)."""
-    proc = run_dlojz(*BASE, "--data-root", tiny_data, "-b", "8", "--fsdp", "--test", "--test-nsteps", "3",
-                     "--grad-checkpointing", "--optimizer", "sgd", "--metrics-json", tmp_path / "m.json",
-                     "--output-dir", tmp_path / "o")
+    proc = run_dlojz(
+        *BASE,
+        "--data-root",
+        tiny_data,
+        "-b",
+        "8",
+        "--fsdp",
+        "--test",
+        "--test-nsteps",
+        "3",
+        "--grad-checkpointing",
+        "--optimizer",
+        "sgd",
+        "--metrics-json",
+        tmp_path / "m.json",
+        "--output-dir",
+        tmp_path / "o",
+    )
     assert proc.returncode == 0, show(proc)
     assert "optimizer: sgd (lr" in proc.stdout, proc.stdout
     metrics = read_json(tmp_path / "m.json")
@@ -262,6 +363,7 @@ def test_test_mode_reports_flops_of_the_unsharded_model(tiny_data, tmp_path):
 def write_sharded(out, epoch, step, value, keep=3):
     """A sharded checkpoint as ShardedCheckpointSaver lays it out (one process writing every shard)."""
     import torch.distributed.checkpoint as dcp
+
     name = ckpt.checkpoint_name(epoch, step, sharded=True)
     staging = out / f".{name}.tmp"
     dcp.save({"model": {"w": torch.full((64,), float(value))}}, checkpoint_id=staging, no_dist=True)
@@ -287,7 +389,10 @@ def test_a_sharded_checkpoint_cut_short_is_refused_and_the_previous_one_used(tmp
 def test_sharded_checkpoints_are_pruned_like_files(tmp_path):
     for step in range(1, 5):
         write_sharded(tmp_path, step, step * 10, step, keep=2)
-    assert [p.name for p in ckpt.list_checkpoints(tmp_path)] == ["ckpt_e0003_s000000030.dcp", "ckpt_e0004_s000000040.dcp"]
+    assert [p.name for p in ckpt.list_checkpoints(tmp_path)] == [
+        "ckpt_e0003_s000000030.dcp",
+        "ckpt_e0004_s000000040.dcp",
+    ]
     assert (tmp_path / ckpt.LATEST).read_text().strip() == "ckpt_e0004_s000000040.dcp"
 
 
@@ -295,21 +400,27 @@ def test_consolidating_what_is_not_a_sharded_checkpoint_is_one_line(tmp_path, ca
     done = consolidate_inline(tmp_path / "nothing.dcp", tmp_path / "out.pt", capsys)
     assert done.returncode == 2 and done.stderr.count("\n") == 1 and "no such file" in done.stderr, done.stderr
     done = consolidate_inline(tmp_path / "nothing.dcp", tmp_path / "no" / "out.pt", capsys)  # checked before reading
-    assert done.returncode == 2 and done.stderr.count("\n") == 1 and "its folder does not exist" in done.stderr, \
+    assert done.returncode == 2 and done.stderr.count("\n") == 1 and "its folder does not exist" in done.stderr, (
         done.stderr
+    )
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--fsdp", "--sync-bn"], "--fsdp with --sync-bn"),
-    (["--fsdp", "--model-ema"], "--fsdp with --model-ema"),
-    (["--fsdp", "--amp", "--amp-dtype", "float16"], "--fsdp with --amp-dtype float16"),
-    (["--no-fsdp-reshard-after-forward"], "set how --fsdp shards: add --fsdp"),
-])
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--fsdp", "--sync-bn"], "--fsdp with --sync-bn"),
+        (["--fsdp", "--model-ema"], "--fsdp with --model-ema"),
+        (["--fsdp", "--amp", "--amp-dtype", "float16"], "--fsdp with --amp-dtype float16"),
+        (["--no-fsdp-reshard-after-forward"], "set how --fsdp shards: add --fsdp"),
+    ],
+)
 def test_what_fsdp_cannot_take_is_one_line(flags, message, run_inline):
     assert_one_line_error(run_inline("--device", "cpu", "--test", "--no-wandb", *flags), message)
 
 
 def test_fsdp_does_not_resume_training_from_an_ordinary_checkpoint(runs, tiny_data):
     plain = ckpt.load_latest(runs / "single")[1]
-    assert_one_line_error(run_dlojz(*BASE, "--data-root", tiny_data, "--fsdp", "--resume", plain),
-                          "--fsdp resumes training from sharded checkpoints")
+    assert_one_line_error(
+        run_dlojz(*BASE, "--data-root", tiny_data, "--fsdp", "--resume", plain),
+        "--fsdp resumes training from sharded checkpoints",
+    )

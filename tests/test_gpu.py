@@ -17,6 +17,7 @@ Skipped, with the reason, where no CUDA GPU is visible (this project's CI machin
     python -m pytest tests -m gpu -v          # these tests alone: a few minutes on one H100
     bash bench/gpu_acceptance.sh [PYTHON]     # checks, these tests, then ResNet-50 throughput against the anchors
 """
+
 import math
 
 import pytest
@@ -25,17 +26,34 @@ import torch
 import dlojz
 from conftest import read_json, run_dlojz, show
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(),
-                                 reason="no CUDA GPU visible: the GPU acceptance tests run on a GPU node "
-                                        "(bench/gpu_acceptance.sh)")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        not torch.cuda.is_available(),
+        reason="no CUDA GPU visible: the GPU acceptance tests run on a GPU node (bench/gpu_acceptance.sh)",
+    ),
+]
 
-two_gpus = pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.device_count() < 2,
-                              reason="needs 2 GPUs on this node")
+two_gpus = pytest.mark.skipif(
+    torch.cuda.is_available() and torch.cuda.device_count() < 2, reason="needs 2 GPUs on this node"
+)
 
 # Small enough for a few seconds per run on one GPU; the ResNet-50 tests raise the image size.
-CUDA = ["--device", "cuda", "--no-wandb", "--image-size", "64", "-b", "32", "--val-batch-size", "32",
-        "--val-resize-size", "73", "--val-crop-size", "64"]
+CUDA = [
+    "--device",
+    "cuda",
+    "--no-wandb",
+    "--image-size",
+    "64",
+    "-b",
+    "32",
+    "--val-batch-size",
+    "32",
+    "--val-resize-size",
+    "73",
+    "--val-crop-size",
+    "64",
+]
 TORCHRUN2 = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
 
 
@@ -53,8 +71,10 @@ def run_epoch_seen(loop):
     """One epoch of dlojz's loop; returns (EpochResult, conv1's outputs, the batches the model got)."""
     conv_outputs, inputs = [], []
     module = loop["model"].module
-    handles = [module.conv1.register_forward_hook(lambda m, args, out: conv_outputs.append(out.detach())),
-               module.register_forward_pre_hook(lambda m, args: inputs.append(args[0].detach()))]
+    handles = [
+        module.conv1.register_forward_hook(lambda m, args, out: conv_outputs.append(out.detach())),
+        module.register_forward_pre_hook(lambda m, args: inputs.append(args[0].detach())),
+    ]
     try:
         result = dlojz.train_one_epoch(**loop)
     finally:
@@ -67,8 +87,9 @@ def skip_without_bfloat16():
     """Asked in the test, not at collection: asking starts CUDA in the pytest process, which a run of the other
     tests alone (the DataLoader workers they fork) has no reason to do."""
     if not torch.cuda.is_bf16_supported(including_emulation=False):
-        pytest.skip("this GPU has no native bfloat16 (compute capability < 8.0): dlojz refuses --amp-dtype "
-                    "bfloat16 there")
+        pytest.skip(
+            "this GPU has no native bfloat16 (compute capability < 8.0): dlojz refuses --amp-dtype bfloat16 there"
+        )
 
 
 def is_power_of_two(x):
@@ -101,8 +122,22 @@ def test_precision_is_reported_in_the_metrics(dtype, tmp_path):
     if dtype == "bfloat16":
         skip_without_bfloat16()
     metrics = tmp_path / "m.json"
-    proc = run_dlojz(*CUDA, "--arch", "resnet50", "--synthetic", "--test", "--test-nsteps", "20", "--amp",
-                     "--amp-dtype", dtype, "--metrics-json", metrics, "--output-dir", tmp_path / "run")
+    proc = run_dlojz(
+        *CUDA,
+        "--arch",
+        "resnet50",
+        "--synthetic",
+        "--test",
+        "--test-nsteps",
+        "20",
+        "--amp",
+        "--amp-dtype",
+        dtype,
+        "--metrics-json",
+        metrics,
+        "--output-dir",
+        tmp_path / "run",
+    )
     assert proc.returncode == 0, show(proc)
     m = read_json(metrics)
     assert m["compute_dtype"] == dtype and m["steps"] == 20 and math.isfinite(m["train_loss"])
@@ -134,14 +169,39 @@ def test_the_prefetcher_gives_the_same_batches_on_its_stream(tmp_path):
     from dlojz_dist import Distribution
     from dlojz_log import Console
     from dlojz_transforms import DeviceNormalize, DevicePrefetcher
+
     root = make_embedded_dataset(tmp_path / "d", n_classes=3, train_per_class=16, val_per_class=4, size=(48, 40))
     got, reference = {}, None
-    for name, flags in (("non-blocking", ["--non-blocking"]), ("blocking", ["--no-non-blocking"]),
-                        ("channels-last", ["--non-blocking", "--channels-last"])):
-        cfg = resolve_config(get_args_parser().parse_args(
-            ["--device", "cuda", "--arch", "resnet18", "--data-root", str(root), "--image-size", "32",
-             "--val-resize-size", "36", "--val-crop-size", "32", "--val-batch-size", "5", "--num-workers", "1",
-             "--output-dir", str(tmp_path / "run"), *flags]))
+    for name, flags in (
+        ("non-blocking", ["--non-blocking"]),
+        ("blocking", ["--no-non-blocking"]),
+        ("channels-last", ["--non-blocking", "--channels-last"]),
+    ):
+        cfg = resolve_config(
+            get_args_parser().parse_args(
+                [
+                    "--device",
+                    "cuda",
+                    "--arch",
+                    "resnet18",
+                    "--data-root",
+                    str(root),
+                    "--image-size",
+                    "32",
+                    "--val-resize-size",
+                    "36",
+                    "--val-crop-size",
+                    "32",
+                    "--val-batch-size",
+                    "5",
+                    "--num-workers",
+                    "1",
+                    "--output-dir",
+                    str(tmp_path / "run"),
+                    *flags,
+                ]
+            )
+        )
         assert cfg.non_blocking is (name != "blocking") and cfg.pin_memory
         ranks = Distribution(1, 0, 0, torch.device(cfg.torch_device))
         log = Console(False)
@@ -189,6 +249,7 @@ def test_the_chronometer_waits_for_the_compute_stream_and_only_for_it():
     """Kernels the host only queues (torch.cuda._sleep) are charged to the phase that queued them; a kernel on a
     side stream (the prefetcher's copy of the next batch) is charged to none."""
     from dlojz_chrono import Chronometer
+
     device = torch.device("cuda", torch.cuda.current_device())
     calibration = 10_000_000
     gpu_sleep_seconds(calibration)  # first launch
@@ -219,9 +280,30 @@ def test_the_chronometer_waits_for_the_compute_stream_and_only_for_it():
 def resnet50_test_metrics(tmp_path_factory):
     """The metrics of one `--synthetic --test` ResNet-50 run at 224 px, batch 64, AMP (chronometer on)."""
     out = tmp_path_factory.mktemp("resnet50_test")
-    proc = run_dlojz(*CUDA, "--arch", "resnet50", "--image-size", "224", "-b", "64", "--val-batch-size", "64",
-                     "--val-resize-size", "256", "--val-crop-size", "224", "--amp", "--synthetic", "--test",
-                     "--test-nsteps", "40", "--metrics-json", out / "m.json", "--output-dir", out / "run")
+    proc = run_dlojz(
+        *CUDA,
+        "--arch",
+        "resnet50",
+        "--image-size",
+        "224",
+        "-b",
+        "64",
+        "--val-batch-size",
+        "64",
+        "--val-resize-size",
+        "256",
+        "--val-crop-size",
+        "224",
+        "--amp",
+        "--synthetic",
+        "--test",
+        "--test-nsteps",
+        "40",
+        "--metrics-json",
+        out / "m.json",
+        "--output-dir",
+        out / "run",
+    )
     assert proc.returncode == 0, show(proc)
     return read_json(out / "m.json")
 
@@ -230,8 +312,9 @@ def test_the_chronometer_phases_add_up_to_the_step(resnet50_test_metrics):
     m = resnet50_test_metrics
     chrono = m["chrono"]
     assert chrono["steps"] == 40 and chrono["measured_steps"] == 35 and chrono["warmup_excluded"]
-    assert chrono["forward_median_s"] + chrono["backward_median_s"] == pytest.approx(chrono["step_median_s"],
-                                                                                     rel=0.15), chrono
+    assert chrono["forward_median_s"] + chrono["backward_median_s"] == pytest.approx(
+        chrono["step_median_s"], rel=0.15
+    ), chrono
     assert 0 < chrono["forward_median_s"] < chrono["step_median_s"]
     assert m["images_per_second"] > 0 and chrono["throughput_img_s"] > 0
     # Against the untimed clock: the run's images/s is timed between the synchronised log points after steps 10
@@ -242,6 +325,7 @@ def test_the_chronometer_phases_add_up_to_the_step(resnet50_test_metrics):
     wall_s = 30 * m["global_batch_size"] / m["images_per_second"]
     assert 0.8 * wall_s < phases_s < 1.02 * wall_s, (phases_s, wall_s, chrono)
     from dlojz_model import peak_flops
+
     if peak_flops(torch.cuda.get_device_name(), "float16"):  # V100/A100/H100/H200: the MFU is reported
         assert 0 < chrono["mfu"] < 1, chrono
 
@@ -256,6 +340,7 @@ def test_nvml_reads_the_energy_per_image(resnet50_test_metrics):
     except pynvml.NVMLError as err:
         pytest.skip(f"NVML does not start here ({err}): dlojz leaves the energy figures out")
     from dlojz_chrono import _nvml_handle_for
+
     try:
         pynvml.nvmlDeviceGetTotalEnergyConsumption(_nvml_handle_for(pynvml, torch.device("cuda", 0)))
     except pynvml.NVMLError as err:
@@ -269,8 +354,21 @@ def test_nvml_reads_the_energy_per_image(resnet50_test_metrics):
 # ---------------------------------------------------------------- torch.compile
 def test_compile_runs_on_cuda(tmp_path):
     metrics = tmp_path / "m.json"
-    proc = run_dlojz(*CUDA, "--arch", "resnet18", "--synthetic", "--test", "--test-nsteps", "10", "--compile",
-                     "--metrics-json", metrics, "--output-dir", tmp_path / "run", timeout=800)
+    proc = run_dlojz(
+        *CUDA,
+        "--arch",
+        "resnet18",
+        "--synthetic",
+        "--test",
+        "--test-nsteps",
+        "10",
+        "--compile",
+        "--metrics-json",
+        metrics,
+        "--output-dir",
+        tmp_path / "run",
+        timeout=800,
+    )
     assert proc.returncode == 0, show(proc)
     m = read_json(metrics)
     assert m["steps"] == 10 and math.isfinite(m["train_loss"])
@@ -285,12 +383,20 @@ SYNC_FREE = [
     pytest.param(["--optimizer", "sgd", "--amp-dtype", "bfloat16"], id="sgd-bfloat16"),
     pytest.param(["--optimizer", "sgd", "--amp-dtype", "float16", "--model-ema"], id="sgd-float16-ema"),
     pytest.param(["--optimizer", "adamw", "--amp-dtype", "bfloat16", "--model-ema"], id="adamw-bfloat16-ema"),
-    pytest.param(["--optimizer", "sgd", "--amp-dtype", "float16", "--clip-grad-norm", "1.0", "--channels-last"],
-                 id="sgd-float16-clip-channels-last"),
-    pytest.param(["--optimizer", "lamb", "--amp-dtype", "float16"], id="lamb-float16", marks=pytest.mark.xfail(
-        strict=False, raises=RuntimeError,
-        reason="timm's LAMB has no fused step: the float16 GradScaler reads its overflow flag on the host at every "
-               "optimizer step (dlojz says so at start-up; --amp-dtype bfloat16 or sgd/adamw avoid it)")),
+    pytest.param(
+        ["--optimizer", "sgd", "--amp-dtype", "float16", "--clip-grad-norm", "1.0", "--channels-last"],
+        id="sgd-float16-clip-channels-last",
+    ),
+    pytest.param(
+        ["--optimizer", "lamb", "--amp-dtype", "float16"],
+        id="lamb-float16",
+        marks=pytest.mark.xfail(
+            strict=False,
+            raises=RuntimeError,
+            reason="timm's LAMB has no fused step: the float16 GradScaler reads its overflow flag on the host at every "
+            "optimizer step (dlojz says so at start-up; --amp-dtype bfloat16 or sgd/adamw avoid it)",
+        ),
+    ),
 ]
 
 
@@ -307,8 +413,8 @@ def test_training_steps_never_wait_for_the_gpu(flags, monkeypatch):
     state = loop["state"]
     assert state.global_step == 9
     state.epoch, state.batch = 1, 0  # as main() does between epochs
-    monkeypatch.setattr(dlojz, "LOG_EVERY", 10 ** 6)
-    loop["progress"].line_every = 10 ** 6
+    monkeypatch.setattr(dlojz, "LOG_EVERY", 10**6)
+    loop["progress"].line_every = 10**6
     log_points = []
     agree_on_stop = dlojz.agree_on_stop
 
@@ -316,6 +422,7 @@ def test_training_steps_never_wait_for_the_gpu(flags, monkeypatch):
         torch.cuda.set_sync_debug_mode(0)
         log_points.append(state.batch)
         return agree_on_stop(*args)
+
     monkeypatch.setattr(dlojz, "agree_on_stop", log_point)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
@@ -337,6 +444,7 @@ def test_fused_step_skips_overflowed_steps_on_cuda(name, monkeypatch):
     """The fused step (on the GPU, the scaler's inf flag read by the kernel) ends with the weights of the unfused
     one when the first step overflows, even when the GPU memory it allocates holds garbage (NaN-filled here)."""
     from test_optim import GOOD_LR, grad_scaler_steps, tiny_classifier
+
     results = {}
     for fused in (False, True):
         torch.manual_seed(0)
@@ -354,8 +462,21 @@ def test_fused_step_skips_overflowed_steps_on_cuda(name, monkeypatch):
 
 
 # ---------------------------------------------------------------- two GPUs and more
-TINY = ["--device", "cuda", "--arch", "resnet18", "--image-size", "32", "--val-resize-size", "36",
-        "--val-crop-size", "32", "--num-workers", "1", "--no-wandb"]
+TINY = [
+    "--device",
+    "cuda",
+    "--arch",
+    "resnet18",
+    "--image-size",
+    "32",
+    "--val-resize-size",
+    "36",
+    "--val-crop-size",
+    "32",
+    "--num-workers",
+    "1",
+    "--no-wandb",
+]
 
 
 @two_gpus
@@ -369,9 +490,23 @@ def test_nccl_validation_on_two_gpus_equals_one(tmp_path, tiny_data):
     results = []
     for launcher in (None, TORCHRUN2):
         metrics = tmp_path / f"eval{len(results)}.json"
-        proc = run_dlojz(*TINY, "--data-root", tiny_data, "--val-batch-size", "4", "--no-amp", "--no-tf32",
-                         "--eval-only", "--resume", "auto", "--output-dir", train, "--metrics-json", metrics,
-                         launcher=launcher)
+        proc = run_dlojz(
+            *TINY,
+            "--data-root",
+            tiny_data,
+            "--val-batch-size",
+            "4",
+            "--no-amp",
+            "--no-tf32",
+            "--eval-only",
+            "--resume",
+            "auto",
+            "--output-dir",
+            train,
+            "--metrics-json",
+            metrics,
+            launcher=launcher,
+        )
         assert proc.returncode == 0, show(proc)
         results.append(read_json(metrics))
     one, two = results
@@ -384,8 +519,21 @@ def test_nccl_validation_on_two_gpus_equals_one(tmp_path, tiny_data):
 @two_gpus
 def test_sync_bn_test_run_on_two_gpus_reports(tmp_path):
     metrics = tmp_path / "m.json"
-    proc = run_dlojz(*CUDA, "--arch", "resnet18", "--synthetic", "--test", "--test-nsteps", "10", "--sync-bn",
-                     "--metrics-json", metrics, "--output-dir", tmp_path / "run", launcher=TORCHRUN2)
+    proc = run_dlojz(
+        *CUDA,
+        "--arch",
+        "resnet18",
+        "--synthetic",
+        "--test",
+        "--test-nsteps",
+        "10",
+        "--sync-bn",
+        "--metrics-json",
+        metrics,
+        "--output-dir",
+        tmp_path / "run",
+        launcher=TORCHRUN2,
+    )
     assert proc.returncode == 0, show(proc)
     m = read_json(metrics)
     assert m["world_size"] == 2 and m["global_batch_size"] == 64 and m["steps"] == 10
@@ -396,9 +544,22 @@ def test_sync_bn_test_run_on_two_gpus_reports(tmp_path):
 def test_dali_decodes_on_the_gpu_into_the_loop(tmp_path):
     pytest.importorskip("nvidia.dali", reason="DALI is not installed on this node (pip install nvidia-dali-cuda130)")
     from dlojz_data import make_embedded_dataset
+
     data = make_embedded_dataset(tmp_path / "data", n_classes=3, train_per_class=40, val_per_class=7, size=(96, 80))
-    proc = run_dlojz(*CUDA, "--data-root", data, "--data-backend", "dali", "--channels-last", "--epochs", "2",
-                     "--metrics-json", tmp_path / "m.json", "--output-dir", tmp_path / "run")
+    proc = run_dlojz(
+        *CUDA,
+        "--data-root",
+        data,
+        "--data-backend",
+        "dali",
+        "--channels-last",
+        "--epochs",
+        "2",
+        "--metrics-json",
+        tmp_path / "m.json",
+        "--output-dir",
+        tmp_path / "run",
+    )
     assert proc.returncode == 0, show(proc)
     assert "DALI: decoding on the GPU (nvJPEG)" in proc.stdout, show(proc)
     metrics = read_json(tmp_path / "m.json")
@@ -410,11 +571,18 @@ def test_dali_batches_are_on_the_gpu_in_channels_last(tmp_path):
     from dlojz_dali import DaliBatches, train_pipeline
     from dlojz_data import EpochSampler, build_datasets, make_embedded_dataset
     from dlojz_transforms import DeviceNormalize
+
     data = make_embedded_dataset(tmp_path / "data", n_classes=3, train_per_class=16, val_per_class=2, size=(96, 80))
     train, _, _, _ = build_datasets(data, None, None)
     device = torch.device("cuda", 0)
-    batches = DaliBatches(train, EpochSampler(train, 1, 0), 16, lambda s: train_pipeline(s, 16, 64, 0, 2, 1),
-                          device, DeviceNormalize(device, channels_last=True))
+    batches = DaliBatches(
+        train,
+        EpochSampler(train, 1, 0),
+        16,
+        lambda s: train_pipeline(s, 16, 64, 0, 2, 1),
+        device,
+        DeviceNormalize(device, channels_last=True),
+    )
     images, labels = next(iter(batches))
     assert images.device == labels.device == device and images.dtype == torch.float32
     assert images.shape == (16, 3, 64, 64) and images.is_contiguous(memory_format=torch.channels_last)
@@ -426,13 +594,20 @@ VIT = ["--arch", "timm:test_vit", "--optimizer", "adamw", "--lr", "0.002"]
 
 def fsdp_epoch_seen():
     from torch.distributed.tensor import DTensor
+
     loop = loop_for(*VIT, "--fsdp")
     seen = []
     qkv = loop["model"].module.blocks[0].attn.qkv
     qkv.register_forward_hook(lambda m, args, out: seen.append((m.weight.dtype, out.dtype)))
     result = dlojz.train_one_epoch(**loop)
-    return (sorted(set(seen), key=str), isinstance(qkv.weight, DTensor), qkv.weight.dtype, qkv.weight.is_cuda,
-            result.train_loss, loop["opt"].scaler.is_enabled())
+    return (
+        sorted(set(seen), key=str),
+        isinstance(qkv.weight, DTensor),
+        qkv.weight.dtype,
+        qkv.weight.is_cuda,
+        result.train_loss,
+        loop["opt"].scaler.is_enabled(),
+    )
 
 
 def test_fsdp_gathers_bfloat16_parameters_and_keeps_float32_shards_on_cuda():
@@ -441,6 +616,7 @@ def test_fsdp_gathers_bfloat16_parameters_and_keeps_float32_shards_on_cuda():
     stay float32 on the GPU; no GradScaler."""
     skip_without_bfloat16()
     from test_fsdp import in_fresh_process
+
     seen, sharded, dtype, on_gpu, loss, scaler = in_fresh_process(fsdp_epoch_seen)
     assert seen == [(torch.bfloat16, torch.bfloat16)], seen
     assert sharded and dtype == torch.float32 and on_gpu
@@ -462,8 +638,21 @@ def test_fsdp_checkpoints_and_resumes_on_cuda(tmp_path, tiny_data):
 
 def test_fsdp_compiles_on_cuda(tmp_path):
     skip_without_bfloat16()
-    proc = run_dlojz(*CUDA, *VIT, "--synthetic", "--test", "--test-nsteps", "10", "--fsdp", "--compile",
-                     "--metrics-json", tmp_path / "m.json", "--output-dir", tmp_path / "run", timeout=800)
+    proc = run_dlojz(
+        *CUDA,
+        *VIT,
+        "--synthetic",
+        "--test",
+        "--test-nsteps",
+        "10",
+        "--fsdp",
+        "--compile",
+        "--metrics-json",
+        tmp_path / "m.json",
+        "--output-dir",
+        tmp_path / "run",
+        timeout=800,
+    )
     assert proc.returncode == 0, show(proc)
     m = read_json(tmp_path / "m.json")
     assert m["steps"] == 10 and math.isfinite(m["train_loss"]) and m["parallel"] == "fsdp"
@@ -475,11 +664,26 @@ def test_fsdp_on_two_gpus_trains_to_the_weights_of_ddp(tmp_path, tiny_data):
     out = {}
     for name, flags in (("ddp", []), ("fsdp", ["--fsdp"])):
         out[name] = tmp_path / name
-        proc = run_dlojz(*TINY, *VIT, "--data-root", tiny_data, "-b", "8", "--epochs", "1", "--no-amp", "--no-tf32",
-                         "--output-dir", out[name], *flags, launcher=TORCHRUN2)
+        proc = run_dlojz(
+            *TINY,
+            *VIT,
+            "--data-root",
+            tiny_data,
+            "-b",
+            "8",
+            "--epochs",
+            "1",
+            "--no-amp",
+            "--no-tf32",
+            "--output-dir",
+            out[name],
+            *flags,
+            launcher=TORCHRUN2,
+        )
         assert proc.returncode == 0, show(proc)
     from dlojz_fsdp import consolidate
     import dlojz_checkpoint as ckpt
+
     sharded = ckpt.load_latest(out["fsdp"])[1]
     fsdp = torch.load(consolidate(sharded, tmp_path / "fsdp.pt"), weights_only=True)["model"]
     ddp = ckpt.load_latest(out["ddp"])[0]["model"]

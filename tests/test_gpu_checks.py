@@ -1,5 +1,6 @@
 """The GPU start-up checks, reached on the CPU with a faked CUDA: which GPU a rank takes, a torch without kernels
 for the GPU, a driver too old for the wheel's CUDA, emulated bfloat16; FLOPs and activation bytes of a SyncBN model."""
+
 import sys
 import types
 
@@ -16,12 +17,14 @@ from dlojz_model import saved_activation_bytes, train_flops_per_image
 @pytest.fixture
 def fake_cuda(monkeypatch):
     """A node whose task sees `count` GPUs of compute capability `capability`, torch built for `archs`."""
+
     def make(count=1, capability=(9, 0), archs=("sm_75", "sm_80", "sm_86", "sm_90", "sm_100", "sm_120")):
         monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
         monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: capability)
         monkeypatch.setattr(torch.cuda, "get_arch_list", lambda: list(archs))
         monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: "Tesla V100-SXM2-32GB")
+
     return make
 
 
@@ -46,8 +49,9 @@ def test_ptx_for_an_older_arch_runs_on_a_newer_gpu(fake_cuda):
 
 
 def test_a_driver_too_old_for_the_wheel_is_named(monkeypatch):
-    nvml = types.SimpleNamespace(nvmlInit=lambda: None, nvmlSystemGetCudaDriverVersion=lambda: 12040,
-                                 nvmlSystemGetDriverVersion=lambda: "550.54")
+    nvml = types.SimpleNamespace(
+        nvmlInit=lambda: None, nvmlSystemGetCudaDriverVersion=lambda: 12040, nvmlSystemGetDriverVersion=lambda: "550.54"
+    )
     monkeypatch.setitem(sys.modules, "pynvml", nvml)
     monkeypatch.setattr(torch.version, "cuda", "13.0")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
@@ -74,12 +78,16 @@ def test_emulated_bfloat16_is_refused(monkeypatch):
 
 def syncbn_report_figures(rank, world_size, port, results):
     import torch.distributed as dist
+
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     try:
         torch.manual_seed(0)
         synced = torch.nn.SyncBatchNorm.convert_sync_batchnorm(torchvision.models.resnet18(num_classes=10))
-        figures = (train_flops_per_image(synced, 32), saved_activation_bytes(synced, 32, False, False, "resnet18"),
-                   any(isinstance(m, torch.nn.SyncBatchNorm) for m in synced.modules()))
+        figures = (
+            train_flops_per_image(synced, 32),
+            saved_activation_bytes(synced, 32, False, False, "resnet18"),
+            any(isinstance(m, torch.nn.SyncBatchNorm) for m in synced.modules()),
+        )
         results[rank] = figures
     finally:
         dist.destroy_process_group()
@@ -89,6 +97,7 @@ def test_flops_and_activation_bytes_of_a_syncbn_model_in_a_process_group():
     """--test --sync-bn on 2 ranks: the report's FLOP count and activation estimate run with the process group up
     (a SyncBatchNorm in training mode would reach for the other rank, and refuse CPU/meta tensors)."""
     import torch.multiprocessing as mp
+
     port = preloaded.free_port()
     results = mp.Manager().dict()
     mp.spawn(syncbn_report_figures, args=(2, port, results), nprocs=2, join=True)

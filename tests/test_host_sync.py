@@ -5,6 +5,7 @@ queued kernel: one such read per step stalls the GPU. Here, on the CPU, every re
 position at which it happened: outside log points there must be none (tests/test_gpu.py proves the same on CUDA
 with torch.cuda.set_sync_debug_mode("error")).
 """
+
 import contextlib
 
 import pytest
@@ -28,7 +29,9 @@ def recorded_host_reads(state):
         def read(self, *args, **kwargs):
             reads.append((state.batch, name))
             return original(self, *args, **kwargs)
+
         return read
+
     for name in READS:
         setattr(torch.Tensor, name, recorder(name))
     try:
@@ -40,8 +43,8 @@ def recorded_host_reads(state):
 
 def reads_during_epoch(loop, monkeypatch):
     """Host reads before the last micro-batch of one epoch, with log points and console lines moved out of reach."""
-    monkeypatch.setattr(dlojz, "LOG_EVERY", 10 ** 6)
-    loop["progress"].line_every = 10 ** 6
+    monkeypatch.setattr(dlojz, "LOG_EVERY", 10**6)
+    loop["progress"].line_every = 10**6
     n_batches = loop["loaders"].n_train_batches
     with recorded_host_reads(loop["state"]) as reads:
         dlojz.train_one_epoch(**loop)

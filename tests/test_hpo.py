@@ -3,6 +3,7 @@
 
 Searches run as a user runs them (subprocesses, each trial a dlojz.py run on the tiny data set at 16 px); the
 search-space checks run in this process. The Slurm job array runs on the one-node test cluster."""
+
 import csv
 import json
 import os
@@ -20,8 +21,20 @@ import pytest
 from conftest import ROOT, SMALL, clean_env, read_json, run_dlojz, show
 from slurm_cluster import slurm_cluster  # noqa: F401  (the session fixture)
 
-TRIAL = [*SMALL, "--image-size", "16", "--val-resize-size", "18", "--val-crop-size", "16", "-b", "8", "--no-wandb",
-         "--num-workers", "0"]
+TRIAL = [
+    *SMALL,
+    "--image-size",
+    "16",
+    "--val-resize-size",
+    "18",
+    "--val-crop-size",
+    "16",
+    "-b",
+    "8",
+    "--no-wandb",
+    "--num-workers",
+    "0",
+]
 SPACE = "[lr]\nlow = 0.01\nhigh = 0.3\nlog = true\n[label-smoothing]\nlow = 0.0\nhigh = 0.2\n"
 
 
@@ -32,13 +45,24 @@ def write_space(folder, text=SPACE):
 
 
 def hpo(*args, timeout=600, env=None):
-    return subprocess.run([sys.executable, str(ROOT / "dlojz_hpo.py"), *map(str, args)], capture_output=True,
-                          text=True, timeout=timeout, env=env or clean_env(), cwd=ROOT)
+    return subprocess.run(
+        [sys.executable, str(ROOT / "dlojz_hpo.py"), *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env or clean_env(),
+        cwd=ROOT,
+    )
 
 
 def hpo_popen(*args, log):
-    return subprocess.Popen([sys.executable, str(ROOT / "dlojz_hpo.py"), *map(str, args)], stdout=log,
-                            stderr=subprocess.STDOUT, env=clean_env(), cwd=ROOT)
+    return subprocess.Popen(
+        [sys.executable, str(ROOT / "dlojz_hpo.py"), *map(str, args)],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=clean_env(),
+        cwd=ROOT,
+    )
 
 
 def load(storage, study):
@@ -49,9 +73,25 @@ def load(storage, study):
 
 
 def search_args(tmp_path, data, *options, study="s", trial_flags=("--epochs", "1"), storage=None):
-    return ["search", "--study", study, "--storage", storage or tmp_path / "j.log", "--space", write_space(tmp_path),
-            "--poll-interval", "0.2", *options, "--", *TRIAL, "--data-root", data, "--output-dir", tmp_path / "out",
-            *trial_flags]
+    return [
+        "search",
+        "--study",
+        study,
+        "--storage",
+        storage or tmp_path / "j.log",
+        "--space",
+        write_space(tmp_path),
+        "--poll-interval",
+        "0.2",
+        *options,
+        "--",
+        *TRIAL,
+        "--data-root",
+        data,
+        "--output-dir",
+        tmp_path / "out",
+        *trial_flags,
+    ]
 
 
 def wait_for(predicate, timeout, what):
@@ -66,6 +106,7 @@ def wait_for(predicate, timeout, what):
 # ---------------------------------------------------------------- dlojz.py: --train-subset, --val-history, stops
 def subset_paths(root, spec, seed):
     from dlojz_data import build_datasets, select_train_subset
+
     train, _, _, _ = build_datasets(root, None, None, seed=seed)
     line = select_train_subset(train, spec)
     return [(Path(p).name, t) for p, t in train.samples], line
@@ -77,23 +118,45 @@ def test_train_subset_is_stratified_and_the_same_whatever_the_seed_and_process(t
     assert "18 of 72 training images" in line, line
     assert subset_paths(tiny_data, 0.25, seed=99)[0] == quarter  # not tied to --seed: every trial sees these
     # Another interpreter (another hash seed) picks the same images.
-    code = (f"import json, sys; sys.path.insert(0, {str(ROOT / 'tests')!r}); from test_hpo import subset_paths; "
-            f"print(json.dumps(subset_paths({str(tiny_data)!r}, 0.25, 5)[0]))")
-    other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                           env=clean_env(PYTHONHASHSEED="7"), cwd=ROOT)
+    code = (
+        f"import json, sys; sys.path.insert(0, {str(ROOT / 'tests')!r}); from test_hpo import subset_paths; "
+        f"print(json.dumps(subset_paths({str(tiny_data)!r}, 0.25, 5)[0]))"
+    )
+    other = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=clean_env(PYTHONHASHSEED="7"),
+        cwd=ROOT,
+    )
     assert [tuple(s) for s in json.loads(other.stdout)] == quarter, other.stderr
     per_class, _ = subset_paths(tiny_data, 5, seed=1)
     assert sorted({t: [x for _, x in per_class].count(t) for t in range(3)}.values()) == [5, 5, 5]
     assert len(subset_paths(tiny_data, 100, seed=1)[0]) == 72  # more than a class has: all of it
     from dlojz_data import build_datasets
+
     every = [Path(p).name for p, t in build_datasets(tiny_data, None, None)[0].samples if t == 0]
     assert [name for name, t in quarter if t == 0] != every[:6]  # a random pick, not the first files of the class
 
 
 def test_train_subset_and_val_history_reach_the_run(tiny_data, tmp_path):
     history = tmp_path / "history.jsonl"
-    proc = run_dlojz(*TRIAL, "--data-root", tiny_data, "--epochs", "2", "--train-subset", "0.5", "--output-dir",
-                     tmp_path / "run", "--metrics-json", tmp_path / "m.json", "--val-history", history)
+    proc = run_dlojz(
+        *TRIAL,
+        "--data-root",
+        tiny_data,
+        "--epochs",
+        "2",
+        "--train-subset",
+        "0.5",
+        "--output-dir",
+        tmp_path / "run",
+        "--metrics-json",
+        tmp_path / "m.json",
+        "--val-history",
+        history,
+    )
     assert proc.returncode == 0, show(proc)
     metrics = read_json(tmp_path / "m.json")
     assert metrics["steps"] == 2 * 5, metrics  # 36 of 72 images, -b 8: 5 steps per epoch (9 without the subset)
@@ -104,11 +167,14 @@ def test_train_subset_and_val_history_reach_the_run(tiny_data, tmp_path):
     assert lines[0]["elapsed_s"] < lines[1]["elapsed_s"]
 
 
-@pytest.mark.parametrize("flags, needle", [
-    (["--train-subset", "0"], "--train-subset is a fraction"),
-    (["--train-subset", "2.5"], "--train-subset is a fraction"),
-    (["--train-subset", "0.1", "--synthetic"], "--train-subset picks images"),
-])
+@pytest.mark.parametrize(
+    "flags, needle",
+    [
+        (["--train-subset", "0"], "--train-subset is a fraction"),
+        (["--train-subset", "2.5"], "--train-subset is a fraction"),
+        (["--train-subset", "0.1", "--synthetic"], "--train-subset picks images"),
+    ],
+)
 def test_train_subset_bad_values_are_one_line(run_inline, flags, needle):
     proc = run_inline(*SMALL, *flags)
     assert proc.returncode == 2 and needle in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr
@@ -116,6 +182,7 @@ def test_train_subset_bad_values_are_one_line(run_inline, flags, needle):
 
 def test_usr2_and_no_requeue_stop_without_requeue(monkeypatch, capsys):
     import dlojz_dist
+
     calls = []
     monkeypatch.setattr(dlojz_dist.subprocess, "run", lambda args, **kw: calls.append(args))
     monkeypatch.setenv("SLURM_JOB_ID", "42")
@@ -139,29 +206,46 @@ def test_usr2_and_no_requeue_stop_without_requeue(monkeypatch, capsys):
 
 def test_dataloader_workers_survive_usr2():
     # srun passes a signal to every process of the step: a DataLoader worker must not die of the pruner's USR2.
-    code = ("import os, signal, time, dlojz_data; dlojz_data._worker_init(0); os.kill(os.getpid(), signal.SIGUSR2); "
-            "time.sleep(0.2); print('alive')")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT,
-                          env=clean_env())
+    code = (
+        "import os, signal, time, dlojz_data; dlojz_data._worker_init(0); os.kill(os.getpid(), signal.SIGUSR2); "
+        "time.sleep(0.2); print('alive')"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT, env=clean_env()
+    )
     assert proc.stdout.strip() == "alive", proc.stderr
 
 
 def test_wandb_group_reaches_wandb_init(monkeypatch, tmp_path):
     import dlojz_log
+
     seen = {}
     fake = SimpleNamespace(init=lambda **kwargs: seen.update(kwargs) or SimpleNamespace(id="x"))
     monkeypatch.setitem(sys.modules, "wandb", fake)
-    cfg = SimpleNamespace(wandb=True, test=False, eval_only=False, findlr=False, wandb_mode="offline",
-                          wandb_project="p", output_dir=str(tmp_path), wandb_group="study-7")
+    cfg = SimpleNamespace(
+        wandb=True,
+        test=False,
+        eval_only=False,
+        findlr=False,
+        wandb_mode="offline",
+        wandb_project="p",
+        output_dir=str(tmp_path),
+        wandb_group="study-7",
+    )
     dlojz_log.start_wandb(cfg, {}, "trial-0003", None)
     assert seen["group"] == "study-7" and seen["name"] == "trial-0003", seen
 
 
 def test_trial_energy_is_read_on_the_visible_gpus(monkeypatch):
     import dlojz_hpo
+
     energy = {0: 1_000, 1: 20_000, 2: 300_000, 3: 4_000_000}  # mJ
-    fake = SimpleNamespace(nvmlInit=lambda: None, nvmlDeviceGetCount=lambda: 4, nvmlDeviceGetHandleByIndex=lambda i: i,
-                           nvmlDeviceGetTotalEnergyConsumption=lambda handle: energy[handle])
+    fake = SimpleNamespace(
+        nvmlInit=lambda: None,
+        nvmlDeviceGetCount=lambda: 4,
+        nvmlDeviceGetHandleByIndex=lambda i: i,
+        nvmlDeviceGetTotalEnergyConsumption=lambda handle: energy[handle],
+    )
     monkeypatch.setitem(sys.modules, "pynvml", fake)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1,3")
     assert dlojz_hpo.gpu_energy_mj() == 4_020_000
@@ -172,52 +256,108 @@ def test_trial_energy_is_read_on_the_visible_gpus(monkeypatch):
 
 
 # ---------------------------------------------------------------- the search space and the shared flags
-@pytest.mark.parametrize("space, needle", [
-    ("[lrr]\nlow = 0.1\nhigh = 1.0\n", "[lrr]: not a dlojz.py flag (did you mean [lr]?)"),
-    ("[lr]\nlow = 0.5\nhigh = 0.5\n", "[lr]: empty range, low 0.5 must be below high 0.5"),
-    ("[epochs]\nlow = 1.5\nhigh = 3\n", "[epochs] low must be an integer"),
-    ("[lr]\nlow = 'a'\nhigh = 1.0\n", "[lr] low must be a number"),
-    ("[optimizer]\nchoices = ['sgd', 'adamx']\n", "[optimizer] choice must be one of"),
-    ("[optimizer]\nlow = 1\nhigh = 2\n", "[optimizer]: --optimizer is not a number: give choices"),
-    ("[output-dir]\nchoices = ['a']\n", "[output-dir]: dlojz_hpo.py sets --output-dir for each trial itself"),
-    ("lr = 0.1\n", "[lr] must be a table"),
-    ("[lr]\nlow = 0.0\nhigh = 1.0\nlog = true\n", "[lr]: a log range needs low > 0"),
-    ("[lr]\nlow = 0.1\nhigh = 1.0\nstpe = 0.1\n", "[lr]: unknown or mixed keys ['stpe']"),
-    ("[lr]\nchoices = []\n", "[lr]: choices must be a non-empty list"),
-    ("[warmup-epochs]\nlow = -1.0\nhigh = 2.0\n", "[warmup-epochs] = -1.0 with the flags after --: --warmup-epochs must be >= 0"),
-    ("", "no flag to search"),
-    ("[lr\n", "not valid TOML"),
-])
+@pytest.mark.parametrize(
+    "space, needle",
+    [
+        ("[lrr]\nlow = 0.1\nhigh = 1.0\n", "[lrr]: not a dlojz.py flag (did you mean [lr]?)"),
+        ("[lr]\nlow = 0.5\nhigh = 0.5\n", "[lr]: empty range, low 0.5 must be below high 0.5"),
+        ("[epochs]\nlow = 1.5\nhigh = 3\n", "[epochs] low must be an integer"),
+        ("[lr]\nlow = 'a'\nhigh = 1.0\n", "[lr] low must be a number"),
+        ("[optimizer]\nchoices = ['sgd', 'adamx']\n", "[optimizer] choice must be one of"),
+        ("[optimizer]\nlow = 1\nhigh = 2\n", "[optimizer]: --optimizer is not a number: give choices"),
+        ("[output-dir]\nchoices = ['a']\n", "[output-dir]: dlojz_hpo.py sets --output-dir for each trial itself"),
+        ("lr = 0.1\n", "[lr] must be a table"),
+        ("[lr]\nlow = 0.0\nhigh = 1.0\nlog = true\n", "[lr]: a log range needs low > 0"),
+        ("[lr]\nlow = 0.1\nhigh = 1.0\nstpe = 0.1\n", "[lr]: unknown or mixed keys ['stpe']"),
+        ("[lr]\nchoices = []\n", "[lr]: choices must be a non-empty list"),
+        (
+            "[warmup-epochs]\nlow = -1.0\nhigh = 2.0\n",
+            "[warmup-epochs] = -1.0 with the flags after --: --warmup-epochs must be >= 0",
+        ),
+        ("", "no flag to search"),
+        ("[lr\n", "not valid TOML"),
+    ],
+)
 def test_a_bad_search_space_is_one_line_naming_the_key(tmp_path, capsys, space, needle):
     import dlojz_hpo
-    status = dlojz_hpo.main(["search", "--study", "s", "--storage", str(tmp_path / "j.log"), "--space",
-                             str(write_space(tmp_path, space)), "--trials", "1", "--", *TRIAL,
-                             "--output-dir", str(tmp_path / "out")])
+
+    status = dlojz_hpo.main(
+        [
+            "search",
+            "--study",
+            "s",
+            "--storage",
+            str(tmp_path / "j.log"),
+            "--space",
+            str(write_space(tmp_path, space)),
+            "--trials",
+            "1",
+            "--",
+            *TRIAL,
+            "--output-dir",
+            str(tmp_path / "out"),
+        ]
+    )
     err = capsys.readouterr().err
     assert status == 2 and err.count("\n") == 1 and err.startswith("dlojz_hpo: error: --space"), err
     assert needle in err, err
     assert not (tmp_path / "j.log").exists()  # nothing started
 
 
-@pytest.mark.parametrize("shared, needle", [
-    (["--bogus"], "after --: unrecognized arguments: --bogus"),
-    (["--metrics-json", "m.json"], "dlojz_hpo.py sets --metrics-json for each trial itself"),
-    (["--lr", "0.1"], "--lr is also in --space"),
-    (["--lr-scheduler", "nope"], "after --: argument --lr-scheduler: invalid choice"),
-])
+@pytest.mark.parametrize(
+    "shared, needle",
+    [
+        (["--bogus"], "after --: unrecognized arguments: --bogus"),
+        (["--metrics-json", "m.json"], "dlojz_hpo.py sets --metrics-json for each trial itself"),
+        (["--lr", "0.1"], "--lr is also in --space"),
+        (["--lr-scheduler", "nope"], "after --: argument --lr-scheduler: invalid choice"),
+    ],
+)
 def test_bad_shared_flags_are_one_line(tmp_path, capsys, shared, needle):
     import dlojz_hpo
-    status = dlojz_hpo.main(["search", "--study", "s", "--storage", str(tmp_path / "j.log"), "--space",
-                             str(write_space(tmp_path)), "--trials", "1", "--", *TRIAL, *shared])
+
+    status = dlojz_hpo.main(
+        [
+            "search",
+            "--study",
+            "s",
+            "--storage",
+            str(tmp_path / "j.log"),
+            "--space",
+            str(write_space(tmp_path)),
+            "--trials",
+            "1",
+            "--",
+            *TRIAL,
+            *shared,
+        ]
+    )
     err = capsys.readouterr().err
     assert status == 2 and err.count("\n") == 1 and needle in err, err
 
 
 def test_minimize_needs_a_target(tmp_path, capsys):
     import dlojz_hpo
-    status = dlojz_hpo.main(["search", "--study", "s", "--storage", str(tmp_path / "j.log"), "--space",
-                             str(write_space(tmp_path)), "--trials", "1", "--direction", "minimize", "--", *TRIAL,
-                             "--output-dir", str(tmp_path / "out")])
+
+    status = dlojz_hpo.main(
+        [
+            "search",
+            "--study",
+            "s",
+            "--storage",
+            str(tmp_path / "j.log"),
+            "--space",
+            str(write_space(tmp_path)),
+            "--trials",
+            "1",
+            "--direction",
+            "minimize",
+            "--",
+            *TRIAL,
+            "--output-dir",
+            str(tmp_path / "out"),
+        ]
+    )
     err = capsys.readouterr().err
     assert status == 2 and "give --target-accuracy" in err, err
 
@@ -225,6 +365,7 @@ def test_minimize_needs_a_target(tmp_path, capsys):
 def test_flag_words():
     import dlojz_hpo
     from dlojz_config import get_args_parser
+
     actions = dlojz_hpo.flag_actions(get_args_parser())
     assert dlojz_hpo.flag_argv(actions["channels_last"], False) == ["--no-channels-last"]
     assert dlojz_hpo.flag_argv(actions["blurpool"], True) == ["--blurpool"]
@@ -234,6 +375,7 @@ def test_flag_words():
 
 def test_a_beating_trial_is_left_alone_and_a_silent_one_is_failed_and_retried(tmp_path):
     import dlojz_hpo
+
     storage = optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(str(tmp_path / "j.log")))
     study = optuna.create_study(study_name="s", storage=storage, direction="maximize")
     trial = study.ask({"lr": optuna.distributions.FloatDistribution(0.01, 1.0, log=True)})
@@ -259,8 +401,20 @@ def test_a_pruner_that_prunes_everything_stops_trials_after_their_first_validati
     """In a journal file, and in a database (Optuna's RDB storage, here SQLite) for sites that have one."""
     storage = tmp_path / "j.log" if kind == "journal" else f"sqlite:///{tmp_path / 'study.db'}"
     trials = 2 if kind == "journal" else 1
-    proc = hpo(*search_args(tmp_path, tiny_data, "--trials", trials, "--pruner", "threshold", "--prune-below", "1.01",
-                            trial_flags=("--epochs", "30"), storage=storage))
+    proc = hpo(
+        *search_args(
+            tmp_path,
+            tiny_data,
+            "--trials",
+            trials,
+            "--pruner",
+            "threshold",
+            "--prune-below",
+            "1.01",
+            trial_flags=("--epochs", "30"),
+            storage=storage,
+        )
+    )
     assert proc.returncode == 0, show(proc)
     study = load(storage, "s")
     assert [t.state.name for t in study.trials] == ["PRUNED"] * trials, show(proc)
@@ -281,14 +435,26 @@ def test_a_pruner_that_prunes_everything_stops_trials_after_their_first_validati
 @pytest.mark.parametrize("how", ["killed", "preempted"])
 def test_a_worker_lost_mid_trial_leaves_the_study_usable_and_the_trial_retried(tiny_data, tmp_path, how):
     """killed: SIGKILL, no word (the heartbeat goes stale); preempted: Slurm's warning (SIGUSR1) to the worker."""
-    args = search_args(tmp_path, tiny_data, "--trials", "1", "--heartbeat-interval", "0.5", "--stale-after", "3",
-                       trial_flags=("--epochs", "4", "--train-subset", "0.5"))
+    args = search_args(
+        tmp_path,
+        tiny_data,
+        "--trials",
+        "1",
+        "--heartbeat-interval",
+        "0.5",
+        "--stale-after",
+        "3",
+        trial_flags=("--epochs", "4", "--train-subset", "0.5"),
+    )
     history = tmp_path / "out" / "s" / "trial-0000" / "val_history.jsonl"
     with open(tmp_path / "a.log", "w") as log:
         first = hpo_popen(*args, log=log)
         try:
-            wait_for(lambda: history.exists() and history.read_text().count("\n") >= 1, 300,
-                     "the first trial never validated")
+            wait_for(
+                lambda: history.exists() and history.read_text().count("\n") >= 1,
+                300,
+                "the first trial never validated",
+            )
             first.send_signal(signal.SIGKILL if how == "killed" else signal.SIGUSR1)
             first.wait(timeout=120)
         finally:
@@ -320,8 +486,21 @@ def test_a_worker_lost_mid_trial_leaves_the_study_usable_and_the_trial_retried(t
 @pytest.fixture(scope="module")
 def finished_study(tiny_data, tmp_path_factory):
     tmp_path = tmp_path_factory.mktemp("study")
-    proc = hpo(*search_args(tmp_path, tiny_data, "--trials", "3", "--sampler", "random", "--sampler-seed", "3",
-                            "--pruner", "none", trial_flags=("--epochs", "1", "--train-subset", "0.5")))
+    proc = hpo(
+        *search_args(
+            tmp_path,
+            tiny_data,
+            "--trials",
+            "3",
+            "--sampler",
+            "random",
+            "--sampler-seed",
+            "3",
+            "--pruner",
+            "none",
+            trial_flags=("--epochs", "1", "--train-subset", "0.5"),
+        )
+    )
     assert proc.returncode == 0, show(proc)
     return tmp_path
 
@@ -344,12 +523,14 @@ def test_report_writes_plots_csv_and_a_recipe_that_dlojz_runs(finished_study, tm
     assert f"1. trial {best.number}: top-1 {best.value:.4f}" in proc.stdout, show(proc)
     # The recipe: the best trial's flags, as dlojz.py --config reads them.
     from dlojz_config import get_args_parser
+
     recipe = vars(get_args_parser().parse_args(["--config", str(out / "best.toml")]))
     assert recipe["lr"] == best.params["lr"] and recipe["label_smoothing"] == best.params["label_smoothing"]
     assert recipe["train_subset"] == 0.5 and recipe["image_size"] == 16 and recipe["arch"] == "resnet18"
     assert "output-dir" not in (out / "best.toml").read_text()
-    run = run_dlojz("--config", out / "best.toml", "--output-dir", tmp_path / "rerun", "--metrics-json",
-                    tmp_path / "m.json")
+    run = run_dlojz(
+        "--config", out / "best.toml", "--output-dir", tmp_path / "rerun", "--metrics-json", tmp_path / "m.json"
+    )
     assert run.returncode == 0, show(run)
     assert read_json(tmp_path / "m.json")["steps"] == 5  # the recipe's subset and batch size
 
@@ -362,9 +543,26 @@ def test_report_of_a_missing_study_is_one_line(finished_study, tmp_path):
 
 def test_a_study_keeps_its_shared_flags(finished_study, tiny_data, capsys):
     import dlojz_hpo
-    status = dlojz_hpo.main(["search", "--study", "s", "--storage", str(finished_study / "j.log"), "--space",
-                             str(finished_study / "space.toml"), "--trials", "1", "--", *TRIAL, "--data-root",
-                             str(tiny_data), "--epochs", "2"])
+
+    status = dlojz_hpo.main(
+        [
+            "search",
+            "--study",
+            "s",
+            "--storage",
+            str(finished_study / "j.log"),
+            "--space",
+            str(finished_study / "space.toml"),
+            "--trials",
+            "1",
+            "--",
+            *TRIAL,
+            "--data-root",
+            str(tiny_data),
+            "--epochs",
+            "2",
+        ]
+    )
     err = capsys.readouterr().err
     assert status == 2 and "--study s already runs with other dlojz flags" in err, err
 
@@ -391,13 +589,29 @@ def cpu_copy(script, folder):
     return copy
 
 
-def test_a_job_array_of_workers_fills_one_study_and_a_preempted_worker_rejoins_it(slurm_cluster, tiny_data,
-                                                                                   tmp_path):
+def test_a_job_array_of_workers_fills_one_study_and_a_preempted_worker_rejoins_it(slurm_cluster, tiny_data, tmp_path):
     from test_slurm import job_env
-    job = slurm_cluster.submit([f"--output={tmp_path}/%x_%A_%a.out", "--array=0-1", cpu_copy(HPO_SCRIPT, tmp_path),
-                                *search_args(tmp_path, tiny_data, "--trials", "2", "--pruner", "median",
-                                             "--pruner-startup-trials", "1",
-                                             trial_flags=("--epochs", "3"))[1:]], cwd=ROOT, env=job_env(slurm_cluster))
+
+    job = slurm_cluster.submit(
+        [
+            f"--output={tmp_path}/%x_%A_%a.out",
+            "--array=0-1",
+            cpu_copy(HPO_SCRIPT, tmp_path),
+            *search_args(
+                tmp_path,
+                tiny_data,
+                "--trials",
+                "2",
+                "--pruner",
+                "median",
+                "--pruner-startup-trials",
+                "1",
+                trial_flags=("--epochs", "3"),
+            )[1:],
+        ],
+        cwd=ROOT,
+        env=job_env(slurm_cluster),
+    )
     # Slurm's time-limit warning (--signal=B:USR1@T) to task 0's worker once its first trial has validated.
     log = tmp_path / f"dlojz_hpo_{job}_0.out"
     first = int(re.search(r"^trial (\d+):", slurm_cluster.wait_for_output(log, "-> ", 300, f"{job}_0"), re.M).group(1))

@@ -81,8 +81,11 @@ def test_region_has_the_pixels_of_a_full_decode(kind, width, height):
     for reduction in (1, 2, 4, 8):
         full = full_decode(data, reduction)
         scaled_height, scaled_width = full.shape[:2]
-        regions = [(0, 0, scaled_width, scaled_height), (0, 0, 1, 1),
-                   (scaled_width - 1, scaled_height - 1, scaled_width, scaled_height)]
+        regions = [
+            (0, 0, scaled_width, scaled_height),
+            (0, 0, 1, 1),
+            (scaled_width - 1, scaled_height - 1, scaled_width, scaled_height),
+        ]
         for _ in range(12):  # random regions, with edges on and off the iMCU grid
             left, top = int(rng.integers(0, scaled_width)), int(rng.integers(0, scaled_height))
             right = int(rng.integers(left + 1, scaled_width + 1))
@@ -94,8 +97,10 @@ def test_region_has_the_pixels_of_a_full_decode(kind, width, height):
             region = dlojz_jpeg.decode_region(data, width, height, reduction, left, top, right, bottom)
             assert region.shape == (bottom - top, right - left, 3) and region.dtype == np.uint8
             difference = np.abs(region.astype(int) - full[top:bottom, left:right].astype(int))
-            assert difference.max() == 0, (f"{kind} {width}x{height} 1/{reduction} region "
-                                           f"{(left, top, right, bottom)}: {difference.max()} levels off")
+            assert difference.max() == 0, (
+                f"{kind} {width}x{height} 1/{reduction} region "
+                f"{(left, top, right, bottom)}: {difference.max()} levels off"
+            )
 
 
 @pytest.mark.usefixtures("needs_library")
@@ -121,13 +126,13 @@ def test_corrupt_truncated_and_unsupported_data_raise_clear_errors():
 
 def _status_in_subprocess(tmp_path, **env):
     """dlojz_jpeg's status and whether it loaded, in a fresh interpreter with a private cache and ``env``."""
-    code = ("import dlojz_jpeg; loaded = dlojz_jpeg.load() is not None; "
-            "print(loaded); print(dlojz_jpeg.status())")
+    code = "import dlojz_jpeg; loaded = dlojz_jpeg.load() is not None; print(loaded); print(dlojz_jpeg.status())"
     environment = dict(os.environ, XDG_CACHE_HOME=str(tmp_path / "cache"))
     environment.pop("DLOJZ_JPEG_DECODER", None)
     environment.update(env)
-    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=environment, capture_output=True,
-                            text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=environment, capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == 0, result.stderr
     loaded, status = result.stdout.splitlines()[:2]
     return loaded == "True", status
@@ -153,8 +158,17 @@ def test_concurrent_first_builds_share_one_library(tmp_path):
     code = "import dlojz_jpeg; assert dlojz_jpeg.load() is not None, dlojz_jpeg.status(); print(dlojz_jpeg.status())"
     environment = dict(os.environ, XDG_CACHE_HOME=str(tmp_path / "cache"))
     environment.pop("DLOJZ_JPEG_DECODER", None)
-    processes = [subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=environment, stdout=subprocess.PIPE,
-                                  stderr=subprocess.PIPE, text=True) for _ in range(3)]
+    processes = [
+        subprocess.Popen(
+            [sys.executable, "-c", code],
+            cwd=ROOT,
+            env=environment,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(3)
+    ]
     outputs = [process.communicate(timeout=120) for process in processes]
     assert all(process.returncode == 0 for process in processes), [error for _, error in outputs]
     paths = {out.strip() for out, _ in outputs}

@@ -31,9 +31,17 @@ GOOD_LR = {"sgd": 0.1, "adamw": 1e-2, "lamb": 1e-2, "lars": 5.0, "lion": 1e-3}
 def tiny_classifier() -> nn.Module:
     """A model with every kind of parameter param_groups has to sort: weights, biases, norm scales/shifts."""
     return nn.Sequential(
-        nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(),
-        nn.Conv2d(4, 4, 3, padding=1, bias=False), nn.GroupNorm(2, 4), nn.ReLU(),
-        nn.Flatten(), nn.Linear(4 * 8 * 8, 16), nn.LayerNorm(16), nn.ReLU(), nn.Linear(16, 5),
+        nn.Conv2d(3, 4, 3, padding=1),
+        nn.BatchNorm2d(4),
+        nn.ReLU(),
+        nn.Conv2d(4, 4, 3, padding=1, bias=False),
+        nn.GroupNorm(2, 4),
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(4 * 8 * 8, 16),
+        nn.LayerNorm(16),
+        nn.ReLU(),
+        nn.Linear(16, 5),
     )
 
 
@@ -48,10 +56,15 @@ def lr_of(optimizer) -> float:
 
 # ----------------------------------------------------------------------------------------------- param_groups
 
+
 def test_param_groups_put_norm_and_bias_params_at_zero_weight_decay():
     model = tiny_classifier()
-    norm_params = {id(p) for m in model.modules() if isinstance(m, (nn.BatchNorm2d, nn.GroupNorm, nn.LayerNorm))
-                   for p in m.parameters()}
+    norm_params = {
+        id(p)
+        for m in model.modules()
+        if isinstance(m, (nn.BatchNorm2d, nn.GroupNorm, nn.LayerNorm))
+        for p in m.parameters()
+    }
     bias_params = {id(m.bias) for m in model.modules() if getattr(m, "bias", None) is not None}
     all_params = {id(p) for p in model.parameters()}
 
@@ -79,6 +92,7 @@ def test_param_groups_without_the_flag_decay_every_trainable_param_once():
 
 
 # ----------------------------------------------------------------------------------------------- optimizers
+
 
 @pytest.mark.parametrize("name", OPTIMIZERS)
 def test_each_optimizer_lowers_the_loss_on_a_fixed_batch(name):
@@ -111,6 +125,7 @@ def test_momentum_flag_sets_momentum_or_first_beta(name):
 
 def test_lars_with_zero_weight_decay_still_adapts_layer_wise():
     """With --wd 0 LARS must not fall back to plain SGD: its step must not grow with the gradient's scale."""
+
     def first_step_size(loss_scale):
         torch.manual_seed(0)
         layer = nn.Linear(8, 4)
@@ -180,6 +195,7 @@ def test_lr_scaling_line_gives_the_lr_per_256_images():
 
 
 # ----------------------------------------------------------------------------------------------- schedules
+
 
 def lr_curve(name, total_steps, warmup_steps=0, lr=0.4, **kwargs):
     """LRs used by each optimizer step, with the optimizer built at another LR (the schedule sets the peak)."""
@@ -255,8 +271,8 @@ def test_onecycle_is_the_course_one_cycle():
     peak = int(np.argmax(lrs))
     assert lrs[0] == pytest.approx(lr / 25)  # OneCycleLR's default div_factor
     assert lrs[peak] == pytest.approx(lr) and peak == round(0.3 * total) - 1  # default pct_start
-    assert all(a <= b for a, b in zip(lrs[:peak], lrs[1:peak + 1]))
-    assert all(a >= b for a, b in zip(lrs[peak:], lrs[peak + 1:]))
+    assert all(a <= b for a, b in zip(lrs[:peak], lrs[1 : peak + 1]))
+    assert all(a >= b for a, b in zip(lrs[peak:], lrs[peak + 1 :]))
     assert lrs[-1] < lr / 1e4
 
 
@@ -278,6 +294,7 @@ def test_every_schedule_drives_every_optimizer(optimizer_name, scheduler_name):
 @pytest.mark.parametrize("scheduler_name", SCHEDULERS)
 def test_schedule_resumes_from_a_checkpoint_on_the_same_curve(scheduler_name):
     """Checkpoint/resume: a rebuilt optimizer and schedule loading the saved states continue the same LR curve."""
+
     def build():
         optimizer = build_optimizer("sgd", nn.Linear(2, 2).parameters(), 0.4, 0.9, 0.0)
         return optimizer, build_scheduler(scheduler_name, optimizer, 0.4, total_steps=30, warmup_steps=5)
@@ -310,6 +327,7 @@ def test_bad_schedule_input_gives_one_line_naming_the_flag():
 
 
 # ----------------------------------------------------------------------------------------------- LR finder
+
 
 def synthetic_loss(lr, rng, blow_up_to=float("nan")):
     """A textbook range-test curve: flat, falls between 1e-4 and 1e-2 (steepest at 1e-3), bottoms near 5e-2,
@@ -405,6 +423,7 @@ def test_lr_finder_rejects_an_empty_sweep_range():
 
 # ----------------------------------------------------------------------------------------------- accuracy
 
+
 def test_soft_target_accuracy_on_class_indices():
     outputs = torch.tensor([[2.0, 0.1, 0.0], [0.0, 3.0, 0.1], [0.0, 0.1, 1.0], [5.0, 0.0, 0.0]])
     targets = torch.tensor([0, 1, 2, 2])  # the last prediction (class 0) is wrong
@@ -442,9 +461,12 @@ def test_soft_target_accuracy_stays_in_0_1_with_torchvision_mixup_and_cutmix():
 def test_fast_forward_gives_the_lr_and_momentum_of_stepping_one_by_one(name, step):
     """A resumed run with a new length puts its fresh schedule at the saved step: the same lr (and OneCycle's
     momentum) as a schedule stepped that many times."""
+
     def fresh():
         optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1, momentum=0.9)
-        return optimizer, build_scheduler(name, optimizer, 0.1, total_steps=40, warmup_steps=0 if name == "onecycle" else 5)
+        return optimizer, build_scheduler(
+            name, optimizer, 0.1, total_steps=40, warmup_steps=0 if name == "onecycle" else 5
+        )
 
     stepped_optimizer, stepped = fresh()
     for _ in range(step):

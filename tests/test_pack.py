@@ -5,6 +5,7 @@ interrupted pack is finished without rewriting what was done, a damaged shard is
 Small trees only (tens of 32x24 JPEGs): the whole file takes a few seconds on 2 cores, most of it two CLI
 subprocesses (importing torch) run side by side.
 """
+
 import json
 import os
 import pickle
@@ -25,8 +26,16 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 import dlojz_pack  # noqa: E402
 from dlojz_data import IMG_EXTENSIONS, DataError, make_embedded_dataset  # noqa: E402
-from dlojz_pack import (MANIFEST, PackedSplit, PackError, ShardReadError, check_pack, is_packed, main,  # noqa: E402
-                        pack)
+from dlojz_pack import (
+    MANIFEST,
+    PackedSplit,
+    PackError,
+    ShardReadError,
+    check_pack,
+    is_packed,
+    main,  # noqa: E402
+    pack,
+)
 
 SHARD_SIZE = "20KB"  # 3 samples of these tiny JPEGs per shard (a tar is padded to 10 KiB records): 12 train shards
 # webdataset's split of a member name into sample key and field (webdataset.tariterators.base_plus_ext)
@@ -40,8 +49,9 @@ def quiet(*_):
 
 def image_folder(root, split):
     """What dlojz's build_datasets reads: torchvision's ImageFolder with dlojz's extensions."""
-    return torchvision.datasets.ImageFolder(str(Path(root) / split),
-                                            is_valid_file=lambda p: p.lower().endswith(IMG_EXTENSIONS))
+    return torchvision.datasets.ImageFolder(
+        str(Path(root) / split), is_valid_file=lambda p: p.lower().endswith(IMG_EXTENSIONS)
+    )
 
 
 def shard_files(root):
@@ -57,8 +67,9 @@ def file_bytes(root):
 def src(tmp_path_factory):
     """ImageFolder tree with the awkward cases: a PNG with the stem of a JPEG beside it (same key), dots in a name,
     a nested folder, a file that is not an image (ImageFolder and the pack leave it out)."""
-    root = make_embedded_dataset(tmp_path_factory.mktemp("pack") / "src", n_classes=3, train_per_class=10,
-                                 val_per_class=3, size=(32, 24))
+    root = make_embedded_dataset(
+        tmp_path_factory.mktemp("pack") / "src", n_classes=3, train_per_class=10, val_per_class=3, size=(32, 24)
+    )
     train = root / "train"
     Image.new("RGB", (20, 16), (10, 200, 30)).save(train / "disc" / "disc_0003.png")
     shutil.copy(train / "square" / "square_0001.JPEG", train / "square" / "holiday.2019.v2.jpeg")
@@ -71,8 +82,9 @@ def src(tmp_path_factory):
 @pytest.fixture(scope="module")
 def imagenet_src(tmp_path_factory):
     """torchvision's ImageNet layout: WordNet-id folders, ImageNet's file names, a meta.bin naming 2 of the 3 ids."""
-    embedded = make_embedded_dataset(tmp_path_factory.mktemp("pack") / "embedded", n_classes=3, train_per_class=4,
-                                     val_per_class=2, size=(32, 24))
+    embedded = make_embedded_dataset(
+        tmp_path_factory.mktemp("pack") / "embedded", n_classes=3, train_per_class=4, val_per_class=2, size=(32, 24)
+    )
     root = tmp_path_factory.mktemp("pack") / "imagenet"
     n_val = 0
     for name, wnid in WNIDS.items():
@@ -121,8 +133,10 @@ def test_pack_reads_back_as_the_image_folder(src, reference):
         else:
             assert placement == list(range(len(packed)))
     train = image_folder(src, "train")
-    keys = {Path(path).relative_to(src / "train").as_posix(): PackedSplit(reference, "train").key(i)
-            for i, (path, _) in enumerate(train.samples)}
+    keys = {
+        Path(path).relative_to(src / "train").as_posix(): PackedSplit(reference, "train").key(i)
+        for i, (path, _) in enumerate(train.samples)
+    }
     assert "disc/notes.txt" not in keys and len(keys) == 33
     assert keys["disc/disc_0003.JPEG"] == "disc_0003" and keys["disc/disc_0003.png"] == "disc_0003_1"
     assert keys["square/holiday.2019.v2.jpeg"] == "square_holiday_2019_v2"
@@ -153,14 +167,15 @@ def test_shards_are_standard_tars_in_webdataset_format(src, reference):
     seen = {}
     for split in ("train", "val"):
         packed = PackedSplit(reference, split)
-        source = {packed.key(i): (Path(path), target)
-                  for i, (path, target) in enumerate(image_folder(src, split).samples)}
+        source = {
+            packed.key(i): (Path(path), target) for i, (path, target) in enumerate(image_folder(src, split).samples)
+        }
         for name in packed.shards:
             with tarfile.open(reference / name) as tar:
                 members = tar.getmembers()
                 assert all(m.isreg() for m in members)
                 # Two consecutive members per sample, grouped by webdataset's key rule: KEY.cls and KEY.<ext>.
-                groups = [members[k:k + 2] for k in range(0, len(members), 2)]
+                groups = [members[k : k + 2] for k in range(0, len(members), 2)]
                 for group in groups:
                     (key_a, ext_a), (key_b, ext_b) = (WEBDATASET_KEY.match(m.name).groups() for m in group)
                     assert key_a == key_b and "cls" in (ext_a, ext_b), [m.name for m in group]
@@ -177,20 +192,21 @@ def test_shards_are_standard_tars_in_webdataset_format(src, reference):
                     seen[(split, key)] = name
                 # Constant headers: the same source gives the same bytes.
                 assert {(m.mtime, m.uid, m.gid, m.uname, m.gname, m.mode) for m in members} == {
-                    (members[0].mtime, 0, 0, members[0].uname, members[0].gname, members[0].mode)}
+                    (members[0].mtime, 0, 0, members[0].uname, members[0].gname, members[0].mode)
+                }
         assert sum(1 for s, _ in seen if s == split) == len(packed)  # every sample in exactly one shard
     assert any(name.endswith(".png") for name in tarfile.open(reference / seen[("train", "disc_0003_1")]).getnames())
     if shutil.which("tar"):  # GNU tar lists and extracts them too
         name = seen[("train", "square_holiday_2019_v2")]
         listing = subprocess.run(["tar", "-tf", str(reference / name)], capture_output=True, text=True, check=True)
         assert listing.stdout.split() == tarfile.open(reference / name).getnames()
-        extracted = subprocess.run(["tar", "-xOf", str(reference / name), "square_holiday_2019_v2.jpg"],
-                                   capture_output=True, check=True).stdout
+        extracted = subprocess.run(
+            ["tar", "-xOf", str(reference / name), "square_holiday_2019_v2.jpg"], capture_output=True, check=True
+        ).stdout
         assert extracted == (src / "train" / "square" / "holiday.2019.v2.jpeg").read_bytes()
 
 
-def test_several_shards_are_the_same_bytes_whatever_the_workers_and_the_clock(src, reference, tmp_path,
-                                                                              monkeypatch):
+def test_several_shards_are_the_same_bytes_whatever_the_workers_and_the_clock(src, reference, tmp_path, monkeypatch):
     manifest = json.loads((reference / MANIFEST).read_text())
     sizes = manifest["splits"]["train"]["shard_sizes"] + manifest["splits"]["val"]["shard_sizes"]
     counts = manifest["splits"]["train"]["shard_samples"] + manifest["splits"]["val"]["shard_samples"]
@@ -214,8 +230,7 @@ def test_several_shards_are_the_same_bytes_whatever_the_workers_and_the_clock(sr
 # Interrupted, damaged
 
 
-def test_an_interrupted_pack_is_finished_without_rewriting_the_finished_shards(src, reference, tmp_path,
-                                                                              monkeypatch):
+def test_an_interrupted_pack_is_finished_without_rewriting_the_finished_shards(src, reference, tmp_path, monkeypatch):
     dst = tmp_path / "interrupted"
     manifest = json.loads((reference / MANIFEST).read_text())
     # Ctrl-C while the 4th shard is being written, after its first sample.
@@ -228,6 +243,7 @@ def test_an_interrupted_pack_is_finished_without_rewriting_the_finished_shards(s
         if len(calls) == stop_at:
             raise KeyboardInterrupt
         return read(path)
+
     monkeypatch.setattr(dlojz_pack, "_read_source", interrupted)
     with pytest.raises(KeyboardInterrupt):
         pack(src, dst, shard_size=SHARD_SIZE, workers=1, log=quiet)
@@ -265,8 +281,11 @@ def test_a_truncated_shard_is_named_with_the_sample(src, reference, tmp_path):
     dst = tmp_path / "damaged"
     shutil.copytree(reference, dst)
     packed = PackedSplit(dst, "train")
-    in_shard = sorted((int(packed._index()[i]["offset"]), i) for i in range(len(packed))
-                      if packed.shard_path(i).name == "train-000001.tar")
+    in_shard = sorted(
+        (int(packed._index()[i]["offset"]), i)
+        for i in range(len(packed))
+        if packed.shard_path(i).name == "train-000001.tar"
+    )
     (first_offset, first), (last_offset, last) = in_shard[0], in_shard[-1]
     shard = dst / "train-000001.tar"
     with open(shard, "r+b") as f:
@@ -303,12 +322,21 @@ def test_cli_refuses_a_foreign_dst_and_a_non_data_src_in_one_line(src, tmp_path)
     not_data.mkdir()
     shutil.copy(src / "val" / "disc" / "disc_0000.JPEG", not_data / "photo.jpg")
     # The message names the argument, the path and the culprit.
-    cases = {"foreign DST": ([str(src), str(foreign)], [f"DST {foreign}", "notes.txt"]),
-             "not a data tree": ([str(not_data), str(tmp_path / "out")], [f"SRC {not_data}", "train/"])}
+    cases = {
+        "foreign DST": ([str(src), str(foreign)], [f"DST {foreign}", "notes.txt"]),
+        "not a data tree": ([str(not_data), str(tmp_path / "out")], [f"SRC {not_data}", "train/"]),
+    }
     # Side by side: each process spends its time importing torch.
-    procs = {name: subprocess.Popen([sys.executable, str(ROOT / "dlojz_pack.py"), *args], stdout=subprocess.PIPE,
-                                    stderr=subprocess.PIPE, text=True, cwd=tmp_path)
-             for name, (args, _) in cases.items()}
+    procs = {
+        name: subprocess.Popen(
+            [sys.executable, str(ROOT / "dlojz_pack.py"), *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=tmp_path,
+        )
+        for name, (args, _) in cases.items()
+    }
     for name, proc in procs.items():
         out, err = proc.communicate(timeout=120)
         lines = err.splitlines()
@@ -374,12 +402,18 @@ def test_the_reader_survives_pickling_and_dataloader_workers(src, reference):
     clone = pickle.loads(blob)
     assert not clone._files and [clone.read_bytes(i) for i in range(len(clone))] == sources
     assert clone.targets == split.targets and len(clone._files) <= 2
-    loader = torch.utils.data.DataLoader(BytesOf(split), batch_size=4, num_workers=2, shuffle=True,
-                                         generator=torch.Generator().manual_seed(0))
+    loader = torch.utils.data.DataLoader(
+        BytesOf(split), batch_size=4, num_workers=2, shuffle=True, generator=torch.Generator().manual_seed(0)
+    )
     got = {}
     for batch in loader:
-        for i, data, pid, owner, n_open in zip(batch["index"].tolist(), batch["data"], batch["pid"].tolist(),
-                                               batch["owner"].tolist(), batch["open"].tolist()):
+        for i, data, pid, owner, n_open in zip(
+            batch["index"].tolist(),
+            batch["data"],
+            batch["pid"].tolist(),
+            batch["owner"].tolist(),
+            batch["open"].tolist(),
+        ):
             assert pid != os.getpid() and owner == pid, "a worker read through descriptors it did not open"
             assert n_open <= 2
             got[i] = data

@@ -2,6 +2,7 @@
 index, so that everything that works on folders works unchanged: the same samples at the same indices, the same
 training, exact validation on 1 and 2 ranks, exact mid-epoch resume, a corrupt sample or a truncated shard skipped
 with a warning naming shard and key."""
+
 import shutil
 import signal
 
@@ -16,6 +17,7 @@ TINY = [*SMALL, "--image-size", "16", "--val-resize-size", "18", "--val-crop-siz
 
 def pack(src, dst, shard_size="60KB"):
     from dlojz_pack import pack as pack_tree
+
     pack_tree(src, dst, shard_size=shard_size, workers=1, log=lambda *a, **k: None)
     return dst
 
@@ -29,6 +31,7 @@ def packed(tiny_data, tmp_path_factory):
 def datasets(root, seed=3):
     from dlojz_data import build_datasets
     from dlojz_transforms import TrainTransform, ValTransform
+
     return build_datasets(root, TrainTransform(16), ValTransform(18, 16), seed=seed)
 
 
@@ -47,6 +50,7 @@ def test_shards_give_the_folder_samples_at_the_same_indices(tiny_data, packed):
 
 def test_images_the_region_decoder_leaves_to_pil_read_the_same_from_shards(tiny_data, tmp_path):
     from PIL import Image
+
     src = shutil.copytree(tiny_data, tmp_path / "src")
     picture = Image.open(next((src / "train" / "disc").iterdir())).convert("RGB")
     picture.save(src / "train" / "disc" / "zz_png.png")  # not a JPEG
@@ -63,15 +67,25 @@ def test_images_the_region_decoder_leaves_to_pil_read_the_same_from_shards(tiny_
 def trained_on_shards(packed, tmp_path_factory):
     """One epoch on the packed tiny data set: (output folder, metrics, console output)."""
     out = tmp_path_factory.mktemp("shards-run")
-    proc = run_dlojz(*TINY, "--epochs", "1", "--data-root", packed, "--output-dir", out / "run",
-                     "--metrics-json", out / "m.json")
+    proc = run_dlojz(
+        *TINY, "--epochs", "1", "--data-root", packed, "--output-dir", out / "run", "--metrics-json", out / "m.json"
+    )
     assert proc.returncode == 0, show(proc)
     return out / "run", read_json(out / "m.json"), proc.stdout
 
 
 def test_training_on_shards_equals_training_on_folders(tiny_data, packed, trained_on_shards, tmp_path):
-    proc = run_dlojz(*TINY, "--epochs", "1", "--data-root", tiny_data, "--output-dir", tmp_path / "folder",
-                     "--metrics-json", tmp_path / "folder.json")
+    proc = run_dlojz(
+        *TINY,
+        "--epochs",
+        "1",
+        "--data-root",
+        tiny_data,
+        "--output-dir",
+        tmp_path / "folder",
+        "--metrics-json",
+        tmp_path / "folder.json",
+    )
     assert proc.returncode == 0, show(proc)
     shards_out, shards_metrics, shards_log = trained_on_shards
     assert f"data: {packed} (packed shards: 5 train + 1 val webdataset tar files" in shards_log
@@ -88,9 +102,21 @@ def test_one_and_two_ranks_validate_the_same_images_on_shards(packed, trained_on
     checkpoint = run / (run / "latest").read_text().strip()
     metrics = {}
     for ranks in (1, 2):
-        proc = run_dlojz(*TINY, "--data-root", packed, "--val-batch-size", "4", "--eval-only", "--resume", checkpoint,
-                         "--output-dir", tmp_path / "eval", "--metrics-json", tmp_path / f"{ranks}.json",
-                         ranks=ranks)
+        proc = run_dlojz(
+            *TINY,
+            "--data-root",
+            packed,
+            "--val-batch-size",
+            "4",
+            "--eval-only",
+            "--resume",
+            checkpoint,
+            "--output-dir",
+            tmp_path / "eval",
+            "--metrics-json",
+            tmp_path / f"{ranks}.json",
+            ranks=ranks,
+        )
         assert proc.returncode == 0, show(proc)
         metrics[ranks] = read_json(tmp_path / f"{ranks}.json")
     assert metrics[2]["world_size"] == 2
@@ -101,8 +127,10 @@ def test_one_and_two_ranks_validate_the_same_images_on_shards(packed, trained_on
 
 def test_mid_epoch_resume_on_shards_gives_the_same_weights(tmp_path_factory, tmp_path):
     from dlojz_data import make_embedded_dataset
-    src = make_embedded_dataset(tmp_path_factory.mktemp("data") / "resume", n_classes=3, train_per_class=80,
-                                val_per_class=4, size=(64, 56))
+
+    src = make_embedded_dataset(
+        tmp_path_factory.mktemp("data") / "resume", n_classes=3, train_per_class=80, val_per_class=4, size=(64, 56)
+    )
     shards = pack(src, tmp_path / "packed", shard_size="200KB")
     straight = tmp_path / "straight"
     proc = run_dlojz(*RUN, "--data-root", shards, "--output-dir", straight)
@@ -162,8 +190,9 @@ def test_a_truncated_shard_loses_its_samples_with_one_warning(packed, tmp_path, 
 
 
 def test_loader_only_reads_shards(packed, tmp_path):
-    proc = run_dlojz(*TINY, "--data-root", packed, "--loader-only", "--test-nsteps", "5", "--metrics-json",
-                     tmp_path / "m.json")
+    proc = run_dlojz(
+        *TINY, "--data-root", packed, "--loader-only", "--test-nsteps", "5", "--metrics-json", tmp_path / "m.json"
+    )
     assert proc.returncode == 0, show(proc)
     metrics = read_json(tmp_path / "m.json")
     assert metrics["loader_batches"] == 5 and metrics["loader_images_per_second"] > 0, metrics

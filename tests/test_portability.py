@@ -2,11 +2,12 @@
 
 A GPU image (or `module load pytorch-gpu/...`) has torch, torchvision and often timm, but maybe no wandb,
 simplejpeg, matplotlib or nvidia-ml-py. Here they are made unimportable for a subprocess run."""
+
 import pytest
 
 from conftest import SMALL, clean_env, read_json, run_dlojz, show
 
-BLOCKER = '''
+BLOCKER = """
 import importlib.abc, sys
 BLOCKED = {blocked!r}
 class Blocker(importlib.abc.MetaPathFinder):
@@ -14,7 +15,7 @@ class Blocker(importlib.abc.MetaPathFinder):
         if name.split(".")[0] in BLOCKED:
             raise ImportError(f"{{name}} is not installed here (blocked by the test)")
 sys.meta_path.insert(0, Blocker())
-'''
+"""
 
 OPTIONAL = ("wandb", "simplejpeg", "matplotlib", "pynvml", "timm")
 
@@ -24,9 +25,20 @@ def test_a_run_needs_none_of_the_optional_packages(tmp_path, tiny_data):
     site.mkdir()
     (site / "sitecustomize.py").write_text(BLOCKER.format(blocked=set(OPTIONAL)))
     metrics = tmp_path / "metrics.json"
-    proc = run_dlojz(*SMALL, "--data-root", tiny_data, "--test", "--test-nsteps", "3", "--no-wandb",
-                     "--metrics-json", metrics, "--output-dir", tmp_path / "run",
-                     env=clean_env(PYTHONPATH=str(site)))
+    proc = run_dlojz(
+        *SMALL,
+        "--data-root",
+        tiny_data,
+        "--test",
+        "--test-nsteps",
+        "3",
+        "--no-wandb",
+        "--metrics-json",
+        metrics,
+        "--output-dir",
+        tmp_path / "run",
+        env=clean_env(PYTHONPATH=str(site)),
+    )
     assert proc.returncode == 0, show(proc)
     assert read_json(metrics)["steps"] == 3
     assert "simplejpeg" not in proc.stdout.split("JPEG decoding:")[1].splitlines()[0]  # really not imported
@@ -36,7 +48,17 @@ def test_a_flag_that_needs_a_missing_package_names_it(tmp_path, tiny_data):
     site = tmp_path / "site"
     site.mkdir()
     (site / "sitecustomize.py").write_text(BLOCKER.format(blocked={"timm"}))
-    proc = run_dlojz(*SMALL, "--synthetic", "--test", "--test-nsteps", "1", "--optimizer", "lamb",
-                     "--output-dir", tmp_path / "run", env=clean_env(PYTHONPATH=str(site)))
+    proc = run_dlojz(
+        *SMALL,
+        "--synthetic",
+        "--test",
+        "--test-nsteps",
+        "1",
+        "--optimizer",
+        "lamb",
+        "--output-dir",
+        tmp_path / "run",
+        env=clean_env(PYTHONPATH=str(site)),
+    )
     assert proc.returncode == 2, show(proc)
     assert proc.stderr.strip().splitlines()[-1].startswith("dlojz: error: --optimizer lamb needs timm"), show(proc)

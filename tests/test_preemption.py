@@ -3,6 +3,7 @@ batch, by every rank at the same step, and the run resumes exactly; torch.compil
 
 Signals are simulated by setting the StopSignal's name, as its handler does, at a chosen step: a real signal's
 timing could not be chosen. tests/test_slurm.py sends real ones through Slurm."""
+
 import inspect
 import os
 import signal
@@ -29,13 +30,14 @@ def signal_at_step(loop, step, name="SIGTERM"):
         if state.global_step == step:
             stop.stop_signal.name = name
         return step_done(*args)
+
     hooks.optimizer_step_done = optimizer_step_done
 
 
 def no_log_points(loop, monkeypatch_or_module):
     """Log points also agree on a stop (every LOG_EVERY steps): moved out of reach, only the per-step poll is left."""
-    monkeypatch_or_module.setattr(dlojz, "LOG_EVERY", 10 ** 6)
-    loop["progress"].line_every = 10 ** 6
+    monkeypatch_or_module.setattr(dlojz, "LOG_EVERY", 10**6)
+    loop["progress"].line_every = 10**6
 
 
 def test_one_process_stops_at_the_step_the_signal_arrives(monkeypatch, tmp_path):
@@ -48,10 +50,18 @@ def test_one_process_stops_at_the_step_the_signal_arrives(monkeypatch, tmp_path)
 
 
 def two_ranks(rank, port, out_dir, results):
-    os.environ.update(TORCHELASTIC_RUN_ID="test", RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
-                      LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(
+        TORCHELASTIC_RUN_ID="test",
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE="2",
+        LOCAL_WORLD_SIZE="2",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
     os.chdir(out_dir)
     import torch.distributed as dist
+
     loop = dlojz.synthetic_loop([*BASE, "--no-amp"], n_batches=8)
     try:
         no_log_points(loop, pytest.MonkeyPatch())
@@ -76,12 +86,27 @@ def test_every_rank_stops_at_the_same_step_and_validation_batch(tmp_path):
     assert results[0][2] == {"stopped_by": "signal on another rank"} and results[1][2] == {"stopped_by": "SIGTERM"}
 
 
-def test_a_signal_during_validation_checkpoints_and_the_resumed_run_validates_first(tiny_data, tmp_path,
-                                                                                      run_inline, monkeypatch):
-    common = [*SMALL, "--num-workers", "0", "--data-root", tiny_data, "--epochs", "2", "-b", "8", "--no-wandb",
-              "--lr", "0.01"]
-    assert run_inline(*common, "--output-dir", tmp_path / "plain", "--metrics-json", tmp_path / "plain.json"
-                      ).returncode == 0
+def test_a_signal_during_validation_checkpoints_and_the_resumed_run_validates_first(
+    tiny_data, tmp_path, run_inline, monkeypatch
+):
+    common = [
+        *SMALL,
+        "--num-workers",
+        "0",
+        "--data-root",
+        tiny_data,
+        "--epochs",
+        "2",
+        "-b",
+        "8",
+        "--no-wandb",
+        "--lr",
+        "0.01",
+    ]
+    assert (
+        run_inline(*common, "--output-dir", tmp_path / "plain", "--metrics-json", tmp_path / "plain.json").returncode
+        == 0
+    )
     validate = dlojz.validate
     calls = []
 
@@ -91,14 +116,16 @@ def test_a_signal_during_validation_checkpoints_and_the_resumed_run_validates_fi
         if len(calls) == 1:
             arguments["stop"].stop_signal.name = "SIGTERM"  # arrives as the first validation starts
         return validate(*args)
+
     monkeypatch.setattr(dlojz, "validate", signal_during_validation)
     stopped = run_inline(*common, "--output-dir", tmp_path / "run", "--metrics-json", tmp_path / "stopped.json")
     assert stopped.returncode == 0, stopped.stderr
     assert "saving a checkpoint after epoch 1's training, before its validation" in stopped.stdout
     assert read_json(tmp_path / "stopped.json")["stopped_by"] == "SIGTERM"
     assert "Validation Accuracy" not in stopped.stdout  # left at its first batch
-    resumed = run_inline(*common, "--output-dir", tmp_path / "run", "--resume", "auto",
-                         "--metrics-json", tmp_path / "resumed.json")
+    resumed = run_inline(
+        *common, "--output-dir", tmp_path / "run", "--resume", "auto", "--metrics-json", tmp_path / "resumed.json"
+    )
     assert resumed.returncode == 0, resumed.stderr
     assert calls == [0, 0, 1]  # the resumed run validated epoch 1, then trained and validated epoch 2
     assert "Epoch [1/2], Validation Loss" in resumed.stdout
@@ -126,8 +153,9 @@ COMPILE_WORKERS = textwrap.dedent("""
 
 
 def test_compile_workers_survive_the_preemption_warning():
-    proc = subprocess.run([sys.executable, "-c", COMPILE_WORKERS, str(ROOT)], capture_output=True, text=True,
-                          timeout=300, env=clean_env())
+    proc = subprocess.run(
+        [sys.executable, "-c", COMPILE_WORKERS, str(ROOT)], capture_output=True, text=True, timeout=300, env=clean_env()
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     workers, alive = map(int, proc.stdout.split()[1::2])
     assert workers >= 1 and alive == workers, proc.stdout

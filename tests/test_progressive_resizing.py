@@ -1,5 +1,6 @@
 """Progressive resizing (--min-res/--max-res/--start-ramp/--end-ramp/--res-step): the resolution of each epoch,
 in every DataLoader worker, persistent ones too, and after a mid-epoch resume."""
+
 import pytest
 import torch
 
@@ -20,9 +21,25 @@ def test_the_schedule_holds_both_ends_and_rounds_to_the_step():
 
 
 def loaders_for(tiny_data, tmp_path, *flags):
-    cfg = resolve_config(get_args_parser().parse_args(
-        ["--device", "cpu", "--data-root", str(tiny_data), "-b", "8", "--val-resize-size", "36",
-         "--val-crop-size", "32", "--output-dir", str(tmp_path / "run"), *flags]))
+    cfg = resolve_config(
+        get_args_parser().parse_args(
+            [
+                "--device",
+                "cpu",
+                "--data-root",
+                str(tiny_data),
+                "-b",
+                "8",
+                "--val-resize-size",
+                "36",
+                "--val-crop-size",
+                "32",
+                "--output-dir",
+                str(tmp_path / "run"),
+                *flags,
+            ]
+        )
+    )
     ranks, log = Distribution(1, 0, 0, torch.device("cpu")), Console(False)
     train_set, val_set, classes = dlojz.build_data(cfg, ranks, log)
     return dlojz.build_loaders(cfg, train_set, val_set, len(classes), ranks, log)
@@ -37,7 +54,12 @@ def test_every_worker_crops_at_the_epochs_resolution(tiny_data, tmp_path):
     loaders = loaders_for(tiny_data, tmp_path, *RAMP, "--num-workers", "2", "--persistent-workers")
     try:
         # the same persistent workers serve all epochs: the resolution follows the epoch in each sample's key
-        assert [sizes_of_epoch(loaders, epoch) for epoch in range(4)] == [{(16, 16)}, {(16, 16)}, {(24, 24)}, {(32, 32)}]
+        assert [sizes_of_epoch(loaders, epoch) for epoch in range(4)] == [
+            {(16, 16)},
+            {(16, 16)},
+            {(24, 24)},
+            {(32, 32)},
+        ]
         assert sizes_of_epoch(loaders, 2, first_batch=5) == {(24, 24)}  # resumed mid-epoch 2
     finally:
         for loader in dlojz.LOADERS:
@@ -51,21 +73,43 @@ def test_without_the_flags_the_resolution_is_fixed(tiny_data, tmp_path):
     dlojz.LOADERS.clear()
 
 
-@pytest.mark.parametrize("flags, fragment", [
-    (["--min-res", "16"], "needs both --min-res and --max-res"),
-    (["--min-res", "32", "--max-res", "16", "--end-ramp", "2"], "--min-res 32 must be >= 1 and <= --max-res 16"),
-    (["--min-res", "16", "--max-res", "32", "--start-ramp", "2", "--end-ramp", "2"], "--start-ramp 2 must be"),
-    (["--min-res", "16", "--max-res", "32", "--end-ramp", "2", "--synthetic"], "--synthetic trains on one fixed"),
-])
+@pytest.mark.parametrize(
+    "flags, fragment",
+    [
+        (["--min-res", "16"], "needs both --min-res and --max-res"),
+        (["--min-res", "32", "--max-res", "16", "--end-ramp", "2"], "--min-res 32 must be >= 1 and <= --max-res 16"),
+        (["--min-res", "16", "--max-res", "32", "--start-ramp", "2", "--end-ramp", "2"], "--start-ramp 2 must be"),
+        (["--min-res", "16", "--max-res", "32", "--end-ramp", "2", "--synthetic"], "--synthetic trains on one fixed"),
+    ],
+)
 def test_bad_ramps_are_one_line(flags, fragment):
     with pytest.raises(UserError, match=fragment):
         resolve_config(get_args_parser().parse_args(["--device", "cpu", *flags]))
 
 
 def test_the_run_says_each_epochs_resolution(tiny_data, tmp_path, run_inline):
-    proc = run_inline("--device", "cpu", "--arch", "resnet18", "--data-root", tiny_data, "-b", "8", "--no-wandb",
-                      "--num-workers", "0", "--epochs", "3", "--val-resize-size", "36", "--val-crop-size", "32",
-                      *RAMP, "--output-dir", tmp_path / "run")
+    proc = run_inline(
+        "--device",
+        "cpu",
+        "--arch",
+        "resnet18",
+        "--data-root",
+        tiny_data,
+        "-b",
+        "8",
+        "--no-wandb",
+        "--num-workers",
+        "0",
+        "--epochs",
+        "3",
+        "--val-resize-size",
+        "36",
+        "--val-crop-size",
+        "32",
+        *RAMP,
+        "--output-dir",
+        tmp_path / "run",
+    )
     assert proc.returncode == 0, proc.stderr
     assert "epoch 1: training resolution 16 px" in proc.stdout and "epoch 3: training resolution 24 px" in proc.stdout
     assert "validation 32 px, 1.33x" in proc.stdout

@@ -1,5 +1,6 @@
 """Time to accuracy: top-5, flip TTA, --val-every and --target-accuracy, --zero-init-residual, --clip-grad-norm,
 the linear (FFCV) and poly (MLPerf) schedules as the training loop uses them."""
+
 import math
 import types
 
@@ -24,16 +25,19 @@ class FixedLogits(torch.nn.Module):
 
 def evaluate(net, batches, tta_flip=False):
     loaders = types.SimpleNamespace(val_batches=batches, n_val_batches_every_rank=len(batches))
-    opt = types.SimpleNamespace(autocast=lambda: torch.autocast("cpu", enabled=False),
-                                val_criterion=torch.nn.CrossEntropyLoss(reduction="sum"))
+    opt = types.SimpleNamespace(
+        autocast=lambda: torch.autocast("cpu", enabled=False), val_criterion=torch.nn.CrossEntropyLoss(reduction="sum")
+    )
     ranks = types.SimpleNamespace(enabled=False, device=torch.device("cpu"))
     return dlojz.evaluate(net, loaders, opt, ranks, tta_flip=tta_flip)
 
 
 def batches_of(n_batches=3, size=8, num_classes=10):
     generator = torch.Generator().manual_seed(0)
-    return [(torch.randn(size, 3, 4, 4, generator=generator), torch.randint(0, num_classes, (size,), generator=generator))
-            for _ in range(n_batches)]
+    return [
+        (torch.randn(size, 3, 4, 4, generator=generator), torch.randint(0, num_classes, (size,), generator=generator))
+        for _ in range(n_batches)
+    ]
 
 
 def test_top5_counts_a_label_among_the_five_largest_logits():
@@ -54,8 +58,13 @@ def test_flip_tta_averages_the_logits_of_the_image_and_its_mirror():
     net, batches = FixedLogits(10), batches_of()
     plain, tta = evaluate(net, batches), evaluate(net, batches, tta_flip=True)
     with torch.no_grad():
-        expected = sum(torch.nn.functional.cross_entropy((net(x) + net(x.flip(3))) / 2, y, reduction="sum").item()
-                       for x, y in batches) / 24
+        expected = (
+            sum(
+                torch.nn.functional.cross_entropy((net(x) + net(x.flip(3))) / 2, y, reduction="sum").item()
+                for x, y in batches
+            )
+            / 24
+        )
     assert tta["val_loss"] == pytest.approx(expected, rel=1e-6)
     assert tta["val_loss"] != pytest.approx(plain["val_loss"], rel=1e-3)
 
@@ -66,8 +75,9 @@ def test_zero_init_residual_starts_each_block_as_the_identity():
         plain = dlojz.create_model(arch, 10)
         blocks = [m for m in zero.modules() if hasattr(m, last) and hasattr(m, "conv1")]
         assert blocks and all(getattr(b, last).weight.abs().sum() == 0 for b in blocks)
-        assert all(getattr(b, last).weight.abs().sum() > 0
-                   for b in plain.modules() if hasattr(b, last) and hasattr(b, "conv1"))
+        assert all(
+            getattr(b, last).weight.abs().sum() > 0 for b in plain.modules() if hasattr(b, last) and hasattr(b, "conv1")
+        )
 
 
 def test_zero_init_residual_on_a_model_without_it_is_one_line(run_inline):
@@ -92,6 +102,7 @@ def test_clip_grad_norm_bounds_the_norm_the_optimizer_steps_with(precision, monk
             norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
             seen.append((norm / (scale if scale is not None else 1.0)).item())
             return step(*args, **kwargs)
+
         monkeypatch.setattr(optimizer, "step", recording_step)
         dlojz.train_one_epoch(**loop)
         norms[bool(flags)] = [norm for norm in seen if math.isfinite(norm)]  # float16 overflows: steps skipped
@@ -113,8 +124,24 @@ def test_linear_schedule_peaks_at_lr_peak_epoch(monkeypatch, tmp_path):
 
 def test_target_accuracy_stops_at_the_first_validation_that_reaches_it(tiny_data, tmp_path, run_inline):
     metrics = tmp_path / "m.json"
-    proc = run_inline(*SMALL, "--data-root", tiny_data, "-b", "8", "--no-wandb", "--epochs", "5", "--val-every", "2",
-                      "--target-accuracy", "0.01", "--output-dir", tmp_path / "run", "--metrics-json", metrics)
+    proc = run_inline(
+        *SMALL,
+        "--data-root",
+        tiny_data,
+        "-b",
+        "8",
+        "--no-wandb",
+        "--epochs",
+        "5",
+        "--val-every",
+        "2",
+        "--target-accuracy",
+        "0.01",
+        "--output-dir",
+        tmp_path / "run",
+        "--metrics-json",
+        metrics,
+    )
     assert proc.returncode == 0, proc.stderr
     m = read_json(metrics)
     assert m["epochs"] == m["epochs_to_target"] == 2  # validated at epoch 2 only, reached there, stopped
@@ -125,9 +152,24 @@ def test_target_accuracy_stops_at_the_first_validation_that_reaches_it(tiny_data
 
 def test_an_unreached_target_trains_to_the_end_and_says_null(tiny_data, tmp_path, run_inline):
     metrics = tmp_path / "m.json"
-    proc = run_inline(*SMALL, "--data-root", tiny_data, "-b", "8", "--no-wandb", "--epochs", "2",
-                      "--target-accuracy", "1.0", "--lr", "1e-6", "--output-dir", tmp_path / "run",
-                      "--metrics-json", metrics)
+    proc = run_inline(
+        *SMALL,
+        "--data-root",
+        tiny_data,
+        "-b",
+        "8",
+        "--no-wandb",
+        "--epochs",
+        "2",
+        "--target-accuracy",
+        "1.0",
+        "--lr",
+        "1e-6",
+        "--output-dir",
+        tmp_path / "run",
+        "--metrics-json",
+        metrics,
+    )
     assert proc.returncode == 0, proc.stderr
     m = read_json(metrics)
     assert m["epochs"] == 2 and m["time_to_target_s"] is None and m["epochs_to_target"] is None

@@ -1,5 +1,6 @@
 """Recipe files (--config FILE.toml): precedence (command line > file > defaults and profile), one-line errors
 naming the file and the key, and every recipe shipped in recipes/ parses and starts."""
+
 from pathlib import Path
 
 import pytest
@@ -21,8 +22,11 @@ def recipe(tmp_path, text):
 
 
 def test_the_file_fills_the_flags_and_the_command_line_wins(tmp_path):
-    path = recipe(tmp_path, 'lr = 0.5\nlabel-smoothing = 0.2\nlr_scheduler = "linear"\ntta-flip = true\n'
-                            'batch-size = 64\nrandaugment = [2, 9]\nwd = 0\n')
+    path = recipe(
+        tmp_path,
+        'lr = 0.5\nlabel-smoothing = 0.2\nlr_scheduler = "linear"\ntta-flip = true\n'
+        "batch-size = 64\nrandaugment = [2, 9]\nwd = 0\n",
+    )
     cfg = resolve("--config", path)
     assert (cfg.lr, cfg.label_smoothing, cfg.lr_scheduler, cfg.tta_flip) == (0.5, 0.2, "linear", True)
     assert (cfg.batch_size, cfg.randaugment, cfg.wd) == (64, (2, 9), 0.0)  # the file beats the CPU profile's 32
@@ -33,15 +37,18 @@ def test_the_file_fills_the_flags_and_the_command_line_wins(tmp_path):
     assert resolve().lr == 0.025 and resolve().batch_size == 32  # without the file: the profile
 
 
-@pytest.mark.parametrize("text, fragment", [
-    ("learning-rate = 0.5\n", "key 'learning-rate', not a dlojz flag"),
-    ("lr = 'fast'\n", "key 'lr' must be a number"),
-    ("epochs = 1.5\n", "key 'epochs' must be an integer"),
-    ("tta-flip = 1\n", "key 'tta-flip' is a switch: true or false"),
-    ("optimizer = 'adam'\n", "key 'optimizer' must be one of sgd, adamw"),
-    ("randaugment = 2\n", "key 'randaugment' takes a list of 2 values"),
-    ("lr = \n", "not valid TOML"),
-])
+@pytest.mark.parametrize(
+    "text, fragment",
+    [
+        ("learning-rate = 0.5\n", "key 'learning-rate', not a dlojz flag"),
+        ("lr = 'fast'\n", "key 'lr' must be a number"),
+        ("epochs = 1.5\n", "key 'epochs' must be an integer"),
+        ("tta-flip = 1\n", "key 'tta-flip' is a switch: true or false"),
+        ("optimizer = 'adam'\n", "key 'optimizer' must be one of sgd, adamw"),
+        ("randaugment = 2\n", "key 'randaugment' takes a list of 2 values"),
+        ("lr = \n", "not valid TOML"),
+    ],
+)
 def test_a_bad_recipe_is_one_line_naming_the_file_and_the_key(tmp_path, text, fragment):
     path = recipe(tmp_path, text)
     with pytest.raises(UserError) as err:
@@ -60,11 +67,43 @@ def test_every_shipped_recipe_parses_and_starts(path, tmp_path, run_inline, tiny
     """One step of a tiny model with each recipe: the heavy values are overridden on the command line, as a user
     trying a recipe on a laptop would."""
     metrics = tmp_path / "m.json"
-    proc = run_inline("--config", path, "--device", "cpu", "--arch", "resnet18", "--image-size", "32",
-                      "--min-res", "16", "--max-res", "32", "--start-ramp", "0", "--end-ramp", "1",
-                      "--val-resize-size", "36", "--val-crop-size", "32", "-b", "4", "--val-batch-size", "4",
-                      "--data-root", tiny_data, "--num-workers", "0", "--test", "--test-nsteps", "1",
-                      "--output-dir", tmp_path / "run", "--metrics-json", metrics)
+    proc = run_inline(
+        "--config",
+        path,
+        "--device",
+        "cpu",
+        "--arch",
+        "resnet18",
+        "--image-size",
+        "32",
+        "--min-res",
+        "16",
+        "--max-res",
+        "32",
+        "--start-ramp",
+        "0",
+        "--end-ramp",
+        "1",
+        "--val-resize-size",
+        "36",
+        "--val-crop-size",
+        "32",
+        "-b",
+        "4",
+        "--val-batch-size",
+        "4",
+        "--data-root",
+        tiny_data,
+        "--num-workers",
+        "0",
+        "--test",
+        "--test-nsteps",
+        "1",
+        "--output-dir",
+        tmp_path / "run",
+        "--metrics-json",
+        metrics,
+    )
     assert proc.returncode == 0, proc.stderr
     assert f"recipe {path}" in proc.stdout
     assert read_json(metrics)["steps"] == 1

@@ -1,6 +1,7 @@
 """Preemption without Slurm: a signal mid-run saves a checkpoint and exits 0; `--resume auto` then ends with the
 same weights as an uninterrupted run. With several ranks, a signal reaching one rank stops all of them at the same
 step, and a rank that dies ends the others in bounded time."""
+
 import signal
 import subprocess
 import time
@@ -18,8 +19,10 @@ RUN = [*SMALL, "--image-size", "48", "-b", "16", "--epochs", "2", "--no-wandb", 
 @pytest.fixture(scope="module")
 def resume_data(tmp_path_factory):
     from dlojz_data import make_embedded_dataset
-    return make_embedded_dataset(tmp_path_factory.mktemp("data") / "resume", n_classes=3, train_per_class=80,
-                                 val_per_class=4, size=(64, 56))
+
+    return make_embedded_dataset(
+        tmp_path_factory.mktemp("data") / "resume", n_classes=3, train_per_class=80, val_per_class=4, size=(64, 56)
+    )
 
 
 def start(args, env):
@@ -73,8 +76,10 @@ def test_signal_then_resume_gives_the_same_weights(resume_data, tmp_path):
 def start_ranks(args, world_size=2):
     """Two ranks started by hand, as torchrun would (idr_torch reads the torchelastic variables)."""
     port = preloaded.free_port()
-    return [start(args, preloaded.rank_env(clean_env(OMP_NUM_THREADS=1), rank, world_size, port))
-            for rank in range(world_size)]
+    return [
+        start(args, preloaded.rank_env(clean_env(OMP_NUM_THREADS=1), rank, world_size, port))
+        for rank in range(world_size)
+    ]
 
 
 def test_signal_on_one_rank_stops_all_ranks_at_the_same_step(resume_data, tmp_path):
@@ -107,8 +112,20 @@ def test_a_dead_rank_ends_the_others_in_bounded_time(resume_data, tmp_path):
 
 
 # ----------------------------------------------------------------------------- resume, in-process (no interpreter start)
-TINY = [*SMALL, "--image-size", "16", "--val-resize-size", "18", "--val-crop-size", "16", "-b", "8", "--no-wandb",
-        "--num-workers", "0"]
+TINY = [
+    *SMALL,
+    "--image-size",
+    "16",
+    "--val-resize-size",
+    "18",
+    "--val-crop-size",
+    "16",
+    "-b",
+    "8",
+    "--no-wandb",
+    "--num-workers",
+    "0",
+]
 
 
 def latest_state(out):
@@ -118,6 +135,7 @@ def latest_state(out):
 def lr_after(name, steps, total_steps, lr=0.025):
     """The learning rate a fresh schedule of `total_steps` gives after `steps` steps, stepped one by one."""
     import dlojz_optim
+
     optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=lr, momentum=0.9)
     scheduler = dlojz_optim.build_scheduler(name, optimizer, lr, total_steps)
     for _ in range(steps):
@@ -148,8 +166,9 @@ def test_same_length_resume_loads_the_schedule_as_saved(tiny_data, tmp_path, run
     proc = run_inline(*TINY, "--data-root", tiny_data, "--output-dir", out, "-e", "2", "--test-nsteps", "1")
     assert proc.returncode == 0, proc.stderr
     first = sorted(out.glob("ckpt_*.pt"))[0]
-    again = run_inline(*TINY, "--data-root", tiny_data, "--output-dir", tmp_path / "again", "-e", "2",
-                       "--resume", first)
+    again = run_inline(
+        *TINY, "--data-root", tiny_data, "--output-dir", tmp_path / "again", "-e", "2", "--resume", first
+    )
     assert again.returncode == 0, again.stderr
     assert "rebuilt" not in again.stdout
 
@@ -173,8 +192,9 @@ def test_resume_auto_with_nothing_to_resume(tiny_data, tmp_path, run_inline):
     assert proc.returncode == 0, proc.stderr
     assert f"--resume auto: no checkpoint in {out}, starting from scratch" in proc.stdout
     assert latest_state(out)["global_step"] == 9
-    proc = run_inline(*TINY, "--data-root", tiny_data, "--output-dir", tmp_path / "none", "--resume", "auto",
-                      "--eval-only")
+    proc = run_inline(
+        *TINY, "--data-root", tiny_data, "--output-dir", tmp_path / "none", "--resume", "auto", "--eval-only"
+    )
     assert proc.returncode == 2 and "--resume auto: no usable checkpoint" in proc.stderr
 
 
@@ -194,8 +214,24 @@ def test_a_checkpoint_written_before_the_restructuring_still_resumes(tiny_data, 
     fixture = ROOT / "tests" / "fixtures" / "ckpt_before_restructuring.pt"
     saved = torch.load(fixture, weights_only=True)
     assert "total_steps" not in saved  # older than the key: its length comes from its args
-    common = [*SMALL, "--arch", "squeezenet1_1", "--data-root", tiny_data, "-b", "8", "--mom", "0",
-              "--lr-scheduler", "constant", "--no-wandb", "--num-workers", "0", "--resume", fixture]
+    common = [
+        *SMALL,
+        "--arch",
+        "squeezenet1_1",
+        "--data-root",
+        tiny_data,
+        "-b",
+        "8",
+        "--mom",
+        "0",
+        "--lr-scheduler",
+        "constant",
+        "--no-wandb",
+        "--num-workers",
+        "0",
+        "--resume",
+        fixture,
+    ]
     proc = run_inline(*common, "--eval-only", "--metrics-json", tmp_path / "eval.json", "--output-dir", tmp_path / "e")
     assert proc.returncode == 0, proc.stderr
     assert f"resumed from {fixture} (epoch 2, step 0/9, global step 9)" in proc.stdout
@@ -220,8 +256,19 @@ def test_sigterm_takes_the_same_path_as_usr1(resume_data, tmp_path):
 
 def test_ema_and_wandb_run_are_continued_on_resume(tiny_data, tmp_path):
     out = tmp_path / "run"
-    common = [*TINY, "--data-root", tiny_data, "--output-dir", out, "--model-ema", "--model-ema-decay", "0.9",
-              "--wandb", "--wandb-mode", "offline"]
+    common = [
+        *TINY,
+        "--data-root",
+        tiny_data,
+        "--output-dir",
+        out,
+        "--model-ema",
+        "--model-ema-decay",
+        "0.9",
+        "--wandb",
+        "--wandb-mode",
+        "offline",
+    ]
     proc = run_dlojz(*common, "-e", "1", env=clean_env(WANDB_MODE="offline"))
     assert proc.returncode == 0, show(proc)
     first = latest_state(out)

@@ -49,8 +49,16 @@ def job_env(cluster):
     """The cluster's environment plus this interpreter's venv, which slurm/dlojz_env.sh activates
     (sbatch exports the submitting environment to the job)."""
     env = dict(cluster.env, PYTHONUNBUFFERED="1")
-    for name in ("DLOJZ_DATA", "ALL_CCFRSCRATCH", "DSDIR", "RANK", "WORLD_SIZE", "LOCAL_RANK",
-                 "MASTER_ADDR", "MASTER_PORT"):
+    for name in (
+        "DLOJZ_DATA",
+        "ALL_CCFRSCRATCH",
+        "DSDIR",
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+    ):
         env.pop(name, None)  # the embedded data set, and idr_torch reading Slurm, not a leaked launcher
     if sys.prefix != sys.base_prefix:
         env["DLOJZ_VENV"] = sys.prefix
@@ -64,8 +72,11 @@ def submit_cpu_job(cluster, tmp_path, *dlojz_args, wandb=False, **extra_env):
     """sbatch slurm/dlojz_cpu.slurm from the project directory (the script cds to the submit dir),
     its log in tmp_path instead of the project."""
     env = dict(job_env(cluster), **{k: str(v) for k, v in extra_env.items()})
-    return cluster.submit([f"--output={tmp_path}/%x_%j.out", CPU_SCRIPT, *([] if wandb else ["--no-wandb"]),
-                           *dlojz_args], cwd=ROOT, env=env)
+    return cluster.submit(
+        [f"--output={tmp_path}/%x_%j.out", CPU_SCRIPT, *([] if wandb else ["--no-wandb"]), *dlojz_args],
+        cwd=ROOT,
+        env=env,
+    )
 
 
 def show(result):
@@ -73,6 +84,7 @@ def show(result):
 
 
 # ---------------------------------------------------------------- the scripts themselves (no cluster)
+
 
 @pytest.mark.parametrize("name", GPU_SCRIPTS + ["dlojz_cpu.slurm"])
 def test_script_directives(name):
@@ -97,8 +109,9 @@ def test_script_directives(name):
 
 def test_env_script_names_a_missing_venv(tmp_path):
     env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "DLOJZ_VENV": str(tmp_path / "no-venv")}
-    proc = subprocess.run(["bash", "-c", "source slurm/dlojz_env.sh"], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=30)
+    proc = subprocess.run(
+        ["bash", "-c", "source slurm/dlojz_env.sh"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=30
+    )
     assert proc.returncode == 1
     assert proc.stderr.count("\n") == 1 and "DLOJZ_VENV" in proc.stderr and "no-venv" in proc.stderr, proc.stderr
 
@@ -107,8 +120,14 @@ def test_env_script_names_a_missing_venv(tmp_path):
 
 # What the controller of this GPU-less test cluster may answer to the GPU scripts once sbatch has
 # parsed them: resources it lacks, not mistakes in the scripts.
-NO_GPU_HERE = ("Invalid generic resource", "Invalid partition", "Invalid account", "Invalid qos",
-               "Requested node configuration is not available", "Invalid feature specification")
+NO_GPU_HERE = (
+    "Invalid generic resource",
+    "Invalid partition",
+    "Invalid account",
+    "Invalid qos",
+    "Requested node configuration is not available",
+    "Invalid feature specification",
+)
 
 
 @pytest.mark.parametrize("name", GPU_SCRIPTS + ["dlojz_hpo.slurm", "dlojz_cpu.slurm"])
@@ -127,23 +146,22 @@ def test_sbatch_accepts_the_script_options(slurm_cluster, name):
 def test_sbatch_accepts_gpus_bound_per_task(slurm_cluster, name):
     """Sites (or users) that bind one GPU to each task: each rank then sees one GPU, and dlojz takes
     local_rank % (GPUs it sees). The scripts must take the option on the command line."""
-    proc = slurm_cluster.run(["sbatch", "--test-only", "--gpus-per-task=1", "--gpu-bind=single:1", SLURM_DIR / name],
-                             check=False, cwd=ROOT)
+    proc = slurm_cluster.run(
+        ["sbatch", "--test-only", "--gpus-per-task=1", "--gpu-bind=single:1", SLURM_DIR / name], check=False, cwd=ROOT
+    )
     answer = (proc.stderr + proc.stdout).strip()
     assert proc.returncode != 0 and any(reason in answer for reason in NO_GPU_HERE), answer
 
 
 def test_script_refuses_a_wrong_submit_directory(slurm_cluster, tmp_path):
-    job = slurm_cluster.submit([f"--output={tmp_path}/%x_%j.out", CPU_SCRIPT], cwd=tmp_path,
-                               env=job_env(slurm_cluster))
+    job = slurm_cluster.submit([f"--output={tmp_path}/%x_%j.out", CPU_SCRIPT], cwd=tmp_path, env=job_env(slurm_cluster))
     result = slurm_cluster.wait(job, timeout=60)
     assert result.state == "FAILED", show(result)
     assert "dlojz.py not found" in result.output_text() and "submit from the project directory" in result.output_text()
 
 
 def test_cluster_runs_a_two_task_job(slurm_cluster, tmp_path):
-    job = slurm_cluster.submit(["-n", "2", f"--output={tmp_path}/%x_%j.out", "--wrap", "srun hostname"],
-                               cwd=tmp_path)
+    job = slurm_cluster.submit(["-n", "2", f"--output={tmp_path}/%x_%j.out", "--wrap", "srun hostname"], cwd=tmp_path)
     result = slurm_cluster.wait(job, timeout=60)
     assert result.state == "COMPLETED", show(result)
     assert result.output_text().split() == [slurm_cluster.node_name] * 2, show(result)
@@ -152,13 +170,22 @@ def test_cluster_runs_a_two_task_job(slurm_cluster, tmp_path):
 def test_cpu_script_trains_with_two_ddp_ranks(slurm_cluster, tmp_path):
     metrics_path = tmp_path / "metrics.json"
     # A fresh cache: a new user's first job, where both ranks find no embedded data set and make it at once.
-    job = submit_cpu_job(slurm_cluster, tmp_path, "--epochs", "1", "--metrics-json", metrics_path,
-                         "--output-dir", tmp_path / "run", XDG_CACHE_HOME=tmp_path / "cache")
+    job = submit_cpu_job(
+        slurm_cluster,
+        tmp_path,
+        "--epochs",
+        "1",
+        "--metrics-json",
+        metrics_path,
+        "--output-dir",
+        tmp_path / "run",
+        XDG_CACHE_HOME=tmp_path / "cache",
+    )
     result = slurm_cluster.wait(job, timeout=300)
     assert result.state == "COMPLETED", show(result)
     assert result.output_path.parent == tmp_path and result.output_path.name == f"dlojz_cpu_{job}.out"
     metrics = json.loads(metrics_path.read_text())
-    assert metrics["world_size"] == 2, metrics          # both srun tasks joined one gloo process group
+    assert metrics["world_size"] == 2, metrics  # both srun tasks joined one gloo process group
     assert metrics["global_batch_size"] == 2 * 16, metrics  # -b 16 per rank, from the script
     assert metrics["epochs"] == 1 and metrics["val_images"] > 0, metrics
     assert "Traceback" not in result.output_text(), show(result)
@@ -171,8 +198,20 @@ def test_usr1_checkpoints_requeues_and_resumes(slurm_cluster, tmp_path):
     # after the W&B run is closed, or Slurm kills rank 0 in the middle of it.
     epochs = 1
     metrics_path = tmp_path / "metrics.json"
-    job = submit_cpu_job(slurm_cluster, tmp_path, "--epochs", epochs, "-b", 8, "--metrics-json", metrics_path,
-                         "--output-dir", tmp_path / "run", wandb=True, WANDB_MODE="offline")
+    job = submit_cpu_job(
+        slurm_cluster,
+        tmp_path,
+        "--epochs",
+        epochs,
+        "-b",
+        8,
+        "--metrics-json",
+        metrics_path,
+        "--output-dir",
+        tmp_path / "run",
+        wandb=True,
+        WANDB_MODE="offline",
+    )
     log = tmp_path / f"dlojz_cpu_{job}.out"
     slurm_cluster.wait_for_output(log, "Epoch", timeout=180, job_id=job)  # training has started
     # What Slurm does before the time limit (--signal=USR1@60) or a preemption, sent now:
@@ -182,7 +221,7 @@ def test_usr1_checkpoints_requeues_and_resumes(slurm_cluster, tmp_path):
     assert result.state == "COMPLETED", show(result)
     assert result.restarts >= 1, show(result)  # Slurm counted the requeue
     assert "requeue" in text, show(result)
-    resumed = text[text.index("requeue"):]
+    resumed = text[text.index("requeue") :]
     assert "resumed from" in resumed, show(result)  # the second start continued from the checkpoint
     assert list((tmp_path / "run").glob("*.pt")), "checkpoints in the output dir"
     metrics = json.loads(metrics_path.read_text())

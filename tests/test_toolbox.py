@@ -1,4 +1,5 @@
 """The course's optimisation toolbox as dlojz.py flags, end to end on the CPU."""
+
 import csv
 import gzip
 import shutil
@@ -12,8 +13,23 @@ from test_dlojz import assert_one_line_error
 
 def test_findlr_writes_csv_png_and_a_suggestion_in_range(tiny_data, tmp_path):
     metrics = tmp_path / "m.json"
-    proc = run_dlojz(*SMALL, "--data-root", tiny_data, "-b", "8", "--findlr", "--test", "--test-nsteps", "16",
-                     "--lr", "10", "--output-dir", tmp_path, "--metrics-json", metrics)
+    proc = run_dlojz(
+        *SMALL,
+        "--data-root",
+        tiny_data,
+        "-b",
+        "8",
+        "--findlr",
+        "--test",
+        "--test-nsteps",
+        "16",
+        "--lr",
+        "10",
+        "--output-dir",
+        tmp_path,
+        "--metrics-json",
+        metrics,
+    )
     assert proc.returncode == 0, show(proc)
     rows = list(csv.DictReader((tmp_path / "findlr.csv").open()))
     assert 2 <= len(rows) <= 16
@@ -27,8 +43,25 @@ def test_findlr_writes_csv_png_and_a_suggestion_in_range(tiny_data, tmp_path):
 
 
 def test_profiler_trace_has_the_labels(tiny_data, tmp_path):
-    proc = run_dlojz(*SMALL, "--data-root", tiny_data, "-b", "8", "--test", "--test-nsteps", "5", "--prof",
-                     "--prof-wait", "1", "--prof-warmup", "1", "--prof-active", "2", "--output-dir", tmp_path)
+    proc = run_dlojz(
+        *SMALL,
+        "--data-root",
+        tiny_data,
+        "-b",
+        "8",
+        "--test",
+        "--test-nsteps",
+        "5",
+        "--prof",
+        "--prof-wait",
+        "1",
+        "--prof-warmup",
+        "1",
+        "--prof-active",
+        "2",
+        "--output-dir",
+        tmp_path,
+    )
     assert proc.returncode == 0, show(proc)
     traces = list((tmp_path / "profiler").glob("rank0*.json*"))
     assert len(traces) == 1, list((tmp_path / "profiler").iterdir())
@@ -40,10 +73,32 @@ def test_profiler_trace_has_the_labels(tiny_data, tmp_path):
 
 def test_optimizer_schedule_ema_and_scaling_rule(tiny_data, tmp_path):
     metrics = tmp_path / "m.json"
-    proc = run_dlojz(*SMALL, "--data-root", tiny_data, "-b", "8", "--epochs", "2", "--optimizer", "lamb",
-                     "--lr-scheduler", "cosine", "--warmup-epochs", "1", "--wd", "0.05", "--no-wd-norm-bias",
-                     "--model-ema", "--model-ema-decay", "0.9", "--no-wandb", "--metrics-json", metrics,
-                     "--output-dir", tmp_path)
+    proc = run_dlojz(
+        *SMALL,
+        "--data-root",
+        tiny_data,
+        "-b",
+        "8",
+        "--epochs",
+        "2",
+        "--optimizer",
+        "lamb",
+        "--lr-scheduler",
+        "cosine",
+        "--warmup-epochs",
+        "1",
+        "--wd",
+        "0.05",
+        "--no-wd-norm-bias",
+        "--model-ema",
+        "--model-ema-decay",
+        "0.9",
+        "--no-wandb",
+        "--metrics-json",
+        metrics,
+        "--output-dir",
+        tmp_path,
+    )
     assert proc.returncode == 0, show(proc)
     assert "per 256 images (linear scaling rule)" in proc.stdout
     m = read_json(metrics)
@@ -59,8 +114,23 @@ def test_compile_runs_a_few_steps(tiny_data, tmp_path):
         pytest.skip("torch.compile needs a C compiler on the CPU: none found")
     metrics = tmp_path / "m.json"
     # A subprocess: inductor's compile workers and threads must not live in pytest's process, which forks later.
-    proc = run_dlojz(*SMALL, "--data-root", tiny_data, "-b", "8", "--test", "--test-nsteps", "3", "--compile",
-                     "--metrics-json", metrics, "--output-dir", tmp_path, timeout=900, env=clean_env(TORCH_LOGS="dynamo"))
+    proc = run_dlojz(
+        *SMALL,
+        "--data-root",
+        tiny_data,
+        "-b",
+        "8",
+        "--test",
+        "--test-nsteps",
+        "3",
+        "--compile",
+        "--metrics-json",
+        metrics,
+        "--output-dir",
+        tmp_path,
+        timeout=900,
+        env=clean_env(TORCH_LOGS="dynamo"),
+    )
     assert proc.returncode == 0, show(proc)
     # the model that trained was traced by dynamo (its log says so; without --compile nothing is traced)
     assert "torchdynamo done tracing forward" in proc.stderr, show(proc)
@@ -70,14 +140,17 @@ def test_compile_runs_a_few_steps(tiny_data, tmp_path):
     assert chrono["time_to_first_step_s"] > chrono["step_median_s"] and chrono["measured_steps"] == 2
 
 
-@pytest.mark.parametrize("flags, fragments", [
-    (["--findlr", "--eval-only", "--resume", "x.pt"], ["--findlr", "--eval-only"]),
-    (["--grad-acc", "0"], ["--grad-acc"]),
-    (["--optimizer", "adamx"], ["--optimizer"]),
-    (["--lr-scheduler", "polynomial"], ["--lr-scheduler"]),
-    (["--sync-bn"], ["--sync-bn", "CUDA"]),
-    (["--model-ema", "--model-ema-decay", "1.5"], ["--model-ema-decay"]),
-])
+@pytest.mark.parametrize(
+    "flags, fragments",
+    [
+        (["--findlr", "--eval-only", "--resume", "x.pt"], ["--findlr", "--eval-only"]),
+        (["--grad-acc", "0"], ["--grad-acc"]),
+        (["--optimizer", "adamx"], ["--optimizer"]),
+        (["--lr-scheduler", "polynomial"], ["--lr-scheduler"]),
+        (["--sync-bn"], ["--sync-bn", "CUDA"]),
+        (["--model-ema", "--model-ema-decay", "1.5"], ["--model-ema-decay"]),
+    ],
+)
 def test_incompatible_or_bad_toolbox_flags(tiny_data, tmp_path, flags, fragments, run_inline):
     proc = run_inline(*SMALL, "--data-root", tiny_data, *flags, "--output-dir", tmp_path)
     assert_one_line_error(proc, *fragments)
@@ -87,8 +160,21 @@ def test_grad_checkpointing_reports_the_memory_it_saves(tiny_data, tmp_path):
     figures = {}
     for name, extra in (("plain", []), ("ckpt", ["--grad-checkpointing"])):
         metrics = tmp_path / f"{name}.json"
-        proc = run_dlojz(*SMALL, "--data-root", tiny_data, "-b", "8", "--test", "--test-nsteps", "2", *extra,
-                         "--metrics-json", metrics, "--output-dir", tmp_path / name)
+        proc = run_dlojz(
+            *SMALL,
+            "--data-root",
+            tiny_data,
+            "-b",
+            "8",
+            "--test",
+            "--test-nsteps",
+            "2",
+            *extra,
+            "--metrics-json",
+            metrics,
+            "--output-dir",
+            tmp_path / name,
+        )
         assert proc.returncode == 0, show(proc)
         figures[name] = read_json(metrics)
     kept = figures["ckpt"]["activation_bytes_per_image"]

@@ -22,9 +22,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import dlojz_jpeg  # noqa: E402
 import dlojz_transforms  # noqa: E402
-from dlojz_transforms import (IMAGENET_MEAN, IMAGENET_STD, DeviceNormalize, DevicePrefetcher,  # noqa: E402
-                              EncodedJpeg, TrainTransform, UnreadableImageError, ValTransform, lazy_image_loader,
-                              lazy_pil_loader)
+from dlojz_transforms import (
+    IMAGENET_MEAN,
+    IMAGENET_STD,
+    DeviceNormalize,
+    DevicePrefetcher,  # noqa: E402
+    EncodedJpeg,
+    TrainTransform,
+    UnreadableImageError,
+    ValTransform,
+    lazy_image_loader,
+    lazy_pil_loader,
+)
 from test_jpeg import require_region_decoder  # noqa: E402
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -35,11 +44,17 @@ from test_jpeg import require_region_decoder  # noqa: E402
 def decoder_env(monkeypatch):
     """``set_choice(value)``: DLOJZ_JPEG_DECODER=value as a new process would see it. dlojz_jpeg reads the variable
     and loads its library once per process: that state is reset here, and restored after the test."""
+
     def set_choice(value):
         monkeypatch.setenv("DLOJZ_JPEG_DECODER", value)
-        for name, fresh in (("_choice", None), ("_library", None), ("_load_tried", False),
-                            ("_status", "not loaded yet")):
+        for name, fresh in (
+            ("_choice", None),
+            ("_library", None),
+            ("_load_tried", False),
+            ("_status", "not loaded yet"),
+        ):
             monkeypatch.setattr(dlojz_jpeg, name, fresh)
+
     return set_choice
 
 
@@ -80,8 +95,10 @@ def test_decoder_env_var_turns_the_faster_decoders_off(tmp_path, monkeypatch, de
     monkeypatch.setattr(dlojz_jpeg, "decode_region", lambda *args: region_calls.append(args))
     path = save(photo_like(200, 150), tmp_path / "a.jpg")
     assert isinstance(lazy_image_loader(path), Image.Image)  # no EncodedJpeg: that is for region decoding only
-    expected = (reference_val(Image.open(path), 64, 56) * torch.tensor(IMAGENET_STD).view(3, 1, 1)
-                + torch.tensor(IMAGENET_MEAN).view(3, 1, 1)) * 255
+    expected = (
+        reference_val(Image.open(path), 64, 56) * torch.tensor(IMAGENET_STD).view(3, 1, 1)
+        + torch.tensor(IMAGENET_MEAN).view(3, 1, 1)
+    ) * 255
     assert_reference_pixels(ValTransform(64, 56, draft=False)(lazy_image_loader(path)).float(), expected, choice)
     assert TrainTransform(32)(lazy_image_loader(path)).shape == (3, 32, 32)
     description = dlojz_transforms.decoder_description()
@@ -100,7 +117,7 @@ def photo_like(width, height, seed=0):
     coarse = rng.uniform(0, 255, size=(max(2, height // 40), max(2, width // 40), 3)).astype(np.uint8)
     pixels = np.asarray(Image.fromarray(coarse).resize((width, height), Image.BICUBIC), dtype=np.float64)
     pixels += rng.normal(0, 12, size=pixels.shape)  # texture
-    pixels[height // 3: height // 2, width // 4: width // 2] = (250, 30, 30)  # a sharp-edged object
+    pixels[height // 3 : height // 2, width // 4 : width // 2] = (250, 30, 30)  # a sharp-edged object
     return Image.fromarray(np.clip(pixels, 0, 255).astype(np.uint8))
 
 
@@ -111,8 +128,9 @@ def save(img, path, **options):
 
 def reference_val(img, resize_size=256, crop_size=224):
     """torchvision's validation transform, the reference the project's ValTransform must match."""
-    transform = T.Compose([T.Resize(resize_size), T.CenterCrop(crop_size), T.ToTensor(),
-                           T.Normalize(IMAGENET_MEAN, IMAGENET_STD)])
+    transform = T.Compose(
+        [T.Resize(resize_size), T.CenterCrop(crop_size), T.ToTensor(), T.Normalize(IMAGENET_MEAN, IMAGENET_STD)]
+    )
     return transform(img.convert("RGB"))
 
 
@@ -121,15 +139,17 @@ def assert_reference_pixels(got, expected, what=""):
     original computes its filter weights from slightly different floats than resize-then-crop."""
     error = (got - expected).abs()
     assert error.max() < 1.001 and (error > 0.5).float().mean() < 0.05, (
-        f"{what}: max |diff| {error.max():.2f} levels, {(error > 0.5).float().mean():.2%} of values differ")
+        f"{what}: max |diff| {error.max():.2f} levels, {(error > 0.5).float().mean():.2%} of values differ"
+    )
 
 
 def ks_statistic(a, b):
     """Two-sample Kolmogorov-Smirnov statistic: the largest gap between the two empirical CDFs."""
     a, b = np.sort(a), np.sort(b)
     grid = np.concatenate([a, b])
-    return np.abs(np.searchsorted(a, grid, side="right") / len(a)
-                  - np.searchsorted(b, grid, side="right") / len(b)).max()
+    return np.abs(
+        np.searchsorted(a, grid, side="right") / len(a) - np.searchsorted(b, grid, side="right") / len(b)
+    ).max()
 
 
 def ks_critical(n, m, c_alpha=1.949):
@@ -181,8 +201,13 @@ def crop_geometry(out):
     left_value = intercept_x + slope_x * size if flipped else intercept_x
     left = left_value * (width - 1) / 255
     top = intercept_y * (height - 1) / 255
-    return (crop_width * crop_height / (width * height), np.log(crop_width / crop_height),
-            left / (width - crop_width + 1e-9), top / (height - crop_height + 1e-9), flipped)
+    return (
+        crop_width * crop_height / (width * height),
+        np.log(crop_width / crop_height),
+        left / (width - crop_width + 1e-9),
+        top / (height - crop_height + 1e-9),
+        flipped,
+    )
 
 
 def geometry_samples(make_output, seed):
@@ -199,8 +224,10 @@ def reference_geometry(gradient_jpeg):
 
 def distribution_gaps(samples, reference):
     """KS statistics of area, log-ratio, left and top positions, and the flip-rate gap in standard errors."""
-    gaps = {name: ks_statistic(samples[:, k], reference[:, k])
-            for k, name in enumerate(["area", "log_ratio", "left", "top"])}
+    gaps = {
+        name: ks_statistic(samples[:, k], reference[:, k])
+        for k, name in enumerate(["area", "log_ratio", "left", "top"])
+    }
     flip_rate, reference_rate = samples[:, 4].mean(), reference[:, 4].mean()
     gaps["flip_sigma"] = abs(flip_rate - reference_rate) / np.sqrt(0.5 / DRAWS)
     return gaps
@@ -223,15 +250,17 @@ def test_train_crops_follow_torchvision_distribution(gradient_jpeg, reference_ge
     assert_same_distribution(distribution_gaps(samples, reference_geometry))
 
 
-@pytest.mark.parametrize("wrong", [
-    dict(scale=(0.25, 1.0)),  # a narrower scale range
-    dict(ratio=(0.9, 1.1)),  # nearly square crops only
-])
+@pytest.mark.parametrize(
+    "wrong",
+    [
+        dict(scale=(0.25, 1.0)),  # a narrower scale range
+        dict(ratio=(0.9, 1.1)),  # nearly square crops only
+    ],
+)
 def test_distribution_criterion_catches_a_wrong_distribution(gradient_jpeg, reference_geometry, wrong):
     # The criterion above is only worth something if it fails for an augmentation with other statistics.
     img = Image.open(gradient_jpeg).convert("RGB")
-    wrong_transform = T.Compose([T.RandomResizedCrop(CROP_OUT, **wrong), T.RandomHorizontalFlip(),
-                                 T.PILToTensor()])
+    wrong_transform = T.Compose([T.RandomResizedCrop(CROP_OUT, **wrong), T.RandomHorizontalFlip(), T.PILToTensor()])
     samples = geometry_samples(lambda: wrong_transform(img), seed=3)
     with pytest.raises(AssertionError):
         assert_same_distribution(distribution_gaps(samples, reference_geometry))
@@ -241,8 +270,10 @@ def test_train_transform_matches_torchvision_draw_for_draw(tmp_path, decoder):
     # Same seed, same random numbers: the same crop and flip as torchvision, pixel for pixel up to resampling
     # rounding (full-scale decode) or DCT-domain scaling (draft), on a JPEG and on a PNG.
     photo = photo_like(500, 375)
-    for path, draft_tolerance in [(save(photo, tmp_path / "a.jpg", quality=92), 6.0),
-                                  (save(photo, tmp_path / "a.png"), 0.0)]:
+    for path, draft_tolerance in [
+        (save(photo, tmp_path / "a.jpg", quality=92), 6.0),
+        (save(photo, tmp_path / "a.png"), 0.0),
+    ]:
         reference_img = Image.open(path).convert("RGB")
         for image_size, seed in [(224, 0), (224, 1), (96, 2), (96, 3), (64, 4)]:
             reference = T.Compose([T.RandomResizedCrop(image_size), T.RandomHorizontalFlip(), T.PILToTensor()])
@@ -287,15 +318,18 @@ def test_val_transform_rejects_crop_larger_than_resize():
 # Inputs of every kind give RGB uint8 tensors
 
 
-@pytest.mark.parametrize("kind", ["rgb_jpeg", "gray_jpeg", "cmyk_jpeg", "progressive_jpeg", "rgba_png",
-                                  "palette_png", "gray_png"])
+@pytest.mark.parametrize(
+    "kind", ["rgb_jpeg", "gray_jpeg", "cmyk_jpeg", "progressive_jpeg", "rgba_png", "palette_png", "gray_png"]
+)
 def test_any_input_gives_rgb_uint8(tmp_path, decoder, kind):
     photo = photo_like(300, 220, seed=5)
     images = {
-        "rgb_jpeg": (photo, "jpg", {}), "gray_jpeg": (photo.convert("L"), "jpg", {}),
+        "rgb_jpeg": (photo, "jpg", {}),
+        "gray_jpeg": (photo.convert("L"), "jpg", {}),
         "cmyk_jpeg": (photo.convert("CMYK"), "jpg", {}),
         "progressive_jpeg": (photo, "jpg", {"progressive": True}),
-        "rgba_png": (photo.convert("RGBA"), "png", {}), "palette_png": (photo.convert("P"), "png", {}),
+        "rgba_png": (photo.convert("RGBA"), "png", {}),
+        "palette_png": (photo.convert("P"), "png", {}),
         "gray_png": (photo.convert("L"), "png", {}),
     }
     img, extension, options = images[kind]
@@ -307,8 +341,10 @@ def test_any_input_gives_rgb_uint8(tmp_path, decoder, kind):
             assert torch.equal(out[0], out[1]) and torch.equal(out[1], out[2])
     # Colours are those of PIL's own conversion to RGB (the reference's pil_loader); full-scale decode to compare
     # pixels exactly (reduced decoding has its own tolerance test above).
-    expected = (reference_val(Image.open(path), 64, 56) * torch.tensor(IMAGENET_STD).view(3, 1, 1)
-                + torch.tensor(IMAGENET_MEAN).view(3, 1, 1)) * 255
+    expected = (
+        reference_val(Image.open(path), 64, 56) * torch.tensor(IMAGENET_STD).view(3, 1, 1)
+        + torch.tensor(IMAGENET_MEAN).view(3, 1, 1)
+    ) * 255
     got = ValTransform(64, 56, draft=False)(lazy_image_loader(path)).float()
     assert_reference_pixels(got, expected, kind)
 
@@ -364,16 +400,17 @@ def test_jpeg_with_libjpeg_warning_is_read_like_the_reference(tmp_path, decoder)
     start_of_scan = data.index(b"\xff\xda")
     path = tmp_path / "stray_bytes.JPEG"
     path.write_bytes(data[:start_of_scan] + b"\x00\x00" + data[start_of_scan:])
-    expected = (reference_val(Image.open(path), 64, 56) * torch.tensor(IMAGENET_STD).view(3, 1, 1)
-                + torch.tensor(IMAGENET_MEAN).view(3, 1, 1)) * 255
+    expected = (
+        reference_val(Image.open(path), 64, 56) * torch.tensor(IMAGENET_STD).view(3, 1, 1)
+        + torch.tensor(IMAGENET_MEAN).view(3, 1, 1)
+    ) * 255
     assert_reference_pixels(ValTransform(64, 56)(lazy_image_loader(str(path))).float(), expected, "stray bytes")
     assert TrainTransform(32)(lazy_image_loader(str(path))).shape == (3, 32, 32)
 
 
 def test_everything_workers_need_is_picklable(tmp_path):
     path = save(photo_like(120, 90), tmp_path / "p.jpg")
-    for obj in (lazy_image_loader, lazy_pil_loader, TrainTransform(32), ValTransform(40, 32),
-                DeviceNormalize("cpu")):
+    for obj in (lazy_image_loader, lazy_pil_loader, TrainTransform(32), ValTransform(40, 32), DeviceNormalize("cpu")):
         clone = pickle.loads(pickle.dumps(obj))
         assert type(clone) is type(obj) or clone is obj
     loader = pickle.loads(pickle.dumps(lazy_image_loader))
@@ -469,8 +506,9 @@ def test_device_prefetcher_cuda_stream_protocol(monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: compute)
     monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: copy)
     monkeypatch.setattr(torch.cuda, "stream", FakeStreamContext)
-    monkeypatch.setattr(torch.Tensor, "record_stream", lambda tensor, stream: log.append(f"record {stream.name}"),
-                        raising=False)
+    monkeypatch.setattr(
+        torch.Tensor, "record_stream", lambda tensor, stream: log.append(f"record {stream.name}"), raising=False
+    )
 
     class LoggingNormalize(DeviceNormalize):
         def __call__(self, images):
@@ -484,8 +522,7 @@ def test_device_prefetcher_cuda_stream_protocol(monkeypatch):
         log.append(f"use {index}")
     handout = ["compute waits copy", "record compute", "record compute"]
     queue_copy = ["enter copy", "normalize", "exit copy"]
-    assert log == (["copy waits compute"] + queue_copy + handout + queue_copy + ["use 0"]
-                   + handout + ["use 1"])
+    assert log == (["copy waits compute"] + queue_copy + handout + queue_copy + ["use 0"] + handout + ["use 1"])
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -500,6 +537,7 @@ def test_device_prefetcher_on_cuda_matches_cpu():
 
 def test_imagefolder_dataloader_batches_are_uint8(tmp_path):
     from torchvision.datasets import ImageFolder
+
     for class_index in range(2):
         class_dir = tmp_path / f"class{class_index}"
         class_dir.mkdir()
