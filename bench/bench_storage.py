@@ -15,7 +15,6 @@ is packed once into <tree>-packed next to it (with --data too: mind the disk spa
 """
 
 import argparse
-import os
 import subprocess
 import sys
 from pathlib import Path

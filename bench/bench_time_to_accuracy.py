@@ -24,7 +24,7 @@ TIMES = re.compile(r"Validation complete in: ([\d.]+) s \(this epoch's training:
 
 
 def recipes(size, epochs):
-    val = [f"--val-crop-size", str(size), "--val-resize-size", str(round(size / 0.875))]
+    val = ["--val-crop-size", str(size), "--val-resize-size", str(round(size / 0.875))]
     course = ["--image-size", str(size), *val, "--lr-scheduler", "onecycle"]
     low = size * 3 // 4
     peak = 2 if epochs >= 4 else epochs / 4  # FFCV's epoch 2, earlier in a short smoke run

@@ -344,7 +344,7 @@ def measure(args):
                 if name in bare_cmds:
                     out, load = run(bare_cmds[name], args.timeout, "bare loop", args.threads)
                     result = json.loads(
-                        next(l for l in out.splitlines() if l.startswith(RESULT_TAG))[len(RESULT_TAG) :]
+                        next(line for line in out.splitlines() if line.startswith(RESULT_TAG))[len(RESULT_TAG) :]
                     )
                     rate = result["images_per_second"]
                     if not math.isfinite(result["final_loss"]):  # NaN arithmetic could run at another speed

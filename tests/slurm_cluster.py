@@ -313,7 +313,7 @@ class SlurmCluster:
 def _node_description() -> tuple[str, str]:
     """``slurmd -C`` prints this machine's NodeName line (CPUs, sockets, memory)."""
     out = subprocess.run([program("slurmd"), "-C"], capture_output=True, text=True, timeout=30, check=True).stdout
-    line = next(l for l in out.splitlines() if l.startswith("NodeName="))
+    line = next(text for text in out.splitlines() if text.startswith("NodeName="))
     name = line.split()[0].split("=", 1)[1]
     return name, line
 

@@ -369,8 +369,11 @@ def test_disabled_records_nothing_and_never_syncs_in_training_steps(tmp_path):
 # ------------------------------------------------------------------ NVML
 def test_fake_nvml_gives_peak_power_and_energy():
     clock = FakeClock()
+
     # 250 W during warm-up, 400 W while training, 100 W during the validation pass (t in [200, 210))
-    watts = lambda t: 100.0 if 200.0 <= t < 210.0 else (400.0 if t >= 101.0 else 250.0)
+    def watts(t):
+        return 100.0 if 200.0 <= t < 210.0 else (400.0 if t >= 101.0 else 250.0)
+
     nvml = FakeNVML(clock, watts)
     chrono = Chronometer(True, warmup_steps=1, clock=clock, sync=lambda: None, nvml=nvml)
     run_step(chrono, clock, 0.2, 0.3, 0.5)  # warm-up step, t 100 -> 101
@@ -400,7 +403,10 @@ def test_fake_nvml_gives_peak_power_and_energy():
 
 def test_validation_inside_the_energy_window_is_taken_out():
     clock = FakeClock()
-    watts = lambda t: 50.0 if 102.0 <= t < 105.0 else 300.0
+
+    def watts(t):
+        return 50.0 if 102.0 <= t < 105.0 else 300.0
+
     chrono = Chronometer(True, warmup_steps=0, clock=clock, sync=lambda: None, nvml=FakeNVML(clock, watts))
     run_step(chrono, clock, 0.5, 0.5, 1.0)  # t 100 -> 102
     chrono.validation()

@@ -16,8 +16,8 @@ from test_transforms import (
     assert_same_distribution,
     crop_geometry,
     distribution_gaps,  # noqa: F401
-    gradient_jpeg,
-    reference_geometry,
+    gradient_jpeg,  # noqa: F401  (fixtures, found by name)
+    reference_geometry,  # noqa: F401
 )
 
 # DALI is in requirements.txt: a missing DALI fails here (ImportError), it is not skipped

@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 import dlojz_pack  # noqa: E402
 from dlojz_data import IMG_EXTENSIONS, DataError, make_embedded_dataset  # noqa: E402
-from dlojz_pack import (
+from dlojz_pack import (  # noqa: E402
     MANIFEST,
     PackedSplit,
     PackError,
@@ -286,7 +286,7 @@ def test_a_truncated_shard_is_named_with_the_sample(src, reference, tmp_path):
         for i in range(len(packed))
         if packed.shard_path(i).name == "train-000001.tar"
     )
-    (first_offset, first), (last_offset, last) = in_shard[0], in_shard[-1]
+    (_, first), (last_offset, last) = in_shard[0], in_shard[-1]
     shard = dst / "train-000001.tar"
     with open(shard, "r+b") as f:
         f.truncate(last_offset + 100)  # the last sample cut in the middle

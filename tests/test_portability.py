@@ -3,8 +3,6 @@
 A GPU image (or `module load pytorch-gpu/...`) has torch, torchvision and often timm, but maybe no wandb,
 simplejpeg, matplotlib or nvidia-ml-py. Here they are made unimportable for a subprocess run."""
 
-import pytest
-
 from conftest import SMALL, clean_env, read_json, run_dlojz, show
 
 BLOCKER = """

@@ -6,11 +6,9 @@ timing could not be chosen. tests/test_slurm.py sends real ones through Slurm.""
 
 import inspect
 import os
-import signal
 import subprocess
 import sys
 import textwrap
-import time
 
 import pytest
 import torch.multiprocessing as mp

@@ -9,7 +9,7 @@ import torch
 
 import dlojz
 from conftest import SMALL, read_json
-from test_flag_effects import BASE, loop_for
+from test_flag_effects import loop_for
 
 
 class FixedLogits(torch.nn.Module):

@@ -1,8 +1,6 @@
 """Recipe files (--config FILE.toml): precedence (command line > file > defaults and profile), one-line errors
 naming the file and the key, and every recipe shipped in recipes/ parses and starts."""
 
-from pathlib import Path
-
 import pytest
 
 from conftest import ROOT, read_json
