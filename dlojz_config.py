@@ -26,7 +26,7 @@ SCHEDULERS = ("onecycle", "cosine", "step", "constant", "linear", "poly")
 
 # GPU defaults are the course's; without a GPU the CPU profile keeps `--test` to a few minutes on a laptop, with the
 # learning rate scaled to its smaller batch by the linear scaling rule (0.1 x 32/128: at 0.1, ResNet-50 at batch 32
-# diverged on the embedded data; at 0.025 it reached 71 % validation accuracy in 2 epochs).
+# diverged on the embedded data; at 0.025, with zero-init residual blocks, 84 % validation accuracy in 2 epochs).
 # Any flag given explicitly overrides its profile value.
 PROFILES = {
     "gpu": dict(batch_size=128, image_size=224, val_resize_size=256, val_crop_size=224, val_batch_size=256, lr=0.1),
@@ -169,7 +169,11 @@ def get_args_parser():
         help="anti-aliased downsampling: blur before strided convolutions and max-pools",
     )
     p.add_argument(
-        "--zero-init-residual", action="store_true", help="last BatchNorm scale of each residual block at 0 (ResNets)"
+        "--zero-init-residual",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="last BatchNorm scale of each residual block at 0: each block starts as the identity (default: on for "
+        "the models that take it, torchvision's ResNet, ResNeXt and Wide ResNet)",
     )
     p.add_argument(
         "--clip-grad-norm",
@@ -480,7 +484,7 @@ class Config:
     arch: str
     seed: int
     blurpool: bool
-    zero_init_residual: bool
+    zero_init_residual: bool | None  # None: on where the model takes it
     clip_grad_norm: float | None
     # optimizer and schedule
     optimizer: str

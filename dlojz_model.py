@@ -31,18 +31,21 @@ from dlojz_config import fail
 
 
 def create_model(
-    arch: str, num_classes: int, zero_init_residual: bool = False, image_size: int | None = None
+    arch: str, num_classes: int, zero_init_residual: bool | None = False, image_size: int | None = None
 ) -> torch.nn.Module:
     """`arch`: a torchvision classification model name, or `timm:NAME` for any timm model (random weights: nothing
     is downloaded). `zero_init_residual`: the last BatchNorm scale of each residual block at 0 (torchvision's ResNet
-    option), so that each block starts as the identity. `image_size`: the training size, for the timm models that
+    option), so that each block starts as the identity; None: where the model takes it (the run's default: a
+    ResNet's loss falls from the first steps instead of climbing, as in timm and Goyal et al. 2017). `image_size`: the training size, for the timm models that
     fix one (vision transformers, CoAtNet), which then also take the validation's size."""
     if arch.startswith("timm:"):
         return create_timm_model(arch, num_classes, zero_init_residual, image_size)
-    options = dict(zero_init_residual=True) if zero_init_residual else {}
+    options = dict(zero_init_residual=True) if zero_init_residual in (True, None) else {}
     try:
         return torchvision.models.get_model(arch, weights=None, num_classes=num_classes, **options)
     except TypeError:
+        if zero_init_residual is None:  # the default, on a model without the option
+            return torchvision.models.get_model(arch, weights=None, num_classes=num_classes)
         fail(f"--zero-init-residual: --arch {arch} does not take it (ResNet, ResNeXt and Wide ResNet models do)")
     except (ValueError, KeyError):
         import difflib

@@ -95,8 +95,11 @@ def test_bench_time_to_accuracy_prints_both_recipes(embedded_cache):
         cwd=ROOT,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    rows = [line.split() for line in result.stdout.splitlines() if line.startswith(("course ", "race "))]
+    lines = result.stdout.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("recipe "))
+    rows = [line.split() for line in lines[header + 1 : header + 3]]  # the table's two rows, under its header
     assert [row[0] for row in rows] == ["course", "race"] and all(0 <= float(row[1]) <= 1 for row in rows)
+    assert "race time to the course's final top-1" in lines[-1] or "did not reach" in lines[-1], lines[-1]
 
 
 def test_bench_storage_counts_opens_and_times_both_formats(tiny_data, tmp_path):

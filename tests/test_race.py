@@ -80,6 +80,20 @@ def test_zero_init_residual_starts_each_block_as_the_identity():
         )
 
 
+def test_zero_init_residual_is_on_by_default_where_the_model_takes_it():
+    from dlojz_config import get_args_parser
+
+    def zeroed(model):
+        return [m.bn2.weight.abs().sum().item() == 0 for m in model.modules() if hasattr(m, "bn2")]
+
+    for flags, expected in (([], True), (["--zero-init-residual"], True), (["--no-zero-init-residual"], False)):
+        setting = get_args_parser().parse_args(flags).zero_init_residual
+        blocks = zeroed(dlojz.create_model("resnet18", 10, setting))
+        assert blocks and all(z == expected for z in blocks), (flags, setting)
+    vit = dlojz.create_model("vit_b_32", 10, None)  # the default on a model without the option: built as it is
+    assert sum(p.numel() for p in vit.parameters()) > 0
+
+
 def test_zero_init_residual_on_a_model_without_it_is_one_line(run_inline):
     proc = run_inline(*SMALL, "--arch", "vit_b_32", "--zero-init-residual", "--synthetic", "--test")
     assert proc.returncode == 2 and proc.stderr.startswith("dlojz: error: --zero-init-residual: --arch vit_b_32")
