@@ -36,8 +36,9 @@ def create_model(
     """`arch`: a torchvision classification model name, or `timm:NAME` for any timm model (random weights: nothing
     is downloaded). `zero_init_residual`: the last BatchNorm scale of each residual block at 0 (torchvision's ResNet
     option), so that each block starts as the identity; None: where the model takes it (the run's default: a
-    ResNet's loss falls from the first steps instead of climbing, as in timm and Goyal et al. 2017). `image_size`: the training size, for the timm models that
-    fix one (vision transformers, CoAtNet), which then also take the validation's size."""
+    ResNet's loss falls from the first steps instead of climbing, as in timm and Goyal et al. 2017). `image_size`:
+    the training size, for the timm models that fix one (vision transformers, CoAtNet), which then also take the
+    validation's size."""
     if arch.startswith("timm:"):
         return create_timm_model(arch, num_classes, zero_init_residual, image_size)
     options = dict(zero_init_residual=True) if zero_init_residual in (True, None) else {}
