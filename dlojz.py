@@ -20,11 +20,10 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
-if __name__ == "__main__":  # --help and a mistyped flag answer here, before the seconds that torch takes to import
-    from dlojz_config import UserError, get_args_parser
+if __name__ == "__main__":  # --help and every bad flag answer here, before the seconds that torch takes to import
+    from dlojz_config import check_command_line
 
-    with contextlib.suppress(UserError):  # a bad recipe file: reported by cli(), as every other bad input
-        get_args_parser().parse_args()
+    check_command_line()
 
 import numpy as np
 import torch

@@ -53,6 +53,48 @@ def load_idr_torch():
     return idr_torch
 
 
+class Number:
+    """A flag's type and bounds, given beside the flag: argparse checks them as it reads the value (a recipe file's
+    reader too), so `-b 0` or `--lr inf` is one line naming the flag before torch is imported. `low`/`high` are
+    included unless `low_open`/`high_open`; NaN and the infinities are refused."""
+
+    def __init__(self, kind, low=None, high=None, *, low_open=False, high_open=False):
+        self.kind, self.low, self.high, self.low_open, self.high_open = kind, low, high, low_open, high_open
+        self.__name__ = kind.__name__  # argparse names the type in its own messages
+
+    def describe(self):
+        if self.high is None:
+            return f"{'>' if self.low_open else '>='} {self.low}"
+        if self.low is None:
+            return f"{'<' if self.high_open else '<='} {self.high}"
+        return f"in {'(' if self.low_open else '['}{self.low}, {self.high}{')' if self.high_open else ']'}"
+
+    def check(self, value):
+        """`value` itself when within bounds, else argparse.ArgumentTypeError saying what to give."""
+        import math
+
+        below = self.low is not None and (value <= self.low if self.low_open else value < self.low)
+        above = self.high is not None and (value >= self.high if self.high_open else value > self.high)
+        if below or above or not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"must be {self.describe()} (got {value})")
+        return value
+
+    def __call__(self, text):
+        try:
+            value = self.kind(text)
+        except ValueError:
+            kind = "an integer" if self.kind is int else "a number"
+            raise argparse.ArgumentTypeError(f"must be {kind} {self.describe()} (got {text!r})") from None
+        return self.check(value)
+
+
+# Below 8 px a ResNet's stem leaves less than a pixel; above 4096 px one image's activations fill a GPU.
+PIXELS = Number(int, 8, 4096)
+COUNT = Number(int, 1)  # a number of things: at least one
+NON_NEGATIVE = Number(float, 0)
+POSITIVE = Number(float, 0, low_open=True)
+
+
 class UserError(Exception):
     """Bad input the user can fix: printed as one line, exit status 2."""
 
@@ -109,6 +151,11 @@ def read_recipe(parser, path):
     return values
 
 
+def value_type(action):
+    """int, float or str: what a flag that takes a value is given."""
+    return action.type.kind if isinstance(action.type, Number) else action.type or str
+
+
 def recipe_value(action, value, where):
     """`value` checked against what the flag takes, as the command line would check it."""
     if action.nargs == 0 or isinstance(action, argparse.BooleanOptionalAction):  # switches
@@ -119,7 +166,8 @@ def recipe_value(action, value, where):
         if not isinstance(value, list) or len(value) != action.nargs:
             fail(f"{where} takes a list of {action.nargs} values (got {value!r})")
         return [recipe_value(argparse.Action([], action.dest, type=action.type), v, where) for v in value]
-    expected = action.type or str
+    bounds = action.type if isinstance(action.type, Number) else None
+    expected = value_type(action)
     if expected is float and isinstance(value, int) and not isinstance(value, bool):
         value = float(value)
     if not isinstance(value, expected) or isinstance(value, bool):
@@ -127,6 +175,11 @@ def recipe_value(action, value, where):
             f"{where} must be {'a number' if expected is float else 'an integer' if expected is int else 'a string'} "
             f"(got {value!r})"
         )
+    if bounds:
+        try:
+            bounds.check(value)
+        except argparse.ArgumentTypeError as err:
+            fail(f"{where} {err}")
     if action.choices is not None and value not in action.choices:
         fail(f"{where} must be one of {', '.join(map(str, action.choices))} (got {value!r})")
     return value
@@ -147,22 +200,27 @@ def get_args_parser():
     )
     p = parser.add_argument_group("training")
     p.add_argument(
-        "-b", "--batch-size", type=int, default=None, help="batch size per process (default: 128; CPU profile: 32)"
+        "-b", "--batch-size", type=COUNT, default=None, help="batch size per process (default: 128; CPU profile: 32)"
     )
-    p.add_argument("-e", "--epochs", type=int, default=1, help="number of epochs (default: 1)")
+    p.add_argument("-e", "--epochs", type=COUNT, default=1, help="number of epochs (default: 1)")
     p.add_argument(
-        "--image-size", type=int, default=None, help="training crop size in px (default: 224; CPU profile: 64)"
+        "--image-size", type=PIXELS, default=None, help="training crop size in px (default: 224; CPU profile: 64)"
     )
-    p.add_argument("--lr", type=float, default=None, help="peak learning rate (default: 0.1; CPU profile: 0.025)")
-    p.add_argument("--wd", type=float, default=0.0, help="weight decay (default: 0.)")
-    p.add_argument("--mom", type=float, default=0.9, help="momentum (default: 0.9)")
-    p.add_argument("--label-smoothing", type=float, default=0.1, help="label smoothing of the loss (default: 0.1)")
+    p.add_argument("--lr", type=POSITIVE, default=None, help="peak learning rate (default: 0.1; CPU profile: 0.025)")
+    p.add_argument("--wd", type=NON_NEGATIVE, default=0.0, help="weight decay (default: 0.)")
+    p.add_argument("--mom", type=Number(float, 0, 1, high_open=True), default=0.9, help="momentum (default: 0.9)")
+    p.add_argument(
+        "--label-smoothing",
+        type=Number(float, 0, 1, high_open=True),
+        default=0.1,
+        help="label smoothing of the loss (default: 0.1)",
+    )
     p.add_argument(
         "--arch",
         default="resnet50",
         help="any torchvision classification model name, or timm:NAME\nfor any timm model (default: resnet50)",
     )
-    p.add_argument("--seed", type=int, default=123, help="random seed (default: 123)")
+    p.add_argument("--seed", type=Number(int, 0, 2**32 - 1), default=123, help="random seed (default: 123)")
     p.add_argument(
         "--blurpool",
         action="store_true",
@@ -177,7 +235,7 @@ def get_args_parser():
     )
     p.add_argument(
         "--clip-grad-norm",
-        type=float,
+        type=POSITIVE,
         default=None,
         metavar="X",
         help="clip the gradients' global norm to X (after unscaling)",
@@ -193,11 +251,16 @@ def get_args_parser():
         help="stepped every optimizer step (default: onecycle)",
     )
     p.add_argument(
-        "--warmup-epochs", type=float, default=0.0, help="linear warm-up for cosine/step/constant/poly (default: 0)"
+        "--warmup-epochs",
+        type=NON_NEGATIVE,
+        default=0.0,
+        help="linear warm-up for cosine/step/constant/poly (default: 0)",
     )
-    p.add_argument("--lr-peak-epoch", type=float, default=2.0, help="linear: epoch of the peak, as FFCV's (default: 2)")
     p.add_argument(
-        "--lr-poly-power", type=float, default=2.0, help="poly: power of the decay, as MLPerf's (default: 2)"
+        "--lr-peak-epoch", type=NON_NEGATIVE, default=2.0, help="linear: epoch of the peak, as FFCV's (default: 2)"
+    )
+    p.add_argument(
+        "--lr-poly-power", type=POSITIVE, default=2.0, help="poly: power of the decay, as MLPerf's (default: 2)"
     )
     p.add_argument(
         "--findlr",
@@ -209,7 +272,7 @@ def get_args_parser():
     p = parser.add_argument_group("memory and speed")
     p.add_argument(
         "--grad-acc",
-        type=int,
+        type=COUNT,
         default=1,
         help="accumulate gradients over N micro-batches per optimizer step (default: 1)",
     )
@@ -228,13 +291,16 @@ def get_args_parser():
         help="keep an exponential moving average of the weights, validated alongside",
     )
     p.add_argument(
-        "--model-ema-decay", type=float, default=0.9998, help="EMA decay per optimizer step (default: 0.9998)"
+        "--model-ema-decay",
+        type=Number(float, 0, 1, low_open=True, high_open=True),
+        default=0.9998,
+        help="EMA decay per optimizer step (default: 0.9998)",
     )
 
     p = parser.add_argument_group("augmentation")
     p.add_argument(
         "--randaugment",
-        type=int,
+        type=Number(int, 0, 30),  # torchvision's magnitude bins: 0..30; more than 30 ops per image is no augmentation
         nargs=2,
         metavar=("N", "M"),
         default=None,
@@ -242,18 +308,22 @@ def get_args_parser():
     )
     p.add_argument("--trivialaugment", action="store_true", help="TrivialAugmentWide")
     p.add_argument(
-        "--random-erase", type=float, default=0.0, metavar="P", help="RandomErasing probability (default: 0)"
+        "--random-erase",
+        type=Number(float, 0, 1),
+        default=0.0,
+        metavar="P",
+        help="RandomErasing probability (default: 0)",
     )
-    p.add_argument("--mixup-alpha", type=float, default=0.0, help="batch-level MixUp alpha (default: 0 = off)")
-    p.add_argument("--cutmix-alpha", type=float, default=0.0, help="batch-level CutMix alpha (default: 0 = off)")
+    p.add_argument("--mixup-alpha", type=NON_NEGATIVE, default=0.0, help="batch-level MixUp alpha (default: 0 = off)")
+    p.add_argument("--cutmix-alpha", type=NON_NEGATIVE, default=0.0, help="batch-level CutMix alpha (default: 0 = off)")
 
     p = parser.add_argument_group("validation and time to accuracy")
     p.add_argument(
-        "--val-every", type=int, default=1, metavar="N", help="validate every N epochs; the last always (default: 1)"
+        "--val-every", type=COUNT, default=1, metavar="N", help="validate every N epochs; the last always (default: 1)"
     )
     p.add_argument(
         "--target-accuracy",
-        type=float,
+        type=Number(float, 0, 1, low_open=True),
         default=None,
         metavar="A",
         help="stop at the first validation with top-1 >= A (0-1);\n"
@@ -264,19 +334,27 @@ def get_args_parser():
     )
     p.add_argument(
         "--min-res",
-        type=int,
+        type=PIXELS,
         default=None,
         help="progressive resizing (FFCV's): training resolution up to --start-ramp",
     )
     p.add_argument(
-        "--max-res", type=int, default=None, help="progressive resizing: training resolution from --end-ramp"
+        "--max-res", type=PIXELS, default=None, help="progressive resizing: training resolution from --end-ramp"
     )
     p.add_argument(
-        "--start-ramp", type=int, default=0, help="progressive resizing: epoch (from 0) the ramp starts (default: 0)"
+        "--start-ramp",
+        type=Number(int, 0),
+        default=0,
+        help="progressive resizing: epoch (from 0) the ramp starts (default: 0)",
     )
-    p.add_argument("--end-ramp", type=int, default=0, help="progressive resizing: epoch (from 0) the ramp ends")
     p.add_argument(
-        "--res-step", type=int, default=32, help="progressive resizing: resolutions are multiples of it (default: 32)"
+        "--end-ramp", type=Number(int, 0), default=0, help="progressive resizing: epoch (from 0) the ramp ends"
+    )
+    p.add_argument(
+        "--res-step",
+        type=Number(int, 1, 512),
+        default=32,
+        help="progressive resizing: resolutions are multiples of it (default: 32)",
     )
 
     p = parser.add_argument_group("profiler (torch.profiler)")
@@ -285,9 +363,9 @@ def get_args_parser():
         action="store_true",
         help="profile a few steps; traces in <output-dir>/profiler (TensorBoard, Perfetto)",
     )
-    p.add_argument("--prof-wait", type=int, default=1, help="steps skipped before profiling (default: 1)")
-    p.add_argument("--prof-warmup", type=int, default=1, help="profiled steps thrown away (default: 1)")
-    p.add_argument("--prof-active", type=int, default=3, help="profiled steps recorded (default: 3)")
+    p.add_argument("--prof-wait", type=Number(int, 0), default=1, help="steps skipped before profiling (default: 1)")
+    p.add_argument("--prof-warmup", type=Number(int, 0), default=1, help="profiled steps thrown away (default: 1)")
+    p.add_argument("--prof-active", type=COUNT, default=3, help="profiled steps recorded (default: 3)")
 
     p = parser.add_argument_group("modes")
     p.add_argument(
@@ -296,7 +374,7 @@ def get_args_parser():
         help="benchmark: stop after --test-nsteps steps, validate on 20 batches,\n"
         "no W&B, no checkpoint, chronometer report",
     )
-    p.add_argument("--test-nsteps", type=int, default=50, help="steps in --test mode (default: 50)")
+    p.add_argument("--test-nsteps", type=COUNT, default=50, help="steps in --test mode (default: 50)")
     p.add_argument("--synthetic", action="store_true", help="random tensors made once in memory: no disk, no decoding")
     p.add_argument("--eval-only", action="store_true", help="validate the checkpoint given by --resume and stop")
     p.add_argument(
@@ -314,14 +392,14 @@ def get_args_parser():
         "default: $DLOJZ_DATA, $ALL_CCFRSCRATCH/imagenet, $DSDIR/imagenet,\nelse the embedded data set",
     )
     p.add_argument(
-        "--val-resize-size", type=int, default=None, help="validation resize (default: 256; CPU profile: 73)"
+        "--val-resize-size", type=PIXELS, default=None, help="validation resize (default: 256; CPU profile: 73)"
     )
     p.add_argument(
-        "--val-crop-size", type=int, default=None, help="validation center crop (default: 224; CPU profile: 64)"
+        "--val-crop-size", type=PIXELS, default=None, help="validation center crop (default: 224; CPU profile: 64)"
     )
     p.add_argument(
         "--val-batch-size",
-        type=int,
+        type=COUNT,
         default=None,
         help="validation batch size per process (default: 256; CPU profile: 64)",
     )
@@ -334,7 +412,7 @@ def get_args_parser():
     )
     p.add_argument(
         "--train-subset",
-        type=float,
+        type=POSITIVE,
         default=None,
         metavar="F",
         help="train on a fixed part of the training set, the same\n"
@@ -343,7 +421,10 @@ def get_args_parser():
 
     p = parser.add_argument_group("DataLoader")
     p.add_argument(
-        "--num-workers", type=int, default=None, help="workers per process (default: CPUs per task - 1, at most 16)"
+        "--num-workers",
+        type=Number(int, 0),
+        default=None,
+        help="workers per process (default: CPUs per task - 1, at most 16)",
     )
     p.add_argument(
         "--persistent-workers",
@@ -365,7 +446,7 @@ def get_args_parser():
     )
     p.add_argument(
         "--prefetch-factor",
-        type=int,
+        type=COUNT,
         default=3,
         help="batches prefetched per worker, ignored with 0 workers (default: 3)",
     )
@@ -408,7 +489,7 @@ def get_args_parser():
     p = parser.add_argument_group("distribution")
     p.add_argument(
         "--dist-timeout",
-        type=float,
+        type=POSITIVE,
         default=600,
         help="seconds before a collective waiting for a dead rank fails (default: 600)",
     )
@@ -449,7 +530,12 @@ def get_args_parser():
         help="on a stop signal under Slurm, requeue the job after the\n"
         "checkpoint (default: on; dlojz_hpo.py's trials: off, the worker requeues)",
     )
-    p.add_argument("--keep-checkpoints", type=int, default=3, help="checkpoints kept in --output-dir (default: 3)")
+    p.add_argument(
+        "--keep-checkpoints",
+        type=Number(int, 0),
+        default=3,
+        help="checkpoints kept in --output-dir (default: 3; 0: all)",
+    )
     p.add_argument(
         "--wandb",
         default=True,
@@ -723,98 +809,44 @@ def driver_too_old():
     return None
 
 
-def check(cfg: Config):
-    """Every check of the flags alone and of the files they name (the data is checked when it is read)."""
-    import torch
-
-    for flag in (
-        "batch_size",
-        "epochs",
-        "image_size",
-        "val_resize_size",
-        "val_crop_size",
-        "val_batch_size",
-        "test_nsteps",
-    ):
-        if getattr(cfg, flag) < 1:
-            fail(f"--{flag.replace('_', '-')} must be at least 1 (got {getattr(cfg, flag)})")
-    if cfg.num_workers < 0 or cfg.prefetch_factor < 1:
-        fail("--num-workers must be >= 0 and --prefetch-factor >= 1")
-    if cfg.grad_acc < 1:
-        fail(f"--grad-acc must be at least 1 (got {cfg.grad_acc})")
-    try:
-        check_hyperparameters(cfg.lr, cfg.mom, cfg.wd)
-    except ValueError as err:
-        fail(str(err))
-    if cfg.optimizer not in FUSED:  # timm's; timm is imported only for them
-        try:
-            import timm.optim  # noqa: F401
-        except ImportError as err:
-            fail(
-                f"--optimizer {cfg.optimizer} needs timm, which does not import here ({err}): pip install timm, "
-                f"or use --optimizer {' or '.join(FUSED)}"
-            )
-    for flag in ("warmup_epochs", "lr_peak_epoch"):
-        if getattr(cfg, flag) < 0:
-            fail(f"--{flag.replace('_', '-')} must be >= 0 (got {getattr(cfg, flag)})")
-    if cfg.lr_poly_power <= 0:
-        fail(f"--lr-poly-power must be > 0 (got {cfg.lr_poly_power})")
-    if cfg.clip_grad_norm is not None and cfg.clip_grad_norm <= 0:
-        fail(f"--clip-grad-norm must be > 0 (got {cfg.clip_grad_norm})")
-    if (cfg.min_res is None) != (cfg.max_res is None):
+def check_flags(values):
+    """The checks of flags taken together, on the parsed values (a dict): no torch, no GPU, no file read; each flag
+    alone was checked by its type as it was parsed. The CPU/GPU profile's values may still be None (unset): what
+    compares them waits for resolve_config, which calls this again once they are filled."""
+    if (values["min_res"] is None) != (values["max_res"] is None):
         fail("progressive resizing needs both --min-res and --max-res")
-    if cfg.min_res is not None:
-        if not 1 <= cfg.min_res <= cfg.max_res or cfg.res_step < 1:
-            fail(f"--min-res {cfg.min_res} must be >= 1 and <= --max-res {cfg.max_res}, --res-step >= 1")
-        if not 0 <= cfg.start_ramp < cfg.end_ramp:
-            fail(f"--start-ramp {cfg.start_ramp} must be >= 0 and before --end-ramp {cfg.end_ramp}")
-        if cfg.synthetic:
+    if values["min_res"] is not None:
+        if values["min_res"] > values["max_res"]:
+            fail(f"--min-res {values['min_res']} must be at most --max-res {values['max_res']}")
+        if not values["start_ramp"] < values["end_ramp"]:
+            fail(f"--start-ramp {values['start_ramp']} must be before --end-ramp {values['end_ramp']}")
+        if values["synthetic"]:
             fail("--synthetic trains on one fixed batch: progressive resizing (--min-res/--max-res) needs the data")
-    if not 0 < cfg.val_crop_size <= cfg.val_resize_size:
+    crop, resize = values["val_crop_size"], values["val_resize_size"]
+    if crop is not None and resize is not None and crop > resize:
         fail(
-            f"--val-crop-size {cfg.val_crop_size} must be > 0 and at most --val-resize-size {cfg.val_resize_size} "
-            f"(the center crop is cut from the resized image)"
+            f"--val-crop-size {crop} must be at most --val-resize-size {resize} (the center crop is cut from the "
+            "resized image)"
         )
-    if cfg.val_every < 1:
-        fail(f"--val-every must be at least 1 (got {cfg.val_every})")
-    if cfg.target_accuracy is not None and not 0 < cfg.target_accuracy <= 1:
-        fail(f"--target-accuracy is a top-1 fraction in (0, 1] (got {cfg.target_accuracy}; 75.9 % is 0.759)")
-    if cfg.findlr and (cfg.eval_only or cfg.loader_only):
+    if values["findlr"] and (values["eval_only"] or values["loader_only"]):
         fail("--findlr trains: it cannot go with --eval-only or --loader-only")
-    if not 0 < cfg.model_ema_decay < 1:
-        fail(f"--model-ema-decay must be in (0, 1) (got {cfg.model_ema_decay})")
-    if not 0 <= cfg.random_erase <= 1 or cfg.mixup_alpha < 0 or cfg.cutmix_alpha < 0:
-        fail("--random-erase is a probability in [0, 1]; --mixup-alpha and --cutmix-alpha must be >= 0")
-    if cfg.prof and (cfg.prof_wait < 0 or cfg.prof_warmup < 0 or cfg.prof_active < 1):
-        fail("--prof-wait and --prof-warmup must be >= 0, --prof-active >= 1")
-    if cfg.fsdp_reshard_after_forward is not None and not cfg.fsdp:
+    if values["fsdp_reshard_after_forward"] is not None and not values["fsdp"]:
         fail("--fsdp-reshard-after-forward/--no-fsdp-reshard-after-forward set how --fsdp shards: add --fsdp")
-    if cfg.fsdp:
-        from dlojz_fsdp import check_config
-
-        check_config(cfg)
-    if cfg.sync_bn and cfg.torch_device == "cpu":
-        fail("--sync-bn needs CUDA: torch's SyncBatchNorm works with GPU modules only")
-    if cfg.train_subset is not None:
-        if cfg.train_subset <= 0 or (cfg.train_subset >= 1 and not cfg.train_subset.is_integer()):
-            fail(
-                f"--train-subset is a fraction in (0, 1) or a whole number of images per class (got {cfg.train_subset:g})"
-            )
-        if cfg.synthetic:
+    subset = values["train_subset"]
+    if subset is not None:
+        if subset >= 1 and not float(subset).is_integer():
+            fail(f"--train-subset is a fraction in (0, 1) or a whole number of images per class (got {subset:g})")
+        if values["synthetic"]:
             fail("--train-subset picks images of the data set, which --synthetic does not read: drop one of them")
-    if cfg.data_backend == "dali":
-        from dlojz_dali import check_available
-
-        if (reason := check_available()) is not None:
-            fail(reason)
+    if values["data_backend"] == "dali":
         unsupported = [
             flag
             for flag, on in (
-                ("--synthetic", cfg.synthetic),
-                ("--min-res", cfg.min_res is not None),
-                ("--randaugment", cfg.randaugment),
-                ("--trivialaugment", cfg.trivialaugment),
-                ("--random-erase", cfg.random_erase > 0),
+                ("--synthetic", values["synthetic"]),
+                ("--min-res", values["min_res"] is not None),
+                ("--randaugment", values["randaugment"]),
+                ("--trivialaugment", values["trivialaugment"]),
+                ("--random-erase", values["random_erase"] > 0),
             )
             if on
         ]
@@ -823,10 +855,50 @@ def check(cfg: Config):
                 f"--data-backend dali does RandomResizedCrop and flip only: {', '.join(unsupported)} needs "
                 f"--data-backend pytorch"
             )
-    if cfg.loader_only and cfg.synthetic:
+    if values["loader_only"] and values["synthetic"]:
         fail("--loader-only times the DataLoader, which --synthetic does not use: drop one of them")
-    if cfg.eval_only and not cfg.resume:
+    if values["eval_only"] and not values["resume"]:
         fail("--eval-only needs --resume CHECKPOINT (or --resume auto with --output-dir)")
+
+
+def check_command_line(argv=None):
+    """dlojz.py's first step, before torch is imported: `--help`, a mistyped flag, a value out of its bounds or
+    flags that do not go together end here in one line (exit status 2). Returns nothing: main() parses again."""
+    import sys
+
+    try:
+        check_flags(vars(get_args_parser().parse_args(argv)))
+    except UserError as err:
+        # Every rank of a job reads the same command line: one of them says it.
+        if os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":
+            print(f"dlojz: error: {err}", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
+def check(cfg: Config):
+    """What needs the machine or the files: the device, the libraries a flag needs, the output paths."""
+    import torch
+
+    check_flags(dataclasses.asdict(cfg))
+    if cfg.optimizer not in FUSED:  # timm's; timm is imported only for them
+        try:
+            import timm.optim  # noqa: F401
+        except ImportError as err:
+            fail(
+                f"--optimizer {cfg.optimizer} needs timm, which does not import here ({err}): pip install timm, "
+                f"or use --optimizer {' or '.join(FUSED)}"
+            )
+    if cfg.fsdp:
+        from dlojz_fsdp import check_config
+
+        check_config(cfg)
+    if cfg.sync_bn and cfg.torch_device == "cpu":
+        fail("--sync-bn needs CUDA: torch's SyncBatchNorm works with GPU modules only")
+    if cfg.data_backend == "dali":
+        from dlojz_dali import check_available
+
+        if (reason := check_available()) is not None:
+            fail(reason)
     if cfg.amp:
         check_autocast(torch.device(cfg.torch_device), cfg.autocast_dtype)
     if load_idr_torch().rank == 0:

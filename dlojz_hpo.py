@@ -49,7 +49,7 @@ import time
 import warnings
 from pathlib import Path
 
-from dlojz_config import UserError, get_args_parser, recipe_value, resolve_config
+from dlojz_config import UserError, get_args_parser, recipe_value, resolve_config, value_type
 
 DLOJZ = Path(__file__).resolve().parent / "dlojz.py"
 # Flags the worker sets for each trial: not in the search space nor after `--` (--output-dir is the trials' root).
@@ -120,7 +120,7 @@ def read_space(path):
                 fail(f"{where}: a choice is repeated ({choices!r})")
             space[dest] = (action, CategoricalDistribution(values))
             continue
-        if action.type not in (int, float) or action.choices is not None:
+        if value_type(action) not in (int, float) or action.choices is not None:
             fail(f"{where}: {long_flag(action)} is not a number: give choices = [...]")
         if "low" not in table or "high" not in table:
             fail(f"{where}: a range needs low and high (or give choices = [...])")
@@ -136,7 +136,7 @@ def read_space(path):
             step = recipe_value(action, step, f"{where} step")
             if step <= 0 or log:
                 fail(f"{where}: step must be > 0, and cannot go with log = true (got {step})")
-        if action.type is int:
+        if value_type(action) is int:
             space[dest] = (action, IntDistribution(low, high, log=log, step=step or 1))
         else:
             space[dest] = (action, FloatDistribution(low, high, log=log, step=step))

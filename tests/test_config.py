@@ -1,13 +1,14 @@
 """resolve_config: the profile's defaults, every check of the flags, all before any process group or data scan.
 And the command line itself: `--help` and a mistyped flag answer before torch is imported."""
 
+import argparse
 import subprocess
 import sys
 
 import pytest
 
 from conftest import ROOT, SMALL, clean_env
-from dlojz_config import UserError, get_args_parser, resolve_config
+from dlojz_config import Number, UserError, get_args_parser, resolve_config
 from test_dlojz import assert_one_line_error
 
 
@@ -20,45 +21,125 @@ def in_tmp(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # the default --output-dir (./runs/...) is made and checked writable
 
 
+def refusal(capsys, *flags):
+    """The one line refusing these flags: the parser's (a flag out of its bounds) or resolve_config's."""
+    try:
+        resolve(*flags)
+    except UserError as err:
+        return str(err)
+    except SystemExit as exit:
+        assert exit.code == 2
+        return capsys.readouterr().err.strip()
+    pytest.fail(f"{flags} accepted")
+
+
 @pytest.mark.parametrize(
     "flags, fragment",
     [
-        (["-b", "0"], "--batch-size must be at least 1"),
-        (["-e", "0"], "--epochs must be at least 1"),
-        (["--image-size", "0"], "--image-size must be at least 1"),
-        (["--val-resize-size", "-1"], "--val-resize-size must be at least 1"),
-        (["--val-crop-size", "0"], "--val-crop-size must be at least 1"),
-        (["--val-batch-size", "0"], "--val-batch-size must be at least 1"),
-        (["--test-nsteps", "0"], "--test-nsteps must be at least 1"),
-        (["--num-workers", "-1"], "--num-workers must be >= 0"),
-        (["--prefetch-factor", "0"], "--prefetch-factor >= 1"),
-        (["--grad-acc", "0"], "--grad-acc must be at least 1"),
-        (["--lr", "0"], "--lr must be > 0"),
-        (["--mom", "1"], "--mom must be in [0, 1)"),
-        (["--wd", "-0.1"], "--wd must be >= 0"),
-        (["--warmup-epochs", "-1"], "--warmup-epochs must be >= 0"),
+        (["-b", "0"], "--batch-size: must be >= 1 (got 0)"),
+        (["-e", "0"], "--epochs: must be >= 1"),
+        (["--image-size", "0"], "--image-size: must be in [8, 4096] (got 0)"),
+        (["--image-size", "100000"], "--image-size: must be in [8, 4096] (got 100000)"),
+        (["--val-resize-size", "-1"], "--val-resize-size: must be in [8, 4096]"),
+        (["--val-crop-size", "1"], "--val-crop-size: must be in [8, 4096]"),
+        (["--val-crop-size", "300", "--val-resize-size", "256"], "--val-crop-size 300 must be at most --val-resize"),
+        (["--val-crop-size", "100"], "--val-crop-size 100 must be at most --val-resize-size 73"),  # the CPU profile's
+        (["--val-batch-size", "0"], "--val-batch-size: must be >= 1"),
+        (["--test-nsteps", "0"], "--test-nsteps: must be >= 1"),
+        (["--num-workers", "-1"], "--num-workers: must be >= 0"),
+        (["--prefetch-factor", "0"], "--prefetch-factor: must be >= 1"),
+        (["--grad-acc", "0"], "--grad-acc: must be >= 1"),
+        (["--lr", "0"], "--lr: must be > 0"),
+        (["--lr", "inf"], "--lr: must be > 0 (got inf)"),
+        (["--lr", "nan"], "--lr: must be > 0 (got nan)"),
+        (["--mom", "1"], "--mom: must be in [0, 1)"),
+        (["--wd", "-0.1"], "--wd: must be >= 0"),
+        (["--seed", "-1"], "--seed: must be in [0, 4294967295]"),
+        (["--label-smoothing", "1.5"], "--label-smoothing: must be in [0, 1)"),
+        (["--label-smoothing", "-0.1"], "--label-smoothing: must be in [0, 1)"),
+        (["--randaugment", "-1", "9"], "--randaugment: must be in [0, 30] (got -1)"),
+        (["--randaugment", "2", "50"], "--randaugment: must be in [0, 30] (got 50)"),
+        (["--keep-checkpoints", "-1"], "--keep-checkpoints: must be >= 0"),
+        (["--dist-timeout", "-5"], "--dist-timeout: must be > 0"),
+        (["--warmup-epochs", "-1"], "--warmup-epochs: must be >= 0"),
         (["--findlr", "--loader-only"], "--findlr trains"),
-        (["--model-ema-decay", "1"], "--model-ema-decay must be in (0, 1)"),
-        (["--random-erase", "1.5"], "--random-erase is a probability"),
-        (["--mixup-alpha", "-1"], "--mixup-alpha and --cutmix-alpha must be >= 0"),
-        (["--cutmix-alpha", "-1"], "--mixup-alpha and --cutmix-alpha must be >= 0"),
-        (["--prof", "--prof-active", "0"], "--prof-active >= 1"),
-        (["--prof", "--prof-wait", "-1"], "--prof-wait and --prof-warmup must be >= 0"),
+        (["--model-ema-decay", "1"], "--model-ema-decay: must be in (0, 1)"),
+        (["--random-erase", "1.5"], "--random-erase: must be in [0, 1]"),
+        (["--mixup-alpha", "-1"], "--mixup-alpha: must be >= 0"),
+        (["--cutmix-alpha", "-1"], "--cutmix-alpha: must be >= 0"),
+        (["--prof", "--prof-active", "0"], "--prof-active: must be >= 1"),
+        (["--prof", "--prof-wait", "-1"], "--prof-wait: must be >= 0"),
         (["--sync-bn"], "--sync-bn needs CUDA"),
-        (["--lr-peak-epoch", "-1"], "--lr-peak-epoch must be >= 0"),
-        (["--lr-poly-power", "0"], "--lr-poly-power must be > 0"),
-        (["--clip-grad-norm", "0"], "--clip-grad-norm must be > 0"),
-        (["--val-every", "0"], "--val-every must be at least 1"),
-        (["--target-accuracy", "76"], "--target-accuracy is a top-1 fraction in (0, 1]"),
+        (["--lr-peak-epoch", "-1"], "--lr-peak-epoch: must be >= 0"),
+        (["--lr-poly-power", "0"], "--lr-poly-power: must be > 0"),
+        (["--clip-grad-norm", "0"], "--clip-grad-norm: must be > 0"),
+        (["--val-every", "0"], "--val-every: must be >= 1"),
+        (["--target-accuracy", "76"], "--target-accuracy: must be in (0, 1]"),
+        (["--min-res", "64", "--max-res", "32", "--end-ramp", "2"], "--min-res 64 must be at most --max-res 32"),
+        (["--min-res", "32", "--max-res", "64"], "--start-ramp 0 must be before --end-ramp 0"),
+        (["--train-subset", "1.5"], "--train-subset is a fraction in (0, 1) or a whole number"),
         (["--loader-only", "--synthetic"], "--loader-only times the DataLoader"),
         (["--eval-only"], "--eval-only needs --resume"),
     ],
 )
-def test_each_bound_is_checked(flags, fragment):
-    with pytest.raises(UserError) as err:
-        resolve(*flags)
-    assert fragment in str(err.value)
-    assert "\n" not in str(err.value)
+def test_each_bound_is_checked(capsys, flags, fragment):
+    line = refusal(capsys, *flags)
+    assert fragment in line and "\n" not in line, line
+
+
+# Flags that take any value of their type, and why; a flag added without bounds fails the walk below until it is
+# given some (dlojz_config.Number beside its definition) or is listed here.
+FREE = {
+    "config": "a file path, read and checked by the recipe reader",
+    "arch": "a model name, checked when the model is made",
+    "data_root": "a folder, checked when the data is read",
+    "output_dir": "a folder, checked writable before the run",
+    "metrics_json": "a file path, its folder checked writable before the run",
+    "val_history": "a file path, its folder checked writable before the run",
+    "resume": "'auto' or a checkpoint path, checked when the checkpoint is read",
+    "wandb_project": "a name W&B shows",
+    "wandb_group": "a name W&B shows",
+}
+
+
+def out_of_bounds(action):
+    """Values the flag must refuse: outside its bounds, of the wrong type, or not among its choices."""
+    if isinstance(action.type, Number):
+        bounds = action.type
+        values = ["one", "1.5" if bounds.kind is int else "inf", "nan"]
+        if bounds.low is not None:
+            values.append(str(bounds.low if bounds.low_open else bounds.low - 1))
+        if bounds.high is not None:
+            values.append(str(bounds.high if bounds.high_open else bounds.high + 1))
+        return values
+    if action.choices is not None:
+        return ["nonexistent-choice"]
+    return []
+
+
+def test_every_flag_of_the_parser_refuses_what_it_cannot_take(capsys):
+    """Walks the parser: each flag that takes a value refuses, in one line naming it and with exit status 2, what
+    lies outside its bounds, before torch is imported (check_command_line runs first in dlojz.py)."""
+    from dlojz_config import check_command_line
+
+    walked = 0
+    for action in get_args_parser()._actions:
+        if action.nargs == 0 or isinstance(action, argparse.BooleanOptionalAction) or action.dest == "help":
+            continue  # a switch: nothing to get wrong
+        values = out_of_bounds(action)
+        if not values:
+            assert action.dest in FREE, (
+                f"{action.option_strings[-1]} has no bounds: give it a Number type or a reason in FREE"
+            )
+            continue
+        for value in values:
+            with pytest.raises(SystemExit) as exit:
+                check_command_line([action.option_strings[-1], *[value] * (action.nargs or 1)])
+            lines = capsys.readouterr().err.strip().splitlines()
+            assert exit.value.code == 2 and len(lines) == 1, (action.dest, value, lines)
+            assert action.option_strings[-1] in lines[0] and "Traceback" not in lines[0], lines
+            walked += 1
+    assert walked > 100
 
 
 def test_within_bounds_is_accepted():
@@ -153,8 +234,12 @@ HEAVY = {"torch", "torchvision", "timm", "wandb", "numpy", "idr_torch", "nvidia.
     "flags, status, needle",
     [
         (["--help"], 0, "--epochs"),
-        (["--epochs", "x"], 2, "argument -e/--epochs: invalid int value: 'x'"),
+        (["--epochs", "x"], 2, "argument -e/--epochs: must be an integer >= 1 (got 'x')"),
         (["--test", "--bogus"], 2, "unrecognized arguments: --bogus"),
+        (["-b", "0"], 2, "argument -b/--batch-size: must be >= 1 (got 0)"),
+        (["--lr", "inf"], 2, "argument --lr: must be > 0 (got inf)"),
+        (["--min-res", "64", "--max-res", "32", "--end-ramp", "2"], 2, "--min-res 64 must be at most --max-res 32"),
+        (["--eval-only"], 2, "--eval-only needs --resume"),
     ],
 )
 def test_help_and_a_mistyped_flag_answer_before_torch_is_imported(flags, status, needle):

@@ -170,7 +170,7 @@ def test_train_subset_and_val_history_reach_the_run(tiny_data, tmp_path):
 @pytest.mark.parametrize(
     "flags, needle",
     [
-        (["--train-subset", "0"], "--train-subset is a fraction"),
+        (["--train-subset", "0"], "--train-subset: must be > 0"),
         (["--train-subset", "2.5"], "--train-subset is a fraction"),
         (["--train-subset", "0.1", "--synthetic"], "--train-subset picks images"),
     ],
@@ -267,12 +267,13 @@ def test_trial_energy_is_read_on_the_visible_gpus(monkeypatch):
         ("[optimizer]\nlow = 1\nhigh = 2\n", "[optimizer]: --optimizer is not a number: give choices"),
         ("[output-dir]\nchoices = ['a']\n", "[output-dir]: dlojz_hpo.py sets --output-dir for each trial itself"),
         ("lr = 0.1\n", "[lr] must be a table"),
-        ("[lr]\nlow = 0.0\nhigh = 1.0\nlog = true\n", "[lr]: a log range needs low > 0"),
+        ("[wd]\nlow = 0.0\nhigh = 1.0\nlog = true\n", "[wd]: a log range needs low > 0"),
+        ("[lr]\nlow = 0.0\nhigh = 1.0\n", "[lr] low must be > 0 (got 0.0)"),
         ("[lr]\nlow = 0.1\nhigh = 1.0\nstpe = 0.1\n", "[lr]: unknown or mixed keys ['stpe']"),
         ("[lr]\nchoices = []\n", "[lr]: choices must be a non-empty list"),
         (
             "[warmup-epochs]\nlow = -1.0\nhigh = 2.0\n",
-            "[warmup-epochs] = -1.0 with the flags after --: --warmup-epochs must be >= 0",
+            "[warmup-epochs] low must be >= 0 (got -1.0)",
         ),
         ("", "no flag to search"),
         ("[lr\n", "not valid TOML"),

@@ -77,7 +77,7 @@ def test_without_the_flags_the_resolution_is_fixed(tiny_data, tmp_path):
     "flags, fragment",
     [
         (["--min-res", "16"], "needs both --min-res and --max-res"),
-        (["--min-res", "32", "--max-res", "16", "--end-ramp", "2"], "--min-res 32 must be >= 1 and <= --max-res 16"),
+        (["--min-res", "32", "--max-res", "16", "--end-ramp", "2"], "--min-res 32 must be at most --max-res 16"),
         (["--min-res", "16", "--max-res", "32", "--start-ramp", "2", "--end-ramp", "2"], "--start-ramp 2 must be"),
         (["--min-res", "16", "--max-res", "32", "--end-ramp", "2", "--synthetic"], "--synthetic trains on one fixed"),
     ],
