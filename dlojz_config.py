@@ -667,6 +667,7 @@ def resolve_config(args) -> Config:
     """Fill the defaults that depend on the machine and check every flag; raise UserError on bad input."""
     import torch
 
+    check_launch()  # before idr_torch reads the launcher's variables
     idr_torch = load_idr_torch()
     values = vars(args).copy()
     notes = []
@@ -861,16 +862,40 @@ def check_flags(values):
         fail("--eval-only needs --resume CHECKPOINT (or --resume auto with --output-dir)")
 
 
+def check_launch():
+    """The launcher's variables whole and consistent (dlojz_launch): never N copies of one silent process."""
+    from dlojz_launch import launch_problem
+
+    if (problem := launch_problem(os.environ)) is not None:
+        fail(problem)
+
+
+def check_data_variable(values):
+    """$DLOJZ_DATA, the user's own way to name the data, must name a folder when the data is read: a typo in it
+    must not train on the embedded toy set. ($ALL_CCFRSCRATCH and $DSDIR are the site's: their imagenet/ may be
+    absent, and the next fall-back is tried.)"""
+    data = os.environ.get("DLOJZ_DATA")
+    if data and not values["data_root"] and not values["synthetic"] and not os.path.isdir(data):
+        fail(f"$DLOJZ_DATA={data}: no such folder (give the folder holding train/ and val/, or unset it)")
+
+
 def check_command_line(argv=None):
-    """dlojz.py's first step, before torch is imported: `--help`, a mistyped flag, a value out of its bounds or
-    flags that do not go together end here in one line (exit status 2). Returns nothing: main() parses again."""
+    """dlojz.py's first step, before torch is imported: `--help`, a mistyped flag, a value out of its bounds, flags
+    that do not go together or a half-set launch environment end here in one line (exit status 2). Returns nothing:
+    main() parses again."""
     import sys
 
+    from dlojz_launch import launch_problem, launch_rank
+
+    if (problem := launch_problem(os.environ)) is not None:
+        print(f"dlojz: error: {problem}", file=sys.stderr, flush=True)  # every copy: which rank it is is unknown
+        sys.exit(2)
     try:
-        check_flags(vars(get_args_parser().parse_args(argv)))
+        values = vars(get_args_parser().parse_args(argv))
+        check_flags(values)
+        check_data_variable(values)
     except UserError as err:
-        # Every rank of a job reads the same command line: one of them says it.
-        if os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":
+        if launch_rank(os.environ) == 0:  # every rank reads the same command line: one of them says it
             print(f"dlojz: error: {err}", file=sys.stderr, flush=True)
         sys.exit(2)
 
@@ -880,6 +905,7 @@ def check(cfg: Config):
     import torch
 
     check_flags(dataclasses.asdict(cfg))
+    check_data_variable(dataclasses.asdict(cfg))
     if cfg.optimizer not in FUSED:  # timm's; timm is imported only for them
         try:
             import timm.optim  # noqa: F401

@@ -52,10 +52,15 @@ def test_data_root_fallbacks_in_order(tmp_path, monkeypatch):
     assert resolve_data_root(None) == (scratch / "imagenet", "$ALL_CCFRSCRATCH/imagenet")
     monkeypatch.setenv("DLOJZ_DATA", str(dlojz_data))
     assert resolve_data_root(None) == (dlojz_data, "$DLOJZ_DATA")
-    # A variable naming a missing folder is passed over, not an error: the next one is tried.
-    monkeypatch.setenv("DLOJZ_DATA", str(tmp_path / "gone"))
+    # The site's variables naming no imagenet/ are passed over: the next one is tried.
+    monkeypatch.delenv("DLOJZ_DATA")
     shutil.rmtree(scratch / "imagenet")
     assert resolve_data_root(None) == (dsdir / "imagenet", "$DSDIR/imagenet")
+    # $DLOJZ_DATA is the user's own: naming a missing folder is an error, not a fall-back to the next one.
+    monkeypatch.setenv("DLOJZ_DATA", str(tmp_path / "gone"))
+    with pytest.raises(DataError, match=r"^\$DLOJZ_DATA=.*gone: no such folder"):
+        resolve_data_root(None)
+    monkeypatch.delenv("DLOJZ_DATA")
     # An explicit --data-root wins over all of them.
     assert resolve_data_root(str(dlojz_data)) == (dlojz_data, "--data-root")
 

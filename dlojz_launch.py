@@ -1,0 +1,75 @@
+"""Which launcher started this process, checked before torch is imported.
+
+dlojz reads its rank, world size and rendezvous address through idr_torch, which picks Slurm when `SLURM_STEP_ID`
+is set (a task of `srun`), torchrun when `TORCHELASTIC_RUN_ID` is set, and otherwise runs one process alone. A
+variable the launcher should have set and did not ended deep in idr_torch (`KeyError`, `ValueError`); rank
+variables without either launcher were ignored, so copies started by hand each trained alone and overwrote each
+other's checkpoints. `launch_problem(environ)` returns the one line saying what is missing or inconsistent, or None
+(one process with no rank variables, or a launcher's whole and consistent set).
+"""
+
+import re
+
+# What idr_torch reads from each launcher: rank, local rank, world sizes, nodes, rendezvous address and port.
+SLURM_TASK = (
+    "SLURM_PROCID",
+    "SLURM_LOCALID",
+    "SLURM_STEP_NUM_TASKS",
+    "SLURM_STEP_TASKS_PER_NODE",
+    "SLURM_STEP_NUM_NODES",
+    "SLURM_STEP_NODELIST",
+    "SLURM_JOB_ID",
+)
+TORCHRUN = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+NOT_COUNTS = ("SLURM_STEP_TASKS_PER_NODE", "SLURM_STEP_NODELIST", "MASTER_ADDR")
+
+
+def launch_problem(environ):
+    """None when the launch variables are whole and consistent, else the line saying what is wrong."""
+    if "SLURM_STEP_ID" in environ:
+        launcher, names, marker = "a Slurm task", SLURM_TASK, "SLURM_STEP_ID"
+        ranks = (("SLURM_PROCID", "SLURM_STEP_NUM_TASKS"), ("SLURM_LOCALID", "SLURM_STEP_TASKS_PER_NODE"))
+    elif "TORCHELASTIC_RUN_ID" in environ:
+        launcher, names, marker = "a torchrun worker", TORCHRUN, "TORCHELASTIC_RUN_ID"
+        ranks = (("RANK", "WORLD_SIZE"), ("LOCAL_RANK", "LOCAL_WORLD_SIZE"))
+    else:
+        return stray_ranks(environ)
+    where = f"{launcher} ({marker} is set)"
+    absent = [name for name in names if not environ.get(name)]
+    if absent:
+        return (
+            f"{where} needs {', '.join(absent)}, not set: start dlojz with its launcher, or unset {marker} "
+            "to run one process"
+        )
+    for name in names:
+        if name not in NOT_COUNTS and not environ[name].isdigit():
+            return f"{where}: {name}={environ[name]} is not a whole number"
+    for rank, size in ranks:
+        count = most_tasks_per_node(environ[size]) if size == "SLURM_STEP_TASKS_PER_NODE" else int(environ[size])
+        if not int(environ[rank]) < count:
+            return f"{where}: {rank}={environ[rank]} is outside {size}={environ[size]} (ranks count from 0)"
+    return None
+
+
+def stray_ranks(environ):
+    """No launcher: one process. Rank variables saying otherwise are copies started by hand."""
+    given = {name: environ[name] for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID") if name in environ}
+    if all(value == ("1" if name == "WORLD_SIZE" else "0") for name, value in given.items()):
+        return None
+    return (
+        f"{' '.join(f'{name}={value}' for name, value in given.items())} but no launcher: each copy would train "
+        "alone and overwrite the others' checkpoints; start the ranks with srun or torchrun (dlojz takes its rank "
+        "from them), or unset these variables to run one process"
+    )
+
+
+def most_tasks_per_node(tasks_per_node):
+    """Slurm's compact counts, "4(x2),3" -> 4: the most tasks any node of the step holds."""
+    return max((int(count) for count in re.findall(r"(\d+)(?:\(x\d+\))?", tasks_per_node)), default=0)
+
+
+def launch_rank(environ):
+    """This process's rank as its (whole) launch environment says: 0 without a launcher."""
+    if "SLURM_STEP_ID" in environ:
+        return int(environ["SLURM_PROCID"])
+    return int(environ["RANK"]) if "TORCHELASTIC_RUN_ID" in environ else 0
