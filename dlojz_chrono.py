@@ -626,6 +626,12 @@ def main(argv=None):
     trace = Path(args.trace)
     if not trace.is_file():
         parser.error(f"trace file {trace} not found: give the JSON written by the chronometer (--test run)")
+    from dlojz_checks import UserError, check_output_file
+
+    try:
+        check_output_file(args.output, "-o/--output")
+    except UserError as err:
+        parser.error(str(err))
     try:
         plot_trace(trace, args.output)
     except (json.JSONDecodeError, KeyError, TypeError) as err:

@@ -15,7 +15,8 @@ import dataclasses
 import os
 import warnings
 from datetime import datetime
-from pathlib import Path
+
+from dlojz_checks import UserError, fail  # noqa: F401  (UserError: imported from here by the scripts)
 
 # torch, idr_torch (which imports torch) and timm are imported in the functions that use them.
 
@@ -93,14 +94,6 @@ PIXELS = Number(int, 8, 4096)
 COUNT = Number(int, 1)  # a number of things: at least one
 NON_NEGATIVE = Number(float, 0)
 POSITIVE = Number(float, 0, low_open=True)
-
-
-class UserError(Exception):
-    """Bad input the user can fix: printed as one line, exit status 2."""
-
-
-def fail(message):
-    raise UserError(message)
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -927,12 +920,13 @@ def check(cfg: Config):
             fail(reason)
     if cfg.amp:
         check_autocast(torch.device(cfg.torch_device), cfg.autocast_dtype)
-    if load_idr_torch().rank == 0:
-        if not cfg.test:
-            check_writable(Path(cfg.output_dir), "--output-dir")
+    if load_idr_torch().rank == 0:  # what rank 0 writes, checked before the run rather than found after it
+        from dlojz_checks import check_output_file, check_output_folder
+
+        check_output_folder(cfg.output_dir, "--output-dir")  # --test too: the chronometer's trace and plot go there
         for flag in ("metrics_json", "val_history"):
             if getattr(cfg, flag):
-                check_writable(Path(getattr(cfg, flag)).resolve().parent, f"--{flag.replace('_', '-')}")
+                check_output_file(getattr(cfg, flag), f"--{flag.replace('_', '-')}")
 
 
 def check_autocast(device, dtype):
@@ -954,13 +948,3 @@ def check_autocast(device, dtype):
             conv(torch.randn(1, 3, 8, 8, device=device)).float().sum().backward()
     except RuntimeError as err:
         fail(f"--amp-dtype {str(dtype).split('.')[-1]} cannot run on {device.type}: {str(err).splitlines()[0]}")
-
-
-def check_writable(path, flag):
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        probe = path / f".write-test-{os.getpid()}"
-        probe.write_text("ok")
-        probe.unlink()
-    except OSError as err:
-        fail(f"{flag} {path} is not writable ({err.strerror}); choose another folder")

@@ -150,13 +150,19 @@ def make_embedded_dataset(root, n_classes=10, train_per_class=120, val_per_class
         return root
     tmp = root.with_name(root.name + f".tmp{os.getpid()}")
     rng = random.Random(seed)
-    for split, per_class in (("train", train_per_class), ("val", val_per_class)):
-        for cls in EMBEDDED_CLASSES[:n_classes]:
-            folder = tmp / split / cls
-            folder.mkdir(parents=True, exist_ok=True)
-            for k in range(per_class):
-                _draw_sample(cls, rng, size).save(folder / f"{cls}_{k:04d}.JPEG", quality=90)
-    (tmp / ".complete").write_text("dlojz embedded data set\n")
+    try:
+        for split, per_class in (("train", train_per_class), ("val", val_per_class)):
+            for cls in EMBEDDED_CLASSES[:n_classes]:
+                folder = tmp / split / cls
+                folder.mkdir(parents=True, exist_ok=True)
+                for k in range(per_class):
+                    _draw_sample(cls, rng, size).save(folder / f"{cls}_{k:04d}.JPEG", quality=90)
+        (tmp / ".complete").write_text("dlojz embedded data set\n")
+    except OSError as err:
+        raise DataError(
+            f"the embedded data set cannot be written into {root.parent} ({err.strerror}): set XDG_CACHE_HOME to a "
+            "folder you can write, or give --data-root"
+        ) from None
     try:
         os.replace(tmp, root)  # atomic: concurrent ranks/jobs never see a half-written folder
     except OSError:  # another process finished first
@@ -254,8 +260,19 @@ def _has_class_dirs(path):
     return path.is_dir() and any(p.is_dir() for p in path.iterdir())
 
 
+def unreadable(err):
+    """A DataError for a folder or file the user may not read (PermissionError)."""
+    return DataError(f"{err.filename}: cannot be read ({err.strerror}); check its permissions (ls -ld)")
+
+
 def find_layout(root):
-    root = Path(root)
+    try:
+        return _find_layout(Path(root))
+    except PermissionError as err:
+        raise unreadable(err) from None
+
+
+def _find_layout(root):
     if not root.is_dir() or not any(root.iterdir()):
         raise DataError(f"data root {root} is missing or empty (give --data-root with train/ and val/ inside)")
     for split in ("train", "val"):
@@ -284,7 +301,13 @@ def build_datasets(root, train_transform, val_transform, seed=0):
                 loader=lazy_image_loader,
                 is_valid_file=lambda p: p.lower().endswith(IMG_EXTENSIONS),
             )
+        except PermissionError as err:
+            raise unreadable(err) from None
         except (FileNotFoundError, RuntimeError) as err:
+            # torchvision walks each class folder with os.walk, which passes over one it cannot read: name it
+            for folder in sorted((root / split).iterdir()):
+                if folder.is_dir() and not os.access(folder, os.R_OK | os.X_OK):
+                    raise DataError(f"{folder}: cannot be read (Permission denied); check its permissions") from None
             raise DataError(f"data root {root}/{split}: {str(err).splitlines()[0]}") from None
         ds.seed = seed
         sets.append(ds)

@@ -257,12 +257,15 @@ def main(argv=None):
     command.add_argument("source", help="a sharded checkpoint folder (ckpt_e*_s*.dcp)")
     command.add_argument("target", help="the .pt file to write")
     args = parser.parse_args(argv)
+    from dlojz_checks import UserError, check_output_file
+
     if not Path(args.target).resolve().parent.is_dir():
         print(f"dlojz_fsdp.py: error: {args.target}: its folder does not exist", file=sys.stderr)
         return 2
     try:
+        check_output_file(args.target, "target")
         consolidate(args.source, args.target)
-    except ckpt.CheckpointError as err:
+    except (ckpt.CheckpointError, UserError) as err:
         print(f"dlojz_fsdp.py: error: {err}", file=sys.stderr)
         return 2
     print(

@@ -488,6 +488,16 @@ def requeue_worker(reason):
 
 # ---------------------------------------------------------------------------------------------------------------
 # Commands
+def check_storage(path):
+    """--storage writable before any trial: a journal file, or a SQLite database URL's file."""
+    from dlojz_checks import check_output_file
+
+    if path.startswith("sqlite:///"):
+        check_output_file(path.removeprefix("sqlite:///"), "--storage (its SQLite file)")
+    elif "://" not in path:  # other database URLs: the server says
+        check_output_file(path, "--storage")
+
+
 def open_storage(path):
     import optuna
 
@@ -534,6 +544,7 @@ def search(args, shared):
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     space = read_space(args.space)
+    check_storage(args.storage)
     shared, output_dir = split_shared(shared)
     root = Path(output_dir or "runs") / args.study
     cfg = check_shared(shared, space, args.direction, root)
@@ -691,6 +702,9 @@ def report(args):
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     if "://" not in args.storage and not Path(args.storage).is_file():
         fail(f"--storage {args.storage}: no such journal file")
+    from dlojz_checks import check_output_folder
+
+    check_output_folder(args.out, "--out")  # before the study is read: a file there is said at once
     storage = open_storage(args.storage)
     names = [s.study_name for s in optuna.get_all_study_summaries(storage, include_best_trial=False)]
     if args.study not in names:

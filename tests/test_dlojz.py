@@ -301,7 +301,7 @@ def test_unwritable_output_dir(tiny_data, tmp_path, run_inline):
     blocker = tmp_path / "file"
     blocker.write_text("a file, not a folder")
     proc = run_inline(*SMALL, "--data-root", tiny_data, "--output-dir", blocker / "run")
-    assert_one_line_error(proc, "--output-dir", "not writable")
+    assert_one_line_error(proc, "--output-dir", "is a file, not a folder")
 
 
 def test_nan_loss_stops_with_step_and_keeps_checkpoint(tiny_data, tmp_path, trained_checkpoint):

@@ -1,0 +1,152 @@
+"""Paths checked before any work (dlojz_checks), in dlojz.py and its sibling scripts: an output that cannot be
+written, a file name that is a folder, an input that cannot be read: one line naming the flag, exit status 2."""
+
+import os
+
+import pytest
+
+from conftest import SMALL
+from dlojz_checks import UserError, check_input_folder, check_output_file, check_output_folder
+from test_dlojz import assert_one_line_error
+
+
+def refused(check, path, flag="--x"):
+    with pytest.raises(UserError) as err:
+        check(path, flag)
+    assert "\n" not in str(err.value) and str(err.value).startswith(f"{flag} ")
+    return str(err.value)
+
+
+def test_output_files(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    assert "is a folder: give a file name" in refused(check_output_file, tmp_path)
+    assert f"{blocker} is a file, not a folder" in refused(check_output_file, blocker / "m.json")
+    check_output_file(tmp_path / "new" / "m.json", "--x")  # a folder to make: made
+    assert (tmp_path / "new").is_dir() and not list((tmp_path / "new").iterdir())  # the probe is removed
+    check_output_file(blocker, "--x")  # an existing file: replaced by the run
+
+
+def test_output_folders(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    assert "is a file, not a folder" in refused(check_output_folder, blocker)
+    assert f"run: {blocker} is a file, not a folder" in refused(check_output_folder, blocker / "run")
+    assert "cannot write in /proc" in refused(check_output_folder, "/proc/dlojz-run")  # read-only for root too
+    check_output_folder(tmp_path / "run", "--x")
+
+
+def test_input_folders(tmp_path, monkeypatch):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    assert "no such folder" in refused(check_input_folder, tmp_path / "nowhere")
+    assert "is a file, not a folder" in refused(check_input_folder, blocker)
+    check_input_folder(tmp_path, "--x")
+
+    def denied(path):  # root reads every folder whatever its mode: the refusal is simulated
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(os, "scandir", denied)
+    assert "cannot be read (Permission denied)" in refused(check_input_folder, tmp_path)
+
+
+@pytest.mark.parametrize("flag", ["--metrics-json", "--val-history"])
+def test_a_dlojz_output_file_that_is_a_folder_is_refused_before_the_data_is_read(tmp_path, run_inline, flag):
+    # --data-root does not exist: a check that waited for the data would report that first.
+    proc = run_inline(*SMALL, "--data-root", tmp_path / "no-such-dir", flag, tmp_path, "--output-dir", tmp_path / "o")
+    assert_one_line_error(proc, flag, "is a folder")
+
+
+def test_the_test_mode_s_output_folder_is_checked_too(tmp_path, run_inline):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    proc = run_inline(*SMALL, "--synthetic", "--test", "--output-dir", blocker)
+    assert_one_line_error(proc, "--output-dir", "is a file, not a folder")
+
+
+def test_chrono_plot_into_a_folder_that_cannot_be(tmp_path, capsys):
+    import dlojz_chrono
+
+    trace = tmp_path / "trace.json"
+    trace.write_text("{}")
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    with pytest.raises(SystemExit) as exit:
+        dlojz_chrono.main(["plot", str(trace), "-o", str(blocker / "timeline.png")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit.value.code == 2 and "-o/--output" in err[-1] and "is a file, not a folder" in err[-1], err
+
+
+@pytest.mark.parametrize("storage", ["{blocker}/study.journal", "sqlite:///{blocker}/x.db", "{folder}"])
+def test_hpo_search_storage_that_cannot_be_written(tmp_path, capsys, storage):
+    import dlojz_hpo
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    space = tmp_path / "space.toml"
+    space.write_text("[lr]\nlow = 0.01\nhigh = 0.1\n")
+    storage = storage.format(blocker=blocker, folder=tmp_path)
+    status = dlojz_hpo.main(["search", "--study", "s", "--storage", storage, "--space", str(space), "--trials", "1"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert status == 2 and len(err) == 1 and "--storage" in err[0], err
+    assert "is a file, not a folder" in err[0] or "is a folder" in err[0], err
+
+
+def test_hpo_report_out_that_is_a_file(tmp_path, capsys):
+    import dlojz_hpo
+
+    journal, blocker = tmp_path / "s.journal", tmp_path / "a-file"
+    journal.write_text("")
+    blocker.write_text("")
+    status = dlojz_hpo.main(["report", "--study", "s", "--storage", str(journal), "--out", str(blocker)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert status == 2 and len(err) == 1 and "--out" in err[0] and "is a file, not a folder" in err[0], err
+
+
+def test_fsdp_consolidate_onto_a_folder(tmp_path, capsys):
+    import dlojz_fsdp
+
+    status = dlojz_fsdp.main(["consolidate", str(tmp_path / "ckpt.dcp"), str(tmp_path)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert status == 2 and len(err) == 1 and "is a folder: give a file name" in err[0], err
+
+
+# ---------------------------------------------------------------- inputs that cannot be read (root reads everything:
+# the refusals are simulated where the permission bits would not stop the test's user)
+def test_an_unreadable_split_folder_is_named(tiny_data, monkeypatch):
+    from pathlib import Path
+
+    from dlojz_data import DataError, find_layout
+
+    iterdir = Path.iterdir
+
+    def guarded(path):
+        if path.name == "train":
+            raise PermissionError(13, "Permission denied", str(path))
+        return iterdir(path)
+
+    monkeypatch.setattr(Path, "iterdir", guarded)
+    with pytest.raises(DataError, match=r"/train: cannot be read \(Permission denied\); check its permissions"):
+        find_layout(tiny_data)
+
+
+def test_an_unreadable_class_folder_is_named_not_called_empty(tiny_data, monkeypatch):
+    import torchvision.datasets.folder as folder
+
+    from dlojz_data import DataError, build_datasets
+
+    hidden = sorted((tiny_data / "train").iterdir())[1]
+    walk, access = os.walk, os.access
+    monkeypatch.setattr(folder.os, "walk", lambda top, **kw: iter(()) if str(top) == str(hidden) else walk(top, **kw))
+    monkeypatch.setattr(os, "access", lambda path, mode: str(path) != str(hidden) and access(path, mode))
+    with pytest.raises(DataError, match=rf"^{hidden}: cannot be read \(Permission denied\)"):
+        build_datasets(tiny_data, None, None)
+
+
+def test_an_unwritable_cache_for_the_embedded_data_set(tmp_path):
+    from dlojz_data import DataError, make_embedded_dataset
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    with pytest.raises(DataError, match=r"cannot be written into .*a-file .*set XDG_CACHE_HOME"):
+        make_embedded_dataset(blocker / "embedded", n_classes=1, train_per_class=1, val_per_class=1)
