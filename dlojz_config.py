@@ -899,6 +899,9 @@ def check(cfg: Config):
 
     check_flags(dataclasses.asdict(cfg))
     check_data_variable(dataclasses.asdict(cfg))
+    from dlojz_model import check_arch
+
+    check_arch(cfg.arch)  # before the data is scanned
     if cfg.optimizer not in FUSED:  # timm's; timm is imported only for them
         try:
             import timm.optim  # noqa: F401

@@ -27,7 +27,7 @@ import copy
 import torch
 import torchvision
 
-from dlojz_config import fail
+from dlojz_checks import fail
 
 
 def create_model(
@@ -39,6 +39,7 @@ def create_model(
     ResNet's loss falls from the first steps instead of climbing, as in timm and Goyal et al. 2017). `image_size`:
     the training size, for the timm models that fix one (vision transformers, CoAtNet), which then also take the
     validation's size."""
+    check_arch(arch)
     if arch.startswith("timm:"):
         return create_timm_model(arch, num_classes, zero_init_residual, image_size)
     options = dict(zero_init_residual=True) if zero_init_residual in (True, None) else {}
@@ -48,18 +49,22 @@ def create_model(
         if zero_init_residual is None:  # the default, on a model without the option
             return torchvision.models.get_model(arch, weights=None, num_classes=num_classes)
         fail(f"--zero-init-residual: --arch {arch} does not take it (ResNet, ResNeXt and Wide ResNet models do)")
-    except (ValueError, KeyError):
-        import difflib
-
-        names = torchvision.models.list_models(module=torchvision.models)
-        close = difflib.get_close_matches(arch, names, n=3)
-        fail(
-            f"--arch {arch}: unknown torchvision classification model"
-            + (f" (did you mean {', '.join(close)}?)" if close else "; timm models: --arch timm:NAME")
-        )
 
 
-def create_timm_model(arch, num_classes, zero_init_residual, image_size):
+def check_arch(arch):
+    """One line unless `arch` names a classification model that can be made here, without a download: torchvision's
+    detection and segmentation models are refused (they would fetch a pretrained backbone)."""
+    import difflib
+
+    if not arch.startswith("timm:"):
+        names = torchvision.models.list_models(module=torchvision.models)  # classification models only
+        if arch not in names:
+            close = difflib.get_close_matches(arch, names, n=3)
+            fail(
+                f"--arch {arch}: not a torchvision classification model"
+                + (f" (did you mean {', '.join(close)}?)" if close else "; timm models: --arch timm:NAME")
+            )
+        return
     try:
         import timm
     except ImportError as err:
@@ -77,6 +82,12 @@ def create_timm_model(arch, num_classes, zero_init_residual, image_size):
                 else " (python -c 'import timm; print(timm.list_models())')"
             )
         )
+
+
+def create_timm_model(arch, num_classes, zero_init_residual, image_size):
+    import timm
+
+    name = arch[len("timm:") :]
     if zero_init_residual:
         fail(f"--zero-init-residual: --arch {arch}: a torchvision ResNet option; timm models set their own init")
     # Models with a fixed input size take the training size, and any other (validation's) with dynamic_img_size.

@@ -150,3 +150,20 @@ def test_an_unwritable_cache_for_the_embedded_data_set(tmp_path):
     blocker.write_text("")
     with pytest.raises(DataError, match=r"cannot be written into .*a-file .*set XDG_CACHE_HOME"):
         make_embedded_dataset(blocker / "embedded", n_classes=1, train_per_class=1, val_per_class=1)
+
+
+@pytest.mark.parametrize(
+    "arch, fragment",
+    [
+        ("fasterrcnn_resnet50_fpn", "not a torchvision classification model"),  # would download a backbone
+        ("resnet5O", "did you mean resnet50"),
+        ("timm:resnet5O", "unknown timm model"),
+    ],
+)
+def test_an_arch_that_is_no_classification_model_is_refused_before_the_data_is_read(
+    tmp_path, run_inline, arch, fragment
+):
+    proc = run_inline(
+        *SMALL[:2], *SMALL[4:], "--arch", arch, "--data-root", tmp_path / "no-such-dir", "--output-dir", tmp_path
+    )
+    assert_one_line_error(proc, f"--arch {arch}", fragment)

@@ -66,7 +66,7 @@ def test_a_val_crop_larger_than_its_resize_is_one_line(run_inline):
     "arch, needle",
     [
         ("timm:resnet10", "unknown timm model (did you mean timm:resnet10t"),
-        ("vit_tiny_patch16_224", "unknown torchvision classification model; timm models: --arch timm:NAME"),
+        ("vit_tiny_patch16_224", "not a torchvision classification model; timm models: --arch timm:NAME"),
     ],
 )
 def test_a_wrong_model_name_is_one_line(run_inline, tiny_data, tmp_path, arch, needle):
