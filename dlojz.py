@@ -622,6 +622,14 @@ def build_loaders(cfg, train_set, val_set, num_classes, ranks, log) -> Loaders:
             f"resolution: training {cfg.image_size} px, validation {cfg.val_crop_size} px "
             f"({cfg.val_crop_size / cfg.image_size:.2f}x)"
         )
+    # A batch larger than a rank's share is the whole share, padded, with the LR scaled for images that are not there.
+    per_rank = (len(train_set) // ranks.world_size) if cfg.drop_last else math.ceil(len(train_set) / ranks.world_size)
+    if cfg.batch_size > per_rank:
+        fail(
+            f"--batch-size {cfg.batch_size} is more than the {per_rank} training images of each of the "
+            f"{ranks.world_size} process(es) ({len(train_set)} in all{', --drop-last' if cfg.drop_last else ''}): "
+            f"give --batch-size {per_rank} at most"
+        )
     train_sampler = EpochSampler(
         train_set, ranks.world_size, ranks.rank, shuffle=True, seed=cfg.seed, drop_last=cfg.drop_last
     )

@@ -151,6 +151,16 @@ def check_shards(path):
 
 def load(path):
     path = Path(path)
+    if path.is_dir() and not NAME_RE.match(path.name):  # not a sharded checkpoint (ckpt_e*_s*.dcp): a run's folder?
+        found = list_checkpoints(path)
+        raise CheckpointError(
+            f"checkpoint {path} is a folder, not a checkpoint: "
+            + (
+                f"its newest is {found[-1].name}; give --resume auto --output-dir {path}, or one checkpoint file"
+                if found
+                else "give a checkpoint file (ckpt_e*_s*.pt) or a sharded checkpoint folder (ckpt_e*_s*.dcp)"
+            )
+        )
     if path.is_dir():
         check_shards(path)
         state = load(path / SHARDED_META)

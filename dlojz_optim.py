@@ -203,7 +203,9 @@ def build_scheduler(
     if name not in SCHEDULERS:
         raise ValueError(f"--lr-scheduler {name!r} is unknown: choose one of {', '.join(SCHEDULERS)}")
     if total_steps < 2:
-        raise ValueError(f"the schedule needs at least 2 optimizer steps, got {total_steps}: raise --epochs")
+        raise ValueError(
+            f"the schedule needs at least 2 optimizer steps, got {total_steps}: raise --epochs, or lower --batch-size or --grad-acc"
+        )
     if not 0 <= warmup_steps < total_steps:
         raise ValueError(f"warmup lasts {warmup_steps} steps out of {total_steps}: lower --warmup-epochs")
 

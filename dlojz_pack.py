@@ -687,12 +687,9 @@ def pack(src, dst, shard_size=None, workers=None, log=print):
 # ---------------------------------------------------------------------------------------------------------------
 # Reading
 def is_packed(root):
-    """True if `root` holds a dlojz pack, finished or not (PackedSplit then says what is wrong with it)."""
-    try:
-        manifest = json.loads((Path(root) / MANIFEST).read_text())
-    except (OSError, ValueError):
-        return False
-    return isinstance(manifest, dict) and manifest.get("format") == FORMAT
+    """True if `root` holds a dlojz pack, finished, damaged or not (PackedSplit then says what is wrong with it: a
+    corrupt manifest is named as such, not taken for a folder data set)."""
+    return (Path(root) / MANIFEST).is_file()
 
 
 class PackedSplit:

@@ -167,3 +167,30 @@ def test_an_arch_that_is_no_classification_model_is_refused_before_the_data_is_r
         *SMALL[:2], *SMALL[4:], "--arch", arch, "--data-root", tmp_path / "no-such-dir", "--output-dir", tmp_path
     )
     assert_one_line_error(proc, f"--arch {arch}", fragment)
+
+
+# ---------------------------------------------------------------- messages that say what is wrong
+def test_resume_given_a_run_folder_says_so(tmp_path):
+    import dlojz_checkpoint as ckpt
+
+    (tmp_path / "ckpt_e1_s10.pt").write_bytes(b"")
+    (tmp_path / "ckpt_e2_s20.pt").write_bytes(b"")
+    with pytest.raises(ckpt.CheckpointError, match=r"is a folder, not a checkpoint: its newest is ckpt_e2_s20\.pt; "):
+        ckpt.load(tmp_path)
+    with pytest.raises(ckpt.CheckpointError, match=r"is a folder, not a checkpoint: give a checkpoint file"):
+        ckpt.load((tmp_path / "empty").mkdir() or tmp_path / "empty")
+
+
+def test_a_batch_larger_than_the_data_set_is_refused(tiny_data, tmp_path, run_inline):
+    proc = run_inline(*SMALL, "--data-root", tiny_data, "-b", "100000", "--output-dir", tmp_path)
+    assert_one_line_error(proc, "--batch-size 100000 is more than the 72 training images", "--batch-size 72 at most")
+
+
+def test_a_pack_with_a_corrupt_manifest_is_named_as_such(tmp_path):
+    from dlojz_data import DataError, build_datasets
+
+    for split in ("train", "val"):
+        (tmp_path / split / "cls").mkdir(parents=True)
+    (tmp_path / "dlojz_pack.json").write_text("{not json")
+    with pytest.raises(DataError, match=r"dlojz_pack\.json: unreadable"):
+        build_datasets(tmp_path, None, None)
