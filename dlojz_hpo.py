@@ -49,7 +49,17 @@ import time
 import warnings
 from pathlib import Path
 
-from dlojz_config import UserError, get_args_parser, recipe_value, resolve_config, value_type
+from dlojz_config import (
+    COUNT,
+    NON_NEGATIVE,
+    POSITIVE,
+    Number,
+    UserError,
+    get_args_parser,
+    recipe_value,
+    resolve_config,
+    value_type,
+)
 
 DLOJZ = Path(__file__).resolve().parent / "dlojz.py"
 # Flags the worker sets for each trial: not in the search space nor after `--` (--output-dir is the trials' root).
@@ -512,7 +522,7 @@ def make_sampler(args, n_trials):
     points of its first life."""
     import optuna
 
-    seed = None if args.sampler_seed is None else args.sampler_seed * 1_000_003 + n_trials
+    seed = None if args.sampler_seed is None else (args.sampler_seed * 1_000_003 + n_trials) % 2**32  # numpy's range
     if args.sampler == "random":
         return optuna.samplers.RandomSampler(seed=seed)
     # constant_liar: parallel workers do not all sample next to the same promising point
@@ -750,8 +760,8 @@ def get_parser():
     s.add_argument("--study", required=True, help="study name (the trials' folder under --output-dir)")
     s.add_argument("--storage", required=True, help="journal file on the shared file system (or a database URL)")
     s.add_argument("--space", required=True, metavar="FILE.toml", help="search space: one table per dlojz.py flag")
-    s.add_argument("--trials", type=int, required=True, help="trials this worker finishes (or prunes)")
-    s.add_argument("--timeout", type=float, default=None, help="seconds after which this worker starts no new trial")
+    s.add_argument("--trials", type=COUNT, required=True, help="trials this worker finishes (or prunes)")
+    s.add_argument("--timeout", type=POSITIVE, default=None, help="seconds after which this worker starts no new trial")
     s.add_argument(
         "--direction",
         choices=("maximize", "minimize"),
@@ -759,7 +769,9 @@ def get_parser():
         help="maximize the last top-1 (default), or minimize the time to --target-accuracy",
     )
     s.add_argument("--sampler", choices=("tpe", "random"), default="tpe", help="(default: tpe)")
-    s.add_argument("--sampler-seed", type=int, default=None, help="give each worker its own (e.g. the array task id)")
+    s.add_argument(
+        "--sampler-seed", type=Number(int, 0), default=None, help="give each worker its own (e.g. the array task id)"
+    )
     s.add_argument(
         "--pruner",
         choices=("median", "hyperband", "threshold", "none"),
@@ -767,26 +779,34 @@ def get_parser():
         help="judges every validation (default: median)",
     )
     s.add_argument(
-        "--pruner-startup-trials", type=int, default=4, help="median: trials never pruned first (default: 4)"
+        "--pruner-startup-trials", type=Number(int, 0), default=4, help="median: trials never pruned first (default: 4)"
     )
-    s.add_argument("--pruner-warmup-epochs", type=int, default=0, help="validations never pruned (default: 0)")
-    s.add_argument("--prune-below", type=float, default=None, metavar="TOP1", help="threshold: prune below this top-1")
+    s.add_argument(
+        "--pruner-warmup-epochs", type=Number(int, 0), default=0, help="validations never pruned (default: 0)"
+    )
+    s.add_argument(
+        "--prune-below",
+        type=NON_NEGATIVE,  # above 1: every trial is pruned at its first validation
+        default=None,
+        metavar="TOP1",
+        help="threshold: prune below this top-1",
+    )
     s.add_argument(
         "--launch", default="", help='command before python for multi-GPU trials, e.g. "srun --kill-on-bad-exit=1"'
     )
-    s.add_argument("--heartbeat-interval", type=float, default=30, help="seconds between heartbeats (default: 30)")
+    s.add_argument("--heartbeat-interval", type=POSITIVE, default=30, help="seconds between heartbeats (default: 30)")
     s.add_argument(
         "--stale-after",
-        type=float,
+        type=POSITIVE,
         default=180,
         help="a running trial without heartbeat for this long is failed and retried (default: 180)",
     )
-    s.add_argument("--poll-interval", type=float, default=1.0, help=argparse.SUPPRESS)
+    s.add_argument("--poll-interval", type=POSITIVE, default=1.0, help=argparse.SUPPRESS)
     r = commands.add_parser("report", help="best trials, plots, trials.csv and best.toml (a recipe for --config)")
     r.add_argument("--study", required=True)
     r.add_argument("--storage", required=True)
     r.add_argument("--out", required=True, help="folder for the plots, the CSV and best.toml")
-    r.add_argument("--top", type=int, default=5, help="best trials printed (default: 5)")
+    r.add_argument("--top", type=COUNT, default=5, help="best trials printed (default: 5)")
     for sub in (s, r):
         sub.error = lambda message, sub=sub: sub.exit(2, f"dlojz_hpo {sub.prog.split()[-1]}: error: {message}\n")
     return parser
@@ -801,8 +821,10 @@ def main(argv=None):
     args = get_parser().parse_args(argv)
     try:
         if args.command == "search":
-            if args.trials < 1 or args.heartbeat_interval <= 0 or args.stale_after <= args.heartbeat_interval:
-                fail("--trials must be >= 1, and --stale-after longer than --heartbeat-interval > 0")
+            if args.stale_after <= args.heartbeat_interval:
+                fail(
+                    f"--stale-after {args.stale_after:g} must be longer than --heartbeat-interval {args.heartbeat_interval:g}"
+                )
             return search(args, shared)
         if shared:
             fail("report takes no dlojz flags after --")

@@ -194,3 +194,44 @@ def test_a_pack_with_a_corrupt_manifest_is_named_as_such(tmp_path):
     (tmp_path / "dlojz_pack.json").write_text("{not json")
     with pytest.raises(DataError, match=r"dlojz_pack\.json: unreadable"):
         build_datasets(tmp_path, None, None)
+
+
+HPO_FREE = {
+    "study": "a name",
+    "storage": "a journal file or a database URL, checked writable before the search",
+    "space": "a TOML file, read and checked key by key",
+    "launch": "a command prefix (srun ...)",
+    "out": "a folder, checked writable before the report",
+}
+
+
+def test_every_flag_of_dlojz_hpo_refuses_what_it_cannot_take(tmp_path, capsys):
+    """The walk of test_config's, over dlojz_hpo.py's two commands: each option with a value has bounds or a reason."""
+    import argparse
+
+    import dlojz_hpo
+    from test_config import out_of_bounds
+
+    parser = dlojz_hpo.get_parser()
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+    required = {
+        "search": ["--study", "s", "--storage", str(tmp_path / "j"), "--space", "x.toml", "--trials", "1"],
+        "report": ["--study", "s", "--storage", str(tmp_path / "j"), "--out", str(tmp_path)],
+    }
+    walked = 0
+    for name, command in commands.items():
+        for action in command._actions:
+            if action.nargs == 0 or action.dest == "help":
+                continue
+            values = out_of_bounds(action)
+            if not values:
+                assert action.dest in HPO_FREE, f"dlojz_hpo {name} {action.option_strings[-1]} has no bounds"
+                continue
+            for value in values:
+                with pytest.raises(SystemExit) as exit:
+                    dlojz_hpo.main([name, *required[name], action.option_strings[-1], value])
+                lines = capsys.readouterr().err.strip().splitlines()
+                assert exit.value.code == 2 and len(lines) == 1, (name, action.dest, value, lines)
+                assert action.option_strings[-1] in lines[0], lines
+                walked += 1
+    assert walked > 30

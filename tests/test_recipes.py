@@ -44,6 +44,9 @@ def test_the_file_fills_the_flags_and_the_command_line_wins(tmp_path):
         ("tta-flip = 1\n", "key 'tta-flip' is a switch: true or false"),
         ("optimizer = 'adam'\n", "key 'optimizer' must be one of sgd, adamw"),
         ("randaugment = 2\n", "key 'randaugment' takes a list of 2 values"),
+        ("lr = 0\n", "key 'lr' must be > 0 (got 0.0)"),  # a value out of the flag's bounds
+        ("randaugment = [2, 50]\n", "key 'randaugment' must be in [0, 30] (got 50)"),
+        ("label-smoothing = 1.5\n", "key 'label-smoothing' must be in [0, 1) (got 1.5)"),
         ("lr = \n", "not valid TOML"),
     ],
 )
