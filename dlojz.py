@@ -631,7 +631,13 @@ def build_loaders(cfg, train_set, val_set, num_classes, ranks, log) -> Loaders:
             f"give --batch-size {per_rank} at most"
         )
     train_sampler = EpochSampler(
-        train_set, ranks.world_size, ranks.rank, shuffle=True, seed=cfg.seed, drop_last=cfg.drop_last
+        train_set,
+        ranks.world_size,
+        ranks.rank,
+        shuffle=True,
+        seed=cfg.seed,
+        drop_last=cfg.drop_last,
+        batch_size=cfg.batch_size,
     )
     if cfg.fsdp and len(val_set) < ranks.world_size:
         fail(f"--fsdp: the validation set has {len(val_set)} images for {ranks.world_size} ranks: each rank needs one")

@@ -170,7 +170,7 @@ class DaliBatches:
         self.finished = False  # the previous iteration ran to its end (the pipeline then holds the next epoch)
 
     def __len__(self):
-        n = getattr(self.sampler, "num_samples", None) or len(self.sampler)
+        n = getattr(self.sampler, "trained", None) or getattr(self.sampler, "num_samples", None) or len(self.sampler)
         return n // self.batch_size if self.drop_last else math.ceil(n / self.batch_size)
 
     def _wanted(self):

@@ -376,18 +376,25 @@ def build_packed_datasets(root, train_transform, val_transform, seed=0):
 # ---------------------------------------------------------------------------------------------------------------
 # Samplers
 class EpochSampler(torch.utils.data.DistributedSampler):
-    """DistributedSampler that yields (epoch, index) and can start mid-epoch (`skip` samples already seen)."""
+    """DistributedSampler that yields (epoch, index) and can start mid-epoch (`skip` samples already seen).
 
-    def __init__(self, dataset, num_replicas, rank, shuffle=True, seed=0, drop_last=False):
+    The last, incomplete batch is kept (every image trains every epoch, the step count is the ceiling), except when
+    it would hold a single image: BatchNorm cannot normalise a batch of one in training, and one extra file in a
+    data set would crash the epoch. That image then waits for the next epoch, where the shuffle puts it elsewhere;
+    every rank has the same share, so all of them leave it out together. `batch_size`: the per-rank (micro-)batch."""
+
+    def __init__(self, dataset, num_replicas, rank, shuffle=True, seed=0, drop_last=False, batch_size=None):
         super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed, drop_last=drop_last)
         self.skip = 0
+        alone = batch_size and batch_size > 1 and self.num_samples > 1 and self.num_samples % batch_size == 1
+        self.trained = self.num_samples - 1 if alone and not drop_last else self.num_samples
 
     def __iter__(self):
-        indices = list(super().__iter__())[self.skip :]
+        indices = list(super().__iter__())[: self.trained][self.skip :]
         return iter([(self.epoch, i) for i in indices])
 
     def __len__(self):
-        return self.num_samples - self.skip
+        return self.trained - self.skip
 
 
 class ShardSampler(torch.utils.data.Sampler):
