@@ -49,6 +49,7 @@ from dlojz_data import (
     select_train_subset,
 )
 from dlojz_dist import (
+    INTERRUPTED,
     Distribution,
     StopPoll,
     StopSignal,
@@ -1056,7 +1057,8 @@ def cli(argv=None) -> int:
     rank = idr_torch.rank
     status = 0
     try:
-        main(argv)
+        if (main(argv) or {}).get("stopped_by") == INTERRUPTED:  # Ctrl-C, checkpointed: the shell's status for it
+            status = 130
     except SystemExit as err:  # argparse: --help, or a bad flag already reported in one line
         status = err.code if isinstance(err.code, int) else 2
     except (UserError, DataError) as err:

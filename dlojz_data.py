@@ -411,11 +411,11 @@ class ShardSampler(torch.utils.data.Sampler):
 
 
 def _worker_init(_):
-    # Slurm's preemption signal reaches every process of the step: the workers must not die of it,
-    # the main process handles it (finishes the step, checkpoints).
+    # Slurm's preemption signal reaches every process of the step, and a terminal's Ctrl-C every process of its
+    # group: the workers must not die of them, the main process handles them (finishes the step, checkpoints).
     import signal
 
-    for signum in (signal.SIGUSR1, signal.SIGTERM, signal.SIGUSR2):
+    for signum in (signal.SIGUSR1, signal.SIGTERM, signal.SIGUSR2, signal.SIGINT):
         signal.signal(signum, signal.SIG_IGN)
     torch.set_num_threads(1)
 

@@ -46,22 +46,28 @@ class Distribution:
 
 
 STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM, signal.SIGUSR2)
-NO_REQUEUE = "SIGUSR2"  # stop and checkpoint, but do not requeue
+INTERRUPTED = "SIGINT"  # Ctrl-C: a stop like the others; the run then exits with 130, the shell's convention
+NO_REQUEUE = ("SIGUSR2", INTERRUPTED)  # stop and checkpoint, but do not requeue: a person asked for the stop
 
 
 class StopSignal:
     """Slurm's preemption warning (--signal=USR1@T) or SIGTERM: finish the current step, checkpoint, requeue.
-    SIGUSR2: the same without the requeue."""
+    SIGUSR2 and Ctrl-C (SIGINT): the same without the requeue; a second Ctrl-C stops at once (KeyboardInterrupt)."""
 
     def __init__(self):
         self.name = None  # the signal received, if any
 
     def install(self):
-        for signum in STOP_SIGNALS:
+        for signum in (*STOP_SIGNALS, signal.SIGINT):
             signal.signal(signum, self._receive)
         return self
 
     def _receive(self, signum, _frame):
+        if signum == signal.SIGINT:
+            if self.name == INTERRUPTED:
+                raise KeyboardInterrupt
+            # os.write, not print: the handler may run in the middle of a print of the main thread
+            os.write(2, b"dlojz: Ctrl-C: stopping at the next step with a checkpoint (Ctrl-C again: at once)\n")
         self.name = signal.Signals(signum).name
 
 
@@ -127,9 +133,11 @@ def requeue(cfg, ranks, reason=None):
     processes as it requeues it, so W&B and the metrics must be written before. --no-requeue, or `reason`
     NO_REQUEUE: only say how to continue."""
     job_id = os.environ.get("SLURM_JOB_ID")
-    if ranks.is_main and job_id and not cfg.test and cfg.requeue and reason != NO_REQUEUE:
+    if ranks.is_main and job_id and not cfg.test and cfg.requeue and reason not in NO_REQUEUE:
         print(f"requeue: scontrol requeue {job_id} (resume with --resume auto)", flush=True)
         subprocess.run(["scontrol", "requeue", job_id], check=False)
+    elif ranks.is_main and cfg.test:
+        print(f"stopped by {reason} (--test writes no checkpoint)", flush=True)
     elif ranks.is_main:
         print(f"stopped cleanly; continue with --resume auto --output-dir {cfg.output_dir}", flush=True)
 

@@ -120,7 +120,7 @@ def run_inline(capsys, monkeypatch):
             monkeypatch.delenv(key)
 
     def run(*args):
-        saved = {s: signal.getsignal(s) for s in (signal.SIGUSR1, signal.SIGTERM, signal.SIGUSR2)}
+        saved = {s: signal.getsignal(s) for s in (signal.SIGUSR1, signal.SIGTERM, signal.SIGUSR2, signal.SIGINT)}
         try:
             status = dlojz.cli([str(a) for a in args])
         finally:

@@ -2,9 +2,11 @@
 same weights as an uninterrupted run. With several ranks, a signal reaching one rank stops all of them at the same
 step, and a rank that dies ends the others in bounded time."""
 
+import os
 import signal
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -280,3 +282,86 @@ def test_ema_and_wandb_run_are_continued_on_resume(tiny_data, tmp_path):
     assert int(second["ema"]["n_averaged"]) == 18  # the average went on from the saved one, not from scratch
     runs = sorted(p.name for p in (out / "wandb").glob("offline-run-*"))
     assert len(runs) == 2 and all(name.endswith(first["wandb_id"]) for name in runs), runs
+
+
+# ----------------------------------------------------------------------------- Ctrl-C
+def descendants(pid):
+    """The processes started by `pid`, and theirs (its DataLoader workers): /proc's parent links."""
+    children = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def ignores_sigint(pid):
+    """Whether the process ignores SIGINT (/proc's SigIgn mask: bit 1 is signal 2)."""
+    mask = next(line for line in Path(f"/proc/{pid}/status").read_text().splitlines() if line.startswith("SigIgn:"))
+    return bool(int(mask.split()[1], 16) & (1 << (signal.SIGINT - 1)))
+
+
+def ctrl_c(proc):
+    """What a terminal's Ctrl-C does: SIGINT to every process of the foreground group, the workers too."""
+    for pid in [proc.pid, *descendants(proc.pid)]:
+        try:
+            os.kill(pid, signal.SIGINT)
+        except ProcessLookupError:
+            pass
+
+
+@pytest.mark.parametrize("workers_flag", ["1", "0"])
+def test_ctrl_c_checkpoints_says_how_to_continue_and_resumes_exactly(resume_data, tmp_path, workers_flag):
+    run = [*RUN, "--num-workers", workers_flag, "--data-root", resume_data]
+    straight = tmp_path / "straight"
+    assert run_dlojz(*run, "--output-dir", straight).returncode == 0
+    out = tmp_path / "run"
+    proc = start([*run, "--output-dir", out], clean_env())
+    early = wait_for_line(proc, "Epoch 1/2, Step")
+    workers = descendants(proc.pid)
+    assert (len(workers) > 0) == (workers_flag == "1") and all(ignores_sigint(pid) for pid in workers), workers
+    ctrl_c(proc)
+    rest, _ = proc.communicate(timeout=300)
+    log = early + rest
+    assert proc.returncode == 130, log
+    assert "Traceback" not in log and "exited unexpectedly" not in log, log
+    assert log.count("dlojz: Ctrl-C: stopping at the next step") == 1, log  # the workers ignore it
+    assert "SIGINT received: saving a checkpoint" in log and f"continue with --resume auto --output-dir {out}" in log
+    assert 0 < final_weights(out)["global_step"] < 30
+    assert not [pid for pid in descendants(proc.pid)]  # no worker left behind
+    proc = run_dlojz(*run, "--output-dir", out, "--resume", "auto")
+    assert proc.returncode == 0, show(proc)
+    a, b = final_weights(straight), final_weights(out)
+    assert a["global_step"] == b["global_step"] == 30
+    for key, value in a["model"].items():
+        assert torch.allclose(value.float(), b["model"][key].float(), rtol=1e-5, atol=1e-6), key
+
+
+def test_ctrl_c_on_two_ranks_stops_both_with_one_checkpoint(resume_data, tmp_path):
+    out = tmp_path / "run"
+    rank0, rank1 = start_ranks([*RUN, "--data-root", resume_data, "--output-dir", out])
+    early = wait_for_line(rank0, "Epoch 1/2, Step")
+    for proc in (rank0, rank1):  # srun and torchrun pass the terminal's Ctrl-C to every rank
+        ctrl_c(proc)
+    log0 = early + rank0.communicate(timeout=300)[0]
+    log1 = rank1.communicate(timeout=300)[0]
+    assert rank0.returncode == 130 and rank1.returncode == 130, log0 + log1
+    assert "Traceback" not in log0 + log1 and "continue with --resume auto" in log0, log0 + log1
+    assert 0 < final_weights(out)["global_step"] < 16
+
+
+def test_a_second_ctrl_c_stops_at_once(resume_data, tmp_path):
+    proc = start([*RUN, "--epochs", "50", "--data-root", resume_data, "--output-dir", tmp_path], clean_env())
+    early = wait_for_line(proc, "Epoch 1/50, Step")
+    ctrl_c(proc)
+    ctrl_c(proc)
+    rest, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 130, early + rest
+    assert "Traceback" not in rest, rest
