@@ -679,6 +679,12 @@ def resolve_config(args) -> Config:
     cpus_per_task = idr_torch.cpus_per_task
     if values["num_workers"] is None:  # one core left to the training process, which feeds the GPU
         values["num_workers"] = max(0, min(cpus_per_task - 1, 16))
+    elif values["num_workers"] > 2 * cpus_per_task:  # each worker a process with its own decoded batches
+        fail(
+            f"--num-workers {values['num_workers']}: this task may use {cpus_per_task} CPUs (affinity or "
+            f"SLURM_CPUS_PER_TASK); more than twice as many workers only compete for them and fill the memory: "
+            f"give at most {2 * cpus_per_task} (default: {max(0, min(cpus_per_task - 1, 16))})"
+        )
     elif values["num_workers"] > cpus_per_task:
         notes.append(
             f"WARNING: --num-workers {values['num_workers']} exceeds the {cpus_per_task} CPUs of this task: "

@@ -16,6 +16,7 @@
 Every bad input raises `DataError` with a one-line message that dlojz.py prints.
 """
 
+import functools
 import math
 import os
 import random
@@ -410,14 +411,34 @@ class ShardSampler(torch.utils.data.Sampler):
         return len(self.indices)
 
 
-def _worker_init(_):
+def _worker_init(_, parent):
     # Slurm's preemption signal reaches every process of the step, and a terminal's Ctrl-C every process of its
     # group: the workers must not die of them, the main process handles them (finishes the step, checkpoints).
     import signal
 
     for signum in (signal.SIGUSR1, signal.SIGTERM, signal.SIGUSR2, signal.SIGINT):
         signal.signal(signum, signal.SIG_IGN)
+    die_with_parent(parent)
     torch.set_num_threads(1)
+
+
+def die_with_parent(parent):
+    """A worker ends within a second of the main process `parent` (SIGKILL, the OOM killer): never an orphan holding
+    its memory. A thread watching that pid: the worker's own parent may be multiprocessing's fork server, not the
+    main process, so neither its parent pid nor Linux's PR_SET_PDEATHSIG tells when the main process dies."""
+    import threading
+
+    def watch():
+        while True:
+            time.sleep(1.0)
+            try:
+                os.kill(parent, 0)  # signal 0: only asks whether the process exists
+            except ProcessLookupError:
+                os._exit(0)
+            except PermissionError:  # exists, another user's (a reused pid): nothing to watch any more
+                return
+
+    threading.Thread(target=watch, name="dlojz-parent-watch", daemon=True).start()
 
 
 def close_loader(loader):
@@ -434,7 +455,9 @@ def make_loader(dataset, sampler, batch_size, num_workers, pin_memory, persisten
     workers_opts = {}
     if num_workers > 0:
         workers_opts = dict(
-            persistent_workers=persistent_workers, prefetch_factor=prefetch_factor, worker_init_fn=_worker_init
+            persistent_workers=persistent_workers,
+            prefetch_factor=prefetch_factor,
+            worker_init_fn=functools.partial(_worker_init, parent=os.getpid()),
         )
     return torch.utils.data.DataLoader(
         dataset,

@@ -180,8 +180,12 @@ def test_more_workers_than_cpus_is_a_warning(monkeypatch):
 
     monkeypatch.setattr(type(idr_torch), "cpus_per_task", property(lambda self: 2))  # idr_torch: class properties
     assert not any("exceeds" in note for note in resolve("--num-workers", "2").notes)
-    notes = resolve("--num-workers", "5").notes
-    assert any("WARNING: --num-workers 5 exceeds the 2 CPUs of this task" in note for note in notes), notes
+    notes = resolve("--num-workers", "3").notes
+    assert any("WARNING: --num-workers 3 exceeds the 2 CPUs of this task" in note for note in notes), notes
+    with pytest.raises(
+        UserError, match=r"^--num-workers 5: this task may use 2 CPUs .* give at most 4 \(default: 1\)$"
+    ):
+        resolve("--num-workers", "5")
     assert resolve().num_workers == 1  # unset: one core left to the training process
 
 

@@ -365,3 +365,24 @@ def test_a_second_ctrl_c_stops_at_once(resume_data, tmp_path):
     rest, _ = proc.communicate(timeout=120)
     assert proc.returncode == 130, early + rest
     assert "Traceback" not in rest, rest
+
+
+def test_no_worker_outlives_a_killed_main_process(resume_data, tmp_path):
+    proc = start([*RUN, "--num-workers", "2", "--data-root", resume_data, "--output-dir", tmp_path], clean_env())
+    wait_for_line(proc, "Epoch 1/2, Step")
+    workers = descendants(proc.pid)
+    assert workers
+    proc.kill()  # SIGKILL, as the OOM killer: no handler runs, no DataLoader shutdown
+    proc.wait(timeout=60)
+    deadline = time.time() + 3  # torch's own watchdog would take up to 5 s more, if the worker is waiting at all
+    while time.time() < deadline and any(Path(f"/proc/{pid}").exists() and not zombie(pid) for pid in workers):
+        time.sleep(0.1)
+    alive = [pid for pid in workers if Path(f"/proc/{pid}").exists() and not zombie(pid)]
+    assert not alive, alive
+
+
+def zombie(pid):
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
