@@ -205,8 +205,13 @@ class SeededSamples:
             try:
                 return transform(self.load(i)), self.samples[i][1]
             except (OSError, ValueError, SyntaxError) as err:
-                print(f"WARNING: skipping unreadable image {self.describe(i)}: {err}", file=sys.stderr, flush=True)
+                if self.describe(i) not in SKIPPED:  # named once per process, not again every epoch
+                    SKIPPED.add(self.describe(i))
+                    print(f"WARNING: skipping unreadable image {self.describe(i)}: {err}", file=sys.stderr, flush=True)
         raise DataError(f"no readable image in {self.root}")
+
+
+SKIPPED = set()  # the unreadable samples this process (a DataLoader worker, or the main one) has named
 
 
 class SafeImageFolder(SeededSamples, torchvision.datasets.ImageFolder):
@@ -332,7 +337,43 @@ def build_datasets(root, train_transform, val_transform, seed=0):
         lazy_pil_loader(first).load()
     except Exception as err:
         raise DataError(f"{first}: not a readable image ({err}); check --data-root") from None
+    check_classes_readable(train_set, classes)
     return train_set, val_set, classes, layout
+
+
+def check_classes_readable(dataset, classes):
+    """Refuse a class that has no readable training image: it would train on nothing (each of its files skipped with
+    a warning, every epoch). One file per class is opened (its header: milliseconds); a class whose first file
+    fails is then read whole. A class with some unreadable files gets one warning line with their count."""
+    from PIL import Image
+
+    def readable(path):
+        try:
+            with Image.open(path) as image:
+                image.verify()  # the header and the file's structure, without decoding the pixels
+            return True
+        except Exception:  # PIL raises many kinds for a file that is not an image
+            return False
+
+    first_of_class = {}
+    for index, (_, target) in enumerate(dataset.samples):
+        first_of_class.setdefault(target, index)
+    for target, first in sorted(first_of_class.items()):
+        if readable(dataset.samples[first][0]):
+            continue
+        files = [path for path, t in dataset.samples if t == target]
+        bad = [path for path in files if not readable(path)]
+        if len(bad) == len(files):
+            raise DataError(
+                f"class {classes[target]!r}: none of its {len(files)} training images can be read (first: "
+                f"{files[0]}); fix or remove the files, or remove the class from train/ and val/"
+            )
+        print(
+            f"WARNING: class {classes[target]!r}: {len(bad)} of its {len(files)} training images cannot be read "
+            f"(first: {bad[0]}); each is skipped when its turn comes",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def select_train_subset(dataset, spec):

@@ -52,7 +52,7 @@ NO_REQUEUE = ("SIGUSR2", INTERRUPTED)  # stop and checkpoint, but do not requeue
 
 class StopSignal:
     """Slurm's preemption warning (--signal=USR1@T) or SIGTERM: finish the current step, checkpoint, requeue.
-    SIGUSR2 and Ctrl-C (SIGINT): the same without the requeue; a second Ctrl-C stops at once (KeyboardInterrupt)."""
+    SIGUSR2 and Ctrl-C (SIGINT): the same without the requeue; a second Ctrl-C stops the process at once (130)."""
 
     def __init__(self):
         self.name = None  # the signal received, if any
@@ -64,8 +64,9 @@ class StopSignal:
 
     def _receive(self, signum, _frame):
         if signum == signal.SIGINT:
-            if self.name == INTERRUPTED:
-                raise KeyboardInterrupt
+            if self.name == INTERRUPTED:  # the second: now, whatever is under way (the last checkpoint stays)
+                os.write(2, b"dlojz: Ctrl-C again: stopped at once\n")
+                os._exit(130)  # no clean-up to wait for: the DataLoader workers end with this process
             # os.write, not print: the handler may run in the middle of a print of the main thread
             os.write(2, b"dlojz: Ctrl-C: stopping at the next step with a checkpoint (Ctrl-C again: at once)\n")
         self.name = signal.Signals(signum).name

@@ -235,3 +235,43 @@ def test_every_flag_of_dlojz_hpo_refuses_what_it_cannot_take(tmp_path, capsys):
                 assert action.option_strings[-1] in lines[0], lines
                 walked += 1
     assert walked > 30
+
+
+# ---------------------------------------------------------------- data that cannot train
+def test_a_class_without_one_readable_training_image_is_refused(tmp_path):
+    import shutil
+
+    from dlojz_data import DataError, build_datasets, make_embedded_dataset
+
+    data = make_embedded_dataset(tmp_path / "d", n_classes=3, train_per_class=4, val_per_class=1, size=(32, 32))
+    broken = tmp_path / "broken"
+    shutil.copytree(data, broken)
+    for path in (broken / "train" / "square").iterdir():
+        path.write_bytes(b"<html>not an image</html>")
+    with pytest.raises(DataError, match=r"^class 'square': none of its 4 training images can be read"):
+        build_datasets(broken, None, None)
+
+
+def test_a_class_with_some_unreadable_images_is_a_warning(tmp_path, capsys):
+    from dlojz_data import build_datasets, make_embedded_dataset
+
+    data = make_embedded_dataset(tmp_path / "d", n_classes=3, train_per_class=4, val_per_class=1, size=(32, 32))
+    first = sorted((data / "train" / "square").iterdir())[0]
+    first.write_bytes(b"")
+    train, _, classes, _ = build_datasets(data, None, None)
+    err = capsys.readouterr().err
+    assert "class 'square': 1 of its 4 training images cannot be read" in err and len(train) == 12, err
+
+
+def test_an_unreadable_image_is_named_once_not_every_epoch(tmp_path, capsys):
+    from dlojz_data import build_datasets, make_embedded_dataset
+
+    data = make_embedded_dataset(tmp_path / "d", n_classes=2, train_per_class=3, val_per_class=1, size=(32, 32))
+    bad = sorted((data / "train" / "square").iterdir())[1]
+    bad.write_bytes(b"")
+    train, _, _, _ = build_datasets(data, lambda image: 0, None)
+    index = [path for path, _ in train.samples].index(str(bad))
+    capsys.readouterr()
+    for epoch in range(3):
+        assert train[(epoch, index)] == (0, train.samples[index + 1][1])  # the next image takes its place
+    assert capsys.readouterr().err.count(f"skipping unreadable image {bad}") == 1
