@@ -655,11 +655,6 @@ def build_loaders(cfg, train_set, val_set, num_classes, ranks, log) -> Loaders:
         val_set, ShardSampler(val_set, ranks.world_size, ranks.rank), cfg.val_batch_size, drop_last=False, **options
     )
     LOADERS.extend([train, val])  # closed by cli(), whatever happens
-    if len(train) == 0:
-        fail(
-            f"--batch-size {cfg.batch_size} with --drop-last leaves no batch: the training set has "
-            f"{len(train_set) // ranks.world_size} images per process; lower --batch-size or use --no-drop-last"
-        )
     normalize = DeviceNormalize(ranks.device, channels_last=cfg.channels_last)
     return Loaders(
         train,
@@ -704,10 +699,6 @@ def dali_loaders(cfg, train_set, val_set, train_sampler, ranks, log) -> Loaders:
         ranks.device,
         normalize,
     )
-    if len(train) == 0:
-        fail(
-            f"--batch-size {cfg.batch_size} with --drop-last leaves no batch: lower --batch-size or use --no-drop-last"
-        )
     return Loaders(
         train,
         train_sampler,

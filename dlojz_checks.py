@@ -1,13 +1,12 @@
 """Bad input, shared by dlojz.py and its sibling scripts: the one-line error (`UserError`, `fail`) and the checks
-of the paths they write and read, made before any work: an output that cannot be written, a file name that is a
-folder, an input that cannot be read, each said in one line naming the flag, before the run rather than after it
-(a metrics file lost after hours, a traceback at the first validation). The lowest of dlojz's modules: it imports
-none of them, and no torch.
+made before any work: an output that cannot be written or a file name that is a folder, said in one line naming the
+flag before the run rather than after it (a metrics file lost after hours, a traceback at the first validation),
+and a $DLOJZ_DATA that names no folder. The lowest of dlojz's modules: it imports none of them, and no torch.
 
 - `check_output_folder(path, flag)`: the folder exists or can be made, and a file can be written in it.
 - `check_output_file(path, flag)`: not a folder, writable if it exists, and its folder as above.
-- `check_input_folder(path, flag)`: exists, is a folder, can be listed.
-Each raises UserError: one line, exit status 2 in every script.
+  Both raise UserError: one line, exit status 2 in every script.
+- `missing_data_variable(environ)`: the line saying that $DLOJZ_DATA names no folder, or None.
 """
 
 import os
@@ -46,13 +45,11 @@ def check_output_file(path, flag):
     check_output_folder(path.resolve().parent, flag, named=path)
 
 
-def check_input_folder(path, flag):
-    path = Path(path)
-    if not path.exists():
-        fail(f"{flag} {path}: no such folder")
-    if not path.is_dir():
-        fail(f"{flag} {path} is a file, not a folder")
-    try:
-        next(os.scandir(path), None)
-    except OSError as err:
-        fail(f"{flag} {path}: cannot be read ({err.strerror}); check its permissions")
+def missing_data_variable(environ):
+    """The line saying that $DLOJZ_DATA names no folder, or None. It is the user's own way to name the data: a typo
+    in it must not train on the embedded toy set ($ALL_CCFRSCRATCH and $DSDIR are the site's: their imagenet/ may be
+    absent, and the next fall-back is tried)."""
+    data = environ.get("DLOJZ_DATA")
+    if data and not os.path.isdir(data):
+        return f"$DLOJZ_DATA={data}: no such folder (give the folder holding train/ and val/, or unset it)"
+    return None

@@ -16,7 +16,7 @@ import os
 import warnings
 from datetime import datetime
 
-from dlojz_checks import UserError, fail  # noqa: F401  (UserError: imported from here by the scripts)
+from dlojz_checks import UserError, fail, missing_data_variable  # noqa: F401  (UserError: imported from here by the scripts)
 
 # torch, idr_torch (which imports torch) and timm are imported in the functions that use them.
 
@@ -677,13 +677,14 @@ def resolve_config(args) -> Config:
             + "  (any flag given explicitly wins)"
         )
     cpus_per_task = idr_torch.cpus_per_task
-    if values["num_workers"] is None:  # one core left to the training process, which feeds the GPU
-        values["num_workers"] = max(0, min(cpus_per_task - 1, 16))
+    default_workers = max(0, min(cpus_per_task - 1, 16))  # one core left to the training process, which feeds the GPU
+    if values["num_workers"] is None:
+        values["num_workers"] = default_workers
     elif values["num_workers"] > 2 * cpus_per_task:  # each worker a process with its own decoded batches
         fail(
             f"--num-workers {values['num_workers']}: this task may use {cpus_per_task} CPUs (affinity or "
             f"SLURM_CPUS_PER_TASK); more than twice as many workers only compete for them and fill the memory: "
-            f"give at most {2 * cpus_per_task} (default: {max(0, min(cpus_per_task - 1, 16))})"
+            f"give at most {2 * cpus_per_task} (default: {default_workers})"
         )
     elif values["num_workers"] > cpus_per_task:
         notes.append(
@@ -870,12 +871,9 @@ def check_launch():
 
 
 def check_data_variable(values):
-    """$DLOJZ_DATA, the user's own way to name the data, must name a folder when the data is read: a typo in it
-    must not train on the embedded toy set. ($ALL_CCFRSCRATCH and $DSDIR are the site's: their imagenet/ may be
-    absent, and the next fall-back is tried.)"""
-    data = os.environ.get("DLOJZ_DATA")
-    if data and not values["data_root"] and not values["synthetic"] and not os.path.isdir(data):
-        fail(f"$DLOJZ_DATA={data}: no such folder (give the folder holding train/ and val/, or unset it)")
+    """$DLOJZ_DATA naming no folder, when the data is read (not with --data-root or --synthetic): one line."""
+    if not values["data_root"] and not values["synthetic"] and (problem := missing_data_variable(os.environ)):
+        fail(problem)
 
 
 def check_command_line(argv=None):
@@ -903,8 +901,9 @@ def check(cfg: Config):
     """What needs the machine or the files: the device, the libraries a flag needs, the output paths."""
     import torch
 
-    check_flags(dataclasses.asdict(cfg))
-    check_data_variable(dataclasses.asdict(cfg))
+    values = dataclasses.asdict(cfg)
+    check_flags(values)
+    check_data_variable(values)
     from dlojz_model import check_arch
 
     check_arch(cfg.arch)  # before the data is scanned

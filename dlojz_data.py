@@ -28,6 +28,7 @@ import torch
 import torchvision
 from PIL import Image, ImageDraw
 
+from dlojz_checks import missing_data_variable
 from dlojz_transforms import image_from_bytes, lazy_image_loader, lazy_pil_loader
 
 IMAGENET_TRAIN_IMAGES = 1_281_167
@@ -56,10 +57,8 @@ def resolve_data_root(data_root):
     for var in ("ALL_CCFRSCRATCH", "DSDIR"):
         if os.environ.get(var):
             candidates.append((f"${var}/imagenet", os.path.join(os.environ[var], "imagenet")))
-    if candidates[0][1] and not Path(candidates[0][1]).is_dir():  # the user's own variable: a typo is an error
-        raise DataError(
-            f"$DLOJZ_DATA={candidates[0][1]}: no such folder (give the folder holding train/ and val/, or unset it)"
-        )
+    if problem := missing_data_variable(os.environ):
+        raise DataError(problem)
     for name, value in candidates:
         if value and Path(value).is_dir():
             return Path(value), name

@@ -6,7 +6,7 @@ import os
 import pytest
 
 from conftest import SMALL
-from dlojz_checks import UserError, check_input_folder, check_output_file, check_output_folder
+from dlojz_checks import UserError, check_output_file, check_output_folder
 from test_dlojz import assert_one_line_error
 
 
@@ -34,20 +34,6 @@ def test_output_folders(tmp_path):
     assert f"run: {blocker} is a file, not a folder" in refused(check_output_folder, blocker / "run")
     assert "cannot write in /proc" in refused(check_output_folder, "/proc/dlojz-run")  # read-only for root too
     check_output_folder(tmp_path / "run", "--x")
-
-
-def test_input_folders(tmp_path, monkeypatch):
-    blocker = tmp_path / "a-file"
-    blocker.write_text("")
-    assert "no such folder" in refused(check_input_folder, tmp_path / "nowhere")
-    assert "is a file, not a folder" in refused(check_input_folder, blocker)
-    check_input_folder(tmp_path, "--x")
-
-    def denied(path):  # root reads every folder whatever its mode: the refusal is simulated
-        raise PermissionError(13, "Permission denied", str(path))
-
-    monkeypatch.setattr(os, "scandir", denied)
-    assert "cannot be read (Permission denied)" in refused(check_input_folder, tmp_path)
 
 
 @pytest.mark.parametrize("flag", ["--metrics-json", "--val-history"])
