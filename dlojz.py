@@ -32,7 +32,7 @@ import torch.distributed as dist
 import dlojz_checkpoint as ckpt
 import dlojz_optim as optim
 from dlojz_chrono import Chronometer
-from dlojz_config import Config, UserError, fail, get_args_parser, load_idr_torch, resolve_config
+from dlojz_config import Config, UserError, fail, get_args_parser, load_idr_torch, recipe_text, resolve_config
 from dlojz_data import (
     IMAGENET_TRAIN_IMAGES,
     IMAGENET_VAL_IMAGES,
@@ -55,6 +55,7 @@ from dlojz_dist import (
     StopSignal,
     agree_on_stop,
     checkpoint_for_stop,
+    keep_freed_host_memory,
     requeue,
     start_compile_workers,
 )
@@ -180,6 +181,8 @@ def main(argv=None) -> dict:
         f">>> Training on {idr_torch.num_nodes} nodes and {ranks.world_size} processes ({idr_torch.current_API}), "
         f"device {ranks.device}"
     )
+    if ranks.is_main:
+        log(f"arguments: {save_arguments(cfg, argv)} (dlojz.py --config FILE runs them again)")
     chrono = Chronometer(enabled=cfg.test, rank=ranks.rank, device=ranks.device)
 
     # ================================ DATA SETS (the model needs the number of classes)
@@ -202,6 +205,7 @@ def main(argv=None) -> dict:
         val_top5_accuracy=None,
         val_images=0,
         images_per_second=None,
+        data_wait_ms=None,
         compute_dtype=cfg.compute_dtype,
         time_to_target_s=None,
         epochs_to_target=None,
@@ -347,10 +351,24 @@ def main(argv=None) -> dict:
 
     # ================================ REPORT
     metrics["images_per_second"] = progress.images_per_second()
+    metrics["data_wait_ms"] = progress.data_wait_ms()  # steady state, per micro-batch, as images_per_second
     metrics.update(state_bytes_per_rank(model, opt, ranks))  # what DDP copies and FSDP shards
     metrics["grad_scaler_scale"] = opt.scaler.get_scale() if opt.scaler.is_enabled() else None  # float16 loss scale
     ctx = chrono_context(cfg, model, loaders, ranks, metrics, val_max_batches) if cfg.test and ranks.is_main else None
     return finish(cfg, metrics, chrono, ranks, wandb_run, ctx=ctx or {}, n_batches=loaders.n_train_batches)
+
+
+def save_arguments(cfg, argv) -> Path:
+    """Every flag of this run (recipe, command line and profile merged) as a recipe file in its output folder:
+    `args.toml`, written atomically, replaced by a resumed run."""
+    path = Path(cfg.output_dir) / "args.toml"
+    command = " ".join(sys.argv[1:] if argv is None else argv)
+    text = recipe_text(cfg, get_args_parser(), header=[f"dlojz.py {command}", time.strftime("%Y-%m-%d %H:%M:%S")])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+    return path
 
 
 def train_one_epoch(model, opt, loaders, state, cfg, ranks, hooks, progress, stop) -> EpochResult:
@@ -421,13 +439,14 @@ def train_one_epoch(model, opt, loaders, state, cfg, ranks, hooks, progress, sto
         console_line = progress.is_console_line(batch_index) or end_of_test
         if state.global_step % LOG_EVERY == 0 or console_line:
             stop_requested, bad_step = agree_on_stop(stop.stop_signal, first_nonfinite, ranks)  # waits for the device
-            progress.mark()
+            progress.mark(hooks.data_wait_s)
             if bad_step >= 0:
                 diverged(cfg, bad_step, state.epoch)
+            lr = opt.optimizer.param_groups[0]["lr"]  # the next step's (the scheduler has stepped)
             if state.global_step % LOG_EVERY == 0:
-                progress.log_train(state.global_step, loss, opt.optimizer.param_groups[0]["lr"])
+                progress.log_train(state.global_step, loss, lr)
             if console_line:
-                progress.console_line(state.epoch, batch_index)
+                progress.console_line(state.epoch, batch_index, lr, hooks.data_wait_s)
             if stop_requested:
                 stop_reason = stop.stop_signal.name or "signal on another rank"
                 break
@@ -511,6 +530,8 @@ def setup_distributed(cfg: Config):
         torch.backends.cudnn.benchmark = True  # autotune convolutions for the fixed input size
         torch.backends.cuda.matmul.allow_tf32 = cfg.tf32
         torch.backends.cudnn.allow_tf32 = cfg.tf32
+    elif keep_freed_host_memory():  # on a CPU, page faults for each step's activations cost ~20 % of the step
+        cfg = dataclasses.replace(cfg, notes=(*cfg.notes, "host memory: freed memory kept for reuse (glibc mallopt)"))
     ranks = Distribution(idr_torch.world_size, idr_torch.rank, idr_torch.local_rank, device)
     if ranks.enabled:
         # device_id: NCCL connects now (a broken fabric fails at start-up) and knows each rank's GPU.
@@ -646,7 +667,7 @@ def build_loaders(cfg, train_set, val_set, num_classes, ranks, log) -> Loaders:
         return dali_loaders(cfg, train_set, val_set, train_sampler, ranks, log)
     options = dict(
         num_workers=cfg.num_workers,
-        pin_memory=cfg.pin_memory and ranks.device.type == "cuda",
+        pin_memory=cfg.pin_memory,
         persistent_workers=cfg.persistent_workers,
         prefetch_factor=cfg.prefetch_factor,
     )

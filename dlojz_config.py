@@ -144,6 +144,32 @@ def read_recipe(parser, path):
     return values
 
 
+def recipe_text(cfg, parser, header=()):
+    """`cfg`'s flag values as a recipe file that `--config` reads back (the inverse of read_recipe): every flag
+    with a value once the recipe, the command line and the CPU/GPU profile are merged; unset ones left out."""
+    import json
+
+    def toml(value):
+        if isinstance(value, bool):
+            return "true" if value else "false"
+        if isinstance(value, (list, tuple)):
+            return "[" + ", ".join(toml(v) for v in value) + "]"
+        if isinstance(value, (int, float)):
+            return repr(value)
+        return json.dumps(str(value))  # a TOML basic string: JSON's escapes are TOML's
+
+    values = vars(cfg) if not dataclasses.is_dataclass(cfg) else dataclasses.asdict(cfg)
+    lines = [f"# {line}" for line in header]
+    for action in parser._actions:
+        value = values.get(action.dest)
+        if action.dest in ("help", "config") or value is None:
+            continue
+        if isinstance(value, int) and not isinstance(value, bool) and value_type(action) is float:
+            value = float(value)  # an int default of a float flag: written as the recipe reader reads it back
+        lines.append(f"{action.dest.replace('_', '-')} = {toml(value)}")
+    return "\n".join(lines) + "\n"
+
+
 def value_type(action):
     """int, float or str: what a flag that takes a value is given."""
     return action.type.kind if isinstance(action.type, Number) else action.type or str
@@ -691,6 +717,7 @@ def resolve_config(args) -> Config:
             f"WARNING: --num-workers {values['num_workers']} exceeds the {cpus_per_task} CPUs of this task: "
             "workers will compete"
         )
+    values["pin_memory"] = values["pin_memory"] and on_gpu  # page-locked buffers serve host-to-GPU copies only
     if values["amp"] is None:
         values["amp"] = on_gpu
     if values["amp_dtype"] is None:  # FSDP: bfloat16, which needs no loss scaler across the shards

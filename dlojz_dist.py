@@ -13,6 +13,7 @@
 - `checkpoint_for_stop(...)` writes the checkpoint mid-epoch; `requeue(...)`, once W&B and the metrics are written,
   asks Slurm to requeue the job (resume with --resume auto).
 - `start_compile_workers()`: torch.compile's worker processes, started deaf to Slurm's signals.
+- `keep_freed_host_memory()`: glibc's allocator told to keep freed memory for reuse (training on a CPU).
 """
 
 import dataclasses
@@ -157,3 +158,19 @@ def start_compile_workers():
         AsyncCompile.warm_pool()
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+
+
+def keep_freed_host_memory() -> bool:
+    """Have glibc's malloc keep the memory a training step frees, so that the next step reuses it. By default it
+    maps each allocation of a few MiB or more (an activation) afresh and unmaps it when freed: every step touched
+    ~1 GB of new pages (250,000-375,000 page faults per ResNet-50 step at 128 px, batch 32), about 20 % of the step
+    on a CPU. After this call, none once the heap has grown to the step's peak. The memory is then kept by the
+    process (its peak, reached at every step anyway). Returns False where the C library is not glibc."""
+    import ctypes
+
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (AttributeError, OSError):  # not glibc (musl, macOS): its own policy stays
+        return False
+    m_trim_threshold, m_mmap_max = -1, -4  # <malloc.h>
+    return bool(mallopt(m_mmap_max, 0)) and bool(mallopt(m_trim_threshold, 2**31 - 1))  # C int: 2 GiB

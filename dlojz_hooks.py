@@ -15,6 +15,7 @@ The loop calls the same few methods whatever is plugged in, so that it reads the
 """
 
 import contextlib
+import time
 
 import torch
 
@@ -25,6 +26,7 @@ _CHRONO_CLOSES = {"data_loading": "dataload", "forward": "forward"}  # "backward
 class LoopHooks:
     def __init__(self, chrono, profiler=None, lr_finder=None):
         self.chrono, self.profiler, self.lr_finder = chrono, profiler, lr_finder
+        self.data_wait_s = 0.0  # host seconds spent waiting for the next batch, this run (a clock read: no sync)
 
     def loading(self, batches):
         """Iterate `batches`, each wait being a "data_loading" phase; closing this generator closes theirs."""
@@ -32,10 +34,12 @@ class LoopHooks:
         try:
             while True:
                 with self.phase("data_loading"):
+                    asked = time.perf_counter()
                     try:
                         batch = next(iterator)
                     except StopIteration:
                         return
+                    self.data_wait_s += time.perf_counter() - asked
                 yield batch
         finally:
             close = getattr(iterator, "close", None)

@@ -91,20 +91,23 @@ class Progress:
         self.line_every = math.ceil(math.ceil(n_batches / 10) / grad_acc) * grad_acc
         self.warmup_micro_steps = LOG_EVERY * grad_acc  # cuDNN autotuning, allocator, workers starting: not counted
         self.micro_steps = 0  # of this run (not counting the steps before a resume)
-        self.timed_micro_steps, self.timed_seconds, self._last_mark = 0, 0.0, None
+        self.timed_micro_steps, self.timed_seconds, self.timed_wait_s, self._last_mark = 0, 0.0, 0.0, None
         self.run_start = time.perf_counter()
+        self._last_line = (0, self.run_start, 0.0)  # micro-steps, time and data wait at the previous console line
         self.running = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, images since last line
 
     def is_console_line(self, batch_index):
         return (batch_index + 1) % self.line_every == 0 or batch_index == self.n_batches - 1
 
-    def mark(self):
-        """At a synchronised point: time the micro-steps since the previous mark, once past the warm-up."""
+    def mark(self, data_wait_s=0.0):
+        """At a synchronised point: time the micro-steps since the previous mark, once past the warm-up, and the
+        host's wait for batches in them (`data_wait_s`: the run's total so far)."""
         now = time.perf_counter()
         if self._last_mark is not None and self._last_mark[0] >= self.warmup_micro_steps:
             self.timed_micro_steps += self.micro_steps - self._last_mark[0]
             self.timed_seconds += now - self._last_mark[1]
-        self._last_mark = (self.micro_steps, now)
+            self.timed_wait_s += data_wait_s - self._last_mark[2]
+        self._last_mark = (self.micro_steps, now, data_wait_s)
 
     def new_epoch(self):
         self._last_mark = None  # the epoch change (validation, new workers) is not a training step
@@ -112,20 +115,32 @@ class Progress:
     def images_per_second(self):
         return self.timed_micro_steps * self.images_per_step / self.timed_seconds if self.timed_seconds else None
 
+    def data_wait_ms(self):
+        """Steady state: the host's mean wait for a batch per micro-step, in ms (as images_per_second is timed)."""
+        return 1e3 * self.timed_wait_s / self.timed_micro_steps if self.timed_micro_steps else None
+
     def log_train(self, step, loss, lr):
         loss_sum, correct, count = self.running.tolist()
         self.wandb_run.log(
             {"train loss": loss.item(), "train accuracy": correct / max(count, 1), "learning rate": lr}, step=step
         )
 
-    def console_line(self, epoch, batch_index):
+    def console_line(self, epoch, batch_index, lr, data_wait_s):
+        """The progress line: loss and accuracy since the previous line, the learning rate, the host's wait for
+        batches per step since the previous line (and its share of the time), the steady-state throughput."""
         loss_sum, correct, count = self.running.tolist()
         rate = self.images_per_second()
+        now = time.perf_counter()
+        steps, then, waited = self.micro_steps - self._last_line[0], self._last_line[1], self._last_line[2]
+        wait = data_wait_s - waited
         line = (
             f"Epoch {epoch + 1}/{self.epochs}, Step {batch_index + 1}/{self.n_batches}, "
-            f"Time: {time.perf_counter() - self.run_start:.3f}, Loss: {loss_sum / max(count, 1):.4f}, "
-            f"Acc: {correct / max(count, 1):.4f}" + (f", {rate:.1f} images/s" if rate else ", warming up")
+            f"Time: {now - self.run_start:.3f}, Loss: {loss_sum / max(count, 1):.4f}, "
+            f"Acc: {correct / max(count, 1):.4f}, LR: {lr:.4g}, "
+            f"Data wait: {1e3 * wait / max(steps, 1):.1f} ms/step ({100 * wait / max(now - then, 1e-9):.0f} %)"
+            + (f", {rate:.1f} images/s" if rate else ", warming up")
         )  # no rate until past the warm-up
+        self._last_line = (self.micro_steps, now, data_wait_s)
         self.console.progress(line, end_of_epoch=batch_index == self.n_batches - 1)
         self.running.zero_()
 

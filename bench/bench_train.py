@@ -111,6 +111,9 @@ def parse_args(argv=None):
     )
     parser.add_argument("--timeout", type=float, default=1800, help="seconds allowed per subprocess (default: 1800)")
     parser.add_argument(
+        "--json", type=Path, default=None, help="also write the medians and ratios here (bench/gpu_acceptance.sh)"
+    )
+    parser.add_argument(
         "--seed", type=int, default=123, help="dlojz's default seed: same weights and batch on both sides"
     )
     # Internal: the subprocess entry points (hidden from --help).
@@ -383,10 +386,12 @@ def report(args, rates, loads, cmds, bare_cmds):
         f"{'variant':<18}{'dlojz':>9}{'bare':>9}{'ratio':>8}{'target':>8}  {'result':<7}"
         f"{'best dlojz/bare':>17}{'load':>7}  per-round ratios; all runs dlojz | bare"
     )
+    summary = {}
     for name in args.variants:
         dlojz, bare = rates[name], rates[f"bare-{name}"]
         paired = [d / b for d, b in zip(dlojz, bare)]
         ratio = statistics.median(paired)
+        summary[name] = dict(dlojz=statistics.median(dlojz), bare=statistics.median(bare), ratio=ratio)
         best = f"{max(dlojz):.1f}/{max(bare):.1f}={max(dlojz) / max(bare):.3f}"
         load = statistics.median(loads[name] + loads[f"bare-{name}"])
         print(
@@ -402,6 +407,8 @@ def report(args, rates, loads, cmds, bare_cmds):
         "(dlojz, bare: median img/s; ratio: median over rounds of dlojz / the bare run beside it; "
         "load: median 1-min load average during the runs)"
     )
+    if args.json is not None:
+        args.json.write_text(json.dumps(summary, indent=2))
     own_load = (args.threads or torch.get_num_threads()) if args.device == "cpu" else 1
     busiest = max(load for runs in loads.values() for load in runs)
     if busiest > own_load + 0.5:

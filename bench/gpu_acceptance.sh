@@ -10,7 +10,8 @@
 # 3. ResNet-50, 224 px, batch 256, AMP, channels-last, 100 steps of --test (chronometer on): with --synthetic (the
 #    GPU alone), then through the real input pipeline (JPEG decoding and augmentation in nproc-1 DataLoader
 #    workers, prefetcher, normalisation on the GPU);
-# 4. a table of img/s, MFU and J/image beside NVIDIA DeepLearningExamples' and MLPerf's figures.
+# 4. dlojz's training step against a bare loop on a synthetic batch (bench/bench_train.py): its overhead;
+# 5. a table of img/s, MFU and J/image beside NVIDIA DeepLearningExamples' and MLPerf's figures, and the ratio.
 # The real-pipeline run needs 100 batches of 256 images: dlojz's embedded data set has 1,200 (5 batches, images of
 # 96x80 px), so the same generator (dlojz_data.make_embedded_dataset) writes, once, 25,600 + 500 JPEGs of 500x375
 # px (ImageNet's usual size, ~35 KB each, ~1 GB) into $XDG_CACHE_HOME/dlojz (default ~/.cache/dlojz), reused by
@@ -164,7 +165,14 @@ else
 fi
 step_time "input pipelines" "$t"
 
-# ------------------------------------------------------------------ 4. the table
+# dlojz's step against a bare loop (same model, batch, precision, memory format, synthetic batch): its overhead
+t=$SECONDS
+echo "=== dlojz --synthetic / bare loop (bench/bench_train.py)"
+"$PYTHON" bench/bench_train.py --device cuda --arch resnet50 --batch-size 256 --image-size 224 --amp \
+    --channels-last --steps 100 --json "$OUT_DIR/bench_train.json" || failed+=("dlojz / bare loop")
+step_time "dlojz / bare loop" "$t"
+
+# ------------------------------------------------------------------ 5. the table
 "$PYTHON" - "$OUT_DIR" <<'EOF' || failed+=("table")
 import json, sys
 from pathlib import Path
@@ -203,6 +211,12 @@ for name, label in (("loader_pytorch", "input pipeline alone, DataLoader ({} wor
     if path.exists():
         m = json.loads(path.read_text())
         print(label.format(m.get("num_workers")) + f": {m['loader_images_per_second']:.0f} img/s")
+path = out / "bench_train.json"
+if path.exists():
+    labels = {"test": "--test (chronometer on)", "epoch": "a training epoch"}
+    for name, row in json.loads(path.read_text()).items():
+        print(f"dlojz --synthetic / bare loop, {labels.get(name, name)}: {row['dlojz']:.0f} / {row['bare']:.0f} "
+              f"img/s = {row['ratio']:.3f} (target >= 0.97)")
 print("anchors: NVIDIA DeepLearningExamples ResNet-50 AMP: 2,470 img/s per A100-80GB; "
       "MLPerf-class: ~7,000 img/s per H100")
 EOF

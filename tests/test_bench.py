@@ -130,3 +130,32 @@ def test_bench_storage_counts_opens_and_times_both_formats(tiny_data, tmp_path):
     }
     assert float(rows["files"][0]) >= 1000 and float(rows["shards"][0]) < 100, result.stdout  # one open per file
     assert float(rows["files"][1]) > 0 and float(rows["shards"][1]) > 0 and "not measured" in rows["shards"][2]
+
+
+def test_bench_plain_loop_compares_dlojz_with_a_plain_loop_on_jpegs(tiny_data):
+    """Both sides run on the same JPEGs and the table reports both rates, their ratio and both data waits."""
+    command = [
+        sys.executable,
+        str(ROOT / "bench" / "bench_plain_loop.py"),
+        "--data",
+        str(tiny_data),
+        "--arch",
+        "resnet18",
+        "--image-size",
+        "32",
+        "--batch-size",
+        "2",
+        "--images",
+        "40",
+        "--workers",
+        "1",
+        "--threads",
+        "1",
+    ]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=clean_env(), cwd=ROOT)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    row = next(line for line in result.stdout.splitlines() if line.startswith("| 1 |"))
+    ours, theirs, ratio, our_wait, their_wait = (float(cell) for cell in row.strip("|").split("|")[1:6])
+    assert ours > 0 and theirs > 0 and our_wait >= 0 and their_wait >= 0
+    assert abs(ratio - ours / theirs) < 0.01 * ratio
+    assert "dlojz / plain loop:" in result.stdout and "--num-workers 1" in result.stdout

@@ -1,0 +1,77 @@
+"""What a run tells its user as it goes and leaves beside its results: the progress line's learning rate and
+data-loading wait, the run's arguments as a recipe file, pin_memory as it is, the host allocator's setting."""
+
+import re
+
+from conftest import SMALL, read_json, run_dlojz, show
+
+
+def progress_lines(stdout):
+    return [line for line in stdout.splitlines() if line.startswith("Epoch ") and ", Step " in line]
+
+
+def test_progress_line_carries_the_learning_rate_and_the_data_wait(tiny_data, tmp_path):
+    """The LR on each line is the schedule's (a constant 0.0371 here, then a step decay's), and the data wait agrees
+    with the chronometer's load time when the main process decodes (no workers): both time the same next()."""
+    metrics = tmp_path / "m.json"
+    common = [*SMALL, "--data-root", tiny_data, "-b", "4", "--test", "--no-wandb", "--output-dir", tmp_path / "run"]
+    common[common.index("--num-workers") + 1] = "0"
+    proc = run_dlojz(
+        *common, "--test-nsteps", "12", "--lr", "0.0371", "--lr-scheduler", "constant", "--metrics-json", metrics
+    )
+    assert proc.returncode == 0, show(proc)
+    lines = progress_lines(proc.stdout)
+    assert len(lines) >= 2, proc.stdout
+    assert all(", LR: 0.0371," in line for line in lines), lines
+    waits = [float(re.search(r"Data wait: ([0-9.]+) ms/step \((\d+) %\)", line).group(1)) for line in lines]
+    assert all(w > 0 for w in waits), lines
+    m = read_json(metrics)
+    load_ms = 1e3 * m["chrono"]["load_median_s"]
+    assert 0.3 * load_ms < m["data_wait_ms"] < 3 * load_ms, (m["data_wait_ms"], load_ms)
+
+    # a decaying schedule: the LR printed falls from line to line
+    proc = run_dlojz(*common, "--test-nsteps", "18", "--lr", "0.2", "--lr-scheduler", "cosine")
+    assert proc.returncode == 0, show(proc)
+    lrs = [float(line.split(", LR: ")[1].split(",")[0]) for line in progress_lines(proc.stdout)]
+    assert len(lrs) >= 2 and all(a > b for a, b in zip(lrs, lrs[1:])) and lrs[0] <= 0.2, lrs
+
+
+def test_the_arguments_of_a_run_are_saved_as_a_recipe_that_runs_it_again(tiny_data, tmp_path):
+    """args.toml in the output folder holds the recipe's values, the command line's (which win) and the profile's;
+    `--config args.toml` reads back the same flags. pin_memory is reported False on a CPU, where it does nothing."""
+    from dlojz_config import get_args_parser, recipe_text
+
+    recipe = tmp_path / "recipe.toml"
+    recipe.write_text('label-smoothing = 0.05\nlr = 0.5\noptimizer = "adamw"\n')
+    out = tmp_path / "run"
+    proc = run_dlojz(
+        *SMALL,
+        "--config",
+        recipe,
+        "--data-root",
+        tiny_data,
+        "-b",
+        "4",
+        "--lr",
+        "0.0371",
+        "--test",
+        "--test-nsteps",
+        "2",
+        "--no-wandb",
+        "--output-dir",
+        out,
+    )
+    assert proc.returncode == 0, show(proc)
+    saved = out / "args.toml"
+    assert f"arguments: {saved}" in proc.stdout, proc.stdout
+    assert "pin_memory=False" in proc.stdout and "pin_memory=True" not in proc.stdout
+    assert "host memory: freed memory kept for reuse" in proc.stdout  # tests/test_host_memory.py: what it does
+    text = saved.read_text()
+    body = [line for line in text.splitlines() if not line.startswith("#")]
+    assert "lr = 0.0371" in body and "label-smoothing = 0.05" in body and 'optimizer = "adamw"' in body
+    assert "val-batch-size = 64" in body  # the CPU profile's value, given by neither
+    assert f'data-root = "{tiny_data}"' in body and "batch-size = 4" in body and "pin-memory = false" in body
+    assert "config = " not in text
+    parser = get_args_parser()
+    again = parser.parse_args(["--config", str(saved)])
+    assert recipe_text(again, parser).splitlines() == body
