@@ -34,6 +34,9 @@ each side and the ratio of the best runs (noise only ever slows a run down). Run
     python bench/bench_train.py --arch resnet18 --image-size 64 --batch-size 32 --device cpu --repeats 3
 
 The table lists dlojz img/s, bare img/s, their ratio and the 0.97 target per variant, then the exact commands.
+On a CPU dlojz keeps freed host memory for reuse (``dlojz_dist.keep_freed_host_memory``), which the bare loop, as a
+user writes it, does not: ``--bare-keeps-freed-memory`` gives the bare loop the same setting, so that the ratio is
+dlojz's own code alone. ``--json PATH`` also writes the medians and ratios (``bench/gpu_acceptance.sh`` reads it).
 """
 
 from __future__ import annotations
@@ -111,6 +114,11 @@ def parse_args(argv=None):
     )
     parser.add_argument("--timeout", type=float, default=1800, help="seconds allowed per subprocess (default: 1800)")
     parser.add_argument(
+        "--bare-keeps-freed-memory",
+        action="store_true",
+        help="the bare loop tunes glibc's allocator as dlojz does on a CPU: the ratio is then dlojz's code alone",
+    )
+    parser.add_argument(
         "--json", type=Path, default=None, help="also write the medians and ratios here (bench/gpu_acceptance.sh)"
     )
     parser.add_argument(
@@ -182,6 +190,10 @@ def common_flags(args):
 def bare_loop(args):
     """Train `args.steps` steps on one random batch; return images/s over the steps after the warm-up."""
     device = torch.device(args.device)
+    if args.bare_keeps_freed_memory and device.type == "cpu":
+        from dlojz_dist import keep_freed_host_memory
+
+        keep_freed_host_memory()
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = True  # as dlojz: autotune convolutions for the fixed input size
         torch.backends.cuda.matmul.allow_tf32 = args.tf32
@@ -328,13 +340,17 @@ def schedule_steps(args, variant):
 
 def measure(args):
     """Interleave the runs `args.repeats` times; return img/s and load average per run name, and the commands."""
-    bare_base = [
-        sys.executable,
-        str(Path(__file__).resolve()),
-        "--run-bare",
-        "--steps",
-        str(args.steps),
-    ] + common_flags(args)
+    bare_base = (
+        [
+            sys.executable,
+            str(Path(__file__).resolve()),
+            "--run-bare",
+            "--steps",
+            str(args.steps),
+        ]
+        + common_flags(args)
+        + (["--bare-keeps-freed-memory"] if args.bare_keeps_freed_memory else [])
+    )
     bare_cmds = {f"bare-{v}": bare_base + ["--schedule-steps", str(schedule_steps(args, v))] for v in args.variants}
     order = [name for v in args.variants for name in (v, f"bare-{v}")]
     rates = {name: [] for name in order}

@@ -159,3 +159,38 @@ def test_bench_plain_loop_compares_dlojz_with_a_plain_loop_on_jpegs(tiny_data):
     assert ours > 0 and theirs > 0 and our_wait >= 0 and their_wait >= 0
     assert abs(ratio - ours / theirs) < 0.01 * ratio
     assert "dlojz / plain loop:" in result.stdout and "--num-workers 1" in result.stdout
+
+
+def test_bench_train_writes_the_ratio_the_gpu_acceptance_run_prints(tmp_path):
+    """bench/bench_train.py on a tiny model: both variants timed against the bare loop, medians and ratios written
+    to --json as bench/gpu_acceptance.sh reads them."""
+    import json
+
+    out = tmp_path / "bench_train.json"
+    command = [
+        sys.executable,
+        str(ROOT / "bench" / "bench_train.py"),
+        "--device",
+        "cpu",
+        "--arch",
+        "resnet18",
+        "--image-size",
+        "32",
+        "--batch-size",
+        "4",
+        "--steps",
+        "20",
+        "--threads",
+        "1",
+        "--bare-keeps-freed-memory",
+        "--json",
+        str(out),
+    ]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=clean_env(), cwd=ROOT)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    rows = json.loads(out.read_text())
+    assert set(rows) == {"test", "epoch"}, rows
+    for row in rows.values():
+        assert row["dlojz"] > 0 and row["bare"] > 0
+        assert abs(row["ratio"] - row["dlojz"] / row["bare"]) < 1e-9  # one round: the ratio of its two runs
+    assert "--bare-keeps-freed-memory" in result.stdout  # the bare loop's command says it
