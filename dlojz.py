@@ -5,8 +5,8 @@ One command runs alone, under torchrun or under srun across nodes:
     srun python -u dlojz.py -b 256 -e 90    # on a Slurm GPU allocation, one task per GPU
 `main()` reads top to bottom in the course's order: arguments, instantiation (distribution, model, loss,
 optimizer), DataLoader, initialisation, training, validation, checkpoint and report. Each section calls a small
-function below it; `train_one_epoch` and `evaluate` are the loop's two phases. The flags and their checks live in
-dlojz_config.py, the model's facts in dlojz_model.py, the lines the run prints in dlojz_log.py, the chronometer,
+function below it; `train_one_epoch` and `evaluate` are the loop's two phases. The flags live in dlojz_flags.py,
+the run's settings and their checks in dlojz_config.py, the model's facts in dlojz_model.py, the lines the run prints in dlojz_log.py, the chronometer,
 profiler and LR finder hooks in dlojz_hooks.py.
 """
 
@@ -21,7 +21,7 @@ from datetime import timedelta
 from pathlib import Path
 
 if __name__ == "__main__":  # --help and every bad flag answer here, before the seconds that torch takes to import
-    from dlojz_config import check_command_line
+    from dlojz_flags import check_command_line
 
     check_command_line()
 
@@ -32,7 +32,8 @@ import torch.distributed as dist
 import dlojz_checkpoint as ckpt
 import dlojz_optim as optim
 from dlojz_chrono import Chronometer
-from dlojz_config import Config, UserError, fail, get_args_parser, load_idr_torch, recipe_text, resolve_config
+from dlojz_config import Config, UserError, fail, load_idr_torch, resolve_config
+from dlojz_flags import get_args_parser, recipe_text
 from dlojz_data import (
     IMAGENET_TRAIN_IMAGES,
     IMAGENET_VAL_IMAGES,

@@ -6,6 +6,7 @@ and a $DLOJZ_DATA that names no folder. The lowest of dlojz's modules: it import
 - `check_output_folder(path, flag)`: the folder exists or can be made, and a file can be written in it.
 - `check_output_file(path, flag)`: not a folder, writable if it exists, and its folder as above.
   Both raise UserError: one line, exit status 2 in every script.
+- `DataError`: a problem with the data (dlojz_data, dlojz_shards), one line naming the path.
 - `missing_data_variable(environ)`: the line saying that $DLOJZ_DATA names no folder, or None.
 """
 
@@ -15,6 +16,10 @@ from pathlib import Path
 
 class UserError(Exception):
     """Bad input the user can fix: printed as one line, exit status 2."""
+
+
+class DataError(Exception):
+    """A problem with the data the user can fix; the message is one line and names the path."""
 
 
 def fail(message):

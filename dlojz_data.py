@@ -28,16 +28,12 @@ import torch
 import torchvision
 from PIL import Image, ImageDraw
 
-from dlojz_checks import missing_data_variable
+from dlojz_checks import DataError, missing_data_variable  # noqa: F401  (DataError: imported from here too)
 from dlojz_transforms import image_from_bytes, lazy_image_loader, lazy_pil_loader
 
 IMAGENET_TRAIN_IMAGES = 1_281_167
 IMAGENET_VAL_IMAGES = 50_000
 IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
-
-
-class DataError(Exception):
-    """A problem with the data the user can fix; the message is one line and names the path."""
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -234,7 +230,7 @@ class PackedImages(SeededSamples, torch.utils.data.Dataset):
     sample that cannot be read or decoded is skipped like a corrupt file, named by shard and key."""
 
     def __init__(self, root, split, transform):
-        from dlojz_pack import PackedSplit
+        from dlojz_shards import PackedSplit
 
         self.shards = PackedSplit(root, split)
         self.root, self.transform = f"{root} ({split})", transform
@@ -292,7 +288,7 @@ def _find_layout(root):
 def build_datasets(root, train_transform, val_transform, seed=0):
     """Return (train_set, val_set, classes, layout)."""
     root = Path(root)
-    from dlojz_pack import is_packed
+    from dlojz_shards import is_packed
 
     if is_packed(root):
         return build_packed_datasets(root, train_transform, val_transform, seed)

@@ -6,7 +6,6 @@ N ranks and gathers a block's parameters just before its forward (and again befo
 its gradients straight into their shards (reduce-scatter): the same arithmetic as DDP, in less memory, for one
 all-gather more per block and step.
 
-- `check_config(cfg)`: what --fsdp cannot take, one line each (called by dlojz_config.check).
 - `sharding_units(module)`: the blocks sharded one by one (residual blocks, transformer blocks); `shard_model`
   shards each, then the root (stem, head and whatever is left), with the mixed precision of --amp-dtype.
 - `reshard(module)`: free the gathered parameters (after validation's forwards).
@@ -34,7 +33,6 @@ import torch
 import torch.distributed as dist
 
 import dlojz_checkpoint as ckpt
-from dlojz_config import fail
 
 # Class names of the blocks sharded one by one: torchvision's and timm's residual and transformer blocks.
 BLOCK_SUFFIXES = (
@@ -49,25 +47,6 @@ BLOCK_SUFFIXES = (
 # timm's optimizers step on sharded (DTensor) parameters; torch's fused SGD has no sharded kernel (the
 # foreach one is used), fused AdamW has one.
 UNFUSED_UNDER_FSDP = ("sgd",)
-
-
-def check_config(cfg):
-    """One line for each flag that cannot go with --fsdp."""
-    if cfg.sync_bn:
-        fail(
-            "--fsdp with --sync-bn: FSDP shards parameters, not BatchNorm's statistics, and synchronised "
-            "BatchNorm is a DDP feature; drop --sync-bn (or use a model without BatchNorm)"
-        )
-    if cfg.model_ema:
-        fail(
-            "--fsdp with --model-ema: the averaged copy would be a whole unsharded model on every rank; drop "
-            "--model-ema"
-        )
-    if cfg.amp and cfg.amp_dtype == "float16":
-        fail(
-            "--fsdp with --amp-dtype float16: the loss scaler would have to agree on overflows across shards; "
-            "use --amp-dtype bfloat16 (the default with --fsdp) or --no-amp"
-        )
 
 
 def sharding_units(module):

@@ -49,17 +49,8 @@ import time
 import warnings
 from pathlib import Path
 
-from dlojz_config import (
-    COUNT,
-    NON_NEGATIVE,
-    POSITIVE,
-    Number,
-    UserError,
-    get_args_parser,
-    recipe_value,
-    resolve_config,
-    value_type,
-)
+from dlojz_config import UserError, resolve_config
+from dlojz_flags import COUNT, NON_NEGATIVE, POSITIVE, Number, get_args_parser, recipe_value, value_type
 
 DLOJZ = Path(__file__).resolve().parent / "dlojz.py"
 # Flags the worker sets for each trial: not in the search space nor after `--` (--output-dir is the trials' root).

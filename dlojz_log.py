@@ -212,7 +212,7 @@ def print_report(cfg, metrics, chrono, ctx, n_batches):
         chrono.display(ctx)
         metrics["chrono"] = chrono.summary(ctx)
         try:
-            from dlojz_chrono import plot_trace
+            from dlojz_chrono_report import plot_trace
 
             plot_trace(trace, output_dir / "timeline.png")
             print(f">>> Timeline plot: {output_dir / 'timeline.png'}")

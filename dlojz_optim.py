@@ -52,7 +52,7 @@ import torch
 from torch import nn
 
 # The flags' values and their check live with the command line (torch-free, so that --help answers at once).
-from dlojz_config import FUSED, OPTIMIZERS, SCHEDULERS, check_hyperparameters  # noqa: F401
+from dlojz_flags import FUSED, OPTIMIZERS, SCHEDULERS, check_hyperparameters  # noqa: F401
 
 # Layers whose affine parameters are normalisation scales/shifts: decaying them towards 0 only fights the
 # normalisation (see "Bag of Tricks", He et al. 2019), hence --no-wd-norm-bias.

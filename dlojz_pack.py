@@ -1,4 +1,4 @@
-"""Pack an image tree into webdataset tar shards, and read its samples back at random.
+"""Pack an image tree into webdataset tar shards (the writer; dlojz_shards.py reads them back at random).
 
 A parallel file system serves a few large files far better than 1.28 million small ones (every open is a request to
 the metadata servers). `python dlojz_pack.py SRC DST [--shard-size 1GB] [--workers N]` turns SRC, torchvision's
@@ -35,14 +35,9 @@ Functions:
 - `pack(src, dst, shard_size=None, workers=None, log=print) -> dict`: what the command does; returns a summary.
 - `main(argv=None) -> int`: the command line; a bad input is one line `dlojz_pack: error: ...`, exit status 2.
 - `parse_size("500MB") -> int`: 1000-based units (B, KB, MB, GB, TB), 1024-based ones (KiB, MiB, GiB, TiB).
-- `is_packed(root) -> bool`: root holds a dlojz pack (finished or not: PackedSplit says what is wrong).
-- `PackedSplit(root, split)`: `classes`, `class_names`, `len()`, `targets`, `key(i)`, `shard_path(i)`,
-  `location(i)`, `read_bytes(i)` (os.pread on descriptors opened lazily, cached per process, reopened after a
-  fork, never pickled), `check_shards()` (every shard there with its size: the start-up check).
-- `check_pack(root)`: `check_shards()` of every split.
 
-Errors: `PackError` (a `DataError`: one line naming the path and what to do); `ShardReadError` (a `PackError` and
-an `OSError`, as an unreadable image file is) names the shard and the key of a sample that cannot be read.
+The reader that training uses (`PackedSplit`, `is_packed`, `check_pack`, `PackError`, `ShardReadError`) is
+dlojz_shards.py: this file is the writer and its command line.
 """
 
 import argparse
@@ -50,14 +45,12 @@ import hashlib
 import io
 import json
 import multiprocessing
-import operator
 import os
 import re
 import sys
 import tarfile
 import tempfile
 import time
-from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -65,16 +58,11 @@ import numpy as np
 
 from dlojz_checkpoint import fsync_folder
 from dlojz_data import IMG_EXTENSIONS, DataError, find_layout
+from dlojz_shards import FORMAT, FORMAT_VERSION, MANIFEST, PackError, first_line, pack_files, read_manifest
 
-FORMAT = "dlojz_pack"
-FORMAT_VERSION = 1
-MANIFEST = "dlojz_pack.json"
 SPLITS = ("train", "val")
 DEFAULT_SHARD_SIZE = 10**9
 SHUFFLE_SEED = 0
-# Random access touches every shard: keeping them open saves an open() (a metadata request) per sample. ImageNet in
-# 1 GB shards is ~150 files; the bound keeps a process well under the usual 1024 descriptors.
-MAX_OPEN = 128
 PROGRESS_EVERY = 5.0  # seconds between progress lines
 
 BLOCK = tarfile.BLOCKSIZE
@@ -107,20 +95,6 @@ _UNITS = {
     "gib": 2**30,
     "tib": 2**40,
 }
-
-
-class PackError(DataError):
-    """A pack that cannot be made or read as asked; the message is one line naming the path and what to do."""
-
-
-class ShardReadError(PackError, OSError):
-    """A sample whose bytes cannot be read from its shard; the message names the shard and the key. An OSError,
-    like an unreadable image file, so that code skipping those skips these too."""
-
-
-def _first_line(err):
-    text = str(err).strip()
-    return text.splitlines()[0] if text else type(err).__name__
 
 
 def parse_size(text):
@@ -161,37 +135,6 @@ def _write_json(path, obj):
     _atomic_write(path, lambda f: f.write((json.dumps(obj, indent=1) + "\n").encode()))
 
 
-def _read_manifest(root, hint):
-    """The manifest of the pack in `root`; PackError (ending with `hint`, what to do) if it is not one."""
-    path = Path(root) / MANIFEST
-    try:
-        manifest = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise PackError(f"{root}: not a dlojz pack (no {MANIFEST}); {hint}") from None
-    except (OSError, ValueError) as err:
-        raise PackError(f"{path}: unreadable ({_first_line(err)}); {hint}") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise PackError(f"{path}: not a dlojz_pack manifest; {hint}")
-    if manifest.get("version") != FORMAT_VERSION:
-        raise PackError(
-            f"{path}: pack format version {manifest.get('version')}, this dlojz_pack.py reads version "
-            f"{FORMAT_VERSION}; repack with this one: python dlojz_pack.py {manifest.get('source')} {root}"
-        )
-    return manifest
-
-
-def _pack_files(manifest):
-    names = {MANIFEST}
-    for info in manifest.get("splits", {}).values():
-        names.update(info.get("shards", []))
-        names.add(info.get("index"))
-    return names
-
-
-def _repack_hint(manifest, root):
-    return f"repack: python dlojz_pack.py {manifest.get('source', 'SRC')} {root}"
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # The source tree
 def _is_image(path):
@@ -222,7 +165,7 @@ def _list_source(src):
             classes[split], class_to_idx = find_classes(folder)
             samples[split] = make_dataset(folder, class_to_idx, is_valid_file=_is_image)
         except (FileNotFoundError, ValueError) as err:
-            raise PackError(f"SRC {folder}: {_first_line(err)}") from None
+            raise PackError(f"SRC {folder}: {first_line(err)}") from None
     if classes["train"] != classes["val"]:
         only_train = sorted(set(classes["train"]) - set(classes["val"]))[:5]
         only_val = sorted(set(classes["val"]) - set(classes["train"]))[:5]
@@ -244,7 +187,7 @@ def _class_names(src, classes, layout):
         return [n if isinstance(n, str) else str(n[0]) for n in names]
     except Exception as err:
         raise PackError(
-            f"SRC {src}/meta.bin: unreadable ({type(err).__name__}: {_first_line(err)}); fix or "
+            f"SRC {src}/meta.bin: unreadable ({type(err).__name__}: {first_line(err)}); fix or "
             "remove it (the classes then keep their folder names)"
         ) from None
 
@@ -483,12 +426,12 @@ def _inspect_dst(dst, src, src_dirs):
         raise PackError(
             f"DST {dst}: holds other files ({names[0]}{more}) and is not a dlojz pack; give a new or empty folder"
         )
-    manifest = _read_manifest(dst, "give another DST, or remove this one")
+    manifest = read_manifest(dst, "give another DST, or remove this one")
     if manifest.get("source") != str(src):
         raise PackError(
             f"DST {dst}: is a pack of {manifest.get('source')}, not of SRC {src}; give another DST, or remove this one"
         )
-    strangers = sorted(set(names) - _pack_files(manifest))
+    strangers = sorted(set(names) - pack_files(manifest))
     if strangers:
         raise PackError(
             f"DST {dst}: holds files that are not part of the pack ({strangers[0]}"
@@ -588,7 +531,7 @@ def pack(src, dst, shard_size=None, workers=None, log=print):
                 "since: remove DST, or give another, to pack it again"
             )
         log(f"dlojz_pack: SRC changed since the interrupted pack in {dst} began: starting again")
-        for name in _pack_files(manifest):
+        for name in pack_files(manifest):
             _unlink(dst / name)
         manifest = None
     try:
@@ -685,208 +628,6 @@ def pack(src, dst, shard_size=None, workers=None, log=print):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Reading
-def is_packed(root):
-    """True if `root` holds a dlojz pack, finished, damaged or not (PackedSplit then says what is wrong with it: a
-    corrupt manifest is named as such, not taken for a folder data set)."""
-    return (Path(root) / MANIFEST).is_file()
-
-
-class PackedSplit:
-    """One split of a pack, read at random: sample i is sample i of ImageFolder(SRC/split).
-
-    Picklable for DataLoader workers: the index (mmap) and the open shards are not pickled, but opened again by the
-    process that uses them; a forked process drops the descriptors it inherited and opens its own."""
-
-    def __init__(self, root, split, max_open=MAX_OPEN):
-        self.root = Path(root)
-        manifest = _read_manifest(self.root, f"make one with python dlojz_pack.py SRC {self.root}")
-        if manifest.get("state") != "complete":
-            raise PackError(
-                f"{self.root}: the pack is not finished (interrupted?); finish it: python dlojz_pack.py "
-                f"{manifest.get('source')} {self.root}"
-            )
-        if split not in manifest["splits"]:
-            raise PackError(f"{self.root}: no split {split!r} in the pack (it has {', '.join(manifest['splits'])})")
-        info = manifest["splits"][split]
-        self.split, self.source, self.layout = split, manifest["source"], manifest["layout"]
-        self.classes, self.class_names = list(manifest["classes"]), list(manifest["class_names"])
-        self.class_to_idx = {c: i for i, c in enumerate(self.classes)}
-        self.shards, self.shard_sizes = list(info["shards"]), list(info["shard_sizes"])
-        self.index_path = self.root / info["index"]
-        self._len, self.max_open = info["samples"], max_open
-        self._rows = self._targets = None
-        self._files, self._pid = OrderedDict(), os.getpid()
-        self._index()  # a missing or foreign index fails here, not in a worker
-
-    def _index(self):
-        if self._rows is None:
-            try:
-                rows = np.load(self.index_path, mmap_mode="r", allow_pickle=False)
-            except (OSError, ValueError) as err:
-                raise PackError(
-                    f"{self.index_path}: unreadable index ({_first_line(err)}); "
-                    f"{_repack_hint(dict(source=self.source), self.root)}"
-                ) from None
-            if rows.dtype.names != ("shard", "offset", "size", "target", "key") or len(rows) != self._len:
-                raise PackError(
-                    f"{self.index_path}: not the index the manifest describes ({len(rows)} rows, "
-                    f"{self._len} expected); {_repack_hint(dict(source=self.source), self.root)}"
-                )
-            self._rows = rows
-        return self._rows
-
-    def __len__(self):
-        return self._len
-
-    def __repr__(self):
-        return f"PackedSplit({str(self.root)!r}, {self.split!r}: {self._len} samples, {len(self.shards)} shards)"
-
-    @property
-    def targets(self):
-        if self._targets is None:
-            self._targets = self._index()["target"].tolist()
-        return self._targets
-
-    def _row(self, i):
-        i = operator.index(i)
-        if not 0 <= i < self._len:
-            raise IndexError(f"sample {i} out of range: {self.split} has {self._len}")
-        return self._index()[i]
-
-    def key(self, i):
-        return self._row(i)["key"].decode("ascii")
-
-    def shard_path(self, i):
-        return self.root / self.shards[int(self._row(i)["shard"])]
-
-    def location(self, i):
-        """'DST/train-000003.tar:KEY', for messages (where a folder data set gives the file's path)."""
-        return f"{self.shard_path(i)}:{self.key(i)}"
-
-    def read_bytes(self, i):
-        """The bytes of sample i's image file, as they were in SRC."""
-        row = self._row(i)
-        shard, offset, size = int(row["shard"]), int(row["offset"]), int(row["size"])
-        path = self.root / self.shards[shard]
-        try:
-            fd = self._fd(shard)
-            chunks, got = [], 0
-            while got < size:  # pread may return less than asked for (network file systems)
-                chunk = os.pread(fd, size - got, offset + got)
-                if not chunk:
-                    break
-                chunks.append(chunk)
-                got += len(chunk)
-        except OSError as err:
-            raise ShardReadError(
-                f"{path}: cannot read sample {row['key'].decode('ascii')} ({err.strerror or err})"
-            ) from None
-        if got != size:
-            raise ShardReadError(
-                f"{path}: sample {row['key'].decode('ascii')} is cut short ({got} of {size} bytes "
-                f"at offset {offset}: the shard is truncated); "
-                f"{_repack_hint(dict(source=self.source), self.root)}"
-            )
-        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
-
-    def _fd(self, shard):
-        if self._pid != os.getpid():
-            # A forked worker: the inherited descriptors are copies that the parent's cache bookkeeping counted;
-            # this process closes its copies and opens (and bounds) its own.
-            for fd in self._files.values():
-                try:
-                    os.close(fd)
-                except OSError:
-                    pass
-            self._files, self._pid = OrderedDict(), os.getpid()
-        fd = self._files.get(shard)
-        if fd is not None:
-            self._files.move_to_end(shard)
-            return fd
-        fd = os.open(self.root / self.shards[shard], os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-        self._files[shard] = fd
-        while len(self._files) > self.max_open:
-            os.close(self._files.popitem(last=False)[1])
-        return fd
-
-    def close(self):
-        """Close this process's descriptors (they are opened again when needed)."""
-        if self._pid == os.getpid():
-            for fd in self._files.values():
-                try:
-                    os.close(fd)
-                except OSError:
-                    pass
-        self._files = OrderedDict()
-
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:
-            pass
-
-    def __getstate__(self):
-        # Descriptors are per process and the mmap would be pickled as a full copy: the receiver opens its own.
-        state = self.__dict__.copy()
-        state.update(_files=OrderedDict(), _rows=None, _targets=None, _pid=None)
-        return state
-
-    def intact_rows(self):
-        """(the samples whose bytes are all in their shard, one warning line per shard cut short or missing). A
-        truncated shard costs the samples it lost, as a corrupt file costs one sample; a shard larger than the
-        pack made it (replaced by something else) is a PackError."""
-        actual = []
-        for name, expected in zip(self.shards, self.shard_sizes):
-            try:
-                size = (self.root / name).stat().st_size
-            except OSError:
-                size = 0
-            if size > expected:
-                raise PackError(
-                    f"{self.root / name}: {size} bytes, the pack made it {expected} (replaced?); "
-                    f"{_repack_hint(dict(source=self.source), self.root)}"
-                )
-            actual.append(size)
-        rows = self._index()
-        intact = rows["offset"].astype(np.int64) + rows["size"] <= np.asarray(actual, dtype=np.int64)[rows["shard"]]
-        warnings = []
-        for shard in np.unique(rows["shard"][~intact]).tolist():
-            lost = int(np.count_nonzero(~intact & (rows["shard"] == shard)))
-            state = (
-                "missing" if actual[shard] == 0 else f"cut short ({actual[shard]} of {self.shard_sizes[shard]} bytes)"
-            )
-            warnings.append(
-                f"WARNING: shard {self.root / self.shards[shard]} is {state}: {lost} of its samples are "
-                f"left out; {_repack_hint(dict(source=self.source), self.root)}"
-            )
-        return np.flatnonzero(intact).tolist(), warnings
-
-    def check_shards(self):
-        """Every shard present with the size the manifest records; PackError naming the first that is not."""
-        for name, expected in zip(self.shards, self.shard_sizes):
-            path = self.root / name
-            try:
-                size = path.stat().st_size
-            except OSError as err:
-                raise PackError(
-                    f"{path}: shard missing ({err.strerror}); {_repack_hint(dict(source=self.source), self.root)}"
-                ) from None
-            if size != expected:
-                raise PackError(
-                    f"{path}: {size} bytes, the pack made it {expected} (truncated or replaced); "
-                    f"{_repack_hint(dict(source=self.source), self.root)}"
-                )
-
-
-def check_pack(root):
-    """The start-up check of a whole pack: every split's shards present with their sizes."""
-    manifest = _read_manifest(root, f"make one with python dlojz_pack.py SRC {root}")
-    for split in manifest.get("splits", {}):
-        PackedSplit(root, split).check_shards()
-
-
-# ---------------------------------------------------------------------------------------------------------------
 # Command line
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # one line, as for every other bad input
@@ -899,7 +640,7 @@ def main(argv=None) -> int:
     parser = _Parser(
         prog="dlojz_pack.py",
         description="Pack an ImageNet or ImageFolder tree (train/, val/) into "
-        "webdataset tar shards with a random-access index (read by dlojz_pack.PackedSplit).",
+        "webdataset tar shards with a random-access index (read by dlojz_shards.PackedSplit).",
     )
     parser.add_argument("src", metavar="SRC", help="folder holding train/<class>/ and val/<class>/ (and meta.bin)")
     parser.add_argument("dst", metavar="DST", help="folder for the shards: new, empty, or an interrupted pack of SRC")

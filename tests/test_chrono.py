@@ -12,7 +12,8 @@ import pytest
 import torch
 from torch import nn
 
-from dlojz_chrono import Chronometer, loading_advice, main
+from dlojz_chrono import Chronometer
+from dlojz_chrono_report import loading_advice, main
 from dlojz_model import peak_flops, train_flops_per_image
 
 

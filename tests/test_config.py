@@ -8,7 +8,8 @@ import sys
 import pytest
 
 from conftest import ROOT, SMALL, clean_env
-from dlojz_config import Number, UserError, get_args_parser, resolve_config
+from dlojz_config import UserError, resolve_config
+from dlojz_flags import Number, get_args_parser
 from test_dlojz import assert_one_line_error
 
 
@@ -88,7 +89,7 @@ def test_each_bound_is_checked(capsys, flags, fragment):
 
 
 # Flags that take any value of their type, and why; a flag added without bounds fails the walk below until it is
-# given some (dlojz_config.Number beside its definition) or is listed here.
+# given some (dlojz_flags.Number beside its definition) or is listed here.
 FREE = {
     "config": "a file path, read and checked by the recipe reader",
     "arch": "a model name, checked when the model is made",
@@ -120,7 +121,7 @@ def out_of_bounds(action):
 def test_every_flag_of_the_parser_refuses_what_it_cannot_take(capsys):
     """Walks the parser: each flag that takes a value refuses, in one line naming it and with exit status 2, what
     lies outside its bounds, before torch is imported (check_command_line runs first in dlojz.py)."""
-    from dlojz_config import check_command_line
+    from dlojz_flags import check_command_line
 
     walked = 0
     for action in get_args_parser()._actions:

@@ -363,7 +363,8 @@ def test_loader_only_with_synthetic_is_refused(tmp_path, run_inline):
 
 def test_cpu_profile_scales_the_learning_rate_unless_given(tmp_path, monkeypatch):
     # Without a GPU the profile's batch is 4x smaller than the course's: the lr follows the linear scaling rule.
-    from dlojz_config import get_args_parser, resolve_config
+    from dlojz_config import resolve_config
+    from dlojz_flags import get_args_parser
 
     monkeypatch.chdir(tmp_path)  # the default --output-dir is made under ./runs
     common = ["--device", "cpu", "--arch", "resnet18"]

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 import dlojz
-from dlojz_config import get_args_parser, resolve_config
+from dlojz_config import resolve_config
+from dlojz_flags import get_args_parser
 
 BASE = ["--device", "cpu", "--arch", "resnet18", "--image-size", "32", "-b", "4", "--val-batch-size", "4"]
 

@@ -268,7 +268,8 @@ def in_fresh_process(function, *args):
 
 
 def sharded_test_vit(*flags):
-    from dlojz_config import get_args_parser, resolve_config
+    from dlojz_config import resolve_config
+    from dlojz_flags import get_args_parser
     from dlojz_fsdp import shard_model
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)

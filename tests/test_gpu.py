@@ -164,7 +164,8 @@ def test_the_prefetcher_gives_the_same_batches_on_its_stream(tmp_path):
     """Validation batches built by dlojz (DataLoader workers, pinned memory, DevicePrefetcher's copy stream,
     normalisation on the GPU) with --non-blocking, --no-non-blocking and --channels-last: the same images and labels,
     on the GPU, equal to the same uint8 batches normalised on the CPU."""
-    from dlojz_config import get_args_parser, resolve_config
+    from dlojz_config import resolve_config
+    from dlojz_flags import get_args_parser
     from dlojz_data import make_embedded_dataset
     from dlojz_dist import Distribution
     from dlojz_log import Console

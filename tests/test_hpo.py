@@ -365,7 +365,7 @@ def test_minimize_needs_a_target(tmp_path, capsys):
 
 def test_flag_words():
     import dlojz_hpo
-    from dlojz_config import get_args_parser
+    from dlojz_flags import get_args_parser
 
     actions = dlojz_hpo.flag_actions(get_args_parser())
     assert dlojz_hpo.flag_argv(actions["channels_last"], False) == ["--no-channels-last"]
@@ -523,7 +523,7 @@ def test_report_writes_plots_csv_and_a_recipe_that_dlojz_runs(finished_study, tm
     best = study.best_trial
     assert f"1. trial {best.number}: top-1 {best.value:.4f}" in proc.stdout, show(proc)
     # The recipe: the best trial's flags, as dlojz.py --config reads them.
-    from dlojz_config import get_args_parser
+    from dlojz_flags import get_args_parser
 
     recipe = vars(get_args_parser().parse_args(["--config", str(out / "best.toml")]))
     assert recipe["lr"] == best.params["lr"] and recipe["label_smoothing"] == best.params["label_smoothing"]

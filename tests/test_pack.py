@@ -26,16 +26,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 import dlojz_pack  # noqa: E402
 from dlojz_data import IMG_EXTENSIONS, DataError, make_embedded_dataset  # noqa: E402
-from dlojz_pack import (  # noqa: E402
-    MANIFEST,
-    PackedSplit,
-    PackError,
-    ShardReadError,
-    check_pack,
-    is_packed,
-    main,  # noqa: E402
-    pack,
-)
+from dlojz_pack import main, pack  # noqa: E402
+from dlojz_shards import MANIFEST, PackedSplit, PackError, ShardReadError, check_pack, is_packed  # noqa: E402
 
 SHARD_SIZE = "20KB"  # 3 samples of these tiny JPEGs per shard (a tar is padded to 10 KiB records): 12 train shards
 # webdataset's split of a member name into sample key and field (webdataset.tariterators.base_plus_ext)

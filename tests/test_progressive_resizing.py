@@ -5,7 +5,8 @@ import pytest
 import torch
 
 import dlojz
-from dlojz_config import UserError, get_args_parser, resolve_config
+from dlojz_config import UserError, resolve_config
+from dlojz_flags import get_args_parser
 from dlojz_dist import Distribution
 from dlojz_log import Console
 from dlojz_transforms import resolution_at

@@ -1,0 +1,200 @@
+"""The chronometer's report: the lines it prints, its advice when data loading holds the step back, and the
+per-step timeline plot (`python dlojz_chrono.py plot TRACE.json -o timeline.png`). The timing itself, and the
+figures as a dict (`Chronometer.summary`), are dlojz_chrono.py's. No torch here.
+"""
+
+import argparse
+import json
+from pathlib import Path
+
+import numpy as np
+
+
+def report_lines(s: dict, warmup_steps: int, per_step=None) -> list:
+    """The report's lines from a summary `s` (Chronometer.summary), in the course's order; a line whose figures
+    are unknown is left out. `per_step`: (step seconds, load seconds or None) of every step, for the course's
+    JSON line."""
+    # One branch per line of the report, in the order it prints: split, the order would be harder to follow.
+    lines = []
+    if "total_time_s" in s:
+        line = f"=>>> Training complete in: {_fmt_duration(s['total_time_s'])}"
+        if "time_to_first_step_s" in s:
+            line += f" (time to first step: {s['time_to_first_step_s']:.2f} s)"
+        lines.append(line)
+    if "step_median_s" in s:
+        note = (
+            f"warm-up: first {warmup_steps} steps skipped"
+            if s["warmup_excluded"]
+            else f"only {s['steps']} steps: only the first skipped"
+        )
+        lines.append(
+            f"=>>> Step time (forward+backward): min {_ms(s['step_min_s'])} median "
+            f"{_ms(s['step_median_s'])} +/- {_ms(s['step_std_s'])} over {s['measured_steps']} steps "
+            f"({note})"
+        )
+    if "load_median_s" in s:
+        lines.append(
+            f"=>>> Load time (DataLoader + host->device): min {_ms(s['load_min_s'])} median "
+            f"{_ms(s['load_median_s'])} +/- {_ms(s['load_std_s'])}"
+        )
+    if "forward_median_s" in s:
+        shares = f" ({s['forward_share']:.0%} / {s['backward_share']:.0%} of the step)" if "forward_share" in s else ""
+        lines.append(
+            f"=>>> Forward median {_ms(s['forward_median_s'])}, backward median {_ms(s['backward_median_s'])}{shares}"
+        )
+    if "throughput_img_s" in s:
+        lines.append(
+            f"=>>> Throughput: {s['throughput_img_s']:.1f} images/s (global batch / (step + load)); "
+            f"compute throughput: {s['compute_throughput_img_s']:.1f} images/s (global batch / step)"
+        )
+    if "load_share" in s:
+        line = f"=>>> Data loading: {s['load_share']:.1%} of the step"
+        if "slowest_rank" in s:
+            line += f" (slowest rank {s['slowest_rank']}: load median {_ms(s['slowest_rank_load_median_s'])})"
+        lines.append(line)
+    if "advice" in s:
+        lines.append(f"=>>> Advice: {s['advice']}")
+    if "val_time_s" in s:
+        line = f"=>>> Validation time: {s['val_time_s']:.2f} s"
+        if "val_full_estimate_s" in s:
+            line += f" (estimate for the full validation set: {_fmt_duration(s['val_full_estimate_s'])})"
+        lines.append(line)
+    if "epoch_time_estimate_s" in s:
+        lines.append(
+            f"=>>> Estimated epoch time (full data set, with validation): {_fmt_duration(s['epoch_time_estimate_s'])}"
+        )
+    if "achieved_flops" in s:
+        line = (
+            f"=>>> Model FLOP/s: {_si(s['achieved_flops'], 'FLOP/s')} "
+            f"({_si(s['train_flops_per_image'], 'FLOP')} per training image, forward + backward)"
+        )
+        if "mfu" in s:
+            line += (
+                f", model FLOPs utilisation {s['mfu']:.1%} of the {s['peak_flops_per_gpu'] / 1e12:.0f} "
+                f"TFLOP/s peak per GPU"
+            )
+        lines.append(line)
+    if "peak_memory_bytes" in s:
+        lines.append(f"=>>> Peak memory: {s['peak_memory_bytes'] / 2**30:.2f} GiB ({s['peak_memory_bytes']} bytes)")
+    if "peak_power_w" in s:
+        lines.append(f"=>>> Peak power: {s['peak_power_w']:.0f} W")
+    if "energy_per_image_j" in s:
+        line = f"=>>> Energy: {s['energy_per_image_j']:.3f} J per image"
+        if "epoch_energy_estimate_j" in s:
+            line += f", {s['epoch_energy_estimate_j'] / 3600:.1f} Wh per epoch (estimate, all GPUs)"
+        lines.append(line)
+    if per_step is not None:
+        # the course's line, rounded to the microsecond to stay readable (the trace file keeps full precision)
+        steps = [round(x, 6) for x in per_step[0]]
+        loads = [None if x is None else round(x, 6) for x in per_step[1]]
+        lines.append(
+            "=>>>JSON " + json.dumps({"GPU process - Forward/Backward": steps, "CPU process - Dataloader": loads})
+        )
+    if "trace_path" in s:
+        lines.append(f"=>>> Trace written to {s['trace_path']}")
+    return lines
+
+
+def loading_advice(load_s: float, step_s: float, ctx: dict) -> str:
+    """One line saying what to change when loading takes load_s against a step of step_s (ctx as in summary)."""
+    head = f"data loading takes {load_s / step_s:.0%} of the step ({_ms(load_s)} vs {_ms(step_s)}): "
+    workers, cpus = ctx.get("num_workers"), ctx.get("cpus_per_task")
+    on_gpu = (ctx.get("device_name") or "cpu").lower() != "cpu"
+    todo = []
+    if workers is not None and cpus and workers < cpus:
+        todo.append(f"raise --num-workers from {workers} (the task has {cpus} CPUs)")
+    elif workers is not None and cpus and workers >= cpus:
+        todo.append(
+            f"the input pipeline is CPU-bound ({workers} workers for {cpus} CPUs): ask for more CPUs "
+            f"per task, use a smaller --image-size, or faster decoding (pre-resized images, DALI)"
+        )
+    elif workers is not None:
+        todo.append(f"raise --num-workers from {workers} (up to the CPUs per task)")
+    else:
+        todo.append("use more DataLoader workers (up to the CPUs per task)")
+    if on_gpu and ctx.get("pin_memory") is False:
+        todo.append("turn on --pin-memory")
+    if ctx.get("persistent_workers") is False and workers:
+        todo.append("turn on --persistent-workers")
+    return head + "; ".join(todo)
+
+
+def plot_trace(trace_path, png_path) -> None:
+    """Per-step stacked bars (load, forward, backward) with the medians marked; warm-up steps shaded."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    trace = json.loads(Path(trace_path).read_text())
+    loads = np.array([np.nan if x is None else x for x in trace["load_s"]], dtype=float) * 1e3
+    forwards = np.array([np.nan if x is None else x for x in trace["forward_s"]], dtype=float) * 1e3
+    backwards = np.array(trace["backward_s"], dtype=float) * 1e3
+    steps_ms = np.array(trace["step_s"], dtype=float) * 1e3
+    warmup = trace.get("warmup_steps", 0)
+    x = np.arange(1, len(backwards) + 1)
+    loads0, forwards0 = np.nan_to_num(loads), np.nan_to_num(forwards)
+
+    fig, ax = plt.subplots(figsize=(max(6.0, min(20.0, 0.15 * len(x) + 4)), 4.5))
+    ax.bar(x, loads0, color="tab:orange", label="load (DataLoader + H2D)")
+    ax.bar(x, forwards0, bottom=loads0, color="tab:blue", label="forward")
+    ax.bar(x, backwards, bottom=loads0 + forwards0, color="tab:green", label="backward")
+    measured = slice(warmup, None) if len(x) > warmup else slice(None)
+    if len(x):
+        # Bars stack load under compute, so the compute median is drawn on top of the load median.
+        step_med = np.median(steps_ms[measured])
+        load_med = 0.0 if np.all(np.isnan(loads[measured])) else np.nanmedian(loads[measured])
+        if load_med > 0:
+            ax.axhline(load_med, color="tab:orange", ls="--", label=f"median load {load_med:.2f} ms")
+        ax.axhline(load_med + step_med, color="black", ls="--", label=f"median load + median step ({step_med:.2f} ms)")
+    if 0 < warmup < len(x):
+        ax.axvspan(0.5, warmup + 0.5, color="grey", alpha=0.15, label="warm-up (not in medians)")
+    ax.set_xlabel("training step")
+    ax.set_ylabel("time (ms)")
+    ax.set_title("dlojz: per-step load vs compute")
+    ax.legend(fontsize="small", loc="upper right")
+    fig.tight_layout()
+    Path(png_path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(png_path, dpi=100)
+    plt.close(fig)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="dlojz_chrono.py", description="dlojz chronometer tools")
+    sub = parser.add_subparsers(dest="command", required=True)
+    plot = sub.add_parser("plot", help="draw the per-step timeline of a chronometer trace")
+    plot.add_argument("trace", help="trace JSON written by Chronometer.write_trace")
+    plot.add_argument("-o", "--output", default="timeline.png", help="PNG to write (default: timeline.png)")
+    args = parser.parse_args(argv)
+    trace = Path(args.trace)
+    if not trace.is_file():
+        parser.error(f"trace file {trace} not found: give the JSON written by the chronometer (--test run)")
+    from dlojz_checks import UserError, check_output_file
+
+    try:
+        check_output_file(args.output, "-o/--output")
+    except UserError as err:
+        parser.error(str(err))
+    try:
+        plot_trace(trace, args.output)
+    except (json.JSONDecodeError, KeyError, TypeError) as err:
+        parser.error(f"{trace} is not a chronometer trace ({err.__class__.__name__}: {err})")
+    print(f"timeline written to {args.output}")
+    return 0
+
+
+def _si(value: float, unit: str) -> str:
+    for prefix, scale in (("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(value) >= scale:
+            return f"{value / scale:.2f} {prefix}{unit}"
+    return f"{value:.2f} {unit}"
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e6:.1f} µs" if abs(seconds) < 1e-4 else f"{seconds * 1e3:.2f} ms"
+
+
+def _fmt_duration(seconds: float) -> str:
+    minutes, secs = divmod(seconds, 60)
+    hours, minutes = divmod(int(minutes), 60)
+    return f"{seconds:.1f} s ({hours:d}:{minutes:02d}:{secs:04.1f})" if seconds >= 60 else f"{seconds:.2f} s"

@@ -1,0 +1,625 @@
+"""dlojz's command line: the flags (`get_args_parser`), each with its bounds beside it (`Number`), recipe files
+(`--config FILE.toml`: `read_recipe`, and `recipe_text`, its inverse, which writes a run's `args.toml`), and the
+checks of flags taken together (`check_flags`). No torch, no file but the recipe read: `check_command_line()`,
+dlojz.py's first step, answers `--help`, a mistyped flag or a value out of bounds in a fraction of a second, before
+torch is imported. What needs the machine (the device, libraries, output paths) is dlojz_config.py's.
+"""
+
+import argparse
+import dataclasses
+import os
+
+from dlojz_checks import UserError, fail, missing_data_variable
+
+
+# The accepted values of --optimizer and --lr-scheduler (dlojz_optim builds them; here for the command line).
+OPTIMIZERS = ("sgd", "adamw", "lamb", "lars", "lion")
+FUSED = ("sgd", "adamw")  # with a fused step in torch (build_optimizer's fused=True)
+SCHEDULERS = ("onecycle", "cosine", "step", "constant", "linear", "poly")
+
+
+def check_hyperparameters(lr: float, momentum: float, weight_decay: float) -> None:
+    """Raise ValueError naming the flag if ``--lr``, ``--mom`` or ``--wd`` is out of range."""
+    if not lr > 0:
+        raise ValueError(f"--lr must be > 0, got {lr}")
+    if not 0 <= momentum < 1:
+        raise ValueError(f"--mom must be in [0, 1), got {momentum}")
+    if not weight_decay >= 0:
+        raise ValueError(f"--wd must be >= 0, got {weight_decay}")
+
+
+class Number:
+    """A flag's type and bounds, given beside the flag: argparse checks them as it reads the value (a recipe file's
+    reader too), so `-b 0` or `--lr inf` is one line naming the flag before torch is imported. `low`/`high` are
+    included unless `low_open`/`high_open`; NaN and the infinities are refused."""
+
+    def __init__(self, kind, low=None, high=None, *, low_open=False, high_open=False):
+        self.kind, self.low, self.high, self.low_open, self.high_open = kind, low, high, low_open, high_open
+        self.__name__ = kind.__name__  # argparse names the type in its own messages
+
+    def describe(self):
+        if self.high is None:
+            return f"{'>' if self.low_open else '>='} {self.low}"
+        if self.low is None:
+            return f"{'<' if self.high_open else '<='} {self.high}"
+        return f"in {'(' if self.low_open else '['}{self.low}, {self.high}{')' if self.high_open else ']'}"
+
+    def check(self, value):
+        """`value` itself when within bounds, else argparse.ArgumentTypeError saying what to give."""
+        import math
+
+        below = self.low is not None and (value <= self.low if self.low_open else value < self.low)
+        above = self.high is not None and (value >= self.high if self.high_open else value > self.high)
+        if below or above or not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"must be {self.describe()} (got {value})")
+        return value
+
+    def __call__(self, text):
+        try:
+            value = self.kind(text)
+        except ValueError:
+            kind = "an integer" if self.kind is int else "a number"
+            raise argparse.ArgumentTypeError(f"must be {kind} {self.describe()} (got {text!r})") from None
+        return self.check(value)
+
+
+# Below 8 px a ResNet's stem leaves less than a pixel; above 4096 px one image's activations fill a GPU.
+PIXELS = Number(int, 8, 4096)
+COUNT = Number(int, 1)  # a number of things: at least one
+NON_NEGATIVE = Number(float, 0)
+POSITIVE = Number(float, 0, low_open=True)
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """A bad flag is one line, as every other bad input (argparse would print the whole usage first). `--config
+    FILE.toml` fills the flags' defaults from a recipe file before the command line is read: a flag given on the
+    command line wins over the file, the file over the built-in defaults and the CPU/GPU profile."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (--help lists the flags)\n")
+
+    def parse_args(self, args=None, namespace=None):
+        pre = argparse.ArgumentParser(add_help=False)
+        pre.add_argument("--config", default=None)
+        config = pre.parse_known_args(args)[0].config
+        if config is not None:
+            self.set_defaults(**read_recipe(self, config))
+        return super().parse_args(args, namespace)
+
+
+def read_recipe(parser, path):
+    """The flag values of a recipe file: one TOML key per flag, its long name without the dashes (`-` or `_`).
+    Raises UserError naming the file and the key for an unknown key or a value of the wrong type."""
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10
+        fail(f"--config {path}: reading TOML needs Python 3.11 or newer (tomllib)")
+    try:
+        with open(path, "rb") as file:
+            recipe = tomllib.load(file)
+    except OSError as err:
+        fail(f"--config {path}: cannot be read ({err.strerror})")
+    except tomllib.TOMLDecodeError as err:
+        fail(f"--config {path}: not valid TOML ({err})")
+    actions = {action.dest: action for action in parser._actions if action.dest not in ("help", "config")}
+    values = {}
+    for key, value in recipe.items():
+        dest = key.replace("-", "_")
+        action = actions.get(dest)
+        if action is None:
+            import difflib
+
+            close = difflib.get_close_matches(dest, list(actions), n=1)
+            fail(
+                f"--config {path}: unknown key '{key}', not a dlojz flag"
+                + (f" (did you mean '{close[0].replace('_', '-')}'?)" if close else "")
+            )
+        values[dest] = recipe_value(action, value, f"--config {path}: key '{key}'")
+    return values
+
+
+def recipe_text(cfg, parser, header=()):
+    """`cfg`'s flag values as a recipe file that `--config` reads back (the inverse of read_recipe): every flag
+    with a value once the recipe, the command line and the CPU/GPU profile are merged; unset ones left out."""
+    import json
+
+    def toml(value):
+        if isinstance(value, bool):
+            return "true" if value else "false"
+        if isinstance(value, (list, tuple)):
+            return "[" + ", ".join(toml(v) for v in value) + "]"
+        if isinstance(value, (int, float)):
+            return repr(value)
+        return json.dumps(str(value))  # a TOML basic string: JSON's escapes are TOML's
+
+    values = vars(cfg) if not dataclasses.is_dataclass(cfg) else dataclasses.asdict(cfg)
+    lines = [f"# {line}" for line in header]
+    for action in parser._actions:
+        value = values.get(action.dest)
+        if action.dest in ("help", "config") or value is None:
+            continue
+        if isinstance(value, int) and not isinstance(value, bool) and value_type(action) is float:
+            value = float(value)  # an int default of a float flag: written as the recipe reader reads it back
+        lines.append(f"{action.dest.replace('_', '-')} = {toml(value)}")
+    return "\n".join(lines) + "\n"
+
+
+def value_type(action):
+    """int, float or str: what a flag that takes a value is given."""
+    return action.type.kind if isinstance(action.type, Number) else action.type or str
+
+
+def recipe_value(action, value, where):
+    """`value` checked against what the flag takes, as the command line would check it."""
+    if action.nargs == 0 or isinstance(action, argparse.BooleanOptionalAction):  # switches
+        if not isinstance(value, bool):
+            fail(f"{where} is a switch: true or false (got {value!r})")
+        return value
+    if action.nargs is not None:  # e.g. --randaugment N M
+        if not isinstance(value, list) or len(value) != action.nargs:
+            fail(f"{where} takes a list of {action.nargs} values (got {value!r})")
+        return [recipe_value(argparse.Action([], action.dest, type=action.type), v, where) for v in value]
+    bounds = action.type if isinstance(action.type, Number) else None
+    expected = value_type(action)
+    if expected is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if not isinstance(value, expected) or isinstance(value, bool):
+        fail(
+            f"{where} must be {'a number' if expected is float else 'an integer' if expected is int else 'a string'} "
+            f"(got {value!r})"
+        )
+    if bounds:
+        try:
+            bounds.check(value)
+        except argparse.ArgumentTypeError as err:
+            fail(f"{where} {err}")
+    if action.choices is not None and value not in action.choices:
+        fail(f"{where} must be one of {', '.join(map(str, action.choices))} (got {value!r})")
+    return value
+
+
+def get_args_parser():
+    # One flat list, grouped as --help shows it: split into functions, the flags would be harder to find.
+    parser = OneLineParser(
+        prog="dlojz",
+        description="dlojz: ResNet-50 / ImageNet training, optimised flag by flag",
+        formatter_class=argparse.RawTextHelpFormatter,
+    )
+    parser.add_argument(
+        "--config",
+        default=None,
+        metavar="FILE.toml",
+        help="recipe file: one key per flag (lr = 0.5, label-smoothing = 0.1);\na flag given on the command line wins",
+    )
+    p = parser.add_argument_group("training")
+    p.add_argument(
+        "-b", "--batch-size", type=COUNT, default=None, help="batch size per process (default: 128; CPU profile: 32)"
+    )
+    p.add_argument("-e", "--epochs", type=COUNT, default=1, help="number of epochs (default: 1)")
+    p.add_argument(
+        "--image-size", type=PIXELS, default=None, help="training crop size in px (default: 224; CPU profile: 64)"
+    )
+    p.add_argument("--lr", type=POSITIVE, default=None, help="peak learning rate (default: 0.1; CPU profile: 0.025)")
+    p.add_argument("--wd", type=NON_NEGATIVE, default=0.0, help="weight decay (default: 0.)")
+    p.add_argument("--mom", type=Number(float, 0, 1, high_open=True), default=0.9, help="momentum (default: 0.9)")
+    p.add_argument(
+        "--label-smoothing",
+        type=Number(float, 0, 1, high_open=True),
+        default=0.1,
+        help="label smoothing of the loss (default: 0.1)",
+    )
+    p.add_argument(
+        "--arch",
+        default="resnet50",
+        help="any torchvision classification model name, or timm:NAME\nfor any timm model (default: resnet50)",
+    )
+    p.add_argument("--seed", type=Number(int, 0, 2**32 - 1), default=123, help="random seed (default: 123)")
+    p.add_argument(
+        "--blurpool",
+        action="store_true",
+        help="anti-aliased downsampling: blur before strided convolutions and max-pools",
+    )
+    p.add_argument(
+        "--zero-init-residual",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="last BatchNorm scale of each residual block at 0: each block starts as the identity (default: on for "
+        "the models that take it, torchvision's ResNet, ResNeXt and Wide ResNet)",
+    )
+    p.add_argument(
+        "--clip-grad-norm",
+        type=POSITIVE,
+        default=None,
+        metavar="X",
+        help="clip the gradients' global norm to X (after unscaling)",
+    )
+
+    p = parser.add_argument_group("optimizer and schedule (dlojz_optim.py)")
+    p.add_argument("--optimizer", default="sgd", choices=OPTIMIZERS, help="momentum/beta1 from --mom (default: sgd)")
+    p.add_argument("--no-wd-norm-bias", action="store_true", help="no weight decay on norm layers and biases")
+    p.add_argument(
+        "--lr-scheduler",
+        default="onecycle",
+        choices=SCHEDULERS,
+        help="stepped every optimizer step (default: onecycle)",
+    )
+    p.add_argument(
+        "--warmup-epochs",
+        type=NON_NEGATIVE,
+        default=0.0,
+        help="linear warm-up for cosine/step/constant/poly (default: 0)",
+    )
+    p.add_argument(
+        "--lr-peak-epoch", type=NON_NEGATIVE, default=2.0, help="linear: epoch of the peak, as FFCV's (default: 2)"
+    )
+    p.add_argument(
+        "--lr-poly-power", type=POSITIVE, default=2.0, help="poly: power of the decay, as MLPerf's (default: 2)"
+    )
+    p.add_argument(
+        "--findlr",
+        action="store_true",
+        help="LR range test: exponential sweep from 1e-8 to --lr over the run, no validation;\n"
+        "writes findlr.csv and findlr.png, prints a suggested lr",
+    )
+
+    p = parser.add_argument_group("memory and speed")
+    p.add_argument(
+        "--grad-acc",
+        type=COUNT,
+        default=1,
+        help="accumulate gradients over N micro-batches per optimizer step (default: 1)",
+    )
+    p.add_argument(
+        "--grad-checkpointing", action="store_true", help="recompute activations of the model's stages in the backward"
+    )
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="torch.compile the model (compilation shows as the time to the first step)",
+    )
+    p.add_argument("--sync-bn", action="store_true", help="synchronised BatchNorm across ranks")
+    p.add_argument(
+        "--model-ema",
+        action="store_true",
+        help="keep an exponential moving average of the weights, validated alongside",
+    )
+    p.add_argument(
+        "--model-ema-decay",
+        type=Number(float, 0, 1, low_open=True, high_open=True),
+        default=0.9998,
+        help="EMA decay per optimizer step (default: 0.9998)",
+    )
+
+    p = parser.add_argument_group("augmentation")
+    p.add_argument(
+        "--randaugment",
+        type=Number(int, 0, 30),  # torchvision's magnitude bins: 0..30; more than 30 ops per image is no augmentation
+        nargs=2,
+        metavar=("N", "M"),
+        default=None,
+        help="RandAugment with N ops of magnitude M",
+    )
+    p.add_argument("--trivialaugment", action="store_true", help="TrivialAugmentWide")
+    p.add_argument(
+        "--random-erase",
+        type=Number(float, 0, 1),
+        default=0.0,
+        metavar="P",
+        help="RandomErasing probability (default: 0)",
+    )
+    p.add_argument("--mixup-alpha", type=NON_NEGATIVE, default=0.0, help="batch-level MixUp alpha (default: 0 = off)")
+    p.add_argument("--cutmix-alpha", type=NON_NEGATIVE, default=0.0, help="batch-level CutMix alpha (default: 0 = off)")
+
+    p = parser.add_argument_group("validation and time to accuracy")
+    p.add_argument(
+        "--val-every", type=COUNT, default=1, metavar="N", help="validate every N epochs; the last always (default: 1)"
+    )
+    p.add_argument(
+        "--target-accuracy",
+        type=Number(float, 0, 1, low_open=True),
+        default=None,
+        metavar="A",
+        help="stop at the first validation with top-1 >= A (0-1);\n"
+        "the metrics JSON gets time_to_target_s and epochs_to_target",
+    )
+    p.add_argument(
+        "--tta-flip", action="store_true", help="validation averages the logits of each image and its mirror"
+    )
+    p.add_argument(
+        "--min-res",
+        type=PIXELS,
+        default=None,
+        help="progressive resizing (FFCV's): training resolution up to --start-ramp",
+    )
+    p.add_argument(
+        "--max-res", type=PIXELS, default=None, help="progressive resizing: training resolution from --end-ramp"
+    )
+    p.add_argument(
+        "--start-ramp",
+        type=Number(int, 0),
+        default=0,
+        help="progressive resizing: epoch (from 0) the ramp starts (default: 0)",
+    )
+    p.add_argument(
+        "--end-ramp", type=Number(int, 0), default=0, help="progressive resizing: epoch (from 0) the ramp ends"
+    )
+    p.add_argument(
+        "--res-step",
+        type=Number(int, 1, 512),
+        default=32,
+        help="progressive resizing: resolutions are multiples of it (default: 32)",
+    )
+
+    p = parser.add_argument_group("profiler (torch.profiler)")
+    p.add_argument(
+        "--prof",
+        action="store_true",
+        help="profile a few steps; traces in <output-dir>/profiler (TensorBoard, Perfetto)",
+    )
+    p.add_argument("--prof-wait", type=Number(int, 0), default=1, help="steps skipped before profiling (default: 1)")
+    p.add_argument("--prof-warmup", type=Number(int, 0), default=1, help="profiled steps thrown away (default: 1)")
+    p.add_argument("--prof-active", type=COUNT, default=3, help="profiled steps recorded (default: 3)")
+
+    p = parser.add_argument_group("modes")
+    p.add_argument(
+        "--test",
+        action="store_true",
+        help="benchmark: stop after --test-nsteps steps, validate on 20 batches,\n"
+        "no W&B, no checkpoint, chronometer report",
+    )
+    p.add_argument("--test-nsteps", type=COUNT, default=50, help="steps in --test mode (default: 50)")
+    p.add_argument("--synthetic", action="store_true", help="random tensors made once in memory: no disk, no decoding")
+    p.add_argument("--eval-only", action="store_true", help="validate the checkpoint given by --resume and stop")
+    p.add_argument(
+        "--loader-only",
+        action="store_true",
+        help="time the training DataLoader alone (no model) over\n"
+        "--test-nsteps batches: images/s overall and per worker",
+    )
+
+    p = parser.add_argument_group("data")
+    p.add_argument(
+        "--data-root",
+        default=None,
+        help="folder with train/ and val/ (ImageNet or ImageFolder layout);\n"
+        "default: $DLOJZ_DATA, $ALL_CCFRSCRATCH/imagenet, $DSDIR/imagenet,\nelse the embedded data set",
+    )
+    p.add_argument(
+        "--val-resize-size", type=PIXELS, default=None, help="validation resize (default: 256; CPU profile: 73)"
+    )
+    p.add_argument(
+        "--val-crop-size", type=PIXELS, default=None, help="validation center crop (default: 224; CPU profile: 64)"
+    )
+    p.add_argument(
+        "--val-batch-size",
+        type=COUNT,
+        default=None,
+        help="validation batch size per process (default: 256; CPU profile: 64)",
+    )
+    p.add_argument(
+        "--data-backend",
+        choices=("pytorch", "dali"),
+        default="pytorch",
+        help="who decodes and augments: the DataLoader's workers (default),\n"
+        "or NVIDIA DALI (on the GPU; its CPU backend without one)",
+    )
+    p.add_argument(
+        "--train-subset",
+        type=POSITIVE,
+        default=None,
+        metavar="F",
+        help="train on a fixed part of the training set, the same\n"
+        "in every run whatever --seed: F < 1 a fraction, F >= 1 images per class\n(stratified; validation stays whole)",
+    )
+
+    p = parser.add_argument_group("DataLoader")
+    p.add_argument(
+        "--num-workers",
+        type=Number(int, 0),
+        default=None,
+        help="workers per process (default: CPUs per task - 1, at most 16)",
+    )
+    p.add_argument(
+        "--persistent-workers",
+        default=True,
+        action=argparse.BooleanOptionalAction,
+        help="keep workers between epochs (default: on)",
+    )
+    p.add_argument(
+        "--pin-memory",
+        default=True,
+        action=argparse.BooleanOptionalAction,
+        help="page-locked host buffers (default: on)",
+    )
+    p.add_argument(
+        "--non-blocking",
+        default=True,
+        action=argparse.BooleanOptionalAction,
+        help="asynchronous host-to-GPU copies (default: on)",
+    )
+    p.add_argument(
+        "--prefetch-factor",
+        type=COUNT,
+        default=3,
+        help="batches prefetched per worker, ignored with 0 workers (default: 3)",
+    )
+    p.add_argument(
+        "--drop-last",
+        default=None,
+        action=argparse.BooleanOptionalAction,
+        help="drop the last incomplete batch (default: off; on with --compile)",
+    )
+
+    p = parser.add_argument_group("device and precision")
+    p.add_argument(
+        "--device", choices=("auto", "cuda", "cpu"), default="auto", help="(default: auto = cuda if available)"
+    )
+    p.add_argument(
+        "--amp",
+        default=None,
+        action=argparse.BooleanOptionalAction,
+        help="automatic mixed precision (default: on with CUDA, off on CPU)",
+    )
+    p.add_argument(
+        "--amp-dtype",
+        choices=("float16", "bfloat16"),
+        default=None,
+        help="AMP dtype (default: float16 on CUDA, bfloat16 on CPU)",
+    )
+    p.add_argument(
+        "--channels-last",
+        default=False,
+        action=argparse.BooleanOptionalAction,
+        help="NHWC memory format for model and inputs (default: off)",
+    )
+    p.add_argument(
+        "--tf32",
+        default=None,
+        action=argparse.BooleanOptionalAction,
+        help="TF32 matmul/cuDNN (default: on for Ampere and newer)",
+    )
+
+    p = parser.add_argument_group("distribution")
+    p.add_argument(
+        "--dist-timeout",
+        type=POSITIVE,
+        default=600,
+        help="seconds before a collective waiting for a dead rank fails (default: 600)",
+    )
+    p.add_argument(
+        "--fsdp",
+        action="store_true",
+        help="shard parameters, gradients and optimizer state across ranks (FSDP2, dlojz_fsdp.py)\n"
+        "instead of DDP's full copy on each; sharded checkpoints (torch.distributed.checkpoint)",
+    )
+    p.add_argument(
+        "--fsdp-reshard-after-forward",
+        default=None,
+        action=argparse.BooleanOptionalAction,
+        help="--fsdp: free each block's gathered parameters after its forward and gather them again for\n"
+        "the backward (ZeRO-3, default), or keep them until the backward (ZeRO-2-like: faster, more memory)",
+    )
+
+    p = parser.add_argument_group("logging, checkpoints, resume")
+    p.add_argument(
+        "--output-dir",
+        default=None,
+        help="checkpoints, metrics, traces (default: ./runs/<job name>_<job id or timestamp>)",
+    )
+    p.add_argument("--metrics-json", default=None, help="write the run's final metrics to this JSON file (rank 0)")
+    p.add_argument(
+        "--val-history",
+        default=None,
+        metavar="FILE.jsonl",
+        help="append one JSON line per validation to this file (rank 0)",
+    )
+    p.add_argument(
+        "--resume", default=None, help="'auto' (newest checkpoint in --output-dir, if any) or a checkpoint path"
+    )
+    p.add_argument(
+        "--requeue",
+        default=True,
+        action=argparse.BooleanOptionalAction,
+        help="on a stop signal under Slurm, requeue the job after the\n"
+        "checkpoint (default: on; dlojz_hpo.py's trials: off, the worker requeues)",
+    )
+    p.add_argument(
+        "--keep-checkpoints",
+        type=Number(int, 0),
+        default=3,
+        help="checkpoints kept in --output-dir (default: 3; 0: all)",
+    )
+    p.add_argument(
+        "--wandb",
+        default=True,
+        action=argparse.BooleanOptionalAction,
+        help="W&B logging on rank 0 (default: on; never in --test)",
+    )
+    p.add_argument("--wandb-project", default="Imagenet Race Cup", help="(default: 'Imagenet Race Cup')")
+    p.add_argument(
+        "--wandb-mode",
+        choices=("offline", "online", "disabled"),
+        default="offline",
+        help="(default: offline: never needs the network)",
+    )
+    p.add_argument("--wandb-group", default=None, help="W&B group of the run (dlojz_hpo.py: the study)")
+    return parser
+
+
+def check_flags(values):
+    """The checks of flags taken together, on the parsed values (a dict): no torch, no GPU, no file read; each flag
+    alone was checked by its type as it was parsed. The CPU/GPU profile's values may still be None (unset): what
+    compares them waits for resolve_config, which calls this again once they are filled."""
+    if (values["min_res"] is None) != (values["max_res"] is None):
+        fail("progressive resizing needs both --min-res and --max-res")
+    if values["min_res"] is not None:
+        if values["min_res"] > values["max_res"]:
+            fail(f"--min-res {values['min_res']} must be at most --max-res {values['max_res']}")
+        if not values["start_ramp"] < values["end_ramp"]:
+            fail(f"--start-ramp {values['start_ramp']} must be before --end-ramp {values['end_ramp']}")
+        if values["synthetic"]:
+            fail("--synthetic trains on one fixed batch: progressive resizing (--min-res/--max-res) needs the data")
+    crop, resize = values["val_crop_size"], values["val_resize_size"]
+    if crop is not None and resize is not None and crop > resize:
+        fail(
+            f"--val-crop-size {crop} must be at most --val-resize-size {resize} (the center crop is cut from the "
+            "resized image)"
+        )
+    if values["findlr"] and (values["eval_only"] or values["loader_only"]):
+        fail("--findlr trains: it cannot go with --eval-only or --loader-only")
+    if values["fsdp_reshard_after_forward"] is not None and not values["fsdp"]:
+        fail("--fsdp-reshard-after-forward/--no-fsdp-reshard-after-forward set how --fsdp shards: add --fsdp")
+    subset = values["train_subset"]
+    if subset is not None:
+        if subset >= 1 and not float(subset).is_integer():
+            fail(f"--train-subset is a fraction in (0, 1) or a whole number of images per class (got {subset:g})")
+        if values["synthetic"]:
+            fail("--train-subset picks images of the data set, which --synthetic does not read: drop one of them")
+    if values["data_backend"] == "dali":
+        unsupported = [
+            flag
+            for flag, on in (
+                ("--synthetic", values["synthetic"]),
+                ("--min-res", values["min_res"] is not None),
+                ("--randaugment", values["randaugment"]),
+                ("--trivialaugment", values["trivialaugment"]),
+                ("--random-erase", values["random_erase"] > 0),
+            )
+            if on
+        ]
+        if unsupported:
+            fail(
+                f"--data-backend dali does RandomResizedCrop and flip only: {', '.join(unsupported)} needs "
+                f"--data-backend pytorch"
+            )
+    if values["loader_only"] and values["synthetic"]:
+        fail("--loader-only times the DataLoader, which --synthetic does not use: drop one of them")
+    if values["eval_only"] and not values["resume"]:
+        fail("--eval-only needs --resume CHECKPOINT (or --resume auto with --output-dir)")
+
+
+def check_data_variable(values):
+    """$DLOJZ_DATA naming no folder, when the data is read (not with --data-root or --synthetic): one line."""
+    if not values["data_root"] and not values["synthetic"] and (problem := missing_data_variable(os.environ)):
+        fail(problem)
+
+
+def check_command_line(argv=None):
+    """dlojz.py's first step, before torch is imported: `--help`, a mistyped flag, a value out of its bounds, flags
+    that do not go together or a half-set launch environment end here in one line (exit status 2). Returns nothing:
+    main() parses again."""
+    import sys
+
+    from dlojz_launch import launch_problem, launch_rank
+
+    if (problem := launch_problem(os.environ)) is not None:
+        print(f"dlojz: error: {problem}", file=sys.stderr, flush=True)  # every copy: which rank it is is unknown
+        sys.exit(2)
+    try:
+        values = vars(get_args_parser().parse_args(argv))
+        check_flags(values)
+        check_data_variable(values)
+    except UserError as err:
+        if launch_rank(os.environ) == 0:  # every rank reads the same command line: one of them says it
+            print(f"dlojz: error: {err}", file=sys.stderr, flush=True)
+        sys.exit(2)
