@@ -6,7 +6,8 @@ One command runs alone, under torchrun or under srun across nodes:
 `main()` reads top to bottom in the course's order: arguments, instantiation (distribution, model, loss,
 optimizer), DataLoader, initialisation, training, validation, checkpoint and report. Each section calls a small
 function below it; `train_one_epoch` and `evaluate` are the loop's two phases. The flags live in dlojz_flags.py,
-the run's settings and their checks in dlojz_config.py, the model's facts in dlojz_model.py, the lines the run prints in dlojz_log.py, the chronometer,
+the run's settings and their checks in dlojz_config.py, the batches in dlojz_loaders.py, checkpoints and resume in
+dlojz_resume.py, the model's facts in dlojz_model.py, the lines the run prints in dlojz_log.py, the chronometer,
 profiler and LR finder hooks in dlojz_hooks.py.
 """
 
@@ -35,16 +36,10 @@ from dlojz_chrono import Chronometer
 from dlojz_config import Config, UserError, fail, load_idr_torch, resolve_config
 from dlojz_flags import get_args_parser, recipe_text
 from dlojz_data import (
-    IMAGENET_TRAIN_IMAGES,
-    IMAGENET_VAL_IMAGES,
     DataError,
-    EpochSampler,
-    ShardSampler,
-    SyntheticLoader,
     build_datasets,
     close_loader,
     embedded_dataset_root,
-    make_loader,
     measure_loader,
     resolve_data_root,
     select_train_subset,
@@ -61,6 +56,7 @@ from dlojz_dist import (
     start_compile_workers,
 )
 from dlojz_hooks import LoopHooks, make_profiler
+from dlojz_loaders import LOADERS, build_loaders, synthetic_loaders
 from dlojz_log import (
     LOG_EVERY,
     Console,
@@ -73,10 +69,9 @@ from dlojz_log import (
     write_json,
     write_lr_finder,
 )
+from dlojz_resume import TrainState, make_saver, restore
 from dlojz_model import ModelEma, apply_blurpool, create_model, enable_grad_checkpointing, meta_copy
 from dlojz_transforms import (
-    DeviceNormalize,
-    DevicePrefetcher,
     ValTransform,
     batch_mixing,
     decoder_description,
@@ -85,24 +80,12 @@ from dlojz_transforms import (
 )
 
 idr_torch = load_idr_torch()
-LOADERS = []  # DataLoaders whose workers cli() stops before exiting (see dlojz_data.close_loader)
 TEST_VAL_BATCHES = 20  # --test validates on this many batches
 SYNTHETIC_CLASSES = 1000  # --synthetic: ImageNet's
 
 
 class TrainingDiverged(Exception):
     """The loss became NaN/inf: stop (exit 3), keep the last good checkpoint."""
-
-
-@dataclasses.dataclass
-class TrainState:
-    """Where training is: exactly what a checkpoint saves and a resume restores."""
-
-    epoch: int = 0  # the current epoch (0-based)
-    batch: int = 0  # micro-batches done in it
-    global_step: int = 0  # optimizer steps done since the start of training
-    wandb_id: str | None = None  # the W&B run that a resume continues
-    elapsed_s: float = 0.0  # wall-clock seconds of training and validation before this run started
 
 
 @dataclasses.dataclass
@@ -144,27 +127,6 @@ class Optimization:
     total_steps: int  # optimizer steps the schedule spans
 
 
-@dataclasses.dataclass
-class Loaders:
-    train: object  # DataLoader or SyntheticLoader
-    train_sampler: EpochSampler | None
-    train_batches: object  # normalised device batches
-    val_batches: object
-    n_train_batches: int  # micro-batches per epoch, this rank
-    n_val_batches: int  # on rank 0
-    n_val_images: int
-    n_val_batches_every_rank: int  # that every rank has (the last ranks may have one image fewer than the first)
-    n_val_batches_most: int  # that the first rank has
-
-    def start_epoch(self, epoch, first_batch):
-        """Shuffle for `epoch` and skip the batches a resumed run has already done."""
-        if self.train_sampler is not None:
-            self.train_sampler.set_epoch(epoch)
-            self.train_sampler.skip = first_batch * self.train.batch_size
-        else:
-            self.train.skip = first_batch
-
-
 def main(argv=None) -> dict:
     """One run, in the course's order; returns its metrics. Bad input raises UserError (see cli)."""
     # ================================ ARGUMENTS: every check, before any process group or data scan
@@ -195,77 +157,17 @@ def main(argv=None) -> dict:
     # ================================ DATALOADER
     loaders = build_loaders(cfg, train_set, val_set, len(classes), ranks, log)
     images_per_step = cfg.batch_size * ranks.world_size  # one micro-batch on every rank
-    metrics = dict(
-        world_size=ranks.world_size,
-        global_batch_size=images_per_step * cfg.grad_acc,
-        steps=0,
-        epochs=0,
-        train_loss=None,
-        val_loss=None,
-        val_accuracy=None,
-        val_top5_accuracy=None,
-        val_images=0,
-        images_per_second=None,
-        data_wait_ms=None,
-        compute_dtype=cfg.compute_dtype,
-        time_to_target_s=None,
-        epochs_to_target=None,
-    )
+    metrics = initial_metrics(cfg, ranks)
     if cfg.loader_only:
-        metrics = dict(
-            measure_loader(
-                loaders.train,
-                loaders.train_sampler,
-                cfg.test_nsteps,
-                cfg.num_workers,
-                ranks.all_gather if ranks.enabled else None,
-                log,
-            ),
-            world_size=ranks.world_size,
-            global_batch_size=metrics["global_batch_size"],
-        )
-        if ranks.is_main and cfg.metrics_json:
-            write_json(cfg.metrics_json, metrics)
-        return metrics
+        return measure_loader_only(cfg, loaders, ranks, metrics, log)
     opt = build_optimization(cfg, model, loaders.n_train_batches, len(classes), ranks, log)
 
     # ================================ INITIALISATION: resume, W&B, hooks
     state, resumed_from = restore(cfg, model, opt, loaders.n_train_batches, ranks.device, log)
     val_max_batches = TEST_VAL_BATCHES if cfg.test else None
     if cfg.eval_only:
-        chrono.validation()
-        metrics.update(
-            evaluate(
-                model.module,
-                loaders,
-                opt,
-                ranks,
-                val_max_batches,
-                tta_flip=cfg.tta_flip,
-                sharded=model.parallel == "fsdp",
-            )
-        )
-        chrono.validation()
-        log(
-            f"##EVALUATION## {resumed_from}: Validation Loss: {metrics['val_loss']:.4f}, Validation Accuracy: "
-            f"{metrics['val_accuracy']:.4f}, top-5 {metrics['val_top5_accuracy']:.4f} ({metrics['val_images']} "
-            f"images{', flip TTA' if cfg.tta_flip else ''}, {chrono.val_time:.1f} s)"
-        )
-        return finish(cfg, metrics, chrono, ranks)
-    wandb_run = NoWandb()
-    if ranks.is_main:
-        wandb_run = start_wandb(
-            cfg,
-            dict(
-                dataclasses.asdict(cfg),
-                architecture=cfg.arch,
-                world_size=ranks.world_size,
-                global_batch_size=metrics["global_batch_size"],
-            ),
-            Path(cfg.output_dir).name,
-            state.wandb_id,
-        )
-        state.wandb_id = wandb_run.id
+        return evaluate_only(cfg, model, loaders, opt, ranks, chrono, resumed_from, val_max_batches, metrics, log)
+    wandb_run = open_wandb(cfg, ranks, metrics, state)
     saver = make_saver(cfg, model, opt, ranks)
     profiler = make_profiler(cfg, Path(cfg.output_dir) / "profiler", ranks.rank, ranks.device) if cfg.prof else None
     hooks = LoopHooks(chrono, profiler, opt.lr_finder)
@@ -279,13 +181,7 @@ def main(argv=None) -> dict:
     for epoch in range(state.epoch, cfg.epochs):
         epoch_start = time.perf_counter()
         if cfg.min_res is not None:  # the data set's workers crop at this resolution (the sample keys carry the epoch)
-            resolution = training_resolution(cfg, epoch)
-            log(
-                f"epoch {epoch + 1}: training resolution {resolution} px (progressive resizing "
-                f"{cfg.min_res}->{cfg.max_res} px, epochs {cfg.start_ramp}->{cfg.end_ramp} counted from 0); "
-                f"validation {cfg.val_crop_size} px, {cfg.val_crop_size / resolution:.2f}x"
-            )
-            wandb_run.log({"resolution": resolution}, step=state.global_step)
+            announce_resolution(cfg, epoch, log, wandb_run, state.global_step)
         result = train_one_epoch(model, opt, loaders, state, cfg, ranks, hooks, progress, stop)
         train_seconds = time.perf_counter() - epoch_start
         if result.train_loss is not None:  # None: resumed after this epoch's training, before its validation
@@ -309,30 +205,7 @@ def main(argv=None) -> dict:
                 return stop_run(
                     cfg, validation["stopped_by"], saver, state, loaders, ranks, log, metrics, chrono, wandb_run
                 )
-            metrics.update(validation)
-            if ranks.is_main and cfg.val_history:  # followed live by dlojz_hpo.py's pruner
-                append_json_line(
-                    cfg.val_history,
-                    dict(
-                        epoch=epoch + 1, steps=state.global_step, elapsed_s=time.perf_counter() - started, **validation
-                    ),
-                )
-            wandb_run.log(
-                {
-                    "test accuracy": metrics["val_accuracy"],
-                    "test top5 accuracy": metrics["val_top5_accuracy"],
-                    "test loss": metrics["val_loss"],
-                    "epoch": epoch + 1,
-                },
-                step=state.global_step,
-            )
-            target_reached = cfg.target_accuracy is not None and metrics["val_accuracy"] >= cfg.target_accuracy
-            if target_reached:
-                metrics.update(time_to_target_s=time.perf_counter() - started, epochs_to_target=epoch + 1)
-                log(
-                    f">>> Target top-1 {cfg.target_accuracy:.4f} reached after {epoch + 1} epochs, "
-                    f"{metrics['time_to_target_s']:.1f} s from the start: stopping"
-                )
+            target_reached = record_validation(cfg, epoch, validation, state, metrics, started, wandb_run, ranks, log)
         metrics["epochs"] = epoch + 1
 
         # ================================ CHECKPOINT
@@ -357,6 +230,126 @@ def main(argv=None) -> dict:
     metrics["grad_scaler_scale"] = opt.scaler.get_scale() if opt.scaler.is_enabled() else None  # float16 loss scale
     ctx = chrono_context(cfg, model, loaders, ranks, metrics, val_max_batches) if cfg.test and ranks.is_main else None
     return finish(cfg, metrics, chrono, ranks, wandb_run, ctx=ctx or {}, n_batches=loaders.n_train_batches)
+
+
+def initial_metrics(cfg, ranks) -> dict:
+    """The metrics JSON's keys before the run fills them."""
+    images_per_step = cfg.batch_size * ranks.world_size  # one micro-batch on every rank
+    return dict(
+        world_size=ranks.world_size,
+        global_batch_size=images_per_step * cfg.grad_acc,
+        steps=0,
+        epochs=0,
+        train_loss=None,
+        val_loss=None,
+        val_accuracy=None,
+        val_top5_accuracy=None,
+        val_images=0,
+        images_per_second=None,
+        data_wait_ms=None,
+        compute_dtype=cfg.compute_dtype,
+        time_to_target_s=None,
+        epochs_to_target=None,
+    )
+
+
+def measure_loader_only(cfg, loaders, ranks, metrics, log) -> dict:
+    """--loader-only: the training DataLoader alone, images/s overall and per worker."""
+    metrics = dict(
+        measure_loader(
+            loaders.train,
+            loaders.train_sampler,
+            cfg.test_nsteps,
+            cfg.num_workers,
+            ranks.all_gather if ranks.enabled else None,
+            log,
+        ),
+        world_size=ranks.world_size,
+        global_batch_size=metrics["global_batch_size"],
+    )
+    if ranks.is_main and cfg.metrics_json:
+        write_json(cfg.metrics_json, metrics)
+    return metrics
+
+
+def evaluate_only(cfg, model, loaders, opt, ranks, chrono, resumed_from, val_max_batches, metrics, log) -> dict:
+    """--eval-only: validate the checkpoint's weights and report."""
+    chrono.validation()
+    metrics.update(
+        evaluate(
+            model.module,
+            loaders,
+            opt,
+            ranks,
+            val_max_batches,
+            tta_flip=cfg.tta_flip,
+            sharded=model.parallel == "fsdp",
+        )
+    )
+    chrono.validation()
+    log(
+        f"##EVALUATION## {resumed_from}: Validation Loss: {metrics['val_loss']:.4f}, Validation Accuracy: "
+        f"{metrics['val_accuracy']:.4f}, top-5 {metrics['val_top5_accuracy']:.4f} ({metrics['val_images']} "
+        f"images{', flip TTA' if cfg.tta_flip else ''}, {chrono.val_time:.1f} s)"
+    )
+    return finish(cfg, metrics, chrono, ranks)
+
+
+def open_wandb(cfg, ranks, metrics, state):
+    """W&B on rank 0 (resumed under the checkpoint's run id, kept in `state`), a NoWandb elsewhere or when off."""
+    wandb_run = NoWandb()
+    if ranks.is_main:
+        wandb_run = start_wandb(
+            cfg,
+            dict(
+                dataclasses.asdict(cfg),
+                architecture=cfg.arch,
+                world_size=ranks.world_size,
+                global_batch_size=metrics["global_batch_size"],
+            ),
+            Path(cfg.output_dir).name,
+            state.wandb_id,
+        )
+        state.wandb_id = wandb_run.id
+    return wandb_run
+
+
+def record_validation(cfg, epoch, validation, state, metrics, started, wandb_run, ranks, log) -> bool:
+    """An epoch's validation into the metrics, --val-history and W&B; True when --target-accuracy is reached."""
+    metrics.update(validation)
+    if ranks.is_main and cfg.val_history:  # followed live by dlojz_hpo.py's pruner
+        append_json_line(
+            cfg.val_history,
+            dict(epoch=epoch + 1, steps=state.global_step, elapsed_s=time.perf_counter() - started, **validation),
+        )
+    wandb_run.log(
+        {
+            "test accuracy": metrics["val_accuracy"],
+            "test top5 accuracy": metrics["val_top5_accuracy"],
+            "test loss": metrics["val_loss"],
+            "epoch": epoch + 1,
+        },
+        step=state.global_step,
+    )
+    target_reached = cfg.target_accuracy is not None and metrics["val_accuracy"] >= cfg.target_accuracy
+    if target_reached:
+        metrics.update(time_to_target_s=time.perf_counter() - started, epochs_to_target=epoch + 1)
+        log(
+            f">>> Target top-1 {cfg.target_accuracy:.4f} reached after {epoch + 1} epochs, "
+            f"{metrics['time_to_target_s']:.1f} s from the start: stopping"
+        )
+    return target_reached
+
+
+def announce_resolution(cfg, epoch, log, wandb_run, step):
+    """Progressive resizing: this epoch's training resolution, to the console and W&B."""
+    resolution = training_resolution(cfg, epoch)
+    log(
+        f"epoch {epoch + 1}: training resolution {resolution} px (progressive resizing "
+        f"{cfg.min_res}->{cfg.max_res} px, epochs {cfg.start_ramp}->{cfg.end_ramp} counted from 0); "
+        f"validation {cfg.val_crop_size} px, {cfg.val_crop_size / resolution:.2f}x"
+    )
+    wandb_run.log({"resolution": resolution}, step=step)
 
 
 def save_arguments(cfg, argv) -> Path:
@@ -631,140 +624,6 @@ def build_model(cfg, num_classes, ranks, log) -> Model:
     return Model(net, module, ema, num_classes, parallel, unsharded)
 
 
-def build_loaders(cfg, train_set, val_set, num_classes, ranks, log) -> Loaders:
-    """Training and validation batches on the device: DataLoaders (uint8 workers, device normalisation), or the
-    synthetic loaders."""
-    log(
-        f"DATALOADER workers={cfg.num_workers} persistent={cfg.persistent_workers} pin_memory={cfg.pin_memory} "
-        f"non_blocking={cfg.non_blocking} prefetch_factor={cfg.prefetch_factor} drop_last={cfg.drop_last}"
-    )
-    if cfg.synthetic:
-        return synthetic_loaders(cfg, num_classes, ranks, IMAGENET_TRAIN_IMAGES, IMAGENET_VAL_IMAGES)
-    if cfg.min_res is None:  # validating at a larger size than training pays (train-test resolution discrepancy)
-        log(
-            f"resolution: training {cfg.image_size} px, validation {cfg.val_crop_size} px "
-            f"({cfg.val_crop_size / cfg.image_size:.2f}x)"
-        )
-    # A batch larger than a rank's share is the whole share, padded, with the LR scaled for images that are not there.
-    per_rank = (len(train_set) // ranks.world_size) if cfg.drop_last else math.ceil(len(train_set) / ranks.world_size)
-    if cfg.batch_size > per_rank:
-        fail(
-            f"--batch-size {cfg.batch_size} is more than the {per_rank} training images of each of the "
-            f"{ranks.world_size} process(es) ({len(train_set)} in all{', --drop-last' if cfg.drop_last else ''}): "
-            f"give --batch-size {per_rank} at most"
-        )
-    train_sampler = EpochSampler(
-        train_set,
-        ranks.world_size,
-        ranks.rank,
-        shuffle=True,
-        seed=cfg.seed,
-        drop_last=cfg.drop_last,
-        batch_size=cfg.batch_size,
-    )
-    if cfg.fsdp and len(val_set) < ranks.world_size:
-        fail(f"--fsdp: the validation set has {len(val_set)} images for {ranks.world_size} ranks: each rank needs one")
-    if cfg.data_backend == "dali":
-        return dali_loaders(cfg, train_set, val_set, train_sampler, ranks, log)
-    options = dict(
-        num_workers=cfg.num_workers,
-        pin_memory=cfg.pin_memory,
-        persistent_workers=cfg.persistent_workers,
-        prefetch_factor=cfg.prefetch_factor,
-    )
-    train = make_loader(train_set, train_sampler, cfg.batch_size, drop_last=cfg.drop_last, **options)
-    val = make_loader(
-        val_set, ShardSampler(val_set, ranks.world_size, ranks.rank), cfg.val_batch_size, drop_last=False, **options
-    )
-    LOADERS.extend([train, val])  # closed by cli(), whatever happens
-    normalize = DeviceNormalize(ranks.device, channels_last=cfg.channels_last)
-    return Loaders(
-        train,
-        train_sampler,
-        DevicePrefetcher(train, ranks.device, normalize, non_blocking=cfg.non_blocking),
-        DevicePrefetcher(val, ranks.device, normalize, non_blocking=cfg.non_blocking),
-        len(train),
-        len(val),
-        len(val_set),
-        *val_batches_per_rank(len(val_set), ranks.world_size, cfg.val_batch_size),
-    )
-
-
-def dali_loaders(cfg, train_set, val_set, train_sampler, ranks, log) -> Loaders:
-    """--data-backend dali: the same samples and samplers, decoded and augmented by DALI (dlojz_dali.py)."""
-    from dlojz_dali import DaliBatches, train_pipeline, val_pipeline
-
-    device_id = ranks.device.index if ranks.device.type == "cuda" else None
-    threads, seed = max(1, cfg.num_workers), cfg.seed * 1_000 + ranks.rank
-    log(
-        f"DALI: decoding on the {'GPU (nvJPEG)' if device_id is not None else 'CPU (no GPU)'}, {threads} threads; "
-        f"a resumed run continues at the same sample with DALI's own crops"
-    )
-    normalize = DeviceNormalize(ranks.device, channels_last=cfg.channels_last)
-    train = DaliBatches(
-        train_set,
-        train_sampler,
-        cfg.batch_size,
-        lambda source: train_pipeline(source, cfg.batch_size, cfg.image_size, device_id, threads, seed),
-        ranks.device,
-        normalize,
-        drop_last=cfg.drop_last,
-    )
-    val_sampler = ShardSampler(val_set, ranks.world_size, ranks.rank)
-    val = DaliBatches(
-        val_set,
-        val_sampler,
-        cfg.val_batch_size,
-        lambda source: val_pipeline(
-            source, cfg.val_batch_size, cfg.val_resize_size, cfg.val_crop_size, device_id, threads, seed + 1
-        ),
-        ranks.device,
-        normalize,
-    )
-    return Loaders(
-        train,
-        train_sampler,
-        train,
-        val,
-        len(train),
-        len(val),
-        len(val_set),
-        *val_batches_per_rank(len(val_set), ranks.world_size, cfg.val_batch_size),
-    )
-
-
-def synthetic_loaders(cfg, num_classes, ranks, train_images, val_images) -> Loaders:
-    """--synthetic: one random batch made once on the device, served for an epoch of `train_images` images."""
-    train = SyntheticLoader(
-        train_images,
-        cfg.batch_size,
-        cfg.image_size,
-        num_classes,
-        ranks.device,
-        cfg.channels_last,
-        ranks.world_size,
-        cfg.drop_last,
-        seed=cfg.seed,
-    )
-    val = SyntheticLoader(
-        val_images,
-        cfg.val_batch_size,
-        cfg.val_crop_size,
-        num_classes,
-        ranks.device,
-        cfg.channels_last,
-        ranks.world_size,
-        seed=cfg.seed + 1,
-    )
-    return Loaders(train, None, train, val, len(train), len(val), val_images, len(val), len(val))
-
-
-def val_batches_per_rank(n_images, world_size, batch_size):
-    """Validation batches that every rank has, and that the first rank has (ShardSampler: ranks differ by at
-    most one image)."""
-    return math.ceil(n_images // world_size / batch_size), math.ceil(math.ceil(n_images / world_size) / batch_size)
-
-
 def build_optimization(cfg, model, n_train_batches, num_classes, ranks, log) -> Optimization:
     """Loss, optimizer, per-step schedule (or the LR finder), GradScaler, autocast and MixUp/CutMix."""
     step_images = cfg.batch_size * ranks.world_size * cfg.grad_acc
@@ -829,42 +688,6 @@ def build_optimization(cfg, model, n_train_batches, num_classes, ranks, log) -> 
     )
 
 
-def make_saver(cfg, model, opt, ranks):
-    """The checkpoint writer: one file by rank 0, or with --fsdp one folder of every rank's shards."""
-    fixed = dict(
-        args=dataclasses.asdict(cfg),
-        total_steps=opt.total_steps,
-        world_size=ranks.world_size,
-        num_classes=model.num_classes,
-    )
-    if model.parallel == "fsdp":
-        from dlojz_fsdp import ShardedCheckpointSaver
-
-        return ShardedCheckpointSaver(
-            cfg.output_dir,
-            cfg.keep_checkpoints,
-            ranks.device,
-            fixed,
-            ranks.is_main,
-            model.module,
-            opt.optimizer,
-            opt.scheduler,
-            opt.scaler,
-        )
-    return ckpt.CheckpointSaver(
-        cfg.output_dir,
-        cfg.keep_checkpoints,
-        ranks.device,
-        fixed,
-        ranks.is_main,
-        model=model.module,
-        optimizer=opt.optimizer,
-        scheduler=opt.scheduler,
-        ema=model.ema,
-        scaler=opt.scaler,
-    )
-
-
 def state_bytes_per_rank(model, opt, ranks) -> dict:
     """Bytes of parameters, gradients and optimizer state on each rank (the largest), and each rank's peak."""
     from dlojz_fsdp import state_bytes
@@ -876,102 +699,6 @@ def state_bytes_per_rank(model, opt, ranks) -> dict:
     result["peak_memory_bytes_per_rank"] = [rank["peak_memory_bytes"] for rank in every]
     result["parallel"] = model.parallel
     return result
-
-
-def restore(cfg, model, opt, n_train_batches, device, log):
-    """--resume: the weights (and EMA); unless --eval-only, also the optimizer, schedule, GradScaler, training
-    position and random generators. Returns (TrainState, the checkpoint's path or None)."""
-    if not cfg.resume:
-        return TrainState(), None
-    if cfg.resume == "auto":
-        saved, path = ckpt.load_latest(cfg.output_dir)
-        if saved is None:
-            if cfg.eval_only:
-                fail(f"--resume auto: no usable checkpoint in {cfg.output_dir}")
-            log(f"--resume auto: no checkpoint in {cfg.output_dir}, starting from scratch")
-            return TrainState(), None
-    else:
-        try:
-            saved, path = ckpt.load(cfg.resume), cfg.resume
-        except ckpt.CheckpointError as err:
-            fail(f"--resume: {err}")
-    restore_weights(cfg, model, opt, saved, path)
-    state = TrainState()
-    if not cfg.eval_only:
-        if opt.scheduler is not None and saved.get("scheduler") is not None:
-            restore_schedule(cfg, opt, saved, n_train_batches, log)
-        if saved.get("scaler"):  # none when it was written with the scaler off (bfloat16, --no-amp, CPU)
-            opt.scaler.load_state_dict(saved["scaler"])
-        state = TrainState(
-            saved["epoch"], saved["batch"], saved["global_step"], saved.get("wandb_id"), saved.get("elapsed_s", 0.0)
-        )
-        saved_world, saved_batch_size = saved.get("world_size", idr_torch.world_size), saved["args"]["batch_size"]
-        images_per_batch = cfg.batch_size * idr_torch.world_size
-        if (saved_world, saved_batch_size) != (idr_torch.world_size, cfg.batch_size) and state.batch:
-            # The samplers deal out one order of the epoch's images: go on after as many as were trained on.
-            done = state.batch * saved_batch_size * saved_world
-            state.batch = done // images_per_batch
-            log(
-                f"resumed on {idr_torch.world_size} ranks x {cfg.batch_size} images a checkpoint written on "
-                f"{saved_world} x {saved_batch_size}: the epoch goes on after its first {done} images"
-                + ("" if done % images_per_batch == 0 else f" ({done % images_per_batch} of them trained on again)")
-            )
-        ckpt.restore_rng(saved, device)
-    log(
-        f"resumed from {path} (epoch {saved['epoch'] + 1}, step {saved['batch']}/{n_train_batches}, "
-        f"global step {saved['global_step']})"
-    )
-    return state, path
-
-
-def restore_weights(cfg, model, opt, saved, path):
-    """The model's weights, the EMA's and (unless --eval-only) the optimizer's state, from a checkpoint file
-    or, with --fsdp, from a sharded checkpoint or a file."""
-    sharded = saved.get("sharded_path")
-    if sharded and not cfg.fsdp:
-        fail(
-            f"--resume {path}: a sharded checkpoint (written with --fsdp): add --fsdp, or make one ordinary "
-            f"checkpoint of it: python dlojz_fsdp.py consolidate {path} OUT.pt"
-        )
-    if cfg.fsdp and not sharded and not cfg.eval_only:
-        fail(
-            f"--resume {path}: --fsdp resumes training from sharded checkpoints (.dcp folders); an ordinary "
-            f"checkpoint gives its weights to --fsdp --eval-only, or resumes without --fsdp"
-        )
-    try:
-        if sharded:
-            from dlojz_fsdp import load_sharded
-
-            load_sharded(sharded, model.module, None if cfg.eval_only else opt.optimizer)
-        elif cfg.fsdp:
-            from dlojz_fsdp import load_full_weights
-
-            load_full_weights(model.module, saved["model"])
-        else:
-            model.module.load_state_dict(saved["model"])
-    except (RuntimeError, ValueError, KeyError) as err:
-        fail(
-            f"--resume {path}: the weights do not fit --arch {cfg.arch} with {model.num_classes} classes "
-            f"({str(err).strip().splitlines()[0][:120] if str(err).strip() else type(err).__name__})"
-        )
-    if model.ema is not None and saved.get("ema") is not None:
-        model.ema.load_state_dict(saved["ema"])
-    if not cfg.eval_only and not sharded:
-        opt.optimizer.load_state_dict(saved["optimizer"])
-
-
-def restore_schedule(cfg, opt, saved, n_train_batches, log):
-    """The schedule as saved; for a run resumed with another length (more --epochs), the new schedule from the
-    saved step."""
-    saved_total = saved.get("total_steps") or saved["args"]["epochs"] * math.ceil(n_train_batches / cfg.grad_acc)
-    if saved_total == opt.total_steps:
-        opt.scheduler.load_state_dict(saved["scheduler"])
-    elif saved["global_step"] <= opt.total_steps:
-        optim.fast_forward(opt.scheduler, saved["global_step"])
-        log(
-            f"--epochs {cfg.epochs}: the learning-rate schedule is rebuilt for {opt.total_steps} optimizer steps and "
-            f"continues from step {saved['global_step']} (the checkpoint's schedule had {saved_total})"
-        )
 
 
 def stop_run(cfg, reason, saver, state, loaders, ranks, log, metrics, chrono, wandb_run):

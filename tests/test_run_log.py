@@ -11,8 +11,8 @@ def progress_lines(stdout):
 
 
 def test_progress_line_carries_the_learning_rate_and_the_data_wait(tiny_data, tmp_path):
-    """The LR on each line is the schedule's (a constant 0.0371 here, then a step decay's), and the data wait agrees
-    with the chronometer's load time when the main process decodes (no workers): both time the same next()."""
+    """The LR on each line is the schedule's (a constant 0.0371 here, then cosine's), and the data wait agrees with
+    the chronometer's load time when the main process decodes (no workers): both time the same next()."""
     metrics = tmp_path / "m.json"
     common = [*SMALL, "--data-root", tiny_data, "-b", "4", "--test", "--no-wandb", "--output-dir", tmp_path / "run"]
     common[common.index("--num-workers") + 1] = "0"
@@ -27,7 +27,9 @@ def test_progress_line_carries_the_learning_rate_and_the_data_wait(tiny_data, tm
     assert all(w > 0 for w in waits), lines
     m = read_json(metrics)
     load_ms = 1e3 * m["chrono"]["load_median_s"]
-    assert 0.3 * load_ms < m["data_wait_ms"] < 3 * load_ms, (m["data_wait_ms"], load_ms)
+    step_ms = 1e3 * m["global_batch_size"] / m["images_per_second"]  # wall time per step, the wait included
+    # a mean against a median on a busy machine: bounded below by the median's share, above by the whole step
+    assert 0.3 * load_ms < m["data_wait_ms"] < step_ms, (m["data_wait_ms"], load_ms, step_ms)
 
     # a decaying schedule: the LR printed falls from line to line
     proc = run_dlojz(*common, "--test-nsteps", "18", "--lr", "0.2", "--lr-scheduler", "cosine")

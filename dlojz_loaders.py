@@ -1,0 +1,178 @@
+"""The batches a run trains and validates on, ready on the device: `build_loaders` makes DataLoaders (uint8
+JPEG crops decoded by the workers, normalised on the device, a CUDA prefetcher), DALI's pipelines
+(`--data-backend dali`) or the synthetic loaders (`--synthetic`), all behind one `Loaders` record. `LOADERS` lists
+the DataLoaders whose workers dlojz.cli() stops before the process exits.
+"""
+
+import dataclasses
+import math
+
+
+from dlojz_checks import fail
+from dlojz_data import (
+    IMAGENET_TRAIN_IMAGES,
+    IMAGENET_VAL_IMAGES,
+    EpochSampler,
+    ShardSampler,
+    SyntheticLoader,
+    make_loader,
+)
+from dlojz_transforms import DeviceNormalize, DevicePrefetcher
+
+
+LOADERS = []  # DataLoaders whose workers cli() stops before exiting (see dlojz_data.close_loader)
+
+
+@dataclasses.dataclass
+class Loaders:
+    train: object  # DataLoader or SyntheticLoader
+    train_sampler: EpochSampler | None
+    train_batches: object  # normalised device batches
+    val_batches: object
+    n_train_batches: int  # micro-batches per epoch, this rank
+    n_val_batches: int  # on rank 0
+    n_val_images: int
+    n_val_batches_every_rank: int  # that every rank has (the last ranks may have one image fewer than the first)
+    n_val_batches_most: int  # that the first rank has
+
+    def start_epoch(self, epoch, first_batch):
+        """Shuffle for `epoch` and skip the batches a resumed run has already done."""
+        if self.train_sampler is not None:
+            self.train_sampler.set_epoch(epoch)
+            self.train_sampler.skip = first_batch * self.train.batch_size
+        else:
+            self.train.skip = first_batch
+
+
+def build_loaders(cfg, train_set, val_set, num_classes, ranks, log) -> Loaders:
+    """Training and validation batches on the device: DataLoaders (uint8 workers, device normalisation), or the
+    synthetic loaders."""
+    log(
+        f"DATALOADER workers={cfg.num_workers} persistent={cfg.persistent_workers} pin_memory={cfg.pin_memory} "
+        f"non_blocking={cfg.non_blocking} prefetch_factor={cfg.prefetch_factor} drop_last={cfg.drop_last}"
+    )
+    if cfg.synthetic:
+        return synthetic_loaders(cfg, num_classes, ranks, IMAGENET_TRAIN_IMAGES, IMAGENET_VAL_IMAGES)
+    if cfg.min_res is None:  # validating at a larger size than training pays (train-test resolution discrepancy)
+        log(
+            f"resolution: training {cfg.image_size} px, validation {cfg.val_crop_size} px "
+            f"({cfg.val_crop_size / cfg.image_size:.2f}x)"
+        )
+    # A batch larger than a rank's share is the whole share, padded, with the LR scaled for images that are not there.
+    per_rank = (len(train_set) // ranks.world_size) if cfg.drop_last else math.ceil(len(train_set) / ranks.world_size)
+    if cfg.batch_size > per_rank:
+        fail(
+            f"--batch-size {cfg.batch_size} is more than the {per_rank} training images of each of the "
+            f"{ranks.world_size} process(es) ({len(train_set)} in all{', --drop-last' if cfg.drop_last else ''}): "
+            f"give --batch-size {per_rank} at most"
+        )
+    train_sampler = EpochSampler(
+        train_set,
+        ranks.world_size,
+        ranks.rank,
+        shuffle=True,
+        seed=cfg.seed,
+        drop_last=cfg.drop_last,
+        batch_size=cfg.batch_size,
+    )
+    if cfg.fsdp and len(val_set) < ranks.world_size:
+        fail(f"--fsdp: the validation set has {len(val_set)} images for {ranks.world_size} ranks: each rank needs one")
+    if cfg.data_backend == "dali":
+        return dali_loaders(cfg, train_set, val_set, train_sampler, ranks, log)
+    options = dict(
+        num_workers=cfg.num_workers,
+        pin_memory=cfg.pin_memory,
+        persistent_workers=cfg.persistent_workers,
+        prefetch_factor=cfg.prefetch_factor,
+    )
+    train = make_loader(train_set, train_sampler, cfg.batch_size, drop_last=cfg.drop_last, **options)
+    val = make_loader(
+        val_set, ShardSampler(val_set, ranks.world_size, ranks.rank), cfg.val_batch_size, drop_last=False, **options
+    )
+    LOADERS.extend([train, val])  # closed by cli(), whatever happens
+    normalize = DeviceNormalize(ranks.device, channels_last=cfg.channels_last)
+    return Loaders(
+        train,
+        train_sampler,
+        DevicePrefetcher(train, ranks.device, normalize, non_blocking=cfg.non_blocking),
+        DevicePrefetcher(val, ranks.device, normalize, non_blocking=cfg.non_blocking),
+        len(train),
+        len(val),
+        len(val_set),
+        *val_batches_per_rank(len(val_set), ranks.world_size, cfg.val_batch_size),
+    )
+
+
+def dali_loaders(cfg, train_set, val_set, train_sampler, ranks, log) -> Loaders:
+    """--data-backend dali: the same samples and samplers, decoded and augmented by DALI (dlojz_dali.py)."""
+    from dlojz_dali import DaliBatches, train_pipeline, val_pipeline
+
+    device_id = ranks.device.index if ranks.device.type == "cuda" else None
+    threads, seed = max(1, cfg.num_workers), cfg.seed * 1_000 + ranks.rank
+    log(
+        f"DALI: decoding on the {'GPU (nvJPEG)' if device_id is not None else 'CPU (no GPU)'}, {threads} threads; "
+        f"a resumed run continues at the same sample with DALI's own crops"
+    )
+    normalize = DeviceNormalize(ranks.device, channels_last=cfg.channels_last)
+    train = DaliBatches(
+        train_set,
+        train_sampler,
+        cfg.batch_size,
+        lambda source: train_pipeline(source, cfg.batch_size, cfg.image_size, device_id, threads, seed),
+        ranks.device,
+        normalize,
+        drop_last=cfg.drop_last,
+    )
+    val_sampler = ShardSampler(val_set, ranks.world_size, ranks.rank)
+    val = DaliBatches(
+        val_set,
+        val_sampler,
+        cfg.val_batch_size,
+        lambda source: val_pipeline(
+            source, cfg.val_batch_size, cfg.val_resize_size, cfg.val_crop_size, device_id, threads, seed + 1
+        ),
+        ranks.device,
+        normalize,
+    )
+    return Loaders(
+        train,
+        train_sampler,
+        train,
+        val,
+        len(train),
+        len(val),
+        len(val_set),
+        *val_batches_per_rank(len(val_set), ranks.world_size, cfg.val_batch_size),
+    )
+
+
+def synthetic_loaders(cfg, num_classes, ranks, train_images, val_images) -> Loaders:
+    """--synthetic: one random batch made once on the device, served for an epoch of `train_images` images."""
+    train = SyntheticLoader(
+        train_images,
+        cfg.batch_size,
+        cfg.image_size,
+        num_classes,
+        ranks.device,
+        cfg.channels_last,
+        ranks.world_size,
+        cfg.drop_last,
+        seed=cfg.seed,
+    )
+    val = SyntheticLoader(
+        val_images,
+        cfg.val_batch_size,
+        cfg.val_crop_size,
+        num_classes,
+        ranks.device,
+        cfg.channels_last,
+        ranks.world_size,
+        seed=cfg.seed + 1,
+    )
+    return Loaders(train, None, train, val, len(train), len(val), val_images, len(val), len(val))
+
+
+def val_batches_per_rank(n_images, world_size, batch_size):
+    """Validation batches that every rank has, and that the first rank has (ShardSampler: ranks differ by at
+    most one image)."""
+    return math.ceil(n_images // world_size / batch_size), math.ceil(math.ceil(n_images / world_size) / batch_size)

@@ -1,0 +1,159 @@
+"""Checkpoints in a run: `make_saver` (one file by rank 0, or with --fsdp a folder of every rank's shards) and
+`restore` (--resume: the weights, the optimizer, the schedule, possibly rebuilt for another length, the GradScaler,
+the position in the epoch, possibly on another number of ranks, and the random generators). `TrainState` is where
+training is: exactly what a checkpoint saves and a resume restores.
+"""
+
+import dataclasses
+import math
+
+
+import dlojz_checkpoint as ckpt
+import dlojz_optim as optim
+from dlojz_checks import fail
+from dlojz_config import load_idr_torch
+
+idr_torch = load_idr_torch()
+
+
+@dataclasses.dataclass
+class TrainState:
+    """Where training is: exactly what a checkpoint saves and a resume restores."""
+
+    epoch: int = 0  # the current epoch (0-based)
+    batch: int = 0  # micro-batches done in it
+    global_step: int = 0  # optimizer steps done since the start of training
+    wandb_id: str | None = None  # the W&B run that a resume continues
+    elapsed_s: float = 0.0  # wall-clock seconds of training and validation before this run started
+
+
+def make_saver(cfg, model, opt, ranks):
+    """The checkpoint writer: one file by rank 0, or with --fsdp one folder of every rank's shards."""
+    fixed = dict(
+        args=dataclasses.asdict(cfg),
+        total_steps=opt.total_steps,
+        world_size=ranks.world_size,
+        num_classes=model.num_classes,
+    )
+    if model.parallel == "fsdp":
+        from dlojz_fsdp import ShardedCheckpointSaver
+
+        return ShardedCheckpointSaver(
+            cfg.output_dir,
+            cfg.keep_checkpoints,
+            ranks.device,
+            fixed,
+            ranks.is_main,
+            model.module,
+            opt.optimizer,
+            opt.scheduler,
+            opt.scaler,
+        )
+    return ckpt.CheckpointSaver(
+        cfg.output_dir,
+        cfg.keep_checkpoints,
+        ranks.device,
+        fixed,
+        ranks.is_main,
+        model=model.module,
+        optimizer=opt.optimizer,
+        scheduler=opt.scheduler,
+        ema=model.ema,
+        scaler=opt.scaler,
+    )
+
+
+def restore(cfg, model, opt, n_train_batches, device, log):
+    """--resume: the weights (and EMA); unless --eval-only, also the optimizer, schedule, GradScaler, training
+    position and random generators. Returns (TrainState, the checkpoint's path or None)."""
+    if not cfg.resume:
+        return TrainState(), None
+    if cfg.resume == "auto":
+        saved, path = ckpt.load_latest(cfg.output_dir)
+        if saved is None:
+            if cfg.eval_only:
+                fail(f"--resume auto: no usable checkpoint in {cfg.output_dir}")
+            log(f"--resume auto: no checkpoint in {cfg.output_dir}, starting from scratch")
+            return TrainState(), None
+    else:
+        try:
+            saved, path = ckpt.load(cfg.resume), cfg.resume
+        except ckpt.CheckpointError as err:
+            fail(f"--resume: {err}")
+    restore_weights(cfg, model, opt, saved, path)
+    state = TrainState()
+    if not cfg.eval_only:
+        if opt.scheduler is not None and saved.get("scheduler") is not None:
+            restore_schedule(cfg, opt, saved, n_train_batches, log)
+        if saved.get("scaler"):  # none when it was written with the scaler off (bfloat16, --no-amp, CPU)
+            opt.scaler.load_state_dict(saved["scaler"])
+        state = TrainState(
+            saved["epoch"], saved["batch"], saved["global_step"], saved.get("wandb_id"), saved.get("elapsed_s", 0.0)
+        )
+        saved_world, saved_batch_size = saved.get("world_size", idr_torch.world_size), saved["args"]["batch_size"]
+        images_per_batch = cfg.batch_size * idr_torch.world_size
+        if (saved_world, saved_batch_size) != (idr_torch.world_size, cfg.batch_size) and state.batch:
+            # The samplers deal out one order of the epoch's images: go on after as many as were trained on.
+            done = state.batch * saved_batch_size * saved_world
+            state.batch = done // images_per_batch
+            log(
+                f"resumed on {idr_torch.world_size} ranks x {cfg.batch_size} images a checkpoint written on "
+                f"{saved_world} x {saved_batch_size}: the epoch goes on after its first {done} images"
+                + ("" if done % images_per_batch == 0 else f" ({done % images_per_batch} of them trained on again)")
+            )
+        ckpt.restore_rng(saved, device)
+    log(
+        f"resumed from {path} (epoch {saved['epoch'] + 1}, step {saved['batch']}/{n_train_batches}, "
+        f"global step {saved['global_step']})"
+    )
+    return state, path
+
+
+def restore_weights(cfg, model, opt, saved, path):
+    """The model's weights, the EMA's and (unless --eval-only) the optimizer's state, from a checkpoint file
+    or, with --fsdp, from a sharded checkpoint or a file."""
+    sharded = saved.get("sharded_path")
+    if sharded and not cfg.fsdp:
+        fail(
+            f"--resume {path}: a sharded checkpoint (written with --fsdp): add --fsdp, or make one ordinary "
+            f"checkpoint of it: python dlojz_fsdp.py consolidate {path} OUT.pt"
+        )
+    if cfg.fsdp and not sharded and not cfg.eval_only:
+        fail(
+            f"--resume {path}: --fsdp resumes training from sharded checkpoints (.dcp folders); an ordinary "
+            f"checkpoint gives its weights to --fsdp --eval-only, or resumes without --fsdp"
+        )
+    try:
+        if sharded:
+            from dlojz_fsdp import load_sharded
+
+            load_sharded(sharded, model.module, None if cfg.eval_only else opt.optimizer)
+        elif cfg.fsdp:
+            from dlojz_fsdp import load_full_weights
+
+            load_full_weights(model.module, saved["model"])
+        else:
+            model.module.load_state_dict(saved["model"])
+    except (RuntimeError, ValueError, KeyError) as err:
+        fail(
+            f"--resume {path}: the weights do not fit --arch {cfg.arch} with {model.num_classes} classes "
+            f"({str(err).strip().splitlines()[0][:120] if str(err).strip() else type(err).__name__})"
+        )
+    if model.ema is not None and saved.get("ema") is not None:
+        model.ema.load_state_dict(saved["ema"])
+    if not cfg.eval_only and not sharded:
+        opt.optimizer.load_state_dict(saved["optimizer"])
+
+
+def restore_schedule(cfg, opt, saved, n_train_batches, log):
+    """The schedule as saved; for a run resumed with another length (more --epochs), the new schedule from the
+    saved step."""
+    saved_total = saved.get("total_steps") or saved["args"]["epochs"] * math.ceil(n_train_batches / cfg.grad_acc)
+    if saved_total == opt.total_steps:
+        opt.scheduler.load_state_dict(saved["scheduler"])
+    elif saved["global_step"] <= opt.total_steps:
+        optim.fast_forward(opt.scheduler, saved["global_step"])
+        log(
+            f"--epochs {cfg.epochs}: the learning-rate schedule is rebuilt for {opt.total_steps} optimizer steps and "
+            f"continues from step {saved['global_step']} (the checkpoint's schedule had {saved_total})"
+        )
