@@ -13,7 +13,6 @@ profiler and LR finder hooks in dlojz_hooks.py.
 
 import contextlib
 import dataclasses
-import math
 import os
 import random
 import sys
@@ -73,7 +72,6 @@ from dlojz_resume import TrainState, make_saver, restore
 from dlojz_model import ModelEma, apply_blurpool, create_model, enable_grad_checkpointing, meta_copy
 from dlojz_transforms import (
     ValTransform,
-    batch_mixing,
     decoder_description,
     train_transform,
     training_resolution,
@@ -114,19 +112,6 @@ class Model:
         return contextlib.nullcontext()
 
 
-@dataclasses.dataclass
-class Optimization:
-    criterion: torch.nn.Module
-    val_criterion: torch.nn.Module  # summed over the images: exact totals across ranks
-    optimizer: torch.optim.Optimizer
-    scheduler: object | None  # None for the LR finder, which sets the lr itself
-    lr_finder: optim.LRFinder | None
-    scaler: torch.amp.GradScaler  # on with float16 only
-    autocast: object  # () -> context manager
-    mix: object | None  # MixUp/CutMix on the device batch
-    total_steps: int  # optimizer steps the schedule spans
-
-
 def main(argv=None) -> dict:
     """One run, in the course's order; returns its metrics. Bad input raises UserError (see cli)."""
     # ================================ ARGUMENTS: every check, before any process group or data scan
@@ -160,7 +145,7 @@ def main(argv=None) -> dict:
     metrics = initial_metrics(cfg, ranks)
     if cfg.loader_only:
         return measure_loader_only(cfg, loaders, ranks, metrics, log)
-    opt = build_optimization(cfg, model, loaders.n_train_batches, len(classes), ranks, log)
+    opt = optim.build_optimization(cfg, model, loaders.n_train_batches, len(classes), ranks, log)
 
     # ================================ INITIALISATION: resume, W&B, hooks
     state, resumed_from = restore(cfg, model, opt, loaders.n_train_batches, ranks.device, log)
@@ -624,70 +609,6 @@ def build_model(cfg, num_classes, ranks, log) -> Model:
     return Model(net, module, ema, num_classes, parallel, unsharded)
 
 
-def build_optimization(cfg, model, n_train_batches, num_classes, ranks, log) -> Optimization:
-    """Loss, optimizer, per-step schedule (or the LR finder), GradScaler, autocast and MixUp/CutMix."""
-    step_images = cfg.batch_size * ranks.world_size * cfg.grad_acc
-    log(
-        f"global batch size: {step_images} - mini batch size: {cfg.batch_size}"
-        + (f" - {cfg.grad_acc} accumulated micro-batches per optimizer step" if cfg.grad_acc > 1 else "")
-    )
-    criterion = torch.nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing)  # also takes mixup's soft labels
-    val_criterion = torch.nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing, reduction="sum")
-    # Fused steps (sgd, adamw): no host synchronisation with the float16 GradScaler (see dlojz_optim); FSDP's
-    # sharded parameters have no fused SGD (its foreach step is used, and bfloat16 needs no scaler).
-    fused = not (cfg.fsdp and cfg.optimizer == "sgd")
-    optimizer = optim.build_optimizer(
-        cfg.optimizer,
-        optim.param_groups(model.module, cfg.wd, cfg.no_wd_norm_bias),
-        lr=cfg.lr,
-        momentum=cfg.mom,
-        weight_decay=cfg.wd,
-        fused=fused,
-    )
-    fused = optimizer.defaults.get("fused")
-    log(
-        f"optimizer: {cfg.optimizer}{' (fused step)' if fused else ''} (lr {cfg.lr}, momentum {cfg.mom}, weight decay {cfg.wd}"
-        f"{', none on norms and biases' if cfg.no_wd_norm_bias else ''}); {optim.lr_scaling_line(cfg.lr, step_images)}"
-    )
-    steps_per_epoch = math.ceil(n_train_batches / cfg.grad_acc)  # optimizer steps: what schedules and logs count
-    total_steps = cfg.epochs * steps_per_epoch
-    scheduler, lr_finder = None, None
-    try:  # these checks need the data set's size
-        if cfg.findlr:  # the course's range test: the finder sets the lr of every step, no scheduler
-            lr_finder = optim.LRFinder(
-                optimizer, 1e-8, cfg.lr, min(total_steps, cfg.test_nsteps) if cfg.test else total_steps
-            )
-        else:
-            warmup_epochs = cfg.lr_peak_epoch if cfg.lr_scheduler == "linear" else cfg.warmup_epochs
-            if cfg.lr_scheduler == "linear" and cfg.lr_peak_epoch >= cfg.epochs:
-                fail(f"--lr-peak-epoch {cfg.lr_peak_epoch} must come before the end (--epochs {cfg.epochs})")
-            scheduler = optim.build_scheduler(
-                cfg.lr_scheduler,
-                optimizer,
-                cfg.lr,
-                total_steps,
-                warmup_steps=round(warmup_epochs * steps_per_epoch),
-                poly_power=cfg.lr_poly_power,
-            )
-    except ValueError as err:
-        fail(str(err))
-    float16 = cfg.amp and cfg.amp_dtype == "float16"
-    autocast = (
-        (lambda: torch.autocast(ranks.device.type, dtype=cfg.autocast_dtype)) if cfg.amp else contextlib.nullcontext
-    )
-    return Optimization(
-        criterion,
-        val_criterion,
-        optimizer,
-        scheduler,
-        lr_finder,
-        torch.amp.GradScaler(ranks.device.type, enabled=float16),
-        autocast,
-        batch_mixing(cfg, num_classes),
-        total_steps,
-    )
-
-
 def state_bytes_per_rank(model, opt, ranks) -> dict:
     """Bytes of parameters, gradients and optimizer state on each rank (the largest), and each rank's peak."""
     from dlojz_fsdp import state_bytes
@@ -768,7 +689,7 @@ def synthetic_loop(argv, n_batches):
         n_batches * cfg.batch_size * ranks.world_size,
         cfg.val_batch_size * ranks.world_size,
     )
-    opt = build_optimization(cfg, model, loaders.n_train_batches, SYNTHETIC_CLASSES, ranks, log)
+    opt = optim.build_optimization(cfg, model, loaders.n_train_batches, SYNTHETIC_CLASSES, ranks, log)
     progress = Progress(
         log,
         NoWandb(),

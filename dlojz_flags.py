@@ -7,6 +7,8 @@ torch is imported. What needs the machine (the device, libraries, output paths) 
 
 import argparse
 import dataclasses
+import json
+import math
 import os
 
 from dlojz_checks import UserError, fail, missing_data_variable
@@ -118,20 +120,20 @@ def read_recipe(parser, path):
     return values
 
 
+def toml_value(value):
+    """A TOML value: booleans, numbers (inf included), lists, strings (JSON's escapes are TOML's)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return ("inf" if value > 0 else "-inf") if isinstance(value, float) and math.isinf(value) else repr(value)
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(toml_value(v) for v in value) + "]"
+    return json.dumps(str(value))
+
+
 def recipe_text(cfg, parser, header=()):
     """`cfg`'s flag values as a recipe file that `--config` reads back (the inverse of read_recipe): every flag
     with a value once the recipe, the command line and the CPU/GPU profile are merged; unset ones left out."""
-    import json
-
-    def toml(value):
-        if isinstance(value, bool):
-            return "true" if value else "false"
-        if isinstance(value, (list, tuple)):
-            return "[" + ", ".join(toml(v) for v in value) + "]"
-        if isinstance(value, (int, float)):
-            return repr(value)
-        return json.dumps(str(value))  # a TOML basic string: JSON's escapes are TOML's
-
     values = vars(cfg) if not dataclasses.is_dataclass(cfg) else dataclasses.asdict(cfg)
     lines = [f"# {line}" for line in header]
     for action in parser._actions:
@@ -140,7 +142,7 @@ def recipe_text(cfg, parser, header=()):
             continue
         if isinstance(value, int) and not isinstance(value, bool) and value_type(action) is float:
             value = float(value)  # an int default of a float flag: written as the recipe reader reads it back
-        lines.append(f"{action.dest.replace('_', '-')} = {toml(value)}")
+        lines.append(f"{action.dest.replace('_', '-')} = {toml_value(value)}")
     return "\n".join(lines) + "\n"
 
 

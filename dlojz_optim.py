@@ -30,6 +30,9 @@ Public API
     ``write_csv(path)``, ``plot(png_path)``, ``suggestion() -> (lr, rule)``.
 ``soft_target_accuracy(outputs, targets) -> torch.Tensor``
     Batch accuracy (0-dim tensor in [0, 1]) against class indices or soft labels (MixUp/CutMix).
+``build_optimization(cfg, model, n_train_batches, num_classes, ranks, log) -> Optimization``
+    What dlojz.py's run builds of all this from its flags: the losses, optimizer, schedule or LR finder,
+    GradScaler, autocast and MixUp/CutMix, in one record.
 
 Typical use in the training loop::
 
@@ -42,7 +45,9 @@ Typical use in the training loop::
 
 from __future__ import annotations
 
+import contextlib
 import csv
+import dataclasses
 import math
 import warnings
 from pathlib import Path
@@ -52,7 +57,9 @@ import torch
 from torch import nn
 
 # The flags' values and their check live with the command line (torch-free, so that --help answers at once).
+from dlojz_checks import fail
 from dlojz_flags import FUSED, OPTIMIZERS, SCHEDULERS, check_hyperparameters  # noqa: F401
+from dlojz_transforms import batch_mixing
 
 # Layers whose affine parameters are normalisation scales/shifts: decaying them towards 0 only fights the
 # normalisation (see "Bag of Tricks", He et al. 2019), hence --no-wd-norm-bias.
@@ -408,3 +415,81 @@ def soft_target_accuracy(outputs: torch.Tensor, targets: torch.Tensor) -> torch.
     predicted = outputs.detach().argmax(dim=1)
     labels = targets.argmax(dim=1) if targets.ndim == outputs.ndim else targets
     return (predicted == labels).float().mean()
+
+
+# ---------------------------------------------------------------------- what a run builds of all this
+@dataclasses.dataclass
+class Optimization:
+    criterion: torch.nn.Module
+    val_criterion: torch.nn.Module  # summed over the images: exact totals across ranks
+    optimizer: torch.Optimizer
+    scheduler: object | None  # None for the LR finder, which sets the lr itself
+    lr_finder: "LRFinder | None"
+    scaler: torch.amp.GradScaler  # on with float16 only
+    autocast: object  # () -> context manager
+    mix: object | None  # MixUp/CutMix on the device batch
+    total_steps: int  # optimizer steps the schedule spans
+
+
+def build_optimization(cfg, model, n_train_batches, num_classes, ranks, log) -> Optimization:
+    """Loss, optimizer, per-step schedule (or the LR finder), GradScaler, autocast and MixUp/CutMix."""
+    step_images = cfg.batch_size * ranks.world_size * cfg.grad_acc
+    log(
+        f"global batch size: {step_images} - mini batch size: {cfg.batch_size}"
+        + (f" - {cfg.grad_acc} accumulated micro-batches per optimizer step" if cfg.grad_acc > 1 else "")
+    )
+    criterion = torch.nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing)  # also takes mixup's soft labels
+    val_criterion = torch.nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing, reduction="sum")
+    # Fused steps (sgd, adamw): no host synchronisation with the float16 GradScaler (see dlojz_optim); FSDP's
+    # sharded parameters have no fused SGD (its foreach step is used, and bfloat16 needs no scaler).
+    fused = not (cfg.fsdp and cfg.optimizer == "sgd")
+    optimizer = build_optimizer(
+        cfg.optimizer,
+        param_groups(model.module, cfg.wd, cfg.no_wd_norm_bias),
+        lr=cfg.lr,
+        momentum=cfg.mom,
+        weight_decay=cfg.wd,
+        fused=fused,
+    )
+    fused = optimizer.defaults.get("fused")
+    log(
+        f"optimizer: {cfg.optimizer}{' (fused step)' if fused else ''} (lr {cfg.lr}, momentum {cfg.mom}, weight decay {cfg.wd}"
+        f"{', none on norms and biases' if cfg.no_wd_norm_bias else ''}); {lr_scaling_line(cfg.lr, step_images)}"
+    )
+    steps_per_epoch = math.ceil(n_train_batches / cfg.grad_acc)  # optimizer steps: what schedules and logs count
+    total_steps = cfg.epochs * steps_per_epoch
+    scheduler, lr_finder = None, None
+    try:  # these checks need the data set's size
+        if cfg.findlr:  # the course's range test: the finder sets the lr of every step, no scheduler
+            lr_finder = LRFinder(
+                optimizer, 1e-8, cfg.lr, min(total_steps, cfg.test_nsteps) if cfg.test else total_steps
+            )
+        else:
+            warmup_epochs = cfg.lr_peak_epoch if cfg.lr_scheduler == "linear" else cfg.warmup_epochs
+            if cfg.lr_scheduler == "linear" and cfg.lr_peak_epoch >= cfg.epochs:
+                fail(f"--lr-peak-epoch {cfg.lr_peak_epoch} must come before the end (--epochs {cfg.epochs})")
+            scheduler = build_scheduler(
+                cfg.lr_scheduler,
+                optimizer,
+                cfg.lr,
+                total_steps,
+                warmup_steps=round(warmup_epochs * steps_per_epoch),
+                poly_power=cfg.lr_poly_power,
+            )
+    except ValueError as err:
+        fail(str(err))
+    float16 = cfg.amp and cfg.amp_dtype == "float16"
+    autocast = (
+        (lambda: torch.autocast(ranks.device.type, dtype=cfg.autocast_dtype)) if cfg.amp else contextlib.nullcontext
+    )
+    return Optimization(
+        criterion,
+        val_criterion,
+        optimizer,
+        scheduler,
+        lr_finder,
+        torch.amp.GradScaler(ranks.device.type, enabled=float16),
+        autocast,
+        batch_mixing(cfg, num_classes),
+        total_steps,
+    )

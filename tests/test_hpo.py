@@ -364,14 +364,14 @@ def test_minimize_needs_a_target(tmp_path, capsys):
 
 
 def test_flag_words():
-    import dlojz_hpo
+    import dlojz_hpo_space
     from dlojz_flags import get_args_parser
 
-    actions = dlojz_hpo.flag_actions(get_args_parser())
-    assert dlojz_hpo.flag_argv(actions["channels_last"], False) == ["--no-channels-last"]
-    assert dlojz_hpo.flag_argv(actions["blurpool"], True) == ["--blurpool"]
-    assert dlojz_hpo.flag_argv(actions["blurpool"], False) == []
-    assert dlojz_hpo.flag_argv(actions["batch_size"], 64) == ["--batch-size", "64"]
+    actions = dlojz_hpo_space.flag_actions(get_args_parser())
+    assert dlojz_hpo_space.flag_argv(actions["channels_last"], False) == ["--no-channels-last"]
+    assert dlojz_hpo_space.flag_argv(actions["blurpool"], True) == ["--blurpool"]
+    assert dlojz_hpo_space.flag_argv(actions["blurpool"], False) == []
+    assert dlojz_hpo_space.flag_argv(actions["batch_size"], 64) == ["--batch-size", "64"]
 
 
 def test_a_beating_trial_is_left_alone_and_a_silent_one_is_failed_and_retried(tmp_path):
