@@ -353,7 +353,8 @@ def save_arguments(cfg, argv) -> Path:
 def train_one_epoch(model, opt, loaders, state, cfg, ranks, hooks, progress, stop) -> EpochResult:
     """Train on what is left of epoch `state.epoch` (from micro-batch `state.batch`), stopping early at the end of
     --test, on a stop signal (any rank) or when the LR finder is done. The metrics stay on the device: the host
-    waits for it only at log points (every LOG_EVERY optimizer steps and at console lines)."""
+    waits for it only at log points (every LOG_EVERY optimizer steps and at console lines). The hot loop, on one
+    screen on purpose: split into functions, the order of a step's operations would be hidden."""
     loaders.start_epoch(state.epoch, state.batch)
     progress.new_epoch()
     device = ranks.device

@@ -41,6 +41,7 @@ class Config:
     """Every setting of a run: the flags (same names), the profile's values filled in, and what follows from the
     device and the Slurm task. Saved in checkpoints as `args` and given to W&B as its config."""
 
+    # One field per flag, grouped as --help groups them: a table, longer than a function is allowed to be.
     config: str | None  # the recipe file the defaults came from
     # training
     batch_size: int

@@ -452,6 +452,90 @@ def _default_workers():
         return min(8, os.cpu_count() or 1)
 
 
+def _complete_pack(dst, src_abs, manifest, listing, counts, requested, log):
+    """DST already holds a complete pack: PackError if it is of another SRC or shard size; its summary if every
+    shard is whole (nothing to do); None if some must be written again."""
+    old_counts = {s: manifest["splits"][s]["samples"] for s in SPLITS}
+    if manifest.get("listing_sha256") != listing:
+        raise PackError(
+            f"DST {dst}: a complete pack of SRC {src_abs} as it was ({_counts(old_counts)} images); "
+            f"SRC has changed since ({_counts(counts)}): remove DST, or give another, to pack it "
+            "again"
+        )
+    if requested is not None and requested != manifest["shard_size"]:
+        raise PackError(
+            f"DST {dst}: a complete pack of SRC in shards of {manifest['shard_size']} bytes, not "
+            f"{requested}: remove DST, or give another, to pack it again"
+        )
+    damaged = [
+        n for s in SPLITS for n in _damaged(dst, manifest["splits"][s]["shards"], manifest["splits"][s]["shard_sizes"])
+    ]
+    if not damaged:
+        log(f"dlojz_pack: {dst} is already a complete pack of {src_abs}: nothing to do")
+        return dict(
+            dst=str(dst),
+            already_complete=True,
+            written=0,
+            kept=sum(len(manifest["splits"][s]["shards"]) for s in SPLITS),
+            samples=old_counts,
+            bytes_written=0,
+        )
+    log(
+        f"dlojz_pack: {dst}: {len(damaged)} shard(s) missing or of the wrong size ({damaged[0]}...): writing them again"
+    )
+    return None
+
+
+def _new_manifest(src_abs, layout, classes, class_names, shard_size, listing, sizes_digest, counts, plans, old):
+    """The manifest of the pack about to be written, "in progress" (an interrupted one's creation time kept)."""
+    return dict(
+        format=FORMAT,
+        version=FORMAT_VERSION,
+        state="in progress",
+        source=str(src_abs),
+        layout=layout,
+        classes=list(classes),
+        class_names=class_names,
+        shard_size=shard_size,
+        shuffle_seed=SHUFFLE_SEED,
+        listing_sha256=listing,
+        sizes_sha256=sizes_digest,
+        created=(old or {}).get("created") or time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        splits={
+            split: dict(
+                samples=counts[split],
+                index=f"{split}-index.npy",
+                shards=[s["name"] for s in shards],
+                shard_sizes=[s["size"] for s in shards],
+                shard_samples=[len(s["members"]) for s in shards],
+            )
+            for split, (_, shards) in plans.items()
+        },
+    )
+
+
+def _write_with_progress(dst, todo, n_shards, kept, workers, log):
+    """Write the shards `todo` with `workers` processes, a progress line every few seconds; the bytes written."""
+    t0, last, written_bytes, done_images = time.monotonic(), time.monotonic(), 0, 0
+    images_todo = sum(len(s["members"]) for s in todo)
+    results = _write_shards(dst, todo, workers)
+    try:
+        for k, (name, nbytes, images) in enumerate(results, 1):
+            written_bytes += nbytes
+            done_images += images
+            now = time.monotonic()
+            if k == len(todo) or now - last >= PROGRESS_EVERY:
+                last = now
+                log(
+                    f"dlojz_pack: {kept + k}/{n_shards} shards ({name}), {done_images:,}/{images_todo:,} images "
+                    f"this run, {written_bytes / 1e6 / max(now - t0, 1e-9):,.1f} MB/s"
+                )
+    finally:
+        results.close()  # stops the pool's other shards at once if one failed
+        _remove_temps(dst)
+    return written_bytes
+
+
 def pack(src, dst, shard_size=None, workers=None, log=print):
     """Pack SRC into DST (see the module's docstring). `shard_size`: bytes or a string such as '1GB'; None for 1 GB,
     or the size of the interrupted pack being finished. Returns a summary dict."""
@@ -474,38 +558,9 @@ def pack(src, dst, shard_size=None, workers=None, log=print):
     was_complete = manifest is not None and manifest.get("state") == "complete"
 
     if was_complete:
-        old_counts = {s: manifest["splits"][s]["samples"] for s in SPLITS}
-        if manifest.get("listing_sha256") != listing:
-            raise PackError(
-                f"DST {dst}: a complete pack of SRC {src_abs} as it was ({_counts(old_counts)} images); "
-                f"SRC has changed since ({_counts(counts)}): remove DST, or give another, to pack it "
-                "again"
-            )
-        if requested is not None and requested != manifest["shard_size"]:
-            raise PackError(
-                f"DST {dst}: a complete pack of SRC in shards of {manifest['shard_size']} bytes, not "
-                f"{requested}: remove DST, or give another, to pack it again"
-            )
-        damaged = [
-            n
-            for s in SPLITS
-            for n in _damaged(dst, manifest["splits"][s]["shards"], manifest["splits"][s]["shard_sizes"])
-        ]
-        if not damaged:
-            log(f"dlojz_pack: {dst} is already a complete pack of {src_abs}: nothing to do")
-            return dict(
-                dst=str(dst),
-                already_complete=True,
-                written=0,
-                kept=sum(len(manifest["splits"][s]["shards"]) for s in SPLITS),
-                samples=old_counts,
-                bytes_written=0,
-                seconds=time.monotonic() - t_start,
-            )
-        log(
-            f"dlojz_pack: {dst}: {len(damaged)} shard(s) missing or of the wrong size ({damaged[0]}...): "
-            "writing them again"
-        )
+        finished = _complete_pack(dst, src_abs, manifest, listing, counts, requested, log)
+        if finished is not None:
+            return dict(finished, seconds=time.monotonic() - t_start)
 
     if manifest is not None and requested is not None and requested != manifest["shard_size"]:
         raise PackError(
@@ -542,29 +597,8 @@ def pack(src, dst, shard_size=None, workers=None, log=print):
         raise PackError(f"DST {dst}: not writable; give a folder you can write")
     _remove_temps(dst)  # left by a killed run
 
-    manifest = dict(
-        format=FORMAT,
-        version=FORMAT_VERSION,
-        state="in progress",
-        source=str(src_abs),
-        layout=layout,
-        classes=list(classes),
-        class_names=class_names,
-        shard_size=shard_size,
-        shuffle_seed=SHUFFLE_SEED,
-        listing_sha256=listing,
-        sizes_sha256=sizes_digest,
-        created=(manifest or {}).get("created") or time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        splits={
-            split: dict(
-                samples=counts[split],
-                index=f"{split}-index.npy",
-                shards=[s["name"] for s in shards],
-                shard_sizes=[s["size"] for s in shards],
-                shard_samples=[len(s["members"]) for s in shards],
-            )
-            for split, (_, shards) in plans.items()
-        },
+    manifest = _new_manifest(
+        src_abs, layout, classes, class_names, shard_size, listing, sizes_digest, counts, plans, manifest
     )
     _write_json(dst / MANIFEST, manifest)  # first: a DST holding pack files always says whose they are
     for split, (index, _) in plans.items():
@@ -584,23 +618,7 @@ def pack(src, dst, shard_size=None, workers=None, log=print):
         log(f"dlojz_pack: finishing the pack in {dst}: {kept} shards already there, {len(todo)} to write")
     log(f"dlojz_pack: writing {len(todo)} shards into {dst} with {min(workers, max(1, len(todo)))} process(es)")
 
-    t0, last, written_bytes, done_images = time.monotonic(), time.monotonic(), 0, 0
-    images_todo = sum(len(s["members"]) for s in todo)
-    results = _write_shards(dst, todo, workers)
-    try:
-        for k, (name, nbytes, images) in enumerate(results, 1):
-            written_bytes += nbytes
-            done_images += images
-            now = time.monotonic()
-            if k == len(todo) or now - last >= PROGRESS_EVERY:
-                last = now
-                log(
-                    f"dlojz_pack: {kept + k}/{len(shards)} shards ({name}), {done_images:,}/{images_todo:,} images "
-                    f"this run, {written_bytes / 1e6 / max(now - t0, 1e-9):,.1f} MB/s"
-                )
-    finally:
-        results.close()  # stops the pool's other shards at once if one failed
-        _remove_temps(dst)
+    written_bytes = _write_with_progress(dst, todo, len(shards), kept, workers, log)
 
     missing = _damaged(dst, [s["name"] for s in shards], [s["size"] for s in shards])
     if missing:
