@@ -78,6 +78,91 @@ class _Toggle:
         self.opened_at = None
 
 
+class EnergyMeter:
+    """The GPU's power and energy through NVML (pynvml): the power at each step's end (peak W), the energy counter
+    from the end of the warm-up to the last step with the validation passes taken out, and each validation's energy.
+    Without NVML (not installed, no driver, no GPU, any NVML error) the figures are None; nothing fails."""
+
+    def __init__(self, device, nvml=_TRY_PYNVML, enabled=True):
+        self.nvml = self.handle = None
+        self.power_w = []  # W, one sample per step
+        self.start_mj = self.last_mj = None  # the window's first and latest readings
+        self.excluded_mj = 0.0  # validation energy inside the window
+        self.pending_mj = 0.0  # a validation's energy, taken out once a later step's reading covers it
+        self.steps = 0  # steps in the window
+        self.ok = True  # False once the counter failed: energy figures dropped
+        self.val_j = None  # the last validation pass's energy
+        self._val_open_mj = None
+        if enabled:
+            self._init(device, nvml)
+
+    def _init(self, device, nvml):
+        if nvml is _TRY_PYNVML:
+            if device.type != "cuda":
+                return
+            try:
+                import pynvml as nvml
+            except ImportError:
+                return
+        if nvml is None:
+            return
+        try:
+            nvml.nvmlInit()
+            self.handle = _nvml_handle_for(nvml, device)
+            self.nvml = nvml
+        except Exception:  # NVMLError (no driver, no GPU, not permitted) or anything odd: no power lines
+            self.handle = None
+
+    def read(self):
+        """GPU energy counter in mJ, or None (and energy figures dropped) if the GPU cannot report it."""
+        if not self.ok:
+            return None
+        try:
+            return float(self.nvml.nvmlDeviceGetTotalEnergyConsumption(self.handle))
+        except Exception:
+            self.ok = False
+            return None
+
+    def start_window(self):
+        if self.handle is not None and self.start_mj is None:
+            self.start_mj = self.last_mj = self.read()
+            self.steps = 0
+
+    def step_end(self):
+        if self.handle is None:
+            return
+        try:
+            self.power_w.append(self.nvml.nvmlDeviceGetPowerUsage(self.handle) / 1000.0)
+        except Exception:
+            pass
+        if self.start_mj is not None:
+            reading = self.read()
+            if reading is not None:
+                self.last_mj = reading
+                self.steps += 1
+                self.excluded_mj += self.pending_mj
+                self.pending_mj = 0.0
+
+    def window_j(self):
+        if self.start_mj is None or not self.ok or self.steps == 0:
+            return None
+        return (self.last_mj - self.start_mj - self.excluded_mj) / 1000.0
+
+    def validation_start(self):
+        self._val_open_mj = self.read() if self.handle is not None else None
+
+    def validation_end(self):
+        if self._val_open_mj is None:
+            return
+        closed_mj = self.read()
+        if closed_mj is not None:
+            self.val_j = (closed_mj - self._val_open_mj) / 1000.0
+            if self.start_mj is not None:
+                # taken out of the window only once a later step's reading covers this validation
+                self.pending_mj += closed_mj - self._val_open_mj
+        self._val_open_mj = None
+
+
 class Chronometer:
     """Times the load / forward / backward phases of each training step, the validation and the run.
 
@@ -113,7 +198,6 @@ class Chronometer:
         self._run_end = None  # frozen by gather(): every later report shows the same total
         self._time_to_first_step = None
         self._val_time = None
-        self._val_energy_j = None
 
         # Per-step records, appended only when enabled.
         self._loads = []  # seconds, NaN when the step had no closed load phase
@@ -125,20 +209,7 @@ class Chronometer:
         self._forward = _Toggle()
         self._backward = _Toggle()
         self._validation = _Toggle()
-        self._val_energy_open_mj = None
-
-        # NVML: power samples at step ends; energy counter from the end of warm-up to the last step.
-        self._nvml = None
-        self._nvml_handle = None
-        self._power_w = []
-        self._energy_start_mj = None
-        self._energy_last_mj = None
-        self._energy_excluded_mj = 0.0
-        self._val_energy_pending_mj = 0.0
-        self._energy_steps = 0
-        self._energy_ok = True
-        if self._enabled:
-            self._init_nvml(nvml)
+        self._energy = EnergyMeter(self.device, nvml, enabled=self._enabled)
 
         self._gathered = None
         self._last_ctx = {}
@@ -195,8 +266,7 @@ class Chronometer:
         self._backwards.append(duration)
         self._pending_load = None
         self._pending_forward = None
-        if self._nvml_handle is not None:
-            self._read_power_and_energy()
+        self._energy.step_end()
 
     def validation(self):
         """Toggle: the whole validation pass. Always measured (also when disabled), synchronised at both ends."""
@@ -204,7 +274,7 @@ class Chronometer:
         now = self._clock()
         if self._validation.opened_at is None:
             self._validation.opened_at = now
-            self._val_energy_open_mj = self._read_energy() if self._nvml_handle is not None else None
+            self._energy.validation_start()
             return
         duration = now - self._validation.opened_at
         self._validation.opened_at = None
@@ -212,14 +282,7 @@ class Chronometer:
         if self._load.opened_at is not None:
             # A load phase open across the validation: the validation is not data loading.
             self._load.opened_at += duration
-        if self._val_energy_open_mj is not None:
-            closed_mj = self._read_energy()
-            if closed_mj is not None:
-                self._val_energy_j = (closed_mj - self._val_energy_open_mj) / 1000.0
-                if self._energy_start_mj is not None:
-                    # taken out of the window only once a later step's reading covers this validation
-                    self._val_energy_pending_mj += closed_mj - self._val_energy_open_mj
-            self._val_energy_open_mj = None
+        self._energy.validation_end()
 
     def first_step_done(self):
         """Called once after the first training step: records the time to the first step (always, cheap)."""
@@ -238,62 +301,10 @@ class Chronometer:
         phase.opened_at = None
         return duration
 
-    # ------------------------------------------------------------------ NVML
-    def _init_nvml(self, nvml):
-        if nvml is _TRY_PYNVML:
-            if self.device.type != "cuda":
-                return
-            try:
-                import pynvml as nvml
-            except ImportError:
-                return
-        if nvml is None:
-            return
-        try:
-            nvml.nvmlInit()
-            self._nvml_handle = _nvml_handle_for(nvml, self.device)
-            self._nvml = nvml
-        except Exception:  # NVMLError (no driver, no GPU, not permitted) or anything odd: no power lines
-            self._nvml_handle = None
-
-    def _read_energy(self):
-        """GPU energy counter in mJ, or None (and energy figures dropped) if the GPU cannot report it."""
-        if not self._energy_ok:
-            return None
-        try:
-            return float(self._nvml.nvmlDeviceGetTotalEnergyConsumption(self._nvml_handle))
-        except Exception:
-            self._energy_ok = False
-            return None
-
     def _maybe_start_energy(self):
         # The energy window opens with the first phase of the first measured (post warm-up) step.
-        if (
-            self._nvml_handle is not None
-            and self._energy_start_mj is None
-            and len(self._backwards) >= self.warmup_steps
-        ):
-            self._energy_start_mj = self._read_energy()
-            self._energy_last_mj = self._energy_start_mj
-            self._energy_steps = 0
-
-    def _read_power_and_energy(self):
-        try:
-            self._power_w.append(self._nvml.nvmlDeviceGetPowerUsage(self._nvml_handle) / 1000.0)
-        except Exception:
-            pass
-        if self._energy_start_mj is not None:
-            reading = self._read_energy()
-            if reading is not None:
-                self._energy_last_mj = reading
-                self._energy_steps += 1
-                self._energy_excluded_mj += self._val_energy_pending_mj
-                self._val_energy_pending_mj = 0.0
-
-    def _energy_window_j(self):
-        if self._energy_start_mj is None or not self._energy_ok or self._energy_steps == 0:
-            return None
-        return (self._energy_last_mj - self._energy_start_mj - self._energy_excluded_mj) / 1000.0
+        if len(self._backwards) >= self.warmup_steps:
+            self._energy.start_window()
 
     # ------------------------------------------------------------------ reporting
     def _measured(self, values):
@@ -313,10 +324,10 @@ class Chronometer:
             "rank": self.rank,
             "load_median_s": _nanmedian(self._measured(self._loads)),
             "step_median_s": _nanmedian(self._measured(self._step_array())),
-            "train_energy_j": self._energy_window_j(),
-            "energy_steps": self._energy_steps,
-            "val_energy_j": self._val_energy_j,
-            "peak_power_w": max(self._power_w) if self._power_w else None,
+            "train_energy_j": self._energy.window_j(),
+            "energy_steps": self._energy.steps,
+            "val_energy_j": self._energy.val_j,
+            "peak_power_w": max(self._energy.power_w) if self._energy.power_w else None,
         }
 
     def gather(self, all_gather_object=None):
@@ -463,7 +474,7 @@ class Chronometer:
             "forward_s": _nan_to_none(self._forwards),
             "backward_s": _nan_to_none(self._backwards),
             "step_s": self._step_times(),
-            "power_w": list(self._power_w),
+            "power_w": list(self._energy.power_w),
             "summary": self.summary(ctx),
         }
         path = Path(path)
