@@ -51,16 +51,15 @@ import sys
 import tarfile
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 
 from dlojz_checkpoint import fsync_folder
-from dlojz_data import IMG_EXTENSIONS, DataError, find_layout
-from dlojz_shards import FORMAT, FORMAT_VERSION, MANIFEST, PackError, first_line, pack_files, read_manifest
+from dlojz_data import DataError
+from dlojz_pack_source import SPLITS, class_names_of, list_source, listing_digest, stat_sizes
+from dlojz_shards import FORMAT, FORMAT_VERSION, MANIFEST, PackError, pack_files, read_manifest
 
-SPLITS = ("train", "val")
 DEFAULT_SHARD_SIZE = 10**9
 SHUFFLE_SEED = 0
 PROGRESS_EVERY = 5.0  # seconds between progress lines
@@ -133,90 +132,6 @@ def _unlink(path):
 
 def _write_json(path, obj):
     _atomic_write(path, lambda f: f.write((json.dumps(obj, indent=1) + "\n").encode()))
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# The source tree
-def _is_image(path):
-    return path.lower().endswith(IMG_EXTENSIONS)  # what build_datasets gives ImageFolder
-
-
-def _has_class_dirs(path):
-    return path.is_dir() and any(p.is_dir() for p in path.iterdir())
-
-
-def _list_source(src):
-    """(layout, classes, {split: [(path, target)]}) in ImageFolder's order (torchvision's own functions)."""
-    from torchvision.datasets.folder import find_classes, make_dataset
-
-    if not src.is_dir():
-        raise PackError(f"SRC {src}: no such directory; give the folder holding train/ and val/")
-    for split in SPLITS:
-        if not _has_class_dirs(src / split):
-            raise PackError(
-                f"SRC {src}: not a data tree (no {split}/<class>/ folders); give the folder holding "
-                "train/<class>/ and val/<class>/ (ImageNet layout with meta.bin, or ImageFolder)"
-            )
-    layout = find_layout(src)
-    samples, classes = {}, {}
-    for split in SPLITS:
-        folder = str(src / split)
-        try:
-            classes[split], class_to_idx = find_classes(folder)
-            samples[split] = make_dataset(folder, class_to_idx, is_valid_file=_is_image)
-        except (FileNotFoundError, ValueError) as err:
-            raise PackError(f"SRC {folder}: {first_line(err)}") from None
-    if classes["train"] != classes["val"]:
-        only_train = sorted(set(classes["train"]) - set(classes["val"]))[:5]
-        only_val = sorted(set(classes["val"]) - set(classes["train"]))[:5]
-        raise PackError(
-            f"SRC {src}: train/ and val/ have different classes (only in train: {only_train}, only in val: {only_val})"
-        )
-    return layout, classes["train"], samples
-
-
-def _class_names(src, classes, layout):
-    """meta.bin's first name of each WordNet id, as build_datasets shows them; the folder name otherwise."""
-    if layout != "imagenet":
-        return list(classes)
-    import torch
-
-    try:
-        wnid_to_names = torch.load(src / "meta.bin", weights_only=True)[0]
-        names = [wnid_to_names.get(w, (w,)) for w in classes]
-        return [n if isinstance(n, str) else str(n[0]) for n in names]
-    except Exception as err:
-        raise PackError(
-            f"SRC {src}/meta.bin: unreadable ({type(err).__name__}: {first_line(err)}); fix or "
-            "remove it (the classes then keep their folder names)"
-        ) from None
-
-
-def _listing_digest(src, classes, samples):
-    """What the folder listing says (no stat): enough to notice files added, removed or renamed."""
-    h = hashlib.sha256("\0".join(classes).encode("utf-8", "surrogateescape"))
-    for split in SPLITS:
-        h.update(f"\0{split}\0".encode())
-        for path, target in samples[split]:
-            h.update(f"{os.path.relpath(path, src)}\t{target}\n".encode("utf-8", "surrogateescape"))
-    return h.hexdigest()
-
-
-def _stat_sizes(paths):
-    """File sizes, stat'ed by threads: on a parallel file system each stat is a round trip to a metadata server."""
-
-    def sizes_of(chunk):
-        out = []
-        for p in chunk:
-            try:
-                out.append(os.stat(p).st_size)
-            except OSError as err:
-                raise PackError(f"SRC file {p}: {err.strerror or err}; fix it and rerun") from None
-        return out
-
-    chunks = [paths[i : i + 1000] for i in range(0, len(paths), 1000)]
-    with ThreadPoolExecutor(16) as pool:
-        return [size for chunk in pool.map(sizes_of, chunks) for size in chunk]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -549,12 +464,12 @@ def pack(src, dst, shard_size=None, workers=None, log=print):
     if not isinstance(workers, int) or workers < 1:
         raise PackError(f"--workers {workers}: give 1 or more processes")
     src, dst = Path(src), Path(dst)
-    layout, classes, samples = _list_source(src)
+    layout, classes, samples = list_source(src)
     src_abs = src.resolve()
     manifest = _inspect_dst(dst, src_abs, [(src_abs / s).resolve() for s in SPLITS])
-    listing = _listing_digest(src, classes, samples)
+    listing = listing_digest(src, classes, samples)
     counts = {split: len(samples[split]) for split in SPLITS}
-    class_names = _class_names(src, classes, layout)
+    class_names = class_names_of(src, classes, layout)
     was_complete = manifest is not None and manifest.get("state") == "complete"
 
     if was_complete:
@@ -571,7 +486,7 @@ def pack(src, dst, shard_size=None, workers=None, log=print):
 
     # The plan, from every file's size
     all_paths = [path for split in SPLITS for path, _ in samples[split]]
-    all_sizes = _stat_sizes(all_paths)
+    all_sizes = stat_sizes(all_paths)
     sizes = {"train": all_sizes[: counts["train"]], "val": all_sizes[counts["train"] :]}
     sizes_digest = hashlib.sha256(np.asarray(all_sizes, dtype="<u8").tobytes()).hexdigest()
     plans = {split: _plan_split(src, split, classes, samples[split], sizes[split], shard_size) for split in SPLITS}
