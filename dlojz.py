@@ -67,6 +67,7 @@ from dlojz_log import (
     start_wandb,
     write_json,
     write_lr_finder,
+    write_text,
 )
 from dlojz_resume import TrainState, make_saver, restore
 from dlojz_model import ModelEma, apply_blurpool, create_model, enable_grad_checkpointing, meta_copy
@@ -342,11 +343,8 @@ def save_arguments(cfg, argv) -> Path:
     `args.toml`, written atomically, replaced by a resumed run."""
     path = Path(cfg.output_dir) / "args.toml"
     command = " ".join(sys.argv[1:] if argv is None else argv)
-    text = recipe_text(cfg, get_args_parser(), header=[f"dlojz.py {command}", time.strftime("%Y-%m-%d %H:%M:%S")])
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    header = [f"dlojz.py {command}", time.strftime("%Y-%m-%d %H:%M:%S")]
+    write_text(path, recipe_text(cfg, get_args_parser(), header=header))
     return path
 
 

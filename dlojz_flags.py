@@ -89,20 +89,25 @@ class OneLineParser(argparse.ArgumentParser):
         return super().parse_args(args, namespace)
 
 
-def read_recipe(parser, path):
-    """The flag values of a recipe file: one TOML key per flag, its long name without the dashes (`-` or `_`).
-    Raises UserError naming the file and the key for an unknown key or a value of the wrong type."""
+def read_toml(path, flag):
+    """The TOML file that `flag` names, as a dict; UserError naming the flag and the file if it cannot be read."""
     try:
         import tomllib
     except ImportError:  # Python 3.10
-        fail(f"--config {path}: reading TOML needs Python 3.11 or newer (tomllib)")
+        fail(f"{flag} {path}: reading TOML needs Python 3.11 or newer (tomllib)")
     try:
         with open(path, "rb") as file:
-            recipe = tomllib.load(file)
+            return tomllib.load(file)
     except OSError as err:
-        fail(f"--config {path}: cannot be read ({err.strerror})")
+        fail(f"{flag} {path}: cannot be read ({err.strerror})")
     except tomllib.TOMLDecodeError as err:
-        fail(f"--config {path}: not valid TOML ({err})")
+        fail(f"{flag} {path}: not valid TOML ({err})")
+
+
+def read_recipe(parser, path):
+    """The flag values of a recipe file: one TOML key per flag, its long name without the dashes (`-` or `_`).
+    Raises UserError naming the file and the key for an unknown key or a value of the wrong type."""
+    recipe = read_toml(path, "--config")
     actions = {action.dest: action for action in parser._actions if action.dest not in ("help", "config")}
     values = {}
     for key, value in recipe.items():

@@ -7,7 +7,7 @@ import argparse
 
 from dlojz_checks import fail
 from dlojz_config import UserError, resolve_config
-from dlojz_flags import get_args_parser, recipe_value, value_type
+from dlojz_flags import get_args_parser, read_toml, recipe_value, value_type
 
 
 # Flags the worker sets for each trial: not in the search space nor after `--` (--output-dir is the trials' root).
@@ -31,16 +31,9 @@ def long_flag(action):
 
 def read_space(path):
     """{dest: (argparse action, optuna distribution)} from the search space file; UserError naming the key."""
-    import tomllib
     from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
 
-    try:
-        with open(path, "rb") as file:
-            tables = tomllib.load(file)
-    except OSError as err:
-        fail(f"--space {path}: cannot be read ({err.strerror})")
-    except tomllib.TOMLDecodeError as err:
-        fail(f"--space {path}: not valid TOML ({err})")
+    tables = read_toml(path, "--space")
     if not tables:
         fail(f"--space {path}: no flag to search (one table per flag: [lr] low = 0.01, high = 1.0, log = true)")
     actions = flag_actions(get_args_parser())

@@ -267,9 +267,14 @@ def append_json_line(path, obj):
         f.write(json.dumps(obj, default=float) + "\n")
 
 
-def write_json(path, obj):
+def write_text(path, text):
+    """`path` holds `text` whole or keeps what it held: written to a temporary name, then renamed."""
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     tmp = f"{path}.tmp{os.getpid()}"
     with open(tmp, "w") as f:
-        json.dump(obj, f, indent=2, default=float)
+        f.write(text)
     os.replace(tmp, path)
+
+
+def write_json(path, obj):
+    write_text(path, json.dumps(obj, indent=2, default=float))
