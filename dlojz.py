@@ -354,7 +354,7 @@ def train_one_epoch(model, opt, loaders, state, cfg, ranks, hooks, progress, sto
     waits for it only at log points (every LOG_EVERY optimizer steps and at console lines). The hot loop, on one
     screen on purpose: split into functions, the order of a step's operations would be hidden."""
     loaders.start_epoch(state.epoch, state.batch)
-    progress.new_epoch()
+    progress.new_epoch(hooks.data_wait_s)
     device = ranks.device
     epoch_totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, images
     first_nonfinite = torch.full((), -1.0, dtype=torch.float64, device=device)  # optimizer step of a NaN/inf loss

@@ -99,7 +99,7 @@ class Progress:
     def is_console_line(self, batch_index):
         return (batch_index + 1) % self.line_every == 0 or batch_index == self.n_batches - 1
 
-    def mark(self, data_wait_s=0.0):
+    def mark(self, data_wait_s):
         """At a synchronised point: time the micro-steps since the previous mark, once past the warm-up, and the
         host's wait for batches in them (`data_wait_s`: the run's total so far)."""
         now = time.perf_counter()
@@ -109,8 +109,11 @@ class Progress:
             self.timed_wait_s += data_wait_s - self._last_mark[2]
         self._last_mark = (self.micro_steps, now, data_wait_s)
 
-    def new_epoch(self):
-        self._last_mark = None  # the epoch change (validation, new workers) is not a training step
+    def new_epoch(self, data_wait_s):
+        """The epoch change (validation, new workers) is not a training step: neither the throughput nor the next
+        line's share of time spent waiting for data counts it (`data_wait_s`: the run's total so far)."""
+        self._last_mark = None
+        self._last_line = (self.micro_steps, time.perf_counter(), data_wait_s)
 
     def images_per_second(self):
         return self.timed_micro_steps * self.images_per_step / self.timed_seconds if self.timed_seconds else None

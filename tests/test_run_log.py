@@ -77,3 +77,33 @@ def test_the_arguments_of_a_run_are_saved_as_a_recipe_that_runs_it_again(tiny_da
     parser = get_args_parser()
     again = parser.parse_args(["--config", str(saved)])
     assert recipe_text(again, parser).splitlines() == body
+
+
+def test_the_data_wait_share_leaves_the_epoch_change_out():
+    """A line's share of time spent waiting for data counts from the epoch's start, not across the validation and
+    the workers' restart that came before it."""
+    import time
+
+    import torch
+
+    from dlojz_log import NoWandb, Progress
+
+    class Lines:
+        def __init__(self):
+            self.lines = []
+
+        def progress(self, line, end_of_epoch):
+            self.lines.append(line)
+
+    console = Lines()
+    progress = Progress(console, NoWandb(), torch.device("cpu"), 2, 4, 1, 8)
+    progress.micro_steps = 4
+    progress.console_line(0, 3, 0.1, data_wait_s=0.0)
+    time.sleep(0.6)  # the validation between the two epochs
+    progress.new_epoch(0.0)
+    time.sleep(0.02)
+    progress.micro_steps = 8
+    progress.console_line(1, 3, 0.1, data_wait_s=0.015)  # 15 ms of the ~20 ms since the epoch began
+    share = int(re.search(r"\((\d+) %\)", console.lines[-1]).group(1))
+    assert share >= 10, console.lines[-1]  # counted from the previous line: under 3 %
+    assert "Data wait: 3.8 ms/step" in console.lines[-1]
