@@ -4,17 +4,16 @@ One command runs alone, under torchrun or under srun across nodes:
     python dlojz.py --test                  # first run: 50 steps, chronometer report (CPU profile without a GPU)
     srun python -u dlojz.py -b 256 -e 90    # on a Slurm GPU allocation, one task per GPU
 `main()` reads top to bottom in the course's order: arguments, instantiation (distribution, model, loss,
-optimizer), DataLoader, initialisation, training, validation, checkpoint and report. Each section calls a small
-function below it; `train_one_epoch` and `evaluate` are the loop's two phases. The flags live in dlojz_flags.py,
-the run's settings and their checks in dlojz_config.py, the batches in dlojz_loaders.py, checkpoints and resume in
-dlojz_resume.py, the model's facts in dlojz_model.py, the lines the run prints in dlojz_log.py, the chronometer,
-profiler and LR finder hooks in dlojz_hooks.py.
+optimizer), DataLoader, initialisation, training, validation, checkpoint and report. Each section calls one
+function, below it or in a helper module; `train_one_epoch` and `evaluate` are the loop's two phases. The flags
+live in dlojz_flags.py, the run's settings and their checks in dlojz_config.py, the process group in dlojz_dist.py,
+the data sets and batches in dlojz_loaders.py, the model as it trains (DDP, FSDP, compile) in dlojz_parallel.py,
+its loss, optimizer and schedule in dlojz_optim.py, checkpoints and resume in dlojz_resume.py, the lines the run
+prints in dlojz_log.py, the chronometer, profiler and LR finder hooks in dlojz_hooks.py.
 """
 
-import contextlib
 import dataclasses
 import os
-import random
 import sys
 import time
 from datetime import timedelta
@@ -25,41 +24,31 @@ if __name__ == "__main__":  # --help and every bad flag answer here, before the 
 
     check_command_line()
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
 import dlojz_checkpoint as ckpt
 import dlojz_optim as optim
 from dlojz_chrono import Chronometer
-from dlojz_config import Config, UserError, fail, load_idr_torch, resolve_config
-from dlojz_flags import get_args_parser, recipe_text
-from dlojz_data import (
-    DataError,
-    build_datasets,
-    close_loader,
-    embedded_dataset_root,
-    measure_loader,
-    resolve_data_root,
-    select_train_subset,
-)
+from dlojz_config import UserError, load_idr_torch, resolve_config
+from dlojz_flags import get_args_parser
+from dlojz_data import DataError, close_loader, measure_loader
 from dlojz_dist import (
     INTERRUPTED,
-    Distribution,
     StopPoll,
     StopSignal,
     agree_on_stop,
     checkpoint_for_stop,
-    keep_freed_host_memory,
     requeue,
-    start_compile_workers,
+    setup_distributed,
 )
 from dlojz_hooks import LoopHooks, make_profiler
-from dlojz_loaders import LOADERS, build_loaders, synthetic_loaders
+from dlojz_loaders import LOADERS, SYNTHETIC_CLASSES, build_data, build_loaders, synthetic_loaders
 from dlojz_log import (
     LOG_EVERY,
     Console,
     NoWandb,
+    announce_run,
     Progress,
     append_json_line,
     chrono_context,
@@ -67,20 +56,13 @@ from dlojz_log import (
     start_wandb,
     write_json,
     write_lr_finder,
-    write_text,
 )
 from dlojz_resume import TrainState, make_saver, restore
-from dlojz_model import ModelEma, apply_blurpool, create_model, enable_grad_checkpointing, meta_copy
-from dlojz_transforms import (
-    ValTransform,
-    decoder_description,
-    train_transform,
-    training_resolution,
-)
+from dlojz_parallel import build_model, state_bytes_per_rank
+from dlojz_transforms import training_resolution
 
 idr_torch = load_idr_torch()
 TEST_VAL_BATCHES = 20  # --test validates on this many batches
-SYNTHETIC_CLASSES = 1000  # --synthetic: ImageNet's
 
 
 class TrainingDiverged(Exception):
@@ -94,25 +76,6 @@ class EpochResult:
     stop_reason: str | None  # a signal's name: the epoch was left for a checkpoint and a requeue
 
 
-@dataclasses.dataclass
-class Model:
-    net: torch.nn.Module  # what trains: wrapped by DDP and torch.compile when asked
-    module: torch.nn.Module  # the model without those wrappers (sharded in place by --fsdp): checkpointed, validated
-    ema: torch.nn.Module | None  # --model-ema's averaged copy
-    num_classes: int
-    parallel: str  # "none", or "ddp" or "fsdp" across ranks
-    unsharded: torch.nn.Module  # the model whole, for FLOP counts: `module`, or with --fsdp its meta-device copy
-
-    def gradient_sync(self, sync):
-        """Context of a micro-batch's forward and backward: gradients are reduced across ranks only when `sync`
-        (the last micro-batch before an optimizer step)."""
-        if self.parallel == "fsdp":
-            self.module.set_requires_gradient_sync(sync)  # no reduce-scatter while accumulating
-        elif self.parallel == "ddp" and not sync:
-            return self.net.no_sync()  # no all-reduce while accumulating
-        return contextlib.nullcontext()
-
-
 def main(argv=None) -> dict:
     """One run, in the course's order; returns its metrics. Bad input raises UserError (see cli)."""
     # ================================ ARGUMENTS: every check, before any process group or data scan
@@ -124,14 +87,7 @@ def main(argv=None) -> dict:
     ranks, cfg = setup_distributed(cfg)
     stop = StopPoll(stop_signal, ranks, timedelta(seconds=cfg.dist_timeout))
     log = Console(ranks.is_main)
-    for note in cfg.notes:
-        log(note)
-    log(
-        f">>> Training on {idr_torch.num_nodes} nodes and {ranks.world_size} processes ({idr_torch.current_API}), "
-        f"device {ranks.device}"
-    )
-    if ranks.is_main:
-        log(f"arguments: {save_arguments(cfg, argv)} (dlojz.py --config FILE runs them again)")
+    announce_run(cfg, argv, ranks, log, f"{idr_torch.num_nodes} nodes", idr_torch.current_API)
     chrono = Chronometer(enabled=cfg.test, rank=ranks.rank, device=ranks.device)
 
     # ================================ DATA SETS (the model needs the number of classes)
@@ -156,7 +112,7 @@ def main(argv=None) -> dict:
     wandb_run = open_wandb(cfg, ranks, metrics, state)
     saver = make_saver(cfg, model, opt, ranks)
     profiler = make_profiler(cfg, Path(cfg.output_dir) / "profiler", ranks.rank, ranks.device) if cfg.prof else None
-    hooks = LoopHooks(chrono, profiler, opt.lr_finder)
+    hooks = LoopHooks(chrono, profiler, opt.lr_finder)  # the chronometer, torch.profiler, the LR range test
     progress = Progress(
         log, wandb_run, ranks.device, cfg.epochs, loaders.n_train_batches, cfg.grad_acc, images_per_step
     )
@@ -200,14 +156,7 @@ def main(argv=None) -> dict:
             log(f"checkpoint written: {saver.save(dataclasses.asdict(state))}")
         if cfg.test or target_reached:
             break
-    hooks.close()
-    if profiler is not None:
-        log(
-            f">>> Profiler traces: {Path(cfg.output_dir) / 'profiler'} (tensorboard --logdir "
-            f"{Path(cfg.output_dir) / 'profiler'}, or open the .json in https://ui.perfetto.dev)"
-        )
-    if opt.lr_finder is not None and ranks.is_main:
-        metrics.update(write_lr_finder(opt.lr_finder, Path(cfg.output_dir)))
+    metrics.update(close_hooks(cfg, hooks, ranks, log))
 
     # ================================ REPORT
     metrics["images_per_second"] = progress.images_per_second()
@@ -338,14 +287,18 @@ def announce_resolution(cfg, epoch, log, wandb_run, step):
     wandb_run.log({"resolution": resolution}, step=step)
 
 
-def save_arguments(cfg, argv) -> Path:
-    """Every flag of this run (recipe, command line and profile merged) as a recipe file in its output folder:
-    `args.toml`, written atomically, replaced by a resumed run."""
-    path = Path(cfg.output_dir) / "args.toml"
-    command = " ".join(sys.argv[1:] if argv is None else argv)
-    header = [f"dlojz.py {command}", time.strftime("%Y-%m-%d %H:%M:%S")]
-    write_text(path, recipe_text(cfg, get_args_parser(), header=header))
-    return path
+def close_hooks(cfg, hooks, ranks, log) -> dict:
+    """After training: the profiler's traces closed and announced, the LR finder's CSV, plot and suggested
+    learning rate written (its metrics returned)."""
+    hooks.close()
+    trace_dir = Path(cfg.output_dir) / "profiler"
+    if hooks.profiler is not None:
+        log(
+            f">>> Profiler traces: {trace_dir} (tensorboard --logdir {trace_dir}, or open the .json in https://ui.perfetto.dev)"
+        )
+    if hooks.lr_finder is not None and ranks.is_main:
+        return write_lr_finder(hooks.lr_finder, Path(cfg.output_dir))
+    return {}
 
 
 def train_one_epoch(model, opt, loaders, state, cfg, ranks, hooks, progress, stop) -> EpochResult:
@@ -499,126 +452,6 @@ def evaluate(net, loaders, opt, ranks, max_batches=None, stop=None, tta_flip=Fal
 
 
 # ================================================================ the sections' functions, in main's order
-def setup_distributed(cfg: Config):
-    """This rank's device, the process group (NCCL on GPUs, gloo on CPUs) through idr_torch, the seeds, and one
-    output folder for all ranks (rank 0's). Returns (Distribution, cfg)."""
-    device = torch.device(cfg.torch_device)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-        torch.backends.cudnn.benchmark = True  # autotune convolutions for the fixed input size
-        torch.backends.cuda.matmul.allow_tf32 = cfg.tf32
-        torch.backends.cudnn.allow_tf32 = cfg.tf32
-    elif keep_freed_host_memory():  # on a CPU, page faults for each step's activations cost ~20 % of the step
-        cfg = dataclasses.replace(cfg, notes=(*cfg.notes, "host memory: freed memory kept for reuse (glibc mallopt)"))
-    ranks = Distribution(idr_torch.world_size, idr_torch.rank, idr_torch.local_rank, device)
-    if ranks.enabled:
-        # device_id: NCCL connects now (a broken fabric fails at start-up) and knows each rank's GPU.
-        idr_torch.init_process_group(
-            backend="nccl" if device.type == "cuda" else "gloo",
-            timeout=timedelta(seconds=cfg.dist_timeout),
-            device_id=device if device.type == "cuda" else None,
-        )
-        holder = [cfg.output_dir]
-        dist.broadcast_object_list(holder, src=0)
-        cfg = dataclasses.replace(cfg, output_dir=holder[0])
-    elif cfg.fsdp:  # sharding over one process: a group of one (the same code path, and the GPU tests, on one GPU)
-        dist.init_process_group(
-            backend="nccl" if device.type == "cuda" else "gloo",
-            store=dist.HashStore(),
-            rank=0,
-            world_size=1,
-            device_id=device if device.type == "cuda" else None,
-        )
-    random.seed(cfg.seed)
-    np.random.seed(cfg.seed)
-    torch.manual_seed(cfg.seed)
-    return ranks, cfg
-
-
-def build_data(cfg, ranks, log):
-    """(train set, val set, class names): --data-root, the variables, else the embedded data set; none with
-    --synthetic."""
-    if cfg.synthetic:
-        log(f"data: synthetic (random tensors in memory), {SYNTHETIC_CLASSES} classes")
-        return None, None, [str(i) for i in range(SYNTHETIC_CLASSES)]
-    root, found_by = resolve_data_root(cfg.data_root)
-    if root is None:
-        if ranks.is_main:  # one rank generates, the others wait for it (the folder is renamed into place atomically)
-            embedded_dataset_root()
-        if ranks.enabled:
-            dist.barrier()
-        root = embedded_dataset_root()
-        log(
-            f"No --data-root, $DLOJZ_DATA, $ALL_CCFRSCRATCH/imagenet or $DSDIR/imagenet: using the embedded "
-            f"data set ({root}, 10 classes of shapes and textures)"
-        )
-    train_set, val_set, classes, layout = build_datasets(
-        root, train_transform(cfg), ValTransform(cfg.val_resize_size, cfg.val_crop_size), seed=cfg.seed
-    )
-    kind = layout if layout.startswith("packed") else f"{layout} layout"
-    log(
-        f"data: {root} ({kind}, found by {found_by}): {len(train_set)} train / {len(val_set)} val images, "
-        f"{len(classes)} classes"
-    )
-    if cfg.train_subset is not None:  # cheap runs, e.g. hyper-parameter search trials
-        log(select_train_subset(train_set, cfg.train_subset))
-    log(f"JPEG decoding: {decoder_description()}")
-    return train_set, val_set, classes
-
-
-def build_model(cfg, num_classes, ranks, log) -> Model:
-    module = create_model(cfg.arch, num_classes, cfg.zero_init_residual, cfg.image_size)
-    if cfg.blurpool:  # before the copies below (SyncBN, EMA): they keep the blurred layers
-        changed = apply_blurpool(module)
-        if changed == 0:
-            fail(f"--blurpool: --arch {cfg.arch} has no strided convolution or max-pool to blur")
-        log(f"BlurPool: {changed} strided convolutions and max-pools blur their input first")
-    if cfg.sync_bn and ranks.enabled:
-        module = torch.nn.SyncBatchNorm.convert_sync_batchnorm(module)
-    if not cfg.fsdp:  # FSDP moves each rank's shards only to the device
-        module = module.to(ranks.device)
-    if cfg.channels_last:
-        module = module.to(memory_format=torch.channels_last)
-    if cfg.grad_checkpointing:
-        enable_grad_checkpointing(module, cfg.arch)
-    log(f"model: {cfg.arch}, {sum(p.numel() for p in module.parameters()):,} parameters")
-    ema = None
-    if cfg.model_ema:
-        ema = ModelEma(module, cfg.model_ema_decay)
-    net, parallel, unsharded = module, "none", module
-    if cfg.fsdp:
-        from dlojz_fsdp import shard_model
-
-        unsharded = meta_copy(module)
-        blocks = shard_model(module, cfg, ranks.device)
-        parallel = "fsdp"
-        log(
-            f"FSDP: {blocks} blocks and the root sharded over {ranks.world_size} rank{'s' if ranks.world_size > 1 else ''}, parameters gathered in "
-            f"{cfg.amp_dtype if cfg.amp else 'float32'}, gradients reduced in float32, "
-            f"{'resharded' if cfg.fsdp_reshard_after_forward else 'kept gathered'} after each block's forward"
-        )
-    elif ranks.enabled:
-        net = torch.nn.parallel.DistributedDataParallel(
-            net, device_ids=[ranks.device.index] if ranks.device.type == "cuda" else None, gradient_as_bucket_view=True
-        )
-        parallel = "ddp"
-    if cfg.compile:
-        start_compile_workers()  # deaf to Slurm's preemption signal, which this process handles
-        net = torch.compile(net)
-    return Model(net, module, ema, num_classes, parallel, unsharded)
-
-
-def state_bytes_per_rank(model, opt, ranks) -> dict:
-    """Bytes of parameters, gradients and optimizer state on each rank (the largest), and each rank's peak."""
-    from dlojz_fsdp import state_bytes
-    from dlojz_model import peak_memory_bytes
-
-    local = dict(state_bytes(model.module, opt.optimizer), peak_memory_bytes=peak_memory_bytes(ranks.device))
-    every = ranks.all_gather(local) if ranks.enabled else [local]
-    result = {f"{key}_per_rank": max(rank[key] for rank in every) for key in local if key != "peak_memory_bytes"}
-    result["peak_memory_bytes_per_rank"] = [rank["peak_memory_bytes"] for rank in every]
-    result["parallel"] = model.parallel
-    return result
 
 
 def stop_run(cfg, reason, saver, state, loaders, ranks, log, metrics, chrono, wandb_run):

@@ -4,7 +4,7 @@
 TF32 and DataLoader workers from the device and the Slurm task) and checks every flag, all before any process
 group starts or any data is read: a typo costs one line and exit status 2, never a data scan. It returns a frozen
 `Config`: nothing in the run changes a setting afterwards, except the output folder that rank 0 names for all
-ranks (`dataclasses.replace`, in dlojz.setup_distributed).
+ranks (`dataclasses.replace`, in dlojz_dist.setup_distributed).
 
 Importing this module imports no torch (the functions that need it import it).
 """

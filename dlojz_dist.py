@@ -1,7 +1,7 @@
 """Ranks and preemption for dlojz: who this process is, and how all ranks stop together.
 
 - `Distribution(world_size, rank, local_rank, device)`: this rank's place in the job (`enabled` with 2+ ranks,
-  `is_main` on rank 0, `all_gather(obj)`); dlojz.setup_distributed makes it.
+  `is_main` on rank 0, `all_gather(obj)`); `setup_distributed(cfg)` makes it, with the process group and seeds.
 - `StopSignal().install()`: Slurm's preemption warning (`--signal=USR1@T`), SIGTERM or SIGUSR2 sets `.name`; the
   training loop finishes its step instead of dying. USR1 and TERM end in a requeue; USR2 is a plain stop (a
   checkpoint, no requeue): what a pruned hyper-parameter trial gets, and `scancel --signal=USR2 JOB` for a user.
@@ -18,11 +18,16 @@
 
 import dataclasses
 import os
+import random
 import signal
 import subprocess
+from datetime import timedelta
 
+import numpy as np
 import torch
 import torch.distributed as dist
+
+from dlojz_config import load_idr_torch
 
 
 @dataclasses.dataclass
@@ -174,3 +179,40 @@ def keep_freed_host_memory() -> bool:
         return False
     m_trim_threshold, m_mmap_max = -1, -4  # <malloc.h>
     return bool(mallopt(m_mmap_max, 0)) and bool(mallopt(m_trim_threshold, 2**31 - 1))  # C int: 2 GiB
+
+
+def setup_distributed(cfg):
+    """This rank's device, the process group (NCCL on GPUs, gloo on CPUs) through idr_torch, the seeds, and one
+    output folder for all ranks (rank 0's). Returns (Distribution, cfg)."""
+    device = torch.device(cfg.torch_device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        torch.backends.cudnn.benchmark = True  # autotune convolutions for the fixed input size
+        torch.backends.cuda.matmul.allow_tf32 = cfg.tf32
+        torch.backends.cudnn.allow_tf32 = cfg.tf32
+    elif keep_freed_host_memory():  # on a CPU, page faults for each step's activations cost ~20 % of the step
+        cfg = dataclasses.replace(cfg, notes=(*cfg.notes, "host memory: freed memory kept for reuse (glibc mallopt)"))
+    idr_torch = load_idr_torch()
+    ranks = Distribution(idr_torch.world_size, idr_torch.rank, idr_torch.local_rank, device)
+    if ranks.enabled:
+        # device_id: NCCL connects now (a broken fabric fails at start-up) and knows each rank's GPU.
+        idr_torch.init_process_group(
+            backend="nccl" if device.type == "cuda" else "gloo",
+            timeout=timedelta(seconds=cfg.dist_timeout),
+            device_id=device if device.type == "cuda" else None,
+        )
+        holder = [cfg.output_dir]
+        dist.broadcast_object_list(holder, src=0)
+        cfg = dataclasses.replace(cfg, output_dir=holder[0])
+    elif cfg.fsdp:  # sharding over one process: a group of one (the same code path, and the GPU tests, on one GPU)
+        dist.init_process_group(
+            backend="nccl" if device.type == "cuda" else "gloo",
+            store=dist.HashStore(),
+            rank=0,
+            world_size=1,
+            device_id=device if device.type == "cuda" else None,
+        )
+    random.seed(cfg.seed)
+    np.random.seed(cfg.seed)
+    torch.manual_seed(cfg.seed)
+    return ranks, cfg

@@ -1,12 +1,14 @@
-"""The batches a run trains and validates on, ready on the device: `build_loaders` makes DataLoaders (uint8
+"""The data sets and the batches a run trains and validates on, ready on the device: `build_loaders` makes DataLoaders (uint8
 JPEG crops decoded by the workers, normalised on the device, a CUDA prefetcher), DALI's pipelines
 (`--data-backend dali`) or the synthetic loaders (`--synthetic`), all behind one `Loaders` record. `LOADERS` lists
-the DataLoaders whose workers dlojz.cli() stops before the process exits.
+the DataLoaders whose workers dlojz.cli() stops before the process exits. `build_data` finds the data sets first
+(--data-root, the variables, else the embedded one).
 """
 
 import dataclasses
 import math
 
+import torch.distributed as dist
 
 from dlojz_checks import fail
 from dlojz_data import (
@@ -15,11 +17,16 @@ from dlojz_data import (
     EpochSampler,
     ShardSampler,
     SyntheticLoader,
+    build_datasets,
+    embedded_dataset_root,
     make_loader,
+    resolve_data_root,
+    select_train_subset,
 )
-from dlojz_transforms import DeviceNormalize, DevicePrefetcher
+from dlojz_transforms import DeviceNormalize, DevicePrefetcher, ValTransform, decoder_description, train_transform
 
 
+SYNTHETIC_CLASSES = 1000  # --synthetic: ImageNet's
 LOADERS = []  # DataLoaders whose workers cli() stops before exiting (see dlojz_data.close_loader)
 
 
@@ -176,3 +183,34 @@ def val_batches_per_rank(n_images, world_size, batch_size):
     """Validation batches that every rank has, and that the first rank has (ShardSampler: ranks differ by at
     most one image)."""
     return math.ceil(n_images // world_size / batch_size), math.ceil(math.ceil(n_images / world_size) / batch_size)
+
+
+def build_data(cfg, ranks, log):
+    """(train set, val set, class names): --data-root, the variables, else the embedded data set; none with
+    --synthetic."""
+    if cfg.synthetic:
+        log(f"data: synthetic (random tensors in memory), {SYNTHETIC_CLASSES} classes")
+        return None, None, [str(i) for i in range(SYNTHETIC_CLASSES)]
+    root, found_by = resolve_data_root(cfg.data_root)
+    if root is None:
+        if ranks.is_main:  # one rank generates, the others wait for it (the folder is renamed into place atomically)
+            embedded_dataset_root()
+        if ranks.enabled:
+            dist.barrier()
+        root = embedded_dataset_root()
+        log(
+            f"No --data-root, $DLOJZ_DATA, $ALL_CCFRSCRATCH/imagenet or $DSDIR/imagenet: using the embedded "
+            f"data set ({root}, 10 classes of shapes and textures)"
+        )
+    train_set, val_set, classes, layout = build_datasets(
+        root, train_transform(cfg), ValTransform(cfg.val_resize_size, cfg.val_crop_size), seed=cfg.seed
+    )
+    kind = layout if layout.startswith("packed") else f"{layout} layout"
+    log(
+        f"data: {root} ({kind}, found by {found_by}): {len(train_set)} train / {len(val_set)} val images, "
+        f"{len(classes)} classes"
+    )
+    if cfg.train_subset is not None:  # cheap runs, e.g. hyper-parameter search trials
+        log(select_train_subset(train_set, cfg.train_subset))
+    log(f"JPEG decoding: {decoder_description()}")
+    return train_set, val_set, classes

@@ -2,6 +2,8 @@
 
 - `Console(is_main)`: rank 0 prints, the other ranks stay silent. In an interactive terminal (not under Slurm) the
   progress lines of an epoch rewrite one live line, ended once with the epoch.
+- `announce_run(...)`: the run's first lines (the settings' notes, where it runs) and its flags saved as a recipe,
+  `args.toml` in the output folder (`dlojz.py --config FILE` runs them again).
 - `Progress(...)`: the training loop's bookkeeping between log points: losses and accuracies summed on the device
   (read only at log points), the steady-state throughput (timed between synchronised log points, warm-up left
   out), the console progress line (10 per epoch, as in the course) and W&B's train curves.
@@ -21,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from dlojz_flags import get_args_parser, recipe_text
 from dlojz_model import peak_memory_bytes, plain_stages, saved_activation_bytes, train_flops_per_image
 
 LOG_EVERY = 10  # optimizer steps between W&B points and between the ranks' checks for a stop signal or a NaN loss
@@ -50,6 +53,20 @@ class Console:
         if self._live_line_open:
             print()
             self._live_line_open = False
+
+
+def announce_run(cfg, argv, ranks, log, nodes, launcher):
+    """The run's first lines, and every flag of it (recipe, command line and profile merged) saved as a recipe
+    file in its output folder: `args.toml`, written atomically, replaced by a resumed run."""
+    for note in cfg.notes:
+        log(note)
+    log(f">>> Training on {nodes} and {ranks.world_size} processes ({launcher}), device {ranks.device}")
+    if ranks.is_main:
+        path = Path(cfg.output_dir) / "args.toml"
+        command = " ".join(sys.argv[1:] if argv is None else argv)
+        header = [f"dlojz.py {command}", time.strftime("%Y-%m-%d %H:%M:%S")]
+        write_text(path, recipe_text(cfg, get_args_parser(), header=header))
+        log(f"arguments: {path} (dlojz.py --config FILE runs them again)")
 
 
 class NoWandb:

@@ -1,0 +1,87 @@
+"""The model as it trains: built from the flags (BlurPool, SyncBN, channels-last, gradient checkpointing, EMA),
+moved to the device and wrapped for the run (DDP, FSDP's sharding, torch.compile). `Model` keeps the wrapped and
+the bare module side by side: the loop trains the first, checkpoints and validation use the second.
+"""
+
+import contextlib
+import dataclasses
+
+import torch
+
+from dlojz_checks import fail
+from dlojz_dist import start_compile_workers
+from dlojz_model import ModelEma, apply_blurpool, create_model, enable_grad_checkpointing, meta_copy
+
+
+@dataclasses.dataclass
+class Model:
+    net: torch.nn.Module  # what trains: wrapped by DDP and torch.compile when asked
+    module: torch.nn.Module  # the model without those wrappers (sharded in place by --fsdp): checkpointed, validated
+    ema: torch.nn.Module | None  # --model-ema's averaged copy
+    num_classes: int
+    parallel: str  # "none", or "ddp" or "fsdp" across ranks
+    unsharded: torch.nn.Module  # the model whole, for FLOP counts: `module`, or with --fsdp its meta-device copy
+
+    def gradient_sync(self, sync):
+        """Context of a micro-batch's forward and backward: gradients are reduced across ranks only when `sync`
+        (the last micro-batch before an optimizer step)."""
+        if self.parallel == "fsdp":
+            self.module.set_requires_gradient_sync(sync)  # no reduce-scatter while accumulating
+        elif self.parallel == "ddp" and not sync:
+            return self.net.no_sync()  # no all-reduce while accumulating
+        return contextlib.nullcontext()
+
+
+def build_model(cfg, num_classes, ranks, log) -> Model:
+    module = create_model(cfg.arch, num_classes, cfg.zero_init_residual, cfg.image_size)
+    if cfg.blurpool:  # before the copies below (SyncBN, EMA): they keep the blurred layers
+        changed = apply_blurpool(module)
+        if changed == 0:
+            fail(f"--blurpool: --arch {cfg.arch} has no strided convolution or max-pool to blur")
+        log(f"BlurPool: {changed} strided convolutions and max-pools blur their input first")
+    if cfg.sync_bn and ranks.enabled:
+        module = torch.nn.SyncBatchNorm.convert_sync_batchnorm(module)
+    if not cfg.fsdp:  # FSDP moves each rank's shards only to the device
+        module = module.to(ranks.device)
+    if cfg.channels_last:
+        module = module.to(memory_format=torch.channels_last)
+    if cfg.grad_checkpointing:
+        enable_grad_checkpointing(module, cfg.arch)
+    log(f"model: {cfg.arch}, {sum(p.numel() for p in module.parameters()):,} parameters")
+    ema = None
+    if cfg.model_ema:
+        ema = ModelEma(module, cfg.model_ema_decay)
+    net, parallel, unsharded = module, "none", module
+    if cfg.fsdp:
+        from dlojz_fsdp import shard_model
+
+        unsharded = meta_copy(module)
+        blocks = shard_model(module, cfg, ranks.device)
+        parallel = "fsdp"
+        log(
+            f"FSDP: {blocks} blocks and the root sharded over {ranks.world_size} rank{'s' if ranks.world_size > 1 else ''}, parameters gathered in "
+            f"{cfg.amp_dtype if cfg.amp else 'float32'}, gradients reduced in float32, "
+            f"{'resharded' if cfg.fsdp_reshard_after_forward else 'kept gathered'} after each block's forward"
+        )
+    elif ranks.enabled:
+        net = torch.nn.parallel.DistributedDataParallel(
+            net, device_ids=[ranks.device.index] if ranks.device.type == "cuda" else None, gradient_as_bucket_view=True
+        )
+        parallel = "ddp"
+    if cfg.compile:
+        start_compile_workers()  # deaf to Slurm's preemption signal, which this process handles
+        net = torch.compile(net)
+    return Model(net, module, ema, num_classes, parallel, unsharded)
+
+
+def state_bytes_per_rank(model, opt, ranks) -> dict:
+    """Bytes of parameters, gradients and optimizer state on each rank (the largest), and each rank's peak."""
+    from dlojz_fsdp import state_bytes
+    from dlojz_model import peak_memory_bytes
+
+    local = dict(state_bytes(model.module, opt.optimizer), peak_memory_bytes=peak_memory_bytes(ranks.device))
+    every = ranks.all_gather(local) if ranks.enabled else [local]
+    result = {f"{key}_per_rank": max(rank[key] for rank in every) for key in local if key != "peak_memory_bytes"}
+    result["peak_memory_bytes_per_rank"] = [rank["peak_memory_bytes"] for rank in every]
+    result["parallel"] = model.parallel
+    return result
