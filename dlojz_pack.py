@@ -37,7 +37,8 @@ Functions:
 - `parse_size("500MB") -> int`: 1000-based units (B, KB, MB, GB, TB), 1024-based ones (KiB, MiB, GiB, TiB).
 
 The reader that training uses (`PackedSplit`, `is_packed`, `check_pack`, `PackError`, `ShardReadError`) is
-dlojz_shards.py: this file is the writer and its command line.
+dlojz_shards.py: this file is the writer and its command line, dlojz_pack_source.py lists SRC, dlojz_pack_plan.py
+lays out the shards.
 """
 
 import argparse
@@ -57,24 +58,18 @@ import numpy as np
 
 from dlojz_checkpoint import fsync_folder
 from dlojz_data import DataError
+from dlojz_pack_plan import SHUFFLE_SEED, padded, plan_split
 from dlojz_pack_source import SPLITS, class_names_of, list_source, listing_digest, stat_sizes
 from dlojz_shards import FORMAT, FORMAT_VERSION, MANIFEST, PackError, pack_files, read_manifest
 
 DEFAULT_SHARD_SIZE = 10**9
-SHUFFLE_SEED = 0
 PROGRESS_EVERY = 5.0  # seconds between progress lines
 
-BLOCK = tarfile.BLOCKSIZE
-RECORD = tarfile.RECORDSIZE
 # Tar headers: constants, so that the same source gives the same bytes (webdataset's TarWriter stamps the time).
 MTIME = 946684800  # 2000-01-01 UTC (0 makes some tools warn of an implausibly old time stamp)
 MODE = 0o644
 OWNER = "dlojz"
-# A key and its extension fit the 100-byte name field of one ustar header: no extra header, offsets computable.
-MAX_KEY = 80
-MAX_SAMPLE = 2**32 - 1  # the index stores sizes as uint32
 
-_UNSAFE = re.compile(r"[^A-Za-z0-9_-]")
 _SHARD_RE = re.compile(r"^(train|val)-\d{6}\.tar$")
 _TEMP_RE = re.compile(r"^\.(dlojz_pack\.json|(train|val)-(index\.npy|\d{6}\.tar))\..*\.tmp$")
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([kmgt]?i?b?)\s*$", re.IGNORECASE)
@@ -135,97 +130,6 @@ def _write_json(path, obj):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# The plan: every shard's members and every offset, from the file sizes alone
-def _padded(n):
-    return -(-n // BLOCK) * BLOCK
-
-
-def _tar_size(body):
-    """A tar of `body` bytes of members: two zero blocks at the end, then padding to a whole record (tarfile)."""
-    return -(-(body + 2 * BLOCK) // RECORD) * RECORD
-
-
-def _footprint(size):
-    return BLOCK + _padded(size) + 2 * BLOCK  # image header + data, .cls header + data
-
-
-def _image_offset(ext):
-    # Members in sorted extension order, as webdataset's TarWriter writes them: `.cls` comes first for `.jpg`.
-    return 3 * BLOCK if "cls" < ext else BLOCK
-
-
-def _keys(split_dir, classes, samples):
-    keys, used = [], set()
-    for path, target in samples:
-        cls = classes[target]
-        rel = os.path.relpath(path, os.path.join(split_dir, cls))
-        key = _UNSAFE.sub("_", os.path.splitext(rel)[0])
-        prefix = _UNSAFE.sub("_", cls) + "_"
-        if not key.startswith(prefix):
-            key = prefix + key
-        if len(key) > MAX_KEY:
-            digest = hashlib.blake2b(os.fsencode(rel), digest_size=8).hexdigest()
-            key = f"{key[: MAX_KEY - 17]}_{digest}"
-        base, n = key, 0
-        while key in used:  # a.png next to a.jpg, or a_b.jpg next to a/b.jpg
-            n += 1
-            key = f"{base}_{n}"
-        used.add(key)
-        keys.append(key)
-    return keys
-
-
-def _extension(path):
-    ext = os.path.splitext(path)[1][1:].lower()
-    return "jpg" if ext == "jpeg" else ext
-
-
-def _shuffle_rank(key):
-    return hashlib.blake2b(f"{SHUFFLE_SEED}:{key}".encode(), digest_size=8).digest()
-
-
-def _plan_split(src, split, classes, samples, sizes, shard_size):
-    """(index array in ImageFolder order, [shard: dict(name, size, members)]) for one split."""
-    big = next((i for i, size in enumerate(sizes) if size > MAX_SAMPLE), None)
-    if big is not None:
-        raise PackError(f"SRC file {samples[big][0]}: {sizes[big]} bytes, more than an image can be; remove it")
-    keys = _keys(str(src / split), classes, samples)
-    n = len(samples)
-    order = sorted(range(n), key=lambda i: _shuffle_rank(keys[i])) if split == "train" else range(n)
-    dtype = np.dtype(
-        [
-            ("shard", "<u4"),
-            ("offset", "<u8"),
-            ("size", "<u4"),
-            ("target", "<u4"),
-            ("key", f"S{max(len(k) for k in keys)}"),
-        ]
-    )
-    index = np.zeros(n, dtype=dtype)
-    index["key"] = keys
-    index["target"] = [t for _, t in samples]
-    index["size"] = sizes
-    shard_of, offset_of = np.zeros(n, dtype="<u4"), np.zeros(n, dtype="<u8")
-    shards, members, body = [], [], 0
-
-    def close_shard():
-        shards.append(dict(name=f"{split}-{len(shards):06d}.tar", size=_tar_size(body), members=members))
-
-    for i in order:
-        path, target = samples[i]
-        size, ext = sizes[i], _extension(path)
-        if members and _tar_size(body + _footprint(size)) > shard_size:
-            close_shard()
-            members, body = [], 0
-        shard_of[i], offset_of[i] = len(shards), body + _image_offset(ext)
-        members.append((path, keys[i], ext, target, size, body + _image_offset(ext)))
-        body += _footprint(size)
-    close_shard()
-    index["shard"], index["offset"] = shard_of, offset_of
-    return index, shards
-
-
-# ---------------------------------------------------------------------------------------------------------------
 # Writing
 def _read_source(path):
     with open(path, "rb") as f:
@@ -265,8 +169,8 @@ def _write_shard(dst, shard):
                     [(ext, data), ("cls", str(target).encode("ascii"))], key=lambda m: m[0]
                 ):
                     tar.addfile(_tarinfo(f"{key}.{member_ext}", len(payload)), io.BytesIO(payload))
-                    if member_ext == ext and f.tell() - _padded(size) != offset:
-                        raise RuntimeError(f"{final}: {key} at {f.tell() - _padded(size)}, planned at {offset}")
+                    if member_ext == ext and f.tell() - padded(size) != offset:
+                        raise RuntimeError(f"{final}: {key} at {f.tell() - padded(size)}, planned at {offset}")
             tar.close()
             if f.tell() != shard["size"]:
                 raise RuntimeError(f"{final}: {f.tell()} bytes written, {shard['size']} planned")
@@ -451,10 +355,8 @@ def _write_with_progress(dst, todo, n_shards, kept, workers, log):
     return written_bytes
 
 
-def pack(src, dst, shard_size=None, workers=None, log=print):
-    """Pack SRC into DST (see the module's docstring). `shard_size`: bytes or a string such as '1GB'; None for 1 GB,
-    or the size of the interrupted pack being finished. Returns a summary dict."""
-    t_start = time.monotonic()
+def _checked_options(shard_size, workers):
+    """(bytes per shard or None, worker processes), or a PackError naming the flag."""
     requested = (
         None if shard_size is None else (parse_size(shard_size) if isinstance(shard_size, str) else int(shard_size))
     )
@@ -463,6 +365,37 @@ def pack(src, dst, shard_size=None, workers=None, log=print):
     workers = _default_workers() if workers is None else workers
     if not isinstance(workers, int) or workers < 1:
         raise PackError(f"--workers {workers}: give 1 or more processes")
+    return requested, workers
+
+
+def _ready_dst(dst, src_abs, manifest, digests, log):
+    """DST created and writable, with no temporary file left by a killed run; an interrupted pack of a source that
+    has changed since (its (listing, sizes) digests differ) removed, its manifest forgotten (None returned)."""
+    if manifest is not None and (manifest.get("listing_sha256"), manifest.get("sizes_sha256")) != digests:
+        if manifest.get("state") == "complete":  # in use, maybe: not ours to delete
+            raise PackError(
+                f"DST {dst}: a complete pack of SRC {src_abs} as it was; files of SRC have changed size "
+                "since: remove DST, or give another, to pack it again"
+            )
+        log(f"dlojz_pack: SRC changed since the interrupted pack in {dst} began: starting again")
+        for name in pack_files(manifest):
+            _unlink(dst / name)
+        manifest = None
+    try:
+        dst.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise PackError(f"DST {dst}: cannot create it ({err.strerror or err}); give a folder you can write") from None
+    if not os.access(dst, os.W_OK | os.X_OK):
+        raise PackError(f"DST {dst}: not writable; give a folder you can write")
+    _remove_temps(dst)  # left by a killed run
+    return manifest
+
+
+def pack(src, dst, shard_size=None, workers=None, log=print):
+    """Pack SRC into DST (see the module's docstring). `shard_size`: bytes or a string such as '1GB'; None for 1 GB,
+    or the size of the interrupted pack being finished. Returns a summary dict."""
+    t_start = time.monotonic()
+    requested, workers = _checked_options(shard_size, workers)
     src, dst = Path(src), Path(dst)
     layout, classes, samples = list_source(src)
     src_abs = src.resolve()
@@ -470,9 +403,8 @@ def pack(src, dst, shard_size=None, workers=None, log=print):
     listing = listing_digest(src, classes, samples)
     counts = {split: len(samples[split]) for split in SPLITS}
     class_names = class_names_of(src, classes, layout)
-    was_complete = manifest is not None and manifest.get("state") == "complete"
 
-    if was_complete:
+    if manifest is not None and manifest.get("state") == "complete":
         finished = _complete_pack(dst, src_abs, manifest, listing, counts, requested, log)
         if finished is not None:
             return dict(finished, seconds=time.monotonic() - t_start)
@@ -489,28 +421,9 @@ def pack(src, dst, shard_size=None, workers=None, log=print):
     all_sizes = stat_sizes(all_paths)
     sizes = {"train": all_sizes[: counts["train"]], "val": all_sizes[counts["train"] :]}
     sizes_digest = hashlib.sha256(np.asarray(all_sizes, dtype="<u8").tobytes()).hexdigest()
-    plans = {split: _plan_split(src, split, classes, samples[split], sizes[split], shard_size) for split in SPLITS}
+    plans = {split: plan_split(src, split, classes, samples[split], sizes[split], shard_size) for split in SPLITS}
 
-    if manifest is not None and (manifest.get("listing_sha256"), manifest.get("sizes_sha256")) != (
-        listing,
-        sizes_digest,
-    ):
-        if was_complete:  # in use, maybe: not ours to delete
-            raise PackError(
-                f"DST {dst}: a complete pack of SRC {src_abs} as it was; files of SRC have changed size "
-                "since: remove DST, or give another, to pack it again"
-            )
-        log(f"dlojz_pack: SRC changed since the interrupted pack in {dst} began: starting again")
-        for name in pack_files(manifest):
-            _unlink(dst / name)
-        manifest = None
-    try:
-        dst.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise PackError(f"DST {dst}: cannot create it ({err.strerror or err}); give a folder you can write") from None
-    if not os.access(dst, os.W_OK | os.X_OK):
-        raise PackError(f"DST {dst}: not writable; give a folder you can write")
-    _remove_temps(dst)  # left by a killed run
+    manifest = _ready_dst(dst, src_abs, manifest, (listing, sizes_digest), log)
 
     manifest = _new_manifest(
         src_abs, layout, classes, class_names, shard_size, listing, sizes_digest, counts, plans, manifest
