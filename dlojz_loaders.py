@@ -23,7 +23,8 @@ from dlojz_data import (
     resolve_data_root,
     select_train_subset,
 )
-from dlojz_transforms import DeviceNormalize, DevicePrefetcher, ValTransform, decoder_description, train_transform
+from dlojz_prefetch import DeviceNormalize, DevicePrefetcher
+from dlojz_transforms import ValTransform, decoder_description, train_transform
 
 
 SYNTHETIC_CLASSES = 1000  # --synthetic: ImageNet's

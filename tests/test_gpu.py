@@ -169,7 +169,7 @@ def test_the_prefetcher_gives_the_same_batches_on_its_stream(tmp_path):
     from dlojz_data import make_embedded_dataset
     from dlojz_dist import Distribution
     from dlojz_log import Console
-    from dlojz_transforms import DeviceNormalize, DevicePrefetcher
+    from dlojz_prefetch import DeviceNormalize, DevicePrefetcher
 
     root = make_embedded_dataset(tmp_path / "d", n_classes=3, train_per_class=16, val_per_class=4, size=(48, 40))
     got, reference = {}, None
@@ -571,7 +571,7 @@ def test_dali_batches_are_on_the_gpu_in_channels_last(tmp_path):
     pytest.importorskip("nvidia.dali", reason="DALI is not installed on this node (pip install nvidia-dali-cuda130)")
     from dlojz_dali import DaliBatches, train_pipeline
     from dlojz_data import EpochSampler, build_datasets, make_embedded_dataset
-    from dlojz_transforms import DeviceNormalize
+    from dlojz_prefetch import DeviceNormalize
 
     data = make_embedded_dataset(tmp_path / "data", n_classes=3, train_per_class=16, val_per_class=2, size=(96, 80))
     train, _, _, _ = build_datasets(data, None, None)

@@ -22,12 +22,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import dlojz_jpeg  # noqa: E402
 import dlojz_transforms  # noqa: E402
+from dlojz_prefetch import DeviceNormalize, DevicePrefetcher  # noqa: E402
 from dlojz_transforms import (
     IMAGENET_MEAN,
     IMAGENET_STD,
-    DeviceNormalize,
-    DevicePrefetcher,  # noqa: E402
-    EncodedJpeg,
+    EncodedJpeg,  # noqa: E402
     TrainTransform,
     UnreadableImageError,
     ValTransform,
