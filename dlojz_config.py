@@ -15,7 +15,8 @@ import warnings
 from datetime import datetime
 
 from dlojz_checks import UserError, fail  # noqa: F401  (UserError: imported from here by the scripts)
-from dlojz_flags import FUSED, check_data_variable, check_flags, get_args_parser, read_recipe
+from dlojz_flags import FUSED, check_data_variable, check_flags, get_args_parser
+from dlojz_recipe import read_recipe
 
 # GPU defaults are the course's; without a GPU the CPU profile keeps `--test` to a few minutes on a laptop, with the
 # learning rate scaled to its smaller batch by the linear scaling rule (0.1 x 32/128: at 0.1, ResNet-50 at batch 32

@@ -10,7 +10,7 @@ import warnings
 from pathlib import Path
 
 from dlojz_flags import get_args_parser
-from dlojz_flags import toml_value
+from dlojz_recipe import toml_value
 from dlojz_hpo_space import NOT_IN_RECIPE, flag_actions, flag_argv, long_flag
 
 

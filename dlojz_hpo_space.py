@@ -7,7 +7,8 @@ import argparse
 
 from dlojz_checks import fail
 from dlojz_config import UserError, resolve_config
-from dlojz_flags import get_args_parser, read_toml, recipe_value, value_type
+from dlojz_flags import get_args_parser
+from dlojz_recipe import read_toml, recipe_value, value_type
 
 
 # Flags the worker sets for each trial: not in the search space nor after `--` (--output-dir is the trials' root).

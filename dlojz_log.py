@@ -23,7 +23,8 @@ from pathlib import Path
 
 import torch
 
-from dlojz_flags import get_args_parser, recipe_text
+from dlojz_flags import get_args_parser
+from dlojz_recipe import recipe_text
 from dlojz_model import peak_memory_bytes, plain_stages, saved_activation_bytes, train_flops_per_image
 
 LOG_EVERY = 10  # optimizer steps between W&B points and between the ranks' checks for a stop signal or a NaN loss

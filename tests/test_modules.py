@@ -62,7 +62,7 @@ def test_the_command_line_modules_import_no_torch():
     import sys
 
     code = (
-        "import sys, dlojz_flags, dlojz_config, dlojz_checks, dlojz_launch\n"
+        "import sys, dlojz_flags, dlojz_recipe, dlojz_config, dlojz_checks, dlojz_launch\n"
         "dlojz_flags.get_args_parser().parse_args(['--lr', '0.1'])\n"
         "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'numpy', 'torchvision')))"
     )
