@@ -59,14 +59,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dlojz_chrono_report import loading_advice, report_lines
+from dlojz_chrono_report import energy_figures, flops_figures, report_lines, step_figures, validation_figures
 from dlojz_model import peak_flops
 
 # ``nvml`` default: import pynvml lazily, and only for CUDA devices.
 _TRY_PYNVML = object()
-
-# Loading is "significant" above this share of the compute step: then display() prints one line of advice.
-LOAD_ADVICE_THRESHOLD = 0.05
 
 
 class _Toggle:
@@ -355,67 +352,14 @@ class Chronometer:
             out["total_time_s"] = end - self._run_start
         if self._time_to_first_step is not None:
             out["time_to_first_step_s"] = self._time_to_first_step
-
-        batch = ctx.get("images_per_step")
-        world = ctx.get("world_size") or 1
-        step_med = load_med = None
         if self.steps:
-            forwards = self._measured(self._forwards)
-            backwards = self._measured(self._backwards)
-            steps = self._measured(self._step_array())
-            loads = self._measured(self._loads)
-            out.update(steps=self.steps, measured_steps=len(steps), warmup_excluded=self.steps > self.warmup_steps)
-            step_med = float(np.median(steps))
-            out.update(step_min_s=float(np.min(steps)), step_median_s=step_med, step_std_s=float(np.std(steps)))
-            if not np.all(np.isnan(loads)):
-                load_med = float(np.nanmedian(loads))
-                out.update(
-                    load_min_s=float(np.nanmin(loads)), load_median_s=load_med, load_std_s=float(np.nanstd(loads))
-                )
-            if not np.all(np.isnan(forwards)):
-                fwd_med, bwd_med = float(np.nanmedian(forwards)), float(np.median(backwards))
-                out.update(forward_median_s=fwd_med, backward_median_s=bwd_med)
-                if step_med > 0:
-                    out.update(forward_share=fwd_med / step_med, backward_share=bwd_med / step_med)
-            if batch and step_med > 0:
-                out["throughput_img_s"] = batch / (step_med + (load_med or 0.0))
-                out["compute_throughput_img_s"] = batch / step_med
-
-            # The slowest rank's loading sets the pace of DDP: the advice is judged on it.
-            slowest = self._slowest_rank()
-            if slowest is not None:
-                out["slowest_rank"] = slowest["rank"]
-                out["slowest_rank_load_median_s"] = slowest["load_median_s"]
-            known_loads = [x for x in (load_med, out.get("slowest_rank_load_median_s")) if x is not None]
-            worst_load = max(known_loads) if known_loads else None
-            if worst_load is not None and step_med > 0:
-                out["load_share"] = worst_load / step_med
-                if worst_load > LOAD_ADVICE_THRESHOLD * step_med:
-                    out["advice"] = loading_advice(worst_load, step_med, ctx)
-
-        if self._val_time is not None:
-            out["val_time_s"] = self._val_time
-            done, total = ctx.get("val_batches_done"), ctx.get("val_batches_total")
-            full_val = self._val_time / done * total if done and total else self._val_time
-            if done and total and done != total:
-                out["val_full_estimate_s"] = full_val
-        else:
-            full_val = 0.0
-        if step_med is not None and ctx.get("steps_per_epoch"):
-            out["epoch_time_estimate_s"] = ctx["steps_per_epoch"] * (step_med + (load_med or 0.0)) + full_val
-
-        flops = ctx.get("train_flops_per_image")
-        if flops and "throughput_img_s" in out:
-            out["train_flops_per_image"] = float(flops)
-            out["achieved_flops"] = flops * out["throughput_img_s"]
-            peak = peak_flops(ctx.get("device_name") or "", ctx.get("compute_dtype") or "")
-            if peak:
-                out["peak_flops_per_gpu"] = peak
-                out["mfu"] = out["achieved_flops"] / (peak * world)
-        if ctx.get("peak_memory_bytes") is not None:
-            out["peak_memory_bytes"] = int(ctx["peak_memory_bytes"])
-
-        out.update(self._energy_summary(ctx))
+            measured = [self._measured(x) for x in (self._loads, self._forwards, self._backwards, self._step_array())]
+            out.update(step_figures(*measured, self.steps, self.warmup_steps, self._slowest_rank(), ctx))
+        out.update(validation_figures(self._val_time, out.get("step_median_s"), out.get("load_median_s"), ctx))
+        peak = peak_flops(ctx.get("device_name") or "", ctx.get("compute_dtype") or "")
+        out.update(flops_figures(out.get("throughput_img_s"), peak, ctx))
+        gathered = bool(self._gathered) and len(self._gathered) > 1  # else rank 0's energy x the world size
+        out.update(energy_figures(self._gathered or [self._local_record()], gathered, ctx))
         if ctx.get("trace_path"):
             out["trace_path"] = str(ctx["trace_path"])
         return out
@@ -425,31 +369,6 @@ class Chronometer:
             return None
         candidates = [r for r in self._gathered if r.get("load_median_s") is not None]
         return max(candidates, key=lambda r: r["load_median_s"]) if candidates else None
-
-    def _energy_summary(self, ctx):
-        """Peak power, J per image and energy per epoch; summed over ranks when gathered, else rank 0 x world."""
-        records = self._gathered or [self._local_record()]
-        out = {}
-        powers = [r["peak_power_w"] for r in records if r.get("peak_power_w") is not None]
-        if powers:
-            out["peak_power_w"] = max(powers)
-        energies = [r["train_energy_j"] for r in records]
-        batch = ctx.get("images_per_step")
-        n_steps = records[0].get("energy_steps") or 0
-        if batch and n_steps and all(e is not None for e in energies):
-            scale = 1 if self._gathered and len(records) > 1 else (ctx.get("world_size") or 1)
-            train_j = sum(energies) * scale
-            out["train_energy_j"] = train_j
-            out["energy_per_image_j"] = train_j / (n_steps * batch)
-            if ctx.get("steps_per_epoch"):
-                epoch_j = out["energy_per_image_j"] * ctx["steps_per_epoch"] * batch
-                val_energies = [r["val_energy_j"] for r in records]
-                if all(e is not None for e in val_energies):
-                    done, total = ctx.get("val_batches_done"), ctx.get("val_batches_total")
-                    val_j = sum(val_energies) * scale
-                    epoch_j += val_j / done * total if done and total else val_j
-                out["epoch_energy_estimate_j"] = epoch_j
-        return out
 
     def display(self, ctx: dict | None = None) -> None:
         """Rank 0 prints the report, in the course's order. Lines whose figures are unknown are left out."""

@@ -1,6 +1,7 @@
-"""The chronometer's report: the lines it prints, its advice when data loading holds the step back, and the
-per-step timeline plot (`python dlojz_chrono.py plot TRACE.json -o timeline.png`). The timing itself, and the
-figures as a dict (`Chronometer.summary`), are dlojz_chrono.py's. No torch here.
+"""The chronometer's report: its figures from the recorded timings (`step_figures`, `validation_figures`,
+`flops_figures`, `energy_figures`, which `Chronometer.summary` puts in one dict), the lines it prints, its advice
+when data loading holds the step back, and the per-step timeline plot (`python dlojz_chrono.py plot TRACE.json -o
+timeline.png`). The timing itself is dlojz_chrono.py's. No torch here.
 """
 
 import argparse
@@ -8,6 +9,96 @@ import json
 from pathlib import Path
 
 import numpy as np
+
+
+# Loading is "significant" above this share of the compute step: then the report prints one line of advice.
+LOAD_ADVICE_THRESHOLD = 0.05
+
+
+def step_figures(loads, forwards, backwards, steps, n_steps, warmup_steps, slowest, ctx) -> dict:
+    """Step, load, forward and backward figures from the measured (post warm-up) seconds of each phase (NaN where a
+    step had no such phase), the throughput, and the advice when loading holds the step back. `slowest`: the
+    gathered record of the rank that loads slowest (None on one rank): it sets the pace of DDP, the advice is
+    judged on it."""
+    out = dict(steps=n_steps, measured_steps=len(steps), warmup_excluded=n_steps > warmup_steps)
+    step_med, load_med = float(np.median(steps)), None
+    out.update(step_min_s=float(np.min(steps)), step_median_s=step_med, step_std_s=float(np.std(steps)))
+    if not np.all(np.isnan(loads)):
+        load_med = float(np.nanmedian(loads))
+        out.update(load_min_s=float(np.nanmin(loads)), load_median_s=load_med, load_std_s=float(np.nanstd(loads)))
+    if not np.all(np.isnan(forwards)):
+        fwd_med, bwd_med = float(np.nanmedian(forwards)), float(np.median(backwards))
+        out.update(forward_median_s=fwd_med, backward_median_s=bwd_med)
+        if step_med > 0:
+            out.update(forward_share=fwd_med / step_med, backward_share=bwd_med / step_med)
+    batch = ctx.get("images_per_step")
+    if batch and step_med > 0:
+        out["throughput_img_s"] = batch / (step_med + (load_med or 0.0))
+        out["compute_throughput_img_s"] = batch / step_med
+    if slowest is not None:
+        out["slowest_rank"] = slowest["rank"]
+        out["slowest_rank_load_median_s"] = slowest["load_median_s"]
+    known_loads = [x for x in (load_med, out.get("slowest_rank_load_median_s")) if x is not None]
+    worst_load = max(known_loads) if known_loads else None
+    if worst_load is not None and step_med > 0:
+        out["load_share"] = worst_load / step_med
+        if worst_load > LOAD_ADVICE_THRESHOLD * step_med:
+            out["advice"] = loading_advice(worst_load, step_med, ctx)
+    return out
+
+
+def validation_figures(val_time, step_med, load_med, ctx) -> dict:
+    """The last validation's time (and the full validation's, estimated, when --test validated a part), and an
+    epoch's estimated time: its steps at the median step and load, plus a full validation."""
+    out, full_val = {}, 0.0
+    if val_time is not None:
+        out["val_time_s"] = full_val = val_time
+        done, total = ctx.get("val_batches_done"), ctx.get("val_batches_total")
+        if done and total:
+            full_val = val_time / done * total
+            if done != total:
+                out["val_full_estimate_s"] = full_val
+    if step_med is not None and ctx.get("steps_per_epoch"):
+        out["epoch_time_estimate_s"] = ctx["steps_per_epoch"] * (step_med + (load_med or 0.0)) + full_val
+    return out
+
+
+def flops_figures(throughput, peak, ctx) -> dict:
+    """Achieved FLOP/s at `throughput` images/s, and the MFU against `peak` FLOP/s per GPU (None: unknown GPU)."""
+    out, flops = {}, ctx.get("train_flops_per_image")
+    if flops and throughput is not None:
+        out.update(train_flops_per_image=float(flops), achieved_flops=flops * throughput)
+        if peak:
+            out.update(peak_flops_per_gpu=peak, mfu=out["achieved_flops"] / (peak * (ctx.get("world_size") or 1)))
+    if ctx.get("peak_memory_bytes") is not None:
+        out["peak_memory_bytes"] = int(ctx["peak_memory_bytes"])
+    return out
+
+
+def energy_figures(records, gathered, ctx) -> dict:
+    """Peak power, J per image and energy per epoch from the ranks' `records`: summed over ranks when `gathered`,
+    else one rank's times the world size."""
+    out = {}
+    powers = [r["peak_power_w"] for r in records if r.get("peak_power_w") is not None]
+    if powers:
+        out["peak_power_w"] = max(powers)
+    energies = [r["train_energy_j"] for r in records]
+    batch = ctx.get("images_per_step")
+    n_steps = records[0].get("energy_steps") or 0
+    if batch and n_steps and all(e is not None for e in energies):
+        scale = 1 if gathered else (ctx.get("world_size") or 1)
+        train_j = sum(energies) * scale
+        out["train_energy_j"] = train_j
+        out["energy_per_image_j"] = train_j / (n_steps * batch)
+        if ctx.get("steps_per_epoch"):
+            epoch_j = out["energy_per_image_j"] * ctx["steps_per_epoch"] * batch
+            val_energies = [r["val_energy_j"] for r in records]
+            if all(e is not None for e in val_energies):
+                done, total = ctx.get("val_batches_done"), ctx.get("val_batches_total")
+                val_j = sum(val_energies) * scale
+                epoch_j += val_j / done * total if done and total else val_j
+            out["epoch_energy_estimate_j"] = epoch_j
+    return out
 
 
 def report_lines(s: dict, warmup_steps: int, per_step=None) -> list:
