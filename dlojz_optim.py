@@ -267,6 +267,9 @@ def lr_scaling_line(lr: float, global_batch_size: int) -> str:
     return f"lr {lr:g} for {global_batch_size} images = {per_256:.4g} per 256 images (linear scaling rule)"
 
 
+DIVERGENCE_FACTOR = 4.0  # an LR sweep has diverged once the smoothed loss exceeds 4x its minimum so far
+
+
 class LRFinder:
     """The LR range test (Smith 2017; the course's ``--findlr``): an exponential LR sweep recording the loss.
 
@@ -276,7 +279,7 @@ class LRFinder:
     step ``num_steps-1`` at ``end_lr`` (later steps stay at ``end_lr``). Do not step an LR scheduler as well.
     """
 
-    divergence_factor = 4.0  # the sweep has diverged once the smoothed loss exceeds 4x its minimum so far
+    divergence_factor = DIVERGENCE_FACTOR
 
     def __init__(
         self, optimizer: torch.optim.Optimizer, start_lr: float = 1e-8, end_lr: float = 1.0, num_steps: int = 100
@@ -322,50 +325,6 @@ class LRFinder:
             writer.writerow(["lr", "loss", "accuracy"])
             writer.writerows(zip(self.lrs, self.losses, self.accuracies))
 
-    def _analyse(self) -> dict:
-        """Smooth the loss, find where the sweep diverged, and derive the suggested LR and its rule."""
-        if not self.losses:
-            raise RuntimeError("the LR finder has recorded no step: call LRFinder.step() after each optimizer step")
-        lrs, losses = np.asarray(self.lrs), np.asarray(self.losses, dtype=float)
-        # Divergence, part 1: everything from the first NaN/inf loss on is unusable.
-        finite = np.isfinite(losses)
-        usable = len(losses) if finite.all() else int(np.argmin(finite))
-        if usable == 0:
-            return {
-                "smoothed": np.array([]),
-                "usable": 0,
-                "lr": float(lrs[0]),
-                "rule": "no finite loss recorded: the first LR of the sweep is returned; check the data and model",
-            }
-        # A centred moving average (about 5 % of the sweep) rather than an EMA: an EMA lags, which would move the
-        # steepest point towards larger, riskier LRs.
-        window = max(3, usable // 20) | 1
-        padded = np.pad(losses[:usable], window // 2, mode="edge")
-        smoothed = np.convolve(padded, np.ones(window) / window, mode="valid")
-        # Divergence, part 2: the smoothed loss blows up past divergence_factor x its running minimum.
-        blown_up = smoothed > self.divergence_factor * np.minimum.accumulate(smoothed)
-        if blown_up.any():
-            usable = max(1, int(np.argmax(blown_up)))
-            smoothed = smoothed[:usable]
-        diverged_at = f"diverged at lr {lrs[usable]:.2e}" if usable < len(losses) else "did not diverge"
-
-        best = int(np.argmin(smoothed))
-        min_over_10 = max(float(lrs[best]) / 10, self.start_lr)
-        if usable >= 3:
-            slope = np.gradient(smoothed, np.log10(lrs[:usable]))
-            steepest = int(np.argmin(slope))
-            if slope[steepest] < 0:
-                rule = (
-                    f"steepest descent of the smoothed loss (moving average over {window} steps) before "
-                    f"divergence; sweep {diverged_at}; the min-loss/10 rule gives {min_over_10:.2e}"
-                )
-                return {"smoothed": smoothed, "usable": usable, "lr": float(lrs[steepest]), "rule": rule}
-        rule = (
-            f"min-loss/10: LR of the lowest smoothed loss ({lrs[best]:.2e}) divided by 10, as the smoothed "
-            f"loss never decreased; sweep {diverged_at}"
-        )
-        return {"smoothed": smoothed, "usable": usable, "lr": min_over_10, "rule": rule}
-
     def suggestion(self) -> tuple[float, str]:
         """Return the suggested LR (inside the swept range) and a sentence stating the rule used.
 
@@ -373,14 +332,14 @@ class LRFinder:
         before the divergence (first NaN/inf loss, or smoothed loss above 4x its running minimum). If the loss
         never falls, the min-loss/10 rule: the LR of the lowest smoothed loss divided by 10.
         """
-        analysis = self._analyse()
+        analysis = analyse_sweep(self.lrs, self.losses, self.start_lr, self.divergence_factor)
         return analysis["lr"], analysis["rule"]
 
     def plot(self, png_path) -> None:
         """Plot the loss (raw and smoothed) against the LR on a log axis, with the suggested LR marked, to PNG."""
         from matplotlib.figure import Figure  # object API with the Agg canvas: no display, no global backend state
 
-        analysis = self._analyse()
+        analysis = analyse_sweep(self.lrs, self.losses, self.start_lr, self.divergence_factor)
         lrs, losses = np.asarray(self.lrs), np.asarray(self.losses, dtype=float)
         figure = Figure(figsize=(7, 4.5))
         axes = figure.add_subplot()
@@ -403,6 +362,52 @@ class LRFinder:
         path = Path(png_path)
         path.parent.mkdir(parents=True, exist_ok=True)
         figure.savefig(path, format="png", dpi=100)
+
+
+def analyse_sweep(lrs, losses, start_lr, divergence_factor=DIVERGENCE_FACTOR) -> dict:
+    """An LR sweep's points: the loss smoothed, where the sweep diverged, the suggested LR and its rule (see
+    LRFinder.suggestion)."""
+    if not len(losses):
+        raise RuntimeError("the LR finder has recorded no step: call LRFinder.step() after each optimizer step")
+    lrs, losses = np.asarray(lrs), np.asarray(losses, dtype=float)
+    # Divergence, part 1: everything from the first NaN/inf loss on is unusable.
+    finite = np.isfinite(losses)
+    usable = len(losses) if finite.all() else int(np.argmin(finite))
+    if usable == 0:
+        return {
+            "smoothed": np.array([]),
+            "usable": 0,
+            "lr": float(lrs[0]),
+            "rule": "no finite loss recorded: the first LR of the sweep is returned; check the data and model",
+        }
+    # A centred moving average (about 5 % of the sweep) rather than an EMA: an EMA lags, which would move the
+    # steepest point towards larger, riskier LRs.
+    window = max(3, usable // 20) | 1
+    padded = np.pad(losses[:usable], window // 2, mode="edge")
+    smoothed = np.convolve(padded, np.ones(window) / window, mode="valid")
+    # Divergence, part 2: the smoothed loss blows up past divergence_factor x its running minimum.
+    blown_up = smoothed > divergence_factor * np.minimum.accumulate(smoothed)
+    if blown_up.any():
+        usable = max(1, int(np.argmax(blown_up)))
+        smoothed = smoothed[:usable]
+    diverged_at = f"diverged at lr {lrs[usable]:.2e}" if usable < len(losses) else "did not diverge"
+
+    best = int(np.argmin(smoothed))
+    min_over_10 = max(float(lrs[best]) / 10, start_lr)
+    if usable >= 3:
+        slope = np.gradient(smoothed, np.log10(lrs[:usable]))
+        steepest = int(np.argmin(slope))
+        if slope[steepest] < 0:
+            rule = (
+                f"steepest descent of the smoothed loss (moving average over {window} steps) before "
+                f"divergence; sweep {diverged_at}; the min-loss/10 rule gives {min_over_10:.2e}"
+            )
+            return {"smoothed": smoothed, "usable": usable, "lr": float(lrs[steepest]), "rule": rule}
+    rule = (
+        f"min-loss/10: LR of the lowest smoothed loss ({lrs[best]:.2e}) divided by 10, as the smoothed "
+        f"loss never decreased; sweep {diverged_at}"
+    )
+    return {"smoothed": smoothed, "usable": usable, "lr": min_over_10, "rule": rule}
 
 
 def soft_target_accuracy(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
