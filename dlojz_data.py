@@ -230,12 +230,12 @@ class PackedImages(SeededSamples, torch.utils.data.Dataset):
     sample that cannot be read or decoded is skipped like a corrupt file, named by shard and key."""
 
     def __init__(self, root, split, transform):
-        from dlojz_shards import PackedSplit
+        from dlojz_shards import PackedSplit, intact_rows
 
         self.shards = PackedSplit(root, split)
         self.root, self.transform = f"{root} ({split})", transform
         self.classes, self.class_to_idx = self.shards.classes, self.shards.class_to_idx
-        rows, warnings = self.shards.intact_rows()
+        rows, warnings = intact_rows(self.shards)
         for line in warnings:
             print(line, file=sys.stderr, flush=True)
         targets = self.shards.targets

@@ -3,8 +3,9 @@
 - `is_packed(root) -> bool`: root holds a dlojz pack (finished or not: PackedSplit says what is wrong).
 - `PackedSplit(root, split)`: `classes`, `class_names`, `len()`, `targets`, `key(i)`, `shard_path(i)`,
   `location(i)`, `read_bytes(i)` (os.pread on descriptors opened lazily, cached per process, reopened after a
-  fork, never pickled), `check_shards()` (every shard there with its size: the start-up check), `intact_rows()`.
-- `check_pack(root)`: `check_shards()` of every split.
+  fork, never pickled: `OpenFiles`), `rows()` (the index).
+- `check_shards(packed)` (every shard there with its size: the start-up check), `intact_rows(packed)` (the samples
+  whose bytes are whole, with a warning per damaged shard); `check_pack(root)`: `check_shards` of every split.
 - `read_manifest(root, hint)`, `pack_files(manifest)`, `repack_hint(manifest, root)`: the manifest, shared with the
   writer.
 
@@ -82,6 +83,45 @@ def is_packed(root):
     return (Path(root) / MANIFEST).is_file()
 
 
+class OpenFiles:
+    """Read-only descriptors kept open, the `max_open` most recently used, per process: a forked process closes the
+    copies it inherited and opens its own (the parent's bookkeeping counted them)."""
+
+    def __init__(self, max_open=MAX_OPEN):
+        self.max_open, self._fds, self.pid = max_open, OrderedDict(), os.getpid()
+
+    def get(self, path):
+        if self.pid != os.getpid():
+            self._close_all()
+            self.pid = os.getpid()
+        fd = self._fds.get(path)
+        if fd is not None:
+            self._fds.move_to_end(path)
+            return fd
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        self._fds[path] = fd
+        while len(self._fds) > self.max_open:
+            os.close(self._fds.popitem(last=False)[1])
+        return fd
+
+    def __len__(self):
+        return len(self._fds)
+
+    def close(self):
+        """Close this process's descriptors; another process's copies are left to it."""
+        if self.pid == os.getpid():
+            self._close_all()
+        self._fds = OrderedDict()
+
+    def _close_all(self):
+        for fd in self._fds.values():
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self._fds = OrderedDict()
+
+
 class PackedSplit:
     """One split of a pack, read at random: sample i is sample i of ImageFolder(SRC/split).
 
@@ -106,10 +146,11 @@ class PackedSplit:
         self.index_path = self.root / info["index"]
         self._len, self.max_open = info["samples"], max_open
         self._rows = self._targets = None
-        self._files, self._pid = OrderedDict(), os.getpid()
-        self._index()  # a missing or foreign index fails here, not in a worker
+        self._files = OpenFiles(max_open)
+        self.rows()  # a missing or foreign index fails here, not in a worker
 
-    def _index(self):
+    def rows(self):
+        """The index (memory-mapped): shard, offset, size, target, key of every sample."""
         if self._rows is None:
             try:
                 rows = np.load(self.index_path, mmap_mode="r", allow_pickle=False)
@@ -135,14 +176,14 @@ class PackedSplit:
     @property
     def targets(self):
         if self._targets is None:
-            self._targets = self._index()["target"].tolist()
+            self._targets = self.rows()["target"].tolist()
         return self._targets
 
     def _row(self, i):
         i = operator.index(i)
         if not 0 <= i < self._len:
             raise IndexError(f"sample {i} out of range: {self.split} has {self._len}")
-        return self._index()[i]
+        return self.rows()[i]
 
     def key(self, i):
         return self._row(i)["key"].decode("ascii")
@@ -160,7 +201,7 @@ class PackedSplit:
         shard, offset, size = int(row["shard"]), int(row["offset"]), int(row["size"])
         path = self.root / self.shards[shard]
         try:
-            fd = self._fd(shard)
+            fd = self._files.get(path)
             chunks, got = [], 0
             while got < size:  # pread may return less than asked for (network file systems)
                 chunk = os.pread(fd, size - got, offset + got)
@@ -180,35 +221,9 @@ class PackedSplit:
             )
         return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
-    def _fd(self, shard):
-        if self._pid != os.getpid():
-            # A forked worker: the inherited descriptors are copies that the parent's cache bookkeeping counted;
-            # this process closes its copies and opens (and bounds) its own.
-            for fd in self._files.values():
-                try:
-                    os.close(fd)
-                except OSError:
-                    pass
-            self._files, self._pid = OrderedDict(), os.getpid()
-        fd = self._files.get(shard)
-        if fd is not None:
-            self._files.move_to_end(shard)
-            return fd
-        fd = os.open(self.root / self.shards[shard], os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-        self._files[shard] = fd
-        while len(self._files) > self.max_open:
-            os.close(self._files.popitem(last=False)[1])
-        return fd
-
     def close(self):
         """Close this process's descriptors (they are opened again when needed)."""
-        if self._pid == os.getpid():
-            for fd in self._files.values():
-                try:
-                    os.close(fd)
-                except OSError:
-                    pass
-        self._files = OrderedDict()
+        self._files.close()
 
     def __del__(self):
         try:
@@ -219,58 +234,58 @@ class PackedSplit:
     def __getstate__(self):
         # Descriptors are per process and the mmap would be pickled as a full copy: the receiver opens its own.
         state = self.__dict__.copy()
-        state.update(_files=OrderedDict(), _rows=None, _targets=None, _pid=None)
+        state.update(_files=OpenFiles(self.max_open), _rows=None, _targets=None)
         return state
 
-    def intact_rows(self):
-        """(the samples whose bytes are all in their shard, one warning line per shard cut short or missing). A
-        truncated shard costs the samples it lost, as a corrupt file costs one sample; a shard larger than the
-        pack made it (replaced by something else) is a PackError."""
-        actual = []
-        for name, expected in zip(self.shards, self.shard_sizes):
-            try:
-                size = (self.root / name).stat().st_size
-            except OSError:
-                size = 0
-            if size > expected:
-                raise PackError(
-                    f"{self.root / name}: {size} bytes, the pack made it {expected} (replaced?); "
-                    f"{repack_hint(dict(source=self.source), self.root)}"
-                )
-            actual.append(size)
-        rows = self._index()
-        intact = rows["offset"].astype(np.int64) + rows["size"] <= np.asarray(actual, dtype=np.int64)[rows["shard"]]
-        warnings = []
-        for shard in np.unique(rows["shard"][~intact]).tolist():
-            lost = int(np.count_nonzero(~intact & (rows["shard"] == shard)))
-            state = (
-                "missing" if actual[shard] == 0 else f"cut short ({actual[shard]} of {self.shard_sizes[shard]} bytes)"
-            )
-            warnings.append(
-                f"WARNING: shard {self.root / self.shards[shard]} is {state}: {lost} of its samples are "
-                f"left out; {repack_hint(dict(source=self.source), self.root)}"
-            )
-        return np.flatnonzero(intact).tolist(), warnings
 
-    def check_shards(self):
-        """Every shard present with the size the manifest records; PackError naming the first that is not."""
-        for name, expected in zip(self.shards, self.shard_sizes):
-            path = self.root / name
-            try:
-                size = path.stat().st_size
-            except OSError as err:
-                raise PackError(
-                    f"{path}: shard missing ({err.strerror}); {repack_hint(dict(source=self.source), self.root)}"
-                ) from None
-            if size != expected:
-                raise PackError(
-                    f"{path}: {size} bytes, the pack made it {expected} (truncated or replaced); "
-                    f"{repack_hint(dict(source=self.source), self.root)}"
-                )
+def intact_rows(packed):
+    """(the samples whose bytes are all in their shard, one warning line per shard cut short or missing). A
+    truncated shard costs the samples it lost, as a corrupt file costs one sample; a shard larger than the
+    pack made it (replaced by something else) is a PackError."""
+    actual = []
+    for name, expected in zip(packed.shards, packed.shard_sizes):
+        try:
+            size = (packed.root / name).stat().st_size
+        except OSError:
+            size = 0
+        if size > expected:
+            raise PackError(
+                f"{packed.root / name}: {size} bytes, the pack made it {expected} (replaced?); "
+                f"{repack_hint(dict(source=packed.source), packed.root)}"
+            )
+        actual.append(size)
+    rows = packed.rows()
+    intact = rows["offset"].astype(np.int64) + rows["size"] <= np.asarray(actual, dtype=np.int64)[rows["shard"]]
+    warnings = []
+    for shard in np.unique(rows["shard"][~intact]).tolist():
+        lost = int(np.count_nonzero(~intact & (rows["shard"] == shard)))
+        state = "missing" if actual[shard] == 0 else f"cut short ({actual[shard]} of {packed.shard_sizes[shard]} bytes)"
+        warnings.append(
+            f"WARNING: shard {packed.root / packed.shards[shard]} is {state}: {lost} of its samples are "
+            f"left out; {repack_hint(dict(source=packed.source), packed.root)}"
+        )
+    return np.flatnonzero(intact).tolist(), warnings
+
+
+def check_shards(packed):
+    """Every shard present with the size the manifest records; PackError naming the first that is not."""
+    for name, expected in zip(packed.shards, packed.shard_sizes):
+        path = packed.root / name
+        try:
+            size = path.stat().st_size
+        except OSError as err:
+            raise PackError(
+                f"{path}: shard missing ({err.strerror}); {repack_hint(dict(source=packed.source), packed.root)}"
+            ) from None
+        if size != expected:
+            raise PackError(
+                f"{path}: {size} bytes, the pack made it {expected} (truncated or replaced); "
+                f"{repack_hint(dict(source=packed.source), packed.root)}"
+            )
 
 
 def check_pack(root):
     """The start-up check of a whole pack: every split's shards present with their sizes."""
     manifest = read_manifest(root, f"make one with python dlojz_pack.py SRC {root}")
     for split in manifest.get("splits", {}):
-        PackedSplit(root, split).check_shards()
+        check_shards(PackedSplit(root, split))

@@ -27,7 +27,15 @@ sys.path.insert(0, str(ROOT))
 import dlojz_pack  # noqa: E402
 from dlojz_data import IMG_EXTENSIONS, DataError, make_embedded_dataset  # noqa: E402
 from dlojz_pack import main, pack  # noqa: E402
-from dlojz_shards import MANIFEST, PackedSplit, PackError, ShardReadError, check_pack, is_packed  # noqa: E402
+from dlojz_shards import (  # noqa: E402
+    MANIFEST,
+    PackedSplit,
+    PackError,
+    ShardReadError,
+    check_pack,
+    check_shards,
+    is_packed,
+)
 
 SHARD_SIZE = "20KB"  # 3 samples of these tiny JPEGs per shard (a tar is padded to 10 KiB records): 12 train shards
 # webdataset's split of a member name into sample key and field (webdataset.tariterators.base_plus_ext)
@@ -118,7 +126,7 @@ def test_pack_reads_back_as_the_image_folder(src, reference):
         assert len(set(keys)) == len(keys) and not any("." in k or "/" in k for k in keys)
         assert packed.location(0) == f"{packed.shard_path(0)}:{keys[0]}"
         # Train shards hold a shuffled order (sequential readers see mixed classes); val the folder's order.
-        placement = sorted(range(len(packed)), key=lambda i: (packed.shard_path(i).name, packed._index()[i]["offset"]))
+        placement = sorted(range(len(packed)), key=lambda i: (packed.shard_path(i).name, packed.rows()[i]["offset"]))
         if split == "train":
             assert placement != list(range(len(packed)))
             assert len({packed.targets[i] for i in placement[:6]}) > 1
@@ -274,7 +282,7 @@ def test_a_truncated_shard_is_named_with_the_sample(src, reference, tmp_path):
     shutil.copytree(reference, dst)
     packed = PackedSplit(dst, "train")
     in_shard = sorted(
-        (int(packed._index()[i]["offset"]), i)
+        (int(packed.rows()[i]["offset"]), i)
         for i in range(len(packed))
         if packed.shard_path(i).name == "train-000001.tar"
     )
@@ -290,12 +298,12 @@ def test_a_truncated_shard_is_named_with_the_sample(src, reference, tmp_path):
     except ShardReadError as err:  # skipped like an unreadable image file, reported like bad data
         assert isinstance(err, OSError) and isinstance(err, DataError) and "\n" not in str(err)
     with pytest.raises(PackError, match=rf"^{re.escape(str(shard))}: {last_offset + 100} bytes, the pack made it "):
-        packed.check_shards()
+        check_shards(packed)
     with pytest.raises(PackError, match=r"train-000001\.tar: .* \(truncated or replaced\)"):
         check_pack(dst)
     (dst / "val-000001.tar").unlink()
     with pytest.raises(PackError, match=r"val-000001\.tar: shard missing"):
-        PackedSplit(dst, "val").check_shards()
+        check_shards(PackedSplit(dst, "val"))
     # A rerun of the pack writes the damaged shards again.
     summary = pack(src, dst, workers=1, log=quiet)
     assert summary["written"] == 2 and file_bytes(dst) == file_bytes(reference)
@@ -382,7 +390,7 @@ class BytesOf(torch.utils.data.Dataset):
     def __getitem__(self, i):
         data = self.split.read_bytes(i)
         # which process read it, with descriptors opened by which process, how many open
-        return dict(index=i, data=data, pid=os.getpid(), owner=self.split._pid, open=len(self.split._files))
+        return dict(index=i, data=data, pid=os.getpid(), owner=self.split._files.pid, open=len(self.split._files))
 
 
 def test_the_reader_survives_pickling_and_dataloader_workers(src, reference):
@@ -410,4 +418,4 @@ def test_the_reader_survives_pickling_and_dataloader_workers(src, reference):
             assert n_open <= 2
             got[i] = data
     assert [got[i] for i in range(len(sources))] == sources
-    assert split.read_bytes(7) == sources[7] and split._pid == os.getpid()  # the parent's own still work
+    assert split.read_bytes(7) == sources[7] and split._files.pid == os.getpid()  # the parent's own still work
