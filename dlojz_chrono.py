@@ -172,6 +172,9 @@ class Chronometer:
     nvml: a pynvml-compatible module, or None for no power/energy figures. Default: ``import pynvml`` on CUDA.
     """
 
+    # One object the loop toggles (the course's API): its records and toggles stay together; the figures made from
+    # them are dlojz_chrono_report's functions, the energy readings EnergyMeter's.
+
     def __init__(
         self,
         enabled: bool,

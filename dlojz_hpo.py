@@ -109,6 +109,9 @@ class Heartbeat(threading.Thread):
 class Worker:
     """One `search` process: asks the study for trials and runs them one after the other."""
 
+    # Its methods share one state (the study, the running trial's process, the signal received), so one class;
+    # what needs none of it (the trial's command line, its costs) is in functions below.
+
     def __init__(self, args, study, space, shared, root, on_gpu):
         self.args, self.study, self.space, self.shared, self.root, self.on_gpu = (
             args,
@@ -157,8 +160,6 @@ class Worker:
             requeue_worker(self.stop_signal)
 
     def run_trial(self):
-        from optuna.trial import TrialState
-
         trial = self.study.ask({dest: dist for dest, (_, dist) in self.space.items()})
         frozen = self.study._storage.get_trial(trial._trial_id)
         heartbeat = Heartbeat(trial, self.args.heartbeat_interval)
@@ -170,25 +171,7 @@ class Worker:
         trial.set_user_attr("worker", self.id)
         trial.set_user_attr("output_dir", str(folder))
         params = [word for dest, (action, _) in self.space.items() for word in flag_argv(action, trial.params[dest])]
-        command = [
-            *shlex.split(self.args.launch or ""),
-            sys.executable,
-            "-u",
-            str(DLOJZ),
-            *self.shared,
-            *params,
-            "--output-dir",
-            str(folder),
-            "--metrics-json",
-            str(folder / "metrics.json"),
-            "--val-history",
-            str(folder / "val_history.jsonl"),
-            "--resume",
-            "auto",
-            "--no-requeue",
-            "--wandb-group",
-            self.study.study_name,
-        ]
+        command = trial_command(self.args.launch, [*self.shared, *params], folder, self.study.study_name)
         retry = f" (retry of trial {first})" if first != trial.number else ""
         print(f"trial {trial.number}{retry}: {' '.join(params)} -> {folder}", flush=True)
         (folder / "metrics.json").unlink(missing_ok=True)
@@ -211,15 +194,15 @@ class Worker:
         wall = time.perf_counter() - wall_start
         energy_end = gpu_energy_mj()
         metrics = read_metrics(folder / "metrics.json")
-        world_size = metrics.get("world_size") or 1
-        trial.set_user_attr("wall_s", round(wall, 1) + (frozen.user_attrs.get("wall_s") or 0))
-        trial.set_user_attr("epochs", metrics.get("epochs"))
-        if self.on_gpu:
-            trial.set_user_attr("gpu_hours", wall * world_size / 3600 + (frozen.user_attrs.get("gpu_hours") or 0))
-        if energy_start is not None and energy_end is not None:
-            trial.set_user_attr(
-                "energy_j", (energy_end - energy_start) / 1000 + (frozen.user_attrs.get("energy_j") or 0)
-            )
+        energy_j = None if energy_start is None or energy_end is None else (energy_end - energy_start) / 1000
+        record_costs(trial, frozen.user_attrs, metrics, wall, energy_j, self.on_gpu)
+        self.tell(trial, pruned, status, metrics, folder)
+
+    def tell(self, trial, pruned, status, metrics, folder):
+        """The trial's end to the study: pruned, complete with its objective, failed to be retried from its
+        checkpoint (stopped by a signal), or failed with the last line of its log."""
+        from optuna.trial import TrialState
+
         try:
             if pruned:
                 self.study.tell(trial, state=TrialState.PRUNED)
@@ -280,6 +263,41 @@ class Worker:
 
     def objective_name(self):
         return "top-1" if self.args.direction == "maximize" else "time to target (s)"
+
+
+def trial_command(launch, flags, folder, study_name):
+    """The command line of a trial: dlojz.py with the search's shared flags and the trial's, writing into `folder`,
+    resuming from its checkpoint (a retry), not requeued by Slurm (the worker retries), under `launch`'s launcher."""
+    return [
+        *shlex.split(launch or ""),
+        sys.executable,
+        "-u",
+        str(DLOJZ),
+        *flags,
+        "--output-dir",
+        str(folder),
+        "--metrics-json",
+        str(folder / "metrics.json"),
+        "--val-history",
+        str(folder / "val_history.jsonl"),
+        "--resume",
+        "auto",
+        "--no-requeue",
+        "--wandb-group",
+        study_name,
+    ]
+
+
+def record_costs(trial, before, metrics, wall, energy_j, on_gpu):
+    """What the trial cost, added to what its earlier attempts cost (`before`: their user attributes): wall time,
+    epochs, GPU-hours on GPUs, energy where NVML reads it."""
+    trial.set_user_attr("wall_s", round(wall, 1) + (before.get("wall_s") or 0))
+    trial.set_user_attr("epochs", metrics.get("epochs"))
+    if on_gpu:
+        gpu_hours = wall * (metrics.get("world_size") or 1) / 3600
+        trial.set_user_attr("gpu_hours", gpu_hours + (before.get("gpu_hours") or 0))
+    if energy_j is not None:
+        trial.set_user_attr("energy_j", energy_j + (before.get("energy_j") or 0))
 
 
 def worker_id():
