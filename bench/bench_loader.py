@@ -50,10 +50,10 @@ from torchvision.datasets import ImageFolder
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import dlojz_transforms  # noqa: E402
 from dlojz_data import PackedImages, SafeImageFolder  # noqa: E402
-from dlojz_transforms import (
+from dlojz_prefetch import DeviceNormalize  # noqa: E402
+from dlojz_transforms import (  # noqa: E402
     IMAGENET_MEAN,
     IMAGENET_STD,
-    DeviceNormalize,  # noqa: E402
     TrainTransform,
     lazy_image_loader,
 )
