@@ -152,10 +152,11 @@ def main(argv=None) -> dict:
 
         # ================================ CHECKPOINT
         state.epoch, state.batch, state.elapsed_s = epoch + 1, 0, time.perf_counter() - started
-        if not cfg.test:  # rank 0 writes; with --fsdp every rank writes its shards
-            log(f"checkpoint written: {saver.save(dataclasses.asdict(state))}")
+        if not cfg.test:  # rank 0 writes (in the background); with --fsdp every rank writes its shards
+            log_checkpoint(saver.save(dataclasses.asdict(state)), saver, log)
         if cfg.test or target_reached:
             break
+    saver.wait()  # the last checkpoint's background write
     metrics.update(close_hooks(cfg, hooks, ranks, log))
 
     # ================================ REPORT
@@ -285,6 +286,11 @@ def announce_resolution(cfg, epoch, log, wandb_run, step):
         f"validation {cfg.val_crop_size} px, {cfg.val_crop_size / resolution:.2f}x"
     )
     wandb_run.log({"resolution": resolution}, step=step)
+
+
+def log_checkpoint(path, saver, log):
+    if path is not None:  # None: another rank's, or a write that failed (its warning said so)
+        log(f"checkpoint written: {path}" + (" (by a background thread; training goes on)" if saver.background else ""))
 
 
 def close_hooks(cfg, hooks, ranks, log) -> dict:

@@ -1,6 +1,7 @@
 """Checkpoints that survive a crash mid-write and a preempted job.
 
-- `write(state, path)`: one checkpoint file, atomically.
+- `write(state, path)`: one checkpoint file, atomically, with its SHA-256 in `NAME.sha256` beside it (written
+  first; `sha256sum -c` reads it); `load` refuses a file whose bytes no longer match (a flipped bit, a bad copy).
 - `save(state, output_dir, name, keep)`: write `name` atomically (temp file in the same folder, fsync, os.replace),
   then point `latest` at it (atomically too), then delete all but the `keep` newest dlojz checkpoints.
 - `load(path)`: `torch.load(weights_only=True)`; a truncated, foreign or unreadable file raises `CheckpointError`.
@@ -22,18 +23,20 @@ without the model and optimizer. They are written under a hidden staging name an
 shard file the metadata lists is there whole, and returns the dict with `sharded_path` set.
 """
 
+import hashlib
 import os
 import random
 import re
 import shutil
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 import torch
 
 FORMAT_KEY = "dlojz_checkpoint_format"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: a SHA-256 file beside each checkpoint file; 1 (no checksum) is still read
 LATEST = "latest"
 NAME_RE = re.compile(r"^ckpt_e(\d+)_s(\d+)\.(pt|dcp)$")
 SHARDED_META = "dlojz.pt"
@@ -56,7 +59,7 @@ def fsync_folder(folder):
         os.close(dir_fd)
 
 
-def _atomic_write(path, write_to):
+def _atomic_write(path, write_to, before_rename=None):
     path = Path(path)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
@@ -64,6 +67,8 @@ def _atomic_write(path, write_to):
             write_to(f)
             f.flush()
             os.fsync(f.fileno())
+        if before_rename is not None:
+            before_rename(tmp)
         os.replace(tmp, path)
     except BaseException:
         try:
@@ -84,11 +89,44 @@ def list_checkpoints(output_dir):
     return [p for _, p in sorted(found)]
 
 
+def checksum_path(path):
+    """The checkpoint's SHA-256, beside it: `NAME.sha256`, in `sha256sum` format (`sha256sum -c` checks it)."""
+    path = Path(path)
+    return path.with_name(path.name + ".sha256")
+
+
+def sha256_of(path):
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
 def write(state, path):
-    """`state` as one dlojz checkpoint file at `path`, atomically (no `latest`, no pruning)."""
+    """`state` as one dlojz checkpoint file at `path`, atomically (no `latest`, no pruning), with its SHA-256
+    beside it: written before the checkpoint takes its name, so that a checkpoint never appears without it."""
     state = dict(state, **{FORMAT_KEY: FORMAT_VERSION})
-    _atomic_write(path, lambda f: torch.save(state, f))
-    return Path(path)
+    path = Path(path)
+
+    def write_checksum(tmp):
+        line = f"{sha256_of(tmp)}  {path.name}\n"
+        _atomic_write(checksum_path(path), lambda f: f.write(line.encode()))
+
+    _atomic_write(path, lambda f: torch.save(state, f), before_rename=write_checksum)
+    return path
+
+
+def os_error_in(err):
+    """The OSError behind `err` (itself, or its cause: torch.save reports a full disk as a RuntimeError of its zip
+    writer), or None."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        if isinstance(err, OSError):
+            return err
+        seen.add(id(err))
+        err = err.__cause__ or err.__context__
+    return None
 
 
 def save(state, output_dir, name, keep=3):
@@ -127,6 +165,7 @@ def _point_latest_and_prune(output_dir, name, keep):
                     shutil.rmtree(old, ignore_errors=True)
                 else:
                     old.unlink(missing_ok=True)
+                    checksum_path(old).unlink(missing_ok=True)
 
 
 def check_shards(path):
@@ -168,13 +207,25 @@ def load(path):
         return state
     if not path.is_file():
         raise CheckpointError(f"checkpoint {path}: no such file")
+    recorded = checksum_path(path)
+    if recorded.is_file():  # before torch.load: a damaged file is not unpickled at all
+        expected = (recorded.read_text().split() or [""])[0]
+        if sha256_of(path) != expected:
+            raise CheckpointError(
+                f"checkpoint {path}: its SHA-256 differs from the one recorded in {recorded.name} when it was "
+                "written: damaged on disk or in a copy"
+            )
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # truncated zip, pickle of foreign objects, not a torch file at all
         reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise CheckpointError(f"checkpoint {path} is unreadable or truncated ({reason[:160]})") from None
-    if not isinstance(state, dict) or state.get(FORMAT_KEY) != FORMAT_VERSION:
+    if not isinstance(state, dict) or state.get(FORMAT_KEY) not in (1, FORMAT_VERSION):
         raise CheckpointError(f"checkpoint {path} was not written by dlojz (no '{FORMAT_KEY}' key)")
+    if state[FORMAT_KEY] >= 2 and not recorded.is_file():  # format 1 (older dlojz): written without a checksum
+        raise CheckpointError(
+            f"checkpoint {path}: its checksum file {recorded.name} is missing; copy it with the checkpoint"
+        )
     return state
 
 
@@ -198,19 +249,73 @@ def load_latest(output_dir):
 
 class CheckpointSaver:
     """Saves the parts of a run (objects with `state_dict()`, or None) with the training position, on rank 0:
-    every rank calls `save`, the others return None."""
+    every rank calls `save`, the others return None. With `background`, `save` only copies the state into host
+    memory (the one pause of training) and a thread writes it; the next `save` waits for that write first, and
+    `wait()` waits for it (before a run ends). A write that fails with an OSError (disk full, quota, a file system
+    gone) is one warning line: the previous checkpoint stays `latest` and training goes on."""
 
-    def __init__(self, output_dir, keep, device, fixed, is_main=True, **parts):
+    def __init__(self, output_dir, keep, device, fixed, is_main=True, background=False, **parts):
         self.output_dir, self.keep, self.device, self.fixed, self.parts = Path(output_dir), keep, device, fixed, parts
-        self.is_main = is_main
+        self.is_main, self.background = is_main, background
+        self._writer, self._error = None, None  # the background write in flight; what it raised, for wait()
 
     def save(self, position):
-        """Write a checkpoint of the parts at `position` (a dict: epoch, batch, global_step, ...); return its path."""
+        """Checkpoint the parts at `position` (a dict: epoch, batch, global_step, ...). Returns its path (being
+        written, in the background), or None: not rank 0, or the write failed (said in one line)."""
         if not self.is_main:
             return None
+        self.wait()  # one write at a time, in order
         state = {name: part.state_dict() if part is not None else None for name, part in self.parts.items()}
         state.update(self.fixed, **position, rng=rng_state(self.device))
-        return save(state, self.output_dir, checkpoint_name(position["epoch"], position["global_step"]), keep=self.keep)
+        name = checkpoint_name(position["epoch"], position["global_step"])
+        if not self.background:
+            return self._write(state, name)
+        state = to_host(state)  # the parts' tensors go on changing as training goes on: a copy is written
+        self._writer = threading.Thread(target=self._write, args=(state, name), name="dlojz-checkpoint")
+        self._writer.start()
+        return self.output_dir / name
+
+    def wait(self):
+        """Wait for the write in flight, if any; an error it met other than an OSError is raised here."""
+        if self._writer is not None:
+            self._writer.join()
+            self._writer = None
+        error, self._error = self._error, None
+        if error is not None:
+            raise error
+
+    def _write(self, state, name):
+        try:
+            return save(state, self.output_dir, name, keep=self.keep)
+        except BaseException as err:
+            os_error = os_error_in(err)
+            if os_error is None:
+                if threading.current_thread() is threading.main_thread():
+                    raise
+                self._error = err
+                return None
+            latest = self.output_dir / LATEST
+            kept = latest.read_text().strip() if latest.is_file() else None
+            print(
+                f"WARNING: checkpoint {self.output_dir / name} not written ({os_error.strerror or os_error}); "
+                + (f"{kept} stays the latest" if kept else "no earlier checkpoint")
+                + f"; training goes on: free space in {self.output_dir}",
+                file=sys.stderr,
+                flush=True,
+            )
+            return None
+
+
+def to_host(obj):
+    """`obj` with every tensor copied into host memory and every container rebuilt: a snapshot that training's
+    next steps do not change."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {key: to_host(value) for key, value in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(to_host(value) for value in obj)
+    return obj
 
 
 def rng_state(device):

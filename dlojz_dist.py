@@ -130,7 +130,10 @@ def checkpoint_for_stop(cfg, saver, state, reason, n_train_batches, ranks, log):
     )
     log(f"{reason} received: saving a checkpoint {where}")
     if not cfg.test:  # rank 0 writes; with --fsdp every rank writes its shards
-        log(f"checkpoint written: {saver.save(dataclasses.asdict(state))}")
+        path = saver.save(dataclasses.asdict(state))
+        saver.wait()  # the job may end right after: the checkpoint is on disk first
+        if path is not None and path.exists():
+            log(f"checkpoint written: {path}")
     if ranks.enabled:
         dist.barrier()
 

@@ -119,6 +119,8 @@ class ShardedCheckpointSaver:
     (DCP) into a staging folder; rank 0 adds the rest (`ckpt.SHARDED_META`: position, schedule, scaler, random
     generators, the run's config) and renames the folder into place. Every rank calls `save`."""
 
+    background = False  # every rank writes its shards before going on
+
     def __init__(self, output_dir, keep, device, fixed, is_main, model, optimizer, scheduler, scaler):
         self.output_dir, self.keep, self.device, self.fixed, self.is_main = (
             Path(output_dir),
@@ -152,6 +154,9 @@ class ShardedCheckpointSaver:
             ckpt.publish_folder(meta, staging, self.output_dir, name, self.keep)
         dist.barrier()  # nobody goes on (and maybe stops) before the checkpoint is in place
         return self.output_dir / name
+
+    def wait(self):
+        """Nothing in flight: `save` returns once the checkpoint is in place."""
 
 
 def load_sharded(path, module, optimizer=None):

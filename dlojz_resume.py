@@ -55,6 +55,7 @@ def make_saver(cfg, model, opt, ranks):
         ranks.device,
         fixed,
         ranks.is_main,
+        background=True,  # training pauses only to copy the state into host memory
         model=model.module,
         optimizer=opt.optimizer,
         scheduler=opt.scheduler,
@@ -123,6 +124,7 @@ def restore_weights(cfg, model, opt, saved, path):
             f"--resume {path}: --fsdp resumes training from sharded checkpoints (.dcp folders); an ordinary "
             f"checkpoint gives its weights to --fsdp --eval-only, or resumes without --fsdp"
         )
+    check_same_model(cfg, model.num_classes, saved, path)
     try:
         if sharded:
             from dlojz_fsdp import load_sharded
@@ -143,6 +145,20 @@ def restore_weights(cfg, model, opt, saved, path):
         model.ema.load_state_dict(saved["ema"])
     if not cfg.eval_only and not sharded:
         opt.optimizer.load_state_dict(saved["optimizer"])
+
+
+def check_same_model(cfg, num_classes, saved, path):
+    """A checkpoint of another model (--arch) or number of classes is refused in one line naming both, before its
+    weights are tried."""
+    saved_arch = (saved.get("args") or {}).get("arch")
+    saved_classes = saved.get("num_classes")  # (older checkpoints have none: their weights' shapes decide)
+    if (saved_arch is not None and saved_arch != cfg.arch) or (
+        saved_classes is not None and saved_classes != num_classes
+    ):
+        fail(
+            f"--resume {path}: a checkpoint of --arch {saved_arch or '?'} with {saved_classes or '?'} classes; this "
+            f"run is --arch {cfg.arch} with {num_classes} classes: give the checkpoint of this model, or its flags"
+        )
 
 
 def restore_schedule(cfg, opt, saved, n_train_batches, log):

@@ -389,3 +389,25 @@ def zombie(pid):
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
     except OSError:
         return True
+
+
+def test_a_checkpoint_of_another_model_or_number_of_classes_is_refused_in_one_line(tiny_data, tmp_path, run_inline):
+    out = tmp_path / "run"
+    assert run_inline(*TINY, "--data-root", tiny_data, "--output-dir", out, "-e", "1").returncode == 0
+    checkpoint = out / (out / "latest").read_text().strip()
+    other_arch = [*TINY, "--arch", "resnet34", "--data-root", tiny_data, "--output-dir", tmp_path / "a"]
+    proc = run_inline(*other_arch, "--resume", checkpoint, "-e", "2")
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert (
+        f"--resume {checkpoint}: a checkpoint of --arch resnet18 with 3 classes; this run is --arch resnet34 with "
+        "3 classes" in proc.stderr
+    )
+    more_classes = make_classes(tmp_path / "four", 4)
+    proc = run_inline(*TINY, "--data-root", more_classes, "--output-dir", tmp_path / "b", "--resume", checkpoint)
+    assert proc.returncode == 2 and "this run is --arch resnet18 with 4 classes" in proc.stderr, proc.stderr
+
+
+def make_classes(root, n_classes):
+    from dlojz_data import make_embedded_dataset
+
+    return make_embedded_dataset(root, n_classes=n_classes, train_per_class=4, val_per_class=2, size=(24, 20))
