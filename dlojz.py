@@ -57,7 +57,7 @@ from dlojz_log import (
     write_json,
     write_lr_finder,
 )
-from dlojz_resume import TrainState, make_saver, restore
+from dlojz_resume import TrainState, make_saver, periodic_checkpoints, restore, save_epoch_checkpoint
 from dlojz_parallel import build_model, state_bytes_per_rank
 from dlojz_transforms import training_resolution
 
@@ -120,11 +120,12 @@ def main(argv=None) -> dict:
     # ================================ TRAINING
     chrono.start()
     started = run_start - state.elapsed_s  # a resumed run goes on counting from the first run's start
+    periodic = periodic_checkpoints(cfg, saver, started, loaders.n_train_batches, opt.lr_finder, log)
     for epoch in range(state.epoch, cfg.epochs):
         epoch_start = time.perf_counter()
         if cfg.min_res is not None:  # the data set's workers crop at this resolution (the sample keys carry the epoch)
             announce_resolution(cfg, epoch, log, wandb_run, state.global_step)
-        result = train_one_epoch(model, opt, loaders, state, cfg, ranks, hooks, progress, stop)
+        result = train_one_epoch(model, opt, loaders, state, cfg, ranks, hooks, progress, stop, periodic)
         train_seconds = time.perf_counter() - epoch_start
         if result.train_loss is not None:  # None: resumed after this epoch's training, before its validation
             metrics.update(train_loss=result.train_loss, train_accuracy=result.train_accuracy)
@@ -152,8 +153,8 @@ def main(argv=None) -> dict:
 
         # ================================ CHECKPOINT
         state.epoch, state.batch, state.elapsed_s = epoch + 1, 0, time.perf_counter() - started
-        if not cfg.test:  # rank 0 writes (in the background); with --fsdp every rank writes its shards
-            log_checkpoint(saver.save(dataclasses.asdict(state)), saver, log)
+        if not cfg.test:
+            save_epoch_checkpoint(saver, state, periodic, log)
         if cfg.test or target_reached:
             break
     saver.wait()  # the last checkpoint's background write
@@ -288,11 +289,6 @@ def announce_resolution(cfg, epoch, log, wandb_run, step):
     wandb_run.log({"resolution": resolution}, step=step)
 
 
-def log_checkpoint(path, saver, log):
-    if path is not None:  # None: another rank's, or a write that failed (its warning said so)
-        log(f"checkpoint written: {path}" + (" (by a background thread; training goes on)" if saver.background else ""))
-
-
 def close_hooks(cfg, hooks, ranks, log) -> dict:
     """After training: the profiler's traces closed and announced, the LR finder's CSV, plot and suggested
     learning rate written (its metrics returned)."""
@@ -307,9 +303,10 @@ def close_hooks(cfg, hooks, ranks, log) -> dict:
     return {}
 
 
-def train_one_epoch(model, opt, loaders, state, cfg, ranks, hooks, progress, stop) -> EpochResult:
+def train_one_epoch(model, opt, loaders, state, cfg, ranks, hooks, progress, stop, checkpoints=None) -> EpochResult:
     """Train on what is left of epoch `state.epoch` (from micro-batch `state.batch`), stopping early at the end of
-    --test, on a stop signal (any rank) or when the LR finder is done. The metrics stay on the device: the host
+    --test, on a stop signal (any rank) or when the LR finder is done; `checkpoints` (--checkpoint-every) saves
+    mid-epoch. The metrics stay on the device: the host
     waits for it only at log points (every LOG_EVERY optimizer steps and at console lines). The hot loop, on one
     screen on purpose: split into functions, the order of a step's operations would be hidden."""
     loaders.start_epoch(state.epoch, state.batch)
@@ -375,7 +372,8 @@ def train_one_epoch(model, opt, loaders, state, cfg, ranks, hooks, progress, sto
         end_of_test = cfg.test and state.global_step >= cfg.test_nsteps
         console_line = progress.is_console_line(batch_index) or end_of_test
         if state.global_step % LOG_EVERY == 0 or console_line:
-            stop_requested, bad_step = agree_on_stop(stop.stop_signal, first_nonfinite, ranks)  # waits for the device
+            due = checkpoints is not None and checkpoints.due()  # rank 0's clock; the all-reduce tells the others
+            stop_requested, bad_step, save_now = agree_on_stop(stop.stop_signal, first_nonfinite, ranks, due)
             progress.mark(hooks.data_wait_s)
             if bad_step >= 0:
                 diverged(cfg, bad_step, state.epoch)
@@ -387,6 +385,8 @@ def train_one_epoch(model, opt, loaders, state, cfg, ranks, hooks, progress, sto
             if stop_requested:
                 stop_reason = stop.stop_signal.name or "signal on another rank"
                 break
+            if save_now and state.batch < loaders.n_train_batches:  # (the epoch's end writes its own)
+                checkpoints.save(state)
         if end_of_test:
             break
     batches.close()  # leaving mid-epoch (test, stop signal): release this epoch's iterator and its workers' batches now

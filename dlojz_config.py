@@ -127,6 +127,7 @@ class Config:
     resume: str | None
     requeue: bool
     keep_checkpoints: int
+    checkpoint_every: float  # minutes; 0: off
     wandb: bool
     wandb_project: str
     wandb_mode: str
@@ -184,6 +185,8 @@ def resolve_config(args) -> Config:
             "workers will compete"
         )
     values["pin_memory"] = values["pin_memory"] and on_gpu  # page-locked buffers serve host-to-GPU copies only
+    if values["checkpoint_every"] is None:  # a dead node loses 15 minutes on average, for a copy of the state
+        values["checkpoint_every"] = 30.0 if on_gpu and values["requeue"] else 0.0
     if values["amp"] is None:
         values["amp"] = on_gpu
     if values["amp_dtype"] is None:  # FSDP: bfloat16, which needs no loss scaler across the shards

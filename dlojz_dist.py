@@ -8,7 +8,8 @@
 - `StopPoll(stop_signal, ranks)`: called at every optimizer step and between validation batches, says whether any rank
   has received a stop signal, without waiting for the GPU (a one-number all-reduce on a CPU group, read one call
   later), so that every rank stops at the same step.
-- `agree_on_stop(stop_signal, first_nonfinite, ranks)`: one small all-reduce at log points, so that a NaN loss on one
+- `agree_on_stop(stop_signal, first_nonfinite, ranks, checkpoint_due)`: one small all-reduce at log points (it also
+  carries rank 0's "a periodic checkpoint is due"), so that a NaN loss on one
   rank (or a signal) stops every rank at the same step.
 - `checkpoint_for_stop(...)` writes the checkpoint mid-epoch; `requeue(...)`, once W&B and the metrics are written,
   asks Slurm to requeue the job (resume with --resume auto).
@@ -109,16 +110,21 @@ class StopPoll:
         return bool(flag.numpy()[0])  # a CPU tensor: nothing to wait for on a GPU
 
 
-def agree_on_stop(stop_signal, first_nonfinite, ranks):
-    """One small all-reduce: the ranks agree on a stop signal or a NaN loss (a signal may reach them at different
-    steps; they stop at the same one). Returns (stop requested, first non-finite step or -1)."""
+def agree_on_stop(stop_signal, first_nonfinite, ranks, checkpoint_due=False):
+    """One small all-reduce: the ranks agree on a stop signal, a NaN loss, or a periodic checkpoint that rank 0's
+    clock says is due (a signal may reach them at different steps; they stop, or save, at the same one). Returns
+    (stop requested, first non-finite step or -1, checkpoint now)."""
     control = torch.stack(
-        [torch.full((), 1.0 if stop_signal.name else 0.0, dtype=torch.float64, device=ranks.device), first_nonfinite]
+        [
+            torch.full((), 1.0 if stop_signal.name else 0.0, dtype=torch.float64, device=ranks.device),
+            torch.full((), 1.0 if checkpoint_due else 0.0, dtype=torch.float64, device=ranks.device),
+            first_nonfinite,
+        ]
     )
     if ranks.enabled:
         dist.all_reduce(control, op=dist.ReduceOp.MAX)
-    stop_requested, bad_step = control.tolist()
-    return bool(stop_requested), bad_step
+    stop_requested, checkpoint_now, bad_step = control.tolist()
+    return bool(stop_requested), bad_step, bool(checkpoint_now)
 
 
 def checkpoint_for_stop(cfg, saver, state, reason, n_train_batches, ranks, log):

@@ -438,6 +438,15 @@ def get_args_parser():
         help="checkpoints kept in --output-dir (default: 3; 0: all)",
     )
     p.add_argument(
+        "--checkpoint-every",
+        type=NON_NEGATIVE,
+        default=None,
+        metavar="MINUTES",
+        help="also checkpoint mid-epoch once this many minutes have passed since the last\n"
+        "checkpoint, for a node that dies without warning (0: off; default: 30 on a GPU\n"
+        "with --requeue, off on the CPU)",
+    )
+    p.add_argument(
         "--wandb",
         default=True,
         action=argparse.BooleanOptionalAction,

@@ -1,4 +1,5 @@
-"""Checkpoints in a run: `make_saver` (one file by rank 0, or with --fsdp a folder of every rank's shards) and
+"""Checkpoints in a run: `make_saver` (one file by rank 0, written by a background thread, or with --fsdp a folder
+of every rank's shards), the end of an epoch's checkpoint, --checkpoint-every's mid-epoch ones, and
 `restore` (--resume: the weights, the optimizer, the schedule, possibly rebuilt for another length, the GradScaler,
 the position in the epoch, possibly on another number of ranks, and the random generators). `TrainState` is where
 training is: exactly what a checkpoint saves and a resume restores.
@@ -6,6 +7,7 @@ training is: exactly what a checkpoint saves and a resume restores.
 
 import dataclasses
 import math
+import time
 
 
 import dlojz_checkpoint as ckpt
@@ -25,6 +27,51 @@ class TrainState:
     global_step: int = 0  # optimizer steps done since the start of training
     wandb_id: str | None = None  # the W&B run that a resume continues
     elapsed_s: float = 0.0  # wall-clock seconds of training and validation before this run started
+
+
+class PeriodicCheckpoints:
+    """--checkpoint-every: a mid-epoch checkpoint once that many minutes have passed since the last checkpoint, for
+    a node that dies without a signal. Rank 0's clock says when one is `due`; the ranks agree on the step through
+    the all-reduce of a log point (no collective of its own); every rank then calls `save`."""
+
+    def __init__(self, minutes, saver, started, n_train_batches, log, clock=time.perf_counter):
+        self.every_s, self.saver, self.started, self.n_train_batches = minutes * 60, saver, started, n_train_batches
+        self.log, self.clock = log, clock
+        self.last = clock()
+
+    def due(self) -> bool:
+        return self.saver.is_main and self.clock() - self.last >= self.every_s
+
+    def restart(self):
+        """A checkpoint was written (at an epoch's end): the interval counts from now."""
+        self.last = self.clock()
+
+    def save(self, state):
+        state.elapsed_s = self.clock() - self.started
+        path = self.saver.save(dataclasses.asdict(state))
+        self.restart()
+        if path is not None:
+            self.log(
+                f"checkpoint written: {path} (--checkpoint-every {self.every_s / 60:g} min: epoch {state.epoch + 1}, "
+                f"step {state.batch}/{self.n_train_batches})"
+            )
+
+
+def periodic_checkpoints(cfg, saver, started, n_train_batches, lr_finder, log):
+    """--checkpoint-every's PeriodicCheckpoints; None when off, under --test and during the LR range test."""
+    if cfg.checkpoint_every <= 0 or cfg.test or lr_finder is not None:
+        return None
+    return PeriodicCheckpoints(cfg.checkpoint_every, saver, started, n_train_batches, log)
+
+
+def save_epoch_checkpoint(saver, state, periodic, log):
+    """The end of an epoch's checkpoint: rank 0 copies the state and a thread writes it (with --fsdp every rank
+    writes its shards); --checkpoint-every's interval counts from it."""
+    path = saver.save(dataclasses.asdict(state))
+    if path is not None:  # None: another rank's, or a write that failed (its warning said so)
+        log(f"checkpoint written: {path}" + (" (by a background thread; training goes on)" if saver.background else ""))
+    if periodic is not None:
+        periodic.restart()
 
 
 def make_saver(cfg, model, opt, ranks):

@@ -267,3 +267,11 @@ def test_help_and_a_mistyped_flag_answer_before_torch_is_imported(flags, status,
         assert len(stderr) == 1 and needle in stderr[0], stderr
     else:
         assert needle in proc.stdout and not stderr, stderr
+
+
+def test_checkpoint_every_is_off_on_the_cpu_unless_asked():
+    from dlojz_config import resolve_config
+
+    assert resolve_config(get_args_parser().parse_args(["--device", "cpu"])).checkpoint_every == 0
+    asked = resolve_config(get_args_parser().parse_args(["--device", "cpu", "--checkpoint-every", "12.5"]))
+    assert asked.checkpoint_every == 12.5

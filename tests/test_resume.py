@@ -411,3 +411,32 @@ def make_classes(root, n_classes):
     from dlojz_data import make_embedded_dataset
 
     return make_embedded_dataset(root, n_classes=n_classes, train_per_class=4, val_per_class=2, size=(24, 20))
+
+
+def test_checkpoint_every_writes_mid_epoch_checkpoints_and_one_resumes_exactly(tiny_data, tmp_path, run_inline):
+    common = [*TINY, "--data-root", tiny_data, "-e", "2", "--keep-checkpoints", "0"]
+    plain = run_inline(*common, "--output-dir", tmp_path / "plain")
+    assert plain.returncode == 0, plain.stderr
+    out = tmp_path / "periodic"
+    proc = run_inline(*common, "--output-dir", out, "--checkpoint-every", "1e-9")
+    assert proc.returncode == 0, proc.stderr
+    assert "(--checkpoint-every 1e-09 min: epoch 2, step 4/9)" in proc.stdout, proc.stdout
+    names = sorted(p.name for p in out.glob("ckpt_*.pt"))
+    mid_epoch = [n for n in names if torch.load(out / n, weights_only=True)["batch"] != 0]
+    assert len(mid_epoch) >= 8, names  # besides the two epochs' ends (batch 0 of the next epoch)
+    straight = latest_state(out)
+    for key, value in latest_state(tmp_path / "plain")["model"].items():  # the saves do not change training
+        assert torch.equal(value, straight["model"][key]), key
+    # Resumed from a mid-epoch checkpoint of epoch 2, the run ends with the uninterrupted run's weights.
+    middle = out / "ckpt_e0001_s000000013.pt"
+    assert torch.load(middle, weights_only=True)["batch"] == 4
+    resumed_out = tmp_path / "resumed"
+    proc = run_inline(*common, "--output-dir", resumed_out, "--resume", middle)
+    assert proc.returncode == 0, proc.stderr
+    assert "(epoch 2, step 4/9, global step 13)" in proc.stdout
+    resumed = latest_state(resumed_out)
+    assert resumed["global_step"] == straight["global_step"] == 18
+    for key, value in straight["model"].items():
+        assert torch.allclose(value.float(), resumed["model"][key].float(), rtol=1e-5, atol=1e-6), key
+    off = run_inline(*common, "--output-dir", tmp_path / "off", "--checkpoint-every", "0")
+    assert off.returncode == 0 and len(list((tmp_path / "off").glob("ckpt_*.pt"))) == 2  # the epochs' ends only
