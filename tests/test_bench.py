@@ -194,3 +194,14 @@ def test_bench_train_writes_the_ratio_the_gpu_acceptance_run_prints(tmp_path):
         assert row["dlojz"] > 0 and row["bare"] > 0
         assert abs(row["ratio"] - row["dlojz"] / row["bare"]) < 1e-9  # one round: the ratio of its two runs
     assert "--bare-keeps-freed-memory" in result.stdout  # the bare loop's command says it
+
+
+def test_bench_checkpoint_times_a_foreground_and_a_background_save(tmp_path):
+    import bench_checkpoint
+
+    figures = bench_checkpoint.main(
+        ["--model", "resnet18", "--image-size", "32", "--batch-size", "2", "--steps", "4", "--save-at", "1"]
+        + ["--dir", str(tmp_path), "--json", str(tmp_path / "figures.json")]
+    )
+    assert set(figures["ratio"]) == {"foreground", "background"} and figures["checkpoint_bytes"] > 40e6
+    assert list(tmp_path.iterdir()) == [tmp_path / "figures.json"]  # its checkpoints removed
