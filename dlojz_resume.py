@@ -52,7 +52,7 @@ class PeriodicCheckpoints:
         self.restart()
         if path is not None:
             self.log(
-                f"checkpoint written: {path} (--checkpoint-every {self.every_s / 60:g} min: epoch {state.epoch + 1}, "
+                f"checkpoint {'being written' if self.saver.background else 'written'}: {path} (--checkpoint-every {self.every_s / 60:g} min: epoch {state.epoch + 1}, "
                 f"step {state.batch}/{self.n_train_batches})"
             )
 
@@ -69,7 +69,11 @@ def save_epoch_checkpoint(saver, state, periodic, log):
     writes its shards); --checkpoint-every's interval counts from it."""
     path = saver.save(dataclasses.asdict(state))
     if path is not None:  # None: another rank's, or a write that failed (its warning said so)
-        log(f"checkpoint written: {path}" + (" (by a background thread; training goes on)" if saver.background else ""))
+        log(
+            f"checkpoint being written: {path} (by a background thread)"
+            if saver.background
+            else f"checkpoint written: {path}"
+        )
     if periodic is not None:
         periodic.restart()
 

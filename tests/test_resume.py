@@ -205,7 +205,7 @@ def test_keep_checkpoints_prunes_the_oldest(tiny_data, tmp_path, run_inline):
     out = tmp_path / "run"
     proc = run_inline(*TINY, "--data-root", tiny_data, "--output-dir", out, "-e", "4", "--keep-checkpoints", "2")
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.count("checkpoint written:") == 4
+    assert proc.stdout.count("checkpoint being written:") == 4
     names = sorted(p.name for p in out.glob("ckpt_*.pt"))
     assert names == ["ckpt_e0003_s000000027.pt", "ckpt_e0004_s000000036.pt"]
     assert (out / "latest").read_text().strip() == names[-1]
@@ -440,3 +440,31 @@ def test_checkpoint_every_writes_mid_epoch_checkpoints_and_one_resumes_exactly(t
         assert torch.allclose(value.float(), resumed["model"][key].float(), rtol=1e-5, atol=1e-6), key
     off = run_inline(*common, "--output-dir", tmp_path / "off", "--checkpoint-every", "0")
     assert off.returncode == 0 and len(list((tmp_path / "off").glob("ckpt_*.pt"))) == 2  # the epochs' ends only
+
+
+def test_a_full_disk_during_a_run_warns_keeps_the_previous_checkpoint_and_trains_on(
+    tiny_data, tmp_path, run_inline, monkeypatch
+):
+    import errno
+
+    real_save, calls = torch.save, []
+
+    def second_save_fails(obj, f):  # the disk fills during the second epoch's checkpoint
+        calls.append(1)
+        if len(calls) == 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_save(obj, f)
+
+    monkeypatch.setattr(torch, "save", second_save_fails)
+    out = tmp_path / "run"
+    metrics = tmp_path / "metrics.json"
+    proc = run_inline(*TINY, "--data-root", tiny_data, "--output-dir", out, "-e", "3", "--metrics-json", metrics)
+    assert proc.returncode == 0, proc.stderr
+    lost = out / "ckpt_e0002_s000000018.pt"
+    assert (
+        f"WARNING: checkpoint {lost} not written (No space left on device); ckpt_e0001_s000000009.pt stays the "
+        "latest; training goes on" in proc.stderr
+    )
+    assert not lost.exists() and not list(out.glob(".*.tmp"))
+    assert (out / "latest").read_text().strip() == "ckpt_e0003_s000000027.pt"  # the next one, written
+    assert '"epochs": 3' in metrics.read_text()
