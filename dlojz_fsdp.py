@@ -115,11 +115,14 @@ def state_bytes(module, optimizer):
 
 # ---------------------------------------------------------------------- sharded checkpoints
 class ShardedCheckpointSaver:
-    """What CheckpointSaver saves, for a sharded model: every rank writes its shards of the model and optimizer
-    (DCP) into a staging folder; rank 0 adds the rest (`ckpt.SHARDED_META`: position, schedule, scaler, random
-    generators, the run's config) and renames the folder into place. Every rank calls `save`."""
+    """What CheckpointSaver saves, for a sharded model: every rank copies its shards of the model and optimizer into
+    host memory (the pause) and a thread writes them (`dcp.async_save`, its collectives on a gloo group of their
+    own, apart from training's) into a staging folder. `wait()`, at the next save or the run's end, waits for every
+    rank's write; rank 0 then adds the rest (`ckpt.SHARDED_META`: position, schedule, scaler, random generators, the
+    run's config, all as they were at the step) and renames the folder into place. Every rank calls `save` and
+    `wait`."""
 
-    background = False  # every rank writes its shards before going on
+    background = True
 
     def __init__(self, output_dir, keep, device, fixed, is_main, model, optimizer, scheduler, scaler):
         self.output_dir, self.keep, self.device, self.fixed, self.is_main = (
@@ -130,11 +133,14 @@ class ShardedCheckpointSaver:
             is_main,
         )
         self.model, self.optimizer, self.scheduler, self.scaler = model, optimizer, scheduler, scaler
+        self._group = dist.new_group(backend="gloo")  # collective: every rank makes its saver
+        self._pending = None  # (future, meta, staging, name) of the checkpoint being written
 
     def save(self, position):
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
+        self.wait()  # one checkpoint at a time, in order
         name = ckpt.checkpoint_name(position["epoch"], position["global_step"], sharded=True)
         staging = self.output_dir / f".{name}.tmp"
         if self.is_main:
@@ -142,21 +148,34 @@ class ShardedCheckpointSaver:
             shutil.rmtree(staging, ignore_errors=True)  # left by a run killed while writing
         dist.barrier()
         model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
-        dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=staging)
+        future = dcp.async_save(
+            {"model": model_state, "optimizer": optimizer_state}, checkpoint_id=staging, process_group=self._group
+        )
+        meta = None
         if self.is_main:
-            meta = dict(
-                self.fixed,
-                **position,
-                scheduler=self.scheduler.state_dict() if self.scheduler else None,
-                scaler=self.scaler.state_dict(),
-                rng=ckpt.rng_state(self.device),
+            meta = ckpt.to_host(
+                dict(
+                    self.fixed,
+                    **position,
+                    scheduler=self.scheduler.state_dict() if self.scheduler else None,
+                    scaler=self.scaler.state_dict(),
+                    rng=ckpt.rng_state(self.device),
+                )
             )
-            ckpt.publish_folder(meta, staging, self.output_dir, name, self.keep)
-        dist.barrier()  # nobody goes on (and maybe stops) before the checkpoint is in place
+        self._pending = (future, meta, staging, name)
         return self.output_dir / name
 
     def wait(self):
-        """Nothing in flight: `save` returns once the checkpoint is in place."""
+        """The checkpoint being written, if any, put in place once every rank has written its shards."""
+        if self._pending is None:
+            return
+        future, meta, staging, name = self._pending
+        self._pending = None
+        future.result()
+        dist.barrier(group=self._group)
+        if self.is_main:
+            ckpt.publish_folder(meta, staging, self.output_dir, name, self.keep)
+        dist.barrier(group=self._group)  # nobody goes on (and maybe stops) before the checkpoint is in place
 
 
 def load_sharded(path, module, optimizer=None):
