@@ -39,6 +39,9 @@ from dlojz_dist import (
     StopSignal,
     agree_on_stop,
     checkpoint_for_stop,
+    is_lost_peer,
+    report_crash,
+    report_lost_peer,
     requeue,
     setup_distributed,
 )
@@ -63,6 +66,9 @@ from dlojz_transforms import training_resolution
 
 idr_torch = load_idr_torch()
 TEST_VAL_BATCHES = 20  # --test validates on this many batches
+
+
+RUNNING = {}  # the running main()'s ranks, output folder and TrainState: what cli() says when a peer is lost
 
 
 class TrainingDiverged(Exception):
@@ -106,6 +112,7 @@ def main(argv=None) -> dict:
 
     # ================================ INITIALISATION: resume, W&B, hooks
     state, resumed_from = restore(cfg, model, opt, loaders.n_train_batches, ranks.device, log)
+    RUNNING.update(ranks=ranks, output_dir=cfg.output_dir, state=state)
     val_max_batches = TEST_VAL_BATCHES if cfg.test else None
     if cfg.eval_only:
         return evaluate_only(cfg, model, loaders, opt, ranks, chrono, resumed_from, val_max_batches, metrics, log)
@@ -552,7 +559,7 @@ def synthetic_loop(argv, n_batches):
 
 def cli(argv=None) -> int:
     """Run main(); turn every failure into an exit status and one line, and never leave a rank waiting:
-    0 done, 2 bad input, 3 loss diverged, 1 crash, 130 interrupted."""
+    0 done, 2 bad input, 3 loss diverged, 4 another rank lost, 1 crash, 130 interrupted."""
     rank = idr_torch.rank
     status = 0
     try:
@@ -571,16 +578,10 @@ def cli(argv=None) -> int:
     except KeyboardInterrupt:
         status = 130
     except Exception as err:
-        # A rank that fails must end the job, not leave the others waiting in a collective.
-        import traceback
-
-        traceback.print_exc()
-        print(
-            f"dlojz: rank {rank} failed: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}",
-            file=sys.stderr,
-            flush=True,
-        )
-        status = 1
+        if idr_torch.world_size > 1 and "state" in RUNNING and is_lost_peer(err):
+            status = report_lost_peer(**RUNNING)
+        else:
+            status = report_crash(err, rank)
     for loader in LOADERS:
         close_loader(loader)
     LOADERS.clear()

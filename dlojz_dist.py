@@ -13,6 +13,8 @@
   rank (or a signal) stops every rank at the same step.
 - `checkpoint_for_stop(...)` writes the checkpoint mid-epoch; `requeue(...)`, once W&B and the metrics are written,
   asks Slurm to requeue the job (resume with --resume auto).
+- `is_lost_peer(err)`, `lost_peer_line(...)`: an error that says another rank is gone (killed, out of memory, its node
+  lost), and the one line naming it (the survivors check in through the job's store; the silent ones are lost).
 - `start_compile_workers()`: torch.compile's worker processes, started deaf to Slurm's signals.
 - `keep_freed_host_memory()`: glibc's allocator told to keep freed memory for reuse (training on a CPU).
 """
@@ -21,7 +23,10 @@ import dataclasses
 import os
 import random
 import signal
+import socket
 import subprocess
+import sys
+import time
 from datetime import timedelta
 
 import numpy as np
@@ -37,6 +42,7 @@ class Distribution:
     rank: int
     local_rank: int
     device: torch.device
+    hosts: tuple = ()  # every rank's host name, by rank (gathered once at start-up with several ranks)
 
     @property
     def enabled(self):
@@ -144,6 +150,72 @@ def checkpoint_for_stop(cfg, saver, state, reason, n_train_batches, ranks, log):
         dist.barrier()
 
 
+# What gloo and NCCL say when a peer process is gone (killed, out of memory, its node lost) or stopped answering.
+_LOST_PEER = ("connection reset by peer", "connection closed by peer", "broken pipe", "connection refused", "timed out")
+
+
+def is_lost_peer(err) -> bool:
+    """Whether `err`, raised with several ranks, says that another rank is gone rather than that this one failed."""
+    if isinstance(err, getattr(dist, "DistError", ())):  # DistBackendError, DistNetworkError, DistStoreError
+        return True
+    message = str(err).lower()
+    return isinstance(err, RuntimeError) and "gloo" in message and any(marker in message for marker in _LOST_PEER)
+
+
+def lost_ranks(ranks, wait_s=3.0):
+    """The ranks gone: every survivor writes its rank in the job's key-value store (rank 0's, or the launcher's);
+    those that have not within `wait_s` are reported lost. None when the store cannot be reached (its host gone)."""
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        store.set(f"dlojz/alive/{ranks.rank}", "1")
+        deadline = time.monotonic() + wait_s
+        while True:
+            missing = [r for r in range(ranks.world_size) if not store.check([f"dlojz/alive/{r}"])]
+            if not missing or time.monotonic() > deadline:
+                return missing
+            time.sleep(0.1)
+    except Exception:
+        return None
+
+
+def report_crash(err, rank) -> int:
+    """A rank that fails must end the job, not leave the others waiting in a collective: its traceback, one line."""
+    import traceback
+
+    traceback.print_exc()
+    first = str(err).splitlines()[0] if str(err) else ""
+    print(f"dlojz: rank {rank} failed: {type(err).__name__}: {first}", file=sys.stderr, flush=True)
+    return 1
+
+
+LOST_PEER_STATUS = 4  # exit status: another rank was lost (killed, out of memory, its node gone)
+
+
+def report_lost_peer(ranks, output_dir, state) -> int:
+    """Another rank is gone: one line from the lowest survivor naming it, the step and the last checkpoint."""
+    from dlojz_checkpoint import list_checkpoints
+
+    kept = list_checkpoints(output_dir) if os.path.isdir(output_dir) else []
+    line = lost_peer_line(ranks, state.global_step, output_dir, kept[-1] if kept else None)
+    if line is not None:
+        print(f"dlojz: error: {line}", file=sys.stderr, flush=True)
+    return LOST_PEER_STATUS
+
+
+def lost_peer_line(ranks, step, output_dir, latest):
+    """The one line a survivor prints, or None on a survivor that leaves it to a lower rank."""
+    lost = lost_ranks(ranks)
+    if lost is None:  # the store's host is gone: with two ranks, the other one
+        lost = [1 - ranks.rank] if ranks.world_size == 2 else []
+    if any(r < ranks.rank for r in range(ranks.world_size) if r not in lost):
+        return None
+    names = ", ".join(f"rank {r} ({ranks.hosts[r]})" if r < len(ranks.hosts) else f"rank {r}" for r in lost)
+    return (
+        f"{names or 'another rank'} stopped answering at step {step} (killed, out of memory, or its node lost); "
+        f"last checkpoint: {latest or 'none'}; continue with --resume auto --output-dir {output_dir}"
+    )
+
+
 def requeue(cfg, ranks, reason=None):
     """Requeue the Slurm job, or say how to continue. Last thing a stopped run does: Slurm ends the job's
     processes as it requeues it, so W&B and the metrics must be written before. --no-requeue, or `reason`
@@ -213,6 +285,7 @@ def setup_distributed(cfg):
         holder = [cfg.output_dir]
         dist.broadcast_object_list(holder, src=0)
         cfg = dataclasses.replace(cfg, output_dir=holder[0])
+        ranks.hosts = tuple(ranks.all_gather(socket.gethostname()))  # to name a lost rank's node
     elif cfg.fsdp:  # sharding over one process: a group of one (the same code path, and the GPU tests, on one GPU)
         dist.init_process_group(
             backend="nccl" if device.type == "cuda" else "gloo",

@@ -4,6 +4,7 @@ step, and a rank that dies ends the others in bounded time."""
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -12,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import dlojz_checkpoint
 import preloaded
 from conftest import ROOT, SMALL, clean_env, run_dlojz, show, start_dlojz
 
@@ -98,10 +100,11 @@ def test_signal_on_one_rank_stops_all_ranks_at_the_same_step(resume_data, tmp_pa
     assert 0 < state["global_step"] < 16
 
 
-def test_a_dead_rank_ends_the_others_in_bounded_time(resume_data, tmp_path):
-    args = [*RUN, "--epochs", "50", "--data-root", resume_data, "--output-dir", tmp_path, "--dist-timeout", "60"]
-    rank0, rank1 = start_ranks(args)
-    wait_for_line(rank0, "Epoch 1/50, Step")
+def test_a_killed_rank_ends_the_other_with_one_line_and_the_run_resumes_from_its_last_checkpoint(resume_data, tmp_path):
+    out = tmp_path / "run"
+    args = [*RUN, "--epochs", "3", "--data-root", resume_data, "--output-dir", out, "--dist-timeout", "60"]
+    rank0, rank1 = start_ranks([*args, "--checkpoint-every", "1e-9"])  # a checkpoint at every log point
+    wait_for_line(rank0, "(--checkpoint-every 1e-09 min: epoch 1, step 3/8)")
     rank1.kill()  # SIGKILL: no chance to say goodbye
     t0 = time.time()
     try:
@@ -109,9 +112,21 @@ def test_a_dead_rank_ends_the_others_in_bounded_time(resume_data, tmp_path):
     except subprocess.TimeoutExpired:
         rank0.kill()
         pytest.fail("rank 0 still running 120 s after rank 1 died")
-    assert rank0.returncode not in (0, None)
-    assert "dlojz: rank 0 failed" in log0, log0[-2000:]
-    print(f"rank 0 ended {time.time() - t0:.1f} s after rank 1 was killed")
+    elapsed = time.time() - t0
+    assert rank0.returncode == 4, log0[-3000:]
+    errors = [line for line in log0.splitlines() if line.startswith("dlojz: ")]
+    assert len(errors) == 1 and "Traceback" not in log0, log0[-3000:]
+    host = socket.gethostname()
+    assert errors[0].startswith(f"dlojz: error: rank 1 ({host}) stopped answering at step "), errors[0]
+    assert f"last checkpoint: {out}/ckpt_e0000_s" in errors[0] and "--resume auto" in errors[0]
+    assert elapsed < 30, f"rank 0 ended {elapsed:.1f} s after rank 1 was killed"
+    saved, path = dlojz_checkpoint.load_latest(out)
+    assert 3 <= saved["global_step"] < 24 and (saved["batch"] > 0 or saved["epoch"] > 0), path
+    # The job is relaunched (here on one rank): it goes on from that checkpoint to the end.
+    proc = run_dlojz(*args, "--resume", "auto")
+    assert proc.returncode == 0, show(proc)
+    assert f"resumed from {path} (epoch {saved['epoch'] + 1}, step {saved['batch']}/" in proc.stdout, proc.stdout
+    assert final_weights(out)["epoch"] == 3
 
 
 # ----------------------------------------------------------------------------- resume, in-process (no interpreter start)
