@@ -285,7 +285,8 @@ def setup_distributed(cfg):
         holder = [cfg.output_dir]
         dist.broadcast_object_list(holder, src=0)
         cfg = dataclasses.replace(cfg, output_dir=holder[0])
-        ranks.hosts = tuple(ranks.all_gather(socket.gethostname()))  # to name a lost rank's node
+        host = os.environ.get("SLURMD_NODENAME") or socket.gethostname()  # Slurm's name of the node, else its own
+        ranks.hosts = tuple(ranks.all_gather(host))  # to name a lost rank's node
     elif cfg.fsdp:  # sharding over one process: a group of one (the same code path, and the GPU tests, on one GPU)
         dist.init_process_group(
             backend="nccl" if device.type == "cuda" else "gloo",

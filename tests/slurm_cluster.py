@@ -464,3 +464,137 @@ def slurm_cluster(tmp_path_factory):
         yield cluster
     finally:
         cluster.stop()
+
+
+# ------------------------------------------------------------------------------------------- two nodes
+class TwoNodeCluster(SlurmCluster):
+    """Two Slurm nodes on this one machine: a slurmd in each of two network namespaces of its own (an address each
+    on a bridge that also carries the controller's), so that a job's tasks on "node 1" and "node 2" talk over a
+    network as on a cluster. The slurmds are started with `nsenter --net` (not `ip netns exec`, which remounts
+    /sys and hides the cgroup file system that slurmd 22.05 opens at start-up). The node names resolve through
+    lines added to /etc/hosts (idr_torch takes the master address from the job's node list), removed at stop.
+    Jobs must set GLOO_SOCKET_IFNAME=eth0: the host name of every namespace is still this machine's."""
+
+    HOSTS_MARK = "# dlojz test two-node cluster"
+
+    def __init__(self, root: pathlib.Path):
+        super().__init__(root)
+        tag = f"{os.getpid() % 100000}"
+        subnet = random.randrange(16, 250)
+        self.prefix = f"10.213.{subnet}"
+        self.bridge = f"dlojzb{tag}"
+        self.namespaces = [f"dlojz{tag}n{i}" for i in (1, 2)]
+        self.nodes = [f"dlojz{tag}node{i}" for i in (1, 2)]
+        self.addresses = [f"{self.prefix}.{11 + i}" for i in range(2)]
+        self.node_name = ",".join(self.nodes)
+        self._network_made = False
+
+    def start(self) -> None:
+        for sub in ("etc", "log", "state", "spool", "run", "munge"):
+            (self.root / sub).mkdir(mode=0o700, parents=True, exist_ok=True)
+        for node in self.nodes:
+            (self.root / "spool" / node).mkdir(mode=0o700, exist_ok=True)
+        munge_socket = self._start_munged()
+        self._make_network()
+        host = socket.gethostname().split(".")[0]
+        cpus = len(os.sched_getaffinity(0))
+        conf = _slurm_conf(self.root, host, "", munge_socket, _free_port(), _free_port())
+        conf = conf.replace(f"SlurmctldHost={host}(127.0.0.1)", f"SlurmctldHost={host}({self.prefix}.1)")
+        conf = conf.replace(f"SlurmdSpoolDir={self.root}/spool", f"SlurmdSpoolDir={self.root}/spool/%n")
+        conf = conf.replace(f"SlurmdPidFile={self.root}/run/slurmd.pid", f"SlurmdPidFile={self.root}/run/slurmd.%n.pid")
+        conf = conf.replace(f"SlurmdLogFile={self.root}/log/slurmd.log", f"SlurmdLogFile={self.root}/log/slurmd.%n.log")
+        lines = [line for line in conf.splitlines() if not line.startswith(("PartitionName=", " NodeAddr="))]
+        lines += [
+            f"NodeName={node} NodeAddr={address} CPUs={cpus} RealMemory=2000 State=UNKNOWN"
+            for node, address in zip(self.nodes, self.addresses)
+        ]
+        lines.append(f"PartitionName={PARTITION} Nodes={','.join(self.nodes)} Default=YES MaxTime=INFINITE State=UP")
+        self.conf_path.write_text("\n".join(lines) + "\n")
+        self._start_daemon(
+            "slurmctld",
+            [program("slurmctld"), "-f", self.conf_path, "-L", self.log_dir / "slurmctld.log"],
+            self.root / "run" / "slurmctld.pid",
+        )
+        for namespace, node in zip(self.namespaces, self.nodes):
+            self._start_daemon(
+                f"slurmd {node}",
+                ["nsenter", f"--net=/run/netns/{namespace}", program("slurmd"), "-f", self.conf_path, "-N", node],
+                self.root / "run" / f"slurmd.{node}.pid",
+            )
+        for node in self.nodes:
+            self.node_name = node
+            self._wait_node_idle(timeout=60)
+        self.node_name = ",".join(self.nodes)
+
+    def stop(self) -> None:
+        try:
+            slurmds = [self.pids.pop(f"slurmd {node}") for node in self.nodes if f"slurmd {node}" in self.pids]
+            super().stop()  # the jobs, the controller and munge
+            _terminate(slurmds)
+        finally:
+            if self._network_made:
+                self._remove_network()
+
+    def _make_network(self) -> None:
+        def ip(*args):
+            subprocess.run(["ip", *args], check=True, capture_output=True, text=True, timeout=30)
+
+        self._network_made = True
+        ip("link", "add", self.bridge, "type", "bridge")
+        ip("addr", "add", f"{self.prefix}.1/24", "dev", self.bridge)
+        ip("link", "set", self.bridge, "up")
+        for i, (namespace, address) in enumerate(zip(self.namespaces, self.addresses)):
+            veth = f"{self.bridge}v{i}"
+            ip("netns", "add", namespace)
+            ip("link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", namespace)
+            ip("link", "set", veth, "master", self.bridge, "up")
+            ip("-n", namespace, "addr", "add", f"{address}/24", "dev", "eth0")
+            ip("-n", namespace, "link", "set", "eth0", "up")
+            ip("-n", namespace, "link", "set", "lo", "up")
+        with open("/etc/hosts", "a") as hosts:
+            hosts.writelines(f"{a} {n}  {self.HOSTS_MARK}\n" for a, n in zip(self.addresses, self.nodes))
+
+    def _remove_network(self) -> None:
+        for namespace in self.namespaces:
+            subprocess.run(["ip", "netns", "del", namespace], capture_output=True, timeout=30)
+        subprocess.run(["ip", "link", "del", self.bridge], capture_output=True, timeout=30)
+        with open("/etc/hosts") as hosts:
+            kept = [line for line in hosts if not any(f" {n} " in line for n in self.nodes)]
+        with open("/etc/hosts", "w") as hosts:  # in place: /etc/hosts is often a bind mount in containers
+            hosts.writelines(kept)
+        self._network_made = False
+
+
+def why_two_nodes_unavailable() -> str | None:
+    reason = why_slurm_unavailable()
+    if reason:
+        return reason
+    if shutil.which("ip") is None or shutil.which("nsenter") is None:
+        return "the two-node test cluster needs `ip` (iproute2) and `nsenter` (util-linux)"
+    return None
+
+
+@pytest.fixture(scope="session")
+def slurm_two_nodes(tmp_path_factory):
+    reason = why_two_nodes_unavailable()
+    if reason:
+        unavailable(reason)
+    root = tmp_path_factory.mktemp("slurm2")
+    if len(str(root / "munge" / "munge.socket")) > 100:
+        root = pathlib.Path(tempfile.mkdtemp(prefix="dlojz-slurm2-"))
+    cluster = TwoNodeCluster(root)
+    failure = None
+    try:
+        cluster.start()
+    except Exception as exc:  # noqa: BLE001 - a visible skip here, a failure under CI
+        cluster.stop()
+        failure = f"could not start the two-node test Slurm cluster: {exc}"
+    except BaseException:
+        cluster.stop()
+        raise
+    if failure:
+        unavailable(failure)
+    try:
+        yield cluster
+    finally:
+        cluster.stop()

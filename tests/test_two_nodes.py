@@ -1,0 +1,59 @@
+"""dlojz on two Slurm nodes: `sbatch -N 2 --ntasks-per-node 1` of slurm/dlojz_cpu.slurm on the two-node test
+cluster of tests/slurm_cluster.py (two slurmd in network namespaces of their own on this machine): one gloo process
+group across both "nodes", and a validation identical to one process's. Without Slurm, root or iproute2 it is
+skipped with the reason (under CI=true: fails). About 40 s: the cluster's start and one short training job.
+"""
+
+import json
+
+import slurm_cluster  # noqa: F401
+from slurm_cluster import slurm_two_nodes  # noqa: F401  (the session fixture)
+from test_slurm import CPU_SCRIPT, ROOT, job_env, show
+
+
+def test_two_nodes_train_in_one_process_group_and_validate_like_one_process(
+    slurm_two_nodes, tmp_path, tiny_data, run_inline
+):
+    cluster = slurm_two_nodes
+    metrics_path, out = tmp_path / "metrics.json", tmp_path / "run"
+    env = dict(job_env(cluster), GLOO_SOCKET_IFNAME="eth0", OMP_NUM_THREADS="1")
+    job = cluster.submit(
+        [
+            "--nodes=2",
+            "--ntasks=2",
+            "--ntasks-per-node=1",
+            f"--output={tmp_path}/%x_%j.out",
+            CPU_SCRIPT,
+            "--no-wandb",
+            "--epochs",
+            "1",
+            "--data-root",
+            tiny_data,
+            "--num-workers",
+            "0",
+            "--metrics-json",
+            metrics_path,
+            "--output-dir",
+            out,
+        ],
+        cwd=ROOT,
+        env=env,
+    )
+    result = cluster.wait(job, timeout=300)
+    assert result.state == "COMPLETED", show(result)
+    assert result.info.get("NumNodes") == "2", result.info
+    metrics = json.loads(metrics_path.read_text())
+    assert metrics["world_size"] == 2 and metrics["val_images"] == 15, metrics
+    log = result.output_text()
+    assert "on 2 nodes and 2 processes" in log, show(result)
+    # The same weights validated by one process: the same figures.
+    checkpoint = out / (out / "latest").read_text().strip()
+    alone = run_inline(
+        "--device", "cpu", "--arch", "resnet18", "--image-size", "32", "--val-resize-size", "36",
+        "--val-crop-size", "32", "-b", "16", "--no-wandb", "--num-workers", "0", "--data-root", tiny_data,
+        "--eval-only", "--resume", checkpoint, "--output-dir", tmp_path / "alone", "--metrics-json", tmp_path / "a.json",
+    )  # fmt: skip
+    assert alone.returncode == 0, alone.stderr
+    one = json.loads((tmp_path / "a.json").read_text())
+    assert one["val_images"] == metrics["val_images"]
+    assert abs(one["val_loss"] - metrics["val_loss"]) < 1e-6 and one["val_accuracy"] == metrics["val_accuracy"]
