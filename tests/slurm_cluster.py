@@ -503,6 +503,8 @@ class TwoNodeCluster(SlurmCluster):
         conf = conf.replace(f"SlurmdSpoolDir={self.root}/spool", f"SlurmdSpoolDir={self.root}/spool/%n")
         conf = conf.replace(f"SlurmdPidFile={self.root}/run/slurmd.pid", f"SlurmdPidFile={self.root}/run/slurmd.%n.pid")
         conf = conf.replace(f"SlurmdLogFile={self.root}/log/slurmd.log", f"SlurmdLogFile={self.root}/log/slurmd.%n.log")
+        # A node that stops answering is declared DOWN after 10 s (its jobs end NODE_FAIL), not 120 s.
+        conf = conf.replace("SlurmdTimeout=120", "SlurmdTimeout=10")
         lines = [line for line in conf.splitlines() if not line.startswith(("PartitionName=", " NodeAddr="))]
         lines += [
             f"NodeName={node} NodeAddr={address} CPUs={cpus} RealMemory=2000 State=UNKNOWN"
@@ -534,6 +536,38 @@ class TwoNodeCluster(SlurmCluster):
         finally:
             if self._network_made:
                 self._remove_network()
+
+    def lose_node(self, index) -> str:
+        """Node `index` as if it lost power: its slurmd and every process in its network namespace killed at once.
+        Returns its name."""
+        self.pids.pop(f"slurmd {self.nodes[index]}", None)
+        pids = subprocess.run(
+            ["ip", "netns", "pids", self.namespaces[index]], capture_output=True, text=True, timeout=30
+        ).stdout.split()
+        for pid in map(int, pids):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        return self.nodes[index]
+
+    def restore_node(self, index) -> None:
+        """Node `index`'s slurmd started again (ReturnToService=2 puts it back in service)."""
+        node = self.nodes[index]
+        (self.root / "run" / f"slurmd.{node}.pid").unlink(missing_ok=True)
+        self._start_daemon(
+            f"slurmd {node}",
+            [
+                "nsenter",
+                f"--net=/run/netns/{self.namespaces[index]}",
+                program("slurmd"),
+                "-f",
+                self.conf_path,
+                "-N",
+                node,
+            ],
+            self.root / "run" / f"slurmd.{node}.pid",
+        )
 
     def _make_network(self) -> None:
         def ip(*args):

@@ -57,3 +57,45 @@ def test_two_nodes_train_in_one_process_group_and_validate_like_one_process(
     one = json.loads((tmp_path / "a.json").read_text())
     assert one["val_images"] == metrics["val_images"]
     assert abs(one["val_loss"] - metrics["val_loss"]) < 1e-6 and one["val_accuracy"] == metrics["val_accuracy"]
+
+
+def test_a_lost_node_ends_the_job_with_one_line_and_a_relaunch_finishes_from_the_last_checkpoint(
+    slurm_two_nodes, tmp_path, tiny_data
+):
+    """Node 2 is "lost" mid-run (its slurmd and every process in its namespace killed, as a node that loses power):
+    the rank on node 1 ends with one line naming it and exit status 4, and the job relaunched on node 1 alone goes
+    on from the last (mid-epoch) checkpoint to the end. Last in this file: node 2 is started again after it."""
+    cluster = slurm_two_nodes
+    out = tmp_path / "run"
+    env = dict(job_env(cluster), GLOO_SOCKET_IFNAME="eth0", OMP_NUM_THREADS="1")
+    flags = ["--no-wandb", "--epochs", "20", "--data-root", tiny_data, "--num-workers", "0", "--output-dir", out]
+    first = cluster.submit(
+        ["--nodes=2", "--ntasks=2", "--ntasks-per-node=1", "--no-requeue", f"--output={tmp_path}/first.out"]
+        + [CPU_SCRIPT, *flags]
+        + ["--checkpoint-every", "1e-9"],
+        cwd=ROOT,
+        env=env,
+    )
+    cluster.wait_for_output(tmp_path / "first.out", "min: epoch 2, step", timeout=120, job_id=first)
+    lost = cluster.lose_node(1)
+    try:
+        result = cluster.wait(first, timeout=120)  # the node declared DOWN after SlurmdTimeout (10 s here)
+        assert result.state in ("NODE_FAIL", "FAILED"), show(result)
+        log = result.output_text()
+        errors = [line for line in log.splitlines() if line.startswith("dlojz: error:")]
+        assert len(errors) == 1 and errors[0].startswith(f"dlojz: error: rank 1 ({lost}) stopped answering"), show(
+            result
+        )
+        assert "task 0: Exited with exit code 4" in log, show(result)
+        relaunch = cluster.submit(
+            ["--nodes=1", "--ntasks=1", f"--nodelist={cluster.nodes[0]}", f"--output={tmp_path}/again.out"]
+            + [CPU_SCRIPT, *flags],
+            cwd=ROOT,
+            env=env,
+        )
+        again = cluster.wait(relaunch, timeout=300)
+        assert again.state == "COMPLETED", show(again)
+        text = again.output_text()
+        assert f"resumed from {out}/ckpt_e" in text and "Epoch [20/20]" in text, show(again)
+    finally:
+        cluster.restore_node(1)
