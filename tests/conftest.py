@@ -139,7 +139,8 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    """The tests that start the one-node Slurm cluster carry the `slurm` marker: `-m "not slurm"` leaves them out."""
+    """The tests that start a Slurm cluster (one node or two) carry the `slurm` marker: `-m "not slurm"` leaves them
+    out."""
     for item in items:
-        if "slurm_cluster" in getattr(item, "fixturenames", ()):
+        if {"slurm_cluster", "slurm_two_nodes"} & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slurm)
