@@ -159,7 +159,8 @@ def val_pipeline(source, batch_size, resize_size, crop_size, device_id, num_thre
 
 
 class DaliBatches:
-    """(normalised images, labels) on the device for one epoch of `sampler` per iteration. Each iteration starts
+    """(normalised images, labels) on the device for one epoch of `sampler` per iteration (uint8 images when
+    `normalize` is None: what --loader-only times, as it times the pytorch backend's DataLoader). Each iteration starts
     where the sampler says (its epoch and `skip`, set by the training loop); when that is not what the pipeline has
     already prefetched (the first epoch, a resume, an iteration left before its end), the pipeline is built anew."""
 
@@ -204,7 +205,7 @@ class DaliBatches:
             feed_ndarray(images, out_images, cuda_stream=stream)
             feed_ndarray(labels, out_labels, cuda_stream=stream)
             left -= 1
-            yield self.normalize(out_images), out_labels.view(-1)
+            yield (out_images if self.normalize is None else self.normalize(out_images)), out_labels.view(-1)
         # --drop-last: the partial batch left is not trained on; the pipeline's epoch is drained, not wasted work
         while True:
             try:

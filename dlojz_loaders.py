@@ -5,6 +5,7 @@ the DataLoaders whose workers dlojz.cli() stops before the process exits. `build
 (--data-root, the variables, else the embedded one).
 """
 
+import copy
 import dataclasses
 import math
 
@@ -142,8 +143,10 @@ def dali_loaders(cfg, train_set, val_set, train_sampler, ranks, log) -> Loaders:
         ranks.device,
         normalize,
     )
+    uint8_train = copy.copy(train)  # --loader-only times the decoded uint8 batches, as the DataLoader's
+    uint8_train.normalize = None
     return Loaders(
-        train,
+        uint8_train,
         train_sampler,
         train,
         val,

@@ -192,3 +192,21 @@ def test_loader_only_times_the_dali_pipeline(tiny_data, tmp_path):
     assert proc.returncode == 0 and "DALI: decoding on the CPU" in proc.stdout, show(proc)
     metrics = read_json(tmp_path / "m.json")
     assert metrics["loader_batches"] == 5 and metrics["loader_images_per_second"] > 0, metrics
+
+
+def test_loader_only_times_uint8_batches_as_for_the_dataloader(tiny_data):
+    """--loader-only times DALI's decoded uint8 batches (the DataLoader's are uint8 too): the float normalisation
+    is training's, on the device, for both backends."""
+    import dlojz_loaders
+    from dlojz_config import resolve_config
+    from dlojz_dist import Distribution
+    from dlojz_flags import get_args_parser
+
+    cfg = resolve_config(get_args_parser().parse_args([*TINY, "--data-root", str(tiny_data), "--data-backend", "dali"]))
+    ranks = Distribution(1, 0, 0, torch.device("cpu"))
+    train_set, val_set, classes = dlojz_loaders.build_data(cfg, ranks, lambda line: None)
+    loaders = dlojz_loaders.build_loaders(cfg, train_set, val_set, len(classes), ranks, lambda line: None)
+    timed, _ = next(iter(loaders.train))
+    trained, _ = next(iter(loaders.train_batches))
+    assert timed.dtype == torch.uint8 and trained.dtype == torch.float32, (timed.dtype, trained.dtype)
+    assert timed.shape == trained.shape
