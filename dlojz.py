@@ -480,8 +480,8 @@ def stop_run(cfg, reason, saver, state, loaders, ranks, log, metrics, chrono, wa
 
 
 def diverged(cfg, bad_step, epoch):
-    kept = ckpt.list_checkpoints(cfg.output_dir) if Path(cfg.output_dir).is_dir() else []
-    where = f"; last good checkpoint kept: {kept[-1]}" if kept else "; no checkpoint written"
+    kept = ckpt.newest_checkpoint(cfg.output_dir)
+    where = f"; last good checkpoint kept: {kept}" if kept else "; no checkpoint written"
     raise TrainingDiverged(
         f"loss is not finite (nan/inf) at step {int(bad_step)} (epoch {epoch + 1}): "
         f"stopping{where}; lower --lr or check the data"

@@ -59,7 +59,9 @@ def fsync_folder(folder):
         os.close(dir_fd)
 
 
-def _atomic_write(path, write_to, before_rename=None):
+def atomic_write(path, write_to, before_rename=None):
+    """Write `path` through a temporary name in its folder (`write_to(file)`, flushed and fsynced), then rename it
+    into place and fsync the folder: `path` is whole or as it was. `before_rename(tmp)` runs on the complete file."""
     path = Path(path)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
@@ -103,6 +105,12 @@ def sha256_of(path):
     return digest.hexdigest()
 
 
+def newest_checkpoint(output_dir):
+    """The newest dlojz checkpoint in `output_dir` (by epoch then step), or None (none there, or no such folder)."""
+    found = list_checkpoints(output_dir)
+    return found[-1] if found else None
+
+
 def write(state, path):
     """`state` as one dlojz checkpoint file at `path`, atomically (no `latest`, no pruning), with its SHA-256
     beside it: written before the checkpoint takes its name, so that a checkpoint never appears without it."""
@@ -111,9 +119,9 @@ def write(state, path):
 
     def write_checksum(tmp):
         line = f"{sha256_of(tmp)}  {path.name}\n"
-        _atomic_write(checksum_path(path), lambda f: f.write(line.encode()))
+        atomic_write(checksum_path(path), lambda f: f.write(line.encode()))
 
-    _atomic_write(path, lambda f: torch.save(state, f), before_rename=write_checksum)
+    atomic_write(path, lambda f: torch.save(state, f), before_rename=write_checksum)
     return path
 
 
@@ -157,7 +165,7 @@ def publish_folder(meta, staging, output_dir, name, keep=3):
 
 
 def _point_latest_and_prune(output_dir, name, keep):
-    _atomic_write(output_dir / LATEST, lambda f: f.write((name + "\n").encode()))
+    atomic_write(output_dir / LATEST, lambda f: f.write((name + "\n").encode()))
     if keep and keep > 0:
         for old in list_checkpoints(output_dir)[:-keep]:
             if old.name != name:
@@ -290,9 +298,9 @@ class CheckpointSaver:
         except BaseException as err:
             os_error = os_error_in(err)
             if os_error is None:
-                if threading.current_thread() is threading.main_thread():
+                if not self.background:
                     raise
-                self._error = err
+                self._error = err  # raised by wait(), in the training thread
                 return None
             latest = self.output_dir / LATEST
             kept = latest.read_text().strip() if latest.is_file() else None

@@ -193,10 +193,9 @@ LOST_PEER_STATUS = 4  # exit status: another rank was lost (killed, out of memor
 
 def report_lost_peer(ranks, output_dir, state) -> int:
     """Another rank is gone: one line from the lowest survivor naming it, the step and the last checkpoint."""
-    from dlojz_checkpoint import list_checkpoints
+    from dlojz_checkpoint import newest_checkpoint
 
-    kept = list_checkpoints(output_dir) if os.path.isdir(output_dir) else []
-    line = lost_peer_line(ranks, state.global_step, output_dir, kept[-1] if kept else None)
+    line = lost_peer_line(ranks, state.global_step, output_dir, newest_checkpoint(output_dir))
     if line is not None:
         print(f"dlojz: error: {line}", file=sys.stderr, flush=True)
     return LOST_PEER_STATUS

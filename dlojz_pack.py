@@ -56,7 +56,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dlojz_checkpoint import fsync_folder
+from dlojz_checkpoint import atomic_write, fsync_folder
 from dlojz_data import DataError
 from dlojz_pack_plan import SHUFFLE_SEED, padded, plan_split
 from dlojz_pack_source import SPLITS, class_names_of, list_source, listing_digest, stat_sizes
@@ -103,21 +103,6 @@ def parse_size(text):
 
 # ---------------------------------------------------------------------------------------------------------------
 # Small file helpers
-def _atomic_write(path, write):
-    """Write through a temporary name in the same folder, then rename: `path` is whole or absent."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        _unlink(tmp)
-        raise
-
-
 def _unlink(path):
     try:
         os.unlink(path)
@@ -126,7 +111,7 @@ def _unlink(path):
 
 
 def _write_json(path, obj):
-    _atomic_write(path, lambda f: f.write((json.dumps(obj, indent=1) + "\n").encode()))
+    atomic_write(path, lambda f: f.write((json.dumps(obj, indent=1) + "\n").encode()))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -430,7 +415,7 @@ def pack(src, dst, shard_size=None, workers=None, log=print):
     )
     _write_json(dst / MANIFEST, manifest)  # first: a DST holding pack files always says whose they are
     for split, (index, _) in plans.items():
-        _atomic_write(dst / f"{split}-index.npy", lambda f, index=index: np.save(f, index, allow_pickle=False))
+        atomic_write(dst / f"{split}-index.npy", lambda f, index=index: np.save(f, index, allow_pickle=False))
 
     shards = [s for split in SPLITS for s in plans[split][1]]
     damaged = set(_damaged(dst, [s["name"] for s in shards], [s["size"] for s in shards]))

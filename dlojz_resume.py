@@ -50,11 +50,15 @@ class PeriodicCheckpoints:
         state.elapsed_s = self.clock() - self.started
         path = self.saver.save(dataclasses.asdict(state))
         self.restart()
-        if path is not None:
-            self.log(
-                f"checkpoint {'being written' if self.saver.background else 'written'}: {path} (--checkpoint-every {self.every_s / 60:g} min: epoch {state.epoch + 1}, "
-                f"step {state.batch}/{self.n_train_batches})"
-            )
+        why = f"--checkpoint-every {self.every_s / 60:g} min: epoch {state.epoch + 1}, step {state.batch}/{self.n_train_batches}"
+        log_checkpoint(self.log, self.saver, path, why)
+
+
+def log_checkpoint(log, saver, path, why=""):
+    """The console line of a checkpoint saved at `path`; none for None (another rank's, or a write that failed: its
+    warning said so)."""
+    if path is not None:
+        log(f"checkpoint {'being written' if saver.background else 'written'}: {path}" + (f" ({why})" if why else ""))
 
 
 def periodic_checkpoints(cfg, saver, started, n_train_batches, lr_finder, log):
@@ -67,13 +71,9 @@ def periodic_checkpoints(cfg, saver, started, n_train_batches, lr_finder, log):
 def save_epoch_checkpoint(saver, state, periodic, log):
     """The end of an epoch's checkpoint: rank 0 copies the state and a thread writes it (with --fsdp every rank
     writes its shards); --checkpoint-every's interval counts from it."""
-    path = saver.save(dataclasses.asdict(state))
-    if path is not None:  # None: another rank's, or a write that failed (its warning said so)
-        log(
-            f"checkpoint being written: {path} (by a background thread)"
-            if saver.background
-            else f"checkpoint written: {path}"
-        )
+    log_checkpoint(
+        log, saver, saver.save(dataclasses.asdict(state)), "by a background thread" if saver.background else ""
+    )
     if periodic is not None:
         periodic.restart()
 

@@ -6,7 +6,6 @@ skipped with the reason (under CI=true: fails). About 40 s: the cluster's start 
 
 import json
 
-import slurm_cluster  # noqa: F401
 from slurm_cluster import slurm_two_nodes  # noqa: F401  (the session fixture)
 from test_slurm import CPU_SCRIPT, ROOT, job_env, show
 
