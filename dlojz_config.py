@@ -104,6 +104,10 @@ class Config:
     val_crop_size: int
     val_batch_size: int
     data_backend: str
+    dali_threads: int | None
+    dali_prefetch: int
+    dali_hw_decoder_load: float | None
+    dali_antialias: bool
     train_subset: float | None
     num_workers: int
     persistent_workers: bool

@@ -6,16 +6,29 @@ core decodes 250-290 at 224 px). DALI decodes on the GPU (nvJPEG, and the hardwa
 same pipeline runs on DALI's CPU backend (what the CPU tests run).
 
     train: samples -> decoders.image_random_crop (RandomResizedCrop's area 0.08-1 and ratio 3/4-4/3, only the
-           region decoded) -> resize to --image-size -> random horizontal flip -> uint8 CHW
+           region decoded) -> resize to --image-size -> random horizontal flip -> uint8 HWC
     val:   samples -> decoders.image -> resize the shorter side to --val-resize-size -> center crop --val-crop-size
+
+The batches come out HWC and are seen as NCHW tensors in channels-last memory (a free permute): what channels-last
+training wants, and one DALI operator less than a CHW transpose. The training resize is not antialiased unless
+--dali-antialias, as in NVIDIA's own DALI ResNet-50 pipelines: on DALI's CPU backend the antialiased resize costs
+twice the decode (measured here: decode alone 3,200 img/s on 2 threads, + resize 1,000, + resize without
+antialiasing 1,450); validation's resize is antialiased (the yardstick stays the pytorch backend's).
 
 Samples come from dlojz's own data sets and samplers through an external source, not from a DALI reader: the
 order is the pytorch backend's (the shuffle by seed and epoch, exact mid-epoch resume by the sampler's position,
 --train-subset, packed shards read by index), and validation is exact (each image once across ranks, the last
-batch partial). Normalisation and channels-last are dlojz's DeviceNormalize, as for the pytorch backend. What
+batch partial). Normalisation is dlojz's DeviceNormalize, as for the pytorch backend. What
 differs from it: the crops and flips are DALI's draws (seeded by --seed and the rank), not the per-sample seeds, so a
 resumed run goes on from the same sample with other crops. A file that is not a whole JPEG or PNG is skipped with
 a warning before DALI sees it; one DALI cannot decode stops the run with DALI's error naming no file.
+
+The source runs in the training process: a thread pool reads the next batches' files (chunks of a batch per task,
+so the training thread only collects them: ~2.5 ms per batch of 32 here). DALI's parallel external source (worker
+processes, `parallel=True`) was measured and not kept: on 2 cores it fed 950-973 img/s against 936-968 for the
+thread pool (the workers' processes and shared-memory copies cost what they save), and 1,296 when its workers even
+did dlojz's own DCT-scaled decoding; DALI's own file reader (no Python at all) gives at best 1,500-1,570 img/s with
+the same operators, but cannot keep dlojz's order, shards or skipped files.
 
 - `check_available()`: the one-line error when DALI is not installed.
 - `dali_batches(dataset, sampler, batch_size, ...)`: an iterable of (normalised images, labels) on the device,
@@ -24,6 +37,7 @@ a warning before DALI sees it; one DALI cannot decode stops the run with DALI's 
 
 import collections
 import copy
+import dataclasses
 import math
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -81,8 +95,14 @@ class EncodedSamples:
         if self.pool is None:
             self.pool = ThreadPoolExecutor(READ_THREADS)
         pending = collections.deque()
+        # A batch's reads in READ_THREADS chunks, not one task per file: the training thread's share of the work (a
+        # future per sample cost ~20 us there) is then small beside the reads.
+        chunk = max(1, -(-self.batch_size // READ_THREADS))
         for start in range(0, len(keys), self.batch_size):
-            pending.append([self.pool.submit(self._read, index) for _, index in keys[start : start + self.batch_size]])
+            indices = [index for _, index in keys[start : start + self.batch_size]]
+            pending.append(
+                [self.pool.submit(self._read_many, indices[k : k + chunk]) for k in range(0, len(indices), chunk)]
+            )
             if len(pending) > READ_AHEAD:
                 yield self._collect(pending.popleft())
         while pending:
@@ -90,8 +110,11 @@ class EncodedSamples:
 
     @staticmethod
     def _collect(futures):
-        samples = [future.result() for future in futures]
+        samples = [sample for future in futures for sample in future.result()]
         return [data for data, _ in samples], [target for _, target in samples]
+
+    def _read_many(self, indices):
+        return [self._read(index) for index in indices]
 
     def _read(self, index):
         """(bytes as a uint8 array, label) of sample `index`, or of the next readable one (as the pytorch backend)."""
@@ -113,11 +136,52 @@ class EncodedSamples:
         return dict(self.__dict__, pool=None)
 
 
-def train_pipeline(source, batch_size, image_size, device_id, num_threads, seed):
+@dataclasses.dataclass(frozen=True)
+class DaliSettings:
+    """How DALI's pipelines run: CPU threads, batches prepared ahead, the hardware decoder's share, the training
+    resize's antialiasing."""
+
+    threads: int
+    prefetch: int
+    hw_decoder_load: float
+    antialias: bool
+
+
+def dali_settings(cfg):
+    """The flags' values, or defaults from the CPUs the task has: --num-workers is already the task's CPUs less the
+    training process's. With few threads the CPU's share of nvJPEG's decoding is slow, so the hardware decoder
+    takes more of the images than DALI's default 0.65."""
+    threads = cfg.dali_threads or max(1, cfg.num_workers)
+    load = cfg.dali_hw_decoder_load
+    if load is None:
+        load = 0.9 if threads < 8 else 0.65
+    return DaliSettings(threads, cfg.dali_prefetch, load, cfg.dali_antialias)
+
+
+def decoder_options(device_id, hw_decoder_load):
+    """The decoder's device, and the hardware JPEG decoder's share of the images where there is one (A100, H100)."""
+    if device_id is None:
+        return {"device": "cpu"}
+    # nvJPEG's buffers sized once for ImageNet's largest images (the values of NVIDIA's DALI ResNet-50 pipelines):
+    # without them it reallocates, synchronously, as larger images come in the first batches.
+    return {
+        "device": "mixed",
+        "hw_decoder_load": hw_decoder_load,
+        "device_memory_padding": 211_025_920,
+        "host_memory_padding": 140_544_512,
+    }
+
+
+def train_pipeline(source, batch_size, image_size, device_id, settings, seed):
+    """RandomResizedCrop + flip, uint8 HWC (the batch's NHWC memory is what channels-last training wants)."""
     from nvidia.dali import fn, pipeline_def, types
 
     @pipeline_def(
-        batch_size=batch_size, num_threads=num_threads, device_id=device_id, seed=seed, prefetch_queue_depth=2
+        batch_size=batch_size,
+        num_threads=settings.threads,
+        device_id=device_id,
+        seed=seed,
+        prefetch_queue_depth=settings.prefetch,
     )
     def pipeline():
         encoded, labels = fn.external_source(
@@ -125,34 +189,40 @@ def train_pipeline(source, batch_size, image_size, device_id, num_threads, seed)
         )
         images = fn.decoders.image_random_crop(
             encoded,
-            device="mixed" if device_id is not None else "cpu",
             output_type=types.RGB,
             random_area=[0.08, 1.0],
             random_aspect_ratio=[3 / 4, 4 / 3],
             num_attempts=10,
+            **decoder_options(device_id, settings.hw_decoder_load),
         )
-        images = fn.resize(images, resize_x=image_size, resize_y=image_size, antialias=True)
-        images = fn.crop_mirror_normalize(
-            images, dtype=types.UINT8, output_layout="CHW", mirror=fn.random.coin_flip(probability=0.5)
-        )
+        images = fn.resize(images, resize_x=image_size, resize_y=image_size, antialias=settings.antialias)
+        images = fn.flip(images, horizontal=fn.random.coin_flip(probability=0.5))
         return images, labels.gpu() if device_id is not None else labels
 
     return pipeline()
 
 
-def val_pipeline(source, batch_size, resize_size, crop_size, device_id, num_threads, seed):
+def val_pipeline(source, batch_size, resize_size, crop_size, device_id, settings, seed):
+    """Resize the shorter side (antialiased, whatever the training's setting: validation is the fixed yardstick),
+    center crop, uint8 HWC."""
     from nvidia.dali import fn, pipeline_def, types
 
     @pipeline_def(
-        batch_size=batch_size, num_threads=num_threads, device_id=device_id, seed=seed, prefetch_queue_depth=2
+        batch_size=batch_size,
+        num_threads=settings.threads,
+        device_id=device_id,
+        seed=seed,
+        prefetch_queue_depth=settings.prefetch,
     )
     def pipeline():
         encoded, labels = fn.external_source(
             source=source, num_outputs=2, batch=True, cycle="raise", dtype=[types.UINT8, types.INT64]
         )
-        images = fn.decoders.image(encoded, device="mixed" if device_id is not None else "cpu", output_type=types.RGB)
+        images = fn.decoders.image(
+            encoded, output_type=types.RGB, **decoder_options(device_id, settings.hw_decoder_load)
+        )
         images = fn.resize(images, resize_shorter=resize_size, antialias=True)
-        images = fn.crop_mirror_normalize(images, dtype=types.UINT8, output_layout="CHW", crop=(crop_size, crop_size))
+        images = fn.crop(images, crop=(crop_size, crop_size))
         return images, labels.gpu() if device_id is not None else labels
 
     return pipeline()
@@ -199,12 +269,13 @@ class DaliBatches:
                 self.finished = True
                 return
             images, labels = images.as_tensor(), labels.as_tensor()
-            out_images = torch.empty(images.shape(), dtype=torch.uint8, device=self.device)
+            out_images = torch.empty(images.shape(), dtype=torch.uint8, device=self.device)  # N, H, W, C
             out_labels = torch.empty(labels.shape(), dtype=torch.int64, device=self.device)
             stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
             feed_ndarray(images, out_images, cuda_stream=stream)
             feed_ndarray(labels, out_labels, cuda_stream=stream)
             left -= 1
+            out_images = out_images.permute(0, 3, 1, 2)  # NCHW's shape over NHWC memory: channels-last, no copy
             yield (out_images if self.normalize is None else self.normalize(out_images)), out_labels.view(-1)
         # --drop-last: the partial batch left is not trained on; the pipeline's epoch is drained, not wasted work
         while True:

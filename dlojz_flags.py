@@ -67,6 +67,8 @@ PIXELS = Number(int, 8, 4096)
 COUNT = Number(int, 1)  # a number of things: at least one
 NON_NEGATIVE = Number(float, 0)
 POSITIVE = Number(float, 0, low_open=True)
+FRACTION = Number(float, 0, 1)
+DALI_DEFAULTS = {"dali_threads": None, "dali_prefetch": 2, "dali_hw_decoder_load": None, "dali_antialias": False}
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -312,6 +314,31 @@ def get_args_parser():
         "or NVIDIA DALI (on the GPU; its CPU backend without one)",
     )
     p.add_argument(
+        "--dali-threads",
+        type=COUNT,
+        default=None,
+        metavar="N",
+        help="DALI's CPU threads (default: --num-workers, itself the task's CPUs - 1)",
+    )
+    p.add_argument(
+        "--dali-prefetch", type=COUNT, default=2, metavar="N", help="batches DALI prepares ahead (default: 2)"
+    )
+    p.add_argument(
+        "--dali-hw-decoder-load",
+        type=FRACTION,
+        default=None,
+        metavar="F",
+        help="share of the JPEGs for the A100/H100 hardware decoder,\nthe rest for nvJPEG's CPU+GPU decoding "
+        "(default: 0.9 with\nfewer than 8 DALI threads, else DALI's 0.65)",
+    )
+    p.add_argument(
+        "--dali-antialias",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="antialias DALI's training resize (default: off, as NVIDIA's DALI\nResNet-50 pipelines: the CPU "
+        "backend's resize then costs half;\nvalidation's resize is antialiased either way)",
+    )
+    p.add_argument(
         "--train-subset",
         type=POSITIVE,
         default=None,
@@ -509,6 +536,8 @@ def check_flags(values):
                 f"--data-backend dali does RandomResizedCrop and flip only: {', '.join(unsupported)} needs "
                 f"--data-backend pytorch"
             )
+    elif given := [f"--{name.replace('_', '-')}" for name in DALI_DEFAULTS if values[name] != DALI_DEFAULTS[name]]:
+        fail(f"{', '.join(given)} set DALI's pipeline: add --data-backend dali, or drop them")
     if values["loader_only"] and values["synthetic"]:
         fail("--loader-only times the DataLoader, which --synthetic does not use: drop one of them")
     if values["eval_only"] and not values["resume"]:

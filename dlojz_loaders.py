@@ -114,20 +114,26 @@ def build_loaders(cfg, train_set, val_set, num_classes, ranks, log) -> Loaders:
 
 def dali_loaders(cfg, train_set, val_set, train_sampler, ranks, log) -> Loaders:
     """--data-backend dali: the same samples and samplers, decoded and augmented by DALI (dlojz_dali.py)."""
-    from dlojz_dali import DaliBatches, train_pipeline, val_pipeline
+    from dlojz_dali import DaliBatches, dali_settings, train_pipeline, val_pipeline
 
     device_id = ranks.device.index if ranks.device.type == "cuda" else None
-    threads, seed = max(1, cfg.num_workers), cfg.seed * 1_000 + ranks.rank
+    settings, seed = dali_settings(cfg), cfg.seed * 1_000 + ranks.rank
+    where = (
+        f"the GPU (nvJPEG, {settings.hw_decoder_load:.0%} to the hardware decoder)"
+        if device_id is not None
+        else "the CPU (no GPU)"
+    )
     log(
-        f"DALI: decoding on the {'GPU (nvJPEG)' if device_id is not None else 'CPU (no GPU)'}, {threads} threads; "
-        f"a resumed run continues at the same sample with DALI's own crops"
+        f"DALI: decoding on {where}, {settings.threads} threads, {settings.prefetch} batches ahead, training resize "
+        f"{'with' if settings.antialias else 'without'} antialiasing; a resumed run continues at the same sample "
+        f"with DALI's own crops"
     )
     normalize = DeviceNormalize(ranks.device, channels_last=cfg.channels_last)
     train = DaliBatches(
         train_set,
         train_sampler,
         cfg.batch_size,
-        lambda source: train_pipeline(source, cfg.batch_size, cfg.image_size, device_id, threads, seed),
+        lambda source: train_pipeline(source, cfg.batch_size, cfg.image_size, device_id, settings, seed),
         ranks.device,
         normalize,
         drop_last=cfg.drop_last,
@@ -138,7 +144,7 @@ def dali_loaders(cfg, train_set, val_set, train_sampler, ranks, log) -> Loaders:
         val_sampler,
         cfg.val_batch_size,
         lambda source: val_pipeline(
-            source, cfg.val_batch_size, cfg.val_resize_size, cfg.val_crop_size, device_id, threads, seed + 1
+            source, cfg.val_batch_size, cfg.val_resize_size, cfg.val_crop_size, device_id, settings, seed + 1
         ),
         ranks.device,
         normalize,

@@ -12,7 +12,8 @@ timed over the same number of batches after a warm-up:
 * dlojz shards: dlojz on the same images packed in webdataset shards, read by index (the generated set is packed
   once, next to it, by dlojz_pack.py; with --data, give --shards PACK);
 * DALI-CPU: ``--data-backend dali`` without a GPU, DALI's CPU decoder with ``--workers`` threads (uint8 batches),
-  when DALI is installed.
+  when DALI is installed; its training resize without antialiasing (dlojz.py's default) and with it
+  (``--dali-antialias``).
 
 The main process runs torch with ``--main-threads`` (default 1) threads: on a machine with as many cores as workers,
 a multi-threaded normalisation would spin against the workers (OpenMP threads busy-wait after each operation).
@@ -208,9 +209,11 @@ def measure(dataset, finish_batch, workers: int, batch_size: int, batches: int, 
     return count / elapsed, 1e3 * cpu / count
 
 
-def measure_dali(folder: Path, image_size: int, threads: int, batch_size: int, batches: int, warmup: int, seed: int):
+def measure_dali(
+    folder: Path, image_size: int, threads: int, batch_size: int, batches: int, warmup: int, seed: int, antialias: bool
+):
     """measure() for --data-backend dali on DALI's CPU backend (its decoding threads live in this process)."""
-    from dlojz_dali import DaliBatches, train_pipeline
+    from dlojz_dali import DaliBatches, DaliSettings, train_pipeline
     from dlojz_data import EpochSampler
 
     dataset = SafeImageFolder(str(folder))
@@ -219,7 +222,9 @@ def measure_dali(folder: Path, image_size: int, threads: int, batch_size: int, b
         dataset,
         sampler,
         batch_size,
-        lambda source: train_pipeline(source, batch_size, image_size, None, max(1, threads), seed),
+        lambda source: train_pipeline(
+            source, batch_size, image_size, None, DaliSettings(max(1, threads), 2, 0.65, antialias), seed
+        ),
         torch.device("cpu"),
         lambda images: images,
         drop_last=True,
@@ -327,7 +332,8 @@ def main(argv=None):
     from dlojz_dali import check_available
 
     if check_available() is None:
-        pipelines["DALI-CPU"] = (None, None)
+        pipelines["DALI-CPU"] = (None, False)  # dlojz.py's default: the training resize without antialiasing
+        pipelines["DALI-CPU antialiased"] = (None, True)  # --dali-antialias
     else:
         print(f"no DALI-CPU row: {check_available()}")
     names = list(pipelines)
@@ -340,7 +346,7 @@ def main(argv=None):
             # from other jobs, and the median over rounds resists the moments when that load changes.
             for name in names[repeat % len(names) :] + names[: repeat % len(names)]:
                 make_dataset, finish = pipelines[name]
-                if name == "DALI-CPU":
+                if name.startswith("DALI-CPU"):
                     images_per_s, ms_per_image = measure_dali(
                         folder,
                         size,
@@ -349,6 +355,7 @@ def main(argv=None):
                         args.batches,
                         args.warmup_batches,
                         args.seed + repeat,
+                        antialias=finish,
                     )
                 else:
                     images_per_s, ms_per_image = measure(

@@ -23,8 +23,11 @@ from test_transforms import (
 # DALI is in requirements.txt: a missing DALI fails here (ImportError), it is not skipped
 import nvidia.dali  # noqa: E402,F401
 
-from dlojz_dali import DaliBatches, EncodedSamples, train_pipeline, val_pipeline  # noqa: E402
+from dlojz_dali import DaliBatches, DaliSettings, EncodedSamples, train_pipeline, val_pipeline  # noqa: E402
 from dlojz_data import EpochSampler, ShardSampler, build_datasets  # noqa: E402
+
+
+ONE_THREAD = DaliSettings(threads=1, prefetch=2, hw_decoder_load=0.9, antialias=False)
 
 
 def identity(images):
@@ -45,7 +48,7 @@ def train_batches(dataset, sampler, batch=8, size=16, drop_last=False):
         dataset,
         sampler,
         batch,
-        lambda source: train_pipeline(source, batch, size, None, 1, 7),
+        lambda source: train_pipeline(source, batch, size, None, ONE_THREAD, 7),
         torch.device("cpu"),
         identity,
         drop_last=drop_last,
@@ -93,7 +96,7 @@ def test_validation_sees_every_image_once(tiny_data, world_size):
     for rank in range(world_size):
         sampler = ShardSampler(val, world_size, rank)
         batches = DaliBatches(
-            val, sampler, 4, lambda s: val_pipeline(s, 4, 18, 16, None, 1, 1), torch.device("cpu"), identity
+            val, sampler, 4, lambda s: val_pipeline(s, 4, 18, 16, None, ONE_THREAD, 1), torch.device("cpu"), identity
         )
         for _ in range(2):  # twice: validation after validation
             out = [(images.shape, labels.tolist()) for images, labels in batches]
@@ -142,10 +145,10 @@ def test_dali_crops_follow_torchvision_distribution(gradient_jpeg, reference_geo
         def __iter__(self):
             yield [data] * DRAWS, [np.array([0], dtype=np.int64)] * DRAWS
 
-    pipeline = train_pipeline(Repeat(), DRAWS, CROP_OUT, None, 1, 11)
+    pipeline = train_pipeline(Repeat(), DRAWS, CROP_OUT, None, ONE_THREAD, 11)
     pipeline.build()
     images = np.array(pipeline.run()[0].as_tensor())
-    samples = np.array([crop_geometry(torch.from_numpy(image)) for image in images])
+    samples = np.array([crop_geometry(torch.from_numpy(image).permute(2, 0, 1)) for image in images])  # HWC
     assert 0.3 < samples[:, 4].mean() < 0.7  # flipped about half the time
     assert_same_distribution(distribution_gaps(samples, reference_geometry))
 
@@ -210,3 +213,62 @@ def test_loader_only_times_uint8_batches_as_for_the_dataloader(tiny_data):
     trained, _ = next(iter(loaders.train_batches))
     assert timed.dtype == torch.uint8 and trained.dtype == torch.float32, (timed.dtype, trained.dtype)
     assert timed.shape == trained.shape
+
+
+def dali_loaders_for(tiny_data, *flags):
+    import dlojz_loaders
+    from dlojz_config import resolve_config
+    from dlojz_dist import Distribution
+    from dlojz_flags import get_args_parser
+
+    args = [*TINY, "--data-root", str(tiny_data), "--data-backend", "dali", "--num-workers", "1", *flags]
+    cfg = resolve_config(get_args_parser().parse_args(args))
+    ranks = Distribution(1, 0, 0, torch.device("cpu"))
+    train_set, val_set, classes = dlojz_loaders.build_data(cfg, ranks, lambda line: None)
+    return cfg, dlojz_loaders.build_loaders(cfg, train_set, val_set, len(classes), ranks, lambda line: None)
+
+
+def test_dali_flags_reach_the_pipeline(tiny_data):
+    """--dali-threads, --dali-prefetch and --dali-antialias set the training pipeline DALI runs: its threads and
+    queue depth, and its pixels (the same crops resized with or without antialiasing)."""
+    cfg, plain = dali_loaders_for(tiny_data)
+    plain_images, _ = next(iter(plain.train))
+    assert (plain.train.pipeline.num_threads, plain.train.pipeline.prefetch_queue_depth) == (1, 2)
+    cfg, tuned = dali_loaders_for(tiny_data, "--dali-threads", "3", "--dali-prefetch", "4", "--dali-antialias")
+    tuned_images, _ = next(iter(tuned.train))
+    assert (tuned.train.pipeline.num_threads, tuned.train.pipeline.prefetch_queue_depth) == (3, 4)
+    assert cfg.dali_antialias and plain_images.shape == tuned_images.shape
+    assert not torch.equal(plain_images, tuned_images)
+    # ... and the difference is the antialiasing alone, not the thread count (DALI's draws are per sample)
+    _, one_thread = dali_loaders_for(tiny_data, "--dali-antialias")
+    assert torch.equal(next(iter(one_thread.train))[0], tuned_images)
+
+
+def test_hardware_decoder_share_follows_the_threads_unless_given():
+    from types import SimpleNamespace
+
+    from dlojz_dali import dali_settings
+
+    def cfg(**flags):
+        values = dict(
+            dali_threads=None, num_workers=3, dali_prefetch=2, dali_hw_decoder_load=None, dali_antialias=False
+        )
+        return SimpleNamespace(**{**values, **flags})
+
+    assert dali_settings(cfg()).threads == 3 and dali_settings(cfg()).hw_decoder_load == 0.9  # few cores: to the HW
+    assert dali_settings(cfg(num_workers=15)).hw_decoder_load == 0.65
+    assert dali_settings(cfg(dali_hw_decoder_load=0.3)).hw_decoder_load == 0.3
+    assert dali_settings(cfg(num_workers=0)).threads == 1
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--dali-threads", "4"], "--dali-threads set DALI's pipeline: add --data-backend dali"),
+        (["--dali-antialias", "--dali-prefetch", "3"], "--dali-prefetch, --dali-antialias set DALI's pipeline"),
+        (["--data-backend", "dali", "--dali-hw-decoder-load", "1.5"], "--dali-hw-decoder-load: must be in [0, 1]"),
+    ],
+)
+def test_dali_flags_without_dali_or_out_of_range_are_one_line(run_inline, flags, message):
+    proc = run_inline(*SMALL, *flags)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and message in proc.stderr, proc.stderr

@@ -562,14 +562,14 @@ def test_dali_decodes_on_the_gpu_into_the_loop(tmp_path):
         tmp_path / "run",
     )
     assert proc.returncode == 0, show(proc)
-    assert "DALI: decoding on the GPU (nvJPEG)" in proc.stdout, show(proc)
+    assert "DALI: decoding on the GPU (nvJPEG" in proc.stdout, show(proc)
     metrics = read_json(tmp_path / "m.json")
     assert metrics["val_images"] == 21 and metrics["steps"] == 2 * 4, metrics  # 120 images, -b 32: 4 steps
 
 
 def test_dali_batches_are_on_the_gpu_in_channels_last(tmp_path):
     pytest.importorskip("nvidia.dali", reason="DALI is not installed on this node (pip install nvidia-dali-cuda130)")
-    from dlojz_dali import DaliBatches, train_pipeline
+    from dlojz_dali import DaliBatches, DaliSettings, train_pipeline
     from dlojz_data import EpochSampler, build_datasets, make_embedded_dataset
     from dlojz_prefetch import DeviceNormalize
 
@@ -580,7 +580,7 @@ def test_dali_batches_are_on_the_gpu_in_channels_last(tmp_path):
         train,
         EpochSampler(train, 1, 0),
         16,
-        lambda s: train_pipeline(s, 16, 64, 0, 2, 1),
+        lambda s: train_pipeline(s, 16, 64, 0, DaliSettings(2, 2, 0.9, False), 1),
         device,
         DeviceNormalize(device, channels_last=True),
     )
