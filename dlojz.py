@@ -334,6 +334,7 @@ def train_one_epoch(model, opt, loaders, state, cfg, ranks, hooks, progress, sto
         optimizer_step = (batch_index + 1) % cfg.grad_acc == 0 or batch_index == loaders.n_train_batches - 1
         with model.gradient_sync(optimizer_step):  # accumulating: gradients reduced at the last micro-batch only
             with hooks.phase("forward"), opt.autocast():
+                model.begin_step()  # CUDA graphs: the last step's outputs may be overwritten
                 outputs = model.net(images)
                 with hooks.phase("loss"):
                     loss = opt.criterion(outputs, targets)

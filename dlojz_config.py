@@ -15,7 +15,7 @@ import warnings
 from datetime import datetime
 
 from dlojz_checks import UserError, fail  # noqa: F401  (UserError: imported from here by the scripts)
-from dlojz_flags import FUSED, check_data_variable, check_flags, get_args_parser
+from dlojz_flags import CUDA_GRAPH_MODES, FUSED, check_data_variable, check_flags, get_args_parser
 from dlojz_recipe import read_recipe
 
 # GPU defaults are the course's; without a GPU the CPU profile keeps `--test` to a few minutes on a laptop, with the
@@ -69,6 +69,7 @@ class Config:
     grad_acc: int
     grad_checkpointing: bool
     compile: bool
+    compile_mode: str | None
     sync_bn: bool
     model_ema: bool
     model_ema_decay: float
@@ -199,6 +200,8 @@ def resolve_config(args) -> Config:
         values["fsdp_reshard_after_forward"] = True
     if values["tf32"] is None:
         values["tf32"] = on_gpu and torch.cuda.get_device_capability(torch_device)[0] >= 8
+    if values["compile_mode"] is not None:
+        values["compile"] = True
     if values["drop_last"] is None:
         # A last, smaller batch is a new input shape: a new cuDNN autotuning and, compiled, a recompilation.
         values["drop_last"] = bool(values["compile"])
@@ -325,6 +328,11 @@ def check(cfg: Config):
     values = dataclasses.asdict(cfg)
     check_flags(values)
     check_data_variable(values)
+    if cfg.torch_device == "cpu" and cfg.compile_mode in CUDA_GRAPH_MODES:
+        fail(
+            f"--compile-mode {cfg.compile_mode} records CUDA graphs, which need a GPU: on the CPU use "
+            "--compile-mode default or max-autotune-no-cudagraphs"
+        )
     from dlojz_model import check_arch
 
     check_arch(cfg.arch)  # before the data is scanned

@@ -68,6 +68,8 @@ COUNT = Number(int, 1)  # a number of things: at least one
 NON_NEGATIVE = Number(float, 0)
 POSITIVE = Number(float, 0, low_open=True)
 FRACTION = Number(float, 0, 1)
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")  # the modes that record CUDA graphs
 DALI_DEFAULTS = {"dali_threads": None, "dali_prefetch": 2, "dali_hw_decoder_load": None, "dali_antialias": False}
 
 
@@ -186,6 +188,15 @@ def get_args_parser():
         "--compile",
         action="store_true",
         help="torch.compile the model (compilation shows as the time to the first step)",
+    )
+    p.add_argument(
+        "--compile-mode",
+        choices=COMPILE_MODES,
+        default=None,
+        help="torch.compile's mode (implies --compile; default: default).\nreduce-overhead: the model's "
+        "forward and backward replayed as\nCUDA graphs (static shapes: --drop-last, one resolution);\nmax-autotune: "
+        "the fastest kernels found by trying them, and\nCUDA graphs (minutes of compilation); "
+        "max-autotune-no-cudagraphs",
     )
     p.add_argument("--sync-bn", action="store_true", help="synchronised BatchNorm across ranks")
     p.add_argument(
@@ -538,6 +549,13 @@ def check_flags(values):
             )
     elif given := [f"--{name.replace('_', '-')}" for name in DALI_DEFAULTS if values[name] != DALI_DEFAULTS[name]]:
         fail(f"{', '.join(given)} set DALI's pipeline: add --data-backend dali, or drop them")
+    if values["compile_mode"] in CUDA_GRAPH_MODES:
+        # A CUDA graph replays one input shape: each new shape records another graph, and holds its memory.
+        graphs = f"--compile-mode {values['compile_mode']} replays CUDA graphs of one input shape"
+        if values["min_res"] is not None:
+            fail(f"{graphs}: progressive resizing (--min-res) changes it every few epochs; drop one of them")
+        if values["drop_last"] is False:
+            fail(f"{graphs}: --no-drop-last adds the last, smaller batch; drop --no-drop-last")
     if values["loader_only"] and values["synthetic"]:
         fail("--loader-only times the DataLoader, which --synthetic does not use: drop one of them")
     if values["eval_only"] and not values["resume"]:

@@ -10,6 +10,7 @@ import torch
 
 from dlojz_checks import fail
 from dlojz_dist import start_compile_workers
+from dlojz_flags import CUDA_GRAPH_MODES
 from dlojz_model import ModelEma, apply_blurpool, create_model, enable_grad_checkpointing, meta_copy
 
 
@@ -21,6 +22,13 @@ class Model:
     num_classes: int
     parallel: str  # "none", or "ddp" or "fsdp" across ranks
     unsharded: torch.nn.Module  # the model whole, for FLOP counts: `module`, or with --fsdp its meta-device copy
+    cuda_graphs: bool = False  # compiled in a mode that replays CUDA graphs
+
+    def begin_step(self):
+        """Before a forward: under CUDA graphs, tells torch that the previous step's outputs are no longer used (their
+        memory is the next replay's), which it cannot always infer when validation runs between training steps."""
+        if self.cuda_graphs:
+            torch.compiler.cudagraph_mark_step_begin()
 
     def gradient_sync(self, sync):
         """Context of a micro-batch's forward and backward: gradients are reduced across ranks only when `sync`
@@ -70,8 +78,10 @@ def build_model(cfg, num_classes, ranks, log) -> Model:
         parallel = "ddp"
     if cfg.compile:
         start_compile_workers()  # deaf to Slurm's preemption signal, which this process handles
-        net = torch.compile(net)
-    return Model(net, module, ema, num_classes, parallel, unsharded)
+        net = torch.compile(net, mode=cfg.compile_mode)
+        log(f"torch.compile: mode {cfg.compile_mode or 'default'}")
+    cuda_graphs = cfg.compile and cfg.compile_mode in CUDA_GRAPH_MODES
+    return Model(net, module, ema, num_classes, parallel, unsharded, cuda_graphs)
 
 
 def state_bytes_per_rank(model, opt, ranks) -> dict:

@@ -275,3 +275,38 @@ def test_checkpoint_every_is_off_on_the_cpu_unless_asked():
     assert resolve_config(get_args_parser().parse_args(["--device", "cpu"])).checkpoint_every == 0
     asked = resolve_config(get_args_parser().parse_args(["--device", "cpu", "--checkpoint-every", "12.5"]))
     assert asked.checkpoint_every == 12.5
+
+
+def test_compile_mode_implies_compile_and_reaches_torch_compile(monkeypatch):
+    import torch
+
+    import dlojz_parallel
+    from dlojz_dist import Distribution
+
+    given = []
+    monkeypatch.setattr(dlojz_parallel, "start_compile_workers", lambda: None)
+    monkeypatch.setattr(torch, "compile", lambda net, **options: given.append(options) or net)
+    cfg = resolve("--arch", "resnet18", "--compile-mode", "max-autotune-no-cudagraphs")
+    assert cfg.compile and cfg.drop_last
+    model = dlojz_parallel.build_model(cfg, 3, Distribution(1, 0, 0, torch.device("cpu")), lambda line: None)
+    assert given == [{"mode": "max-autotune-no-cudagraphs"}] and not model.cuda_graphs
+    assert not resolve("--arch", "resnet18").compile  # ... and without it, nothing is compiled
+
+
+@pytest.mark.parametrize(
+    "flags, fragment",
+    [
+        (
+            ["--compile-mode", "reduce-overhead"],
+            "--compile-mode reduce-overhead records CUDA graphs, which need a GPU: on the CPU use --compile-mode default",
+        ),
+        (
+            ["--compile-mode", "reduce-overhead", "--min-res", "64", "--max-res", "128", "--end-ramp", "4"],
+            "replays CUDA graphs of one input shape: progressive resizing (--min-res)",
+        ),
+        (["--compile-mode", "max-autotune", "--no-drop-last"], "drop --no-drop-last"),
+        (["--compile-mode", "fastest"], "--compile-mode: invalid choice: 'fastest'"),
+    ],
+)
+def test_cuda_graph_modes_refuse_what_breaks_them_in_one_line(capsys, flags, fragment):
+    assert fragment in refusal(capsys, *flags)

@@ -6,7 +6,7 @@
   normalisation gives;
 - the chronometer: its phases wait for the compute stream (and only for it), add up to the step and agree with the
   wall clock; NVML's energy per image;
-- `--compile` trains on CUDA;
+- `--compile` trains on CUDA, in the default mode, with CUDA graphs (`--compile-mode reduce-overhead`) and autotuned;
 - no host-device synchronisation in steady-state training steps: a whole epoch of dlojz's own `train_one_epoch`
   under `torch.cuda.set_sync_debug_mode("error")` (fused SGD/AdamW under the float16 GradScaler, bfloat16, EMA,
   gradient clipping), the only wait being the log point the test leaves at its end;
@@ -353,7 +353,8 @@ def test_nvml_reads_the_energy_per_image(resnet50_test_metrics):
 
 
 # ---------------------------------------------------------------- torch.compile
-def test_compile_runs_on_cuda(tmp_path):
+@pytest.mark.parametrize("mode", [None, "reduce-overhead", "max-autotune-no-cudagraphs"])
+def test_compile_runs_on_cuda(tmp_path, mode):
     metrics = tmp_path / "m.json"
     proc = run_dlojz(
         *CUDA,
@@ -363,7 +364,7 @@ def test_compile_runs_on_cuda(tmp_path):
         "--test",
         "--test-nsteps",
         "10",
-        "--compile",
+        *(["--compile"] if mode is None else ["--compile-mode", mode]),
         "--metrics-json",
         metrics,
         "--output-dir",
@@ -371,6 +372,7 @@ def test_compile_runs_on_cuda(tmp_path):
         timeout=800,
     )
     assert proc.returncode == 0, show(proc)
+    assert f"torch.compile: mode {mode or 'default'}" in proc.stdout, show(proc)
     m = read_json(metrics)
     assert m["steps"] == 10 and math.isfinite(m["train_loss"])
     # the compilation is in the time to the first step, not in the step statistics
@@ -387,6 +389,10 @@ SYNC_FREE = [
     pytest.param(
         ["--optimizer", "sgd", "--amp-dtype", "float16", "--clip-grad-norm", "1.0", "--channels-last"],
         id="sgd-float16-clip-channels-last",
+    ),
+    pytest.param(
+        ["--optimizer", "sgd", "--amp-dtype", "float16", "--channels-last", "--compile-mode", "reduce-overhead"],
+        id="sgd-float16-cuda-graphs",
     ),
     pytest.param(
         ["--optimizer", "lamb", "--amp-dtype", "float16"],
