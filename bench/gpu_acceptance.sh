@@ -11,7 +11,8 @@
 #    GPU alone), then through the real input pipeline (JPEG decoding and augmentation in nproc-1 DataLoader
 #    workers, prefetcher, normalisation on the GPU);
 # 4. dlojz's training step against a bare loop on a synthetic batch (bench/bench_train.py): its overhead;
-# 5. a table of img/s, MFU and J/image beside NVIDIA DeepLearningExamples' and MLPerf's figures, and the ratio.
+# 5. a table of img/s, MFU and J/image beside NVIDIA DeepLearningExamples' and MLPerf's figures, and the ratio;
+# 6. the course's ablation, one optimisation per row, and a cores-per-GPU table (bench/ablation.py; ABLATION=0 skips).
 # The real-pipeline run needs 100 batches of 256 images: dlojz's embedded data set has 1,200 (5 batches, images of
 # 96x80 px), so the same generator (dlojz_data.make_embedded_dataset) writes, once, 25,600 + 500 JPEGs of 500x375
 # px (ImageNet's usual size, ~35 KB each, ~1 GB) into $XDG_CACHE_HOME/dlojz (default ~/.cache/dlojz), reused by
@@ -220,6 +221,17 @@ if path.exists():
 print("anchors: NVIDIA DeepLearningExamples ResNet-50 AMP: 2,470 img/s per A100-80GB; "
       "MLPerf-class: ~7,000 img/s per H100")
 EOF
+
+# ------------------------------------------------------------------ 6. the course's ablation and cores per GPU
+# One optimisation added per row (fp32 -> TF32 -> float16 -> channels-last -> bfloat16 -> compile -> CUDA graphs),
+# synthetic and real pipeline, then training img/s with 2, 4, 8 and all cores for the pytorch backend and DALI.
+# ABLATION=0 leaves it out (it is about as long as the steps above).
+if [ "${ABLATION:-1}" != 0 ]; then
+    t=$SECONDS
+    echo "=== the ablation (bench/ablation.py)"
+    "$PYTHON" bench/ablation.py --data-root "$data_root" --out "$OUT_DIR/ablation" || failed+=("ablation")
+    step_time "ablation" "$t"
+fi
 
 echo "=== output: $OUT_DIR ($(( SECONDS - started )) s)"
 if [ "${#failed[@]}" -ne 0 ]; then

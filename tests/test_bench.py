@@ -205,3 +205,37 @@ def test_bench_checkpoint_times_a_foreground_and_a_background_save(tmp_path):
     )
     assert set(figures["ratio"]) == {"foreground", "background"} and figures["checkpoint_bytes"] > 40e6
     assert list(tmp_path.iterdir()) == [tmp_path / "figures.json"]  # its checkpoints removed
+
+
+def test_ablation_prints_both_tables_from_the_runs_metrics(tiny_data, tmp_path):
+    """bench/ablation.py on the CPU (a small model and image): the ablation's rows and columns, each cell the figure
+    of its run's metrics JSON, a row this device refuses shown as failed (the table goes on), the cores table."""
+    import json
+
+    out = tmp_path / "abl"
+    command = [
+        sys.executable,
+        str(ROOT / "bench" / "ablation.py"),
+        *("--device", "cpu", "--arch", "resnet18", "--image-size", "32", "-b", "8", "--steps", "3"),
+        *("--rows", "fp32,cuda-graphs", "--cores", "1", "--no-dali", "--data-root", str(tiny_data), "--out", str(out)),
+    ]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=clean_env(), cwd=ROOT)
+    assert result.returncode == 1, result.stderr[-3000:]  # a cell failed: the CUDA-graph row, on the CPU
+    lines = result.stdout.splitlines()
+    header = next(line for line in lines if line.startswith("| row |"))
+    assert [c.strip() for c in header.strip("|").split("|")] == [
+        *("row", "adds", "synthetic img/s", "MFU", "J/image", "peak GiB", "real img/s", "load share", "peak GiB"),
+    ]
+    fp32 = [c.strip() for c in next(line for line in lines if line.startswith("| fp32 |")).strip("|").split("|")]
+    for cell, run in ((fp32[2], "fp32-synthetic"), (fp32[6], "fp32-data")):
+        chrono = json.loads((out / f"{run}.json").read_text())["chrono"]
+        assert cell == f"{chrono['throughput_img_s']:,.0f}", (cell, run)
+    assert fp32[3] == fp32[4] == "n/a"  # MFU and energy: GPU figures
+    peak = json.loads((out / "fp32-data.json").read_text())["chrono"]["peak_memory_bytes"]
+    assert fp32[8] == f"{peak / 2**30:.1f}" and fp32[7].endswith("%")
+    graphs = next(line for line in lines if line.startswith("| cuda-graphs |"))
+    assert "failed: dlojz: error: --compile-mode reduce-overhead records CUDA graphs, which need a GPU" in graphs
+    cores = next(line for line in lines if line.startswith("| 2 (1 + 1) |"))
+    chrono = json.loads((out / "cores1-pytorch.json").read_text())["chrono"]
+    assert cores.split("|")[2].strip() == f"{chrono['throughput_img_s']:,.0f}"
+    assert (out / "ablation.md").read_text().strip() == result.stdout.strip()

@@ -1,0 +1,248 @@
+"""The course's ablation on the node it runs on: one optimisation added per row, then how many cores a GPU needs.
+
+    python bench/ablation.py --data-root DIR                    # one GPU: ResNet-50, 224 px, batch 256
+    python bench/ablation.py --device cpu --arch resnet18 --image-size 32 -b 8 --steps 3 --rows fp32,bfloat16 \\
+        --cores 1 --data-root DIR                               # the table's code on the CPU (tests/test_bench.py)
+
+Table 1, the ablation: each row is the previous one plus one flag of dlojz.py, from fp32 to the fastest step:
+fp32 -> TF32 -> AMP float16 -> channels-last -> bfloat16 -> --compile -> CUDA graphs (--compile-mode
+reduce-overhead), each run twice: with --synthetic (the GPU alone) and through the real input pipeline (--data-root,
+all the task's CPUs as DataLoader workers). Columns: img/s (the chronometer's throughput over the measured steps),
+MFU, J/image (NVML), peak memory, and the real pipeline's data-loading share of the step.
+Table 2, cores per GPU: training img/s on the real pipeline with 2, 4, 8 and all workers for the pytorch backend,
+and DALI (--data-backend dali, as many threads) with the same CPU budget: the run is pinned to workers + 1 CPUs
+(the training process's own), so each column is what a job asking for that many cores would get.
+
+Each cell is one dlojz.py run (--test: --steps optimizer steps, the chronometer's medians over those after its
+warm-up), its metrics JSON kept under --out. A run that fails is a cell saying so (its last line), not the end of
+the table. Rows whose flags this device refuses (CUDA graphs on the CPU) say so in one line.
+--steps 30 (default) suffices on a GPU: the step's spread is a few per cent and the medians resist the outliers;
+what costs time is each run's start (model, cuDNN autotuning, compilation: ~1 min for --compile, ~1 more for
+CUDA graphs, the cache warm for the real-pipeline run after the synthetic one).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# One optimisation more per row: (name, what it adds, dlojz.py's flags for the row as a whole).
+ROWS = [
+    ("fp32", "float32, no TF32", ["--no-amp", "--no-tf32"]),
+    ("tf32", "+ TF32 matmuls and convolutions", ["--no-amp", "--tf32"]),
+    ("float16", "+ AMP float16 (GradScaler)", ["--amp", "--amp-dtype", "float16", "--tf32"]),
+    ("channels-last", "+ channels-last", ["--amp", "--amp-dtype", "float16", "--tf32", "--channels-last"]),
+    ("bfloat16", "AMP bfloat16 (no scaler)", ["--amp", "--amp-dtype", "bfloat16", "--tf32", "--channels-last"]),
+    ("compile", "+ torch.compile", ["--amp", "--amp-dtype", "bfloat16", "--tf32", "--channels-last", "--compile"]),
+    (
+        "cuda-graphs",
+        "+ CUDA graphs",
+        ["--amp", "--amp-dtype", "bfloat16", "--tf32", "--channels-last", "--compile-mode", "reduce-overhead"],
+    ),
+]
+ROW_NAMES = [name for name, _, _ in ROWS]
+FASTEST_PER_CORE = ["--amp", "--amp-dtype", "bfloat16", "--tf32", "--channels-last"]  # the cores table's step
+
+
+def task_cpus() -> list[int]:
+    return sorted(os.sched_getaffinity(0))
+
+
+def get_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--python", default=sys.executable, help="the Python that runs dlojz.py (default: this one)")
+    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    p.add_argument("--arch", default="resnet50")
+    p.add_argument("--image-size", type=int, default=224)
+    p.add_argument("-b", "--batch-size", type=int, default=256)
+    p.add_argument("--steps", type=int, default=30, help="optimizer steps per run (default: 30)")
+    p.add_argument("--data-root", help="the real pipeline's data (train/ and val/); without it, synthetic rows only")
+    p.add_argument("--rows", default=",".join(ROW_NAMES), help=f"which rows (default: all: {','.join(ROW_NAMES)})")
+    p.add_argument(
+        "--cores",
+        default="2,4,8,all",
+        help="DataLoader workers (and DALI threads) of the cores table; 'all': the task's CPUs - 1; '' for none",
+    )
+    p.add_argument("--no-dali", action="store_true", help="leave DALI out of the cores table")
+    p.add_argument("--out", default=None, help="where the runs' metrics go (default: runs/ablation_<time>)")
+    args = p.parse_args(argv)
+    rows = [name for name in args.rows.split(",") if name]
+    unknown = [name for name in rows if name not in ROW_NAMES]
+    if unknown:
+        p.error(f"--rows: unknown {', '.join(unknown)}; the rows are {', '.join(ROW_NAMES)}")
+    args.rows = [row for row in ROWS if row[0] in rows]
+    all_workers = max(1, len(task_cpus()) - 1)
+    cores = []
+    for text in filter(None, args.cores.split(",")):
+        if text == "all":
+            cores.append(all_workers)
+        elif text.isdigit() and int(text) >= 1:
+            cores.append(int(text))
+        else:
+            p.error(f"--cores: {text!r} is not a number of workers >= 1 or 'all'")
+    args.cores = [n for n in dict.fromkeys(cores) if n <= all_workers] or ([all_workers] if cores else [])
+    args.out = Path(args.out or ROOT / "runs" / f"ablation_{int(time.time())}")
+    return args
+
+
+def run(args, name: str, flags: list[str], cpus: list[int] | None = None) -> dict:
+    """One dlojz.py run; its metrics JSON, or {"error": its last line}."""
+    metrics = args.out / f"{name}.json"
+    command = [
+        args.python,
+        str(ROOT / "dlojz.py"),
+        "--device",
+        args.device,
+        "--arch",
+        args.arch,
+        "--image-size",
+        str(args.image_size),
+        "-b",
+        str(args.batch_size),
+        "--test",
+        "--test-nsteps",
+        str(args.steps),
+        "--no-wandb",
+        "--metrics-json",
+        str(metrics),
+        "--output-dir",
+        str(args.out / name),
+        *flags,
+    ]
+    if cpus is not None and shutil.which("taskset"):
+        command = ["taskset", "-c", ",".join(map(str, cpus)), *command]
+    started = time.perf_counter()
+    proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
+    (args.out / f"{name}.log").write_text(proc.stdout + proc.stderr)
+    if proc.returncode != 0 or not metrics.exists():
+        lines = (proc.stderr or proc.stdout).strip().splitlines() or [f"exit status {proc.returncode}"]
+        return {"error": lines[-1][:120]}
+    result = json.loads(metrics.read_text())
+    result["wall_s"] = time.perf_counter() - started
+    return result
+
+
+def cells(m: dict) -> dict:
+    """The table's figures of one run, None where not measured (MFU and energy need a GPU)."""
+    if "error" in m:
+        return m
+    chrono = m.get("chrono") or {}
+    peak = chrono.get("peak_memory_bytes") or m.get("max_memory_bytes")
+    return {
+        "img_s": chrono.get("throughput_img_s"),
+        "mfu": chrono.get("mfu"),
+        "j_per_image": chrono.get("energy_per_image_j"),
+        "peak_gib": None if peak is None else peak / 2**30,
+        "load_share": chrono.get("load_share"),
+    }
+
+
+def fmt(value, spec: str) -> str:
+    return "n/a" if value is None else format(value, spec)
+
+
+def ablation_table(results: dict, rows, with_data: bool) -> list[str]:
+    head = "| row | adds | synthetic img/s | MFU | J/image | peak GiB |"
+    rule = "|---|---|---:|---:|---:|---:|"
+    if with_data:
+        head += " real img/s | load share | peak GiB |"
+        rule += "---:|---:|---:|"
+    lines = [head, rule]
+    for name, adds, _ in rows:
+        line = f"| {name} | {adds} |"
+        runs = [results[f"{name}-synthetic"]] + ([results[f"{name}-data"]] if with_data else [])
+        for kind, c in zip(("synthetic", "data"), map(cells, runs)):
+            if "error" in c:
+                line += f" failed: {c['error']} |" + " |" * (3 if kind == "synthetic" else 2)
+            elif kind == "synthetic":
+                line += (
+                    f" {fmt(c['img_s'], ',.0f')} | {fmt(c['mfu'], '.1%')} | {fmt(c['j_per_image'], '.3f')} |"
+                    f" {fmt(c['peak_gib'], '.1f')} |"
+                )
+            else:
+                line += f" {fmt(c['img_s'], ',.0f')} | {fmt(c['load_share'], '.1%')} | {fmt(c['peak_gib'], '.1f')} |"
+        lines.append(line)
+    return lines
+
+
+def cores_table(results: dict, cores: list[int], backends: list[str]) -> list[str]:
+    head = "| CPUs (workers + 1) |" + "".join(f" {b} img/s | {b} load share |" for b in backends)
+    lines = [head, "|---:|" + "---:|---:|" * len(backends)]
+    for n in cores:
+        line = f"| {n + 1} ({n} + 1) |"
+        for backend in backends:
+            c = cells(results[f"cores{n}-{backend}"])
+            if "error" in c:
+                line += f" failed: {c['error']} | |"
+            else:
+                line += f" {fmt(c['img_s'], ',.0f')} | {fmt(c['load_share'], '.1%')} |"
+        lines.append(line)
+    return lines
+
+
+def main(argv=None) -> int:
+    args = get_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    with_data = args.data_root is not None
+    data = ["--data-root", args.data_root] if with_data else []
+    all_workers = max(1, len(task_cpus()) - 1)
+    results = {}
+    for name, _, flags in args.rows:
+        results[f"{name}-synthetic"] = run(args, f"{name}-synthetic", ["--synthetic", *flags])
+        if with_data:
+            results[f"{name}-data"] = run(args, f"{name}-data", [*data, "--num-workers", str(all_workers), *flags])
+        print(f"{name}: done", file=sys.stderr, flush=True)
+    backends = []
+    if with_data and args.cores:
+        backends = ["pytorch"]
+        if not args.no_dali:
+            from dlojz_dali import check_available
+
+            if check_available() is None:
+                backends.append("dali")
+            else:
+                print(f"no DALI column: {check_available()}", file=sys.stderr)
+        cpus = task_cpus()
+        for n in args.cores:
+            for backend in backends:
+                flags = [*data, "--num-workers", str(n), "--data-backend", backend, *FASTEST_PER_CORE]
+                if args.device == "cpu":
+                    flags = [f for f in flags if f not in ("--tf32",)]
+                results[f"cores{n}-{backend}"] = run(args, f"cores{n}-{backend}", flags, cpus[: n + 1])
+    lines = [
+        f"{args.arch}, {args.image_size} px, batch {args.batch_size}, {args.steps} steps per run, device "
+        f"{args.device}{' (' + gpu_name() + ')' if args.device == 'cuda' else ''}; runs in {args.out}",
+        "",
+        *ablation_table(results, args.rows, with_data),
+    ]
+    if backends:
+        lines += ["", f"Cores per GPU (real pipeline, {' '.join(FASTEST_PER_CORE)}):", ""]
+        lines += cores_table(results, args.cores, backends)
+    text = "\n".join(lines)
+    print(text)
+    (args.out / "ablation.md").write_text(text + "\n")
+    (args.out / "ablation.json").write_text(json.dumps({k: cells(v) for k, v in results.items()}, indent=1))
+    return 1 if any("error" in m for m in results.values()) else 0
+
+
+def gpu_name() -> str:
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True
+        )
+        return out.stdout.strip().splitlines()[0]
+    except (OSError, IndexError):
+        return "GPU"
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT))
+    sys.exit(main())
