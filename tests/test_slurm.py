@@ -9,6 +9,7 @@ import json
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -231,3 +232,48 @@ def test_usr1_checkpoints_requeues_and_resumes(slurm_cluster, tmp_path):
         assert trace not in text, show(result)
     runs = list((tmp_path / "run" / "wandb").glob("offline-run-*"))
     assert len(runs) == 2 and len({run.name.split("-")[-1] for run in runs}) == 1, runs  # one W&B run, continued
+
+
+# ---------------------------------------------------------------- dlojz_lab.py's sweeps as a job array
+def test_a_slurm_sweep_is_one_job_array_whose_tasks_are_the_runs(slurm_cluster, tiny_data, tmp_path):
+    from test_lab import RUN, lab, read_csv
+
+    import dlojz_lab
+
+    env = job_env(slurm_cluster)
+    proc = lab(
+        *("sweep", "--name", "arr", "--launch", "slurm", "--cpus-per-task", "1", "--time", "00:10:00"),
+        *("--grid", "batch-size=4,8", "--grid", "channels-last=on,off", "--"),
+        *RUN,
+        "--data-root",
+        tiny_data,
+        cwd=tmp_path,
+        env=env,
+    )
+    assert proc.returncode == 0 and "submitted job array" in proc.stdout, proc.stdout + proc.stderr
+    sweep = tmp_path / "runs" / "arr"
+    script = (sweep / "sweep.slurm").read_text()
+    assert "#SBATCH --array=0-3" in script and "#SBATCH --cpus-per-task=1" in script
+    assert "source slurm/dlojz_env.sh" in script
+    runs = json.loads((sweep / "sweep.json").read_text())["runs"]
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline:
+        states = [dlojz_lab.read_status(sweep / run["name"]).get("state") for run in runs]
+        if all(state in ("done", "failed") for state in states):
+            break
+        time.sleep(2)
+    status = lab("status", "arr", cwd=tmp_path, env=env)
+    assert states == ["done"] * 4, status.stdout + "".join(
+        (sweep / r["name"] / "log.txt").read_text()[-1500:] for r in runs if (sweep / r["name"] / "log.txt").exists()
+    )
+    job = json.loads((sweep / "sweep.json").read_text())["job_id"]
+    assert f"job array {job}" in status.stdout
+    assert all(json.loads((sweep / r["name"] / "status.json").read_text())["job"] == job for r in runs)
+    proc = lab("compare", "runs/arr", cwd=tmp_path, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = read_csv(sweep / "compare.csv")
+    assert [row["state"] for row in rows] == ["done"] * 4
+    for row in rows:
+        metrics = json.loads((sweep / row["run"] / "metrics.json").read_text())
+        assert float(row["img_s"]) == metrics["chrono"]["throughput_img_s"]
+        assert metrics["global_batch_size"] == int(row["batch-size"])  # the grid's value reached the run

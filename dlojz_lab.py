@@ -1,0 +1,384 @@
+"""The course's lab from the shell: a sweep of dlojz.py runs, here or as one Slurm job array, then one table and
+plots comparing them. What the course's idr_pytools does in a notebook (gpu_jobs_submitter, display_slurm_queue,
+search_log), for dlojz.
+
+    python dlojz_lab.py sweep --name bs --grid batch-size=128,256 --grid channels-last=on,off [--launch slurm
+        --gpus-per-node 1 --time 00:20:00 ...] -- --test --arch resnet50 --amp
+    python dlojz_lab.py status bs                 # the sweep's jobs in the queue, the last line of each run's log
+    python dlojz_lab.py compare runs/bs [runs/other ...]   # table, compare.csv and PNG plots (dlojz_lab_report.py)
+
+A sweep is the cross product of its grids: `--grid FLAG=V1,V2,...` with FLAG one of dlojz.py's long flags (without
+its dashes), `on`/`off` for a switch. Each run is a dlojz.py command line (the flags after `--`, then the run's
+settings) with its own folder `runs/NAME/RUN` (RUN names its settings, e.g. `batch-size=128_channels-last=on`):
+its log, its metrics JSON, its --val-history, and with --test its chronometer's report and trace. Every run's
+command line is checked by dlojz.py's own parser and checks before anything runs or is submitted: a bad grid is one
+line, exit 2. `runs/NAME/sweep.json` records the sweep (its runs and their command lines, the launch, the job id);
+each run's `status.json` says running, done or failed (with the exit status): a failed run is marked and the others
+go on. `--launch slurm` writes `runs/NAME/sweep.slurm`, one array task per run, the resources asked as #SBATCH
+lines and the environment from slurm/dlojz_env.sh, submits it and prints the job id.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import io
+import itertools
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+from contextlib import redirect_stderr
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent
+RUNS = Path("runs")
+OWN_FLAGS = ("--output-dir", "--metrics-json", "--val-history")  # each run's, set by the lab
+SLURM_RESOURCES = (  # dlojz_lab.py's flag, its #SBATCH directive
+    ("partition", "--partition"),
+    ("account", "--account"),
+    ("qos", "--qos"),
+    ("time", "--time"),
+    ("nodes", "--nodes"),
+    ("ntasks_per_node", "--ntasks-per-node"),
+    ("gpus_per_node", "--gres=gpu"),
+    ("cpus_per_task", "--cpus-per-task"),
+    ("constraint", "--constraint"),
+)
+
+
+class LabError(Exception):
+    """Bad input: one line, exit 2."""
+
+
+# ------------------------------------------------------------------ the grid
+def dlojz_flags():
+    """dlojz.py's long flags: {name without dashes: (the argparse action, is a switch)}."""
+    from dlojz_flags import get_args_parser
+
+    flags = {}
+    for action in get_args_parser()._actions:
+        for option in action.option_strings:
+            if option.startswith("--") and not option.startswith("--no-") and option != "--help":
+                flags[option[2:]] = (action, action.nargs == 0)
+    return flags
+
+
+def parse_grid(texts: list[str]) -> list[tuple[str, list[str]]]:
+    """[(flag, values)] from `FLAG=V1,V2,...` texts; an unknown flag is refused with the nearest names."""
+    flags = dlojz_flags()
+    grid = []
+    for text in texts:
+        name, sep, values = text.partition("=")
+        name = name.strip().lstrip("-")
+        if not sep or not name or not values.strip(","):
+            raise LabError(f"--grid {text!r}: give FLAG=V1,V2,... (e.g. --grid batch-size=128,256)")
+        if name not in flags:
+            near = difflib.get_close_matches(name, list(flags), n=2)
+            hint = f"; did you mean {' or '.join(near)}?" if near else "; python dlojz.py --help lists them"
+            raise LabError(f"--grid {text!r}: dlojz.py has no flag --{name}{hint}")
+        if f"--{name}" in OWN_FLAGS:
+            raise LabError(f"--grid {name}: each run's --{name} is the lab's (in runs/NAME/RUN)")
+        if name in (flag for flag, _ in grid):
+            raise LabError(f"--grid {name}: given twice; put all its values in one --grid {name}=V1,V2")
+        values = [v.strip() for v in values.split(",") if v.strip()]
+        if flags[name][1] and any(v not in ("on", "off") for v in values):
+            raise LabError(f"--grid {text!r}: --{name} is a switch: its values are on and off")
+        grid.append((name, values))
+    if not grid:
+        raise LabError("sweep: give at least one --grid FLAG=V1,V2,...")
+    return grid
+
+
+def run_flags(settings: dict) -> list[str]:
+    """dlojz.py's arguments for one run's settings."""
+    flags = dlojz_flags()
+    out = []
+    for name, value in settings.items():
+        action, switch = flags[name]
+        if not switch:
+            out += [f"--{name}", *value.split()]  # a flag of several values: --grid "randaugment=2 9,3 9"
+        elif value == "on":
+            out.append(f"--{name}")
+        elif f"--no-{name}" in action.option_strings:
+            out.append(f"--no-{name}")
+        # a plain store_true switch, off: nothing to give
+    return out
+
+
+def run_name(settings: dict) -> str:
+    return "_".join(f"{name}={value.replace('/', '-').replace(' ', '-')}" for name, value in settings.items())
+
+
+def check_command_line(name: str, argv: list[str]) -> None:
+    """dlojz.py's own parser and flag checks on one run's command line (torch is not imported)."""
+    from dlojz_flags import UserError, check_data_variable, check_flags, get_args_parser
+
+    said = io.StringIO()
+    try:
+        with redirect_stderr(said):
+            values = vars(get_args_parser().parse_args(argv))
+        check_flags(values)
+        check_data_variable(values)
+    except SystemExit:
+        message = said.getvalue().strip().splitlines()[-1] if said.getvalue().strip() else "refused"
+        raise LabError(f"run {name}: {message.removeprefix('dlojz: error: ')}") from None
+    except UserError as err:
+        raise LabError(f"run {name}: {err}") from None
+
+
+# ------------------------------------------------------------------ sweeps
+def plan_sweep(name: str, grid, base: list[str]) -> dict:
+    for flag in OWN_FLAGS:
+        if any(arg == flag or arg.startswith(flag + "=") for arg in base):
+            raise LabError(f"{flag} is set by the lab for each run (runs/{name}/RUN): drop it after --")
+    folder = (RUNS / name).resolve()  # absolute: a run's paths mean the same from a Slurm task
+    runs = []
+    for values in itertools.product(*(values for _, values in grid)):
+        settings = dict(zip((flag for flag, _ in grid), values))
+        run = run_name(settings)
+        out = folder / run
+        argv = [
+            *base,
+            *run_flags(settings),
+            *("--output-dir", str(out), "--metrics-json", str(out / "metrics.json")),
+            *("--val-history", str(out / "val_history.jsonl")),
+        ]
+        check_command_line(run, argv)
+        runs.append(dict(name=run, settings=settings, argv=argv))
+    return dict(name=name, grid=[[flag, values] for flag, values in grid], base=base, runs=runs)
+
+
+def write_status(run_dir: Path, **status) -> None:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    tmp = run_dir / "status.json.tmp"
+    tmp.write_text(json.dumps(status))
+    os.replace(tmp, run_dir / "status.json")
+
+
+def read_status(run_dir: Path) -> dict:
+    try:
+        return json.loads((Path(run_dir) / "status.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def run_one(sweep_dir: Path, index: int) -> int:
+    """One run of the sweep, as a local run or an array task does it: dlojz.py (through srun in a Slurm job), its
+    output in RUN/log.txt, its state in RUN/status.json."""
+    sweep = json.loads((sweep_dir / "sweep.json").read_text())
+    run = sweep["runs"][index]
+    run_dir = Path(sweep_dir) / run["name"]
+    job = os.environ.get("SLURM_ARRAY_JOB_ID") or os.environ.get("SLURM_JOB_ID")  # the array's id, in a task
+    started = time.time()
+    write_status(run_dir, state="running", started=started, job=job)
+    launcher = ["srun", "--kill-on-bad-exit=1"] if os.environ.get("SLURM_JOB_ID") else []
+    with open(run_dir / "log.txt", "ab") as log:
+        status = subprocess.call(
+            [*launcher, sys.executable, "-u", str(ROOT / "dlojz.py"), *run["argv"]],
+            cwd=sweep.get("cwd") or None,  # where the sweep was asked: the flags' relative paths start there
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    write_status(
+        run_dir, state="done" if status == 0 else "failed", exit=status, started=started, ended=time.time(), job=job
+    )
+    return status
+
+
+def last_line(run_dir: Path) -> str:
+    try:
+        with open(Path(run_dir) / "log.txt", "rb") as log:
+            log.seek(max(0, log.seek(0, 2) - 4096))
+            lines = log.read().decode(errors="replace").strip().splitlines()
+    except OSError:
+        return ""
+    return lines[-1] if lines else ""
+
+
+def sweep_locally(sweep_dir: Path, sweep: dict) -> int:
+    failed = 0
+    for index, run in enumerate(sweep["runs"]):
+        print(f"[{index + 1}/{len(sweep['runs'])}] {run['name']} ...", end=" ", flush=True)
+        started = time.perf_counter()
+        status = run_one(sweep_dir, index)
+        seconds = time.perf_counter() - started
+        if status == 0:
+            print(f"done in {seconds:.0f} s", flush=True)
+        else:
+            failed += 1
+            print(f"FAILED (exit {status}) in {seconds:.0f} s: {last_line(sweep_dir / run['name'])}", flush=True)
+    print(
+        f"{len(sweep['runs']) - failed} of {len(sweep['runs'])} runs done; compare: python dlojz_lab.py compare {sweep_dir}"
+    )
+    return 1 if failed else 0
+
+
+def array_script(sweep_dir: Path, sweep: dict, resources: dict) -> str:
+    lines = [
+        "#!/bin/bash",
+        f"# dlojz_lab.py sweep {sweep['name']}: one array task per run (runs listed in sweep.json)",
+        f"#SBATCH --job-name=lab_{sweep['name']}",
+        f"#SBATCH --array=0-{len(sweep['runs']) - 1}",
+        f"#SBATCH --output={sweep_dir.resolve()}/slurm_%A_%a.out",
+        "#SBATCH --hint=nomultithread",
+    ]
+    for key, directive in SLURM_RESOURCES:
+        if resources.get(key) is not None:
+            lines.append(f"#SBATCH {directive}{':' if directive.endswith('gpu') else '='}{resources[key]}")
+    lines += [f"#SBATCH {extra}" for extra in resources.get("sbatch") or []]
+    lines += [
+        "set -eo pipefail",
+        f"cd {shlex.quote(str(ROOT))}",
+        "source slurm/dlojz_env.sh  # the Python environment of every dlojz job",
+        f'python -u dlojz_lab.py run-task {shlex.quote(str(sweep_dir.resolve()))} "$SLURM_ARRAY_TASK_ID"',
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def sweep_on_slurm(sweep_dir: Path, sweep: dict, resources: dict) -> int:
+    script = sweep_dir / "sweep.slurm"
+    script.write_text(array_script(sweep_dir, sweep, resources))
+    proc = subprocess.run(["sbatch", "--parsable", str(script.resolve())], capture_output=True, text=True, cwd=ROOT)
+    if proc.returncode != 0:
+        (sweep_dir / "sweep.json").unlink()  # nothing submitted: the same command can be given again
+        raise LabError(f"sbatch {script} refused it: {(proc.stderr or proc.stdout).strip().splitlines()[-1]}")
+    job_id = proc.stdout.strip().split(";")[0]
+    sweep["job_id"] = job_id
+    (sweep_dir / "sweep.json").write_text(json.dumps(sweep, indent=1))
+    print(
+        f"submitted job array {job_id}: {len(sweep['runs'])} runs; follow it: python dlojz_lab.py status {sweep['name']}"
+    )
+    return 0
+
+
+def sweep_command(args) -> int:
+    if not args.name or "/" in args.name or args.name.startswith("."):
+        raise LabError(f"--name {args.name!r}: a folder name under runs/ (letters, digits, - and _)")
+    grid = parse_grid(args.grid)
+    sweep = plan_sweep(args.name, grid, args.dlojz_args)
+    sweep_dir = RUNS / args.name
+    if (sweep_dir / "sweep.json").exists():
+        raise LabError(f"{sweep_dir} holds a sweep already: choose another --name, or delete that folder")
+    if args.launch == "slurm" and subprocess.run(["which", "sbatch"], capture_output=True).returncode != 0:
+        raise LabError("--launch slurm: sbatch is not found here; run on a login node, or use --launch local")
+    sweep_dir.mkdir(parents=True, exist_ok=True)
+    sweep["launch"], sweep["cwd"] = args.launch, os.getcwd()
+    (sweep_dir / "sweep.json").write_text(json.dumps(sweep, indent=1))
+    print(f"sweep {args.name}: {len(sweep['runs'])} runs in {sweep_dir}")
+    if args.launch == "local":
+        return sweep_locally(sweep_dir, sweep)
+    resources = {key: getattr(args, key) for key, _ in SLURM_RESOURCES} | {"sbatch": args.sbatch}
+    return sweep_on_slurm(sweep_dir, sweep, resources)
+
+
+# ------------------------------------------------------------------ status
+def sweep_dir_of(name_or_dir: str) -> Path:
+    for candidate in (Path(name_or_dir), RUNS / name_or_dir):
+        if (candidate / "sweep.json").exists():
+            return candidate
+    raise LabError(f"{name_or_dir}: no sweep there (no sweep.json in it or in runs/{name_or_dir})")
+
+
+def queue_states(job_id) -> dict:
+    """{array index: (state, elapsed)} of the sweep's tasks still in Slurm's queue."""
+    if not job_id:
+        return {}
+    try:
+        proc = subprocess.run(
+            ["squeue", "-h", "-r", "-j", str(job_id), "-o", "%i %T %M"], capture_output=True, text=True, timeout=30
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return {}
+    states = {}
+    for line in proc.stdout.splitlines():
+        parts = line.split()
+        if len(parts) == 3 and "_" in parts[0] and parts[0].split("_")[1].isdigit():
+            states[int(parts[0].split("_")[1])] = (parts[1], parts[2])
+    return states
+
+
+def run_states(sweep_dir: Path, sweep: dict) -> list[tuple[dict, str]]:
+    """Each run and its state: done, failed (exit N), running, or queued/pending as Slurm says."""
+    queue = queue_states(sweep.get("job_id"))
+    states = []
+    for index, run in enumerate(sweep["runs"]):
+        status = read_status(sweep_dir / run["name"])
+        state = status.get("state")
+        if state == "failed":
+            state = f"failed (exit {status.get('exit')})"
+        elif state is None:
+            state = queue[index][0].lower() if index in queue else ("queued" if sweep.get("job_id") else "not run")
+        elif state == "running" and sweep.get("job_id") and index not in queue:
+            state = "ended without a status (killed?)"
+        states.append((run, state))
+    return states
+
+
+def status_command(args) -> int:
+    sweep_dir = sweep_dir_of(args.sweep)
+    sweep = json.loads((sweep_dir / "sweep.json").read_text())
+    where = f"job array {sweep['job_id']}" if sweep.get("job_id") else "run here"
+    print(f"sweep {sweep['name']} ({where}), {len(sweep['runs'])} runs:")
+    width = max(len(run["name"]) for run in sweep["runs"])
+    for run, state in run_states(sweep_dir, sweep):
+        print(f"  {run['name']:<{width}}  {state:<12}  {last_line(sweep_dir / run['name'])[:100]}")
+    return 0
+
+
+def compare_command(args) -> int:
+    from dlojz_lab_report import compare
+
+    sweeps = []
+    for name in args.sweeps:
+        sweep_dir = sweep_dir_of(name)
+        sweep = json.loads((sweep_dir / "sweep.json").read_text())
+        sweeps.append((sweep_dir, sweep, run_states(sweep_dir, sweep)))
+    return compare(sweeps, Path(args.out) if args.out else sweeps[0][0])
+
+
+# ------------------------------------------------------------------ command line
+def get_parser():
+    p = argparse.ArgumentParser(prog="dlojz_lab.py", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    s = sub.add_parser("sweep", help="run the cross product of the grids, here or as a Slurm job array")
+    s.add_argument("--name", required=True, help="the sweep's folder under runs/")
+    s.add_argument("--grid", action="append", default=[], metavar="FLAG=V1,V2", help="a dlojz.py flag and its values")
+    s.add_argument("--launch", choices=("local", "slurm"), default="local")
+    for key, directive in SLURM_RESOURCES:
+        s.add_argument(f"--{key.replace('_', '-')}", default=None, help=f"Slurm: #SBATCH {directive}")
+    s.add_argument("--sbatch", action="append", default=[], metavar="OPTION", help="any other #SBATCH option")
+    s.add_argument("dlojz_args", nargs=argparse.REMAINDER, help="-- then dlojz.py's flags, common to every run")
+    c = sub.add_parser("compare", help="one table, compare.csv and plots of one or more sweeps")
+    c.add_argument("sweeps", nargs="+", help="sweep folders (runs/NAME) or names")
+    c.add_argument("--out", default=None, help="where compare.csv and the plots go (default: the first sweep's folder)")
+    st = sub.add_parser("status", help="the sweep's jobs in the queue and the last line of each run's log")
+    st.add_argument("sweep")
+    t = sub.add_parser("run-task", help=argparse.SUPPRESS)  # what an array task runs
+    t.add_argument("sweep_dir")
+    t.add_argument("index", type=int)
+    return p
+
+
+def main(argv=None) -> int:
+    args = get_parser().parse_args(argv)
+    if getattr(args, "dlojz_args", None) and args.dlojz_args[0] == "--":
+        args.dlojz_args = args.dlojz_args[1:]
+    try:
+        if args.command == "sweep":
+            return sweep_command(args)
+        if args.command == "status":
+            return status_command(args)
+        if args.command == "compare":
+            return compare_command(args)
+        return run_one(Path(args.sweep_dir), args.index)
+    except LabError as err:
+        print(f"dlojz_lab.py: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

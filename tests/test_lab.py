@@ -1,0 +1,134 @@
+"""dlojz_lab.py: sweeps of dlojz.py runs here and as a Slurm job array, `status`, and `compare`'s table, CSV and plots
+checked against the runs' own metrics; bad grids refused in one line before anything runs. The sweep as a Slurm job
+array is in test_slurm.py, with the tests' one-node cluster."""
+
+import csv
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT, clean_env
+from test_packed_data import TINY
+
+import dlojz_lab  # noqa: E402
+import dlojz_lab_report  # noqa: E402
+
+RUN = [*TINY, "--test", "--test-nsteps", "2"]
+
+
+def lab(*args, cwd, env=None, timeout=300):
+    """dlojz_lab.py as a user runs it, from `cwd`."""
+    return subprocess.run(
+        [sys.executable, str(ROOT / "dlojz_lab.py"), *map(str, args)],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env or clean_env(),
+    )
+
+
+def read_csv(path):
+    with open(path, newline="") as file:
+        return list(csv.DictReader(file))
+
+
+def test_a_local_sweep_goes_on_past_a_failed_run_and_compare_gives_its_metrics(tiny_data, tmp_path):
+    proc = lab(
+        *("sweep", "--name", "s", "--grid", "channels-last=on,off", "--grid", "arch=resnet18,nosuchnet", "--"),
+        *RUN,
+        "--data-root",
+        tiny_data,
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 1, proc.stdout + proc.stderr  # one run failed: said in the exit status
+    assert "[2/4] channels-last=on_arch=nosuchnet ... FAILED (exit 2)" in proc.stdout, proc.stdout
+    assert "[3/4] channels-last=off_arch=resnet18 ... done" in proc.stdout, proc.stdout  # the others went on
+    sweep = tmp_path / "runs" / "s"
+    assert json.loads((sweep / "channels-last=on_arch=nosuchnet" / "status.json").read_text())["state"] == "failed"
+
+    proc = lab("compare", "runs/s", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = {row["run"]: row for row in read_csv(sweep / "compare.csv")}
+    assert set(rows) == {"channels-last=on_arch=resnet18", "channels-last=on_arch=nosuchnet",
+                         "channels-last=off_arch=resnet18", "channels-last=off_arch=nosuchnet"}  # fmt: skip
+    assert rows["channels-last=off_arch=nosuchnet"]["state"] == "failed (exit 2)"
+    assert rows["channels-last=off_arch=nosuchnet"]["img_s"] == ""
+    for name in ("channels-last=on_arch=resnet18", "channels-last=off_arch=resnet18"):
+        metrics = json.loads((sweep / name / "metrics.json").read_text())
+        row = rows[name]
+        assert row["state"] == "done" and row["channels-last"] == name.split("=")[1].split("_")[0]
+        assert float(row["img_s"]) == metrics["chrono"]["throughput_img_s"]
+        assert float(row["step_ms"]) == pytest.approx(1e3 * metrics["chrono"]["step_median_s"])
+        assert float(row["val_top1"]) == metrics["val_accuracy"]
+        assert float(row["peak_memory_gib"]) == pytest.approx(metrics["chrono"]["peak_memory_bytes"] / 2**30)
+        assert (sweep / name / "chrono_trace.json").exists()  # --test: the chronometer's trace beside it
+    for png in ("throughput_memory.png", "phases.png"):
+        assert (sweep / png).stat().st_size > 5_000, png
+    assert "run(s) without figures" in proc.stdout and "nosuchnet" in proc.stdout
+    status = lab("status", "s", cwd=tmp_path)
+    assert status.returncode == 0 and "failed (exit 2)" in status.stdout and "done" in status.stdout
+
+
+def fake_rows():
+    """Four runs of a 2 x 2 sweep, as rows() gives them."""
+    rows = []
+    for k, (bs, cl) in enumerate([("4", "on"), ("4", "off"), ("8", "on"), ("8", "off")]):
+        history = [dict(elapsed_s=10.0 * (k + 1) * e, val_accuracy=0.1 * e + 0.01 * k) for e in (1, 2, 3)]
+        rows.append(
+            {
+                "sweep": "s",
+                "run": f"batch-size={bs}_channels-last={cl}",
+                "state": "done",
+                "batch-size": bs,
+                "channels-last": cl,
+                "img_s": 100.0 + 10 * k,
+                "peak_memory_gib": 1.0 + k,
+                "step_ms": 40.0 + k,
+                "load_ms": 2.0,
+                "forward_ms": 12.0,
+                "backward_ms": 20.0 + k,
+                "history": history,
+            }  # fmt: skip
+        )
+    rows.append({"sweep": "s", "run": "queued", "state": "queued", "batch-size": "16", "channels-last": "on"})
+    return rows
+
+
+def test_the_plots_draw_every_run_s_figures():
+    rows = fake_rows()
+    fig = dlojz_lab_report.plot_throughput(rows)
+    drawn = {}
+    for ax in fig.axes[0::2]:  # the first swept flag's column (batch-size): img/s above, memory below
+        for line in ax.lines:
+            drawn.setdefault(ax.get_ylabel(), {})[line.get_label()] = list(line.get_ydata())
+    assert drawn["images / s"] == {"channels-last=on": [100.0, 120.0], "channels-last=off": [110.0, 130.0]}
+    assert drawn["peak memory (GiB)"] == {"channels-last=on": [1.0, 3.0], "channels-last=off": [2.0, 4.0]}
+    fig = dlojz_lab_report.plot_phases(rows)
+    heights = [[patch.get_height() for patch in container] for container in fig.axes[0].containers]
+    assert heights[0] == [2.0] * 4 and heights[2] == [20.0, 21.0, 22.0, 23.0]
+    assert [sum(column) for column in zip(*heights)] == [42.0, 43.0, 44.0, 45.0]  # load + step, each run
+    fig = dlojz_lab_report.plot_accuracy(rows)
+    assert [list(line.get_ydata()) for line in fig.axes[0].lines][3] == pytest.approx([13.0, 23.0, 33.0])
+    assert len(fig.axes[0].lines) == 4  # the queued run has no history
+
+
+@pytest.mark.parametrize(
+    "grid, message",
+    [
+        (["bath-size=4,8"], "--grid 'bath-size=4,8': dlojz.py has no flag --bath-size; did you mean batch-size"),
+        (["batch-size=8,0"], "run batch-size=0: argument -b/--batch-size: must be >= 1 (got 0)"),
+        (["channels-last=yes,no"], "--channels-last is a switch: its values are on and off"),
+        (["output-dir=a,b"], "--grid output-dir: each run's --output-dir is the lab's"),
+        (["batch-size"], "give FLAG=V1,V2,..."),
+    ],
+)
+def test_a_bad_grid_is_one_line_before_anything_runs(tmp_path, monkeypatch, capsys, grid, message):
+    monkeypatch.chdir(tmp_path)
+    args = ["sweep", "--name", "bad"] + [f"--grid={g}" for g in grid] + ["--", *RUN]
+    assert dlojz_lab.main(args) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err, err
+    assert not (tmp_path / "runs").exists()  # nothing written, nothing run
