@@ -255,24 +255,42 @@ def sweep_on_slurm(sweep_dir: Path, sweep: dict, resources: dict) -> int:
     return 0
 
 
-def sweep_command(args) -> int:
-    if not args.name or "/" in args.name or args.name.startswith("."):
-        raise LabError(f"--name {args.name!r}: a folder name under runs/ (letters, digits, - and _)")
-    grid = parse_grid(args.grid)
-    sweep = plan_sweep(args.name, grid, args.dlojz_args)
-    sweep_dir = RUNS / args.name
+def sweep(name: str, grid: dict, dlojz_args: list[str], launch: str = "local", sbatch=(), **resources) -> Path:
+    """The sweep as a Python call (what the notebook uses): `grid` {flag: [values]}, `resources` the Slurm flags'
+    names (partition, account, qos, time, nodes, ntasks_per_node, gpus_per_node, cpus_per_task, constraint).
+    Runs it here or submits it; returns its folder. Raises LabError on bad input, before anything runs."""
+    unknown = set(resources) - {key for key, _ in SLURM_RESOURCES}
+    if unknown:
+        raise LabError(f"unknown Slurm resources {sorted(unknown)}: give {[key for key, _ in SLURM_RESOURCES]}")
+    if not name or "/" in name or name.startswith("."):
+        raise LabError(f"--name {name!r}: a folder name under runs/ (letters, digits, - and _)")
+    texts = (
+        [f"{flag}={','.join(map(str, values))}" for flag, values in grid.items()] if isinstance(grid, dict) else grid
+    )
+    plan = plan_sweep(name, parse_grid(texts), list(map(str, dlojz_args)))
+    sweep_dir = RUNS / name
     if (sweep_dir / "sweep.json").exists():
         raise LabError(f"{sweep_dir} holds a sweep already: choose another --name, or delete that folder")
-    if args.launch == "slurm" and subprocess.run(["which", "sbatch"], capture_output=True).returncode != 0:
+    if launch == "slurm" and subprocess.run(["which", "sbatch"], capture_output=True).returncode != 0:
         raise LabError("--launch slurm: sbatch is not found here; run on a login node, or use --launch local")
     sweep_dir.mkdir(parents=True, exist_ok=True)
-    sweep["launch"], sweep["cwd"] = args.launch, os.getcwd()
-    (sweep_dir / "sweep.json").write_text(json.dumps(sweep, indent=1))
-    print(f"sweep {args.name}: {len(sweep['runs'])} runs in {sweep_dir}")
+    plan["launch"], plan["cwd"] = launch, os.getcwd()
+    (sweep_dir / "sweep.json").write_text(json.dumps(plan, indent=1))
+    print(f"sweep {name}: {len(plan['runs'])} runs in {sweep_dir}")
+    if launch == "local":
+        sweep_locally(sweep_dir, plan)
+    else:
+        sweep_on_slurm(sweep_dir, plan, dict(resources, sbatch=list(sbatch)))
+    return sweep_dir
+
+
+def sweep_command(args) -> int:
+    resources = {key: getattr(args, key) for key, _ in SLURM_RESOURCES if getattr(args, key) is not None}
+    sweep_dir = sweep(args.name, args.grid, args.dlojz_args, args.launch, args.sbatch, **resources)
     if args.launch == "local":
-        return sweep_locally(sweep_dir, sweep)
-    resources = {key: getattr(args, key) for key, _ in SLURM_RESOURCES} | {"sbatch": args.sbatch}
-    return sweep_on_slurm(sweep_dir, sweep, resources)
+        done = [state for _, state in states(sweep_dir)]
+        return 0 if all(state == "done" for state in done) else 1
+    return 0
 
 
 # ------------------------------------------------------------------ status
@@ -318,6 +336,50 @@ def run_states(sweep_dir: Path, sweep: dict) -> list[tuple[dict, str]]:
     return states
 
 
+def states(name_or_dir) -> list[tuple[str, str]]:
+    """[(run, state)] of a sweep, its state as `status` says it."""
+    sweep_dir = sweep_dir_of(str(name_or_dir))
+    plan = json.loads((sweep_dir / "sweep.json").read_text())
+    return [(run["name"], state) for run, state in run_states(sweep_dir, plan)]
+
+
+def follow(name_or_dir, every: float = 10.0, timeout: float | None = None, say=print) -> list[tuple[str, str]]:
+    """Wait for a sweep's runs to end (none queued, pending or running), saying each run's state when it changes;
+    returns the last states. The course's display_slurm_queue, for one sweep."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    said = {}
+    while True:
+        now = states(name_or_dir)
+        for run, state in now:
+            if said.get(run) != state:
+                say(f"{time.strftime('%H:%M:%S')}  {run}: {state}")
+                said[run] = state
+        if not any(state in ("queued", "pending", "running", "configuring", "completing") for _, state in now):
+            return now
+        if deadline is not None and time.monotonic() > deadline:
+            raise TimeoutError(f"sweep {name_or_dir}: runs still in the queue after {timeout:.0f} s")
+        time.sleep(every)
+
+
+def chrono_report(run_dir) -> str:
+    """The chronometer's report in a run's log (its `=>>>` lines, without the raw JSON)."""
+    try:
+        text = (Path(run_dir) / "log.txt").read_text(errors="replace")
+    except OSError:
+        return ""
+    return "\n".join(line for line in text.splitlines() if line.startswith("=>>>") and "JSON" not in line[:10])
+
+
+def load(*names) -> list:
+    """The sweeps as dlojz_lab_report.rows() takes them: [(folder, sweep.json, [(run, state)])]."""
+    out = []
+    for name in names:
+        sweep_dir = sweep_dir_of(str(name))
+        plan = json.loads((sweep_dir / "sweep.json").read_text())
+        out.append((sweep_dir, plan, run_states(sweep_dir, plan)))
+    return out
+
+
 def status_command(args) -> int:
     sweep_dir = sweep_dir_of(args.sweep)
     sweep = json.loads((sweep_dir / "sweep.json").read_text())
@@ -332,11 +394,7 @@ def status_command(args) -> int:
 def compare_command(args) -> int:
     from dlojz_lab_report import compare
 
-    sweeps = []
-    for name in args.sweeps:
-        sweep_dir = sweep_dir_of(name)
-        sweep = json.loads((sweep_dir / "sweep.json").read_text())
-        sweeps.append((sweep_dir, sweep, run_states(sweep_dir, sweep)))
+    sweeps = load(*args.sweeps)
     return compare(sweeps, Path(args.out) if args.out else sweeps[0][0])
 
 

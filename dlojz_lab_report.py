@@ -13,6 +13,7 @@ Runs that did not finish (queued, running, failed) are rows with their state and
 from __future__ import annotations
 
 import csv
+import io
 import json
 from pathlib import Path
 
@@ -224,6 +225,14 @@ def plot_accuracy(rows_: list[dict]):
     ax.legend(fontsize=7)
     fig.tight_layout()
     return fig
+
+
+def png(fig) -> bytes:
+    """A figure as PNG bytes (for IPython.display.Image in a notebook), the figure closed."""
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=110)
+    _pyplot().close(fig)
+    return buffer.getvalue()
 
 
 PLOTS = (("throughput_memory.png", plot_throughput), ("phases.png", plot_phases), ("accuracy.png", plot_accuracy))
