@@ -10,4 +10,10 @@ if [ ! -x "$VENV/bin/python" ] || [ ! -f "$VENV/.complete" ]; then
     "$VENV/bin/pip" install --quiet -r requirements.txt
     touch "$VENV/.complete"
 fi
+# The tests' own packages (requirements-test.txt), into the same venv: once per version of that file.
+test_hash=$(sha256sum requirements-test.txt | cut -c1-16)
+if [ ! -f "$VENV/.complete-test-$test_hash" ]; then
+    "$VENV/bin/pip" install --quiet -r requirements-test.txt
+    touch "$VENV/.complete-test-$test_hash"
+fi
 export PATH="$VENV/bin:$PATH"
