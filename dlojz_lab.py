@@ -329,7 +329,12 @@ def run_states(sweep_dir: Path, sweep: dict) -> list[tuple[dict, str]]:
         if state == "failed":
             state = f"failed (exit {status.get('exit')})"
         elif state is None:
-            state = queue[index][0].lower() if index in queue else ("queued" if sweep.get("job_id") else "not run")
+            if index in queue:
+                state = queue[index][0].lower()
+            elif sweep.get("job_id"):  # out of the queue before dlojz_lab wrote anything: its Slurm log says why
+                state = f"never started (slurm_{sweep['job_id']}_{index}.out)"
+            else:
+                state = "not run"
         elif state == "running" and sweep.get("job_id") and index not in queue:
             state = "ended without a status (killed?)"
         states.append((run, state))
@@ -354,7 +359,7 @@ def follow(name_or_dir, every: float = 10.0, timeout: float | None = None, say=p
             if said.get(run) != state:
                 say(f"{time.strftime('%H:%M:%S')}  {run}: {state}")
                 said[run] = state
-        if not any(state in ("queued", "pending", "running", "configuring", "completing") for _, state in now):
+        if not any(state in ("pending", "running", "configuring", "completing", "requeued") for _, state in now):
             return now
         if deadline is not None and time.monotonic() > deadline:
             raise TimeoutError(f"sweep {name_or_dir}: runs still in the queue after {timeout:.0f} s")

@@ -132,3 +132,24 @@ def test_a_bad_grid_is_one_line_before_anything_runs(tmp_path, monkeypatch, caps
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and message in err, err
     assert not (tmp_path / "runs").exists()  # nothing written, nothing run
+
+
+def test_follow_waits_for_the_queue_and_names_a_task_that_never_started(tmp_path, monkeypatch):
+    """A task still in Slurm's queue is waited for; one gone from it without a status (its environment script failed,
+    say) is said once, with its Slurm log, and does not keep follow() waiting."""
+    sweep = tmp_path / "runs" / "q"
+    runs = [dict(name=f"batch-size={b}", settings={"batch-size": b}, argv=[]) for b in ("4", "8")]
+    sweep.mkdir(parents=True)
+    (sweep / "sweep.json").write_text(json.dumps(dict(name="q", runs=runs, job_id="77")))
+    dlojz_lab.write_status(sweep / "batch-size=4", state="done", exit=0)
+    queues = iter([{1: ("PENDING", "0:00")}, {1: ("RUNNING", "0:05")}, {}])
+    monkeypatch.setattr(dlojz_lab, "queue_states", lambda job: next(queues))
+    said = []
+    final = dlojz_lab.follow(sweep, every=0, say=said.append)
+    assert [line.split("  ", 1)[1] for line in said] == [
+        "batch-size=4: done",
+        "batch-size=8: pending",
+        "batch-size=8: running",
+        "batch-size=8: never started (slurm_77_1.out)",
+    ]
+    assert final[1] == ("batch-size=8", "never started (slurm_77_1.out)")
