@@ -31,8 +31,10 @@ did dlojz's own DCT-scaled decoding; DALI's own file reader (no Python at all) g
 the same operators, but cannot keep dlojz's order, shards or skipped files.
 
 - `check_available()`: the one-line error when DALI is not installed.
-- `dali_batches(dataset, sampler, batch_size, ...)`: an iterable of (normalised images, labels) on the device,
-  with `len()` and `batch_size`, in place of the DataLoader + DevicePrefetcher.
+- `dali_settings(cfg)`: the --dali-* flags, or their defaults from the task's CPUs (`DaliSettings`).
+- `train_pipeline`, `val_pipeline`: the two DALI pipelines, fed by `EncodedSamples`.
+- `DaliBatches(dataset, sampler, batch_size, make_pipeline, ...)`: an iterable of (normalised images, labels) on the
+  device, with `len()` and `batch_size`, in place of the DataLoader + DevicePrefetcher.
 """
 
 import collections
@@ -172,21 +174,31 @@ def decoder_options(device_id, hw_decoder_load):
     }
 
 
-def train_pipeline(source, batch_size, image_size, device_id, settings, seed):
-    """RandomResizedCrop + flip, uint8 HWC (the batch's NHWC memory is what channels-last training wants)."""
-    from nvidia.dali import fn, pipeline_def, types
-
-    @pipeline_def(
+def pipeline_options(batch_size, device_id, settings, seed):
+    """What both pipelines run with: the batch, the device, DALI's threads and prefetch depth, the seed."""
+    return dict(
         batch_size=batch_size,
         num_threads=settings.threads,
         device_id=device_id,
         seed=seed,
         prefetch_queue_depth=settings.prefetch,
     )
+
+
+def encoded_samples(source):
+    """The pipeline's input: EncodedSamples' batches of file bytes and labels (inside a pipeline definition)."""
+    from nvidia.dali import fn, types
+
+    return fn.external_source(source=source, num_outputs=2, batch=True, cycle="raise", dtype=[types.UINT8, types.INT64])
+
+
+def train_pipeline(source, batch_size, image_size, device_id, settings, seed):
+    """RandomResizedCrop + flip, uint8 HWC (the batch's NHWC memory is what channels-last training wants)."""
+    from nvidia.dali import fn, pipeline_def, types
+
+    @pipeline_def(**pipeline_options(batch_size, device_id, settings, seed))
     def pipeline():
-        encoded, labels = fn.external_source(
-            source=source, num_outputs=2, batch=True, cycle="raise", dtype=[types.UINT8, types.INT64]
-        )
+        encoded, labels = encoded_samples(source)
         images = fn.decoders.image_random_crop(
             encoded,
             output_type=types.RGB,
@@ -207,17 +219,9 @@ def val_pipeline(source, batch_size, resize_size, crop_size, device_id, settings
     center crop, uint8 HWC."""
     from nvidia.dali import fn, pipeline_def, types
 
-    @pipeline_def(
-        batch_size=batch_size,
-        num_threads=settings.threads,
-        device_id=device_id,
-        seed=seed,
-        prefetch_queue_depth=settings.prefetch,
-    )
+    @pipeline_def(**pipeline_options(batch_size, device_id, settings, seed))
     def pipeline():
-        encoded, labels = fn.external_source(
-            source=source, num_outputs=2, batch=True, cycle="raise", dtype=[types.UINT8, types.INT64]
-        )
+        encoded, labels = encoded_samples(source)
         images = fn.decoders.image(
             encoded, output_type=types.RGB, **decoder_options(device_id, settings.hw_decoder_load)
         )

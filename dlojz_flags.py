@@ -70,6 +70,7 @@ POSITIVE = Number(float, 0, low_open=True)
 FRACTION = Number(float, 0, 1)
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")  # the modes that record CUDA graphs
+# The --dali-* flags' defaults (also how check_flags tells that one was given)
 DALI_DEFAULTS = {"dali_threads": None, "dali_prefetch": 2, "dali_hw_decoder_load": None, "dali_antialias": False}
 
 
@@ -327,17 +328,21 @@ def get_args_parser():
     p.add_argument(
         "--dali-threads",
         type=COUNT,
-        default=None,
+        default=DALI_DEFAULTS["dali_threads"],
         metavar="N",
         help="DALI's CPU threads (default: --num-workers, itself the task's CPUs - 1)",
     )
     p.add_argument(
-        "--dali-prefetch", type=COUNT, default=2, metavar="N", help="batches DALI prepares ahead (default: 2)"
+        "--dali-prefetch",
+        type=COUNT,
+        default=DALI_DEFAULTS["dali_prefetch"],
+        metavar="N",
+        help="batches DALI prepares ahead (default: 2)",
     )
     p.add_argument(
         "--dali-hw-decoder-load",
         type=FRACTION,
-        default=None,
+        default=DALI_DEFAULTS["dali_hw_decoder_load"],
         metavar="F",
         help="share of the JPEGs for the A100/H100 hardware decoder,\nthe rest for nvJPEG's CPU+GPU decoding "
         "(default: 0.9 with\nfewer than 8 DALI threads, else DALI's 0.65)",
@@ -345,7 +350,7 @@ def get_args_parser():
     p.add_argument(
         "--dali-antialias",
         action=argparse.BooleanOptionalAction,
-        default=False,
+        default=DALI_DEFAULTS["dali_antialias"],
         help="antialias DALI's training resize (default: off, as NVIDIA's DALI\nResNet-50 pipelines: the CPU "
         "backend's resize then costs half;\nvalidation's resize is antialiased either way)",
     )
@@ -568,6 +573,15 @@ def check_data_variable(values):
         fail(problem)
 
 
+def checked_values(argv=None) -> dict:
+    """The flags' values of a command line once parsed and checked (the parser exits 2 with its one line; the checks
+    raise UserError): what dlojz.py checks first, and dlojz_lab.py for each run of a sweep."""
+    values = vars(get_args_parser().parse_args(argv))
+    check_flags(values)
+    check_data_variable(values)
+    return values
+
+
 def check_command_line(argv=None):
     """dlojz.py's first step, before torch is imported: `--help`, a mistyped flag, a value out of its bounds, flags
     that do not go together or a half-set launch environment end here in one line (exit status 2). Returns nothing:
@@ -580,9 +594,7 @@ def check_command_line(argv=None):
         print(f"dlojz: error: {problem}", file=sys.stderr, flush=True)  # every copy: which rank it is is unknown
         sys.exit(2)
     try:
-        values = vars(get_args_parser().parse_args(argv))
-        check_flags(values)
-        check_data_variable(values)
+        checked_values(argv)
     except UserError as err:
         if launch_rank(os.environ) == 0:  # every rank reads the same command line: one of them says it
             print(f"dlojz: error: {err}", file=sys.stderr, flush=True)

@@ -92,9 +92,8 @@ def parse_grid(texts: list[str]) -> list[tuple[str, list[str]]]:
     return grid
 
 
-def run_flags(settings: dict) -> list[str]:
-    """dlojz.py's arguments for one run's settings."""
-    flags = dlojz_flags()
+def run_flags(settings: dict, flags: dict) -> list[str]:
+    """dlojz.py's arguments for one run's settings (`flags`: dlojz_flags())."""
     out = []
     for name, value in settings.items():
         action, switch = flags[name]
@@ -114,14 +113,12 @@ def run_name(settings: dict) -> str:
 
 def check_command_line(name: str, argv: list[str]) -> None:
     """dlojz.py's own parser and flag checks on one run's command line (torch is not imported)."""
-    from dlojz_flags import UserError, check_data_variable, check_flags, get_args_parser
+    from dlojz_flags import UserError, checked_values
 
     said = io.StringIO()
     try:
-        with redirect_stderr(said):
-            values = vars(get_args_parser().parse_args(argv))
-        check_flags(values)
-        check_data_variable(values)
+        with redirect_stderr(said):  # the parser's one line, said again with the run's name
+            checked_values(argv)
     except SystemExit:
         message = said.getvalue().strip().splitlines()[-1] if said.getvalue().strip() else "refused"
         raise LabError(f"run {name}: {message.removeprefix('dlojz: error: ')}") from None
@@ -135,6 +132,7 @@ def plan_sweep(name: str, grid, base: list[str]) -> dict:
         if any(arg == flag or arg.startswith(flag + "=") for arg in base):
             raise LabError(f"{flag} is set by the lab for each run (runs/{name}/RUN): drop it after --")
     folder = (RUNS / name).resolve()  # absolute: a run's paths mean the same from a Slurm task
+    flags = dlojz_flags()
     runs = []
     for values in itertools.product(*(values for _, values in grid)):
         settings = dict(zip((flag for flag, _ in grid), values))
@@ -142,7 +140,7 @@ def plan_sweep(name: str, grid, base: list[str]) -> dict:
         out = folder / run
         argv = [
             *base,
-            *run_flags(settings),
+            *run_flags(settings, flags),
             *("--output-dir", str(out), "--metrics-json", str(out / "metrics.json")),
             *("--val-history", str(out / "val_history.jsonl")),
         ]
@@ -198,7 +196,7 @@ def last_line(run_dir: Path) -> str:
     return lines[-1] if lines else ""
 
 
-def sweep_locally(sweep_dir: Path, sweep: dict) -> int:
+def sweep_locally(sweep_dir: Path, sweep: dict) -> None:
     failed = 0
     for index, run in enumerate(sweep["runs"]):
         print(f"[{index + 1}/{len(sweep['runs'])}] {run['name']} ...", end=" ", flush=True)
@@ -213,7 +211,6 @@ def sweep_locally(sweep_dir: Path, sweep: dict) -> int:
     print(
         f"{len(sweep['runs']) - failed} of {len(sweep['runs'])} runs done; compare: python dlojz_lab.py compare {sweep_dir}"
     )
-    return 1 if failed else 0
 
 
 def array_script(sweep_dir: Path, sweep: dict, resources: dict) -> str:
@@ -239,7 +236,7 @@ def array_script(sweep_dir: Path, sweep: dict, resources: dict) -> str:
     return "\n".join(lines)
 
 
-def sweep_on_slurm(sweep_dir: Path, sweep: dict, resources: dict) -> int:
+def sweep_on_slurm(sweep_dir: Path, sweep: dict, resources: dict) -> None:
     script = sweep_dir / "sweep.slurm"
     script.write_text(array_script(sweep_dir, sweep, resources))
     proc = subprocess.run(["sbatch", "--parsable", str(script.resolve())], capture_output=True, text=True, cwd=ROOT)
@@ -252,7 +249,6 @@ def sweep_on_slurm(sweep_dir: Path, sweep: dict, resources: dict) -> int:
     print(
         f"submitted job array {job_id}: {len(sweep['runs'])} runs; follow it: python dlojz_lab.py status {sweep['name']}"
     )
-    return 0
 
 
 def sweep(name: str, grid: dict, dlojz_args: list[str], launch: str = "local", sbatch=(), **resources) -> Path:

@@ -32,6 +32,7 @@ COLUMNS = [
     ("val_top5", "top-5", ("val_top5_accuracy",)),
     ("time_to_target_s", "to target s", ("time_to_target_s",)),
 ]
+FIGURES = [column for column, *_ in COLUMNS]
 SCALE = {"step_ms": 1e3, "load_ms": 1e3, "forward_ms": 1e3, "backward_ms": 1e3, "peak_memory_gib": 2**-30}
 PERCENT = {"load_share", "mfu", "val_top1", "val_top5"}
 
@@ -82,7 +83,7 @@ def swept(rows_: list[dict]) -> list[str]:
     names = []
     for row in rows_:
         for key in row:
-            if key in ("sweep", "run", "state", "history") or key in dict((c[0], 0) for c in COLUMNS):
+            if key in ("sweep", "run", "state", "history") or key in FIGURES:
                 continue
             if key not in names:
                 names.append(key)
@@ -103,37 +104,29 @@ def cell(row: dict, column: str) -> str:
 
 
 def table(rows_: list[dict]) -> str:
+    """The runs' rows aligned: names left, figures right."""
     settings = swept(rows_)
     headers = ["sweep", *settings, "state", *(header for _, header, *_ in COLUMNS)]
-    keys = ["sweep", *settings, "state", *(column for column, *_ in COLUMNS)]
-    body = [
-        [cell(row, key) if key in dict((c[0], 0) for c in COLUMNS) else str(row.get(key, "")) for key in keys]
-        for row in rows_
-    ]
+    keys = ["sweep", *settings, "state", *FIGURES]
+    body = [[cell(row, key) if key in FIGURES else str(row.get(key, "")) for key in keys] for row in rows_]
     widths = [max(len(h), *(len(line[i]) for line in body)) for i, h in enumerate(headers)]
-    lines = [
-        "  ".join(h.rjust(w) if i >= len(settings) + 2 else h.ljust(w) for i, (h, w) in enumerate(zip(headers, widths)))
-    ]
-    for line in body:
-        lines.append(
-            "  ".join(
-                v.rjust(w) if i >= len(settings) + 2 else v.ljust(w) for i, (v, w) in enumerate(zip(line, widths))
-            )
-        )
-    return "\n".join(lines)
+    names = len(settings) + 2  # sweep, the settings, state
+    return "\n".join(
+        "  ".join(v.rjust(w) if i >= names else v.ljust(w) for i, (v, w) in enumerate(zip(line, widths)))
+        for line in [headers, *body]
+    )
 
 
 def write_csv(rows_: list[dict], path: Path) -> None:
     """compare.csv: the settings, the state and every figure at full precision (units in the header)."""
     settings = swept(rows_)
-    columns = [column for column, *_ in COLUMNS]
     with open(path, "w", newline="") as file:
         writer = csv.writer(file)
-        writer.writerow(["sweep", "run", "state", *settings, *columns])
+        writer.writerow(["sweep", "run", "state", *settings, *FIGURES])
         for row in rows_:
             writer.writerow(
                 [row["sweep"], row["run"], row["state"], *(row.get(s, "") for s in settings)]
-                + ["" if row.get(c) is None else repr(row[c]) for c in columns]
+                + ["" if row.get(c) is None else repr(row[c]) for c in FIGURES]
             )
 
 

@@ -80,7 +80,7 @@ def build_model(cfg, num_classes, ranks, log) -> Model:
         start_compile_workers()  # deaf to Slurm's preemption signal, which this process handles
         net = torch.compile(net, mode=cfg.compile_mode)
         log(f"torch.compile: mode {cfg.compile_mode or 'default'}")
-    cuda_graphs = cfg.compile and cfg.compile_mode in CUDA_GRAPH_MODES
+    cuda_graphs = cfg.compile_mode in CUDA_GRAPH_MODES  # (a --compile-mode implies --compile)
     return Model(net, module, ema, num_classes, parallel, unsharded, cuda_graphs)
 
 

@@ -89,6 +89,7 @@ def get_args(argv=None):
         else:
             p.error(f"--cores: {text!r} is not a number of workers >= 1 or 'all'")
     args.cores = [n for n in dict.fromkeys(cores) if n <= all_workers] or ([all_workers] if cores else [])
+    args.all_workers = all_workers
     args.out = Path(args.out or ROOT / "runs" / f"ablation_{int(time.time())}")
     return args
 
@@ -193,12 +194,11 @@ def main(argv=None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     with_data = args.data_root is not None
     data = ["--data-root", args.data_root] if with_data else []
-    all_workers = max(1, len(task_cpus()) - 1)
     results = {}
     for name, _, flags in args.rows:
         results[f"{name}-synthetic"] = run(args, f"{name}-synthetic", ["--synthetic", *flags])
         if with_data:
-            results[f"{name}-data"] = run(args, f"{name}-data", [*data, "--num-workers", str(all_workers), *flags])
+            results[f"{name}-data"] = run(args, f"{name}-data", [*data, "--num-workers", str(args.all_workers), *flags])
         print(f"{name}: done", file=sys.stderr, flush=True)
     backends = []
     if with_data and args.cores:
@@ -214,8 +214,6 @@ def main(argv=None) -> int:
         for n in args.cores:
             for backend in backends:
                 flags = [*data, "--num-workers", str(n), "--data-backend", backend, *FASTEST_PER_CORE]
-                if args.device == "cpu":
-                    flags = [f for f in flags if f not in ("--tf32",)]
                 results[f"cores{n}-{backend}"] = run(args, f"cores{n}-{backend}", flags, cpus[: n + 1])
     lines = [
         f"{args.arch}, {args.image_size} px, batch {args.batch_size}, {args.steps} steps per run, device "
