@@ -119,7 +119,9 @@ def main(argv=None) -> dict:
     wandb_run = open_wandb(cfg, ranks, metrics, state)
     saver = make_saver(cfg, model, opt, ranks)
     profiler = make_profiler(cfg, Path(cfg.output_dir) / "profiler", ranks.rank, ranks.device) if cfg.prof else None
-    hooks = LoopHooks(chrono, profiler, opt.lr_finder)  # the chronometer, torch.profiler, the LR range test
+    hooks = LoopHooks(
+        chrono, profiler, opt.lr_finder, ranks.enabled
+    )  # the chronometer, torch.profiler, the LR range test
     progress = Progress(
         log, wandb_run, ranks.device, cfg.epochs, loaders.n_train_batches, cfg.grad_acc, images_per_step
     )
@@ -552,7 +554,7 @@ def synthetic_loop(argv, n_batches):
         state=TrainState(),
         cfg=cfg,
         ranks=ranks,
-        hooks=LoopHooks(Chronometer(enabled=cfg.test, device=ranks.device)),
+        hooks=LoopHooks(Chronometer(enabled=cfg.test, device=ranks.device), None, opt.lr_finder, ranks.enabled),
         progress=progress,
         stop=StopPoll(StopSignal(), ranks),
     )

@@ -225,6 +225,11 @@ def resolve_config(args) -> Config:
     check(cfg)
     if on_gpu:
         notes.extend(precision_notes(cfg, torch.cuda.get_device_capability(torch_device)))
+    if on_gpu and cfg.sync_bn:
+        notes.append(
+            "--sync-bn: torch's SyncBatchNorm waits for the GPU once per BatchNorm layer in each training forward "
+            "(it drops the ranks without images); worth it for small per-GPU batches only"
+        )
     if on_gpu and cfg.amp and (cfg.batch_size % 8 or cfg.image_size % 8):
         notes.append(
             f"WARNING: with AMP, Tensor Cores want multiples of 8: --batch-size {cfg.batch_size}, "
@@ -276,19 +281,47 @@ CUDA12_HINT = (
 )
 
 
+def kernels_run_on(arch, device_cc):
+    """Whether the code torch lists as `arch` (sm_86, sm_90a, sm_100f, compute_90...) runs on a GPU of compute
+    capability `device_cc` (89 for 8.9); None for a name this rule cannot read. A cubin runs on the GPUs of its major
+    version from its own minor on (torch's `_device_requirement`, which knows the exceptions, where it has one),
+    an arch-specific one (sm_90a) on its own GPU only, a family one (sm_100f) on its family; PTX (compute_XY) is
+    compiled at load time for any newer GPU."""
+    import torch
+
+    kind, _, version = arch.partition("_")
+    suffix = version[-1:] if version[-1:].isalpha() else ""
+    number = version[: len(version) - len(suffix)]
+    if kind not in ("sm", "compute") or not number.isdigit() or suffix not in ("", "a", "f"):
+        return None
+    code_cc = int(number)
+    if suffix == "a":
+        return device_cc == code_cc
+    if suffix == "f":
+        return device_cc // 10 == code_cc // 10 and device_cc >= code_cc
+    if kind == "compute":
+        return device_cc >= code_cc
+    requirement = getattr(torch.cuda, "_device_requirement", lambda code: None)(code_cc)
+    if requirement is not None:
+        return device_cc in requirement
+    return device_cc // 10 == code_cc // 10 and device_cc >= code_cc
+
+
 def check_kernels(index):
     """Fail in one line if this torch has no kernels for the GPU (the pinned CUDA 13 wheel stops at sm_75: no V100)."""
     import torch
 
+    if torch.version.cuda is None:  # a ROCm build lists gfx targets, and HIP checks them itself
+        return
     major, minor = torch.cuda.get_device_capability(index)
     archs = torch.cuda.get_arch_list()
-    built = {int(a.split("_")[1]) for a in archs if a.startswith("sm_")}
-    ptx = [int(a.split("_")[1]) for a in archs if a.startswith("compute_")]  # JIT-compiled for newer GPUs
-    if archs and 10 * major + minor not in built and not any(p <= 10 * major + minor for p in ptx):
-        fail(
-            f"this torch {torch.__version__} (CUDA {torch.version.cuda}) has no kernels for "
-            f"{torch.cuda.get_device_name(index)} (sm_{major}{minor}; built for {', '.join(archs)}): {CUDA12_HINT}"
-        )
+    verdicts = [kernels_run_on(arch, 10 * major + minor) for arch in archs]
+    if any(verdicts) or all(verdict is None for verdict in verdicts):  # (an empty or unreadable list: torch knows)
+        return
+    fail(
+        f"this torch {torch.__version__} (CUDA {torch.version.cuda}) has no kernels for "
+        f"{torch.cuda.get_device_name(index)} (sm_{major}{minor}; built for {', '.join(archs)}): {CUDA12_HINT}"
+    )
 
 
 def driver_too_old():

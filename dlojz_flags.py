@@ -561,6 +561,13 @@ def check_flags(values):
             fail(f"{graphs}: progressive resizing (--min-res) changes it every few epochs; drop one of them")
         if values["drop_last"] is False:
             fail(f"{graphs}: --no-drop-last adds the last, smaller batch; drop --no-drop-last")
+        if values["grad_acc"] > 1:
+            # A replay's gradients live in the graphs' memory pool, which the next micro-batch's replay reuses.
+            fail(
+                f"--compile-mode {values['compile_mode']} replays CUDA graphs, whose next replay overwrites the "
+                f"gradients --grad-acc {values['grad_acc']} accumulates; use --compile-mode "
+                "max-autotune-no-cudagraphs (or default) with --grad-acc, or --grad-acc 1"
+            )
     if values["loader_only"] and values["synthetic"]:
         fail("--loader-only times the DataLoader, which --synthetic does not use: drop one of them")
     if values["eval_only"] and not values["resume"]:

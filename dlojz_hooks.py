@@ -11,21 +11,24 @@ The loop calls the same few methods whatever is plugged in, so that it reads the
   optimizer step, as the course counts it); disabled, its toggles cost nothing.
 - The profiler (`make_profiler`) labels each phase with `record_function` and is stepped after each micro-batch.
 - The LR finder (`dlojz_optim.LRFinder`) reads every optimizer step's loss (one host synchronisation per step: the
-  range test needs it) and sets the next step's learning rate.
+  range test needs it) and sets the next step's learning rate. Across ranks it reads the loss averaged over all of
+  them (one all-reduce per step), so that every rank records the same curve and ends the sweep at the same step.
 """
 
 import contextlib
 import time
 
 import torch
+import torch.distributed as dist
 
 _CHRONO_OPENS = {"data_loading": "dataload", "forward": "forward", "backward": "backward"}
 _CHRONO_CLOSES = {"data_loading": "dataload", "forward": "forward"}  # "backward" closes in step_done
 
 
 class LoopHooks:
-    def __init__(self, chrono, profiler=None, lr_finder=None):
+    def __init__(self, chrono, profiler=None, lr_finder=None, distributed=False):
         self.chrono, self.profiler, self.lr_finder = chrono, profiler, lr_finder
+        self.distributed = distributed  # several ranks: the LR finder reads the loss averaged over all of them
         self.data_wait_s = 0.0  # host seconds spent waiting for the next batch, this run (a clock read: no sync)
 
     def loading(self, batches):
@@ -65,7 +68,12 @@ class LoopHooks:
         """Return True when the run should stop here (the LR finder has swept its range or diverged)."""
         if self.lr_finder is None:
             return False
-        self.lr_finder.step(loss.item(), correct.item() / count)
+        step = torch.stack([loss.detach().double(), correct.detach().double() / count])
+        if self.distributed:  # each rank's own loss can turn non-finite alone: the end of the sweep is agreed on
+            dist.all_reduce(step)
+            step /= dist.get_world_size()
+        loss_value, accuracy = step.tolist()
+        self.lr_finder.step(loss_value, accuracy)
         return self.lr_finder.done
 
     def close(self):

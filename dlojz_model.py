@@ -175,19 +175,26 @@ def plain_stages(model):
 
 
 # ---------------------------------------------------------------------- anti-aliased downsampling
-def blur(x, stride):
-    """Depthwise 3x3 binomial low-pass filter ([1 2 1] x [1 2 1] / 16), zero padding, with `stride`."""
+def binomial_kernel():
+    """The 3x3 binomial low-pass filter ([1 2 1] x [1 2 1] / 16), shaped as one depthwise convolution's weight."""
+    row = torch.tensor([1.0, 2.0, 1.0])
+    return (row[:, None] * row[None, :] / 16).reshape(1, 1, 3, 3)
+
+
+def blur(x, kernel, stride):
+    """`x` filtered channel by channel with `kernel` (binomial_kernel()), zero padding, with `stride`. The kernel
+    is the layer's buffer, on x's device already: one made here from Python numbers would be a blocking
+    host-to-device copy at every forward."""
     channels = x.shape[1]
-    kernel = torch.tensor([1.0, 2.0, 1.0], device=x.device, dtype=x.dtype)
-    kernel = (kernel[:, None] * kernel[None, :] / 16).expand(channels, 1, 3, 3)
-    return torch.nn.functional.conv2d(x, kernel, stride=stride, padding=1, groups=channels)
+    weight = kernel.to(x.dtype).expand(channels, 1, 3, 3)
+    return torch.nn.functional.conv2d(x, weight, stride=stride, padding=1, groups=channels)
 
 
 class BlurConv2d(torch.nn.Conv2d):
     """A strided convolution that sees its input low-pass filtered first (FFCV's BlurPool): less aliasing."""
 
     def forward(self, x):
-        return super().forward(blur(x, 1))
+        return super().forward(blur(x, self.blur_kernel, 1))
 
 
 class MaxBlurPool2d(torch.nn.MaxPool2d):
@@ -197,20 +204,24 @@ class MaxBlurPool2d(torch.nn.MaxPool2d):
         pooled = torch.nn.functional.max_pool2d(
             x, self.kernel_size, 1, self.padding, self.dilation, ceil_mode=self.ceil_mode
         )
-        return blur(pooled, self.stride)
+        return blur(pooled, self.blur_kernel, self.stride)
 
 
 def apply_blurpool(model, min_channels=16):
     """Blur before each strided Conv2d with at least `min_channels` inputs (the stem's 3-channel conv keeps its
     own), and turn each strided MaxPool2d into a MaxBlurPool2d. Returns how many layers changed."""
     changed = 0
+    device = next(model.parameters(), torch.empty(0)).device
     for module in model.modules():
         if type(module) is torch.nn.Conv2d and max(module.stride) > 1 and module.in_channels >= min_channels:
             module.__class__ = BlurConv2d
-            changed += 1
         elif type(module) is torch.nn.MaxPool2d and module.stride not in (1, (1, 1)):
             module.__class__ = MaxBlurPool2d
-            changed += 1
+        else:
+            continue
+        # A buffer follows the model to its device; non-persistent: the state dict's keys stay torchvision's.
+        module.register_buffer("blur_kernel", binomial_kernel().to(device), persistent=False)
+        changed += 1
     return changed
 
 

@@ -16,7 +16,7 @@ Measured, each in its own fresh subprocess (so that no run inherits another's al
   (the parts ``main()`` builds, from the same flags, ``--synthetic --epochs 1``, with an epoch of STEPS batches);
   every line of the training loop is dlojz's own. Note that an epoch of STEPS steps prints a console line every
   ceil(STEPS/10) steps, each a synchronisation point; a real epoch has 10 per epoch.
-* ``bare``: this file's ``bare_loop()``: model, SGD(lr 0.1, momentum 0.9), CrossEntropyLoss(label_smoothing 0.1),
+* ``bare``: this file's ``bare_loop()``: model, fused SGD(lr 0.1, momentum 0.9), CrossEntropyLoss(label_smoothing 0.1),
   autocast + GradScaler, ``zero_grad / forward / backward / step``, nothing else (no scheduler object, no metrics).
   One bare run per dlojz variant: each step's learning rate and momentum are set to the values dlojz's default
   OneCycleLR gives at that step for that variant's schedule length (precomputed before the loop; two dict writes
@@ -187,6 +187,14 @@ def common_flags(args):
 # ================================ the bare loop (runs in its own subprocess) ================================
 
 
+def bare_optimizer(model):
+    """SGD(lr 0.1, momentum 0.9) with dlojz's fused step: an unfused one under the float16 GradScaler would read the
+    overflow flag on the host at every step, and the reference would be slower than the loop it judges."""
+    from dlojz_optim import build_optimizer
+
+    return build_optimizer("sgd", model.parameters(), 0.1, 0.9, 0.0, fused=True)
+
+
 def bare_loop(args):
     """Train `args.steps` steps on one random batch; return images/s over the steps after the warm-up."""
     device = torch.device(args.device)
@@ -208,7 +216,7 @@ def bare_loop(args):
     model = model.to(memory_format=memory_format)
     model.train()
     criterion = torch.nn.CrossEntropyLoss(label_smoothing=0.1)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=0.0)
+    optimizer = bare_optimizer(model)
     lr_momentum = onecycle_values(0.1, args.schedule_steps or args.steps, args.steps)
     scaler = torch.amp.GradScaler(device.type, enabled=args.amp and amp_dtype == torch.float16)
 

@@ -239,3 +239,12 @@ def test_ablation_prints_both_tables_from_the_runs_metrics(tiny_data, tmp_path):
     chrono = json.loads((out / "cores1-pytorch.json").read_text())["chrono"]
     assert cores.split("|")[2].strip() == f"{chrono['throughput_img_s']:,.0f}"
     assert (out / "ablation.md").read_text().strip() == result.stdout.strip()
+
+
+def test_the_bare_loop_steps_with_dlojz_s_fused_sgd():
+    """An unfused SGD under the float16 GradScaler reads the device every step: the reference would flatter dlojz."""
+    import bench_train
+    import torch
+
+    optimizer = bench_train.bare_optimizer(torch.nn.Linear(4, 2))
+    assert optimizer.defaults["fused"] and optimizer.defaults["momentum"] == 0.9

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torchvision
 
-from dlojz_model import BlurConv2d, MaxBlurPool2d, apply_blurpool, blur
+from dlojz_model import BlurConv2d, MaxBlurPool2d, apply_blurpool, binomial_kernel, blur
 from test_flag_effects import loop_for
 
 
@@ -16,7 +16,7 @@ def test_the_blur_is_the_binomial_kernel():
     impulse[:, :, 2, 2] = 1
     expected = torch.tensor([1.0, 2.0, 1.0])
     expected = expected[:, None] * expected[None, :] / 16
-    out = blur(impulse, 1)
+    out = blur(impulse, binomial_kernel(), 1)
     assert torch.allclose(out[0, 0, 1:4, 1:4], expected) and torch.allclose(out[0, 1], out[0, 0])
     assert out.sum().item() == pytest.approx(2.0)  # a low-pass filter keeps the mean
 

@@ -305,8 +305,18 @@ def test_compile_mode_implies_compile_and_reaches_torch_compile(monkeypatch):
             "replays CUDA graphs of one input shape: progressive resizing (--min-res)",
         ),
         (["--compile-mode", "max-autotune", "--no-drop-last"], "drop --no-drop-last"),
+        (
+            ["--compile-mode", "reduce-overhead", "--grad-acc", "2"],
+            "overwrites the gradients --grad-acc 2 accumulates; use --compile-mode max-autotune-no-cudagraphs",
+        ),
+        (["--compile-mode", "max-autotune", "--grad-acc", "4"], "--grad-acc 4 accumulates"),
         (["--compile-mode", "fastest"], "--compile-mode: invalid choice: 'fastest'"),
     ],
 )
 def test_cuda_graph_modes_refuse_what_breaks_them_in_one_line(capsys, flags, fragment):
     assert fragment in refusal(capsys, *flags)
+
+
+def test_gradient_accumulation_compiles_without_cuda_graphs():
+    cfg = resolve("--arch", "resnet18", "--compile-mode", "max-autotune-no-cudagraphs", "--grad-acc", "2")
+    assert cfg.compile and cfg.grad_acc == 2

@@ -48,6 +48,43 @@ def test_ptx_for_an_older_arch_runs_on_a_newer_gpu(fake_cuda):
     assert local_device("cuda", 0) == "cuda:0"
 
 
+WHEEL = ("sm_75", "sm_80", "sm_86", "sm_90", "sm_100", "sm_120")  # torch 2.14.1's CUDA 13 wheel
+
+
+@pytest.mark.parametrize(
+    "capability, archs, runs",
+    [
+        ((7, 0), WHEEL, False),  # V100
+        ((7, 5), WHEEL, True),  # T4
+        ((8, 0), WHEEL, True),  # A100
+        ((8, 6), WHEEL, True),  # A40
+        ((8, 9), WHEEL, True),  # L4, L40S: sm_86's kernels
+        ((9, 0), WHEEL, True),  # H100
+        ((10, 0), WHEEL, True),  # B200
+        ((10, 3), WHEEL, True),  # B300: sm_100's kernels
+        ((12, 0), WHEEL, True),  # RTX PRO 6000
+        ((12, 1), WHEEL, True),  # DGX Spark: sm_120's kernels
+        ((9, 0), ("sm_80", "sm_90a"), True),  # a site build with arch-specific kernels
+        ((10, 0), ("sm_90a", "sm_100a"), True),
+        ((10, 3), ("sm_90a", "sm_100a"), False),  # sm_100a runs on 10.0 only
+        ((10, 3), ("sm_90", "sm_100f"), True),  # a family build: 10.x from 10.0 on
+        ((12, 1), ("sm_120f",), True),
+        ((9, 0), ("sm_86",), False),  # cubins do not cross a major version
+        ((9, 0), ("compute_80",), True),  # PTX-only: compiled at load time for newer GPUs
+        ((8, 0), ("compute_90",), False),
+        ((9, 0), ("sm_80", "weird_arch"), False),  # an unreadable name is no kernel
+        ((9, 0), ("weird_arch",), True),  # nothing readable: torch's own check decides
+    ],
+)
+def test_which_gpus_the_kernels_run_on(fake_cuda, capability, archs, runs):
+    fake_cuda(capability=capability, archs=archs)
+    if runs:
+        assert local_device("cuda", 0) == "cuda:0"
+    else:
+        with pytest.raises(UserError, match=rf"no kernels for .* \(sm_{capability[0]}{capability[1]}; built for"):
+            local_device("cuda", 0)
+
+
 def test_a_driver_too_old_for_the_wheel_is_named(monkeypatch):
     nvml = types.SimpleNamespace(
         nvmlInit=lambda: None, nvmlSystemGetCudaDriverVersion=lambda: 12040, nvmlSystemGetDriverVersion=lambda: "550.54"

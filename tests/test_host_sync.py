@@ -1,83 +1,480 @@
-"""The training loop never waits for the device between its log points.
+"""The training loop and validation never make the host wait for the device between their log points.
 
-On a GPU, reading a tensor's value on the host (`.item()`, `bool(t)`, `.tolist()`, `float(t)`) waits for every
-queued kernel: one such read per step stalls the GPU. Here, on the CPU, every read is recorded with the training
-position at which it happened: outside log points there must be none (tests/test_gpu.py proves the same on CUDA
-with torch.cuda.set_sync_debug_mode("error")).
+On a GPU the host waits for every queued kernel when it reads a tensor's value (`item`, `bool`, `float`, `tolist`,
+a copy to the CPU), when an op's output size depends on the values (`nonzero`, boolean-mask indexing,
+`masked_select`, `unique`, `repeat_interleave` without `output_size`), when a comparison is answered on the host
+(`equal`, `is_nonzero`), and when a tensor is made from Python data on the device (a blocking copy from pageable
+memory). Here, on the CPU, `SyncAudit` (a TorchDispatchMode, with the methods that copy to the host patched) records
+each such operation with the dlojz code that asked for it, while one epoch of the real loop runs for every flag that
+touches the step or the model: outside log points it must record nothing but the exceptions listed in EXCEPTIONS,
+each with its reason. tests/test_gpu.py proves the same on CUDA with torch.cuda.set_sync_debug_mode("error").
 """
 
 import contextlib
+import os
+import sys
 
 import pytest
 import torch
+import torch.multiprocessing as mp
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.weak import WeakIdKeyDictionary
 
 import dlojz
-from test_flag_effects import loop_for
+import preloaded
+from test_flag_effects import BASE, loop_for
+from test_preemption import as_rank_of_two
 
-READS = ("item", "tolist", "__bool__", "__float__", "__int__")
+aten = torch.ops.aten
+
+# Operations that make a CUDA stream's host wait when they read a tensor on the device.
+SYNCHRONISING = {
+    aten._local_scalar_dense: "reads a value on the host (item, bool, float, int)",
+    aten.nonzero: "nonzero: its size depends on the values",
+    aten.argwhere: "argwhere: its size depends on the values",
+    aten.masked_select: "masked_select: its size depends on the values",
+    aten._unique: "unique: its size depends on the values",
+    aten._unique2: "unique: its size depends on the values",
+    aten.unique_dim: "unique: its size depends on the values",
+    aten.unique_consecutive: "unique_consecutive: its size depends on the values",
+    aten.unique_dim_consecutive: "unique_consecutive: its size depends on the values",
+    aten.equal: "equal: answered on the host",
+    aten.is_nonzero: "is_nonzero: answered on the host",
+}
+INDEXING = {aten.index, aten.index_put, aten.index_put_, aten._index_put_impl_}
+LIFTED = "a tensor made from Python data on the device (a blocking host-to-device copy on CUDA)"
+# Functions whose CPU kernels check their input's values on the host where their CUDA kernels do not (one_hot's
+# class range: a device-side assert on CUDA): the reads inside them are the CPU's, not a GPU wait.
+CPU_ONLY_CHECKS = {"one_hot"}
+HOST_COPIES = {"tolist", "numpy", "cpu"}  # not dispatched as copies when the tensor is on the CPU already
+FACTORIES = {
+    torch.tensor, torch.as_tensor, torch.zeros, torch.ones, torch.full, torch.empty, torch.arange, torch.linspace,
+    torch.rand, torch.randn, torch.randint, torch.randperm, torch.eye,
+}  # fmt: skip
+
+# Known waits, by the function that asks, with the reason they are kept.
+EXCEPTIONS = {
+    "dlojz_hooks.py:optimizer_step_done": "--findlr reads every step's loss: the range test needs it",
+    "grad_scaler.py:<genexpr>": "an optimizer without a fused step under the float16 GradScaler reads the "
+    "overflow flag at every step (timm's LAMB, LARS, Lion): said at start-up, --amp-dtype bfloat16 avoids it",
+}
 
 
-@contextlib.contextmanager
-def recorded_host_reads(state):
-    """Record (micro-batches done, read) for every host read of a tensor's value while the `with` lasts."""
-    reads = []
-    originals = {name: getattr(torch.Tensor, name) for name in READS}
-
-    def recorder(name):
-        original = originals[name]
-
-        def read(self, *args, **kwargs):
-            reads.append((state.batch, name))
-            return original(self, *args, **kwargs)
-
-        return read
-
-    for name in READS:
-        setattr(torch.Tensor, name, recorder(name))
-    try:
-        yield reads
-    finally:
-        for name, original in originals.items():
-            setattr(torch.Tensor, name, original)
+def synchronising(func, args, kwargs):
+    """Why `func(*args, **kwargs)` would make the host wait for a CUDA stream reading its device inputs, or None."""
+    packet = func.overloadpacket
+    if packet in SYNCHRONISING:
+        return SYNCHRONISING[packet]
+    if packet in INDEXING and len(args) > 1:
+        if any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in args[1]):
+            return f"{packet.__name__} with a boolean mask: its size depends on the values"
+    if packet is aten.repeat_interleave and func is not aten.repeat_interleave.self_int:
+        if kwargs.get("output_size") is None:
+            return "repeat_interleave without output_size: its size depends on the values"
+    return None
 
 
-def reads_during_epoch(loop, monkeypatch):
-    """Host reads before the last micro-batch of one epoch, with log points and console lines moved out of reach."""
-    monkeypatch.setattr(dlojz, "LOG_EVERY", 10**6)
+# Frames that pass an operation on without asking for it: dispatch, and torch's decorators.
+MACHINERY = (
+    "torch/utils/_python_dispatch",
+    "torch/_ops",
+    "torch/overrides",
+    "torch/_tensor.py",
+    "torch/_dynamo/eval_frame",
+    "torch/_compile.py",
+    "torch/utils/_contextlib",
+)
+
+
+def asker():
+    """Where the operation was asked: the innermost frame outside this audit and torch's dispatch machinery, as
+    'file:function' (a dlojz module's, or torch's when torch asks on its own, e.g. the GradScaler)."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        path = frame.f_code.co_filename
+        machinery = MACHINERY
+        own = path == __file__ and frame.f_code.co_name in ("record", "__torch_function__", "__torch_dispatch__")
+        if not own and not any(part in path for part in machinery):
+            return f"{os.path.basename(path)}:{frame.f_code.co_name}"
+        frame = frame.f_back
+    return "?"
+
+
+def explicit_device(args, kwargs):
+    """The device a call names (its `device` keyword, or a device or device string among `to`'s arguments)."""
+    if "device" in kwargs:
+        return kwargs["device"]
+    return next((a for a in args[1:] if isinstance(a, (torch.device, str))), None)
+
+
+class HostTensors(TorchFunctionMode):
+    """Which tensors live on the host on purpose, on a GPU too: made without a device (torch.tensor(x),
+    torch.full(...)) or with device "cpu", and what is computed from them alone. A wait on such a tensor (the
+    StopPoll's gloo flag, MixUp's sampled ratio) waits for nothing; every other tensor (the model's, the batch,
+    anything made with device=...) is the device's. Records host copies of device tensors, and device tensors made
+    from Python data."""
+
+    def __init__(self, audit):
+        super().__init__()
+        self.audit, self.host = audit, WeakIdKeyDictionary()
+        self.making_host_tensor = False
+        self.in_cpu_only_check = False
+
+    def is_host(self, tensors):
+        tensors = [t for t in tensors if isinstance(t, torch.Tensor)]
+        return bool(tensors) and all(t in self.host for t in tensors)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        if func in FACTORIES:
+            device = kwargs.get("device")
+            on_host = device is None or device == "cpu"
+            if func in (torch.tensor, torch.as_tensor) and not on_host:
+                self.audit.record(LIFTED)
+            self.making_host_tensor = on_host
+            try:
+                out = func(*args, **kwargs)
+            finally:
+                self.making_host_tensor = False
+            if on_host:
+                self.mark(out)
+            return out
+        if name in HOST_COPIES and args and isinstance(args[0], torch.Tensor) and args[0] not in self.host:
+            self.audit.record(f"{name}(): a copy to the host")
+        if name in CPU_ONLY_CHECKS:
+            self.in_cpu_only_check = True
+            try:
+                return func(*args, **kwargs)
+            finally:
+                self.in_cpu_only_check = False
+        out = func(*args, **kwargs)
+        if name in ("to", "cuda"):
+            device = explicit_device(args, kwargs)
+            if device is not None and device != "cpu" and isinstance(out, torch.Tensor):
+                self.host.pop(out, None)  # moved to the device
+        elif name in HOST_COPIES and isinstance(out, torch.Tensor):
+            self.mark(out)
+        return out
+
+    def adopt(self, obj, depth=6):
+        """Mark the tensors `obj` holds (its attributes, lists, modules' children) as the host's: made on the
+        host before the audit started, and kept there (MixUp's Beta distribution)."""
+        if isinstance(obj, torch.Tensor):
+            self.host[obj] = True
+        elif depth and isinstance(obj, (list, tuple)):
+            for item in obj:
+                self.adopt(item, depth - 1)
+        elif depth and hasattr(obj, "__dict__"):
+            for value in vars(obj).values():
+                self.adopt(value, depth - 1)
+            if isinstance(obj, torch.nn.Module):
+                for child in obj.children():
+                    self.adopt(child, depth - 1)
+
+    def mark(self, out):
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.host[t] = True
+
+
+class SyncAudit(TorchDispatchMode):
+    """Records (position, asker, why) for every operation that would make the host wait for a CUDA stream;
+    `position()` says where the loop is when it happens."""
+
+    def __init__(self, position):
+        super().__init__()
+        self.position, self.records = position, []
+        self.host_tensors = HostTensors(self)
+
+    def record(self, why):
+        self.records.append((self.position(), asker(), why))
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        tensors = [t for t in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        on_host = self.host_tensors.is_host(tensors)
+        if func.overloadpacket is aten.lift_fresh:
+            on_host = self.host_tensors.making_host_tensor  # (torch.tensor with a device is recorded above)
+        elif self.host_tensors.in_cpu_only_check:
+            pass
+        elif not on_host and (why := synchronising(func, args, kwargs)) is not None:
+            self.record(why)
+        out = func(*args, **kwargs)
+        if on_host:
+            self.host_tensors.mark(out)
+        return out
+
+    @contextlib.contextmanager
+    def recording(self):
+        with self.host_tensors, self:
+            yield self.records
+
+
+def unexpected(records):
+    return [record for record in records if record[1] not in EXCEPTIONS]
+
+
+LOG_EVERY = 2  # the training audit keeps log points every 2 optimizer steps: what they read is their purpose
+
+
+def audit_epoch(loop, monkeypatch, checkpoints=None):
+    """Train one epoch of `loop` under the audit; return (records outside log points, records at them). A log point
+    lasts from the ranks' agreement to the next forward; the epoch's end (its totals) counts as one."""
+    monkeypatch.setattr(dlojz, "LOG_EVERY", LOG_EVERY)
     loop["progress"].line_every = 10**6
-    n_batches = loop["loaders"].n_train_batches
-    with recorded_host_reads(loop["state"]) as reads:
-        dlojz.train_one_epoch(**loop)
-    assert any(done == n_batches for done, _ in reads), "the epoch's end reads its totals: the recorder works"
-    return [(done, name) for done, name in reads if done < n_batches]
+    state, n_batches = loop["state"], loop["loaders"].n_train_batches
+    in_log_point = [False]
+    agree_on_stop = dlojz.agree_on_stop
+
+    def log_point(*args):
+        in_log_point[0] = True
+        return agree_on_stop(*args)
+
+    monkeypatch.setattr(dlojz, "agree_on_stop", log_point)
+    forward = loop["model"].net.register_forward_pre_hook(lambda *args: in_log_point.__setitem__(0, False))
+    audit = SyncAudit(lambda: "log point" if in_log_point[0] or state.batch >= n_batches else state.batch)
+    audit.host_tensors.adopt(loop["opt"].mix)  # torchvision's MixUp and CutMix sample their ratio on the host
+    try:
+        with audit.recording() as records:
+            dlojz.train_one_epoch(**loop, checkpoints=checkpoints)
+    finally:
+        forward.remove()
+    outside = [record for record in records if record[0] != "log point"]
+    at_log_points = [record for record in records if record[0] == "log point"]
+    assert any(asker == "dlojz.py:train_one_epoch" for _, asker, _ in at_log_points), "the audit sees the epoch's end"
+    return outside, at_log_points
 
 
-@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
-def test_float16_steps_with_the_grad_scaler_do_not_read_the_device(optimizer, monkeypatch, tmp_path):
+# Each flag that touches the step or the model, grouped so that every one runs under the audit (a wait any of them
+# adds fails its group); the timm optimizers run alone, as their steps differ.
+TRAINING_FLAGS = [
+    pytest.param(
+        ["--amp", "--amp-dtype", "float16", "--model-ema", "--clip-grad-norm", "1.0", "--label-smoothing", "0.1"],
+        id="float16-ema-clip-smoothing",
+    ),
+    pytest.param(
+        ["--amp", "--amp-dtype", "bfloat16", "--blurpool", "--grad-acc", "2"], id="bfloat16-blurpool-grad-acc"
+    ),
+    pytest.param(
+        [
+            "--no-amp",
+            "--mixup-alpha",
+            "0.2",
+            "--cutmix-alpha",
+            "1.0",
+            "--lr-scheduler",
+            "cosine",
+            "--warmup-epochs",
+            "1",
+            "--epochs",
+            "2",
+        ],
+        id="float32-mixup-cutmix-cosine",
+    ),  # fmt: skip
+    pytest.param(["--optimizer", "adamw", "--amp", "--amp-dtype", "float16"], id="adamw-float16"),
+    pytest.param(["--optimizer", "lamb", "--amp", "--amp-dtype", "bfloat16"], id="lamb-bfloat16"),
+    pytest.param(["--optimizer", "lars", "--amp", "--amp-dtype", "bfloat16"], id="lars-bfloat16"),
+    pytest.param(["--optimizer", "lion", "--amp", "--amp-dtype", "bfloat16"], id="lion-bfloat16"),
+    pytest.param(["--findlr"], id="findlr"),
+]
+
+
+@pytest.mark.parametrize("flags", TRAINING_FLAGS)
+def test_a_training_epoch_waits_for_the_device_only_at_log_points(flags, monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)
-    loop = loop_for("--amp", "--amp-dtype", "float16", "--optimizer", optimizer, "--model-ema", n_batches=6)
-    assert loop["opt"].scaler.is_enabled()
-    assert loop["opt"].optimizer.defaults["fused"], "fused step: GradScaler passes it the scale and inf flag as tensors"
-    assert dlojz.train_one_epoch.__name__  # the loop itself, not a copy of it
-    assert reads_during_epoch(loop, monkeypatch) == []
+    loop = loop_for(*flags, n_batches=4 * (2 if "--grad-acc" in flags else 1))
+    outside, at_log_points = audit_epoch(loop, monkeypatch)
+    assert unexpected(outside) == []
+    if "--findlr" in flags:  # the warned exception is seen at every step
+        assert {position for position, asker, _ in outside if asker == "dlojz_hooks.py:optimizer_step_done"} >= {1, 3}
 
 
-def test_the_recorder_sees_the_read_of_an_unfused_step(monkeypatch, tmp_path):
+def loop_on_data(data_root, *flags):
+    """train_one_epoch's arguments as main() builds them, on the images of `data_root` through the DataLoader
+    (one worker: the batches reach this process as they do in a run)."""
+    from dlojz_config import resolve_config
+    from dlojz_flags import get_args_parser
+
+    argv = [*BASE, "--data-root", str(data_root), "--num-workers", "1", "--no-wandb", *flags]
+    cfg = resolve_config(get_args_parser().parse_args(argv))
+    ranks, cfg = dlojz.setup_distributed(cfg)
+    log = dlojz.Console(ranks.is_main)
+    train_set, val_set, classes = dlojz.build_data(cfg, ranks, log)
+    model = dlojz.build_model(cfg, len(classes), ranks, log)
+    loaders = dlojz.build_loaders(cfg, train_set, val_set, len(classes), ranks, log)
+    opt = dlojz.optim.build_optimization(cfg, model, loaders.n_train_batches, len(classes), ranks, log)
+    progress = dlojz.Progress(
+        log, dlojz.NoWandb(), ranks.device, cfg.epochs, loaders.n_train_batches, cfg.grad_acc, cfg.batch_size
+    )
+    hooks = dlojz.LoopHooks(dlojz.Chronometer(enabled=False, device=ranks.device))
+    stop = dlojz.StopPoll(dlojz.StopSignal(), ranks)
+    return dict(model=model, opt=opt, loaders=loaders, state=dlojz.TrainState(), cfg=cfg, ranks=ranks, hooks=hooks,
+                progress=progress, stop=stop)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        pytest.param(["--amp", "--amp-dtype", "float16", "--mixup-alpha", "0.2"], id="float16-mixup"),
+        pytest.param(["--min-res", "24", "--max-res", "32", "--end-ramp", "1", "--epochs", "2"], id="progressive"),
+    ],
+)
+def test_an_epoch_on_images_through_the_dataloader_waits_only_at_log_points(flags, tiny_data, monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    loop = loop_on_data(tiny_data, *flags)
+    outside, _ = audit_epoch(loop, monkeypatch)
+    assert loop["state"].batch == loop["loaders"].n_train_batches >= 9
+    assert unexpected(outside) == []
+    loaders, cfg = loop["loaders"], loop["cfg"]
+    validation = audit_validation(loop["model"], loaders, loop["opt"], loop["ranks"], cfg.tta_flip)
+    assert unexpected(validation) == []
+
+
+def test_the_float16_scaler_of_an_unfused_optimizer_is_the_listed_exception(monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    loop = loop_for("--optimizer", "lamb", "--amp", "--amp-dtype", "float16", n_batches=4)
+    outside, _ = audit_epoch(loop, monkeypatch)
+    assert {asker for _, asker, _ in outside} == {"grad_scaler.py:<genexpr>"}
+    assert {position for position, _, _ in outside} >= {1, 2, 3}
+
+
+def test_the_audit_sees_the_read_of_an_unfused_sgd_step(monkeypatch, tmp_path):
     """Without the fused step, GradScaler reads the inf flag on the host at every optimizer step."""
     monkeypatch.chdir(tmp_path)
     build = dlojz.optim.build_optimizer
     monkeypatch.setattr(dlojz.optim, "build_optimizer", lambda *a, **k: build(*a, **{**k, "fused": False}))
-    loop = loop_for("--amp", "--amp-dtype", "float16", "--optimizer", "sgd", n_batches=6)
+    loop = loop_for("--amp", "--amp-dtype", "float16", "--optimizer", "sgd", n_batches=4)
     assert not loop["opt"].optimizer.defaults.get("fused")
-    reads = reads_during_epoch(loop, monkeypatch)
-    assert {done for done, _ in reads} == set(range(6))  # one read per step, each in its own step
+    outside, _ = audit_epoch(loop, monkeypatch)
+    assert {asker for _, asker, _ in outside} == {"grad_scaler.py:<genexpr>"}
+
+
+def test_checkpoints_every_few_minutes_wait_only_at_log_points(monkeypatch, tmp_path):
+    from dlojz_resume import make_saver, periodic_checkpoints
+
+    monkeypatch.chdir(tmp_path)
+    loop = loop_for("--checkpoint-every", "0.0001", "--output-dir", tmp_path / "run", n_batches=4)
+    cfg = loop["cfg"]
+    saver = make_saver(cfg, loop["model"], loop["opt"], loop["ranks"])
+    checkpoints = periodic_checkpoints(cfg, saver, 0.0, loop["loaders"].n_train_batches, None, lambda line: None)
+    outside, _ = audit_epoch(loop, monkeypatch, checkpoints)
+    saver.wait()
+    assert unexpected(outside) == []
+    assert list((tmp_path / "run").glob("*.pt")), "the periodic checkpoints were written"
+
+
+def test_the_audit_catches_a_tensor_made_from_python_data_in_the_step(monkeypatch, tmp_path):
+    """The BlurPool kernel as it was once made, from a Python list at every forward: on CUDA a blocking copy."""
+    import dlojz_model
+
+    def blur_from_python_data(x, kernel, stride):
+        kernel = torch.tensor([1.0, 2.0, 1.0], device=x.device, dtype=x.dtype)
+        kernel = (kernel[:, None] * kernel[None, :] / 16).expand(x.shape[1], 1, 3, 3)
+        return torch.nn.functional.conv2d(x, kernel, stride=stride, padding=1, groups=x.shape[1])
+
+    monkeypatch.setattr(dlojz_model, "blur", blur_from_python_data)
+    monkeypatch.chdir(tmp_path)
+    outside, _ = audit_epoch(loop_for("--blurpool", n_batches=4), monkeypatch)
+    assert {(asker, why) for _, asker, why in unexpected(outside)} == {
+        ("test_host_sync.py:blur_from_python_data", LIFTED)
+    }
+
+
+@pytest.mark.parametrize(
+    "code, why",
+    [
+        (lambda t: t.sum().item(), "reads a value"),
+        (lambda t: t[t > 0], "boolean mask"),
+        (lambda t: torch.unique(t), "unique"),
+        (lambda t: t.nonzero(), "nonzero"),
+        (lambda t: torch.repeat_interleave(t.long().abs()), "repeat_interleave"),
+        (lambda t: t.tolist(), "tolist()"),
+        (lambda t: torch.equal(t, t), "equal"),
+    ],
+)
+def test_the_audit_sees_each_kind_of_wait(code, why):
+    on_device = torch.arange(-2.0, 3.0)  # made before the audit, as the model and the batch are: the device's
+    audit = SyncAudit(lambda: 0)
+    with audit.recording() as records:
+        code(on_device)
+    assert any(why in record[2] for record in records), records
+    audit = SyncAudit(lambda: 0)
+    with audit.recording() as records:  # what does not wait: device-side ops, sizes known in advance
+        torch.where(on_device > 0, on_device, 0.0).sum()
+        torch.repeat_interleave(on_device, 2)
+        torch.full((), 3.0, device=on_device.device)
+    assert records == []
+
+
+def test_tensors_kept_on_the_host_are_not_waits():
+    audit = SyncAudit(lambda: 0)
+    with audit.recording() as records:
+        flag = torch.full((1,), 1.0)  # the StopPoll's gloo flag
+        assert bool(flag.numpy()[0])
+        ratio = torch.distributions.Beta(torch.tensor([0.2]), torch.tensor([0.2])).sample()
+        assert 0 <= float(ratio) <= 1  # MixUp's ratio, sampled on the host
+        assert records == []
+        torch.tensor([1.0, 2.0], device=flag.device)  # a device named: on CUDA a blocking copy
+        flag.to(torch.device("cpu")).item()
+    assert [why for _, _, why in records] == [LIFTED, SYNCHRONISING[aten._local_scalar_dense]]
+
+
+def audit_validation(model, loaders, opt, ranks, tta_flip):
+    """Validate under the audit; return the records made before the last forward (the final totals excluded)."""
+    forwards = [0]
+    hook = model.module.register_forward_pre_hook(lambda *args: forwards.__setitem__(0, forwards[0] + 1))
+    try:
+        with SyncAudit(lambda: forwards[0]).recording() as records:
+            dlojz.evaluate(model.module, loaders, opt, ranks, tta_flip=tta_flip)
+    finally:
+        hook.remove()
+    assert forwards[0] >= 3 * (2 if tta_flip else 1)
+    assert records, "the audit sees the final totals"
+    return [record for record in records if record[0] < forwards[0]]
+
+
+@pytest.mark.parametrize("flags", [["--tta-flip"], ["--blurpool", "--amp", "--amp-dtype", "bfloat16"]])
+def test_validation_waits_for_the_device_only_at_its_end(flags, monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    loop = loop_for(*flags)
+    cfg, ranks = loop["cfg"], loop["ranks"]
+    loaders = dlojz.synthetic_loaders(cfg, dlojz.SYNTHETIC_CLASSES, ranks, 8, 3 * cfg.val_batch_size)
+    assert unexpected(audit_validation(loop["model"], loaders, loop["opt"], ranks, cfg.tta_flip)) == []
+
+
+def audited_ranks(rank, port, out_dir, results):
+    """Two DDP ranks on gloo, the step's flags together: an epoch and a validation under the audit."""
+    as_rank_of_two(rank, port, out_dir)
+    import torch.distributed as dist
+
+    flags = ["--amp", "--amp-dtype", "float16", "--grad-acc", "2", "--model-ema", "--clip-grad-norm", "1.0"]
+    loop = dlojz.synthetic_loop([*BASE, *flags, "--blurpool", "--tta-flip", "--mixup-alpha", "0.2"], n_batches=4)
+    monkeypatch = pytest.MonkeyPatch()
+    try:
+        outside, _ = audit_epoch(loop, monkeypatch)
+        cfg, ranks = loop["cfg"], loop["ranks"]
+        loaders = dlojz.synthetic_loaders(cfg, dlojz.SYNTHETIC_CLASSES, ranks, 8, 3 * 2 * cfg.val_batch_size)
+        validation = audit_validation(loop["model"], loaders, loop["opt"], ranks, True)
+        results[rank] = (unexpected(outside), unexpected(validation), loop["model"].parallel)
+    finally:
+        monkeypatch.undo()
+        dist.destroy_process_group()
+
+
+def test_two_ddp_ranks_wait_for_the_device_only_at_log_points(tmp_path):
+    port = preloaded.free_port()
+    results = mp.Manager().dict()
+    mp.spawn(audited_ranks, args=(port, str(tmp_path), results), nprocs=2, join=True)
+    assert dict(results) == {0: ([], [], "ddp"), 1: ([], [], "ddp")}
 
 
 def test_model_ema_update_does_not_read_the_device(monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)
     loop = loop_for("--model-ema", "--no-amp", n_batches=2)
     model = loop["model"]
-    with recorded_host_reads(loop["state"]) as reads:
+    with SyncAudit(lambda: 0).recording() as records:
         for _ in range(3):
             model.ema.update_parameters(model.module)
-    assert reads == [] and model.ema.updates == 3 and int(model.ema.n_averaged) == 3
+    assert records == [] and model.ema.updates == 3 and int(model.ema.n_averaged) == 3

@@ -5,6 +5,7 @@ Signals are simulated by setting the StopSignal's name, as its handler does, at 
 timing could not be chosen. tests/test_slurm.py sends real ones through Slurm."""
 
 import inspect
+import math
 import os
 import subprocess
 import sys
@@ -47,7 +48,8 @@ def test_one_process_stops_at_the_step_the_signal_arrives(monkeypatch, tmp_path)
     assert (result.stop_reason, loop["state"].global_step, loop["state"].batch) == ("SIGTERM", 3, 3)
 
 
-def two_ranks(rank, port, out_dir, results):
+def as_rank_of_two(rank, port, out_dir):
+    """This spawned process's environment as torchrun gives it to `rank` of 2 on one node."""
     os.environ.update(
         TORCHELASTIC_RUN_ID="test",
         RANK=str(rank),
@@ -58,6 +60,10 @@ def two_ranks(rank, port, out_dir, results):
         MASTER_PORT=str(port),
     )
     os.chdir(out_dir)
+
+
+def two_ranks(rank, port, out_dir, results):
+    as_rank_of_two(rank, port, out_dir)
     import torch.distributed as dist
 
     loop = dlojz.synthetic_loop([*BASE, "--no-amp"], n_batches=8)
@@ -82,6 +88,39 @@ def test_every_rank_stops_at_the_same_step_and_validation_batch(tmp_path):
     assert results[0][:2] == ("signal on another rank", 4) and results[1][:2] == ("SIGTERM", 4), dict(results)
     # The flag stays set: the validation that follows stops at its second batch on both ranks, not at its end.
     assert results[0][2] == {"stopped_by": "signal on another rank"} and results[1][2] == {"stopped_by": "SIGTERM"}
+
+
+def lr_sweep_of_two_ranks(rank, port, out_dir, results):
+    """--findlr on 2 ranks, where rank 1's loss alone turns infinite at the sweep's third step (as a float16 batch
+    can at a high learning rate while the other rank's stays finite)."""
+    as_rank_of_two(rank, port, out_dir)
+    import torch.distributed as dist
+
+    loop = dlojz.synthetic_loop([*BASE, "--no-amp", "--findlr", "--lr", "1", "--dist-timeout", "30"], n_batches=8)
+    try:
+        no_log_points(loop, pytest.MonkeyPatch())
+        opt, state = loop["opt"], loop["state"]
+        criterion = opt.criterion
+        if rank == 1:
+            opt.criterion = lambda outputs, targets: (
+                criterion(outputs, targets) * (float("inf") if state.global_step == 2 else 1.0)
+            )
+        dlojz.train_one_epoch(**loop)
+        results[rank] = (state.global_step, opt.lr_finder.losses, opt.lr_finder.done)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_lr_sweep_ends_at_the_same_step_on_every_rank(tmp_path):
+    """Each rank's own loss would end the sweep on that rank alone, and leave the other in DDP's next all-reduce
+    until --dist-timeout: the ranks read the loss averaged over all of them, and stop together."""
+    port = preloaded.free_port()
+    results = mp.Manager().dict()
+    mp.spawn(lr_sweep_of_two_ranks, args=(port, str(tmp_path), results), nprocs=2, join=True)
+    (steps0, losses0, done0), (steps1, losses1, done1) = results[0], results[1]
+    assert steps0 == steps1 == 3 and done0 and done1, dict(results)
+    assert losses0 == losses1 and len(losses0) == 3 and not math.isfinite(losses0[-1])
+    assert all(math.isfinite(loss) for loss in losses0[:2])
 
 
 def test_a_signal_during_validation_checkpoints_and_the_resumed_run_validates_first(
