@@ -9,9 +9,13 @@
 - `--compile` trains on CUDA, in the default mode, with CUDA graphs (`--compile-mode reduce-overhead`) and autotuned;
 - no host-device synchronisation in steady-state training steps: a whole epoch of dlojz's own `train_one_epoch`
   under `torch.cuda.set_sync_debug_mode("error")` (fused SGD/AdamW under the float16 GradScaler, bfloat16, EMA,
-  gradient clipping), the only wait being the log point the test leaves at its end;
+  gradient clipping and accumulation, BlurPool, CUDA graphs; synthetic batches, and images through the DataLoader
+  and the prefetcher), the only wait being the log point the test leaves at its end; validation (TTA, BlurPool)
+  waits only for its totals;
+- gradient accumulation under torch.compile, and the CUDA-graph modes' one-line refusal of it;
 - fused steps after an overflowed first step (GPU memory is reused, not zeroed);
-- with 2 GPUs or more: NCCL validation equal to 1 GPU's on an odd number of images, and a `--sync-bn` run.
+- with 2 GPUs or more: NCCL validation equal to 1 GPU's on an odd number of images, a `--sync-bn` run, an LR sweep
+  that ends on both ranks at once, gradient accumulation under DDP, NVML under a remapped CUDA_VISIBLE_DEVICES.
 
 Skipped, with the reason, where no CUDA GPU is visible (this project's CI machine). On a GPU node, one command:
     python -m pytest tests -m gpu -v          # these tests alone: a few minutes on one H100
@@ -163,7 +167,8 @@ def test_channels_last_on_cuda(flag, expected):
 def test_the_prefetcher_gives_the_same_batches_on_its_stream(tmp_path):
     """Validation batches built by dlojz (DataLoader workers, pinned memory, DevicePrefetcher's copy stream,
     normalisation on the GPU) with --non-blocking, --no-non-blocking and --channels-last: the same images and labels,
-    on the GPU, equal to the same uint8 batches normalised on the CPU."""
+    on the GPU, equal to the same uint8 batches normalised on the CPU, even when the compute stream reads each one
+    late."""
     from dlojz_config import resolve_config
     from dlojz_flags import get_args_parser
     from dlojz_data import make_embedded_dataset
@@ -216,8 +221,11 @@ def test_the_prefetcher_gives_the_same_batches_on_its_stream(tmp_path):
             for images, labels in prefetcher:
                 assert images.is_cuda and labels.is_cuda and images.dtype == torch.float32
                 assert images.is_contiguous(memory_format=torch.channels_last) is cfg.channels_last
-                batches.append((images.cpu(), labels.cpu()))  # read on the compute stream, at once
-            got[name] = batches
+                # The compute stream reads the batch late (a kernel queued first keeps it busy), while the
+                # prefetcher copies the next one: a missing stream wait or a buffer reused too early shows here.
+                torch.cuda._sleep(20_000_000)
+                batches.append((images.clone(), labels.clone()))
+            got[name] = [(images.cpu(), labels.cpu()) for images, labels in batches]
             if reference is None:  # the loader's uint8 batches, normalised on the CPU
                 normalize = DeviceNormalize(torch.device("cpu"))
                 reference = [(normalize(images), labels) for images, labels in prefetcher.loader]
@@ -379,6 +387,27 @@ def test_compile_runs_on_cuda(tmp_path, mode):
     assert m["chrono"]["time_to_first_step_s"] > 5 * m["chrono"]["step_median_s"], m["chrono"]
 
 
+@pytest.mark.parametrize("mode", [None, "max-autotune-no-cudagraphs"])
+def test_gradient_accumulation_compiles_on_cuda(tmp_path, mode):
+    """Accumulated micro-batches under torch.compile (without CUDA graphs, which refuse --grad-acc)."""
+    metrics = tmp_path / "m.json"
+    proc = run_dlojz(
+        *CUDA, "--arch", "resnet18", "--synthetic", "--test", "--test-nsteps", "6", "--grad-acc", "2", "--amp",
+        *(["--compile"] if mode is None else ["--compile-mode", mode]), "--metrics-json", metrics,
+        "--output-dir", tmp_path / "run", timeout=800,
+    )  # fmt: skip
+    assert proc.returncode == 0, show(proc)
+    m = read_json(metrics)
+    assert m["steps"] == 6 and math.isfinite(m["train_loss"])
+
+
+@pytest.mark.parametrize("mode", ["reduce-overhead", "max-autotune"])
+def test_cuda_graphs_refuse_gradient_accumulation_in_one_line(tmp_path, mode):
+    proc = run_dlojz(*CUDA, "--synthetic", "--test", "--grad-acc", "2", "--compile-mode", mode)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, show(proc)
+    assert "--grad-acc 2 accumulates" in proc.stderr
+
+
 # ---------------------------------------------------------------- no host-device synchronisation per step
 SYNC_FREE = [
     pytest.param(["--optimizer", "sgd", "--amp-dtype", "float16"], id="sgd-float16"),
@@ -394,6 +423,8 @@ SYNC_FREE = [
         ["--optimizer", "sgd", "--amp-dtype", "float16", "--channels-last", "--compile-mode", "reduce-overhead"],
         id="sgd-float16-cuda-graphs",
     ),
+    pytest.param(["--optimizer", "sgd", "--amp-dtype", "bfloat16", "--blurpool"], id="sgd-bfloat16-blurpool"),
+    pytest.param(["--optimizer", "sgd", "--amp-dtype", "float16", "--grad-acc", "3"], id="sgd-float16-grad-acc"),
     pytest.param(
         ["--optimizer", "lamb", "--amp-dtype", "float16"],
         id="lamb-float16",
@@ -416,9 +447,19 @@ def test_training_steps_never_wait_for_the_gpu(flags, monkeypatch):
     if "bfloat16" in flags:
         skip_without_bfloat16()
     loop = dlojz.synthetic_loop([*CUDA, "--arch", "resnet18", "--epochs", "2", "--amp", *flags], n_batches=9)
+    steps = 9 // loop["cfg"].grad_acc
+    result = epoch_without_waits(loop, monkeypatch)
+    assert loop["state"].global_step == 2 * steps and math.isfinite(result.train_loss)
+    if "--model-ema" in flags:
+        assert loop["model"].ema.updates == 2 * steps
+
+
+def epoch_without_waits(loop, monkeypatch):
+    """A warm-up epoch, then a second one under torch.cuda.set_sync_debug_mode("error") up to the log point of its
+    last step (the others moved out of reach), which is let through; returns the second epoch's EpochResult."""
     dlojz.train_one_epoch(**loop)
-    state = loop["state"]
-    assert state.global_step == 9
+    state, n_batches = loop["state"], loop["loaders"].n_train_batches
+    assert state.batch == n_batches
     state.epoch, state.batch = 1, 0  # as main() does between epochs
     monkeypatch.setattr(dlojz, "LOG_EVERY", 10**6)
     loop["progress"].line_every = 10**6
@@ -439,10 +480,50 @@ def test_training_steps_never_wait_for_the_gpu(flags, monkeypatch):
         result = dlojz.train_one_epoch(**loop)
     finally:
         torch.cuda.set_sync_debug_mode(0)
-    assert log_points == [9], "one wait, at the last step's log point"
-    assert state.global_step == 18 and math.isfinite(result.train_loss)
-    if "--model-ema" in flags:
-        assert loop["model"].ema.updates == 18
+    assert log_points == [n_batches], "one wait, at the last step's log point"
+    return result
+
+
+def test_an_epoch_through_the_dataloader_and_prefetcher_never_waits_for_the_gpu(tmp_path, monkeypatch):
+    """The same on images: DataLoader workers, pinned memory, the prefetcher's copy stream, normalisation on the GPU,
+    MixUp, float16 with the GradScaler, BlurPool."""
+    from dlojz_data import make_embedded_dataset
+    from test_host_sync import loop_on_data
+
+    root = make_embedded_dataset(tmp_path / "d", n_classes=3, train_per_class=32, val_per_class=4, size=(48, 40))
+    loop = loop_on_data(
+        root, "--device", "cuda", "--epochs", "2", "--amp", "--amp-dtype", "float16", "--mixup-alpha", "0.2",
+        "--blurpool", "-b", "8", "--pin-memory", "--non-blocking", "--drop-last",
+    )  # fmt: skip
+    assert type(loop["loaders"].train_batches).__name__ == "DevicePrefetcher"
+    result = epoch_without_waits(loop, monkeypatch)
+    assert loop["state"].global_step == 2 * loop["loaders"].n_train_batches and math.isfinite(result.train_loss)
+
+
+@pytest.mark.parametrize("flags", [["--tta-flip"], ["--blurpool", "--channels-last"]])
+def test_validation_batches_never_wait_for_the_gpu(flags):
+    """evaluate() waits once, for its totals after the last batch."""
+    loop = loop_for("--arch", "resnet18", "--amp", *flags)
+    cfg, ranks = loop["cfg"], loop["ranks"]
+    loaders = dlojz.synthetic_loaders(cfg, dlojz.SYNTHETIC_CLASSES, ranks, 32, 4 * cfg.val_batch_size)
+    dlojz.evaluate(loop["model"].module, loaders, loop["opt"], ranks, tta_flip=cfg.tta_flip)  # warm-up
+    totals = []
+    all_reduce_tolist = torch.Tensor.tolist
+
+    def read_totals(tensor):  # the one deliberate wait
+        torch.cuda.set_sync_debug_mode(0)
+        totals.append(tensor.shape)
+        return all_reduce_tolist(tensor)
+
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        torch.Tensor.tolist = read_totals
+        result = dlojz.evaluate(loop["model"].module, loaders, loop["opt"], ranks, tta_flip=cfg.tta_flip)
+    finally:
+        torch.Tensor.tolist = all_reduce_tolist
+        torch.cuda.set_sync_debug_mode(0)
+    assert totals == [torch.Size([4])] and result["val_images"] == 4 * cfg.val_batch_size
 
 
 # ---------------------------------------------------------------- fused steps after an overflow
@@ -545,6 +626,62 @@ def test_sync_bn_test_run_on_two_gpus_reports(tmp_path):
     m = read_json(metrics)
     assert m["world_size"] == 2 and m["global_batch_size"] == 64 and m["steps"] == 10
     assert m["chrono"]["steps"] == 10 and math.isfinite(m["train_loss"])
+    assert "SyncBatchNorm waits for the GPU once per BatchNorm layer" in proc.stdout, show(proc)
+
+
+@two_gpus
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_an_lr_sweep_on_two_gpus_ends_on_both_at_once(tmp_path, dtype):
+    """Pushed to lr 10, one rank's float16 loss turns non-finite before the other's: both stop at the same step
+    (the averaged loss), the job ends in seconds, not at --dist-timeout."""
+    if dtype == "bfloat16":
+        skip_without_bfloat16()
+    metrics = tmp_path / "m.json"
+    proc = run_dlojz(
+        *CUDA, "--arch", "resnet18", "--synthetic", "--epochs", "2", "--findlr", "--lr", "10", "--amp",
+        "--amp-dtype", dtype, "--dist-timeout", "120", "--metrics-json", metrics, "--output-dir", tmp_path / "run",
+        launcher=TORCHRUN2, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, show(proc)
+    assert read_json(metrics)["findlr_suggested_lr"] > 0
+    assert (tmp_path / "run" / "findlr.csv").exists()
+
+
+@two_gpus
+def test_gradient_accumulation_under_ddp_on_two_gpus(tmp_path):
+    metrics = tmp_path / "m.json"
+    proc = run_dlojz(
+        *CUDA, "--arch", "resnet18", "--synthetic", "--test", "--test-nsteps", "6", "--grad-acc", "2", "--amp",
+        "--compile-mode", "max-autotune-no-cudagraphs", "--metrics-json", metrics, "--output-dir", tmp_path / "run",
+        launcher=TORCHRUN2, timeout=800,
+    )  # fmt: skip
+    assert proc.returncode == 0, show(proc)
+    m = read_json(metrics)
+    assert m["world_size"] == 2 and m["steps"] == 6 and math.isfinite(m["train_loss"])
+
+
+@two_gpus
+def test_nvml_reads_the_gpu_cuda_visible_devices_names(tmp_path):
+    """NVML numbers every GPU of the node; torch only those CUDA_VISIBLE_DEVICES shows: cuda:0 of a task bound to
+    the node's last GPU is that GPU for NVML too (its UUID)."""
+    pytest.importorskip("pynvml", reason="pynvml (nvidia-ml-py) is not installed")
+    import subprocess
+    import sys
+
+    from conftest import ROOT, clean_env
+
+    last = torch.cuda.device_count() - 1
+    code = (
+        "import pynvml, torch; from dlojz_chrono import _nvml_handle_for; pynvml.nvmlInit(); "
+        "uuid = pynvml.nvmlDeviceGetUUID(_nvml_handle_for(pynvml, torch.device('cuda', 0))); "
+        "print(uuid.decode() if isinstance(uuid, bytes) else uuid)"
+    )
+    seen = subprocess.run(
+        [sys.executable, "-c", code], env=clean_env(CUDA_VISIBLE_DEVICES=str(last)), cwd=ROOT, capture_output=True,
+        text=True, timeout=120,
+    )  # fmt: skip
+    assert seen.returncode == 0, seen.stderr[-2000:]
+    assert seen.stdout.strip() == f"GPU-{torch.cuda.get_device_properties(last).uuid}"
 
 
 # ---------------------------------------------------------------- --data-backend dali on the GPU

@@ -317,15 +317,17 @@ def loop_on_data(data_root, *flags):
 @pytest.mark.parametrize(
     "flags",
     [
-        pytest.param(["--amp", "--amp-dtype", "float16", "--mixup-alpha", "0.2"], id="float16-mixup"),
-        pytest.param(["--min-res", "24", "--max-res", "32", "--end-ramp", "1", "--epochs", "2"], id="progressive"),
+        pytest.param(["--amp", "--amp-dtype", "float16", "--mixup-alpha", "0.2", "-b", "8"], id="float16-mixup"),
+        pytest.param(
+            ["--min-res", "24", "--max-res", "32", "--end-ramp", "1", "--epochs", "2", "-b", "8"], id="progressive"
+        ),
     ],
 )
 def test_an_epoch_on_images_through_the_dataloader_waits_only_at_log_points(flags, tiny_data, monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)
     loop = loop_on_data(tiny_data, *flags)
     outside, _ = audit_epoch(loop, monkeypatch)
-    assert loop["state"].batch == loop["loaders"].n_train_batches >= 9
+    assert loop["state"].batch == loop["loaders"].n_train_batches >= 9  # 72 images, 8 a batch
     assert unexpected(outside) == []
     loaders, cfg = loop["loaders"], loop["cfg"]
     validation = audit_validation(loop["model"], loaders, loop["opt"], loop["ranks"], cfg.tta_flip)
