@@ -119,9 +119,8 @@ def main(argv=None) -> dict:
     wandb_run = open_wandb(cfg, ranks, metrics, state)
     saver = make_saver(cfg, model, opt, ranks)
     profiler = make_profiler(cfg, Path(cfg.output_dir) / "profiler", ranks.rank, ranks.device) if cfg.prof else None
-    hooks = LoopHooks(
-        chrono, profiler, opt.lr_finder, ranks.enabled
-    )  # the chronometer, torch.profiler, the LR range test
+    # the chronometer, torch.profiler, the LR range test
+    hooks = LoopHooks(chrono, profiler, opt.lr_finder, ranks.enabled)
     progress = Progress(
         log, wandb_run, ranks.device, cfg.epochs, loaders.n_train_batches, cfg.grad_acc, images_per_step
     )

@@ -297,14 +297,12 @@ def kernels_run_on(arch, device_cc):
     code_cc = int(number)
     if suffix == "a":
         return device_cc == code_cc
-    if suffix == "f":
-        return device_cc // 10 == code_cc // 10 and device_cc >= code_cc
-    if kind == "compute":
+    if kind == "compute" and not suffix:
         return device_cc >= code_cc
-    requirement = getattr(torch.cuda, "_device_requirement", lambda code: None)(code_cc)
+    requirement = None if suffix else getattr(torch.cuda, "_device_requirement", lambda code: None)(code_cc)
     if requirement is not None:
         return device_cc in requirement
-    return device_cc // 10 == code_cc // 10 and device_cc >= code_cc
+    return device_cc // 10 == code_cc // 10 and device_cc >= code_cc  # a family build, or one torch does not know
 
 
 def check_kernels(index):

@@ -508,12 +508,12 @@ def test_validation_batches_never_wait_for_the_gpu(flags):
     loaders = dlojz.synthetic_loaders(cfg, dlojz.SYNTHETIC_CLASSES, ranks, 32, 4 * cfg.val_batch_size)
     dlojz.evaluate(loop["model"].module, loaders, loop["opt"], ranks, tta_flip=cfg.tta_flip)  # warm-up
     totals = []
-    all_reduce_tolist = torch.Tensor.tolist
+    plain_tolist = torch.Tensor.tolist
 
     def read_totals(tensor):  # the one deliberate wait
         torch.cuda.set_sync_debug_mode(0)
         totals.append(tensor.shape)
-        return all_reduce_tolist(tensor)
+        return plain_tolist(tensor)
 
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
@@ -521,7 +521,7 @@ def test_validation_batches_never_wait_for_the_gpu(flags):
         torch.Tensor.tolist = read_totals
         result = dlojz.evaluate(loop["model"].module, loaders, loop["opt"], ranks, tta_flip=cfg.tta_flip)
     finally:
-        torch.Tensor.tolist = all_reduce_tolist
+        torch.Tensor.tolist = plain_tolist
         torch.cuda.set_sync_debug_mode(0)
     assert totals == [torch.Size([4])] and result["val_images"] == 4 * cfg.val_batch_size
 

@@ -4,8 +4,9 @@ On a GPU the host waits for every queued kernel when it reads a tensor's value (
 a copy to the CPU), when an op's output size depends on the values (`nonzero`, boolean-mask indexing,
 `masked_select`, `unique`, `repeat_interleave` without `output_size`), when a comparison is answered on the host
 (`equal`, `is_nonzero`), and when a tensor is made from Python data on the device (a blocking copy from pageable
-memory). Here, on the CPU, `SyncAudit` (a TorchDispatchMode, with the methods that copy to the host patched) records
-each such operation with the dlojz code that asked for it, while one epoch of the real loop runs for every flag that
+memory). Here, on the CPU, `SyncAudit` (a TorchDispatchMode, with `HostTensors`, a TorchFunctionMode that tells the
+tensors kept on the host on purpose and sees host copies and tensors made on the device) records each such
+operation with the dlojz code that asked for it, while one epoch of the real loop runs for every flag that
 touches the step or the model: outside log points it must record nothing but the exceptions listed in EXCEPTIONS,
 each with its reason. tests/test_gpu.py proves the same on CUDA with torch.cuda.set_sync_debug_mode("error").
 """
