@@ -35,6 +35,7 @@ from dlojz_flags import get_args_parser
 from dlojz_data import DataError, close_loader, measure_loader
 from dlojz_dist import (
     INTERRUPTED,
+    RequeueFailed,
     StopPoll,
     StopSignal,
     agree_on_stop,
@@ -60,7 +61,16 @@ from dlojz_log import (
     write_json,
     write_lr_finder,
 )
-from dlojz_resume import TrainState, make_saver, periodic_checkpoints, restore, save_epoch_checkpoint
+from dlojz_resume import (
+    TrainState,
+    check_checkpoints_written,
+    claim_output_dir,
+    make_saver,
+    periodic_checkpoints,
+    release_output_dir,
+    restore,
+    save_epoch_checkpoint,
+)
 from dlojz_parallel import build_model, state_bytes_per_rank
 from dlojz_transforms import training_resolution
 
@@ -93,6 +103,8 @@ def main(argv=None) -> dict:
     ranks, cfg = setup_distributed(cfg)
     stop = StopPoll(stop_signal, ranks, timedelta(seconds=cfg.dist_timeout))
     log = Console(ranks.is_main)
+    if not (cfg.test or cfg.eval_only or cfg.loader_only):  # the runs that write checkpoints
+        claim_output_dir(cfg, ranks, log)  # one run writes in a folder: refused here, before any data scan
     announce_run(cfg, argv, ranks, log, f"{idr_torch.num_nodes} nodes", idr_torch.current_API)
     chrono = Chronometer(enabled=cfg.test, rank=ranks.rank, device=ranks.device)
 
@@ -116,6 +128,9 @@ def main(argv=None) -> dict:
     val_max_batches = TEST_VAL_BATCHES if cfg.test else None
     if cfg.eval_only:
         return evaluate_only(cfg, model, loaders, opt, ranks, chrono, resumed_from, val_max_batches, metrics, log)
+    if resumed_from and state.epoch >= cfg.epochs and opt.lr_finder is None:  # its metrics stay as they are
+        log(f"nothing to train: the run has done its {state.epoch} epochs; give --epochs N > {state.epoch} to go on")
+        return {}
     wandb_run = open_wandb(cfg, ranks, metrics, state)
     saver = make_saver(cfg, model, opt, ranks)
     profiler = make_profiler(cfg, Path(cfg.output_dir) / "profiler", ranks.rank, ranks.device) if cfg.prof else None
@@ -174,7 +189,9 @@ def main(argv=None) -> dict:
     metrics.update(state_bytes_per_rank(model, opt, ranks))  # what DDP copies and FSDP shards
     metrics["grad_scaler_scale"] = opt.scaler.get_scale() if opt.scaler.is_enabled() else None  # float16 loss scale
     ctx = chrono_context(cfg, model, loaders, ranks, metrics, val_max_batches) if cfg.test and ranks.is_main else None
-    return finish(cfg, metrics, chrono, ranks, wandb_run, ctx=ctx or {}, n_batches=loaders.n_train_batches)
+    metrics = finish(cfg, metrics, chrono, ranks, wandb_run, ctx=ctx or {}, n_batches=loaders.n_train_batches)
+    check_checkpoints_written(cfg, saver, log)  # a final model nowhere on disk ends the run non-zero
+    return metrics
 
 
 def initial_metrics(cfg, ranks) -> dict:
@@ -561,7 +578,8 @@ def synthetic_loop(argv, n_batches):
 
 def cli(argv=None) -> int:
     """Run main(); turn every failure into an exit status and one line, and never leave a rank waiting:
-    0 done, 2 bad input, 3 loss diverged, 4 another rank lost, 1 crash, 130 interrupted."""
+    0 done, 2 bad input, 3 loss diverged, 4 another rank lost, 5 a checkpoint the run needed not written (disk
+    full, folder read-only), 6 stopped with a checkpoint but not requeued, 1 crash, 130 interrupted."""
     rank = idr_torch.rank
     status = 0
     try:
@@ -577,6 +595,13 @@ def cli(argv=None) -> int:
         if rank == 0:
             print(f"dlojz: error: {err}", file=sys.stderr, flush=True)
         status = 3
+    except ckpt.CheckpointNotWritten as err:
+        if rank == 0:
+            print(f"dlojz: error: {err}", file=sys.stderr, flush=True)
+        status = 5
+    except RequeueFailed as err:  # (raised on rank 0 only, after every rank's part of the stop)
+        print(f"dlojz: error: {err}", file=sys.stderr, flush=True)
+        status = 6
     except KeyboardInterrupt:
         status = 130
     except Exception as err:
@@ -587,6 +612,7 @@ def cli(argv=None) -> int:
     for loader in LOADERS:
         close_loader(loader)
     LOADERS.clear()
+    release_output_dir()
     if dist.is_available() and dist.is_initialized():
         if status == 0 or idr_torch.world_size == 1:  # (--fsdp's group of one: no peer to wait for)
             dist.destroy_process_group()

@@ -46,6 +46,20 @@ class CheckpointError(Exception):
     """A checkpoint that cannot be used; the message is one line naming the file."""
 
 
+class CheckpointNotWritten(Exception):
+    """A checkpoint the run cannot end without (a stop's, the last epoch's) is not on disk: the run ends non-zero,
+    with one line naming the last good checkpoint."""
+
+
+def not_written_message(output_dir, what, reason):
+    kept = latest_name(output_dir)
+    return (
+        f"{what} not written to {output_dir} ({reason}): "
+        + (f"the last good checkpoint is {Path(output_dir) / kept}" if kept else "no checkpoint of this run is on disk")
+        + f"; free space in {output_dir} (or give another --output-dir), then continue with --resume auto"
+    )
+
+
 def checkpoint_name(epoch, global_step, sharded=False):
     return f"ckpt_e{epoch:04d}_s{global_step:09d}.{'dcp' if sharded else 'pt'}"
 
@@ -237,6 +251,14 @@ def load(path):
     return state
 
 
+def latest_name(output_dir):
+    """The checkpoint that `latest` names in `output_dir`, or None (none yet, or unreadable)."""
+    try:
+        return (Path(output_dir) / LATEST).read_text().strip() or None
+    except OSError:
+        return None
+
+
 def load_latest(output_dir):
     """Return (state, path) of the newest usable checkpoint in output_dir, or (None, None) if there is none."""
     output_dir = Path(output_dir)
@@ -260,12 +282,16 @@ class CheckpointSaver:
     every rank calls `save`, the others return None. With `background`, `save` only copies the state into host
     memory (the one pause of training) and a thread writes it; the next `save` waits for that write first, and
     `wait()` waits for it (before a run ends). A write that fails with an OSError (disk full, quota, a file system
-    gone) is one warning line: the previous checkpoint stays `latest` and training goes on."""
+    gone) is one warning line: the previous checkpoint stays `latest` and training goes on; `unwritten` lists those
+    writes, and `last_unwritten()` says whether the most recent one is among them (a stop's or the last epoch's
+    checkpoint must not be: the run then ends non-zero)."""
 
     def __init__(self, output_dir, keep, device, fixed, is_main=True, background=False, **parts):
         self.output_dir, self.keep, self.device, self.fixed, self.parts = Path(output_dir), keep, device, fixed, parts
         self.is_main, self.background = is_main, background
         self._writer, self._error = None, None  # the background write in flight; what it raised, for wait()
+        self.unwritten = []  # (path, reason) of each write that failed
+        self._last = None  # the path of the most recent save
 
     def save(self, position):
         """Checkpoint the parts at `position` (a dict: epoch, batch, global_step, ...). Returns its path (being
@@ -276,6 +302,7 @@ class CheckpointSaver:
         state = {name: part.state_dict() if part is not None else None for name, part in self.parts.items()}
         state.update(self.fixed, **position, rng=rng_state(self.device))
         name = checkpoint_name(position["epoch"], position["global_step"])
+        self._last = self.output_dir / name
         if not self.background:
             return self._write(state, name)
         state = to_host(state)  # the parts' tensors go on changing as training goes on: a copy is written
@@ -292,6 +319,12 @@ class CheckpointSaver:
         if error is not None:
             raise error
 
+    def last_unwritten(self):
+        """After `wait()`: why the most recent save did not reach the disk, or None (written, or none made)."""
+        if self.unwritten and self.unwritten[-1][0] == self._last:
+            return self.unwritten[-1][1]
+        return None
+
     def _write(self, state, name):
         try:
             return save(state, self.output_dir, name, keep=self.keep)
@@ -302,10 +335,11 @@ class CheckpointSaver:
                     raise
                 self._error = err  # raised by wait(), in the training thread
                 return None
-            latest = self.output_dir / LATEST
-            kept = latest.read_text().strip() if latest.is_file() else None
+            reason = os_error.strerror or str(os_error)
+            self.unwritten.append((self.output_dir / name, reason))
+            kept = latest_name(self.output_dir)
             print(
-                f"WARNING: checkpoint {self.output_dir / name} not written ({os_error.strerror or os_error}); "
+                f"WARNING: checkpoint {self.output_dir / name} not written ({reason}); "
                 + (f"{kept} stays the latest" if kept else "no earlier checkpoint")
                 + f"; training goes on: free space in {self.output_dir}",
                 file=sys.stderr,

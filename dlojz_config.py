@@ -130,6 +130,7 @@ class Config:
     metrics_json: str | None
     val_history: str | None
     resume: str | None
+    start_over: bool
     requeue: bool
     keep_checkpoints: int
     checkpoint_every: float  # minutes; 0: off

@@ -29,7 +29,7 @@ import torchvision
 from PIL import Image, ImageDraw
 
 from dlojz_checks import DataError, missing_data_variable  # noqa: F401  (DataError: imported from here too)
-from dlojz_transforms import image_from_bytes, lazy_image_loader, lazy_pil_loader
+from dlojz_transforms import image_from_bytes, lazy_image_loader, lazy_pil_loader, open_regular
 
 IMAGENET_TRAIN_IMAGES = 1_281_167
 IMAGENET_VAL_IMAGES = 50_000
@@ -216,7 +216,7 @@ class SafeImageFolder(SeededSamples, torchvision.datasets.ImageFolder):
         return self.loader(self.samples[i][0])
 
     def read_bytes(self, i):
-        with open(self.samples[i][0], "rb") as file:
+        with open_regular(self.samples[i][0]) as file:
             return file.read()
 
     def describe(self, i):
@@ -452,7 +452,7 @@ def _worker_init(_, parent):
     # group: the workers must not die of them, the main process handles them (finishes the step, checkpoints).
     import signal
 
-    for signum in (signal.SIGUSR1, signal.SIGTERM, signal.SIGUSR2, signal.SIGINT):
+    for signum in (signal.SIGUSR1, signal.SIGTERM, signal.SIGUSR2, signal.SIGHUP, signal.SIGINT):
         signal.signal(signum, signal.SIG_IGN)
     die_with_parent(parent)
     torch.set_num_threads(1)

@@ -33,6 +33,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+import dlojz_checkpoint as ckpt
 from dlojz_config import load_idr_torch
 
 
@@ -58,17 +59,21 @@ class Distribution:
         return out
 
 
-STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM, signal.SIGUSR2)
+STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM, signal.SIGUSR2, signal.SIGHUP)  # SIGHUP: its terminal closed
+AGAIN_AT_ONCE_S = 2.0  # a second SIGTERM or SIGHUP this long after the first: stop now (one sent twice is not)
 INTERRUPTED = "SIGINT"  # Ctrl-C: a stop like the others; the run then exits with 130, the shell's convention
 NO_REQUEUE = ("SIGUSR2", INTERRUPTED)  # stop and checkpoint, but do not requeue: a person asked for the stop
 
 
 class StopSignal:
-    """Slurm's preemption warning (--signal=USR1@T) or SIGTERM: finish the current step, checkpoint, requeue.
-    SIGUSR2 and Ctrl-C (SIGINT): the same without the requeue; a second Ctrl-C stops the process at once (130)."""
+    """Slurm's preemption warning (--signal=USR1@T), SIGTERM or SIGHUP: finish the current step, checkpoint, requeue.
+    SIGUSR2 and Ctrl-C (SIGINT): the same without the requeue. A second Ctrl-C stops the process at once (130), and
+    so does a second SIGTERM or SIGHUP (128 + its number) sent after the first (srun and slurmstepd may deliver
+    one SIGTERM twice at once: that one still checkpoints)."""
 
     def __init__(self):
         self.name = None  # the signal received, if any
+        self._ended_at = None  # when the first SIGTERM or SIGHUP came
 
     def install(self):
         for signum in (*STOP_SIGNALS, signal.SIGINT):
@@ -82,6 +87,12 @@ class StopSignal:
                 os._exit(130)  # no clean-up to wait for: the DataLoader workers end with this process
             # os.write, not print: the handler may run in the middle of a print of the main thread
             os.write(2, b"dlojz: Ctrl-C: stopping at the next step with a checkpoint (Ctrl-C again: at once)\n")
+        elif signum in (signal.SIGTERM, signal.SIGHUP):
+            if self._ended_at is not None and time.monotonic() - self._ended_at >= AGAIN_AT_ONCE_S:
+                name = signal.Signals(signum).name
+                os.write(2, f"dlojz: {name} again: stopped at once (the last checkpoint stays)\n".encode())
+                os._exit(128 + signum)
+            self._ended_at = self._ended_at or time.monotonic()
         self.name = signal.Signals(signum).name
 
 
@@ -141,13 +152,22 @@ def checkpoint_for_stop(cfg, saver, state, reason, n_train_batches, ranks, log):
         else f"at epoch {state.epoch + 1}, step {state.batch}/{n_train_batches}"
     )
     log(f"{reason} received: saving a checkpoint {where}")
+    written = True
     if not cfg.test:  # rank 0 writes; with --fsdp every rank writes its shards
         path = saver.save(dataclasses.asdict(state))
         saver.wait()  # the job may end right after: the checkpoint is on disk first
-        if path is not None and path.exists():
+        written = not ranks.is_main or (path is not None and path.exists())
+        if written and path is not None:
             log(f"checkpoint written: {path}")
-    if ranks.enabled:
-        dist.barrier()
+    if ranks.enabled:  # every rank waits for rank 0's write, and learns whether it is on disk
+        answer = [written]
+        dist.broadcast_object_list(answer, src=0)
+        written = answer[0]
+    if not written:  # no clean stop, and no requeue: the job would only start again from an older checkpoint
+        reason_lost = (getattr(saver, "last_unwritten", lambda: None)() or "the write failed") if ranks.is_main else ""
+        raise ckpt.CheckpointNotWritten(
+            ckpt.not_written_message(cfg.output_dir, f"the checkpoint of the stop ({reason})", reason_lost)
+        )
 
 
 # What gloo and NCCL say when a peer process is gone (killed, out of memory, its node lost) or stopped answering.
@@ -215,6 +235,10 @@ def lost_peer_line(ranks, step, output_dir, latest):
     )
 
 
+class RequeueFailed(Exception):
+    """The run stopped with its checkpoint, but Slurm did not take the job back: one line, exit status 6."""
+
+
 def requeue(cfg, ranks, reason=None):
     """Requeue the Slurm job, or say how to continue. Last thing a stopped run does: Slurm ends the job's
     processes as it requeues it, so W&B and the metrics must be written before. --no-requeue, or `reason`
@@ -222,7 +246,16 @@ def requeue(cfg, ranks, reason=None):
     job_id = os.environ.get("SLURM_JOB_ID")
     if ranks.is_main and job_id and not cfg.test and cfg.requeue and reason not in NO_REQUEUE:
         print(f"requeue: scontrol requeue {job_id} (resume with --resume auto)", flush=True)
-        subprocess.run(["scontrol", "requeue", job_id], check=False)
+        try:
+            done = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True, check=False)
+            why = (done.stderr or done.stdout).strip().splitlines()[-1:] if done.returncode else None
+        except OSError as err:
+            why = [err.strerror or str(err)]
+        if why is not None:
+            raise RequeueFailed(
+                f"scontrol requeue {job_id} failed ({why[0] if why else f'exit {done.returncode}'}): the job is "
+                f"not requeued; its checkpoint is kept: submit it again with --resume auto --output-dir {cfg.output_dir}"
+            )
     elif ranks.is_main and cfg.test:
         print(f"stopped by {reason} (--test writes no checkpoint)", flush=True)
     elif ranks.is_main:

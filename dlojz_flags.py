@@ -468,6 +468,12 @@ def get_args_parser():
         "--resume", default=None, help="'auto' (newest checkpoint in --output-dir, if any) or a checkpoint path"
     )
     p.add_argument(
+        "--start-over",
+        action="store_true",
+        help="train from scratch in an --output-dir that holds a run (its files are moved into\n"
+        "<output-dir>/previous-<time>/); without it, such a folder needs --resume",
+    )
+    p.add_argument(
         "--requeue",
         default=True,
         action=argparse.BooleanOptionalAction,
@@ -525,6 +531,8 @@ def check_flags(values):
             f"--val-crop-size {crop} must be at most --val-resize-size {resize} (the center crop is cut from the "
             "resized image)"
         )
+    if values["start_over"] and values["resume"]:
+        fail("--start-over trains from scratch, --resume continues a run: give one of them")
     if values["findlr"] and (values["eval_only"] or values["loader_only"]):
         fail("--findlr trains: it cannot go with --eval-only or --loader-only")
     if values["fsdp_reshard_after_forward"] is not None and not values["fsdp"]:

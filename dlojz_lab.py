@@ -27,6 +27,7 @@ import itertools
 import json
 import os
 import shlex
+import socket
 import subprocess
 import sys
 import time
@@ -84,6 +85,9 @@ def parse_grid(texts: list[str]) -> list[tuple[str, list[str]]]:
         if name in (flag for flag, _ in grid):
             raise LabError(f"--grid {name}: given twice; put all its values in one --grid {name}=V1,V2")
         values = [v.strip() for v in values.split(",") if v.strip()]
+        twice = sorted({v for v in values if values.count(v) > 1})
+        if twice:  # two runs of one name would write into one folder
+            raise LabError(f"--grid {text!r}: {', '.join(twice)} given twice; give each value once")
         if flags[name][1] and any(v not in ("on", "off") for v in values):
             raise LabError(f"--grid {text!r}: --{name} is a switch: its values are on and off")
         grid.append((name, values))
@@ -174,16 +178,32 @@ def run_one(sweep_dir: Path, index: int) -> int:
     write_status(run_dir, state="running", started=started, job=job)
     launcher = ["srun", "--kill-on-bad-exit=1"] if os.environ.get("SLURM_JOB_ID") else []
     with open(run_dir / "log.txt", "ab") as log:
-        status = subprocess.call(
+        proc = subprocess.Popen(
             [*launcher, sys.executable, "-u", str(ROOT / "dlojz.py"), *run["argv"]],
             cwd=sweep.get("cwd") or None,  # where the sweep was asked: the flags' relative paths start there
             stdout=log,
             stderr=subprocess.STDOUT,
         )
+        # `status` tells a run whose process is gone (the sweep killed with it) from one that runs
+        write_status(run_dir, state="running", started=started, job=job, pid=proc.pid, host=socket.gethostname())
+        status = proc.wait()
     write_status(
         run_dir, state="done" if status == 0 else "failed", exit=status, started=started, ended=time.time(), job=job
     )
     return status
+
+
+def running_here(status: dict) -> bool:
+    """Whether the local run that wrote `status` still runs: its process is alive (on another host: assumed)."""
+    if status.get("host") != socket.gethostname() or not status.get("pid"):
+        return True
+    try:
+        os.kill(status["pid"], 0)  # signal 0: only asks whether the process exists
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        return True
+    return True
 
 
 def last_line(run_dir: Path) -> str:
@@ -333,6 +353,8 @@ def run_states(sweep_dir: Path, sweep: dict) -> list[tuple[dict, str]]:
                 state = "not run"
         elif state == "running" and sweep.get("job_id") and index not in queue:
             state = "ended without a status (killed?)"
+        elif state == "running" and not sweep.get("job_id") and not running_here(status):
+            state = "interrupted (its process is gone)"
         states.append((run, state))
     return states
 

@@ -282,20 +282,38 @@ def memory_line(metrics):
     )
 
 
+def warn_unwritten(path, err):
+    """A run's side file (metrics JSON, validation history) that could not be written: one warning, never the end
+    of the run, whose checkpoints matter more."""
+    print(f"WARNING: {path} not written ({err.strerror or err}); the run goes on", file=sys.stderr, flush=True)
+
+
 def append_json_line(path, obj):
-    """One line added to a JSON-lines file, flushed at once (a reader may be following it)."""
-    with open(path, "a") as f:
-        f.write(json.dumps(obj, default=float) + "\n")
+    """One line added to a JSON-lines file, flushed at once (a reader may be following it); a failed write is
+    one warning."""
+    try:
+        with open(path, "a") as f:
+            f.write(json.dumps(obj, default=float) + "\n")
+    except OSError as err:
+        warn_unwritten(path, err)
 
 
 def write_text(path, text):
     """`path` holds `text` whole or keeps what it held: written to a temporary name, then renamed."""
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 def write_json(path, obj):
-    write_text(path, json.dumps(obj, indent=2, default=float))
+    """The metrics JSON, whole or as it was; a failed write is one warning."""
+    try:
+        write_text(path, json.dumps(obj, indent=2, default=float))
+    except OSError as err:
+        warn_unwritten(path, err)

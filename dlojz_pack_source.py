@@ -6,6 +6,7 @@ round trip to a metadata server). Every problem is a PackError naming SRC.
 
 import hashlib
 import os
+import stat
 from concurrent.futures import ThreadPoolExecutor
 
 from dlojz_data import IMG_EXTENSIONS, find_layout
@@ -86,9 +87,14 @@ def stat_sizes(paths):
         out = []
         for p in chunk:
             try:
-                out.append(os.stat(p).st_size)
+                info = os.stat(p)
             except OSError as err:
                 raise PackError(f"SRC file {p}: {err.strerror or err}; fix it and rerun") from None
+            if not stat.S_ISREG(info.st_mode):  # reading it would block (a named pipe) or never end (a device)
+                raise PackError(
+                    f"SRC file {p}: not a regular file (a named pipe, device or socket); remove it and rerun"
+                )
+            out.append(info.st_size)
         return out
 
     chunks = [paths[i : i + 1000] for i in range(0, len(paths), 1000)]

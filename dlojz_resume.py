@@ -6,9 +6,15 @@ training is: exactly what a checkpoint saves and a resume restores.
 """
 
 import dataclasses
+import fcntl
 import math
+import os
+import shutil
+import socket
 import time
+from pathlib import Path
 
+import torch.distributed as dist
 
 import dlojz_checkpoint as ckpt
 import dlojz_optim as optim
@@ -27,6 +33,76 @@ class TrainState:
     global_step: int = 0  # optimizer steps done since the start of training
     wandb_id: str | None = None  # the W&B run that a resume continues
     elapsed_s: float = 0.0  # wall-clock seconds of training and validation before this run started
+
+
+RUN_LOCK = ".dlojz.lock"  # held by the run writing in the folder, for its life (the kernel drops it at any exit)
+_lock_file = None  # this process's open lock file, while it holds the lock
+
+
+def claim_output_dir(cfg, ranks, log):
+    """Make the output folder this run's, on rank 0; every rank learns the answer. Refused, in one line: while another
+    run holds its lock, or when it holds a run's checkpoints and neither --resume (continue it) nor --start-over
+    (its files moved aside into `previous-<time>/`) is given. The temporary files of a write that died are removed."""
+    problem = None
+    if ranks.is_main:
+        try:
+            problem = _claim(Path(cfg.output_dir), cfg, log)
+        except OSError as err:
+            problem = f"--output-dir {cfg.output_dir}: {err.strerror or err}; give a folder this run can write in"
+    if ranks.enabled:
+        answer = [problem]
+        dist.broadcast_object_list(answer, src=0)
+        problem = answer[0]
+    if problem:
+        release_output_dir()
+        fail(problem)
+
+
+def _claim(folder, cfg, log):
+    global _lock_file
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / RUN_LOCK
+    path.touch()
+    lock = open(
+        path
+    )  # read-only: a lock held open for writing would keep the folder's file system from turning read-only
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = lock.read().strip() or "a process"
+        lock.close()
+        return (
+            f"--output-dir {folder}: another run is writing there ({holder}); give another --output-dir, or wait for it"
+        )
+    except OSError:  # a file system without locks (NFS without lockd, Lustre without -o flock): unlocked, as before
+        pass
+    path.write_text(f"pid {os.getpid()} on {socket.gethostname()}\n")  # who holds it, for the run refused
+    _lock_file = lock
+    for stale in folder.glob(".*.tmp"):  # a checkpoint write that died (only this run writes here now)
+        shutil.rmtree(stale) if stale.is_dir() else stale.unlink()
+    newest = ckpt.newest_checkpoint(folder)
+    if newest is None or cfg.resume:
+        return None
+    if not cfg.start_over:
+        return (
+            f"--output-dir {folder} holds a run (its checkpoint {newest.name}): continue it with --resume auto, "
+            "start it over with --start-over (its files are kept aside), or give another --output-dir"
+        )
+    aside = folder / time.strftime("previous-%Y%m%d-%H%M%S")
+    aside.mkdir()
+    for entry in folder.iterdir():
+        if entry.name != RUN_LOCK and not entry.name.startswith("previous-"):
+            entry.rename(aside / entry.name)
+    log(f"--start-over: the run that was in {folder} is now in {aside}")
+    return None
+
+
+def release_output_dir():
+    """Let another run write in the output folder (a run's end; an in-process caller runs main() again)."""
+    global _lock_file
+    if _lock_file is not None:
+        _lock_file.close()
+        _lock_file = None
 
 
 class PeriodicCheckpoints:
@@ -76,6 +152,21 @@ def save_epoch_checkpoint(saver, state, periodic, log):
     )
     if periodic is not None:
         periodic.restart()
+
+
+def check_checkpoints_written(cfg, saver, log):
+    """At the end of a run: the checkpoints whose write failed, said in one line; the last one's failure (the final
+    model nowhere) raises CheckpointNotWritten, which ends the run non-zero."""
+    unwritten = getattr(saver, "unwritten", [])  # (--fsdp's saver raises its write's error instead)
+    if not unwritten:
+        return
+    last = saver.last_unwritten()
+    if last is not None:
+        raise ckpt.CheckpointNotWritten(
+            ckpt.not_written_message(cfg.output_dir, f"the run's last checkpoint ({unwritten[-1][0].name})", last)
+        )
+    names = ", ".join(path.name for path, _ in unwritten)
+    log(f"WARNING: {len(unwritten)} checkpoint(s) not written during the run ({names}); the last one is on disk")
 
 
 def make_saver(cfg, model, opt, ranks):

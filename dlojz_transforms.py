@@ -38,7 +38,10 @@ Everything here is picklable, as DataLoader workers started with ``spawn`` or ``
 
 from __future__ import annotations
 
+import errno
 import io
+import os
+import stat
 
 import numpy as np
 import torch
@@ -60,6 +63,7 @@ __all__ = [
     "decoder_description",
     "EncodedJpeg",
     "lazy_image_loader",
+    "open_regular",
     "image_from_bytes",
     "lazy_pil_loader",
     "TrainTransform",
@@ -117,6 +121,18 @@ class EncodedJpeg:
         """Nothing to release (the file is already closed); here so that callers treat both kinds alike."""
 
 
+def open_regular(path: str):
+    """``path`` opened for reading if it is a regular file (or a link to one). A named pipe, a device or a socket
+    with an image's name would block its reader forever or never end: refused with an OSError, never waited on
+    (the open itself does not block: O_NONBLOCK)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OSError(errno.EINVAL, "not a regular file (a named pipe, device or socket)", path)
+    os.set_blocking(fd, True)
+    return os.fdopen(fd, "rb")
+
+
 def lazy_image_loader(path: str):
     """The DataLoader's loader: a file ready for the transforms, not decoded yet.
 
@@ -127,7 +143,7 @@ def lazy_image_loader(path: str):
     """
     if dlojz_jpeg.load() is not None:
         try:
-            with open(path, "rb") as file:
+            with open_regular(path) as file:
                 data = file.read()
         except OSError as error:
             raise UnreadableImageError(f"{path}: cannot be read as an image ({error})") from error
@@ -175,13 +191,15 @@ def lazy_pil_loader(path: str) -> Image.Image:
     """Open ``path`` as a PIL image without decoding its pixels.
 
     Decoding is left to the transform, which can then ask for a reduced-size decode (JPEG draft mode). The file is
-    closed by PIL once the pixels are loaded. Raises ``UnreadableImageError`` naming the file if it is missing or
-    is not an image that PIL recognises.
+    read whole and closed here (the pixels decode from memory, as a packed shard's). Raises ``UnreadableImageError``
+    naming the file if it is missing, not a regular file, or not an image that PIL recognises.
     """
     try:
-        return Image.open(path)
-    except _PIL_READ_ERRORS as error:
+        with open_regular(path) as file:
+            data = file.read()
+    except OSError as error:
         raise UnreadableImageError(f"{path}: cannot be read as an image ({error})") from error
+    return _pil_from_bytes(path, data)
 
 
 def _reduction_for_crop(box: tuple, out_width: int, out_height: int) -> int:

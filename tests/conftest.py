@@ -109,6 +109,20 @@ def embedded_cache(tmp_path_factory):
     return tmp_path_factory.mktemp("xdg-cache")
 
 
+@pytest.fixture(autouse=True)
+def close_dataloaders():
+    """Stop the DataLoader workers a test opened through dlojz's loaders, as cli() does at the end of a run: they
+    ignore SIGTERM, and the interpreter's exit would wait for them forever."""
+    yield
+    loaders = sys.modules.get("dlojz_loaders")
+    if loaders is not None:
+        from dlojz_data import close_loader
+
+        for loader in loaders.LOADERS:
+            close_loader(loader)
+        loaders.LOADERS.clear()
+
+
 @pytest.fixture
 def run_inline(capsys, monkeypatch):
     """Run dlojz.cli(argv) inside the test process (no interpreter start-up, torch already imported): for the

@@ -4,6 +4,8 @@ array is in test_slurm.py, with the tests' one-node cluster."""
 
 import csv
 import json
+import os
+import socket
 import subprocess
 import sys
 
@@ -123,6 +125,7 @@ def test_the_plots_draw_every_run_s_figures():
         (["channels-last=yes,no"], "--channels-last is a switch: its values are on and off"),
         (["output-dir=a,b"], "--grid output-dir: each run's --output-dir is the lab's"),
         (["batch-size"], "give FLAG=V1,V2,..."),
+        (["batch-size=4,8,4"], "--grid 'batch-size=4,8,4': 4 given twice; give each value once"),
     ],
 )
 def test_a_bad_grid_is_one_line_before_anything_runs(tmp_path, monkeypatch, capsys, grid, message):
@@ -153,3 +156,19 @@ def test_follow_waits_for_the_queue_and_names_a_task_that_never_started(tmp_path
         "batch-size=8: never started (slurm_77_1.out)",
     ]
     assert final[1] == ("batch-size=8", "never started (slurm_77_1.out)")
+
+
+def test_a_local_run_whose_process_is_gone_is_interrupted_not_running(tmp_path):
+    sweep = tmp_path / "runs" / "gone"
+    runs = [dict(name=f"batch-size={b}", settings={"batch-size": b}, argv=[]) for b in ("4", "8")]
+    sweep.mkdir(parents=True)
+    (sweep / "sweep.json").write_text(json.dumps(dict(name="gone", runs=runs)))
+    ended = subprocess.Popen(["true"])
+    ended.wait()  # a pid no process has now
+    host = socket.gethostname()
+    dlojz_lab.write_status(sweep / "batch-size=4", state="running", pid=ended.pid, host=host)
+    dlojz_lab.write_status(sweep / "batch-size=8", state="running", pid=os.getpid(), host=host)
+    assert dlojz_lab.states(sweep) == [
+        ("batch-size=4", "interrupted (its process is gone)"),
+        ("batch-size=8", "running"),
+    ]

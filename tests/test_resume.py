@@ -385,6 +385,22 @@ def test_a_second_ctrl_c_stops_at_once():
     assert "Ctrl-C again: stopped at once" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
 
 
+def test_sighup_stops_like_sigterm_and_a_later_sigterm_stops_at_once():
+    """SIGHUP (a closed terminal) asks for a stop, as SIGTERM; SIGTERM delivered twice at once (srun and slurmstepd
+    both pass scancel's on) still asks for one; a SIGTERM sent again later ends the process (143)."""
+    code = (
+        "import os, signal, time, dlojz_dist; dlojz_dist.AGAIN_AT_ONCE_S = 0.5; "
+        "stop = dlojz_dist.StopSignal().install(); os.kill(os.getpid(), signal.SIGHUP); time.sleep(0.05); "
+        "print('first:', stop.name, flush=True); os.kill(os.getpid(), signal.SIGTERM); "
+        "os.kill(os.getpid(), signal.SIGTERM); time.sleep(0.1); print('twice at once:', stop.name, flush=True); "
+        "time.sleep(0.5); os.kill(os.getpid(), signal.SIGTERM); time.sleep(5); print('still running')"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert proc.returncode == 128 + signal.SIGTERM, proc.stdout + proc.stderr
+    assert proc.stdout == "first: SIGHUP\ntwice at once: SIGTERM\n", proc.stdout + proc.stderr
+    assert "SIGTERM again: stopped at once" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
 def test_no_worker_outlives_a_killed_main_process(resume_data, tmp_path):
     proc = start([*RUN, "--num-workers", "2", "--data-root", resume_data, "--output-dir", tmp_path], clean_env())
     wait_for_line(proc, "Epoch 1/2, Step")
