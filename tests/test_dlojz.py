@@ -310,9 +310,9 @@ def test_nan_loss_stops_with_step_and_keeps_checkpoint(tiny_data, tmp_path, trai
     shutil.copy(trained_checkpoint, out / trained_checkpoint.name)
     (out / "latest").write_text(trained_checkpoint.name + "\n")
     before = (out / trained_checkpoint.name).read_bytes()
-    proc = run_dlojz(
-        *SMALL, "--data-root", tiny_data, "-b", "8", "--lr", "1e30", "--epochs", "2", "--no-wandb", "--output-dir", out
-    )
+    # Resumed for one more epoch, on a schedule rebuilt for 2 epochs with --lr 1e30: the loss is not finite at once.
+    flags = ["-b", "8", "--lr", "1e30", "--epochs", "2", "--no-wandb", "--output-dir", out, "--resume", "auto"]
+    proc = run_dlojz(*SMALL, "--data-root", tiny_data, *flags)
     assert_one_line_error(proc, "not finite", "at step", trained_checkpoint.name, status=3)
     assert (out / trained_checkpoint.name).read_bytes() == before
     assert (out / "latest").read_text().strip() == trained_checkpoint.name

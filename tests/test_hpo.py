@@ -184,7 +184,9 @@ def test_usr2_and_no_requeue_stop_without_requeue(monkeypatch, capsys):
     import dlojz_dist
 
     calls = []
-    monkeypatch.setattr(dlojz_dist.subprocess, "run", lambda args, **kw: calls.append(args))
+    monkeypatch.setattr(
+        dlojz_dist.subprocess, "run", lambda args, **kw: calls.append(args) or subprocess.CompletedProcess(args, 0)
+    )
     monkeypatch.setenv("SLURM_JOB_ID", "42")
     ranks = SimpleNamespace(is_main=True)
     cfg = SimpleNamespace(test=False, requeue=True, output_dir="out")
