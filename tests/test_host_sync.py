@@ -468,8 +468,9 @@ def audited_ranks(rank, port, out_dir, results):
 
 def test_two_ddp_ranks_wait_for_the_device_only_at_log_points(tmp_path):
     port = preloaded.free_port()
-    results = mp.Manager().dict()
-    mp.spawn(audited_ranks, args=(port, str(tmp_path), results), nprocs=2, join=True)
+    # forkserver: the ranks fork from a server that imported dlojz once (preloaded), not two fresh interpreters
+    results = mp.get_context("forkserver").Manager().dict()
+    mp.start_processes(audited_ranks, (port, str(tmp_path), results), nprocs=2, join=True, start_method="forkserver")
     assert dict(results) == {0: ([], [], "ddp"), 1: ([], [], "ddp")}
 
 

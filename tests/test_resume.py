@@ -30,6 +30,16 @@ def resume_data(tmp_path_factory):
     )
 
 
+@pytest.fixture(scope="module")
+def straight_run(resume_data, tmp_path_factory):
+    """The final checkpoint of RUN trained without a stop: what every stopped and resumed run must end with (the
+    samples' seeds do not depend on the number of workers)."""
+    out = tmp_path_factory.mktemp("straight")
+    proc = run_dlojz(*RUN, "--data-root", resume_data, "--output-dir", out)
+    assert proc.returncode == 0, show(proc)
+    return final_weights(out)
+
+
 def start(args, env):
     return start_dlojz(*args, env=env)
 
@@ -52,11 +62,7 @@ def final_weights(out):
     return state
 
 
-def test_signal_then_resume_gives_the_same_weights(resume_data, tmp_path):
-    straight = tmp_path / "straight"
-    proc = run_dlojz(*RUN, "--data-root", resume_data, "--output-dir", straight)
-    assert proc.returncode == 0, show(proc)
-
+def test_signal_then_resume_gives_the_same_weights(resume_data, straight_run, tmp_path):
     interrupted = tmp_path / "interrupted"
     proc = start([*RUN, "--data-root", resume_data, "--output-dir", interrupted], clean_env())
     early = wait_for_line(proc, "Epoch 1/2, Step")
@@ -71,7 +77,7 @@ def test_signal_then_resume_gives_the_same_weights(resume_data, tmp_path):
     proc = run_dlojz(*RUN, "--data-root", resume_data, "--output-dir", interrupted, "--resume", "auto")
     assert proc.returncode == 0, show(proc)
     assert f"resumed from {interrupted}" in proc.stdout
-    a, b = final_weights(straight), final_weights(interrupted)
+    a, b = straight_run, final_weights(interrupted)
     assert a["global_step"] == b["global_step"] == 30 and a["epoch"] == b["epoch"] == 2
     for key, value in a["model"].items():
         assert torch.allclose(value.float(), b["model"][key].float(), rtol=1e-5, atol=1e-6), key
@@ -334,10 +340,8 @@ def ctrl_c(proc):
 
 
 @pytest.mark.parametrize("workers_flag", ["1", "0"])
-def test_ctrl_c_checkpoints_says_how_to_continue_and_resumes_exactly(resume_data, tmp_path, workers_flag):
+def test_ctrl_c_checkpoints_says_how_to_continue_and_resumes_exactly(resume_data, straight_run, tmp_path, workers_flag):
     run = [*RUN, "--num-workers", workers_flag, "--data-root", resume_data]
-    straight = tmp_path / "straight"
-    assert run_dlojz(*run, "--output-dir", straight).returncode == 0
     out = tmp_path / "run"
     proc = start([*run, "--output-dir", out], clean_env())
     early = wait_for_line(proc, "Epoch 1/2, Step")
@@ -354,7 +358,7 @@ def test_ctrl_c_checkpoints_says_how_to_continue_and_resumes_exactly(resume_data
     assert not [pid for pid in descendants(proc.pid)]  # no worker left behind
     proc = run_dlojz(*run, "--output-dir", out, "--resume", "auto")
     assert proc.returncode == 0, show(proc)
-    a, b = final_weights(straight), final_weights(out)
+    a, b = straight_run, final_weights(out)
     assert a["global_step"] == b["global_step"] == 30
     for key, value in a["model"].items():
         assert torch.allclose(value.float(), b["model"][key].float(), rtol=1e-5, atol=1e-6), key

@@ -86,15 +86,16 @@ def test_a_lost_node_ends_the_job_with_one_line_and_a_relaunch_finishes_from_the
             result
         )
         assert "task 0: Exited with exit code 4" in log, show(result)
+        # Relaunched for 3 epochs in all (the schedule rebuilt for them): the rest of epoch 2, and epoch 3.
         relaunch = cluster.submit(
             ["--nodes=1", "--ntasks=1", f"--nodelist={cluster.nodes[0]}", f"--output={tmp_path}/again.out"]
-            + [CPU_SCRIPT, *flags],
+            + [CPU_SCRIPT, *flags, "--epochs", "3"],
             cwd=ROOT,
             env=env,
         )
         again = cluster.wait(relaunch, timeout=300)
         assert again.state == "COMPLETED", show(again)
         text = again.output_text()
-        assert f"resumed from {out}/ckpt_e" in text and "Epoch [20/20]" in text, show(again)
+        assert f"resumed from {out}/ckpt_e" in text and "Epoch [3/3]" in text, show(again)
     finally:
         cluster.restore_node(1)
