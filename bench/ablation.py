@@ -74,6 +74,8 @@ def get_args(argv=None):
     p.add_argument("--no-dali", action="store_true", help="leave DALI out of the cores table")
     p.add_argument("--out", default=None, help="where the runs' metrics go (default: runs/ablation_<time>)")
     args = p.parse_args(argv)
+    if args.data_root is not None and not (Path(args.data_root) / "train").is_dir():  # before minutes of rows
+        p.error(f"--data-root {args.data_root}: no train/ folder there; give the data set's folder (train/, val/)")
     rows = [name for name in args.rows.split(",") if name]
     unknown = [name for name in rows if name not in ROW_NAMES]
     if unknown:

@@ -66,6 +66,8 @@ def parse_args(argv=None):
     )
     parser.add_argument("--run-plain", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.data is not None and not (args.data / "train").is_dir():  # before any run
+        parser.error(f"--data {args.data}: no train/ folder there; give an ImageFolder with train/<class>/")
     if args.threads is None:
         args.threads = len(os.sched_getaffinity(0))
     if args.images < (WARMUP_STEPS + 10) * args.batch_size:

@@ -64,6 +64,8 @@ def main(argv=None):
     parser.add_argument("--shard-size", default="100MB")
     parser.add_argument("--no-cold", action="store_true", help="skip the cold-cache passes (no page cache dropped)")
     args = parser.parse_args(argv)
+    if args.data and not (Path(args.data) / "train").is_dir():  # before any pass
+        parser.error(f"--data {args.data}: no train/ folder there; give an ImageFolder tree with train/ and val/")
     if args.data:
         src = Path(args.data)
         folder = src / "train"

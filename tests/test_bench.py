@@ -4,6 +4,8 @@ import io
 import subprocess
 import sys
 
+import pytest
+
 from PIL import Image
 
 from conftest import ROOT, clean_env
@@ -248,3 +250,18 @@ def test_the_bare_loop_steps_with_dlojz_s_fused_sgd():
 
     optimizer = bench_train.bare_optimizer(torch.nn.Linear(4, 2))
     assert optimizer.defaults["fused"] and optimizer.defaults["momentum"] == 0.9
+
+
+@pytest.mark.parametrize(
+    "script, flag",
+    [("ablation.py", "--data-root"), ("bench_plain_loop.py", "--data"), ("bench_storage.py", "--data")],
+)
+def test_a_bench_given_a_missing_data_folder_says_so_before_any_run(script, flag, tmp_path):
+    missing = tmp_path / "nonexistent"
+    command = [sys.executable, str(ROOT / "bench" / script), flag, str(missing), "--device", "cpu"]
+    if script == "bench_storage.py":
+        command = command[:-2]  # (no --device: it reads files only)
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120, env=clean_env(), cwd=tmp_path)
+    assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
+    assert f"{flag} {missing}: no train/ folder there" in result.stderr.splitlines()[-1]
+    assert not list(tmp_path.iterdir()) and result.stdout == ""  # nothing run, nothing written
