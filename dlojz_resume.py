@@ -223,17 +223,15 @@ def restore(cfg, model, opt, n_train_batches, device, log):
             saved, path = ckpt.load(cfg.resume), cfg.resume
         except ckpt.CheckpointError as err:
             fail(f"--resume: {err}")
-    restore_weights(cfg, model, opt, saved, path)
+    restore_weights(cfg, model, opt, saved, path, log)
     state = TrainState()
     if not cfg.eval_only:
-        if opt.scheduler is not None and saved.get("scheduler") is not None:
-            restore_schedule(cfg, opt, saved, n_train_batches, log)
-        if saved.get("scaler"):  # none when it was written with the scaler off (bfloat16, --no-amp, CPU)
-            opt.scaler.load_state_dict(saved["scaler"])
         state = TrainState(
             saved["epoch"], saved["batch"], saved["global_step"], saved.get("wandb_id"), saved.get("elapsed_s", 0.0)
         )
-        saved_world, saved_batch_size = saved.get("world_size", idr_torch.world_size), saved["args"]["batch_size"]
+        saved_args = saved["args"]
+        saved_world, saved_batch_size = saved.get("world_size", idr_torch.world_size), saved_args["batch_size"]
+        saved_grad_acc = saved_args.get("grad_acc", 1)
         images_per_batch = cfg.batch_size * idr_torch.world_size
         if (saved_world, saved_batch_size) != (idr_torch.world_size, cfg.batch_size) and state.batch:
             # The samplers deal out one order of the epoch's images: go on after as many as were trained on.
@@ -244,15 +242,21 @@ def restore(cfg, model, opt, n_train_batches, device, log):
                 f"{saved_world} x {saved_batch_size}: the epoch goes on after its first {done} images"
                 + ("" if done % images_per_batch == 0 else f" ({done % images_per_batch} of them trained on again)")
             )
+        if (saved_world, saved_batch_size, saved_grad_acc) != (idr_torch.world_size, cfg.batch_size, cfg.grad_acc):
+            # Optimizer steps of another size: the step this setting has reached at the same image.
+            steps_per_epoch = math.ceil(n_train_batches / cfg.grad_acc)
+            state.global_step = state.epoch * steps_per_epoch + state.batch // cfg.grad_acc
+        if opt.scheduler is not None and saved.get("scheduler") is not None:
+            restore_schedule(cfg, opt, saved, state.global_step, log)
+        if saved.get("scaler"):  # none when it was written with the scaler off (bfloat16, --no-amp, CPU)
+            opt.scaler.load_state_dict(saved["scaler"])
         ckpt.restore_rng(saved, device)
-    log(
-        f"resumed from {path} (epoch {saved['epoch'] + 1}, step {saved['batch']}/{n_train_batches}, "
-        f"global step {saved['global_step']})"
-    )
+    at = state if not cfg.eval_only else TrainState(saved["epoch"], saved["batch"], saved["global_step"])
+    log(f"resumed from {path} (epoch {at.epoch + 1}, step {at.batch}/{n_train_batches}, global step {at.global_step})")
     return state, path
 
 
-def restore_weights(cfg, model, opt, saved, path):
+def restore_weights(cfg, model, opt, saved, path, log):
     """The model's weights, the EMA's and (unless --eval-only) the optimizer's state, from a checkpoint file
     or, with --fsdp, from a sharded checkpoint or a file."""
     sharded = saved.get("sharded_path")
@@ -285,8 +289,12 @@ def restore_weights(cfg, model, opt, saved, path):
         )
     if model.ema is not None and saved.get("ema") is not None:
         model.ema.load_state_dict(saved["ema"])
+    saved_optimizer = (saved.get("args") or {}).get("optimizer", cfg.optimizer)
     if not cfg.eval_only and not sharded:
-        opt.optimizer.load_state_dict(saved["optimizer"])
+        if saved_optimizer == cfg.optimizer:
+            opt.optimizer.load_state_dict(saved["optimizer"])
+        else:  # another optimizer's state (momenta, second moments) means nothing to this one
+            log(f"--optimizer {cfg.optimizer}: the checkpoint's {saved_optimizer} state is dropped; it starts afresh")
 
 
 def check_same_model(cfg, num_classes, saved, path):
@@ -303,15 +311,23 @@ def check_same_model(cfg, num_classes, saved, path):
         )
 
 
-def restore_schedule(cfg, opt, saved, n_train_batches, log):
-    """The schedule as saved; for a run resumed with another length (more --epochs), the new schedule from the
-    saved step."""
-    saved_total = saved.get("total_steps") or saved["args"]["epochs"] * math.ceil(n_train_batches / cfg.grad_acc)
-    if saved_total == opt.total_steps:
+def restore_schedule(cfg, opt, saved, global_step, log):
+    """The schedule as saved when nothing that shapes it changed; otherwise (more --epochs, another batch size,
+    --grad-acc or number of ranks, another --lr-scheduler) the new schedule, from the step this setting has reached."""
+    saved_args = saved["args"]
+    saved_total = saved.get("total_steps")
+    same = (
+        saved_total == opt.total_steps
+        and global_step == saved["global_step"]
+        and saved_args.get("lr_scheduler", cfg.lr_scheduler) == cfg.lr_scheduler
+    )
+    if same:
         opt.scheduler.load_state_dict(saved["scheduler"])
-    elif saved["global_step"] <= opt.total_steps:
-        optim.fast_forward(opt.scheduler, saved["global_step"])
-        log(
-            f"--epochs {cfg.epochs}: the learning-rate schedule is rebuilt for {opt.total_steps} optimizer steps and "
-            f"continues from step {saved['global_step']} (the checkpoint's schedule had {saved_total})"
-        )
+        return
+    if global_step > opt.total_steps:  # past this run's end: main() says there is nothing to train
+        return
+    optim.fast_forward(opt.scheduler, global_step)
+    log(
+        f"the learning-rate schedule ({cfg.lr_scheduler}) is rebuilt for {opt.total_steps} optimizer steps and "
+        f"continues from step {global_step} (the checkpoint's had {saved_total or '?'}, at step {saved['global_step']})"
+    )

@@ -208,13 +208,16 @@ def test_an_fsdp_run_stopped_mid_epoch_resumes_on_one_rank_to_the_same_weights(r
     assert proc.returncode == 0, show(proc)
     assert "a checkpoint written on 2 x 8: the epoch goes on after its first" in proc.stdout, proc.stdout
     assert_same_weights(weights(out), weights(runs / "fsdp"))
-    # On 1 x 8 the epoch has 9 batches; 16 images per step were done, so 2 per step saved are skipped.
+    # On 1 x 8 the epoch has 9 batches; 16 images per step were done, so 2 per step saved are skipped, and the
+    # run counts the steps this setting would have made: it ends at its own schedule's end, step 9.
     proc = run_dlojz(
         *BASE, "--data-root", tiny_data, "-b", "8", "--fsdp", "--output-dir", tmp_path / "by8", "--resume", "auto"
     )
     assert proc.returncode == 0, show(proc)
     done = stopped["batch"]
-    assert ckpt.load_latest(tmp_path / "by8")[0]["global_step"] == done + 9 - 2 * done, proc.stdout
+    assert f"step {2 * done}/9, global step {2 * done})" in proc.stdout, proc.stdout
+    final = ckpt.load_latest(tmp_path / "by8")[0]
+    assert final["global_step"] == final["total_steps"] == final["scheduler"]["last_epoch"] == 9, proc.stdout
 
 
 def test_fsdp_with_accumulation_checkpointing_and_no_reshard_trains_the_same(runs, tiny_data, tmp_path):

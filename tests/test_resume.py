@@ -131,7 +131,8 @@ def test_a_killed_rank_ends_the_other_with_one_line_and_the_run_resumes_from_its
     # The job is relaunched (here on one rank): it goes on from that checkpoint to the end.
     proc = run_dlojz(*args, "--resume", "auto")
     assert proc.returncode == 0, show(proc)
-    assert f"resumed from {path} (epoch {saved['epoch'] + 1}, step {saved['batch']}/" in proc.stdout, proc.stdout
+    # 2 ranks' steps are 2 of this rank's: the position is said in this run's steps, at the same image
+    assert f"resumed from {path} (epoch {saved['epoch'] + 1}, step {2 * saved['batch']}/15" in proc.stdout, proc.stdout
     assert final_weights(out)["epoch"] == 3
 
 
@@ -177,12 +178,49 @@ def test_resume_with_more_epochs_continues_a_rebuilt_schedule(schedule, tiny_dat
     checkpoint = out / (out / "latest").read_text().strip()
     longer = run_inline(*common, "-e", "2", "--resume", checkpoint)
     assert longer.returncode == 0, longer.stderr
-    assert "the learning-rate schedule is rebuilt for 18 optimizer steps and continues from step 9" in longer.stdout
+    assert "learning-rate schedule (" in longer.stdout
+    assert "is rebuilt for 18 optimizer steps and continues from step 9" in longer.stdout
     state = latest_state(out)
     assert state["global_step"] == 18 and state["epoch"] == 2 and state["total_steps"] == 18
     # the run ended where the 2-epoch schedule ends (fast_forward's steps are checked in test_optim)
     assert state["optimizer"]["param_groups"][0]["lr"] == pytest.approx(lr_after(schedule, 18, 18))
     assert state["scheduler"]["last_epoch"] == 18
+
+
+@pytest.fixture(scope="module")
+def two_epochs_tiny(tiny_data, tmp_path_factory):
+    """The checkpoint at the end of the first of 2 epochs of TINY (9 optimizer steps an epoch, sgd, onecycle)."""
+    out = tmp_path_factory.mktemp("two_epochs")
+    proc = run_dlojz(*TINY, "--data-root", tiny_data, "--output-dir", out, "-e", "2")
+    assert proc.returncode == 0, show(proc)
+    return out / "ckpt_e0001_s000000009.pt"
+
+
+@pytest.mark.parametrize(
+    "changed, steps_per_epoch, said",
+    [
+        (["-b", "4"], 18, "is rebuilt for 36 optimizer steps and continues from step 18"),
+        (["--grad-acc", "2"], 5, "is rebuilt for 10 optimizer steps and continues from step 5"),
+        (["--optimizer", "adamw"], 9, "--optimizer adamw: the checkpoint's sgd state is dropped; it starts afresh"),
+        (
+            ["--lr-scheduler", "cosine"],
+            9,
+            "schedule (cosine) is rebuilt for 18 optimizer steps and continues from step 9",
+        ),
+    ],
+)
+def test_resume_with_changed_settings_goes_on_from_the_same_image_on_a_rebuilt_schedule(
+    changed, steps_per_epoch, said, two_epochs_tiny, tiny_data, tmp_path, run_inline
+):
+    out = tmp_path / "again"
+    proc = run_inline(
+        *TINY, "--data-root", tiny_data, "--output-dir", out, "-e", "2", "--resume", two_epochs_tiny, *changed
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert said in proc.stdout
+    state = latest_state(out)  # the second epoch, whole, on this setting's schedule, which ends with it
+    assert state["global_step"] == state["total_steps"] == state["scheduler"]["last_epoch"] == 2 * steps_per_epoch
+    assert state["epoch"] == 2
 
 
 def test_same_length_resume_loads_the_schedule_as_saved(tiny_data, tmp_path, run_inline):
