@@ -1,8 +1,10 @@
-"""Checkpoints in a run: `make_saver` (one file by rank 0, written by a background thread, or with --fsdp a folder
-of every rank's shards), the end of an epoch's checkpoint, --checkpoint-every's mid-epoch ones, and
-`restore` (--resume: the weights, the optimizer, the schedule, possibly rebuilt for another length, the GradScaler,
-the position in the epoch, possibly on another number of ranks, and the random generators). `TrainState` is where
-training is: exactly what a checkpoint saves and a resume restores.
+"""Checkpoints in a run: `claim_output_dir` (the output folder is one run's: its lock, and a folder holding another
+run's checkpoints refused without --resume or --start-over), `make_saver` (one file by rank 0, written by a
+background thread, or with --fsdp a folder of every rank's shards), the end of an epoch's checkpoint,
+--checkpoint-every's mid-epoch ones, `check_checkpoints_written` at the run's end, and `restore` (--resume: the
+weights, the optimizer (dropped if of another kind), the schedule, rebuilt when the length, batch size, grad-acc,
+number of ranks or scheduler changed, the GradScaler, the position in the epoch in images, and the random
+generators). `TrainState` is where training is: exactly what a checkpoint saves and a resume restores.
 """
 
 import dataclasses
@@ -63,9 +65,8 @@ def _claim(folder, cfg, log):
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / RUN_LOCK
     path.touch()
-    lock = open(
-        path
-    )  # read-only: a lock held open for writing would keep the folder's file system from turning read-only
+    # Read-only: a file held open for writing would keep the folder's file system from being remounted read-only.
+    lock = open(path)
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

@@ -541,3 +541,27 @@ def test_a_full_disk_during_a_run_warns_keeps_the_previous_checkpoint_and_trains
     assert not lost.exists() and not list(out.glob(".*.tmp"))
     assert (out / "latest").read_text().strip() == "ckpt_e0003_s000000027.pt"  # the next one, written
     assert '"epochs": 3' in metrics.read_text()
+
+
+@pytest.mark.parametrize("before, after", [((2, 4), (1, 4)), ((1, 4), (2, 4)), ((2, 8), (4, 2)), ((3, 4), (2, 6))])
+def test_a_resume_on_other_ranks_and_batches_goes_on_at_the_first_unseen_image(before, after):
+    """The samplers of a run stopped after 4 batches, then those of its resume on another number of ranks and batch
+    size, skipping as restore() says (`state.batch` of the new setting): every image of the epoch is trained once,
+    none skipped, none twice (the 4 batches fill whole batches of the new setting)."""
+    from dlojz_data import EpochSampler
+
+    images = list(range(96))
+    (ranks, batch), (new_ranks, new_batch) = before, after
+    seen = []
+    for rank in range(ranks):
+        sampler = EpochSampler(images, ranks, rank, seed=7, batch_size=batch)
+        sampler.set_epoch(2)
+        seen += [i for _, i in sampler][: 4 * batch]
+    first_batch = 4 * batch * ranks // (new_batch * new_ranks)  # restore()'s position in the new setting's batches
+    rest = []
+    for rank in range(new_ranks):
+        sampler = EpochSampler(images, new_ranks, rank, seed=7, batch_size=new_batch)
+        sampler.set_epoch(2)
+        sampler.skip = first_batch * new_batch  # as Loaders.start_epoch sets it
+        rest += [i for _, i in sampler]
+    assert sorted(seen + rest) == images
