@@ -194,7 +194,7 @@ def test_cpu_script_trains_with_two_ddp_ranks(slurm_cluster, tmp_path):
 
 
 def test_usr1_checkpoints_requeues_and_resumes(slurm_cluster, tmp_path):
-    # -b 8: 75 steps per epoch, so the signal, sent at the first "Epoch" line, lands mid-epoch
+    # -b 16: 38 steps per epoch, so the signal, sent at the first "Epoch" line (step 4), lands mid-epoch
     # and the resumed run finishes the epoch. W&B on (offline), as a user runs it: the requeue must come
     # after the W&B run is closed, or Slurm kills rank 0 in the middle of it.
     epochs = 1
@@ -205,7 +205,7 @@ def test_usr1_checkpoints_requeues_and_resumes(slurm_cluster, tmp_path):
         "--epochs",
         epochs,
         "-b",
-        8,
+        16,
         "--metrics-json",
         metrics_path,
         "--output-dir",
