@@ -263,9 +263,8 @@ def load_latest(output_dir):
     """Return (state, path) of the newest usable checkpoint in output_dir, or (None, None) if there is none."""
     output_dir = Path(output_dir)
     candidates = list(reversed(list_checkpoints(output_dir)))
-    latest = output_dir / LATEST
-    if latest.is_file():
-        named = output_dir / latest.read_text().strip()
+    if latest := latest_name(output_dir):
+        named = output_dir / latest
         if named in candidates:
             candidates.remove(named)
         candidates.insert(0, named)

@@ -164,7 +164,7 @@ def checkpoint_for_stop(cfg, saver, state, reason, n_train_batches, ranks, log):
         dist.broadcast_object_list(answer, src=0)
         written = answer[0]
     if not written:  # no clean stop, and no requeue: the job would only start again from an older checkpoint
-        reason_lost = (getattr(saver, "last_unwritten", lambda: None)() or "the write failed") if ranks.is_main else ""
+        reason_lost = (saver.last_unwritten() or "the write failed") if ranks.is_main else ""
         raise ckpt.CheckpointNotWritten(
             ckpt.not_written_message(cfg.output_dir, f"the checkpoint of the stop ({reason})", reason_lost)
         )
@@ -248,13 +248,16 @@ def requeue(cfg, ranks, reason=None):
         print(f"requeue: scontrol requeue {job_id} (resume with --resume auto)", flush=True)
         try:
             done = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True, check=False)
-            why = (done.stderr or done.stdout).strip().splitlines()[-1:] if done.returncode else None
-        except OSError as err:
-            why = [err.strerror or str(err)]
-        if why is not None:
+            failure = None
+            if done.returncode != 0:
+                said = (done.stderr or done.stdout).strip().splitlines()
+                failure = said[-1] if said else f"exit {done.returncode}"
+        except OSError as err:  # no scontrol here
+            failure = err.strerror or str(err)
+        if failure is not None:
             raise RequeueFailed(
-                f"scontrol requeue {job_id} failed ({why[0] if why else f'exit {done.returncode}'}): the job is "
-                f"not requeued; its checkpoint is kept: submit it again with --resume auto --output-dir {cfg.output_dir}"
+                f"scontrol requeue {job_id} failed ({failure}): the job is not requeued; its checkpoint is kept: "
+                f"submit it again with --resume auto --output-dir {cfg.output_dir}"
             )
     elif ranks.is_main and cfg.test:
         print(f"stopped by {reason} (--test writes no checkpoint)", flush=True)

@@ -123,6 +123,10 @@ class ShardedCheckpointSaver:
     `wait`."""
 
     background = True
+    unwritten = ()  # a failed write raises its error from wait() (CheckpointSaver's warn-and-go-on is not for shards)
+
+    def last_unwritten(self):
+        return None
 
     def __init__(self, output_dir, keep, device, fixed, is_main, model, optimizer, scheduler, scaler):
         self.output_dir, self.keep, self.device, self.fixed, self.is_main = (

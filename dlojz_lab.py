@@ -202,7 +202,7 @@ def running_here(status: dict) -> bool:
     except ProcessLookupError:
         return False
     except PermissionError:  # alive, another user's
-        return True
+        pass
     return True
 
 

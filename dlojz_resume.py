@@ -158,7 +158,7 @@ def save_epoch_checkpoint(saver, state, periodic, log):
 def check_checkpoints_written(cfg, saver, log):
     """At the end of a run: the checkpoints whose write failed, said in one line; the last one's failure (the final
     model nowhere) raises CheckpointNotWritten, which ends the run non-zero."""
-    unwritten = getattr(saver, "unwritten", [])  # (--fsdp's saver raises its write's error instead)
+    unwritten = saver.unwritten
     if not unwritten:
         return
     last = saver.last_unwritten()

@@ -134,33 +134,27 @@ def open_regular(path: str):
 
 
 def lazy_image_loader(path: str):
-    """The DataLoader's loader: a file ready for the transforms, not decoded yet.
-
-    With libjpeg-turbo region decoding available (dlojz_jpeg.py), a JPEG in an RGB-decodable colour space comes
-    back as an ``EncodedJpeg`` (its bytes and size, read without PIL's header parsing); anything else (PNG, CMYK,
-    a file libjpeg rejects) as a lazily opened PIL image, as ``lazy_pil_loader`` gives it. Raises
-    ``UnreadableImageError`` naming the file if it is missing or not an image.
+    """The DataLoader's loader: a file ready for the transforms, not decoded yet, as ``image_from_bytes`` makes its
+    bytes: with libjpeg-turbo region decoding available (dlojz_jpeg.py), a JPEG in an RGB-decodable colour space
+    comes back as an ``EncodedJpeg`` (its bytes and size, read without PIL's header parsing); anything else (PNG,
+    CMYK, a file libjpeg rejects) as a lazily opened PIL image. The file is read once, whole. Raises
+    ``UnreadableImageError`` naming the file if it is missing, not a regular file, or not an image.
     """
-    if dlojz_jpeg.load() is not None:
-        try:
-            with open_regular(path) as file:
-                data = file.read()
-        except OSError as error:
-            raise UnreadableImageError(f"{path}: cannot be read as an image ({error})") from error
-        if _complete_jpeg(data):
-            try:
-                width, height, rgb_decodable = dlojz_jpeg.info(data)
-            except dlojz_jpeg.JpegError:
-                rgb_decodable = False  # PIL decides below, and names the file if it cannot read it either
-            if rgb_decodable:
-                return EncodedJpeg(path, data, (width, height))
-    return lazy_pil_loader(path)
+    return image_from_bytes(path, _read_image_file(path))
+
+
+def _read_image_file(path: str) -> bytes:
+    try:
+        with open_regular(path) as file:
+            return file.read()
+    except OSError as error:
+        raise UnreadableImageError(f"{path}: cannot be read as an image ({error})") from error
 
 
 def image_from_bytes(name: str, data: bytes):
-    """A sample already in memory (read from a packed shard, dlojz_pack.py), made ready for the transforms as
-    ``lazy_image_loader`` makes a file: an ``EncodedJpeg`` for region decoding, else a lazily opened PIL image.
-    ``name`` (e.g. ``train-000003.tar:n01440764_10026``) stands for the file in messages."""
+    """A sample's bytes (a file's, or from a packed shard, dlojz_pack.py) made ready for the transforms: an
+    ``EncodedJpeg`` for region decoding, else a lazily opened PIL image. ``name`` (the file's path, or e.g.
+    ``train-000003.tar:n01440764_10026``) stands for the sample in messages."""
     if dlojz_jpeg.load() is not None and _complete_jpeg(data):
         try:
             width, height, rgb_decodable = dlojz_jpeg.info(data)
@@ -194,12 +188,7 @@ def lazy_pil_loader(path: str) -> Image.Image:
     read whole and closed here (the pixels decode from memory, as a packed shard's). Raises ``UnreadableImageError``
     naming the file if it is missing, not a regular file, or not an image that PIL recognises.
     """
-    try:
-        with open_regular(path) as file:
-            data = file.read()
-    except OSError as error:
-        raise UnreadableImageError(f"{path}: cannot be read as an image ({error})") from error
-    return _pil_from_bytes(path, data)
+    return _pil_from_bytes(path, _read_image_file(path))
 
 
 def _reduction_for_crop(box: tuple, out_width: int, out_height: int) -> int:
