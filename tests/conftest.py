@@ -14,6 +14,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+import file_seconds  # noqa: E402
 import preloaded  # noqa: E402  (after the path that finds dlojz)
 
 # README's test command runs the suite in 2 xdist workers: each test's runs get their worker's share of the cores (a
@@ -149,12 +150,21 @@ def run_inline(capsys, monkeypatch):
 def pytest_configure(config):
     import torch
 
+    # Under --dist loadfile, the files go to the workers in the order pytest_collection_modifyitems leaves them
+    # (slowest first) rather than xdist's own (most tests first).
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
+
     torch.set_num_threads(int(THREADS))  # the tests that train in this process
 
 
 def pytest_collection_modifyitems(config, items):
     """The tests that start a Slurm cluster (one node or two) carry the `slurm` marker: `-m "not slurm"` leaves them
-    out."""
+    out. The files are ordered by their last measured seconds, slowest first (tests/file_seconds.py): two xdist
+    workers then end close together. A file not measured yet goes first (it may be slow); a file's tests keep their
+    order."""
     for item in items:
         if {"slurm_cluster", "slurm_two_nodes"} & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slurm)
+    seconds = file_seconds.load()
+    items.sort(key=lambda item: -seconds.get(item.path.name, float("inf")))
