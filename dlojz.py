@@ -20,9 +20,17 @@ from datetime import timedelta
 from pathlib import Path
 
 if __name__ == "__main__":  # --help and every bad flag answer here, before the seconds that torch takes to import
+    import signal
+
     from dlojz_flags import check_command_line
 
     check_command_line()
+
+    def interrupted_while_starting(signum, frame):  # Ctrl-C in the imports: a line, not a traceback from torch's
+        print("dlojz: interrupted while starting, before any training: nothing to resume", file=sys.stderr)
+        os._exit(128 + signum)
+
+    signal.signal(signal.SIGINT, interrupted_while_starting)
 
 import torch
 import torch.distributed as dist
@@ -458,7 +466,7 @@ def evaluate(net, loaders, opt, ranks, max_batches=None, stop=None, tta_flip=Fal
                     loss.double(),
                     (top5[:, 0] == labels).sum().double(),
                     (top5 == labels[:, None]).any(dim=1).sum().double(),
-                    torch.full((), float(labels.numel()), dtype=torch.float64, device=ranks.device),
+                    (labels >= 0).sum().double(),  # an image that could not be read is not counted (MISSING_LABEL)
                 ]
             )
         if sharded:  # the other ranks' last forwards gather this rank's shards too
@@ -624,4 +632,5 @@ def cli(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # started: cli() answers Ctrl-C from here on
     sys.exit(cli())

@@ -38,6 +38,7 @@ import torch
 FORMAT_KEY = "dlojz_checkpoint_format"
 FORMAT_VERSION = 2  # 2: a SHA-256 file beside each checkpoint file; 1 (no checksum) is still read
 LATEST = "latest"
+CHECKSUM_SUFFIX = ".sha256"
 NAME_RE = re.compile(r"^ckpt_e(\d+)_s(\d+)\.(pt|dcp)$")
 SHARDED_META = "dlojz.pt"
 
@@ -108,7 +109,7 @@ def list_checkpoints(output_dir):
 def checksum_path(path):
     """The checkpoint's SHA-256, beside it: `NAME.sha256`, in `sha256sum` format (`sha256sum -c` checks it)."""
     path = Path(path)
-    return path.with_name(path.name + ".sha256")
+    return path.with_name(path.name + CHECKSUM_SUFFIX)
 
 
 def sha256_of(path):
@@ -212,6 +213,14 @@ def check_shards(path):
 
 def load(path):
     path = Path(path)
+    if path.name == LATEST or path.name.endswith(CHECKSUM_SUFFIX):  # a checkpoint's side file, not a checkpoint
+        pointer = path.name == LATEST
+        named = latest_name(path.parent) if pointer else path.name[: -len(CHECKSUM_SUFFIX)]
+        raise CheckpointError(
+            f"checkpoint {path}: {'the pointer to the newest checkpoint' if pointer else 'a checksum file'}, not a "
+            f"checkpoint: give {path.parent / named if named else 'a checkpoint file'}, or --resume auto "
+            f"--output-dir {path.parent}"
+        )
     if path.is_dir() and not NAME_RE.match(path.name):  # not a sharded checkpoint (ckpt_e*_s*.dcp): a run's folder?
         found = list_checkpoints(path)
         raise CheckpointError(
@@ -240,8 +249,7 @@ def load(path):
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # truncated zip, pickle of foreign objects, not a torch file at all
-        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise CheckpointError(f"checkpoint {path} is unreadable or truncated ({reason[:160]})") from None
+        raise CheckpointError(f"checkpoint {path} is unreadable or truncated ({short_reason(err)})") from None
     if not isinstance(state, dict) or state.get(FORMAT_KEY) not in (1, FORMAT_VERSION):
         raise CheckpointError(f"checkpoint {path} was not written by dlojz (no '{FORMAT_KEY}' key)")
     if state[FORMAT_KEY] >= 2 and not recorded.is_file():  # format 1 (older dlojz): written without a checksum
@@ -251,12 +259,21 @@ def load(path):
     return state
 
 
+def short_reason(err, limit=160):
+    """An exception's first line for a one-line message: terminal colour codes out, cut at a word."""
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(err)).strip()
+    line = text.splitlines()[0] if text else type(err).__name__
+    return line if len(line) <= limit else line[:limit].rsplit(" ", 1)[0] + " ..."
+
+
 def latest_name(output_dir):
-    """The checkpoint that `latest` names in `output_dir`, or None (none yet, or unreadable)."""
+    """The checkpoint that `latest` names in `output_dir`, or None (none yet, unreadable, or not a checkpoint's
+    name: the newest on disk is used then)."""
     try:
-        return (Path(output_dir) / LATEST).read_text().strip() or None
+        name = (Path(output_dir) / LATEST).read_text(errors="replace").strip()
     except OSError:
         return None
+    return name if NAME_RE.match(name) else None
 
 
 def load_latest(output_dir):

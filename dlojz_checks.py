@@ -6,11 +6,19 @@ and a $DLOJZ_DATA that names no folder. The lowest of dlojz's modules: it import
 - `check_output_folder(path, flag)`: the folder exists or can be made, and a file can be written in it.
 - `check_output_file(path, flag)`: not a folder, writable if it exists, and its folder as above.
   Both raise UserError: one line, exit status 2 in every script.
+- `OneLineArgumentParser`: argparse's parser whose errors are one line (argparse prints the whole usage first), for
+  every script and bench.
+- `read_text(path, what, fix)`, `read_json(path, what, fix)`: the one way a side file (a trace, a sweep's plan, a
+  run's status, a checkpoint pointer) is read: a missing file, a folder, bad bytes, truncated or other JSON is one
+  line naming the file and saying `fix`, never a traceback.
 - `DataError`: a problem with the data (dlojz_data, dlojz_shards), one line naming the path.
 - `missing_data_variable(environ)`: the line saying that $DLOJZ_DATA names no folder, or None.
 """
 
+import argparse
+import json
 import os
+import stat
 from pathlib import Path
 
 
@@ -24,6 +32,13 @@ class DataError(Exception):
 
 def fail(message):
     raise UserError(message)
+
+
+class OneLineArgumentParser(argparse.ArgumentParser):
+    """A bad flag is one line naming it, exit status 2, as every other bad input; its sub-commands' parsers too."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (--help lists the flags)\n")
 
 
 def check_output_folder(path, flag, named=None):
@@ -48,6 +63,45 @@ def check_output_file(path, flag):
     if path.exists() and not os.access(path, os.W_OK):
         fail(f"{flag} {path}: the file cannot be written (Permission denied); choose another file")
     check_output_folder(path.resolve().parent, flag, named=path)
+
+
+def read_text(path, what, fix):
+    """The UTF-8 text of the regular file `path`; UserError "`what` PATH: <why>; `fix`" otherwise. `what` names the
+    flag or the file's role (e.g. "--config", "sweep plan")."""
+    path = Path(path)
+    try:
+        mode = path.stat().st_mode
+        if stat.S_ISDIR(mode):
+            fail(f"{what} {path}: a folder, not a file; {fix}")
+        if not stat.S_ISREG(mode):  # a named pipe would block the read, a device never end it
+            fail(f"{what} {path}: not a regular file (a pipe, device or socket); {fix}")
+        data = path.read_bytes()
+    except FileNotFoundError:
+        fail(f"{what} {path}: no such file; {fix}")
+    except OSError as err:
+        fail(f"{what} {path}: cannot be read ({err.strerror or err}); {fix}")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        fail(f"{what} {path}: not a text file (byte 0x{data[err.start]:02x} at offset {err.start} is not UTF-8); {fix}")
+
+
+def read_json(path, what, fix, kind=dict):
+    """The JSON value of `path`, of type `kind` (an object unless said), as read_text reads the file: invalid or
+    truncated JSON, or another kind of value, is one line."""
+    text = read_text(path, what, fix)
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as err:
+        ends_early = err.pos >= len(text.rstrip()) or err.msg.startswith("Unterminated string")  # runs to the end
+        cut = " (the file ends early: truncated?)" if ends_early else ""
+        fail(f"{what} {path}: not valid JSON{cut} ({err.msg}, line {err.lineno} column {err.colno}); {fix}")
+    if not isinstance(value, kind):
+        found = {dict: "an object", list: "an array", str: "a string", bool: "a boolean"}.get(type(value), "a number")
+        fail(
+            f"{what} {path}: holds {'null' if value is None else found}, not {'an object' if kind is dict else 'an array'}; {fix}"
+        )
+    return value
 
 
 def missing_data_variable(environ):

@@ -4,11 +4,12 @@ when data loading holds the step back, and the per-step timeline plot (`python d
 timeline.png`). The timing itself is dlojz_chrono.py's. No torch here.
 """
 
-import argparse
 import json
 from pathlib import Path
 
 import numpy as np
+
+from dlojz_checks import OneLineArgumentParser
 
 
 # Loading is "significant" above this share of the compute step: then the report prints one line of advice.
@@ -210,14 +211,15 @@ def loading_advice(load_s: float, step_s: float, ctx: dict) -> str:
     return head + "; ".join(todo)
 
 
-def plot_trace(trace_path, png_path) -> None:
-    """Per-step stacked bars (load, forward, backward) with the medians marked; warm-up steps shaded."""
+def plot_trace(trace, png_path) -> None:
+    """Per-step stacked bars (load, forward, backward) with the medians marked; warm-up steps shaded. `trace`: the
+    trace as read_trace returns it, or its file."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    trace = json.loads(Path(trace_path).read_text())
+    trace = trace if isinstance(trace, dict) else read_trace(trace)
     loads = np.array([np.nan if x is None else x for x in trace["load_s"]], dtype=float) * 1e3
     forwards = np.array([np.nan if x is None else x for x in trace["forward_s"]], dtype=float) * 1e3
     backwards = np.array(trace["backward_s"], dtype=float) * 1e3
@@ -251,27 +253,45 @@ def plot_trace(trace_path, png_path) -> None:
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="dlojz_chrono.py", description="dlojz chronometer tools")
+    parser = OneLineArgumentParser(prog="dlojz_chrono.py", description="dlojz chronometer tools")
     sub = parser.add_subparsers(dest="command", required=True)
     plot = sub.add_parser("plot", help="draw the per-step timeline of a chronometer trace")
     plot.add_argument("trace", help="trace JSON written by Chronometer.write_trace")
     plot.add_argument("-o", "--output", default="timeline.png", help="PNG to write (default: timeline.png)")
     args = parser.parse_args(argv)
-    trace = Path(args.trace)
-    if not trace.is_file():
-        parser.error(f"trace file {trace} not found: give the JSON written by the chronometer (--test run)")
     from dlojz_checks import UserError, check_output_file
 
     try:
+        trace = read_trace(args.trace)
         check_output_file(args.output, "-o/--output")
     except UserError as err:
         parser.error(str(err))
-    try:
-        plot_trace(trace, args.output)
-    except (json.JSONDecodeError, KeyError, TypeError) as err:
-        parser.error(f"{trace} is not a chronometer trace ({err.__class__.__name__}: {err})")
+    plot_trace(trace, args.output)
     print(f"timeline written to {args.output}")
     return 0
+
+
+TRACE_LISTS = ("load_s", "forward_s", "backward_s", "step_s")  # per step, seconds (load and forward may be null)
+
+
+def read_trace(path) -> dict:
+    """A chronometer trace (Chronometer.write_trace's JSON); UserError naming the file if it is not one."""
+    from dlojz_checks import fail, read_json
+
+    fix = "give the chrono_trace.json that a dlojz.py --test run writes in its output folder"
+    trace = read_json(path, "trace", fix)
+    lists = [trace.get(key) for key in TRACE_LISTS]
+    if not all(isinstance(values, list) for values in lists) or len({len(values) for values in lists}) != 1:
+        fail(
+            f"trace {path}: not a chronometer trace (it needs the lists {', '.join(TRACE_LISTS)}, one value a step); {fix}"
+        )
+    for key, values in zip(TRACE_LISTS, lists):
+        nullable = key in ("load_s", "forward_s")  # not measured at some steps
+        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) or (v is None and nullable) for v in values):
+            fail(f"trace {path}: a value of {key} is not a number of seconds; {fix}")
+    if not isinstance(trace.get("warmup_steps", 0), int):
+        fail(f"trace {path}: warmup_steps is not a whole number; {fix}")
+    return trace
 
 
 def _si(value: float, unit: str) -> str:

@@ -13,6 +13,7 @@ import dataclasses
 import os
 import warnings
 from datetime import datetime
+from pathlib import Path
 
 from dlojz_checks import UserError, fail  # noqa: F401  (UserError: imported from here by the scripts)
 from dlojz_flags import CUDA_GRAPH_MODES, FUSED, check_data_variable, check_flags, get_args_parser
@@ -43,7 +44,7 @@ class Config:
     device and the Slurm task. Saved in checkpoints as `args` and given to W&B as its config."""
 
     # One field per flag, grouped as --help groups them: a table, longer than a function is allowed to be.
-    config: str | None  # the recipe file the defaults came from
+    config: list[str] | None  # the recipe files the defaults came from, in order
     # training
     batch_size: int
     epochs: int
@@ -160,6 +161,7 @@ def resolve_config(args) -> Config:
     import torch
 
     check_launch()  # before idr_torch reads the launcher's variables
+    check_flags(vars(args))  # as given (check_command_line's checks, for a caller that skipped it), then once filled
     idr_torch = load_idr_torch()
     values = vars(args).copy()
     notes = []
@@ -201,6 +203,9 @@ def resolve_config(args) -> Config:
         values["fsdp_reshard_after_forward"] = True
     if values["tf32"] is None:
         values["tf32"] = on_gpu and torch.cuda.get_device_capability(torch_device)[0] >= 8
+    elif values["tf32"] and not on_gpu:
+        values["tf32"] = False
+        notes.append("--tf32: no effect on the CPU (TF32 is a format of NVIDIA GPUs' matrix units); float32 it is")
     if values["compile_mode"] is not None:
         values["compile"] = True
     if values["drop_last"] is None:
@@ -217,10 +222,9 @@ def resolve_config(args) -> Config:
         job = os.environ.get("SLURM_JOB_NAME", "dlojz")
         job_id = os.environ.get("SLURM_JOB_ID") or datetime.now().strftime("%Y%m%d-%H%M%S")
         values["output_dir"] = os.path.join("runs", f"{job}_{job_id}")
-    if values["config"]:
+    for recipe in values["config"] or ():
         notes.append(
-            f"recipe {values['config']}: "
-            + ", ".join(f"{key}={values[key]}" for key in read_recipe(get_args_parser(), values["config"]))
+            f"recipe {recipe}: " + ", ".join(f"{key}={values[key]}" for key in read_recipe(get_args_parser(), recipe))
         )
     cfg = Config(**values, torch_device=torch_device, cpus_per_task=cpus_per_task, notes=())
     check(cfg)
@@ -365,9 +369,11 @@ def check(cfg: Config):
             f"--compile-mode {cfg.compile_mode} records CUDA graphs, which need a GPU: on the CPU use "
             "--compile-mode default or max-autotune-no-cudagraphs"
         )
-    from dlojz_model import check_arch
+    from dlojz_model import check_arch, check_input_sizes
 
     check_arch(cfg.arch)  # before the data is scanned
+    sizes = (cfg.image_size, cfg.val_crop_size, cfg.min_res, cfg.max_res)
+    check_input_sizes(cfg.arch, cfg.zero_init_residual, [size for size in sizes if size])
     if cfg.optimizer not in FUSED:  # timm's; timm is imported only for them
         try:
             import timm.optim  # noqa: F401
@@ -378,6 +384,8 @@ def check(cfg: Config):
             )
     if cfg.fsdp:
         check_fsdp(cfg)
+    if cfg.wandb and cfg.wandb_mode == "online" and not (cfg.test or cfg.eval_only or cfg.findlr):
+        check_wandb_login()
     if cfg.sync_bn and cfg.torch_device == "cpu":
         fail("--sync-bn needs CUDA: torch's SyncBatchNorm works with GPU modules only")
     if cfg.data_backend == "dali":
@@ -394,6 +402,45 @@ def check(cfg: Config):
         for flag in ("metrics_json", "val_history"):
             if getattr(cfg, flag):
                 check_output_file(getattr(cfg, flag), f"--{flag.replace('_', '-')}")
+                check_not_a_run_file(getattr(cfg, flag), f"--{flag.replace('_', '-')}", cfg.output_dir)
+        if cfg.metrics_json and cfg.val_history and Path(cfg.metrics_json).resolve() == Path(cfg.val_history).resolve():
+            fail(f"--metrics-json and --val-history both name {cfg.val_history}: each writes a file of its own")
+
+
+# The files a run writes in its output folder under their own names: a metrics file written over one of them would
+# break a resume (a JSON text in `latest`) or be overwritten at the next checkpoint.
+RUN_FILES = ("latest", "args.toml", "chrono_trace.json", "timeline.png", "findlr.csv", "findlr.png", ".dlojz.lock")
+
+
+def check_not_a_run_file(path, flag, output_dir):
+    from dlojz_checkpoint import NAME_RE
+
+    path = Path(path)
+    if path.resolve().parent != Path(output_dir).resolve():
+        return
+    name = path.name.removesuffix(".sha256")
+    if name in RUN_FILES or NAME_RE.match(name) or path.name == "profiler":
+        fail(f"{flag} {path}: a file the run itself writes in --output-dir {output_dir}; give another name")
+
+
+def check_wandb_login():
+    """W&B online needs an API key ($WANDB_API_KEY, or `wandb login`'s entry in ~/.netrc): without one, wandb.init
+    would ask for it on a terminal nobody reads, or fail with its own traceback at the start of training."""
+    import netrc
+    from urllib.parse import urlparse
+
+    if os.environ.get("WANDB_API_KEY"):
+        return
+    host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname
+    try:
+        if netrc.netrc(os.environ.get("NETRC")).authenticators(host):
+            return
+    except (OSError, netrc.NetrcParseError):
+        pass
+    fail(
+        f"--wandb-mode online: no W&B API key here ($WANDB_API_KEY unset, no {host} entry in ~/.netrc); run "
+        "`wandb login` on a login node, or keep the default --wandb-mode offline and `wandb sync` the run later"
+    )
 
 
 def check_fsdp(cfg):

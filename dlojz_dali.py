@@ -30,7 +30,8 @@ thread pool (the workers' processes and shared-memory copies cost what they save
 did dlojz's own DCT-scaled decoding; DALI's own file reader (no Python at all) gives at best 1,500-1,570 img/s with
 the same operators, but cannot keep dlojz's order, shards or skipped files.
 
-- `check_available()`: the one-line error when DALI is not installed.
+- `check_available()`: the one-line error when DALI is not installed; `check_decodable(dataset)`: one for a data
+  set whose files are not all JPEG or PNG.
 - `dali_settings(cfg)`: the --dali-* flags, or their defaults from the task's CPUs (`DaliSettings`).
 - `train_pipeline`, `val_pipeline`: the two DALI pipelines, fed by `EncodedSamples`.
 - `DaliBatches(dataset, sampler, batch_size, make_pipeline, ...)`: an iterable of (normalised images, labels) on the
@@ -63,6 +64,27 @@ def check_available():
             f"{DALI_PACKAGE} (CUDA 13; nvidia-dali-cuda120 for CUDA 12), or use --data-backend pytorch"
         )
     return None
+
+
+DECODED = (".jpg", ".jpeg", ".png")  # what this pipeline hands to DALI's decoder (see whole_image)
+
+
+def check_decodable(dataset):
+    """One line naming the files DALI would not decode (WebP, TIFF, BMP, ...) in a folder data set: each would be
+    skipped with a warning and the run stop once none is left, while the pytorch backend reads them."""
+    from dlojz_checks import fail
+
+    others = collections.Counter(
+        path.rsplit(".", 1)[-1].lower()
+        for path, _ in getattr(dataset, "samples", ())
+        if isinstance(path, str) and not path.lower().endswith(DECODED)
+    )
+    if others:
+        kinds = ", ".join(f"{count} .{suffix}" for suffix, count in others.most_common())
+        fail(
+            f"--data-backend dali: {dataset.root} holds images this pipeline does not decode ({kinds}; it takes "
+            "JPEG and PNG): use --data-backend pytorch, or convert them"
+        )
 
 
 def whole_image(data):

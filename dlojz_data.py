@@ -29,7 +29,7 @@ import torchvision
 from PIL import Image, ImageDraw
 
 from dlojz_checks import DataError, missing_data_variable  # noqa: F401  (DataError: imported from here too)
-from dlojz_transforms import image_from_bytes, lazy_image_loader, lazy_pil_loader, open_regular
+from dlojz_transforms import image_from_bytes, lazy_image_loader, open_regular
 
 IMAGENET_TRAIN_IMAGES = 1_281_167
 IMAGENET_VAL_IMAGES = 50_000
@@ -184,6 +184,9 @@ class SeededSamples:
     (the encoded file, for --data-backend dali)."""
 
     seed = 0
+    # Validation sets: an unreadable image is returned blank, labelled MISSING_LABEL, which the validation leaves
+    # out of its loss and counts; another image in its place would be counted twice.
+    unreadable_as_missing = False
 
     def __getitem__(self, key):
         epoch, index = key if isinstance(key, tuple) else (0, key)
@@ -203,14 +206,30 @@ class SeededSamples:
                 if self.describe(i) not in SKIPPED:  # named once per process, not again every epoch
                     SKIPPED.add(self.describe(i))
                     print(f"WARNING: skipping unreadable image {self.describe(i)}: {err}", file=sys.stderr, flush=True)
+                if self.unreadable_as_missing:
+                    size = getattr(self.transform, "crop_size", 1)
+                    return torch.zeros(3, size, size, dtype=torch.uint8), MISSING_LABEL
         raise DataError(f"no readable image in {self.root}")
+
+
+MISSING_LABEL = -100  # CrossEntropyLoss's ignore_index: no loss, and never equal to a prediction
 
 
 SKIPPED = set()  # the unreadable samples this process (a DataLoader worker, or the main one) has named
 
 
 class SafeImageFolder(SeededSamples, torchvision.datasets.ImageFolder):
-    """ImageFolder that receives (epoch, index), seeds the augmentation and skips unreadable files (SeededSamples)."""
+    """ImageFolder that receives (epoch, index), seeds the augmentation and skips unreadable files (SeededSamples),
+    its classes and images listed by `list_split`; `notes`, the lines that listing has to say."""
+
+    def find_classes(self, directory):
+        self._listing = list_split(directory)
+        classes = self._listing[0]
+        return classes, {name: index for index, name in enumerate(classes)}
+
+    def make_dataset(self, directory, class_to_idx, extensions=None, is_valid_file=None, allow_empty=False):
+        classes, samples, self.notes = self._listing
+        return samples
 
     def load(self, i):
         return self.loader(self.samples[i][0])
@@ -257,6 +276,91 @@ class PackedImages(SeededSamples, torch.utils.data.Dataset):
         return self.shards.location(self.samples[i][0])
 
 
+# Folders and files that tools leave beside the data: never a class, never an image (a Jupyter checkpoint folder
+# would train as one more class, macOS's ._NAME resource forks as unreadable images).
+TOOL_NAMES = ("__MACOSX", "__pycache__", "Thumbs.db", "desktop.ini")
+
+
+def is_tool_entry(name):
+    return name.startswith(".") or name in TOOL_NAMES
+
+
+def list_split(split_dir):
+    """(classes, samples, notes) of one split folder, the one place that decides what a class and an image are:
+    each visible subfolder is a class; its images are the files with an image extension under it, links followed,
+    in torchvision's ImageFolder order (folders then names sorted). Hidden and tool entries (`.ipynb_checkpoints`,
+    `__MACOSX`, `._img.jpg`) are left out; a link that loops, or leads to a folder of the data root outside its
+    class (another class's images, which would be labelled as this one), is left out; each kind is one note line.
+    DataError for a folder that cannot be read or a class without an image."""
+    split_dir = Path(split_dir)
+    data_root = os.path.realpath(split_dir.parent)
+    ignored, left_out = [], []
+    classes = []
+    for entry in sorted(os.scandir(split_dir), key=lambda entry: entry.name):
+        try:
+            folder = entry.is_dir()
+        except OSError:  # a link to itself: ELOOP
+            folder = None
+        if is_tool_entry(entry.name):
+            ignored.append(entry.name)
+        elif folder:
+            classes.append(entry.name)
+        elif entry.is_symlink() and not os.path.exists(entry.path):
+            left_out.append(f"{entry.path} (a link that loops or leads nowhere)")
+    if not classes:
+        raise DataError(f"{split_dir}: no class folder (<class>/ holding its images) in it")
+    samples = []
+    for target, name in enumerate(classes):
+        class_real = os.path.realpath(split_dir / name)
+        walked = []
+        seen = {class_real}
+
+        def stop(err):
+            if isinstance(err, PermissionError):
+                raise unreadable(err)
+            left_out.append(f"{err.filename} ({err.strerror})")
+
+        for folder, subfolders, files in os.walk(split_dir / name, followlinks=True, onerror=stop):
+            kept = []
+            for sub in subfolders:
+                path = os.path.join(folder, sub)
+                real = os.path.realpath(path)
+                if is_tool_entry(sub):
+                    ignored.append(os.path.relpath(path, split_dir))
+                elif real in seen or class_real.startswith(real + os.sep):
+                    left_out.append(f"{path} (a link to a folder listed already: a loop)")
+                elif (real + os.sep).startswith(data_root + os.sep) and not real.startswith(class_real + os.sep):
+                    left_out.append(f"{path} (a link to {real}, outside its class {name}/)")
+                else:
+                    seen.add(real)
+                    kept.append(sub)
+            subfolders[:] = kept
+            images = []
+            for file in files:
+                if is_tool_entry(file):
+                    ignored.append(os.path.relpath(os.path.join(folder, file), split_dir))
+                elif file.lower().endswith(IMG_EXTENSIONS):
+                    images.append(file)
+            walked.append((folder, sorted(images)))
+        found = [(os.path.join(folder, file), target) for folder, images in sorted(walked) for file in images]
+        if not found:
+            raise DataError(
+                f"{split_dir / name}: a class folder without an image (extensions: {', '.join(IMG_EXTENSIONS)}); "
+                "add its images or remove the folder"
+            )
+        samples.extend(found)
+    notes = []
+    if ignored:
+        shown = ", ".join(sorted(ignored)[:4]) + (", ..." if len(ignored) > 4 else "")
+        notes.append(f"data: {split_dir}: {len(ignored)} hidden or tool entries left out ({shown})")
+    if left_out:
+        notes.append(
+            f"WARNING: data: {split_dir}: {len(left_out)} links not followed: {'; '.join(left_out[:3])}"
+            + ("; ..." if len(left_out) > 3 else "")
+        )
+    return classes, samples, notes
+
+
 def _has_class_dirs(path):
     return path.is_dir() and any(p.is_dir() for p in path.iterdir())
 
@@ -286,32 +390,22 @@ def _find_layout(root):
 
 
 def build_datasets(root, train_transform, val_transform, seed=0):
-    """Return (train_set, val_set, classes, layout)."""
+    """Return (train_set, val_set, classes, layout). Each set has `notes`: the lines its listing has to say (entries
+    left out, a single class, classes of very unequal sizes)."""
     root = Path(root)
     from dlojz_shards import is_packed
 
-    if is_packed(root):
-        return build_packed_datasets(root, train_transform, val_transform, seed)
-    layout = find_layout(root)
-    sets = []
-    for split, tf in (("train", train_transform), ("val", val_transform)):
-        try:
-            ds = SafeImageFolder(
-                str(root / split),
-                transform=tf,
-                loader=lazy_image_loader,
-                is_valid_file=lambda p: p.lower().endswith(IMG_EXTENSIONS),
-            )
-        except PermissionError as err:
-            raise unreadable(err) from None
-        except (FileNotFoundError, RuntimeError) as err:
-            # torchvision walks each class folder with os.walk, which passes over one it cannot read: name it
-            for folder in sorted((root / split).iterdir()):
-                if folder.is_dir() and not os.access(folder, os.R_OK | os.X_OK):
-                    raise DataError(f"{folder}: cannot be read (Permission denied); check its permissions") from None
-            raise DataError(f"data root {root}/{split}: {str(err).splitlines()[0]}") from None
-        ds.seed = seed
-        sets.append(ds)
+    try:
+        if is_packed(root):
+            return build_packed_datasets(root, train_transform, val_transform, seed)
+        layout = find_layout(root)
+        sets = []
+        for split, tf in (("train", train_transform), ("val", val_transform)):
+            ds = SafeImageFolder(str(root / split), transform=tf, loader=lazy_image_loader)
+            ds.seed = seed
+            sets.append(ds)
+    except PermissionError as err:
+        raise unreadable(err) from None
     train_set, val_set = sets
     if train_set.classes != val_set.classes:
         only_train = sorted(set(train_set.classes) - set(val_set.classes))[:5]
@@ -322,18 +416,54 @@ def build_datasets(root, train_transform, val_transform, seed=0):
         )
     if layout == "imagenet":
         # meta.bin maps WordNet ids to readable names, as torchvision.datasets.ImageNet does
-        wnid_to_names = torch.load(root / "meta.bin", weights_only=True)[0]
+        wnid_to_names = read_meta_bin(root / "meta.bin")
         classes = [wnid_to_names.get(w, (w,))[0] for w in train_set.classes]
     else:
         classes = list(train_set.classes)
-    # One cheap check up front: a folder of non-images fails here, not after an hour of training.
-    first = train_set.samples[0][0]
-    try:
-        lazy_pil_loader(first).load()
-    except Exception as err:
-        raise DataError(f"{first}: not a readable image ({err}); check --data-root") from None
+    train_set.notes = [*train_set.notes, *val_set.notes, *class_balance_notes(train_set.targets, classes)]
+    val_set.notes, val_set.unreadable_as_missing = [], True
     check_classes_readable(train_set, classes)
     return train_set, val_set, classes, layout
+
+
+IMBALANCE_WARNED = 10  # the largest class this many times the smallest: the smallest's errors weigh little in top-1
+
+
+def class_balance_notes(targets, classes):
+    """Warning lines for a training set of one class (every prediction right: nothing is learnt) or of classes of
+    very unequal sizes (top-1 then hides a class the model never predicts)."""
+    if len(classes) == 1:
+        return [
+            f"WARNING: data: one class ({classes[0]!r}): every prediction is right, loss and accuracy say nothing; "
+            "a classifier needs two classes or more"
+        ]
+    counts = [0] * len(classes)
+    for target in targets:
+        counts[target] += 1
+    small, large = min(counts), max(counts)
+    if small and large >= IMBALANCE_WARNED * small:
+        return [
+            f"WARNING: data: unequal classes: {classes[counts.index(large)]!r} has {large} training images, "
+            f"{classes[counts.index(small)]!r} {small} ({large / small:.0f}x): top-1 can stay high while the "
+            "small classes are never predicted"
+        ]
+    return []
+
+
+def read_meta_bin(path):
+    """meta.bin's WordNet id -> class names map (torchvision's ImageNet format); DataError naming the file."""
+    try:
+        meta = torch.load(path, weights_only=True)
+        names = meta[0]
+        if not isinstance(names, dict):
+            raise TypeError(f"its first item is a {type(names).__name__}, not a dict")
+        return names
+    except Exception as err:  # noqa: BLE001  (torch.load's errors: truncated zip, pickle, a text file)
+        reason = str(err).strip().splitlines()[0][:100] if str(err).strip() else type(err).__name__
+        raise DataError(
+            f"{path}: not torchvision's ImageNet meta.bin ({reason}); remove it to name the classes by their "
+            "folders, or rebuild it with torchvision.datasets.ImageNet"
+        ) from None
 
 
 def check_classes_readable(dataset, classes):
@@ -407,6 +537,8 @@ def build_packed_datasets(root, train_transform, val_transform, seed=0):
         f"packed shards: {len(train_set.shards.shards)} train + {len(val_set.shards.shards)} val webdataset tar "
         f"files of an {train_set.shards.layout} tree, read by index"
     )
+    train_set.notes, val_set.notes = class_balance_notes(train_set.targets, train_set.shards.class_names), []
+    val_set.unreadable_as_missing = True
     return train_set, val_set, train_set.shards.class_names, layout
 
 

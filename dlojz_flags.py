@@ -1,5 +1,5 @@
 """dlojz's command line: the flags (`get_args_parser`), each with its bounds beside it (`Number`), recipe files
-read first (`--config FILE.toml`, dlojz_recipe.py), and the checks of flags taken together (`check_flags`). No torch, no file but the recipe read: `check_command_line()`,
+read first (`--config FILE.toml`, several merged in order; dlojz_recipe.py), and the checks of flags taken together (`check_flags`). No torch, no file but the recipe read: `check_command_line()`,
 dlojz.py's first step, answers `--help`, a mistyped flag or a value out of bounds in a fraction of a second, before
 torch is imported. What needs the machine (the device, libraries, output paths) is dlojz_config.py's.
 """
@@ -8,7 +8,7 @@ import argparse
 import math
 import os
 
-from dlojz_checks import UserError, fail, missing_data_variable
+from dlojz_checks import OneLineArgumentParser, UserError, fail, missing_data_variable
 from dlojz_recipe import read_recipe
 
 
@@ -26,6 +26,9 @@ def check_hyperparameters(lr: float, momentum: float, weight_decay: float) -> No
         raise ValueError(f"--mom must be in [0, 1), got {momentum}")
     if not weight_decay >= 0:
         raise ValueError(f"--wd must be >= 0, got {weight_decay}")
+
+
+INT_LIMIT = 2**31 - 1  # a count (of epochs, steps, images) beyond it is a typo, and its products overflow int64
 
 
 class Number:
@@ -47,10 +50,14 @@ class Number:
     def check(self, value):
         """`value` itself when within bounds, else argparse.ArgumentTypeError saying what to give."""
 
+        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"must be a finite number {self.describe()} (got {value})")
         below = self.low is not None and (value <= self.low if self.low_open else value < self.low)
         above = self.high is not None and (value >= self.high if self.high_open else value > self.high)
-        if below or above or not math.isfinite(value):
+        if below or above:
             raise argparse.ArgumentTypeError(f"must be {self.describe()} (got {value})")
+        if self.kind is int and abs(value) > INT_LIMIT:  # torch keeps counts in 64-bit integers: products overflow
+            raise argparse.ArgumentTypeError(f"must be at most {INT_LIMIT:,} (got {value:.3g})")
         return value
 
     def __call__(self, text):
@@ -65,6 +72,7 @@ class Number:
 # Below 8 px a ResNet's stem leaves less than a pixel; above 4096 px one image's activations fill a GPU.
 PIXELS = Number(int, 8, 4096)
 COUNT = Number(int, 1)  # a number of things: at least one
+WHOLE = Number(int, 0)  # a number that may be zero (workers), or a seed
 NON_NEGATIVE = Number(float, 0)
 POSITIVE = Number(float, 0, low_open=True)
 FRACTION = Number(float, 0, 1)
@@ -74,20 +82,18 @@ CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")  # the modes that record 
 DALI_DEFAULTS = {"dali_threads": None, "dali_prefetch": 2, "dali_hw_decoder_load": None, "dali_antialias": False}
 
 
-class OneLineParser(argparse.ArgumentParser):
+class OneLineParser(OneLineArgumentParser):
     """A bad flag is one line, as every other bad input (argparse would print the whole usage first). `--config
     FILE.toml` fills the flags' defaults from a recipe file before the command line is read: a flag given on the
     command line wins over the file, the file over the built-in defaults and the CPU/GPU profile."""
 
-    def error(self, message):
-        self.exit(2, f"{self.prog}: error: {message} (--help lists the flags)\n")
-
     def parse_args(self, args=None, namespace=None):
         pre = argparse.ArgumentParser(add_help=False)
-        pre.add_argument("--config", default=None)
-        config = pre.parse_known_args(args)[0].config
-        if config is not None:
-            self.set_defaults(**read_recipe(self, config))
+        pre.add_argument("--config", action="append", default=[])
+        recipe = {}
+        for config in pre.parse_known_args(args)[0].config:  # several: merged in order, a later file's key wins
+            recipe.update(read_recipe(self, config))
+        self.set_defaults(**recipe)
         return super().parse_args(args, namespace)
 
 
@@ -100,9 +106,11 @@ def get_args_parser():
     )
     parser.add_argument(
         "--config",
+        action="append",
         default=None,
         metavar="FILE.toml",
-        help="recipe file: one key per flag (lr = 0.5, label-smoothing = 0.1);\na flag given on the command line wins",
+        help="recipe file: one key per flag (lr = 0.5, label-smoothing = 0.1);\na flag given on the command line "
+        "wins; several --config files merge in order (a later file's key wins)",
     )
     p = parser.add_argument_group("training")
     p.add_argument(
@@ -433,9 +441,9 @@ def get_args_parser():
     p = parser.add_argument_group("distribution")
     p.add_argument(
         "--dist-timeout",
-        type=POSITIVE,
+        type=Number(float, 10),  # below, the ranks of a busy node may not all have joined the process group
         default=600,
-        help="seconds before a collective waiting for a dead rank fails (default: 600)",
+        help="seconds before a collective waiting for a dead rank fails (default: 600; at least 10)",
     )
     p.add_argument(
         "--fsdp",
@@ -533,6 +541,11 @@ def check_flags(values):
         )
     if values["start_over"] and values["resume"]:
         fail("--start-over trains from scratch, --resume continues a run: give one of them")
+    if values["resume"] == "auto" and values["output_dir"] is None and not os.environ.get("SLURM_JOB_ID"):
+        fail(
+            "--resume auto without --output-dir: outside a Slurm job the default folder is named by the time, "
+            "a new one each run, so there is never anything to resume; give --output-dir"
+        )
     if values["findlr"] and (values["eval_only"] or values["loader_only"]):
         fail("--findlr trains: it cannot go with --eval-only or --loader-only")
     if values["fsdp_reshard_after_forward"] is not None and not values["fsdp"]:
@@ -576,6 +589,8 @@ def check_flags(values):
                 f"gradients --grad-acc {values['grad_acc']} accumulates; use --compile-mode "
                 "max-autotune-no-cudagraphs (or default) with --grad-acc, or --grad-acc 1"
             )
+    if values["synthetic"] and values["data_root"]:
+        fail("--synthetic trains on random tensors and reads no data: drop --data-root, or --synthetic")
     if values["loader_only"] and values["synthetic"]:
         fail("--loader-only times the DataLoader, which --synthetic does not use: drop one of them")
     if values["eval_only"] and not values["resume"]:

@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 import dlojz_checkpoint as ckpt
+from dlojz_checks import OneLineArgumentParser
 
 # Class names of the blocks sharded one by one: torchvision's and timm's residual and transformer blocks.
 BLOCK_SUFFIXES = (
@@ -222,6 +223,13 @@ def consolidate(source, target):
     import dlojz_optim as optim
     from dlojz_model import apply_blurpool, create_model
 
+    source = Path(source)
+    if source.is_dir() and not ckpt.NAME_RE.match(source.name):  # a run's folder: name its sharded checkpoints
+        found = [path for path in ckpt.list_checkpoints(source) if path.suffix == ".dcp"]
+        raise ckpt.CheckpointError(
+            f"{source} is a run's folder, not a sharded checkpoint: "
+            + (f"give one of its .dcp folders, e.g. {found[-1]} (its newest)" if found else "it holds no .dcp folder")
+        )
     saved = ckpt.load(source)  # the metadata, once the folder is checked complete
     if not saved.get("sharded_path"):
         raise ckpt.CheckpointError(f"checkpoint {source} is not sharded: nothing to consolidate")
@@ -256,9 +264,7 @@ def consolidate(source, target):
 
 
 def main(argv=None):
-    import argparse
-
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = OneLineArgumentParser(description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
     command = commands.add_parser("consolidate", help="one ordinary .pt checkpoint from a sharded (.dcp) one")
     command.add_argument("source", help="a sharded checkpoint folder (ckpt_e*_s*.dcp)")

@@ -209,8 +209,14 @@ class Worker:
                 print(f"trial {trial.number}: pruned at epoch {pruned}", flush=True)
             elif status == 0 and metrics and "stopped_by" not in metrics:
                 value = self.objective(metrics)
-                self.study.tell(trial, value)
-                print(f"trial {trial.number}: {self.objective_name()} {value:.4f}", flush=True)
+                if not isinstance(value, (int, float)) or math.isnan(value):  # a null top-1: no validation done
+                    reason = f"its run gave no {self.objective_name()} ({value!r} in {folder / 'metrics.json'})"
+                    trial.set_user_attr("error", reason)
+                    self.study.tell(trial, state=TrialState.FAIL)
+                    print(f"trial {trial.number}: failed: {reason}", flush=True)
+                else:
+                    self.study.tell(trial, value)
+                    print(f"trial {trial.number}: {self.objective_name()} {value:.4f}", flush=True)
             elif self.stop_signal is not None or metrics.get("stopped_by"):
                 self.study.tell(trial, state=TrialState.FAIL)
                 retry_trial(self.study, trial._trial_id)
@@ -219,7 +225,7 @@ class Worker:
                     f"kept: failed, to be retried from it",
                     flush=True,
                 )
-            else:
+            else:  # bad flags (2), a diverged loss (3), a lost rank (4), ...: recorded with the run's last line
                 last = last_error_line(folder / "dlojz.log")
                 trial.set_user_attr("error", last)
                 self.study.tell(trial, state=TrialState.FAIL)
@@ -258,7 +264,7 @@ class Worker:
 
     def objective(self, metrics):
         if self.args.direction == "maximize":
-            return metrics["val_accuracy"]
+            return metrics.get("val_accuracy")
         return metrics["time_to_target_s"] if metrics.get("time_to_target_s") is not None else math.inf
 
     def objective_name(self):
@@ -316,7 +322,10 @@ def read_metrics(path):
 
 
 def last_error_line(log):
-    lines = [line for line in Path(log).read_text(errors="replace").splitlines() if line.strip()]
+    try:
+        lines = [line for line in Path(log).read_text(errors="replace").splitlines() if line.strip()]
+    except OSError as err:
+        return f"(its log {log} cannot be read: {err.strerror})"
     errors = [line for line in lines if "error" in line.lower()]
     return (errors or lines or ["(no output)"])[-1][:300]
 

@@ -62,12 +62,19 @@ def _library_path(source: bytes) -> Path:
     return _cache_dir() / f"libdlojz_jpeg-{key}.so"
 
 
+class CacheNotWritable(OSError):
+    """The library's cache folder cannot be written: a compiler would not help."""
+
+
 def _build(target: Path, source_path: Path) -> None:
     """Compile the shared library into ``target`` atomically (temporary file in the same folder, then rename)."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    compiler = os.environ.get("CC", "cc")
-    handle, temporary = tempfile.mkstemp(prefix=target.name + ".", suffix=".tmp", dir=target.parent)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        handle, temporary = tempfile.mkstemp(prefix=target.name + ".", suffix=".tmp", dir=target.parent)
+    except OSError as error:
+        raise CacheNotWritable(f"its cache folder {target.parent} cannot be written ({error.strerror})") from None
     os.close(handle)
+    compiler = os.environ.get("CC", "cc")
     try:
         # Implicit declarations are errors: an IJG libjpeg (no jpeg_crop_scanline) must fail here, not at run time.
         command = [
@@ -158,6 +165,12 @@ def load():
             _build(path, SOURCE)
         _library = _declare(ctypes.CDLL(str(path)))
         _status = str(path)
+    except CacheNotWritable as error:
+        _library = None
+        _status = (
+            f"unavailable ({error}); whole images are decoded instead. To enable it: set XDG_CACHE_HOME to a "
+            "folder this user can write (the library is built there once, for every job)"
+        )
     except (OSError, subprocess.SubprocessError, AttributeError) as error:
         _library = None
         _status = (

@@ -34,6 +34,9 @@ import time
 from contextlib import redirect_stderr
 from pathlib import Path
 
+from dlojz_checks import OneLineArgumentParser
+from dlojz_flags import WHOLE
+
 ROOT = Path(__file__).resolve().parent
 RUNS = Path("runs")
 OWN_FLAGS = ("--output-dir", "--metrics-json", "--val-history")  # each run's, set by the lab
@@ -170,7 +173,7 @@ def read_status(run_dir: Path) -> dict:
 def run_one(sweep_dir: Path, index: int) -> int:
     """One run of the sweep, as a local run or an array task does it: dlojz.py (through srun in a Slurm job), its
     output in RUN/log.txt, its state in RUN/status.json."""
-    sweep = json.loads((sweep_dir / "sweep.json").read_text())
+    sweep = read_plan(sweep_dir)
     run = sweep["runs"][index]
     run_dir = Path(sweep_dir) / run["name"]
     job = os.environ.get("SLURM_ARRAY_JOB_ID") or os.environ.get("SLURM_JOB_ID")  # the array's id, in a task
@@ -310,6 +313,26 @@ def sweep_command(args) -> int:
 
 
 # ------------------------------------------------------------------ status
+def read_plan(sweep_dir) -> dict:
+    """A sweep's sweep.json (its name, runs and their command lines); LabError naming the file if it is damaged."""
+    from dlojz_checks import UserError, read_json
+
+    path = Path(sweep_dir) / "sweep.json"
+    fix = "dlojz_lab.py sweep writes it once: restore it, or start the sweep again under another --name"
+    try:
+        plan = read_json(path, "sweep plan", fix)
+    except UserError as err:
+        raise LabError(str(err)) from None
+    runs = plan.get("runs")
+    if (
+        not isinstance(plan.get("name"), str)
+        or not isinstance(runs, list)
+        or not all(isinstance(run, dict) and isinstance(run.get("name"), str) for run in runs)
+    ):
+        raise LabError(f"sweep plan {path}: not a dlojz_lab sweep (no name, or runs without names); {fix}")
+    return plan
+
+
 def sweep_dir_of(name_or_dir: str) -> Path:
     for candidate in (Path(name_or_dir), RUNS / name_or_dir):
         if (candidate / "sweep.json").exists():
@@ -362,7 +385,7 @@ def run_states(sweep_dir: Path, sweep: dict) -> list[tuple[dict, str]]:
 def states(name_or_dir) -> list[tuple[str, str]]:
     """[(run, state)] of a sweep, its state as `status` says it."""
     sweep_dir = sweep_dir_of(str(name_or_dir))
-    plan = json.loads((sweep_dir / "sweep.json").read_text())
+    plan = read_plan(sweep_dir)
     return [(run["name"], state) for run, state in run_states(sweep_dir, plan)]
 
 
@@ -398,14 +421,14 @@ def load(*names) -> list:
     out = []
     for name in names:
         sweep_dir = sweep_dir_of(str(name))
-        plan = json.loads((sweep_dir / "sweep.json").read_text())
+        plan = read_plan(sweep_dir)
         out.append((sweep_dir, plan, run_states(sweep_dir, plan)))
     return out
 
 
 def status_command(args) -> int:
     sweep_dir = sweep_dir_of(args.sweep)
-    sweep = json.loads((sweep_dir / "sweep.json").read_text())
+    sweep = read_plan(sweep_dir)
     where = f"job array {sweep['job_id']}" if sweep.get("job_id") else "run here"
     print(f"sweep {sweep['name']} ({where}), {len(sweep['runs'])} runs:")
     width = max(len(run["name"]) for run in sweep["runs"])
@@ -423,7 +446,7 @@ def compare_command(args) -> int:
 
 # ------------------------------------------------------------------ command line
 def get_parser():
-    p = argparse.ArgumentParser(prog="dlojz_lab.py", description=__doc__.split("\n\n")[0])
+    p = OneLineArgumentParser(prog="dlojz_lab.py", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
     s = sub.add_parser("sweep", help="run the cross product of the grids, here or as a Slurm job array")
     s.add_argument("--name", required=True, help="the sweep's folder under runs/")
@@ -440,7 +463,7 @@ def get_parser():
     st.add_argument("sweep")
     t = sub.add_parser("run-task", help=argparse.SUPPRESS)  # what an array task runs
     t.add_argument("sweep_dir")
-    t.add_argument("index", type=int)
+    t.add_argument("index", type=WHOLE)
     return p
 
 

@@ -54,10 +54,20 @@ def figures(metrics: dict) -> dict:
 
 
 def read_history(path: Path) -> list[dict]:
+    """A run's validation history, one JSON object a line; a line cut by a killed run (the last) is left out."""
     try:
-        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    except (OSError, ValueError):
+        lines = path.read_text(errors="replace").splitlines()
+    except OSError:
         return []
+    history = []
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict):
+            history.append(record)
+    return history
 
 
 def rows(sweeps) -> list[dict]:

@@ -53,6 +53,12 @@ def launch_problem(environ):
 
 def stray_ranks(environ):
     """No launcher: one process. Rank variables saying otherwise are copies started by hand."""
+    tasks = environ.get("SLURM_NTASKS", "1")
+    if tasks.isdigit() and int(tasks) > 1:  # a job of several tasks, dlojz started in its batch script without srun
+        return (
+            f"SLURM_NTASKS={tasks} but dlojz was not started by srun: one process would train alone while the job "
+            f"holds {tasks} tasks; start it with srun python dlojz.py ... (or ask for --ntasks=1)"
+        )
     given = {name: environ[name] for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID") if name in environ}
     if all(value == ("1" if name == "WORLD_SIZE" else "0") for name, value in given.items()):
         return None

@@ -114,7 +114,10 @@ def build_loaders(cfg, train_set, val_set, num_classes, ranks, log) -> Loaders:
 
 def dali_loaders(cfg, train_set, val_set, train_sampler, ranks, log) -> Loaders:
     """--data-backend dali: the same samples and samplers, decoded and augmented by DALI (dlojz_dali.py)."""
-    from dlojz_dali import DaliBatches, dali_settings, train_pipeline, val_pipeline
+    from dlojz_dali import DaliBatches, check_decodable, dali_settings, train_pipeline, val_pipeline
+
+    for dataset in (train_set, val_set):
+        check_decodable(dataset)
 
     device_id = ranks.device.index if ranks.device.type == "cuda" else None
     settings, seed = dali_settings(cfg), cfg.seed * 1_000 + ranks.rank
@@ -220,6 +223,8 @@ def build_data(cfg, ranks, log):
         f"data: {root} ({kind}, found by {found_by}): {len(train_set)} train / {len(val_set)} val images, "
         f"{len(classes)} classes"
     )
+    for line in train_set.notes:  # what the listing left out, and warnings on the classes
+        log(line)
     if cfg.train_subset is not None:  # cheap runs, e.g. hyper-parameter search trials
         log(select_train_subset(train_set, cfg.train_subset))
     log(f"JPEG decoding: {decoder_description()}")

@@ -23,11 +23,12 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
 
 import torch
 import torchvision
 
-from dlojz_checks import fail
+from dlojz_checks import UserError, fail
 
 
 def create_model(
@@ -42,13 +43,39 @@ def create_model(
     check_arch(arch)
     if arch.startswith("timm:"):
         return create_timm_model(arch, num_classes, zero_init_residual, image_size)
-    options = dict(zero_init_residual=True) if zero_init_residual in (True, None) else {}
-    try:
-        return torchvision.models.get_model(arch, weights=None, num_classes=num_classes, **options)
-    except TypeError:
-        if zero_init_residual is None:  # the default, on a model without the option
-            return torchvision.models.get_model(arch, weights=None, num_classes=num_classes)
+    # Some builders pass unknown options to their class, which swallows them (**kwargs): its signature says.
+    builder = torchvision.models.get_model_builder(arch)
+    model_class = builder.__annotations__.get("return")
+    model_class = getattr(torchvision.models, model_class, None) if isinstance(model_class, str) else model_class
+    takes = model_class is not None and "zero_init_residual" in inspect.signature(model_class.__init__).parameters
+    if zero_init_residual and not takes:
         fail(f"--zero-init-residual: --arch {arch} does not take it (ResNet, ResNeXt and Wide ResNet models do)")
+    options = dict(zero_init_residual=True) if takes and zero_init_residual in (True, None) else {}
+    return torchvision.models.get_model(arch, weights=None, num_classes=num_classes, **options)
+
+
+def check_input_sizes(arch, zero_init_residual, sizes):
+    """One line before the data is read if the model cannot take square images of each of `sizes` px (a model made
+    for one size, as torchvision's vision transformers): a forward on the meta device, no memory, no compute."""
+    try:
+        with torch.device("meta"):
+            model = create_model(arch, 10, zero_init_residual, max(sizes)).eval()
+    except UserError:  # an option the model does not take
+        raise
+    except Exception:  # noqa: BLE001  (a model that cannot be made on the meta device: made for real later)
+        return
+    for size in sorted(set(sizes)):
+        try:
+            with torch.no_grad():
+                model(torch.empty(2, 3, size, size, device="meta"))
+        except NotImplementedError:  # an operation without a meta kernel: nothing learnt
+            return
+        except Exception as err:  # noqa: BLE001
+            reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            fail(
+                f"--arch {arch} cannot take {size} px images ({reason[:120]}): give --image-size and "
+                f"--val-crop-size the size it was made for, or another model"
+            )
 
 
 def check_arch(arch):

@@ -58,6 +58,7 @@ import numpy as np
 
 from dlojz_checkpoint import atomic_write, fsync_folder
 from dlojz_data import DataError
+from dlojz_flags import COUNT
 from dlojz_pack_plan import SHUFFLE_SEED, padded, plan_split
 from dlojz_pack_source import SPLITS, class_names_of, list_source, listing_digest, stat_sizes
 from dlojz_shards import FORMAT, FORMAT_VERSION, MANIFEST, PackError, pack_files, read_manifest
@@ -203,6 +204,14 @@ def _remove_temps(dst):
             _unlink(os.path.join(dst, name))
 
 
+def _index_whole(path, samples):
+    """Whether the index at `path` reads as the reader reads it, with `samples` rows."""
+    try:
+        return len(np.load(path, mmap_mode="r", allow_pickle=False)) == samples
+    except (OSError, ValueError):
+        return False
+
+
 def _damaged(dst, names, sizes):
     """Shards missing or not of their planned size."""
     out = []
@@ -274,6 +283,11 @@ def _complete_pack(dst, src_abs, manifest, listing, counts, requested, log):
     damaged = [
         n for s in SPLITS for n in _damaged(dst, manifest["splits"][s]["shards"], manifest["splits"][s]["shard_sizes"])
     ]
+    damaged += [  # an index that dlojz.py cannot read is damage too (dlojz.py then says to repack)
+        manifest["splits"][s]["index"]
+        for s in SPLITS
+        if not _index_whole(dst / manifest["splits"][s]["index"], manifest["splits"][s]["samples"])
+    ]
     if not damaged:
         log(f"dlojz_pack: {dst} is already a complete pack of {src_abs}: nothing to do")
         return dict(
@@ -284,9 +298,7 @@ def _complete_pack(dst, src_abs, manifest, listing, counts, requested, log):
             samples=old_counts,
             bytes_written=0,
         )
-    log(
-        f"dlojz_pack: {dst}: {len(damaged)} shard(s) missing or of the wrong size ({damaged[0]}...): writing them again"
-    )
+    log(f"dlojz_pack: {dst}: {len(damaged)} file(s) missing or damaged ({damaged[0]}...): writing them again")
     return None
 
 
@@ -483,7 +495,7 @@ def main(argv=None) -> int:
     )
     parser.add_argument(
         "--workers",
-        type=int,
+        type=COUNT,
         default=None,
         metavar="N",
         help=f"processes writing shards (default: the CPUs available, at most 8: {_default_workers()})",

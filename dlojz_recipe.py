@@ -10,7 +10,7 @@ import dataclasses
 import json
 import math
 
-from dlojz_checks import fail
+from dlojz_checks import fail, read_text
 
 
 def read_toml(path, flag):
@@ -19,11 +19,9 @@ def read_toml(path, flag):
         import tomllib
     except ImportError:  # Python 3.10
         fail(f"{flag} {path}: reading TOML needs Python 3.11 or newer (tomllib)")
+    text = read_text(path, flag, "give a TOML text file")
     try:
-        with open(path, "rb") as file:
-            return tomllib.load(file)
-    except OSError as err:
-        fail(f"{flag} {path}: cannot be read ({err.strerror})")
+        return tomllib.loads(text)
     except tomllib.TOMLDecodeError as err:
         fail(f"{flag} {path}: not valid TOML ({err})")
 
@@ -33,9 +31,12 @@ def read_recipe(parser, path):
     Raises UserError naming the file and the key for an unknown key or a value of the wrong type."""
     recipe = read_toml(path, "--config")
     actions = {action.dest: action for action in parser._actions if action.dest not in ("help", "config")}
-    values = {}
+    values, keys = {}, {}
     for key, value in recipe.items():
         dest = key.replace("-", "_")
+        if dest in keys:  # TOML itself allows batch-size and batch_size side by side
+            fail(f"--config {path}: keys '{keys[dest]}' and '{key}' are the same flag: keep one")
+        keys[dest] = key
         action = actions.get(dest)
         if action is None:
             import difflib

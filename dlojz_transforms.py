@@ -161,6 +161,12 @@ def image_from_bytes(name: str, data: bytes):
         except dlojz_jpeg.JpegError:
             rgb_decodable = False
         if rgb_decodable:
+            limit = Image.MAX_IMAGE_PIXELS  # PIL's decompression-bomb limit: the same images refused either way
+            if limit and width * height > 2 * limit:
+                raise UnreadableImageError(
+                    f"{name}: {width}x{height} pixels in its header, more than PIL decodes ({2 * limit:,}): a "
+                    "decompression bomb, or a damaged header"
+                )
             return EncodedJpeg(name, data, (width, height))
     return _pil_from_bytes(name, data)
 
@@ -323,7 +329,19 @@ def _decode(img, box: tuple, out_width: int, out_height: int, draft: bool, snap:
         raise UnreadableImageError(f"{_image_name(img)}: cannot be decoded ({error})") from error
     if snap:
         box = _snap_box(box, *img.size)
-    return (img if img.mode == "RGB" else img.convert("RGB")), box
+    return as_rgb(img), box
+
+
+def as_rgb(img: Image.Image) -> Image.Image:
+    """The image in 8-bit RGB. PIL's own conversion clips 16- and 32-bit grey levels at 255 (a 16-bit PNG comes out
+    almost white): those are scaled to 0-255 first."""
+    if img.mode == "RGB":
+        return img
+    if img.mode in ("I", "I;16", "I;16B", "I;16L", "I;16N"):
+        levels = np.asarray(img).astype(np.float64)
+        top = 65535 if img.mode.startswith("I;16") or levels.max(initial=0) <= 65535 else 2**32 - 1
+        img = Image.fromarray(np.clip(np.rint(levels * (255 / top)), 0, 255).astype(np.uint8), "L")
+    return img.convert("RGB")
 
 
 def _pil_to_uint8_chw(img: Image.Image) -> torch.Tensor:

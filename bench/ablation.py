@@ -23,7 +23,6 @@ CUDA graphs, the cache warm for the real-pipeline run after the synthetic one).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -33,6 +32,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # the flags' bounds and one-line errors: dlojz_flags, dlojz_checks (no torch)
+from dlojz_checks import OneLineArgumentParser  # noqa: E402
+from dlojz_flags import COUNT, PIXELS  # noqa: E402
 
 # One optimisation more per row: (name, what it adds, dlojz.py's flags for the row as a whole).
 ROWS = [
@@ -57,13 +59,13 @@ def task_cpus() -> list[int]:
 
 
 def get_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = OneLineArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--python", default=sys.executable, help="the Python that runs dlojz.py (default: this one)")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     p.add_argument("--arch", default="resnet50")
-    p.add_argument("--image-size", type=int, default=224)
-    p.add_argument("-b", "--batch-size", type=int, default=256)
-    p.add_argument("--steps", type=int, default=30, help="optimizer steps per run (default: 30)")
+    p.add_argument("--image-size", type=PIXELS, default=224)
+    p.add_argument("-b", "--batch-size", type=COUNT, default=256)
+    p.add_argument("--steps", type=COUNT, default=30, help="optimizer steps per run (default: 30)")
     p.add_argument("--data-root", help="the real pipeline's data (train/ and val/); without it, synthetic rows only")
     p.add_argument("--rows", default=",".join(ROW_NAMES), help=f"which rows (default: all: {','.join(ROW_NAMES)})")
     p.add_argument(

@@ -20,7 +20,6 @@ device-to-host transfer, on a CPU a memory copy, and the thread's writing compet
 The checkpoints go to a temporary folder under --dir (default: the system's), removed at the end.
 """
 
-import argparse
 import json
 import os
 import sys
@@ -31,6 +30,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from dlojz_checks import OneLineArgumentParser  # noqa: E402
+from dlojz_flags import COUNT, PIXELS  # noqa: E402
 import dlojz_checkpoint as ckpt  # noqa: E402
 
 
@@ -75,12 +76,14 @@ def run(mode, args, folder):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = OneLineArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="vit_base_patch16_224")
-    parser.add_argument("--image-size", type=int, default=224)
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--steps", type=int, default=10, help="training steps per run (default: 10)")
-    parser.add_argument("--save-at", type=int, default=3, help="the step that checkpoints (default: 3, after warm-up)")
+    parser.add_argument("--image-size", type=PIXELS, default=224)
+    parser.add_argument("--batch-size", type=COUNT, default=8)
+    parser.add_argument("--steps", type=COUNT, default=10, help="training steps per run (default: 10)")
+    parser.add_argument(
+        "--save-at", type=COUNT, default=3, help="the step that checkpoints (default: 3, after warm-up)"
+    )
     parser.add_argument("--dir", default=None, help="where the checkpoints are written (default: a temporary folder)")
     parser.add_argument("--json", default=None, help="also write the figures to this JSON file")
     args = parser.parse_args(argv)

@@ -9,13 +9,14 @@ have to finish anyway before the next step's host code can depend on it):
 Run from the repository root: ``python bench/bench_chrono.py [--steps 300] [--step-ms 10]``.
 """
 
-import argparse
 import statistics
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from dlojz_checks import OneLineArgumentParser  # noqa: E402
+from dlojz_flags import COUNT, POSITIVE  # noqa: E402
 from dlojz_chrono import Chronometer  # noqa: E402
 
 
@@ -45,10 +46,10 @@ def toggle_cost_us(enabled, n):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=300, help="steps per A/B arm (default 300)")
-    parser.add_argument("--step-ms", type=float, default=10.0, help="simulated step in ms (default 10)")
-    parser.add_argument("--toggle-loops", type=int, default=100_000, help="empty steps for the toggle cost")
+    parser = OneLineArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=COUNT, default=300, help="steps per A/B arm (default 300)")
+    parser.add_argument("--step-ms", type=POSITIVE, default=10.0, help="simulated step in ms (default 10)")
+    parser.add_argument("--toggle-loops", type=COUNT, default=100_000, help="empty steps for the toggle cost")
     args = parser.parse_args()
     step_s = args.step_ms / 1e3
 

@@ -49,6 +49,8 @@ from torch.utils.data import DataLoader, RandomSampler
 from torchvision.datasets import ImageFolder
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from dlojz_checks import OneLineArgumentParser  # noqa: E402
+from dlojz_flags import COUNT, PIXELS, WHOLE  # noqa: E402
 import dlojz_transforms  # noqa: E402
 from dlojz_data import PackedImages, SafeImageFolder  # noqa: E402
 from dlojz_prefetch import DeviceNormalize  # noqa: E402
@@ -138,11 +140,16 @@ def resolve_train_folder(data: str | None, num_images: int, num_classes: int, pr
     if (folder / "train").is_dir():
         folder = folder / "train"
     if not folder.is_dir():
-        sys.exit(f"bench_loader: --data {data}: not a folder (expected an ImageFolder root or a folder with train/)")
+        print(
+            f"bench_loader: --data {data}: not a folder (expected an ImageFolder root or a folder with train/)",
+            file=sys.stderr,
+        )
+        sys.exit(2)  # bad input, as in every dlojz script
     try:
         ImageFolder(str(folder))
     except (FileNotFoundError, OSError) as error:  # no class folders, or classes without images
-        sys.exit(f"bench_loader: --data {data}: not an ImageFolder ({error})")
+        print(f"bench_loader: --data {data}: not an ImageFolder ({error})", file=sys.stderr)
+        sys.exit(2)  # bad input, as in every dlojz script
     return folder
 
 
@@ -267,7 +274,7 @@ def warm_page_cache(folder: Path):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(
+    parser = OneLineArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
     parser.add_argument(
@@ -275,21 +282,24 @@ def main(argv=None):
         default=None,
         help="ImageFolder root (or a folder holding train/); default: a generated ImageNet-like set",
     )
-    parser.add_argument("--workers", type=int, default=2, help="DataLoader workers (both pipelines)")
-    parser.add_argument("--batch-size", type=int, default=32, help="batch size (both pipelines)")
-    parser.add_argument("--batches", type=int, default=25, help="timed batches per measurement")
-    parser.add_argument("--warmup-batches", type=int, default=4, help="batches received before the clock starts")
-    parser.add_argument("--sizes", type=int, nargs="+", default=[224, 176], help="training crop sizes")
+    parser.add_argument("--workers", type=WHOLE, default=2, help="DataLoader workers (both pipelines)")
+    parser.add_argument("--batch-size", type=COUNT, default=32, help="batch size (both pipelines)")
+    parser.add_argument("--batches", type=COUNT, default=25, help="timed batches per measurement")
+    parser.add_argument("--warmup-batches", type=WHOLE, default=4, help="batches received before the clock starts")
+    parser.add_argument("--sizes", type=PIXELS, nargs="+", default=[224, 176], help="training crop sizes")
     parser.add_argument(
         "--repeats",
-        type=int,
+        type=COUNT,
         default=9,
         help="back-to-back measurement rounds (one run of each pipeline) per size; medians are reported",
     )
-    parser.add_argument("--images", type=int, default=1000, help="images in the generated set")
-    parser.add_argument("--classes", type=int, default=10, help="classes in the generated set")
+    parser.add_argument("--images", type=COUNT, default=1000, help="images in the generated set")
+    parser.add_argument("--classes", type=COUNT, default=10, help="classes in the generated set")
     parser.add_argument(
-        "--main-threads", type=int, default=1, help="torch threads of the main process (it normalises dlojz's batches)"
+        "--main-threads",
+        type=COUNT,
+        default=1,
+        help="torch threads of the main process (it normalises dlojz's batches)",
     )
     parser.add_argument(
         "--shards",
@@ -297,7 +307,7 @@ def main(argv=None):
         help="a dlojz_pack.py pack of the same images, for the shards row "
         "(default: the generated set is packed once; with --data, no shards row)",
     )
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=WHOLE, default=0)
     args = parser.parse_args(argv)
     for flag in ("workers", "batch_size", "batches", "repeats", "images", "classes", "main_threads"):
         value = getattr(args, flag)

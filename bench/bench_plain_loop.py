@@ -38,29 +38,33 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))  # the flags' bounds and one-line errors: dlojz_flags, dlojz_checks (no torch)
+from dlojz_checks import OneLineArgumentParser  # noqa: E402
+from dlojz_flags import COUNT, PIXELS, POSITIVE, WHOLE  # noqa: E402
+
 WARMUP_STEPS = 10  # dlojz's first synchronised log point: its steady-state timing starts there
 RESULT_TAG = "BENCH_PLAIN_RESULT "
 TARGET_RATIO = 1.0
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(
+    parser = OneLineArgumentParser(
         description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--arch", default="resnet50", help="torchvision model name (default: resnet50)")
-    parser.add_argument("--image-size", type=int, default=128, help="training crop, px (default: 128)")
-    parser.add_argument("--batch-size", type=int, default=32, help="(default: 32)")
-    parser.add_argument("--workers", type=int, default=2, help="DataLoader workers of both sides (default: 2)")
+    parser.add_argument("--image-size", type=PIXELS, default=128, help="training crop, px (default: 128)")
+    parser.add_argument("--batch-size", type=COUNT, default=32, help="(default: 32)")
+    parser.add_argument("--workers", type=WHOLE, default=2, help="DataLoader workers of both sides (default: 2)")
     parser.add_argument(
-        "--threads", type=int, default=None, help="torch threads of both training processes (default: the CPUs)"
+        "--threads", type=COUNT, default=None, help="torch threads of both training processes (default: the CPUs)"
     )
-    parser.add_argument("--lr", type=float, default=0.0125, help="constant learning rate (default: 0.0125)")
-    parser.add_argument("--images", type=int, default=1280, help="training images: one epoch (default: 1280)")
-    parser.add_argument("--repeats", type=int, default=1, help="rounds of interleaved runs (default: 1)")
+    parser.add_argument("--lr", type=POSITIVE, default=0.0125, help="constant learning rate (default: 0.0125)")
+    parser.add_argument("--images", type=COUNT, default=1280, help="training images: one epoch (default: 1280)")
+    parser.add_argument("--repeats", type=COUNT, default=1, help="rounds of interleaved runs (default: 1)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="(default: cpu)")
     parser.add_argument("--data", type=Path, default=None, help="an ImageFolder with train/ (default: generated)")
-    parser.add_argument("--seed", type=int, default=123, help="dlojz's default seed")
-    parser.add_argument("--timeout", type=float, default=1800, help="seconds allowed per run (default: 1800)")
+    parser.add_argument("--seed", type=WHOLE, default=123, help="dlojz's default seed")
+    parser.add_argument("--timeout", type=POSITIVE, default=1800, help="seconds allowed per run (default: 1800)")
     parser.add_argument(
         "--dlojz-flags", default="", help="more flags for the dlojz side, e.g. '--prefetch-factor 2' (quoted)"
     )
@@ -78,7 +82,11 @@ def parse_args(argv=None):
 def make_data(args) -> Path:
     if args.data is not None:
         if not (args.data / "train").is_dir():
-            sys.exit(f"bench_plain_loop.py: --data {args.data}: no train/ folder inside (an ImageFolder layout)")
+            print(
+                f"bench_plain_loop.py: --data {args.data}: no train/ folder inside (an ImageFolder layout)",
+                file=sys.stderr,
+            )
+            sys.exit(2)  # bad input, as in every dlojz script
         return args.data
     sys.path.insert(0, str(REPO))
     from dlojz_data import make_embedded_dataset

@@ -14,7 +14,6 @@ is packed once into <tree>-packed next to it (with --data too: mind the disk spa
     python bench/bench_storage.py                  # 1,000 images, 2 workers, 224 px
 """
 
-import argparse
 import subprocess
 import sys
 from pathlib import Path
@@ -23,6 +22,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from dlojz_checks import OneLineArgumentParser  # noqa: E402
+from dlojz_flags import COUNT, PIXELS, WHOLE  # noqa: E402
 from bench_loader import default_cache_dir, measure, resolve_train_folder, warm_page_cache  # noqa: E402
 from dlojz_data import PackedImages, SafeImageFolder  # noqa: E402
 from dlojz_pack import pack  # noqa: E402
@@ -55,12 +56,12 @@ def drop_page_cache():
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = OneLineArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--data", default=None, help="an ImageFolder tree with train/ and val/ (default: generated)")
-    parser.add_argument("--images", type=int, default=1000, help="images in the generated set")
-    parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--size", type=int, default=224)
+    parser.add_argument("--images", type=COUNT, default=1000, help="images in the generated set")
+    parser.add_argument("--workers", type=WHOLE, default=2)
+    parser.add_argument("--batch-size", type=COUNT, default=32)
+    parser.add_argument("--size", type=PIXELS, default=224)
     parser.add_argument("--shard-size", default="100MB")
     parser.add_argument("--no-cold", action="store_true", help="skip the cold-cache passes (no page cache dropped)")
     args = parser.parse_args(argv)

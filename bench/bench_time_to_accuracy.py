@@ -9,7 +9,6 @@ ideas at this scale: triangular schedule peaking at epoch 2, progressive resizin
 with flip TTA, BlurPool, no weight decay on norms. Figures only: the script does not assert a target.
 """
 
-import argparse
 import json
 import re
 import subprocess
@@ -19,6 +18,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # the flags' bounds and one-line errors: dlojz_flags, dlojz_checks (no torch)
+from dlojz_checks import OneLineArgumentParser  # noqa: E402
+from dlojz_flags import COUNT, PIXELS, POSITIVE, WHOLE  # noqa: E402
+
 VALIDATION = re.compile(r"Epoch \[(\d+)/\d+\], Validation Loss: [\d.]+, Validation Accuracy: ([\d.]+), top-5 ([\d.]+)")
 TIMES = re.compile(r"Validation complete in: ([\d.]+) s \(this epoch's training: ([\d.]+) s\)")
 
@@ -86,14 +89,14 @@ def run(name, flags, common, out):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--epochs", type=int, default=8)
-    parser.add_argument("--size", type=int, default=48, help="training resolution of the course recipe (px)")
+    parser = OneLineArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--epochs", type=COUNT, default=8)
+    parser.add_argument("--size", type=PIXELS, default=48, help="training resolution of the course recipe (px)")
     parser.add_argument("--arch", default="resnet18")
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--lr", type=float, default=0.05)
-    parser.add_argument("--workers", type=int, default=1)
+    parser.add_argument("--batch-size", type=COUNT, default=32)
+    parser.add_argument("--lr", type=POSITIVE, default=0.05)
+    parser.add_argument("--workers", type=WHOLE, default=1)
     args = parser.parse_args(argv)
     common = [
         "--device",

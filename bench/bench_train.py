@@ -57,6 +57,8 @@ import torch
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+from dlojz_checks import OneLineArgumentParser  # noqa: E402
+from dlojz_flags import COUNT, PIXELS, POSITIVE, WHOLE  # noqa: E402
 from dlojz_data import IMAGENET_TRAIN_IMAGES  # noqa: E402  (the size of dlojz's synthetic epoch)
 
 TARGET_RATIO = 0.97
@@ -66,17 +68,19 @@ VARIANTS = ("test", "epoch")
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(
+    parser = OneLineArgumentParser(
         description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--arch", default="resnet50", help="torchvision model name (default: resnet50)")
     parser.add_argument(
-        "--batch-size", type=int, default=None, help="per process (default: 128 on GPU, 32 on CPU, like dlojz)"
+        "--batch-size", type=COUNT, default=None, help="per process (default: 128 on GPU, 32 on CPU, like dlojz)"
     )
-    parser.add_argument("--image-size", type=int, default=None, help="px (default: 224 on GPU, 64 on CPU, like dlojz)")
+    parser.add_argument(
+        "--image-size", type=PIXELS, default=None, help="px (default: 224 on GPU, 64 on CPU, like dlojz)"
+    )
     parser.add_argument(
         "--steps",
-        type=int,
+        type=COUNT,
         default=60,
         help=f"training steps per run, the first {WARMUP_STEPS} untimed; a multiple of {WARMUP_STEPS} (default: 60)",
     )
@@ -99,7 +103,7 @@ def parse_args(argv=None):
         help="NHWC model and input (default: off)",
     )
     parser.add_argument(
-        "--repeats", type=int, default=1, help="rounds of interleaved runs; medians reported (default: 1)"
+        "--repeats", type=COUNT, default=1, help="rounds of interleaved runs; medians reported (default: 1)"
     )
     parser.add_argument(
         "--variants",
@@ -108,11 +112,11 @@ def parse_args(argv=None):
     )
     parser.add_argument(
         "--threads",
-        type=int,
+        type=COUNT,
         default=None,
         help="CPU threads of every run (OMP_NUM_THREADS); 1 resists a busy machine best (default: torch's)",
     )
-    parser.add_argument("--timeout", type=float, default=1800, help="seconds allowed per subprocess (default: 1800)")
+    parser.add_argument("--timeout", type=POSITIVE, default=1800, help="seconds allowed per subprocess (default: 1800)")
     parser.add_argument(
         "--bare-keeps-freed-memory",
         action="store_true",
@@ -122,11 +126,11 @@ def parse_args(argv=None):
         "--json", type=Path, default=None, help="also write the medians and ratios here (bench/gpu_acceptance.sh)"
     )
     parser.add_argument(
-        "--seed", type=int, default=123, help="dlojz's default seed: same weights and batch on both sides"
+        "--seed", type=WHOLE, default=123, help="dlojz's default seed: same weights and batch on both sides"
     )
     # Internal: the subprocess entry points (hidden from --help).
     parser.add_argument("--run-bare", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--schedule-steps", type=int, default=None, help=argparse.SUPPRESS)  # dlojz's OneCycle length
+    parser.add_argument("--schedule-steps", type=COUNT, default=None, help=argparse.SUPPRESS)  # dlojz's OneCycle length
     parser.add_argument("--tf32", default=None, action=argparse.BooleanOptionalAction, help=argparse.SUPPRESS)
     return parser.parse_args(argv), parser
 

@@ -55,7 +55,7 @@ def test_bench_loader_prints_every_pipeline(tiny_data, tmp_path):
 def test_bench_loader_rejects_a_folder_that_is_not_an_image_folder(tmp_path):
     command = [sys.executable, str(ROOT / "bench" / "bench_loader.py"), "--data", str(tmp_path / "nowhere")]
     result = subprocess.run(command, capture_output=True, text=True, timeout=120, env=clean_env(), cwd=ROOT)
-    assert result.returncode != 0 and "--data" in result.stderr and "Traceback" not in result.stderr
+    assert result.returncode == 2 and "--data" in result.stderr and "Traceback" not in result.stderr
 
 
 def test_generated_jpegs_look_like_imagenet_files():

@@ -67,6 +67,7 @@ def test_the_flag_reaches_the_trained_model(monkeypatch, tmp_path):
 def test_a_model_with_nothing_to_blur_is_one_line(run_inline):
     from conftest import SMALL
 
-    proc = run_inline(*SMALL, "--arch", "vit_b_32", "--blurpool", "--synthetic", "--test")
+    vit_size = ("--image-size", "224", "--val-resize-size", "256", "--val-crop-size", "224")  # the one it takes
+    proc = run_inline(*SMALL, "--arch", "vit_b_32", *vit_size, "--blurpool", "--synthetic", "--test")
     assert proc.returncode == 2
     assert proc.stderr.startswith("dlojz: error: --blurpool: --arch vit_b_32 has no strided convolution")

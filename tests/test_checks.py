@@ -54,7 +54,7 @@ def test_chrono_plot_into_a_folder_that_cannot_be(tmp_path, capsys):
     import dlojz_chrono_report
 
     trace = tmp_path / "trace.json"
-    trace.write_text("{}")
+    trace.write_text('{"load_s": [], "forward_s": [], "backward_s": [], "step_s": []}')
     blocker = tmp_path / "a-file"
     blocker.write_text("")
     with pytest.raises(SystemExit) as exit:
@@ -117,14 +117,19 @@ def test_an_unreadable_split_folder_is_named(tiny_data, monkeypatch):
 
 
 def test_an_unreadable_class_folder_is_named_not_called_empty(tiny_data, monkeypatch):
-    import torchvision.datasets.folder as folder
-
+    import dlojz_data
     from dlojz_data import DataError, build_datasets
 
     hidden = sorted((tiny_data / "train").iterdir())[1]
-    walk, access = os.walk, os.access
-    monkeypatch.setattr(folder.os, "walk", lambda top, **kw: iter(()) if str(top) == str(hidden) else walk(top, **kw))
-    monkeypatch.setattr(os, "access", lambda path, mode: str(path) != str(hidden) and access(path, mode))
+    walk = os.walk
+
+    def walk_as_a_user(top, onerror=None, **kw):  # os.walk hands a folder it cannot list to onerror, then skips it
+        if str(top) == str(hidden):
+            onerror(PermissionError(13, "Permission denied", str(hidden)))
+            return iter(())
+        return walk(top, onerror=onerror, **kw)
+
+    monkeypatch.setattr(dlojz_data.os, "walk", walk_as_a_user)
     with pytest.raises(DataError, match=rf"^{hidden}: cannot be read \(Permission denied\)"):
         build_datasets(tiny_data, None, None)
 

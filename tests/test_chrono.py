@@ -531,7 +531,7 @@ def test_plot_command_writes_a_png(tmp_path, capsys):
 def test_plot_command_rejects_a_missing_trace(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["plot", str(tmp_path / "nope.json"), "-o", str(tmp_path / "x.png")])
-    assert "nope.json not found" in capsys.readouterr().err
+    assert "nope.json: no such file" in capsys.readouterr().err
 
 
 # ------------------------------------------------------------------ FLOPs

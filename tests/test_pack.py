@@ -277,6 +277,20 @@ def test_an_interrupted_pack_is_finished_without_rewriting_the_finished_shards(s
     assert all((dst / name).stat().st_mtime_ns == 1_000_000_000 for name in finished)
 
 
+def test_a_rerun_on_a_complete_pack_whose_index_is_gone_writes_it_again(src, reference, tmp_path):
+    """dlojz.py says to repack a pack whose index is missing: the repack must not call it complete."""
+    dst = tmp_path / "no-index"
+    shutil.copytree(reference, dst)
+    (dst / "val-index.npy").unlink()
+    with pytest.raises(PackError, match="val-index.npy: unreadable index"):
+        PackedSplit(dst, "val")
+    lines = []
+    summary = pack(src, dst, workers=1, log=lines.append)
+    assert not summary["already_complete"] and "val-index.npy" in lines[0], lines
+    assert file_bytes(dst) == file_bytes(reference)
+    check_pack(dst)
+
+
 def test_a_truncated_shard_is_named_with_the_sample(src, reference, tmp_path):
     dst = tmp_path / "damaged"
     shutil.copytree(reference, dst)
@@ -357,7 +371,7 @@ def test_bad_inputs_are_one_line_errors(src, imagenet_src, reference, tmp_path, 
 
     before = {p.name: p.stat().st_mtime_ns for p in reference.iterdir()}
     assert "--shard-size '12XB': not a size" in run(src, tmp_path / "a", "--shard-size", "12XB")
-    assert "--workers 0" in run(src, tmp_path / "a", "--workers", "0")
+    assert "argument --workers: must be >= 1 (got 0)" in run(src, tmp_path / "a", "--workers", "0")
     assert f"is a pack of {src.resolve()}, not of SRC {imagenet_src.resolve()}" in run(imagenet_src, reference)
     assert "a complete pack of SRC in shards of 20000 bytes, not 1000000" in run(src, reference, "--shard-size", "1MB")
     assert {p.name: p.stat().st_mtime_ns for p in reference.iterdir()} == before

@@ -29,7 +29,7 @@ def test_the_file_fills_the_flags_and_the_command_line_wins(tmp_path):
     cfg = resolve("--config", path)
     assert (cfg.lr, cfg.label_smoothing, cfg.lr_scheduler, cfg.tta_flip) == (0.5, 0.2, "linear", True)
     assert (cfg.batch_size, cfg.randaugment, cfg.wd) == (64, (2, 9), 0.0)  # the file beats the CPU profile's 32
-    assert cfg.config == str(path)
+    assert cfg.config == [str(path)]
     assert any(note.startswith(f"recipe {path}: lr=0.5") for note in cfg.notes)
     cli = resolve("--config", path, "--lr", "0.1", "--label-smoothing", "0")
     assert (cli.lr, cli.label_smoothing, cli.lr_scheduler) == (0.1, 0.0, "linear")
@@ -61,7 +61,9 @@ def test_a_bad_recipe_is_one_line_naming_the_file_and_the_key(tmp_path, text, fr
 
 def test_a_missing_recipe_file_is_one_line(tmp_path, run_inline):
     proc = run_inline("--config", tmp_path / "nope.toml", "--device", "cpu")
-    assert proc.returncode == 2 and proc.stderr.startswith(f"dlojz: error: --config {tmp_path / 'nope.toml'}: cannot")
+    assert proc.returncode == 2 and proc.stderr.startswith(
+        f"dlojz: error: --config {tmp_path / 'nope.toml'}: no such file"
+    )
 
 
 @pytest.mark.parametrize("path", RECIPES, ids=[p.name for p in RECIPES])
