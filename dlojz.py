@@ -6,10 +6,10 @@ One command runs alone, under torchrun or under srun across nodes:
 `main()` reads top to bottom in the course's order: arguments, instantiation (distribution, model, loss,
 optimizer), DataLoader, initialisation, training, validation, checkpoint and report. Each section calls one
 function, below it or in a helper module; `train_one_epoch` and `evaluate` are the loop's two phases. The flags
-live in dlojz_flags.py, the run's settings and their checks in dlojz_config.py, the process group in dlojz_dist.py,
-the data sets and batches in dlojz_loaders.py, the model as it trains (DDP, FSDP, compile) in dlojz_parallel.py,
-its loss, optimizer and schedule in dlojz_optim.py, checkpoints and resume in dlojz_resume.py, the lines the run
-prints in dlojz_log.py, the chronometer, profiler and LR finder hooks in dlojz_hooks.py.
+live in dlojz_lib/flags.py, the run's settings and their checks in dlojz_lib/config.py, the process group in dlojz_lib/dist.py,
+the data sets and batches in dlojz_lib/data/loaders.py, the model as it trains (DDP, FSDP, compile) in dlojz_lib/parallel.py,
+its loss, optimizer and schedule in dlojz_lib/optim.py, checkpoints and resume in dlojz_lib/resume.py, the lines the run
+prints in dlojz_lib/log.py, the chronometer, profiler and LR finder hooks in dlojz_lib/hooks.py.
 """
 
 import dataclasses
@@ -22,7 +22,7 @@ from pathlib import Path
 if __name__ == "__main__":  # --help and every bad flag answer here, before the seconds that torch takes to import
     import signal
 
-    from dlojz_flags import check_command_line
+    from dlojz_lib.flags import check_command_line
 
     check_command_line()
 
@@ -35,13 +35,13 @@ if __name__ == "__main__":  # --help and every bad flag answer here, before the 
 import torch
 import torch.distributed as dist
 
-import dlojz_checkpoint as ckpt
-import dlojz_optim as optim
+import dlojz_lib.checkpoint as ckpt
+import dlojz_lib.optim as optim
 from dlojz_chrono import Chronometer
-from dlojz_config import UserError, load_idr_torch, resolve_config
-from dlojz_flags import get_args_parser
-from dlojz_data import DataError, close_loader, measure_loader
-from dlojz_dist import (
+from dlojz_lib.config import UserError, load_idr_torch, resolve_config
+from dlojz_lib.flags import get_args_parser
+from dlojz_lib.data.datasets import DataError, close_loader, measure_loader
+from dlojz_lib.dist import (
     INTERRUPTED,
     RequeueFailed,
     StopPoll,
@@ -54,9 +54,9 @@ from dlojz_dist import (
     requeue,
     setup_distributed,
 )
-from dlojz_hooks import LoopHooks, make_profiler
-from dlojz_loaders import LOADERS, SYNTHETIC_CLASSES, build_data, build_loaders, synthetic_loaders
-from dlojz_log import (
+from dlojz_lib.hooks import LoopHooks, make_profiler
+from dlojz_lib.data.loaders import LOADERS, SYNTHETIC_CLASSES, build_data, build_loaders, synthetic_loaders
+from dlojz_lib.log import (
     LOG_EVERY,
     Console,
     NoWandb,
@@ -69,7 +69,7 @@ from dlojz_log import (
     write_json,
     write_lr_finder,
 )
-from dlojz_resume import (
+from dlojz_lib.resume import (
     TrainState,
     check_checkpoints_written,
     claim_output_dir,
@@ -79,8 +79,8 @@ from dlojz_resume import (
     restore,
     save_epoch_checkpoint,
 )
-from dlojz_parallel import build_model, state_bytes_per_rank
-from dlojz_transforms import training_resolution
+from dlojz_lib.parallel import build_model, state_bytes_per_rank
+from dlojz_lib.data.transforms import training_resolution
 
 idr_torch = load_idr_torch()
 TEST_VAL_BATCHES = 20  # --test validates on this many batches

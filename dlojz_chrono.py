@@ -40,9 +40,9 @@ step boundary (peak W) and the GPU's energy counter between the end of the warm-
 passes taken out (J per image, energy per epoch estimate). Without NVML (not installed, no driver, no GPU, any NVML
 error) those figures are left out; nothing crashes.
 
-The MFU uses ``dlojz_model.peak_flops(device_name, dtype)`` (the dense peak of V100/A100/H100/H200 GPUs) and the
-context's ``train_flops_per_image`` (``dlojz_model.train_flops_per_image``). The report's lines, its advice and the
-per-step timeline plot are dlojz_chrono_report.py's (``python dlojz_chrono.py plot TRACE.json -o timeline.png``).
+The MFU uses ``dlojz_lib.model.peak_flops(device_name, dtype)`` (the dense peak of V100/A100/H100/H200 GPUs) and the
+context's ``train_flops_per_image`` (``dlojz_lib.model.train_flops_per_image``). The report's lines, its advice and the
+per-step timeline plot are dlojz_lib/chrono_report.py's (``python dlojz_chrono.py plot TRACE.json -o timeline.png``).
 
 A step is one micro-batch's forward and backward on every rank; the context's ``images_per_step`` is that many
 images (micro-batch x ranks), whatever the gradient accumulation.
@@ -59,8 +59,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dlojz_chrono_report import energy_figures, flops_figures, report_lines, step_figures, validation_figures
-from dlojz_model import peak_flops
+from dlojz_lib.chrono_report import energy_figures, flops_figures, report_lines, step_figures, validation_figures
+from dlojz_lib.model import peak_flops
 
 # ``nvml`` default: import pynvml lazily, and only for CUDA devices.
 _TRY_PYNVML = object()
@@ -173,7 +173,7 @@ class Chronometer:
     """
 
     # One object the loop toggles (the course's API): its records and toggles stay together; the figures made from
-    # them are dlojz_chrono_report's functions, the energy readings EnergyMeter's.
+    # them are dlojz_lib.chrono_report's functions, the energy readings EnergyMeter's.
 
     def __init__(
         self,
@@ -437,6 +437,6 @@ def _nan_to_none(values):
 
 
 if __name__ == "__main__":  # python dlojz_chrono.py plot TRACE.json: the command lives with the report
-    from dlojz_chrono_report import main
+    from dlojz_lib.chrono_report import main
 
     sys.exit(main())

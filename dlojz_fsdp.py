@@ -12,7 +12,7 @@ all-gather more per block and step.
 - `state_bytes(module, optimizer)`: this rank's bytes of parameters, gradients and optimizer state.
 - `ShardedCheckpointSaver`, `load_sharded`: checkpoints written by every rank, each its own shards, with
   torch.distributed.checkpoint (DCP), into a folder `ckpt_eEEEE_sSSSSSSSSS.dcp` that appears complete or not at
-  all (see dlojz_checkpoint); DCP reshards on loading, so a run saved on 4 ranks resumes on 2.
+  all (see dlojz_lib.checkpoint); DCP reshards on loading, so a run saved on 4 ranks resumes on 2.
 - `consolidate(source, target)`: one ordinary dlojz checkpoint (.pt) from a sharded one, for inference, DDP
   fine-tuning or `--resume` without --fsdp:
 
@@ -32,8 +32,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-import dlojz_checkpoint as ckpt
-from dlojz_checks import OneLineArgumentParser
+import dlojz_lib.checkpoint as ckpt
+from dlojz_lib.checks import OneLineArgumentParser
 
 # Class names of the blocks sharded one by one: torchvision's and timm's residual and transformer blocks.
 BLOCK_SUFFIXES = (
@@ -215,13 +215,13 @@ def load_full_weights(module, weights):
 
 # ---------------------------------------------------------------------- consolidation
 def consolidate(source, target):
-    """Write `target`: the ordinary checkpoint (dlojz_checkpoint's .pt) that a run without --fsdp would have
+    """Write `target`: the ordinary checkpoint (dlojz_lib.checkpoint's .pt) that a run without --fsdp would have
     written at the same point, from the sharded checkpoint folder `source`. One process reads every shard."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
-    import dlojz_optim as optim
-    from dlojz_model import apply_blurpool, create_model
+    import dlojz_lib.optim as optim
+    from dlojz_lib.model import apply_blurpool, create_model
 
     source = Path(source)
     if source.is_dir() and not ckpt.NAME_RE.match(source.name):  # a run's folder: name its sharded checkpoints
@@ -270,7 +270,7 @@ def main(argv=None):
     command.add_argument("source", help="a sharded checkpoint folder (ckpt_e*_s*.dcp)")
     command.add_argument("target", help="the .pt file to write")
     args = parser.parse_args(argv)
-    from dlojz_checks import UserError, check_output_file
+    from dlojz_lib.checks import UserError, check_output_file
 
     if not Path(args.target).resolve().parent.is_dir():
         print(f"dlojz_fsdp.py: error: {args.target}: its folder does not exist", file=sys.stderr)

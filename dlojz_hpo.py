@@ -30,7 +30,7 @@ How it works, and why:
   worker fails the running trials whose heartbeat is older than --stale-after s and retries them in the same way.
 - `--trials N` counts this worker's finished or pruned trials, under its Slurm array task id: a requeued task goes
   on with what it had left.
-The space file is read by dlojz_hpo_space.py, the report written by dlojz_hpo_report.py.
+The space file is read by dlojz_lib/hpo/space.py, the report written by dlojz_lib/hpo/report.py.
 """
 
 import argparse
@@ -48,11 +48,11 @@ import time
 import warnings
 from pathlib import Path
 
-from dlojz_checks import fail
-from dlojz_config import UserError
-from dlojz_hpo_report import best_trial, write_csv, write_plots, write_recipe
-from dlojz_hpo_space import check_shared, flag_argv, read_space, split_shared
-from dlojz_flags import COUNT, NON_NEGATIVE, POSITIVE, Number
+from dlojz_lib.checks import fail
+from dlojz_lib.config import UserError
+from dlojz_lib.hpo.report import best_trial, write_csv, write_plots, write_recipe
+from dlojz_lib.hpo.space import check_shared, flag_argv, read_space, split_shared
+from dlojz_lib.flags import COUNT, NON_NEGATIVE, POSITIVE, Number
 
 DLOJZ = Path(__file__).resolve().parent / "dlojz.py"
 
@@ -383,7 +383,7 @@ def requeue_worker(reason):
 # Commands
 def check_storage(path):
     """--storage writable before any trial: a journal file, or a SQLite database URL's file."""
-    from dlojz_checks import check_output_file
+    from dlojz_lib.checks import check_output_file
 
     if path.startswith("sqlite:///"):
         check_output_file(path.removeprefix("sqlite:///"), "--storage (its SQLite file)")
@@ -482,7 +482,7 @@ def report(args):
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     if "://" not in args.storage and not Path(args.storage).is_file():
         fail(f"--storage {args.storage}: no such journal file")
-    from dlojz_checks import check_output_folder
+    from dlojz_lib.checks import check_output_folder
 
     check_output_folder(args.out, "--out")  # before the study is read: a file there is said at once
     storage = open_storage(args.storage)

@@ -5,7 +5,7 @@ search_log), for dlojz.
     python dlojz_lab.py sweep --name bs --grid batch-size=128,256 --grid channels-last=on,off [--launch slurm
         --gpus-per-node 1 --time 00:20:00 ...] -- --test --arch resnet50 --amp
     python dlojz_lab.py status bs                 # the sweep's jobs in the queue, the last line of each run's log
-    python dlojz_lab.py compare runs/bs [runs/other ...]   # table, compare.csv and PNG plots (dlojz_lab_report.py)
+    python dlojz_lab.py compare runs/bs [runs/other ...]   # table, compare.csv and PNG plots (dlojz_lib/lab/report.py)
 
 A sweep is the cross product of its grids: `--grid FLAG=V1,V2,...` with FLAG one of dlojz.py's long flags (without
 its dashes), `on`/`off` for a switch. Each run is a dlojz.py command line (the flags after `--`, then the run's
@@ -34,8 +34,8 @@ import time
 from contextlib import redirect_stderr
 from pathlib import Path
 
-from dlojz_checks import OneLineArgumentParser
-from dlojz_flags import WHOLE
+from dlojz_lib.checks import OneLineArgumentParser
+from dlojz_lib.flags import WHOLE
 
 ROOT = Path(__file__).resolve().parent
 RUNS = Path("runs")
@@ -60,7 +60,7 @@ class LabError(Exception):
 # ------------------------------------------------------------------ the grid
 def dlojz_flags():
     """dlojz.py's long flags: {name without dashes: (the argparse action, is a switch)}."""
-    from dlojz_flags import get_args_parser
+    from dlojz_lib.flags import get_args_parser
 
     flags = {}
     for action in get_args_parser()._actions:
@@ -120,7 +120,7 @@ def run_name(settings: dict) -> str:
 
 def check_command_line(name: str, argv: list[str]) -> None:
     """dlojz.py's own parser and flag checks on one run's command line (torch is not imported)."""
-    from dlojz_flags import UserError, checked_values
+    from dlojz_lib.flags import UserError, checked_values
 
     said = io.StringIO()
     try:
@@ -315,7 +315,7 @@ def sweep_command(args) -> int:
 # ------------------------------------------------------------------ status
 def read_plan(sweep_dir) -> dict:
     """A sweep's sweep.json (its name, runs and their command lines); LabError naming the file if it is damaged."""
-    from dlojz_checks import UserError, read_json
+    from dlojz_lib.checks import UserError, read_json
 
     path = Path(sweep_dir) / "sweep.json"
     fix = "dlojz_lab.py sweep writes it once: restore it, or start the sweep again under another --name"
@@ -417,7 +417,7 @@ def chrono_report(run_dir) -> str:
 
 
 def load(*names) -> list:
-    """The sweeps as dlojz_lab_report.rows() takes them: [(folder, sweep.json, [(run, state)])]."""
+    """The sweeps as dlojz_lib.lab.report.rows() takes them: [(folder, sweep.json, [(run, state)])]."""
     out = []
     for name in names:
         sweep_dir = sweep_dir_of(str(name))
@@ -438,7 +438,7 @@ def status_command(args) -> int:
 
 
 def compare_command(args) -> int:
-    from dlojz_lab_report import compare
+    from dlojz_lib.lab.report import compare
 
     sweeps = load(*args.sweeps)
     return compare(sweeps, Path(args.out) if args.out else sweeps[0][0])

@@ -1,4 +1,4 @@
-"""Pack an image tree into webdataset tar shards (the writer; dlojz_shards.py reads them back at random).
+"""Pack an image tree into webdataset tar shards (the writer; dlojz_lib/data/shards.py reads them back at random).
 
 A parallel file system serves a few large files far better than 1.28 million small ones (every open is a request to
 the metadata servers). `python dlojz_pack.py SRC DST [--shard-size 1GB] [--workers N]` turns SRC, torchvision's
@@ -37,7 +37,7 @@ Functions:
 - `parse_size("500MB") -> int`: 1000-based units (B, KB, MB, GB, TB), 1024-based ones (KiB, MiB, GiB, TiB).
 
 The reader that training uses (`PackedSplit`, `is_packed`, `check_pack`, `PackError`, `ShardReadError`) is
-dlojz_shards.py: this file is the writer and its command line, dlojz_pack_source.py lists SRC, dlojz_pack_plan.py
+dlojz_lib/data/shards.py: this file is the writer and its command line, dlojz_lib/pack/source.py lists SRC, dlojz_lib/pack/plan.py
 lays out the shards.
 """
 
@@ -56,12 +56,12 @@ from pathlib import Path
 
 import numpy as np
 
-from dlojz_checkpoint import atomic_write, fsync_folder
-from dlojz_data import DataError
-from dlojz_flags import COUNT
-from dlojz_pack_plan import SHUFFLE_SEED, padded, plan_split
-from dlojz_pack_source import SPLITS, class_names_of, list_source, listing_digest, stat_sizes
-from dlojz_shards import FORMAT, FORMAT_VERSION, MANIFEST, PackError, pack_files, read_manifest
+from dlojz_lib.checkpoint import atomic_write, fsync_folder
+from dlojz_lib.data.datasets import DataError
+from dlojz_lib.flags import COUNT
+from dlojz_lib.pack.plan import SHUFFLE_SEED, padded, plan_split
+from dlojz_lib.pack.source import SPLITS, class_names_of, list_source, listing_digest, stat_sizes
+from dlojz_lib.data.shards import FORMAT, FORMAT_VERSION, MANIFEST, PackError, pack_files, read_manifest
 
 DEFAULT_SHARD_SIZE = 10**9
 PROGRESS_EVERY = 5.0  # seconds between progress lines
@@ -483,7 +483,7 @@ def main(argv=None) -> int:
     parser = _Parser(
         prog="dlojz_pack.py",
         description="Pack an ImageNet or ImageFolder tree (train/, val/) into "
-        "webdataset tar shards with a random-access index (read by dlojz_shards.PackedSplit).",
+        "webdataset tar shards with a random-access index (read by dlojz_lib.data.shards.PackedSplit).",
     )
     parser.add_argument("src", metavar="SRC", help="folder holding train/<class>/ and val/<class>/ (and meta.bin)")
     parser.add_argument("dst", metavar="DST", help="folder for the shards: new, empty, or an interrupted pack of SRC")

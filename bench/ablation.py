@@ -32,9 +32,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))  # the flags' bounds and one-line errors: dlojz_flags, dlojz_checks (no torch)
-from dlojz_checks import OneLineArgumentParser  # noqa: E402
-from dlojz_flags import COUNT, PIXELS  # noqa: E402
+sys.path.insert(0, str(ROOT))  # the flags' bounds and one-line errors: dlojz_lib.flags, dlojz_lib.checks (no torch)
+from dlojz_lib.checks import OneLineArgumentParser  # noqa: E402
+from dlojz_lib.flags import COUNT, PIXELS  # noqa: E402
 
 # One optimisation more per row: (name, what it adds, dlojz.py's flags for the row as a whole).
 ROWS = [
@@ -208,7 +208,7 @@ def main(argv=None) -> int:
     if with_data and args.cores:
         backends = ["pytorch"]
         if not args.no_dali:
-            from dlojz_dali import check_available
+            from dlojz_lib.data.dali import check_available
 
             if check_available() is None:
                 backends.append("dali")

@@ -1,6 +1,6 @@
 """What a checkpoint costs training: the step time around a save, against the same steps without one.
 
-dlojz writes checkpoints in the background (``dlojz_checkpoint.CheckpointSaver(background=True)``): training pauses
+dlojz writes checkpoints in the background (``dlojz_lib.checkpoint.CheckpointSaver(background=True)``): training pauses
 only while rank 0 copies the model's and the optimizer's state into host memory; a thread then writes the file and
 its SHA-256. This benchmark trains one model (a timm model, ViT-B/16 by default: 86 M parameters, a 1 GB
 checkpoint with SGD's momentum) for STEPS steps three times, each in the same process one after the other:
@@ -30,9 +30,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from dlojz_checks import OneLineArgumentParser  # noqa: E402
-from dlojz_flags import COUNT, PIXELS  # noqa: E402
-import dlojz_checkpoint as ckpt  # noqa: E402
+from dlojz_lib.checks import OneLineArgumentParser  # noqa: E402
+from dlojz_lib.flags import COUNT, PIXELS  # noqa: E402
+import dlojz_lib.checkpoint as ckpt  # noqa: E402
 
 
 def build(model_name, num_classes):

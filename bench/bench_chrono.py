@@ -15,8 +15,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from dlojz_checks import OneLineArgumentParser  # noqa: E402
-from dlojz_flags import COUNT, POSITIVE  # noqa: E402
+from dlojz_lib.checks import OneLineArgumentParser  # noqa: E402
+from dlojz_lib.flags import COUNT, POSITIVE  # noqa: E402
 from dlojz_chrono import Chronometer  # noqa: E402
 
 

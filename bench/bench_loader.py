@@ -49,12 +49,12 @@ from torch.utils.data import DataLoader, RandomSampler
 from torchvision.datasets import ImageFolder
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from dlojz_checks import OneLineArgumentParser  # noqa: E402
-from dlojz_flags import COUNT, PIXELS, WHOLE  # noqa: E402
-import dlojz_transforms  # noqa: E402
-from dlojz_data import PackedImages, SafeImageFolder  # noqa: E402
-from dlojz_prefetch import DeviceNormalize  # noqa: E402
-from dlojz_transforms import (  # noqa: E402
+from dlojz_lib.checks import OneLineArgumentParser  # noqa: E402
+from dlojz_lib.flags import COUNT, PIXELS, WHOLE  # noqa: E402
+import dlojz_lib.data.transforms  # noqa: E402
+from dlojz_lib.data.datasets import PackedImages, SafeImageFolder  # noqa: E402
+from dlojz_lib.data.prefetch import DeviceNormalize  # noqa: E402
+from dlojz_lib.data.transforms import (  # noqa: E402
     IMAGENET_MEAN,
     IMAGENET_STD,
     TrainTransform,
@@ -220,8 +220,8 @@ def measure_dali(
     folder: Path, image_size: int, threads: int, batch_size: int, batches: int, warmup: int, seed: int, antialias: bool
 ):
     """measure() for --data-backend dali on DALI's CPU backend (its decoding threads live in this process)."""
-    from dlojz_dali import DaliBatches, DaliSettings, train_pipeline
-    from dlojz_data import EpochSampler
+    from dlojz_lib.data.dali import DaliBatches, DaliSettings, train_pipeline
+    from dlojz_lib.data.datasets import EpochSampler
 
     dataset = SafeImageFolder(str(folder))
     sampler = EpochSampler(dataset, 1, 0, shuffle=True, seed=seed)
@@ -318,7 +318,7 @@ def main(argv=None):
     warm_page_cache(folder)
     torch.set_num_threads(args.main_threads)
     normalize = DeviceNormalize("cpu")
-    decoder = dlojz_transforms.decoder_description()
+    decoder = dlojz_lib.data.transforms.decoder_description()
     print(
         f"data {folder}  workers {args.workers}  batch {args.batch_size}  timed batches {args.batches} "
         f"(+{args.warmup_batches} warm-up)  rounds {args.repeats}  main-process torch threads "
@@ -339,7 +339,7 @@ def main(argv=None):
             lambda _, size: PackedImages(packed, "train", TrainTransform(size)),
             lambda images: images,
         )
-    from dlojz_dali import check_available
+    from dlojz_lib.data.dali import check_available
 
     if check_available() is None:
         pipelines["DALI-CPU"] = (None, False)  # dlojz.py's default: the training resize without antialiasing

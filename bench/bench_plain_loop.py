@@ -38,9 +38,9 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))  # the flags' bounds and one-line errors: dlojz_flags, dlojz_checks (no torch)
-from dlojz_checks import OneLineArgumentParser  # noqa: E402
-from dlojz_flags import COUNT, PIXELS, POSITIVE, WHOLE  # noqa: E402
+sys.path.insert(0, str(REPO))  # the flags' bounds and one-line errors: dlojz_lib.flags, dlojz_lib.checks (no torch)
+from dlojz_lib.checks import OneLineArgumentParser  # noqa: E402
+from dlojz_lib.flags import COUNT, PIXELS, POSITIVE, WHOLE  # noqa: E402
 
 WARMUP_STEPS = 10  # dlojz's first synchronised log point: its steady-state timing starts there
 RESULT_TAG = "BENCH_PLAIN_RESULT "
@@ -89,7 +89,7 @@ def make_data(args) -> Path:
             sys.exit(2)  # bad input, as in every dlojz script
         return args.data
     sys.path.insert(0, str(REPO))
-    from dlojz_data import make_embedded_dataset
+    from dlojz_lib.data.datasets import make_embedded_dataset
 
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dlojz"
     root = cache / f"bench-plain-500x375-{args.images}-v1"

@@ -22,12 +22,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from dlojz_checks import OneLineArgumentParser  # noqa: E402
-from dlojz_flags import COUNT, PIXELS, WHOLE  # noqa: E402
+from dlojz_lib.checks import OneLineArgumentParser  # noqa: E402
+from dlojz_lib.flags import COUNT, PIXELS, WHOLE  # noqa: E402
 from bench_loader import default_cache_dir, measure, resolve_train_folder, warm_page_cache  # noqa: E402
-from dlojz_data import PackedImages, SafeImageFolder  # noqa: E402
+from dlojz_lib.data.datasets import PackedImages, SafeImageFolder  # noqa: E402
 from dlojz_pack import pack  # noqa: E402
-from dlojz_transforms import TrainTransform, lazy_image_loader  # noqa: E402
+from dlojz_lib.data.transforms import TrainTransform, lazy_image_loader  # noqa: E402
 
 OPENS = [0]
 

@@ -34,7 +34,7 @@ each side and the ratio of the best runs (noise only ever slows a run down). Run
     python bench/bench_train.py --arch resnet18 --image-size 64 --batch-size 32 --device cpu --repeats 3
 
 The table lists dlojz img/s, bare img/s, their ratio and the 0.97 target per variant, then the exact commands.
-On a CPU dlojz keeps freed host memory for reuse (``dlojz_dist.keep_freed_host_memory``), which the bare loop, as a
+On a CPU dlojz keeps freed host memory for reuse (``dlojz_lib.dist.keep_freed_host_memory``), which the bare loop, as a
 user writes it, does not: ``--bare-keeps-freed-memory`` gives the bare loop the same setting, so that the ratio is
 dlojz's own code alone. ``--json PATH`` also writes the medians and ratios (``bench/gpu_acceptance.sh`` reads it).
 """
@@ -57,9 +57,9 @@ import torch
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-from dlojz_checks import OneLineArgumentParser  # noqa: E402
-from dlojz_flags import COUNT, PIXELS, POSITIVE, WHOLE  # noqa: E402
-from dlojz_data import IMAGENET_TRAIN_IMAGES  # noqa: E402  (the size of dlojz's synthetic epoch)
+from dlojz_lib.checks import OneLineArgumentParser  # noqa: E402
+from dlojz_lib.flags import COUNT, PIXELS, POSITIVE, WHOLE  # noqa: E402
+from dlojz_lib.data.datasets import IMAGENET_TRAIN_IMAGES  # noqa: E402  (the size of dlojz's synthetic epoch)
 
 TARGET_RATIO = 0.97
 WARMUP_STEPS = 10  # dlojz's LOG_EVERY: its first synchronised log point, where its steady-state timing starts
@@ -194,7 +194,7 @@ def common_flags(args):
 def bare_optimizer(model):
     """SGD(lr 0.1, momentum 0.9) with dlojz's fused step: an unfused one under the float16 GradScaler would read the
     overflow flag on the host at every step, and the reference would be slower than the loop it judges."""
-    from dlojz_optim import build_optimizer
+    from dlojz_lib.optim import build_optimizer
 
     return build_optimizer("sgd", model.parameters(), 0.1, 0.9, 0.0, fused=True)
 
@@ -203,7 +203,7 @@ def bare_loop(args):
     """Train `args.steps` steps on one random batch; return images/s over the steps after the warm-up."""
     device = torch.device(args.device)
     if args.bare_keeps_freed_memory and device.type == "cpu":
-        from dlojz_dist import keep_freed_host_memory
+        from dlojz_lib.dist import keep_freed_host_memory
 
         keep_freed_host_memory()
     if device.type == "cuda":
@@ -224,7 +224,7 @@ def bare_loop(args):
     lr_momentum = onecycle_values(0.1, args.schedule_steps or args.steps, args.steps)
     scaler = torch.amp.GradScaler(device.type, enabled=args.amp and amp_dtype == torch.float16)
 
-    # One batch, made once, as dlojz_data.SyntheticLoader does (same generator and order: the same tensors).
+    # One batch, made once, as dlojz_lib.data.datasets.SyntheticLoader does (same generator and order: the same tensors).
     gen = torch.Generator().manual_seed(args.seed)
     images = torch.randn(args.batch_size, 3, args.image_size, args.image_size, generator=gen)
     labels = torch.randint(0, 1000, (args.batch_size,), generator=gen).to(device)
@@ -275,7 +275,7 @@ def run_dlojz_short_epoch(steps, dlojz_argv):
     """dlojz's normal (non --test) training loop, its own train_one_epoch, over a synthetic epoch of `steps` batches
     (dlojz.synthetic_loop), writing the metrics the driver reads."""
     import dlojz
-    from dlojz_log import write_json
+    from dlojz_lib.log import write_json
 
     loop = dlojz.synthetic_loop(dlojz_argv, n_batches=steps)
     result = dlojz.train_one_epoch(**loop)

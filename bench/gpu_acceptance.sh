@@ -14,7 +14,7 @@
 # 5. a table of img/s, MFU and J/image beside NVIDIA DeepLearningExamples' and MLPerf's figures, and the ratio;
 # 6. the course's ablation, one optimisation per row, and a cores-per-GPU table (bench/ablation.py; ABLATION=0 skips).
 # The real-pipeline run needs 100 batches of 256 images: dlojz's embedded data set has 1,200 (5 batches, images of
-# 96x80 px), so the same generator (dlojz_data.make_embedded_dataset) writes, once, 25,600 + 500 JPEGs of 500x375
+# 96x80 px), so the same generator (dlojz_lib.data.datasets.make_embedded_dataset) writes, once, 25,600 + 500 JPEGs of 500x375
 # px (ImageNet's usual size, ~35 KB each, ~1 GB) into $XDG_CACHE_HOME/dlojz (default ~/.cache/dlojz), reused by
 # later runs; DATA_ROOT=/path/to/imagenet uses that folder instead (train/ and val/).
 # Output: $OUT_DIR (default runs/gpu_acceptance_<epoch seconds>): metrics JSONs, chronometer traces, timelines.
@@ -30,7 +30,7 @@ if ! "$PYTHON" -c 'import torch; assert torch.cuda.is_available()' >/dev/null 2>
     if "$PYTHON" -c 'import torch' >/dev/null 2>&1; then
         "$PYTHON" -c 'import torch; print(f"torch {torch.__version__}, built for CUDA {torch.version.cuda}, GPUs visible to it: {torch.cuda.device_count()}")' 2>&1 | tail -1
         # the driver too old for this torch's CUDA: dlojz's own check names both versions
-        "$PYTHON" -c 'import dlojz_config as c; print((c.driver_too_old() or "").lstrip(": "))' 2>/dev/null | grep . || true
+        "$PYTHON" -c 'import dlojz_lib.config as c; print((c.driver_too_old() or "").lstrip(": "))' 2>/dev/null | grep . || true
     else
         echo "torch does not import with $PYTHON: give the Python of the venv or module that has it"
     fi
@@ -112,7 +112,7 @@ if [ -z "$data_root" ]; then
 import multiprocessing, os, shutil, sys
 from pathlib import Path
 sys.path.insert(0, os.getcwd())
-from dlojz_data import make_embedded_dataset
+from dlojz_lib.data.datasets import make_embedded_dataset
 
 root = Path(sys.argv[1])
 TRAIN, VAL = 2560, 50  # per class: 100 batches of 256, and 2 validation batches

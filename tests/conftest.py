@@ -97,7 +97,7 @@ def show(proc):
 @pytest.fixture(scope="session")
 def tiny_data(tmp_path_factory):
     """3 classes, 24 train images per class, 5 val per class: 15 val images, not divisible by 2."""
-    from dlojz_data import make_embedded_dataset
+    from dlojz_lib.data.datasets import make_embedded_dataset
 
     return make_embedded_dataset(
         tmp_path_factory.mktemp("data") / "tiny", n_classes=3, train_per_class=24, val_per_class=5, size=(48, 40)
@@ -115,9 +115,9 @@ def close_dataloaders():
     """Stop the DataLoader workers a test opened through dlojz's loaders, as cli() does at the end of a run: they
     ignore SIGTERM, and the interpreter's exit would wait for them forever."""
     yield
-    loaders = sys.modules.get("dlojz_loaders")
+    loaders = sys.modules.get("dlojz_lib.data.loaders")
     if loaders is not None:
-        from dlojz_data import close_loader
+        from dlojz_lib.data.datasets import close_loader
 
         for loader in loaders.LOADERS:
             close_loader(loader)

@@ -14,7 +14,7 @@ import pytest
 from PIL import Image
 
 from conftest import ROOT, SMALL
-from dlojz_checks import UserError, read_json, read_text
+from dlojz_lib.checks import UserError, read_json, read_text
 from test_dlojz import assert_one_line_error
 
 
@@ -60,8 +60,8 @@ def test_a_recipe_with_one_flag_under_two_spellings_is_refused(tmp_path, run_inl
 
 
 def test_several_recipes_merge_in_order(tmp_path):
-    from dlojz_config import resolve_config
-    from dlojz_flags import get_args_parser
+    from dlojz_lib.config import resolve_config
+    from dlojz_lib.flags import get_args_parser
 
     (tmp_path / "a.toml").write_text("lr = 0.5\nlabel-smoothing = 0.1\n")
     (tmp_path / "b.toml").write_text("lr = 0.2\n")
@@ -81,12 +81,12 @@ def test_several_recipes_merge_in_order(tmp_path):
     ],
 )
 def test_chrono_plot_of_a_file_that_is_no_trace_is_one_line(tmp_path, capsys, content, fragment):
-    import dlojz_chrono_report
+    import dlojz_lib.chrono_report
 
     trace = tmp_path / "trace.json"
     trace.write_bytes(content)
     with pytest.raises(SystemExit) as exit:
-        dlojz_chrono_report.main(["plot", str(trace), "-o", str(tmp_path / "t.png")])
+        dlojz_lib.chrono_report.main(["plot", str(trace), "-o", str(tmp_path / "t.png")])
     err = capsys.readouterr().err.strip().splitlines()
     assert exit.value.code == 2 and "Traceback" not in "\n".join(err) and fragment in err[-1], err
     assert f"trace {trace}" in err[-1] and "chrono_trace.json" in err[-1]  # what to give instead
@@ -117,7 +117,7 @@ def test_one_file_for_both_the_metrics_and_the_history_is_refused(tmp_path, run_
 def test_a_pointer_that_names_no_checkpoint_is_passed_over_for_the_newest_on_disk(tmp_path):
     import torch
 
-    import dlojz_checkpoint as ckpt
+    import dlojz_lib.checkpoint as ckpt
 
     saver = ckpt.CheckpointSaver(tmp_path, keep=3, device=torch.device("cpu"), fixed={}, model=torch.nn.Linear(2, 2))
     saved = saver.save(dict(epoch=0, batch=0, global_step=1))
@@ -131,7 +131,7 @@ def test_a_pointer_that_names_no_checkpoint_is_passed_over_for_the_newest_on_dis
 def test_resume_given_a_checkpoint_s_side_file_names_the_checkpoint(tmp_path, side):
     import torch
 
-    import dlojz_checkpoint as ckpt
+    import dlojz_lib.checkpoint as ckpt
 
     saver = ckpt.CheckpointSaver(tmp_path, keep=3, device=torch.device("cpu"), fixed={}, model=torch.nn.Linear(2, 2))
     saved = saver.save(dict(epoch=0, batch=0, global_step=1))
@@ -141,7 +141,7 @@ def test_resume_given_a_checkpoint_s_side_file_names_the_checkpoint(tmp_path, si
 
 
 def test_a_reason_from_deep_inside_a_library_is_cleaned_for_one_line():
-    from dlojz_checkpoint import short_reason
+    from dlojz_lib.checkpoint import short_reason
 
     reason = short_reason(RuntimeError("\x1b[31mPytorchStreamReader failed\x1b[0m reading zip archive: " + "x " * 100))
     assert "\x1b" not in reason and reason.startswith("PytorchStreamReader failed reading zip archive")
@@ -180,7 +180,7 @@ def small_tree(root, classes=("a", "b"), train=4, val=2, size=(24, 20)):
 
 
 def listing(root):
-    from dlojz_data import build_datasets
+    from dlojz_lib.data.datasets import build_datasets
 
     train, val, classes, _ = build_datasets(root, None, None)
     return train, val, classes
@@ -236,8 +236,8 @@ def test_a_validation_image_gone_mid_run_is_left_out_of_the_count_not_replaced(t
     from torch.utils.data import default_collate
 
     from dlojz import evaluate
-    from dlojz_data import build_datasets
-    from dlojz_transforms import ValTransform
+    from dlojz_lib.data.datasets import build_datasets
+    from dlojz_lib.data.transforms import ValTransform
 
     root = shutil.copytree(tiny_data, tmp_path / "d")
     _, val, classes, _ = build_datasets(root, None, ValTransform(36, 32))
@@ -267,7 +267,7 @@ def test_a_validation_image_gone_mid_run_is_left_out_of_the_count_not_replaced(t
 
 
 def test_sixteen_bit_greys_keep_their_levels():
-    from dlojz_transforms import as_rgb
+    from dlojz_lib.data.transforms import as_rgb
 
     levels = (np.arange(48 * 40).reshape(40, 48) * 30).astype(np.uint16)  # up to 57,570 of 65,535
     rgb = np.asarray(as_rgb(Image.fromarray(levels)))
@@ -277,11 +277,11 @@ def test_sixteen_bit_greys_keep_their_levels():
 def test_the_region_decoder_refuses_what_pil_calls_a_decompression_bomb():
     import io
 
-    import dlojz_jpeg
-    from dlojz_transforms import UnreadableImageError, image_from_bytes
+    import dlojz_lib.data.jpeg
+    from dlojz_lib.data.transforms import UnreadableImageError, image_from_bytes
 
-    if dlojz_jpeg.load() is None:
-        pytest.skip(f"the JPEG region decoder is not built here: {dlojz_jpeg.unavailable_reason()}")
+    if dlojz_lib.data.jpeg.load() is None:
+        pytest.skip(f"the JPEG region decoder is not built here: {dlojz_lib.data.jpeg.unavailable_reason()}")
     buffer = io.BytesIO()
     Image.new("RGB", (48, 40), (10, 20, 30)).save(buffer, format="JPEG")
     data = bytearray(buffer.getvalue())
@@ -324,8 +324,8 @@ def test_counts_past_what_a_run_can_hold_are_refused(tmp_path, run_inline):
 
 
 def test_tf32_on_the_cpu_says_it_does_nothing():
-    from dlojz_config import resolve_config
-    from dlojz_flags import get_args_parser
+    from dlojz_lib.config import resolve_config
+    from dlojz_lib.flags import get_args_parser
 
     cfg = resolve_config(get_args_parser().parse_args(["--device", "cpu", "--tf32"]))
     assert cfg.tf32 is False and cfg.compute_dtype == "float32"
@@ -346,7 +346,7 @@ def test_wandb_online_without_a_key_is_one_line(tmp_path, run_inline, monkeypatc
     assert_one_line_error(proc, "--wandb-mode online: no W&B API key here", "wandb login")
     (tmp_path / "netrc").write_text("machine api.wandb.ai\n  login user\n  password 0123456789abcdef\n")
     (tmp_path / "netrc").chmod(0o600)
-    from dlojz_config import check_wandb_login
+    from dlojz_lib.config import check_wandb_login
 
     check_wandb_login()  # `wandb login`'s entry: accepted
 
@@ -356,7 +356,7 @@ SCRIPTS = [
     "dlojz_lab.py",
     "dlojz_pack.py",
     "dlojz_fsdp.py",
-    "dlojz_chrono_report.py",  # dlojz_chrono.py's command line
+    "dlojz_lib/chrono_report.py",  # dlojz_chrono.py's command line
     *sorted(path.relative_to(ROOT).as_posix() for path in (ROOT / "bench").glob("*.py")),
 ]
 
@@ -391,11 +391,11 @@ def test_every_number_option_of_the_siblings_and_benches_has_bounds_and_refuses_
     script, monkeypatch, capsys
 ):
     """The walk of test_config's over each sibling script and bench: an option taking a number has bounds
-    (dlojz_flags.Number: `bench_loader.py --sizes 0` was a traceback from inside torchvision), and each value out of
+    (dlojz_lib.flags.Number: `bench_loader.py --sizes 0` was a traceback from inside torchvision), and each value out of
     them is one line naming the option, exit status 2."""
     import argparse
 
-    from dlojz_flags import Number
+    from dlojz_lib.flags import Number
     from test_config import out_of_bounds
 
     parser = parser_of(script, monkeypatch)
@@ -418,12 +418,12 @@ def test_every_number_option_of_the_siblings_and_benches_has_bounds_and_refuses_
                 assert exit.value.code == 2 and len(lines) == 1, (script, action.dest, value, lines)
                 assert action.option_strings[-1] in lines[0], (script, lines)
                 walked += 1
-    assert walked or script in ("dlojz_chrono_report.py", "dlojz_fsdp.py", "dlojz_lab.py"), script
+    assert walked or script in ("dlojz_lib/chrono_report.py", "dlojz_fsdp.py", "dlojz_lab.py"), script
 
 
 def test_dali_on_images_it_does_not_decode_is_one_line_before_the_run(tmp_path):
     """Before: 24 warnings, one per WebP file skipped, then an OSError, where the pytorch backend reads them."""
-    from dlojz_dali import check_decodable
+    from dlojz_lib.data.dali import check_decodable
 
     files = [(str(tmp_path / f"a/{k}.webp"), 0) for k in range(24)] + [(str(tmp_path / "b/0.JPEG"), 1)]
     with pytest.raises(UserError, match=r"does not decode \(24 \.webp; it takes JPEG and PNG\): use --data-backend"):
@@ -459,16 +459,16 @@ def test_ctrl_c_while_torch_imports_is_one_line_not_a_traceback(tmp_path):
 
 def test_a_cache_folder_that_cannot_be_written_is_named_not_blamed_on_the_compiler(tmp_path, monkeypatch):
     """Before: the advice was to install gcc and libjpeg-dev, both installed."""
-    import dlojz_jpeg
+    import dlojz_lib.data.jpeg
 
     blocker = tmp_path / "a-file"
     blocker.write_text("")
     monkeypatch.setenv("XDG_CACHE_HOME", str(blocker / "cache"))  # under a file: mkdir fails, even for root
-    monkeypatch.setattr(dlojz_jpeg, "_library", None)
-    monkeypatch.setattr(dlojz_jpeg, "_load_tried", False)
-    monkeypatch.setattr(dlojz_jpeg, "_choice", "auto")
-    assert dlojz_jpeg.load() is None
-    status = dlojz_jpeg.status()
+    monkeypatch.setattr(dlojz_lib.data.jpeg, "_library", None)
+    monkeypatch.setattr(dlojz_lib.data.jpeg, "_load_tried", False)
+    monkeypatch.setattr(dlojz_lib.data.jpeg, "_choice", "auto")
+    assert dlojz_lib.data.jpeg.load() is None
+    status = dlojz_lib.data.jpeg.status()
     assert f"cache folder {blocker / 'cache' / 'dlojz'} cannot be written" in status, status
     assert "XDG_CACHE_HOME" in status and "gcc" not in status, status
 
@@ -487,7 +487,7 @@ def test_consolidate_given_a_run_folder_names_its_sharded_checkpoints(tmp_path, 
 
 def test_a_data_root_without_read_permission_is_named_not_a_traceback(tiny_data, monkeypatch):
     """The pack check (is there a manifest?) is the first to look into the data root: it must name it too."""
-    from dlojz_data import DataError, build_datasets
+    from dlojz_lib.data.datasets import DataError, build_datasets
 
     is_file = Path.is_file
 

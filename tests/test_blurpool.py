@@ -7,7 +7,7 @@ import pytest
 import torch
 import torchvision
 
-from dlojz_model import BlurConv2d, MaxBlurPool2d, apply_blurpool, binomial_kernel, blur
+from dlojz_lib.model import BlurConv2d, MaxBlurPool2d, apply_blurpool, binomial_kernel, blur
 from test_flag_effects import loop_for
 
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-import dlojz_checkpoint as ckpt
+import dlojz_lib.checkpoint as ckpt
 
 
 class Payload:  # an arbitrary pickled object: refused by weights_only loading

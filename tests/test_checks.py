@@ -1,4 +1,4 @@
-"""Paths checked before any work (dlojz_checks), in dlojz.py and its sibling scripts: an output that cannot be
+"""Paths checked before any work (dlojz_lib.checks), in dlojz.py and its sibling scripts: an output that cannot be
 written, a file name that is a folder, an input that cannot be read: one line naming the flag, exit status 2."""
 
 import os
@@ -6,7 +6,7 @@ import os
 import pytest
 
 from conftest import SMALL
-from dlojz_checks import UserError, check_output_file, check_output_folder
+from dlojz_lib.checks import UserError, check_output_file, check_output_folder
 from test_dlojz import assert_one_line_error
 
 
@@ -51,14 +51,14 @@ def test_the_test_mode_s_output_folder_is_checked_too(tmp_path, run_inline):
 
 
 def test_chrono_plot_into_a_folder_that_cannot_be(tmp_path, capsys):
-    import dlojz_chrono_report
+    import dlojz_lib.chrono_report
 
     trace = tmp_path / "trace.json"
     trace.write_text('{"load_s": [], "forward_s": [], "backward_s": [], "step_s": []}')
     blocker = tmp_path / "a-file"
     blocker.write_text("")
     with pytest.raises(SystemExit) as exit:
-        dlojz_chrono_report.main(["plot", str(trace), "-o", str(blocker / "timeline.png")])
+        dlojz_lib.chrono_report.main(["plot", str(trace), "-o", str(blocker / "timeline.png")])
     err = capsys.readouterr().err.strip().splitlines()
     assert exit.value.code == 2 and "-o/--output" in err[-1] and "is a file, not a folder" in err[-1], err
 
@@ -102,7 +102,7 @@ def test_fsdp_consolidate_onto_a_folder(tmp_path, capsys):
 def test_an_unreadable_split_folder_is_named(tiny_data, monkeypatch):
     from pathlib import Path
 
-    from dlojz_data import DataError, find_layout
+    from dlojz_lib.data.datasets import DataError, find_layout
 
     iterdir = Path.iterdir
 
@@ -117,8 +117,8 @@ def test_an_unreadable_split_folder_is_named(tiny_data, monkeypatch):
 
 
 def test_an_unreadable_class_folder_is_named_not_called_empty(tiny_data, monkeypatch):
-    import dlojz_data
-    from dlojz_data import DataError, build_datasets
+    import dlojz_lib.data.datasets
+    from dlojz_lib.data.datasets import DataError, build_datasets
 
     hidden = sorted((tiny_data / "train").iterdir())[1]
     walk = os.walk
@@ -129,13 +129,13 @@ def test_an_unreadable_class_folder_is_named_not_called_empty(tiny_data, monkeyp
             return iter(())
         return walk(top, onerror=onerror, **kw)
 
-    monkeypatch.setattr(dlojz_data.os, "walk", walk_as_a_user)
+    monkeypatch.setattr(dlojz_lib.data.datasets.os, "walk", walk_as_a_user)
     with pytest.raises(DataError, match=rf"^{hidden}: cannot be read \(Permission denied\)"):
         build_datasets(tiny_data, None, None)
 
 
 def test_an_unwritable_cache_for_the_embedded_data_set(tmp_path):
-    from dlojz_data import DataError, make_embedded_dataset
+    from dlojz_lib.data.datasets import DataError, make_embedded_dataset
 
     blocker = tmp_path / "a-file"
     blocker.write_text("")
@@ -162,7 +162,7 @@ def test_an_arch_that_is_no_classification_model_is_refused_before_the_data_is_r
 
 # ---------------------------------------------------------------- messages that say what is wrong
 def test_resume_given_a_run_folder_says_so(tmp_path):
-    import dlojz_checkpoint as ckpt
+    import dlojz_lib.checkpoint as ckpt
 
     (tmp_path / "ckpt_e1_s10.pt").write_bytes(b"")
     (tmp_path / "ckpt_e2_s20.pt").write_bytes(b"")
@@ -178,7 +178,7 @@ def test_a_batch_larger_than_the_data_set_is_refused(tiny_data, tmp_path, run_in
 
 
 def test_a_pack_with_a_corrupt_manifest_is_named_as_such(tmp_path):
-    from dlojz_data import DataError, build_datasets
+    from dlojz_lib.data.datasets import DataError, build_datasets
 
     for split in ("train", "val"):
         (tmp_path / split / "cls").mkdir(parents=True)
@@ -232,7 +232,7 @@ def test_every_flag_of_dlojz_hpo_refuses_what_it_cannot_take(tmp_path, capsys):
 def test_a_class_without_one_readable_training_image_is_refused(tmp_path):
     import shutil
 
-    from dlojz_data import DataError, build_datasets, make_embedded_dataset
+    from dlojz_lib.data.datasets import DataError, build_datasets, make_embedded_dataset
 
     data = make_embedded_dataset(tmp_path / "d", n_classes=3, train_per_class=4, val_per_class=1, size=(32, 32))
     broken = tmp_path / "broken"
@@ -244,7 +244,7 @@ def test_a_class_without_one_readable_training_image_is_refused(tmp_path):
 
 
 def test_a_class_with_some_unreadable_images_is_a_warning(tmp_path, capsys):
-    from dlojz_data import build_datasets, make_embedded_dataset
+    from dlojz_lib.data.datasets import build_datasets, make_embedded_dataset
 
     data = make_embedded_dataset(tmp_path / "d", n_classes=3, train_per_class=4, val_per_class=1, size=(32, 32))
     first = sorted((data / "train" / "square").iterdir())[0]
@@ -255,7 +255,7 @@ def test_a_class_with_some_unreadable_images_is_a_warning(tmp_path, capsys):
 
 
 def test_an_unreadable_image_is_named_once_not_every_epoch(tmp_path, capsys):
-    from dlojz_data import build_datasets, make_embedded_dataset
+    from dlojz_lib.data.datasets import build_datasets, make_embedded_dataset
 
     data = make_embedded_dataset(tmp_path / "d", n_classes=2, train_per_class=3, val_per_class=1, size=(32, 32))
     bad = sorted((data / "train" / "square").iterdir())[1]

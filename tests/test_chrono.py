@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 from dlojz_chrono import Chronometer
-from dlojz_chrono_report import loading_advice, main
-from dlojz_model import peak_flops, train_flops_per_image
+from dlojz_lib.chrono_report import loading_advice, main
+from dlojz_lib.model import peak_flops, train_flops_per_image
 
 
 class FakeClock:

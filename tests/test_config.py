@@ -8,8 +8,8 @@ import sys
 import pytest
 
 from conftest import ROOT, SMALL, clean_env
-from dlojz_config import UserError, resolve_config
-from dlojz_flags import Number, get_args_parser
+from dlojz_lib.config import UserError, resolve_config
+from dlojz_lib.flags import Number, get_args_parser
 from test_dlojz import assert_one_line_error
 
 
@@ -90,7 +90,7 @@ def test_each_bound_is_checked(capsys, flags, fragment):
 
 
 # Flags that take any value of their type, and why; a flag added without bounds fails the walk below until it is
-# given some (dlojz_flags.Number beside its definition) or is listed here.
+# given some (dlojz_lib.flags.Number beside its definition) or is listed here.
 FREE = {
     "config": "a file path, read and checked by the recipe reader",
     "arch": "a model name, checked when the model is made",
@@ -122,7 +122,7 @@ def out_of_bounds(action):
 def test_every_flag_of_the_parser_refuses_what_it_cannot_take(capsys):
     """Walks the parser: each flag that takes a value refuses, in one line naming it and with exit status 2, what
     lies outside its bounds, before torch is imported (check_command_line runs first in dlojz.py)."""
-    from dlojz_flags import check_command_line
+    from dlojz_lib.flags import check_command_line
 
     walked = 0
     for action in get_args_parser()._actions:
@@ -208,7 +208,7 @@ def test_compile_drops_the_last_batch_unless_told_otherwise():
 
 
 def test_float16_on_a_recent_gpu_says_bfloat16_needs_no_scaler():
-    from dlojz_config import precision_notes
+    from dlojz_lib.config import precision_notes
 
     float16 = resolve("--amp", "--amp-dtype", "float16")
     assert any("--amp-dtype bfloat16 needs no GradScaler" in n for n in precision_notes(float16, (9, 0)))
@@ -271,7 +271,7 @@ def test_help_and_a_mistyped_flag_answer_before_torch_is_imported(flags, status,
 
 
 def test_checkpoint_every_is_off_on_the_cpu_unless_asked():
-    from dlojz_config import resolve_config
+    from dlojz_lib.config import resolve_config
 
     assert resolve_config(get_args_parser().parse_args(["--device", "cpu"])).checkpoint_every == 0
     asked = resolve_config(get_args_parser().parse_args(["--device", "cpu", "--checkpoint-every", "12.5"]))
@@ -281,15 +281,15 @@ def test_checkpoint_every_is_off_on_the_cpu_unless_asked():
 def test_compile_mode_implies_compile_and_reaches_torch_compile(monkeypatch):
     import torch
 
-    import dlojz_parallel
-    from dlojz_dist import Distribution
+    import dlojz_lib.parallel
+    from dlojz_lib.dist import Distribution
 
     given = []
-    monkeypatch.setattr(dlojz_parallel, "start_compile_workers", lambda: None)
+    monkeypatch.setattr(dlojz_lib.parallel, "start_compile_workers", lambda: None)
     monkeypatch.setattr(torch, "compile", lambda net, **options: given.append(options) or net)
     cfg = resolve("--arch", "resnet18", "--compile-mode", "max-autotune-no-cudagraphs")
     assert cfg.compile and cfg.drop_last
-    model = dlojz_parallel.build_model(cfg, 3, Distribution(1, 0, 0, torch.device("cpu")), lambda line: None)
+    model = dlojz_lib.parallel.build_model(cfg, 3, Distribution(1, 0, 0, torch.device("cpu")), lambda line: None)
     assert given == [{"mode": "max-autotune-no-cudagraphs"}] and not model.cuda_graphs
     assert not resolve("--arch", "resnet18").compile  # ... and without it, nothing is compiled
 

@@ -1,4 +1,4 @@
-"""--data-backend dali (dlojz_dali.py) on DALI's CPU backend: the samplers' order epoch after epoch and after a
+"""--data-backend dali (dlojz_lib/data/dali.py) on DALI's CPU backend: the samplers' order epoch after epoch and after a
 resume, exact validation on 1 and 2 ranks (on shards), RandomResizedCrop's distribution, a corrupt file skipped,
 and the one line when DALI is not installed. The GPU's "mixed" decoder runs in tests/test_gpu.py."""
 
@@ -23,8 +23,8 @@ from test_transforms import (
 # DALI is in requirements.txt: a missing DALI fails here (ImportError), it is not skipped
 import nvidia.dali  # noqa: E402,F401
 
-from dlojz_dali import DaliBatches, DaliSettings, EncodedSamples, train_pipeline, val_pipeline  # noqa: E402
-from dlojz_data import EpochSampler, ShardSampler, build_datasets  # noqa: E402
+from dlojz_lib.data.dali import DaliBatches, DaliSettings, EncodedSamples, train_pipeline, val_pipeline  # noqa: E402
+from dlojz_lib.data.datasets import EpochSampler, ShardSampler, build_datasets  # noqa: E402
 
 
 ONE_THREAD = DaliSettings(threads=1, prefetch=2, hw_decoder_load=0.9, antialias=False)
@@ -200,15 +200,15 @@ def test_loader_only_times_the_dali_pipeline(tiny_data, tmp_path):
 def test_loader_only_times_uint8_batches_as_for_the_dataloader(tiny_data):
     """--loader-only times DALI's decoded uint8 batches (the DataLoader's are uint8 too): the float normalisation
     is training's, on the device, for both backends."""
-    import dlojz_loaders
-    from dlojz_config import resolve_config
-    from dlojz_dist import Distribution
-    from dlojz_flags import get_args_parser
+    import dlojz_lib.data.loaders
+    from dlojz_lib.config import resolve_config
+    from dlojz_lib.dist import Distribution
+    from dlojz_lib.flags import get_args_parser
 
     cfg = resolve_config(get_args_parser().parse_args([*TINY, "--data-root", str(tiny_data), "--data-backend", "dali"]))
     ranks = Distribution(1, 0, 0, torch.device("cpu"))
-    train_set, val_set, classes = dlojz_loaders.build_data(cfg, ranks, lambda line: None)
-    loaders = dlojz_loaders.build_loaders(cfg, train_set, val_set, len(classes), ranks, lambda line: None)
+    train_set, val_set, classes = dlojz_lib.data.loaders.build_data(cfg, ranks, lambda line: None)
+    loaders = dlojz_lib.data.loaders.build_loaders(cfg, train_set, val_set, len(classes), ranks, lambda line: None)
     timed, _ = next(iter(loaders.train))
     trained, _ = next(iter(loaders.train_batches))
     assert timed.dtype == torch.uint8 and trained.dtype == torch.float32, (timed.dtype, trained.dtype)
@@ -216,16 +216,16 @@ def test_loader_only_times_uint8_batches_as_for_the_dataloader(tiny_data):
 
 
 def dali_loaders_for(tiny_data, *flags):
-    import dlojz_loaders
-    from dlojz_config import resolve_config
-    from dlojz_dist import Distribution
-    from dlojz_flags import get_args_parser
+    import dlojz_lib.data.loaders
+    from dlojz_lib.config import resolve_config
+    from dlojz_lib.dist import Distribution
+    from dlojz_lib.flags import get_args_parser
 
     args = [*TINY, "--data-root", str(tiny_data), "--data-backend", "dali", "--num-workers", "1", *flags]
     cfg = resolve_config(get_args_parser().parse_args(args))
     ranks = Distribution(1, 0, 0, torch.device("cpu"))
-    train_set, val_set, classes = dlojz_loaders.build_data(cfg, ranks, lambda line: None)
-    return cfg, dlojz_loaders.build_loaders(cfg, train_set, val_set, len(classes), ranks, lambda line: None)
+    train_set, val_set, classes = dlojz_lib.data.loaders.build_data(cfg, ranks, lambda line: None)
+    return cfg, dlojz_lib.data.loaders.build_loaders(cfg, train_set, val_set, len(classes), ranks, lambda line: None)
 
 
 def test_dali_flags_reach_the_pipeline(tiny_data):
@@ -247,7 +247,7 @@ def test_dali_flags_reach_the_pipeline(tiny_data):
 def test_hardware_decoder_share_follows_the_threads_unless_given():
     from types import SimpleNamespace
 
-    from dlojz_dali import dali_settings
+    from dlojz_lib.data.dali import dali_settings
 
     def cfg(**flags):
         values = dict(

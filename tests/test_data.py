@@ -1,4 +1,4 @@
-"""Tests of dlojz_data: where the data is found, the two layouts, unreadable files, and per-sample augmentation that
+"""Tests of dlojz_lib.data.datasets: where the data is found, the two layouts, unreadable files, and per-sample augmentation that
 depends only on (seed, epoch, index), hence is the same whatever the number of DataLoader workers.
 
 Small data only (the session's tiny_data set of 48x40 JPEGs, or a few files made here); a few seconds on 2 cores.
@@ -13,7 +13,7 @@ import torch
 from torchvision.transforms import v2
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from dlojz_data import (
+from dlojz_lib.data.datasets import (
     DataError,
     EpochSampler,
     SafeImageFolder,
@@ -22,7 +22,7 @@ from dlojz_data import (
     make_loader,
     resolve_data_root,
 )
-from dlojz_transforms import TrainTransform, ValTransform, lazy_image_loader  # noqa: E402
+from dlojz_lib.data.transforms import TrainTransform, ValTransform, lazy_image_loader  # noqa: E402
 
 DATA_VARIABLES = ("DLOJZ_DATA", "ALL_CCFRSCRATCH", "DSDIR")
 
@@ -40,17 +40,17 @@ def train_transform():
 def test_data_root_fallbacks_in_order(tmp_path, monkeypatch):
     for name in DATA_VARIABLES:
         monkeypatch.delenv(name, raising=False)
-    dlojz_data = tmp_path / "mine"
+    mine = tmp_path / "mine"
     scratch, dsdir = tmp_path / "scratch", tmp_path / "dsdir"
-    for folder in (dlojz_data, scratch / "imagenet", dsdir / "imagenet"):
+    for folder in (mine, scratch / "imagenet", dsdir / "imagenet"):
         folder.mkdir(parents=True)
     assert resolve_data_root(None) == (None, "embedded")
     monkeypatch.setenv("DSDIR", str(dsdir))
     assert resolve_data_root(None) == (dsdir / "imagenet", "$DSDIR/imagenet")
     monkeypatch.setenv("ALL_CCFRSCRATCH", str(scratch))
     assert resolve_data_root(None) == (scratch / "imagenet", "$ALL_CCFRSCRATCH/imagenet")
-    monkeypatch.setenv("DLOJZ_DATA", str(dlojz_data))
-    assert resolve_data_root(None) == (dlojz_data, "$DLOJZ_DATA")
+    monkeypatch.setenv("DLOJZ_DATA", str(mine))
+    assert resolve_data_root(None) == (mine, "$DLOJZ_DATA")
     # The site's variables naming no imagenet/ are passed over: the next one is tried.
     monkeypatch.delenv("DLOJZ_DATA")
     shutil.rmtree(scratch / "imagenet")
@@ -61,7 +61,7 @@ def test_data_root_fallbacks_in_order(tmp_path, monkeypatch):
         resolve_data_root(None)
     monkeypatch.delenv("DLOJZ_DATA")
     # An explicit --data-root wins over all of them.
-    assert resolve_data_root(str(dlojz_data)) == (dlojz_data, "--data-root")
+    assert resolve_data_root(str(mine)) == (mine, "--data-root")
 
 
 def test_missing_explicit_data_root_is_an_error_naming_the_flag(tmp_path, monkeypatch):
@@ -230,7 +230,7 @@ def test_augmentation_is_the_same_for_any_number_of_workers(tiny_data):
 def test_loader_timing_starts_after_the_batches_prefetched_at_start_up():
     """3 workers x prefetch_factor 2: 6 batches are ready before the loop asks; timed, they would inflate the rate."""
     import time
-    from dlojz_data import measure_loader
+    from dlojz_lib.data.datasets import measure_loader
 
     class Loader:
         prefetch_factor = 2

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import dlojz
-from dlojz_config import resolve_config
-from dlojz_flags import get_args_parser
+from dlojz_lib.config import resolve_config
+from dlojz_lib.flags import get_args_parser
 
 BASE = ["--device", "cpu", "--arch", "resnet18", "--image-size", "32", "-b", "4", "--val-batch-size", "4"]
 
@@ -126,8 +126,8 @@ def test_grad_checkpointing_trains_as_the_plain_model():
 
 @pytest.mark.parametrize("flags", [["--randaugment", "2", "9"], ["--trivialaugment"], ["--random-erase", "1"]])
 def test_augmentation_policies_change_the_crops(flags, tiny_data):
-    from dlojz_data import build_datasets
-    from dlojz_transforms import ValTransform, train_transform
+    from dlojz_lib.data.datasets import build_datasets
+    from dlojz_lib.data.transforms import ValTransform, train_transform
 
     def crops(*extra):
         cfg = resolve_config(get_args_parser().parse_args([*BASE, *extra]))

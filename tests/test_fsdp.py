@@ -12,9 +12,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import dlojz_checkpoint as ckpt
+import dlojz_lib.checkpoint as ckpt
 from conftest import ROOT, clean_env, read_json, run_dlojz, show
-from dlojz_model import create_model
+from dlojz_lib.model import create_model
 from test_dlojz import assert_one_line_error
 from test_resume import start_ranks, wait_for_line
 
@@ -271,8 +271,8 @@ def in_fresh_process(function, *args):
 
 
 def sharded_test_vit(*flags):
-    from dlojz_config import resolve_config
-    from dlojz_flags import get_args_parser
+    from dlojz_lib.config import resolve_config
+    from dlojz_lib.flags import get_args_parser
     from dlojz_fsdp import shard_model
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)

@@ -169,12 +169,12 @@ def test_the_prefetcher_gives_the_same_batches_on_its_stream(tmp_path):
     normalisation on the GPU) with --non-blocking, --no-non-blocking and --channels-last: the same images and labels,
     on the GPU, equal to the same uint8 batches normalised on the CPU, even when the compute stream reads each one
     late."""
-    from dlojz_config import resolve_config
-    from dlojz_flags import get_args_parser
-    from dlojz_data import make_embedded_dataset
-    from dlojz_dist import Distribution
-    from dlojz_log import Console
-    from dlojz_prefetch import DeviceNormalize, DevicePrefetcher
+    from dlojz_lib.config import resolve_config
+    from dlojz_lib.flags import get_args_parser
+    from dlojz_lib.data.datasets import make_embedded_dataset
+    from dlojz_lib.dist import Distribution
+    from dlojz_lib.log import Console
+    from dlojz_lib.data.prefetch import DeviceNormalize, DevicePrefetcher
 
     root = make_embedded_dataset(tmp_path / "d", n_classes=3, train_per_class=16, val_per_class=4, size=(48, 40))
     got, reference = {}, None
@@ -333,7 +333,7 @@ def test_the_chronometer_phases_add_up_to_the_step(resnet50_test_metrics):
     phases_s = sum((load or 0.0) + step for load, step in zip(trace["load_s"][10:40], trace["step_s"][10:40]))
     wall_s = 30 * m["global_batch_size"] / m["images_per_second"]
     assert 0.8 * wall_s < phases_s < 1.02 * wall_s, (phases_s, wall_s, chrono)
-    from dlojz_model import peak_flops
+    from dlojz_lib.model import peak_flops
 
     if peak_flops(torch.cuda.get_device_name(), "float16"):  # V100/A100/H100/H200: the MFU is reported
         assert 0 < chrono["mfu"] < 1, chrono
@@ -487,7 +487,7 @@ def epoch_without_waits(loop, monkeypatch):
 def test_an_epoch_through_the_dataloader_and_prefetcher_never_waits_for_the_gpu(tmp_path, monkeypatch):
     """The same on images: DataLoader workers, pinned memory, the prefetcher's copy stream, normalisation on the GPU,
     MixUp, float16 with the GradScaler, BlurPool."""
-    from dlojz_data import make_embedded_dataset
+    from dlojz_lib.data.datasets import make_embedded_dataset
     from test_host_sync import loop_on_data
 
     root = make_embedded_dataset(tmp_path / "d", n_classes=3, train_per_class=32, val_per_class=4, size=(48, 40))
@@ -687,7 +687,7 @@ def test_nvml_reads_the_gpu_cuda_visible_devices_names(tmp_path):
 # ---------------------------------------------------------------- --data-backend dali on the GPU
 def test_dali_decodes_on_the_gpu_into_the_loop(tmp_path):
     pytest.importorskip("nvidia.dali", reason="DALI is not installed on this node (pip install nvidia-dali-cuda130)")
-    from dlojz_data import make_embedded_dataset
+    from dlojz_lib.data.datasets import make_embedded_dataset
 
     data = make_embedded_dataset(tmp_path / "data", n_classes=3, train_per_class=40, val_per_class=7, size=(96, 80))
     proc = run_dlojz(
@@ -712,9 +712,9 @@ def test_dali_decodes_on_the_gpu_into_the_loop(tmp_path):
 
 def test_dali_batches_are_on_the_gpu_in_channels_last(tmp_path):
     pytest.importorskip("nvidia.dali", reason="DALI is not installed on this node (pip install nvidia-dali-cuda130)")
-    from dlojz_dali import DaliBatches, DaliSettings, train_pipeline
-    from dlojz_data import EpochSampler, build_datasets, make_embedded_dataset
-    from dlojz_prefetch import DeviceNormalize
+    from dlojz_lib.data.dali import DaliBatches, DaliSettings, train_pipeline
+    from dlojz_lib.data.datasets import EpochSampler, build_datasets, make_embedded_dataset
+    from dlojz_lib.data.prefetch import DeviceNormalize
 
     data = make_embedded_dataset(tmp_path / "data", n_classes=3, train_per_class=16, val_per_class=2, size=(96, 80))
     train, _, _, _ = build_datasets(data, None, None)
@@ -826,7 +826,7 @@ def test_fsdp_on_two_gpus_trains_to_the_weights_of_ddp(tmp_path, tiny_data):
         )
         assert proc.returncode == 0, show(proc)
     from dlojz_fsdp import consolidate
-    import dlojz_checkpoint as ckpt
+    import dlojz_lib.checkpoint as ckpt
 
     sharded = ckpt.load_latest(out["fsdp"])[1]
     fsdp = torch.load(consolidate(sharded, tmp_path / "fsdp.pt"), weights_only=True)["model"]

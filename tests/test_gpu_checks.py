@@ -8,10 +8,10 @@ import pytest
 import torch
 import torchvision
 
-import dlojz_config
+import dlojz_lib.config
 import preloaded
-from dlojz_config import UserError, check_autocast, local_device
-from dlojz_model import saved_activation_bytes, train_flops_per_image
+from dlojz_lib.config import UserError, check_autocast, local_device
+from dlojz_lib.model import saved_activation_bytes, train_flops_per_image
 
 
 @pytest.fixture
@@ -96,7 +96,7 @@ def test_a_driver_too_old_for_the_wheel_is_named(monkeypatch):
         local_device("cuda", 0)
     assert "driver 550.54 supports CUDA up to 12.4, this torch needs CUDA 13.0" in str(err.value)
     monkeypatch.setattr(nvml, "nvmlSystemGetCudaDriverVersion", lambda: 13000)
-    assert dlojz_config.driver_too_old() is None
+    assert dlojz_lib.config.driver_too_old() is None
 
 
 def test_emulated_bfloat16_is_refused(monkeypatch):

@@ -10,8 +10,8 @@ from conftest import ROOT, clean_env
 PROBE = """
 import resource, statistics, sys, torch
 if sys.argv[1] == "tuned":
-    import dlojz_dist
-    assert dlojz_dist.keep_freed_host_memory()
+    import dlojz_lib.dist
+    assert dlojz_lib.dist.keep_freed_host_memory()
 faults = []
 for _ in range(12):  # an activation-sized tensor (64 MiB) made and freed, as each step does
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt

@@ -23,6 +23,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
 
 import dlojz
+from conftest import ROOT
 import preloaded
 from test_flag_effects import BASE, loop_for
 from test_preemption import as_rank_of_two
@@ -56,7 +57,7 @@ FACTORIES = {
 
 # Known waits, by the function that asks, with the reason they are kept.
 EXCEPTIONS = {
-    "dlojz_hooks.py:optimizer_step_done": "--findlr reads every step's loss: the range test needs it",
+    "dlojz_lib/hooks.py:optimizer_step_done": "--findlr reads every step's loss: the range test needs it",
     "grad_scaler.py:<genexpr>": "an optimizer without a fused step under the float16 GradScaler reads the "
     "overflow flag at every step (timm's LAMB, LARS, Lion): said at start-up, --amp-dtype bfloat16 avoids it",
 }
@@ -90,14 +91,16 @@ MACHINERY = (
 
 def asker():
     """Where the operation was asked: the innermost frame outside this audit and torch's dispatch machinery, as
-    'file:function' (a dlojz module's, or torch's when torch asks on its own, e.g. the GradScaler)."""
+    'file:function': a product file's path from the project's root (dlojz_lib/hooks.py), another file's name
+    (grad_scaler.py when torch asks on its own)."""
     frame = sys._getframe(2)
     while frame is not None:
         path = frame.f_code.co_filename
         machinery = MACHINERY
         own = path == __file__ and frame.f_code.co_name in ("record", "__torch_function__", "__torch_dispatch__")
         if not own and not any(part in path for part in machinery):
-            return f"{os.path.basename(path)}:{frame.f_code.co_name}"
+            product = path.startswith(str(ROOT) + os.sep) and not path.startswith(str(ROOT / "tests") + os.sep)
+            return f"{os.path.relpath(path, ROOT) if product else os.path.basename(path)}:{frame.f_code.co_name}"
         frame = frame.f_back
     return "?"
 
@@ -289,14 +292,17 @@ def test_a_training_epoch_waits_for_the_device_only_at_log_points(flags, monkeyp
     outside, at_log_points = audit_epoch(loop, monkeypatch)
     assert unexpected(outside) == []
     if "--findlr" in flags:  # the warned exception is seen at every step
-        assert {position for position, asker, _ in outside if asker == "dlojz_hooks.py:optimizer_step_done"} >= {1, 3}
+        assert {position for position, asker, _ in outside if asker == "dlojz_lib/hooks.py:optimizer_step_done"} >= {
+            1,
+            3,
+        }
 
 
 def loop_on_data(data_root, *flags):
     """train_one_epoch's arguments as main() builds them, on the images of `data_root` through the DataLoader
     (one worker: the batches reach this process as they do in a run)."""
-    from dlojz_config import resolve_config
-    from dlojz_flags import get_args_parser
+    from dlojz_lib.config import resolve_config
+    from dlojz_lib.flags import get_args_parser
 
     argv = [*BASE, "--data-root", str(data_root), "--num-workers", "1", "--no-wandb", *flags]
     cfg = resolve_config(get_args_parser().parse_args(argv))
@@ -355,7 +361,7 @@ def test_the_audit_sees_the_read_of_an_unfused_sgd_step(monkeypatch, tmp_path):
 
 
 def test_checkpoints_every_few_minutes_wait_only_at_log_points(monkeypatch, tmp_path):
-    from dlojz_resume import make_saver, periodic_checkpoints
+    from dlojz_lib.resume import make_saver, periodic_checkpoints
 
     monkeypatch.chdir(tmp_path)
     loop = loop_for("--checkpoint-every", "0.0001", "--output-dir", tmp_path / "run", n_batches=4)
@@ -370,14 +376,14 @@ def test_checkpoints_every_few_minutes_wait_only_at_log_points(monkeypatch, tmp_
 
 def test_the_audit_catches_a_tensor_made_from_python_data_in_the_step(monkeypatch, tmp_path):
     """The BlurPool kernel as it was once made, from a Python list at every forward: on CUDA a blocking copy."""
-    import dlojz_model
+    import dlojz_lib.model
 
     def blur_from_python_data(x, kernel, stride):
         kernel = torch.tensor([1.0, 2.0, 1.0], device=x.device, dtype=x.dtype)
         kernel = (kernel[:, None] * kernel[None, :] / 16).expand(x.shape[1], 1, 3, 3)
         return torch.nn.functional.conv2d(x, kernel, stride=stride, padding=1, groups=x.shape[1])
 
-    monkeypatch.setattr(dlojz_model, "blur", blur_from_python_data)
+    monkeypatch.setattr(dlojz_lib.model, "blur", blur_from_python_data)
     monkeypatch.chdir(tmp_path)
     outside, _ = audit_epoch(loop_for("--blurpool", n_batches=4), monkeypatch)
     assert {(asker, why) for _, asker, why in unexpected(outside)} == {

@@ -105,7 +105,7 @@ def wait_for(predicate, timeout, what):
 
 # ---------------------------------------------------------------- dlojz.py: --train-subset, --val-history, stops
 def subset_paths(root, spec, seed):
-    from dlojz_data import build_datasets, select_train_subset
+    from dlojz_lib.data.datasets import build_datasets, select_train_subset
 
     train, _, _, _ = build_datasets(root, None, None, seed=seed)
     line = select_train_subset(train, spec)
@@ -134,7 +134,7 @@ def test_train_subset_is_stratified_and_the_same_whatever_the_seed_and_process(t
     per_class, _ = subset_paths(tiny_data, 5, seed=1)
     assert sorted({t: [x for _, x in per_class].count(t) for t in range(3)}.values()) == [5, 5, 5]
     assert len(subset_paths(tiny_data, 100, seed=1)[0]) == 72  # more than a class has: all of it
-    from dlojz_data import build_datasets
+    from dlojz_lib.data.datasets import build_datasets
 
     every = [Path(p).name for p, t in build_datasets(tiny_data, None, None)[0].samples if t == 0]
     assert [name for name, t in quarter if t == 0] != every[:6]  # a random pick, not the first files of the class
@@ -181,24 +181,24 @@ def test_train_subset_bad_values_are_one_line(run_inline, flags, needle):
 
 
 def test_usr2_and_no_requeue_stop_without_requeue(monkeypatch, capsys):
-    import dlojz_dist
+    import dlojz_lib.dist
 
     calls = []
     monkeypatch.setattr(
-        dlojz_dist.subprocess, "run", lambda args, **kw: calls.append(args) or subprocess.CompletedProcess(args, 0)
+        dlojz_lib.dist.subprocess, "run", lambda args, **kw: calls.append(args) or subprocess.CompletedProcess(args, 0)
     )
     monkeypatch.setenv("SLURM_JOB_ID", "42")
     ranks = SimpleNamespace(is_main=True)
     cfg = SimpleNamespace(test=False, requeue=True, output_dir="out")
-    dlojz_dist.requeue(cfg, ranks, "SIGUSR1")
+    dlojz_lib.dist.requeue(cfg, ranks, "SIGUSR1")
     assert calls == [["scontrol", "requeue", "42"]]
-    dlojz_dist.requeue(cfg, ranks, "SIGUSR2")
-    dlojz_dist.requeue(SimpleNamespace(**{**vars(cfg), "requeue": False}), ranks, "SIGUSR1")
+    dlojz_lib.dist.requeue(cfg, ranks, "SIGUSR2")
+    dlojz_lib.dist.requeue(SimpleNamespace(**{**vars(cfg), "requeue": False}), ranks, "SIGUSR1")
     assert len(calls) == 1, calls
     assert capsys.readouterr().out.count("stopped cleanly; continue with --resume auto") == 2
     saved = signal.getsignal(signal.SIGUSR2)
     try:
-        stop = dlojz_dist.StopSignal().install()
+        stop = dlojz_lib.dist.StopSignal().install()
         os.kill(os.getpid(), signal.SIGUSR2)
         wait_for(lambda: stop.name is not None, 5, "SIGUSR2 not received")
         assert stop.name == "SIGUSR2"
@@ -209,7 +209,7 @@ def test_usr2_and_no_requeue_stop_without_requeue(monkeypatch, capsys):
 def test_dataloader_workers_survive_usr2():
     # srun passes a signal to every process of the step: a DataLoader worker must not die of the pruner's USR2.
     code = (
-        "import os, signal, time, dlojz_data; dlojz_data._worker_init(0, os.getppid()); os.kill(os.getpid(), signal.SIGUSR2); "
+        "import os, signal, time, dlojz_lib.data.datasets; dlojz_lib.data.datasets._worker_init(0, os.getppid()); os.kill(os.getpid(), signal.SIGUSR2); "
         "time.sleep(0.2); print('alive')"
     )
     proc = subprocess.run(
@@ -219,7 +219,7 @@ def test_dataloader_workers_survive_usr2():
 
 
 def test_wandb_group_reaches_wandb_init(monkeypatch, tmp_path):
-    import dlojz_log
+    import dlojz_lib.log
 
     seen = {}
     fake = SimpleNamespace(init=lambda **kwargs: seen.update(kwargs) or SimpleNamespace(id="x"))
@@ -234,7 +234,7 @@ def test_wandb_group_reaches_wandb_init(monkeypatch, tmp_path):
         output_dir=str(tmp_path),
         wandb_group="study-7",
     )
-    dlojz_log.start_wandb(cfg, {}, "trial-0003", None)
+    dlojz_lib.log.start_wandb(cfg, {}, "trial-0003", None)
     assert seen["group"] == "study-7" and seen["name"] == "trial-0003", seen
 
 
@@ -366,14 +366,14 @@ def test_minimize_needs_a_target(tmp_path, capsys):
 
 
 def test_flag_words():
-    import dlojz_hpo_space
-    from dlojz_flags import get_args_parser
+    import dlojz_lib.hpo.space
+    from dlojz_lib.flags import get_args_parser
 
-    actions = dlojz_hpo_space.flag_actions(get_args_parser())
-    assert dlojz_hpo_space.flag_argv(actions["channels_last"], False) == ["--no-channels-last"]
-    assert dlojz_hpo_space.flag_argv(actions["blurpool"], True) == ["--blurpool"]
-    assert dlojz_hpo_space.flag_argv(actions["blurpool"], False) == []
-    assert dlojz_hpo_space.flag_argv(actions["batch_size"], 64) == ["--batch-size", "64"]
+    actions = dlojz_lib.hpo.space.flag_actions(get_args_parser())
+    assert dlojz_lib.hpo.space.flag_argv(actions["channels_last"], False) == ["--no-channels-last"]
+    assert dlojz_lib.hpo.space.flag_argv(actions["blurpool"], True) == ["--blurpool"]
+    assert dlojz_lib.hpo.space.flag_argv(actions["blurpool"], False) == []
+    assert dlojz_lib.hpo.space.flag_argv(actions["batch_size"], 64) == ["--batch-size", "64"]
 
 
 def test_a_beating_trial_is_left_alone_and_a_silent_one_is_failed_and_retried(tmp_path):
@@ -525,7 +525,7 @@ def test_report_writes_plots_csv_and_a_recipe_that_dlojz_runs(finished_study, tm
     best = study.best_trial
     assert f"1. trial {best.number}: top-1 {best.value:.4f}" in proc.stdout, show(proc)
     # The recipe: the best trial's flags, as dlojz.py --config reads them.
-    from dlojz_flags import get_args_parser
+    from dlojz_lib.flags import get_args_parser
 
     recipe = vars(get_args_parser().parse_args(["--config", str(out / "best.toml")]))
     assert recipe["lr"] == best.params["lr"] and recipe["label_smoothing"] == best.params["label_smoothing"]

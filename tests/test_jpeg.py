@@ -1,4 +1,4 @@
-"""Tests of dlojz_jpeg: region decoding gives the pixels of a full decode, errors are clear, the build falls back.
+"""Tests of dlojz_lib.data.jpeg: region decoding gives the pixels of a full decode, errors are clear, the build falls back.
 
 Every JPEG is made here with PIL. The comparisons are exact (0 levels): the region decoder and PIL/simplejpeg run
 the same libjpeg-turbo algorithms (accurate integer IDCT, fancy upsampling). Tests that need the compiled decoder
@@ -18,7 +18,7 @@ from PIL import Image
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-import dlojz_jpeg  # noqa: E402
+import dlojz_lib.data.jpeg  # noqa: E402
 
 
 def in_ci() -> bool:
@@ -28,8 +28,8 @@ def in_ci() -> bool:
 def require_region_decoder():
     """Skip the calling test when the region decoder cannot be built here, with the reason; fail instead under
     CI=true, where a missing decoder would otherwise leave the fast path untested without anyone noticing."""
-    if dlojz_jpeg.load() is None:
-        reason = f"region decoding: {dlojz_jpeg.status()}"
+    if dlojz_lib.data.jpeg.load() is None:
+        reason = f"region decoding: {dlojz_lib.data.jpeg.status()}"
         if in_ci():
             pytest.fail(f"{reason} (CI=true: the region decoder must be built and tested)", pytrace=False)
         pytest.skip(reason)
@@ -57,7 +57,7 @@ def full_decode(data, reduction):
     width, height = img.size
     if reduction > 1:
         img.draft("RGB", (width // reduction, height // reduction))
-    assert img.size == dlojz_jpeg.scaled_size(width, height, reduction)
+    assert img.size == dlojz_lib.data.jpeg.scaled_size(width, height, reduction)
     return np.asarray(img.convert("RGB"))
 
 
@@ -76,7 +76,7 @@ KINDS = {
 def test_region_has_the_pixels_of_a_full_decode(kind, width, height):
     options = dict(KINDS[kind])
     data = photo_jpeg(width, height, seed=width, mode=options.pop("mode", "RGB"), **options)
-    assert dlojz_jpeg.info(data) == (width, height, True)
+    assert dlojz_lib.data.jpeg.info(data) == (width, height, True)
     rng = np.random.default_rng(0)
     for reduction in (1, 2, 4, 8):
         full = full_decode(data, reduction)
@@ -94,7 +94,7 @@ def test_region_has_the_pixels_of_a_full_decode(kind, width, height):
         if scaled_width > 40 and scaled_height > 40:
             regions.append((16, 16, 32, 32))  # edges exactly on iMCU boundaries, where upsampling needs care
         for left, top, right, bottom in regions:
-            region = dlojz_jpeg.decode_region(data, width, height, reduction, left, top, right, bottom)
+            region = dlojz_lib.data.jpeg.decode_region(data, width, height, reduction, left, top, right, bottom)
             assert region.shape == (bottom - top, right - left, 3) and region.dtype == np.uint8
             difference = np.abs(region.astype(int) - full[top:bottom, left:right].astype(int))
             assert difference.max() == 0, (
@@ -106,27 +106,27 @@ def test_region_has_the_pixels_of_a_full_decode(kind, width, height):
 @pytest.mark.usefixtures("needs_library")
 def test_corrupt_truncated_and_unsupported_data_raise_clear_errors():
     data = photo_jpeg(200, 160)
-    with pytest.raises(dlojz_jpeg.JpegError, match="Not a JPEG"):
-        dlojz_jpeg.info(b"this is not a picture at all")
+    with pytest.raises(dlojz_lib.data.jpeg.JpegError, match="Not a JPEG"):
+        dlojz_lib.data.jpeg.info(b"this is not a picture at all")
     truncated = data[: len(data) // 2]
-    with pytest.raises(dlojz_jpeg.JpegError, match="[Pp]remature end"):
-        dlojz_jpeg.decode_region(truncated, 200, 160, 1, 0, 120, 200, 160)  # rows past the end of the data
+    with pytest.raises(dlojz_lib.data.jpeg.JpegError, match="[Pp]remature end"):
+        dlojz_lib.data.jpeg.decode_region(truncated, 200, 160, 1, 0, 120, 200, 160)  # rows past the end of the data
     # Rows before the cut decode: the region decoder never reads further than its region (the transforms check
     # that a file is complete before using it, so that it reads the files the reference pipeline reads).
-    top_rows = dlojz_jpeg.decode_region(truncated, 200, 160, 1, 0, 0, 200, 16)
+    top_rows = dlojz_lib.data.jpeg.decode_region(truncated, 200, 160, 1, 0, 0, 200, 16)
     assert np.array_equal(top_rows, full_decode(data, 1)[:16])
     cmyk = photo_jpeg(64, 48, mode="CMYK")
-    assert dlojz_jpeg.info(cmyk)[2] is False
-    with pytest.raises(dlojz_jpeg.UnsupportedJpeg):
-        dlojz_jpeg.decode_region(cmyk, 64, 48, 1, 0, 0, 64, 48)
+    assert dlojz_lib.data.jpeg.info(cmyk)[2] is False
+    with pytest.raises(dlojz_lib.data.jpeg.UnsupportedJpeg):
+        dlojz_lib.data.jpeg.decode_region(cmyk, 64, 48, 1, 0, 0, 64, 48)
     for bad_region, bad_reduction in [((0, 0, 201, 10), 1), ((5, 5, 5, 10), 1), ((0, 0, 30, 30), 8), ((0, 0, 8, 8), 3)]:
         with pytest.raises(ValueError):
-            dlojz_jpeg.decode_region(data, 200, 160, bad_reduction, *bad_region)
+            dlojz_lib.data.jpeg.decode_region(data, 200, 160, bad_reduction, *bad_region)
 
 
 def _status_in_subprocess(tmp_path, **env):
-    """dlojz_jpeg's status and whether it loaded, in a fresh interpreter with a private cache and ``env``."""
-    code = "import dlojz_jpeg; loaded = dlojz_jpeg.load() is not None; print(loaded); print(dlojz_jpeg.status())"
+    """dlojz_lib.data.jpeg's status and whether it loaded, in a fresh interpreter with a private cache and ``env``."""
+    code = "import dlojz_lib.data.jpeg; loaded = dlojz_lib.data.jpeg.load() is not None; print(loaded); print(dlojz_lib.data.jpeg.status())"
     environment = dict(os.environ, XDG_CACHE_HOME=str(tmp_path / "cache"))
     environment.pop("DLOJZ_JPEG_DECODER", None)
     environment.update(env)
@@ -155,7 +155,7 @@ def test_region_decoding_can_be_turned_off(tmp_path, choice):
 @pytest.mark.usefixtures("needs_library")
 def test_concurrent_first_builds_share_one_library(tmp_path):
     # Ranks of a job start together and may all find no library: each builds aside and renames into place.
-    code = "import dlojz_jpeg; assert dlojz_jpeg.load() is not None, dlojz_jpeg.status(); print(dlojz_jpeg.status())"
+    code = "import dlojz_lib.data.jpeg; assert dlojz_lib.data.jpeg.load() is not None, dlojz_lib.data.jpeg.status(); print(dlojz_lib.data.jpeg.status())"
     environment = dict(os.environ, XDG_CACHE_HOME=str(tmp_path / "cache"))
     environment.pop("DLOJZ_JPEG_DECODER", None)
     processes = [
@@ -181,13 +181,13 @@ def test_region_decoding_is_built_in_ci():
     # CI installs a C compiler and libjpeg's headers (.ci/run): there the fast path must be the one tested.
     if not in_ci():
         pytest.skip("only asserted under CI=true")
-    assert dlojz_jpeg.load() is not None, dlojz_jpeg.status()
+    assert dlojz_lib.data.jpeg.load() is not None, dlojz_lib.data.jpeg.status()
 
 
 @pytest.mark.parametrize("ci", ["true", None])
 def test_a_missing_region_decoder_fails_in_ci_and_skips_elsewhere(monkeypatch, ci):
-    monkeypatch.setattr(dlojz_jpeg, "load", lambda: None)
-    monkeypatch.setattr(dlojz_jpeg, "status", lambda: "unavailable (no C compiler here)")
+    monkeypatch.setattr(dlojz_lib.data.jpeg, "load", lambda: None)
+    monkeypatch.setattr(dlojz_lib.data.jpeg, "status", lambda: "unavailable (no C compiler here)")
     if ci:
         monkeypatch.setenv("CI", ci)
     else:

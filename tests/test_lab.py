@@ -15,7 +15,7 @@ from conftest import ROOT, clean_env
 from test_packed_data import TINY
 
 import dlojz_lab  # noqa: E402
-import dlojz_lab_report  # noqa: E402
+import dlojz_lib.lab.report  # noqa: E402
 
 RUN = [*TINY, "--test", "--test-nsteps", "2"]
 
@@ -101,18 +101,18 @@ def fake_rows():
 
 def test_the_plots_draw_every_run_s_figures():
     rows = fake_rows()
-    fig = dlojz_lab_report.plot_throughput(rows)
+    fig = dlojz_lib.lab.report.plot_throughput(rows)
     drawn = {}
     for ax in fig.axes[0::2]:  # the first swept flag's column (batch-size): img/s above, memory below
         for line in ax.lines:
             drawn.setdefault(ax.get_ylabel(), {})[line.get_label()] = list(line.get_ydata())
     assert drawn["images / s"] == {"channels-last=on": [100.0, 120.0], "channels-last=off": [110.0, 130.0]}
     assert drawn["peak memory (GiB)"] == {"channels-last=on": [1.0, 3.0], "channels-last=off": [2.0, 4.0]}
-    fig = dlojz_lab_report.plot_phases(rows)
+    fig = dlojz_lib.lab.report.plot_phases(rows)
     heights = [[patch.get_height() for patch in container] for container in fig.axes[0].containers]
     assert heights[0] == [2.0] * 4 and heights[2] == [20.0, 21.0, 22.0, 23.0]
     assert [sum(column) for column in zip(*heights)] == [42.0, 43.0, 44.0, 45.0]  # load + step, each run
-    fig = dlojz_lab_report.plot_accuracy(rows)
+    fig = dlojz_lib.lab.report.plot_accuracy(rows)
     assert [list(line.get_ydata()) for line in fig.axes[0].lines][3] == pytest.approx([13.0, 23.0, 33.0])
     assert len(fig.axes[0].lines) == 4  # the queued run has no history
 

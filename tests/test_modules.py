@@ -5,17 +5,27 @@ import ast
 from conftest import ROOT
 
 
-def product_imports():
-    """{module: the product modules it imports}, for every dlojz*.py at the repository's top level."""
+def product_modules():
+    """{module name: path}: the commands at the top level (dlojz*.py) and every module of the dlojz_lib package."""
     modules = {path.stem: path for path in ROOT.glob("dlojz*.py")}
+    for path in (ROOT / "dlojz_lib").rglob("*.py"):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return modules
+
+
+def product_imports():
+    """{module: the product modules it imports}, for every command and every module of the package."""
+    modules = product_modules()
     graph = {}
     for name, path in modules.items():
         imported = set()
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             if isinstance(node, ast.Import):
-                imported.update(alias.name.split(".")[0] for alias in node.names)
+                imported.update(alias.name for alias in node.names)
             elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                imported.add(node.module.split(".")[0])
+                imported.add(node.module)  # from a module import names, or from a package import its modules:
+                imported.update(f"{node.module}.{alias.name}" for alias in node.names)
         graph[name] = sorted(imported & set(modules) - {name})
     return graph
 
@@ -46,7 +56,7 @@ def find_circle(graph):
 
 def test_no_import_circle():
     graph = product_imports()
-    assert {"dlojz", "dlojz_config", "dlojz_data", "dlojz_checks"} <= set(graph)
+    assert {"dlojz", "dlojz_lib.config", "dlojz_lib.data.datasets", "dlojz_lib.checks"} <= set(graph)
     circle = find_circle(graph)
     assert circle is None, " -> ".join(circle)
 
@@ -62,8 +72,8 @@ def test_the_command_line_modules_import_no_torch():
     import sys
 
     code = (
-        "import sys, dlojz_flags, dlojz_recipe, dlojz_config, dlojz_checks, dlojz_launch\n"
-        "dlojz_flags.get_args_parser().parse_args(['--lr', '0.1'])\n"
+        "import sys, dlojz_lib.flags, dlojz_lib.recipe, dlojz_lib.config, dlojz_lib.checks, dlojz_lib.launch\n"
+        "dlojz_lib.flags.get_args_parser().parse_args(['--lr', '0.1'])\n"
         "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'numpy', 'torchvision')))"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)

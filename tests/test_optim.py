@@ -1,4 +1,4 @@
-"""Tests of dlojz_optim: optimizers, parameter groups, LR schedules, LR finder and soft-label accuracy.
+"""Tests of dlojz_lib.optim: optimizers, parameter groups, LR schedules, LR finder and soft-label accuracy.
 
 CPU only, tiny models, a few seconds. Run from the repository root: ``python -m pytest tests/test_optim.py``.
 """
@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from dlojz_optim import (
+from dlojz_lib.optim import (
     OPTIMIZERS,
     SCHEDULERS,
     LRFinder,

@@ -25,9 +25,9 @@ from PIL import Image
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 import dlojz_pack  # noqa: E402
-from dlojz_data import IMG_EXTENSIONS, DataError, make_embedded_dataset  # noqa: E402
+from dlojz_lib.data.datasets import IMG_EXTENSIONS, DataError, make_embedded_dataset  # noqa: E402
 from dlojz_pack import main, pack  # noqa: E402
-from dlojz_shards import (  # noqa: E402
+from dlojz_lib.data.shards import (  # noqa: E402
     MANIFEST,
     PackedSplit,
     PackError,

@@ -176,8 +176,8 @@ COMPILE_WORKERS = textwrap.dedent("""
     sys.path.insert(0, sys.argv[1])
     import torch._inductor.config
     torch._inductor.config.compile_threads = 2  # a worker pool even on a 1-core machine
-    import dlojz_dist
-    dlojz_dist.start_compile_workers()
+    import dlojz_lib.dist
+    dlojz_lib.dist.start_compile_workers()
     children = open(f"/proc/{os.getpid()}/task/{os.getpid()}/children").read().split()
     assert children, "no compile worker started"
     for pid in children:

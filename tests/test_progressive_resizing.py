@@ -5,11 +5,11 @@ import pytest
 import torch
 
 import dlojz
-from dlojz_config import UserError, resolve_config
-from dlojz_flags import get_args_parser
-from dlojz_dist import Distribution
-from dlojz_log import Console
-from dlojz_transforms import resolution_at
+from dlojz_lib.config import UserError, resolve_config
+from dlojz_lib.flags import get_args_parser
+from dlojz_lib.dist import Distribution
+from dlojz_lib.log import Console
+from dlojz_lib.data.transforms import resolution_at
 
 RAMP = ["--min-res", "16", "--max-res", "32", "--start-ramp", "1", "--end-ramp", "3", "--res-step", "8"]
 

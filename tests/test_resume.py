@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import dlojz_checkpoint
+import dlojz_lib.checkpoint
 import preloaded
 from conftest import ROOT, SMALL, clean_env, run_dlojz, show, start_dlojz
 
@@ -23,7 +23,7 @@ RUN = [*SMALL, "--image-size", "48", "-b", "16", "--epochs", "2", "--no-wandb", 
 
 @pytest.fixture(scope="module")
 def resume_data(tmp_path_factory):
-    from dlojz_data import make_embedded_dataset
+    from dlojz_lib.data.datasets import make_embedded_dataset
 
     return make_embedded_dataset(
         tmp_path_factory.mktemp("data") / "resume", n_classes=3, train_per_class=80, val_per_class=4, size=(64, 56)
@@ -126,7 +126,7 @@ def test_a_killed_rank_ends_the_other_with_one_line_and_the_run_resumes_from_its
     assert errors[0].startswith(f"dlojz: error: rank 1 ({host}) stopped answering at step "), errors[0]
     assert f"last checkpoint: {out}/ckpt_e0000_s" in errors[0] and "--resume auto" in errors[0]
     assert elapsed < 30, f"rank 0 ended {elapsed:.1f} s after rank 1 was killed"
-    saved, path = dlojz_checkpoint.load_latest(out)
+    saved, path = dlojz_lib.checkpoint.load_latest(out)
     assert 3 <= saved["global_step"] < 24 and (saved["batch"] > 0 or saved["epoch"] > 0), path
     # The job is relaunched (here on one rank): it goes on from that checkpoint to the end.
     proc = run_dlojz(*args, "--resume", "auto")
@@ -159,10 +159,10 @@ def latest_state(out):
 
 def lr_after(name, steps, total_steps, lr=0.025):
     """The learning rate a fresh schedule of `total_steps` gives after `steps` steps, stepped one by one."""
-    import dlojz_optim
+    import dlojz_lib.optim
 
     optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=lr, momentum=0.9)
-    scheduler = dlojz_optim.build_scheduler(name, optimizer, lr, total_steps)
+    scheduler = dlojz_lib.optim.build_scheduler(name, optimizer, lr, total_steps)
     for _ in range(steps):
         optimizer.step()
         scheduler.step()
@@ -418,7 +418,7 @@ def test_ctrl_c_on_two_ranks_stops_both_with_one_checkpoint(resume_data, tmp_pat
 def test_a_second_ctrl_c_stops_at_once():
     """The handler alone, in a process of its own: the first SIGINT asks for a stop, the second ends the process."""
     code = (
-        "import os, signal, time, dlojz_dist; stop = dlojz_dist.StopSignal().install(); "
+        "import os, signal, time, dlojz_lib.dist; stop = dlojz_lib.dist.StopSignal().install(); "
         "os.kill(os.getpid(), signal.SIGINT); time.sleep(0.2); print('first:', stop.name, flush=True); "
         "os.kill(os.getpid(), signal.SIGINT); time.sleep(5); print('still running')"
     )
@@ -431,8 +431,8 @@ def test_sighup_stops_like_sigterm_and_a_later_sigterm_stops_at_once():
     """SIGHUP (a closed terminal) asks for a stop, as SIGTERM; SIGTERM delivered twice at once (srun and slurmstepd
     both pass scancel's on) still asks for one; a SIGTERM sent again later ends the process (143)."""
     code = (
-        "import os, signal, time, dlojz_dist; dlojz_dist.AGAIN_AT_ONCE_S = 0.5; "
-        "stop = dlojz_dist.StopSignal().install(); os.kill(os.getpid(), signal.SIGHUP); time.sleep(0.05); "
+        "import os, signal, time, dlojz_lib.dist; dlojz_lib.dist.AGAIN_AT_ONCE_S = 0.5; "
+        "stop = dlojz_lib.dist.StopSignal().install(); os.kill(os.getpid(), signal.SIGHUP); time.sleep(0.05); "
         "print('first:', stop.name, flush=True); os.kill(os.getpid(), signal.SIGTERM); "
         "os.kill(os.getpid(), signal.SIGTERM); time.sleep(0.1); print('twice at once:', stop.name, flush=True); "
         "time.sleep(0.5); os.kill(os.getpid(), signal.SIGTERM); time.sleep(5); print('still running')"
@@ -481,7 +481,7 @@ def test_a_checkpoint_of_another_model_or_number_of_classes_is_refused_in_one_li
 
 
 def make_classes(root, n_classes):
-    from dlojz_data import make_embedded_dataset
+    from dlojz_lib.data.datasets import make_embedded_dataset
 
     return make_embedded_dataset(root, n_classes=n_classes, train_per_class=4, val_per_class=2, size=(24, 20))
 
@@ -548,7 +548,7 @@ def test_a_resume_on_other_ranks_and_batches_goes_on_at_the_first_unseen_image(b
     """The samplers of a run stopped after 4 batches, then those of its resume on another number of ranks and batch
     size, skipping as restore() says (`state.batch` of the new setting): every image of the epoch is trained once,
     none skipped, none twice (the 4 batches fill whole batches of the new setting)."""
-    from dlojz_data import EpochSampler
+    from dlojz_lib.data.datasets import EpochSampler
 
     images = list(range(96))
     (ranks, batch), (new_ranks, new_batch) = before, after

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import dlojz_checkpoint as ckpt
+import dlojz_lib.checkpoint as ckpt
 from conftest import ROOT, SMALL
 
 TINY = [*SMALL, "--image-size", "16", "--val-resize-size", "18", "--val-crop-size", "16", "-b", "8", "--no-wandb"]
@@ -113,7 +113,7 @@ def small_disk(tmp_path):
                 state["error"] = code
 
     if not mounted:
-        real_save, real_write_text = torch.save, __import__("dlojz_log").write_text
+        real_save, real_write_text = torch.save, __import__("dlojz_lib.log").write_text
 
         def failing(real):
             def call(*args, **kwargs):
@@ -125,8 +125,8 @@ def small_disk(tmp_path):
 
         mp = pytest.MonkeyPatch()
         mp.setattr(torch, "save", failing(real_save))
-        mp.setattr("dlojz_log.write_text", failing(real_write_text))
-        mp.setattr("dlojz_log.open", failing(open), raising=False)  # the validation history's appends
+        mp.setattr("dlojz_lib.log.write_text", failing(real_write_text))
+        mp.setattr("dlojz_lib.log.open", failing(open), raising=False)  # the validation history's appends
     try:
         yield Disk()
     finally:
@@ -183,16 +183,16 @@ def test_a_folder_turned_read_only_warns_then_ends_non_zero_keeping_the_first_ch
 
 
 def test_a_full_disk_at_a_stop_is_not_a_clean_stop(tiny_data, tmp_path, run_inline, monkeypatch):
-    import dlojz_dist
+    import dlojz_lib.dist
 
-    real_install = dlojz_dist.StopSignal.install
+    real_install = dlojz_lib.dist.StopSignal.install
 
     def signalled(self):  # SIGTERM already received: the run stops at its first step, with a checkpoint
         real_install(self)
         self.name = "SIGTERM"
         return self
 
-    monkeypatch.setattr(dlojz_dist.StopSignal, "install", signalled)
+    monkeypatch.setattr(dlojz_lib.dist.StopSignal, "install", signalled)
     monkeypatch.setattr(torch, "save", lambda *a, **k: (_ for _ in ()).throw(OSError(errno.ENOSPC, "No space")))
     out = tmp_path / "run"
     proc = run_inline(*run_args(tiny_data, out, "-e", "1"))
@@ -225,7 +225,7 @@ def test_a_named_pipe_with_an_image_s_name_is_skipped_never_waited_on(tiny_data,
 
 
 def test_a_failed_requeue_is_one_line_and_an_error(tmp_path, monkeypatch):
-    import dlojz_dist
+    import dlojz_lib.dist
 
     scontrol = tmp_path / "bin" / "scontrol"
     scontrol.parent.mkdir()
@@ -235,11 +235,11 @@ def test_a_failed_requeue_is_one_line_and_an_error(tmp_path, monkeypatch):
     monkeypatch.setenv("SLURM_JOB_ID", "777")
     cfg = type("Cfg", (), dict(test=False, requeue=True, output_dir=str(tmp_path / "run")))()
     ranks = type("Ranks", (), dict(is_main=True))()
-    with pytest.raises(dlojz_dist.RequeueFailed) as failed:
-        dlojz_dist.requeue(cfg, ranks, "SIGUSR1")
+    with pytest.raises(dlojz_lib.dist.RequeueFailed) as failed:
+        dlojz_lib.dist.requeue(cfg, ranks, "SIGUSR1")
     assert str(failed.value) == (
         "scontrol requeue 777 failed (scontrol: error: Requested operation is presently disabled): the job is not "
         f"requeued; its checkpoint is kept: submit it again with --resume auto --output-dir {tmp_path / 'run'}"
     )
     Path(scontrol).write_text("#!/bin/sh\nexit 0\n")
-    dlojz_dist.requeue(cfg, ranks, "SIGUSR1")  # a requeue Slurm takes: no error
+    dlojz_lib.dist.requeue(cfg, ranks, "SIGUSR1")  # a requeue Slurm takes: no error

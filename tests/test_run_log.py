@@ -41,8 +41,8 @@ def test_progress_line_carries_the_learning_rate_and_the_data_wait(tiny_data, tm
 def test_the_arguments_of_a_run_are_saved_as_a_recipe_that_runs_it_again(tiny_data, tmp_path):
     """args.toml in the output folder holds the recipe's values, the command line's (which win) and the profile's;
     `--config args.toml` reads back the same flags. pin_memory is reported False on a CPU, where it does nothing."""
-    from dlojz_flags import get_args_parser
-    from dlojz_recipe import recipe_text
+    from dlojz_lib.flags import get_args_parser
+    from dlojz_lib.recipe import recipe_text
 
     recipe = tmp_path / "recipe.toml"
     recipe.write_text('label-smoothing = 0.05\nlr = 0.5\noptimizer = "adamw"\n')
@@ -87,7 +87,7 @@ def test_the_data_wait_share_leaves_the_epoch_change_out():
 
     import torch
 
-    from dlojz_log import NoWandb, Progress
+    from dlojz_lib.log import NoWandb, Progress
 
     class Lines:
         def __init__(self):

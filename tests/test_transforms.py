@@ -1,8 +1,8 @@
-"""Tests of dlojz_transforms: same augmentation statistics and validation pixels as torchvision, uint8 outputs,
+"""Tests of dlojz_lib.data.transforms: same augmentation statistics and validation pixels as torchvision, uint8 outputs,
 device normalisation and prefetching, clear errors on unreadable files.
 
 Every image is made here with PIL (small, in tmp_path); the whole file runs in a few seconds on 2 CPU cores.
-Decoding tests run three times, selected with DLOJZ_JPEG_DECODER: with libjpeg-turbo region decoding (dlojz_jpeg.c;
+Decoding tests run three times, selected with DLOJZ_JPEG_DECODER: with libjpeg-turbo region decoding (dlojz_lib/data/jpeg.c;
 skipped with the reason where it cannot be built, a failure under CI=true), with simplejpeg (when installed) and
 with PIL alone.
 """
@@ -20,10 +20,10 @@ from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import dlojz_jpeg  # noqa: E402
-import dlojz_transforms  # noqa: E402
-from dlojz_prefetch import DeviceNormalize, DevicePrefetcher  # noqa: E402
-from dlojz_transforms import (
+import dlojz_lib.data.jpeg  # noqa: E402
+import dlojz_lib.data.transforms  # noqa: E402
+from dlojz_lib.data.prefetch import DeviceNormalize, DevicePrefetcher  # noqa: E402
+from dlojz_lib.data.transforms import (
     IMAGENET_MEAN,
     IMAGENET_STD,
     EncodedJpeg,  # noqa: E402
@@ -41,7 +41,7 @@ from test_jpeg import require_region_decoder  # noqa: E402
 
 @pytest.fixture
 def decoder_env(monkeypatch):
-    """``set_choice(value)``: DLOJZ_JPEG_DECODER=value as a new process would see it. dlojz_jpeg reads the variable
+    """``set_choice(value)``: DLOJZ_JPEG_DECODER=value as a new process would see it. dlojz_lib.data.jpeg reads the variable
     and loads its library once per process: that state is reset here, and restored after the test."""
 
     def set_choice(value):
@@ -52,7 +52,7 @@ def decoder_env(monkeypatch):
             ("_load_tried", False),
             ("_status", "not loaded yet"),
         ):
-            monkeypatch.setattr(dlojz_jpeg, name, fresh)
+            monkeypatch.setattr(dlojz_lib.data.jpeg, name, fresh)
 
     return set_choice
 
@@ -63,7 +63,7 @@ def decoder(request, decoder_env):
     decoder_env("auto" if request.param == "region" else request.param)
     if request.param == "region":
         require_region_decoder()
-    elif request.param == "simplejpeg" and dlojz_transforms.simplejpeg is None:
+    elif request.param == "simplejpeg" and dlojz_lib.data.transforms.simplejpeg is None:
         pytest.skip("simplejpeg is not installed")
     return request.param
 
@@ -88,10 +88,10 @@ def test_decoder_env_var_turns_the_faster_decoders_off(tmp_path, monkeypatch, de
     # =simplejpeg: no region decoding; =pil: no region decoding and no simplejpeg either. Both in what the run
     # reports (decoder_description) and in what actually decodes.
     decoder_env(choice)
-    counting = _CountingSimplejpeg(dlojz_transforms.simplejpeg)
-    monkeypatch.setattr(dlojz_transforms, "simplejpeg", counting)
+    counting = _CountingSimplejpeg(dlojz_lib.data.transforms.simplejpeg)
+    monkeypatch.setattr(dlojz_lib.data.transforms, "simplejpeg", counting)
     region_calls = []
-    monkeypatch.setattr(dlojz_jpeg, "decode_region", lambda *args: region_calls.append(args))
+    monkeypatch.setattr(dlojz_lib.data.jpeg, "decode_region", lambda *args: region_calls.append(args))
     path = save(photo_like(200, 150), tmp_path / "a.jpg")
     assert isinstance(lazy_image_loader(path), Image.Image)  # no EncodedJpeg: that is for region decoding only
     expected = (
@@ -100,7 +100,7 @@ def test_decoder_env_var_turns_the_faster_decoders_off(tmp_path, monkeypatch, de
     ) * 255
     assert_reference_pixels(ValTransform(64, 56, draft=False)(lazy_image_loader(path)).float(), expected, choice)
     assert TrainTransform(32)(lazy_image_loader(path)).shape == (3, 32, 32)
-    description = dlojz_transforms.decoder_description()
+    description = dlojz_lib.data.transforms.decoder_description()
     assert not region_calls
     if choice == "pil":
         assert counting.calls == 0, "DLOJZ_JPEG_DECODER=pil, yet simplejpeg decoded"

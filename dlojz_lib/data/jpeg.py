@@ -1,4 +1,4 @@
-"""Decode only the part of a JPEG that a crop needs, with libjpeg-turbo (``dlojz_jpeg.c``, loaded through ctypes).
+"""Decode only the part of a JPEG that a crop needs, with libjpeg-turbo (``dlojz_lib/data/jpeg.c``, loaded through ctypes).
 
 Entropy decoding is sequential, so the rows above a crop must still be read, but libjpeg-turbo can skip their
 inverse DCT and colour conversion (``jpeg_skip_scanlines``), work only on the crop's columns
@@ -6,12 +6,12 @@ inverse DCT and colour conversion (``jpeg_skip_scanlines``), work only on the cr
 DCT domain. The pixels are those of a full decode by PIL (same library, same settings) cut to the region.
 
 No Python package exposes this (simplejpeg, PyTurboJPEG 1.x and torchvision decode whole images), so the C file
-ships with dlojz and is compiled on first use (``cc -O2 -shared -fPIC dlojz_jpeg.c -ljpeg``, a second or so) into
+ships with dlojz and is compiled on first use (``cc -O2 -shared -fPIC dlojz_lib/data/jpeg.c -ljpeg``, a second or so) into
 ``$XDG_CACHE_HOME/dlojz/`` (default ``~/.cache/dlojz/``), keyed by the source and the platform, written atomically
 so that concurrent ranks and jobs can share it. That needs a C compiler and libjpeg-turbo's headers (Debian/Ubuntu:
 ``apt install gcc libjpeg-dev``; RHEL: ``libjpeg-turbo-devel``; a cluster module: ``module load libjpeg-turbo``,
 which sets ``CPATH``/``LIBRARY_PATH`` for the compiler). Without them ``load()`` returns None, ``status()`` says
-why, and dlojz_transforms.py decodes whole images with simplejpeg or PIL instead (same augmentation, slower).
+why, and dlojz_lib/data/transforms.py decodes whole images with simplejpeg or PIL instead (same augmentation, slower).
 
 ``DLOJZ_JPEG_DECODER`` (read here only, once per process: ``decoder_choice()``) picks the decoders:
 ``auto`` (default: the fastest available), ``simplejpeg`` (region decoding off, simplejpeg then PIL) or ``pil``
@@ -32,7 +32,7 @@ import numpy as np
 
 __all__ = ["JpegError", "UnsupportedJpeg", "decoder_choice", "load", "status", "info", "decode_region", "scaled_size"]
 
-SOURCE = Path(__file__).with_name("dlojz_jpeg.c")
+SOURCE = Path(__file__).with_name("jpeg.c")
 _OK, _ERROR, _UNSUPPORTED = 0, 1, 2
 _MESSAGE_SIZE = 200
 
@@ -137,7 +137,7 @@ def _declare(library: ctypes.CDLL) -> ctypes.CDLL:
 
 def decoder_choice() -> str:
     """``DLOJZ_JPEG_DECODER`` as one of ``DECODER_CHOICES`` ("auto" when unset or not one of them), read once per
-    process: the one place that reads it, for this module and dlojz_transforms.py alike."""
+    process: the one place that reads it, for this module and dlojz_lib/data/transforms.py alike."""
     global _choice
     if _choice is None:
         value = os.environ.get("DLOJZ_JPEG_DECODER", "auto").strip().lower()

@@ -18,10 +18,10 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-import dlojz_checkpoint as ckpt
-import dlojz_optim as optim
-from dlojz_checks import fail
-from dlojz_config import load_idr_torch
+import dlojz_lib.checkpoint as ckpt
+import dlojz_lib.optim as optim
+from dlojz_lib.checks import fail
+from dlojz_lib.config import load_idr_torch
 
 idr_torch = load_idr_torch()
 

@@ -1,7 +1,7 @@
 """Recipe files: a run's flags as TOML, one key per flag (its long name without the dashes). `read_recipe` reads
 one for `--config FILE.toml`, checking every value as the command line would; `recipe_text`, its inverse, writes a
 run's `args.toml` (and dlojz_hpo.py's best trial); `read_toml` is the one reader of TOML files, for recipes and
-dlojz_hpo.py's search spaces. No torch. A flag's bounds are its parser type's (dlojz_flags.Number: `kind`,
+dlojz_hpo.py's search spaces. No torch. A flag's bounds are its parser type's (dlojz_lib.flags.Number: `kind`,
 `check`).
 """
 
@@ -10,7 +10,7 @@ import dataclasses
 import json
 import math
 
-from dlojz_checks import fail, read_text
+from dlojz_lib.checks import fail, read_text
 
 
 def read_toml(path, flag):

@@ -10,20 +10,20 @@ augmentation statistics while doing less work per image:
 * ``TrainTransform(image_size)`` draws the crop box on the original image size with torchvision's own
   ``RandomResizedCrop.get_params`` (same random numbers, same distribution), then decodes only the region of the
   JPEG around the crop (libjpeg-turbo: rows above it skipped, columns outside it left out, rows below it never
-  read; see dlojz_jpeg.py), at 1/2, 1/4 or 1/8 scale in the DCT domain when the crop will be shrunk by 2x or more,
+  read; see dlojz_lib/data/jpeg.py), at 1/2, 1/4 or 1/8 scale in the DCT domain when the crop will be shrunk by 2x or more,
   resizes (bilinear with antialiasing, as torchvision does on PIL images) and flips. It returns a ``uint8`` tensor
   ``[3, image_size, image_size]`` (RGB).
 * ``ValTransform(resize_size, crop_size)`` is the reference ``Resize(resize_size) + CenterCrop(crop_size)`` done as
   one resize of the matching box of the original (same pixels up to rare 1-level rounding), decoding only that box
   (at reduced scale for large images).
 * JPEG decoders, fastest first, all libjpeg-turbo with the same settings (identical pixels): the region decoder of
-  dlojz_jpeg.py (compiled on first use; needs a C compiler and libjpeg headers), simplejpeg (whole image, straight
+  dlojz_lib/data/jpeg.py (compiled on first use; needs a C compiler and libjpeg headers), simplejpeg (whole image, straight
   into a packed RGB array), PIL (everything else, and CMYK or files the others refuse).
   ``DLOJZ_JPEG_DECODER=simplejpeg`` turns region decoding off, ``DLOJZ_JPEG_DECODER=pil`` turns both faster
-  decoders off (read by ``dlojz_jpeg.decoder_choice()``).
+  decoders off (read by ``dlojz_lib.data.jpeg.decoder_choice()``).
 * ``train_transform(cfg)`` and ``batch_mixing(cfg, num_classes)``: ``TrainTransform`` followed by the policies of
   dlojz's flags (``--randaugment``, ``--trivialaugment``, ``--random-erase``), and MixUp/CutMix on the device batch.
-* The batches are normalised on the device, and prefetched there on a GPU, by dlojz_prefetch.py.
+* The batches are normalised on the device, and prefetched there on a GPU, by dlojz_lib/data/prefetch.py.
 
 Typical use (the DataLoader's default collate stacks the uint8 samples)::
 
@@ -49,7 +49,7 @@ import torch.nn.functional as F
 from PIL import Image
 from torchvision.transforms import RandomResizedCrop, v2
 
-import dlojz_jpeg
+import dlojz_lib.data.jpeg
 
 try:  # optional, faster JPEG decoder (same libjpeg-turbo pixels as PIL); PIL is used when it is absent
     import simplejpeg
@@ -81,18 +81,18 @@ _PIL_READ_ERRORS = (OSError, ValueError, SyntaxError, Image.DecompressionBombErr
 
 def _simplejpeg():
     """The simplejpeg module when it is installed and allowed (not ``DLOJZ_JPEG_DECODER=pil``), else None."""
-    return simplejpeg if simplejpeg is not None and dlojz_jpeg.decoder_choice() != "pil" else None
+    return simplejpeg if simplejpeg is not None and dlojz_lib.data.jpeg.decoder_choice() != "pil" else None
 
 
 def decoder_description() -> str:
     """One line for reports: which JPEG decoder the transforms use, and why not a faster one."""
-    if dlojz_jpeg.load() is not None:
-        return f"region decoding with libjpeg-turbo ({dlojz_jpeg.status()})"
+    if dlojz_lib.data.jpeg.load() is not None:
+        return f"region decoding with libjpeg-turbo ({dlojz_lib.data.jpeg.status()})"
     if _simplejpeg() is not None:
-        return f"simplejpeg {simplejpeg.__version__}, whole images (region decoding {dlojz_jpeg.status()})"
-    if dlojz_jpeg.decoder_choice() == "pil":
+        return f"simplejpeg {simplejpeg.__version__}, whole images (region decoding {dlojz_lib.data.jpeg.status()})"
+    if dlojz_lib.data.jpeg.decoder_choice() == "pil":
         return "PIL, whole images (DLOJZ_JPEG_DECODER=pil: region decoding and simplejpeg off)"
-    return f"PIL, whole images (simplejpeg not installed; region decoding {dlojz_jpeg.status()})"
+    return f"PIL, whole images (simplejpeg not installed; region decoding {dlojz_lib.data.jpeg.status()})"
 
 
 class UnreadableImageError(OSError):
@@ -135,7 +135,7 @@ def open_regular(path: str):
 
 def lazy_image_loader(path: str):
     """The DataLoader's loader: a file ready for the transforms, not decoded yet, as ``image_from_bytes`` makes its
-    bytes: with libjpeg-turbo region decoding available (dlojz_jpeg.py), a JPEG in an RGB-decodable colour space
+    bytes: with libjpeg-turbo region decoding available (dlojz_lib/data/jpeg.py), a JPEG in an RGB-decodable colour space
     comes back as an ``EncodedJpeg`` (its bytes and size, read without PIL's header parsing); anything else (PNG,
     CMYK, a file libjpeg rejects) as a lazily opened PIL image. The file is read once, whole. Raises
     ``UnreadableImageError`` naming the file if it is missing, not a regular file, or not an image.
@@ -155,10 +155,10 @@ def image_from_bytes(name: str, data: bytes):
     """A sample's bytes (a file's, or from a packed shard, dlojz_pack.py) made ready for the transforms: an
     ``EncodedJpeg`` for region decoding, else a lazily opened PIL image. ``name`` (the file's path, or e.g.
     ``train-000003.tar:n01440764_10026``) stands for the sample in messages."""
-    if dlojz_jpeg.load() is not None and _complete_jpeg(data):
+    if dlojz_lib.data.jpeg.load() is not None and _complete_jpeg(data):
         try:
-            width, height, rgb_decodable = dlojz_jpeg.info(data)
-        except dlojz_jpeg.JpegError:
+            width, height, rgb_decodable = dlojz_lib.data.jpeg.info(data)
+        except dlojz_lib.data.jpeg.JpegError:
             rgb_decodable = False
         if rgb_decodable:
             limit = Image.MAX_IMAGE_PIXELS  # PIL's decompression-bomb limit: the same images refused either way
@@ -224,7 +224,7 @@ def _jpeg_file_bytes(img: Image.Image) -> bytes | None:
         or not getattr(img, "filename", None)
         or getattr(img, "fp", None) is None
         or not img.tile
-        or (_simplejpeg() is None and dlojz_jpeg.load() is None)
+        or (_simplejpeg() is None and dlojz_lib.data.jpeg.load() is None)
     ):
         return None
     img.fp.seek(0)
@@ -233,12 +233,12 @@ def _jpeg_file_bytes(img: Image.Image) -> bytes | None:
 
 def _decode_region(data: bytes, size: tuple, box: tuple, reduction: int, out_width: int, out_height: int, snap: bool):
     """libjpeg-turbo decode of the part of the image around ``box`` that a resize of ``box`` to the output size
-    reads (see dlojz_jpeg.py), at 1/reduction; with ``snap``, of the box rounded to whole decoded pixels. Returns
+    reads (see dlojz_lib/data/jpeg.py), at 1/reduction; with ``snap``, of the box rounded to whole decoded pixels. Returns
     ``(pixels, box)`` with ``box`` in the region's coordinates, or None when the file is left to the other
     decoders (which then decode it or report it)."""
     width, height = size
     left, top, right, bottom = _scale_box(box, 1 / reduction, 1 / reduction)
-    scaled_width, scaled_height = dlojz_jpeg.scaled_size(width, height, reduction)
+    scaled_width, scaled_height = dlojz_lib.data.jpeg.scaled_size(width, height, reduction)
     if snap:
         left, top, right, bottom = _snap_box((left, top, right, bottom), scaled_width, scaled_height)
     # PIL's antialiased resize of a box reads up to (shrink factor x filter support) pixels beyond it; an integral
@@ -251,10 +251,10 @@ def _decode_region(data: bytes, size: tuple, box: tuple, reduction: int, out_wid
     region_right = min(int(np.ceil(right)) + margin_x, scaled_width)
     region_bottom = min(int(np.ceil(bottom)) + margin_y, scaled_height)
     try:
-        pixels = dlojz_jpeg.decode_region(
+        pixels = dlojz_lib.data.jpeg.decode_region(
             data, width, height, reduction, region_left, region_top, region_right, region_bottom
         )
-    except dlojz_jpeg.JpegError:
+    except dlojz_lib.data.jpeg.JpegError:
         return None  # corrupt, truncated or unsupported: PIL decides, as in the reference pipeline
     return pixels, (left - region_left, top - region_top, right - region_left, bottom - region_top)
 
@@ -288,7 +288,7 @@ def _decode(img, box: tuple, out_width: int, out_height: int, draft: bool, snap:
         data = None
     else:
         data = _jpeg_file_bytes(img)
-        if data is not None and dlojz_jpeg.load() is not None and _complete_jpeg(data):
+        if data is not None and dlojz_lib.data.jpeg.load() is not None and _complete_jpeg(data):
             decoded = _decode_region(data, img.size, box, reduction, out_width, out_height, snap)
             if decoded is not None:
                 img.close()

@@ -11,8 +11,8 @@ import math
 
 import torch.distributed as dist
 
-from dlojz_checks import fail
-from dlojz_data import (
+from dlojz_lib.checks import fail
+from dlojz_lib.data.datasets import (
     IMAGENET_TRAIN_IMAGES,
     IMAGENET_VAL_IMAGES,
     EpochSampler,
@@ -24,12 +24,12 @@ from dlojz_data import (
     resolve_data_root,
     select_train_subset,
 )
-from dlojz_prefetch import DeviceNormalize, DevicePrefetcher
-from dlojz_transforms import ValTransform, decoder_description, train_transform
+from dlojz_lib.data.prefetch import DeviceNormalize, DevicePrefetcher
+from dlojz_lib.data.transforms import ValTransform, decoder_description, train_transform
 
 
 SYNTHETIC_CLASSES = 1000  # --synthetic: ImageNet's
-LOADERS = []  # DataLoaders whose workers cli() stops before exiting (see dlojz_data.close_loader)
+LOADERS = []  # DataLoaders whose workers cli() stops before exiting (see dlojz_lib.data.datasets.close_loader)
 
 
 @dataclasses.dataclass
@@ -113,8 +113,8 @@ def build_loaders(cfg, train_set, val_set, num_classes, ranks, log) -> Loaders:
 
 
 def dali_loaders(cfg, train_set, val_set, train_sampler, ranks, log) -> Loaders:
-    """--data-backend dali: the same samples and samplers, decoded and augmented by DALI (dlojz_dali.py)."""
-    from dlojz_dali import DaliBatches, check_decodable, dali_settings, train_pipeline, val_pipeline
+    """--data-backend dali: the same samples and samplers, decoded and augmented by DALI (dlojz_lib/data/dali.py)."""
+    from dlojz_lib.data.dali import DaliBatches, check_decodable, dali_settings, train_pipeline, val_pipeline
 
     for dataset in (train_set, val_set):
         check_decodable(dataset)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dlojz_checks import OneLineArgumentParser
+from dlojz_lib.checks import OneLineArgumentParser
 
 
 # Loading is "significant" above this share of the compute step: then the report prints one line of advice.
@@ -259,7 +259,7 @@ def main(argv=None):
     plot.add_argument("trace", help="trace JSON written by Chronometer.write_trace")
     plot.add_argument("-o", "--output", default="timeline.png", help="PNG to write (default: timeline.png)")
     args = parser.parse_args(argv)
-    from dlojz_checks import UserError, check_output_file
+    from dlojz_lib.checks import UserError, check_output_file
 
     try:
         trace = read_trace(args.trace)
@@ -276,7 +276,7 @@ TRACE_LISTS = ("load_s", "forward_s", "backward_s", "step_s")  # per step, secon
 
 def read_trace(path) -> dict:
     """A chronometer trace (Chronometer.write_trace's JSON); UserError naming the file if it is not one."""
-    from dlojz_checks import fail, read_json
+    from dlojz_lib.checks import fail, read_json
 
     fix = "give the chrono_trace.json that a dlojz.py --test run writes in its output folder"
     trace = read_json(path, "trace", fix)

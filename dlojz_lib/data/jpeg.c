@@ -1,4 +1,4 @@
-/* Region decoding of JPEGs with libjpeg-turbo, for dlojz_transforms.py (loaded through ctypes).
+/* Region decoding of JPEGs with libjpeg-turbo, for dlojz_lib/data/transforms.py (loaded through ctypes).
  *
  * A RandomResizedCrop keeps on average about half of an image. Decoding the whole file and throwing the rest away
  * is what the reference pipeline does; libjpeg-turbo can do less:
@@ -10,7 +10,7 @@
  * Pixels are those of a full decode with the same settings (libjpeg's defaults, as PIL uses them): the accurate
  * integer IDCT and fancy upsampling.
  *
- * Build: cc -O2 -shared -fPIC dlojz_jpeg.c -ljpeg -o libdlojz_jpeg.so (dlojz_transforms.py does it once, into the
+ * Build: cc -O2 -shared -fPIC dlojz_lib/data/jpeg.c -ljpeg -o libdlojz_jpeg.so (dlojz_lib/data/transforms.py does it once, into the
  * user's cache, when a C compiler and libjpeg's headers are there; otherwise it decodes with simplejpeg or PIL).
  */
 #include <setjmp.h>

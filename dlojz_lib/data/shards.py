@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dlojz_checks import DataError
+from dlojz_lib.checks import DataError
 
 FORMAT = "dlojz_pack"
 FORMAT_VERSION = 1

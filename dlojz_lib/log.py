@@ -23,9 +23,9 @@ from pathlib import Path
 
 import torch
 
-from dlojz_flags import get_args_parser
-from dlojz_recipe import recipe_text
-from dlojz_model import peak_memory_bytes, plain_stages, saved_activation_bytes, train_flops_per_image
+from dlojz_lib.flags import get_args_parser
+from dlojz_lib.recipe import recipe_text
+from dlojz_lib.model import peak_memory_bytes, plain_stages, saved_activation_bytes, train_flops_per_image
 
 LOG_EVERY = 10  # optimizer steps between W&B points and between the ranks' checks for a stop signal or a NaN loss
 
@@ -233,7 +233,7 @@ def print_report(cfg, metrics, chrono, ctx, n_batches):
         chrono.display(ctx)
         metrics["chrono"] = chrono.summary(ctx)
         try:
-            from dlojz_chrono_report import plot_trace
+            from dlojz_lib.chrono_report import plot_trace
 
             plot_trace(trace, output_dir / "timeline.png")
             print(f">>> Timeline plot: {output_dir / 'timeline.png'}")

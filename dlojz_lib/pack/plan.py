@@ -17,7 +17,7 @@ import tarfile
 
 import numpy as np
 
-from dlojz_shards import PackError
+from dlojz_lib.data.shards import PackError
 
 SHUFFLE_SEED = 0
 BLOCK = tarfile.BLOCKSIZE

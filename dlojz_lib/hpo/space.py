@@ -5,10 +5,10 @@ whole command resolved once, before any trial), and a sampled value back into co
 
 import argparse
 
-from dlojz_checks import fail
-from dlojz_config import UserError, resolve_config
-from dlojz_flags import get_args_parser
-from dlojz_recipe import read_toml, recipe_value, value_type
+from dlojz_lib.checks import fail
+from dlojz_lib.config import UserError, resolve_config
+from dlojz_lib.flags import get_args_parser
+from dlojz_lib.recipe import read_toml, recipe_value, value_type
 
 
 # Flags the worker sets for each trial: not in the search space nor after `--` (--output-dir is the trials' root).

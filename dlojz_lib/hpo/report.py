@@ -9,9 +9,9 @@ import os
 import warnings
 from pathlib import Path
 
-from dlojz_flags import get_args_parser
-from dlojz_recipe import toml_value
-from dlojz_hpo_space import NOT_IN_RECIPE, flag_actions, flag_argv, long_flag
+from dlojz_lib.flags import get_args_parser
+from dlojz_lib.recipe import toml_value
+from dlojz_lib.hpo.space import NOT_IN_RECIPE, flag_actions, flag_argv, long_flag
 
 
 def best_trial(study):

@@ -1,18 +1,18 @@
 """dlojz's command line: the flags (`get_args_parser`), each with its bounds beside it (`Number`), recipe files
-read first (`--config FILE.toml`, several merged in order; dlojz_recipe.py), and the checks of flags taken together (`check_flags`). No torch, no file but the recipe read: `check_command_line()`,
+read first (`--config FILE.toml`, several merged in order; dlojz_lib/recipe.py), and the checks of flags taken together (`check_flags`). No torch, no file but the recipe read: `check_command_line()`,
 dlojz.py's first step, answers `--help`, a mistyped flag or a value out of bounds in a fraction of a second, before
-torch is imported. What needs the machine (the device, libraries, output paths) is dlojz_config.py's.
+torch is imported. What needs the machine (the device, libraries, output paths) is dlojz_lib/config.py's.
 """
 
 import argparse
 import math
 import os
 
-from dlojz_checks import OneLineArgumentParser, UserError, fail, missing_data_variable
-from dlojz_recipe import read_recipe
+from dlojz_lib.checks import OneLineArgumentParser, UserError, fail, missing_data_variable
+from dlojz_lib.recipe import read_recipe
 
 
-# The accepted values of --optimizer and --lr-scheduler (dlojz_optim builds them; here for the command line).
+# The accepted values of --optimizer and --lr-scheduler (dlojz_lib.optim builds them; here for the command line).
 OPTIMIZERS = ("sgd", "adamw", "lamb", "lars", "lion")
 FUSED = ("sgd", "adamw")  # with a fused step in torch (build_optimizer's fused=True)
 SCHEDULERS = ("onecycle", "cosine", "step", "constant", "linear", "poly")
@@ -155,7 +155,7 @@ def get_args_parser():
         help="clip the gradients' global norm to X (after unscaling)",
     )
 
-    p = parser.add_argument_group("optimizer and schedule (dlojz_optim.py)")
+    p = parser.add_argument_group("optimizer and schedule (dlojz_lib/optim.py)")
     p.add_argument("--optimizer", default="sgd", choices=OPTIMIZERS, help="momentum/beta1 from --mom (default: sgd)")
     p.add_argument("--no-wd-norm-bias", action="store_true", help="no weight decay on norm layers and biases")
     p.add_argument(
@@ -618,7 +618,7 @@ def check_command_line(argv=None):
     main() parses again."""
     import sys
 
-    from dlojz_launch import launch_problem, launch_rank
+    from dlojz_lib.launch import launch_problem, launch_rank
 
     if (problem := launch_problem(os.environ)) is not None:
         print(f"dlojz: error: {problem}", file=sys.stderr, flush=True)  # every copy: which rank it is is unknown

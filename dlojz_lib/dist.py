@@ -33,8 +33,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-import dlojz_checkpoint as ckpt
-from dlojz_config import load_idr_torch
+import dlojz_lib.checkpoint as ckpt
+from dlojz_lib.config import load_idr_torch
 
 
 @dataclasses.dataclass
@@ -213,7 +213,7 @@ LOST_PEER_STATUS = 4  # exit status: another rank was lost (killed, out of memor
 
 def report_lost_peer(ranks, output_dir, state) -> int:
     """Another rank is gone: one line from the lowest survivor naming it, the step and the last checkpoint."""
-    from dlojz_checkpoint import newest_checkpoint
+    from dlojz_lib.checkpoint import newest_checkpoint
 
     line = lost_peer_line(ranks, state.global_step, output_dir, newest_checkpoint(output_dir))
     if line is not None:

@@ -72,7 +72,7 @@ DECODED = (".jpg", ".jpeg", ".png")  # what this pipeline hands to DALI's decode
 def check_decodable(dataset):
     """One line naming the files DALI would not decode (WebP, TIFF, BMP, ...) in a folder data set: each would be
     skipped with a warning and the run stop once none is left, while the pytorch backend reads them."""
-    from dlojz_checks import fail
+    from dlojz_lib.checks import fail
 
     others = collections.Counter(
         path.rsplit(".", 1)[-1].lower()

@@ -1,4 +1,4 @@
-"""The batch's last steps, on the device: the DataLoader's workers ship uint8 crops (dlojz_transforms.py), and here
+"""The batch's last steps, on the device: the DataLoader's workers ship uint8 crops (dlojz_lib/data/transforms.py), and here
 
 * ``DeviceNormalize(device)`` turns a ``uint8`` batch into normalised floats (optionally channels-last) on the
   device: 4x fewer bytes through the workers' queues and the host-to-device copy than floats;
@@ -15,7 +15,7 @@ Typical use::
 
 import torch
 
-from dlojz_transforms import IMAGENET_MEAN, IMAGENET_STD
+from dlojz_lib.data.transforms import IMAGENET_MEAN, IMAGENET_STD
 
 
 class DeviceNormalize:

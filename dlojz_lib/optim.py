@@ -57,9 +57,9 @@ import torch
 from torch import nn
 
 # The flags' values and their check live with the command line (torch-free, so that --help answers at once).
-from dlojz_checks import fail
-from dlojz_flags import FUSED, OPTIMIZERS, SCHEDULERS, check_hyperparameters  # noqa: F401
-from dlojz_transforms import batch_mixing
+from dlojz_lib.checks import fail
+from dlojz_lib.flags import FUSED, OPTIMIZERS, SCHEDULERS, check_hyperparameters  # noqa: F401
+from dlojz_lib.data.transforms import batch_mixing
 
 # Layers whose affine parameters are normalisation scales/shifts: decaying them towards 0 only fights the
 # normalisation (see "Bag of Tricks", He et al. 2019), hence --no-wd-norm-bias.
@@ -445,7 +445,7 @@ def build_optimization(cfg, model, n_train_batches, num_classes, ranks, log) -> 
     )
     criterion = torch.nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing)  # also takes mixup's soft labels
     val_criterion = torch.nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing, reduction="sum")
-    # Fused steps (sgd, adamw): no host synchronisation with the float16 GradScaler (see dlojz_optim); FSDP's
+    # Fused steps (sgd, adamw): no host synchronisation with the float16 GradScaler (see dlojz_lib.optim); FSDP's
     # sharded parameters have no fused SGD (its foreach step is used, and bfloat16 needs no scaler).
     fused = not (cfg.fsdp and cfg.optimizer == "sgd")
     optimizer = build_optimizer(

@@ -9,8 +9,8 @@ import os
 import stat
 from concurrent.futures import ThreadPoolExecutor
 
-from dlojz_data import IMG_EXTENSIONS, find_layout
-from dlojz_shards import PackError, first_line
+from dlojz_lib.data.datasets import IMG_EXTENSIONS, find_layout
+from dlojz_lib.data.shards import PackError, first_line
 
 SPLITS = ("train", "val")
 

@@ -28,7 +28,7 @@ import inspect
 import torch
 import torchvision
 
-from dlojz_checks import UserError, fail
+from dlojz_lib.checks import UserError, fail
 
 
 def create_model(

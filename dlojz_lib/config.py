@@ -1,10 +1,10 @@
-"""dlojz's run settings: `resolve_config(args)` -> `Config`, from the flags that dlojz_flags.py parses.
+"""dlojz's run settings: `resolve_config(args)` -> `Config`, from the flags that dlojz_lib/flags.py parses.
 
 `resolve_config(args)` fills what the user left unset (the GPU defaults, or the CPU profile without a GPU; AMP,
 TF32 and DataLoader workers from the device and the Slurm task) and checks every flag, all before any process
 group starts or any data is read: a typo costs one line and exit status 2, never a data scan. It returns a frozen
 `Config`: nothing in the run changes a setting afterwards, except the output folder that rank 0 names for all
-ranks (`dataclasses.replace`, in dlojz_dist.setup_distributed).
+ranks (`dataclasses.replace`, in dlojz_lib.dist.setup_distributed).
 
 Importing this module imports no torch (the functions that need it import it).
 """
@@ -15,9 +15,9 @@ import warnings
 from datetime import datetime
 from pathlib import Path
 
-from dlojz_checks import UserError, fail  # noqa: F401  (UserError: imported from here by the scripts)
-from dlojz_flags import CUDA_GRAPH_MODES, FUSED, check_data_variable, check_flags, get_args_parser
-from dlojz_recipe import read_recipe
+from dlojz_lib.checks import UserError, fail  # noqa: F401  (UserError: imported from here by the scripts)
+from dlojz_lib.flags import CUDA_GRAPH_MODES, FUSED, check_data_variable, check_flags, get_args_parser
+from dlojz_lib.recipe import read_recipe
 
 # GPU defaults are the course's; without a GPU the CPU profile keeps `--test` to a few minutes on a laptop, with the
 # learning rate scaled to its smaller batch by the linear scaling rule (0.1 x 32/128: at 0.1, ResNet-50 at batch 32
@@ -350,8 +350,8 @@ def driver_too_old():
 
 
 def check_launch():
-    """The launcher's variables whole and consistent (dlojz_launch): never N copies of one silent process."""
-    from dlojz_launch import launch_problem
+    """The launcher's variables whole and consistent (dlojz_lib.launch): never N copies of one silent process."""
+    from dlojz_lib.launch import launch_problem
 
     if (problem := launch_problem(os.environ)) is not None:
         fail(problem)
@@ -369,7 +369,7 @@ def check(cfg: Config):
             f"--compile-mode {cfg.compile_mode} records CUDA graphs, which need a GPU: on the CPU use "
             "--compile-mode default or max-autotune-no-cudagraphs"
         )
-    from dlojz_model import check_arch, check_input_sizes
+    from dlojz_lib.model import check_arch, check_input_sizes
 
     check_arch(cfg.arch)  # before the data is scanned
     sizes = (cfg.image_size, cfg.val_crop_size, cfg.min_res, cfg.max_res)
@@ -389,14 +389,14 @@ def check(cfg: Config):
     if cfg.sync_bn and cfg.torch_device == "cpu":
         fail("--sync-bn needs CUDA: torch's SyncBatchNorm works with GPU modules only")
     if cfg.data_backend == "dali":
-        from dlojz_dali import check_available
+        from dlojz_lib.data.dali import check_available
 
         if (reason := check_available()) is not None:
             fail(reason)
     if cfg.amp:
         check_autocast(torch.device(cfg.torch_device), cfg.autocast_dtype)
     if load_idr_torch().rank == 0:  # what rank 0 writes, checked before the run rather than found after it
-        from dlojz_checks import check_output_file, check_output_folder
+        from dlojz_lib.checks import check_output_file, check_output_folder
 
         check_output_folder(cfg.output_dir, "--output-dir")  # --test too: the chronometer's trace and plot go there
         for flag in ("metrics_json", "val_history"):
@@ -413,7 +413,7 @@ RUN_FILES = ("latest", "args.toml", "chrono_trace.json", "timeline.png", "findlr
 
 
 def check_not_a_run_file(path, flag, output_dir):
-    from dlojz_checkpoint import NAME_RE
+    from dlojz_lib.checkpoint import NAME_RE
 
     path = Path(path)
     if path.resolve().parent != Path(output_dir).resolve():

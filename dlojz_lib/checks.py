@@ -11,7 +11,7 @@ and a $DLOJZ_DATA that names no folder. The lowest of dlojz's modules: it import
 - `read_text(path, what, fix)`, `read_json(path, what, fix)`: the one way a side file (a trace, a sweep's plan, a
   run's status, a checkpoint pointer) is read: a missing file, a folder, bad bytes, truncated or other JSON is one
   line naming the file and saying `fix`, never a traceback.
-- `DataError`: a problem with the data (dlojz_data, dlojz_shards), one line naming the path.
+- `DataError`: a problem with the data (dlojz_lib.data.datasets, dlojz_lib.data.shards), one line naming the path.
 - `missing_data_variable(environ)`: the line saying that $DLOJZ_DATA names no folder, or None.
 """
 

@@ -28,8 +28,8 @@ import torch
 import torchvision
 from PIL import Image, ImageDraw
 
-from dlojz_checks import DataError, missing_data_variable  # noqa: F401  (DataError: imported from here too)
-from dlojz_transforms import image_from_bytes, lazy_image_loader, open_regular
+from dlojz_lib.checks import DataError, missing_data_variable  # noqa: F401  (DataError: imported from here too)
+from dlojz_lib.data.transforms import image_from_bytes, lazy_image_loader, open_regular
 
 IMAGENET_TRAIN_IMAGES = 1_281_167
 IMAGENET_VAL_IMAGES = 50_000
@@ -198,7 +198,7 @@ class SeededSamples:
             # per sample. The transforms draw from these two generators only.
             torch.default_generator.manual_seed(sample_seed)
             random.seed(sample_seed)
-            # Progressive resizing: the transform of this sample's epoch (dlojz_transforms.EpochTransforms).
+            # Progressive resizing: the transform of this sample's epoch (dlojz_lib.data.transforms.EpochTransforms).
             transform = self.transform.for_epoch(epoch) if hasattr(self.transform, "for_epoch") else self.transform
             try:
                 return transform(self.load(i)), self.samples[i][1]
@@ -249,7 +249,7 @@ class PackedImages(SeededSamples, torch.utils.data.Dataset):
     sample that cannot be read or decoded is skipped like a corrupt file, named by shard and key."""
 
     def __init__(self, root, split, transform):
-        from dlojz_shards import PackedSplit, intact_rows
+        from dlojz_lib.data.shards import PackedSplit, intact_rows
 
         self.shards = PackedSplit(root, split)
         self.root, self.transform = f"{root} ({split})", transform
@@ -393,7 +393,7 @@ def build_datasets(root, train_transform, val_transform, seed=0):
     """Return (train_set, val_set, classes, layout). Each set has `notes`: the lines its listing has to say (entries
     left out, a single class, classes of very unequal sizes)."""
     root = Path(root)
-    from dlojz_shards import is_packed
+    from dlojz_lib.data.shards import is_packed
 
     try:
         if is_packed(root):

@@ -8,10 +8,10 @@ import dataclasses
 
 import torch
 
-from dlojz_checks import fail
-from dlojz_dist import start_compile_workers
-from dlojz_flags import CUDA_GRAPH_MODES
-from dlojz_model import ModelEma, apply_blurpool, create_model, enable_grad_checkpointing, meta_copy
+from dlojz_lib.checks import fail
+from dlojz_lib.dist import start_compile_workers
+from dlojz_lib.flags import CUDA_GRAPH_MODES
+from dlojz_lib.model import ModelEma, apply_blurpool, create_model, enable_grad_checkpointing, meta_copy
 
 
 @dataclasses.dataclass
@@ -87,7 +87,7 @@ def build_model(cfg, num_classes, ranks, log) -> Model:
 def state_bytes_per_rank(model, opt, ranks) -> dict:
     """Bytes of parameters, gradients and optimizer state on each rank (the largest), and each rank's peak."""
     from dlojz_fsdp import state_bytes
-    from dlojz_model import peak_memory_bytes
+    from dlojz_lib.model import peak_memory_bytes
 
     local = dict(state_bytes(model.module, opt.optimizer), peak_memory_bytes=peak_memory_bytes(ranks.device))
     every = ranks.all_gather(local) if ranks.enabled else [local]
