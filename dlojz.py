@@ -38,9 +38,10 @@ import torch.distributed as dist
 import dlojz_lib.checkpoint as ckpt
 import dlojz_lib.optim as optim
 from dlojz_chrono import Chronometer
-from dlojz_lib.config import UserError, load_idr_torch, resolve_config
+from dlojz_lib.config import load_idr_torch, resolve_config
 from dlojz_lib.flags import get_args_parser
-from dlojz_lib.data.datasets import DataError, close_loader, measure_loader
+from dlojz_lib.checks import DataError, UserError
+from dlojz_lib.data.datasets import close_loader, measure_loader
 from dlojz_lib.dist import (
     INTERRUPTED,
     RequeueFailed,
@@ -55,7 +56,7 @@ from dlojz_lib.dist import (
     setup_distributed,
 )
 from dlojz_lib.hooks import LoopHooks, make_profiler
-from dlojz_lib.data.loaders import LOADERS, SYNTHETIC_CLASSES, build_data, build_loaders, synthetic_loaders
+from dlojz_lib.data.loaders import LOADERS, build_data, build_loaders
 from dlojz_lib.log import (
     LOG_EVERY,
     Console,
@@ -70,7 +71,6 @@ from dlojz_lib.log import (
     write_lr_finder,
 )
 from dlojz_lib.resume import (
-    TrainState,
     check_checkpoints_written,
     claim_output_dir,
     make_saver,
@@ -86,9 +86,6 @@ idr_torch = load_idr_torch()
 TEST_VAL_BATCHES = 20  # --test validates on this many batches
 
 
-RUNNING = {}  # the running main()'s ranks, output folder and TrainState: what cli() says when a peer is lost
-
-
 class TrainingDiverged(Exception):
     """The loss became NaN/inf: stop (exit 3), keep the last good checkpoint."""
 
@@ -100,8 +97,10 @@ class EpochResult:
     stop_reason: str | None  # a signal's name: the epoch was left for a checkpoint and a requeue
 
 
-def main(argv=None) -> dict:
-    """One run, in the course's order; returns its metrics. Bad input raises UserError (see cli)."""
+def main(argv=None, running=None) -> dict:
+    """One run, in the course's order; returns its metrics. Bad input raises UserError (see cli). `running`, a dict
+    if given, receives the ranks, the output folder and the TrainState once training can start: what cli() says
+    when a peer is lost."""
     # ================================ ARGUMENTS: every check, before any process group or data scan
     run_start = time.perf_counter()  # time to target counts from here, start-up included
     cfg = resolve_config(get_args_parser().parse_args(argv))
@@ -128,22 +127,23 @@ def main(argv=None) -> dict:
     metrics = initial_metrics(cfg, ranks)
     if cfg.loader_only:
         return measure_loader_only(cfg, loaders, ranks, metrics, log)
-    opt = optim.build_optimization(cfg, model, loaders.n_train_batches, len(classes), ranks, log)
+    training = optim.build_training(cfg, model, loaders.n_train_batches, len(classes), ranks, log)
 
     # ================================ INITIALISATION: resume, W&B, hooks
-    state, resumed_from = restore(cfg, model, opt, loaders.n_train_batches, ranks.device, log)
-    RUNNING.update(ranks=ranks, output_dir=cfg.output_dir, state=state)
+    state, resumed_from = restore(cfg, model, training, loaders.n_train_batches, ranks.device, log)
+    if running is not None:
+        running.update(ranks=ranks, output_dir=cfg.output_dir, state=state)
     val_max_batches = TEST_VAL_BATCHES if cfg.test else None
     if cfg.eval_only:
-        return evaluate_only(cfg, model, loaders, opt, ranks, chrono, resumed_from, val_max_batches, metrics, log)
-    if resumed_from and state.epoch >= cfg.epochs and opt.lr_finder is None:  # its metrics stay as they are
+        return evaluate_only(cfg, model, loaders, training, ranks, chrono, resumed_from, val_max_batches, metrics, log)
+    if resumed_from and state.epoch >= cfg.epochs and training.lr_finder is None:  # its metrics stay as they are
         log(f"nothing to train: the run has done its {state.epoch} epochs; give --epochs N > {state.epoch} to go on")
         return {}
     wandb_run = open_wandb(cfg, ranks, metrics, state)
-    saver = make_saver(cfg, model, opt, ranks)
+    saver = make_saver(cfg, model, training, ranks)
     profiler = make_profiler(cfg, Path(cfg.output_dir) / "profiler", ranks.rank, ranks.device) if cfg.prof else None
     # the chronometer, torch.profiler, the LR range test
-    hooks = LoopHooks(chrono, profiler, opt.lr_finder, ranks.enabled)
+    hooks = LoopHooks(chrono, profiler, training.lr_finder, ranks.enabled)
     progress = Progress(
         log, wandb_run, ranks.device, cfg.epochs, loaders.n_train_batches, cfg.grad_acc, images_per_step
     )
@@ -151,19 +151,19 @@ def main(argv=None) -> dict:
     # ================================ TRAINING
     chrono.start()
     started = run_start - state.elapsed_s  # a resumed run goes on counting from the first run's start
-    periodic = periodic_checkpoints(cfg, saver, started, loaders.n_train_batches, opt.lr_finder, log)
+    periodic = periodic_checkpoints(cfg, saver, started, loaders.n_train_batches, training.lr_finder, log)
     for epoch in range(state.epoch, cfg.epochs):
         epoch_start = time.perf_counter()
         if cfg.min_res is not None:  # the data set's workers crop at this resolution (the sample keys carry the epoch)
             announce_resolution(cfg, epoch, log, wandb_run, state.global_step)
-        result = train_one_epoch(model, opt, loaders, state, cfg, ranks, hooks, progress, stop, periodic)
+        result = train_one_epoch(model, training, loaders, state, cfg, ranks, hooks, progress, stop, periodic)
         train_seconds = time.perf_counter() - epoch_start
         if result.train_loss is not None:  # None: resumed after this epoch's training, before its validation
             metrics.update(train_loss=result.train_loss, train_accuracy=result.train_accuracy)
         metrics["steps"] = state.global_step
         state.elapsed_s = time.perf_counter() - started
-        if opt.lr_finder is not None:  # the range test sweeps on over the next epoch, without validation
-            if opt.lr_finder.done:
+        if training.lr_finder is not None:  # the range test sweeps on over the next epoch, without validation
+            if training.lr_finder.done:
                 break
             continue
         if result.stop_reason:  # preempted or at the time limit: checkpoint mid-epoch, requeue, exit cleanly
@@ -173,7 +173,7 @@ def main(argv=None) -> dict:
         target_reached = False
         if (epoch + 1) % cfg.val_every == 0 or epoch + 1 == cfg.epochs or cfg.test:
             validation = validate(
-                cfg, epoch, model, loaders, opt, ranks, chrono, val_max_batches, log, stop, train_seconds
+                cfg, epoch, model, loaders, training, ranks, chrono, val_max_batches, log, stop, train_seconds
             )
             if validation.get("stopped_by"):  # resumed, the run validates this epoch first
                 return stop_run(
@@ -194,8 +194,10 @@ def main(argv=None) -> dict:
     # ================================ REPORT
     metrics["images_per_second"] = progress.images_per_second()
     metrics["data_wait_ms"] = progress.data_wait_ms()  # steady state, per micro-batch, as images_per_second
-    metrics.update(state_bytes_per_rank(model, opt, ranks))  # what DDP copies and FSDP shards
-    metrics["grad_scaler_scale"] = opt.scaler.get_scale() if opt.scaler.is_enabled() else None  # float16 loss scale
+    metrics.update(state_bytes_per_rank(model, training, ranks))  # what DDP copies and FSDP shards
+    metrics["grad_scaler_scale"] = (
+        training.scaler.get_scale() if training.scaler.is_enabled() else None
+    )  # float16 loss scale
     ctx = chrono_context(cfg, model, loaders, ranks, metrics, val_max_batches) if cfg.test and ranks.is_main else None
     metrics = finish(cfg, metrics, chrono, ranks, wandb_run, ctx=ctx or {}, n_batches=loaders.n_train_batches)
     check_checkpoints_written(cfg, saver, log)  # a final model nowhere on disk ends the run non-zero
@@ -242,14 +244,14 @@ def measure_loader_only(cfg, loaders, ranks, metrics, log) -> dict:
     return metrics
 
 
-def evaluate_only(cfg, model, loaders, opt, ranks, chrono, resumed_from, val_max_batches, metrics, log) -> dict:
+def evaluate_only(cfg, model, loaders, training, ranks, chrono, resumed_from, val_max_batches, metrics, log) -> dict:
     """--eval-only: validate the checkpoint's weights and report."""
     chrono.validation()
     metrics.update(
         evaluate(
             model.module,
             loaders,
-            opt,
+            training,
             ranks,
             val_max_batches,
             tta_flip=cfg.tta_flip,
@@ -336,7 +338,9 @@ def close_hooks(cfg, hooks, ranks, log) -> dict:
     return {}
 
 
-def train_one_epoch(model, opt, loaders, state, cfg, ranks, hooks, progress, stop, checkpoints=None) -> EpochResult:
+def train_one_epoch(
+    model, training, loaders, state, cfg, ranks, hooks, progress, stop, checkpoints=None
+) -> EpochResult:
     """Train on what is left of epoch `state.epoch` (from micro-batch `state.batch`), stopping early at the end of
     --test, on a stop signal (any rank) or when the LR finder is done; `checkpoints` (--checkpoint-every) saves
     mid-epoch. The metrics stay on the device: the host
@@ -355,25 +359,25 @@ def train_one_epoch(model, opt, loaders, state, cfg, ranks, hooks, progress, sto
             progress.console(f"image batch shape: {tuple(images.shape)}, dtype {images.dtype}")
         batch_index = state.batch
         targets = labels
-        if opt.mix is not None:  # soft labels; the loss and the train accuracy take them as they are
-            images, targets = opt.mix(images, labels)
+        if training.mix is not None:  # soft labels; the loss and the train accuracy take them as they are
+            images, targets = training.mix(images, labels)
         optimizer_step = (batch_index + 1) % cfg.grad_acc == 0 or batch_index == loaders.n_train_batches - 1
         with model.gradient_sync(optimizer_step):  # accumulating: gradients reduced at the last micro-batch only
-            with hooks.phase("forward"), opt.autocast():
+            with hooks.phase("forward"), training.autocast():
                 model.begin_step()  # CUDA graphs: the last step's outputs may be overwritten
                 outputs = model.net(images)
                 with hooks.phase("loss"):
-                    loss = opt.criterion(outputs, targets)
+                    loss = training.criterion(outputs, targets)
             with hooks.phase("backward"):
-                opt.scaler.scale(loss / cfg.grad_acc).backward()
+                training.scaler.scale(loss / cfg.grad_acc).backward()
         if optimizer_step:
             with hooks.phase("optimizer_step"):
                 if cfg.clip_grad_norm is not None:  # on the true gradients: unscaled first under float16
-                    opt.scaler.unscale_(opt.optimizer)
+                    training.scaler.unscale_(training.optimizer)
                     torch.nn.utils.clip_grad_norm_(model.module.parameters(), cfg.clip_grad_norm, foreach=True)
-                opt.scaler.step(opt.optimizer)  # skipped by the float16 scaler when gradients overflowed
-                opt.scaler.update()
-                opt.optimizer.zero_grad(set_to_none=True)
+                training.scaler.step(training.optimizer)  # skipped by the float16 scaler when gradients overflowed
+                training.scaler.update()
+                training.optimizer.zero_grad(set_to_none=True)
                 if model.ema is not None:
                     model.ema.update_parameters(model.module)
         state.batch += 1
@@ -382,8 +386,8 @@ def train_one_epoch(model, opt, loaders, state, cfg, ranks, hooks, progress, sto
         if not optimizer_step:
             continue
         state.global_step += 1
-        if opt.scheduler is not None:
-            opt.scheduler.step()
+        if training.scheduler is not None:
+            training.scheduler.step()
         with torch.no_grad():  # a Python scalar or torch.full: torch.tensor(x, device=cuda) would wait for the host
             count = float(labels.numel())
             stats = torch.stack(
@@ -411,7 +415,7 @@ def train_one_epoch(model, opt, loaders, state, cfg, ranks, hooks, progress, sto
             progress.mark(hooks.data_wait_s)
             if bad_step >= 0:
                 diverged(cfg, bad_step, state.epoch)
-            lr = opt.optimizer.param_groups[0]["lr"]  # the next step's (the scheduler has stepped)
+            lr = training.optimizer.param_groups[0]["lr"]  # the next step's (the scheduler has stepped)
             if state.global_step % LOG_EVERY == 0:
                 progress.log_train(state.global_step, loss, lr)
             if console_line:
@@ -434,13 +438,13 @@ def train_one_epoch(model, opt, loaders, state, cfg, ranks, hooks, progress, sto
     return EpochResult(loss_sum / count, correct / count, stop_reason)
 
 
-def evaluate(net, loaders, opt, ranks, max_batches=None, stop=None, tta_flip=False, sharded=False) -> dict:
+def evaluate(net, loaders, training, ranks, max_batches=None, stop=None, tta_flip=False, sharded=False) -> dict:
     """Loss, top-1 and top-5 over exactly the images this run evaluates, summed on every rank then all-reduced.
     `tta_flip`: the logits are the mean of the image's and its mirror's. With `stop` (a StopPoll), a stop signal
     ends it between two batches: returns {"stopped_by": signal name}. `sharded` (FSDP): each forward gathers
     parameters from every rank, so a rank with one batch fewer runs one uncounted forward more."""
     if sharded:
-        from dlojz_fsdp import reshard
+        from dlojz_lib.fsdp import reshard
     if ranks.enabled:  # BN statistics drift per rank in training: validate rank 0's model, as checkpointed
         for buffer in net.buffers():
             dist.broadcast(buffer, 0)
@@ -455,11 +459,11 @@ def evaluate(net, loaders, opt, ranks, max_batches=None, stop=None, tta_flip=Fal
             # Asked only while every rank has a batch (the last may have one fewer): the same calls on all.
             if stop is not None and batch_index < loaders.n_val_batches_every_rank and stop():
                 return dict(stopped_by=stop.stop_signal.name or "signal on another rank")
-            with opt.autocast():
+            with training.autocast():
                 outputs = net(images).float()
                 if tta_flip:
                     outputs = (outputs + net(images.flip(3)).float()) / 2
-            loss = opt.val_criterion(outputs, labels)
+            loss = training.val_criterion(outputs, labels)
             top5 = outputs.topk(min(5, outputs.shape[1]), dim=1).indices
             totals += torch.stack(
                 [
@@ -471,7 +475,7 @@ def evaluate(net, loaders, opt, ranks, max_batches=None, stop=None, tta_flip=Fal
             )
         if sharded:  # the other ranks' last forwards gather this rank's shards too
             for _ in range(forwards, min(loaders.n_val_batches_most, max_batches or loaders.n_val_batches_most)):
-                with opt.autocast():  # (every rank has an image: build_loaders checks it)
+                with training.autocast():  # (every rank has an image: build_loaders checks it)
                     net(images[:1])
                     if tta_flip:
                         net(images[:1].flip(3))
@@ -515,11 +519,13 @@ def diverged(cfg, bad_step, epoch):
     )
 
 
-def validate(cfg, epoch, model, loaders, opt, ranks, chrono, max_batches, log, stop, train_seconds) -> dict:
+def validate(cfg, epoch, model, loaders, training, ranks, chrono, max_batches, log, stop, train_seconds) -> dict:
     """The end-of-epoch validation of the model (and of its EMA), timed, with its console lines; or
     {"stopped_by": signal} when a stop signal interrupted it."""
     chrono.validation()
-    metrics = evaluate(model.module, loaders, opt, ranks, max_batches, stop, cfg.tta_flip, model.parallel == "fsdp")
+    metrics = evaluate(
+        model.module, loaders, training, ranks, max_batches, stop, cfg.tta_flip, model.parallel == "fsdp"
+    )
     chrono.validation()
     if "stopped_by" in metrics:
         return metrics
@@ -532,7 +538,7 @@ def validate(cfg, epoch, model, loaders, opt, ranks, chrono, max_batches, log, s
     )
     log(f">>> Validation complete in: {chrono.val_time:.2f} s (this epoch's training: {train_seconds:.2f} s)")
     if model.ema is not None:
-        ema = evaluate(model.ema.module, loaders, opt, ranks, max_batches, stop, cfg.tta_flip)
+        ema = evaluate(model.ema.module, loaders, training, ranks, max_batches, stop, cfg.tta_flip)
         if "stopped_by" in ema:
             return ema
         metrics.update(
@@ -547,51 +553,17 @@ def validate(cfg, epoch, model, loaders, opt, ranks, chrono, max_batches, log, s
     return metrics
 
 
-def synthetic_loop(argv, n_batches):
-    """The arguments of train_one_epoch for `argv` on --synthetic batches, `n_batches` per epoch and rank: the
-    training loop run in-process by benchmarks and tests, without data, W&B, checkpoints or signal handlers."""
-    cfg = resolve_config(get_args_parser().parse_args([*argv, "--synthetic"]))
-    ranks, cfg = setup_distributed(cfg)
-    log = Console(ranks.is_main)
-    model = build_model(cfg, SYNTHETIC_CLASSES, ranks, log)
-    loaders = synthetic_loaders(
-        cfg,
-        SYNTHETIC_CLASSES,
-        ranks,
-        n_batches * cfg.batch_size * ranks.world_size,
-        cfg.val_batch_size * ranks.world_size,
-    )
-    opt = optim.build_optimization(cfg, model, loaders.n_train_batches, SYNTHETIC_CLASSES, ranks, log)
-    progress = Progress(
-        log,
-        NoWandb(),
-        ranks.device,
-        cfg.epochs,
-        loaders.n_train_batches,
-        cfg.grad_acc,
-        cfg.batch_size * ranks.world_size,
-    )
-    return dict(
-        model=model,
-        opt=opt,
-        loaders=loaders,
-        state=TrainState(),
-        cfg=cfg,
-        ranks=ranks,
-        hooks=LoopHooks(Chronometer(enabled=cfg.test, device=ranks.device), None, opt.lr_finder, ranks.enabled),
-        progress=progress,
-        stop=StopPoll(StopSignal(), ranks),
-    )
-
-
 def cli(argv=None) -> int:
     """Run main(); turn every failure into an exit status and one line, and never leave a rank waiting:
     0 done, 2 bad input, 3 loss diverged, 4 another rank lost, 5 a checkpoint the run needed not written (disk
     full, folder read-only), 6 stopped with a checkpoint but not requeued, 1 crash, 130 interrupted."""
     rank = idr_torch.rank
     status = 0
+    running = {}
     try:
-        if (main(argv) or {}).get("stopped_by") == INTERRUPTED:  # Ctrl-C, checkpointed: the shell's status for it
+        if (main(argv, running) or {}).get(
+            "stopped_by"
+        ) == INTERRUPTED:  # Ctrl-C, checkpointed: the shell's status for it
             status = 130
     except SystemExit as err:  # argparse: --help, or a bad flag already reported in one line
         status = err.code if isinstance(err.code, int) else 2
@@ -613,8 +585,8 @@ def cli(argv=None) -> int:
     except KeyboardInterrupt:
         status = 130
     except Exception as err:
-        if idr_torch.world_size > 1 and "state" in RUNNING and is_lost_peer(err):
-            status = report_lost_peer(**RUNNING)
+        if idr_torch.world_size > 1 and "state" in running and is_lost_peer(err):
+            status = report_lost_peer(**running)
         else:
             status = report_crash(err, rank)
     for loader in LOADERS:

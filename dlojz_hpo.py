@@ -49,7 +49,7 @@ import warnings
 from pathlib import Path
 
 from dlojz_lib.checks import fail
-from dlojz_lib.config import UserError
+from dlojz_lib.checks import UserError
 from dlojz_lib.hpo.report import best_trial, write_csv, write_plots, write_recipe
 from dlojz_lib.hpo.space import check_shared, flag_argv, read_space, split_shared
 from dlojz_lib.flags import COUNT, NON_NEGATIVE, POSITIVE, Number

@@ -89,7 +89,7 @@ def make_data(args) -> Path:
             sys.exit(2)  # bad input, as in every dlojz script
         return args.data
     sys.path.insert(0, str(REPO))
-    from dlojz_lib.data.datasets import make_embedded_dataset
+    from dlojz_lib.data.embedded import make_embedded_dataset
 
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dlojz"
     root = cache / f"bench-plain-500x375-{args.images}-v1"

@@ -12,7 +12,7 @@ Measured, each in its own fresh subprocess (so that no run inherits another's al
   user runs it. ``--test`` turns the chronometer on, which synchronises the device at every phase boundary on a GPU
   (load, forward, backward), so this figure includes the chronometer's cost.
 * ``dlojz epoch``: the normal training path, chronometer off. A ``--synthetic`` epoch is ImageNet-sized (1,281,167
-  images), so this variant imports ``dlojz`` and runs its ``train_one_epoch`` in-process on ``dlojz.synthetic_loop``
+  images), so this variant imports ``dlojz`` and runs its ``train_one_epoch`` in-process on ``in_process.synthetic_loop``
   (the parts ``main()`` builds, from the same flags, ``--synthetic --epochs 1``, with an epoch of STEPS batches);
   every line of the training loop is dlojz's own. Note that an epoch of STEPS steps prints a console line every
   ceil(STEPS/10) steps, each a synchronisation point; a real epoch has 10 per epoch.
@@ -273,11 +273,12 @@ def onecycle_values(max_lr, total_steps, steps):
 
 def run_dlojz_short_epoch(steps, dlojz_argv):
     """dlojz's normal (non --test) training loop, its own train_one_epoch, over a synthetic epoch of `steps` batches
-    (dlojz.synthetic_loop), writing the metrics the driver reads."""
+    (in_process.synthetic_loop), writing the metrics the driver reads."""
     import dlojz
+    from in_process import synthetic_loop
     from dlojz_lib.log import write_json
 
-    loop = dlojz.synthetic_loop(dlojz_argv, n_batches=steps)
+    loop = synthetic_loop(dlojz_argv, n_batches=steps)
     result = dlojz.train_one_epoch(**loop)
     write_json(
         loop["cfg"].metrics_json,

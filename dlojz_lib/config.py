@@ -15,7 +15,7 @@ import warnings
 from datetime import datetime
 from pathlib import Path
 
-from dlojz_lib.checks import UserError, fail  # noqa: F401  (UserError: imported from here by the scripts)
+from dlojz_lib.checks import fail
 from dlojz_lib.flags import CUDA_GRAPH_MODES, FUSED, check_data_variable, check_flags, get_args_parser
 from dlojz_lib.recipe import read_recipe
 

@@ -30,7 +30,7 @@ Public API
     ``write_csv(path)``, ``plot(png_path)``, ``suggestion() -> (lr, rule)``.
 ``soft_target_accuracy(outputs, targets) -> torch.Tensor``
     Batch accuracy (0-dim tensor in [0, 1]) against class indices or soft labels (MixUp/CutMix).
-``build_optimization(cfg, model, n_train_batches, num_classes, ranks, log) -> Optimization``
+``build_training(cfg, model, n_train_batches, num_classes, ranks, log) -> Training``
     What dlojz.py's run builds of all this from its flags: the losses, optimizer, schedule or LR finder,
     GradScaler, autocast and MixUp/CutMix, in one record.
 
@@ -58,8 +58,9 @@ from torch import nn
 
 # The flags' values and their check live with the command line (torch-free, so that --help answers at once).
 from dlojz_lib.checks import fail
-from dlojz_lib.flags import FUSED, OPTIMIZERS, SCHEDULERS, check_hyperparameters  # noqa: F401
+from dlojz_lib.flags import OPTIMIZERS, SCHEDULERS, check_hyperparameters
 from dlojz_lib.data.transforms import batch_mixing
+from dlojz_lib.fsdp import UNFUSED_UNDER_FSDP
 
 # Layers whose affine parameters are normalisation scales/shifts: decaying them towards 0 only fights the
 # normalisation (see "Bag of Tricks", He et al. 2019), hence --no-wd-norm-bias.
@@ -424,7 +425,10 @@ def soft_target_accuracy(outputs: torch.Tensor, targets: torch.Tensor) -> torch.
 
 # ---------------------------------------------------------------------- what a run builds of all this
 @dataclasses.dataclass
-class Optimization:
+class Training:
+    """How the model learns, beside the model and its batches: the loss, the optimizer and its schedule (or the LR
+    finder), the float16 loss scaler, autocast and MixUp/CutMix. train_one_epoch and evaluate take it whole."""
+
     criterion: torch.nn.Module
     val_criterion: torch.nn.Module  # summed over the images: exact totals across ranks
     optimizer: torch.Optimizer
@@ -436,7 +440,7 @@ class Optimization:
     total_steps: int  # optimizer steps the schedule spans
 
 
-def build_optimization(cfg, model, n_train_batches, num_classes, ranks, log) -> Optimization:
+def build_training(cfg, model, n_train_batches, num_classes, ranks, log) -> Training:
     """Loss, optimizer, per-step schedule (or the LR finder), GradScaler, autocast and MixUp/CutMix."""
     step_images = cfg.batch_size * ranks.world_size * cfg.grad_acc
     log(
@@ -447,7 +451,7 @@ def build_optimization(cfg, model, n_train_batches, num_classes, ranks, log) -> 
     val_criterion = torch.nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing, reduction="sum")
     # Fused steps (sgd, adamw): no host synchronisation with the float16 GradScaler (see dlojz_lib.optim); FSDP's
     # sharded parameters have no fused SGD (its foreach step is used, and bfloat16 needs no scaler).
-    fused = not (cfg.fsdp and cfg.optimizer == "sgd")
+    fused = not (cfg.fsdp and cfg.optimizer in UNFUSED_UNDER_FSDP)
     optimizer = build_optimizer(
         cfg.optimizer,
         param_groups(model.module, cfg.wd, cfg.no_wd_norm_bias),
@@ -487,7 +491,7 @@ def build_optimization(cfg, model, n_train_batches, num_classes, ranks, log) -> 
     autocast = (
         (lambda: torch.autocast(ranks.device.type, dtype=cfg.autocast_dtype)) if cfg.amp else contextlib.nullcontext
     )
-    return Optimization(
+    return Training(
         criterion,
         val_criterion,
         optimizer,

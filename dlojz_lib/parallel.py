@@ -61,7 +61,7 @@ def build_model(cfg, num_classes, ranks, log) -> Model:
         ema = ModelEma(module, cfg.model_ema_decay)
     net, parallel, unsharded = module, "none", module
     if cfg.fsdp:
-        from dlojz_fsdp import shard_model
+        from dlojz_lib.fsdp import shard_model
 
         unsharded = meta_copy(module)
         blocks = shard_model(module, cfg, ranks.device)
@@ -84,12 +84,12 @@ def build_model(cfg, num_classes, ranks, log) -> Model:
     return Model(net, module, ema, num_classes, parallel, unsharded, cuda_graphs)
 
 
-def state_bytes_per_rank(model, opt, ranks) -> dict:
+def state_bytes_per_rank(model, training, ranks) -> dict:
     """Bytes of parameters, gradients and optimizer state on each rank (the largest), and each rank's peak."""
-    from dlojz_fsdp import state_bytes
+    from dlojz_lib.fsdp import state_bytes
     from dlojz_lib.model import peak_memory_bytes
 
-    local = dict(state_bytes(model.module, opt.optimizer), peak_memory_bytes=peak_memory_bytes(ranks.device))
+    local = dict(state_bytes(model.module, training.optimizer), peak_memory_bytes=peak_memory_bytes(ranks.device))
     every = ranks.all_gather(local) if ranks.enabled else [local]
     result = {f"{key}_per_rank": max(rank[key] for rank in every) for key in local if key != "peak_memory_bytes"}
     result["peak_memory_bytes_per_rank"] = [rank["peak_memory_bytes"] for rank in every]

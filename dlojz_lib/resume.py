@@ -170,16 +170,16 @@ def check_checkpoints_written(cfg, saver, log):
     log(f"WARNING: {len(unwritten)} checkpoint(s) not written during the run ({names}); the last one is on disk")
 
 
-def make_saver(cfg, model, opt, ranks):
+def make_saver(cfg, model, training, ranks):
     """The checkpoint writer: one file by rank 0, or with --fsdp one folder of every rank's shards."""
     fixed = dict(
         args=dataclasses.asdict(cfg),
-        total_steps=opt.total_steps,
+        total_steps=training.total_steps,
         world_size=ranks.world_size,
         num_classes=model.num_classes,
     )
     if model.parallel == "fsdp":
-        from dlojz_fsdp import ShardedCheckpointSaver
+        from dlojz_lib.fsdp import ShardedCheckpointSaver
 
         return ShardedCheckpointSaver(
             cfg.output_dir,
@@ -188,9 +188,9 @@ def make_saver(cfg, model, opt, ranks):
             fixed,
             ranks.is_main,
             model.module,
-            opt.optimizer,
-            opt.scheduler,
-            opt.scaler,
+            training.optimizer,
+            training.scheduler,
+            training.scaler,
         )
     return ckpt.CheckpointSaver(
         cfg.output_dir,
@@ -200,14 +200,14 @@ def make_saver(cfg, model, opt, ranks):
         ranks.is_main,
         background=True,  # training pauses only to copy the state into host memory
         model=model.module,
-        optimizer=opt.optimizer,
-        scheduler=opt.scheduler,
+        optimizer=training.optimizer,
+        scheduler=training.scheduler,
         ema=model.ema,
-        scaler=opt.scaler,
+        scaler=training.scaler,
     )
 
 
-def restore(cfg, model, opt, n_train_batches, device, log):
+def restore(cfg, model, training, n_train_batches, device, log):
     """--resume: the weights (and EMA); unless --eval-only, also the optimizer, schedule, GradScaler, training
     position and random generators. Returns (TrainState, the checkpoint's path or None)."""
     if not cfg.resume:
@@ -224,7 +224,7 @@ def restore(cfg, model, opt, n_train_batches, device, log):
             saved, path = ckpt.load(cfg.resume), cfg.resume
         except ckpt.CheckpointError as err:
             fail(f"--resume: {err}")
-    restore_weights(cfg, model, opt, saved, path, log)
+    restore_weights(cfg, model, training, saved, path, log)
     state = TrainState()
     if not cfg.eval_only:
         state = TrainState(
@@ -247,17 +247,17 @@ def restore(cfg, model, opt, n_train_batches, device, log):
             # Optimizer steps of another size: the step this setting has reached at the same image.
             steps_per_epoch = math.ceil(n_train_batches / cfg.grad_acc)
             state.global_step = state.epoch * steps_per_epoch + state.batch // cfg.grad_acc
-        if opt.scheduler is not None and saved.get("scheduler") is not None:
-            restore_schedule(cfg, opt, saved, state.global_step, log)
+        if training.scheduler is not None and saved.get("scheduler") is not None:
+            restore_schedule(cfg, training, saved, state.global_step, log)
         if saved.get("scaler"):  # none when it was written with the scaler off (bfloat16, --no-amp, CPU)
-            opt.scaler.load_state_dict(saved["scaler"])
+            training.scaler.load_state_dict(saved["scaler"])
         ckpt.restore_rng(saved, device)
     at = state if not cfg.eval_only else TrainState(saved["epoch"], saved["batch"], saved["global_step"])
     log(f"resumed from {path} (epoch {at.epoch + 1}, step {at.batch}/{n_train_batches}, global step {at.global_step})")
     return state, path
 
 
-def restore_weights(cfg, model, opt, saved, path, log):
+def restore_weights(cfg, model, training, saved, path, log):
     """The model's weights, the EMA's and (unless --eval-only) the optimizer's state, from a checkpoint file
     or, with --fsdp, from a sharded checkpoint or a file."""
     sharded = saved.get("sharded_path")
@@ -274,11 +274,11 @@ def restore_weights(cfg, model, opt, saved, path, log):
     check_same_model(cfg, model.num_classes, saved, path)
     try:
         if sharded:
-            from dlojz_fsdp import load_sharded
+            from dlojz_lib.fsdp import load_sharded
 
-            load_sharded(sharded, model.module, None if cfg.eval_only else opt.optimizer)
+            load_sharded(sharded, model.module, None if cfg.eval_only else training.optimizer)
         elif cfg.fsdp:
-            from dlojz_fsdp import load_full_weights
+            from dlojz_lib.fsdp import load_full_weights
 
             load_full_weights(model.module, saved["model"])
         else:
@@ -293,7 +293,7 @@ def restore_weights(cfg, model, opt, saved, path, log):
     saved_optimizer = (saved.get("args") or {}).get("optimizer", cfg.optimizer)
     if not cfg.eval_only and not sharded:
         if saved_optimizer == cfg.optimizer:
-            opt.optimizer.load_state_dict(saved["optimizer"])
+            training.optimizer.load_state_dict(saved["optimizer"])
         else:  # another optimizer's state (momenta, second moments) means nothing to this one
             log(f"--optimizer {cfg.optimizer}: the checkpoint's {saved_optimizer} state is dropped; it starts afresh")
 
@@ -312,23 +312,23 @@ def check_same_model(cfg, num_classes, saved, path):
         )
 
 
-def restore_schedule(cfg, opt, saved, global_step, log):
+def restore_schedule(cfg, training, saved, global_step, log):
     """The schedule as saved when nothing that shapes it changed; otherwise (more --epochs, another batch size,
     --grad-acc or number of ranks, another --lr-scheduler) the new schedule, from the step this setting has reached."""
     saved_args = saved["args"]
     saved_total = saved.get("total_steps")
     same = (
-        saved_total == opt.total_steps
+        saved_total == training.total_steps
         and global_step == saved["global_step"]
         and saved_args.get("lr_scheduler", cfg.lr_scheduler) == cfg.lr_scheduler
     )
     if same:
-        opt.scheduler.load_state_dict(saved["scheduler"])
+        training.scheduler.load_state_dict(saved["scheduler"])
         return
-    if global_step > opt.total_steps:  # past this run's end: main() says there is nothing to train
+    if global_step > training.total_steps:  # past this run's end: main() says there is nothing to train
         return
-    optim.fast_forward(opt.scheduler, global_step)
+    optim.fast_forward(training.scheduler, global_step)
     log(
-        f"the learning-rate schedule ({cfg.lr_scheduler}) is rebuilt for {opt.total_steps} optimizer steps and "
+        f"the learning-rate schedule ({cfg.lr_scheduler}) is rebuilt for {training.total_steps} optimizer steps and "
         f"continues from step {global_step} (the checkpoint's had {saved_total or '?'}, at step {saved['global_step']})"
     )

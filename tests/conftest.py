@@ -13,6 +13,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(1, str(ROOT / "bench"))  # in_process.synthetic_loop: dlojz's loop in-process, for tests and benches
 
 import file_seconds  # noqa: E402
 import preloaded  # noqa: E402  (after the path that finds dlojz)
@@ -97,7 +98,7 @@ def show(proc):
 @pytest.fixture(scope="session")
 def tiny_data(tmp_path_factory):
     """3 classes, 24 train images per class, 5 val per class: 15 val images, not divisible by 2."""
-    from dlojz_lib.data.datasets import make_embedded_dataset
+    from dlojz_lib.data.embedded import make_embedded_dataset
 
     return make_embedded_dataset(
         tmp_path_factory.mktemp("data") / "tiny", n_classes=3, train_per_class=24, val_per_class=5, size=(48, 40)

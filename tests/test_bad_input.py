@@ -254,10 +254,12 @@ def test_a_validation_image_gone_mid_run_is_left_out_of_the_count_not_replaced(t
             return self.linear(images.float().mean(dim=(2, 3)))
 
     loaders = SimpleNamespace(val_batches=[batch], n_val_batches_every_rank=1, n_val_batches_most=1)
-    opt = SimpleNamespace(autocast=contextlib.nullcontext, val_criterion=torch.nn.CrossEntropyLoss(reduction="sum"))
+    training = SimpleNamespace(
+        autocast=contextlib.nullcontext, val_criterion=torch.nn.CrossEntropyLoss(reduction="sum")
+    )
     ranks = SimpleNamespace(enabled=False, device=torch.device("cpu"))
     net = Logits()
-    result = evaluate(net, loaders, opt, ranks)
+    result = evaluate(net, loaders, training, ranks)
     assert result["val_images"] == len(val) - 1
     readable = batch[1] >= 0
     with torch.no_grad():
@@ -357,7 +359,11 @@ SCRIPTS = [
     "dlojz_pack.py",
     "dlojz_fsdp.py",
     "dlojz_lib/chrono_report.py",  # dlojz_chrono.py's command line
-    *sorted(path.relative_to(ROOT).as_posix() for path in (ROOT / "bench").glob("*.py")),
+    *sorted(  # the benches that are commands (in_process.py is the loop they import)
+        path.relative_to(ROOT).as_posix()
+        for path in (ROOT / "bench").glob("*.py")
+        if 'if __name__ == "__main__"' in path.read_text()
+    ),
 ]
 
 
@@ -391,8 +397,8 @@ def test_every_number_option_of_the_siblings_and_benches_has_bounds_and_refuses_
     script, monkeypatch, capsys
 ):
     """The walk of test_config's over each sibling script and bench: an option taking a number has bounds
-    (dlojz_lib.flags.Number: `bench_loader.py --sizes 0` was a traceback from inside torchvision), and each value out of
-    them is one line naming the option, exit status 2."""
+    (dlojz_lib.flags.Number: without them `bench_loader.py --sizes 0` reaches torchvision and fails inside it), and
+    each value out of them is one line naming the option, exit status 2."""
     import argparse
 
     from dlojz_lib.flags import Number
@@ -422,7 +428,8 @@ def test_every_number_option_of_the_siblings_and_benches_has_bounds_and_refuses_
 
 
 def test_dali_on_images_it_does_not_decode_is_one_line_before_the_run(tmp_path):
-    """Before: 24 warnings, one per WebP file skipped, then an OSError, where the pytorch backend reads them."""
+    """DALI does not decode WebP, which the pytorch backend reads: one line naming the backend that does, not a
+    warning per file skipped and then an OSError."""
     from dlojz_lib.data.dali import check_decodable
 
     files = [(str(tmp_path / f"a/{k}.webp"), 0) for k in range(24)] + [(str(tmp_path / "b/0.JPEG"), 1)]
@@ -458,7 +465,7 @@ def test_ctrl_c_while_torch_imports_is_one_line_not_a_traceback(tmp_path):
 
 
 def test_a_cache_folder_that_cannot_be_written_is_named_not_blamed_on_the_compiler(tmp_path, monkeypatch):
-    """Before: the advice was to install gcc and libjpeg-dev, both installed."""
+    """A cache folder that cannot be written is named as the cause, not a missing gcc or libjpeg-dev."""
     import dlojz_lib.data.jpeg
 
     blocker = tmp_path / "a-file"
@@ -474,7 +481,7 @@ def test_a_cache_folder_that_cannot_be_written_is_named_not_blamed_on_the_compil
 
 
 def test_consolidate_given_a_run_folder_names_its_sharded_checkpoints(tmp_path, capsys):
-    """Before: --resume advice, which consolidate does not take."""
+    """consolidate takes a .dcp folder: given a run's folder, it names the newest one (not --resume's advice)."""
     import dlojz_fsdp
 
     (tmp_path / "ckpt_e0001_s000000010.dcp").mkdir()
@@ -487,7 +494,8 @@ def test_consolidate_given_a_run_folder_names_its_sharded_checkpoints(tmp_path, 
 
 def test_a_data_root_without_read_permission_is_named_not_a_traceback(tiny_data, monkeypatch):
     """The pack check (is there a manifest?) is the first to look into the data root: it must name it too."""
-    from dlojz_lib.data.datasets import DataError, build_datasets
+    from dlojz_lib.checks import DataError
+    from dlojz_lib.data.datasets import build_datasets
 
     is_file = Path.is_file
 

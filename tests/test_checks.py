@@ -102,7 +102,9 @@ def test_fsdp_consolidate_onto_a_folder(tmp_path, capsys):
 def test_an_unreadable_split_folder_is_named(tiny_data, monkeypatch):
     from pathlib import Path
 
-    from dlojz_lib.data.datasets import DataError, find_layout
+    from dlojz_lib.checks import DataError
+
+    from dlojz_lib.data.datasets import find_layout
 
     iterdir = Path.iterdir
 
@@ -118,7 +120,8 @@ def test_an_unreadable_split_folder_is_named(tiny_data, monkeypatch):
 
 def test_an_unreadable_class_folder_is_named_not_called_empty(tiny_data, monkeypatch):
     import dlojz_lib.data.datasets
-    from dlojz_lib.data.datasets import DataError, build_datasets
+    from dlojz_lib.checks import DataError
+    from dlojz_lib.data.datasets import build_datasets
 
     hidden = sorted((tiny_data / "train").iterdir())[1]
     walk = os.walk
@@ -135,7 +138,8 @@ def test_an_unreadable_class_folder_is_named_not_called_empty(tiny_data, monkeyp
 
 
 def test_an_unwritable_cache_for_the_embedded_data_set(tmp_path):
-    from dlojz_lib.data.datasets import DataError, make_embedded_dataset
+    from dlojz_lib.checks import DataError
+    from dlojz_lib.data.embedded import make_embedded_dataset
 
     blocker = tmp_path / "a-file"
     blocker.write_text("")
@@ -178,7 +182,8 @@ def test_a_batch_larger_than_the_data_set_is_refused(tiny_data, tmp_path, run_in
 
 
 def test_a_pack_with_a_corrupt_manifest_is_named_as_such(tmp_path):
-    from dlojz_lib.data.datasets import DataError, build_datasets
+    from dlojz_lib.checks import DataError
+    from dlojz_lib.data.datasets import build_datasets
 
     for split in ("train", "val"):
         (tmp_path / split / "cls").mkdir(parents=True)
@@ -232,7 +237,10 @@ def test_every_flag_of_dlojz_hpo_refuses_what_it_cannot_take(tmp_path, capsys):
 def test_a_class_without_one_readable_training_image_is_refused(tmp_path):
     import shutil
 
-    from dlojz_lib.data.datasets import DataError, build_datasets, make_embedded_dataset
+    from dlojz_lib.checks import DataError
+
+    from dlojz_lib.data.datasets import build_datasets
+    from dlojz_lib.data.embedded import make_embedded_dataset
 
     data = make_embedded_dataset(tmp_path / "d", n_classes=3, train_per_class=4, val_per_class=1, size=(32, 32))
     broken = tmp_path / "broken"
@@ -244,7 +252,8 @@ def test_a_class_without_one_readable_training_image_is_refused(tmp_path):
 
 
 def test_a_class_with_some_unreadable_images_is_a_warning(tmp_path, capsys):
-    from dlojz_lib.data.datasets import build_datasets, make_embedded_dataset
+    from dlojz_lib.data.datasets import build_datasets
+    from dlojz_lib.data.embedded import make_embedded_dataset
 
     data = make_embedded_dataset(tmp_path / "d", n_classes=3, train_per_class=4, val_per_class=1, size=(32, 32))
     first = sorted((data / "train" / "square").iterdir())[0]
@@ -255,7 +264,8 @@ def test_a_class_with_some_unreadable_images_is_a_warning(tmp_path, capsys):
 
 
 def test_an_unreadable_image_is_named_once_not_every_epoch(tmp_path, capsys):
-    from dlojz_lib.data.datasets import build_datasets, make_embedded_dataset
+    from dlojz_lib.data.datasets import build_datasets
+    from dlojz_lib.data.embedded import make_embedded_dataset
 
     data = make_embedded_dataset(tmp_path / "d", n_classes=2, train_per_class=3, val_per_class=1, size=(32, 32))
     bad = sorted((data / "train" / "square").iterdir())[1]

@@ -287,13 +287,14 @@ def test_cuda_without_gpu(tmp_path, run_inline):
 
 def test_autocast_dtype_that_cannot_run(monkeypatch):
     """Where autocast in the chosen dtype fails on the device, dlojz says so before training, naming the flag."""
+    import dlojz_lib.checks
     import dlojz_lib.config
 
     def broken_autocast(*args, **kwargs):
         raise RuntimeError("Current CPU device does not support float16 autocast\nmore details")
 
     monkeypatch.setattr(torch, "autocast", broken_autocast)
-    with pytest.raises(dlojz_lib.config.UserError, match=r"^--amp-dtype float16 cannot run on cpu: Current CPU device"):
+    with pytest.raises(dlojz_lib.checks.UserError, match=r"^--amp-dtype float16 cannot run on cpu: Current CPU device"):
         dlojz_lib.config.check_autocast(torch.device("cpu"), torch.float16)
 
 

@@ -1,12 +1,13 @@
 """Each flag changes what the training loop computes: tests that fail when the flag is ignored.
 
-The loop runs in-process on dlojz.synthetic_loop (the parts main() builds from the flags, on --synthetic batches);
+The loop runs in-process on bench/in_process.py's synthetic_loop (the parts main() builds from the flags, on --synthetic batches);
 hooks on the model see the batch and the activations it gets."""
 
 import pytest
 import torch
 
 import dlojz
+from in_process import synthetic_loop
 from dlojz_lib.config import resolve_config
 from dlojz_lib.flags import get_args_parser
 
@@ -14,7 +15,7 @@ BASE = ["--device", "cpu", "--arch", "resnet18", "--image-size", "32", "-b", "4"
 
 
 def loop_for(*flags, n_batches=2):
-    return dlojz.synthetic_loop([*BASE, *map(str, flags)], n_batches=n_batches)
+    return synthetic_loop([*BASE, *map(str, flags)], n_batches=n_batches)
 
 
 @pytest.fixture(autouse=True)
@@ -60,22 +61,22 @@ def test_mixing_changes_the_batch_and_gives_soft_labels(flag):
     loop = loop_for(flag, "1.0")
     plain_images = next(iter(loop["loaders"].train_batches))[0].clone()
     targets = []
-    criterion = loop["opt"].criterion
-    loop["opt"].criterion = lambda outputs, target: (targets.append(target), criterion(outputs, target))[1]
+    criterion = loop["training"].criterion
+    loop["training"].criterion = lambda outputs, target: (targets.append(target), criterion(outputs, target))[1]
     inputs, _ = seen_by_model(loop)
     assert not torch.equal(inputs[0], plain_images)
     soft = targets[0]
     assert soft.shape == (4, 1000) and torch.allclose(soft.sum(1), torch.ones(4))
     assert not torch.equal(soft, torch.nn.functional.one_hot(soft.argmax(1), 1000).to(soft.dtype))
     loop = loop_for()  # without the flag: the batch as loaded, class indices
-    assert loop["opt"].mix is None and torch.equal(seen_by_model(loop)[0][0], plain_images)
+    assert loop["training"].mix is None and torch.equal(seen_by_model(loop)[0][0], plain_images)
 
 
 def test_model_ema_is_the_exponential_average_of_the_weights():
     decay = 0.5
     loop = loop_for("--model-ema", "--model-ema-decay", decay, n_batches=4)
     after_step = []
-    loop["opt"].optimizer.register_step_post_hook(
+    loop["training"].optimizer.register_step_post_hook(
         lambda *args: after_step.append([p.detach().clone() for p in loop["model"].module.parameters()])
     )
     dlojz.train_one_epoch(**loop)
@@ -173,7 +174,7 @@ def test_grad_acc_gives_the_same_update_as_one_big_batch():
         ("one", ["-b", "4"], [(images, labels)]),
         ("acc", ["-b", "2", "--grad-acc", "2"], [(images[:2], labels[:2]), (images[2:], labels[2:])]),
     ):
-        loop = dlojz.synthetic_loop(common + flags, n_batches=len(batches))
+        loop = synthetic_loop(common + flags, n_batches=len(batches))
         torch.manual_seed(1)  # the same initial weights for both
         loop["model"].module.load_state_dict(torchvision_vit_state())
         loop["loaders"].train_batches = batches

@@ -28,6 +28,8 @@ import pytest
 import torch
 
 import dlojz
+from dlojz_lib.data.loaders import SYNTHETIC_CLASSES, synthetic_loaders
+from in_process import synthetic_loop
 from conftest import read_json, run_dlojz, show
 
 pytestmark = [
@@ -68,7 +70,7 @@ def in_tmp(tmp_path, monkeypatch):
 
 def loop_for(*flags, n_batches=3):
     """The arguments of dlojz.train_one_epoch for these flags on CUDA (synthetic batches on the device)."""
-    return dlojz.synthetic_loop([*CUDA, *map(str, flags)], n_batches=n_batches)
+    return synthetic_loop([*CUDA, *map(str, flags)], n_batches=n_batches)
 
 
 def run_epoch_seen(loop):
@@ -107,9 +109,11 @@ def test_float16_with_the_grad_scaler_on_resnet50():
     assert len(conv_outputs) == 3 and {out.dtype for out in conv_outputs} == {torch.float16}
     assert math.isfinite(result.train_loss)
     assert next(loop["model"].module.parameters()).dtype == torch.float32  # float32 master weights
-    scaler = loop["opt"].scaler
+    scaler = loop["training"].scaler
     assert scaler.is_enabled() and is_power_of_two(scaler.get_scale()), scaler.get_scale()
-    assert loop["opt"].optimizer.defaults.get("fused"), "SGD's fused step: the scaler hands it tensors, no host read"
+    assert loop["training"].optimizer.defaults.get("fused"), (
+        "SGD's fused step: the scaler hands it tensors, no host read"
+    )
 
 
 def test_bfloat16_needs_no_scaler():
@@ -118,7 +122,7 @@ def test_bfloat16_needs_no_scaler():
     result, conv_outputs, _ = run_epoch_seen(loop)
     assert {out.dtype for out in conv_outputs} == {torch.bfloat16}
     assert math.isfinite(result.train_loss)
-    assert not loop["opt"].scaler.is_enabled()
+    assert not loop["training"].scaler.is_enabled()
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
@@ -171,7 +175,7 @@ def test_the_prefetcher_gives_the_same_batches_on_its_stream(tmp_path):
     late."""
     from dlojz_lib.config import resolve_config
     from dlojz_lib.flags import get_args_parser
-    from dlojz_lib.data.datasets import make_embedded_dataset
+    from dlojz_lib.data.embedded import make_embedded_dataset
     from dlojz_lib.dist import Distribution
     from dlojz_lib.log import Console
     from dlojz_lib.data.prefetch import DeviceNormalize, DevicePrefetcher
@@ -446,7 +450,7 @@ def test_training_steps_never_wait_for_the_gpu(flags, monkeypatch):
     log point of its last step (the others moved out of reach), which the test lets through."""
     if "bfloat16" in flags:
         skip_without_bfloat16()
-    loop = dlojz.synthetic_loop([*CUDA, "--arch", "resnet18", "--epochs", "2", "--amp", *flags], n_batches=9)
+    loop = synthetic_loop([*CUDA, "--arch", "resnet18", "--epochs", "2", "--amp", *flags], n_batches=9)
     steps = 9 // loop["cfg"].grad_acc
     result = epoch_without_waits(loop, monkeypatch)
     assert loop["state"].global_step == 2 * steps and math.isfinite(result.train_loss)
@@ -487,7 +491,7 @@ def epoch_without_waits(loop, monkeypatch):
 def test_an_epoch_through_the_dataloader_and_prefetcher_never_waits_for_the_gpu(tmp_path, monkeypatch):
     """The same on images: DataLoader workers, pinned memory, the prefetcher's copy stream, normalisation on the GPU,
     MixUp, float16 with the GradScaler, BlurPool."""
-    from dlojz_lib.data.datasets import make_embedded_dataset
+    from dlojz_lib.data.embedded import make_embedded_dataset
     from test_host_sync import loop_on_data
 
     root = make_embedded_dataset(tmp_path / "d", n_classes=3, train_per_class=32, val_per_class=4, size=(48, 40))
@@ -505,8 +509,8 @@ def test_validation_batches_never_wait_for_the_gpu(flags):
     """evaluate() waits once, for its totals after the last batch."""
     loop = loop_for("--arch", "resnet18", "--amp", *flags)
     cfg, ranks = loop["cfg"], loop["ranks"]
-    loaders = dlojz.synthetic_loaders(cfg, dlojz.SYNTHETIC_CLASSES, ranks, 32, 4 * cfg.val_batch_size)
-    dlojz.evaluate(loop["model"].module, loaders, loop["opt"], ranks, tta_flip=cfg.tta_flip)  # warm-up
+    loaders = synthetic_loaders(cfg, SYNTHETIC_CLASSES, ranks, 32, 4 * cfg.val_batch_size)
+    dlojz.evaluate(loop["model"].module, loaders, loop["training"], ranks, tta_flip=cfg.tta_flip)  # warm-up
     totals = []
     plain_tolist = torch.Tensor.tolist
 
@@ -519,7 +523,7 @@ def test_validation_batches_never_wait_for_the_gpu(flags):
     torch.cuda.set_sync_debug_mode("error")
     try:
         torch.Tensor.tolist = read_totals
-        result = dlojz.evaluate(loop["model"].module, loaders, loop["opt"], ranks, tta_flip=cfg.tta_flip)
+        result = dlojz.evaluate(loop["model"].module, loaders, loop["training"], ranks, tta_flip=cfg.tta_flip)
     finally:
         torch.Tensor.tolist = plain_tolist
         torch.cuda.set_sync_debug_mode(0)
@@ -687,7 +691,7 @@ def test_nvml_reads_the_gpu_cuda_visible_devices_names(tmp_path):
 # ---------------------------------------------------------------- --data-backend dali on the GPU
 def test_dali_decodes_on_the_gpu_into_the_loop(tmp_path):
     pytest.importorskip("nvidia.dali", reason="DALI is not installed on this node (pip install nvidia-dali-cuda130)")
-    from dlojz_lib.data.datasets import make_embedded_dataset
+    from dlojz_lib.data.embedded import make_embedded_dataset
 
     data = make_embedded_dataset(tmp_path / "data", n_classes=3, train_per_class=40, val_per_class=7, size=(96, 80))
     proc = run_dlojz(
@@ -713,7 +717,8 @@ def test_dali_decodes_on_the_gpu_into_the_loop(tmp_path):
 def test_dali_batches_are_on_the_gpu_in_channels_last(tmp_path):
     pytest.importorskip("nvidia.dali", reason="DALI is not installed on this node (pip install nvidia-dali-cuda130)")
     from dlojz_lib.data.dali import DaliBatches, DaliSettings, train_pipeline
-    from dlojz_lib.data.datasets import EpochSampler, build_datasets, make_embedded_dataset
+    from dlojz_lib.data.datasets import EpochSampler, build_datasets
+    from dlojz_lib.data.embedded import make_embedded_dataset
     from dlojz_lib.data.prefetch import DeviceNormalize
 
     data = make_embedded_dataset(tmp_path / "data", n_classes=3, train_per_class=16, val_per_class=2, size=(96, 80))
@@ -750,7 +755,7 @@ def fsdp_epoch_seen():
         qkv.weight.dtype,
         qkv.weight.is_cuda,
         result.train_loss,
-        loop["opt"].scaler.is_enabled(),
+        loop["training"].scaler.is_enabled(),
     )
 
 

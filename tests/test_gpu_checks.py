@@ -10,7 +10,8 @@ import torchvision
 
 import dlojz_lib.config
 import preloaded
-from dlojz_lib.config import UserError, check_autocast, local_device
+from dlojz_lib.checks import UserError
+from dlojz_lib.config import check_autocast, local_device
 from dlojz_lib.model import saved_activation_bytes, train_flops_per_image
 
 

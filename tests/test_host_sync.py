@@ -24,6 +24,9 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 import dlojz
 from conftest import ROOT
+from dlojz_lib.data.loaders import SYNTHETIC_CLASSES, synthetic_loaders
+from dlojz_lib.resume import TrainState
+from in_process import synthetic_loop
 import preloaded
 from test_flag_effects import BASE, loop_for
 from test_preemption import as_rank_of_two
@@ -239,7 +242,7 @@ def audit_epoch(loop, monkeypatch, checkpoints=None):
     monkeypatch.setattr(dlojz, "agree_on_stop", log_point)
     forward = loop["model"].net.register_forward_pre_hook(lambda *args: in_log_point.__setitem__(0, False))
     audit = SyncAudit(lambda: "log point" if in_log_point[0] or state.batch >= n_batches else state.batch)
-    audit.host_tensors.adopt(loop["opt"].mix)  # torchvision's MixUp and CutMix sample their ratio on the host
+    audit.host_tensors.adopt(loop["training"].mix)  # torchvision's MixUp and CutMix sample their ratio on the host
     try:
         with audit.recording() as records:
             dlojz.train_one_epoch(**loop, checkpoints=checkpoints)
@@ -311,13 +314,13 @@ def loop_on_data(data_root, *flags):
     train_set, val_set, classes = dlojz.build_data(cfg, ranks, log)
     model = dlojz.build_model(cfg, len(classes), ranks, log)
     loaders = dlojz.build_loaders(cfg, train_set, val_set, len(classes), ranks, log)
-    opt = dlojz.optim.build_optimization(cfg, model, loaders.n_train_batches, len(classes), ranks, log)
+    training = dlojz.optim.build_training(cfg, model, loaders.n_train_batches, len(classes), ranks, log)
     progress = dlojz.Progress(
         log, dlojz.NoWandb(), ranks.device, cfg.epochs, loaders.n_train_batches, cfg.grad_acc, cfg.batch_size
     )
     hooks = dlojz.LoopHooks(dlojz.Chronometer(enabled=False, device=ranks.device))
     stop = dlojz.StopPoll(dlojz.StopSignal(), ranks)
-    return dict(model=model, opt=opt, loaders=loaders, state=dlojz.TrainState(), cfg=cfg, ranks=ranks, hooks=hooks,
+    return dict(model=model, training=training, loaders=loaders, state=TrainState(), cfg=cfg, ranks=ranks, hooks=hooks,
                 progress=progress, stop=stop)  # fmt: skip
 
 
@@ -337,7 +340,7 @@ def test_an_epoch_on_images_through_the_dataloader_waits_only_at_log_points(flag
     assert loop["state"].batch == loop["loaders"].n_train_batches >= 9  # 72 images, 8 a batch
     assert unexpected(outside) == []
     loaders, cfg = loop["loaders"], loop["cfg"]
-    validation = audit_validation(loop["model"], loaders, loop["opt"], loop["ranks"], cfg.tta_flip)
+    validation = audit_validation(loop["model"], loaders, loop["training"], loop["ranks"], cfg.tta_flip)
     assert unexpected(validation) == []
 
 
@@ -355,7 +358,7 @@ def test_the_audit_sees_the_read_of_an_unfused_sgd_step(monkeypatch, tmp_path):
     build = dlojz.optim.build_optimizer
     monkeypatch.setattr(dlojz.optim, "build_optimizer", lambda *a, **k: build(*a, **{**k, "fused": False}))
     loop = loop_for("--amp", "--amp-dtype", "float16", "--optimizer", "sgd", n_batches=4)
-    assert not loop["opt"].optimizer.defaults.get("fused")
+    assert not loop["training"].optimizer.defaults.get("fused")
     outside, _ = audit_epoch(loop, monkeypatch)
     assert {asker for _, asker, _ in outside} == {"grad_scaler.py:<genexpr>"}
 
@@ -366,7 +369,7 @@ def test_checkpoints_every_few_minutes_wait_only_at_log_points(monkeypatch, tmp_
     monkeypatch.chdir(tmp_path)
     loop = loop_for("--checkpoint-every", "0.0001", "--output-dir", tmp_path / "run", n_batches=4)
     cfg = loop["cfg"]
-    saver = make_saver(cfg, loop["model"], loop["opt"], loop["ranks"])
+    saver = make_saver(cfg, loop["model"], loop["training"], loop["ranks"])
     checkpoints = periodic_checkpoints(cfg, saver, 0.0, loop["loaders"].n_train_batches, None, lambda line: None)
     outside, _ = audit_epoch(loop, monkeypatch, checkpoints)
     saver.wait()
@@ -430,13 +433,13 @@ def test_tensors_kept_on_the_host_are_not_waits():
     assert [why for _, _, why in records] == [LIFTED, SYNCHRONISING[aten._local_scalar_dense]]
 
 
-def audit_validation(model, loaders, opt, ranks, tta_flip):
+def audit_validation(model, loaders, training, ranks, tta_flip):
     """Validate under the audit; return the records made before the last forward (the final totals excluded)."""
     forwards = [0]
     hook = model.module.register_forward_pre_hook(lambda *args: forwards.__setitem__(0, forwards[0] + 1))
     try:
         with SyncAudit(lambda: forwards[0]).recording() as records:
-            dlojz.evaluate(model.module, loaders, opt, ranks, tta_flip=tta_flip)
+            dlojz.evaluate(model.module, loaders, training, ranks, tta_flip=tta_flip)
     finally:
         hook.remove()
     assert forwards[0] >= 3 * (2 if tta_flip else 1)
@@ -449,8 +452,8 @@ def test_validation_waits_for_the_device_only_at_its_end(flags, monkeypatch, tmp
     monkeypatch.chdir(tmp_path)
     loop = loop_for(*flags)
     cfg, ranks = loop["cfg"], loop["ranks"]
-    loaders = dlojz.synthetic_loaders(cfg, dlojz.SYNTHETIC_CLASSES, ranks, 8, 3 * cfg.val_batch_size)
-    assert unexpected(audit_validation(loop["model"], loaders, loop["opt"], ranks, cfg.tta_flip)) == []
+    loaders = synthetic_loaders(cfg, SYNTHETIC_CLASSES, ranks, 8, 3 * cfg.val_batch_size)
+    assert unexpected(audit_validation(loop["model"], loaders, loop["training"], ranks, cfg.tta_flip)) == []
 
 
 def audited_ranks(rank, port, out_dir, results):
@@ -459,13 +462,13 @@ def audited_ranks(rank, port, out_dir, results):
     import torch.distributed as dist
 
     flags = ["--amp", "--amp-dtype", "float16", "--grad-acc", "2", "--model-ema", "--clip-grad-norm", "1.0"]
-    loop = dlojz.synthetic_loop([*BASE, *flags, "--blurpool", "--tta-flip", "--mixup-alpha", "0.2"], n_batches=4)
+    loop = synthetic_loop([*BASE, *flags, "--blurpool", "--tta-flip", "--mixup-alpha", "0.2"], n_batches=4)
     monkeypatch = pytest.MonkeyPatch()
     try:
         outside, _ = audit_epoch(loop, monkeypatch)
         cfg, ranks = loop["cfg"], loop["ranks"]
-        loaders = dlojz.synthetic_loaders(cfg, dlojz.SYNTHETIC_CLASSES, ranks, 8, 3 * 2 * cfg.val_batch_size)
-        validation = audit_validation(loop["model"], loaders, loop["opt"], ranks, True)
+        loaders = synthetic_loaders(cfg, SYNTHETIC_CLASSES, ranks, 8, 3 * 2 * cfg.val_batch_size)
+        validation = audit_validation(loop["model"], loaders, loop["training"], ranks, True)
         results[rank] = (unexpected(outside), unexpected(validation), loop["model"].parallel)
     finally:
         monkeypatch.undo()

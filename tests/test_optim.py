@@ -12,9 +12,8 @@ import pytest
 import torch
 from torch import nn
 
+from dlojz_lib.flags import OPTIMIZERS, SCHEDULERS
 from dlojz_lib.optim import (
-    OPTIMIZERS,
-    SCHEDULERS,
     LRFinder,
     build_optimizer,
     build_scheduler,

@@ -25,7 +25,9 @@ from PIL import Image
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 import dlojz_pack  # noqa: E402
-from dlojz_lib.data.datasets import IMG_EXTENSIONS, DataError, make_embedded_dataset  # noqa: E402
+from dlojz_lib.checks import DataError  # noqa: E402
+from dlojz_lib.data.datasets import IMG_EXTENSIONS  # noqa: E402
+from dlojz_lib.data.embedded import make_embedded_dataset  # noqa: E402
 from dlojz_pack import main, pack  # noqa: E402
 from dlojz_lib.data.shards import (  # noqa: E402
     MANIFEST,

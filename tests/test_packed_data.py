@@ -126,7 +126,7 @@ def test_one_and_two_ranks_validate_the_same_images_on_shards(packed, trained_on
 
 
 def test_mid_epoch_resume_on_shards_gives_the_same_weights(tmp_path_factory, tmp_path):
-    from dlojz_lib.data.datasets import make_embedded_dataset
+    from dlojz_lib.data.embedded import make_embedded_dataset
 
     src = make_embedded_dataset(
         tmp_path_factory.mktemp("data") / "resume", n_classes=3, train_per_class=80, val_per_class=4, size=(64, 56)

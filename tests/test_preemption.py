@@ -15,6 +15,8 @@ import pytest
 import torch.multiprocessing as mp
 
 import dlojz
+from dlojz_lib.data.loaders import SYNTHETIC_CLASSES, synthetic_loaders
+from in_process import synthetic_loop
 import preloaded
 from conftest import ROOT, SMALL, clean_env, read_json
 from test_flag_effects import BASE
@@ -41,7 +43,7 @@ def no_log_points(loop, monkeypatch_or_module):
 
 def test_one_process_stops_at_the_step_the_signal_arrives(monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)
-    loop = dlojz.synthetic_loop([*BASE, "--no-amp"], n_batches=8)
+    loop = synthetic_loop([*BASE, "--no-amp"], n_batches=8)
     no_log_points(loop, monkeypatch)
     signal_at_step(loop, 3)
     result = dlojz.train_one_epoch(**loop)
@@ -66,15 +68,15 @@ def two_ranks(rank, port, out_dir, results):
     as_rank_of_two(rank, port, out_dir)
     import torch.distributed as dist
 
-    loop = dlojz.synthetic_loop([*BASE, "--no-amp"], n_batches=8)
+    loop = synthetic_loop([*BASE, "--no-amp"], n_batches=8)
     try:
         no_log_points(loop, pytest.MonkeyPatch())
         if rank == 1:  # only rank 1 receives it: rank 0 must stop at the same step, or DDP would hang
             signal_at_step(loop, 3)
         result = dlojz.train_one_epoch(**loop)
         cfg, ranks = loop["cfg"], loop["ranks"]
-        loaders = dlojz.synthetic_loaders(cfg, dlojz.SYNTHETIC_CLASSES, ranks, 8, 6 * 2 * cfg.val_batch_size)
-        validation = dlojz.evaluate(loop["model"].module, loaders, loop["opt"], ranks, stop=loop["stop"])
+        loaders = synthetic_loaders(cfg, SYNTHETIC_CLASSES, ranks, 8, 6 * 2 * cfg.val_batch_size)
+        validation = dlojz.evaluate(loop["model"].module, loaders, loop["training"], ranks, stop=loop["stop"])
         results[rank] = (result.stop_reason, loop["state"].global_step, validation)
     finally:
         dist.destroy_process_group()
@@ -96,17 +98,17 @@ def lr_sweep_of_two_ranks(rank, port, out_dir, results):
     as_rank_of_two(rank, port, out_dir)
     import torch.distributed as dist
 
-    loop = dlojz.synthetic_loop([*BASE, "--no-amp", "--findlr", "--lr", "1", "--dist-timeout", "30"], n_batches=8)
+    loop = synthetic_loop([*BASE, "--no-amp", "--findlr", "--lr", "1", "--dist-timeout", "30"], n_batches=8)
     try:
         no_log_points(loop, pytest.MonkeyPatch())
-        opt, state = loop["opt"], loop["state"]
-        criterion = opt.criterion
+        training, state = loop["training"], loop["state"]
+        criterion = training.criterion
         if rank == 1:
-            opt.criterion = lambda outputs, targets: (
+            training.criterion = lambda outputs, targets: (
                 criterion(outputs, targets) * (float("inf") if state.global_step == 2 else 1.0)
             )
         dlojz.train_one_epoch(**loop)
-        results[rank] = (state.global_step, opt.lr_finder.losses, opt.lr_finder.done)
+        results[rank] = (state.global_step, training.lr_finder.losses, training.lr_finder.done)
     finally:
         dist.destroy_process_group()
 

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 import dlojz
-from dlojz_lib.config import UserError, resolve_config
+from dlojz_lib.checks import UserError
+from dlojz_lib.config import resolve_config
 from dlojz_lib.flags import get_args_parser
 from dlojz_lib.dist import Distribution
 from dlojz_lib.log import Console

@@ -26,11 +26,11 @@ class FixedLogits(torch.nn.Module):
 
 def evaluate(net, batches, tta_flip=False):
     loaders = types.SimpleNamespace(val_batches=batches, n_val_batches_every_rank=len(batches))
-    opt = types.SimpleNamespace(
+    training = types.SimpleNamespace(
         autocast=lambda: torch.autocast("cpu", enabled=False), val_criterion=torch.nn.CrossEntropyLoss(reduction="sum")
     )
     ranks = types.SimpleNamespace(enabled=False, device=torch.device("cpu"))
-    return dlojz.evaluate(net, loaders, opt, ranks, tta_flip=tta_flip)
+    return dlojz.evaluate(net, loaders, training, ranks, tta_flip=tta_flip)
 
 
 def batches_of(n_batches=3, size=8, num_classes=10):
@@ -108,9 +108,9 @@ def test_clip_grad_norm_bounds_the_norm_the_optimizer_steps_with(precision, monk
     norms = {}
     for flags in ([], ["--clip-grad-norm", "0.5"]):
         loop = loop_for(*precision, *flags, n_batches=4)
-        if loop["opt"].scaler.is_enabled():  # a scale that does not overflow at the first steps: fewer skipped
-            loop["opt"].scaler = torch.amp.GradScaler("cpu", init_scale=256.0)
-        optimizer, seen = loop["opt"].optimizer, []
+        if loop["training"].scaler.is_enabled():  # a scale that does not overflow at the first steps: fewer skipped
+            loop["training"].scaler = torch.amp.GradScaler("cpu", init_scale=256.0)
+        optimizer, seen = loop["training"].optimizer, []
         step = optimizer.step
 
         def recording_step(*args, **kwargs):
@@ -131,7 +131,7 @@ def test_clip_grad_norm_bounds_the_norm_the_optimizer_steps_with(precision, monk
 def test_linear_schedule_peaks_at_lr_peak_epoch(monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)
     loop = loop_for("--lr-scheduler", "linear", "--lr-peak-epoch", "1", "--epochs", "3", "--lr", "0.3", n_batches=4)
-    optimizer, scheduler = loop["opt"].optimizer, loop["opt"].scheduler
+    optimizer, scheduler = loop["training"].optimizer, loop["training"].scheduler
     lrs = []
     for _ in range(12):
         lrs.append(optimizer.param_groups[0]["lr"])

@@ -23,7 +23,7 @@ RUN = [*SMALL, "--image-size", "48", "-b", "16", "--epochs", "2", "--no-wandb", 
 
 @pytest.fixture(scope="module")
 def resume_data(tmp_path_factory):
-    from dlojz_lib.data.datasets import make_embedded_dataset
+    from dlojz_lib.data.embedded import make_embedded_dataset
 
     return make_embedded_dataset(
         tmp_path_factory.mktemp("data") / "resume", n_classes=3, train_per_class=80, val_per_class=4, size=(64, 56)
@@ -481,7 +481,7 @@ def test_a_checkpoint_of_another_model_or_number_of_classes_is_refused_in_one_li
 
 
 def make_classes(root, n_classes):
-    from dlojz_lib.data.datasets import make_embedded_dataset
+    from dlojz_lib.data.embedded import make_embedded_dataset
 
     return make_embedded_dataset(root, n_classes=n_classes, train_per_class=4, val_per_class=2, size=(24, 20))
 

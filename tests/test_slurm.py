@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from dlojz_lib.data.datasets import EMBEDDED_NAME
+from dlojz_lib.data.embedded import EMBEDDED_NAME
 import slurm_cluster as cluster_module
 from slurm_cluster import slurm_cluster  # noqa: F401  (the session fixture)
 

@@ -78,8 +78,9 @@ def test_channels_last_bfloat16_and_ema_reach_a_timm_model():
     """In-process on --synthetic batches: the timm model's convolutions get channels-last inputs and weights and
     compute in bfloat16, and --model-ema's copy moves with the training."""
     import dlojz
+    from in_process import synthetic_loop
 
-    loop = dlojz.synthetic_loop(
+    loop = synthetic_loop(
         [
             "--device",
             "cpu",

@@ -12,6 +12,7 @@ import math
 import torch.distributed as dist
 
 from dlojz_lib.checks import fail
+from dlojz_lib.data.embedded import embedded_dataset_root
 from dlojz_lib.data.datasets import (
     IMAGENET_TRAIN_IMAGES,
     IMAGENET_VAL_IMAGES,
@@ -19,7 +20,6 @@ from dlojz_lib.data.datasets import (
     ShardSampler,
     SyntheticLoader,
     build_datasets,
-    embedded_dataset_root,
     make_loader,
     resolve_data_root,
     select_train_subset,

@@ -1,0 +1,1 @@
+"""dlojz_hpo.py's search space file (space) and its report (report)."""

@@ -6,7 +6,8 @@ whole command resolved once, before any trial), and a sampled value back into co
 import argparse
 
 from dlojz_lib.checks import fail
-from dlojz_lib.config import UserError, resolve_config
+from dlojz_lib.checks import UserError
+from dlojz_lib.config import resolve_config
 from dlojz_lib.flags import get_args_parser
 from dlojz_lib.recipe import read_toml, recipe_value, value_type
 

@@ -1,0 +1,205 @@
+"""--fsdp: models larger than one GPU's DDP copy, with PyTorch's FSDP2 (`fully_shard`) and sharded checkpoints.
+
+DDP keeps on every GPU the whole model: float32 parameters and gradients (4 + 4 bytes a parameter) and the
+optimizer's state (AdamW: 8 more), 16 bytes a parameter before any activation. FSDP keeps 1/N of each on each of
+N ranks and gathers a block's parameters just before its forward (and again before its backward), then reduces
+its gradients straight into their shards (reduce-scatter): the same arithmetic as DDP, in less memory, for one
+all-gather more per block and step.
+
+- `sharding_units(module)`: the blocks sharded one by one (residual blocks, transformer blocks); `shard_model`
+  shards each, then the root (stem, head and whatever is left), with the mixed precision of --amp-dtype.
+- `reshard(module)`: free the gathered parameters (after validation's forwards).
+- `state_bytes(module, optimizer)`: this rank's bytes of parameters, gradients and optimizer state.
+- `ShardedCheckpointSaver`, `load_sharded`: checkpoints written by every rank, each its own shards, with
+  torch.distributed.checkpoint (DCP), into a folder `ckpt_eEEEE_sSSSSSSSSS.dcp` that appears complete or not at
+  all (see dlojz_lib.checkpoint); DCP reshards on loading, so a run saved on 4 ranks resumes on 2.
+
+Mixed precision (chosen here): parameters gathered and computed in the --amp-dtype (bfloat16 by default with
+--fsdp), gradients reduced and kept in float32, like the float32 shards the optimizer updates; float16 is refused
+(its loss scaler would have to agree on overflows across the shards, which the fused optimizers cannot take).
+"""
+
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+import dlojz_lib.checkpoint as ckpt
+
+# Class names of the blocks sharded one by one: torchvision's and timm's residual and transformer blocks.
+BLOCK_SUFFIXES = (
+    "Block",
+    "Bottleneck",
+    "BasicBlock",
+    "InvertedResidual",
+    "EncoderBlock",
+    "EncoderLayer",
+    "DecoderLayer",
+)
+# timm's optimizers step on sharded (DTensor) parameters; torch's fused SGD has no sharded kernel (the
+# foreach one is used), fused AdamW has one.
+UNFUSED_UNDER_FSDP = ("sgd",)
+
+
+def sharding_units(module):
+    """The outermost submodules whose class is a residual or transformer block (BLOCK_SUFFIXES); for a model
+    without any, its children that hold parameters."""
+    units = []
+
+    def visit(parent):
+        for child in parent.children():
+            if type(child).__name__.endswith(BLOCK_SUFFIXES):
+                units.append(child)
+            else:
+                visit(child)
+
+    visit(module)
+    if not units:
+        units = [child for child in module.children() if any(True for _ in child.parameters())]
+    return units
+
+
+def shard_model(module, cfg, device):
+    """Shard `module` in place across the process group's ranks (each block, then the root). Its parameters
+    become DTensors holding this rank's shard, on `device`. Returns the number of blocks."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    precision = MixedPrecisionPolicy(param_dtype=cfg.autocast_dtype if cfg.amp else None, reduce_dtype=torch.float32)
+    units = sharding_units(module)
+    for unit in units:
+        fully_shard(unit, mesh=mesh, mp_policy=precision, reshard_after_forward=cfg.fsdp_reshard_after_forward)
+    # The root's own parameters (stem, head) are needed again at once by the backward: kept gathered.
+    fully_shard(module, mesh=mesh, mp_policy=precision, reshard_after_forward=False)
+    return len(units)
+
+
+def reshard(module):
+    """Free every gathered copy of parameters in the sharded `module` (each rank keeps its shards)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for submodule in module.modules():
+        if isinstance(submodule, FSDPModule):
+            submodule.reshard()
+
+
+def _local_bytes(tensor):
+    from torch.distributed.tensor import DTensor
+
+    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return local.numel() * local.element_size()
+
+
+def state_bytes(module, optimizer):
+    """This rank's bytes of parameters, of gradients (float32 like the parameters: DDP's buckets or FSDP's
+    sharded gradients, whether or not they exist right now) and of optimizer state."""
+    params = list(module.parameters())
+    optimizer_bytes = sum(
+        _local_bytes(value) for state in optimizer.state.values() for value in state.values() if torch.is_tensor(value)
+    )
+    return dict(
+        parameter_bytes=sum(_local_bytes(p) for p in params),
+        gradient_bytes=sum(_local_bytes(p) for p in params if p.requires_grad),
+        optimizer_bytes=optimizer_bytes,
+    )
+
+
+# ---------------------------------------------------------------------- sharded checkpoints
+class ShardedCheckpointSaver:
+    """What CheckpointSaver saves, for a sharded model: every rank copies its shards of the model and optimizer into
+    host memory (the pause) and a thread writes them (`dcp.async_save`, its collectives on a gloo group of their
+    own, apart from training's) into a staging folder. `wait()`, at the next save or the run's end, waits for every
+    rank's write; rank 0 then adds the rest (`ckpt.SHARDED_META`: position, schedule, scaler, random generators, the
+    run's config, all as they were at the step) and renames the folder into place. Every rank calls `save` and
+    `wait`."""
+
+    background = True
+    unwritten = ()  # a failed write raises its error from wait() (CheckpointSaver's warn-and-go-on is not for shards)
+
+    def last_unwritten(self):
+        return None
+
+    def __init__(self, output_dir, keep, device, fixed, is_main, model, optimizer, scheduler, scaler):
+        self.output_dir, self.keep, self.device, self.fixed, self.is_main = (
+            Path(output_dir),
+            keep,
+            device,
+            fixed,
+            is_main,
+        )
+        self.model, self.optimizer, self.scheduler, self.scaler = model, optimizer, scheduler, scaler
+        self._group = dist.new_group(backend="gloo")  # collective: every rank makes its saver
+        self._pending = None  # (future, meta, staging, name) of the checkpoint being written
+
+    def save(self, position):
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        self.wait()  # one checkpoint at a time, in order
+        name = ckpt.checkpoint_name(position["epoch"], position["global_step"], sharded=True)
+        staging = self.output_dir / f".{name}.tmp"
+        if self.is_main:
+            self.output_dir.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(staging, ignore_errors=True)  # left by a run killed while writing
+        dist.barrier()
+        model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
+        future = dcp.async_save(
+            {"model": model_state, "optimizer": optimizer_state}, checkpoint_id=staging, process_group=self._group
+        )
+        meta = None
+        if self.is_main:
+            meta = ckpt.to_host(
+                dict(
+                    self.fixed,
+                    **position,
+                    scheduler=self.scheduler.state_dict() if self.scheduler else None,
+                    scaler=self.scaler.state_dict(),
+                    rng=ckpt.rng_state(self.device),
+                )
+            )
+        self._pending = (future, meta, staging, name)
+        return self.output_dir / name
+
+    def wait(self):
+        """The checkpoint being written, if any, put in place once every rank has written its shards."""
+        if self._pending is None:
+            return
+        future, meta, staging, name = self._pending
+        self._pending = None
+        future.result()
+        dist.barrier(group=self._group)
+        if self.is_main:
+            ckpt.publish_folder(meta, staging, self.output_dir, name, self.keep)
+        dist.barrier(group=self._group)  # nobody goes on (and maybe stops) before the checkpoint is in place
+
+
+def load_sharded(path, module, optimizer=None):
+    """Load a sharded checkpoint's model (and optimizer) shards into the sharded `module` (and `optimizer`),
+    whatever the number of ranks that wrote it. Every rank calls it."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_state_dict,
+        set_model_state_dict,
+        set_state_dict,
+    )
+
+    if optimizer is not None:
+        model_state, optimizer_state = get_state_dict(module, optimizer)
+        state = {"model": model_state, "optimizer": optimizer_state}
+    else:
+        state = {"model": get_model_state_dict(module)}
+    dcp.load(state, checkpoint_id=path)
+    if optimizer is not None:
+        set_state_dict(module, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    else:
+        set_model_state_dict(module, state["model"])
+
+
+def load_full_weights(module, weights):
+    """An ordinary checkpoint's weights (rank 0's full tensors, every rank reads them) into a sharded model."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    set_model_state_dict(module, weights, options=StateDictOptions(full_state_dict=True))
