@@ -55,7 +55,7 @@ advice() {  # the wheel to bring for a missing module
         pytest) echo "missing: pytest (pure Python: pip download pytest pluggy iniconfig packaging, then pip install --no-index" \
                      "--target DIR *.whl and PYTHONPATH=DIR; pytest-timeout too if you can)" ;;
         torch|torchvision) echo "missing: $1: use a Python that has PyTorch (module load pytorch-gpu/..., or a venv with" \
-                                "torch==2.14.1 torchvision==0.29.1, or a CUDA 12 build: see README)" ;;
+                                "torch==2.14.1 torchvision==0.29.1, or a CUDA 12 build: see docs/running.md)" ;;
         PIL) echo "missing: Pillow (pip download --no-deps pillow for this Python's version and platform)" ;;
         *) echo "missing: $1 (pip download --no-deps $1 on a machine with network, then pip install --no-index)" ;;
     esac

@@ -259,10 +259,10 @@ def get_args_parser():
         "--min-res",
         type=PIXELS,
         default=None,
-        help="progressive resizing (FFCV's): training resolution up to --start-ramp",
+        help="progressive resizing (FFCV's): training resolution in px up to --start-ramp",
     )
     p.add_argument(
-        "--max-res", type=PIXELS, default=None, help="progressive resizing: training resolution from --end-ramp"
+        "--max-res", type=PIXELS, default=None, help="progressive resizing: training resolution in px from --end-ramp"
     )
     p.add_argument(
         "--start-ramp",
@@ -315,10 +315,16 @@ def get_args_parser():
         "default: $DLOJZ_DATA, $ALL_CCFRSCRATCH/imagenet, $DSDIR/imagenet,\nelse the embedded data set",
     )
     p.add_argument(
-        "--val-resize-size", type=PIXELS, default=None, help="validation resize (default: 256; CPU profile: 73)"
+        "--val-resize-size",
+        type=PIXELS,
+        default=None,
+        help="validation resize of the shorter side in px (default: 256; CPU profile: 73)",
     )
     p.add_argument(
-        "--val-crop-size", type=PIXELS, default=None, help="validation center crop (default: 224; CPU profile: 64)"
+        "--val-crop-size",
+        type=PIXELS,
+        default=None,
+        help="validation center crop in px (default: 224; CPU profile: 64)",
     )
     p.add_argument(
         "--val-batch-size",
@@ -448,7 +454,7 @@ def get_args_parser():
     p.add_argument(
         "--fsdp",
         action="store_true",
-        help="shard parameters, gradients and optimizer state across ranks (FSDP2, dlojz_fsdp.py)\n"
+        help="shard parameters, gradients and optimizer state across ranks (FSDP2, dlojz_lib/fsdp.py)\n"
         "instead of DDP's full copy on each; sharded checkpoints (torch.distributed.checkpoint)",
     )
     p.add_argument(
@@ -509,7 +515,9 @@ def get_args_parser():
         action=argparse.BooleanOptionalAction,
         help="W&B logging on rank 0 (default: on; never in --test)",
     )
-    p.add_argument("--wandb-project", default="Imagenet Race Cup", help="(default: 'Imagenet Race Cup')")
+    p.add_argument(
+        "--wandb-project", default="Imagenet Race Cup", help="W&B project of the run (default: 'Imagenet Race Cup')"
+    )
     p.add_argument(
         "--wandb-mode",
         choices=("offline", "online", "disabled"),
