@@ -58,6 +58,8 @@ class Config:
     blurpool: bool
     zero_init_residual: bool | None  # None: on where the model takes it
     clip_grad_norm: float | None
+    pretrained: str | None  # torchvision's weights name for --arch, from the local hub cache
+    initial_checkpoint: str | None  # weights to start from (not a resume)
     # optimizer and schedule
     optimizer: str
     no_wd_norm_bias: bool
@@ -156,6 +158,30 @@ class Config:
         return self.amp_dtype if self.amp else ("tf32" if self.tf32 else "float32")
 
 
+def pretrained_preprocessing(values) -> list:
+    """--pretrained: the validation resize and crop of the weights (and the training crop at that size) where not
+    given on the command line; the note says what was taken and what dlojz does differently."""
+    from dlojz_lib.pretrained import published_preprocessing
+
+    published = published_preprocessing(values["arch"], values["pretrained"])
+    if published is None:
+        return []
+    sizes = dict(
+        val_resize_size=published["val_resize_size"],
+        val_crop_size=published["val_crop_size"],
+        image_size=published["val_crop_size"],
+    )
+    taken = {key: size for key, size in sizes.items() if values[key] is None}
+    values.update(taken)
+    note = f"--pretrained {values['pretrained']}: the weights' preprocessing"
+    if taken:
+        note += ": " + " ".join(f"--{key.replace('_', '-')} {size}" for key, size in taken.items())
+    note += f" (given flags win); resize {published['interpolation']}, dlojz's is antialiased bilinear"
+    if not published["imagenet_normalisation"]:
+        note += "; WARNING: their mean/std are not ImageNet's, which dlojz normalises with"
+    return [note]
+
+
 def resolve_config(args) -> Config:
     """Fill the defaults that depend on the machine and check every flag; raise UserError on bad input."""
     import torch
@@ -168,6 +194,8 @@ def resolve_config(args) -> Config:
     torch_device = local_device(args.device, idr_torch.local_rank)
     on_gpu = torch_device != "cpu"
 
+    if values["pretrained"] is not None:  # the sizes the weights were evaluated at, where not given
+        notes.extend(pretrained_preprocessing(values))
     profile = PROFILES["gpu" if on_gpu else "cpu"]
     unset = [key for key in profile if values[key] is None]
     values.update({key: profile[key] for key in unset})
@@ -382,6 +410,14 @@ def check(cfg: Config):
                 f"--optimizer {cfg.optimizer} needs timm, which does not import here ({err}): pip install timm, "
                 f"or use --optimizer {' or '.join(FUSED)}"
             )
+    if cfg.initial_checkpoint is not None:
+        from dlojz_lib.pretrained import check_weights_file
+
+        check_weights_file(cfg.initial_checkpoint)
+    if cfg.pretrained is not None:
+        from dlojz_lib.pretrained import published_weights_file
+
+        published_weights_file(cfg.arch, cfg.pretrained)  # in the local cache, or one line saying how to fetch it
     if cfg.fsdp:
         check_fsdp(cfg)
     if cfg.wandb and cfg.wandb_mode == "online" and not (cfg.test or cfg.eval_only or cfg.findlr):

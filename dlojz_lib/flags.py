@@ -154,6 +154,23 @@ def get_args_parser():
         metavar="X",
         help="clip the gradients' global norm to X (after unscaling)",
     )
+    p.add_argument(
+        "--pretrained",
+        nargs="?",
+        const="DEFAULT",
+        default=None,
+        metavar="WEIGHTS",
+        help="start from torchvision's published weights for --arch (bare: its DEFAULT; or a name such as\n"
+        "IMAGENET1K_V2), read from torch hub's local cache only (never downloaded by a run), new head as below",
+    )
+    p.add_argument(
+        "--initial-checkpoint",
+        default=None,
+        metavar="PATH",
+        help="start from these weights (a torchvision/timm state dict .pt/.pth, a .safetensors file, or a dlojz\n"
+        "checkpoint's model), with a new head where the number of classes differs; a fresh optimizer, schedule and\n"
+        "epoch count, unlike --resume (which wins when it finds a checkpoint)",
+    )
 
     p = parser.add_argument_group("optimizer and schedule (dlojz_lib/optim.py)")
     p.add_argument("--optimizer", default="sgd", choices=OPTIMIZERS, help="momentum/beta1 from --mom (default: sgd)")
@@ -547,6 +564,8 @@ def check_flags(values):
             f"--val-crop-size {crop} must be at most --val-resize-size {resize} (the center crop is cut from the "
             "resized image)"
         )
+    if values["pretrained"] is not None and values["initial_checkpoint"] is not None:
+        fail("--pretrained and --initial-checkpoint both give the starting weights: give one of them")
     if values["start_over"] and values["resume"]:
         fail("--start-over trains from scratch, --resume continues a run: give one of them")
     if values["resume"] == "auto" and values["output_dir"] is None and not os.environ.get("SLURM_JOB_ID"):

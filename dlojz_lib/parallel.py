@@ -42,6 +42,11 @@ class Model:
 
 def build_model(cfg, num_classes, ranks, log) -> Model:
     module = create_model(cfg.arch, num_classes, cfg.zero_init_residual, cfg.image_size)
+    if cfg.initial_checkpoint is not None or cfg.pretrained is not None:  # before any wrapper or copy
+        from dlojz_lib.pretrained import load_initial_weights, published_weights_file
+
+        weights = cfg.initial_checkpoint or published_weights_file(cfg.arch, cfg.pretrained)
+        log(load_initial_weights(module, weights, num_classes))
     if cfg.blurpool:  # before the copies below (SyncBN, EMA): they keep the blurred layers
         changed = apply_blurpool(module)
         if changed == 0:

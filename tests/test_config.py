@@ -100,6 +100,8 @@ FREE = {
     "metrics_json": "a file path, its folder checked writable before the run",
     "val_history": "a file path, its folder checked writable before the run",
     "resume": "'auto' or a checkpoint path, checked when the checkpoint is read",
+    "pretrained": "a weights name, checked against torchvision's list for --arch before the run",
+    "initial_checkpoint": "a weights file, checked there before the run and read when the model is made",
     "wandb_project": "a name W&B shows",
     "wandb_group": "a name W&B shows",
 }
