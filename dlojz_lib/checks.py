@@ -8,6 +8,7 @@ and a $DLOJZ_DATA that names no folder. The lowest of dlojz's modules: it import
   Both raise UserError: one line, exit status 2 in every script.
 - `OneLineArgumentParser`: argparse's parser whose errors are one line (argparse prints the whole usage first), for
   every script and bench.
+- `check_input_file(path, what, fix)`: a file to read is there, regular (not a folder or a pipe) and readable.
 - `read_text(path, what, fix)`, `read_json(path, what, fix)`: the one way a side file (a trace, a sweep's plan, a
   run's status, a checkpoint pointer) is read: a missing file, a folder, bad bytes, truncated or other JSON is one
   line naming the file and saying `fix`, never a traceback.
@@ -65,9 +66,9 @@ def check_output_file(path, flag):
     check_output_folder(path.resolve().parent, flag, named=path)
 
 
-def read_text(path, what, fix):
-    """The UTF-8 text of the regular file `path`; UserError "`what` PATH: <why>; `fix`" otherwise. `what` names the
-    flag or the file's role (e.g. "--config", "sweep plan")."""
+def check_input_file(path, what, fix):
+    """`path` is a regular file this process can open; UserError "`what` PATH: <why>; `fix`" otherwise (nothing is
+    read: a weights file may be gigabytes). `what` names the flag or the file's role (e.g. "--config")."""
     path = Path(path)
     try:
         mode = path.stat().st_mode
@@ -75,10 +76,22 @@ def read_text(path, what, fix):
             fail(f"{what} {path}: a folder, not a file; {fix}")
         if not stat.S_ISREG(mode):  # a named pipe would block the read, a device never end it
             fail(f"{what} {path}: not a regular file (a pipe, device or socket); {fix}")
-        data = path.read_bytes()
+        with open(path, "rb"):
+            pass
     except FileNotFoundError:
         fail(f"{what} {path}: no such file; {fix}")
     except OSError as err:
+        fail(f"{what} {path}: cannot be read ({err.strerror or err}); {fix}")
+
+
+def read_text(path, what, fix):
+    """The UTF-8 text of the regular file `path`; UserError "`what` PATH: <why>; `fix`" otherwise, as
+    check_input_file says it. `what` names the flag or the file's role (e.g. "--config", "sweep plan")."""
+    path = Path(path)
+    check_input_file(path, what, fix)
+    try:
+        data = path.read_bytes()
+    except OSError as err:  # gone or unreadable since the check
         fail(f"{what} {path}: cannot be read ({err.strerror or err}); {fix}")
     try:
         return data.decode("utf-8")

@@ -12,26 +12,18 @@ from pathlib import Path
 
 import torch
 
-from dlojz_lib.checks import UserError, fail
+from dlojz_lib.checks import UserError, check_input_file, fail
 
 # Prefixes that wrappers add to a saved state dict's keys: DDP's and torch.compile's.
 WRAPPER_PREFIXES = ("module.", "_orig_mod.")
 
 
 def check_weights_file(path):
-    """Before any process group: the file is there and readable (its contents are read when the model is built)."""
-    where = Path(path)
-    if not where.is_file():
-        fail(
-            f"--initial-checkpoint {path}: "
-            + ("a folder, not a weights file" if where.is_dir() else "no such file")
-            + " (give a .pt/.pth state dict, a .safetensors file or a dlojz checkpoint)"
-        )
-    try:
-        with open(where, "rb"):
-            pass
-    except OSError as err:
-        fail(f"--initial-checkpoint {path}: cannot be read ({err.strerror})")
+    """Before any process group: the file is there, a regular file (a pipe would block torch.load) and readable;
+    its contents are read when the model is built."""
+    check_input_file(
+        path, "--initial-checkpoint", "give a .pt/.pth state dict, a .safetensors file or a dlojz checkpoint"
+    )
 
 
 def published_weights_file(arch, name):
@@ -104,8 +96,7 @@ def read_weights(path):
     try:
         saved = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # pickle, zip or torch's own errors: one line, not a traceback
-        reason = str(err).strip().splitlines()[0][:200] if str(err).strip() else type(err).__name__
-        fail(f"--initial-checkpoint {path}: not a weights file torch can read safely ({reason})")
+        fail(f"--initial-checkpoint {path}: not a weights file torch can read safely ({ckpt.short_reason(err)})")
     for key in ("model", "state_dict", "model_state_dict"):  # the layouts of dlojz, timm and common scripts
         if isinstance(saved, dict) and isinstance(saved.get(key), dict):
             return saved[key], f"state dict (its '{key}')"

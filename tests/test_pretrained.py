@@ -2,6 +2,8 @@
 (state dict, wrapped keys, .safetensors, a dlojz checkpoint), one line for a file that is not there or weights of
 another architecture, and a run that trains from them."""
 
+import os
+
 import pytest
 import torch
 import torchvision
@@ -93,8 +95,11 @@ def _narrow(weights):
 
 def test_a_missing_or_unreadable_file_is_one_line_before_the_run(tmp_path):
     parser = get_args_parser()
-    with pytest.raises(UserError, match=r"^--initial-checkpoint .*gone\.pth: no such file \(give a \.pt/\.pth"):
+    with pytest.raises(UserError, match=r"^--initial-checkpoint .*gone\.pth: no such file; give a \.pt/\.pth"):
         resolve_config(parser.parse_args(["--device", "cpu", "--initial-checkpoint", str(tmp_path / "gone.pth")]))
+    os.mkfifo(tmp_path / "pipe.pth")  # torch.load would wait on it for a writer, for ever
+    with pytest.raises(UserError, match=r"^--initial-checkpoint .*pipe\.pth: not a regular file \(a pipe"):
+        resolve_config(parser.parse_args(["--device", "cpu", "--initial-checkpoint", str(tmp_path / "pipe.pth")]))
     (tmp_path / "text.pth").write_text("not weights")
     with pytest.raises(UserError, match=r"^--initial-checkpoint .*text\.pth: not a weights file torch can read"):
         model_from(tmp_path / "text.pth")
