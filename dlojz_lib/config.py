@@ -443,19 +443,20 @@ def check(cfg: Config):
             fail(f"--metrics-json and --val-history both name {cfg.val_history}: each writes a file of its own")
 
 
-# The files a run writes in its output folder under their own names: a metrics file written over one of them would
-# break a resume (a JSON text in `latest`) or be overwritten at the next checkpoint.
-RUN_FILES = ("latest", "args.toml", "chrono_trace.json", "timeline.png", "findlr.csv", "findlr.png", ".dlojz.lock")
-
-
 def check_not_a_run_file(path, flag, output_dir):
-    from dlojz_lib.checkpoint import NAME_RE
+    """A metrics file written over one of the files a run writes in its folder under their own names would break a
+    resume (a JSON text in `latest`) or be overwritten at the next checkpoint: refused, naming the flag."""
+    from dlojz_lib.checkpoint import LATEST, NAME_RE
+    from dlojz_lib.log import ARGS_FILE, CHRONO_TRACE, FINDLR_CSV, FINDLR_PNG, TIMELINE
+    from dlojz_lib.resume import RUN_LOCK
+
+    run_files = (LATEST, ARGS_FILE, CHRONO_TRACE, TIMELINE, FINDLR_CSV, FINDLR_PNG, RUN_LOCK)
 
     path = Path(path)
     if path.resolve().parent != Path(output_dir).resolve():
         return
     name = path.name.removesuffix(".sha256")
-    if name in RUN_FILES or NAME_RE.match(name) or path.name == "profiler":
+    if name in run_files or NAME_RE.match(name) or path.name == "profiler":
         fail(f"{flag} {path}: a file the run itself writes in --output-dir {output_dir}; give another name")
 
 

@@ -28,6 +28,13 @@ from dlojz_lib.recipe import recipe_text
 from dlojz_lib.model import peak_memory_bytes, plain_stages, saved_activation_bytes, train_flops_per_image
 
 LOG_EVERY = 10  # optimizer steps between W&B points and between the ranks' checks for a stop signal or a NaN loss
+# The files a run writes in its output folder under fixed names, beside its checkpoints
+# (config.check_not_a_run_file keeps --metrics-json and --val-history off them).
+ARGS_FILE = "args.toml"
+CHRONO_TRACE = "chrono_trace.json"
+TIMELINE = "timeline.png"
+FINDLR_CSV = "findlr.csv"
+FINDLR_PNG = "findlr.png"
 
 
 class Console:
@@ -63,7 +70,7 @@ def announce_run(cfg, argv, ranks, log, nodes, launcher):
         log(note)
     log(f">>> Training on {nodes} and {ranks.world_size} processes ({launcher}), device {ranks.device}")
     if ranks.is_main:
-        path = Path(cfg.output_dir) / "args.toml"
+        path = Path(cfg.output_dir) / ARGS_FILE
         command = " ".join(sys.argv[1:] if argv is None else argv)
         header = [f"dlojz.py {command}", time.strftime("%Y-%m-%d %H:%M:%S")]
         write_text(path, recipe_text(cfg, get_args_parser(), header=header))
@@ -168,15 +175,15 @@ class Progress:
 
 def write_lr_finder(lr_finder, output_dir) -> dict:
     output_dir.mkdir(parents=True, exist_ok=True)
-    lr_finder.write_csv(output_dir / "findlr.csv")
-    lr_finder.plot(output_dir / "findlr.png")
+    lr_finder.write_csv(output_dir / FINDLR_CSV)
+    lr_finder.plot(output_dir / FINDLR_PNG)
     suggested, rule = lr_finder.suggestion()
     print(
         f">>> LR finder: {len(lr_finder.lrs)} steps from {lr_finder.lrs[0]:.2e} to {lr_finder.lrs[-1]:.2e}; "
         f"suggested --lr {suggested:.3g} ({rule})"
     )
     print(f">>> LR finder: {output_dir / 'findlr.csv'}, {output_dir / 'findlr.png'}")
-    return dict(findlr_suggested_lr=suggested, findlr_csv=str(output_dir / "findlr.csv"))
+    return dict(findlr_suggested_lr=suggested, findlr_csv=str(output_dir / FINDLR_CSV))
 
 
 def chrono_context(cfg, model, loaders, ranks, metrics, val_max_batches) -> dict:
@@ -227,7 +234,7 @@ def print_report(cfg, metrics, chrono, ctx, n_batches):
     if ctx is not None and chrono.enabled:
         output_dir = Path(cfg.output_dir)
         output_dir.mkdir(parents=True, exist_ok=True)
-        trace = output_dir / "chrono_trace.json"
+        trace = output_dir / CHRONO_TRACE
         ctx["trace_path"] = str(trace)
         chrono.write_trace(trace, ctx=ctx)
         chrono.display(ctx)
@@ -235,8 +242,8 @@ def print_report(cfg, metrics, chrono, ctx, n_batches):
         try:
             from dlojz_lib.chrono_report import plot_trace
 
-            plot_trace(trace, output_dir / "timeline.png")
-            print(f">>> Timeline plot: {output_dir / 'timeline.png'}")
+            plot_trace(trace, output_dir / TIMELINE)
+            print(f">>> Timeline plot: {output_dir / TIMELINE}")
         except Exception as err:  # a plot is a bonus: never lose the run for it
             print(f"WARNING: timeline plot not written: {err}")
     if metrics.get("activation_bytes_per_image"):

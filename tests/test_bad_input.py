@@ -101,10 +101,15 @@ def test_lab_status_of_a_truncated_sweep_plan_is_one_line(tmp_path, capsys):
     assert len(err) == 1 and f"sweep plan {tmp_path / 'sweep.json'}: not valid JSON (the file ends early" in err[0]
 
 
-@pytest.mark.parametrize("name", ["latest", "ckpt_e0001_s000000010.pt", "ckpt_e0001_s000000010.pt.sha256", "args.toml"])
+@pytest.mark.parametrize(
+    "name",
+    ["latest", "ckpt_e0001_s000000010.pt", "ckpt_e0001_s000000010.pt.sha256", "args.toml", "findlr.csv", ".dlojz.lock"],
+)
 def test_a_metrics_file_over_one_of_the_run_s_own_files_is_refused(tmp_path, run_inline, name):
-    """--metrics-json DIR/latest overwrote the checkpoint pointer, after which --resume auto failed."""
-    proc = run_inline(*SMALL, "--synthetic", "--output-dir", tmp_path, "--metrics-json", tmp_path / name)
+    """--metrics-json DIR/latest would overwrite the checkpoint pointer, and --resume auto then fail."""
+    # --test --test-nsteps 1: a run the check let through would end in seconds (and fail here), not train an epoch
+    flags = ("--synthetic", "--test", "--test-nsteps", "1", "--output-dir", tmp_path, "--metrics-json", tmp_path / name)
+    proc = run_inline(*SMALL, *flags)
     assert_one_line_error(proc, f"--metrics-json {tmp_path / name}: a file the run itself writes in --output-dir")
 
 
