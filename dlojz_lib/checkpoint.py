@@ -38,6 +38,7 @@ import torch
 FORMAT_KEY = "dlojz_checkpoint_format"
 FORMAT_VERSION = 2  # 2: a SHA-256 file beside each checkpoint file; 1 (no checksum) is still read
 LATEST = "latest"
+RUN_LOCK = ".dlojz.lock"  # held by the run writing in the folder, for its life (the kernel drops it at any exit)
 CHECKSUM_SUFFIX = ".sha256"
 NAME_RE = re.compile(r"^ckpt_e(\d+)_s(\d+)\.(pt|dcp)$")
 SHARDED_META = "dlojz.pt"

@@ -446,9 +446,8 @@ def check(cfg: Config):
 def check_not_a_run_file(path, flag, output_dir):
     """A metrics file written over one of the files a run writes in its folder under their own names would break a
     resume (a JSON text in `latest`) or be overwritten at the next checkpoint: refused, naming the flag."""
-    from dlojz_lib.checkpoint import LATEST, NAME_RE
+    from dlojz_lib.checkpoint import LATEST, NAME_RE, RUN_LOCK
     from dlojz_lib.log import ARGS_FILE, CHRONO_TRACE, FINDLR_CSV, FINDLR_PNG, TIMELINE
-    from dlojz_lib.resume import RUN_LOCK
 
     run_files = (LATEST, ARGS_FILE, CHRONO_TRACE, TIMELINE, FINDLR_CSV, FINDLR_PNG, RUN_LOCK)
 

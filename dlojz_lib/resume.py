@@ -37,7 +37,6 @@ class TrainState:
     elapsed_s: float = 0.0  # wall-clock seconds of training and validation before this run started
 
 
-RUN_LOCK = ".dlojz.lock"  # held by the run writing in the folder, for its life (the kernel drops it at any exit)
 _lock_file = None  # this process's open lock file, while it holds the lock
 
 
@@ -63,7 +62,7 @@ def claim_output_dir(cfg, ranks, log):
 def _claim(folder, cfg, log):
     global _lock_file
     folder.mkdir(parents=True, exist_ok=True)
-    path = folder / RUN_LOCK
+    path = folder / ckpt.RUN_LOCK
     path.touch()
     # Read-only: a file held open for writing would keep the folder's file system from being remounted read-only.
     lock = open(path)
@@ -92,7 +91,7 @@ def _claim(folder, cfg, log):
     aside = folder / time.strftime("previous-%Y%m%d-%H%M%S")
     aside.mkdir()
     for entry in folder.iterdir():
-        if entry.name != RUN_LOCK and not entry.name.startswith("previous-"):
+        if entry.name != ckpt.RUN_LOCK and not entry.name.startswith("previous-"):
             entry.rename(aside / entry.name)
     log(f"--start-over: the run that was in {folder} is now in {aside}")
     return None
