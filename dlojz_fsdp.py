@@ -35,7 +35,9 @@ def consolidate(source, target):
     if not saved.get("sharded_path"):
         raise ckpt.CheckpointError(f"checkpoint {source} is not sharded: nothing to consolidate")
     args = saved["args"]
-    module = create_model(args["arch"], saved["num_classes"], args["zero_init_residual"], args["image_size"])
+    module = create_model(
+        args["arch"], saved["num_classes"], args["zero_init_residual"], args["image_size"], args.get("drop_path")
+    )
     if args["blurpool"]:
         apply_blurpool(module)
     # as a run without --fsdp builds it (fused where torch has it): its param_groups are what such a run loads

@@ -60,6 +60,9 @@ class Config:
     clip_grad_norm: float | None
     pretrained: str | None  # torchvision's weights name for --arch, from the local hub cache
     initial_checkpoint: str | None  # weights to start from (not a resume)
+    freeze_backbone_epochs: int | None  # epochs in which only the head learns
+    layer_decay: float | None  # learning-rate factor from one block to the one below
+    drop_path: float | None  # stochastic depth rate, None: the model's own
     # optimizer and schedule
     optimizer: str
     no_wd_norm_bias: bool
@@ -401,7 +404,7 @@ def check(cfg: Config):
 
     check_arch(cfg.arch)  # before the data is scanned
     sizes = (cfg.image_size, cfg.val_crop_size, cfg.min_res, cfg.max_res)
-    check_input_sizes(cfg.arch, cfg.zero_init_residual, [size for size in sizes if size])
+    check_input_sizes(cfg.arch, cfg.zero_init_residual, [size for size in sizes if size], cfg.drop_path)
     if cfg.optimizer not in FUSED:  # timm's; timm is imported only for them
         try:
             import timm.optim  # noqa: F401

@@ -171,6 +171,30 @@ def get_args_parser():
         "checkpoint's model), with a new head where the number of classes differs; a fresh optimizer, schedule and\n"
         "epoch count, unlike --resume (which wins when it finds a checkpoint)",
     )
+    p.add_argument(
+        "--freeze-backbone-epochs",
+        type=COUNT,
+        default=None,
+        metavar="N",
+        help="fine-tuning: the head alone learns for the first N epochs (the other parameters' gradients are\n"
+        "dropped before each optimizer step), then every layer",
+    )
+    p.add_argument(
+        "--layer-decay",
+        type=Number(float, 0, 1, low_open=True),
+        default=None,
+        metavar="F",
+        help="fine-tuning: each block's learning rate is F times the next one's, from the head (x1) down to the\n"
+        "stem (as timm's --layer-decay); blocks: timm's grouping, or each block of a torchvision model's stages",
+    )
+    p.add_argument(
+        "--drop-path",
+        type=FRACTION,
+        default=None,
+        metavar="R",
+        help="stochastic depth rate, for models that have it (timm's drop_path_rate, torchvision's\n"
+        "stochastic_depth_prob); default: the model's own (0 in timm, 0.1-0.5 in torchvision's ConvNeXt, Swin...)",
+    )
 
     p = parser.add_argument_group("optimizer and schedule (dlojz_lib/optim.py)")
     p.add_argument("--optimizer", default="sgd", choices=OPTIMIZERS, help="momentum/beta1 from --mom (default: sgd)")
@@ -566,6 +590,19 @@ def check_flags(values):
         )
     if values["pretrained"] is not None and values["initial_checkpoint"] is not None:
         fail("--pretrained and --initial-checkpoint both give the starting weights: give one of them")
+    frozen = values["freeze_backbone_epochs"]
+    if frozen is not None:
+        if values["pretrained"] is None and values["initial_checkpoint"] is None:
+            fail(
+                f"--freeze-backbone-epochs {frozen} would keep random weights fixed: give the weights to start from "
+                "with --pretrained or --initial-checkpoint"
+            )
+        if frozen >= values["epochs"]:
+            fail(
+                f"--freeze-backbone-epochs {frozen} must end before --epochs {values['epochs']}: the backbone would never learn"
+            )
+        if values["findlr"]:
+            fail("--findlr sweeps the learning rate of every layer: leave out --freeze-backbone-epochs")
     if values["start_over"] and values["resume"]:
         fail("--start-over trains from scratch, --resume continues a run: give one of them")
     if values["resume"] == "auto" and values["output_dir"] is None and not os.environ.get("SLURM_JOB_ID"):

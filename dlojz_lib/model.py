@@ -1,8 +1,8 @@
 """The model and what dlojz knows about it: creation by name, activation checkpointing, FLOPs, GPU peaks.
 
 - `create_model(arch, num_classes)`: any torchvision classification model by name, or any timm one as `timm:NAME`,
-  random weights (no download);
-  an unknown name is a `UserError` with the closest names.
+  random weights (no download), with `--drop-path`'s stochastic depth where the model has it;
+  an unknown name is a `UserError` with the closest names. `classifier_name(model, num_classes)`: its head.
 - `enable_grad_checkpointing(model, arch)`: recompute each stage's activations in the backward (`--grad-checkpointing`),
   BatchNorm running statistics updated once per step as without it; `plain_stages(model)` undoes it for as long
   as a `with` lasts (FLOP counts exclude the recomputation).
@@ -32,17 +32,22 @@ from dlojz_lib.checks import UserError, fail
 
 
 def create_model(
-    arch: str, num_classes: int, zero_init_residual: bool | None = False, image_size: int | None = None
+    arch: str,
+    num_classes: int,
+    zero_init_residual: bool | None = False,
+    image_size: int | None = None,
+    drop_path: float | None = None,
 ) -> torch.nn.Module:
     """`arch`: a torchvision classification model name, or `timm:NAME` for any timm model (random weights: nothing
     is downloaded). `zero_init_residual`: the last BatchNorm scale of each residual block at 0 (torchvision's ResNet
     option), so that each block starts as the identity; None: where the model takes it (the run's default: a
     ResNet's loss falls from the first steps instead of climbing, as in timm and Goyal et al. 2017). `image_size`:
     the training size, for the timm models that fix one (vision transformers, CoAtNet), which then also take the
-    validation's size."""
+    validation's size. `drop_path`: the stochastic depth rate (timm's drop_path_rate, torchvision's
+    stochastic_depth_prob), None for the model's own default; a model without stochastic depth refuses it."""
     check_arch(arch)
     if arch.startswith("timm:"):
-        return create_timm_model(arch, num_classes, zero_init_residual, image_size)
+        return create_timm_model(arch, num_classes, zero_init_residual, image_size, drop_path)
     # Some builders pass unknown options to their class, which swallows them (**kwargs): its signature says.
     builder = torchvision.models.get_model_builder(arch)
     model_class = builder.__annotations__.get("return")
@@ -51,15 +56,22 @@ def create_model(
     if zero_init_residual and not takes:
         fail(f"--zero-init-residual: --arch {arch} does not take it (ResNet, ResNeXt and Wide ResNet models do)")
     options = dict(zero_init_residual=True) if takes and zero_init_residual in (True, None) else {}
+    if drop_path is not None:
+        if model_class is None or "stochastic_depth_prob" not in inspect.signature(model_class.__init__).parameters:
+            fail(
+                f"--drop-path: torchvision's {arch} has no stochastic depth (its ConvNeXt, EfficientNet, Swin and "
+                f"MaxViT models have; timm's ResNets too: --arch timm:NAME)"
+            )
+        options["stochastic_depth_prob"] = drop_path
     return torchvision.models.get_model(arch, weights=None, num_classes=num_classes, **options)
 
 
-def check_input_sizes(arch, zero_init_residual, sizes):
+def check_input_sizes(arch, zero_init_residual, sizes, drop_path=None):
     """One line before the data is read if the model cannot take square images of each of `sizes` px (a model made
     for one size, as torchvision's vision transformers): a forward on the meta device, no memory, no compute."""
     try:
         with torch.device("meta"):
-            model = create_model(arch, 10, zero_init_residual, max(sizes)).eval()
+            model = create_model(arch, 10, zero_init_residual, max(sizes), drop_path).eval()
     except UserError:  # an option the model does not take
         raise
     except Exception:  # noqa: BLE001  (a model that cannot be made on the meta device: made for real later)
@@ -111,21 +123,34 @@ def check_arch(arch):
         )
 
 
-def create_timm_model(arch, num_classes, zero_init_residual, image_size):
+def create_timm_model(arch, num_classes, zero_init_residual, image_size, drop_path=None):
     import timm
 
     name = arch[len("timm:") :]
     if zero_init_residual:
         fail(f"--zero-init-residual: --arch {arch}: a torchvision ResNet option; timm models set their own init")
     # Models with a fixed input size take the training size, and any other (validation's) with dynamic_img_size.
+    extra = {} if drop_path is None else dict(drop_path_rate=drop_path)
     for options in (dict(img_size=image_size, dynamic_img_size=True), dict(img_size=image_size), {}):
         if image_size is None and options:
             continue
         try:
-            return timm.create_model(name, pretrained=False, num_classes=num_classes, **options)
+            return timm.create_model(name, pretrained=False, num_classes=num_classes, **options, **extra)
         except TypeError:
             continue
+    if extra:
+        fail(f"--drop-path: timm could not build --arch {arch} with drop_path_rate={drop_path} (no stochastic depth?)")
     fail(f"--arch {arch}: timm could not build it with num_classes={num_classes}")
+
+
+def classifier_name(module, num_classes):
+    """The classifier's name in `module`: its last Linear layer giving `num_classes` outputs (torchvision's fc,
+    classifier[-1], heads.head; timm's head.fc or head), or None."""
+    found = None
+    for name, layer in module.named_modules():
+        if isinstance(layer, torch.nn.Linear) and layer.out_features == num_classes:
+            found = name
+    return found
 
 
 # ---------------------------------------------------------------------- activation checkpointing

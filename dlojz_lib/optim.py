@@ -6,9 +6,12 @@ Public API
 ----------
 ``OPTIMIZERS``, ``SCHEDULERS``
     The accepted values of ``--optimizer`` and ``--lr-scheduler``.
-``param_groups(model, weight_decay, no_wd_norm_bias) -> list[dict]``
+``param_groups(model, weight_decay, no_wd_norm_bias, layer_decay=None, head=None) -> list[dict]``
     Parameter groups for an optimizer; with ``no_wd_norm_bias`` (``--no-wd-norm-bias``) the parameters of
-    normalisation layers and all biases get ``weight_decay=0``.
+    normalisation layers and all biases get ``weight_decay=0``; with ``layer_decay`` (``--layer-decay``) each group
+    has an ``lr_scale`` that the schedules and the LR finder apply; the head's parameters are groups of their own.
+``freeze_backbone(optimizer, scheduler, frozen_steps)``
+    ``--freeze-backbone-epochs``: only the head's groups step for the first ``frozen_steps`` optimizer steps.
 ``build_optimizer(name, params, lr, momentum, weight_decay, fused=False) -> torch.optim.Optimizer``
     ``sgd`` (torch SGD with momentum), ``adamw`` (torch AdamW, ``betas=(momentum, 0.999)``), both with torch's
     fused step when ``fused`` and this torch has one for the parameters' device (``optimizer.defaults["fused"]``
@@ -17,7 +20,8 @@ Public API
     large-batch optimizers ``lamb`` (``betas=(momentum, 0.999)``), ``lars`` (``momentum``) and ``lion``
     (``betas=(momentum, 0.99)``).
 ``build_scheduler(name, optimizer, lr, total_steps, warmup_steps=0, step_milestones=None, gamma=0.1)``
-    A torch LR scheduler to be stepped once per optimizer step. ``lr`` is the peak LR of every group.
+    A torch LR scheduler to be stepped once per optimizer step. ``lr`` is the peak LR of every group (times its
+    ``lr_scale``).
 ``check_hyperparameters(lr, momentum, weight_decay)``
     Raises ``ValueError`` naming ``--lr``, ``--mom`` or ``--wd`` when one is out of range.
 ``fast_forward(scheduler, step)``
@@ -61,6 +65,7 @@ from dlojz_lib.checks import fail
 from dlojz_lib.flags import OPTIMIZERS, SCHEDULERS, check_hyperparameters
 from dlojz_lib.data.transforms import batch_mixing
 from dlojz_lib.fsdp import UNFUSED_UNDER_FSDP
+from dlojz_lib.model import classifier_name
 
 # Layers whose affine parameters are normalisation scales/shifts: decaying them towards 0 only fights the
 # normalisation (see "Bag of Tricks", He et al. 2019), hence --no-wd-norm-bias.
@@ -83,26 +88,76 @@ NORM_LAYERS = tuple(
 )
 
 
-def param_groups(model: nn.Module, weight_decay: float, no_wd_norm_bias: bool) -> list[dict]:
+def param_groups(
+    model: nn.Module,
+    weight_decay: float,
+    no_wd_norm_bias: bool,
+    layer_decay: float | None = None,
+    head: str | None = None,
+) -> list[dict]:
     """Return optimizer parameter groups for the trainable parameters of ``model``.
 
-    Without ``no_wd_norm_bias``: one group with ``weight_decay``. With it: a group of the other parameters with
-    ``weight_decay`` and a group of norm-layer parameters and biases with ``weight_decay=0``.
-    Frozen parameters (``requires_grad=False``) are left out; shared parameters appear once.
+    Without ``no_wd_norm_bias``: the parameters take ``weight_decay``. With it: norm-layer parameters and biases
+    take ``weight_decay=0``. With ``layer_decay`` (``--layer-decay``), each group's ``lr_scale`` is
+    ``layer_decay ** (depth of the head - depth of its layer)``, the depths from ``layer_depths``. With ``head``
+    (the classifier's module name), its parameters are groups of their own (``"head": True``), for
+    ``--freeze-backbone-epochs``. Groups go from the head (the largest ``lr_scale``) down, so that the first
+    group's LR is the schedule's. Frozen parameters (``requires_grad=False``) are left out; shared parameters
+    appear once.
     """
-    decay, no_decay, seen = [], [], set()
-    for module in model.modules():
+    depth = layer_depths(model, head) if layer_decay is not None else {}
+    deepest = max(depth.values(), default=0)
+    groups, seen = {}, set()
+    for module_name, module in model.named_modules():
         is_norm = isinstance(module, NORM_LAYERS)
         for name, param in module.named_parameters(recurse=False):
             if not param.requires_grad or id(param) in seen:
                 continue
             seen.add(id(param))
-            if no_wd_norm_bias and (is_norm or name == "bias"):
-                no_decay.append(param)
-            else:
-                decay.append(param)
-    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return [group for group in groups if group["params"]]
+            full_name = f"{module_name}.{name}" if module_name else name
+            in_head = head is not None and full_name.startswith(head + ".")
+            scale = layer_decay ** (deepest - depth[full_name]) if layer_decay is not None else 1.0
+            decays = not (no_wd_norm_bias and (is_norm or name == "bias"))
+            key = (not in_head, -scale, not decays)
+            group = groups.setdefault(
+                key, {"params": [], "weight_decay": weight_decay if decays else 0.0, "lr_scale": scale, "head": in_head}
+            )
+            group["params"].append(param)
+    return [groups[key] for key in sorted(groups)]
+
+
+def layer_depths(model: nn.Module, head: str | None) -> dict[str, int]:
+    """Each parameter's depth for ``--layer-decay``, 0 at the input and the head deepest. A timm model's own
+    grouping where it has one (``group_matcher``: its stem, each block, its head, as timm's layer decay uses);
+    otherwise one layer per block of the model's stages (each child of a plain ``nn.Sequential``/``ModuleList``
+    that is not one itself: a ResNet's ``layer1.0``, a ConvNeXt's ``features.1.0``, a ViT's encoder layers) and
+    per other module, in the order the model defines them."""
+    if hasattr(model, "group_matcher"):
+        from timm.models import group_parameters
+
+        return group_parameters(model, model.group_matcher(coarse=False), reverse=True)
+    containers = (nn.Sequential, nn.ModuleList)
+    keys = {}
+    for name, _ in model.named_parameters():
+        parts, module, key = name.split("."), model, None
+        for index, part in enumerate(parts[:-1]):
+            child = module.get_submodule(part)
+            if type(module) in containers and type(child) not in containers:  # a block (not a subclass: a ConvBN)
+                key = ".".join(parts[: index + 1])
+                break
+            module = child
+        if key is None:
+            key = ".".join(parts[:-1]) or name  # the module owning it, or the model's own (a class token)
+        if head is not None and name.startswith(head + "."):
+            key = head
+        keys[name] = key
+    order = {}
+    for key in keys.values():
+        if key != head:
+            order.setdefault(key, len(order))
+    if head is not None:
+        order[head] = len(order)
+    return {name: order[key] for name, key in keys.items()}
 
 
 def build_optimizer(
@@ -218,10 +273,11 @@ def build_scheduler(
         raise ValueError(f"warmup lasts {warmup_steps} steps out of {total_steps}: lower --warmup-epochs")
 
     if name == "onecycle":
-        return torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=lr, total_steps=total_steps)
+        max_lrs = [lr * group.get("lr_scale", 1.0) for group in optimizer.param_groups]
+        return torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=max_lrs, total_steps=total_steps)
 
     for group in optimizer.param_groups:  # LambdaLR multiplies each group's own LR: make it the peak
-        group["lr"] = lr
+        group["lr"] = lr * group.get("lr_scale", 1.0)
         group.pop("initial_lr", None)
 
     if name == "cosine":
@@ -303,7 +359,7 @@ class LRFinder:
 
     def _set_lr(self, lr: float) -> None:
         for group in self.optimizer.param_groups:
-            group["lr"] = lr
+            group["lr"] = lr * group.get("lr_scale", 1.0)
 
     def step(self, loss: float, accuracy: float) -> None:
         """Record the loss and accuracy of the step just taken, then set the LR of the next step."""
@@ -440,6 +496,22 @@ class Training:
     total_steps: int  # optimizer steps the schedule spans
 
 
+def freeze_backbone(optimizer, scheduler, frozen_steps: int):
+    """``--freeze-backbone-epochs``: for optimizer steps 0 to ``frozen_steps - 1`` (the schedule's count, so a
+    resumed run goes on where it was) only the head's groups learn. The other parameters' gradients are dropped just
+    before each of those steps, so the optimizer neither moves them nor builds their momentum or weight decay. The
+    backward still computes them: DDP and FSDP keep one set of buckets for the whole run, and the change to every
+    layer is a step like any other, with no new wrapper or optimizer."""
+    backbone = [param for group in optimizer.param_groups if not group["head"] for param in group["params"]]
+
+    def drop_backbone_gradients(optimizer, args, kwargs):
+        if scheduler.last_epoch < frozen_steps:  # a Python int: no device synchronisation
+            for param in backbone:
+                param.grad = None
+
+    return optimizer.register_step_pre_hook(drop_backbone_gradients)
+
+
 def build_training(cfg, model, n_train_batches, num_classes, ranks, log) -> Training:
     """Loss, optimizer, per-step schedule (or the LR finder), GradScaler, autocast and MixUp/CutMix."""
     step_images = cfg.batch_size * ranks.world_size * cfg.grad_acc
@@ -452,9 +524,18 @@ def build_training(cfg, model, n_train_batches, num_classes, ranks, log) -> Trai
     # Fused steps (sgd, adamw): no host synchronisation with the float16 GradScaler (see dlojz_lib.optim); FSDP's
     # sharded parameters have no fused SGD (its foreach step is used, and bfloat16 needs no scaler).
     fused = not (cfg.fsdp and cfg.optimizer in UNFUSED_UNDER_FSDP)
+    head = None
+    if cfg.freeze_backbone_epochs or cfg.layer_decay is not None:
+        head = classifier_name(model.module, num_classes)
+        if head is None:
+            fail(
+                f"--freeze-backbone-epochs/--layer-decay: --arch {cfg.arch} has no Linear layer with {num_classes} "
+                "outputs, the head they start from"
+            )
+    groups = param_groups(model.module, cfg.wd, cfg.no_wd_norm_bias, cfg.layer_decay, head)
     optimizer = build_optimizer(
         cfg.optimizer,
-        param_groups(model.module, cfg.wd, cfg.no_wd_norm_bias),
+        groups,
         lr=cfg.lr,
         momentum=cfg.mom,
         weight_decay=cfg.wd,
@@ -465,6 +546,12 @@ def build_training(cfg, model, n_train_batches, num_classes, ranks, log) -> Trai
         f"optimizer: {cfg.optimizer}{' (fused step)' if fused else ''} (lr {cfg.lr}, momentum {cfg.mom}, weight decay {cfg.wd}"
         f"{', none on norms and biases' if cfg.no_wd_norm_bias else ''}); {lr_scaling_line(cfg.lr, step_images)}"
     )
+    if cfg.layer_decay is not None:
+        scales = sorted({group["lr_scale"] for group in optimizer.param_groups})
+        log(
+            f"layer decay {cfg.layer_decay}: {len(scales)} layers, learning rates from lr x {scales[0]:.3g} (the "
+            f"first layer) to lr x 1 ({head})"
+        )
     steps_per_epoch = math.ceil(n_train_batches / cfg.grad_acc)  # optimizer steps: what schedules and logs count
     total_steps = cfg.epochs * steps_per_epoch
     scheduler, lr_finder = None, None
@@ -487,6 +574,9 @@ def build_training(cfg, model, n_train_batches, num_classes, ranks, log) -> Trai
             )
     except ValueError as err:
         fail(str(err))
+    if cfg.freeze_backbone_epochs:
+        freeze_backbone(optimizer, scheduler, cfg.freeze_backbone_epochs * steps_per_epoch)
+        log(f"the head ({head}) learns alone for {cfg.freeze_backbone_epochs} epochs, then every layer")
     float16 = cfg.amp and cfg.amp_dtype == "float16"
     autocast = (
         (lambda: torch.autocast(ranks.device.type, dtype=cfg.autocast_dtype)) if cfg.amp else contextlib.nullcontext

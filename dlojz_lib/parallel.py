@@ -41,7 +41,7 @@ class Model:
 
 
 def build_model(cfg, num_classes, ranks, log) -> Model:
-    module = create_model(cfg.arch, num_classes, cfg.zero_init_residual, cfg.image_size)
+    module = create_model(cfg.arch, num_classes, cfg.zero_init_residual, cfg.image_size, cfg.drop_path)
     if cfg.initial_checkpoint is not None or cfg.pretrained is not None:  # before any wrapper or copy
         from dlojz_lib.pretrained import load_initial_weights, published_weights_file
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from dlojz_lib.checks import UserError, check_input_file, fail
+from dlojz_lib.model import classifier_name
 
 # Prefixes that wrappers add to a saved state dict's keys: DDP's and torch.compile's.
 WRAPPER_PREFIXES = ("module.", "_orig_mod.")
@@ -105,22 +106,12 @@ def read_weights(path):
     return saved, "state dict"
 
 
-def head_name(module, num_classes):
-    """The classifier: the last Linear layer giving `num_classes` outputs (torchvision's fc, classifier[-1],
-    heads.head; timm's head), or None."""
-    found = None
-    for name, layer in module.named_modules():
-        if isinstance(layer, torch.nn.Linear) and layer.out_features == num_classes:
-            found = name
-    return found
-
-
 def load_initial_weights(module, path, num_classes):
     """Load the file's tensors into `module` (unwrapped, before DDP or FSDP). Returns the start-up line."""
     weights, kind = read_weights(path)
     weights = {strip_wrappers(key): value for key, value in weights.items()}
     own = module.state_dict()
-    head = head_name(module, num_classes)
+    head = classifier_name(module, num_classes)
     in_head = lambda key: head is not None and key.startswith(head + ".")  # noqa: E731
     loaded, new = {}, []
     for key, value in weights.items():

@@ -1,0 +1,141 @@
+"""Fine-tuning controls: --layer-decay's learning rate per block, --freeze-backbone-epochs' head alone then every
+layer (and a fine-tuning stopped mid-way that resumes to the uninterrupted run's weights), --drop-path's stochastic
+depth where the model has it."""
+
+import pytest
+import torch
+import torchvision
+
+from conftest import SMALL
+from dlojz_lib.checks import UserError
+from dlojz_lib.config import resolve_config
+from dlojz_lib.dist import Distribution
+from dlojz_lib.flags import get_args_parser
+from dlojz_lib.optim import build_training
+from dlojz_lib.parallel import build_model
+
+CPU = Distribution(1, 0, 0, torch.device("cpu"))
+TINY = [*SMALL, "--image-size", "16", "--val-resize-size", "18", "--val-crop-size", "16", "-b", "8"]
+TINY += ["--no-wandb", "--num-workers", "0"]
+
+
+@pytest.fixture(autouse=True)
+def in_tmp(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the default --output-dir (./runs/...) is made and checked writable
+
+
+def config(*flags):
+    return resolve_config(get_args_parser().parse_args(["--device", "cpu", *map(str, flags)]))
+
+
+def lr_of_each_parameter(*flags, arch="resnet18", num_classes=3):
+    cfg = config("--arch", arch, "--lr", "0.1", *flags)
+    model = build_model(cfg, num_classes, CPU, lambda line: None)
+    lines = []
+    training = build_training(cfg, model, 10, num_classes, CPU, lines.append)
+    names = {id(param): name for name, param in model.module.named_parameters()}
+    lrs = {names[id(param)]: group["lr"] for group in training.optimizer.param_groups for param in group["params"]}
+    return lrs, lines, training
+
+
+def test_layer_decay_scales_each_block_s_learning_rate_from_the_head_down():
+    lrs, lines, training = lr_of_each_parameter("--layer-decay", "0.5", "--lr-scheduler", "constant")
+    # resnet18's layers: conv1, bn1, 8 blocks (layer1.0 ... layer4.1, a downsample with its block), fc: 11.
+    assert lrs["fc.weight"] == lrs["fc.bias"] == pytest.approx(0.1)
+    assert lrs["layer4.1.conv2.weight"] == pytest.approx(0.1 * 0.5)
+    assert lrs["layer4.0.downsample.0.weight"] == lrs["layer4.0.conv1.weight"] == pytest.approx(0.1 * 0.5**2)
+    assert lrs["layer1.0.conv1.weight"] == pytest.approx(0.1 * 0.5**8)
+    assert lrs["conv1.weight"] == pytest.approx(0.1 * 0.5**10)
+    assert training.optimizer.param_groups[0]["lr"] == pytest.approx(0.1)  # the head first: the logged lr is its
+    assert any(line.startswith("layer decay 0.5: 11 layers, learning rates from lr x 0.000977") for line in lines)
+    plain, _, _ = lr_of_each_parameter("--lr-scheduler", "constant")
+    assert set(plain.values()) == {0.1}
+
+
+def test_layer_decay_follows_every_schedule_and_timm_s_grouping():
+    onecycle, _, training = lr_of_each_parameter("--layer-decay", "0.5")  # OneCycle: max_lr per group
+    for _ in range(5):
+        training.optimizer.step()
+        training.scheduler.step()
+    lrs = [group["lr"] / group["lr_scale"] for group in training.optimizer.param_groups]
+    assert max(lrs) == pytest.approx(min(lrs)) and len(lrs) > 2  # each group at its scale of the same cycle
+    timm_lrs, _, _ = lr_of_each_parameter("--layer-decay", "0.5", "--lr-scheduler", "constant", arch="timm:resnet10t")
+    assert timm_lrs["fc.weight"] == pytest.approx(0.1) and timm_lrs["conv1.0.weight"] < 0.1 * 0.5**3
+
+
+def test_drop_path_reaches_the_model_s_stochastic_depth():
+    cfg = config("--arch", "convnext_tiny", "--drop-path", "0.3")
+    module = build_model(cfg, 3, CPU, lambda line: None).module
+    rates = [m.p for m in module.modules() if isinstance(m, torchvision.ops.StochasticDepth)]
+    assert rates and max(rates) == pytest.approx(0.3)  # torchvision's default for convnext_tiny is 0.1
+    cfg = config("--arch", "timm:resnet10t", "--drop-path", "0.2", "--image-size", "32")
+    module = build_model(cfg, 3, CPU, lambda line: None).module
+    import timm.layers
+
+    rates = [m.drop_prob for m in module.modules() if isinstance(m, timm.layers.DropPath)]
+    assert rates and max(rates) == pytest.approx(0.2)  # rising with depth to the rate, as in both libraries
+    with pytest.raises(UserError, match=r"^--drop-path: torchvision's resnet18 has no stochastic depth"):
+        config("--arch", "resnet18", "--drop-path", "0.1")
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--freeze-backbone-epochs", "1", "-e", "2"], r"would keep random weights fixed: give the weights"),
+        (["--freeze-backbone-epochs", "2", "-e", "2", "--initial-checkpoint", "w.pt"], r"must end before --epochs 2"),
+        (["--freeze-backbone-epochs", "1", "-e", "2", "--initial-checkpoint", "w.pt", "--findlr"], r"--findlr sweeps"),
+    ],
+)
+def test_fine_tuning_flags_refuse_in_one_line(flags, message, tmp_path):
+    torch.save({}, tmp_path / "w.pt")
+    with pytest.raises(UserError, match=message):
+        config(*flags)
+
+
+@pytest.mark.parametrize("flag, value", [("--layer-decay", "0"), ("--layer-decay", "1.5"), ("--drop-path", "1.5")])
+def test_fine_tuning_values_out_of_bounds_are_one_line(flag, value, capsys):
+    with pytest.raises(SystemExit) as stopped:
+        get_args_parser().parse_args([flag, value])
+    assert stopped.value.code == 2 and flag in capsys.readouterr().err
+
+
+def parameters_only(state, module):
+    return {name: state[name] for name, _ in module.named_parameters()}
+
+
+def test_the_head_learns_alone_then_every_layer_and_a_stopped_fine_tuning_resumes_exactly(
+    tiny_data, tmp_path, run_inline
+):
+    """3 epochs of 9 steps, the first frozen: the backbone is the file's until step 9, then learns; a run resumed
+    from a checkpoint in the frozen epoch ends with the uninterrupted run's weights."""
+    torch.manual_seed(0)
+    names = torchvision.models.resnet18(num_classes=3)
+    torch.save(names.state_dict(), tmp_path / "start.pth")
+    start = parameters_only(names.state_dict(), names)
+    common = [*TINY, "--data-root", tiny_data, "-e", "2", "--initial-checkpoint", tmp_path / "start.pth"]
+    common += ["--freeze-backbone-epochs", "1", "--layer-decay", "0.8", "--lr-scheduler", "cosine"]
+    common += ["--keep-checkpoints", "0"]
+    out = tmp_path / "straight"
+    proc = run_inline(*common, "--output-dir", out, "--checkpoint-every", "1e-9")
+    assert proc.returncode == 0, proc.stderr
+    assert "the head (fc) learns alone for 1 epochs, then every layer" in proc.stdout
+
+    def at(path):
+        return parameters_only(torch.load(path, weights_only=True)["model"], names)
+
+    frozen_end = at(out / "ckpt_e0001_s000000009.pt")  # epoch 1's end
+    for name, value in start.items():
+        assert torch.equal(frozen_end[name], value) != name.startswith("fc."), name
+    first_unfrozen = at(out / "ckpt_e0001_s000000010.pt")  # one step later, every layer has learnt
+    assert not torch.equal(first_unfrozen["conv1.weight"], start["conv1.weight"])
+    final = at(out / (out / "latest").read_text().strip())
+    assert not torch.equal(final["conv1.weight"], start["conv1.weight"])
+    assert not torch.equal(final["layer4.1.bn2.weight"], frozen_end["layer4.1.bn2.weight"])
+
+    resumed_out = tmp_path / "resumed"
+    proc = run_inline(*common, "--output-dir", resumed_out, "--resume", out / "ckpt_e0000_s000000004.pt")
+    assert proc.returncode == 0, proc.stderr
+    assert "(epoch 1, step 4/9, global step 4)" in proc.stdout
+    resumed = at(resumed_out / (resumed_out / "latest").read_text().strip())
+    for name, value in final.items():
+        assert torch.allclose(value, resumed[name], rtol=1e-5, atol=1e-6), name
