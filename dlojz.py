@@ -39,7 +39,7 @@ import dlojz_lib.checkpoint as ckpt
 import dlojz_lib.optim as optim
 from dlojz_chrono import Chronometer
 from dlojz_lib.config import load_idr_torch, resolve_config
-from dlojz_lib.flags import get_args_parser
+from dlojz_lib.flags import check_flags, get_args_parser
 from dlojz_lib.checks import DataError, UserError
 from dlojz_lib.data.datasets import close_loader, measure_loader
 from dlojz_lib.dist import (
@@ -103,7 +103,14 @@ def main(argv=None, running=None) -> dict:
     when a peer is lost."""
     # ================================ ARGUMENTS: every check, before any process group or data scan
     run_start = time.perf_counter()  # time to target counts from here, start-up included
-    cfg = resolve_config(get_args_parser().parse_args(argv))
+    args = get_args_parser().parse_args(argv)
+    if args.fetch_weights:  # on a login node, before any check that wants the weights already there
+        from dlojz_lib.pretrained import fetch_weights
+
+        check_flags(vars(args))
+        print(fetch_weights(args.arch, args.pretrained), flush=True)
+        return {}
+    cfg = resolve_config(args)
     stop_signal = StopSignal().install()  # installed first: a signal arriving during start-up must not kill the job
 
     # ================================ INSTANTIATION: distribution

@@ -60,6 +60,7 @@ class Config:
     clip_grad_norm: float | None
     pretrained: str | None  # torchvision's weights name for --arch, from the local hub cache
     initial_checkpoint: str | None  # weights to start from (not a resume)
+    fetch_weights: bool  # only fetch --pretrained's file, then exit
     freeze_backbone_epochs: int | None  # epochs in which only the head learns
     layer_decay: float | None  # learning-rate factor from one block to the one below
     drop_path: float | None  # stochastic depth rate, None: the model's own

@@ -160,8 +160,15 @@ def get_args_parser():
         const="DEFAULT",
         default=None,
         metavar="WEIGHTS",
-        help="start from torchvision's published weights for --arch (bare: its DEFAULT; or a name such as\n"
-        "IMAGENET1K_V2), read from torch hub's local cache only (never downloaded by a run), new head as below",
+        help="start from the published weights of --arch (bare: its DEFAULT; else torchvision's name such as\n"
+        "IMAGENET1K_V2, or timm's tag such as a1_in1k), read from the local cache only (torch hub's, Hugging\n"
+        "Face's: never downloaded by a run; see --fetch-weights), new head as below",
+    )
+    p.add_argument(
+        "--fetch-weights",
+        action="store_true",
+        help="where the internet is (a login node): download --pretrained's file into its local cache, check\n"
+        "it against its published SHA-256, and exit",
     )
     p.add_argument(
         "--initial-checkpoint",
@@ -590,6 +597,8 @@ def check_flags(values):
         )
     if values["pretrained"] is not None and values["initial_checkpoint"] is not None:
         fail("--pretrained and --initial-checkpoint both give the starting weights: give one of them")
+    if values["fetch_weights"] and values["pretrained"] is None:
+        fail("--fetch-weights fetches --pretrained's weights: add --pretrained [WEIGHTS]")
     frozen = values["freeze_backbone_epochs"]
     if frozen is not None:
         if values["pretrained"] is None and values["initial_checkpoint"] is None:

@@ -1,4 +1,5 @@
-"""Weights to start from: torchvision's published weights from torch hub's local cache (`--pretrained`), or
+"""Weights to start from: torchvision's or timm's published weights from the local caches (`--pretrained`, which
+`--fetch-weights` fills where the internet is), or
 (`--initial-checkpoint`) a torchvision or timm state dict (.pt/.pth), a .safetensors file or a dlojz checkpoint's
 model; loaded into the model before it is wrapped, with a new, freshly initialised head where the data's number of
 classes differs from the file's. A fresh optimizer, schedule and epoch count follow: unlike
@@ -8,6 +9,8 @@ One start-up line says how many tensors were loaded and which layers are new; a 
 head is one line naming it, exit status 2 (another architecture's weights), never a partly loaded model.
 """
 
+import math
+import os
 from pathlib import Path
 
 import torch
@@ -28,51 +31,166 @@ def check_weights_file(path):
 
 
 def published_weights_file(arch, name):
-    """The file of torchvision's published weights `name` for `arch` in torch hub's cache ($TORCH_HOME/hub/
-    checkpoints, where torchvision downloads them), or one line naming the file expected and the command that
-    fetches it where the internet is (a login node): a training run never downloads."""
-    import torchvision
-
+    """The file of the published weights `name` for `arch` in its local cache: torchvision's in torch hub's
+    ($TORCH_HOME/hub/checkpoints, where torchvision downloads them), timm's in Hugging Face's ($HF_HUB_CACHE or
+    $HF_HOME/hub). Or one line naming what is expected and the command that fetches it where the internet is (a
+    login node): a training run never downloads."""
+    fetch = f"python dlojz.py --arch {arch} --pretrained {name} --fetch-weights"
     if arch.startswith("timm:"):
-        fail(
-            f"--pretrained: {arch} is a timm model: fetch its weights where the internet is (timm.create_model("
-            f"'{arch[5:]}', pretrained=True) fills Hugging Face's cache) and give the file with --initial-checkpoint"
-        )
-    try:
-        enum = torchvision.models.get_model_weights(arch)
-    except (ValueError, KeyError):
-        fail(f"--pretrained: torchvision publishes no weights for --arch {arch}")
-    names = [member for member in enum.__members__ if member != "DEFAULT"]
-    if name not in enum.__members__:
-        fail(f"--pretrained {name}: --arch {arch}'s weights are {', '.join(names)} (or DEFAULT)")
-    weights = enum[name]
-    path = Path(torch.hub.get_dir()) / "checkpoints" / Path(weights.url).name
+        repo = timm_weights(arch, name).hf_hub_id
+        path = timm_cached_file(repo)
+        if path is None:
+            fail(
+                f"--pretrained {name}: timm's {repo} is not in Hugging Face's cache ({hf_cache_dir()}), and a run "
+                f"does not download: fetch it where the internet is with {fetch} (same HF_HOME), then run again"
+            )
+        return path
+    path = torchvision_weights_path(torchvision_weights(arch, name))
     if not path.is_file():
         fail(
             f"--pretrained {name}: {path} is not in torch hub's cache, and a run does not download: fetch it where "
-            f"the internet is with python -c \"import torchvision; torchvision.models.get_weight('{weights}')"
-            f'.get_state_dict()" (same TORCH_HOME), then run again'
+            f"the internet is with {fetch} (same TORCH_HOME), then run again"
         )
     return path
 
 
 def published_preprocessing(arch, name):
-    """The validation resize and crop (px) torchvision's weights `name` were evaluated with, and what else their
-    preprocessing says, or None where there are none (a timm model, an unknown name: the checks say so)."""
-    import torchvision
-
+    """The validation resize and crop (px) the weights `name` were evaluated with, and what else their
+    preprocessing says, or None where it is not known (an unknown name: the checks say so)."""
     try:
-        weights = torchvision.models.get_model_weights(arch)[name]
-    except (ValueError, KeyError):
+        if arch.startswith("timm:"):
+            weights = timm_weights(arch, name)
+            crop = weights.input_size[-1]
+            return dict(
+                val_resize_size=math.floor(crop / weights.crop_pct),  # as timm's eval transform sizes it
+                val_crop_size=crop,
+                interpolation=weights.interpolation,
+                imagenet_normalisation=(tuple(weights.mean), tuple(weights.std)) == (IMAGENET_MEAN, IMAGENET_STD),
+            )
+        preprocessing = torchvision_weights(arch, name).transforms()
+    except UserError:
         return None
-    preprocessing = weights.transforms()
     return dict(
         val_resize_size=preprocessing.resize_size[0],
         val_crop_size=preprocessing.crop_size[0],
         interpolation=preprocessing.interpolation.value,
-        imagenet_normalisation=(list(preprocessing.mean), list(preprocessing.std))
-        == ([0.485, 0.456, 0.406], [0.229, 0.224, 0.225]),
+        imagenet_normalisation=(tuple(preprocessing.mean), tuple(preprocessing.std)) == (IMAGENET_MEAN, IMAGENET_STD),
     )
+
+
+IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+
+
+def torchvision_weights(arch, name):
+    import torchvision
+
+    try:
+        enum = torchvision.models.get_model_weights(arch)
+    except (ValueError, KeyError):
+        fail(f"--pretrained: torchvision publishes no weights for --arch {arch}")
+    if name not in enum.__members__:
+        names = [member for member in enum.__members__ if member != "DEFAULT"]
+        fail(f"--pretrained {name}: --arch {arch}'s weights are {', '.join(names)} (or DEFAULT)")
+    return enum[name]
+
+
+def torchvision_weights_path(weights):
+    return Path(torch.hub.get_dir()) / "checkpoints" / Path(weights.url).name
+
+
+def timm_weights(arch, name):
+    """timm's pretrained configuration of `arch` (timm:NAME) for the tag `name` (DEFAULT: the model's first)."""
+    import timm
+    import timm.models
+
+    model = arch[len("timm:") :]
+    try:
+        weights = timm.models.get_pretrained_cfg(model if name == "DEFAULT" else f"{model}.{name}")
+    except RuntimeError:  # an unknown tag
+        weights = None
+    if weights is None or not weights.hf_hub_id:
+        tags = [full.split(".", 1)[1] for full in timm.list_pretrained(f"{model}.*")]
+        if not tags:
+            fail(f"--pretrained: timm publishes no weights on Hugging Face for --arch {arch}")
+        fail(f"--pretrained {name}: --arch {arch}'s weights are {', '.join(tags)} (or DEFAULT)")
+    return weights
+
+
+# timm's weights on Hugging Face, in the order timm reads them.
+HF_WEIGHTS_FILES = ("model.safetensors", "pytorch_model.bin")
+
+
+def hf_cache_dir():
+    """Hugging Face's cache folder, from the environment as it is now (huggingface_hub reads it once, at import)."""
+    env = os.environ
+    if env.get("HF_HUB_CACHE"):
+        return Path(env["HF_HUB_CACHE"])
+    home = env.get("HF_HOME") or Path(env.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "huggingface"
+    return Path(home) / "hub"
+
+
+def timm_cached_file(repo):
+    from huggingface_hub import try_to_load_from_cache
+
+    for filename in HF_WEIGHTS_FILES:
+        found = try_to_load_from_cache(repo, filename, cache_dir=hf_cache_dir())
+        if isinstance(found, str):  # (a marker object records a file known to be absent)
+            return Path(found)
+    return None
+
+
+def fetch_weights(arch, name):
+    """`--fetch-weights`, where the internet is: the published weights into their local cache, checked against
+    the hash their source publishes (torchvision: the SHA-256 prefix in the file's name; Hugging Face: the SHA-256
+    that names a stored large file). Returns the line to print; a failed check keeps nothing."""
+    if arch.startswith("timm:"):
+        repo = timm_weights(arch, name).hf_hub_id
+        path = timm_cached_file(repo)
+        if path is not None:
+            return f"{path}: already in Hugging Face's cache"
+        return fetch_from_hugging_face(repo)
+    weights = torchvision_weights(arch, name)
+    path = torchvision_weights_path(weights)
+    if path.is_file():
+        return f"{path}: already in torch hub's cache"
+    prefix = torch.hub.HASH_REGEX.search(path.name).group(1)
+    fetch_file(weights.url, path, prefix)
+    return f"{path}: fetched from {weights.url}, its SHA-256 starts with {prefix} as published"
+
+
+def fetch_file(url, path, sha256_prefix):
+    """`url` into `path` through a temporary file beside it, kept only when its SHA-256 starts with the prefix."""
+    from urllib.error import URLError
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        torch.hub.download_url_to_file(url, str(path), hash_prefix=sha256_prefix, progress=True)
+    except RuntimeError as err:  # torch's hash check: its temporary file is removed
+        fail(f"--fetch-weights: {url} does not match its published SHA-256 ({err}); nothing was kept: try again")
+    except (URLError, OSError) as err:
+        fail(f"--fetch-weights: cannot download {url} ({err}): run it where the internet is (a login node)")
+
+
+def fetch_from_hugging_face(repo):
+    import hashlib
+
+    import huggingface_hub
+
+    reasons = []
+    for filename in HF_WEIGHTS_FILES:
+        try:
+            path = Path(huggingface_hub.hf_hub_download(repo, filename, cache_dir=hf_cache_dir()))
+        except Exception as err:  # noqa: BLE001  (not in the repository, no network: the next, then one line)
+            reasons.append(f"{filename}: {str(err).strip().splitlines()[0] if str(err).strip() else repr(err)}")
+            continue
+        blob = path.resolve()
+        digest = hashlib.sha256(blob.read_bytes()).hexdigest()
+        if len(blob.name) == 64 and digest != blob.name:  # a large file is stored under its SHA-256
+            path.unlink()
+            blob.unlink()
+            fail(f"--fetch-weights: {repo}'s {filename} does not match its SHA-256 {blob.name}; nothing was kept")
+        return f"{path}: fetched from Hugging Face's {repo}, SHA-256 {digest}"
+    fail(f"--fetch-weights: cannot download {repo} ({'; '.join(reasons)}): run it where the internet is")
 
 
 def read_weights(path):

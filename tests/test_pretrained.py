@@ -126,7 +126,9 @@ def test_a_run_trains_from_the_weights_of_another_run(tiny_data, tmp_path):
 def test_pretrained_reads_torchvision_s_file_from_the_local_hub_cache_only(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch"))
     missing = r"--pretrained DEFAULT: .*torch/hub/checkpoints/resnet18-f37072fd\.pth is not in torch hub's cache, .*"
-    with pytest.raises(UserError, match=missing + r"get_weight\('ResNet18_Weights\.IMAGENET1K_V1'\)"):
+    with pytest.raises(
+        UserError, match=missing + r"python dlojz\.py --arch resnet18 --pretrained DEFAULT --fetch-weights"
+    ):
         resolve_config(get_args_parser().parse_args(["--device", "cpu", "--arch", "resnet18", "--pretrained"]))
     cache = tmp_path / "torch" / "hub" / "checkpoints"
     cache.mkdir(parents=True)
@@ -143,9 +145,10 @@ def test_pretrained_reads_torchvision_s_file_from_the_local_hub_cache_only(tmp_p
     [
         (["--pretrained", "IMAGENET1K_V9"], r"--pretrained IMAGENET1K_V9: --arch resnet18's weights are IMAGENET1K_V1"),
         (
-            ["--arch", "timm:resnet10t", "--pretrained"],
-            r"--pretrained: timm:resnet10t is a timm model: .*--initial-checkpoint",
+            ["--arch", "timm:resnet10t", "--pretrained", "nope"],
+            r"--pretrained nope: --arch timm:resnet10t's weights are c3_in1k \(or DEFAULT\)",
         ),
+        (["--fetch-weights"], r"--fetch-weights fetches --pretrained's weights: add --pretrained"),
         (
             ["--pretrained", "--initial-checkpoint", "w.pt"],
             r"--pretrained and --initial-checkpoint both give the starting",
@@ -174,3 +177,103 @@ def test_pretrained_takes_the_weights_sizes_unless_given(tmp_path, monkeypatch):
         for note in notes
     )
     assert sizes("--pretrained", "IMAGENET1K_V2", "--val-resize-size", "240")[:3] == (224, 240, 224)
+
+
+def hugging_face_cache(root, repo, filename, write):
+    """The layout huggingface_hub's download leaves: refs/main names a snapshot whose file links to a blob."""
+    folder = root / f"models--{repo.replace('/', '--')}"
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    (folder / "refs").mkdir(parents=True)
+    (folder / "refs" / "main").write_text(commit)
+    (folder / "blobs").mkdir()
+    write(folder / "blobs" / "blob")
+    (folder / "snapshots" / commit).mkdir(parents=True)
+    (folder / "snapshots" / commit / filename).symlink_to(folder / "blobs" / "blob")
+    return folder / "snapshots" / commit / filename
+
+
+def test_pretrained_reads_timm_s_file_from_hugging_face_s_local_cache_only(tmp_path, monkeypatch):
+    import timm
+    from safetensors.torch import save_file
+
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf"))
+    flags = ["--device", "cpu", "--arch", "timm:resnet10t", "--pretrained"]
+    missing = r"--pretrained DEFAULT: timm's timm/resnet10t\.c3_in1k is not in Hugging Face's cache \(.*/hf\)"
+    with pytest.raises(UserError, match=missing + r".*--arch timm:resnet10t --pretrained DEFAULT --fetch-weights"):
+        resolve_config(get_args_parser().parse_args(flags))
+    torch.manual_seed(5)
+    saved = timm.create_model("resnet10t", num_classes=1000).state_dict()
+    hugging_face_cache(tmp_path / "hf", "timm/resnet10t.c3_in1k", "model.safetensors", lambda p: save_file(saved, p))
+    cfg = resolve_config(get_args_parser().parse_args(flags))
+    assert (cfg.image_size, cfg.val_resize_size, cfg.val_crop_size) == (176, 201, 176)  # timm's 176 px, crop 0.875
+    lines = []
+    model = build_model(cfg, 5, Distribution(1, 0, 0, torch.device("cpu")), lines.append)
+    own = model.module.state_dict()
+    assert all(torch.equal(own[key], value) for key, value in saved.items() if not key.startswith("fc."))
+    assert model.module.fc.out_features == 5
+    assert any(
+        "(safetensors file); new, freshly initialised for 5 classes: fc.bias, fc.weight" in line for line in lines
+    )
+
+
+def test_fetch_weights_keeps_only_a_file_with_the_published_hash(tmp_path, monkeypatch, run_inline):
+    """torchvision's: the SHA-256 prefix in the file's name; here the download is served from a local file whose
+    bytes are not the published ones, so nothing may be kept."""
+    import hashlib
+    import urllib.request
+
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch"))
+    (tmp_path / "served.pth").write_bytes(b"not resnet18's weights")
+    served = (tmp_path / "served.pth").as_uri()
+    asked = []
+    monkeypatch.setattr(
+        torch.hub, "urlopen", lambda request, **kw: asked.append(request.full_url) or urllib.request.urlopen(served)
+    )
+    proc = run_inline("--arch", "resnet18", "--pretrained", "--fetch-weights")
+    assert proc.returncode == 2, proc.stdout
+    assert asked == ["https://download.pytorch.org/models/resnet18-f37072fd.pth"]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("dlojz: error: ")]  # (and the progress bar)
+    assert len(errors) == 1 and "does not match its published SHA-256" in errors[0] and "Traceback" not in proc.stderr
+    assert not list((tmp_path / "torch" / "hub" / "checkpoints").iterdir())  # not even the partial download
+    # The same path with the right hash keeps the file.
+    from dlojz_lib.pretrained import fetch_file
+
+    prefix = hashlib.sha256(b"not resnet18's weights").hexdigest()[:8]
+    fetch_file(served, tmp_path / "kept" / f"w-{prefix}.pth", prefix)
+    assert (tmp_path / "kept" / f"w-{prefix}.pth").read_bytes() == b"not resnet18's weights"
+    # Already there: said, nothing fetched.
+    cached = tmp_path / "torch" / "hub" / "checkpoints" / "resnet18-f37072fd.pth"
+    cached.write_bytes(b"x")
+    asked.clear()
+    proc = run_inline("--arch", "resnet18", "--pretrained", "--fetch-weights")
+    assert proc.returncode == 0 and f"{cached}: already in torch hub's cache" in proc.stdout and not asked
+
+
+@pytest.mark.parametrize("intact", [True, False])
+def test_fetch_weights_of_a_timm_model_checks_the_blob_s_sha256(intact, tmp_path, monkeypatch, run_inline):
+    import hashlib
+
+    import huggingface_hub
+
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf"))
+    data = b"weights"
+    digest = hashlib.sha256(data).hexdigest()
+
+    def download(repo, filename, cache_dir):  # what the hub's download leaves, a blob named by its SHA-256
+        assert (repo, filename, str(cache_dir)) == ("timm/resnet10t.c3_in1k", "model.safetensors", str(tmp_path / "hf"))
+        path = hugging_face_cache(tmp_path / "hf", repo, filename, lambda p: p.write_bytes(data if intact else b"x"))
+        path.resolve().rename(path.resolve().with_name(digest))
+        path.unlink()
+        path.symlink_to(path.parent.parent.parent / "blobs" / digest)
+        return str(path)
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", download)
+    proc = run_inline("--arch", "timm:resnet10t", "--pretrained", "--fetch-weights")
+    if intact:
+        assert (
+            proc.returncode == 0
+            and f"fetched from Hugging Face's timm/resnet10t.c3_in1k, SHA-256 {digest}" in proc.stdout
+        )
+    else:
+        assert proc.returncode == 2 and "does not match its SHA-256" in proc.stderr, proc.stderr
+        assert not list((tmp_path / "hf").rglob("model.safetensors")) and not list((tmp_path / "hf").rglob(digest))
