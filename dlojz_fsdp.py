@@ -19,9 +19,8 @@ def consolidate(source, target):
     """Write `target`: the ordinary checkpoint (dlojz_lib.checkpoint's .pt) that a run without --fsdp would have
     written at the same point, from the sharded checkpoint folder `source`. One process reads every shard."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-    from torch.distributed.checkpoint.state_dict import set_state_dict
-
     import dlojz_lib.optim as optim
+    from dlojz_lib.fsdp import set_optimizer_state
     from dlojz_lib.model import apply_blurpool, create_model
 
     source = Path(source)
@@ -41,9 +40,10 @@ def consolidate(source, target):
     if args["blurpool"]:
         apply_blurpool(module)
     # as a run without --fsdp builds it (fused where torch has it): its param_groups are what such a run loads
+    head = optim.fine_tuning_head(module, saved["num_classes"], args)
     optimizer = optim.build_optimizer(
         args["optimizer"],
-        optim.param_groups(module, args["wd"], args["no_wd_norm_bias"]),
+        optim.param_groups(module, args["wd"], args["no_wd_norm_bias"], args.get("layer_decay"), head),
         lr=args["lr"],
         momentum=args["mom"],
         weight_decay=args["wd"],
@@ -59,7 +59,8 @@ def consolidate(source, target):
         state = torch.load(whole, map_location="cpu", weights_only=True)
     finally:
         whole.unlink(missing_ok=True)
-    set_state_dict(module, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    module.load_state_dict(state["model"])
+    set_optimizer_state(module, optimizer, state["optimizer"])
     full = {key: value for key, value in saved.items() if key != "sharded_path"}
     full.update(model=module.state_dict(), optimizer=optimizer.state_dict(), ema=None)
     ckpt.write(full, target)

@@ -110,6 +110,8 @@ class Config:
     data_root: str | None
     val_resize_size: int
     val_crop_size: int
+    mean: tuple | None  # what the images are normalised with: ImageNet's when None
+    std: tuple | None
     val_batch_size: int
     data_backend: str
     dali_threads: int | None
@@ -180,9 +182,12 @@ def pretrained_preprocessing(values) -> list:
     note = f"--pretrained {values['pretrained']}: the weights' preprocessing"
     if taken:
         note += ": " + " ".join(f"--{key.replace('_', '-')} {size}" for key, size in taken.items())
-    note += f" (given flags win); resize {published['interpolation']}, dlojz's is antialiased bilinear"
     if not published["imagenet_normalisation"]:
-        note += "; WARNING: their mean/std are not ImageNet's, which dlojz normalises with"
+        for key in ("mean", "std"):
+            if values[key] is None:
+                values[key] = published[key]
+                note += f"{':' if not taken else ''} --{key} {' '.join(f'{value:g}' for value in published[key])}"
+    note += f" (given flags win); resize {published['interpolation']}, dlojz's is antialiased bilinear"
     return [note]
 
 

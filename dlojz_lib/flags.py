@@ -375,6 +375,23 @@ def get_args_parser():
         help="validation center crop in px (default: 224; CPU profile: 64)",
     )
     p.add_argument(
+        "--mean",
+        type=Number(float, 0, 1),
+        nargs=3,
+        metavar=("R", "G", "B"),
+        default=None,
+        help="per-channel mean the images are normalised with, in [0, 1] (default: ImageNet's; with --pretrained:\n"
+        "the weights')",
+    )
+    p.add_argument(
+        "--std",
+        type=Number(float, 0, 1, low_open=True),
+        nargs=3,
+        metavar=("R", "G", "B"),
+        default=None,
+        help="per-channel standard deviation, as --mean",
+    )
+    p.add_argument(
         "--val-batch-size",
         type=COUNT,
         default=None,

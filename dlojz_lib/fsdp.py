@@ -179,12 +179,7 @@ def load_sharded(path, module, optimizer=None):
     """Load a sharded checkpoint's model (and optimizer) shards into the sharded `module` (and `optimizer`),
     whatever the number of ranks that wrote it. Every rank calls it."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (
-        get_model_state_dict,
-        get_state_dict,
-        set_model_state_dict,
-        set_state_dict,
-    )
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict, set_model_state_dict
 
     if optimizer is not None:
         model_state, optimizer_state = get_state_dict(module, optimizer)
@@ -192,10 +187,18 @@ def load_sharded(path, module, optimizer=None):
     else:
         state = {"model": get_model_state_dict(module)}
     dcp.load(state, checkpoint_id=path)
+    set_model_state_dict(module, state["model"])
     if optimizer is not None:
-        set_state_dict(module, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
-    else:
-        set_model_state_dict(module, state["model"])
+        set_optimizer_state(module, optimizer, state["optimizer"])
+
+
+def set_optimizer_state(module, optimizer, state):
+    """A checkpoint's optimizer state into `optimizer` (over `module`'s shards or whole parameters). Parameters that
+    have not stepped yet have no state (the backbone while --freeze-backbone-epochs holds it), as in a fresh
+    optimizer: not an error."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    set_optimizer_state_dict(module, optimizer, state, options=StateDictOptions(strict=False))
 
 
 def load_full_weights(module, weights):

@@ -496,6 +496,20 @@ class Training:
     total_steps: int  # optimizer steps the schedule spans
 
 
+def fine_tuning_head(module, num_classes, args) -> str | None:
+    """The classifier's name when the run's flags (a dict: a Config's, or a checkpoint's args) give its groups a
+    part of their own (--freeze-backbone-epochs, --layer-decay), else None."""
+    if not (args.get("freeze_backbone_epochs") or args.get("layer_decay") is not None):
+        return None
+    head = classifier_name(module, num_classes)
+    if head is None:
+        fail(
+            f"--freeze-backbone-epochs/--layer-decay: --arch {args['arch']} has no Linear layer with {num_classes} "
+            "outputs, the head they start from"
+        )
+    return head
+
+
 def freeze_backbone(optimizer, scheduler, frozen_steps: int):
     """``--freeze-backbone-epochs``: for optimizer steps 0 to ``frozen_steps - 1`` (the schedule's count, so a
     resumed run goes on where it was) only the head's groups learn. The other parameters' gradients are dropped just
@@ -524,14 +538,7 @@ def build_training(cfg, model, n_train_batches, num_classes, ranks, log) -> Trai
     # Fused steps (sgd, adamw): no host synchronisation with the float16 GradScaler (see dlojz_lib.optim); FSDP's
     # sharded parameters have no fused SGD (its foreach step is used, and bfloat16 needs no scaler).
     fused = not (cfg.fsdp and cfg.optimizer in UNFUSED_UNDER_FSDP)
-    head = None
-    if cfg.freeze_backbone_epochs or cfg.layer_decay is not None:
-        head = classifier_name(model.module, num_classes)
-        if head is None:
-            fail(
-                f"--freeze-backbone-epochs/--layer-decay: --arch {cfg.arch} has no Linear layer with {num_classes} "
-                "outputs, the head they start from"
-            )
+    head = fine_tuning_head(model.module, num_classes, vars(cfg))
     groups = param_groups(model.module, cfg.wd, cfg.no_wd_norm_bias, cfg.layer_decay, head)
     optimizer = build_optimizer(
         cfg.optimizer,

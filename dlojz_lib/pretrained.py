@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from dlojz_lib.checks import UserError, check_input_file, fail
+from dlojz_lib.data.transforms import IMAGENET_MEAN, IMAGENET_STD
 from dlojz_lib.model import classifier_name
 
 # Prefixes that wrappers add to a saved state dict's keys: DDP's and torch.compile's.
@@ -65,6 +66,8 @@ def published_preprocessing(arch, name):
                 val_resize_size=math.floor(crop / weights.crop_pct),  # as timm's eval transform sizes it
                 val_crop_size=crop,
                 interpolation=weights.interpolation,
+                mean=tuple(weights.mean),
+                std=tuple(weights.std),
                 imagenet_normalisation=(tuple(weights.mean), tuple(weights.std)) == (IMAGENET_MEAN, IMAGENET_STD),
             )
         preprocessing = torchvision_weights(arch, name).transforms()
@@ -74,11 +77,10 @@ def published_preprocessing(arch, name):
         val_resize_size=preprocessing.resize_size[0],
         val_crop_size=preprocessing.crop_size[0],
         interpolation=preprocessing.interpolation.value,
+        mean=tuple(preprocessing.mean),
+        std=tuple(preprocessing.std),
         imagenet_normalisation=(tuple(preprocessing.mean), tuple(preprocessing.std)) == (IMAGENET_MEAN, IMAGENET_STD),
     )
-
-
-IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 
 
 def torchvision_weights(arch, name):

@@ -139,3 +139,32 @@ def test_the_head_learns_alone_then_every_layer_and_a_stopped_fine_tuning_resume
     resumed = at(resumed_out / (resumed_out / "latest").read_text().strip())
     for name, value in final.items():
         assert torch.allclose(value, resumed[name], rtol=1e-5, atol=1e-6), name
+
+
+def test_a_fine_tuning_sharded_by_fsdp_on_two_ranks_keeps_the_backbone_then_trains_it(tiny_data, tmp_path):
+    """--initial-checkpoint is loaded before FSDP shards the model; the frozen epoch drops the sharded gradients of
+    every block but the head's, and --layer-decay's groups are made of the sharded parameters."""
+    import timm
+
+    from conftest import run_dlojz, show
+    from test_fsdp import BASE, weights
+
+    torch.manual_seed(3)
+    whole = timm.create_model("test_vit", num_classes=1000, img_size=32)
+    torch.save(whole.state_dict(), tmp_path / "vit.pth")
+    start = parameters_only(whole.state_dict(), whole)
+    out = tmp_path / "run"
+    proc = run_dlojz(
+        *BASE, "--data-root", tiny_data, "-b", "8", "--fsdp", "--epochs", "2", "--initial-checkpoint",
+        tmp_path / "vit.pth", "--freeze-backbone-epochs", "1", "--layer-decay", "0.8", "--keep-checkpoints", "0",
+        "--output-dir", out, ranks=2,
+    )  # fmt: skip
+    assert proc.returncode == 0, show(proc)
+    assert "new, freshly initialised for 3 classes: head.bias, head.weight" in proc.stdout
+    frozen_end = weights(out / "ckpt_e0001_s000000005.dcp")
+    final = weights(out / "ckpt_e0002_s000000010.dcp")
+    for name, value in start.items():
+        if name.startswith("head."):
+            assert not torch.equal(frozen_end[name], final[name]), name
+        else:
+            assert torch.equal(frozen_end[name], value) and not torch.equal(final[name], value), name

@@ -277,3 +277,23 @@ def test_fetch_weights_of_a_timm_model_checks_the_blob_s_sha256(intact, tmp_path
     else:
         assert proc.returncode == 2 and "does not match its SHA-256" in proc.stderr, proc.stderr
         assert not list((tmp_path / "hf").rglob("model.safetensors")) and not list((tmp_path / "hf").rglob(digest))
+
+
+def test_the_weights_mean_and_std_normalise_the_images_unless_given(tmp_path, monkeypatch):
+    from dlojz_lib.data.loaders import normalisation
+
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf"))
+    hugging_face_cache(tmp_path / "hf", "timm/test_vit.r160_in1k", "model.safetensors", lambda p: p.write_bytes(b""))
+    flags = ["--device", "cpu", "--arch", "timm:test_vit", "--pretrained"]
+    cfg = resolve_config(get_args_parser().parse_args(flags))  # trained on images normalised to [-1, 1]
+    assert tuple(cfg.mean) == tuple(cfg.std) == (0.5, 0.5, 0.5)
+    assert any("--mean 0.5 0.5 0.5 --std 0.5 0.5 0.5 (given flags win)" in note for note in cfg.notes), cfg.notes
+    white = torch.full((1, 3, 2, 2), 255, dtype=torch.uint8)
+    assert torch.allclose(normalisation(cfg, Distribution(1, 0, 0, torch.device("cpu")))(white), torch.ones(1))
+    cfg = resolve_config(get_args_parser().parse_args([*flags, "--mean", "0.25", "0.25", "0.25"]))
+    assert tuple(cfg.mean) == (0.25, 0.25, 0.25) and tuple(cfg.std) == (0.5, 0.5, 0.5)
+    assert torch.allclose(normalisation(cfg, Distribution(1, 0, 0, torch.device("cpu")))(white), torch.tensor(1.5))
+    cfg = resolve_config(get_args_parser().parse_args(["--device", "cpu", "--std", "0.25", "0.5", "1"]))
+    black = torch.zeros((1, 3, 1, 1), dtype=torch.uint8)  # ImageNet's mean, this std
+    expected = -torch.tensor([0.485 / 0.25, 0.456 / 0.5, 0.406 / 1]).view(1, 3, 1, 1)
+    assert torch.allclose(normalisation(cfg, Distribution(1, 0, 0, torch.device("cpu")))(black), expected)

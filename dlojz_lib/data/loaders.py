@@ -25,7 +25,7 @@ from dlojz_lib.data.datasets import (
     select_train_subset,
 )
 from dlojz_lib.data.prefetch import DeviceNormalize, DevicePrefetcher
-from dlojz_lib.data.transforms import ValTransform, decoder_description, train_transform
+from dlojz_lib.data.transforms import IMAGENET_MEAN, IMAGENET_STD, ValTransform, decoder_description, train_transform
 
 
 SYNTHETIC_CLASSES = 1000  # --synthetic: ImageNet's
@@ -99,7 +99,7 @@ def build_loaders(cfg, train_set, val_set, num_classes, ranks, log) -> Loaders:
         val_set, ShardSampler(val_set, ranks.world_size, ranks.rank), cfg.val_batch_size, drop_last=False, **options
     )
     LOADERS.extend([train, val])  # closed by cli(), whatever happens
-    normalize = DeviceNormalize(ranks.device, channels_last=cfg.channels_last)
+    normalize = normalisation(cfg, ranks)
     return Loaders(
         train,
         train_sampler,
@@ -109,6 +109,13 @@ def build_loaders(cfg, train_set, val_set, num_classes, ranks, log) -> Loaders:
         len(val),
         len(val_set),
         *val_batches_per_rank(len(val_set), ranks.world_size, cfg.val_batch_size),
+    )
+
+
+def normalisation(cfg, ranks):
+    """uint8 batches to the floats the model takes: --mean and --std, ImageNet's by default."""
+    return DeviceNormalize(
+        ranks.device, mean=cfg.mean or IMAGENET_MEAN, std=cfg.std or IMAGENET_STD, channels_last=cfg.channels_last
     )
 
 
@@ -131,7 +138,7 @@ def dali_loaders(cfg, train_set, val_set, train_sampler, ranks, log) -> Loaders:
         f"{'with' if settings.antialias else 'without'} antialiasing; a resumed run continues at the same sample "
         f"with DALI's own crops"
     )
-    normalize = DeviceNormalize(ranks.device, channels_last=cfg.channels_last)
+    normalize = normalisation(cfg, ranks)
     train = DaliBatches(
         train_set,
         train_sampler,
