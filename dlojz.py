@@ -568,38 +568,40 @@ def cli(argv=None) -> int:
     status = 0
     running = {}
     try:
-        if (main(argv, running) or {}).get(
-            "stopped_by"
-        ) == INTERRUPTED:  # Ctrl-C, checkpointed: the shell's status for it
+        try:
+            if (main(argv, running) or {}).get(
+                "stopped_by"
+            ) == INTERRUPTED:  # Ctrl-C, checkpointed: the shell's status for it
+                status = 130
+        except SystemExit as err:  # argparse: --help, or a bad flag already reported in one line
+            status = err.code if isinstance(err.code, int) else 2
+        except (UserError, DataError) as err:
+            if rank == 0 or idr_torch.world_size == 1:
+                print(f"dlojz: error: {err}", file=sys.stderr, flush=True)
+            status = 2
+        except TrainingDiverged as err:
+            if rank == 0:
+                print(f"dlojz: error: {err}", file=sys.stderr, flush=True)
+            status = 3
+        except ckpt.CheckpointNotWritten as err:
+            if rank == 0:
+                print(f"dlojz: error: {err}", file=sys.stderr, flush=True)
+            status = 5
+        except RequeueFailed as err:  # (raised on rank 0 only, after every rank's part of the stop)
+            print(f"dlojz: error: {err}", file=sys.stderr, flush=True)
+            status = 6
+        except KeyboardInterrupt:
             status = 130
-    except SystemExit as err:  # argparse: --help, or a bad flag already reported in one line
-        status = err.code if isinstance(err.code, int) else 2
-    except (UserError, DataError) as err:
-        if rank == 0 or idr_torch.world_size == 1:
-            print(f"dlojz: error: {err}", file=sys.stderr, flush=True)
-        status = 2
-    except TrainingDiverged as err:
-        if rank == 0:
-            print(f"dlojz: error: {err}", file=sys.stderr, flush=True)
-        status = 3
-    except ckpt.CheckpointNotWritten as err:
-        if rank == 0:
-            print(f"dlojz: error: {err}", file=sys.stderr, flush=True)
-        status = 5
-    except RequeueFailed as err:  # (raised on rank 0 only, after every rank's part of the stop)
-        print(f"dlojz: error: {err}", file=sys.stderr, flush=True)
-        status = 6
-    except KeyboardInterrupt:
-        status = 130
-    except Exception as err:
-        if idr_torch.world_size > 1 and "state" in running and is_lost_peer(err):
-            status = report_lost_peer(**running)
-        else:
-            status = report_crash(err, rank)
-    for loader in LOADERS:
-        close_loader(loader)
-    LOADERS.clear()
-    release_output_dir()
+        except Exception as err:
+            if idr_torch.world_size > 1 and "state" in running and is_lost_peer(err):
+                status = report_lost_peer(**running)
+            else:
+                status = report_crash(err, rank)
+    finally:  # also when a report itself fails (its terminal or pipe gone): the workers ignore SIGTERM, so
+        for loader in LOADERS:  # left to the interpreter's exit they would be waited for forever
+            close_loader(loader)
+        LOADERS.clear()
+        release_output_dir()
     if dist.is_available() and dist.is_initialized():
         if status == 0 or idr_torch.world_size == 1:  # (--fsdp's group of one: no peer to wait for)
             dist.destroy_process_group()

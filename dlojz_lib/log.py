@@ -45,22 +45,33 @@ class Console:
 
     def __call__(self, *args, **kwargs):
         if self.is_main:
-            print(*args, **kwargs)
+            write(*args, **kwargs)
 
     def progress(self, line, end_of_epoch):
         if not self.is_main:
             return
         if self.interactive:  # one live line, rewritten in place, ended with the epoch
-            print("\r" + line, end="\n" if end_of_epoch else "", flush=True)
+            write("\r" + line, end="\n" if end_of_epoch else "", flush=True)
             self._live_line_open = not end_of_epoch
         else:
-            print(line, flush=True)
+            write(line, flush=True)
 
     def end_live_line(self):
         """The epoch was left before its last line (--test, stop signal): end the live line."""
         if self._live_line_open:
-            print()
+            write()
             self._live_line_open = False
+
+
+def write(*args, **kwargs):
+    """print(), for a run whose output may outlive its reader (a closed terminal, a killed `| tee`): the run goes on
+    without its console, and a stop signal still ends in a checkpoint, instead of dying on the first line."""
+    try:
+        print(*args, **kwargs)
+    except BrokenPipeError:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # what is still buffered, and every later line, goes nowhere
+        os.close(devnull)
 
 
 def announce_run(cfg, argv, ranks, log, nodes, launcher):

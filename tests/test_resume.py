@@ -84,6 +84,30 @@ def test_signal_then_resume_gives_the_same_weights(resume_data, straight_run, tm
     assert a["scheduler"]["last_epoch"] == b["scheduler"]["last_epoch"]
 
 
+def test_a_run_whose_output_reader_is_gone_still_checkpoints_and_ends_on_sigterm(resume_data, tmp_path):
+    """Piped into a process that died (a closed terminal, a killed `| tee`), then sent SIGTERM: the run goes on
+    without its console, checkpoints and ends with its DataLoader workers (which ignore SIGTERM), never waits for
+    them for ever."""
+    out = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "dlojz.py"), *RUN, "--data-root", str(resume_data), "--output-dir", str(out)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=clean_env(),
+    )
+    wait_for_line(proc, "Epoch 1/2, Step")
+    proc.stdout.close()  # the reader is gone: the run's next line meets a broken pipe
+    proc.send_signal(signal.SIGTERM)
+    try:
+        status = proc.wait(timeout=120)
+    except subprocess.TimeoutExpired:
+        proc.kill()  # (its workers follow it within a second)
+        pytest.fail("the run still runs 120 s after SIGTERM with its output pipe gone")
+    assert status == 0
+    assert 0 < final_weights(out)["global_step"] < 30
+
+
 def start_ranks(args, world_size=2):
     """Two ranks started by hand, as torchrun would (idr_torch reads the torchelastic variables)."""
     port = preloaded.free_port()
