@@ -110,6 +110,7 @@ class Config:
     data_root: str | None
     val_resize_size: int
     val_crop_size: int
+    val_split: float | None  # the part of one folder of classes that validates
     mean: tuple | None  # what the images are normalised with: ImageNet's when None
     std: tuple | None
     val_batch_size: int
@@ -456,9 +457,10 @@ def check_not_a_run_file(path, flag, output_dir):
     """A metrics file written over one of the files a run writes in its folder under their own names would break a
     resume (a JSON text in `latest`) or be overwritten at the next checkpoint: refused, naming the flag."""
     from dlojz_lib.checkpoint import LATEST, NAME_RE, RUN_LOCK
+    from dlojz_lib.data.datasets import VAL_SPLIT_FILE
     from dlojz_lib.log import ARGS_FILE, CHRONO_TRACE, FINDLR_CSV, FINDLR_PNG, TIMELINE
 
-    run_files = (LATEST, ARGS_FILE, CHRONO_TRACE, TIMELINE, FINDLR_CSV, FINDLR_PNG, RUN_LOCK)
+    run_files = (LATEST, ARGS_FILE, CHRONO_TRACE, TIMELINE, FINDLR_CSV, FINDLR_PNG, RUN_LOCK, VAL_SPLIT_FILE)
 
     path = Path(path)
     if path.resolve().parent != Path(output_dir).resolve():

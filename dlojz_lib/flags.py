@@ -375,6 +375,15 @@ def get_args_parser():
         help="validation center crop in px (default: 224; CPU profile: 64)",
     )
     p.add_argument(
+        "--val-split",
+        type=POSITIVE,
+        default=None,
+        metavar="F",
+        help="--data-root is one folder of classes (no val/): validate on a stratified part of it, F < 1 a\n"
+        "fraction of each class, F >= 1 that many images per class; the same in every run, listed in the output\n"
+        "folder's val_split.txt, which a resumed run or --eval-only of its checkpoints uses",
+    )
+    p.add_argument(
         "--mean",
         type=Number(float, 0, 1),
         nargs=3,

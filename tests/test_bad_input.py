@@ -103,7 +103,15 @@ def test_lab_status_of_a_truncated_sweep_plan_is_one_line(tmp_path, capsys):
 
 @pytest.mark.parametrize(
     "name",
-    ["latest", "ckpt_e0001_s000000010.pt", "ckpt_e0001_s000000010.pt.sha256", "args.toml", "findlr.csv", ".dlojz.lock"],
+    [
+        "latest",
+        "ckpt_e0001_s000000010.pt",
+        "ckpt_e0001_s000000010.pt.sha256",
+        "args.toml",
+        "findlr.csv",
+        ".dlojz.lock",
+        "val_split.txt",
+    ],
 )
 def test_a_metrics_file_over_one_of_the_run_s_own_files_is_refused(tmp_path, run_inline, name):
     """--metrics-json DIR/latest would overwrite the checkpoint pointer, and --resume auto then fail."""

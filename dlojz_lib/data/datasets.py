@@ -16,6 +16,7 @@
 Every bad input raises `DataError` with a one-line message that dlojz.py prints.
 """
 
+import copy
 import functools
 import math
 import os
@@ -256,40 +257,124 @@ def unreadable(err):
     return DataError(f"{err.filename}: cannot be read ({err.strerror}); check its permissions (ls -ld)")
 
 
-def find_layout(root):
+def find_layout(root, val_split=None):
     try:
-        return _find_layout(Path(root))
+        return _find_layout(Path(root), val_split)
     except PermissionError as err:
         raise unreadable(err) from None
 
 
-def _find_layout(root):
+def _find_layout(root, val_split=None):
     if not root.is_dir() or not any(root.iterdir()):
         raise DataError(f"data root {root} is missing or empty (give --data-root with train/ and val/ inside)")
+    if val_split is not None:
+        if _has_class_dirs(root / "val"):
+            raise DataError(
+                f"--val-split {val_split:g}: data root {root} has its own val/: leave --val-split out (or give a "
+                "folder of classes alone)"
+            )
+        return "folder of classes, split"
     for split in ("train", "val"):
         if not _has_class_dirs(root / split):
+            alone = split == "train" or not _has_class_dirs(root / "train")
             raise DataError(
                 f"data root {root}: no {split}/<class>/ folders; expected the ImageNet layout "
                 "(meta.bin, train/, val/) or ImageFolder (train/<class>/, val/<class>/)"
+                + ("; a single folder of classes: add --val-split 0.1 to validate on 10 % of it" if alone else "")
             )
     return "imagenet" if (root / "meta.bin").exists() else "imagefolder"
 
 
-def build_datasets(root, train_transform, val_transform, seed=0):
+VAL_SPLIT_FILE = "val_split.txt"  # in the output folder: the validation images of --val-split, one path a line
+
+
+def split_for_validation(samples, classes, spec):
+    """Indices of the validation images of --val-split `spec`: `spec` < 1 that fraction of each class (rounded),
+    `spec` >= 1 that many images per class; at least one image of a class stays in training and, for a class of 2
+    or more, one goes to validation. Chosen by a seed of the class's name alone: the same on every rank, in every
+    run, whatever --seed."""
+    by_class = {}
+    for index, (_, target) in enumerate(samples):
+        by_class.setdefault(target, []).append(index)
+    chosen = []
+    for target, indices in sorted(by_class.items()):
+        wanted = round(spec * len(indices)) if spec < 1 else int(spec)
+        wanted = min(max(wanted, 1), len(indices) - 1)
+        chosen.extend(random.Random(f"dlojz-val-split-{classes[target]}").sample(indices, wanted))
+    return sorted(chosen)
+
+
+def split_folder(root, train_transform, val_transform, spec, saved=None):
+    """--val-split: (train set, val set) of one folder of classes (`root`/train/ if there, else `root`), stratified
+    as split_for_validation says, or as the list of validation files `saved` (a run's VAL_SPLIT_FILE) says: an image
+    not on that list trains. Both share one listing of the folder."""
+    source = root / "train" if _has_class_dirs(root / "train") else root
+    train_set = SafeImageFolder(str(source), transform=train_transform, loader=lazy_image_loader)
+    val_set = copy.copy(train_set)
+    val_set.transform = val_transform
+    samples = train_set.samples
+    if saved is None:
+        chosen = set(split_for_validation(samples, train_set.classes, spec))
+        how = f"{spec:.0%} of each class" if spec < 1 else f"{int(spec)} images per class"
+        line = f"--val-split {spec:g}: {len(chosen)} of {len(samples)} images of {source} validate ({how}, stratified)"
+    else:
+        path, listed = saved
+        relative = [os.path.relpath(where, source) for where, _ in samples]
+        chosen = {index for index, name in enumerate(relative) if name in listed}
+        line = f"--val-split {spec:g}: the split of {path}, {len(chosen)} validation images"
+        if len(chosen) < len(listed):
+            line += f" ({len(listed) - len(chosen)} listed there are gone)"
+        line += "; every other image trains"
+    val_set.samples = val_set.imgs = [sample for index, sample in enumerate(samples) if index in chosen]
+    train_set.samples = train_set.imgs = [sample for index, sample in enumerate(samples) if index not in chosen]
+    for dataset in (train_set, val_set):
+        dataset.targets = [target for _, target in dataset.samples]
+    val_set.notes = []
+    train_set.notes = [*train_set.notes, line]
+    train_set.val_split_root = val_set.val_split_root = source
+    return train_set, val_set
+
+
+def read_val_split(path):
+    """The validation files a run's VAL_SPLIT_FILE lists (paths relative to the split folder), or None."""
+    from dlojz_lib.checks import read_text
+
+    if not Path(path).is_file():
+        return None
+    text = read_text(path, "--val-split's list", "remove it to split the folder again")
+    return path, {line for line in text.splitlines() if line.strip()}
+
+
+def write_val_split(val_set, path):
+    """The validation images of a --val-split, relative to its folder, one a line, written atomically."""
+    lines = "".join(f"{os.path.relpath(where, val_set.val_split_root)}\n" for where, _ in val_set.samples)
+    temporary = Path(path).with_name(f".{Path(path).name}.tmp")
+    temporary.write_text(lines)
+    os.replace(temporary, path)
+
+
+def build_datasets(root, train_transform, val_transform, seed=0, val_split=None, saved_split=None):
     """Return (train_set, val_set, classes, layout). Each set has `notes`: the lines its listing has to say (entries
-    left out, a single class, classes of very unequal sizes)."""
+    left out, a single class, classes of very unequal sizes). `val_split`: --val-split of one folder of classes
+    (`saved_split`: the list of a run that split it before, from read_val_split)."""
     root = Path(root)
     from dlojz_lib.data.shards import is_packed
 
     try:
         if is_packed(root):
+            if val_split is not None:
+                raise DataError(f"--val-split: {root} is packed with its own val split: leave --val-split out")
             return build_packed_datasets(root, train_transform, val_transform, seed)
-        layout = find_layout(root)
-        sets = []
-        for split, tf in (("train", train_transform), ("val", val_transform)):
-            ds = SafeImageFolder(str(root / split), transform=tf, loader=lazy_image_loader)
+        layout = find_layout(root, val_split)
+        if val_split is not None:
+            sets = split_folder(root, train_transform, val_transform, val_split, saved_split)
+        else:
+            sets = [
+                SafeImageFolder(str(root / split), transform=tf, loader=lazy_image_loader)
+                for split, tf in (("train", train_transform), ("val", val_transform))
+            ]
+        for ds in sets:
             ds.seed = seed
-            sets.append(ds)
     except PermissionError as err:
         raise unreadable(err) from None
     train_set, val_set = sets

@@ -8,6 +8,7 @@ the DataLoaders whose workers dlojz.cli() stops before the process exits. `build
 import copy
 import dataclasses
 import math
+from pathlib import Path
 
 import torch.distributed as dist
 
@@ -22,7 +23,10 @@ from dlojz_lib.data.datasets import (
     build_datasets,
     make_loader,
     resolve_data_root,
+    VAL_SPLIT_FILE,
+    read_val_split,
     select_train_subset,
+    write_val_split,
 )
 from dlojz_lib.data.prefetch import DeviceNormalize, DevicePrefetcher
 from dlojz_lib.data.transforms import IMAGENET_MEAN, IMAGENET_STD, ValTransform, decoder_description, train_transform
@@ -222,9 +226,21 @@ def build_data(cfg, ranks, log):
             f"No --data-root, $DLOJZ_DATA, $ALL_CCFRSCRATCH/imagenet or $DSDIR/imagenet: using the embedded "
             f"data set ({root}, 10 classes of shapes and textures)"
         )
+    saved_split = None
+    if cfg.val_split is not None:  # a run's own split, kept in its folder (or beside the checkpoint it evaluates)
+        where = Path(cfg.resume).parent if cfg.resume not in (None, "auto") else Path(cfg.output_dir)
+        saved_split = read_val_split(where / VAL_SPLIT_FILE)
     train_set, val_set, classes, layout = build_datasets(
-        root, train_transform(cfg), ValTransform(cfg.val_resize_size, cfg.val_crop_size), seed=cfg.seed
+        root,
+        train_transform(cfg),
+        ValTransform(cfg.val_resize_size, cfg.val_crop_size),
+        seed=cfg.seed,
+        val_split=cfg.val_split,
+        saved_split=saved_split,
     )
+    writes = not (cfg.test or cfg.eval_only or cfg.loader_only)  # the runs that own their output folder
+    if cfg.val_split is not None and saved_split is None and writes and ranks.is_main:
+        write_val_split(val_set, Path(cfg.output_dir) / VAL_SPLIT_FILE)
     kind = layout if layout.startswith("packed") else f"{layout} layout"
     log(
         f"data: {root} ({kind}, found by {found_by}): {len(train_set)} train / {len(val_set)} val images, "

@@ -1,0 +1,65 @@
+"""Your own data set: --val-split of one folder of classes (stratified, disjoint from training, the same in every
+run, kept in the output folder and reused by a resumed run and --eval-only)."""
+
+import shutil
+
+import pytest
+
+from conftest import SMALL
+from dlojz_lib.data.datasets import DataError, build_datasets
+
+TINY = [*SMALL, "--image-size", "16", "--val-resize-size", "18", "--val-crop-size", "16", "-b", "8"]
+TINY += ["--no-wandb", "--num-workers", "0"]
+
+
+def split(root, spec, saved=None):
+    return build_datasets(root, None, None, val_split=spec, saved_split=saved)
+
+
+def per_class(dataset):
+    counts = {}
+    for _, target in dataset.samples:
+        counts[target] = counts.get(target, 0) + 1
+    return counts
+
+
+def test_the_split_is_stratified_disjoint_and_the_same_every_time(tiny_data):
+    train, val, classes, layout = split(tiny_data / "train", 0.25)  # 3 classes of 24 images
+    assert layout == "folder of classes, split" and len(classes) == 3
+    assert per_class(val) == {0: 6, 1: 6, 2: 6} and per_class(train) == {0: 18, 1: 18, 2: 18}
+    assert not {path for path, _ in train.samples} & {path for path, _ in val.samples}
+    again_train, again_val, _, _ = split(tiny_data / "train", 0.25)
+    assert again_val.samples == val.samples and again_train.samples == train.samples
+    _, by_count, _, _ = split(tiny_data / "train", 2)  # F >= 1: images per class
+    assert per_class(by_count) == {0: 2, 1: 2, 2: 2}
+    assert any(line.startswith("--val-split 0.25: 18 of 72 images of") for line in train.notes)
+
+
+def test_a_data_set_with_its_own_val_is_not_split_and_a_folder_of_classes_alone_says_how(tiny_data):
+    with pytest.raises(DataError, match=r"^--val-split 0.1: data root .* has its own val/: leave --val-split out"):
+        split(tiny_data, 0.1)
+    with pytest.raises(DataError, match=r"no train/<class>/ folders; .*a single folder of classes: add --val-split"):
+        build_datasets(tiny_data / "train", None, None)
+
+
+def test_a_run_keeps_its_split_and_eval_only_validates_on_it(tiny_data, tmp_path, run_inline):
+    folder = tmp_path / "classes"
+    shutil.copytree(tiny_data / "train", folder)
+    out = tmp_path / "run"
+    proc = run_inline(*TINY, "--data-root", folder, "--val-split", "0.25", "-e", "1", "--output-dir", out)
+    assert proc.returncode == 0, proc.stderr
+    assert "--val-split 0.25: 18 of 72 images of" in proc.stdout and "(18 images)" in proc.stdout, proc.stdout
+    listed = (out / "val_split.txt").read_text().splitlines()
+    assert len(listed) == 18 and all((folder / name).is_file() for name in listed)
+    # A new image in the folder trains; the validation images stay those of the run's list.
+    first = sorted((folder / listed[0].split("/")[0]).iterdir())[0]
+    shutil.copy(first, first.with_name("added_later.jpg"))
+    checkpoint = sorted(out.glob("ckpt_e*.pt"))[-1]
+    # Even asked for another fraction: a checkpoint validates on images it never trained on.
+    proc = run_inline(*TINY, "--data-root", folder, "--val-split", "0.5", "--eval-only", "--resume", checkpoint)
+    assert proc.returncode == 0, proc.stderr
+    assert (
+        f"--val-split 0.5: the split of {out / 'val_split.txt'}, 18 validation images; every other image trains"
+        in proc.stdout
+    )
+    assert "(18 images, " in proc.stdout, proc.stdout  # the list's 18, not a new split with the added image
