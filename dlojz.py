@@ -41,7 +41,7 @@ from dlojz_chrono import Chronometer
 from dlojz_lib.config import load_idr_torch, resolve_config
 from dlojz_lib.flags import check_flags, get_args_parser
 from dlojz_lib.checks import DataError, UserError
-from dlojz_lib.data.datasets import close_loader, measure_loader
+from dlojz_lib.data.datasets import class_counts, close_loader, measure_loader
 from dlojz_lib.dist import (
     INTERRUPTED,
     RequeueFailed,
@@ -134,7 +134,9 @@ def main(argv=None, running=None) -> dict:
     metrics = initial_metrics(cfg, ranks)
     if cfg.loader_only:
         return measure_loader_only(cfg, loaders, ranks, metrics, log)
-    training = optim.build_training(cfg, model, loaders.n_train_batches, len(classes), ranks, log)
+    training = optim.build_training(
+        cfg, model, loaders.n_train_batches, len(classes), ranks, log, class_counts(train_set, len(classes))
+    )
 
     # ================================ INITIALISATION: resume, W&B, hooks
     state, resumed_from = restore(cfg, model, training, loaders.n_train_batches, ranks.device, log)

@@ -53,6 +53,7 @@ class Config:
     wd: float
     mom: float
     label_smoothing: float
+    class_weights: str | None  # "balanced": the training loss weighs classes by inverse frequency
     arch: str
     seed: int
     blurpool: bool

@@ -130,6 +130,13 @@ def get_args_parser():
         help="label smoothing of the loss (default: 0.1)",
     )
     p.add_argument(
+        "--class-weights",
+        choices=("balanced",),
+        default=None,
+        help="balanced: the training loss weighs each class by the inverse of its share of the training images\n"
+        "(images / (classes x its images), as scikit-learn's); validation's loss stays unweighted",
+    )
+    p.add_argument(
         "--arch",
         default="resnet50",
         help="any torchvision classification model name, or timm:NAME\nfor any timm model (default: resnet50)",
@@ -625,6 +632,8 @@ def check_flags(values):
         fail("--pretrained and --initial-checkpoint both give the starting weights: give one of them")
     if values["fetch_weights"] and values["pretrained"] is None:
         fail("--fetch-weights fetches --pretrained's weights: add --pretrained [WEIGHTS]")
+    if values["class_weights"] and values["synthetic"]:
+        fail("--class-weights weighs the data's classes: --synthetic has none (leave one of them out)")
     frozen = values["freeze_backbone_epochs"]
     if frozen is not None:
         if values["pretrained"] is None and values["initial_checkpoint"] is None:

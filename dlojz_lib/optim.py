@@ -34,7 +34,7 @@ Public API
     ``write_csv(path)``, ``plot(png_path)``, ``suggestion() -> (lr, rule)``.
 ``soft_target_accuracy(outputs, targets) -> torch.Tensor``
     Batch accuracy (0-dim tensor in [0, 1]) against class indices or soft labels (MixUp/CutMix).
-``build_training(cfg, model, n_train_batches, num_classes, ranks, log) -> Training``
+``build_training(cfg, model, n_train_batches, num_classes, ranks, log, class_counts=None) -> Training``
     What dlojz.py's run builds of all this from its flags: the losses, optimizer, schedule or LR finder,
     GradScaler, autocast and MixUp/CutMix, in one record.
 
@@ -526,14 +526,32 @@ def freeze_backbone(optimizer, scheduler, frozen_steps: int):
     return optimizer.register_step_pre_hook(drop_backbone_gradients)
 
 
-def build_training(cfg, model, n_train_batches, num_classes, ranks, log) -> Training:
-    """Loss, optimizer, per-step schedule (or the LR finder), GradScaler, autocast and MixUp/CutMix."""
+def balanced_class_weights(class_counts) -> torch.Tensor:
+    """--class-weights balanced: images / (classes x images of the class), as scikit-learn's "balanced" (a class
+    with no training image gets 0: it has nothing to weigh)."""
+    counts = torch.tensor(class_counts, dtype=torch.float64)
+    weights = counts.sum() / (len(class_counts) * counts.clamp(min=1))
+    return torch.where(counts > 0, weights, torch.zeros_like(weights)).float()
+
+
+def build_training(cfg, model, n_train_batches, num_classes, ranks, log, class_counts=None) -> Training:
+    """Loss, optimizer, per-step schedule (or the LR finder), GradScaler, autocast and MixUp/CutMix.
+    `class_counts`: the training images of each class, for --class-weights."""
     step_images = cfg.batch_size * ranks.world_size * cfg.grad_acc
     log(
         f"global batch size: {step_images} - mini batch size: {cfg.batch_size}"
         + (f" - {cfg.grad_acc} accumulated micro-batches per optimizer step" if cfg.grad_acc > 1 else "")
     )
-    criterion = torch.nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing)  # also takes mixup's soft labels
+    weight = None
+    if cfg.class_weights == "balanced":
+        weight = balanced_class_weights(class_counts)
+        log(
+            f"--class-weights balanced: the training loss weighs each class by {weight.min():.3g} (the largest) to "
+            f"{weight.max():.3g} (the smallest)"
+        )
+        weight = weight.to(ranks.device)
+    # (it also takes MixUp's soft labels, the weight applied to each class's share)
+    criterion = torch.nn.CrossEntropyLoss(weight=weight, label_smoothing=cfg.label_smoothing)
     val_criterion = torch.nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing, reduction="sum")
     # Fused steps (sgd, adamw): no host synchronisation with the float16 GradScaler (see dlojz_lib.optim); FSDP's
     # sharded parameters have no fused SGD (its foreach step is used, and bfloat16 needs no scaler).

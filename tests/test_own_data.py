@@ -63,3 +63,40 @@ def test_a_run_keeps_its_split_and_eval_only_validates_on_it(tiny_data, tmp_path
         in proc.stdout
     )
     assert "(18 images, " in proc.stdout, proc.stdout  # the list's 18, not a new split with the added image
+
+
+def test_balanced_class_weights_are_inverse_to_each_class_s_share():
+    import torch
+
+    from dlojz_lib.optim import balanced_class_weights
+
+    assert torch.allclose(balanced_class_weights([30, 10]), torch.tensor([40 / 60, 40 / 20]))
+    assert balanced_class_weights([5, 0, 5])[1] == 0  # no image: nothing to weigh
+
+
+def test_class_weights_balanced_weighs_the_training_loss_of_an_imbalanced_folder(tiny_data, tmp_path, run_inline):
+    import torch
+
+    folder = tmp_path / "classes"
+    shutil.copytree(tiny_data / "train", folder)
+    rare = sorted(folder.iterdir())[2]
+    for path in sorted(rare.iterdir())[8:]:  # 8 images of the third class, 24 of the others
+        path.unlink()
+    common = [*TINY, "--data-root", folder, "--val-split", "2", "-e", "1", "--test", "--test-nsteps", "1"]
+    proc = run_inline(*common, "--class-weights", "balanced", "--output-dir", tmp_path / "run")
+    assert proc.returncode == 0, proc.stderr
+    assert f"classes: 3, training images per class from 6 ({rare.name}) to 22 " in proc.stdout, proc.stdout
+    assert "--class-weights balanced: the training loss weighs each class by 0.758 (the largest) to 2.78" in proc.stdout
+
+    from dlojz_lib.config import resolve_config
+    from dlojz_lib.dist import Distribution
+    from dlojz_lib.flags import get_args_parser
+    from dlojz_lib.optim import build_training
+    from dlojz_lib.parallel import build_model
+
+    cpu = Distribution(1, 0, 0, torch.device("cpu"))
+    for flags, expected in (([], None), (["--class-weights", "balanced"], [50 / 66, 50 / 66, 50 / 18])):
+        cfg = resolve_config(get_args_parser().parse_args(["--device", "cpu", "--arch", "resnet18", *flags]))
+        training = build_training(cfg, build_model(cfg, 3, cpu, print), 10, 3, cpu, print, [22, 22, 6])
+        weight = training.criterion.weight
+        assert weight is None if expected is None else torch.allclose(weight, torch.tensor(expected))

@@ -397,6 +397,27 @@ def build_datasets(root, train_transform, val_transform, seed=0, val_split=None,
     return train_set, val_set, classes, layout
 
 
+def class_counts(dataset, num_classes):
+    """The images of each class in `dataset` (None without one: --synthetic)."""
+    if dataset is None:
+        return None
+    counts = [0] * num_classes
+    for target in dataset.targets:
+        counts[target] += 1
+    return counts
+
+
+def class_counts_line(counts, classes):
+    """The start-up line on the training set's classes: how many, and the fewest and most images of one."""
+    small, large = min(range(len(counts)), key=counts.__getitem__), max(range(len(counts)), key=counts.__getitem__)
+    if counts[small] == counts[large]:
+        return f"classes: {len(classes)}, {counts[small]} training images each"
+    return (
+        f"classes: {len(classes)}, training images per class from {counts[small]} ({classes[small]}) to "
+        f"{counts[large]} ({classes[large]})"
+    )
+
+
 IMBALANCE_WARNED = 10  # the largest class this many times the smallest: the smallest's errors weigh little in top-1
 
 

@@ -24,6 +24,8 @@ from dlojz_lib.data.datasets import (
     make_loader,
     resolve_data_root,
     VAL_SPLIT_FILE,
+    class_counts,
+    class_counts_line,
     read_val_split,
     select_train_subset,
     write_val_split,
@@ -250,5 +252,6 @@ def build_data(cfg, ranks, log):
         log(line)
     if cfg.train_subset is not None:  # cheap runs, e.g. hyper-parameter search trials
         log(select_train_subset(train_set, cfg.train_subset))
+    log(class_counts_line(class_counts(train_set, len(classes)), classes))
     log(f"JPEG decoding: {decoder_description()}")
     return train_set, val_set, classes
