@@ -13,6 +13,7 @@ prints in dlojz_lib/log.py, the chronometer, profiler and LR finder hooks in dlo
 """
 
 import dataclasses
+import math
 import os
 import sys
 import time
@@ -56,6 +57,7 @@ from dlojz_lib.dist import (
     setup_distributed,
 )
 from dlojz_lib.hooks import LoopHooks, make_profiler
+from dlojz_lib.metrics import summary as class_summary
 from dlojz_lib.data.loaders import LOADERS, build_data, build_loaders
 from dlojz_lib.log import (
     LOG_EVERY,
@@ -270,7 +272,8 @@ def evaluate_only(cfg, model, loaders, training, ranks, chrono, resumed_from, va
     chrono.validation()
     log(
         f"##EVALUATION## {resumed_from}: Validation Loss: {metrics['val_loss']:.4f}, Validation Accuracy: "
-        f"{metrics['val_accuracy']:.4f}, top-5 {metrics['val_top5_accuracy']:.4f} ({metrics['val_images']} "
+        f"{metrics['val_accuracy']:.4f}, top-5 {metrics['val_top5_accuracy']:.4f}, balanced "
+        f"{metrics['val_balanced_accuracy']:.4f}, macro-F1 {metrics['val_macro_f1']:.4f} ({metrics['val_images']} "
         f"images{', flip TTA' if cfg.tta_flip else ''}, {chrono.val_time:.1f} s)"
     )
     return finish(cfg, metrics, chrono, ranks)
@@ -459,6 +462,7 @@ def evaluate(net, loaders, training, ranks, max_batches=None, stop=None, tta_fli
             dist.broadcast(buffer, 0)
     net.eval()
     totals = torch.zeros(4, dtype=torch.float64, device=ranks.device)  # loss sum, top-1 and top-5 correct, images
+    confusion = None  # [true class x predicted class] counts, flattened, made at the first batch (its width)
     forwards, images = 0, None
     with torch.no_grad():
         for batch_index, (images, labels) in enumerate(loaders.val_batches):
@@ -482,6 +486,11 @@ def evaluate(net, loaders, training, ranks, max_batches=None, stop=None, tta_fli
                     (labels >= 0).sum().double(),  # an image that could not be read is not counted (MISSING_LABEL)
                 ]
             )
+            classes = outputs.shape[1]
+            if confusion is None:
+                confusion = torch.zeros(classes * classes, dtype=torch.int64, device=ranks.device)
+            # index_add_ with a 0/1 weight, not bincount of the kept labels: no length read back from the device
+            confusion.index_add_(0, labels.clamp(min=0) * classes + top5[:, 0], (labels >= 0).long())
         if sharded:  # the other ranks' last forwards gather this rank's shards too
             for _ in range(forwards, min(loaders.n_val_batches_most, max_batches or loaders.n_val_batches_most)):
                 with training.autocast():  # (every rank has an image: build_loaders checks it)
@@ -491,16 +500,24 @@ def evaluate(net, loaders, training, ranks, max_batches=None, stop=None, tta_fli
             reshard(net)  # blocks kept gathered after their forward (--no-fsdp-reshard-after-forward) free them
     if stop is not None:
         stop.settle()  # a signal it found is asked again at the next call: this validation is complete
+    # One all-reduce and one wait for the device: the totals and the confusion counts (exact in float64) together.
+    results = totals if confusion is None else torch.cat([totals, confusion.double()])
     if ranks.enabled:
-        dist.all_reduce(totals)
+        dist.all_reduce(results)  # (every rank has a batch, hence the same length: build_loaders checks it)
+    results = results.cpu()
     net.train()
-    loss_sum, correct, correct5, count = totals.tolist()
+    loss_sum, correct, correct5, count = results[:4].tolist()
     count_or_1 = max(count, 1)
+    per_class = {}
+    if confusion is not None:
+        classes = math.isqrt(confusion.numel())
+        per_class = class_summary(results[4:].view(classes, classes))
     return dict(
         val_loss=loss_sum / count_or_1,
         val_accuracy=correct / count_or_1,
         val_top5_accuracy=correct5 / count_or_1,
         val_images=int(count),
+        **per_class,
     )
 
 
@@ -542,8 +559,8 @@ def validate(cfg, epoch, model, loaders, training, ranks, chrono, max_batches, l
     log("##EVALUATION STEP##")
     log(
         f"{epoch}, Validation Loss: {metrics['val_loss']:.4f}, Validation Accuracy: {metrics['val_accuracy']:.4f}, "
-        f"top-5 {metrics['val_top5_accuracy']:.4f} ({metrics['val_images']} images"
-        f"{', flip TTA' if cfg.tta_flip else ''})"
+        f"top-5 {metrics['val_top5_accuracy']:.4f}, balanced {metrics['val_balanced_accuracy']:.4f}, macro-F1 "
+        f"{metrics['val_macro_f1']:.4f} ({metrics['val_images']} images{', flip TTA' if cfg.tta_flip else ''})"
     )
     log(f">>> Validation complete in: {chrono.val_time:.2f} s (this epoch's training: {train_seconds:.2f} s)")
     if model.ema is not None:

@@ -106,6 +106,7 @@ def test_eval_one_vs_two_processes_identical(trained_checkpoint, tiny_data, tmp_
     assert one["world_size"] == 1 and two["world_size"] == 2
     assert one["val_images"] == two["val_images"] == 15
     assert one["val_accuracy"] == two["val_accuracy"]
+    assert one["val_balanced_accuracy"] == two["val_balanced_accuracy"] and one["val_macro_f1"] == two["val_macro_f1"]
     assert one["val_top5_accuracy"] == two["val_top5_accuracy"] >= one["val_accuracy"]
     assert one["val_loss"] == pytest.approx(two["val_loss"], rel=1e-5, abs=1e-6)
 

@@ -100,3 +100,34 @@ def test_class_weights_balanced_weighs_the_training_loss_of_an_imbalanced_folder
         training = build_training(cfg, build_model(cfg, 3, cpu, print), 10, 3, cpu, print, [22, 22, 6])
         weight = training.criterion.weight
         assert weight is None if expected is None else torch.allclose(weight, torch.tensor(expected))
+
+
+def test_balanced_accuracy_and_macro_f1_equal_a_direct_computation_from_the_predictions():
+    """evaluate()'s confusion matrix, summed on the device, against the predictions written out and counted in
+    Python; one unreadable image (label -100) counts nowhere."""
+    import torch
+
+    from test_race import FixedLogits, batches_of
+    from test_race import evaluate as evaluate_batches
+
+    torch.manual_seed(1)
+    net, batches = FixedLogits(4), batches_of(n_batches=4, size=8, num_classes=4)
+    batches[1][1][3] = -100
+    metrics = evaluate_batches(net, batches)
+    with torch.no_grad():
+        predicted = torch.cat([net(images).argmax(dim=1) for images, _ in batches]).tolist()
+    truth = torch.cat([labels for _, labels in batches]).tolist()
+    pairs = [(t, p) for t, p in zip(truth, predicted) if t >= 0]
+    recalls, f1s = [], []
+    for c in range(4):
+        tp = sum(1 for t, p in pairs if t == c and p == c)
+        support, called = sum(1 for t, _ in pairs if t == c), sum(1 for _, p in pairs if p == c)
+        if support == 0:
+            continue
+        recall, precision = tp / support, (tp / called if called else 0.0)
+        recalls.append(recall)
+        f1s.append(2 * precision * recall / (precision + recall) if precision + recall else 0.0)
+    assert metrics["val_images"] == 31
+    assert metrics["val_balanced_accuracy"] == pytest.approx(sum(recalls) / len(recalls))
+    assert metrics["val_macro_f1"] == pytest.approx(sum(f1s) / len(f1s))
+    assert metrics["val_balanced_accuracy"] != pytest.approx(metrics["val_accuracy"])  # the labels are not balanced
