@@ -58,6 +58,7 @@ from dlojz_lib.dist import (
 )
 from dlojz_lib.hooks import LoopHooks, make_profiler
 from dlojz_lib.metrics import summary as class_summary
+from dlojz_lib.metrics import write_per_class
 from dlojz_lib.data.loaders import LOADERS, build_data, build_loaders
 from dlojz_lib.log import (
     LOG_EVERY,
@@ -146,7 +147,9 @@ def main(argv=None, running=None) -> dict:
         running.update(ranks=ranks, output_dir=cfg.output_dir, state=state)
     val_max_batches = TEST_VAL_BATCHES if cfg.test else None
     if cfg.eval_only:
-        return evaluate_only(cfg, model, loaders, training, ranks, chrono, resumed_from, val_max_batches, metrics, log)
+        return evaluate_only(
+            cfg, model, loaders, training, ranks, chrono, resumed_from, val_max_batches, metrics, classes, log
+        )
     if resumed_from and state.epoch >= cfg.epochs and training.lr_finder is None:  # its metrics stay as they are
         log(f"nothing to train: the run has done its {state.epoch} epochs; give --epochs N > {state.epoch} to go on")
         return {}
@@ -255,21 +258,27 @@ def measure_loader_only(cfg, loaders, ranks, metrics, log) -> dict:
     return metrics
 
 
-def evaluate_only(cfg, model, loaders, training, ranks, chrono, resumed_from, val_max_batches, metrics, log) -> dict:
-    """--eval-only: validate the checkpoint's weights and report."""
+def evaluate_only(
+    cfg, model, loaders, training, ranks, chrono, resumed_from, val_max_batches, metrics, classes, log
+) -> dict:
+    """--eval-only: validate the checkpoint's weights and report, with the results per class in the output folder."""
     chrono.validation()
-    metrics.update(
-        evaluate(
-            model.module,
-            loaders,
-            training,
-            ranks,
-            val_max_batches,
-            tta_flip=cfg.tta_flip,
-            sharded=model.parallel == "fsdp",
-        )
+    result = evaluate(
+        model.module,
+        loaders,
+        training,
+        ranks,
+        val_max_batches,
+        tta_flip=cfg.tta_flip,
+        sharded=model.parallel == "fsdp",
+        keep_confusion=True,
     )
+    confusion = result.pop("confusion", None)
+    metrics.update(result)
     chrono.validation()
+    if ranks.is_main and confusion is not None:
+        written = write_per_class(confusion, classes, cfg.output_dir)
+        log(f"per class: {written[0]} (precision, recall, F1, worst mix-up), {written[1]} (confusion matrix)")
     log(
         f"##EVALUATION## {resumed_from}: Validation Loss: {metrics['val_loss']:.4f}, Validation Accuracy: "
         f"{metrics['val_accuracy']:.4f}, top-5 {metrics['val_top5_accuracy']:.4f}, balanced "
@@ -450,11 +459,14 @@ def train_one_epoch(
     return EpochResult(loss_sum / count, correct / count, stop_reason)
 
 
-def evaluate(net, loaders, training, ranks, max_batches=None, stop=None, tta_flip=False, sharded=False) -> dict:
+def evaluate(
+    net, loaders, training, ranks, max_batches=None, stop=None, tta_flip=False, sharded=False, keep_confusion=False
+) -> dict:
     """Loss, top-1 and top-5 over exactly the images this run evaluates, summed on every rank then all-reduced.
     `tta_flip`: the logits are the mean of the image's and its mirror's. With `stop` (a StopPoll), a stop signal
     ends it between two batches: returns {"stopped_by": signal name}. `sharded` (FSDP): each forward gathers
-    parameters from every rank, so a rank with one batch fewer runs one uncounted forward more."""
+    parameters from every rank, so a rank with one batch fewer runs one uncounted forward more. `keep_confusion`:
+    the result's "confusion" is the [true, predicted] matrix of counts (on the CPU)."""
     if sharded:
         from dlojz_lib.fsdp import reshard
     if ranks.enabled:  # BN statistics drift per rank in training: validate rank 0's model, as checkpointed
@@ -512,6 +524,8 @@ def evaluate(net, loaders, training, ranks, max_batches=None, stop=None, tta_fli
     if confusion is not None:
         classes = math.isqrt(confusion.numel())
         per_class = class_summary(results[4:].view(classes, classes))
+        if keep_confusion:
+            per_class["confusion"] = results[4:].view(classes, classes).long()
     return dict(
         val_loss=loss_sum / count_or_1,
         val_accuracy=correct / count_or_1,

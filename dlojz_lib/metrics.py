@@ -31,3 +31,65 @@ def summary(confusion: torch.Tensor) -> dict:
         val_balanced_accuracy=scores["recall"][present].mean().item(),
         val_macro_f1=scores["f1"][present].mean().item(),
     )
+
+
+PER_CLASS_CSV = "per_class.csv"
+CONFUSION_PNG = "confusion.png"
+LABELLED_UP_TO = 100  # classes named on the plot's axes; beyond, per_class.csv names each class's worst confusion
+
+
+def write_per_class(confusion: torch.Tensor, classes, folder) -> list:
+    """--eval-only's results per class in `folder`: per_class.csv (one row a class: images, precision, recall, F1,
+    and the class it is most often mistaken for, with how many) and confusion.png (rows: true class, columns:
+    predicted, each row as fractions of its images). Returns the paths written."""
+    import csv
+    from pathlib import Path
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    scores = per_class(confusion)
+    mistakes = confusion.double().clone()
+    mistakes.fill_diagonal_(-1)  # the largest off-diagonal count of each row
+    worst_count, worst = mistakes.max(dim=1)
+    with open(folder / PER_CLASS_CSV, "w", newline="") as file:
+        writer = csv.writer(file)
+        writer.writerow(["class", "images", "precision", "recall", "f1", "most_mistaken_for", "times"])
+        for index, name in enumerate(classes):
+            mistaken = worst_count[index] > 0
+            writer.writerow(
+                [
+                    name,
+                    int(scores["support"][index]),
+                    f"{scores['precision'][index]:.4f}",
+                    f"{scores['recall'][index]:.4f}",
+                    f"{scores['f1'][index]:.4f}",
+                    classes[worst[index]] if mistaken else "",
+                    int(worst_count[index]) if mistaken else 0,
+                ]
+            )
+    plot_confusion(confusion, classes, folder / CONFUSION_PNG)
+    return [folder / PER_CLASS_CSV, folder / CONFUSION_PNG]
+
+
+def plot_confusion(confusion: torch.Tensor, classes, path) -> None:
+    from matplotlib.figure import Figure  # object API with the Agg canvas: no display, no global backend state
+
+    counts = confusion.double()
+    fractions = (counts / counts.sum(dim=1, keepdim=True).clamp(min=1)).numpy()
+    n = len(classes)
+    side = min(4 + 0.18 * n, 24)
+    figure = Figure(figsize=(side, side))
+    axes = figure.add_subplot()
+    image = axes.imshow(fractions, cmap="Blues", vmin=0, vmax=1)
+    figure.colorbar(image, ax=axes, fraction=0.046, label="share of the true class's images")
+    axes.set_xlabel("predicted class")
+    axes.set_ylabel("true class")
+    if n <= LABELLED_UP_TO:
+        size = 8 if n <= 30 else 5
+        axes.set_xticks(range(n), classes, rotation=90, fontsize=size)
+        axes.set_yticks(range(n), classes, fontsize=size)
+        axes.set_title("confusion matrix (rows sum to 1)")
+    else:
+        axes.set_title(f"confusion matrix of {n} classes (rows sum to 1); each class's worst mix-up: {PER_CLASS_CSV}")
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)

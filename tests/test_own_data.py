@@ -12,6 +12,11 @@ TINY = [*SMALL, "--image-size", "16", "--val-resize-size", "18", "--val-crop-siz
 TINY += ["--no-wandb", "--num-workers", "0"]
 
 
+@pytest.fixture(autouse=True)
+def in_tmp(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # a run without --output-dir writes in ./runs
+
+
 def split(root, spec, saved=None):
     return build_datasets(root, None, None, val_split=spec, saved_split=saved)
 
@@ -56,13 +61,28 @@ def test_a_run_keeps_its_split_and_eval_only_validates_on_it(tiny_data, tmp_path
     shutil.copy(first, first.with_name("added_later.jpg"))
     checkpoint = sorted(out.glob("ckpt_e*.pt"))[-1]
     # Even asked for another fraction: a checkpoint validates on images it never trained on.
-    proc = run_inline(*TINY, "--data-root", folder, "--val-split", "0.5", "--eval-only", "--resume", checkpoint)
+    evaluated = tmp_path / "evaluated"
+    proc = run_inline(
+        *TINY, "--data-root", folder, "--val-split", "0.5", "--eval-only", "--resume", checkpoint,
+        "--output-dir", evaluated,
+    )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     assert (
         f"--val-split 0.5: the split of {out / 'val_split.txt'}, 18 validation images; every other image trains"
         in proc.stdout
     )
     assert "(18 images, " in proc.stdout, proc.stdout  # the list's 18, not a new split with the added image
+    # The results per class of --eval-only: one row a class, summing to the images validated, and the plot.
+    import csv
+
+    from PIL import Image
+
+    with open(evaluated / "per_class.csv") as file:
+        rows = list(csv.DictReader(file))
+    assert [row["class"] for row in rows] == sorted(p.name for p in folder.iterdir())
+    assert sum(int(row["images"]) for row in rows) == 18
+    assert all(0 <= float(row["recall"]) <= 1 for row in rows)
+    assert Image.open(evaluated / "confusion.png").size[0] > 300
 
 
 def test_balanced_class_weights_are_inverse_to_each_class_s_share():
@@ -131,3 +151,20 @@ def test_balanced_accuracy_and_macro_f1_equal_a_direct_computation_from_the_pred
     assert metrics["val_balanced_accuracy"] == pytest.approx(sum(recalls) / len(recalls))
     assert metrics["val_macro_f1"] == pytest.approx(sum(f1s) / len(f1s))
     assert metrics["val_balanced_accuracy"] != pytest.approx(metrics["val_accuracy"])  # the labels are not balanced
+
+
+def test_per_class_results_of_many_classes_name_each_class_s_worst_mix_up(tmp_path):
+    import csv
+
+    import torch
+
+    from dlojz_lib.metrics import write_per_class
+
+    classes = [f"c{i:03d}" for i in range(120)]  # past the plot's labelled axes
+    confusion = torch.eye(120, dtype=torch.int64) * 5
+    confusion[7, 42] = 3  # c007 is taken for c042 three times
+    csv_path, png_path = write_per_class(confusion, classes, tmp_path)
+    rows = {row["class"]: row for row in csv.DictReader(open(csv_path))}
+    assert (rows["c007"]["most_mistaken_for"], rows["c007"]["times"], rows["c007"]["recall"]) == ("c042", "3", "0.6250")
+    assert rows["c008"]["most_mistaken_for"] == "" and rows["c042"]["precision"] == "0.6250"
+    assert png_path.stat().st_size > 0
