@@ -13,7 +13,6 @@ prints in dlojz_lib/log.py, the chronometer, profiler and LR finder hooks in dlo
 """
 
 import dataclasses
-import math
 import os
 import sys
 import time
@@ -120,7 +119,7 @@ def main(argv=None, running=None) -> dict:
     ranks, cfg = setup_distributed(cfg)
     stop = StopPoll(stop_signal, ranks, timedelta(seconds=cfg.dist_timeout))
     log = Console(ranks.is_main)
-    if not (cfg.test or cfg.eval_only or cfg.loader_only):  # the runs that write checkpoints
+    if cfg.writes_checkpoints:
         claim_output_dir(cfg, ranks, log)  # one run writes in a folder: refused here, before any data scan
     announce_run(cfg, argv, ranks, log, f"{idr_torch.num_nodes} nodes", idr_torch.current_API)
     chrono = Chronometer(enabled=cfg.test, rank=ranks.rank, device=ranks.device)
@@ -521,11 +520,11 @@ def evaluate(
     loss_sum, correct, correct5, count = results[:4].tolist()
     count_or_1 = max(count, 1)
     per_class = {}
-    if confusion is not None:
-        classes = math.isqrt(confusion.numel())
-        per_class = class_summary(results[4:].view(classes, classes))
+    if confusion is not None:  # (`classes`: the width of the batches' logits)
+        counts = results[4:].view(classes, classes)
+        per_class = class_summary(counts)
         if keep_confusion:
-            per_class["confusion"] = results[4:].view(classes, classes).long()
+            per_class["confusion"] = counts.long()
     return dict(
         val_loss=loss_sum / count_or_1,
         val_accuracy=correct / count_or_1,

@@ -161,6 +161,11 @@ class Config:
         return getattr(torch, self.amp_dtype)
 
     @property
+    def writes_checkpoints(self):
+        """The runs that train for real, and own their output folder (not --test, --eval-only, --loader-only)."""
+        return not (self.test or self.eval_only or self.loader_only)
+
+    @property
     def compute_dtype(self):
         """What the convolutions compute in: the AMP dtype, else tf32 or float32."""
         return self.amp_dtype if self.amp else ("tf32" if self.tf32 else "float32")
@@ -184,7 +189,9 @@ def pretrained_preprocessing(values) -> list:
     note = f"--pretrained {values['pretrained']}: the weights' preprocessing"
     if taken:
         note += ": " + " ".join(f"--{key.replace('_', '-')} {size}" for key, size in taken.items())
-    if not published["imagenet_normalisation"]:
+    from dlojz_lib.data.transforms import IMAGENET_MEAN, IMAGENET_STD
+
+    if (published["mean"], published["std"]) != (IMAGENET_MEAN, IMAGENET_STD):
         for key in ("mean", "std"):
             if values[key] is None:
                 values[key] = published[key]

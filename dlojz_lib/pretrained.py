@@ -16,7 +16,6 @@ from pathlib import Path
 import torch
 
 from dlojz_lib.checks import UserError, check_input_file, fail
-from dlojz_lib.data.transforms import IMAGENET_MEAN, IMAGENET_STD
 from dlojz_lib.model import classifier_name
 
 # Prefixes that wrappers add to a saved state dict's keys: DDP's and torch.compile's.
@@ -56,30 +55,22 @@ def published_weights_file(arch, name):
 
 
 def published_preprocessing(arch, name):
-    """The validation resize and crop (px) the weights `name` were evaluated with, and what else their
-    preprocessing says, or None where it is not known (an unknown name: the checks say so)."""
+    """The validation resize and crop (px) the weights `name` were evaluated with, their interpolation, mean and
+    std, or None where they are not known (an unknown name: the checks say so)."""
     try:
         if arch.startswith("timm:"):
             weights = timm_weights(arch, name)
             crop = weights.input_size[-1]
-            return dict(
-                val_resize_size=math.floor(crop / weights.crop_pct),  # as timm's eval transform sizes it
-                val_crop_size=crop,
-                interpolation=weights.interpolation,
-                mean=tuple(weights.mean),
-                std=tuple(weights.std),
-                imagenet_normalisation=(tuple(weights.mean), tuple(weights.std)) == (IMAGENET_MEAN, IMAGENET_STD),
-            )
-        preprocessing = torchvision_weights(arch, name).transforms()
+            resize = math.floor(crop / weights.crop_pct)  # as timm's eval transform sizes it
+            interpolation, mean, std = weights.interpolation, weights.mean, weights.std
+        else:
+            preprocessing = torchvision_weights(arch, name).transforms()
+            resize, crop = preprocessing.resize_size[0], preprocessing.crop_size[0]
+            interpolation, mean, std = preprocessing.interpolation.value, preprocessing.mean, preprocessing.std
     except UserError:
         return None
     return dict(
-        val_resize_size=preprocessing.resize_size[0],
-        val_crop_size=preprocessing.crop_size[0],
-        interpolation=preprocessing.interpolation.value,
-        mean=tuple(preprocessing.mean),
-        std=tuple(preprocessing.std),
-        imagenet_normalisation=(tuple(preprocessing.mean), tuple(preprocessing.std)) == (IMAGENET_MEAN, IMAGENET_STD),
+        val_resize_size=resize, val_crop_size=crop, interpolation=interpolation, mean=tuple(mean), std=tuple(std)
     )
 
 

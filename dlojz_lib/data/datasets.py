@@ -288,20 +288,30 @@ def _find_layout(root, val_split=None):
 VAL_SPLIT_FILE = "val_split.txt"  # in the output folder: the validation images of --val-split, one path a line
 
 
-def split_for_validation(samples, classes, spec):
-    """Indices of the validation images of --val-split `spec`: `spec` < 1 that fraction of each class (rounded),
-    `spec` >= 1 that many images per class; at least one image of a class stays in training and, for a class of 2
-    or more, one goes to validation. Chosen by a seed of the class's name alone: the same on every rank, in every
-    run, whatever --seed."""
+def stratified_choice(samples, spec, seed_of, keep=0):
+    """Indices chosen in each class of `samples` ((where, target) pairs), in the data set's order: `spec` < 1 that
+    fraction of the class (rounded, at least one), `spec` >= 1 that many images (all of a smaller class), and never
+    more than all but `keep` of them. Each class's choice is seeded by `seed_of(target)` alone."""
     by_class = {}
     for index, (_, target) in enumerate(samples):
         by_class.setdefault(target, []).append(index)
     chosen = []
     for target, indices in sorted(by_class.items()):
-        wanted = round(spec * len(indices)) if spec < 1 else int(spec)
-        wanted = min(max(wanted, 1), len(indices) - 1)
-        chosen.extend(random.Random(f"dlojz-val-split-{classes[target]}").sample(indices, wanted))
+        wanted = max(1, round(spec * len(indices))) if spec < 1 else min(int(spec), len(indices))
+        chosen.extend(random.Random(seed_of(target)).sample(indices, min(wanted, len(indices) - keep)))
     return sorted(chosen)
+
+
+def describe_spec(spec):
+    """--train-subset's and --val-split's value in words."""
+    return f"{spec:.0%} of each class" if spec < 1 else f"{int(spec)} images per class"
+
+
+def split_for_validation(samples, classes, spec):
+    """Indices of the validation images of --val-split `spec` (as stratified_choice takes it): at least one image of
+    a class stays in training and, for a class of 2 or more, one goes to validation. Chosen by a seed of the class's
+    name alone: the same on every rank, in every run, whatever --seed."""
+    return stratified_choice(samples, spec, lambda target: f"dlojz-val-split-{classes[target]}", keep=1)
 
 
 def split_folder(root, train_transform, val_transform, spec, saved=None):
@@ -315,8 +325,10 @@ def split_folder(root, train_transform, val_transform, spec, saved=None):
     samples = train_set.samples
     if saved is None:
         chosen = set(split_for_validation(samples, train_set.classes, spec))
-        how = f"{spec:.0%} of each class" if spec < 1 else f"{int(spec)} images per class"
-        line = f"--val-split {spec:g}: {len(chosen)} of {len(samples)} images of {source} validate ({how}, stratified)"
+        line = (
+            f"--val-split {spec:g}: {len(chosen)} of {len(samples)} images of {source} validate ({describe_spec(spec)}, "
+            "stratified)"
+        )
     else:
         path, listed = saved
         relative = [os.path.relpath(where, source) for where, _ in samples]
@@ -397,14 +409,16 @@ def build_datasets(root, train_transform, val_transform, seed=0, val_split=None,
     return train_set, val_set, classes, layout
 
 
-def class_counts(dataset, num_classes):
-    """The images of each class in `dataset` (None without one: --synthetic)."""
-    if dataset is None:
-        return None
+def count_per_class(targets, num_classes):
     counts = [0] * num_classes
-    for target in dataset.targets:
+    for target in targets:
         counts[target] += 1
     return counts
+
+
+def class_counts(dataset, num_classes):
+    """The images of each class in `dataset` (None without one: --synthetic)."""
+    return None if dataset is None else count_per_class(dataset.targets, num_classes)
 
 
 def class_counts_line(counts, classes):
@@ -429,9 +443,7 @@ def class_balance_notes(targets, classes):
             f"WARNING: data: one class ({classes[0]!r}): every prediction is right, loss and accuracy say nothing; "
             "a classifier needs two classes or more"
         ]
-    counts = [0] * len(classes)
-    for target in targets:
-        counts[target] += 1
+    counts = count_per_class(targets, len(classes))
     small, large = min(counts), max(counts)
     if small and large >= IMBALANCE_WARNED * small:
         return [
@@ -497,19 +509,14 @@ def select_train_subset(dataset, spec):
     least one image), `spec` >= 1 that many images per class (all of a smaller class). The choice is seeded by the
     class alone, never by --seed: every run and every process of a hyper-parameter search sees the same images.
     Returns a one-line description."""
-    by_class = {}
-    for index, (_, target) in enumerate(dataset.samples):
-        by_class.setdefault(target, []).append(index)
-    kept = []
-    for target, indices in sorted(by_class.items()):
-        wanted = max(1, round(spec * len(indices))) if spec < 1 else min(int(spec), len(indices))
-        kept.extend(random.Random(f"dlojz-train-subset-{target}").sample(indices, wanted))
-    kept.sort()  # the data set's own order: class by class, file names sorted
+    kept = stratified_choice(dataset.samples, spec, lambda target: f"dlojz-train-subset-{target}")
     total = len(dataset.samples)
     dataset.samples = dataset.imgs = [dataset.samples[i] for i in kept]
     dataset.targets = [target for _, target in dataset.samples]
-    per = f"{spec:.0%} of each class" if spec < 1 else f"{int(spec)} images per class"
-    return f"--train-subset {spec:g}: {len(kept)} of {total} training images ({per}, the same in every run)"
+    return (
+        f"--train-subset {spec:g}: {len(kept)} of {total} training images ({describe_spec(spec)}, the same in every "
+        "run)"
+    )
 
 
 def build_packed_datasets(root, train_transform, val_transform, seed=0):

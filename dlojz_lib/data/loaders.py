@@ -240,8 +240,7 @@ def build_data(cfg, ranks, log):
         val_split=cfg.val_split,
         saved_split=saved_split,
     )
-    writes = not (cfg.test or cfg.eval_only or cfg.loader_only)  # the runs that own their output folder
-    if cfg.val_split is not None and saved_split is None and writes and ranks.is_main:
+    if cfg.val_split is not None and saved_split is None and cfg.writes_checkpoints and ranks.is_main:
         write_val_split(val_set, Path(cfg.output_dir) / VAL_SPLIT_FILE)
     kind = layout if layout.startswith("packed") else f"{layout} layout"
     log(
