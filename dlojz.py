@@ -39,7 +39,7 @@ import dlojz_lib.checkpoint as ckpt
 import dlojz_lib.optim as optim
 from dlojz_chrono import Chronometer
 from dlojz_lib.config import load_idr_torch, resolve_config
-from dlojz_lib.flags import check_flags, get_args_parser
+from dlojz_lib.flags import VALIDATION_METRICS, check_flags, get_args_parser
 from dlojz_lib.checks import DataError, UserError
 from dlojz_lib.data.datasets import class_counts, close_loader, measure_loader
 from dlojz_lib.dist import (
@@ -57,7 +57,7 @@ from dlojz_lib.dist import (
 )
 from dlojz_lib.hooks import LoopHooks, make_profiler
 from dlojz_lib.metrics import summary as class_summary
-from dlojz_lib.metrics import write_per_class
+from dlojz_lib.metrics import write_per_class, write_predictions
 from dlojz_lib.data.loaders import LOADERS, build_data, build_loaders
 from dlojz_lib.log import (
     LOG_EVERY,
@@ -147,7 +147,7 @@ def main(argv=None, running=None) -> dict:
     val_max_batches = TEST_VAL_BATCHES if cfg.test else None
     if cfg.eval_only:
         return evaluate_only(
-            cfg, model, loaders, training, ranks, chrono, resumed_from, val_max_batches, metrics, classes, log
+            cfg, model, loaders, training, ranks, chrono, resumed_from, val_max_batches, metrics, classes, val_set, log
         )
     if resumed_from and state.epoch >= cfg.epochs and training.lr_finder is None:  # its metrics stay as they are
         log(f"nothing to train: the run has done its {state.epoch} epochs; give --epochs N > {state.epoch} to go on")
@@ -183,7 +183,7 @@ def main(argv=None, running=None) -> dict:
             return stop_run(cfg, result.stop_reason, saver, state, loaders, ranks, log, metrics, chrono, wandb_run)
 
         # ================================ VALIDATION (every --val-every epochs and at the last)
-        target_reached = False
+        target_reached = best = False
         if (epoch + 1) % cfg.val_every == 0 or epoch + 1 == cfg.epochs or cfg.test:
             validation = validate(
                 cfg, epoch, model, loaders, training, ranks, chrono, val_max_batches, log, stop, train_seconds
@@ -193,12 +193,13 @@ def main(argv=None, running=None) -> dict:
                     cfg, validation["stopped_by"], saver, state, loaders, ranks, log, metrics, chrono, wandb_run
                 )
             target_reached = record_validation(cfg, epoch, validation, state, metrics, started, wandb_run, ranks, log)
+            best = record_best(cfg, epoch, validation, state, metrics)
         metrics["epochs"] = epoch + 1
 
         # ================================ CHECKPOINT
         state.epoch, state.batch, state.elapsed_s = epoch + 1, 0, time.perf_counter() - started
         if not cfg.test:
-            save_epoch_checkpoint(saver, state, periodic, log)
+            save_epoch_checkpoint(saver, state, periodic, log, best)
         if cfg.test or target_reached:
             break
     saver.wait()  # the last checkpoint's background write
@@ -258,9 +259,10 @@ def measure_loader_only(cfg, loaders, ranks, metrics, log) -> dict:
 
 
 def evaluate_only(
-    cfg, model, loaders, training, ranks, chrono, resumed_from, val_max_batches, metrics, classes, log
+    cfg, model, loaders, training, ranks, chrono, resumed_from, val_max_batches, metrics, classes, val_set, log
 ) -> dict:
-    """--eval-only: validate the checkpoint's weights and report, with the results per class in the output folder."""
+    """--eval-only: validate the checkpoint's weights (or its EMA's) and report, with the results per class in the
+    output folder and, with --predictions, each image's."""
     chrono.validation()
     result = evaluate(
         model.module,
@@ -271,20 +273,37 @@ def evaluate_only(
         tta_flip=cfg.tta_flip,
         sharded=model.parallel == "fsdp",
         keep_confusion=True,
+        keep_predictions=cfg.predictions is not None,
     )
-    confusion = result.pop("confusion", None)
-    metrics.update(result)
+    confusion, predictions = result.pop("confusion", None), result.pop("predictions", None)
+    metrics.update(result, eval_ema=cfg.eval_ema)
     chrono.validation()
     if ranks.is_main and confusion is not None:
         written = write_per_class(confusion, classes, cfg.output_dir)
         log(f"per class: {written[0]} (precision, recall, F1, worst mix-up), {written[1]} (confusion matrix)")
+    if ranks.is_main and predictions is not None:
+        write_predictions(cfg.predictions, predictions, classes, val_set.describe)
+        log(f"predictions: {cfg.predictions} ({len(predictions[0])} images: true class, top-5 and probabilities)")
     log(
-        f"##EVALUATION## {resumed_from}: Validation Loss: {metrics['val_loss']:.4f}, Validation Accuracy: "
+        f"##EVALUATION## {resumed_from}{' (EMA weights)' if cfg.eval_ema else ''}: Validation Loss: {metrics['val_loss']:.4f}, Validation Accuracy: "
         f"{metrics['val_accuracy']:.4f}, top-5 {metrics['val_top5_accuracy']:.4f}, balanced "
         f"{metrics['val_balanced_accuracy']:.4f}, macro-F1 {metrics['val_macro_f1']:.4f} ({metrics['val_images']} "
         f"images{', flip TTA' if cfg.tta_flip else ''}, {chrono.val_time:.1f} s)"
     )
     return finish(cfg, metrics, chrono, ranks)
+
+
+def record_best(cfg, epoch, validation, state, metrics) -> bool:
+    """Whether this epoch's validation is the run's best by --best-metric (the first of equals stays the best);
+    the best so far goes into `state` (checkpointed with it) and the metrics."""
+    if cfg.best_metric == "none":
+        return False
+    value = validation[VALIDATION_METRICS[cfg.best_metric][0]]
+    best = state.best_metric != cfg.best_metric or state.best_value is None or value > state.best_value
+    if best:
+        state.best_metric, state.best_value, state.best_epoch = cfg.best_metric, value, epoch + 1
+    metrics.update(best_metric=state.best_metric, best_value=state.best_value, best_epoch=state.best_epoch)
+    return best
 
 
 def open_wandb(cfg, ranks, metrics, state):
@@ -459,13 +478,24 @@ def train_one_epoch(
 
 
 def evaluate(
-    net, loaders, training, ranks, max_batches=None, stop=None, tta_flip=False, sharded=False, keep_confusion=False
+    net,
+    loaders,
+    training,
+    ranks,
+    max_batches=None,
+    stop=None,
+    tta_flip=False,
+    sharded=False,
+    keep_confusion=False,
+    keep_predictions=False,
 ) -> dict:
     """Loss, top-1 and top-5 over exactly the images this run evaluates, summed on every rank then all-reduced.
     `tta_flip`: the logits are the mean of the image's and its mirror's. With `stop` (a StopPoll), a stop signal
     ends it between two batches: returns {"stopped_by": signal name}. `sharded` (FSDP): each forward gathers
     parameters from every rank, so a rank with one batch fewer runs one uncounted forward more. `keep_confusion`:
-    the result's "confusion" is the [true, predicted] matrix of counts (on the CPU)."""
+    the result's "confusion" is the [true, predicted] matrix of counts (on the CPU). `keep_predictions`: the
+    result's "predictions" are (image index, label, top-5 classes, their probabilities) of every image, gathered
+    from every rank on the CPU, in the data set's order."""
     if sharded:
         from dlojz_lib.fsdp import reshard
     if ranks.enabled:  # BN statistics drift per rank in training: validate rank 0's model, as checkpointed
@@ -475,6 +505,7 @@ def evaluate(
     totals = torch.zeros(4, dtype=torch.float64, device=ranks.device)  # loss sum, top-1 and top-5 correct, images
     confusion = None  # [true class x predicted class] counts, flattened, made at the first batch (its width)
     forwards, images = 0, None
+    predictions = [] if keep_predictions else None  # (labels, top-5, probabilities) per batch, on the device
     with torch.no_grad():
         for batch_index, (images, labels) in enumerate(loaders.val_batches):
             if max_batches is not None and batch_index >= max_batches:
@@ -502,6 +533,8 @@ def evaluate(
                 confusion = torch.zeros(classes * classes, dtype=torch.int64, device=ranks.device)
             # index_add_ with a 0/1 weight, not bincount of the kept labels: no length read back from the device
             confusion.index_add_(0, labels.clamp(min=0) * classes + top5[:, 0], (labels >= 0).long())
+            if predictions is not None:
+                predictions.append((labels, top5, outputs.softmax(dim=1).gather(1, top5)))
         if sharded:  # the other ranks' last forwards gather this rank's shards too
             for _ in range(forwards, min(loaders.n_val_batches_most, max_batches or loaders.n_val_batches_most)):
                 with training.autocast():  # (every rank has an image: build_loaders checks it)
@@ -525,6 +558,8 @@ def evaluate(
         per_class = class_summary(counts)
         if keep_confusion:
             per_class["confusion"] = counts.long()
+    if predictions is not None:
+        per_class["predictions"] = gather_predictions(predictions, ranks)
     return dict(
         val_loss=loss_sum / count_or_1,
         val_accuracy=correct / count_or_1,
@@ -532,6 +567,21 @@ def evaluate(
         val_images=int(count),
         **per_class,
     )
+
+
+def gather_predictions(predictions, ranks):
+    """evaluate()'s predictions of every rank on rank 0's CPU, in the data set's order: (image index, label,
+    top-5 classes, their probabilities). ShardSampler gives rank r the images r, r + W, r + 2W..., in order."""
+    labels, top5, probabilities = (torch.cat(parts).cpu() for parts in zip(*predictions))
+    index = torch.arange(len(labels)) * ranks.world_size + ranks.rank
+    mine = (index, labels, top5, probabilities)
+    if not ranks.enabled:
+        return mine
+    every = [None] * ranks.world_size
+    dist.all_gather_object(every, mine)  # once, at the end of --eval-only: a pickled copy is no cost
+    index, labels, top5, probabilities = (torch.cat(parts) for parts in zip(*every))
+    order = index.argsort()
+    return index[order], labels[order], top5[order], probabilities[order]
 
 
 # ================================================================ the sections' functions, in main's order

@@ -20,8 +20,9 @@ How it works, and why:
   that trial, not the worker.
 - Pruning: the worker follows the trial's --val-history file, reports every validation's top-1 to the pruner and,
   when the pruner says so, sends SIGUSR2: dlojz finishes its step, writes a checkpoint and exits.
-- Objective: `--direction maximize`, the last validation's top-1; `minimize`, the time to --target-accuracy (a trial
-  that never reaches it scores +inf). The pruner then sees the top-1 error (1 - top-1).
+- Objective: `--direction maximize`, the last validation's `--objective` (top-1, or balanced accuracy or macro-F1
+  for an imbalanced data set); `minimize`, the time to --target-accuracy (a trial that never reaches it scores
+  +inf). The pruner then sees the top-1 error (1 - top-1).
 - Preemption: Slurm's warning (`--signal=B:USR1@T`) or SIGTERM reaches the worker, which passes SIGUSR2 to its
   trial (checkpoint), marks the trial failed, retries it (Optuna's RetryFailedTrialCallback, validations kept) and
   requeues its own Slurm job. The retry runs in the failed trial's folder: it resumes from that checkpoint.
@@ -52,7 +53,7 @@ from dlojz_lib.checks import fail
 from dlojz_lib.checks import UserError
 from dlojz_lib.hpo.report import best_trial, write_csv, write_plots, write_recipe
 from dlojz_lib.hpo.space import check_shared, flag_argv, read_space, split_shared
-from dlojz_lib.flags import COUNT, NON_NEGATIVE, POSITIVE, Number
+from dlojz_lib.flags import COUNT, NON_NEGATIVE, POSITIVE, VALIDATION_METRICS, Number
 
 DLOJZ = Path(__file__).resolve().parent / "dlojz.py"
 
@@ -252,8 +253,10 @@ class Worker:
                         if epoch in seen or pruned:
                             continue
                         seen.add(epoch)
-                        top1 = record["val_accuracy"]
-                        trial.report(top1 if self.args.direction == "maximize" else 1 - top1, step=epoch)
+                        if self.args.direction == "maximize":
+                            trial.report(record[VALIDATION_METRICS[self.args.objective][0]], step=epoch)
+                        else:
+                            trial.report(1 - record["val_accuracy"], step=epoch)
                         if trial.should_prune() and running:
                             pruned = epoch
                             self.process.send_signal(signal.SIGUSR2)  # checkpoint, then stop
@@ -264,11 +267,16 @@ class Worker:
 
     def objective(self, metrics):
         if self.args.direction == "maximize":
-            return metrics.get("val_accuracy")
+            return metrics.get(VALIDATION_METRICS[self.args.objective][0])
         return metrics["time_to_target_s"] if metrics.get("time_to_target_s") is not None else math.inf
 
     def objective_name(self):
-        return "top-1" if self.args.direction == "maximize" else "time to target (s)"
+        return objective_name(self.args.direction, self.args.objective)
+
+
+def objective_name(direction, objective):
+    """What a study's value is, in words."""
+    return "time to target (s)" if direction == "minimize" else VALIDATION_METRICS[objective][1]
 
 
 def trial_command(launch, flags, folder, study_name):
@@ -425,7 +433,7 @@ def make_pruner(args):
         return optuna.pruners.HyperbandPruner(min_resource=1, reduction_factor=3)
     if args.pruner == "threshold":
         if args.prune_below is None:
-            fail("--pruner threshold needs --prune-below TOP1")
+            fail("--pruner threshold needs --prune-below VALUE")
         if args.direction == "maximize":
             return optuna.pruners.ThresholdPruner(lower=args.prune_below, n_warmup_steps=args.pruner_warmup_epochs)
         return optuna.pruners.ThresholdPruner(upper=1 - args.prune_below, n_warmup_steps=args.pruner_warmup_epochs)
@@ -436,6 +444,11 @@ def search(args, shared):
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
+    if args.direction == "minimize" and args.objective != "top1":
+        fail(
+            f"--objective {args.objective} is maximized; --direction minimize minimizes the time to "
+            "--target-accuracy (a top-1): drop one of them"
+        )
     space = read_space(args.space)
     check_storage(args.storage)
     shared, output_dir = split_shared(shared)
@@ -460,11 +473,16 @@ def search(args, shared):
         )
     if study.direction.name.lower() != args.direction:
         fail(f"--study {args.study} {study.direction.name.lower()}s: --direction {args.direction} does not match")
+    recorded_objective = study.user_attrs.get("objective", "top1")  # (a study made before --objective: top-1)
+    if recorded is None:
+        study.set_user_attr("objective", args.objective)
+    elif recorded_objective != args.objective:
+        fail(f"--study {args.study} maximizes its {recorded_objective}: --objective {args.objective} does not match")
     worker = Worker(args, study, space, shared, root, on_gpu=cfg.torch_device != "cpu")
     worker.install()
     print(
         f"worker {worker.id}: study {args.study} in {args.storage}, {args.direction} "
-        f"{'top-1' if args.direction == 'maximize' else 'time to target'}, {args.sampler} sampler, {args.pruner} "
+        f"{objective_name(args.direction, args.objective)}, {args.sampler} sampler, {args.pruner} "
         f"pruner; trials in {root}",
         flush=True,
     )
@@ -495,7 +513,7 @@ def report(args):
     print(f"study {args.study}: {len(trials)} trials (" + ", ".join(f"{n} {s}" for s, n in states.items() if n) + ")")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    objective = "top-1" if study.direction.name == "MAXIMIZE" else "time to target (s)"
+    objective = objective_name(study.direction.name.lower(), study.user_attrs.get("objective", "top1"))
     done = sorted(
         (t for t in trials if t.state == TrialState.COMPLETE),
         key=lambda t: t.value,
@@ -536,7 +554,14 @@ def get_parser():
         "--direction",
         choices=("maximize", "minimize"),
         default="maximize",
-        help="maximize the last top-1 (default), or minimize the time to --target-accuracy",
+        help="maximize the last validation's --objective (default), or minimize the time to --target-accuracy",
+    )
+    s.add_argument(
+        "--objective",
+        choices=tuple(VALIDATION_METRICS),
+        default="top1",
+        help="what --direction maximize maximizes and the pruner judges: top1 (default), or balanced_accuracy\n"
+        "or macro_f1 (the mean over classes, for an imbalanced data set)",
     )
     s.add_argument("--sampler", choices=("tpe", "random"), default="tpe", help="(default: tpe)")
     s.add_argument(
@@ -558,8 +583,8 @@ def get_parser():
         "--prune-below",
         type=NON_NEGATIVE,  # above 1: every trial is pruned at its first validation
         default=None,
-        metavar="TOP1",
-        help="threshold: prune below this top-1",
+        metavar="VALUE",
+        help="threshold: prune below this value of --objective",
     )
     s.add_argument(
         "--launch", default="", help='command before python for multi-GPU trials, e.g. "srun --kill-on-bad-exit=1"'

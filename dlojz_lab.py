@@ -35,7 +35,7 @@ from contextlib import redirect_stderr
 from pathlib import Path
 
 from dlojz_lib.checks import OneLineArgumentParser
-from dlojz_lib.flags import WHOLE
+from dlojz_lib.flags import VALIDATION_METRICS, WHOLE
 
 ROOT = Path(__file__).resolve().parent
 RUNS = Path("runs")
@@ -442,7 +442,7 @@ def compare_command(args) -> int:
     from dlojz_lib.lab.report import compare
 
     sweeps = load(*args.sweeps)
-    return compare(sweeps, Path(args.out) if args.out else sweeps[0][0])
+    return compare(sweeps, Path(args.out) if args.out else sweeps[0][0], args.metric)
 
 
 # ------------------------------------------------------------------ command line
@@ -460,6 +460,12 @@ def get_parser():
     c = sub.add_parser("compare", help="one table, compare.csv and plots of one or more sweeps")
     c.add_argument("sweeps", nargs="+", help="sweep folders (runs/NAME) or names")
     c.add_argument("--out", default=None, help="where compare.csv and the plots go (default: the first sweep's folder)")
+    c.add_argument(
+        "--metric",
+        choices=tuple(VALIDATION_METRICS),
+        default="top1",
+        help="the validation figure that names the best run and that accuracy.png draws (default: top1)",
+    )
     st = sub.add_parser("status", help="the sweep's jobs in the queue and the last line of each run's log")
     st.add_argument("sweep")
     t = sub.add_parser("run-task", help=argparse.SUPPRESS)  # what an array task runs

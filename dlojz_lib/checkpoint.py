@@ -2,8 +2,9 @@
 
 - `write(state, path)`: one checkpoint file, atomically, with its SHA-256 in `NAME.sha256` beside it (written
   first; `sha256sum -c` reads it); `load` refuses a file whose bytes no longer match (a flipped bit, a bad copy).
-- `save(state, output_dir, name, keep)`: write `name` atomically (temp file in the same folder, fsync, os.replace),
-  then point `latest` at it (atomically too), then delete all but the `keep` newest dlojz checkpoints.
+- `save(state, output_dir, name, keep, best)`: write `name` atomically (temp file in the same folder, fsync,
+  os.replace), then point `latest` at it (atomically too), and `best` too when it is the run's best so far, then
+  delete all but the `keep` newest dlojz checkpoints, never the one `best` names.
 - `load(path)`: `torch.load(weights_only=True)`; a truncated, foreign or unreadable file raises `CheckpointError`.
 - `load_latest(output_dir)`: the newest complete checkpoint: the one `latest` names, else the newest that loads;
   each refused file is reported with a warning and the previous one is tried.
@@ -38,6 +39,7 @@ import torch
 FORMAT_KEY = "dlojz_checkpoint_format"
 FORMAT_VERSION = 2  # 2: a SHA-256 file beside each checkpoint file; 1 (no checksum) is still read
 LATEST = "latest"
+BEST = "best"  # names the checkpoint of the best validation (--best-metric); pruning keeps it
 RUN_LOCK = ".dlojz.lock"  # held by the run writing in the folder, for its life (the kernel drops it at any exit)
 CHECKSUM_SUFFIX = ".sha256"
 NAME_RE = re.compile(r"^ckpt_e(\d+)_s(\d+)\.(pt|dcp)$")
@@ -153,14 +155,14 @@ def os_error_in(err):
     return None
 
 
-def save(state, output_dir, name, keep=3):
+def save(state, output_dir, name, keep=3, best=False):
     output_dir = Path(output_dir)
     path = write(state, output_dir / name)
-    _point_latest_and_prune(output_dir, name, keep)
+    _point_latest_and_prune(output_dir, name, keep, best)
     return path
 
 
-def publish_folder(meta, staging, output_dir, name, keep=3):
+def publish_folder(meta, staging, output_dir, name, keep=3, best=False):
     """Complete the sharded checkpoint being written in the folder `staging` with `meta` (SHARDED_META), then
     rename it to `output_dir/name` (a folder appears whole or not at all), point `latest` at it and prune."""
     output_dir = Path(output_dir)
@@ -176,15 +178,18 @@ def publish_folder(meta, staging, output_dir, name, keep=3):
     else:
         os.replace(staging, final)
     fsync_folder(output_dir)
-    _point_latest_and_prune(output_dir, name, keep)
+    _point_latest_and_prune(output_dir, name, keep, best)
     return final
 
 
-def _point_latest_and_prune(output_dir, name, keep):
+def _point_latest_and_prune(output_dir, name, keep, best=False):
     atomic_write(output_dir / LATEST, lambda f: f.write((name + "\n").encode()))
+    if best:  # after the checkpoint is whole on disk: `best` never names a file being written
+        atomic_write(output_dir / BEST, lambda f: f.write((name + "\n").encode()))
     if keep and keep > 0:
+        kept_best = pointed_name(output_dir, BEST)
         for old in list_checkpoints(output_dir)[:-keep]:
-            if old.name != name:
+            if old.name not in (name, kept_best):
                 if old.is_dir():
                     shutil.rmtree(old, ignore_errors=True)
                 else:
@@ -214,6 +219,11 @@ def check_shards(path):
 
 def load(path):
     path = Path(path)
+    if path.name == BEST and path.is_file():  # the run's best checkpoint, by the name the pointer holds
+        named = pointed_name(path.parent, BEST)
+        if named is None:
+            raise CheckpointError(f"checkpoint {path}: names no checkpoint; give a checkpoint file")
+        path = path.parent / named
     if path.name == LATEST or path.name.endswith(CHECKSUM_SUFFIX):  # a checkpoint's side file, not a checkpoint
         pointer = path.name == LATEST
         named = latest_name(path.parent) if pointer else path.name[: -len(CHECKSUM_SUFFIX)]
@@ -270,8 +280,13 @@ def short_reason(err, limit=160):
 def latest_name(output_dir):
     """The checkpoint that `latest` names in `output_dir`, or None (none yet, unreadable, or not a checkpoint's
     name: the newest on disk is used then)."""
+    return pointed_name(output_dir, LATEST)
+
+
+def pointed_name(output_dir, pointer):
+    """The checkpoint name the file `pointer` (LATEST, BEST) holds in `output_dir`, or None."""
     try:
-        name = (Path(output_dir) / LATEST).read_text(errors="replace").strip()
+        name = (Path(output_dir) / pointer).read_text(errors="replace").strip()
     except OSError:
         return None
     return name if NAME_RE.match(name) else None
@@ -310,9 +325,10 @@ class CheckpointSaver:
         self.unwritten = []  # (path, reason) of each write that failed
         self._last = None  # the path of the most recent save
 
-    def save(self, position):
-        """Checkpoint the parts at `position` (a dict: epoch, batch, global_step, ...). Returns its path (being
-        written, in the background), or None: not rank 0, or the write failed (said in one line)."""
+    def save(self, position, best=False):
+        """Checkpoint the parts at `position` (a dict: epoch, batch, global_step, ...), and name it `best` once
+        written when `best`. Returns its path (being written, in the background), or None: not rank 0, or the
+        write failed (said in one line)."""
         if not self.is_main:
             return None
         self.wait()  # one write at a time, in order
@@ -321,9 +337,9 @@ class CheckpointSaver:
         name = checkpoint_name(position["epoch"], position["global_step"])
         self._last = self.output_dir / name
         if not self.background:
-            return self._write(state, name)
+            return self._write(state, name, best)
         state = to_host(state)  # the parts' tensors go on changing as training goes on: a copy is written
-        self._writer = threading.Thread(target=self._write, args=(state, name), name="dlojz-checkpoint")
+        self._writer = threading.Thread(target=self._write, args=(state, name, best), name="dlojz-checkpoint")
         self._writer.start()
         return self.output_dir / name
 
@@ -342,9 +358,9 @@ class CheckpointSaver:
             return self.unwritten[-1][1]
         return None
 
-    def _write(self, state, name):
+    def _write(self, state, name, best=False):
         try:
-            return save(state, self.output_dir, name, keep=self.keep)
+            return save(state, self.output_dir, name, keep=self.keep, best=best)
         except BaseException as err:
             os_error = os_error_in(err)
             if os_error is None:

@@ -53,6 +53,7 @@ class Config:
     wd: float
     mom: float
     label_smoothing: float
+    balanced_sampler: bool  # every class drawn equally often in a training epoch
     class_weights: str | None  # "balanced": the training loss weighs classes by inverse frequency
     arch: str
     seed: int
@@ -106,6 +107,8 @@ class Config:
     test_nsteps: int
     synthetic: bool
     eval_only: bool
+    eval_ema: bool  # --eval-only validates the checkpoint's EMA weights
+    predictions: str | None  # --eval-only writes one CSV row per image there
     loader_only: bool
     # data and DataLoader
     data_root: str | None
@@ -144,6 +147,7 @@ class Config:
     start_over: bool
     requeue: bool
     keep_checkpoints: int
+    best_metric: str  # top1, balanced_accuracy, macro_f1 or none
     checkpoint_every: float  # minutes; 0: off
     wandb: bool
     wandb_project: str
@@ -453,7 +457,7 @@ def check(cfg: Config):
         from dlojz_lib.checks import check_output_file, check_output_folder
 
         check_output_folder(cfg.output_dir, "--output-dir")  # --test too: the chronometer's trace and plot go there
-        for flag in ("metrics_json", "val_history"):
+        for flag in ("metrics_json", "val_history", "predictions"):
             if getattr(cfg, flag):
                 check_output_file(getattr(cfg, flag), f"--{flag.replace('_', '-')}")
                 check_not_a_run_file(getattr(cfg, flag), f"--{flag.replace('_', '-')}", cfg.output_dir)
@@ -464,11 +468,13 @@ def check(cfg: Config):
 def check_not_a_run_file(path, flag, output_dir):
     """A metrics file written over one of the files a run writes in its folder under their own names would break a
     resume (a JSON text in `latest`) or be overwritten at the next checkpoint: refused, naming the flag."""
-    from dlojz_lib.checkpoint import LATEST, NAME_RE, RUN_LOCK
+    from dlojz_lib.checkpoint import BEST, LATEST, NAME_RE, RUN_LOCK
     from dlojz_lib.data.datasets import VAL_SPLIT_FILE
     from dlojz_lib.log import ARGS_FILE, CHRONO_TRACE, FINDLR_CSV, FINDLR_PNG, TIMELINE
+    from dlojz_lib.metrics import CONFUSION_PNG, PER_CLASS_CSV
 
-    run_files = (LATEST, ARGS_FILE, CHRONO_TRACE, TIMELINE, FINDLR_CSV, FINDLR_PNG, RUN_LOCK, VAL_SPLIT_FILE)
+    run_files = (LATEST, BEST, ARGS_FILE, CHRONO_TRACE, TIMELINE, FINDLR_CSV, FINDLR_PNG, RUN_LOCK, VAL_SPLIT_FILE)
+    run_files += (PER_CLASS_CSV, CONFUSION_PNG)
 
     path = Path(path)
     if path.resolve().parent != Path(output_dir).resolve():

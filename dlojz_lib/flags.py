@@ -16,6 +16,13 @@ from dlojz_lib.recipe import read_recipe
 OPTIMIZERS = ("sgd", "adamw", "lamb", "lars", "lion")
 FUSED = ("sgd", "adamw")  # with a fused step in torch (build_optimizer's fused=True)
 SCHEDULERS = ("onecycle", "cosine", "step", "constant", "linear", "poly")
+# The validation figures a run's best checkpoint, a study's objective and the lab's best run are chosen by:
+# the name a flag takes -> (its key in the metrics JSON and --val-history, its name in a sentence).
+VALIDATION_METRICS = {
+    "top1": ("val_accuracy", "top-1"),
+    "balanced_accuracy": ("val_balanced_accuracy", "balanced accuracy"),
+    "macro_f1": ("val_macro_f1", "macro-F1"),
+}
 
 
 def check_hyperparameters(lr: float, momentum: float, weight_decay: float) -> None:
@@ -135,6 +142,12 @@ def get_args_parser():
         default=None,
         help="balanced: the training loss weighs each class by the inverse of its share of the training images\n"
         "(images / (classes x its images), as scikit-learn's); validation's loss stays unweighted",
+    )
+    p.add_argument(
+        "--balanced-sampler",
+        action="store_true",
+        help="each training epoch draws every class equally often (a rare class's images repeated, a large\n"
+        "class's in part), as many draws as there are training images: the same steps per epoch",
     )
     p.add_argument(
         "--arch",
@@ -355,6 +368,18 @@ def get_args_parser():
     p.add_argument("--test-nsteps", type=COUNT, default=50, help="steps in --test mode (default: 50)")
     p.add_argument("--synthetic", action="store_true", help="random tensors made once in memory: no disk, no decoding")
     p.add_argument("--eval-only", action="store_true", help="validate the checkpoint given by --resume and stop")
+    p.add_argument(
+        "--eval-ema",
+        action="store_true",
+        help="with --eval-only: validate the checkpoint's EMA weights (a run with --model-ema) instead of its model",
+    )
+    p.add_argument(
+        "--predictions",
+        default=None,
+        metavar="FILE.csv",
+        help="with --eval-only: one row per validation image: its file, true and predicted class, and the\n"
+        "top-5 classes with their probabilities",
+    )
     p.add_argument(
         "--loader-only",
         action="store_true",
@@ -579,7 +604,14 @@ def get_args_parser():
         "--keep-checkpoints",
         type=Number(int, 0),
         default=3,
-        help="checkpoints kept in --output-dir (default: 3; 0: all)",
+        help="checkpoints kept in --output-dir (default: 3; 0: all), besides the best one",
+    )
+    p.add_argument(
+        "--best-metric",
+        choices=(*VALIDATION_METRICS, "none"),
+        default="top1",
+        help="the validation figure that names the run's best checkpoint: --output-dir's `best` names it and\n"
+        "--keep-checkpoints never deletes it (default: top1; none: no best kept); --resume DIR/best loads it",
     )
     p.add_argument(
         "--checkpoint-every",
@@ -632,8 +664,16 @@ def check_flags(values):
         fail("--pretrained and --initial-checkpoint both give the starting weights: give one of them")
     if values["fetch_weights"] and values["pretrained"] is None:
         fail("--fetch-weights fetches --pretrained's weights: add --pretrained [WEIGHTS]")
-    if values["class_weights"] and values["synthetic"]:
-        fail("--class-weights weighs the data's classes: --synthetic has none (leave one of them out)")
+    for flag in ("class_weights", "balanced_sampler"):
+        if values[flag] and values["synthetic"]:
+            fail(
+                f"--{flag.replace('_', '-')} balances the data's classes: --synthetic has none (leave one of them out)"
+            )
+    if values["class_weights"] and values["balanced_sampler"]:
+        fail(
+            "--class-weights balanced and --balanced-sampler each make up for the imbalance; both would favour "
+            "the rare classes twice: give one of them"
+        )
     frozen = values["freeze_backbone_epochs"]
     if frozen is not None:
         if values["pretrained"] is None and values["initial_checkpoint"] is None:
@@ -701,6 +741,11 @@ def check_flags(values):
         fail("--synthetic trains on random tensors and reads no data: drop --data-root, or --synthetic")
     if values["loader_only"] and values["synthetic"]:
         fail("--loader-only times the DataLoader, which --synthetic does not use: drop one of them")
+    for flag in ("eval_ema", "predictions"):
+        if values[flag] and not values["eval_only"]:
+            fail(f"--{flag.replace('_', '-')} goes with --eval-only --resume CHECKPOINT: add them, or drop it")
+    if values["predictions"] and values["synthetic"]:
+        fail("--predictions names each image's file: --synthetic has none (leave one of them out)")
     if values["eval_only"] and not values["resume"]:
         fail("--eval-only needs --resume CHECKPOINT (or --resume auto with --output-dir)")
 

@@ -131,9 +131,9 @@ class ShardedCheckpointSaver:
         )
         self.model, self.optimizer, self.scheduler, self.scaler = model, optimizer, scheduler, scaler
         self._group = dist.new_group(backend="gloo")  # collective: every rank makes its saver
-        self._pending = None  # (future, meta, staging, name) of the checkpoint being written
+        self._pending = None  # (future, meta, staging, name, best) of the checkpoint being written
 
-    def save(self, position):
+    def save(self, position, best=False):
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
@@ -159,19 +159,19 @@ class ShardedCheckpointSaver:
                     rng=ckpt.rng_state(self.device),
                 )
             )
-        self._pending = (future, meta, staging, name)
+        self._pending = (future, meta, staging, name, best)
         return self.output_dir / name
 
     def wait(self):
         """The checkpoint being written, if any, put in place once every rank has written its shards."""
         if self._pending is None:
             return
-        future, meta, staging, name = self._pending
+        future, meta, staging, name, best = self._pending
         self._pending = None
         future.result()
         dist.barrier(group=self._group)
         if self.is_main:
-            ckpt.publish_folder(meta, staging, self.output_dir, name, self.keep)
+            ckpt.publish_folder(meta, staging, self.output_dir, name, self.keep, best)
         dist.barrier(group=self._group)  # nobody goes on (and maybe stops) before the checkpoint is in place
 
 

@@ -4,6 +4,8 @@ mean recall) and macro-F1 (the mean F1), both over the classes the validation se
 show what top-1 hides: a model that never predicts a rare class keeps a high top-1 and loses that class's recall.
 """
 
+from pathlib import Path
+
 import torch
 
 
@@ -43,7 +45,6 @@ def write_per_class(confusion: torch.Tensor, classes, folder) -> list:
     and the class it is most often mistaken for, with how many) and confusion.png (rows: true class, columns:
     predicted, each row as fractions of its images). Returns the paths written."""
     import csv
-    from pathlib import Path
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
@@ -93,3 +94,24 @@ def plot_confusion(confusion: torch.Tensor, classes, path) -> None:
         axes.set_title(f"confusion matrix of {n} classes (rows sum to 1); each class's worst mix-up: {PER_CLASS_CSV}")
     figure.tight_layout()
     figure.savefig(path, dpi=100)
+
+
+def write_predictions(path, predictions, classes, name_of) -> None:
+    """--predictions: one CSV row per image: its file (`name_of(index)`), true and predicted class, and the top-5
+    classes with their probabilities (softmax of the logits evaluated, flip-averaged with --tta-flip). The true
+    class of an image that could not be read is empty."""
+    import csv
+
+    index, labels, top5, probabilities = predictions
+    k = top5.shape[1]
+    header = ["image", "true_class", "predicted_class"]
+    header += [column for rank in range(1, k + 1) for column in (f"class_{rank}", f"probability_{rank}")]
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", newline="") as file:
+        writer = csv.writer(file)
+        writer.writerow(header)
+        for i, label, top, probability in zip(index.tolist(), labels.tolist(), top5.tolist(), probabilities.tolist()):
+            row = [name_of(i), classes[label] if label >= 0 else "", classes[top[0]]]
+            row += [value for c, p in zip(top, probability) for value in (classes[c], f"{p:.6f}")]
+            writer.writerow(row)

@@ -35,6 +35,9 @@ class TrainState:
     global_step: int = 0  # optimizer steps done since the start of training
     wandb_id: str | None = None  # the W&B run that a resume continues
     elapsed_s: float = 0.0  # wall-clock seconds of training and validation before this run started
+    best_metric: str | None = None  # the --best-metric that best_value is a value of
+    best_value: float | None = None  # its best validation so far, that of the checkpoint `best` names
+    best_epoch: int = 0
 
 
 _lock_file = None  # this process's open lock file, while it holds the lock
@@ -144,12 +147,13 @@ def periodic_checkpoints(cfg, saver, started, n_train_batches, lr_finder, log):
     return PeriodicCheckpoints(cfg.checkpoint_every, saver, started, n_train_batches, log)
 
 
-def save_epoch_checkpoint(saver, state, periodic, log):
+def save_epoch_checkpoint(saver, state, periodic, log, best=False):
     """The end of an epoch's checkpoint: rank 0 copies the state and a thread writes it (with --fsdp every rank
-    writes its shards); --checkpoint-every's interval counts from it."""
-    log_checkpoint(
-        log, saver, saver.save(dataclasses.asdict(state)), "by a background thread" if saver.background else ""
-    )
+    writes its shards); --checkpoint-every's interval counts from it. `best`: `best` names it once written."""
+    why = ["by a background thread"] if saver.background else []
+    if best:
+        why.append(f"the best {state.best_metric} so far, {state.best_value:.4f}: `best` names it")
+    log_checkpoint(log, saver, saver.save(dataclasses.asdict(state), best), "; ".join(why))
     if periodic is not None:
         periodic.restart()
 
@@ -229,6 +233,12 @@ def restore(cfg, model, training, n_train_batches, device, log):
         state = TrainState(
             saved["epoch"], saved["batch"], saved["global_step"], saved.get("wandb_id"), saved.get("elapsed_s", 0.0)
         )
+        if saved.get("best_metric") == cfg.best_metric:  # another metric: the best counts again from this run
+            state.best_metric, state.best_value, state.best_epoch = (
+                cfg.best_metric,
+                saved["best_value"],
+                saved["best_epoch"],
+            )
         saved_args = saved["args"]
         saved_world, saved_batch_size = saved.get("world_size", idr_torch.world_size), saved_args["batch_size"]
         saved_grad_acc = saved_args.get("grad_acc", 1)
@@ -271,6 +281,10 @@ def restore_weights(cfg, model, training, saved, path, log):
             f"checkpoint gives its weights to --fsdp --eval-only, or resumes without --fsdp"
         )
     check_same_model(cfg, model.num_classes, saved, path)
+    weights = saved.get("model")
+    if cfg.eval_ema:
+        weights = ema_weights(saved, path)
+        log(f"--eval-ema: validating the EMA weights of {path} (its model's are left out)")
     try:
         if sharded:
             from dlojz_lib.fsdp import load_sharded
@@ -279,9 +293,9 @@ def restore_weights(cfg, model, training, saved, path, log):
         elif cfg.fsdp:
             from dlojz_lib.fsdp import load_full_weights
 
-            load_full_weights(model.module, saved["model"])
+            load_full_weights(model.module, weights)
         else:
-            model.module.load_state_dict(saved["model"])
+            model.module.load_state_dict(weights)
     except (RuntimeError, ValueError, KeyError) as err:
         fail(
             f"--resume {path}: the weights do not fit --arch {cfg.arch} with {model.num_classes} classes "
@@ -295,6 +309,16 @@ def restore_weights(cfg, model, training, saved, path, log):
             training.optimizer.load_state_dict(saved["optimizer"])
         else:  # another optimizer's state (momenta, second moments) means nothing to this one
             log(f"--optimizer {cfg.optimizer}: the checkpoint's {saved_optimizer} state is dropped; it starts afresh")
+
+
+def ema_weights(saved, path):
+    """--eval-ema: the model's state dict of the checkpoint's EMA (ModelEma keeps the model under `module.`)."""
+    if saved.get("sharded_path"):
+        fail(f"--eval-ema: {path} is a sharded checkpoint (--fsdp), which keeps no EMA weights")
+    ema = saved.get("ema")
+    if not ema:
+        fail(f"--eval-ema: {path} has no EMA weights (its run had no --model-ema): leave --eval-ema out")
+    return {name[len("module.") :]: tensor for name, tensor in ema.items() if name.startswith("module.")}
 
 
 def check_same_model(cfg, num_classes, saved, path):

@@ -81,10 +81,14 @@ def trained_checkpoint(tiny_data, tmp_path_factory):
 
 
 def test_eval_one_vs_two_processes_identical(trained_checkpoint, tiny_data, tmp_path):
-    """15 validation images on 2 ranks (8 + 7): every image counted once, same numbers as 1 process."""
-    results = []
+    """15 validation images on 2 ranks (8 + 7): every image counted once, same numbers as 1 process; --predictions
+    has one row per image in the data set's order, and the per-class figures are those its rows give."""
+    import csv
+
+    results, rows = [], []
     for launcher in (None, TORCHRUN2):
         metrics = tmp_path / f"eval{len(results)}.json"
+        predictions = tmp_path / f"predictions{len(results)}.csv"
         proc = run_dlojz(
             *SMALL,
             "--data-root",
@@ -96,12 +100,33 @@ def test_eval_one_vs_two_processes_identical(trained_checkpoint, tiny_data, tmp_
             trained_checkpoint,
             "--metrics-json",
             metrics,
+            "--predictions",
+            predictions,
             "--output-dir",
-            tmp_path / "o",
+            tmp_path / f"o{len(results)}",
             launcher=launcher,
         )
         assert proc.returncode == 0, show(proc)
         results.append(read_json(metrics))
+        with open(predictions) as file:
+            rows.append(list(csv.DictReader(file)))
+    # The rows: every validation image once, in the data set's order, the same on 1 and 2 ranks.
+    images = sorted(str(p) for p in (tiny_data / "val").rglob("*.*"))
+    assert [row["image"] for row in rows[0]] == [row["image"] for row in rows[1]] == images
+    for a, b in zip(*rows):
+        assert [a[f"class_{k}"] for k in (1, 2, 3)] == [b[f"class_{k}"] for k in (1, 2, 3)]
+        assert float(a["probability_1"]) == pytest.approx(float(b["probability_1"]), abs=1e-5)
+        assert a["true_class"] == b["true_class"] == os.path.basename(os.path.dirname(a["image"]))
+        assert a["predicted_class"] == a["class_1"] and float(a["probability_1"]) >= float(a["probability_2"])
+    # per_class.csv of each run, from its confusion matrix summed on the device: the recall the rows give.
+    for run in (0, 1):
+        with open(tmp_path / f"o{run}" / "per_class.csv") as file:
+            for row in csv.DictReader(file):
+                mine = [r for r in rows[run] if r["true_class"] == row["class"]]
+                hits = sum(r["predicted_class"] == row["class"] for r in mine)
+                assert int(row["images"]) == len(mine) and float(row["recall"]) == pytest.approx(
+                    hits / len(mine), abs=1e-4
+                )
     one, two = results
     assert one["world_size"] == 1 and two["world_size"] == 2
     assert one["val_images"] == two["val_images"] == 15

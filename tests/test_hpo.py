@@ -501,6 +501,8 @@ def finished_study(tiny_data, tmp_path_factory):
             "3",
             "--pruner",
             "none",
+            "--objective",
+            "macro_f1",
             trial_flags=("--epochs", "1", "--train-subset", "0.5"),
         )
     )
@@ -523,7 +525,12 @@ def test_report_writes_plots_csv_and_a_recipe_that_dlojz_runs(finished_study, tm
     assert [float(r["lr"]) for r in rows] == [t.params["lr"] for t in study.trials]
     assert all(float(r["wall_s"]) > 0 for r in rows)
     best = study.best_trial
-    assert f"1. trial {best.number}: top-1 {best.value:.4f}" in proc.stdout, show(proc)
+    assert f"1. trial {best.number}: macro-F1 {best.value:.4f}" in proc.stdout, show(proc)
+    for trial in study.trials:  # --objective macro_f1: what the study maximised and its pruner saw
+        folder = Path(trial.user_attrs["output_dir"])
+        assert trial.value == read_json(folder / "metrics.json")["val_macro_f1"]
+        history = [json.loads(line) for line in (folder / "val_history.jsonl").read_text().splitlines()]
+        assert trial.intermediate_values == {1: history[0]["val_macro_f1"]}
     # The recipe: the best trial's flags, as dlojz.py --config reads them.
     from dlojz_lib.flags import get_args_parser
 
@@ -568,6 +575,18 @@ def test_a_study_keeps_its_shared_flags(finished_study, tiny_data, capsys):
     )
     err = capsys.readouterr().err
     assert status == 2 and "--study s already runs with other dlojz flags" in err, err
+    same_flags = search_args(
+        finished_study,
+        tiny_data,
+        "--trials",
+        "1",
+        "--objective",
+        "top1",
+        trial_flags=("--epochs", "1", "--train-subset", "0.5"),
+    )
+    status = dlojz_hpo.main([str(arg) for arg in same_flags])
+    err = capsys.readouterr().err
+    assert status == 2 and "--study s maximizes its macro_f1: --objective top1 does not match" in err, err
 
 
 # ---------------------------------------------------------------- on Slurm: a job array of workers

@@ -78,7 +78,10 @@ def fake_rows():
     """Four runs of a 2 x 2 sweep, as rows() gives them."""
     rows = []
     for k, (bs, cl) in enumerate([("4", "on"), ("4", "off"), ("8", "on"), ("8", "off")]):
-        history = [dict(elapsed_s=10.0 * (k + 1) * e, val_accuracy=0.1 * e + 0.01 * k) for e in (1, 2, 3)]
+        history = [
+            dict(elapsed_s=10.0 * (k + 1) * e, val_accuracy=0.1 * e + 0.01 * k, val_macro_f1=0.1 * e - 0.01 * k)
+            for e in (1, 2, 3)
+        ]
         rows.append(
             {
                 "sweep": "s",
@@ -93,6 +96,8 @@ def fake_rows():
                 "forward_ms": 12.0,
                 "backward_ms": 20.0 + k,
                 "history": history,
+                "val_top1": history[-1]["val_accuracy"],
+                "val_macro_f1": history[-1]["val_macro_f1"],
             }  # fmt: skip
         )
     rows.append({"sweep": "s", "run": "queued", "state": "queued", "batch-size": "16", "channels-last": "on"})
@@ -115,6 +120,12 @@ def test_the_plots_draw_every_run_s_figures():
     fig = dlojz_lib.lab.report.plot_accuracy(rows)
     assert [list(line.get_ydata()) for line in fig.axes[0].lines][3] == pytest.approx([13.0, 23.0, 33.0])
     assert len(fig.axes[0].lines) == 4  # the queued run has no history
+    # --metric macro_f1: the plot and the best run follow it (here the first run, the last by top-1).
+    fig = dlojz_lib.lab.report.plot_accuracy(rows, "macro_f1")
+    assert [list(line.get_ydata()) for line in fig.axes[0].lines][3] == pytest.approx([7.0, 17.0, 27.0])
+    assert fig.axes[0].get_ylabel() == "validation macro-F1 (%)"
+    assert dlojz_lib.lab.report.best_run(rows, "macro_f1") == "best macro-F1: batch-size=4_channels-last=on (30.0 %)"
+    assert dlojz_lib.lab.report.best_run(rows) == "best top-1: batch-size=8_channels-last=off (33.0 %)"
 
 
 @pytest.mark.parametrize(

@@ -168,3 +168,94 @@ def test_per_class_results_of_many_classes_name_each_class_s_worst_mix_up(tmp_pa
     assert (rows["c007"]["most_mistaken_for"], rows["c007"]["times"], rows["c007"]["recall"]) == ("c042", "3", "0.6250")
     assert rows["c008"]["most_mistaken_for"] == "" and rows["c042"]["precision"] == "0.6250"
     assert png_path.stat().st_size > 0
+
+
+def test_eval_ema_validates_the_checkpoint_s_ema_weights(tiny_data, tmp_path, run_inline):
+    """--eval-only --eval-ema gives the figures the training run's last validation gave its EMA; without it, its
+    model's. A checkpoint without EMA weights, or --eval-ema without --eval-only, is one line."""
+    import json
+
+    out = tmp_path / "run"
+    common = [*TINY, "--data-root", tiny_data]
+    trained = run_inline(
+        *common, "-e", "1", "--model-ema", "--model-ema-decay", "0.5", "--output-dir", out,
+        "--metrics-json", tmp_path / "trained.json",
+    )  # fmt: skip
+    assert trained.returncode == 0, trained.stderr
+    trained = json.loads((tmp_path / "trained.json").read_text())
+    assert trained["ema_val_loss"] != trained["val_loss"]
+    for flags, prefix in (([], ""), (["--eval-ema"], "ema_")):
+        metrics = tmp_path / f"eval{prefix}.json"
+        proc = run_inline(
+            *common, "--eval-only", "--resume", "auto", "--output-dir", out, "--metrics-json", metrics, *flags
+        )
+        assert proc.returncode == 0, proc.stderr
+        evaluated = json.loads(metrics.read_text())
+        assert evaluated["val_accuracy"] == trained[f"{prefix}val_accuracy"]
+        assert evaluated["val_loss"] == pytest.approx(trained[f"{prefix}val_loss"], rel=1e-5)
+        assert evaluated["eval_ema"] == bool(flags)
+    plain = tmp_path / "plain"
+    assert run_inline(*common, "-e", "1", "--output-dir", plain).returncode == 0
+    proc = run_inline(*common, "--eval-only", "--eval-ema", "--resume", "auto", "--output-dir", plain)
+    assert proc.returncode == 2 and "has no EMA weights (its run had no --model-ema)" in proc.stderr
+    proc = run_inline(*common, "--eval-ema", "--output-dir", plain)
+    assert proc.returncode == 2 and "--eval-ema goes with --eval-only --resume CHECKPOINT" in proc.stderr
+
+
+class Targets:
+    def __init__(self, targets):
+        self.targets = targets
+
+    def __len__(self):
+        return len(self.targets)
+
+
+def test_the_balanced_sampler_draws_every_class_equally_the_same_on_every_rank_and_after_a_resume():
+    from dlojz_lib.data.datasets import BalancedEpochSampler
+
+    data = Targets([0] * 40 + [1] * 12 + [2] * 3 + [3] * 5)  # 60 images, shuffled classes don't matter
+    one = BalancedEpochSampler(data, 1, 0, seed=7)
+    one.set_epoch(3)
+    drawn = [i for _, i in one]
+    assert len(drawn) == 60  # as many draws as images: the same steps per epoch
+    per_class = per_class_of([data.targets[i] for i in drawn])
+    assert sorted(per_class.values()) == [15, 15, 15, 15]
+    times = per_class_of(drawn)  # a class's images as evenly repeated as its quota allows: 3 images, 5 times each
+    assert {times[i] for i in range(52, 55)} == {5} and {times[i] for i in range(55, 60)} == {3}
+    assert sorted(times[i] for i in range(40, 52)) == [1] * 9 + [2] * 3  # 12 images for 15 draws
+    assert len([i for i in range(40) if i in times]) == 15 and {times[i] for i in range(40) if i in times} == {1}
+    # Two ranks deal out the one rank's order: every second draw each.
+    ranks = [BalancedEpochSampler(data, 2, r, seed=7) for r in (0, 1)]
+    for sampler in ranks:
+        sampler.set_epoch(3)
+    assert [i for _, i in ranks[0]] == drawn[0::2] and [i for _, i in ranks[1]] == drawn[1::2]
+    # Resumed after 10 images of the epoch: the same order goes on; another epoch draws another order.
+    one.skip = 10
+    assert [i for _, i in one] == drawn[10:]
+    one.skip = 0
+    one.set_epoch(4)
+    assert [i for _, i in one] != drawn
+
+
+def per_class_of(values):
+    counts = {}
+    for value in values:
+        counts[value] = counts.get(value, 0) + 1
+    return counts
+
+
+def test_balanced_sampler_reaches_the_training_loader_and_refuses_class_weights(tiny_data, tmp_path, run_inline):
+    folder = tmp_path / "classes"
+    shutil.copytree(tiny_data / "train", folder)
+    rare = sorted(folder.iterdir())[2]
+    for path in sorted(rare.iterdir())[6:]:  # 6 images of the third class, 24 of the others
+        path.unlink()
+    common = [*TINY, "--data-root", folder, "--val-split", "2", "-e", "1", "--test", "--test-nsteps", "1"]
+    proc = run_inline(*common, "--balanced-sampler", "--output-dir", tmp_path / "run")
+    assert proc.returncode == 0, proc.stderr
+    assert (
+        f"--balanced-sampler: 48 draws an epoch, about 16 of each of 3 classes (the rarest, {rare.name}, 4 images: "
+        "each 4 times;" in proc.stdout
+    ), proc.stdout
+    proc = run_inline(*common, "--balanced-sampler", "--class-weights", "balanced")
+    assert proc.returncode == 2 and "both would favour the rare classes twice: give one of them" in proc.stderr

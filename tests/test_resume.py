@@ -286,12 +286,52 @@ def test_resume_auto_with_nothing_to_resume(tiny_data, tmp_path, run_inline):
 
 def test_keep_checkpoints_prunes_the_oldest(tiny_data, tmp_path, run_inline):
     out = tmp_path / "run"
-    proc = run_inline(*TINY, "--data-root", tiny_data, "--output-dir", out, "-e", "4", "--keep-checkpoints", "2")
+    proc = run_inline(
+        *TINY, "--data-root", tiny_data, "--output-dir", out, "-e", "4", "--keep-checkpoints", "2",
+        "--best-metric", "none",
+    )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.count("checkpoint being written:") == 4
     names = sorted(p.name for p in out.glob("ckpt_*.pt"))
     assert names == ["ckpt_e0003_s000000027.pt", "ckpt_e0004_s000000036.pt"]
     assert (out / "latest").read_text().strip() == names[-1]
+    assert not (out / "best").exists()  # --best-metric none: no best kept
+
+
+def test_pruning_never_deletes_the_best_checkpoint_and_best_loads(tmp_path):
+    ckpt = dlojz_lib.checkpoint
+    for epoch in range(1, 5):
+        ckpt.save({"epoch": epoch}, tmp_path, ckpt.checkpoint_name(epoch, epoch * 10), keep=1, best=epoch == 2)
+    names = sorted(p.name for p in tmp_path.glob("ckpt_*.pt"))
+    assert names == ["ckpt_e0002_s000000020.pt", "ckpt_e0004_s000000040.pt"]
+    assert (tmp_path / "best").read_text().strip() == names[0]
+    assert ckpt.load(tmp_path / "best")["epoch"] == 2  # --resume DIR/best
+    ckpt.save({"epoch": 5}, tmp_path, ckpt.checkpoint_name(5, 50), keep=1, best=True)
+    assert sorted(p.name for p in tmp_path.glob("ckpt_*.pt")) == ["ckpt_e0005_s000000050.pt"]
+
+
+@pytest.mark.parametrize("metric", ["top1", "macro_f1"])
+def test_best_metric_names_the_checkpoint_of_the_best_validation_through_a_resume(
+    tiny_data, tmp_path, run_inline, metric
+):
+    import json
+
+    out, history = tmp_path / "run", tmp_path / "history.jsonl"
+    common = [*TINY, "--data-root", tiny_data, "--output-dir", out, "--keep-checkpoints", "1", "--best-metric", metric]
+    common += ["--val-history", history, "--metrics-json", tmp_path / "metrics.json", "--lr", "1.0"]
+    assert run_inline(*common, "-e", "2").returncode == 0
+    proc = run_inline(
+        *common, "-e", "3", "--resume", "auto"
+    )  # (here the first top-1 stays the best: kept through the resume and the pruning)
+    assert proc.returncode == 0, proc.stderr
+    key = {"top1": "val_accuracy", "macro_f1": "val_macro_f1"}[metric]
+    values = [json.loads(line)[key] for line in history.read_text().splitlines()]
+    best_epoch = values.index(max(values)) + 1  # the first of equals
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    assert (metrics["best_metric"], metrics["best_value"], metrics["best_epoch"]) == (metric, max(values), best_epoch)
+    best = (out / "best").read_text().strip()
+    assert best.startswith(f"ckpt_e{best_epoch:04d}_") and (out / best).is_file()
+    assert dlojz_lib.checkpoint.load(out / "best")["best_value"] == max(values)
 
 
 def test_a_checkpoint_written_before_the_restructuring_still_resumes(tiny_data, tmp_path, run_inline):

@@ -557,11 +557,49 @@ class EpochSampler(torch.utils.data.DistributedSampler):
         self.trained = self.num_samples - 1 if alone and not drop_last else self.num_samples
 
     def __iter__(self):
-        indices = list(super().__iter__())[: self.trained][self.skip :]
+        indices = self.rank_indices()[: self.trained][self.skip :]
         return iter([(self.epoch, i) for i in indices])
+
+    def rank_indices(self):
+        """This rank's share of the epoch's order: DistributedSampler's shuffle of every image once."""
+        return list(super().__iter__())
 
     def __len__(self):
         return self.trained - self.skip
+
+
+class BalancedEpochSampler(EpochSampler):
+    """--balanced-sampler: an epoch of as many draws as the data set has images (the same steps per epoch), every
+    class drawn equally often (the remainder to classes chosen at random), each class's images repeated as evenly
+    as its quota allows (random orders of the class, one after the other), the whole then shuffled. The epoch's
+    order comes from (seed, epoch) alone, the same on every rank, which takes every W-th draw as DistributedSampler
+    does: exact across ranks, and a resumed run skips what it has done as with EpochSampler."""
+
+    def __init__(self, dataset, num_replicas, rank, seed=0, drop_last=False, batch_size=None):
+        super().__init__(
+            dataset, num_replicas, rank, shuffle=True, seed=seed, drop_last=drop_last, batch_size=batch_size
+        )
+        targets = torch.as_tensor(dataset.targets)
+        self.class_ids = targets.unique().tolist()  # the classes with training images
+        self.by_class = [torch.nonzero(targets == c).flatten() for c in self.class_ids]  # their images
+
+    def epoch_draws(self):
+        """Every rank's draws of this epoch (`total_size` image indices), before they are dealt out."""
+        generator = torch.Generator()
+        generator.manual_seed(self.seed + self.epoch)
+        n_classes = len(self.by_class)
+        quota = torch.full((n_classes,), self.total_size // n_classes)
+        quota[torch.randperm(n_classes, generator=generator)[: self.total_size % n_classes]] += 1
+        drawn = []
+        for images, wanted in zip(self.by_class, quota.tolist()):
+            rounds = -(-wanted // len(images))
+            order = torch.cat([torch.randperm(len(images), generator=generator) for _ in range(rounds)])
+            drawn.append(images[order[:wanted]])
+        drawn = torch.cat(drawn)
+        return drawn[torch.randperm(len(drawn), generator=generator)].tolist()
+
+    def rank_indices(self):
+        return self.epoch_draws()[self.rank : self.total_size : self.num_replicas]
 
 
 class ShardSampler(torch.utils.data.Sampler):

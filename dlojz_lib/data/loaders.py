@@ -17,6 +17,7 @@ from dlojz_lib.data.embedded import embedded_dataset_root
 from dlojz_lib.data.datasets import (
     IMAGENET_TRAIN_IMAGES,
     IMAGENET_VAL_IMAGES,
+    BalancedEpochSampler,
     EpochSampler,
     ShardSampler,
     SyntheticLoader,
@@ -81,15 +82,21 @@ def build_loaders(cfg, train_set, val_set, num_classes, ranks, log) -> Loaders:
             f"{ranks.world_size} process(es) ({len(train_set)} in all{', --drop-last' if cfg.drop_last else ''}): "
             f"give --batch-size {per_rank} at most"
         )
-    train_sampler = EpochSampler(
-        train_set,
-        ranks.world_size,
-        ranks.rank,
-        shuffle=True,
-        seed=cfg.seed,
-        drop_last=cfg.drop_last,
-        batch_size=cfg.batch_size,
-    )
+    if cfg.balanced_sampler:
+        train_sampler = BalancedEpochSampler(
+            train_set, ranks.world_size, ranks.rank, seed=cfg.seed, drop_last=cfg.drop_last, batch_size=cfg.batch_size
+        )
+        log(balanced_sampler_line(train_sampler, train_set.classes))
+    else:
+        train_sampler = EpochSampler(
+            train_set,
+            ranks.world_size,
+            ranks.rank,
+            shuffle=True,
+            seed=cfg.seed,
+            drop_last=cfg.drop_last,
+            batch_size=cfg.batch_size,
+        )
     if cfg.fsdp and len(val_set) < ranks.world_size:
         fail(f"--fsdp: the validation set has {len(val_set)} images for {ranks.world_size} ranks: each rank needs one")
     if cfg.data_backend == "dali":
@@ -115,6 +122,22 @@ def build_loaders(cfg, train_set, val_set, num_classes, ranks, log) -> Loaders:
         len(val),
         len(val_set),
         *val_batches_per_rank(len(val_set), ranks.world_size, cfg.val_batch_size),
+    )
+
+
+def balanced_sampler_line(sampler, classes):
+    """--balanced-sampler's start-up line: the draws per class, and how often the rarest and the largest class's
+    images are seen in an epoch."""
+    sizes = [len(images) for images in sampler.by_class]
+    per_class = sampler.total_size / len(sizes)
+    rare, large = sizes.index(min(sizes)), sizes.index(max(sizes))
+
+    def seen(c):
+        return f"{classes[sampler.class_ids[c]]}, {sizes[c]} images: each {per_class / sizes[c]:.2g} times"
+
+    return (
+        f"--balanced-sampler: {sampler.total_size} draws an epoch, about {per_class:.0f} of each of {len(sizes)} "
+        f"classes (the rarest, {seen(rare)}; the largest, {seen(large)})"
     )
 
 

@@ -5,7 +5,8 @@
 - `table(rows)`: the terminal's table; `write_csv(rows, path)`: compare.csv, the same columns, one row per run;
 - plots (PNG, matplotlib's Agg backend): `plot_throughput` (img/s and peak memory against each swept flag, one line
   per combination of the other flags), `plot_phases` (each run's step as stacked bars: load, forward, backward, the
-  rest), `plot_accuracy` (validation top-1 against wall-clock time, for runs that validated more than once). Each
+  rest), `plot_accuracy` (a validation figure, top-1 or `--metric`'s, against wall-clock time, for runs that
+  validated more than once); `best_run(rows, metric)`, the line naming the best run by that figure. Each
   returns its matplotlib Figure (what the tests read back) or None when no run has the figures it draws.
 Runs that did not finish (queued, running, failed) are rows with their state and no figures.
 """
@@ -16,6 +17,8 @@ import csv
 import io
 import json
 from pathlib import Path
+
+from dlojz_lib.flags import VALIDATION_METRICS
 
 # (column, header, where in the metrics JSON: a key of the chronometer's dict, or of the metrics themselves)
 COLUMNS = [
@@ -30,11 +33,13 @@ COLUMNS = [
     ("energy_j_per_image", "J/img", ("chrono", "energy_per_image_j")),
     ("val_top1", "top-1", ("val_accuracy",)),
     ("val_top5", "top-5", ("val_top5_accuracy",)),
+    ("val_balanced_accuracy", "bal. acc.", ("val_balanced_accuracy",)),
+    ("val_macro_f1", "macro-F1", ("val_macro_f1",)),
     ("time_to_target_s", "to target s", ("time_to_target_s",)),
 ]
 FIGURES = [column for column, *_ in COLUMNS]
 SCALE = {"step_ms": 1e3, "load_ms": 1e3, "forward_ms": 1e3, "backward_ms": 1e3, "peak_memory_gib": 2**-30}
-PERCENT = {"load_share", "mfu", "val_top1", "val_top5"}
+PERCENT = {"load_share", "mfu", "val_top1", "val_top5", "val_balanced_accuracy", "val_macro_f1"}
 
 
 def _lookup(metrics: dict, path: tuple):
@@ -208,22 +213,24 @@ def plot_phases(rows_: list[dict]):
     return fig
 
 
-def plot_accuracy(rows_: list[dict]):
-    """Validation top-1 against wall-clock time, for the runs that validated at least twice (they trained)."""
-    trained = [row for row in rows_ if len(row.get("history") or []) >= 2]
+def plot_accuracy(rows_: list[dict], metric: str = "top1"):
+    """Validation top-1 (or another of METRICS) against wall-clock time, for the runs that validated at least
+    twice (they trained)."""
+    key, name = VALIDATION_METRICS[metric]
+    trained = [row for row in rows_ if sum(key in point for point in row.get("history") or []) >= 2]
     if not trained:
         return None
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6.5, 4.5))
     for row in trained:
         ax.plot(
-            [point["elapsed_s"] for point in row["history"]],
-            [100 * point["val_accuracy"] for point in row["history"]],
+            [point["elapsed_s"] for point in row["history"] if key in point],
+            [100 * point[key] for point in row["history"] if key in point],
             marker="o",
             label=row["run"],
         )
     ax.set_xlabel("wall-clock time (s)")
-    ax.set_ylabel("validation top-1 (%)")
+    ax.set_ylabel(f"validation {name} (%)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     fig.tight_layout()
@@ -241,15 +248,29 @@ def png(fig) -> bytes:
 PLOTS = (("throughput_memory.png", plot_throughput), ("phases.png", plot_phases), ("accuracy.png", plot_accuracy))
 
 
-def compare(sweeps, out: Path) -> int:
-    """Print the table, write compare.csv and the plots into `out`; 0 when at least one run has figures."""
+def best_run(rows_: list[dict], metric: str = "top1") -> str | None:
+    """The line naming the run with the best last validation by `metric` (the first of equals), or None."""
+    column = next(column for column, _, *paths in COLUMNS if paths == [(VALIDATION_METRICS[metric][0],)])
+    name = VALIDATION_METRICS[metric][1]
+    scored = [row for row in rows_ if row.get(column) is not None]
+    if not scored:
+        return None
+    best = max(scored, key=lambda row: row[column])
+    return f"best {name}: {best['run']} ({100 * best[column]:.1f} %)"
+
+
+def compare(sweeps, out: Path, metric: str = "top1") -> int:
+    """Print the table and the best run by `metric`, write compare.csv and the plots into `out`; 0 when at least
+    one run has figures."""
     rows_ = rows(sweeps)
     print(table(rows_))
+    if line := best_run(rows_, metric):
+        print(line)
     out.mkdir(parents=True, exist_ok=True)
     write_csv(rows_, out / "compare.csv")
     written = [str(out / "compare.csv")]
     for name, plot in PLOTS:
-        fig = plot(rows_)
+        fig = plot(rows_, metric) if plot is plot_accuracy else plot(rows_)
         if fig is not None:
             fig.savefig(out / name, dpi=110)
             _pyplot().close(fig)
