@@ -259,3 +259,29 @@ def test_balanced_sampler_reaches_the_training_loader_and_refuses_class_weights(
     ), proc.stdout
     proc = run_inline(*common, "--balanced-sampler", "--class-weights", "balanced")
     assert proc.returncode == 2 and "both would favour the rare classes twice: give one of them" in proc.stderr
+
+
+def test_two_ranks_split_as_one_and_draw_balanced_epochs(tiny_data, tmp_path):
+    """--val-split on 2 ranks lists the images one process chooses, and both validate them once between them;
+    --balanced-sampler's epoch trains on both."""
+    import json
+    import os
+
+    from conftest import run_dlojz, show
+
+    folder = tmp_path / "classes"
+    shutil.copytree(tiny_data / "train", folder)
+    for path in sorted(sorted(folder.iterdir())[1].iterdir())[10:]:  # 10 images of the second class
+        path.unlink()
+    out, metrics = tmp_path / "run", tmp_path / "metrics.json"
+    proc = run_dlojz(
+        *TINY, "--data-root", folder, "--val-split", "0.25", "--balanced-sampler", "-e", "1", "--output-dir", out,
+        "--metrics-json", metrics, ranks=2,
+    )  # fmt: skip
+    assert proc.returncode == 0, show(proc)
+    _, val, _, _ = split(folder, 0.25)
+    expected = [os.path.relpath(path, folder) for path, _ in val.samples]
+    assert (out / "val_split.txt").read_text().splitlines() == expected
+    result = json.loads(metrics.read_text())
+    assert result["world_size"] == 2 and result["val_images"] == len(expected) == 14
+    assert proc.stdout.count("--balanced-sampler: 44 draws an epoch, about 15 of each of 3 classes") == 1, show(proc)
