@@ -417,7 +417,7 @@ def train_one_epoch(
                 training.scaler.step(training.optimizer)  # skipped by the float16 scaler when gradients overflowed
                 training.scaler.update()
                 training.optimizer.zero_grad(set_to_none=True)
-                if model.ema is not None:
+                if model.ema is not None and model.ema.due(state.global_step + 1):
                     model.ema.update_parameters(model.module)
         state.batch += 1
         progress.micro_steps += 1

@@ -48,6 +48,7 @@ def consolidate(source, target):
         momentum=args["mom"],
         weight_decay=args["wd"],
         fused=True,
+        nesterov=args.get("nesterov", False),
     )
     # Everything the checkpoint holds, the schedule's entries in the optimizer's param_groups too (loading into
     # placeholders would keep only the keys a fresh optimizer has).

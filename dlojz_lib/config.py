@@ -16,7 +16,7 @@ from datetime import datetime
 from pathlib import Path
 
 from dlojz_lib.checks import fail
-from dlojz_lib.flags import CUDA_GRAPH_MODES, FUSED, check_data_variable, check_flags, get_args_parser
+from dlojz_lib.flags import CUDA_GRAPH_MODES, FROM_TIMM, FUSED, check_data_variable, check_flags, get_args_parser
 from dlojz_lib.recipe import read_recipe
 
 # GPU defaults are the course's; without a GPU the CPU profile keeps `--test` to a few minutes on a laptop, with the
@@ -53,6 +53,10 @@ class Config:
     wd: float
     mom: float
     label_smoothing: float
+    bce_loss: bool  # the training loss: timm's binary cross-entropy
+    bce_target_thresh: float | None
+    deterministic: bool  # torch.use_deterministic_algorithms
+    ra_reps: int | None  # repeated augmentation's copies of an image
     balanced_sampler: bool  # every class drawn equally often in a training epoch
     class_weights: str | None  # "balanced": the training loss weighs classes by inverse frequency
     arch: str
@@ -69,10 +73,17 @@ class Config:
     # optimizer and schedule
     optimizer: str
     no_wd_norm_bias: bool
+    nesterov: bool  # sgd's Nesterov momentum
     lr_scheduler: str
     warmup_epochs: float
     lr_peak_epoch: float
     lr_poly_power: float
+    warmup_start_factor: float | None  # None: 0 (the schedule's own where it has one)
+    warmup_method: str | None  # None: linear
+    min_lr: float | None  # None: 0
+    lr_step_size: int | None  # step: epochs between milestones
+    lr_milestones: list | None  # step: the milestones' epochs
+    lr_gamma: float | None  # None: 0.1
     findlr: bool
     # memory and speed
     grad_acc: int
@@ -82,9 +93,13 @@ class Config:
     sync_bn: bool
     model_ema: bool
     model_ema_decay: float
+    model_ema_steps: int | None  # None: every optimizer step
+    model_ema_warmup: bool
     # augmentation
     randaugment: tuple | None
     trivialaugment: bool
+    autoaugment: str | None  # AutoAugment's policy: imagenet, cifar10, svhn
+    augmix: int | None  # AugMix's severity
     random_erase: float
     mixup_alpha: float
     cutmix_alpha: float
@@ -424,7 +439,7 @@ def check(cfg: Config):
     check_arch(cfg.arch)  # before the data is scanned
     sizes = (cfg.image_size, cfg.val_crop_size, cfg.min_res, cfg.max_res)
     check_input_sizes(cfg.arch, cfg.zero_init_residual, [size for size in sizes if size], cfg.drop_path)
-    if cfg.optimizer not in FUSED:  # timm's; timm is imported only for them
+    if cfg.optimizer in FROM_TIMM:  # timm is imported only for them
         try:
             import timm.optim  # noqa: F401
         except ImportError as err:

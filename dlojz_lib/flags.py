@@ -13,8 +13,9 @@ from dlojz_lib.recipe import read_recipe
 
 
 # The accepted values of --optimizer and --lr-scheduler (dlojz_lib.optim builds them; here for the command line).
-OPTIMIZERS = ("sgd", "adamw", "lamb", "lars", "lion")
+OPTIMIZERS = ("sgd", "adamw", "rmsprop", "lamb", "lars", "lion")
 FUSED = ("sgd", "adamw")  # with a fused step in torch (build_optimizer's fused=True)
+FROM_TIMM = ("lamb", "lars", "lion")  # timm's optimizers; the others are torch's
 SCHEDULERS = ("onecycle", "cosine", "step", "constant", "linear", "poly")
 # The validation figures a run's best checkpoint, a study's objective and the lab's best run are chosen by:
 # the name a flag takes -> (its key in the metrics JSON and --val-history, its name in a sentence).
@@ -137,11 +138,32 @@ def get_args_parser():
         help="label smoothing of the loss (default: 0.1)",
     )
     p.add_argument(
+        "--bce-loss",
+        action="store_true",
+        help='training loss: binary cross-entropy per class (timm\'s, as in "ResNet strikes back"), with\n'
+        "--label-smoothing and MixUp/CutMix targets as timm gives them; validation's loss stays cross-entropy",
+    )
+    p.add_argument(
+        "--bce-target-thresh",
+        type=Number(float, 0, 1, high_open=True),
+        default=None,
+        metavar="T",
+        help="--bce-loss: targets above T become 1, the others 0 (timm's --bce-target-thresh)",
+    )
+    p.add_argument(
         "--class-weights",
         choices=("balanced",),
         default=None,
         help="balanced: the training loss weighs each class by the inverse of its share of the training images\n"
         "(images / (classes x its images), as scikit-learn's); validation's loss stays unweighted",
+    )
+    p.add_argument(
+        "--ra-reps",
+        type=Number(int, 2, 16),
+        default=None,
+        metavar="N",
+        help="repeated augmentation: each epoch shows 1/N of the images N times, each copy augmented on its own\n"
+        "and on another rank (torchvision's --ra-sampler --ra-reps; the same steps per epoch)",
     )
     p.add_argument(
         "--balanced-sampler",
@@ -155,6 +177,12 @@ def get_args_parser():
         help="any torchvision classification model name, or timm:NAME\nfor any timm model (default: resnet50)",
     )
     p.add_argument("--seed", type=Number(int, 0, 2**32 - 1), default=123, help="random seed (default: 123)")
+    p.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="deterministic kernels only (torch.use_deterministic_algorithms, cuDNN autotuning off): the same\n"
+        "weights from the same run on the same machine and software, with slower kernels",
+    )
     p.add_argument(
         "--blurpool",
         action="store_true",
@@ -226,6 +254,7 @@ def get_args_parser():
     p = parser.add_argument_group("optimizer and schedule (dlojz_lib/optim.py)")
     p.add_argument("--optimizer", default="sgd", choices=OPTIMIZERS, help="momentum/beta1 from --mom (default: sgd)")
     p.add_argument("--no-wd-norm-bias", action="store_true", help="no weight decay on norm layers and biases")
+    p.add_argument("--nesterov", action="store_true", help="sgd: Nesterov momentum (torchvision's --opt sgd_nesterov)")
     p.add_argument(
         "--lr-scheduler",
         default="onecycle",
@@ -237,6 +266,46 @@ def get_args_parser():
         type=NON_NEGATIVE,
         default=0.0,
         help="linear warm-up for cosine/step/constant/poly (default: 0)",
+    )
+    p.add_argument(
+        "--warmup-start-factor",
+        type=Number(float, 0, 1, high_open=True),
+        default=None,
+        metavar="F",
+        help="the warm-up starts at F x --lr (torchvision's --lr-warmup-decay; default: 0)",
+    )
+    p.add_argument(
+        "--warmup-method",
+        choices=("linear", "constant"),
+        default=None,
+        help="linear: from --warmup-start-factor to 1 (default); constant: at it throughout the warm-up",
+    )
+    p.add_argument(
+        "--min-lr",
+        type=NON_NEGATIVE,
+        default=None,
+        help="cosine, linear, poly: the LR they decay to instead of 0 (torchvision's --lr-min, timm's --min-lr)",
+    )
+    p.add_argument(
+        "--lr-step-size",
+        type=COUNT,
+        default=None,
+        metavar="EPOCHS",
+        help="step: multiply the LR by --lr-gamma every EPOCHS epochs (torchvision's StepLR)",
+    )
+    p.add_argument(
+        "--lr-milestones",
+        type=POSITIVE,
+        nargs="+",
+        default=None,
+        metavar="EPOCH",
+        help="step: multiply the LR by --lr-gamma at these epochs (MultiStepLR; default: 30, 60, 90 %% of the run)",
+    )
+    p.add_argument(
+        "--lr-gamma",
+        type=Number(float, 0, 1, low_open=True),
+        default=None,
+        help="step: the factor of each milestone (default: 0.1)",
     )
     p.add_argument(
         "--lr-peak-epoch", type=NON_NEGATIVE, default=2.0, help="linear: epoch of the peak, as FFCV's (default: 2)"
@@ -285,7 +354,19 @@ def get_args_parser():
         "--model-ema-decay",
         type=Number(float, 0, 1, low_open=True, high_open=True),
         default=0.9998,
-        help="EMA decay per optimizer step (default: 0.9998)",
+        help="EMA decay per update (default: 0.9998)",
+    )
+    p.add_argument(
+        "--model-ema-steps",
+        type=COUNT,
+        default=None,
+        metavar="N",
+        help="update the EMA every N optimizer steps (torchvision's --model-ema-steps; default: 1)",
+    )
+    p.add_argument(
+        "--model-ema-warmup",
+        action="store_true",
+        help="the EMA's decay grows as min(decay, (1 + u) / (10 + u)) over its first updates u (timm's)",
     )
 
     p = parser.add_argument_group("augmentation")
@@ -298,6 +379,20 @@ def get_args_parser():
         help="RandAugment with N ops of magnitude M",
     )
     p.add_argument("--trivialaugment", action="store_true", help="TrivialAugmentWide")
+    p.add_argument(
+        "--autoaugment",
+        choices=("imagenet", "cifar10", "svhn"),
+        default=None,
+        metavar="POLICY",
+        help="AutoAugment with the policy learnt on imagenet, cifar10 or svhn (torchvision's --auto-augment)",
+    )
+    p.add_argument(
+        "--augmix",
+        type=Number(int, 1, 10),
+        default=None,
+        metavar="SEVERITY",
+        help="AugMix at this severity, 1-10 (torchvision's --auto-augment augmix: 3)",
+    )
     p.add_argument(
         "--random-erase",
         type=Number(float, 0, 1),
@@ -669,6 +764,10 @@ def check_flags(values):
             fail(
                 f"--{flag.replace('_', '-')} balances the data's classes: --synthetic has none (leave one of them out)"
             )
+    if values["ra_reps"] and values["balanced_sampler"]:
+        fail("--ra-reps and --balanced-sampler each choose the epoch's images: give one of them")
+    if values["ra_reps"] and values["synthetic"]:
+        fail("--ra-reps repeats the data's images: --synthetic has none (leave one of them out)")
     if values["class_weights"] and values["balanced_sampler"]:
         fail(
             "--class-weights balanced and --balanced-sampler each make up for the imbalance; both would favour "
@@ -687,6 +786,28 @@ def check_flags(values):
             )
         if values["findlr"]:
             fail("--findlr sweeps the learning rate of every layer: leave out --freeze-backbone-epochs")
+    check_schedule(values)
+    policies = [
+        flag
+        for flag, on in (
+            ("--randaugment", values["randaugment"]),
+            ("--trivialaugment", values["trivialaugment"]),
+            ("--autoaugment", values["autoaugment"] is not None),
+            ("--augmix", values["augmix"] is not None),
+        )
+        if on
+    ]
+    if len(policies) > 1:
+        fail(f"{' and '.join(policies)}: one augmentation policy at a time (as torchvision's --auto-augment): give one")
+    for flag in ("model_ema_steps", "model_ema_warmup"):
+        if values[flag] and not values["model_ema"]:
+            fail(f"--{flag.replace('_', '-')} sets how --model-ema averages: add --model-ema")
+    if values["bce_target_thresh"] is not None and not values["bce_loss"]:
+        fail("--bce-target-thresh binarises --bce-loss's targets: add --bce-loss")
+    if values["nesterov"] and values["optimizer"] != "sgd":
+        fail(f"--nesterov is SGD's Nesterov momentum: --optimizer {values['optimizer']} has none; drop it")
+    if values["nesterov"] and values["mom"] == 0:
+        fail("--nesterov needs a momentum: --mom 0 has none")
     if values["start_over"] and values["resume"]:
         fail("--start-over trains from scratch, --resume continues a run: give one of them")
     if values["resume"] == "auto" and values["output_dir"] is None and not os.environ.get("SLURM_JOB_ID"):
@@ -712,6 +833,9 @@ def check_flags(values):
                 ("--min-res", values["min_res"] is not None),
                 ("--randaugment", values["randaugment"]),
                 ("--trivialaugment", values["trivialaugment"]),
+                ("--autoaugment", values["autoaugment"] is not None),
+                ("--augmix", values["augmix"] is not None),
+                ("--ra-reps", values["ra_reps"] is not None),
                 ("--random-erase", values["random_erase"] > 0),
             )
             if on
@@ -748,6 +872,39 @@ def check_flags(values):
         fail("--predictions names each image's file: --synthetic has none (leave one of them out)")
     if values["eval_only"] and not values["resume"]:
         fail("--eval-only needs --resume CHECKPOINT (or --resume auto with --output-dir)")
+
+
+def check_schedule(values):
+    """The schedule's flags that the chosen --lr-scheduler would not use: refused rather than ignored."""
+    scheduler = values["lr_scheduler"]
+    used_by = dict(
+        warmup_start_factor=("cosine", "step", "constant", "linear", "poly"),
+        warmup_method=("cosine", "step", "constant", "linear", "poly"),
+        min_lr=("cosine", "linear", "poly"),
+        lr_step_size=("step",),
+        lr_milestones=("step",),
+        lr_gamma=("step",),
+    )
+    for name, schedulers in used_by.items():
+        if values[name] is not None and scheduler not in schedulers:
+            fail(
+                f"--{name.replace('_', '-')} sets --lr-scheduler {' or '.join(schedulers)}, not {scheduler}"
+                + (" (its own warm-up starts at lr/25)" if scheduler == "onecycle" and "warmup" in name else "")
+                + ": give one of them with --lr-scheduler, or drop it"
+            )
+    warmup_given = [
+        f"--{n.replace('_', '-')}" for n in ("warmup_start_factor", "warmup_method") if values[n] is not None
+    ]
+    if warmup_given and scheduler != "linear" and values["warmup_epochs"] == 0:
+        fail(f"{' and '.join(warmup_given)} shape the warm-up: give its length with --warmup-epochs")
+    if values["lr_step_size"] is not None and values["lr_milestones"] is not None:
+        fail("--lr-step-size and --lr-milestones both place the LR's steps: give one of them")
+    milestones = values["lr_milestones"] or []
+    if milestones and (milestones != sorted(set(milestones)) or milestones[-1] >= values["epochs"]):
+        fail(
+            f"--lr-milestones {' '.join(f'{m:g}' for m in milestones)}: give increasing epochs before the end "
+            f"(--epochs {values['epochs']})"
+        )
 
 
 def check_data_variable(values):

@@ -279,24 +279,31 @@ def apply_blurpool(model, min_channels=16):
 
 # ---------------------------------------------------------------------- exponential moving average
 class ModelEma(torch.optim.swa_utils.AveragedModel):
-    """The exponential moving average of `model`'s weights and buffers, `decay` per update. The update count is
-    kept in Python (`updates`) so that no update waits for the device; `n_averaged` stays in the state dict, as
-    AveragedModel writes it, so that checkpoints of either load into the other."""
+    """The exponential moving average of `model`'s weights and buffers, `decay` per update, updated at every
+    `every`-th optimizer step (`due(step)`); with `warmup`, the decay of update u is min(decay, (1 + u) / (10 + u)),
+    timm's, so that the first updates do not keep the random start. The update count is kept in Python
+    (`updates`) so that no update waits for the device; `n_averaged` stays in the state dict, as AveragedModel
+    writes it, so that checkpoints of either load into the other."""
 
-    def __init__(self, model, decay):
+    def __init__(self, model, decay, every=1, warmup=False):
         super().__init__(model, use_buffers=True)
-        self.decay = decay
+        self.decay, self.every, self.warmup = decay, every, warmup
         self.updates = 0
+
+    def due(self, step):
+        """Whether optimizer step `step` (counted from 1) updates the average."""
+        return step % self.every == 0
 
     @torch.no_grad()
     def update_parameters(self, model):
         averaged = [*self.module.parameters(), *self.module.buffers()]
         current = [t.detach() for t in (*model.parameters(), *model.buffers())]
         floating = [(a, c) for a, c in zip(averaged, current) if a.is_floating_point()]
+        decay = min(self.decay, (1 + self.updates) / (10 + self.updates)) if self.warmup else self.decay
         if self.updates == 0:  # the first update copies, as AveragedModel does
             torch._foreach_copy_([a for a, _ in floating], [c for _, c in floating])
         else:
-            torch._foreach_lerp_([a for a, _ in floating], [c for _, c in floating], 1.0 - self.decay)
+            torch._foreach_lerp_([a for a, _ in floating], [c for _, c in floating], 1.0 - decay)
         for a, c in zip(averaged, current):
             if not a.is_floating_point():  # BatchNorm's num_batches_tracked: the model's count
                 a.copy_(c)

@@ -161,23 +161,29 @@ def layer_depths(model: nn.Module, head: str | None) -> dict[str, int]:
 
 
 def build_optimizer(
-    name: str, params, lr: float, momentum: float, weight_decay: float, fused: bool = False
+    name: str, params, lr: float, momentum: float, weight_decay: float, fused: bool = False, nesterov: bool = False
 ) -> torch.optim.Optimizer:
     """Build the optimizer ``name`` (one of ``OPTIMIZERS``) over ``params`` (parameters or param groups).
 
     ``momentum`` (``--mom``) is SGD/LARS momentum or the first beta of AdamW/LAMB/Lion. ``weight_decay`` is the
     default for groups that do not set their own. LAMB keeps timm's defaults (global gradient-norm clipping at
     1.0), as does LARS (trust coefficient 1e-3: its LR is much larger than SGD's). Both adapt the step layer-wise
-    only for groups with weight decay, unless ``weight_decay`` is 0, when every layer is adapted.
+    only for groups with weight decay, unless ``weight_decay`` is 0, when every layer is adapted. RMSprop is
+    torchvision's (TensorFlow's constants: smoothing 0.9, eps 0.0316, its MobileNet recipes'), ``momentum`` its
+    momentum. ``nesterov``: SGD's Nesterov momentum.
     """
     if name not in OPTIMIZERS:
         raise ValueError(f"--optimizer {name!r} is unknown: choose one of {', '.join(OPTIMIZERS)}")
     check_hyperparameters(lr, momentum, weight_decay)
+    if nesterov and name != "sgd":
+        raise ValueError(f"--nesterov is SGD's: --optimizer {name} has no Nesterov momentum")
+    if name == "rmsprop":
+        return torch.optim.RMSprop(params, lr=lr, alpha=0.9, eps=0.0316, momentum=momentum, weight_decay=weight_decay)
 
     if name in ("sgd", "adamw"):
         params = list(params)  # read twice when the fused step is refused
         cls, options = (
-            (torch.optim.SGD, dict(momentum=momentum))
+            (torch.optim.SGD, dict(momentum=momentum, nesterov=nesterov))
             if name == "sgd"
             else (torch.optim.AdamW, dict(betas=(momentum, 0.999)))
         )
@@ -230,9 +236,13 @@ def fast_forward(scheduler: torch.optim.lr_scheduler.LRScheduler, step: int) -> 
         scheduler.step()
 
 
-def _warmup_factor(step: int, warmup_steps: int) -> float:
-    """Linear warmup from 0 (step 0) towards 1 (reached at step ``warmup_steps``)."""
-    return step / warmup_steps
+def _warmup_factor(step: int, warmup_steps: int, start: float = 0.0, method: str = "linear") -> float:
+    """The warm-up's factor of the peak LR at ``step`` < ``warmup_steps``: ``linear`` from ``start`` (step 0)
+    towards 1 (reached at step ``warmup_steps``), ``constant`` at ``start`` throughout (torchvision's
+    --lr-warmup-method and --lr-warmup-decay)."""
+    if method == "constant":
+        return start
+    return start + (1.0 - start) * step / warmup_steps
 
 
 def build_scheduler(
@@ -244,6 +254,9 @@ def build_scheduler(
     step_milestones=None,
     gamma: float = 0.1,
     poly_power: float = 2.0,
+    warmup_start: float = 0.0,
+    warmup_method: str = "linear",
+    min_lr: float = 0.0,
 ) -> torch.optim.lr_scheduler.LRScheduler:
     """Build the LR schedule ``name`` (one of ``SCHEDULERS``), stepped once per optimizer step.
 
@@ -254,11 +267,15 @@ def build_scheduler(
       30 % warmup from lr/25, cosine annealing, momentum cycled 0.95 -> 0.85 -> 0.95); ``warmup_steps`` is ignored.
     - ``cosine``: ``lr*s/W`` for ``s < W``, then ``lr*(1+cos(pi*(s-W)/(T-W)))/2`` (reaches 0 at ``s = T``).
     - ``step``: ``lr*s/W`` for ``s < W``, then ``lr*gamma**k`` with ``k`` the number of milestones <= ``s``;
-      milestones default to 30, 60 and 90 % of ``T`` (in optimizer steps).
+      milestones (optimizer steps) default to 30, 60 and 90 % of ``T``.
     - ``constant``: ``lr*s/W`` for ``s < W``, then ``lr``.
     - ``linear``: FFCV's triangle: ``lr*s/W`` for ``s < W`` (``W`` from ``--lr-peak-epoch``), then linear down to 0
       at ``s = T``.
     - ``poly``: MLPerf's polynomial decay: ``lr*s/W`` for ``s < W``, then ``lr*(1-(s-W)/(T-W))**poly_power``.
+
+    The warm-up (``lr*s/W`` above) starts from ``warmup_start*lr`` instead of 0 when given, and with
+    ``warmup_method="constant"`` stays there until ``W``. ``min_lr`` (absolute, scaled like each group's LR) is the
+    floor cosine, linear and poly decay to: ``min_lr + (lr - min_lr) * factor``.
 
     The warmup schedules are one ``LambdaLR`` each: an exact closed formula per step, and unlike ``SequentialLR``
     + ``LinearLR`` it can start the warmup from 0 and has no milestone hand-over to get wrong.
@@ -280,14 +297,21 @@ def build_scheduler(
         group["lr"] = lr * group.get("lr_scale", 1.0)
         group.pop("initial_lr", None)
 
+    if not 0 <= min_lr < lr:
+        raise ValueError(f"--min-lr {min_lr:g} must be below the peak --lr {lr:g}")
+    floor = min_lr / lr
+
+    def warmup(step: int) -> float:
+        return _warmup_factor(step, warmup_steps, warmup_start, warmup_method)
+
     if name == "cosine":
         decay_steps = total_steps - warmup_steps
 
         def factor(step: int) -> float:
             if step < warmup_steps:
-                return _warmup_factor(step, warmup_steps)
+                return warmup(step)
             progress = min(step - warmup_steps, decay_steps) / decay_steps
-            return 0.5 * (1.0 + math.cos(math.pi * progress))
+            return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
     elif name == "step":
         if step_milestones is None:
@@ -296,7 +320,7 @@ def build_scheduler(
 
         def factor(step: int) -> float:
             if step < warmup_steps:
-                return _warmup_factor(step, warmup_steps)
+                return warmup(step)
             return gamma ** sum(step >= milestone for milestone in milestones)
 
     elif name in ("linear", "poly"):
@@ -305,13 +329,13 @@ def build_scheduler(
 
         def factor(step: int) -> float:
             if step < warmup_steps:
-                return _warmup_factor(step, warmup_steps)
-            return (1.0 - min(step - warmup_steps, decay_steps) / decay_steps) ** power
+                return warmup(step)
+            return floor + (1.0 - floor) * (1.0 - min(step - warmup_steps, decay_steps) / decay_steps) ** power
 
     else:  # constant
 
         def factor(step: int) -> float:
-            return _warmup_factor(step, warmup_steps) if step < warmup_steps else 1.0
+            return warmup(step) if step < warmup_steps else 1.0
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
@@ -526,6 +550,34 @@ def freeze_backbone(optimizer, scheduler, frozen_steps: int):
     return optimizer.register_step_pre_hook(drop_backbone_gradients)
 
 
+def step_milestones(cfg, steps_per_epoch: int):
+    """--lr-scheduler step's milestones in optimizer steps: every --lr-step-size epochs (torchvision's StepLR), at
+    --lr-milestones' epochs (MultiStepLR), else None (30, 60 and 90 % of the run)."""
+    if cfg.lr_milestones:
+        return [round(epoch * steps_per_epoch) for epoch in cfg.lr_milestones]
+    if cfg.lr_step_size:
+        return [round(epoch * steps_per_epoch) for epoch in range(cfg.lr_step_size, cfg.epochs, cfg.lr_step_size)]
+    return None
+
+
+class BinaryCrossEntropy(nn.Module):
+    """--bce-loss: timm's BinaryCrossEntropy (one sigmoid per class, as "ResNet strikes back" trains), whose
+    smoothing applies to class indices; MixUp/CutMix's soft labels are smoothed here as timm's Mixup smooths its
+    targets (mixing smoothed one-hots is smoothing the mix: target x (1 - s) + s / classes)."""
+
+    def __init__(self, smoothing: float, target_threshold: float | None, weight: torch.Tensor | None):
+        super().__init__()
+        from timm.loss import BinaryCrossEntropy as TimmBinaryCrossEntropy
+
+        self.smoothing = smoothing
+        self.loss = TimmBinaryCrossEntropy(smoothing=smoothing, target_threshold=target_threshold, weight=weight)
+
+    def forward(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        if targets.shape == logits.shape and self.smoothing:
+            targets = targets * (1.0 - self.smoothing) + self.smoothing / logits.shape[-1]
+        return self.loss(logits, targets)
+
+
 def balanced_class_weights(class_counts) -> torch.Tensor:
     """--class-weights balanced: images / (classes x images of the class), as scikit-learn's "balanced" (a class
     with no training image gets 0: it has nothing to weigh)."""
@@ -550,8 +602,15 @@ def build_training(cfg, model, n_train_batches, num_classes, ranks, log, class_c
             f"{weight.max():.3g} (the smallest)"
         )
         weight = weight.to(ranks.device)
-    # (it also takes MixUp's soft labels, the weight applied to each class's share)
-    criterion = torch.nn.CrossEntropyLoss(weight=weight, label_smoothing=cfg.label_smoothing)
+    if cfg.bce_loss:
+        criterion = BinaryCrossEntropy(cfg.label_smoothing, cfg.bce_target_thresh, weight)
+        log(
+            f"loss: binary cross-entropy per class (label smoothing {cfg.label_smoothing}"
+            + (f", targets above {cfg.bce_target_thresh} as 1" if cfg.bce_target_thresh is not None else "")
+            + "); validation's loss: cross-entropy"
+        )
+    else:  # (it also takes MixUp's soft labels, the weight applied to each class's share)
+        criterion = torch.nn.CrossEntropyLoss(weight=weight, label_smoothing=cfg.label_smoothing)
     val_criterion = torch.nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing, reduction="sum")
     # Fused steps (sgd, adamw): no host synchronisation with the float16 GradScaler (see dlojz_lib.optim); FSDP's
     # sharded parameters have no fused SGD (its foreach step is used, and bfloat16 needs no scaler).
@@ -565,10 +624,12 @@ def build_training(cfg, model, n_train_batches, num_classes, ranks, log, class_c
         momentum=cfg.mom,
         weight_decay=cfg.wd,
         fused=fused,
+        nesterov=cfg.nesterov,
     )
     fused = optimizer.defaults.get("fused")
     log(
-        f"optimizer: {cfg.optimizer}{' (fused step)' if fused else ''} (lr {cfg.lr}, momentum {cfg.mom}, weight decay {cfg.wd}"
+        f"optimizer: {cfg.optimizer}{' (fused step)' if fused else ''} (lr {cfg.lr}, "
+        f"{'Nesterov ' if cfg.nesterov else ''}momentum {cfg.mom}, weight decay {cfg.wd}"
         f"{', none on norms and biases' if cfg.no_wd_norm_bias else ''}); {lr_scaling_line(cfg.lr, step_images)}"
     )
     if cfg.layer_decay is not None:
@@ -596,6 +657,11 @@ def build_training(cfg, model, n_train_batches, num_classes, ranks, log, class_c
                 total_steps,
                 warmup_steps=round(warmup_epochs * steps_per_epoch),
                 poly_power=cfg.lr_poly_power,
+                step_milestones=step_milestones(cfg, steps_per_epoch),
+                gamma=0.1 if cfg.lr_gamma is None else cfg.lr_gamma,
+                warmup_start=cfg.warmup_start_factor or 0.0,
+                warmup_method=cfg.warmup_method or "linear",
+                min_lr=cfg.min_lr or 0.0,
             )
     except ValueError as err:
         fail(str(err))

@@ -63,7 +63,7 @@ def build_model(cfg, num_classes, ranks, log) -> Model:
     log(f"model: {cfg.arch}, {sum(p.numel() for p in module.parameters()):,} parameters")
     ema = None
     if cfg.model_ema:
-        ema = ModelEma(module, cfg.model_ema_decay)
+        ema = ModelEma(module, cfg.model_ema_decay, cfg.model_ema_steps or 1, cfg.model_ema_warmup)
     net, parallel, unsharded = module, "none", module
     if cfg.fsdp:
         from dlojz_lib.fsdp import shard_model

@@ -247,3 +247,27 @@ def test_loader_timing_starts_after_the_batches_prefetched_at_start_up():
 
     metrics = measure_loader(Loader(), Sampler(), nsteps=8, num_workers=3, log=lambda line: None)
     assert metrics["loader_images_per_second_per_process"] <= 4 / 0.02, metrics
+
+
+def test_repeated_augmentation_deals_each_image_s_copies_to_different_ranks_and_augments_each(tiny_data):
+    """--ra-reps 3 on 3 ranks: an image's 3 copies go to the 3 ranks at the same position (the same step), with 3
+    different augmentations; each rank has EpochSampler's number of samples; a resume goes on at the same draw."""
+    from dlojz_lib.data.datasets import EpochSampler, RepeatedAugmentationSampler, build_datasets
+    from dlojz_lib.data.transforms import TrainTransform, ValTransform
+
+    train_set = build_datasets(tiny_data, TrainTransform(16), ValTransform(18, 16), seed=5)[0]  # 72 images
+    ranks = [RepeatedAugmentationSampler(train_set, 3, r, reps=3, seed=5) for r in range(3)]
+    for sampler in ranks:
+        sampler.set_epoch(2)
+    drawn = [list(sampler) for sampler in ranks]
+    assert [len(d) for d in drawn] == [len(EpochSampler(train_set, 3, r, seed=5)) for r in range(3)] == [24] * 3
+    for position in range(24):
+        keys = [drawn[r][position] for r in range(3)]
+        assert len({index for _, index, _ in keys}) == 1 and sorted(copy for _, _, copy in keys) == [0, 1, 2]
+    assert len({index for _, index, _ in drawn[0]}) == 24  # an epoch: a third of the 72 images, 3 times each
+    epoch, index, _ = drawn[0][0]
+    crops = [train_set[(epoch, index, copy)][0] for copy in range(3)]
+    assert not torch.equal(crops[0], crops[1]) and not torch.equal(crops[1], crops[2])
+    assert torch.equal(crops[0], train_set[(epoch, index)][0])  # copy 0: the augmentation without --ra-reps
+    ranks[1].skip = 5
+    assert list(ranks[1]) == drawn[1][5:]

@@ -125,7 +125,17 @@ def test_grad_checkpointing_trains_as_the_plain_model():
         torch.testing.assert_close(checkpointed[key], plain[key], rtol=1e-4, atol=1e-5, msg=key)
 
 
-@pytest.mark.parametrize("flags", [["--randaugment", "2", "9"], ["--trivialaugment"], ["--random-erase", "1"]])
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--randaugment", "2", "9"],
+        ["--trivialaugment"],
+        ["--autoaugment", "imagenet"],
+        ["--autoaugment", "svhn"],
+        ["--augmix", "3"],
+        ["--random-erase", "1"],
+    ],
+)
 def test_augmentation_policies_change_the_crops(flags, tiny_data):
     from dlojz_lib.data.datasets import build_datasets
     from dlojz_lib.data.transforms import ValTransform, train_transform
@@ -137,7 +147,11 @@ def test_augmentation_policies_change_the_crops(flags, tiny_data):
 
     plain = crops()
     assert torch.equal(plain, crops())  # same seed, same crops: a difference below is the flag's
-    assert not torch.equal(plain, crops(*flags))
+    augmented = crops(*flags)
+    assert not torch.equal(plain, augmented) and augmented.dtype == torch.uint8 and augmented.shape == plain.shape
+    if flags[0] == "--autoaugment":  # the policy given, not another
+        other = "cifar10" if flags[1] != "cifar10" else "svhn"
+        assert not torch.equal(augmented, crops("--autoaugment", other))
 
 
 def test_grad_acc_gives_the_same_update_as_one_big_batch():

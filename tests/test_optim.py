@@ -24,7 +24,7 @@ from dlojz_lib.optim import (
 )
 
 # An LR per optimizer that trains the tiny model below in a few steps (LARS scales its step by 1e-3 * |w|/|g|).
-GOOD_LR = {"sgd": 0.1, "adamw": 1e-2, "lamb": 1e-2, "lars": 5.0, "lion": 1e-3}
+GOOD_LR = {"sgd": 0.1, "adamw": 1e-2, "rmsprop": 1e-2, "lamb": 1e-2, "lars": 5.0, "lion": 1e-3}
 
 
 def tiny_classifier() -> nn.Module:
@@ -479,3 +479,193 @@ def test_fast_forward_gives_the_lr_and_momentum_of_stepping_one_by_one(name, ste
     if step < 40:  # and it goes on as the stepped one does
         optimizer.step(), scheduler.step(), stepped_optimizer.step(), stepped.step()
         assert optimizer.param_groups[0]["lr"] == pytest.approx(stepped_optimizer.param_groups[0]["lr"], rel=1e-12)
+
+
+# ------------------------------------------------------------------------ the published recipes' schedule flags
+
+
+def test_warmup_start_factor_and_method_shape_the_warm_up():
+    lrs = lr_curve("cosine", 40, 8, 0.4, warmup_start=0.01)  # torchvision's --lr-warmup-decay 0.01
+    assert lrs[0] == pytest.approx(0.004) and lrs[4] == pytest.approx(0.4 * (0.01 + 0.99 * 4 / 8))
+    assert lrs[8] == pytest.approx(0.4)
+    lrs = lr_curve("step", 40, 8, 0.4, warmup_start=0.1, warmup_method="constant")
+    assert lrs[0] == lrs[7] == pytest.approx(0.04) and lrs[8] == pytest.approx(0.4)
+
+
+def test_min_lr_is_the_floor_of_the_decays():
+    for name in ("cosine", "linear", "poly"):
+        lrs = lr_curve(name, 40, 8, 0.4, min_lr=0.01)
+        plain = lr_curve(name, 40, 8, 0.4)
+        assert lrs[8] == pytest.approx(0.4)
+        for step in (20, 39):  # min_lr + (lr - min_lr) x the plain curve's factor
+            assert lrs[step] == pytest.approx(0.01 + (0.4 - 0.01) * plain[step] / 0.4)
+    with pytest.raises(ValueError, match="--min-lr 0.5 must be below the peak --lr 0.4"):
+        lr_curve("cosine", 40, 8, 0.4, min_lr=0.5)
+
+
+def schedule_of(*flags):
+    """Each optimizer step's LR under dlojz.py's flags, through build_training as a run builds it (5 steps an
+    epoch, 6 epochs)."""
+    training = training_of(*flags)
+    lrs = []
+    for _ in range(training.total_steps):
+        lrs.append(training.optimizer.param_groups[0]["lr"])
+        training.scheduler.step()
+    return lrs
+
+
+@pytest.mark.filterwarnings("ignore:Detected call of")
+def test_the_schedule_flags_reach_the_run_s_schedule():
+    """Each flag changes the LRs a run's scheduler gives (5 steps an epoch, 6 epochs)."""
+    step = schedule_of("--lr-scheduler", "step", "--lr-step-size", "2", "--lr-gamma", "0.5")
+    assert step[9] == pytest.approx(0.4) and step[10] == pytest.approx(0.2) and step[20] == pytest.approx(0.1)
+    milestones = schedule_of("--lr-scheduler", "step", "--lr-milestones", "1", "4.5", "--lr-gamma", "0.5")
+    assert milestones[4] == pytest.approx(0.4) and milestones[5] == milestones[21] == pytest.approx(0.2)
+    assert milestones[22] == pytest.approx(0.1)  # epoch 4.5 of 5 steps: step 22 (rounded)
+    cosine = schedule_of("--lr-scheduler", "cosine", "--min-lr", "0.04")
+    assert cosine[-1] > 0.04 and cosine[-1] == pytest.approx(0.04, abs=0.002)
+    warm = schedule_of("--lr-scheduler", "cosine", "--warmup-epochs", "1", "--warmup-start-factor", "0.25")
+    assert warm[0] == pytest.approx(0.1)
+    flat = schedule_of(
+        "--lr-scheduler",
+        "cosine",
+        "--warmup-epochs",
+        "1",
+        "--warmup-start-factor",
+        "0.25",
+        "--warmup-method",
+        "constant",
+    )
+    assert flat[0] == flat[4] == pytest.approx(0.1) and flat[5] == pytest.approx(0.4)
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--min-lr", "0.01"], "--min-lr sets --lr-scheduler cosine or linear or poly, not onecycle"),
+        (["--warmup-start-factor", "0.1"], "not onecycle (its own warm-up starts at lr/25)"),
+        (["--lr-scheduler", "cosine", "--lr-gamma", "0.5"], "--lr-gamma sets --lr-scheduler step, not cosine"),
+        (
+            ["--lr-scheduler", "cosine", "--warmup-method", "constant"],
+            "shape the warm-up: give its length with --warmup-epochs",
+        ),
+        (["--lr-scheduler", "step", "--lr-step-size", "2", "--lr-milestones", "3"], "give one of them"),
+        (
+            ["--lr-scheduler", "step", "--lr-milestones", "3", "2"],
+            "--lr-milestones 3 2: give increasing epochs before the end",
+        ),
+        (["--lr-scheduler", "step", "--lr-milestones", "6"], "before the end (--epochs 6)"),
+    ],
+)
+def test_schedule_flags_the_scheduler_would_not_use_are_refused(flags, message):
+    from dlojz_lib.checks import UserError
+    from dlojz_lib.flags import checked_values
+
+    with pytest.raises(UserError, match=re.escape(message)):
+        checked_values(["--device", "cpu", "-e", "6", *flags])
+
+
+def training_of(*flags):
+    from dlojz_lib.config import resolve_config
+    from dlojz_lib.dist import Distribution
+    from dlojz_lib.flags import checked_values, get_args_parser
+    from dlojz_lib.optim import build_training
+    from dlojz_lib.parallel import build_model
+
+    argv = ["--device", "cpu", "--arch", "resnet18", "--lr", "0.4", "-e", "6", *flags]
+    checked_values(argv)
+    cfg = resolve_config(get_args_parser().parse_args(argv))
+    cpu = Distribution(1, 0, 0, torch.device("cpu"))
+    return build_training(cfg, build_model(cfg, 3, cpu, print), 5, 3, cpu, print)
+
+
+def test_rmsprop_is_torchvision_s_and_nesterov_reaches_sgd():
+    from dlojz_lib.checks import UserError
+
+    optimizer = training_of(
+        "--optimizer", "rmsprop", "--mom", "0.9", "--wd", "1e-5", "--lr-scheduler", "cosine"
+    ).optimizer
+    assert isinstance(optimizer, torch.optim.RMSprop)
+    group = optimizer.param_groups[0]
+    assert (group["alpha"], group["eps"], group["momentum"], group["weight_decay"]) == (0.9, 0.0316, 0.9, 1e-5)
+    assert training_of("--nesterov").optimizer.param_groups[0]["nesterov"] is True
+    assert training_of().optimizer.param_groups[0]["nesterov"] is False
+    with pytest.raises(UserError, match="--nesterov is SGD's Nesterov momentum: --optimizer adamw has none"):
+        training_of("--nesterov", "--optimizer", "adamw")
+    with pytest.raises(UserError, match="--nesterov needs a momentum"):
+        training_of("--nesterov", "--mom", "0")
+
+
+def test_bce_loss_is_timm_s_with_smoothing_mixed_targets_and_threshold():
+    import torch.nn.functional as F
+
+    from dlojz_lib.checks import UserError
+
+    torch.manual_seed(0)
+    logits, labels = torch.randn(4, 3), torch.tensor([0, 2, 1, 2])
+    smoothed = F.one_hot(labels, 3).float() * 0.9 + 0.1 / 3
+    criterion = training_of("--bce-loss", "--label-smoothing", "0.1").criterion
+    assert criterion(logits, labels) == pytest.approx(F.binary_cross_entropy_with_logits(logits, smoothed).item())
+    mixed = 0.7 * F.one_hot(labels, 3).float() + 0.3 * F.one_hot(labels.flip(0), 3).float()  # MixUp's targets
+    expected = F.binary_cross_entropy_with_logits(logits, mixed * 0.9 + 0.1 / 3)  # as timm's Mixup smooths them
+    assert criterion(logits, mixed) == pytest.approx(expected.item())
+    thresholded = training_of("--bce-loss", "--bce-target-thresh", "0.2", "--label-smoothing", "0").criterion
+    assert thresholded(logits, mixed) == pytest.approx(
+        F.binary_cross_entropy_with_logits(logits, (mixed > 0.2).float()).item()
+    )
+    assert training_of().criterion(logits, labels) != pytest.approx(criterion(logits, labels).item())
+    with pytest.raises(UserError, match="--bce-target-thresh binarises --bce-loss's targets: add --bce-loss"):
+        training_of("--bce-target-thresh", "0.2")
+
+
+def test_model_ema_every_n_steps_with_timm_s_warm_up():
+    from dlojz_lib.model import ModelEma
+
+    torch.manual_seed(0)
+    model = nn.Linear(2, 1)
+    ema = ModelEma(model, decay=0.9, every=3, warmup=True)
+    expected = None
+    for step in range(1, 8):
+        with torch.no_grad():
+            model.weight.add_(1.0)
+        if ema.due(step):
+            ema.update_parameters(model)
+            weight = model.weight.detach().clone()
+            decay = min(0.9, (1 + ema.updates - 1) / (10 + ema.updates - 1))  # the update's own
+            expected = weight if expected is None else decay * expected + (1 - decay) * weight
+    assert ema.updates == 2  # steps 3 and 6
+    assert torch.allclose(ema.module.weight, expected)  # decay 2/11 at the second update, not 0.9
+    plain = ModelEma(model, decay=0.9)
+    assert all(plain.due(step) for step in range(1, 5))
+
+
+def test_model_ema_steps_reach_the_training_loop(tiny_data, tmp_path, run_inline):
+    from conftest import SMALL
+
+    out = tmp_path / "run"
+    proc = run_inline(
+        *SMALL, "--image-size", "16", "--val-resize-size", "18", "--val-crop-size", "16", "-b", "8", "--no-wandb",
+        "--num-workers", "0", "--data-root", tiny_data, "-e", "1", "--model-ema", "--model-ema-steps", "4",
+        "--output-dir", out,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    saved = torch.load(out / (out / "latest").read_text().strip(), weights_only=True)
+    assert saved["global_step"] == 9 and int(saved["ema"]["n_averaged"]) == 2  # steps 4 and 8
+    proc = run_inline(*SMALL, "--data-root", tiny_data, "--model-ema-warmup")
+    assert proc.returncode == 2 and "--model-ema-warmup sets how --model-ema averages: add --model-ema" in proc.stderr
+
+
+def test_deterministic_turns_on_deterministic_algorithms_and_says_its_cost(tiny_data, tmp_path, run_inline):
+    from conftest import SMALL
+
+    assert not torch.are_deterministic_algorithms_enabled()
+    try:
+        proc = run_inline(
+            *SMALL, "--data-root", tiny_data, "-b", "8", "--no-wandb", "--num-workers", "0", "--test",
+            "--test-nsteps", "1", "--deterministic", "--output-dir", tmp_path / "run",
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stderr
+        assert torch.are_deterministic_algorithms_enabled()
+    finally:
+        torch.use_deterministic_algorithms(False)  # (the run was in this process)
+    assert "--deterministic: deterministic kernels only (cuDNN autotuning off" in proc.stdout

@@ -113,3 +113,65 @@ def test_every_shipped_recipe_parses_and_starts(path, tmp_path, run_inline, tiny
     assert f"recipe {path}" in proc.stdout
     assert read_json(metrics)["steps"] == 1
     assert len(RECIPES) >= 4
+
+
+# The published recipes, flag by flag as their source gives them (dlojz's names; the source in each file's header).
+PUBLISHED = {
+    "torchvision_resnet50_v2.toml": (
+        "torchvision references/classification README, ResNet-50 IMAGENET1K_V2 (80.858 %)",
+        dict(
+            arch="resnet50",
+            epochs=600,
+            batch_size=128,
+            lr=0.5,
+            optimizer="sgd",
+            mom=0.9,
+            wd=2e-5,
+            lr_scheduler="cosine",
+            warmup_epochs=5,
+            warmup_method="linear",
+            warmup_start_factor=0.01,
+            label_smoothing=0.1,
+            mixup_alpha=0.2,
+            cutmix_alpha=1.0,
+            trivialaugment=True,
+            random_erase=0.1,
+            ra_reps=4,
+            model_ema=True,
+            model_ema_steps=32,
+            image_size=176,
+            val_resize_size=232,
+            val_crop_size=224,
+        ),
+    ),  # fmt: skip
+    "torchvision_mobilenet_v3_large.toml": (
+        "torchvision references/classification README, MobileNetV3-Large IMAGENET1K_V1 (74.042 %)",
+        dict(
+            arch="mobilenet_v3_large",
+            epochs=600,
+            batch_size=128,
+            lr=0.064,
+            optimizer="rmsprop",
+            mom=0.9,
+            wd=1e-5,
+            lr_scheduler="step",
+            lr_step_size=2,
+            lr_gamma=0.973,
+            label_smoothing=0.0,
+            autoaugment="imagenet",
+            random_erase=0.2,
+            image_size=224,
+            val_resize_size=256,
+            val_crop_size=224,
+        ),
+    ),  # fmt: skip
+}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_a_published_recipe_gives_its_source_s_flags(name):
+    source, flags = PUBLISHED[name]
+    values = vars(get_args_parser().parse_args(["--config", str(ROOT / "recipes" / name)]))
+    assert {flag: values[flag] for flag in flags} == flags, source
+    header = (ROOT / "recipes" / name).read_text()
+    assert source.split("(")[-1].rstrip(")") in header  # the source's figure, in the file's header

@@ -76,11 +76,12 @@ class SeededSamples:
     unreadable_as_missing = False
 
     def __getitem__(self, key):
-        epoch, index = key if isinstance(key, tuple) else (0, key)
+        # (epoch, index), or (epoch, index, copy): --ra-reps's copies of an image, each its own augmentation
+        epoch, index, *copy = key if isinstance(key, tuple) else (0, key)
         for attempt in range(len(self.samples)):
             i = (index + attempt) % len(self.samples)
             # Per-sample seed: augmentation independent of worker count and resume position.
-            sample_seed = (self.seed * 1_000_003 + epoch) * 10_000_019 + i
+            sample_seed = (self.seed * 1_000_003 + epoch) * 10_000_019 + i + (copy[0] * 1_000_000_007 if copy else 0)
             # The CPU generator only: torch.manual_seed would also queue a CUDA seeding with a stack trace, 0.1 ms
             # per sample. The transforms draw from these two generators only.
             torch.default_generator.manual_seed(sample_seed)
@@ -566,6 +567,31 @@ class EpochSampler(torch.utils.data.DistributedSampler):
 
     def __len__(self):
         return self.trained - self.skip
+
+
+class RepeatedAugmentationSampler(EpochSampler):
+    """--ra-reps N: repeated augmentation (torchvision's RASampler, the "v2" recipes'): the epoch's shuffled order
+    with each image N times in a row, dealt out to the ranks in turn, so that its N copies go to N different ranks
+    (with N ranks or more) in the same step, each under its own augmentation (the sample key carries the copy).
+    Each rank gets as many samples as EpochSampler gives it (the same steps per epoch): an epoch sees about 1/N of
+    the distinct images, N times each. Resumes and ranks as EpochSampler (the order comes from seed and epoch)."""
+
+    def __init__(self, dataset, num_replicas, rank, reps, seed=0, drop_last=False, batch_size=None):
+        super().__init__(
+            dataset, num_replicas, rank, shuffle=True, seed=seed, drop_last=drop_last, batch_size=batch_size
+        )
+        self.reps = reps
+
+    def epoch_draws(self):
+        """Every rank's (index, copy) draws of this epoch, before they are dealt out."""
+        generator = torch.Generator()
+        generator.manual_seed(self.seed + self.epoch)
+        order = torch.randperm(len(self.dataset), generator=generator).tolist()
+        return [(i, copy) for i in order for copy in range(self.reps)]
+
+    def __iter__(self):
+        draws = self.epoch_draws()[self.rank :: self.num_replicas][: self.trained][self.skip :]
+        return iter([(self.epoch, i, copy) for i, copy in draws])
 
 
 class BalancedEpochSampler(EpochSampler):

@@ -19,6 +19,7 @@ from dlojz_lib.data.datasets import (
     IMAGENET_VAL_IMAGES,
     BalancedEpochSampler,
     EpochSampler,
+    RepeatedAugmentationSampler,
     ShardSampler,
     SyntheticLoader,
     build_datasets,
@@ -82,7 +83,15 @@ def build_loaders(cfg, train_set, val_set, num_classes, ranks, log) -> Loaders:
             f"{ranks.world_size} process(es) ({len(train_set)} in all{', --drop-last' if cfg.drop_last else ''}): "
             f"give --batch-size {per_rank} at most"
         )
-    if cfg.balanced_sampler:
+    if cfg.ra_reps:
+        train_sampler = RepeatedAugmentationSampler(
+            train_set, ranks.world_size, ranks.rank, cfg.ra_reps, cfg.seed, cfg.drop_last, cfg.batch_size
+        )
+        log(
+            f"--ra-reps {cfg.ra_reps}: each epoch's images {cfg.ra_reps} times, each copy augmented on its own "
+            f"(and on another rank): an epoch sees about 1/{cfg.ra_reps} of the {len(train_set)} images"
+        )
+    elif cfg.balanced_sampler:
         train_sampler = BalancedEpochSampler(
             train_set, ranks.world_size, ranks.rank, seed=cfg.seed, drop_last=cfg.drop_last, batch_size=cfg.batch_size
         )

@@ -22,7 +22,8 @@ augmentation statistics while doing less work per image:
   ``DLOJZ_JPEG_DECODER=simplejpeg`` turns region decoding off, ``DLOJZ_JPEG_DECODER=pil`` turns both faster
   decoders off (read by ``dlojz_lib.data.jpeg.decoder_choice()``).
 * ``train_transform(cfg)`` and ``batch_mixing(cfg, num_classes)``: ``TrainTransform`` followed by the policies of
-  dlojz's flags (``--randaugment``, ``--trivialaugment``, ``--random-erase``), and MixUp/CutMix on the device batch.
+  dlojz's flags (``--randaugment``, ``--trivialaugment``, ``--autoaugment``, ``--augmix``, ``--random-erase``), and
+  MixUp/CutMix on the device batch.
 * The batches are normalised on the device, and prefetched there on a GPU, by dlojz_lib/data/prefetch.py.
 
 Typical use (the DataLoader's default collate stacks the uint8 samples)::
@@ -497,6 +498,10 @@ def fixed_size_train_transform(cfg, image_size):
         extra.append(v2.RandAugment(num_ops=cfg.randaugment[0], magnitude=cfg.randaugment[1]))
     if cfg.trivialaugment:
         extra.append(v2.TrivialAugmentWide())
+    if cfg.autoaugment:
+        extra.append(v2.AutoAugment(policy=v2.AutoAugmentPolicy(cfg.autoaugment)))
+    if cfg.augmix:
+        extra.append(v2.AugMix(severity=cfg.augmix))
     if cfg.random_erase > 0:
         extra.append(v2.RandomErasing(p=cfg.random_erase))
     crop_flip = TrainTransform(image_size)
