@@ -167,7 +167,9 @@ def test_a_trial_whose_run_gives_no_top1_is_failed_with_its_reason_and_the_searc
 
     study = optuna.create_study(direction="maximize")
     trial = study.ask({"lr": optuna.distributions.FloatDistribution(0.01, 1.0)})
-    worker = SimpleNamespace(study=study, stop_signal=None, args=SimpleNamespace(direction="maximize", objective="top1"))
+    worker = SimpleNamespace(
+        study=study, stop_signal=None, args=SimpleNamespace(direction="maximize", objective="top1")
+    )
     worker.objective = lambda metrics: dlojz_hpo.Worker.objective(worker, metrics)
     worker.objective_name = lambda: dlojz_hpo.Worker.objective_name(worker)
     dlojz_hpo.Worker.tell(worker, trial, None, 0, {"val_accuracy": None, "epochs": 1}, tmp_path)
