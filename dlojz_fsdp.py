@@ -43,7 +43,9 @@ def consolidate(source, target):
     head = optim.fine_tuning_head(module, saved["num_classes"], args)
     optimizer = optim.build_optimizer(
         args["optimizer"],
-        optim.param_groups(module, args["wd"], args["no_wd_norm_bias"], args.get("layer_decay"), head),
+        optim.param_groups(
+            module, args["wd"], args["no_wd_norm_bias"], args.get("layer_decay"), head, optim.kind_decay(args)
+        ),
         lr=args["lr"],
         momentum=args["mom"],
         weight_decay=args["wd"],

@@ -74,6 +74,9 @@ class Config:
     optimizer: str
     no_wd_norm_bias: bool
     nesterov: bool  # sgd's Nesterov momentum
+    norm_wd: float | None  # weight decay per kind of parameter; None: --wd (or --no-wd-norm-bias's 0)
+    bias_wd: float | None
+    embedding_wd: float | None
     lr_scheduler: str
     warmup_epochs: float
     lr_peak_epoch: float

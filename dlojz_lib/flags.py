@@ -254,6 +254,19 @@ def get_args_parser():
     p = parser.add_argument_group("optimizer and schedule (dlojz_lib/optim.py)")
     p.add_argument("--optimizer", default="sgd", choices=OPTIMIZERS, help="momentum/beta1 from --mom (default: sgd)")
     p.add_argument("--no-wd-norm-bias", action="store_true", help="no weight decay on norm layers and biases")
+    for kind, what in (
+        ("norm", "norm layers' weights and biases (torchvision's --norm-weight-decay)"),
+        ("bias", "the other layers' biases (torchvision's --bias-weight-decay)"),
+        ("embedding", "class tokens, position embeddings and timm's no_weight_decay() parameters\n"
+         "(torchvision's --transformer-embedding-decay)"),
+    ):  # fmt: skip
+        p.add_argument(
+            f"--{kind}-wd",
+            type=NON_NEGATIVE,
+            default=None,
+            metavar="WD",
+            help=f"weight decay of {what}; default: --wd (0 for norms and biases with --no-wd-norm-bias)",
+        )
     p.add_argument("--nesterov", action="store_true", help="sgd: Nesterov momentum (torchvision's --opt sgd_nesterov)")
     p.add_argument(
         "--lr-scheduler",

@@ -88,17 +88,35 @@ NORM_LAYERS = tuple(
 )
 
 
+# Parameters that --embedding-wd sets: ViTs' class token and position embeddings, Swin's relative position bias
+# (torchvision's --transformer-embedding-decay keys), and those a timm model names in its no_weight_decay().
+EMBEDDING_NAMES = ("class_token", "cls_token", "dist_token", "pos_embed", "pos_embedding", "position_embedding")
+EMBEDDING_NAMES += ("relative_position_bias_table",)
+
+
+def parameter_kind(model: nn.Module, module: nn.Module, full_name: str, name: str) -> str:
+    """ "embedding", "norm", "bias" or "other", in torchvision's order of precedence (set_weight_decay)."""
+    timm_names = model.no_weight_decay() if hasattr(model, "no_weight_decay") else ()
+    if name in EMBEDDING_NAMES or full_name in timm_names or name in timm_names:
+        return "embedding"
+    if isinstance(module, NORM_LAYERS):
+        return "norm"
+    return "bias" if name == "bias" else "other"
+
+
 def param_groups(
     model: nn.Module,
     weight_decay: float,
     no_wd_norm_bias: bool,
     layer_decay: float | None = None,
     head: str | None = None,
+    kind_decay: dict | None = None,
 ) -> list[dict]:
     """Return optimizer parameter groups for the trainable parameters of ``model``.
 
     Without ``no_wd_norm_bias``: the parameters take ``weight_decay``. With it: norm-layer parameters and biases
-    take ``weight_decay=0``. With ``layer_decay`` (``--layer-decay``), each group's ``lr_scale`` is
+    take ``weight_decay=0``. ``kind_decay`` (``--norm-wd``, ``--bias-wd``, ``--embedding-wd``): the weight decay of
+    each kind of parameter it names (``parameter_kind``), over the two above. With ``layer_decay`` (``--layer-decay``), each group's ``lr_scale`` is
     ``layer_decay ** (depth of the head - depth of its layer)``, the depths from ``layer_depths``. With ``head``
     (the classifier's module name), its parameters are groups of their own (``"head": True``), for
     ``--freeze-backbone-epochs``. Groups go from the head (the largest ``lr_scale``) down, so that the first
@@ -118,10 +136,12 @@ def param_groups(
             in_head = head is not None and full_name.startswith(head + ".")
             scale = layer_decay ** (deepest - depth[full_name]) if layer_decay is not None else 1.0
             decays = not (no_wd_norm_bias and (is_norm or name == "bias"))
-            key = (not in_head, -scale, not decays)
-            group = groups.setdefault(
-                key, {"params": [], "weight_decay": weight_decay if decays else 0.0, "lr_scale": scale, "head": in_head}
-            )
+            decay = weight_decay if decays else 0.0
+            kind = parameter_kind(model, module, full_name, name) if kind_decay else ""
+            if kind in (kind_decay or {}):
+                decay = kind_decay[kind]
+            key = (not in_head, -scale, not decays, kind)  # (without kind_decay: the groups of earlier checkpoints)
+            group = groups.setdefault(key, {"params": [], "weight_decay": decay, "lr_scale": scale, "head": in_head})
             group["params"].append(param)
     return [groups[key] for key in sorted(groups)]
 
@@ -550,6 +570,12 @@ def freeze_backbone(optimizer, scheduler, frozen_steps: int):
     return optimizer.register_step_pre_hook(drop_backbone_gradients)
 
 
+def kind_decay(args: dict) -> dict:
+    """--norm-wd, --bias-wd, --embedding-wd as param_groups' kind_decay (the kinds given only)."""
+    given = dict(norm=args.get("norm_wd"), bias=args.get("bias_wd"), embedding=args.get("embedding_wd"))
+    return {kind: value for kind, value in given.items() if value is not None}
+
+
 def step_milestones(cfg, steps_per_epoch: int):
     """--lr-scheduler step's milestones in optimizer steps: every --lr-step-size epochs (torchvision's StepLR), at
     --lr-milestones' epochs (MultiStepLR), else None (30, 60 and 90 % of the run)."""
@@ -616,7 +642,7 @@ def build_training(cfg, model, n_train_batches, num_classes, ranks, log, class_c
     # sharded parameters have no fused SGD (its foreach step is used, and bfloat16 needs no scaler).
     fused = not (cfg.fsdp and cfg.optimizer in UNFUSED_UNDER_FSDP)
     head = fine_tuning_head(model.module, num_classes, vars(cfg))
-    groups = param_groups(model.module, cfg.wd, cfg.no_wd_norm_bias, cfg.layer_decay, head)
+    groups = param_groups(model.module, cfg.wd, cfg.no_wd_norm_bias, cfg.layer_decay, head, kind_decay(vars(cfg)))
     optimizer = build_optimizer(
         cfg.optimizer,
         groups,
@@ -630,7 +656,9 @@ def build_training(cfg, model, n_train_batches, num_classes, ranks, log, class_c
     log(
         f"optimizer: {cfg.optimizer}{' (fused step)' if fused else ''} (lr {cfg.lr}, "
         f"{'Nesterov ' if cfg.nesterov else ''}momentum {cfg.mom}, weight decay {cfg.wd}"
-        f"{', none on norms and biases' if cfg.no_wd_norm_bias else ''}); {lr_scaling_line(cfg.lr, step_images)}"
+        f"{', none on norms and biases' if cfg.no_wd_norm_bias else ''}"
+        + "".join(f", {value:g} on {kind} parameters" for kind, value in kind_decay(vars(cfg)).items())
+        + f"); {lr_scaling_line(cfg.lr, step_images)}"
     )
     if cfg.layer_decay is not None:
         scales = sorted({group["lr_scale"] for group in optimizer.param_groups})

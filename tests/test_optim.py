@@ -669,3 +669,21 @@ def test_deterministic_turns_on_deterministic_algorithms_and_says_its_cost(tiny_
     finally:
         torch.use_deterministic_algorithms(False)  # (the run was in this process)
     assert "--deterministic: deterministic kernels only (cuDNN autotuning off" in proc.stdout
+
+
+def test_weight_decay_per_kind_of_parameter():
+    """--norm-wd, --bias-wd, --embedding-wd: each kind its value, the others --wd, as torchvision's
+    set_weight_decay sorts them (embeddings first, then norms, then biases)."""
+    import torchvision
+
+    groups = training_of("--wd", "0.05", "--norm-wd", "0", "--bias-wd", "0.01").optimizer.param_groups
+    values = [group["weight_decay"] for group in groups for _ in group["params"]]  # resnet18's 62 parameters
+    assert values.count(0.0) == 2 * 20 and values.count(0.01) == 1  # 20 BatchNorms (weight, bias); fc's bias
+    assert values.count(0.05) == len(values) - 41
+    vit = torchvision.models.vit_b_32(num_classes=3)
+    groups = param_groups(vit, 0.3, False, kind_decay=dict(embedding=0.0, norm=0.1))
+    decay = {id(p): group["weight_decay"] for group in groups for p in group["params"]}
+    by_name = {name: decay[id(p)] for name, p in vit.named_parameters()}
+    assert by_name["class_token"] == by_name["encoder.pos_embedding"] == 0.0
+    assert by_name["encoder.ln.weight"] == by_name["encoder.layers.encoder_layer_0.ln_1.bias"] == 0.1
+    assert by_name["heads.head.bias"] == by_name["conv_proj.weight"] == 0.3
