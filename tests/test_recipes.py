@@ -256,6 +256,28 @@ PUBLISHED = {
             label_smoothing=0.0,
         ),
     ),
+    "timm_rsb_a3_resnet50.toml": (
+        "ResNet strikes back, table 1, A3 (78.1 %)",
+        dict(
+            arch="resnet50",
+            epochs=100,
+            batch_size=256,
+            optimizer="lamb",
+            lr=8e-3,
+            wd=0.02,
+            no_wd_norm_bias=True,
+            lr_scheduler="cosine",
+            warmup_epochs=5,
+            bce_loss=True,
+            bce_target_thresh=0.2,
+            label_smoothing=0.0,
+            mixup_alpha=0.1,
+            cutmix_alpha=1.0,
+            image_size=160,
+            val_resize_size=236,
+            val_crop_size=224,
+        ),
+    ),
 }
 
 
