@@ -142,8 +142,8 @@ def after_epochs(monkeypatch, n, then):
 
     real = dlojz.save_epoch_checkpoint
 
-    def save_epoch_checkpoint(saver, state, periodic, log):
-        real(saver, state, periodic, log)
+    def save_epoch_checkpoint(saver, state, periodic, log, best=False):
+        real(saver, state, periodic, log, best)
         if state.epoch == n:
             saver.wait()
             then()
