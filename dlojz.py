@@ -299,7 +299,7 @@ def record_best(cfg, epoch, validation, state, metrics) -> bool:
     if cfg.best_metric == "none":
         return False
     value = validation[VALIDATION_METRICS[cfg.best_metric][0]]
-    best = state.best_metric != cfg.best_metric or state.best_value is None or value > state.best_value
+    best = state.best_value is None or value > state.best_value  # (a resume keeps it for the same metric only)
     if best:
         state.best_metric, state.best_value, state.best_epoch = cfg.best_metric, value, epoch + 1
     metrics.update(best_metric=state.best_metric, best_value=state.best_value, best_epoch=state.best_epoch)

@@ -800,16 +800,7 @@ def check_flags(values):
         if values["findlr"]:
             fail("--findlr sweeps the learning rate of every layer: leave out --freeze-backbone-epochs")
     check_schedule(values)
-    policies = [
-        flag
-        for flag, on in (
-            ("--randaugment", values["randaugment"]),
-            ("--trivialaugment", values["trivialaugment"]),
-            ("--autoaugment", values["autoaugment"] is not None),
-            ("--augmix", values["augmix"] is not None),
-        )
-        if on
-    ]
+    policies = augmentation_policies(values)
     if len(policies) > 1:
         fail(f"{' and '.join(policies)}: one augmentation policy at a time (as torchvision's --auto-augment): give one")
     for flag in ("model_ema_steps", "model_ema_warmup"):
@@ -844,10 +835,7 @@ def check_flags(values):
             for flag, on in (
                 ("--synthetic", values["synthetic"]),
                 ("--min-res", values["min_res"] is not None),
-                ("--randaugment", values["randaugment"]),
-                ("--trivialaugment", values["trivialaugment"]),
-                ("--autoaugment", values["autoaugment"] is not None),
-                ("--augmix", values["augmix"] is not None),
+                *((policy, True) for policy in augmentation_policies(values)),
                 ("--ra-reps", values["ra_reps"] is not None),
                 ("--random-erase", values["random_erase"] > 0),
             )
@@ -885,6 +873,17 @@ def check_flags(values):
         fail("--predictions names each image's file: --synthetic has none (leave one of them out)")
     if values["eval_only"] and not values["resume"]:
         fail("--eval-only needs --resume CHECKPOINT (or --resume auto with --output-dir)")
+
+
+def augmentation_policies(values):
+    """The augmentation policies given (torchvision v2 on the uint8 crops), as their flags."""
+    given = (
+        ("--randaugment", values["randaugment"]),
+        ("--trivialaugment", values["trivialaugment"]),
+        ("--autoaugment", values["autoaugment"] is not None),
+        ("--augmix", values["augmix"] is not None),
+    )
+    return [flag for flag, on in given if on]
 
 
 def check_schedule(values):

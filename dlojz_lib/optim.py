@@ -94,9 +94,9 @@ EMBEDDING_NAMES = ("class_token", "cls_token", "dist_token", "pos_embed", "pos_e
 EMBEDDING_NAMES += ("relative_position_bias_table",)
 
 
-def parameter_kind(model: nn.Module, module: nn.Module, full_name: str, name: str) -> str:
-    """ "embedding", "norm", "bias" or "other", in torchvision's order of precedence (set_weight_decay)."""
-    timm_names = model.no_weight_decay() if hasattr(model, "no_weight_decay") else ()
+def parameter_kind(module: nn.Module, full_name: str, name: str, timm_names=()) -> str:
+    """ "embedding", "norm", "bias" or "other", in torchvision's order of precedence (set_weight_decay).
+    `timm_names`: the model's no_weight_decay() set, where it is a timm model."""
     if name in EMBEDDING_NAMES or full_name in timm_names or name in timm_names:
         return "embedding"
     if isinstance(module, NORM_LAYERS):
@@ -124,6 +124,7 @@ def param_groups(
     appear once.
     """
     depth = layer_depths(model, head) if layer_decay is not None else {}
+    timm_names = model.no_weight_decay() if kind_decay and hasattr(model, "no_weight_decay") else ()
     deepest = max(depth.values(), default=0)
     groups, seen = {}, set()
     for module_name, module in model.named_modules():
@@ -137,7 +138,7 @@ def param_groups(
             scale = layer_decay ** (deepest - depth[full_name]) if layer_decay is not None else 1.0
             decays = not (no_wd_norm_bias and (is_norm or name == "bias"))
             decay = weight_decay if decays else 0.0
-            kind = parameter_kind(model, module, full_name, name) if kind_decay else ""
+            kind = parameter_kind(module, full_name, name, timm_names) if kind_decay else ""
             if kind in (kind_decay or {}):
                 decay = kind_decay[kind]
             key = (not in_head, -scale, not decays, kind)  # (without kind_decay: the groups of earlier checkpoints)

@@ -83,29 +83,18 @@ def build_loaders(cfg, train_set, val_set, num_classes, ranks, log) -> Loaders:
             f"{ranks.world_size} process(es) ({len(train_set)} in all{', --drop-last' if cfg.drop_last else ''}): "
             f"give --batch-size {per_rank} at most"
         )
+    sampling = dict(seed=cfg.seed, drop_last=cfg.drop_last, batch_size=cfg.batch_size)  # what every sampler takes
     if cfg.ra_reps:
-        train_sampler = RepeatedAugmentationSampler(
-            train_set, ranks.world_size, ranks.rank, cfg.ra_reps, cfg.seed, cfg.drop_last, cfg.batch_size
-        )
+        train_sampler = RepeatedAugmentationSampler(train_set, ranks.world_size, ranks.rank, cfg.ra_reps, **sampling)
         log(
             f"--ra-reps {cfg.ra_reps}: each epoch's images {cfg.ra_reps} times, each copy augmented on its own "
             f"(and on another rank): an epoch sees about 1/{cfg.ra_reps} of the {len(train_set)} images"
         )
     elif cfg.balanced_sampler:
-        train_sampler = BalancedEpochSampler(
-            train_set, ranks.world_size, ranks.rank, seed=cfg.seed, drop_last=cfg.drop_last, batch_size=cfg.batch_size
-        )
+        train_sampler = BalancedEpochSampler(train_set, ranks.world_size, ranks.rank, **sampling)
         log(balanced_sampler_line(train_sampler, train_set.classes))
     else:
-        train_sampler = EpochSampler(
-            train_set,
-            ranks.world_size,
-            ranks.rank,
-            shuffle=True,
-            seed=cfg.seed,
-            drop_last=cfg.drop_last,
-            batch_size=cfg.batch_size,
-        )
+        train_sampler = EpochSampler(train_set, ranks.world_size, ranks.rank, shuffle=True, **sampling)
     if cfg.fsdp and len(val_set) < ranks.world_size:
         fail(f"--fsdp: the validation set has {len(val_set)} images for {ranks.world_size} ranks: each rank needs one")
     if cfg.data_backend == "dali":
