@@ -258,11 +258,24 @@ def audit_epoch(loop, monkeypatch, checkpoints=None):
 # adds fails its group); the timm optimizers run alone, as their steps differ.
 TRAINING_FLAGS = [
     pytest.param(
-        ["--amp", "--amp-dtype", "float16", "--model-ema", "--clip-grad-norm", "1.0", "--label-smoothing", "0.1"],
+        [
+            "--amp",
+            "--amp-dtype",
+            "float16",
+            "--model-ema",
+            "--clip-grad-norm",
+            "1.0",
+            "--label-smoothing",
+            "0.1",
+            "--model-ema-steps",
+            "2",
+            "--model-ema-warmup",
+        ],
         id="float16-ema-clip-smoothing",
     ),
     pytest.param(
-        ["--amp", "--amp-dtype", "bfloat16", "--blurpool", "--grad-acc", "2"], id="bfloat16-blurpool-grad-acc"
+        ["--amp", "--amp-dtype", "bfloat16", "--blurpool", "--grad-acc", "2", "--nesterov"],
+        id="bfloat16-blurpool-grad-acc",
     ),
     pytest.param(
         [
@@ -277,11 +290,17 @@ TRAINING_FLAGS = [
             "1",
             "--epochs",
             "2",
+            "--bce-loss",
+            "--warmup-start-factor",
+            "0.1",
+            "--min-lr",
+            "1e-4",
         ],
-        id="float32-mixup-cutmix-cosine",
+        id="float32-mixup-cutmix-cosine-bce",
     ),  # fmt: skip
     pytest.param(["--optimizer", "adamw", "--amp", "--amp-dtype", "float16"], id="adamw-float16"),
     pytest.param(["--optimizer", "lamb", "--amp", "--amp-dtype", "bfloat16"], id="lamb-bfloat16"),
+    pytest.param(["--optimizer", "rmsprop", "--amp", "--amp-dtype", "bfloat16"], id="rmsprop-bfloat16"),
     pytest.param(["--optimizer", "lars", "--amp", "--amp-dtype", "bfloat16"], id="lars-bfloat16"),
     pytest.param(["--optimizer", "lion", "--amp", "--amp-dtype", "bfloat16"], id="lion-bfloat16"),
     pytest.param(["--findlr"], id="findlr"),
