@@ -100,6 +100,7 @@ class Config:
     model_ema_warmup: bool
     # augmentation
     randaugment: tuple | None
+    randaugment_mstd: float | None  # the standard deviation of RandAugment's magnitude, per op
     trivialaugment: bool
     autoaugment: str | None  # AutoAugment's policy: imagenet, cifar10, svhn
     augmix: int | None  # AugMix's severity

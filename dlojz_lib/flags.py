@@ -389,7 +389,15 @@ def get_args_parser():
         nargs=2,
         metavar=("N", "M"),
         default=None,
-        help="RandAugment with N ops of magnitude M",
+        help="RandAugment with N ops of magnitude M (torchvision's 0-30 scale: timm's m on its 0-10 scale x 3)",
+    )
+    p.add_argument(
+        "--randaugment-mstd",
+        type=Number(float, 0, 30),
+        default=None,
+        metavar="STD",
+        help="--randaugment: each op's magnitude drawn from a normal law around M with this standard deviation,\n"
+        "on the same 0-30 scale (timm's mstd x 3: its rand-m6-mstd0.5 is --randaugment 2 18 --randaugment-mstd 1.5)",
     )
     p.add_argument("--trivialaugment", action="store_true", help="TrivialAugmentWide")
     p.add_argument(
@@ -806,6 +814,8 @@ def check_flags(values):
     for flag in ("model_ema_steps", "model_ema_warmup"):
         if values[flag] and not values["model_ema"]:
             fail(f"--{flag.replace('_', '-')} sets how --model-ema averages: add --model-ema")
+    if values["randaugment_mstd"] is not None and not values["randaugment"]:
+        fail("--randaugment-mstd varies --randaugment's magnitude: add --randaugment N M")
     if values["bce_target_thresh"] is not None and not values["bce_loss"]:
         fail("--bce-target-thresh binarises --bce-loss's targets: add --bce-loss")
     if values["nesterov"] and values["optimizer"] != "sgd":

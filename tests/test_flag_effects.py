@@ -129,6 +129,7 @@ def test_grad_checkpointing_trains_as_the_plain_model():
     "flags",
     [
         ["--randaugment", "2", "9"],
+        ["--randaugment", "2", "9", "--randaugment-mstd", "2"],
         ["--trivialaugment"],
         ["--autoaugment", "imagenet"],
         ["--autoaugment", "svhn"],
@@ -152,6 +153,48 @@ def test_augmentation_policies_change_the_crops(flags, tiny_data):
     if flags[0] == "--autoaugment":  # the policy given, not another
         other = "cifar10" if flags[1] != "cifar10" else "svhn"
         assert not torch.equal(augmented, crops("--autoaugment", other))
+
+
+def randaugment_magnitudes(*flags, draws=300):
+    """The magnitude each Rotate op of --randaugment gets over many crops (torchvision's bins: degrees)."""
+    from torchvision.transforms import v2
+
+    from dlojz_lib.data.transforms import fixed_size_train_transform
+
+    cfg = resolve_config(get_args_parser().parse_args([*BASE, *flags]))
+    (randaugment,) = [t for t in fixed_size_train_transform(cfg, 32).transforms if isinstance(t, v2.RandAugment)]
+    apply, seen = randaugment._apply_image_or_video_transform, []
+
+    def recorded(image, transform_id, magnitude, **kwargs):
+        if transform_id == "Rotate":
+            seen.append(abs(magnitude))
+        return apply(image, transform_id, magnitude, **kwargs)
+
+    randaugment._apply_image_or_video_transform = recorded
+    torch.manual_seed(0)
+    image = torch.randint(0, 256, (3, 32, 32), dtype=torch.uint8)
+    for _ in range(draws):
+        randaugment(image)
+    return torch.tensor(seen)
+
+
+def test_randaugment_mstd_draws_each_op_s_magnitude_around_m():
+    plain = randaugment_magnitudes("--randaugment", "2", "15")
+    assert plain.unique().tolist() == [15.0]  # torchvision's: every op at M
+    noisy = randaugment_magnitudes("--randaugment", "2", "15", "--randaugment-mstd", "3")
+    assert len(noisy.unique()) > 10 and abs(noisy.mean() - 15) < 1 and 2 < noisy.std() < 4
+    clipped = randaugment_magnitudes("--randaugment", "2", "30", "--randaugment-mstd", "3")
+    assert clipped.max() == 30 and 0.3 < (clipped == 30).float().mean() < 0.7  # the draws above 30 held at 30
+
+
+def test_noisy_randaugment_s_finer_bins_are_torchvision_s_bins():
+    from dlojz_lib.data.transforms import NoisyRandAugment
+
+    fine = NoisyRandAugment.MAX * NoisyRandAugment.BINS_PER_STEP + 1
+    for name, (magnitudes, _) in NoisyRandAugment._AUGMENTATION_SPACE.items():
+        if magnitudes(31, 32, 32) is not None:  # the same values, to the linspace's rounding (posterize's exactly)
+            every_tenth = magnitudes(fine, 32, 32)[:: NoisyRandAugment.BINS_PER_STEP]
+            assert torch.allclose(every_tenth.double(), magnitudes(31, 32, 32).double(), rtol=0, atol=1e-5), name
 
 
 def test_grad_acc_gives_the_same_update_as_one_big_batch():

@@ -72,7 +72,7 @@ def test_a_missing_recipe_file_is_one_line(tmp_path, run_inline):
 @pytest.mark.parametrize("path", RECIPES, ids=[p.name for p in RECIPES])
 def test_every_shipped_recipe_parses_and_starts(path, tmp_path, run_inline, tiny_data):
     """Two steps of a tiny model with each recipe: the heavy values are overridden on the command line, as a user
-    trying a recipe on a laptop would."""
+    trying a recipe on a laptop would (a timm model for a timm model: its stochastic depth)."""
     metrics = tmp_path / "m.json"
     proc = run_inline(
         "--config",
@@ -80,7 +80,7 @@ def test_every_shipped_recipe_parses_and_starts(path, tmp_path, run_inline, tiny
         "--device",
         "cpu",
         "--arch",
-        "resnet18",
+        "timm:resnet18" if 'arch = "timm:' in path.read_text() else "resnet18",
         "--image-size",
         "32",
         "--min-res",
@@ -276,12 +276,41 @@ PUBLISHED = {
             label_smoothing=0.0,
             mixup_alpha=0.1,
             cutmix_alpha=1.0,
+            randaugment=[2, 18],
+            randaugment_mstd=1.5,
             image_size=160,
             val_resize_size=236,
             val_crop_size=224,
         ),
     ),
 }
+RSB_A1_A2 = dict(  # table 1's common values of A1 and A2, on timm's resnet50 (stochastic depth)
+    arch="timm:resnet50",
+    batch_size=256,
+    optimizer="lamb",
+    lr=5e-3,
+    no_wd_norm_bias=True,
+    lr_scheduler="cosine",
+    warmup_epochs=5,
+    bce_loss=True,
+    bce_target_thresh=0.2,
+    cutmix_alpha=1.0,
+    randaugment=[2, 21],
+    randaugment_mstd=1.5,
+    drop_path=0.05,
+    ra_reps=3,
+    image_size=224,
+    val_resize_size=236,
+    val_crop_size=224,
+)
+PUBLISHED["timm_rsb_a1_resnet50.toml"] = (
+    "ResNet strikes back, table 1, A1 (80.4 %)",
+    dict(RSB_A1_A2, epochs=600, wd=0.01, label_smoothing=0.1, mixup_alpha=0.2),
+)
+PUBLISHED["timm_rsb_a2_resnet50.toml"] = (
+    "ResNet strikes back, table 1, A2 (79.8 %)",
+    dict(RSB_A1_A2, epochs=300, wd=0.02, label_smoothing=0.0, mixup_alpha=0.1),
+)
 
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED))

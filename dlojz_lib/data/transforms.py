@@ -495,7 +495,11 @@ def train_transform(cfg):
 def fixed_size_train_transform(cfg, image_size):
     extra = []
     if cfg.randaugment:
-        extra.append(v2.RandAugment(num_ops=cfg.randaugment[0], magnitude=cfg.randaugment[1]))
+        num_ops, magnitude = cfg.randaugment
+        if cfg.randaugment_mstd:
+            extra.append(NoisyRandAugment(num_ops, magnitude, cfg.randaugment_mstd))
+        else:
+            extra.append(v2.RandAugment(num_ops=num_ops, magnitude=magnitude))
     if cfg.trivialaugment:
         extra.append(v2.TrivialAugmentWide())
     if cfg.autoaugment:
@@ -506,6 +510,29 @@ def fixed_size_train_transform(cfg, image_size):
         extra.append(v2.RandomErasing(p=cfg.random_erase))
     crop_flip = TrainTransform(image_size)
     return v2.Compose([crop_flip, *extra]) if extra else crop_flip
+
+
+class NoisyRandAugment(v2.RandAugment):
+    """torchvision's RandAugment whose magnitude is drawn for each op from a normal law around M (timm's
+    ``mstd``), clipped to the 0-30 scale. The same ranges over 301 bins instead of 31 give the drawn magnitude a
+    tenth of a bin's resolution (bin 10 x M of 301 is bin M of 31, posterize's bits included). torchvision's ranges
+    are already timm's "increasing" ones (a larger magnitude, a stronger op)."""
+
+    BINS_PER_STEP = 10
+    MAX = 30
+
+    def __init__(self, num_ops, magnitude, std):
+        self.std = std
+        super().__init__(num_ops=num_ops, magnitude=magnitude, num_magnitude_bins=self.MAX * self.BINS_PER_STEP + 1)
+
+    @property
+    def magnitude(self):  # RandAugment.forward reads it once for each op that has a magnitude
+        drawn = self.mean + self.std * float(torch.randn(()))  # torch's generator: the sample's seed decides
+        return min(max(round(drawn * self.BINS_PER_STEP), 0), self.MAX * self.BINS_PER_STEP)
+
+    @magnitude.setter
+    def magnitude(self, value):
+        self.mean = value
 
 
 def batch_mixing(cfg, num_classes):
