@@ -84,6 +84,7 @@ class Config:
     warmup_start_factor: float | None  # None: 0 (the schedule's own where it has one)
     warmup_method: str | None  # None: linear
     min_lr: float | None  # None: 0
+    lr_per_epoch: bool  # the LR held through each epoch at its value at the epoch's first step
     lr_step_size: int | None  # step: epochs between milestones
     lr_milestones: list | None  # step: the milestones' epochs
     lr_gamma: float | None  # None: 0.1

@@ -300,6 +300,12 @@ def get_args_parser():
         help="cosine, linear, poly: the LR they decay to instead of 0 (torchvision's --lr-min, timm's --min-lr)",
     )
     p.add_argument(
+        "--lr-per-epoch",
+        action="store_true",
+        help="the LR (warm-up and decay) changes once per epoch, as torchvision's and timm's schedules step it\n"
+        "(default: every optimizer step, smoother for short runs); not with onecycle",
+    )
+    p.add_argument(
         "--lr-step-size",
         type=COUNT,
         default=None,
@@ -914,6 +920,8 @@ def check_schedule(values):
                 + (" (its own warm-up starts at lr/25)" if scheduler == "onecycle" and "warmup" in name else "")
                 + ": give one of them with --lr-scheduler, or drop it"
             )
+    if values["lr_per_epoch"] and scheduler == "onecycle":
+        fail("--lr-per-epoch: onecycle (torch's OneCycleLR) is a per-step schedule: choose another or drop it")
     warmup_given = [
         f"--{n.replace('_', '-')}" for n in ("warmup_start_factor", "warmup_method") if values[n] is not None
     ]

@@ -278,6 +278,7 @@ def build_scheduler(
     warmup_start: float = 0.0,
     warmup_method: str = "linear",
     min_lr: float = 0.0,
+    steps_per_epoch: int | None = None,
 ) -> torch.optim.lr_scheduler.LRScheduler:
     """Build the LR schedule ``name`` (one of ``SCHEDULERS``), stepped once per optimizer step.
 
@@ -296,7 +297,9 @@ def build_scheduler(
 
     The warm-up (``lr*s/W`` above) starts from ``warmup_start*lr`` instead of 0 when given, and with
     ``warmup_method="constant"`` stays there until ``W``. ``min_lr`` (absolute, scaled like each group's LR) is the
-    floor cosine, linear and poly decay to: ``min_lr + (lr - min_lr) * factor``.
+    floor cosine, linear and poly decay to: ``min_lr + (lr - min_lr) * factor``. With ``steps_per_epoch`` (all but
+    onecycle), every step of an epoch takes the LR of the epoch's first step: the schedule in epochs, as torchvision's
+    and timm's schedulers stepped once per epoch give it (warm-up and milestones at epoch boundaries).
 
     The warmup schedules are one ``LambdaLR`` each: an exact closed formula per step, and unlike ``SequentialLR``
     + ``LinearLR`` it can start the warmup from 0 and has no milestone hand-over to get wrong.
@@ -357,6 +360,12 @@ def build_scheduler(
 
         def factor(step: int) -> float:
             return warmup(step) if step < warmup_steps else 1.0
+
+    if steps_per_epoch:
+        per_step = factor
+
+        def factor(step: int) -> float:
+            return per_step(step - step % steps_per_epoch)
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
@@ -691,6 +700,7 @@ def build_training(cfg, model, n_train_batches, num_classes, ranks, log, class_c
                 warmup_start=cfg.warmup_start_factor or 0.0,
                 warmup_method=cfg.warmup_method or "linear",
                 min_lr=cfg.min_lr or 0.0,
+                steps_per_epoch=steps_per_epoch if cfg.lr_per_epoch else None,
             )
     except ValueError as err:
         fail(str(err))

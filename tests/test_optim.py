@@ -539,10 +539,31 @@ def test_the_schedule_flags_reach_the_run_s_schedule():
     assert flat[0] == flat[4] == pytest.approx(0.1) and flat[5] == pytest.approx(0.4)
 
 
+@pytest.mark.filterwarnings("ignore:Detected call of")
+def test_lr_per_epoch_gives_torchvision_s_schedule_stepped_once_per_epoch():
+    """torchvision's train.py: LinearLR warm-up then CosineAnnealingLR to --lr-min, one scheduler step per epoch."""
+    flags = ["--lr-scheduler", "cosine", "--warmup-epochs", "1", "--warmup-start-factor", "0.25", "--min-lr", "0.01"]
+    per_step, per_epoch = schedule_of(*flags), schedule_of(*flags, "--lr-per-epoch")
+    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.4)
+    torchvision_s = torch.optim.lr_scheduler.SequentialLR(
+        optimizer,
+        [
+            torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=0.25, total_iters=1),
+            torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=5, eta_min=0.01),
+        ],
+        milestones=[1],
+    )
+    for epoch in range(6):  # 5 steps an epoch
+        assert per_epoch[5 * epoch : 5 * epoch + 5] == pytest.approx([optimizer.param_groups[0]["lr"]] * 5), epoch
+        torchvision_s.step()
+    assert per_step[12] < per_epoch[12]  # without the flag, the LR moves within the epoch
+
+
 @pytest.mark.parametrize(
     "flags, message",
     [
         (["--min-lr", "0.01"], "--min-lr sets --lr-scheduler cosine or linear or poly, not onecycle"),
+        (["--lr-per-epoch"], "--lr-per-epoch: onecycle (torch's OneCycleLR) is a per-step schedule"),
         (["--warmup-start-factor", "0.1"], "not onecycle (its own warm-up starts at lr/25)"),
         (["--lr-scheduler", "cosine", "--lr-gamma", "0.5"], "--lr-gamma sets --lr-scheduler step, not cosine"),
         (

@@ -313,6 +313,10 @@ PUBLISHED["timm_rsb_a2_resnet50.toml"] = (
 )
 
 
+for _, published_flags in PUBLISHED.values():
+    published_flags["lr_per_epoch"] = True  # torchvision's and timm's train.py step their schedulers once per epoch
+
+
 @pytest.mark.parametrize("name", sorted(PUBLISHED))
 def test_a_published_recipe_gives_its_source_s_flags(name):
     source, flags = PUBLISHED[name]
