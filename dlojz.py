@@ -12,6 +12,7 @@ its loss, optimizer and schedule in dlojz_lib/optim.py, checkpoints and resume i
 prints in dlojz_lib/log.py, the chronometer, profiler and LR finder hooks in dlojz_lib/hooks.py.
 """
 
+import contextlib
 import dataclasses
 import os
 import sys
@@ -82,6 +83,7 @@ from dlojz_lib.resume import (
     save_epoch_checkpoint,
 )
 from dlojz_lib.parallel import build_model, state_bytes_per_rank
+from dlojz_lib.watchdog import Watchdog
 from dlojz_lib.data.transforms import training_resolution
 
 idr_torch = load_idr_torch()
@@ -117,7 +119,9 @@ def main(argv=None, running=None) -> dict:
 
     # ================================ INSTANTIATION: distribution
     ranks, cfg = setup_distributed(cfg)
-    stop = StopPoll(stop_signal, ranks, timedelta(seconds=cfg.dist_timeout))
+    # a thread that ends the job in one line when a rank hangs (each StopPoll call tells it the loop moves on)
+    watchdog = Watchdog(ranks, cfg.hang_timeout, cfg.output_dir, lambda: ckpt.newest_checkpoint(cfg.output_dir))
+    stop = StopPoll(stop_signal, ranks, timedelta(seconds=cfg.dist_timeout), watchdog.start())
     log = Console(ranks.is_main)
     if cfg.writes_checkpoints:
         claim_output_dir(cfg, ranks, log)  # one run writes in a folder: refused here, before any data scan
@@ -392,6 +396,7 @@ def train_one_epoch(
     first_nonfinite = torch.full((), -1.0, dtype=torch.float64, device=device)  # optimizer step of a NaN/inf loss
     stop_reason = None
     model.net.train()
+    stop.watchdog.disarm()  # the first step (compilation, autotuning) is not timed
     batches = hooks.loading(loaders.train_batches)
     for images, labels in batches:
         if progress.micro_steps == 0:
@@ -407,7 +412,7 @@ def train_one_epoch(
                 outputs = model.net(images)
                 with hooks.phase("loss"):
                     loss = training.criterion(outputs, targets)
-            with hooks.phase("backward"):
+            with hooks.phase("backward"), stop.watchdog.collective("the gradient all-reduce", optimizer_step):
                 training.scaler.scale(loss / cfg.grad_acc).backward()
         if optimizer_step:
             with hooks.phase("optimizer_step"):
@@ -443,14 +448,16 @@ def train_one_epoch(
             )
         if hooks.optimizer_step_done(loss, stats[1], count):  # the LR finder has swept its range
             break
-        if stop():  # a stop signal on any rank (asked without waiting for the GPU): all ranks stop here
+        if stop(
+            state.global_step
+        ):  # a stop signal on any rank (asked without waiting for the GPU): all ranks stop here
             stop_reason = stop.stop_signal.name or "signal on another rank"
             break
         end_of_test = cfg.test and state.global_step >= cfg.test_nsteps
         console_line = progress.is_console_line(batch_index) or end_of_test
         if state.global_step % LOG_EVERY == 0 or console_line:
             due = checkpoints is not None and checkpoints.due()  # rank 0's clock; the all-reduce tells the others
-            stop_requested, bad_step, save_now = agree_on_stop(stop.stop_signal, first_nonfinite, ranks, due)
+            stop_requested, bad_step, save_now = agree_on_stop(stop, first_nonfinite, ranks, due)
             progress.mark(hooks.data_wait_s)
             if bad_step >= 0:
                 diverged(cfg, bad_step, state.epoch)
@@ -469,9 +476,11 @@ def train_one_epoch(
     batches.close()  # leaving mid-epoch (test, stop signal): release this epoch's iterator and its workers' batches now
     stop.settle()
     progress.console.end_live_line()
-    if ranks.enabled:
-        dist.all_reduce(epoch_totals)
-    loss_sum, correct, count = epoch_totals.tolist()
+    with stop.watchdog.collective("the epoch's totals", ranks.enabled):
+        if ranks.enabled:
+            dist.all_reduce(epoch_totals)
+        loss_sum, correct, count = epoch_totals.tolist()
+    stop.watchdog.disarm()
     if count == 0:  # resumed after this epoch's training (stopped during its validation)
         return EpochResult(None, None, stop_reason)
     return EpochResult(loss_sum / count, correct / count, stop_reason)
@@ -502,6 +511,8 @@ def evaluate(
         for buffer in net.buffers():
             dist.broadcast(buffer, 0)
     net.eval()
+    if stop is not None:
+        stop.watchdog.disarm()  # the first batch (compilation in eval mode) is not timed
     totals = torch.zeros(4, dtype=torch.float64, device=ranks.device)  # loss sum, top-1 and top-5 correct, images
     confusion = None  # [true class x predicted class] counts, flattened, made at the first batch (its width)
     forwards, images = 0, None
@@ -546,9 +557,12 @@ def evaluate(
         stop.settle()  # a signal it found is asked again at the next call: this validation is complete
     # One all-reduce and one wait for the device: the totals and the confusion counts (exact in float64) together.
     results = totals if confusion is None else torch.cat([totals, confusion.double()])
-    if ranks.enabled:
-        dist.all_reduce(results)  # (every rank has a batch, hence the same length: build_loaders checks it)
-    results = results.cpu()
+    with stop.watchdog.collective("the validation's totals", ranks.enabled) if stop else contextlib.nullcontext():
+        if ranks.enabled:
+            dist.all_reduce(results)  # (every rank has a batch, hence the same length: build_loaders checks it)
+        results = results.cpu()
+    if stop is not None:
+        stop.watchdog.disarm()
     net.train()
     loss_sum, correct, correct5, count = results[:4].tolist()
     count_or_1 = max(count, 1)

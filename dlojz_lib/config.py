@@ -157,6 +157,7 @@ class Config:
     channels_last: bool
     tf32: bool
     dist_timeout: float
+    hang_timeout: float  # seconds without progress on any rank before the watchdog ends the job; 0: off
     fsdp: bool
     fsdp_reshard_after_forward: bool | None  # set (default True) with --fsdp only
     # logging, checkpoints, resume

@@ -8,7 +8,7 @@
 - `StopPoll(stop_signal, ranks)`: called at every optimizer step and between validation batches, says whether any rank
   has received a stop signal, without waiting for the GPU (a one-number all-reduce on a CPU group, read one call
   later), so that every rank stops at the same step.
-- `agree_on_stop(stop_signal, first_nonfinite, ranks, checkpoint_due)`: one small all-reduce at log points (it also
+- `agree_on_stop(stop, first_nonfinite, ranks, checkpoint_due)`: one small all-reduce at log points (it also
   carries rank 0's "a periodic checkpoint is due"), so that a NaN loss on one
   rank (or a signal) stops every rank at the same step.
 - `checkpoint_for_stop(...)` writes the checkpoint mid-epoch; `requeue(...)`, once W&B and the metrics are written,
@@ -35,6 +35,7 @@ import torch.distributed as dist
 
 import dlojz_lib.checkpoint as ckpt
 from dlojz_lib.config import load_idr_torch
+from dlojz_lib.watchdog import Watchdog
 
 
 @dataclasses.dataclass
@@ -103,12 +104,14 @@ class StopPoll:
     gets the same answer at the same call, one call after the signal arrived. Every rank must make the same calls,
     and `settle()` before it leaves a loop."""
 
-    def __init__(self, stop_signal, ranks, timeout=None):
+    def __init__(self, stop_signal, ranks, timeout=None, watchdog=None):
         self.stop_signal = stop_signal
         self.group = dist.new_group(backend="gloo", timeout=timeout) if ranks.enabled else None
+        self.watchdog = watchdog or Watchdog(ranks, 0, None)  # told of each call: the loop moves on
         self._pending = None  # (work, flag) of the all-reduce in flight
 
-    def __call__(self) -> bool:
+    def __call__(self, step=None) -> bool:
+        self.watchdog.mark(step)
         if self.group is None:
             return self.stop_signal.name is not None
         if self.settle():
@@ -123,24 +126,26 @@ class StopPoll:
             return False
         work, flag = self._pending
         self._pending = None
-        work.wait()
+        with self.watchdog.collective("the stop poll's all-reduce"):
+            work.wait()
         return bool(flag.numpy()[0])  # a CPU tensor: nothing to wait for on a GPU
 
 
-def agree_on_stop(stop_signal, first_nonfinite, ranks, checkpoint_due=False):
-    """One small all-reduce: the ranks agree on a stop signal, a NaN loss, or a periodic checkpoint that rank 0's
-    clock says is due (a signal may reach them at different steps; they stop, or save, at the same one). Returns
-    (stop requested, first non-finite step or -1, checkpoint now)."""
+def agree_on_stop(stop, first_nonfinite, ranks, checkpoint_due=False):
+    """One small all-reduce: the ranks agree on a stop signal (`stop`, a StopPoll), a NaN loss, or a periodic
+    checkpoint that rank 0's clock says is due (a signal may reach them at different steps; they stop, or save, at
+    the same one). Returns (stop requested, first non-finite step or -1, checkpoint now)."""
     control = torch.stack(
         [
-            torch.full((), 1.0 if stop_signal.name else 0.0, dtype=torch.float64, device=ranks.device),
+            torch.full((), 1.0 if stop.stop_signal.name else 0.0, dtype=torch.float64, device=ranks.device),
             torch.full((), 1.0 if checkpoint_due else 0.0, dtype=torch.float64, device=ranks.device),
             first_nonfinite,
         ]
     )
-    if ranks.enabled:
-        dist.all_reduce(control, op=dist.ReduceOp.MAX)
-    stop_requested, checkpoint_now, bad_step = control.tolist()
+    with stop.watchdog.collective("the log point's all-reduce", ranks.enabled):
+        if ranks.enabled:
+            dist.all_reduce(control, op=dist.ReduceOp.MAX)
+        stop_requested, checkpoint_now, bad_step = control.tolist()  # (a GPU's host waits here)
     return bool(stop_requested), bad_step, bool(checkpoint_now)
 
 

@@ -680,6 +680,15 @@ def get_args_parser():
         help="seconds before a collective waiting for a dead rank fails (default: 600; at least 10)",
     )
     p.add_argument(
+        "--hang-timeout",
+        type=Number(float, 0),
+        default=180,
+        metavar="SECONDS",
+        help="with several ranks: when no rank has moved on for this long, one line names the rank that hangs\n"
+        "(silent: stopped or dead; stuck: alive outside the others' collective) and the job ends with status 7\n"
+        "(default: 180, above a step's time, a checkpoint's or a recompilation's; 0: off)",
+    )
+    p.add_argument(
         "--fsdp",
         action="store_true",
         help="shard parameters, gradients and optimizer state across ranks (FSDP2, dlojz_lib/fsdp.py)\n"
@@ -820,6 +829,8 @@ def check_flags(values):
     for flag in ("model_ema_steps", "model_ema_warmup"):
         if values[flag] and not values["model_ema"]:
             fail(f"--{flag.replace('_', '-')} sets how --model-ema averages: add --model-ema")
+    if 0 < values["hang_timeout"] < 5:
+        fail(f"--hang-timeout {values['hang_timeout']:g}: at least 5 seconds (the ranks beat every few), or 0 (off)")
     if values["randaugment_mstd"] is not None and not values["randaugment"]:
         fail("--randaugment-mstd varies --randaugment's magnitude: add --randaugment N M")
     if values["bce_target_thresh"] is not None and not values["bce_loss"]:

@@ -1,0 +1,241 @@
+"""A hung rank costs minutes, not the job: a watchdog thread on every rank.
+
+Without it, a rank that hangs (stopped, its GPU stuck in a kernel, a collective it never enters) holds every other
+rank in its collective until --dist-timeout, and nothing says which rank it was. Here every rank's watchdog thread
+writes, every few seconds, through the job's key-value store (rank 0's TCPStore, or torchrun's), a heartbeat and
+where its training loop is: how far it has got (the loop marks each optimizer step and validation batch), how many
+times it has entered each of dlojz's collectives and the one it waits in. The loop's marks are Python attributes:
+no device synchronisation, no collective. Each thread reads every rank's, and when no rank has moved on for
+--hang-timeout seconds, the lowest rank that still answers prints one line naming the ranks that hold the others
+and how, and the job ends with exit status 7 (HUNG_STATUS) on every backend, long before --dist-timeout:
+
+- silent: its heartbeat stopped (the process is stopped or dead, or its node is gone);
+- stuck: it beats, but is not in the collective the others wait in (in a kernel, the data loader or Python, or it
+  skipped the collective);
+- when every rank waits in the same collective, all of them (a kernel or a collective that never ends; on a GPU
+  the host waits at the next log point whatever kernel hangs), and when they wait in different collectives, each
+  with its own (one rank skipped or added one).
+
+A rank is judged only between its first mark in a loop and the loop's end: the first batch of a loop (where
+torch.compile compiles and cuDNN autotunes), checkpoint writes and start-up are not timed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import threading
+import time
+from datetime import timedelta
+
+HUNG_STATUS = 7  # exit status: a rank hung (beside 4, a rank lost)
+_KEY = "dlojz/watchdog/{}"
+_ABORT = "dlojz/watchdog/abort"
+
+
+class Watchdog:
+    """This rank's marks (set by the loop) and the thread that publishes them and judges every rank's. With one
+    rank or --hang-timeout 0 it is off: the marks cost an attribute write."""
+
+    def __init__(self, ranks, hang_timeout: float, output_dir, latest_checkpoint=None):
+        self.enabled = ranks.enabled and hang_timeout > 0
+        self.rank, self.world_size, self.hosts = ranks.rank, ranks.world_size, ranks.hosts
+        self.hang_timeout = hang_timeout
+        self.period = max(0.5, min(5.0, hang_timeout / 8))  # a beat every period; judged over hang_timeout
+        self.output_dir = output_dir
+        self.latest_checkpoint = latest_checkpoint  # () -> the newest checkpoint's path, for the message
+        self.step = 0  # the optimizer step the loop is at
+        self.progress = 0  # marks so far
+        self.armed = False  # in a loop, past its first mark
+        self.entered = {}  # collective -> times this rank entered it
+        self.waiting = None  # the collective the loop waits in
+        self._store = None
+
+    # ---------------------------------------------------------------- the loop's marks (no sync, no collective)
+    def mark(self, step=None):
+        """A unit of work done: an optimizer step or a validation batch."""
+        if step is not None:
+            self.step = step
+        self.progress += 1
+        self.armed = True
+
+    def disarm(self):
+        """Leaving a loop, or entering one before its first mark: not timed."""
+        self.armed = False
+
+    @contextlib.contextmanager
+    def collective(self, name, entered=True):
+        """The loop waits in collective `name` (when `entered`)."""
+        if not entered:
+            yield
+            return
+        self.entered[name] = self.entered.get(name, 0) + 1
+        self.waiting = name
+        try:
+            yield
+        finally:
+            self.waiting = None
+
+    # ---------------------------------------------------------------- the thread
+    def start(self):
+        if not self.enabled:
+            return self
+        self._store = store_client(max(2.0, 2 * self.period))
+        self._publish(0)
+        threading.Thread(target=self._watch, name="dlojz-watchdog", daemon=True).start()
+        return self
+
+    def _state(self, beat):
+        return dict(
+            beat=beat,
+            progress=self.progress,
+            armed=self.armed,
+            step=self.step,
+            entered=dict(self.entered),
+            waiting=self.waiting,
+        )
+
+    def _publish(self, beat):
+        self._store.set(_KEY.format(self.rank), json.dumps(self._state(beat)))
+
+    def _read(self):
+        keys = [_KEY.format(r) for r in range(self.world_size)]
+        if self._store.check(keys):
+            return dict(enumerate(json.loads(v) for v in self._store.multi_get(keys)))
+        return {r: json.loads(self._store.get(k)) for r, k in enumerate(keys) if self._store.check([k])}
+
+    def _watch(self):
+        judge = Judge(self.world_size, self.hang_timeout, self.period, time.monotonic())
+        beat, unanswered_since = 0, None
+        while True:
+            time.sleep(self.period)
+            beat += 1
+            now = time.monotonic()
+            try:
+                self._publish(beat)
+                if self._store.check([_ABORT]):  # the reporting rank has said it: end with it
+                    os._exit(HUNG_STATUS)
+                states = self._read()
+            except Exception:  # the store's host does not answer (stopped, dead, node lost)
+                unanswered_since = unanswered_since or now
+                if now - unanswered_since > self.hang_timeout:
+                    if self.rank != 1:  # rank 1 says it; every rank ends
+                        os._exit(HUNG_STATUS)
+                    self._end(
+                        f"rank 0 ({self._host(0)}) is silent: the job's store on its host has not answered for "
+                        f"{now - unanswered_since:.0f} s (stopped or dead, or its node lost)"
+                    )
+                continue
+            unanswered_since = None
+            verdict = judge.update(states, now)
+            if verdict is not None and verdict.reporter == self.rank:
+                self._end(verdict.describe(self._host))
+
+    def _host(self, rank):
+        return self.hosts[rank] if rank < len(self.hosts) else "?"
+
+    def _end(self, what):
+        latest = self.latest_checkpoint() if self.latest_checkpoint else None
+        line = (
+            f"dlojz: error: {what}; no rank has moved on for {self.hang_timeout:g} s (--hang-timeout); "
+            f"last checkpoint: {latest or 'none'}; continue with --resume auto --output-dir {self.output_dir}\n"
+        )
+        os.write(2, line.encode())  # not print: the main thread may be in the middle of one
+        with contextlib.suppress(Exception):
+            self._store.set(_ABORT, str(self.rank))
+            time.sleep(2 * self.period)  # the others read it at their next beat (rank 0's process holds the store)
+        os._exit(HUNG_STATUS)  # the main thread waits in a collective that never ends
+
+
+def store_client(timeout_s):
+    """A connection of this thread's own to the job's store, with a short timeout: the main thread's may be in use,
+    and the watchdog must not wait on a store whose host is stopped."""
+    import torch.distributed as dist
+
+    host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if host and port:
+        with contextlib.suppress(Exception):
+            return dist.TCPStore(
+                host, int(port), is_master=False, timeout=timedelta(seconds=timeout_s), wait_for_workers=False
+            )
+    return dist.distributed_c10d._get_default_store()
+
+
+class Verdict:
+    def __init__(self, kind, ranks, states, reporter):
+        self.kind, self.ranks, self.states, self.reporter = kind, ranks, states, reporter
+
+    def describe(self, host):
+        def who(r):
+            return f"rank {r} ({host(r)})"
+
+        def at(r):
+            return f"at step {self.states[r]['step']}" if r in self.states else "before its first beat"
+
+        if self.kind == "silent":
+            return "; ".join(f"{who(r)} is silent {at(r)} (stopped or dead: no heartbeat)" for r in self.ranks)
+        if self.kind == "stuck":
+            waiters = sorted({s["waiting"] for s in self.states.values() if s["waiting"]})
+            return "; ".join(
+                f"{who(r)} is stuck {at(r)}: alive, but not in {' or '.join(waiters)} that the others wait in (in a "
+                f"kernel, the data loader or Python, or it skipped the collective)"
+                for r in self.ranks
+            )
+        places = {self.states[r]["waiting"] for r in self.ranks}
+        if places == {None}:
+            return (
+                f"every rank is stuck {at(self.ranks[0])} outside any collective "
+                f"({', '.join(who(r) for r in self.ranks)}): in a kernel, the data loader or Python"
+            )
+        if len(places) == 1:
+            (place,) = places
+            return (
+                f"every rank is stuck in {place} {at(self.ranks[0])} ({', '.join(who(r) for r in self.ranks)}): a "
+                f"kernel or a collective that never ends"
+            )
+
+        def place(r):
+            waiting = self.states[r]["waiting"]
+            return f"in {waiting} #{self.states[r]['entered'].get(waiting, 0)}" if waiting else "in no collective"
+
+        return "the ranks wait in different collectives, one skipped or added one: " + "; ".join(
+            f"{who(r)} {place(r)} {at(r)}" for r in self.ranks
+        )
+
+
+class Judge:
+    """Every rank's last state, when its heartbeat and its progress last changed (this rank's clock), and the
+    verdict once no rank has moved on for `hang_timeout` seconds."""
+
+    def __init__(self, world_size, hang_timeout, period, now):
+        self.world_size, self.hang_timeout, self.period = world_size, hang_timeout, period
+        self.states = {}
+        self.beat_at = dict.fromkeys(range(world_size), now)  # a rank never heard from: silent after hang_timeout
+        self.moved_at = dict.fromkeys(range(world_size), now)
+
+    def update(self, states, now):
+        for r, state in states.items():
+            last = self.states.get(r)
+            if last is None or state["beat"] != last["beat"]:
+                self.beat_at[r] = now
+            if last is None or state["progress"] != last["progress"] or not state["armed"]:
+                self.moved_at[r] = now
+            self.states[r] = state
+        ranks = range(self.world_size)
+        silent = [r for r in ranks if now - self.beat_at[r] > self.hang_timeout]
+        beating = [r for r in ranks if now - self.beat_at[r] <= 3 * self.period]
+        if len(silent) + len(beating) < self.world_size:
+            return None  # a rank neither beating nor silent yet: wait for it to be one or the other
+        if any(now - self.moved_at[r] <= self.hang_timeout for r in beating):
+            return None  # some rank moves on
+        if not beating:
+            return None  # no one left to report
+        reporter = min(beating)
+        if silent:
+            return Verdict("silent", silent, self.states, reporter)
+        waiting = {r: self.states[r]["waiting"] for r in beating}
+        outside = [r for r in beating if waiting[r] is None]
+        if outside and len(outside) < len(beating):
+            return Verdict("stuck", outside, self.states, reporter)
+        return Verdict("collective", list(beating), self.states, reporter)
