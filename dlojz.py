@@ -120,7 +120,9 @@ def main(argv=None, running=None) -> dict:
     # ================================ INSTANTIATION: distribution
     ranks, cfg = setup_distributed(cfg)
     # a thread that ends the job in one line when a rank hangs (each StopPoll call tells it the loop moves on)
-    watchdog = Watchdog(ranks, cfg.hang_timeout, cfg.output_dir, lambda: ckpt.newest_checkpoint(cfg.output_dir))
+    watchdog = Watchdog(
+        ranks, cfg.hang_timeout, cfg.output_dir, lambda: ckpt.newest_checkpoint(cfg.output_dir), cfg.straggler_factor
+    )
     stop = StopPoll(stop_signal, ranks, timedelta(seconds=cfg.dist_timeout), watchdog.start())
     log = Console(ranks.is_main)
     if cfg.writes_checkpoints:
@@ -213,6 +215,8 @@ def main(argv=None, running=None) -> dict:
     metrics["images_per_second"] = progress.images_per_second()
     metrics["data_wait_ms"] = progress.data_wait_ms()  # steady state, per micro-batch, as images_per_second
     metrics.update(state_bytes_per_rank(model, training, ranks))  # what DDP copies and FSDP shards
+    if watchdog.compares:
+        metrics["stragglers"] = watchdog.stragglers
     metrics["grad_scaler_scale"] = (
         training.scaler.get_scale() if training.scaler.is_enabled() else None
     )  # float16 loss scale
@@ -407,7 +411,7 @@ def train_one_epoch(
             images, targets = training.mix(images, labels)
         optimizer_step = (batch_index + 1) % cfg.grad_acc == 0 or batch_index == loaders.n_train_batches - 1
         with model.gradient_sync(optimizer_step):  # accumulating: gradients reduced at the last micro-batch only
-            with hooks.phase("forward"), training.autocast():
+            with hooks.phase("forward"), stop.watchdog.timing(), training.autocast():
                 model.begin_step()  # CUDA graphs: the last step's outputs may be overwritten
                 outputs = model.net(images)
                 with hooks.phase("loss"):
@@ -457,7 +461,9 @@ def train_one_epoch(
         console_line = progress.is_console_line(batch_index) or end_of_test
         if state.global_step % LOG_EVERY == 0 or console_line:
             due = checkpoints is not None and checkpoints.due()  # rank 0's clock; the all-reduce tells the others
-            stop_requested, bad_step, save_now = agree_on_stop(stop, first_nonfinite, ranks, due)
+            stop_requested, bad_step, save_now, straggler = agree_on_stop(stop, first_nonfinite, ranks, due)
+            if straggler:  # named once per rank
+                progress.console(straggler)
             progress.mark(hooks.data_wait_s)
             if bad_step >= 0:
                 diverged(cfg, bad_step, state.epoch)

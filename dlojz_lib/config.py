@@ -158,6 +158,7 @@ class Config:
     tf32: bool
     dist_timeout: float
     hang_timeout: float  # seconds without progress on any rank before the watchdog ends the job; 0: off
+    straggler_factor: float  # a rank this many times slower than the median in its forward is named; 0: off
     fsdp: bool
     fsdp_reshard_after_forward: bool | None  # set (default True) with --fsdp only
     # logging, checkpoints, resume

@@ -134,7 +134,10 @@ class StopPoll:
 def agree_on_stop(stop, first_nonfinite, ranks, checkpoint_due=False):
     """One small all-reduce: the ranks agree on a stop signal (`stop`, a StopPoll), a NaN loss, or a periodic
     checkpoint that rank 0's clock says is due (a signal may reach them at different steps; they stop, or save, at
-    the same one). Returns (stop requested, first non-finite step or -1, checkpoint now)."""
+    the same one). With stragglers compared, it also carries every rank's forward seconds since the last log point
+    (each rank its own slot: the MAX is the gather). Returns (stop requested, first non-finite step or -1,
+    checkpoint now, the line naming a straggler or None)."""
+    watchdog = stop.watchdog
     control = torch.stack(
         [
             torch.full((), 1.0 if stop.stop_signal.name else 0.0, dtype=torch.float64, device=ranks.device),
@@ -142,11 +145,17 @@ def agree_on_stop(stop, first_nonfinite, ranks, checkpoint_due=False):
             first_nonfinite,
         ]
     )
-    with stop.watchdog.collective("the log point's all-reduce", ranks.enabled):
+    if watchdog.compares:
+        forward = torch.zeros(ranks.world_size, dtype=torch.float64, device=ranks.device)
+        forward[ranks.rank] = watchdog.forward_seconds()  # a fill on the device: no wait
+        control = torch.cat([control, forward])
+    with watchdog.collective("the log point's all-reduce", ranks.enabled):
         if ranks.enabled:
             dist.all_reduce(control, op=dist.ReduceOp.MAX)
-        stop_requested, checkpoint_now, bad_step = control.tolist()  # (a GPU's host waits here)
-    return bool(stop_requested), bad_step, bool(checkpoint_now)
+        values = control.tolist()  # (a GPU's host waits here)
+    stop_requested, checkpoint_now, bad_step = values[:3]
+    straggler = watchdog.compare(values[3:]) if watchdog.compares else None
+    return bool(stop_requested), bad_step, bool(checkpoint_now), straggler
 
 
 def checkpoint_for_stop(cfg, saver, state, reason, n_train_batches, ranks, log):

@@ -689,6 +689,14 @@ def get_args_parser():
         "(default: 180, above a step's time, a checkpoint's or a recompilation's; 0: off)",
     )
     p.add_argument(
+        "--straggler-factor",
+        type=Number(float, 0),
+        default=1.5,
+        metavar="F",
+        help="with several ranks: a rank whose forward takes F times the others' median at 3 log points in a row\n"
+        "is named once in the log and in the metrics JSON (default: 1.5; 0: off)",
+    )
+    p.add_argument(
         "--fsdp",
         action="store_true",
         help="shard parameters, gradients and optimizer state across ranks (FSDP2, dlojz_lib/fsdp.py)\n"
@@ -829,6 +837,8 @@ def check_flags(values):
     for flag in ("model_ema_steps", "model_ema_warmup"):
         if values[flag] and not values["model_ema"]:
             fail(f"--{flag.replace('_', '-')} sets how --model-ema averages: add --model-ema")
+    if 0 < values["straggler_factor"] <= 1:
+        fail(f"--straggler-factor {values['straggler_factor']:g}: above 1 (times the others' median), or 0 (off)")
     if 0 < values["hang_timeout"] < 5:
         fail(f"--hang-timeout {values['hang_timeout']:g}: at least 5 seconds (the ranks beat every few), or 0 (off)")
     if values["randaugment_mstd"] is not None and not values["randaugment"]:

@@ -18,6 +18,12 @@ and how, and the job ends with exit status 7 (HUNG_STATUS) on every backend, lon
 
 A rank is judged only between its first mark in a loop and the loop's end: the first batch of a loop (where
 torch.compile compiles and cuDNN autotunes), checkpoint writes and start-up are not timed.
+
+Stragglers: a slow rank makes every rank's step as long as its own (the gradient all-reduce waits for it), so it
+shows in the part of a step before that all-reduce: the forward and the loss. Each rank times its own (host seconds
+on a CPU; CUDA events on a GPU, read once complete: no wait), and the log point's all-reduce, which the ranks make
+anyway, carries every rank's seconds since the last one. A rank slower than the median of the others by
+--straggler-factor at STRAGGLER_POINTS log points in a row is named once in the log and in the metrics JSON.
 """
 
 from __future__ import annotations
@@ -25,11 +31,15 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import statistics
 import threading
 import time
 from datetime import timedelta
 
+import torch
+
 HUNG_STATUS = 7  # exit status: a rank hung (beside 4, a rank lost)
+STRAGGLER_POINTS = 3  # log points in a row a rank must be slow at to be named a straggler
 _KEY = "dlojz/watchdog/{}"
 _ABORT = "dlojz/watchdog/abort"
 
@@ -38,8 +48,15 @@ class Watchdog:
     """This rank's marks (set by the loop) and the thread that publishes them and judges every rank's. With one
     rank or --hang-timeout 0 it is off: the marks cost an attribute write."""
 
-    def __init__(self, ranks, hang_timeout: float, output_dir, latest_checkpoint=None):
+    def __init__(self, ranks, hang_timeout: float, output_dir, latest_checkpoint=None, straggler_factor=0.0):
         self.enabled = ranks.enabled and hang_timeout > 0
+        self.compares = ranks.enabled and straggler_factor > 0  # the ranks' forward times, at log points
+        self.straggler_factor = straggler_factor
+        self.stragglers = []  # the ranks named: dict(rank, host, step, ratio), once each
+        self._slow_in_a_row = {}
+        self._cuda = ranks.device.type == "cuda"
+        self._forward_s = 0.0  # this rank's forward seconds since the last log point (CPU)
+        self._events = []  # (start, end) CUDA events of the forwards not read yet
         self.rank, self.world_size, self.hosts = ranks.rank, ranks.world_size, ranks.hosts
         self.hang_timeout = hang_timeout
         self.period = max(0.5, min(5.0, hang_timeout / 8))  # a beat every period; judged over hang_timeout
@@ -76,6 +93,54 @@ class Watchdog:
             yield
         finally:
             self.waiting = None
+
+    # ---------------------------------------------------------------- stragglers
+    @contextlib.contextmanager
+    def timing(self):
+        """Around a micro-batch's forward and loss (not a loop's first: compilation, autotuning)."""
+        if not (self.compares and self.armed):
+            yield
+        elif self._cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            yield
+            end.record()
+            self._events.append((start, end))
+        else:
+            started = time.perf_counter()
+            yield
+            self._forward_s += time.perf_counter() - started
+
+    def forward_seconds(self):
+        """This rank's forward seconds since the last call; on a GPU, of the forwards whose events are complete
+        (query() does not wait: a forward still running counts at the next log point)."""
+        seconds, self._forward_s = self._forward_s, 0.0
+        while self._events and self._events[0][1].query():
+            start, end = self._events.pop(0)
+            seconds += start.elapsed_time(end) / 1000
+        return seconds
+
+    def compare(self, seconds):
+        """Every rank's forward seconds since the last log point (0: none timed): the line naming the ranks that
+        have been slower than the others' median by the factor at STRAGGLER_POINTS log points in a row, once."""
+        named = []
+        for rank, own in enumerate(seconds):
+            others = [s for r, s in enumerate(seconds) if r != rank and s > 0]
+            if own <= 0 or not others:
+                continue  # nothing timed on this rank or the others since the last log point: no evidence
+            ratio = own / statistics.median(others)
+            slow = self._slow_in_a_row.get(rank, 0) + 1 if ratio >= self.straggler_factor else 0
+            self._slow_in_a_row[rank] = slow
+            if slow == STRAGGLER_POINTS and all(s["rank"] != rank for s in self.stragglers):
+                self.stragglers.append(dict(rank=rank, host=self._host(rank), step=self.step, ratio=round(ratio, 2)))
+                named.append(f"rank {rank} ({self._host(rank)}) takes {ratio:.1f}x")
+        if not named:
+            return None
+        return (
+            f"straggler: {', '.join(named)} the other ranks' median time in its forward, at {STRAGGLER_POINTS} log "
+            f"points in a row (step {self.step}): every rank waits for it at each step (a slower or throttled GPU, "
+            f"a busy node, CPU cores shared with another job, a slow file system under its data loader)"
+        )
 
     # ---------------------------------------------------------------- the thread
     def start(self):

@@ -86,6 +86,9 @@ def refusal(capsys, *flags):
         (["--train-subset", "1.5"], "--train-subset is a fraction in (0, 1) or a whole number"),
         (["--loader-only", "--synthetic"], "--loader-only times the DataLoader"),
         (["--eval-only"], "--eval-only needs --resume"),
+        (["--hang-timeout", "2"], "--hang-timeout 2: at least 5 seconds"),
+        (["--hang-timeout", "-1"], "--hang-timeout: must be >= 0"),
+        (["--straggler-factor", "1"], "--straggler-factor 1: above 1"),
     ],
 )
 def test_each_bound_is_checked(capsys, flags, fragment):

@@ -1,5 +1,6 @@
-"""The hang watchdog (dlojz_lib/watchdog.py): its verdicts from the ranks' published states (unit), and two ranks
-whose rank 1 is stopped (silent) or kept alive outside the collective rank 0 waits in (stuck)."""
+"""The hang watchdog and the straggler line (dlojz_lib/watchdog.py): verdicts from the ranks' published states and
+the straggler comparison (unit); two ranks whose rank 1 is stopped (silent), kept alive outside the collective rank
+0 waits in (stuck), or slowed by SIGSTOP/SIGCONT pulses (a straggler)."""
 
 import signal
 import socket
@@ -7,11 +8,15 @@ import subprocess
 import sys
 import time
 
+import threading
+
 import pytest
+import torch
 
 import preloaded
-from conftest import ROOT, SMALL, clean_env, start_dlojz
-from dlojz_lib.watchdog import HUNG_STATUS, Judge
+from conftest import ROOT, SMALL, clean_env, read_json, start_dlojz
+from dlojz_lib.dist import Distribution
+from dlojz_lib.watchdog import HUNG_STATUS, Judge, Watchdog
 
 T, PERIOD = 10.0, 1.0
 
@@ -78,6 +83,32 @@ def test_no_verdict_while_a_rank_moves_on_or_is_outside_a_loop():
     # a slow but moving rank: no verdict
     verdict, _ = run_judge(lambda t: {0: state(t, t // 8, waiting="x"), 1: state(t, t // 8)})
     assert verdict is None
+
+
+def watchdog_of(factor, world_size=3):
+    hosts = tuple(f"node{r}" for r in range(world_size))
+    return Watchdog(Distribution(world_size, 0, 0, torch.device("cpu"), hosts), 0, "out", straggler_factor=factor)
+
+
+def test_a_rank_slow_at_three_log_points_in_a_row_is_named_once():
+    watchdog = watchdog_of(1.5)
+    assert watchdog.compares and not watchdog.enabled  # the comparison runs without the hang watchdog
+    assert watchdog.compare([1.0, 1.1, 2.0]) is None and watchdog.compare([1.0, 1.0, 1.0]) is None  # not in a row
+    watchdog.mark(12)
+    assert watchdog.compare([1.0, 1.1, 1.8]) is None and watchdog.compare([1.0, 0.0, 1.8]) is None  # (0: not timed)
+    line = watchdog.compare([1.0, 1.1, 1.8])
+    assert line.startswith(
+        "straggler: rank 2 (node2) takes 1.7x the other ranks' median time in its forward, at 3 log points in a "
+        "row (step 12)"
+    ), line
+    assert watchdog.stragglers == [dict(rank=2, host="node2", step=12, ratio=1.71)]
+    assert all(watchdog.compare([1.0, 1.1, 1.8]) is None for _ in range(5))  # once
+
+
+def test_straggler_factor_sets_how_much_slower_a_straggler_is():
+    watchdog = watchdog_of(2.0)
+    assert all(watchdog.compare([1.0, 1.1, 1.8]) is None for _ in range(5)) and not watchdog.stragglers
+    assert not watchdog_of(0).compares
 
 
 # ---------------------------------------------------------------- two ranks on this machine
@@ -164,3 +195,35 @@ def test_a_rank_alive_outside_the_others_collective_is_named_stuck_and_every_ran
     assert error.startswith(f"dlojz: error: rank 1 ({socket.gethostname()}) is stuck at step "), error
     assert "alive, but not in the log point's all-reduce that the others wait in" in error, error
     assert "dlojz: " not in log1, log1[-3000:]  # one line for the job, from rank 0
+
+
+def test_a_rank_slowed_by_pulses_is_named_a_straggler_once_and_in_the_metrics(watch_data, tmp_path):
+    metrics = tmp_path / "m.json"
+    args = [*RUN, "--epochs", "3", "--data-root", watch_data, "--output-dir", tmp_path / "run"]
+    port = preloaded.free_port()
+    env = [preloaded.rank_env(clean_env(OMP_NUM_THREADS=1), rank, 2, port) for rank in (0, 1)]
+    rank0 = start_dlojz(*args, "--metrics-json", metrics, env=env[0])
+    rank1 = start_dlojz(*args, env=env[1])
+    done = threading.Event()
+
+    def pulses():  # rank 1 runs 40 % of the time: its forwards take ~2.5 times rank 0's
+        while not done.is_set() and rank1.poll() is None:
+            rank1.send_signal(signal.SIGSTOP)
+            time.sleep(0.15)
+            rank1.send_signal(signal.SIGCONT)
+            time.sleep(0.1)
+
+    pulsing = threading.Thread(target=pulses, daemon=True)
+    try:
+        read_until(rank0, "Epoch 1/3")
+        pulsing.start()
+        log0 = end_of(rank0, 240)
+    finally:
+        done.set()
+        pulsing.join()
+        rank1.send_signal(signal.SIGCONT)
+        end_of(rank1, 60)
+    assert rank0.returncode == 0 and rank1.returncode == 0, log0[-3000:]
+    lines = [line for line in log0.splitlines() if "straggler:" in line]
+    assert len(lines) == 1 and f"rank 1 ({socket.gethostname()}) takes" in lines[0], log0[-3000:]
+    assert [s["rank"] for s in read_json(metrics)["stragglers"]] == [1]
