@@ -76,6 +76,7 @@ from dlojz_lib.log import (
 from dlojz_lib.resume import (
     check_checkpoints_written,
     claim_output_dir,
+    keep_global_batch,
     make_saver,
     periodic_checkpoints,
     release_output_dir,
@@ -127,6 +128,7 @@ def main(argv=None, running=None) -> dict:
     log = Console(ranks.is_main)
     if cfg.writes_checkpoints:
         claim_output_dir(cfg, ranks, log)  # one run writes in a folder: refused here, before any data scan
+    cfg = keep_global_batch(cfg, ranks.world_size, log)  # (before the loaders and the schedule: --grad-acc)
     announce_run(cfg, argv, ranks, log, f"{idr_torch.num_nodes} nodes", idr_torch.current_API)
     chrono = Chronometer(enabled=cfg.test, rank=ranks.rank, device=ranks.device)
 

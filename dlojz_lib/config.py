@@ -91,6 +91,7 @@ class Config:
     findlr: bool
     # memory and speed
     grad_acc: int
+    keep_global_batch: bool  # resumed on another number of ranks: --grad-acc keeps the global batch
     grad_checkpointing: bool
     compile: bool
     compile_mode: str | None

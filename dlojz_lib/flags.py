@@ -347,6 +347,12 @@ def get_args_parser():
         help="accumulate gradients over N micro-batches per optimizer step (default: 1)",
     )
     p.add_argument(
+        "--keep-global-batch",
+        action="store_true",
+        help="resuming on another number of ranks: keep the checkpoint's global batch (hence its steps and LR\n"
+        "schedule) by changing --grad-acc, where ranks x --batch-size divides it (the Slurm scripts' restarts)",
+    )
+    p.add_argument(
         "--grad-checkpointing", action="store_true", help="recompute activations of the model's stages in the backward"
     )
     p.add_argument(

@@ -210,6 +210,49 @@ def make_saver(cfg, model, training, ranks):
     )
 
 
+def keep_global_batch(cfg, world_size, log):
+    """--keep-global-batch: a run resumed on another number of ranks (a restart without a lost node) keeps its
+    checkpoint's global batch, hence the same optimizer steps per epoch and the same learning rates, by changing
+    --grad-acc, when ranks x --batch-size divides it; otherwise one line says how the global batch changes.
+    Returns cfg, with the --grad-acc that does it."""
+    if not cfg.keep_global_batch or not cfg.resume or cfg.eval_only:
+        return cfg
+    try:
+        saved, _ = ckpt.load_latest(cfg.output_dir) if cfg.resume == "auto" else (ckpt.load(cfg.resume), None)
+    except ckpt.CheckpointError:
+        return cfg  # restore() says it in its own line
+    if saved is None:
+        return cfg
+    args = saved["args"]
+    saved_world, saved_batch, saved_acc = (
+        saved.get("world_size", world_size),
+        args["batch_size"],
+        args.get("grad_acc", 1),
+    )
+    saved_global = saved_world * saved_batch * saved_acc
+    per_step = world_size * cfg.batch_size
+    if saved_global == per_step * cfg.grad_acc:
+        return cfg
+    written = f"the checkpoint's global batch of {saved_global} images ({ranks_of(saved_world)} x {saved_batch} x {saved_acc})"
+    if saved_global % per_step:
+        log(
+            f"--keep-global-batch: {ranks_of(world_size)} x {cfg.batch_size} images do not divide {written}: the global "
+            f"batch becomes {per_step * cfg.grad_acc} images, and with it the steps per epoch and the LR schedule; "
+            f"give a --batch-size B with {world_size} x B dividing {saved_global} to keep it"
+        )
+        return cfg
+    grad_acc = saved_global // per_step
+    log(
+        f"--keep-global-batch: {ranks_of(world_size)} x {cfg.batch_size} images x --grad-acc {grad_acc} keep {written}: "
+        f"the same steps per epoch and learning rates"
+    )
+    return dataclasses.replace(cfg, grad_acc=grad_acc)
+
+
+def ranks_of(n):
+    return f"{n} rank{'s' if n > 1 else ''}"
+
+
 def restore(cfg, model, training, n_train_batches, device, log):
     """--resume: the weights (and EMA); unless --eval-only, also the optimizer, schedule, GradScaler, training
     position and random generators. Returns (TrainState, the checkpoint's path or None)."""

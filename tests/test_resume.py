@@ -225,6 +225,13 @@ def two_epochs_tiny(tiny_data, tmp_path_factory):
     [
         (["-b", "4"], 18, "is rebuilt for 36 optimizer steps and continues from step 18"),
         (["--grad-acc", "2"], 5, "is rebuilt for 10 optimizer steps and continues from step 5"),
+        (  # the same global batch, hence the same steps: the schedule is not even rebuilt
+            ["-b", "4", "--keep-global-batch"],
+            9,
+            "--keep-global-batch: 1 rank x 4 images x --grad-acc 2 keep the checkpoint's global batch of 8 images "
+            "(1 rank x 8 x 1): the same steps per epoch and learning rates",
+        ),
+        (["-b", "3", "--keep-global-batch"], 24, "1 rank x 3 images do not divide the checkpoint's global batch of 8"),
         (["--optimizer", "adamw"], 9, "--optimizer adamw: the checkpoint's sgd state is dropped; it starts afresh"),
         (
             ["--lr-scheduler", "cosine"],

@@ -22,6 +22,7 @@ ROOT = Path(__file__).resolve().parent.parent
 SLURM_DIR = ROOT / "slurm"
 CPU_SCRIPT = SLURM_DIR / "dlojz_cpu.slurm"
 GPU_SCRIPTS = ["dlojz_1gpu.slurm", "dlojz_1node.slurm", "dlojz_multinode.slurm", "dlojz_test.slurm", "dlojz_fsdp.slurm"]
+RESTARTS = ["dlojz_cpu.slurm", "dlojz_1node.slurm", "dlojz_multinode.slurm", "dlojz_fsdp.slurm"]
 LONG_JOBS = ["dlojz_cpu.slurm", "dlojz_1gpu.slurm", "dlojz_1node.slurm", "dlojz_multinode.slurm", "dlojz_fsdp.slurm"]
 
 
@@ -97,8 +98,8 @@ def test_script_directives(name):
     assert "--hint" in d and d["--hint"] == "nomultithread"
     assert "--cpus-per-task" in d
     assert 'cd "${SLURM_SUBMIT_DIR' in text and "source slurm/dlojz_env.sh" in text
-    # a task that fails ends the others at once instead of leaving them in a collective
-    assert re.search(r"^srun --kill-on-bad-exit=1 python -u dlojz\.py\b", text, re.M)
+    # a task that fails ends the others at once instead of leaving them in a collective (dlojz_srun's srun too)
+    assert re.search(r"^(srun --kill-on-bad-exit=1|dlojz_srun) python -u dlojz\.py\b", text, re.M)
     assert '"$@"' in text, "extra sbatch arguments must reach dlojz.py"
     if name in GPU_SCRIPTS:
         gpus = int(d["--gres"].split(":")[-1])
@@ -106,6 +107,9 @@ def test_script_directives(name):
     if name in LONG_JOBS:
         assert re.fullmatch(r"USR1@\d+", d.get("--signal") or ""), "long jobs get SIGUSR1 before the time limit"
         assert "--requeue" in d and "--resume auto" in text
+    if name in RESTARTS:  # a lost node or a hung rank: run again inside the allocation, on the nodes left
+        assert "source slurm/dlojz_restart.sh" in text and "dlojz_srun python -u dlojz.py" in text
+        assert "--no-kill" in d and "--keep-global-batch" in text
 
 
 def test_env_script_names_a_missing_venv(tmp_path):
