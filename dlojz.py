@@ -478,6 +478,7 @@ def train_one_epoch(
                 stop_reason = stop.stop_signal.name or "signal on another rank"
                 break
             if save_now and state.batch < loaders.n_train_batches:  # (the epoch's end writes its own)
+                stop.watchdog.disarm()  # a sharded save on a slow file system may take minutes: not a hang
                 checkpoints.save(state)
         if end_of_test:
             break

@@ -281,3 +281,90 @@ def test_a_slurm_sweep_is_one_job_array_whose_tasks_are_the_runs(slurm_cluster, 
         metrics = json.loads((sweep / row["run"] / "metrics.json").read_text())
         assert float(row["img_s"]) == metrics["chrono"]["throughput_img_s"]
         assert metrics["global_batch_size"] == int(row["batch-size"])  # the grid's value reached the run
+
+
+# ---------------------------------------------------------------- dlojz_srun's restarts, with a stand-in srun
+FAKE_SRUN = r"""#!/bin/bash
+# A stand-in for srun: a node probe (`... true`) answers unless its node is in $DOWN; a training step ends with
+# the next status of $STATUSES, said as srun says it, and hangs after saying it when $HANG is set.
+echo "$*" >> "$CALLS"
+for arg in "$@"; do case "$arg" in --nodelist=*) nodelist="${arg#--nodelist=}" ;; esac; done
+if [ "${*: -1}" = true ]; then
+    case ",$DOWN," in *",$nodelist,"*) exec sleep 60 ;; esac  # (exec: the process killed holds no pipe open)
+    exit 0
+fi
+n=$(cat "$COUNT" 2>/dev/null || echo 0)
+echo $(( n + 1 )) > "$COUNT"
+read -ra statuses <<< "$STATUSES"
+status="${statuses[$n]:-0}"
+if [ "$status" -ne 0 ]; then
+    echo "srun: error: n1: task 0: Exited with exit code $status" >&2
+    [ -n "$HANG" ] && exec sleep 60
+fi
+exit "$status"
+"""
+
+
+def dlojz_srun(tmp_path, statuses, down="", hang="", max_restarts="3"):
+    """slurm/dlojz_restart.sh's dlojz_srun on a two-node job, srun and scontrol stood in for: (status, stderr, the
+    srun command lines)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    (bin_dir / "srun").write_text(FAKE_SRUN)
+    (bin_dir / "scontrol").write_text('#!/bin/bash\nprintf "n1\\nn2\\n"\n')
+    for name in ("srun", "scontrol"):
+        (bin_dir / name).chmod(0o755)
+    out = tmp_path / "run"
+    out.mkdir(exist_ok=True)
+    (out / "latest").write_text("ckpt_e0001_s000000004.pt\n")
+    calls, count = tmp_path / "calls", tmp_path / "count"
+    env = dict(
+        PATH=f"{bin_dir}:/usr/bin:/bin",
+        SLURM_JOB_NODELIST="n[1-2]",
+        SLURM_NTASKS="4",
+        SLURM_JOB_NUM_NODES="2",
+        DLOJZ_NODE_CHECK_S="2",
+        DLOJZ_STEP_GRACE_S="1",
+        DLOJZ_MAX_RESTARTS=max_restarts,
+        CALLS=str(calls),
+        COUNT=str(count),
+        STATUSES=statuses,
+        DOWN=down,
+        HANG=hang,
+    )
+    script = f'source slurm/dlojz_restart.sh; dlojz_srun python -u dlojz.py --output-dir "{out}"'
+    proc = subprocess.run(["bash", "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    steps = [line for line in calls.read_text().splitlines() if not line.endswith(" true")]
+    return proc.returncode, proc.stderr, steps
+
+
+def restarts_said(stderr):
+    return [line for line in stderr.splitlines() if line.startswith("dlojz_srun:")]
+
+
+def test_a_hung_rank_s_step_runs_again_on_the_same_nodes(tmp_path):
+    status, stderr, steps = dlojz_srun(tmp_path, "7 0")
+    assert status == 0 and len(steps) == 2, stderr
+    (said,) = restarts_said(stderr)
+    assert said.startswith("dlojz_srun: restart 1/3 at ") and said.endswith(
+        f"exit status 7; nodes left out: none; on n1,n2 from {tmp_path}/run/ckpt_e0001_s000000004.pt"
+    ), said
+    assert all("--nodes=2 --ntasks=4 --nodelist=n1,n2 python -u dlojz.py" in step for step in steps)
+
+
+def test_a_node_that_does_not_answer_is_left_out_and_srun_waiting_for_it_is_stopped(tmp_path):
+    status, stderr, steps = dlojz_srun(tmp_path, "4 0", down="n2", hang="1")  # srun waits on n2's task: stopped
+    assert status == 0 and len(steps) == 2, stderr
+    (said,) = restarts_said(stderr)
+    assert "exit status 4; nodes left out: n2; on n1 from" in said, said
+    assert "--nodes=1 --ntasks=2 --nodelist=n1 python -u dlojz.py" in steps[1]  # the tasks of the node left
+
+
+def test_other_ends_are_not_restarted_and_restarts_are_bounded(tmp_path):
+    status, stderr, steps = dlojz_srun(tmp_path, "2")  # bad input: nothing a restart mends
+    assert status == 2 and len(steps) == 1 and not restarts_said(stderr), stderr
+    (tmp_path / "again").mkdir()
+    status, stderr, steps = dlojz_srun(tmp_path / "again", "4 4 4 4", max_restarts="2")
+    said = restarts_said(stderr)
+    assert status == 4 and len(steps) == 3 and len(said) == 3, stderr
+    assert said[-1] == "dlojz_srun: exit status 4 after 2 restarts (DLOJZ_MAX_RESTARTS): the job ends"
