@@ -157,7 +157,7 @@ class Watchdog:
             progress=self.progress,
             armed=self.armed,
             step=self.step,
-            entered=dict(self.entered),
+            entered=self.entered.copy(),  # (one C call: the loop may add a key meanwhile)
             waiting=self.waiting,
         )
 

@@ -199,23 +199,26 @@ def test_a_rank_alive_outside_the_others_collective_is_named_stuck_and_every_ran
 
 def test_a_rank_slowed_by_pulses_is_named_a_straggler_once_and_in_the_metrics(watch_data, tmp_path):
     metrics = tmp_path / "m.json"
-    args = [*RUN, "--epochs", "3", "--data-root", watch_data, "--output-dir", tmp_path / "run"]
+    # 30 steps an epoch: a log point every 3 steps, each comparing the sum of 3 forwards (several pulses each: on
+    # rank 1 they take about 2.5 times rank 0's, above --straggler-factor 1.3)
+    args = [*RUN, "--epochs", "2", "-b", "4", "--straggler-factor", "1.3"]
+    args += ["--data-root", watch_data, "--output-dir", tmp_path / "run"]
     port = preloaded.free_port()
     env = [preloaded.rank_env(clean_env(OMP_NUM_THREADS=1), rank, 2, port) for rank in (0, 1)]
     rank0 = start_dlojz(*args, "--metrics-json", metrics, env=env[0])
     rank1 = start_dlojz(*args, env=env[1])
     done = threading.Event()
 
-    def pulses():  # rank 1 runs 40 % of the time: its forwards take ~2.5 times rank 0's
+    def pulses():  # rank 1 runs 40 % of the time, in pulses shorter than a step: its forwards take ~2.5 times rank 0's
         while not done.is_set() and rank1.poll() is None:
             rank1.send_signal(signal.SIGSTOP)
-            time.sleep(0.15)
+            time.sleep(0.03)
             rank1.send_signal(signal.SIGCONT)
-            time.sleep(0.1)
+            time.sleep(0.02)
 
     pulsing = threading.Thread(target=pulses, daemon=True)
     try:
-        read_until(rank0, "Epoch 1/3")
+        read_until(rank0, "Epoch 1/2")
         pulsing.start()
         log0 = end_of(rank0, 240)
     finally:
@@ -225,5 +228,5 @@ def test_a_rank_slowed_by_pulses_is_named_a_straggler_once_and_in_the_metrics(wa
         end_of(rank1, 60)
     assert rank0.returncode == 0 and rank1.returncode == 0, log0[-3000:]
     lines = [line for line in log0.splitlines() if "straggler:" in line]
-    assert len(lines) == 1 and f"rank 1 ({socket.gethostname()}) takes" in lines[0], log0[-3000:]
+    assert len(lines) == 1 and f"rank 1 ({socket.gethostname()}) takes" in lines[0], lines or log0[-3000:]
     assert [s["rank"] for s in read_json(metrics)["stragglers"]] == [1]
