@@ -12,7 +12,6 @@ its loss, optimizer and schedule in dlojz_lib/optim.py, checkpoints and resume i
 prints in dlojz_lib/log.py, the chronometer, profiler and LR finder hooks in dlojz_lib/hooks.py.
 """
 
-import contextlib
 import dataclasses
 import os
 import sys
@@ -454,9 +453,8 @@ def train_one_epoch(
             )
         if hooks.optimizer_step_done(loss, stats[1], count):  # the LR finder has swept its range
             break
-        if stop(
-            state.global_step
-        ):  # a stop signal on any rank (asked without waiting for the GPU): all ranks stop here
+        # a stop signal on any rank (asked without waiting for the GPU): all ranks stop here
+        if stop(state.global_step):
             stop_reason = stop.stop_signal.name or "signal on another rank"
             break
         end_of_test = cfg.test and state.global_step >= cfg.test_nsteps
@@ -520,8 +518,8 @@ def evaluate(
         for buffer in net.buffers():
             dist.broadcast(buffer, 0)
     net.eval()
-    if stop is not None:
-        stop.watchdog.disarm()  # the first batch (compilation in eval mode) is not timed
+    watchdog = stop.watchdog if stop is not None else Watchdog(ranks, 0, None)
+    watchdog.disarm()  # the first batch (compilation in eval mode) is not timed
     totals = torch.zeros(4, dtype=torch.float64, device=ranks.device)  # loss sum, top-1 and top-5 correct, images
     confusion = None  # [true class x predicted class] counts, flattened, made at the first batch (its width)
     forwards, images = 0, None
@@ -566,12 +564,11 @@ def evaluate(
         stop.settle()  # a signal it found is asked again at the next call: this validation is complete
     # One all-reduce and one wait for the device: the totals and the confusion counts (exact in float64) together.
     results = totals if confusion is None else torch.cat([totals, confusion.double()])
-    with stop.watchdog.collective("the validation's totals", ranks.enabled) if stop else contextlib.nullcontext():
+    with watchdog.collective("the validation's totals", ranks.enabled):
         if ranks.enabled:
             dist.all_reduce(results)  # (every rank has a batch, hence the same length: build_loaders checks it)
         results = results.cpu()
-    if stop is not None:
-        stop.watchdog.disarm()
+    watchdog.disarm()
     net.train()
     loss_sum, correct, correct5, count = results[:4].tolist()
     count_or_1 = max(count, 1)

@@ -15,6 +15,7 @@ import torch
 
 import preloaded
 from conftest import ROOT, SMALL, clean_env, read_json, start_dlojz
+from test_resume import start_ranks, wait_for_line
 from dlojz_lib.dist import Distribution
 from dlojz_lib.watchdog import HUNG_STATUS, Judge, Watchdog
 
@@ -124,18 +125,6 @@ def watch_data(tmp_path_factory):
     )
 
 
-def read_until(proc, fragment, timeout=120):
-    seen, deadline = [], time.time() + timeout
-    while time.time() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        seen.append(line)
-        if fragment in line:
-            return "".join(seen)
-    raise AssertionError(f"{fragment!r} never printed:\n{''.join(seen)[-3000:]}")
-
-
 def end_of(proc, timeout):
     try:
         return proc.communicate(timeout=timeout)[0]
@@ -152,12 +141,9 @@ def the_error(log):
 
 def test_a_stopped_rank_is_named_silent_and_the_job_ends_within_the_hang_timeout(watch_data, tmp_path):
     out = tmp_path / "run"
-    args = [*RUN, "--data-root", watch_data, "--output-dir", out, "--hang-timeout", T]
-    port = preloaded.free_port()
-    env = [preloaded.rank_env(clean_env(OMP_NUM_THREADS=1), rank, 2, port) for rank in (0, 1)]
-    rank0, rank1 = (start_dlojz(*args, env=env[rank]) for rank in (0, 1))
+    rank0, rank1 = start_ranks([*RUN, "--data-root", watch_data, "--output-dir", out, "--hang-timeout", T])
     try:
-        read_until(rank0, "Epoch 1/6, Step")
+        wait_for_line(rank0, "Epoch 1/6, Step", timeout=120)
         rank1.send_signal(signal.SIGSTOP)  # alive in the process table, but not a single instruction more
         stopped = time.time()
         log0 = end_of(rank0, 120)
@@ -203,10 +189,7 @@ def test_a_rank_slowed_by_pulses_is_named_a_straggler_once_and_in_the_metrics(wa
     # rank 1 they take about 2.5 times rank 0's, above --straggler-factor 1.3)
     args = [*RUN, "--epochs", "2", "-b", "4", "--straggler-factor", "1.3"]
     args += ["--data-root", watch_data, "--output-dir", tmp_path / "run"]
-    port = preloaded.free_port()
-    env = [preloaded.rank_env(clean_env(OMP_NUM_THREADS=1), rank, 2, port) for rank in (0, 1)]
-    rank0 = start_dlojz(*args, "--metrics-json", metrics, env=env[0])
-    rank1 = start_dlojz(*args, env=env[1])
+    rank0, rank1 = start_ranks([*args, "--metrics-json", metrics])
     done = threading.Event()
 
     def pulses():  # rank 1 runs 40 % of the time, in pulses shorter than a step: its forwards take ~2.5 times rank 0's
@@ -218,7 +201,7 @@ def test_a_rank_slowed_by_pulses_is_named_a_straggler_once_and_in_the_metrics(wa
 
     pulsing = threading.Thread(target=pulses, daemon=True)
     try:
-        read_until(rank0, "Epoch 1/2")
+        wait_for_line(rank0, "Epoch 1/2", timeout=120)
         pulsing.start()
         log0 = end_of(rank0, 240)
     finally:
