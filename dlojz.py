@@ -12,6 +12,7 @@ its loss, optimizer and schedule in dlojz_lib/optim.py, checkpoints and resume i
 prints in dlojz_lib/log.py, the chronometer, profiler and LR finder hooks in dlojz_lib/hooks.py.
 """
 
+import contextlib
 import dataclasses
 import os
 import sys
@@ -518,8 +519,8 @@ def evaluate(
         for buffer in net.buffers():
             dist.broadcast(buffer, 0)
     net.eval()
-    watchdog = stop.watchdog if stop is not None else Watchdog(ranks, 0, None)
-    watchdog.disarm()  # the first batch (compilation in eval mode) is not timed
+    if stop is not None:
+        stop.watchdog.disarm()  # the first batch (compilation in eval mode) is not timed
     totals = torch.zeros(4, dtype=torch.float64, device=ranks.device)  # loss sum, top-1 and top-5 correct, images
     confusion = None  # [true class x predicted class] counts, flattened, made at the first batch (its width)
     forwards, images = 0, None
@@ -564,11 +565,12 @@ def evaluate(
         stop.settle()  # a signal it found is asked again at the next call: this validation is complete
     # One all-reduce and one wait for the device: the totals and the confusion counts (exact in float64) together.
     results = totals if confusion is None else torch.cat([totals, confusion.double()])
-    with watchdog.collective("the validation's totals", ranks.enabled):
+    with stop.watchdog.collective("the validation's totals", ranks.enabled) if stop else contextlib.nullcontext():
         if ranks.enabled:
             dist.all_reduce(results)  # (every rank has a batch, hence the same length: build_loaders checks it)
         results = results.cpu()
-    watchdog.disarm()
+    if stop is not None:
+        stop.watchdog.disarm()
     net.train()
     loss_sum, correct, correct5, count = results[:4].tolist()
     count_or_1 = max(count, 1)
