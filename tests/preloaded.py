@@ -42,7 +42,7 @@ RUN_TIME = (
 )
 
 _context = multiprocessing.get_context("forkserver")
-_context.set_forkserver_preload(["dlojz", "preloaded"])
+_context.set_forkserver_preload(["dlojz"])
 _server_env = None  # the start-up variables of the server's environment, once it runs
 
 
@@ -59,12 +59,16 @@ def _ensure_server(env):
     if server._forkserver_pid is not None:  # started by another user of forkserver (a DataLoader, a Pool)
         _server_env = _startup_env(os.environ)
         return
-    saved = dict(os.environ)
+    saved, cwd = dict(os.environ), os.getcwd()
     os.environ.clear()
     os.environ.update(env)
+    # Python 3.11's fork server imports its preload from its working directory (it ignores the sys.path it is
+    # given, and an ImportError is silent): started in a test's tmp_path, it would preload nothing.
+    os.chdir(DLOJZ.parent)
     try:
         server.ensure_running()
     finally:
+        os.chdir(cwd)
         os.environ.clear()
         os.environ.update(saved)
     _server_env = _startup_env(env)
@@ -114,6 +118,9 @@ def _child(argv, env, cwd, out, err):
     sys.stdout = open(1, "w", buffering=1, closefd=False)
     sys.stderr = open(2, "w", buffering=1, closefd=False)
     sys.argv = [str(DLOJZ), *argv]
+    # A child of the fork server inherits its start method: a fresh interpreter's is the platform's default, which
+    # DataLoader workers use (with forkserver, each run would start a fork server of its own: 3-4 s per loader).
+    multiprocessing.set_start_method(None, force=True)
     import torch
 
     if env.get("OMP_NUM_THREADS", "").isdigit():
