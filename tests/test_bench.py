@@ -84,7 +84,7 @@ def test_bench_time_to_accuracy_prints_both_recipes(embedded_cache):
             sys.executable,
             str(ROOT / "bench" / "bench_time_to_accuracy.py"),
             "--epochs",
-            "2",
+            "1",
             "--size",
             "16",
             "--batch-size",
