@@ -254,6 +254,10 @@ def audit_epoch(loop, monkeypatch, checkpoints=None):
     return outside, at_log_points
 
 
+# A tiny ViT where float16 runs: the waits under audit are the step's (scaler, optimizer, EMA), whatever the model,
+# and on the CPU a float16 convolution's backward takes seconds a step (resnet18: 2 s at 16 px; this ViT: 0.03 s).
+FLOAT16_MODEL = ["--arch", "timm:test_vit"]
+
 # Each flag that touches the step or the model, grouped so that every one runs under the audit (a wait any of them
 # adds fails its group); the timm optimizers run alone, as their steps differ.
 TRAINING_FLAGS = [
@@ -270,6 +274,7 @@ TRAINING_FLAGS = [
             "--model-ema-steps",
             "2",
             "--model-ema-warmup",
+            *FLOAT16_MODEL,
         ],
         id="float16-ema-clip-smoothing",
     ),
@@ -298,7 +303,7 @@ TRAINING_FLAGS = [
         ],
         id="float32-mixup-cutmix-cosine-bce",
     ),  # fmt: skip
-    pytest.param(["--optimizer", "adamw", "--amp", "--amp-dtype", "float16"], id="adamw-float16"),
+    pytest.param(["--optimizer", "adamw", "--amp", "--amp-dtype", "float16", *FLOAT16_MODEL], id="adamw-float16"),
     pytest.param(["--optimizer", "lamb", "--amp", "--amp-dtype", "bfloat16"], id="lamb-bfloat16"),
     pytest.param(["--optimizer", "rmsprop", "--amp", "--amp-dtype", "bfloat16"], id="rmsprop-bfloat16"),
     pytest.param(["--optimizer", "lars", "--amp", "--amp-dtype", "bfloat16"], id="lars-bfloat16"),
@@ -346,7 +351,9 @@ def loop_on_data(data_root, *flags):
 @pytest.mark.parametrize(
     "flags",
     [
-        pytest.param(["--amp", "--amp-dtype", "float16", "--mixup-alpha", "0.2", "-b", "8"], id="float16-mixup"),
+        pytest.param(
+            ["--amp", "--amp-dtype", "float16", *FLOAT16_MODEL, "--mixup-alpha", "0.2", "-b", "8"], id="float16-mixup"
+        ),
         pytest.param(
             ["--min-res", "24", "--max-res", "32", "--end-ramp", "1", "--epochs", "2", "-b", "8"], id="progressive"
         ),
@@ -365,7 +372,7 @@ def test_an_epoch_on_images_through_the_dataloader_waits_only_at_log_points(flag
 
 def test_the_float16_scaler_of_an_unfused_optimizer_is_the_listed_exception(monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)
-    loop = loop_for("--optimizer", "lamb", "--amp", "--amp-dtype", "float16", n_batches=4)
+    loop = loop_for("--optimizer", "lamb", "--amp", "--amp-dtype", "float16", *FLOAT16_MODEL, n_batches=4)
     outside, _ = audit_epoch(loop, monkeypatch)
     assert {asker for _, asker, _ in outside} == {"grad_scaler.py:<genexpr>"}
     assert {position for position, _, _ in outside} >= {1, 2, 3}
@@ -376,7 +383,7 @@ def test_the_audit_sees_the_read_of_an_unfused_sgd_step(monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)
     build = dlojz.optim.build_optimizer
     monkeypatch.setattr(dlojz.optim, "build_optimizer", lambda *a, **k: build(*a, **{**k, "fused": False}))
-    loop = loop_for("--amp", "--amp-dtype", "float16", "--optimizer", "sgd", n_batches=4)
+    loop = loop_for("--amp", "--amp-dtype", "float16", "--optimizer", "sgd", *FLOAT16_MODEL, n_batches=4)
     assert not loop["training"].optimizer.defaults.get("fused")
     outside, _ = audit_epoch(loop, monkeypatch)
     assert {asker for _, asker, _ in outside} == {"grad_scaler.py:<genexpr>"}
