@@ -18,16 +18,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from dlojz_lib.checks import OneLineArgumentParser  # noqa: E402
 from dlojz_lib.flags import COUNT, PIXELS, WHOLE  # noqa: E402
-from bench_loader import default_cache_dir, measure, resolve_train_folder, warm_page_cache  # noqa: E402
-from dlojz_lib.data.datasets import PackedImages, SafeImageFolder  # noqa: E402
-from dlojz_pack import pack  # noqa: E402
-from dlojz_lib.data.transforms import TrainTransform, lazy_image_loader  # noqa: E402
 
 OPENS = [0]
 
@@ -67,6 +61,13 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.data and not (Path(args.data) / "train").is_dir():  # before any pass
         parser.error(f"--data {args.data}: no train/ folder there; give an ImageFolder tree with train/ and val/")
+    # torch and the pipelines after the flags: bad input is one line in a tenth of a second, not after torch's import
+    import torch
+    from bench_loader import default_cache_dir, measure, resolve_train_folder, warm_page_cache
+    from dlojz_lib.data.datasets import PackedImages, SafeImageFolder
+    from dlojz_lib.data.transforms import TrainTransform, lazy_image_loader
+    from dlojz_pack import pack
+
     if args.data:
         src = Path(args.data)
         folder = src / "train"

@@ -69,7 +69,7 @@ def test_a_lost_node_is_left_out_and_the_same_job_finishes_on_the_other_from_its
     rank), within 2 minutes of the loss. Last in this file: node 2 is started again after it."""
     cluster = slurm_two_nodes
     out, metrics_path = tmp_path / "run", tmp_path / "metrics.json"
-    env = dict(job_env(cluster), GLOO_SOCKET_IFNAME="eth0", OMP_NUM_THREADS="1", DLOJZ_NODE_CHECK_S="15")
+    env = dict(job_env(cluster), GLOO_SOCKET_IFNAME="eth0", OMP_NUM_THREADS="1", DLOJZ_NODE_CHECK_S="10")
     flags = ["--no-wandb", "--epochs", "4", "--data-root", tiny_data, "--num-workers", "0", "--output-dir", out]
     job = cluster.submit(
         ["--nodes=2", "--ntasks=2", "--ntasks-per-node=1", "--no-requeue", f"--output={tmp_path}/job.out"]
