@@ -42,7 +42,7 @@ RUN_TIME = (
 )
 
 _context = multiprocessing.get_context("forkserver")
-_context.set_forkserver_preload(["dlojz"])
+_context.set_forkserver_preload(["dlojz", "timm"])  # timm: the tests' small model (SMALL)
 _server_env = None  # the start-up variables of the server's environment, once it runs
 
 

@@ -15,7 +15,20 @@ from dlojz_lib.optim import build_training
 from dlojz_lib.parallel import build_model
 
 CPU = Distribution(1, 0, 0, torch.device("cpu"))
-TINY = [*SMALL, "--image-size", "16", "--val-resize-size", "18", "--val-crop-size", "16", "-b", "8"]
+# torchvision's resnet18: the tests name its layers.
+TINY = [
+    *SMALL,
+    "--arch",
+    "resnet18",
+    "--image-size",
+    "16",
+    "--val-resize-size",
+    "18",
+    "--val-crop-size",
+    "16",
+    "-b",
+    "8",
+]
 TINY += ["--no-wandb", "--num-workers", "0"]
 
 

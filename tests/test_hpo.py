@@ -23,6 +23,8 @@ from slurm_cluster import slurm_cluster  # noqa: F401  (the session fixture)
 
 TRIAL = [
     *SMALL,
+    "--arch",
+    "resnet18",  # torchvision's: a trial is a fresh interpreter, where timm's import costs more than it saves at 16 px
     "--image-size",
     "16",
     "--val-resize-size",

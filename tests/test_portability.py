@@ -25,6 +25,8 @@ def test_a_run_needs_none_of_the_optional_packages(tmp_path, tiny_data):
     metrics = tmp_path / "metrics.json"
     proc = run_dlojz(
         *SMALL,
+        "--arch",
+        "resnet18",  # torchvision's: timm is one of the packages left out
         "--data-root",
         tiny_data,
         "--test",
@@ -48,6 +50,8 @@ def test_a_flag_that_needs_a_missing_package_names_it(tmp_path, tiny_data):
     (site / "sitecustomize.py").write_text(BLOCKER.format(blocked={"timm"}))
     proc = run_dlojz(
         *SMALL,
+        "--arch",
+        "resnet18",  # torchvision's: timm is the package left out
         "--synthetic",
         "--test",
         "--test-nsteps",

@@ -161,6 +161,7 @@ def test_a_killed_rank_ends_the_other_with_one_line_and_the_run_resumes_from_its
 
 
 # ----------------------------------------------------------------------------- resume, in-process (no interpreter start)
+ARCH = SMALL[SMALL.index("--arch") + 1]
 TINY = [
     *SMALL,
     "--image-size",
@@ -543,12 +544,12 @@ def test_a_checkpoint_of_another_model_or_number_of_classes_is_refused_in_one_li
     proc = run_inline(*other_arch, "--resume", checkpoint, "-e", "2")
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
     assert (
-        f"--resume {checkpoint}: a checkpoint of --arch resnet18 with 3 classes; this run is --arch resnet34 with "
+        f"--resume {checkpoint}: a checkpoint of --arch {ARCH} with 3 classes; this run is --arch resnet34 with "
         "3 classes" in proc.stderr
     )
     more_classes = make_classes(tmp_path / "four", 4)
     proc = run_inline(*TINY, "--data-root", more_classes, "--output-dir", tmp_path / "b", "--resume", checkpoint)
-    assert proc.returncode == 2 and "this run is --arch resnet18 with 4 classes" in proc.stderr, proc.stderr
+    assert proc.returncode == 2 and f"this run is --arch {ARCH} with 4 classes" in proc.stderr, proc.stderr
 
 
 def make_classes(root, n_classes):

@@ -162,6 +162,8 @@ def test_grad_checkpointing_reports_the_memory_it_saves(tiny_data, tmp_path):
         metrics = tmp_path / f"{name}.json"
         proc = run_dlojz(
             *SMALL,
+            "--arch",
+            "resnet18",  # activations large enough beside the weights for the saving to show
             "--data-root",
             tiny_data,
             "-b",
