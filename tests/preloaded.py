@@ -1,9 +1,10 @@
-"""Run dlojz.py for the tests in a process of its own, forked from a server that imported dlojz once.
+"""Run dlojz.py for the tests in a process of its own, forked from a server that imported dlojz (and timm) once.
 
-A test's `python dlojz.py` spends about 2.5 s of its 3-4 s importing torch, torchvision and dlojz, and the suite
-starts some 80 of them. Here each run is still a separate process (its own exit status, signal handlers, stdout and
-stderr, environment, working directory, DataLoader workers and atexit handlers), but a fork of multiprocessing's
-fork server, which preloaded dlojz: the import is paid once per test session. The server is started once, with no
+A test's `python dlojz.py` spends about 3.5 s of its 4-5 s importing torch, torchvision and dlojz (timm: 1 s more
+for the tests' small model), and the suite starts some 80 of them. Here each run is still a separate process (its own
+exit status, signal handlers, stdout and stderr, environment, working directory, DataLoader workers and atexit
+handlers), but a fork of multiprocessing's fork server, which preloaded dlojz and timm: the imports are paid once per
+test session. The server is started once, with no
 thread running but the one `import torch` starts, so forking it is what forkserver is for.
 
 What a fork cannot change is what the interpreter and torch read when they start: a run whose environment differs
