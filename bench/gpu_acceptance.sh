@@ -14,7 +14,7 @@
 # 5. a table of img/s, MFU and J/image beside NVIDIA DeepLearningExamples' and MLPerf's figures, and the ratio;
 # 6. the course's ablation, one optimisation per row, and a cores-per-GPU table (bench/ablation.py; ABLATION=0 skips).
 # The real-pipeline run needs 100 batches of 256 images: dlojz's embedded data set has 1,200 (5 batches, images of
-# 96x80 px), so the same generator (dlojz_lib.data.datasets.make_embedded_dataset) writes, once, 25,600 + 500 JPEGs of 500x375
+# 96x80 px), so the same generator (dlojz_lib.data.embedded.make_embedded_dataset) writes, once, 25,600 + 500 JPEGs of 500x375
 # px (ImageNet's usual size, ~35 KB each, ~1 GB) into $XDG_CACHE_HOME/dlojz (default ~/.cache/dlojz), reused by
 # later runs; DATA_ROOT=/path/to/imagenet uses that folder instead (train/ and val/).
 # Output: $OUT_DIR (default runs/gpu_acceptance_<epoch seconds>): metrics JSONs, chronometer traces, timelines.
@@ -112,7 +112,7 @@ if [ -z "$data_root" ]; then
 import multiprocessing, os, shutil, sys
 from pathlib import Path
 sys.path.insert(0, os.getcwd())
-from dlojz_lib.data.datasets import make_embedded_dataset
+from dlojz_lib.data.embedded import make_embedded_dataset
 
 root = Path(sys.argv[1])
 TRAIN, VAL = 2560, 50  # per class: 100 batches of 256, and 2 validation batches

@@ -78,6 +78,23 @@ def test_gpu_acceptance_says_no_cuda_gpu_here():
     assert proc.stdout.strip().splitlines()[-1].startswith("no CUDA GPU found"), proc.stdout + proc.stderr
 
 
+def test_gpu_acceptance_imports_from_dlojz_what_dlojz_has():
+    """The script's Python (its data set, its driver check) runs only on a GPU node: what it takes from dlojz_lib is
+    checked here, on any machine."""
+    import importlib
+    import re
+
+    text = (ROOT / "bench" / "gpu_acceptance.sh").read_text()
+    names = re.findall(r"^from (dlojz_lib[\w.]*) import (\w+)$", text, re.M)
+    names += re.findall(r"import (dlojz_lib[\w.]*) as (\w+); .*\b\2\.(\w+)\(", text)
+    assert len(names) >= 2, names
+    for module, *attributes in names:
+        name = attributes[-1] if len(attributes) == 1 else attributes[1]
+        assert hasattr(importlib.import_module(module), name), (
+            f"bench/gpu_acceptance.sh: {module}.{name} does not exist"
+        )
+
+
 def test_bench_time_to_accuracy_prints_both_recipes(embedded_cache):
     result = subprocess.run(
         [

@@ -204,6 +204,8 @@ def test_the_prefetcher_gives_the_same_batches_on_its_stream(tmp_path):
                     "32",
                     "--val-batch-size",
                     "5",
+                    "-b",
+                    "16",  # (the GPU profile's 128 is more than the 48 training images)
                     "--num-workers",
                     "1",
                     "--output-dir",
@@ -512,22 +514,24 @@ def test_validation_batches_never_wait_for_the_gpu(flags):
     loaders = synthetic_loaders(cfg, SYNTHETIC_CLASSES, ranks, 32, 4 * cfg.val_batch_size)
     dlojz.evaluate(loop["model"].module, loaders, loop["training"], ranks, tta_flip=cfg.tta_flip)  # warm-up
     totals = []
-    plain_tolist = torch.Tensor.tolist
+    plain_cpu = torch.Tensor.cpu
 
-    def read_totals(tensor):  # the one deliberate wait
-        torch.cuda.set_sync_debug_mode(0)
-        totals.append(tensor.shape)
-        return plain_tolist(tensor)
+    def read_totals(tensor, *args, **kwargs):  # the one deliberate wait: the totals and confusion counts, copied
+        if tensor.is_cuda:
+            torch.cuda.set_sync_debug_mode(0)
+            totals.append(tensor.shape)
+        return plain_cpu(tensor, *args, **kwargs)
 
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        torch.Tensor.tolist = read_totals
+        torch.Tensor.cpu = read_totals
         result = dlojz.evaluate(loop["model"].module, loaders, loop["training"], ranks, tta_flip=cfg.tta_flip)
     finally:
-        torch.Tensor.tolist = plain_tolist
+        torch.Tensor.cpu = plain_cpu
         torch.cuda.set_sync_debug_mode(0)
-    assert totals == [torch.Size([4])] and result["val_images"] == 4 * cfg.val_batch_size
+    # 4 totals, then the confusion counts of the model's 1000 outputs
+    assert totals == [torch.Size([4 + SYNTHETIC_CLASSES**2])] and result["val_images"] == 4 * cfg.val_batch_size
 
 
 # ---------------------------------------------------------------- fused steps after an overflow
