@@ -6,7 +6,7 @@ import pytest
 import torch
 import torchvision
 
-from conftest import SMALL
+import conftest
 from dlojz_lib.checks import UserError
 from dlojz_lib.config import resolve_config
 from dlojz_lib.dist import Distribution
@@ -16,20 +16,7 @@ from dlojz_lib.parallel import build_model
 
 CPU = Distribution(1, 0, 0, torch.device("cpu"))
 # torchvision's resnet18: the tests name its layers.
-TINY = [
-    *SMALL,
-    "--arch",
-    "resnet18",
-    "--image-size",
-    "16",
-    "--val-resize-size",
-    "18",
-    "--val-crop-size",
-    "16",
-    "-b",
-    "8",
-]
-TINY += ["--no-wandb", "--num-workers", "0"]
+TINY = [*conftest.TINY, "--arch", "resnet18"]
 
 
 @pytest.fixture(autouse=True)

@@ -18,25 +18,11 @@ from types import SimpleNamespace
 import optuna
 import pytest
 
-from conftest import ROOT, SMALL, clean_env, read_json, run_dlojz, show
+from conftest import ROOT, SMALL, TINY, clean_env, read_json, run_dlojz, show
 from slurm_cluster import slurm_cluster  # noqa: F401  (the session fixture)
 
-TRIAL = [
-    *SMALL,
-    "--arch",
-    "resnet18",  # torchvision's: a trial is a fresh interpreter, where timm's import costs more than it saves at 16 px
-    "--image-size",
-    "16",
-    "--val-resize-size",
-    "18",
-    "--val-crop-size",
-    "16",
-    "-b",
-    "8",
-    "--no-wandb",
-    "--num-workers",
-    "0",
-]
+# torchvision's resnet18: a trial is a fresh interpreter, where timm's import costs more than it saves at 16 px
+TRIAL = [*TINY, "--arch", "resnet18"]
 SPACE = "[lr]\nlow = 0.01\nhigh = 0.3\nlog = true\n[label-smoothing]\nlow = 0.0\nhigh = 0.2\n"
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torchvision
 
-from conftest import SMALL, read_json
+from conftest import TINY, read_json
 from dlojz_lib.checks import UserError
 from dlojz_lib.config import resolve_config
 from dlojz_lib.dist import Distribution
@@ -108,20 +108,7 @@ def test_a_missing_or_unreadable_file_is_one_line_before_the_run(tmp_path):
 def test_a_run_trains_from_the_weights_of_another_run(tiny_data, tmp_path, run_inline):
     """A model trained on the tiny set's 3 classes, then fine-tuned from its checkpoint: the run says what it loaded
     and counts its own epochs (in this process, at 16 px: the loading is what is tested)."""
-    tiny = [
-        *SMALL,
-        "--arch",
-        "resnet18",
-        "--image-size",
-        "16",
-        "--val-resize-size",
-        "18",
-        "--val-crop-size",
-        "16",
-        "-b",
-        "8",
-    ]
-    tiny += ["--no-wandb", "--num-workers", "0", "--data-root", tiny_data, "--epochs", "1"]
+    tiny = [*TINY, "--arch", "resnet18", "--data-root", tiny_data, "--epochs", "1"]
     first = tmp_path / "first"
     proc = run_inline(*tiny, "--output-dir", first)
     assert proc.returncode == 0, proc.stderr

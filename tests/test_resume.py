@@ -15,7 +15,7 @@ import torch
 
 import dlojz_lib.checkpoint
 import preloaded
-from conftest import ROOT, SMALL, clean_env, run_dlojz, show, start_dlojz
+from conftest import ROOT, SMALL, TINY, clean_env, run_dlojz, show, start_dlojz
 
 # 240 train images, batch 16: 15 steps per epoch, long enough for a signal to land mid-run.
 RUN = [*SMALL, "-b", "16", "--epochs", "2", "--no-wandb", "--num-workers", "1"]
@@ -162,20 +162,6 @@ def test_a_killed_rank_ends_the_other_with_one_line_and_the_run_resumes_from_its
 
 # ----------------------------------------------------------------------------- resume, in-process (no interpreter start)
 ARCH = SMALL[SMALL.index("--arch") + 1]
-TINY = [
-    *SMALL,
-    "--image-size",
-    "16",
-    "--val-resize-size",
-    "18",
-    "--val-crop-size",
-    "16",
-    "-b",
-    "8",
-    "--no-wandb",
-    "--num-workers",
-    "0",
-]
 
 
 def latest_state(out):
