@@ -15,10 +15,13 @@ the tests that are about torchrun itself run it.
 """
 
 import atexit
+import contextlib
 import locale
 import multiprocessing
 import multiprocessing.forkserver
 import os
+import shlex
+import shutil
 import socket
 import subprocess
 import sys
@@ -105,8 +108,11 @@ def _detach(duplicate):
     return duplicate.detach()
 
 
-def _child(argv, env, cwd, out, err):
-    """The forked process: `out` and `err` are a path or a file descriptor; err None is stderr=STDOUT."""
+def _child(argv, env, cwd, out, err, affinity=None):
+    """The forked process: `out` and `err` are a path or a file descriptor; err None is stderr=STDOUT; `affinity`
+    the CPUs it may run on (those of the process it stands for), by default the server's."""
+    if affinity is not None:
+        os.sched_setaffinity(0, affinity)
     os.environ.clear()
     os.environ.update(env)
     os.chdir(cwd)
@@ -262,3 +268,78 @@ class Started:
         self._process.join()
         self.stdout.close()
         return self._rest["text"], None
+
+
+# ---------------------------------------------------------------- for other processes: a launcher prefix
+CLIENT = Path(__file__).resolve().parent / "preloaded_client.py"
+_launch_socket = None  # where this process serves launch_prefix's clients, once it does
+
+
+def launch_prefix(env):
+    """A command prefix that runs `python -u dlojz.py ARGS` as a fork of this process's server, for the commands
+    that start dlojz.py themselves (dlojz_hpo.py's trials, through its --launch). The prefix is a small Python
+    (tests/preloaded_client.py, no torch) that hands its argv, environment, working directory, CPU affinity,
+    stdout and stderr to a thread of this process over a Unix socket, passes on the signals it receives, and ends
+    as the run ends. A run whose environment the server cannot give (can_run) is executed by the client as given.
+    The server is started here, in the caller's thread, because starting it changes os.environ for a moment."""
+    global _launch_socket
+    _ensure_server(env)
+    if _launch_socket is None:
+        folder = tempfile.mkdtemp(prefix="dlojz-launch-")
+        atexit.register(shutil.rmtree, folder, True)
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        listener.bind(os.path.join(folder, "sock"))
+        listener.listen()
+        threading.Thread(target=_accept, args=(listener,), daemon=True).start()
+        _launch_socket = os.path.join(folder, "sock")
+    return [sys.executable, str(CLIENT), _launch_socket]
+
+
+def python_executable(folder, env):
+    """An executable that stands for this Python where a tool runs `PYTHON dlojz.py ARGS` (bench/ablation.py's
+    --python): dlojz.py runs through launch_prefix, anything else in this Python. Each call's arguments are
+    appended to FOLDER/python.calls, one line each, for the test to see which runs it started."""
+    path, calls = Path(folder) / "python", shlex.quote(str(Path(folder) / "python.calls"))
+    prefix = f"{shlex.join(launch_prefix(env))} {shlex.quote(sys.executable)}"
+    path.write_text(f'#!/bin/sh\nprintf "%s\\n" "$*" >> {calls}\nexec {prefix} "$@"\n')
+    path.chmod(0o755)
+    return path
+
+
+def _accept(listener):
+    while True:
+        connection, _ = listener.accept()
+        threading.Thread(target=_serve, args=(connection,), daemon=True).start()
+
+
+def _serve(connection):
+    """One client: its request (argv, env, cwd, with its stdout and stderr), the run's pid, then its exit code.
+    The run is killed if the client goes away first, as a fresh interpreter would be with it."""
+    import json
+    import select
+
+    with connection:
+        message, fds, _, _ = socket.recv_fds(connection, 1 << 20, 2)
+        request = json.loads(message)
+        try:
+            if not can_run(request["env"]):
+                connection.send(json.dumps({"fresh": True}).encode())
+                return
+            process = _context.Process(
+                target=_child,
+                args=(request["argv"], request["env"], request["cwd"], _FdForChild(fds[0]), _FdForChild(fds[1])),
+                kwargs={"affinity": request["affinity"]},
+            )
+            process.start()
+        finally:
+            for fd in fds:
+                os.close(fd)
+        connection.send(json.dumps({"pid": process.pid}).encode())
+        while process.exitcode is None:
+            ready, _, _ = select.select([connection, process.sentinel], [], [])
+            if connection in ready and not connection.recv(1):  # the client is gone
+                process.kill()
+            process.join(0)
+        process.join()
+        with contextlib.suppress(OSError):
+            connection.send(json.dumps({"exitcode": process.exitcode}).encode())

@@ -8,6 +8,7 @@ import pytest
 
 from PIL import Image
 
+import preloaded
 from conftest import ROOT, clean_env
 
 sys.path.insert(0, str(ROOT / "bench"))
@@ -237,6 +238,8 @@ def test_ablation_prints_both_tables_from_the_runs_metrics(tiny_data, tmp_path):
         str(ROOT / "bench" / "ablation.py"),
         *("--device", "cpu", "--arch", "resnet18", "--image-size", "32", "-b", "8", "--steps", "3"),
         *("--rows", "fp32,cuda-graphs", "--cores", "1", "--no-dali", "--data-root", str(tiny_data), "--out", str(out)),
+        # its five dlojz.py runs: forks of the tests' preloaded server (each pinned as taskset pins it)
+        *("--python", str(preloaded.python_executable(tmp_path, clean_env()))),
     ]
     result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=clean_env(), cwd=ROOT)
     assert result.returncode == 1, result.stderr[-3000:]  # a cell failed: the CUDA-graph row, on the CPU
@@ -258,6 +261,8 @@ def test_ablation_prints_both_tables_from_the_runs_metrics(tiny_data, tmp_path):
     chrono = json.loads((out / "cores1-pytorch.json").read_text())["chrono"]
     assert cores.split("|")[2].strip() == f"{chrono['throughput_img_s']:,.0f}"
     assert (out / "ablation.md").read_text().strip() == result.stdout.strip()
+    calls = (tmp_path / "python.calls").read_text().splitlines()  # --python ran every dlojz.py run
+    assert len(calls) == 5 and all(call.startswith(str(ROOT / "dlojz.py")) for call in calls), calls
 
 
 def test_the_bare_loop_steps_with_dlojz_s_fused_sgd():

@@ -10,6 +10,7 @@ import sys
 import pytest
 import torch
 
+import preloaded
 from conftest import ROOT, SMALL, clean_env, read_json, run_dlojz, show
 
 TORCHRUN2 = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
@@ -410,8 +411,9 @@ def test_interactive_terminal_gets_one_live_line_per_epoch(tiny_data, tmp_path):
 
     for extra in (["--epochs", "1", "--no-wandb"], ["--test", "--test-nsteps", "4"]):
         leader, follower = pty.openpty()
-        proc = subprocess.Popen(
+        proc = subprocess.Popen(  # a fork of the tests' preloaded server, its stdout the terminal
             [
+                *preloaded.launch_prefix(clean_env()),
                 sys.executable,
                 str(ROOT / "dlojz.py"),
                 *SMALL,

@@ -1,13 +1,15 @@
 """dlojz_hpo.py: Optuna searches over dlojz.py runs, and the dlojz.py flags they use (--train-subset,
 --val-history, --no-requeue, SIGUSR2).
 
-Searches run as a user runs them (subprocesses, each trial a dlojz.py run on the tiny data set at 16 px); the
-search-space checks run in this process. The Slurm job array runs on the one-node test cluster."""
+Searches run as a user runs them (subprocesses, each trial a dlojz.py run on the tiny data set at 16 px, started by
+the worker through --launch as a fork of the tests' preloaded server); the search-space checks run in this process.
+The Slurm job array runs on the one-node test cluster, its trials fresh interpreters as a user's are."""
 
 import csv
 import json
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -18,6 +20,7 @@ from types import SimpleNamespace
 import optuna
 import pytest
 
+import preloaded
 from conftest import ROOT, SMALL, TINY, clean_env, read_json, run_dlojz, show
 from slurm_cluster import slurm_cluster  # noqa: F401  (the session fixture)
 
@@ -60,9 +63,11 @@ def load(storage, study):
     return optuna.load_study(study_name=study, storage=optuna.storages.JournalStorage(backend))
 
 
-def search_args(tmp_path, data, *options, study="s", trial_flags=("--epochs", "1"), storage=None):
+def search_args(tmp_path, data, *options, study="s", trial_flags=("--epochs", "1"), storage=None, launch=None):
+    """`launch`: the trials' launcher prefix (preloaded_launch: forks of the tests' preloaded server)."""
     return [
         "search",
+        *(["--launch", launch] if launch else []),
         "--study",
         study,
         "--storage",
@@ -80,6 +85,14 @@ def search_args(tmp_path, data, *options, study="s", trial_flags=("--epochs", "1
         tmp_path / "out",
         *trial_flags,
     ]
+
+
+@pytest.fixture(scope="module")
+def preloaded_launch():
+    """--launch for the trials of the searches run here: each trial is still its own process started by the worker
+    (its signals, its exit status, its death with the worker), a fork of the preloaded server instead of a fresh
+    interpreter (4-5 s of imports). The search on Slurm runs its trials as a user's do."""
+    return shlex.join(preloaded.launch_prefix(clean_env()))
 
 
 def wait_for(predicate, timeout, what):
@@ -388,7 +401,9 @@ def test_a_beating_trial_is_left_alone_and_a_silent_one_is_failed_and_retried(tm
 
 # ---------------------------------------------------------------- searches
 @pytest.mark.parametrize("kind", ["journal", "database"])
-def test_a_pruner_that_prunes_everything_stops_trials_after_their_first_validation(tiny_data, tmp_path, kind):
+def test_a_pruner_that_prunes_everything_stops_trials_after_their_first_validation(
+    tiny_data, tmp_path, kind, preloaded_launch
+):
     """In a journal file, and in a database (Optuna's RDB storage, here SQLite) for sites that have one."""
     storage = tmp_path / "j.log" if kind == "journal" else f"sqlite:///{tmp_path / 'study.db'}"
     trials = 2 if kind == "journal" else 1
@@ -404,6 +419,7 @@ def test_a_pruner_that_prunes_everything_stops_trials_after_their_first_validati
             "1.01",
             trial_flags=("--epochs", "30"),
             storage=storage,
+            launch=preloaded_launch,
         )
     )
     assert proc.returncode == 0, show(proc)
@@ -424,7 +440,9 @@ def test_a_pruner_that_prunes_everything_stops_trials_after_their_first_validati
 
 
 @pytest.mark.parametrize("how", ["killed", "preempted"])
-def test_a_worker_lost_mid_trial_leaves_the_study_usable_and_the_trial_retried(tiny_data, tmp_path, how):
+def test_a_worker_lost_mid_trial_leaves_the_study_usable_and_the_trial_retried(
+    tiny_data, tmp_path, how, preloaded_launch
+):
     """killed: SIGKILL, no word (the heartbeat goes stale); preempted: Slurm's warning (SIGUSR1) to the worker."""
     args = search_args(
         tmp_path,
@@ -436,6 +454,7 @@ def test_a_worker_lost_mid_trial_leaves_the_study_usable_and_the_trial_retried(t
         "--stale-after",
         "3",
         trial_flags=("--epochs", "4", "--train-subset", "0.5"),
+        launch=preloaded_launch,
     )
     history = tmp_path / "out" / "s" / "trial-0000" / "val_history.jsonl"
     with open(tmp_path / "a.log", "w") as log:
@@ -475,7 +494,7 @@ def test_a_worker_lost_mid_trial_leaves_the_study_usable_and_the_trial_retried(t
 
 
 @pytest.fixture(scope="module")
-def finished_study(tiny_data, tmp_path_factory):
+def finished_study(tiny_data, tmp_path_factory, preloaded_launch):
     tmp_path = tmp_path_factory.mktemp("study")
     proc = hpo(
         *search_args(
@@ -492,6 +511,7 @@ def finished_study(tiny_data, tmp_path_factory):
             "--objective",
             "macro_f1",
             trial_flags=("--epochs", "1", "--train-subset", "0.5"),
+            launch=preloaded_launch,
         )
     )
     assert proc.returncode == 0, show(proc)
