@@ -115,6 +115,7 @@ def test_straggler_factor_sets_how_much_slower_a_straggler_is():
 # ---------------------------------------------------------------- two ranks on this machine
 # torchvision's resnet18: the pulses and timeouts below are sized to its steps.
 RUN = [*SMALL, "--arch", "resnet18", "-b", "16", "--epochs", "6", "--no-wandb", "--num-workers", "0"]
+HANG = 6.0  # --hang-timeout of the two-rank runs: some 30 of their steps, and the time each test waits
 
 
 @pytest.fixture(scope="module")
@@ -142,7 +143,7 @@ def the_error(log):
 
 def test_a_stopped_rank_is_named_silent_and_the_job_ends_within_the_hang_timeout(watch_data, tmp_path):
     out = tmp_path / "run"
-    rank0, rank1 = start_ranks([*RUN, "--data-root", watch_data, "--output-dir", out, "--hang-timeout", T])
+    rank0, rank1 = start_ranks([*RUN, "--data-root", watch_data, "--output-dir", out, "--hang-timeout", HANG])
     try:
         wait_for_line(rank0, "Epoch 1/6, Step", timeout=120)
         rank1.send_signal(signal.SIGSTOP)  # alive in the process table, but not a single instruction more
@@ -155,12 +156,12 @@ def test_a_stopped_rank_is_named_silent_and_the_job_ends_within_the_hang_timeout
     error = the_error(log0)
     assert error.startswith(f"dlojz: error: rank 1 ({socket.gethostname()}) is silent at step "), error
     assert "(--hang-timeout)" in error and f"--resume auto --output-dir {out}" in error, error
-    assert T < elapsed < T + 8, f"rank 0 ended {elapsed:.1f} s after rank 1 stopped"  # not --dist-timeout's 600
+    assert HANG < elapsed < HANG + 8, f"rank 0 ended {elapsed:.1f} s after rank 1 stopped"  # not --dist-timeout's 600
 
 
 def test_a_rank_alive_outside_the_others_collective_is_named_stuck_and_every_rank_ends(watch_data, tmp_path):
     out = tmp_path / "run"
-    args = [*RUN, "--data-root", watch_data, "--output-dir", out, "--hang-timeout", T]
+    args = [*RUN, "--data-root", watch_data, "--output-dir", out, "--hang-timeout", HANG]
     port = preloaded.free_port()
     env = [preloaded.rank_env(clean_env(OMP_NUM_THREADS=1), rank, 2, port) for rank in (0, 1)]
     rank0 = start_dlojz(*args, env=env[0])
