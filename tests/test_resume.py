@@ -89,13 +89,7 @@ def test_a_run_whose_output_reader_is_gone_still_checkpoints_and_ends_on_sigterm
     without its console, checkpoints and ends with its DataLoader workers (which ignore SIGTERM), never waits for
     them for ever."""
     out = tmp_path / "run"
-    proc = subprocess.Popen(
-        [sys.executable, str(ROOT / "dlojz.py"), *RUN, "--data-root", str(resume_data), "--output-dir", str(out)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=clean_env(),
-    )
+    proc = start([*RUN, "--data-root", resume_data, "--output-dir", out], clean_env())
     wait_for_line(proc, "Epoch 1/2, Step")
     proc.stdout.close()  # the reader is gone: the run's next line meets a broken pipe
     proc.send_signal(signal.SIGTERM)
