@@ -27,6 +27,7 @@ import itertools
 import json
 import os
 import shlex
+import shutil
 import socket
 import subprocess
 import sys
@@ -183,7 +184,7 @@ def run_one(sweep_dir: Path, index: int) -> int:
     launcher = ["srun", "--kill-on-bad-exit=1"] if os.environ.get("SLURM_JOB_ID") else []
     with open(run_dir / "log.txt", "ab") as log:
         proc = subprocess.Popen(
-            [*launcher, sys.executable, "-u", str(ROOT / "dlojz.py"), *run["argv"]],
+            [*launcher, sweep.get("python") or sys.executable, "-u", str(ROOT / "dlojz.py"), *run["argv"]],
             cwd=sweep.get("cwd") or None,  # where the sweep was asked: the flags' relative paths start there
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -275,9 +276,12 @@ def sweep_on_slurm(sweep_dir: Path, sweep: dict, resources: dict) -> None:
     )
 
 
-def sweep(name: str, grid: dict, dlojz_args: list[str], launch: str = "local", sbatch=(), **resources) -> Path:
+def sweep(
+    name: str, grid: dict, dlojz_args: list[str], launch: str = "local", sbatch=(), python=None, **resources
+) -> Path:
     """The sweep as a Python call (what the notebook uses): `grid` {flag: [values]}, `resources` the Slurm flags'
-    names (partition, account, qos, time, nodes, ntasks_per_node, gpus_per_node, cpus_per_task, constraint).
+    names (partition, account, qos, time, nodes, ntasks_per_node, gpus_per_node, cpus_per_task, constraint),
+    `python` the Python that runs each dlojz.py (by default the one that runs the lab, or the job's).
     Runs it here or submits it; returns its folder. Raises LabError on bad input, before anything runs."""
     unknown = set(resources) - {key for key, _ in SLURM_RESOURCES}
     if unknown:
@@ -287,6 +291,8 @@ def sweep(name: str, grid: dict, dlojz_args: list[str], launch: str = "local", s
     texts = (
         [f"{flag}={','.join(map(str, values))}" for flag, values in grid.items()] if isinstance(grid, dict) else grid
     )
+    if python is not None and shutil.which(python) is None:
+        raise LabError(f"--python {python}: not an executable; give the path of the Python that runs dlojz.py")
     plan = plan_sweep(name, parse_grid(texts), list(map(str, dlojz_args)))
     sweep_dir = RUNS / name
     if (sweep_dir / "sweep.json").exists():
@@ -295,6 +301,8 @@ def sweep(name: str, grid: dict, dlojz_args: list[str], launch: str = "local", s
         raise LabError("--launch slurm: sbatch is not found here; run on a login node, or use --launch local")
     sweep_dir.mkdir(parents=True, exist_ok=True)
     plan["launch"], plan["cwd"] = launch, os.getcwd()
+    if python is not None:  # a path is kept absolute: the array tasks start elsewhere
+        plan["python"] = os.path.abspath(shutil.which(python)) if os.sep in str(python) else str(python)
     (sweep_dir / "sweep.json").write_text(json.dumps(plan, indent=1))
     print(f"sweep {name}: {len(plan['runs'])} runs in {sweep_dir}")
     if launch == "local":
@@ -306,7 +314,7 @@ def sweep(name: str, grid: dict, dlojz_args: list[str], launch: str = "local", s
 
 def sweep_command(args) -> int:
     resources = {key: getattr(args, key) for key, _ in SLURM_RESOURCES if getattr(args, key) is not None}
-    sweep_dir = sweep(args.name, args.grid, args.dlojz_args, args.launch, args.sbatch, **resources)
+    sweep_dir = sweep(args.name, args.grid, args.dlojz_args, args.launch, args.sbatch, args.python, **resources)
     if args.launch == "local":
         done = [state for _, state in states(sweep_dir)]
         return 0 if all(state == "done" for state in done) else 1
@@ -456,6 +464,11 @@ def get_parser():
     for key, directive in SLURM_RESOURCES:
         s.add_argument(f"--{key.replace('_', '-')}", default=None, help=f"Slurm: #SBATCH {directive}")
     s.add_argument("--sbatch", action="append", default=[], metavar="OPTION", help="any other #SBATCH option")
+    s.add_argument(
+        "--python",
+        default=None,
+        help="the Python that runs each dlojz.py (default: the one running this, or the job's after dlojz_env.sh)",
+    )
     s.add_argument("dlojz_args", nargs=argparse.REMAINDER, help="-- then dlojz.py's flags, common to every run")
     c = sub.add_parser("compare", help="one table, compare.csv and plots of one or more sweeps")
     c.add_argument("sweeps", nargs="+", help="sweep folders (runs/NAME) or names")

@@ -11,6 +11,7 @@ import sys
 
 import pytest
 
+import preloaded
 from conftest import ROOT, clean_env
 from test_packed_data import TINY
 
@@ -38,8 +39,12 @@ def read_csv(path):
 
 
 def test_a_local_sweep_goes_on_past_a_failed_run_and_compare_gives_its_metrics(tiny_data, tmp_path):
+    # --python: each run a fork of the tests' preloaded server (tests/preloaded.py), not a new interpreter
+    (tmp_path / "py").mkdir()
+    python = preloaded.python_executable(tmp_path / "py", clean_env())
     proc = lab(
-        *("sweep", "--name", "s", "--grid", "channels-last=on,off", "--grid", "arch=resnet18,nosuchnet", "--"),
+        *("sweep", "--name", "s", "--python", python),
+        *("--grid", "channels-last=on,off", "--grid", "arch=resnet18,nosuchnet", "--"),
         *RUN,
         "--data-root",
         tiny_data,
@@ -50,6 +55,8 @@ def test_a_local_sweep_goes_on_past_a_failed_run_and_compare_gives_its_metrics(t
     assert "[3/4] channels-last=off_arch=resnet18 ... done" in proc.stdout, proc.stdout  # the others went on
     sweep = tmp_path / "runs" / "s"
     assert json.loads((sweep / "channels-last=on_arch=nosuchnet" / "status.json").read_text())["state"] == "failed"
+    calls = (tmp_path / "py" / "python.calls").read_text().splitlines()
+    assert len(calls) == 4 and all(call.startswith(f"-u {ROOT / 'dlojz.py'} ") for call in calls), calls
 
     proc = lab("compare", "runs/s", cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -146,6 +153,14 @@ def test_a_bad_grid_is_one_line_before_anything_runs(tmp_path, monkeypatch, caps
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and message in err, err
     assert not (tmp_path / "runs").exists()  # nothing written, nothing run
+
+
+def test_a_python_that_is_not_there_is_one_line_before_anything_runs(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert dlojz_lab.main(["sweep", "--name", "p", "--python", "venv/bin/pyhton", "--grid=batch-size=4,8", "--"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "error: --python venv/bin/pyhton: not an executable; give the path" in err, err
+    assert not (tmp_path / "runs").exists()
 
 
 def test_follow_waits_for_the_queue_and_names_a_task_that_never_started(tmp_path, monkeypatch):
