@@ -61,12 +61,12 @@ def recipes(size, epochs):
     return {"course": course, "race": race}
 
 
-def run(name, flags, common, out):
+def run(name, flags, common, out, python):
     metrics = out / f"{name}.json"
     start = time.perf_counter()
     proc = subprocess.run(
         [
-            sys.executable,
+            python,
             str(ROOT / "dlojz.py"),
             *common,
             *flags,
@@ -97,6 +97,7 @@ def main(argv=None):
     parser.add_argument("--batch-size", type=COUNT, default=32)
     parser.add_argument("--lr", type=POSITIVE, default=0.05)
     parser.add_argument("--workers", type=WHOLE, default=1)
+    parser.add_argument("--python", default=sys.executable, help="the Python that runs dlojz.py (default: this one)")
     args = parser.parse_args(argv)
     common = [
         "--device",
@@ -120,7 +121,7 @@ def main(argv=None):
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name, flags in recipes(args.size, args.epochs).items():
-            results[name] = run(name, flags, common, Path(tmp))
+            results[name] = run(name, flags, common, Path(tmp), args.python)
             print(f"{name}: done in {results[name]['wall']:.0f} s", flush=True)
     target = results["course"]["epochs"][-1][1]
     print(

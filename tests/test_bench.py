@@ -96,7 +96,7 @@ def test_gpu_acceptance_imports_from_dlojz_what_dlojz_has():
         )
 
 
-def test_bench_time_to_accuracy_prints_both_recipes(embedded_cache):
+def test_bench_time_to_accuracy_prints_both_recipes(embedded_cache, tmp_path):
     result = subprocess.run(
         [
             sys.executable,
@@ -107,6 +107,8 @@ def test_bench_time_to_accuracy_prints_both_recipes(embedded_cache):
             "16",
             "--batch-size",
             "64",
+            "--python",  # both runs forks of the tests' preloaded server
+            str(preloaded.python_executable(tmp_path, clean_env(XDG_CACHE_HOME=embedded_cache))),
         ],
         capture_output=True,
         text=True,
@@ -120,6 +122,8 @@ def test_bench_time_to_accuracy_prints_both_recipes(embedded_cache):
     rows = [line.split() for line in lines[header + 1 : header + 3]]  # the table's two rows, under its header
     assert [row[0] for row in rows] == ["course", "race"] and all(0 <= float(row[1]) <= 1 for row in rows)
     assert "race time to the course's final top-1" in lines[-1] or "did not reach" in lines[-1], lines[-1]
+    calls = (tmp_path / "python.calls").read_text().splitlines()
+    assert len(calls) == 2 and all(call.startswith(str(ROOT / "dlojz.py")) for call in calls), calls
 
 
 def test_bench_storage_counts_opens_and_times_both_formats(tiny_data, tmp_path):
