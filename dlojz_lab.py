@@ -291,7 +291,8 @@ def sweep(
     texts = (
         [f"{flag}={','.join(map(str, values))}" for flag, values in grid.items()] if isinstance(grid, dict) else grid
     )
-    if python is not None and shutil.which(python) is None:
+    found = None if python is None else shutil.which(python)
+    if python is not None and found is None:
         raise LabError(f"--python {python}: not an executable; give the path of the Python that runs dlojz.py")
     plan = plan_sweep(name, parse_grid(texts), list(map(str, dlojz_args)))
     sweep_dir = RUNS / name
@@ -302,7 +303,7 @@ def sweep(
     sweep_dir.mkdir(parents=True, exist_ok=True)
     plan["launch"], plan["cwd"] = launch, os.getcwd()
     if python is not None:  # a path is kept absolute: the array tasks start elsewhere
-        plan["python"] = os.path.abspath(shutil.which(python)) if os.sep in str(python) else str(python)
+        plan["python"] = os.path.abspath(found) if os.sep in str(python) else str(python)
     (sweep_dir / "sweep.json").write_text(json.dumps(plan, indent=1))
     print(f"sweep {name}: {len(plan['runs'])} runs in {sweep_dir}")
     if launch == "local":

@@ -16,10 +16,12 @@ the tests that are about torchrun itself run it.
 
 import atexit
 import contextlib
+import json
 import locale
 import multiprocessing
 import multiprocessing.forkserver
 import os
+import select
 import shlex
 import shutil
 import socket
@@ -315,9 +317,6 @@ def _accept(listener):
 def _serve(connection):
     """One client: its request (argv, env, cwd, with its stdout and stderr), the run's pid, then its exit code.
     The run is killed if the client goes away first, as a fresh interpreter would be with it."""
-    import json
-    import select
-
     with connection:
         message, fds, _, _ = socket.recv_fds(connection, 1 << 20, 2)
         request = json.loads(message)

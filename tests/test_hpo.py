@@ -24,7 +24,8 @@ import preloaded
 from conftest import ROOT, SMALL, TINY, clean_env, read_json, run_dlojz, show
 from slurm_cluster import slurm_cluster  # noqa: F401  (the session fixture)
 
-# torchvision's resnet18: a trial is a fresh interpreter, where timm's import costs more than it saves at 16 px
+# torchvision's resnet18: the Slurm job array's trials are fresh interpreters, where timm's import costs more than
+# it saves at 16 px
 TRIAL = [*TINY, "--arch", "resnet18"]
 SPACE = "[lr]\nlow = 0.01\nhigh = 0.3\nlog = true\n[label-smoothing]\nlow = 0.0\nhigh = 0.2\n"
 
