@@ -180,6 +180,8 @@ def test_cpu_script_trains_with_two_ddp_ranks(slurm_cluster, tmp_path):
         tmp_path,
         "--epochs",
         "1",
+        "--train-subset",
+        "0.5",
         "--metrics-json",
         metrics_path,
         "--output-dir",
@@ -193,13 +195,14 @@ def test_cpu_script_trains_with_two_ddp_ranks(slurm_cluster, tmp_path):
     assert metrics["world_size"] == 2, metrics  # both srun tasks joined one gloo process group
     assert metrics["global_batch_size"] == 2 * 16, metrics  # -b 16 per rank, from the script
     assert metrics["epochs"] == 1 and metrics["val_images"] > 0, metrics
+    assert metrics["steps"] == 19, metrics  # --train-subset 0.5: 600 of the 1,200 images, 32 a step
     assert "Traceback" not in result.output_text(), show(result)
     assert (tmp_path / "cache" / "dlojz" / EMBEDDED_NAME / ".complete").exists(), show(result)
 
 
 def test_usr1_checkpoints_requeues_and_resumes(slurm_cluster, tmp_path):
-    # -b 16: 38 steps per epoch, so the signal, sent at the first "Epoch" line (step 4), lands mid-epoch
-    # and the resumed run finishes the epoch. W&B on (offline), as a user runs it: the requeue must come
+    # Half the embedded data set at -b 16 on 2 ranks: 19 steps per epoch, so the signal, sent at the first "Epoch"
+    # line (step 2), lands mid-epoch and the resumed run finishes the epoch. W&B on (offline), as a user runs it: the requeue must come
     # after the W&B run is closed, or Slurm kills rank 0 in the middle of it.
     epochs = 1
     metrics_path = tmp_path / "metrics.json"
@@ -210,6 +213,8 @@ def test_usr1_checkpoints_requeues_and_resumes(slurm_cluster, tmp_path):
         epochs,
         "-b",
         16,
+        "--train-subset",
+        0.5,
         "--metrics-json",
         metrics_path,
         "--output-dir",
@@ -230,7 +235,7 @@ def test_usr1_checkpoints_requeues_and_resumes(slurm_cluster, tmp_path):
     assert "resumed from" in resumed, show(result)  # the second start continued from the checkpoint
     assert list((tmp_path / "run").glob("*.pt")), "checkpoints in the output dir"
     metrics = json.loads(metrics_path.read_text())
-    assert metrics["world_size"] == 2 and metrics["epochs"] == epochs, metrics
+    assert metrics["world_size"] == 2 and metrics["epochs"] == epochs and metrics["steps"] == 19, metrics
     assert "stopped_by" not in metrics, metrics  # written by the finished run, not the interrupted one
     for trace in ("Traceback", "Error", "failed"):  # e.g. wandb's MailboxClosedError, "dlojz: rank 0 failed"
         assert trace not in text, show(result)
