@@ -9,8 +9,9 @@ throughput is images / wall time between those two points. That is how dlojz mea
 Measured, each in its own fresh subprocess (so that no run inherits another's allocator, caches or threads):
 
 * ``dlojz --test``: ``python dlojz.py --synthetic --test --test-nsteps STEPS --no-wandb --metrics-json ...``, as a
-  user runs it. ``--test`` turns the chronometer on, which synchronises the device at every phase boundary on a GPU
-  (load, forward, backward), so this figure includes the chronometer's cost.
+  user runs it, its 20 validation batches (not timed) at the training image size. ``--test`` turns the chronometer
+  on, which synchronises the device at every phase boundary on a GPU (load, forward, backward), so this figure
+  includes the chronometer's cost.
 * ``dlojz epoch``: the normal training path, chronometer off. A ``--synthetic`` epoch is ImageNet-sized (1,281,167
   images), so this variant imports ``dlojz`` and runs its ``train_one_epoch`` in-process on ``in_process.synthetic_loop``
   (the parts ``main()`` builds, from the same flags, ``--synthetic --epochs 1``, with an epoch of STEPS batches);
@@ -322,6 +323,12 @@ def dlojz_commands(args, tmp):
             "--test",
             "--test-nsteps",
             str(args.steps),
+            # Its 20 validation batches at the training size, resized by 256/224 as dlojz's two profiles do (224 px
+            # from 256, 64 from 73): the same commands as the defaults', and no 64 px validation for a 32 px run.
+            "--val-crop-size",
+            str(args.image_size),
+            "--val-resize-size",
+            str(args.image_size * 256 // 224),
             "--metrics-json",
             str(tmp / "test.json"),
             "--output-dir",

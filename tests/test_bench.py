@@ -218,6 +218,7 @@ def test_bench_train_writes_the_ratio_the_gpu_acceptance_run_prints(tmp_path):
         assert row["dlojz"] > 0 and row["bare"] > 0
         assert abs(row["ratio"] - row["dlojz"] / row["bare"]) < 1e-9  # one round: the ratio of its two runs
     assert "--bare-keeps-freed-memory" in result.stdout  # the bare loop's command says it
+    assert "--test-nsteps 20 --val-crop-size 32 --val-resize-size 36 " in result.stdout  # validated at 32 px
 
 
 def test_bench_checkpoint_times_a_foreground_and_a_background_save(tmp_path):
