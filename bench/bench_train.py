@@ -54,13 +54,11 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
-
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 from dlojz_lib.checks import OneLineArgumentParser  # noqa: E402
 from dlojz_lib.flags import COUNT, PIXELS, POSITIVE, WHOLE  # noqa: E402
-from dlojz_lib.data.datasets import IMAGENET_TRAIN_IMAGES  # noqa: E402  (the size of dlojz's synthetic epoch)
+from dlojz_lib.data import IMAGENET_TRAIN_IMAGES  # noqa: E402  (the size of dlojz's synthetic epoch)
 
 TARGET_RATIO = 0.97
 WARMUP_STEPS = 10  # dlojz's LOG_EVERY: its first synchronised log point, where its steady-state timing starts
@@ -138,10 +136,15 @@ def parse_args(argv=None):
 
 def resolve_settings(args, parser):
     """Fill the defaults exactly as dlojz does, so both sides get the same explicit settings."""
-    if args.device == "auto":
-        args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    if args.device == "cuda" and not torch.cuda.is_available():
-        parser.error("--device cuda: no CUDA GPU is visible here; use --device cpu or run on a GPU node")
+    if args.device in ("auto", "cuda"):  # torch here only to see the GPU: a CPU run's driver never imports it
+        import torch
+
+        if args.device == "auto":
+            args.device = "cuda" if torch.cuda.is_available() else "cpu"
+        if args.device == "cuda" and not torch.cuda.is_available():
+            parser.error("--device cuda: no CUDA GPU is visible here; use --device cpu or run on a GPU node")
+        if args.tf32 is None and args.device == "cuda":  # dlojz's rule: TF32 on Ampere and newer
+            args.tf32 = torch.cuda.get_device_capability()[0] >= 8
     gpu = args.device == "cuda"
     if args.batch_size is None:
         args.batch_size = 128 if gpu else 32
@@ -151,8 +154,8 @@ def resolve_settings(args, parser):
         args.amp = gpu
     if args.amp_dtype is None:
         args.amp_dtype = "float16" if gpu else "bfloat16"
-    if args.tf32 is None:  # dlojz's rule: TF32 on Ampere and newer
-        args.tf32 = gpu and torch.cuda.get_device_capability()[0] >= 8
+    if args.tf32 is None:
+        args.tf32 = False  # no GPU
     if args.steps <= WARMUP_STEPS or args.steps % WARMUP_STEPS:
         parser.error(
             f"--steps must be a multiple of {WARMUP_STEPS} above {WARMUP_STEPS} (dlojz times between its "
@@ -202,6 +205,9 @@ def bare_optimizer(model):
 
 def bare_loop(args):
     """Train `args.steps` steps on one random batch; return images/s over the steps after the warm-up."""
+    import torch
+    import torchvision
+
     device = torch.device(args.device)
     if args.bare_keeps_freed_memory and device.type == "cpu":
         from dlojz_lib.dist import keep_freed_host_memory
@@ -213,9 +219,6 @@ def bare_loop(args):
         torch.backends.cudnn.allow_tf32 = args.tf32
     amp_dtype = getattr(torch, args.amp_dtype)
     memory_format = torch.channels_last if args.channels_last else torch.contiguous_format
-
-    import torchvision
-
     torch.manual_seed(args.seed)  # dlojz's seed before building the model: the same initial weights
     model = torchvision.models.get_model(args.arch, weights=None, num_classes=1000).to(device)
     model = model.to(memory_format=memory_format)
@@ -262,6 +265,8 @@ def bare_loop(args):
 def onecycle_values(max_lr, total_steps, steps):
     """(lr, momentum) of the first `steps` steps of torch's OneCycleLR(max_lr, total_steps), dlojz's default
     schedule, computed on a throw-away optimizer so that the timed loop only copies two numbers per step."""
+    import torch
+
     optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=max_lr, momentum=0.9)
     scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=max_lr, total_steps=total_steps)
     values = []
@@ -410,12 +415,21 @@ def measure(args):
     return rates, loads, cmds, bare_cmds
 
 
+def threads_per_run(args):
+    """--threads, or the CPU threads torch gives each run by default on this machine."""
+    if args.threads:
+        return args.threads
+    import torch
+
+    return torch.get_num_threads()
+
+
 def report(args, rates, loads, cmds, bare_cmds):
     precision = args.amp_dtype + " autocast" if args.amp else ("tf32" if args.tf32 else "float32")
     print(
         f"\n{args.arch}, {args.device}, batch {args.batch_size}, {args.image_size} px, {precision}, "
         f"{'channels-last' if args.channels_last else 'contiguous'}, {args.steps} steps ({WARMUP_STEPS} warm-up), "
-        f"{args.threads or torch.get_num_threads()} threads, {args.repeats} round(s); img/s"
+        f"{threads_per_run(args)} threads, {args.repeats} round(s); img/s"
     )
     labels = {"test": "dlojz --test", "epoch": "dlojz short epoch"}
     print(
@@ -445,7 +459,7 @@ def report(args, rates, loads, cmds, bare_cmds):
     )
     if args.json is not None:
         args.json.write_text(json.dumps(summary, indent=2))
-    own_load = (args.threads or torch.get_num_threads()) if args.device == "cpu" else 1
+    own_load = threads_per_run(args) if args.device == "cpu" else 1
     busiest = max(load for runs in loads.values() for load in runs)
     if busiest > own_load + 0.5:
         print(

@@ -32,8 +32,6 @@ from PIL import Image
 from dlojz_lib.checks import DataError, missing_data_variable
 from dlojz_lib.data.transforms import image_from_bytes, lazy_image_loader, open_regular
 
-IMAGENET_TRAIN_IMAGES = 1_281_167
-IMAGENET_VAL_IMAGES = 50_000
 IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 
 

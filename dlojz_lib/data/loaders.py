@@ -13,10 +13,9 @@ from pathlib import Path
 import torch.distributed as dist
 
 from dlojz_lib.checks import fail
+from dlojz_lib.data import IMAGENET_TRAIN_IMAGES, IMAGENET_VAL_IMAGES
 from dlojz_lib.data.embedded import embedded_dataset_root
 from dlojz_lib.data.datasets import (
-    IMAGENET_TRAIN_IMAGES,
-    IMAGENET_VAL_IMAGES,
     BalancedEpochSampler,
     EpochSampler,
     RepeatedAugmentationSampler,
