@@ -136,7 +136,7 @@ def parse_args(argv=None):
 
 def resolve_settings(args, parser):
     """Fill the defaults exactly as dlojz does, so both sides get the same explicit settings."""
-    if args.device in ("auto", "cuda"):  # torch here only to see the GPU: a CPU run's driver never imports it
+    if args.device in ("auto", "cuda"):  # torch here only to see the GPU: a CPU run's flags are checked without it
         import torch
 
         if args.device == "auto":

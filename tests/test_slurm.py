@@ -202,8 +202,8 @@ def test_cpu_script_trains_with_two_ddp_ranks(slurm_cluster, tmp_path):
 
 def test_usr1_checkpoints_requeues_and_resumes(slurm_cluster, tmp_path):
     # Half the embedded data set at -b 16 on 2 ranks: 19 steps per epoch, so the signal, sent at the first "Epoch"
-    # line (step 2), lands mid-epoch and the resumed run finishes the epoch. W&B on (offline), as a user runs it: the requeue must come
-    # after the W&B run is closed, or Slurm kills rank 0 in the middle of it.
+    # line (step 2), lands mid-epoch and the resumed run finishes the epoch. W&B on (offline), as a user runs it:
+    # the requeue must come after the W&B run is closed, or Slurm kills rank 0 in the middle of it.
     epochs = 1
     metrics_path = tmp_path / "metrics.json"
     job = submit_cpu_job(
