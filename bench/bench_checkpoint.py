@@ -27,12 +27,9 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from dlojz_lib.checks import OneLineArgumentParser  # noqa: E402
 from dlojz_lib.flags import COUNT, PIXELS  # noqa: E402
-import dlojz_lib.checkpoint as ckpt  # noqa: E402
 
 
 def build(model_name, num_classes):
@@ -49,6 +46,10 @@ def build(model_name, num_classes):
 
 def run(mode, args, folder):
     """Seconds of each step of one run; `mode`: none, foreground or background."""
+    import torch
+
+    import dlojz_lib.checkpoint as ckpt
+
     torch.manual_seed(0)
     model = build(args.model, 10)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
@@ -89,6 +90,8 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if not 0 < args.save_at < args.steps - 1:
         parser.error("--save-at must leave a step before it and one after it")
+    import torch  # after the flags' checks: a bad flag is one line at once
+
     torch.set_num_threads(max(1, (os.cpu_count() or 2) - 1))  # one core left for the writer thread
     with tempfile.TemporaryDirectory(dir=args.dir, prefix="dlojz-bench-ckpt-") as tmp:
         steps = {mode: run(mode, args, Path(tmp)) for mode in ("none", "foreground", "background")}

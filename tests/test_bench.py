@@ -270,14 +270,22 @@ def test_ablation_prints_both_tables_from_the_runs_metrics(tiny_data, tmp_path):
     assert len(calls) == 5 and all(call.startswith(str(ROOT / "dlojz.py")) for call in calls), calls
 
 
-def test_bench_train_refuses_a_bad_flag_in_one_line_before_it_imports_torch():
-    """A CPU run's driver only starts subprocesses: its flags are checked, and its runs started, without torch."""
-    command = [sys.executable, "-X", "importtime", str(ROOT / "bench" / "bench_train.py"), "--device", "cpu"]
-    result = subprocess.run([*command, "--steps", "15"], capture_output=True, text=True, timeout=120, env=clean_env())
+@pytest.mark.parametrize(
+    "script, bad, says",
+    [
+        ("bench_train.py", ["--device", "cpu", "--steps", "15"], "--steps must be a multiple of 10 above 10"),
+        ("bench_checkpoint.py", ["--steps", "4", "--save-at", "3"], "--save-at must leave a step before it and one"),
+    ],
+)
+def test_a_bench_refuses_a_bad_flag_in_one_line_before_it_imports_torch(script, bad, says):
+    """bench_train.py's driver on a CPU only starts subprocesses: its flags are checked, and its runs started,
+    without torch; bench_checkpoint.py checks its flags before it imports torch."""
+    command = [sys.executable, "-X", "importtime", str(ROOT / "bench" / script), *bad]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120, env=clean_env())
     lines = result.stderr.splitlines()
-    assert result.returncode == 2 and "--steps must be a multiple of 10 above 10" in lines[-1], result.stderr[-2000:]
+    assert result.returncode == 2 and says in lines[-1], result.stderr[-2000:]
     imported = [line.split("|")[-1].strip() for line in lines if line.startswith("import time:")]
-    assert "dlojz_lib.data" in imported and "torch" not in imported, imported
+    assert "dlojz_lib.flags" in imported and "torch" not in imported, imported
 
 
 def test_the_bare_loop_steps_with_dlojz_s_fused_sgd():
