@@ -39,27 +39,21 @@ import shutil
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import psutil
-import torch
-import torchvision.transforms as T
 from PIL import Image, ImageDraw
-from torch.utils.data import DataLoader, RandomSampler
-from torchvision.datasets import ImageFolder
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from dlojz_lib.checks import OneLineArgumentParser  # noqa: E402
 from dlojz_lib.flags import COUNT, PIXELS, WHOLE  # noqa: E402
-import dlojz_lib.data.transforms  # noqa: E402
-from dlojz_lib.data.datasets import PackedImages, SafeImageFolder  # noqa: E402
-from dlojz_lib.data.prefetch import DeviceNormalize  # noqa: E402
-from dlojz_lib.data.transforms import (  # noqa: E402
-    IMAGENET_MEAN,
-    IMAGENET_STD,
-    TrainTransform,
-    lazy_image_loader,
-)
+
+if TYPE_CHECKING:
+    from torchvision.datasets import ImageFolder
+
+# torch, torchvision and dlojz's data modules are imported where they are used, after the flags' checks: a bad flag
+# is one line at once, and the set's JPEGs are written by processes forked before torch starts any thread.
 
 BENCH_SET_VERSION = "2"  # bump when the generated images change, so that caches are rebuilt
 
@@ -145,6 +139,8 @@ def resolve_train_folder(data: str | None, num_images: int, num_classes: int, pr
             file=sys.stderr,
         )
         sys.exit(2)  # bad input, as in every dlojz script
+    from torchvision.datasets import ImageFolder
+
     try:
         ImageFolder(str(folder))
     except (FileNotFoundError, OSError) as error:  # no class folders, or classes without images
@@ -154,6 +150,12 @@ def resolve_train_folder(data: str | None, num_images: int, num_classes: int, pr
 
 
 def reference_dataset(folder: Path, image_size: int) -> ImageFolder:
+    import torch
+    import torchvision.transforms as T
+    from torchvision.datasets import ImageFolder
+
+    from dlojz_lib.data.transforms import IMAGENET_MEAN, IMAGENET_STD
+
     transform = T.Compose(
         [
             T.RandomResizedCrop(image_size),
@@ -167,6 +169,9 @@ def reference_dataset(folder: Path, image_size: int) -> ImageFolder:
 
 
 def dlojz_dataset(folder: Path, image_size: int) -> ImageFolder:
+    from dlojz_lib.data.datasets import SafeImageFolder
+    from dlojz_lib.data.transforms import TrainTransform, lazy_image_loader
+
     return SafeImageFolder(str(folder), transform=TrainTransform(image_size), loader=lazy_image_loader)
 
 
@@ -189,6 +194,9 @@ def measure(dataset, finish_batch, workers: int, batch_size: int, batches: int, 
     warm-up batches (worker start-up, first reads) have been received. CPU time is insensitive to other jobs
     sharing the machine, wall-clock time is what training sees.
     """
+    import torch
+    from torch.utils.data import DataLoader, RandomSampler
+
     generator = torch.Generator().manual_seed(seed)
     sampler = RandomSampler(dataset, num_samples=(warmup + batches) * batch_size, generator=generator)
     loader = DataLoader(
@@ -220,8 +228,10 @@ def measure_dali(
     folder: Path, image_size: int, threads: int, batch_size: int, batches: int, warmup: int, seed: int, antialias: bool
 ):
     """measure() for --data-backend dali on DALI's CPU backend (its decoding threads live in this process)."""
+    import torch
+
     from dlojz_lib.data.dali import DaliBatches, DaliSettings, train_pipeline
-    from dlojz_lib.data.datasets import EpochSampler
+    from dlojz_lib.data.datasets import EpochSampler, SafeImageFolder
 
     dataset = SafeImageFolder(str(folder))
     sampler = EpochSampler(dataset, 1, 0, shuffle=True, seed=seed)
@@ -316,6 +326,13 @@ def main(argv=None):
 
     folder = resolve_train_folder(args.data, args.images, args.classes, max(1, args.workers))
     warm_page_cache(folder)
+    import torch
+
+    import dlojz_lib.data.transforms
+    from dlojz_lib.data.datasets import PackedImages
+    from dlojz_lib.data.prefetch import DeviceNormalize
+    from dlojz_lib.data.transforms import TrainTransform
+
     torch.set_num_threads(args.main_threads)
     normalize = DeviceNormalize("cpu")
     decoder = dlojz_lib.data.transforms.decoder_description()

@@ -275,11 +275,12 @@ def test_ablation_prints_both_tables_from_the_runs_metrics(tiny_data, tmp_path):
     [
         ("bench_train.py", ["--device", "cpu", "--steps", "15"], "--steps must be a multiple of 10 above 10"),
         ("bench_checkpoint.py", ["--steps", "4", "--save-at", "3"], "--save-at must leave a step before it and one"),
+        ("bench_loader.py", ["--data", "/nonexistent/imagenet"], "--data /nonexistent/imagenet: not a folder"),
     ],
 )
 def test_a_bench_refuses_a_bad_flag_in_one_line_before_it_imports_torch(script, bad, says):
     """bench_train.py's driver on a CPU only starts subprocesses: its flags are checked, and its runs started,
-    without torch; bench_checkpoint.py checks its flags before it imports torch."""
+    without torch; bench_checkpoint.py and bench_loader.py check their flags before they import torch."""
     command = [sys.executable, "-X", "importtime", str(ROOT / "bench" / script), *bad]
     result = subprocess.run(command, capture_output=True, text=True, timeout=120, env=clean_env())
     lines = result.stderr.splitlines()
