@@ -56,8 +56,8 @@ from pathlib import Path
 
 import numpy as np
 
-from dlojz_lib.checkpoint import atomic_write, fsync_folder
 from dlojz_lib.checks import DataError
+from dlojz_lib.durable import atomic_write, fsync_folder
 from dlojz_lib.flags import COUNT
 from dlojz_lib.pack.plan import SHUFFLE_SEED, padded, plan_split
 from dlojz_lib.pack.source import SPLITS, class_names_of, list_source, listing_digest, stat_sizes

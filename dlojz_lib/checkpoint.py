@@ -30,11 +30,12 @@ import random
 import re
 import shutil
 import sys
-import tempfile
 import threading
 from pathlib import Path
 
 import torch
+
+from dlojz_lib.durable import atomic_write, fsync_folder
 
 FORMAT_KEY = "dlojz_checkpoint_format"
 FORMAT_VERSION = 2  # 2: a SHA-256 file beside each checkpoint file; 1 (no checksum) is still read
@@ -66,37 +67,6 @@ def not_written_message(output_dir, what, reason):
 
 def checkpoint_name(epoch, global_step, sharded=False):
     return f"ckpt_e{epoch:04d}_s{global_step:09d}.{'dcp' if sharded else 'pt'}"
-
-
-def fsync_folder(folder):
-    """Make the renames and creations in `folder` durable."""
-    dir_fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
-
-
-def atomic_write(path, write_to, before_rename=None):
-    """Write `path` through a temporary name in its folder (`write_to(file)`, flushed and fsynced), then rename it
-    into place and fsync the folder: `path` is whole or as it was. `before_rename(tmp)` runs on the complete file."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write_to(f)
-            f.flush()
-            os.fsync(f.fileno())
-        if before_rename is not None:
-            before_rename(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-    fsync_folder(path.parent)  # make the rename itself durable
 
 
 def list_checkpoints(output_dir):

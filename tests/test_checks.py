@@ -104,7 +104,7 @@ def test_an_unreadable_split_folder_is_named(tiny_data, monkeypatch):
 
     from dlojz_lib.checks import DataError
 
-    from dlojz_lib.data.datasets import find_layout
+    from dlojz_lib.data.layout import find_layout
 
     iterdir = Path.iterdir
 

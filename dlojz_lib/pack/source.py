@@ -9,7 +9,7 @@ import os
 import stat
 from concurrent.futures import ThreadPoolExecutor
 
-from dlojz_lib.data.datasets import IMG_EXTENSIONS, find_layout
+from dlojz_lib.data.layout import IMG_EXTENSIONS, find_layout, has_class_dirs
 from dlojz_lib.data.shards import PackError, first_line
 
 SPLITS = ("train", "val")
@@ -19,14 +19,8 @@ def is_image(path):
     return path.lower().endswith(IMG_EXTENSIONS)  # what build_datasets gives ImageFolder
 
 
-def has_class_dirs(path):
-    return path.is_dir() and any(p.is_dir() for p in path.iterdir())
-
-
 def list_source(src):
     """(layout, classes, {split: [(path, target)]}) in ImageFolder's order (torchvision's own functions)."""
-    from torchvision.datasets.folder import find_classes, make_dataset
-
     if not src.is_dir():
         raise PackError(f"SRC {src}: no such directory; give the folder holding train/ and val/")
     for split in SPLITS:
@@ -36,6 +30,8 @@ def list_source(src):
                 "train/<class>/ and val/<class>/ (ImageNet layout with meta.bin, or ImageFolder)"
             )
     layout = find_layout(src)
+    from torchvision.datasets.folder import find_classes, make_dataset  # (torch's import: after the checks above)
+
     samples, classes = {}, {}
     for split in SPLITS:
         folder = str(src / split)
