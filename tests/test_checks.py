@@ -119,7 +119,7 @@ def test_an_unreadable_split_folder_is_named(tiny_data, monkeypatch):
 
 
 def test_an_unreadable_class_folder_is_named_not_called_empty(tiny_data, monkeypatch):
-    import dlojz_lib.data.datasets
+    import dlojz_lib.data.layout
     from dlojz_lib.checks import DataError
     from dlojz_lib.data.datasets import build_datasets
 
@@ -132,7 +132,7 @@ def test_an_unreadable_class_folder_is_named_not_called_empty(tiny_data, monkeyp
             return iter(())
         return walk(top, onerror=onerror, **kw)
 
-    monkeypatch.setattr(dlojz_lib.data.datasets.os, "walk", walk_as_a_user)
+    monkeypatch.setattr(dlojz_lib.data.layout.os, "walk", walk_as_a_user)  # (list_split's listing)
     with pytest.raises(DataError, match=rf"^{hidden}: cannot be read \(Permission denied\)"):
         build_datasets(tiny_data, None, None)
 
