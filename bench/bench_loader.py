@@ -328,14 +328,13 @@ def main(argv=None):
     warm_page_cache(folder)
     import torch
 
-    import dlojz_lib.data.transforms
     from dlojz_lib.data.datasets import PackedImages
     from dlojz_lib.data.prefetch import DeviceNormalize
-    from dlojz_lib.data.transforms import TrainTransform
+    from dlojz_lib.data.transforms import TrainTransform, decoder_description
 
     torch.set_num_threads(args.main_threads)
     normalize = DeviceNormalize("cpu")
-    decoder = dlojz_lib.data.transforms.decoder_description()
+    decoder = decoder_description()
     print(
         f"data {folder}  workers {args.workers}  batch {args.batch_size}  timed batches {args.batches} "
         f"(+{args.warmup_batches} warm-up)  rounds {args.repeats}  main-process torch threads "

@@ -44,6 +44,13 @@ TINY = [*SMALL, "--image-size", "16", "--val-resize-size", "18", "--val-crop-siz
 TINY += ["--num-workers", "0"]
 
 
+def importtime(stderr):
+    """The stderr of `python -X importtime ...`, apart: (its other lines, the modules imported, in order)."""
+    lines = stderr.splitlines()
+    timed = [line for line in lines if line.startswith("import time:")]
+    return [line for line in lines if line not in timed], [line.split("|")[-1].strip() for line in timed]
+
+
 def clean_env(**extra):
     """The environment of a plain shell: no launcher variables (Slurm, torchrun), no data variables."""
     env = {

@@ -9,7 +9,7 @@ import pytest
 from PIL import Image
 
 import preloaded
-from conftest import ROOT, clean_env
+from conftest import ROOT, clean_env, importtime
 
 sys.path.insert(0, str(ROOT / "bench"))
 import bench_loader  # noqa: E402
@@ -283,9 +283,8 @@ def test_a_bench_refuses_a_bad_flag_in_one_line_before_it_imports_torch(script, 
     without torch; bench_checkpoint.py and bench_loader.py check their flags before they import torch."""
     command = [sys.executable, "-X", "importtime", str(ROOT / "bench" / script), *bad]
     result = subprocess.run(command, capture_output=True, text=True, timeout=120, env=clean_env())
-    lines = result.stderr.splitlines()
-    assert result.returncode == 2 and says in lines[-1], result.stderr[-2000:]
-    imported = [line.split("|")[-1].strip() for line in lines if line.startswith("import time:")]
+    assert result.returncode == 2 and says in result.stderr.splitlines()[-1], result.stderr[-2000:]
+    _, imported = importtime(result.stderr)
     assert "dlojz_lib.flags" in imported and "torch" not in imported, imported
 
 

@@ -25,6 +25,7 @@ from PIL import Image
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 import dlojz_pack  # noqa: E402
+from conftest import importtime  # noqa: E402
 from dlojz_lib.checks import DataError  # noqa: E402
 from dlojz_lib.data.layout import IMG_EXTENSIONS  # noqa: E402
 from dlojz_lib.data.embedded import make_embedded_dataset  # noqa: E402
@@ -361,6 +362,7 @@ def test_cli_refuses_a_foreign_dst_and_a_non_data_src_in_one_line(src, tmp_path)
         for needle in cases[name][1]:
             assert needle in lines[0], f"{name}: {lines[0]}"
     assert [p.name for p in foreign.iterdir()] == ["notes.txt"]  # left as it was
+    assert not (tmp_path / "out").exists()
 
 
 def test_a_source_that_is_not_a_data_tree_is_refused_before_torch_is_imported(tmp_path):
@@ -369,9 +371,8 @@ def test_a_source_that_is_not_a_data_tree_is_refused_before_torch_is_imported(tm
     (tmp_path / "photos").mkdir()
     command = [sys.executable, "-X", "importtime", str(ROOT / "dlojz_pack.py"), "photos", "out"]
     result = subprocess.run(command, capture_output=True, text=True, cwd=tmp_path, timeout=120)
-    lines = [line for line in result.stderr.splitlines() if not line.startswith("import time:")]
+    lines, imported = importtime(result.stderr)
     assert result.returncode == 2 and lines == [lines[0]] and "SRC photos: not a data tree" in lines[0], lines
-    imported = [line.split("|")[-1].strip() for line in result.stderr.splitlines() if line.startswith("import time:")]
     assert "dlojz_lib.durable" in imported and "dlojz_lib.data.layout" in imported and "torch" not in imported
     assert not (tmp_path / "out").exists()
 

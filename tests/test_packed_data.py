@@ -9,10 +9,11 @@ import signal
 import pytest
 import torch
 
-from conftest import SMALL, clean_env, read_json, run_dlojz, show
+import conftest
+from conftest import clean_env, read_json, run_dlojz, show
 from test_resume import RUN, final_weights, start, wait_for_line
 
-TINY = [*SMALL, "--image-size", "16", "--val-resize-size", "18", "--val-crop-size", "16", "-b", "8", "--no-wandb"]
+TINY = [*conftest.TINY, "--num-workers", "1"]  # with SMALL's DataLoader worker: the shards are read in a worker
 
 
 def pack(src, dst, shard_size="60KB"):
