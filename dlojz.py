@@ -422,6 +422,8 @@ def train_one_epoch(
                 training.scaler.scale(loss / cfg.grad_acc).backward()
         if optimizer_step:
             with hooks.phase("optimizer_step"):
+                if training.drop_frozen_gradients is not None:  # frozen layers: out of the clip's norm and the scaler
+                    training.drop_frozen_gradients()
                 if cfg.clip_grad_norm is not None:  # on the true gradients: unscaled first under float16
                     training.scaler.unscale_(training.optimizer)
                     torch.nn.utils.clip_grad_norm_(model.module.parameters(), cfg.clip_grad_norm, foreach=True)

@@ -147,7 +147,8 @@ def agree_on_stop(stop, first_nonfinite, ranks, checkpoint_due=False):
     )
     if watchdog.compares:
         forward = torch.zeros(ranks.world_size, dtype=torch.float64, device=ranks.device)
-        forward[ranks.rank] = watchdog.forward_seconds()  # a fill on the device: no wait
+        # fill_ takes the seconds as a kernel argument; forward[rank] = secs would copy them from the host and wait
+        forward.select(0, ranks.rank).fill_(watchdog.forward_seconds())
         control = torch.cat([control, forward])
     with watchdog.collective("the log point's all-reduce", ranks.enabled):
         if ranks.enabled:

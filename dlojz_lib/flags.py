@@ -86,6 +86,7 @@ POSITIVE = Number(float, 0, low_open=True)
 FRACTION = Number(float, 0, 1)
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")  # the modes that record CUDA graphs
+GRAPH_FREE_MODE = {"reduce-overhead": "default", "max-autotune": "max-autotune-no-cudagraphs"}  # the same, no graphs
 # The --dali-* flags' defaults (also how check_flags tells that one was given)
 DALI_DEFAULTS = {"dali_threads": None, "dali_prefetch": 2, "dali_hw_decoder_load": None, "dali_antialias": False}
 

@@ -548,6 +548,9 @@ class Training:
     autocast: object  # () -> context manager
     mix: object | None  # MixUp/CutMix on the device batch
     total_steps: int  # optimizer steps the schedule spans
+    # --freeze-backbone-epochs: () -> None, drops the frozen layers' gradients while they are frozen; called before
+    # the clip and the float16 scaler, so that neither the norm nor the overflow check counts them
+    drop_frozen_gradients: object = None
 
 
 def fine_tuning_head(module, num_classes, args) -> str | None:
@@ -566,18 +569,21 @@ def fine_tuning_head(module, num_classes, args) -> str | None:
 
 def freeze_backbone(optimizer, scheduler, frozen_steps: int):
     """``--freeze-backbone-epochs``: for optimizer steps 0 to ``frozen_steps - 1`` (the schedule's count, so a
-    resumed run goes on where it was) only the head's groups learn. The other parameters' gradients are dropped just
+    resumed run goes on where it was) only the head's groups learn. The other parameters' gradients are dropped
     before each of those steps, so the optimizer neither moves them nor builds their momentum or weight decay. The
     backward still computes them: DDP and FSDP keep one set of buckets for the whole run, and the change to every
-    layer is a step like any other, with no new wrapper or optimizer."""
+    layer is a step like any other, with no new wrapper or optimizer. Returns the function that drops them: the
+    loop calls it before clipping and unscaling (the head is clipped by its own norm, and an overflow in a frozen
+    gradient skips no step); the optimizer's step pre-hook calls it too, for any other caller of step()."""
     backbone = [param for group in optimizer.param_groups if not group["head"] for param in group["params"]]
 
-    def drop_backbone_gradients(optimizer, args, kwargs):
+    def drop_backbone_gradients():
         if scheduler.last_epoch < frozen_steps:  # a Python int: no device synchronisation
             for param in backbone:
                 param.grad = None
 
-    return optimizer.register_step_pre_hook(drop_backbone_gradients)
+    optimizer.register_step_pre_hook(lambda optimizer, args, kwargs: drop_backbone_gradients())
+    return drop_backbone_gradients
 
 
 def kind_decay(args: dict) -> dict:
@@ -704,8 +710,9 @@ def build_training(cfg, model, n_train_batches, num_classes, ranks, log, class_c
             )
     except ValueError as err:
         fail(str(err))
+    drop_frozen_gradients = None
     if cfg.freeze_backbone_epochs:
-        freeze_backbone(optimizer, scheduler, cfg.freeze_backbone_epochs * steps_per_epoch)
+        drop_frozen_gradients = freeze_backbone(optimizer, scheduler, cfg.freeze_backbone_epochs * steps_per_epoch)
         log(f"the head ({head}) learns alone for {cfg.freeze_backbone_epochs} epochs, then every layer")
     float16 = cfg.amp and cfg.amp_dtype == "float16"
     autocast = (
@@ -721,4 +728,5 @@ def build_training(cfg, model, n_train_batches, num_classes, ranks, log, class_c
         autocast,
         batch_mixing(cfg, num_classes),
         total_steps,
+        drop_frozen_gradients,
     )

@@ -22,6 +22,7 @@ import dlojz_lib.checkpoint as ckpt
 import dlojz_lib.optim as optim
 from dlojz_lib.checks import fail
 from dlojz_lib.config import load_idr_torch
+from dlojz_lib.flags import CUDA_GRAPH_MODES, GRAPH_FREE_MODE
 
 idr_torch = load_idr_torch()
 
@@ -246,7 +247,16 @@ def keep_global_batch(cfg, world_size, log):
         f"--keep-global-batch: {ranks_of(world_size)} x {cfg.batch_size} images x --grad-acc {grad_acc} keep {written}: "
         f"the same steps per epoch and learning rates"
     )
-    return dataclasses.replace(cfg, grad_acc=grad_acc)
+    compile_mode = cfg.compile_mode
+    if grad_acc > 1 and compile_mode in CUDA_GRAPH_MODES:
+        # A CUDA graph's next replay overwrites the gradients being accumulated: the restart keeps its global batch
+        # (what --keep-global-batch asks) and compiles without graphs, slower per step but the same run.
+        compile_mode = GRAPH_FREE_MODE[compile_mode]
+        log(
+            f"--keep-global-batch: --compile-mode {cfg.compile_mode} replays CUDA graphs, which cannot accumulate "
+            f"gradients over --grad-acc {grad_acc}: this run compiles with --compile-mode {compile_mode} instead"
+        )
+    return dataclasses.replace(cfg, grad_acc=grad_acc, compile_mode=compile_mode)
 
 
 def ranks_of(n):

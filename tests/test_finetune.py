@@ -2,6 +2,9 @@
 layer (and a fine-tuning stopped mid-way that resumes to the uninterrupted run's weights), --drop-path's stochastic
 depth where the model has it."""
 
+import contextlib
+import dataclasses
+
 import pytest
 import torch
 import torchvision
@@ -168,3 +171,56 @@ def test_a_fine_tuning_sharded_by_fsdp_on_two_ranks_keeps_the_backbone_then_trai
             assert not torch.equal(frozen_end[name], final[name]), name
         else:
             assert torch.equal(frozen_end[name], value) and not torch.equal(final[name], value), name
+
+
+def test_frozen_layers_are_out_of_the_clip_s_norm_and_the_float16_scaler_s_overflow_check(tmp_path):
+    """One optimizer step of the real loop, the backbone frozen, --clip-grad-norm: the head moves as plain SGD
+    moves it with its own gradients clipped to its own norm (the backbone's gradients, made large, count for
+    nothing), and an inf in a frozen gradient under float16 neither skips the step nor lowers the loss scale."""
+    import dlojz
+    from dlojz_lib.data.loaders import SYNTHETIC_CLASSES
+    from in_process import synthetic_loop
+
+    torch.manual_seed(0)
+    torch.save(torchvision.models.resnet18(num_classes=SYNTHETIC_CLASSES).state_dict(), tmp_path / "w.pth")
+    flags = ["--device", "cpu", "--arch", "resnet18", "--image-size", "16", "-b", "4", "--optimizer", "sgd"]
+    flags += ["--lr", "0.5", "--mom", "0", "--wd", "0", "--lr-scheduler", "constant"]
+    flags += ["-e", "2", "--freeze-backbone-epochs", "1", "--initial-checkpoint", str(tmp_path / "w.pth")]
+
+    def one_step(backbone_gradient, *more):
+        """The loop's one step, the backbone's gradients set to `backbone_gradient` after the backward; returns
+        (the loop, the head's parameters, their values before, their gradients as the backward left them)."""
+        loop = synthetic_loop([*flags, *more], n_batches=1)
+        if loop["training"].scaler.is_enabled():  # a scale at which the head's own float16 gradients do not overflow
+            scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+            loop["training"] = dataclasses.replace(loop["training"], scaler=scaler)
+        module, hooks = loop["model"].module, loop["hooks"]
+        head = [module.fc.weight, module.fc.bias]
+        before, grads = [param.detach().clone() for param in head], []
+        phase = hooks.phase
+
+        @contextlib.contextmanager
+        def phase_after_the_backward(name):
+            if name == "optimizer_step":
+                for name, param in module.named_parameters():
+                    if not name.startswith("fc."):
+                        param.grad.fill_(backbone_gradient)
+                grads.extend(param.grad.clone() for param in head)
+            with phase(name):
+                yield
+
+        hooks.phase = phase_after_the_backward
+        dlojz.train_one_epoch(**loop)
+        return loop, head, before, grads
+
+    loop, head, before, grads = one_step(1e3, "--no-amp", "--clip-grad-norm", "0.01")
+    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+    scale = min(1.0, 0.01 / (float(norm) + 1e-6))  # clip_grad_norm_'s factor, on the head alone
+    for param, start, grad in zip(head, before, grads):
+        torch.testing.assert_close(param.detach(), start - 0.5 * scale * grad)
+    assert torch.equal(loop["model"].module.conv1.weight, torch.load(tmp_path / "w.pth")["conv1.weight"])
+
+    loop, head, before, _ = one_step(float("inf"), "--amp", "--amp-dtype", "float16")  # (the scaler unscales)
+    scaler = loop["training"].scaler
+    assert scaler.is_enabled() and scaler.get_scale() == 2.0**8  # not halved: no overflow counted
+    assert not torch.equal(head[0].detach(), before[0])  # and the head stepped

@@ -49,6 +49,7 @@ SYNCHRONISING = {
 }
 INDEXING = {aten.index, aten.index_put, aten.index_put_, aten._index_put_impl_}
 LIFTED = "a tensor made from Python data on the device (a blocking host-to-device copy on CUDA)"
+COPIED_IN = "a host value copied into a device tensor (t[i] = x, t.copy_(host): a blocking copy on CUDA)"
 # Functions whose CPU kernels check their input's values on the host where their CUDA kernels do not (one_hot's
 # class range: a device-side assert on CUDA): the reads inside them are the CPU's, not a GPU wait.
 CPU_ONLY_CHECKS = {"one_hot"}
@@ -126,6 +127,7 @@ class HostTensors(TorchFunctionMode):
         super().__init__()
         self.audit, self.host = audit, WeakIdKeyDictionary()
         self.making_host_tensor = False
+        self.in_factory = False
         self.in_cpu_only_check = False
 
     def is_host(self, tensors):
@@ -140,11 +142,11 @@ class HostTensors(TorchFunctionMode):
             on_host = device is None or device == "cpu"
             if func in (torch.tensor, torch.as_tensor) and not on_host:
                 self.audit.record(LIFTED)
-            self.making_host_tensor = on_host
+            self.making_host_tensor, self.in_factory = on_host, True
             try:
                 out = func(*args, **kwargs)
             finally:
-                self.making_host_tensor = False
+                self.making_host_tensor = self.in_factory = False
             if on_host:
                 self.mark(out)
             return out
@@ -203,7 +205,12 @@ class SyncAudit(TorchDispatchMode):
         tensors = [t for t in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         on_host = self.host_tensors.is_host(tensors)
         if func.overloadpacket is aten.lift_fresh:
-            on_host = self.host_tensors.making_host_tensor  # (torch.tensor with a device is recorded above)
+            # Python data made a tensor on the host: by torch.tensor(x) (recorded above when a device is named), or
+            # by an assignment t[i] = x, whose copy_ into the device tensor is recorded next
+            on_host = self.host_tensors.making_host_tensor or not self.host_tensors.in_factory
+        elif func.overloadpacket is aten.copy_ and not self.host_tensors.is_host(args[:1]):
+            if self.host_tensors.is_host(args[1:2]):
+                self.record(COPIED_IN)
         elif self.host_tensors.in_cpu_only_check:
             pass
         elif not on_host and (why := synchronising(func, args, kwargs)) is not None:
@@ -430,6 +437,8 @@ def test_the_audit_catches_a_tensor_made_from_python_data_in_the_step(monkeypatc
         (lambda t: torch.repeat_interleave(t.long().abs()), "repeat_interleave"),
         (lambda t: t.tolist(), "tolist()"),
         (lambda t: torch.equal(t, t), "equal"),
+        (lambda t: t.__setitem__(1, 0.5), "copied into a device tensor"),
+        (lambda t: t.copy_(torch.ones(5)), "copied into a device tensor"),
     ],
 )
 def test_the_audit_sees_each_kind_of_wait(code, why):
@@ -443,6 +452,7 @@ def test_the_audit_sees_each_kind_of_wait(code, why):
         torch.where(on_device > 0, on_device, 0.0).sum()
         torch.repeat_interleave(on_device, 2)
         torch.full((), 3.0, device=on_device.device)
+        on_device.select(0, 1).fill_(0.5)  # the value is the kernel's argument
     assert records == []
 
 
@@ -518,3 +528,24 @@ def test_model_ema_update_does_not_read_the_device(monkeypatch, tmp_path):
         for _ in range(3):
             model.ema.update_parameters(model.module)
     assert records == [] and model.ema.updates == 3 and int(model.ema.n_averaged) == 3
+
+
+def test_a_log_point_sends_the_ranks_forward_seconds_without_a_copy_from_the_host(monkeypatch):
+    """The log point's vector (stop, checkpoint, NaN step, then each rank's forward seconds when stragglers are
+    compared) is made and filled on the device: its one wait is the read of the agreed values (tolist)."""
+    import types
+
+    import dlojz_lib.dist
+    from dlojz_lib.dist import Distribution, StopSignal, agree_on_stop
+    from dlojz_lib.watchdog import Watchdog
+
+    monkeypatch.setattr(dlojz_lib.dist.dist, "all_reduce", lambda tensor, op=None: None)  # the one rank of two here
+    ranks = Distribution(2, 1, 1, torch.device("cpu"))
+    watchdog = Watchdog(ranks, 0, None, straggler_factor=2.0)
+    assert watchdog.compares
+    stop = types.SimpleNamespace(stop_signal=StopSignal(), watchdog=watchdog)
+    first_nonfinite = torch.full((), -1.0, dtype=torch.float64)
+    audit = SyncAudit(lambda: "log point")
+    with audit.recording() as records:
+        assert agree_on_stop(stop, first_nonfinite, ranks)[:3] == (False, -1.0, False)
+    assert [why for _, _, why in records] == ["tolist(): a copy to the host"]

@@ -617,3 +617,35 @@ def test_a_resume_on_other_ranks_and_batches_goes_on_at_the_first_unseen_image(b
         sampler.skip = first_batch * new_batch  # as Loaders.start_epoch sets it
         rest += [i for _, i in sampler]
     assert sorted(seen + rest) == images
+
+
+def test_keep_global_batch_under_cuda_graphs_compiles_without_them(tmp_path, monkeypatch):
+    """A restart on half the ranks with --compile-mode reduce-overhead (or max-autotune): --keep-global-batch's
+    --grad-acc 2 would accumulate into gradients that the graphs' next replay overwrites, so the run compiles the
+    same mode without graphs, says so, and its final settings pass the rule that refuses graphs with --grad-acc."""
+    import dataclasses
+
+    import dlojz_lib.resume
+    from dlojz_lib.checks import UserError
+    from dlojz_lib.config import resolve_config
+    from dlojz_lib.flags import check_flags, get_args_parser
+
+    saved = tmp_path / "ckpt.pt"
+    saved.write_bytes(b"")  # read through the stand-in below: the checkpoint of a run on 2 ranks x 8 images
+    monkeypatch.setattr(dlojz_lib.resume.ckpt, "load", lambda path: {"args": {"batch_size": 8}, "world_size": 2})
+    argv = ["--device", "cpu", "-b", "8", "--resume", str(saved), "--keep-global-batch", "--output-dir", tmp_path]
+    args = get_args_parser().parse_args(list(map(str, argv)))
+    for mode, graph_free in (("reduce-overhead", "default"), ("max-autotune", "max-autotune-no-cudagraphs")):
+        cfg = dataclasses.replace(resolve_config(args), compile=True, compile_mode=mode)  # (a GPU's settings)
+        lines = []
+        final = dlojz_lib.resume.keep_global_batch(cfg, 1, lines.append)
+        assert (final.grad_acc, final.compile_mode) == (2, graph_free)
+        assert lines[-1] == (
+            f"--keep-global-batch: --compile-mode {mode} replays CUDA graphs, which cannot accumulate gradients over "
+            f"--grad-acc 2: this run compiles with --compile-mode {graph_free} instead"
+        )
+        check_flags(dict(vars(args), grad_acc=final.grad_acc, compile_mode=final.compile_mode))
+        with pytest.raises(UserError, match="overwrites the gradients --grad-acc 2 accumulates"):
+            check_flags(dict(vars(args), grad_acc=final.grad_acc, compile_mode=mode))  # what it was before
+    same = dlojz_lib.resume.keep_global_batch(dataclasses.replace(cfg, compile_mode=mode), 2, lines.append)
+    assert (same.grad_acc, same.compile_mode) == (1, mode)  # the same ranks: the graphs stay
