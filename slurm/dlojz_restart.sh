@@ -3,8 +3,11 @@
 #     dlojz_srun python -u dlojz.py --resume auto --keep-global-batch ...
 # instead of srun. dlojz_srun runs the training step with srun on the job's nodes; when the step ends with exit
 # status 4 (a rank lost: a node down, a process killed) or 7 (a rank hung: dlojz's watchdog), or when a node stopped
-# answering, it runs the step again inside the same allocation, on the nodes that still answer (each is asked to run
-# `true` within DLOJZ_NODE_CHECK_S seconds, 30 by default), at most DLOJZ_MAX_RESTARTS times (3 by default). The
+# answering, it runs the step again inside the same allocation, on the nodes that pass a check, at most
+# DLOJZ_MAX_RESTARTS times (3 by default). It checks every node at once with slurm/dlojz_node_check.sh, which
+# waits there for the old step's processes to leave its GPUs and runs one CUDA operation on each GPU, each node
+# within DLOJZ_NODE_CHECK_S seconds (120); a node that fails or does not answer is left out, its reason in the log.
+# (Slurm may list a lost node's step for minutes: the check waits on the nodes, where the processes are.) The
 # run goes on from its last checkpoint (--resume auto) with its global batch (--keep-global-batch raises --grad-acc
 # on fewer ranks). `#SBATCH --no-kill` keeps the allocation when Slurm declares a node down. Each restart is one
 # line in the job's log: when, the exit status, the nodes left out, the checkpoint it goes on from. When no node is
@@ -47,6 +50,9 @@ dlojz_step() {
     return "${status:-$srun_status}"
 }
 
+# The node check that dlojz_srun runs on each node, found beside this file.
+DLOJZ_NODE_CHECK="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/dlojz_node_check.sh"
+
 dlojz_srun() {
     local max="${DLOJZ_MAX_RESTARTS:-3}" restarts=0 status node nodes up left_out latest
     local -a list
@@ -61,9 +67,16 @@ dlojz_srun() {
         dlojz_step --overlap --nodes="${#list[@]}" --ntasks=$(( ${#list[@]} * tasks_per_node )) \
             --nodelist="$nodes" "$@" || status=$?
         [ "$status" -eq 0 ] && return 0
+        # every node checked at once (a GPU's check may wait for the old step's processes): pid per node
+        local -A checks=()
+        for node in "${list[@]}"; do
+            timeout "${DLOJZ_NODE_CHECK_S:-120}" srun --overlap --nodes=1 --ntasks=1 --nodelist="$node" \
+                bash "$DLOJZ_NODE_CHECK" >/dev/null &
+            checks[$node]=$!
+        done
         up="" left_out=""
         for node in "${list[@]}"; do
-            if timeout "${DLOJZ_NODE_CHECK_S:-30}" srun --overlap --nodes=1 --ntasks=1 --nodelist="$node" true >/dev/null 2>&1; then
+            if wait "${checks[$node]}"; then
                 up="${up:+$up,}$node"
             else
                 left_out="${left_out:+$left_out,}$node"

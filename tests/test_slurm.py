@@ -290,13 +290,14 @@ def test_a_slurm_sweep_is_one_job_array_whose_tasks_are_the_runs(slurm_cluster, 
 
 # ---------------------------------------------------------------- dlojz_srun's restarts, with a stand-in srun
 FAKE_SRUN = r"""#!/bin/bash
-# A stand-in for srun: a node probe (`... true`) answers unless its node is in $DOWN; a training step ends with
-# the next status of $STATUSES, said as srun says it, and hangs after saying it when $HANG is set.
+# A stand-in for srun: a node check (`... bash slurm/dlojz_node_check.sh`) does not answer when its node is in
+# $DOWN, else runs the real check as on that node; a training step ends with the next status of $STATUSES, said as
+# srun says it, and hangs after saying it when $HANG is set.
 echo "$*" >> "$CALLS"
 for arg in "$@"; do case "$arg" in --nodelist=*) nodelist="${arg#--nodelist=}" ;; esac; done
-if [ "${*: -1}" = true ]; then
+if [[ "${*: -1}" == */dlojz_node_check.sh ]]; then
     case ",$DOWN," in *",$nodelist,"*) exec sleep 60 ;; esac  # (exec: the process killed holds no pipe open)
-    exit 0
+    SLURMD_NODENAME="$nodelist" exec bash "${@: -1}"
 fi
 n=$(cat "$COUNT" 2>/dev/null || echo 0)
 echo $(( n + 1 )) > "$COUNT"
@@ -310,14 +311,38 @@ exit "$status"
 """
 
 
-def dlojz_srun(tmp_path, statuses, down="", hang="", max_restarts="3"):
-    """slurm/dlojz_restart.sh's dlojz_srun on a two-node job, srun and scontrol stood in for: (status, stderr, the
-    srun command lines)."""
+# Stand-ins for a GPU node's nvidia-smi (2 GPUs; the old step's process listed on them for the first $HELD_QUERIES
+# queries on the nodes of $HELD), and for the CUDA probe's Python (never done on the nodes of $HUNG: GPU 1 hangs).
+FAKE_NVIDIA_SMI = r"""#!/bin/bash
+echo "nvidia-smi $SLURMD_NODENAME $*" >> "$CALLS"
+case "$*" in *query-gpu=index*) printf "0\n1\n"; exit 0 ;; esac
+case ",$HELD," in *",$SLURMD_NODENAME,"*)
+    n=$(cat "$CALLS.held.$SLURMD_NODENAME" 2>/dev/null || echo 0)
+    echo $(( n + 1 )) > "$CALLS.held.$SLURMD_NODENAME"
+    [ "$n" -lt "${HELD_QUERIES:-0}" ] && echo "4242, 00000000:1B:00.0" ;;
+esac
+exit 0
+"""
+FAKE_PROBE_PYTHON = r"""#!/bin/bash
+echo "gpu 0 ok"
+case ",$HUNG," in *",$SLURMD_NODENAME,"*) exec sleep 60 ;; esac
+echo "gpu 1 ok"
+"""
+
+
+def dlojz_srun(tmp_path, statuses, down="", hang="", max_restarts="3", gpus=False, **more_env):
+    """slurm/dlojz_restart.sh's dlojz_srun on a two-node job, srun and scontrol stood in for (and, `gpus`,
+    nvidia-smi and the CUDA probe's Python): (status, stderr, the srun command lines of the training steps)."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
     (bin_dir / "srun").write_text(FAKE_SRUN)
     (bin_dir / "scontrol").write_text('#!/bin/bash\nprintf "n1\\nn2\\n"\n')
-    for name in ("srun", "scontrol"):
+    stand_ins = ["srun", "scontrol"]
+    if gpus:
+        (bin_dir / "nvidia-smi").write_text(FAKE_NVIDIA_SMI)
+        (bin_dir / "probe-python").write_text(FAKE_PROBE_PYTHON)
+        stand_ins += ["nvidia-smi", "probe-python"]
+    for name in stand_ins:
         (bin_dir / name).chmod(0o755)
     out = tmp_path / "run"
     out.mkdir(exist_ok=True)
@@ -336,10 +361,12 @@ def dlojz_srun(tmp_path, statuses, down="", hang="", max_restarts="3"):
         STATUSES=statuses,
         DOWN=down,
         HANG=hang,
+        DLOJZ_PYTHON=str(bin_dir / "probe-python"),
     )
+    env.update(more_env)
     script = f'source slurm/dlojz_restart.sh; dlojz_srun python -u dlojz.py --output-dir "{out}"'
     proc = subprocess.run(["bash", "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
-    steps = [line for line in calls.read_text().splitlines() if not line.endswith(" true")]
+    steps = [line for line in calls.read_text().splitlines() if line.endswith(f"--output-dir {out}")]
     return proc.returncode, proc.stderr, steps
 
 
@@ -373,3 +400,36 @@ def test_other_ends_are_not_restarted_and_restarts_are_bounded(tmp_path):
     said = restarts_said(stderr)
     assert status == 4 and len(steps) == 3 and len(said) == 3, stderr
     assert said[-1] == "dlojz_srun: exit status 4 after 2 restarts (DLOJZ_MAX_RESTARTS): the job ends"
+
+
+def test_a_restart_waits_for_the_old_step_s_gpus_and_leaves_out_a_node_whose_gpu_hangs(tmp_path):
+    """n1's GPUs held by the old step's process for 2 queries (then freed), n2's GPU 1 hung: n1 is checked once its
+    GPUs are free and takes the restart, n2 is left out with a line saying why."""
+    status, stderr, steps = dlojz_srun(
+        tmp_path,
+        "7 0",
+        gpus=True,
+        HELD="n1",
+        HELD_QUERIES="2",
+        HUNG="n2",
+        STEP_LINGERS="2",
+        DLOJZ_GPU_PROBE_S="2",
+        DLOJZ_NODE_CHECK_S="10",
+    )
+    assert status == 0 and len(steps) == 2, stderr
+    (said,) = restarts_said(stderr)
+    assert "exit status 7; nodes left out: n2; on n1 from" in said, said
+    assert "dlojz_node_check: n2: GPU 1 (of 2) does not run one operation (no answer in 2 s (hung or lost);" in stderr
+    assert "--nodes=1 --ntasks=2 --nodelist=n1 python -u dlojz.py" in steps[1]
+    calls = (tmp_path / "calls").read_text().splitlines()
+    held_queries = [line for line in calls if line.startswith("nvidia-smi n1 --query-compute-apps")]
+    assert len(held_queries) == 3  # held, held, free
+
+
+def test_a_node_whose_gpu_stays_held_is_left_out(tmp_path):
+    status, stderr, steps = dlojz_srun(
+        tmp_path, "4 0", gpus=True, HELD="n2", HELD_QUERIES="1000", DLOJZ_GPU_FREE_S="2", DLOJZ_NODE_CHECK_S="10"
+    )
+    assert status == 0 and len(steps) == 2, stderr
+    assert "dlojz_node_check: n2: processes still on its GPUs after 2 s (pid, GPU: 4242, 00000000:1B:00.0):" in stderr
+    assert "nodes left out: n2; on n1 from" in restarts_said(stderr)[0]
