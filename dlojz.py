@@ -130,7 +130,9 @@ def main(argv=None, running=None) -> dict:
         claim_output_dir(cfg, ranks, log)  # one run writes in a folder: refused here, before any data scan
     cfg = keep_global_batch(cfg, ranks.world_size, log)  # (before the loaders and the schedule: --grad-acc)
     announce_run(cfg, argv, ranks, log, f"{idr_torch.num_nodes} nodes", idr_torch.current_API)
-    chrono = Chronometer(enabled=cfg.test, rank=ranks.rank, device=ranks.device)
+    # --test: the chronometer times each phase of the first steps, then the last --test-unsync-steps as a whole
+    synced = (cfg.test_nsteps - cfg.test_unsync_steps) * cfg.grad_acc if cfg.test_unsync_steps else None
+    chrono = Chronometer(enabled=cfg.test, rank=ranks.rank, device=ranks.device, synced_steps=synced)
 
     # ================================ DATA SETS (the model needs the number of classes)
     train_set, val_set, classes = build_data(cfg, ranks, log)
@@ -482,6 +484,7 @@ def train_one_epoch(
                 stop.watchdog.disarm()  # a sharded save on a slow file system may take minutes: not a hang
                 checkpoints.save(state)
         if end_of_test:
+            hooks.chrono.end_window()  # the unsynchronised window's one wait, at its end
             break
     batches.close()  # leaving mid-epoch (test, stop signal): release this epoch's iterator and its workers' batches now
     stop.settle()

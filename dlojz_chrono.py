@@ -31,6 +31,13 @@ by default the device's current (compute) stream on CUDA, not the prefetcher's c
 Only the rare once-per-run / once-per-epoch measurements still run when disabled: ``start()``, ``first_step_done()``
 and ``validation()`` (the last two synchronise once, which costs nothing at that frequency and keeps them true).
 
+The unsynchronised window (``synced_steps``): after that many timed steps the chronometer goes quiet (no
+synchronisation, no clock read per phase) and times the steps that follow as a whole, wall clock, the device waited
+for once at its start and once at its end (``end_window()``, called after the last step; validation() and gather()
+close it too). That throughput, ``unsync_throughput_img_s``, counts every per-step cost (MixUp, the log points, EMA,
+the schedule) and none of the chronometer's waits: it is the figure to compare with MLPerf's training throughput.
+The per-phase figures come from the synchronised steps before it.
+
 Statistics skip the first ``warmup_steps`` steps (cudnn autotune, allocator growth, compilation); if no step is
 left after them, only the first step (start-up, compilation) is left out and the summary says so
 (``warmup_excluded: False``).
@@ -59,7 +66,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dlojz_lib.chrono_report import energy_figures, flops_figures, report_lines, step_figures, validation_figures
+from dlojz_lib.chrono_report import (
+    energy_figures,
+    flops_figures,
+    report_lines,
+    step_figures,
+    unsync_figures,
+    validation_figures,
+)
 from dlojz_lib.model import peak_flops
 
 # ``nvml`` default: import pynvml lazily, and only for CUDA devices.
@@ -170,6 +184,7 @@ class Chronometer:
     clock: returns seconds (injectable for tests).
     sync: waits for the device's queued work; default: the current CUDA stream of ``device``, else a no-op.
     nvml: a pynvml-compatible module, or None for no power/energy figures. Default: ``import pynvml`` on CUDA.
+    synced_steps: steps timed phase by phase; the steps after them form the unsynchronised window (None: none).
     """
 
     # One object the loop toggles (the course's API): its records and toggles stay together; the figures made from
@@ -184,9 +199,16 @@ class Chronometer:
         clock=time.perf_counter,
         sync=None,
         nvml=_TRY_PYNVML,
+        synced_steps=None,
     ):
         if warmup_steps < 0:
             raise ValueError(f"Chronometer: warmup_steps must be >= 0, got {warmup_steps}")
+        if synced_steps is not None and synced_steps < 1:
+            raise ValueError(f"Chronometer: synced_steps must be >= 1, got {synced_steps}")
+        self.synced_steps = synced_steps
+        self._window_start = None  # clock at the start of the unsynchronised window, once open
+        self._window_s = None  # its seconds, once closed
+        self._window_steps = 0  # steps in it
         self._enabled = bool(enabled)
         self.rank = rank
         self.device = torch.device(device)
@@ -236,7 +258,7 @@ class Chronometer:
 
     def dataload(self):
         """Toggle: waiting for the DataLoader + host->device copy."""
-        if not self._enabled:
+        if not self._enabled or self._window_start is not None:
             return
         duration = self._toggle(self._load)
         if duration is None:
@@ -246,7 +268,7 @@ class Chronometer:
 
     def forward(self):
         """Toggle: zero_grad + forward + loss."""
-        if not self._enabled:
+        if not self._enabled or self._window_start is not None:
             return
         duration = self._toggle(self._forward)
         if duration is None:
@@ -258,6 +280,10 @@ class Chronometer:
         """Toggle: backward + optimizer/scaler step. Closing it records the step."""
         if not self._enabled:
             return
+        if self._window_start is not None:  # the unsynchronised window: each step counted (at its close), not timed
+            self._backward.opened_at = None if self._backward.opened_at is not None else 0.0
+            self._window_steps += self._backward.opened_at is None and self._window_s is None
+            return
         duration = self._toggle(self._backward)
         if duration is None:
             return
@@ -267,9 +293,24 @@ class Chronometer:
         self._pending_load = None
         self._pending_forward = None
         self._energy.step_end()
+        if self.synced_steps is not None and len(self._backwards) == self.synced_steps:
+            self._window_start = self._clock()  # the device has just been waited for: the window's start
+
+    def end_window(self):
+        """After the last training step: the unsynchronised window ends (one wait for the device), if open."""
+        if self._window_start is None or self._window_s is not None:
+            return
+        self._sync()
+        self._window_s = self._clock() - self._window_start
+
+    @property
+    def window_steps(self) -> int:
+        """Steps in the unsynchronised window so far."""
+        return self._window_steps
 
     def validation(self):
         """Toggle: the whole validation pass. Always measured (also when disabled), synchronised at both ends."""
+        self.end_window()
         self._sync()
         now = self._clock()
         if self._validation.opened_at is None:
@@ -328,6 +369,8 @@ class Chronometer:
             "energy_steps": self._energy.steps,
             "val_energy_j": self._energy.val_j,
             "peak_power_w": max(self._energy.power_w) if self._energy.power_w else None,
+            "window_s": self._window_s if self._window_steps else None,
+            "window_steps": self._window_steps,
         }
 
     def gather(self, all_gather_object=None):
@@ -336,6 +379,7 @@ class Chronometer:
         all_gather_object(obj) -> list of every rank's obj (e.g. a wrapper around
         torch.distributed.all_gather_object). None = single process. Returns the gathered list.
         """
+        self.end_window()
         if self._run_end is None:
             self._run_end = self._clock()
         record = self._local_record()
@@ -358,6 +402,7 @@ class Chronometer:
         if self.steps:
             measured = [self._measured(x) for x in (self._loads, self._forwards, self._backwards, self._step_array())]
             out.update(step_figures(*measured, self.steps, self.warmup_steps, self._slowest_rank(), ctx))
+        out.update(unsync_figures(self._gathered or [self._local_record()], self.synced_steps, ctx))
         out.update(validation_figures(self._val_time, out.get("step_median_s"), out.get("load_median_s"), ctx))
         peak = peak_flops(ctx.get("device_name") or "", ctx.get("compute_dtype") or "")
         out.update(flops_figures(out.get("throughput_img_s"), peak, ctx))

@@ -223,8 +223,9 @@ print("anchors: NVIDIA DeepLearningExamples ResNet-50 AMP: 2,470 img/s per A100-
 EOF
 
 # ------------------------------------------------------------------ 6. the course's ablation and cores per GPU
-# One optimisation added per row (fp32 -> TF32 -> float16 -> channels-last -> bfloat16 -> compile -> CUDA graphs),
-# synthetic and real pipeline, then training img/s with 2, 4, 8 and all cores for the pytorch backend and DALI.
+# One optimisation added per row (fp32 -> TF32 -> float16 -> channels-last -> compile -> CUDA graphs, then bfloat16
+# eager and compiled apart), synthetic and real pipeline, each row's unsynchronised img/s beside the chronometer's,
+# then training img/s with 2, 4, 8 and all cores for the pytorch backend and DALI.
 # ABLATION=0 leaves it out (it is about as long as the steps above).
 if [ "${ABLATION:-1}" != 0 ]; then
     t=$SECONDS

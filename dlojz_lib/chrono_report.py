@@ -64,6 +64,20 @@ def validation_figures(val_time, step_med, load_med, ctx) -> dict:
     return out
 
 
+def unsync_figures(records, synced_steps, ctx) -> dict:
+    """The unsynchronised window's throughput: its steps' images over its seconds, the slowest rank's (every rank
+    waits for it at each gradient all-reduce); the window's step count, or why there is none."""
+    out = {}
+    batch = ctx.get("images_per_step")
+    windows = [r.get("window_s") for r in records]
+    n_steps = records[0].get("window_steps") or 0
+    if synced_steps is not None:
+        out["unsync_window_steps"] = n_steps
+    if batch and n_steps and all(w for w in windows):
+        out["unsync_throughput_img_s"] = n_steps * batch / max(windows)
+    return out
+
+
 def flops_figures(throughput, peak, ctx) -> dict:
     """Achieved FLOP/s at `throughput` images/s, and the MFU against `peak` FLOP/s per GPU (None: unknown GPU)."""
     out, flops = {}, ctx.get("train_flops_per_image")
@@ -138,6 +152,17 @@ def report_lines(s: dict, warmup_steps: int, per_step=None) -> list:
         lines.append(
             f"=>>> Throughput: {s['throughput_img_s']:.1f} images/s (global batch / (step + load)); "
             f"compute throughput: {s['compute_throughput_img_s']:.1f} images/s (global batch / step)"
+        )
+    if "unsync_throughput_img_s" in s:
+        lines.append(
+            f"=>>> Throughput, unsynchronised: {s['unsync_throughput_img_s']:.1f} images/s over the last "
+            f"{s['unsync_window_steps']} steps (wall clock, the device waited for at their start and end only: the "
+            "figure to compare with MLPerf's)"
+        )
+    elif "unsync_window_steps" in s:
+        lines.append(
+            "=>>> Throughput, unsynchronised: not measured (no step after the chronometer's): the figure above "
+            "waits for the device at each phase; give more --test-nsteps than --test-unsync-steps"
         )
     if "load_share" in s:
         line = f"=>>> Data loading: {s['load_share']:.1%} of the step"

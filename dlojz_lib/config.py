@@ -126,6 +126,7 @@ class Config:
     # modes
     test: bool
     test_nsteps: int
+    test_unsync_steps: int  # the last steps of --test, timed as a whole without the chronometer's waits
     synthetic: bool
     eval_only: bool
     eval_ema: bool  # --eval-only validates the checkpoint's EMA weights
@@ -241,6 +242,10 @@ def resolve_config(args) -> Config:
 
     if values["pretrained"] is not None:  # the sizes the weights were evaluated at, where not given
         notes.extend(pretrained_preprocessing(values))
+    if values["test_unsync_steps"] is None:  # half the steps, when the chronometer keeps 10 (5 after its warm-up)
+        values["test_unsync_steps"] = (
+            values["test_nsteps"] // 2 if values["test"] and values["test_nsteps"] >= 20 else 0
+        )
     profile = PROFILES["gpu" if on_gpu else "cpu"]
     unset = [key for key in profile if values[key] is None]
     values.update({key: profile[key] for key in unset})
@@ -318,19 +323,23 @@ def resolve_config(args) -> Config:
 
 def precision_notes(cfg, capability):
     """What a float16 run on this GPU should know: bfloat16 needs no GradScaler where the GPU has it (compute
-    capability 8.0 and newer); an optimizer without a fused step waits for the GPU at every float16 step."""
+    capability 8.0 and newer), but in eager mode it costs a BatchNorm model cuDNN's batch norm (torch gives
+    bfloat16's to its own kernels: dlojz_lib.model.batch_norm_on_native_kernels); an optimizer without a fused step
+    waits for the GPU at every float16 step."""
     notes = []
+    # what bfloat16 costs where it is an option: nothing compiled; in eager mode, a BatchNorm model's batch norm
+    cost = "" if cfg.compile else " (without --compile, a BatchNorm model's batch norm then leaves cuDNN: ~22 % slower)"
     if cfg.amp and cfg.amp_dtype == "float16":
         if capability[0] >= 8:
             notes.append(
                 "AMP float16 with a GradScaler (loss scaling, skipped overflow steps); on this GPU "
-                "--amp-dtype bfloat16 needs no GradScaler"
+                f"--amp-dtype bfloat16 needs no GradScaler{cost}"
             )
         if cfg.optimizer not in FUSED:
             notes.append(
                 f"WARNING: --optimizer {cfg.optimizer} has no fused step: the float16 GradScaler reads its "
                 "overflow flag on the host, one GPU synchronisation per optimizer step; "
-                + ("--amp-dtype bfloat16 avoids it" if capability[0] >= 8 else f"{', '.join(FUSED)} avoid it")
+                + (f"--amp-dtype bfloat16 avoids it{cost}" if capability[0] >= 8 else f"{', '.join(FUSED)} avoid it")
             )
     return notes
 

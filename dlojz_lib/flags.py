@@ -495,6 +495,13 @@ def get_args_parser():
         "no W&B, no checkpoint, chronometer report",
     )
     p.add_argument("--test-nsteps", type=COUNT, default=50, help="steps in --test mode (default: 50)")
+    p.add_argument(
+        "--test-unsync-steps",
+        type=Number(int, 0),
+        default=None,
+        help="the last steps of --test, timed as a whole without the\nchronometer's waits (the figure to compare "
+        "with MLPerf's;\ndefault: half of --test-nsteps from 12 steps, else 0)",
+    )
     p.add_argument("--synthetic", action="store_true", help="random tensors made once in memory: no disk, no decoding")
     p.add_argument("--eval-only", action="store_true", help="validate the checkpoint given by --resume and stop")
     p.add_argument(
@@ -793,6 +800,15 @@ def check_flags(values):
     compares them waits for resolve_config, which calls this again once they are filled."""
     if (values["min_res"] is None) != (values["max_res"] is None):
         fail("progressive resizing needs both --min-res and --max-res")
+    unsync = values.get("test_unsync_steps")
+    if unsync:  # (0: none, as resolve_config fills it without --test)
+        if not values["test"]:
+            fail(f"--test-unsync-steps {unsync} times the last steps of --test: add --test, or drop it")
+        if unsync >= values["test_nsteps"]:
+            fail(
+                f"--test-unsync-steps {unsync} leaves no step to the chronometer: give fewer than --test-nsteps "
+                f"{values['test_nsteps']}"
+            )
     if values["min_res"] is not None:
         if values["min_res"] > values["max_res"]:
             fail(f"--min-res {values['min_res']} must be at most --max-res {values['max_res']}")

@@ -11,7 +11,15 @@ import torch
 from dlojz_lib.checks import fail
 from dlojz_lib.dist import start_compile_workers
 from dlojz_lib.flags import CUDA_GRAPH_MODES
-from dlojz_lib.model import ModelEma, apply_blurpool, create_model, enable_grad_checkpointing, meta_copy
+from dlojz_lib.model import (
+    BFLOAT16_BATCH_NORM,
+    ModelEma,
+    apply_blurpool,
+    batch_norm_on_native_kernels,
+    create_model,
+    enable_grad_checkpointing,
+    meta_copy,
+)
 
 
 @dataclasses.dataclass
@@ -61,6 +69,8 @@ def build_model(cfg, num_classes, ranks, log) -> Model:
     if cfg.grad_checkpointing:
         enable_grad_checkpointing(module, cfg.arch)
     log(f"model: {cfg.arch}, {sum(p.numel() for p in module.parameters()):,} parameters")
+    if cfg.amp and batch_norm_on_native_kernels(module, ranks.device.type, cfg.amp_dtype, cfg.compile):
+        log(BFLOAT16_BATCH_NORM)
     ema = None
     if cfg.model_ema:
         ema = ModelEma(module, cfg.model_ema_decay, cfg.model_ema_steps or 1, cfg.model_ema_warmup)

@@ -232,6 +232,38 @@ def test_bench_checkpoint_times_a_foreground_and_a_background_save(tmp_path):
     assert list(tmp_path.iterdir()) == [tmp_path / "figures.json"]  # its checkpoints removed
 
 
+def test_ablation_builds_on_float16_and_shows_bfloat16_eager_and_compiled_apart():
+    """The compile, CUDA-graph and cores-table steps stand on float16 + channels-last (cuDNN's batch norm); the
+    bfloat16 rows, eager and compiled, stand beside them; each row's flags are the previous row's plus its own."""
+    import ablation
+
+    rows = {name: flags for name, _, flags in ablation.ROWS}
+
+    def dtype(flags):
+        return flags[flags.index("--amp-dtype") + 1] if "--amp" in flags else "float32"
+
+    assert [dtype(rows[name]) for name in ("float16", "channels-last", "compile", "cuda-graphs")] == ["float16"] * 4
+    assert "--channels-last" in rows["compile"] and "--no-channels-last" in rows["float16"]
+    assert rows["compile"] == [*rows["channels-last"], "--compile"]
+    assert rows["cuda-graphs"] == [*rows["channels-last"], "--compile-mode", "reduce-overhead"]
+    assert dtype(rows["bfloat16"]) == dtype(rows["bfloat16-compile"]) == "bfloat16"
+    assert rows["bfloat16-compile"] == [*rows["bfloat16"], "--compile"]
+    assert rows["bfloat16"] == [arg if arg != "float16" else "bfloat16" for arg in rows["channels-last"]]
+    assert ablation.FASTEST_PER_CORE == rows["channels-last"]
+
+
+def test_ablation_s_mfu_uses_one_16_bit_peak_per_gpu():
+    import ablation
+
+    h100 = "NVIDIA H100 80GB HBM3"
+    assert ablation.mfu_16bit(1e9, 1000.0, h100, 1) == pytest.approx(1e12 / 989.4e12)
+    # a float32 row's MFU is over the same peak as a float16 row's: the rows compare
+    fp32, fp16 = (ablation.cells({"chrono": {"train_flops_per_image": 1e9, "unsync_throughput_img_s": x}}, h100)
+                  for x in (1000.0, 4000.0))  # fmt: skip
+    assert fp16["mfu"] == pytest.approx(4 * fp32["mfu"])
+    assert ablation.mfu_16bit(1e9, 1000.0, "cpu", 1) is None
+
+
 def test_ablation_prints_both_tables_from_the_runs_metrics(tiny_data, tmp_path):
     """bench/ablation.py on the CPU (a small model and image): the ablation's rows and columns, each cell the figure
     of its run's metrics JSON, a row this device refuses shown as failed (the table goes on), the cores table."""
@@ -241,7 +273,7 @@ def test_ablation_prints_both_tables_from_the_runs_metrics(tiny_data, tmp_path):
     command = [
         sys.executable,
         str(ROOT / "bench" / "ablation.py"),
-        *("--device", "cpu", "--arch", "resnet18", "--image-size", "32", "-b", "8", "--steps", "3"),
+        *("--device", "cpu", "--arch", "resnet18", "--image-size", "32", "-b", "8", "--steps", "4"),
         *("--rows", "fp32,cuda-graphs", "--cores", "1", "--no-dali", "--data-root", str(tiny_data), "--out", str(out)),
         # its five dlojz.py runs: forks of the tests' preloaded server (each pinned as taskset pins it)
         *("--python", str(preloaded.python_executable(tmp_path, clean_env()))),
@@ -251,20 +283,26 @@ def test_ablation_prints_both_tables_from_the_runs_metrics(tiny_data, tmp_path):
     lines = result.stdout.splitlines()
     header = next(line for line in lines if line.startswith("| row |"))
     assert [c.strip() for c in header.strip("|").split("|")] == [
-        *("row", "adds", "synthetic img/s", "MFU", "J/image", "peak GiB", "real img/s", "load share", "peak GiB"),
+        *("row", "adds", "synthetic img/s", "chrono img/s", "MFU", "J/image", "peak GiB"),
+        *("real img/s", "chrono img/s", "load share", "peak GiB"),
     ]
     fp32 = [c.strip() for c in next(line for line in lines if line.startswith("| fp32 |")).strip("|").split("|")]
-    for cell, run in ((fp32[2], "fp32-synthetic"), (fp32[6], "fp32-data")):
+    table = json.loads((out / "ablation.json").read_text())
+    for (unsync, synced), run in (((fp32[2], fp32[3]), "fp32-synthetic"), ((fp32[7], fp32[8]), "fp32-data")):
         chrono = json.loads((out / f"{run}.json").read_text())["chrono"]
-        assert cell == f"{chrono['throughput_img_s']:,.0f}", (cell, run)
-    assert fp32[3] == fp32[4] == "n/a"  # MFU and energy: GPU figures
+        assert chrono["unsync_window_steps"] == 2 and chrono["steps"] == 2  # --steps 4: the last 2 unsynchronised
+        assert unsync == f"{chrono['unsync_throughput_img_s']:,.0f}", (unsync, run)
+        assert synced == f"{chrono['throughput_img_s']:,.0f}", (synced, run)
+        assert table[run]["img_s"] == chrono["unsync_throughput_img_s"]  # both figures in the JSON
+        assert table[run]["chrono_img_s"] == chrono["throughput_img_s"]
+    assert fp32[4] == fp32[5] == "n/a"  # MFU and energy: GPU figures
     peak = json.loads((out / "fp32-data.json").read_text())["chrono"]["peak_memory_bytes"]
-    assert fp32[8] == f"{peak / 2**30:.1f}" and fp32[7].endswith("%")
+    assert fp32[10] == f"{peak / 2**30:.1f}" and fp32[9].endswith("%")
     graphs = next(line for line in lines if line.startswith("| cuda-graphs |"))
     assert "failed: dlojz: error: --compile-mode reduce-overhead records CUDA graphs, which need a GPU" in graphs
     cores = next(line for line in lines if line.startswith("| 2 (1 + 1) |"))
     chrono = json.loads((out / "cores1-pytorch.json").read_text())["chrono"]
-    assert cores.split("|")[2].strip() == f"{chrono['throughput_img_s']:,.0f}"
+    assert cores.split("|")[2].strip() == f"{chrono['unsync_throughput_img_s']:,.0f}"
     assert (out / "ablation.md").read_text().strip() == result.stdout.strip()
     calls = (tmp_path / "python.calls").read_text().splitlines()  # --python ran every dlojz.py run
     assert len(calls) == 5 and all(call.startswith(str(ROOT / "dlojz.py")) for call in calls), calls

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from dlojz_chrono import Chronometer
-from dlojz_lib.chrono_report import loading_advice, main
+from dlojz_lib.chrono_report import loading_advice, main, report_lines
 from dlojz_lib.model import peak_flops, train_flops_per_image
 
 
@@ -82,10 +82,12 @@ class FakeNVML:
         return int(round(self.energy_mj))  # mJ
 
 
-def make(enabled=True, warmup_steps=0, nvml=None, rank=0):
+def make(enabled=True, warmup_steps=0, nvml=None, rank=0, synced_steps=None):
     events = []
     clock, sync = FakeClock(events), FakeSync(events)
-    chrono = Chronometer(enabled, rank=rank, warmup_steps=warmup_steps, clock=clock, sync=sync, nvml=nvml)
+    chrono = Chronometer(
+        enabled, rank=rank, warmup_steps=warmup_steps, clock=clock, sync=sync, nvml=nvml, synced_steps=synced_steps
+    )
     return chrono, clock, sync
 
 
@@ -558,3 +560,41 @@ def test_train_flops_unwraps_data_parallel_wrappers():
     model = nn.Sequential(nn.Flatten(), nn.Linear(3 * 2 * 2, 4))
     wrapped = nn.DataParallel(model)  # same .module unwrapping as DistributedDataParallel
     assert train_flops_per_image(wrapped, image_size=2) == pytest.approx(2 * (2 * 12 * 4))
+
+
+# ------------------------------------------------------------------ the unsynchronised window
+def test_the_steps_after_the_synced_ones_are_timed_as_a_whole_with_one_wait_at_the_end():
+    """3 steps timed phase by phase, then 4 in the window: no wait and no clock read until end_window(), which
+    waits once; the window's throughput counts everything in it (the untimed per-step work too)."""
+    chrono, clock, sync = make(synced_steps=3)
+    for _ in range(3):
+        run_step(chrono, clock, load=0.1, fwd=0.2, bwd=0.3)
+    waits, reads = sync.calls, clock.reads
+    for _ in range(4):
+        run_step(chrono, clock, load=0.1, fwd=0.2, bwd=0.3, untimed=0.4)  # MixUp, log points: in the window
+    assert (sync.calls, clock.reads) == (waits, reads)
+    assert chrono.steps == 3 and chrono.window_steps == 4
+    chrono.end_window()
+    chrono.end_window()  # (validation and gather close it too: once)
+    assert (sync.calls, clock.reads) == (waits + 1, reads + 1)
+    s = chrono.summary({"images_per_step": 10})
+    assert s["unsync_window_steps"] == 4 and s["unsync_throughput_img_s"] == pytest.approx(40 / 4.0)
+    assert s["throughput_img_s"] == pytest.approx(10 / 0.6)  # the chronometer's: the synced steps' medians
+    lines = report_lines(s, 0)
+    assert any(
+        line.startswith("=>>> Throughput, unsynchronised: 10.0 images/s over the last 4 steps") for line in lines
+    )
+
+
+def test_without_a_window_there_is_no_unsynchronised_figure():
+    chrono, clock, _ = make()
+    for _ in range(3):
+        run_step(chrono, clock, load=0.1, fwd=0.2, bwd=0.3)
+    chrono.end_window()
+    assert "unsync_throughput_img_s" not in chrono.summary({"images_per_step": 10}) and chrono.window_steps == 0
+    chrono, clock, _ = make(synced_steps=3)  # a window asked for, but the run ended with the synced steps
+    for _ in range(3):
+        run_step(chrono, clock, load=0.1, fwd=0.2, bwd=0.3)
+    s = chrono.summary({"images_per_step": 10})
+    assert "unsync_throughput_img_s" not in s and s["unsync_window_steps"] == 0
+    assert any("unsynchronised: not measured" in line for line in report_lines(s, 0))

@@ -89,6 +89,9 @@ def refusal(capsys, *flags):
         (["--hang-timeout", "2"], "--hang-timeout 2: at least 5 seconds"),
         (["--hang-timeout", "-1"], "--hang-timeout: must be >= 0"),
         (["--straggler-factor", "1"], "--straggler-factor 1: above 1"),
+        (["--test-unsync-steps", "-1"], "--test-unsync-steps: must be >= 0"),
+        (["--test-unsync-steps", "5"], "--test-unsync-steps 5 times the last steps of --test: add --test"),
+        (["--test", "--test-nsteps", "4", "--test-unsync-steps", "4"], "--test-unsync-steps 4 leaves no step to"),
     ],
 )
 def test_each_bound_is_checked(capsys, flags, fragment):
@@ -224,6 +227,11 @@ def test_float16_on_a_recent_gpu_says_bfloat16_needs_no_scaler():
 
     float16 = resolve("--amp", "--amp-dtype", "float16")
     assert any("--amp-dtype bfloat16 needs no GradScaler" in n for n in precision_notes(float16, (9, 0)))
+    # the advice says what bfloat16 costs a BatchNorm model in eager mode, and not when compiled
+    (eager,) = [n for n in precision_notes(float16, (9, 0)) if "bfloat16" in n]
+    assert "without --compile, a BatchNorm model's batch norm then leaves cuDNN" in eager
+    (compiled,) = [n for n in precision_notes(resolve("--amp", "--amp-dtype", "float16", "--compile"), (9, 0))]
+    assert compiled.endswith("--amp-dtype bfloat16 needs no GradScaler")
     assert precision_notes(float16, (7, 5)) == []  # Turing: no bfloat16
     assert precision_notes(resolve("--amp", "--amp-dtype", "bfloat16"), (9, 0)) == []
     lamb = precision_notes(resolve("--amp", "--amp-dtype", "float16", "--optimizer", "lamb"), (9, 0))

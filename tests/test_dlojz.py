@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import preloaded
-from conftest import ROOT, SMALL, clean_env, read_json, run_dlojz, show
+from conftest import ROOT, SMALL, TINY, clean_env, read_json, run_dlojz, show
 
 TORCHRUN2 = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
 
@@ -160,6 +160,23 @@ def test_bf16_autocast_and_channels_last(tiny_data, tmp_path):
     assert proc.returncode == 0, show(proc)
     m = read_json(metrics)
     assert m["steps"] == 4 and m["train_loss"] > 0 and m["compute_dtype"] == "bfloat16"
+
+
+def test_test_unsync_steps_times_the_last_steps_as_a_whole(tmp_path, run_inline):
+    """--test-nsteps 6 --test-unsync-steps 2: the chronometer times 4 steps phase by phase, the last 2 as a whole
+    (the metrics JSON and the report say both figures); by default, 6 steps are too few for a window."""
+    runs = {}
+    for name, more in (("window", ["--test-unsync-steps", "2"]), ("default", [])):
+        metrics = tmp_path / f"{name}.json"
+        proc = run_inline(*TINY, "--synthetic", "--test", "--test-nsteps", "6", *more, "--metrics-json", metrics,
+                          "--output-dir", tmp_path / name)  # fmt: skip
+        assert proc.returncode == 0, proc.stderr
+        runs[name] = (read_json(metrics)["chrono"], proc.stdout)
+    chrono, stdout = runs["window"]
+    assert chrono["steps"] == 4 and chrono["unsync_window_steps"] == 2 and chrono["unsync_throughput_img_s"] > 0
+    assert "=>>> Throughput, unsynchronised: " in stdout and " images/s over the last 2 steps" in stdout
+    chrono, stdout = runs["default"]
+    assert chrono["steps"] == 6 and "unsync_throughput_img_s" not in chrono and "unsynchronised" not in stdout
 
 
 def test_float16_uses_grad_scaler(tiny_data, tmp_path):

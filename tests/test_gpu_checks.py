@@ -142,3 +142,39 @@ def test_flops_and_activation_bytes_of_a_syncbn_model_in_a_process_group():
     plain = torchvision.models.resnet18(num_classes=10)
     expected = (train_flops_per_image(plain, 32), saved_activation_bytes(plain, 32, False, False, "resnet18"), True)
     assert results[0] == results[1] == expected  # and the model itself keeps its SyncBatchNorm layers
+
+
+@pytest.mark.parametrize(
+    "dtype, channels_last, backend",
+    [
+        (torch.float16, True, "Cudnn"),
+        (torch.float16, False, "Cudnn"),
+        (torch.float32, True, "Cudnn"),
+        (torch.bfloat16, True, "Native"),
+        (torch.bfloat16, False, "Native"),
+    ],
+)
+def test_batch_norm_gives_float16_to_cudnn_and_bfloat16_to_torch_s_own_kernels(dtype, channels_last, backend):
+    """The rule dlojz's dtype advice rests on, asked of this torch on fake CUDA tensors (no GPU): a batch norm's
+    input as autocast leaves it (the convolution's dtype; weights and statistics float32). A torch that changes the
+    rule fails here: then float16's default, the ablation's rows and dlojz_lib.model's warning are to be revisited."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        x = torch.empty(8, 64, 14, 14, device="cuda", dtype=dtype)
+        if channels_last:
+            x = x.to(memory_format=torch.channels_last)
+        weight, bias, mean, var = (torch.empty(64, device="cuda") for _ in range(4))
+        chosen = torch._C._select_batch_norm_backend(x, weight, bias, mean, var, True, 1e-5)
+    assert chosen.name == backend
+
+
+def test_a_batch_norm_model_in_eager_bfloat16_on_a_gpu_is_warned_of_the_cost():
+    from dlojz_lib.model import batch_norm_on_native_kernels
+
+    resnet, vit = torchvision.models.resnet18(), torchvision.models.vit_b_16(image_size=32, num_classes=3)
+    assert batch_norm_on_native_kernels(resnet, "cuda", "bfloat16", compiled=False)
+    assert not batch_norm_on_native_kernels(resnet, "cuda", "bfloat16", compiled=True)  # Inductor's own batch norm
+    assert not batch_norm_on_native_kernels(resnet, "cuda", "float16", compiled=False)
+    assert not batch_norm_on_native_kernels(resnet, "cpu", "bfloat16", compiled=False)
+    assert not batch_norm_on_native_kernels(vit, "cuda", "bfloat16", compiled=False)  # LayerNorm only
