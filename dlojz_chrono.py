@@ -209,6 +209,7 @@ class Chronometer:
         self._window_start = None  # clock at the start of the unsynchronised window, once open
         self._window_s = None  # its seconds, once closed
         self._window_steps = 0  # steps in it
+        self._window_in_backward = False  # the window's backward toggle: opened, not closed yet
         self._enabled = bool(enabled)
         self.rank = rank
         self.device = torch.device(device)
@@ -280,9 +281,10 @@ class Chronometer:
         """Toggle: backward + optimizer/scaler step. Closing it records the step."""
         if not self._enabled:
             return
-        if self._window_start is not None:  # the unsynchronised window: each step counted (at its close), not timed
-            self._backward.opened_at = None if self._backward.opened_at is not None else 0.0
-            self._window_steps += self._backward.opened_at is None and self._window_s is None
+        if self._window_start is not None:  # the unsynchronised window: each step counted at its close, not timed
+            self._window_in_backward = not self._window_in_backward
+            if not self._window_in_backward and self._window_s is None:
+                self._window_steps += 1
             return
         duration = self._toggle(self._backward)
         if duration is None:
