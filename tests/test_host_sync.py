@@ -258,6 +258,8 @@ def audit_epoch(loop, monkeypatch, checkpoints=None):
     outside = [record for record in records if record[0] != "log point"]
     at_log_points = [record for record in records if record[0] == "log point"]
     assert any(asker == "dlojz.py:train_one_epoch" for _, asker, _ in at_log_points), "the audit sees the epoch's end"
+    # a log point reads the agreed values once; a host value copied into a device tensor there is one wait more
+    assert [record for record in at_log_points if record[2] == COPIED_IN] == []
     return outside, at_log_points
 
 
@@ -500,6 +502,10 @@ def audited_ranks(rank, port, out_dir, results):
     flags = ["--amp", "--amp-dtype", "float16", "--grad-acc", "2", "--model-ema", "--clip-grad-norm", "1.0"]
     # (BlurPool, a ResNet's, is audited in one process above: DDP adds nothing to it)
     loop = synthetic_loop([*BASE, *flags, *FLOAT16_MODEL, "--tta-flip", "--mixup-alpha", "0.2"], n_batches=4)
+    from dlojz_lib.watchdog import Watchdog
+
+    # the ranks' forward seconds compared at each log point, as --straggler-factor's default does in a run
+    loop["stop"].watchdog = Watchdog(loop["ranks"], 0, None, straggler_factor=1.5)
     monkeypatch = pytest.MonkeyPatch()
     try:
         outside, _ = audit_epoch(loop, monkeypatch)
@@ -546,6 +552,6 @@ def test_a_log_point_sends_the_ranks_forward_seconds_without_a_copy_from_the_hos
     stop = types.SimpleNamespace(stop_signal=StopSignal(), watchdog=watchdog)
     first_nonfinite = torch.full((), -1.0, dtype=torch.float64)
     audit = SyncAudit(lambda: "log point")
-    with audit.recording() as records:
+    with audit.recording() as records:  # (what audit_epoch asserts at every log point, with the stragglers compared)
         assert agree_on_stop(stop, first_nonfinite, ranks)[:3] == (False, -1.0, False)
     assert [why for _, _, why in records] == ["tolist(): a copy to the host"]
