@@ -70,6 +70,7 @@ from dlojz_lib.log import (
     chrono_context,
     finish,
     start_wandb,
+    warn_unwritten,
     write_json,
     write_lr_finder,
 )
@@ -290,12 +291,15 @@ def evaluate_only(
     confusion, predictions = result.pop("confusion", None), result.pop("predictions", None)
     metrics.update(result, eval_ema=cfg.eval_ema)
     chrono.validation()
-    if ranks.is_main and confusion is not None:
-        written = write_per_class(confusion, classes, cfg.output_dir)
-        log(f"per class: {written[0]} (precision, recall, F1, worst mix-up), {written[1]} (confusion matrix)")
-    if ranks.is_main and predictions is not None:
-        write_predictions(cfg.predictions, predictions, classes, val_set.describe)
-        log(f"predictions: {cfg.predictions} ({len(predictions[0])} images: true class, top-5 and probabilities)")
+    try:  # each file whole or as it was; a full disk is one warning, the evaluation's figures still printed
+        if ranks.is_main and confusion is not None:
+            written = write_per_class(confusion, classes, cfg.output_dir)
+            log(f"per class: {written[0]} (precision, recall, F1, worst mix-up), {written[1]} (confusion matrix)")
+        if ranks.is_main and predictions is not None:
+            write_predictions(cfg.predictions, predictions, classes, val_set.describe)
+            log(f"predictions: {cfg.predictions} ({len(predictions[0])} images: true class, top-5 and probabilities)")
+    except OSError as err:
+        warn_unwritten(err.filename or cfg.output_dir, err)
     log(
         f"##EVALUATION## {resumed_from}{' (EMA weights)' if cfg.eval_ema else ''}: Validation Loss: {metrics['val_loss']:.4f}, Validation Accuracy: "
         f"{metrics['val_accuracy']:.4f}, top-5 {metrics['val_top5_accuracy']:.4f}, balanced "

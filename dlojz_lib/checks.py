@@ -8,6 +8,8 @@ and a $DLOJZ_DATA that names no folder. The lowest of dlojz's modules: it import
   Both raise UserError: one line, exit status 2 in every script.
 - `OneLineArgumentParser`: argparse's parser whose errors are one line (argparse prints the whole usage first), for
   every script and bench.
+- `check_side_outputs({flag: (path, kind)})`: --metrics-json, --val-history, --predictions each name a new file or
+  a file already of their kind (known by its content), and no two the same path.
 - `check_input_file(path, what, fix)`: a file to read is there, regular (not a folder or a pipe) and readable.
 - `read_text(path, what, fix)`, `read_json(path, what, fix)`: the one way a side file (a trace, a sweep's plan, a
   run's status, a checkpoint pointer) is read: a missing file, a folder, bad bytes, truncated or other JSON is one
@@ -64,6 +66,64 @@ def check_output_file(path, flag):
     if path.exists() and not os.access(path, os.W_OK):
         fail(f"{flag} {path}: the file cannot be written (Permission denied); choose another file")
     check_output_folder(path.resolve().parent, flag, named=path)
+
+
+# What each side output of a run is, and how a file already of that kind is known by its content: dlojz writes over
+# (or appends to) such a file only, never over a checkpoint, weights, an image or a file of the user's.
+PREDICTIONS_HEADER = "image,true_class,predicted_class"
+SIDE_OUTPUTS = {
+    "metrics": "a dlojz metrics JSON",
+    "history": "a dlojz validation history (JSON lines)",
+    "predictions": "a dlojz predictions CSV",
+}
+
+
+def is_side_output(path, kind) -> bool:
+    """Whether the existing file `path` is already the side output `kind` (see SIDE_OUTPUTS), by its content; an
+    empty file counts as new."""
+    path = Path(path)
+    try:
+        if path.stat().st_size == 0:
+            return True
+        with open(path, "rb") as file:
+            head = file.read(1 << 20)
+    except OSError:
+        return False
+    try:
+        text = head.decode()
+    except UnicodeDecodeError:  # (a checkpoint, weights, an image)
+        return False
+    if kind == "predictions":
+        return text.startswith(PREDICTIONS_HEADER)
+    if kind == "history":
+        first = text.split("\n", 1)[0]
+        try:
+            return "epoch" in json.loads(first)
+        except (ValueError, TypeError):
+            return False
+    try:  # metrics: one JSON object, whole within the first MiB
+        return "world_size" in json.loads(text)
+    except (ValueError, TypeError):
+        return False
+
+
+def check_side_outputs(outputs):
+    """`outputs`: {flag: (path, kind)} of the side outputs a run is given. Each is a new file or already its kind,
+    and no two share a path; UserError naming the flag otherwise."""
+    seen = {}
+    for flag, (path, kind) in outputs.items():
+        if path is None:
+            continue
+        where = Path(path).resolve()
+        if where in seen:
+            fail(f"{seen[where]} and {flag} both name {path}: each writes a file of its own; give two paths")
+        seen[where] = flag
+        if where.is_file() and not is_side_output(where, kind):
+            fail(
+                f"{flag} {path}: an existing file that is not {SIDE_OUTPUTS[kind]} (a checkpoint, weights, an image "
+                f"or a file of yours?): dlojz writes only a new file or one of its own there; give a new path, or "
+                "move that file away"
+            )
 
 
 def check_input_file(path, what, fix):

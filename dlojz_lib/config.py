@@ -486,15 +486,20 @@ def check(cfg: Config):
     if cfg.amp:
         check_autocast(torch.device(cfg.torch_device), cfg.autocast_dtype)
     if load_idr_torch().rank == 0:  # what rank 0 writes, checked before the run rather than found after it
-        from dlojz_lib.checks import check_output_file, check_output_folder
+        from dlojz_lib.checks import check_output_file, check_output_folder, check_side_outputs
 
         check_output_folder(cfg.output_dir, "--output-dir")  # --test too: the chronometer's trace and plot go there
         for flag in ("metrics_json", "val_history", "predictions"):
             if getattr(cfg, flag):
                 check_output_file(getattr(cfg, flag), f"--{flag.replace('_', '-')}")
                 check_not_a_run_file(getattr(cfg, flag), f"--{flag.replace('_', '-')}", cfg.output_dir)
-        if cfg.metrics_json and cfg.val_history and Path(cfg.metrics_json).resolve() == Path(cfg.val_history).resolve():
-            fail(f"--metrics-json and --val-history both name {cfg.val_history}: each writes a file of its own")
+        check_side_outputs(
+            {
+                "--metrics-json": (cfg.metrics_json, "metrics"),
+                "--val-history": (cfg.val_history, "history"),
+                "--predictions": (cfg.predictions, "predictions"),
+            }
+        )
 
 
 def check_not_a_run_file(path, flag, output_dir):

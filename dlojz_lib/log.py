@@ -307,11 +307,12 @@ def warn_unwritten(path, err):
 
 
 def append_json_line(path, obj):
-    """One line added to a JSON-lines file, flushed at once (a reader may be following it); a failed write is
-    one warning."""
+    """One line added to a JSON-lines file: the file is written again whole under a temporary name and renamed, so
+    a full disk leaves it as it was (a reader following it by offset sees the same lines, then the new one); a
+    failed write is one warning."""
     try:
-        with open(path, "a") as f:
-            f.write(json.dumps(obj, default=float) + "\n")
+        before = Path(path).read_text() if Path(path).is_file() else ""
+        write_text(path, before + json.dumps(obj, default=float) + "\n")
     except OSError as err:
         warn_unwritten(path, err)
 

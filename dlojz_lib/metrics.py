@@ -4,9 +4,13 @@ mean recall) and macro-F1 (the mean F1), both over the classes the validation se
 show what top-1 hides: a model that never predicts a rare class keeps a high top-1 and loses that class's recall.
 """
 
+import contextlib
+import io
 from pathlib import Path
 
 import torch
+
+from dlojz_lib.durable import atomic_write
 
 
 def per_class(confusion: torch.Tensor) -> dict:
@@ -40,11 +44,21 @@ CONFUSION_PNG = "confusion.png"
 LABELLED_UP_TO = 100  # classes named on the plot's axes; beyond, per_class.csv names each class's worst confusion
 
 
+@contextlib.contextmanager
+def durable_csv(path):
+    """A csv.writer whose rows reach `path` whole at the end, through a temporary name (a full disk leaves the
+    previous file, or none)."""
+    import csv
+
+    text = io.StringIO(newline="")
+    yield csv.writer(text)
+    atomic_write(path, lambda file: file.write(text.getvalue().encode()))
+
+
 def write_per_class(confusion: torch.Tensor, classes, folder) -> list:
     """--eval-only's results per class in `folder`: per_class.csv (one row a class: images, precision, recall, F1,
     and the class it is most often mistaken for, with how many) and confusion.png (rows: true class, columns:
     predicted, each row as fractions of its images). Returns the paths written."""
-    import csv
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
@@ -52,8 +66,7 @@ def write_per_class(confusion: torch.Tensor, classes, folder) -> list:
     mistakes = confusion.double().clone()
     mistakes.fill_diagonal_(-1)  # the largest off-diagonal count of each row
     worst_count, worst = mistakes.max(dim=1)
-    with open(folder / PER_CLASS_CSV, "w", newline="") as file:
-        writer = csv.writer(file)
+    with durable_csv(folder / PER_CLASS_CSV) as writer:
         writer.writerow(["class", "images", "precision", "recall", "f1", "most_mistaken_for", "times"])
         for index, name in enumerate(classes):
             mistaken = worst_count[index] > 0
@@ -100,7 +113,6 @@ def write_predictions(path, predictions, classes, name_of) -> None:
     """--predictions: one CSV row per image: its file (`name_of(index)`), true and predicted class, and the top-5
     classes with their probabilities (softmax of the logits evaluated, flip-averaged with --tta-flip). The true
     class of an image that could not be read is empty."""
-    import csv
 
     index, labels, top5, probabilities = predictions
     k = top5.shape[1]
@@ -108,8 +120,7 @@ def write_predictions(path, predictions, classes, name_of) -> None:
     header += [column for rank in range(1, k + 1) for column in (f"class_{rank}", f"probability_{rank}")]
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w", newline="") as file:
-        writer = csv.writer(file)
+    with durable_csv(path) as writer:
         writer.writerow(header)
         for i, label, top, probability in zip(index.tolist(), labels.tolist(), top5.tolist(), probabilities.tolist()):
             row = [name_of(i), classes[label] if label >= 0 else "", classes[top[0]]]

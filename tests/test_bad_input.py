@@ -125,6 +125,46 @@ def test_one_file_for_both_the_metrics_and_the_history_is_refused(tmp_path, run_
     path = tmp_path / "m.json"
     proc = run_inline(*SMALL, "--synthetic", "--metrics-json", path, "--val-history", path, "--output-dir", tmp_path)
     assert_one_line_error(proc, "--metrics-json and --val-history both name")
+    checkpoint = tmp_path / "c.pt"
+    checkpoint.write_bytes(b"weights")
+    proc = run_inline(*SMALL, "--eval-only", "--resume", checkpoint, "--metrics-json", path, "--predictions", path,
+                      "--output-dir", tmp_path / "run")  # fmt: skip
+    assert_one_line_error(proc, "--metrics-json and --predictions both name")
+
+
+@pytest.mark.parametrize("flag", ["--metrics-json", "--val-history", "--predictions"])
+@pytest.mark.parametrize(
+    "content",
+    [
+        pytest.param(b"PK\x03\x04\x00\x00\x08\x08\x00\xff\xfe", id="a checkpoint (a zip)"),
+        pytest.param(b"\xff\xd8\xff\xe0\x00\x10JFIF", id="an image"),
+        pytest.param(b"my notes, kept for years\n", id="a text of the user's"),
+        pytest.param(b'{"model": "resnet18"}', id="another JSON"),
+    ],
+)
+def test_a_side_output_is_never_written_over_a_file_of_another_kind(flag, content, tmp_path, run_inline):
+    """The checkpoint that --eval-only --resume reads, an image of the data, a user's own file: refused in one line
+    naming the flag, before any work, and left as they were."""
+    other = tmp_path / "theirs.bin"
+    other.write_bytes(content)
+    checkpoint = tmp_path / "c.pt"
+    checkpoint.write_bytes(b"weights")
+    mode = ["--eval-only", "--resume", checkpoint] if flag == "--predictions" else ["--synthetic", "--test"]
+    proc = run_inline(*SMALL, *mode, flag, other, "--output-dir", tmp_path / "run")
+    assert_one_line_error(proc, f"{flag} {other}: an existing file that is not a dlojz ", "give a new path")
+    assert other.read_bytes() == content
+
+
+def test_a_side_output_of_its_own_kind_is_written_again(tmp_path):
+    """A metrics JSON, a history and a predictions CSV that dlojz wrote are known by their content."""
+    from dlojz_lib.checks import PREDICTIONS_HEADER, check_side_outputs
+
+    metrics, history, predictions = tmp_path / "m.json", tmp_path / "h.jsonl", tmp_path / "p.csv"
+    metrics.write_text('{"world_size": 1, "steps": 3}')
+    history.write_text('{"epoch": 1, "val_accuracy": 0.5}\n{"epoch": 2, "val_accuracy": 0.6}\n')
+    predictions.write_text(PREDICTIONS_HEADER + ",class_1,probability_1\nimg.jpg,a,a,a,0.9\n")
+    check_side_outputs({"--metrics-json": (metrics, "metrics"), "--val-history": (history, "history"),
+                        "--predictions": (predictions, "predictions"), "--other": (tmp_path / "new.json", "metrics")})  # fmt: skip
 
 
 def test_a_pointer_that_names_no_checkpoint_is_passed_over_for_the_newest_on_disk(tmp_path):
@@ -522,3 +562,37 @@ def test_a_data_root_without_read_permission_is_named_not_a_traceback(tiny_data,
     monkeypatch.setattr(Path, "is_file", as_a_user)
     with pytest.raises(DataError, match=r"cannot be read \(Permission denied\); check its permissions"):
         build_datasets(tiny_data, None, None)
+
+
+def test_a_full_disk_leaves_each_side_output_as_it_was(tmp_path, monkeypatch, capsys):
+    """The predictions CSV, per_class.csv and the validation history are written whole under a temporary name and
+    renamed: a write that fails (ENOSPC) leaves the previous file, and no partial one beside it."""
+    import errno
+    import os
+
+    import torch
+
+    import dlojz_lib.durable
+    from dlojz_lib.log import append_json_line
+    from dlojz_lib.metrics import write_per_class, write_predictions
+
+    history, predictions = tmp_path / "h.jsonl", tmp_path / "p.csv"
+    append_json_line(history, {"epoch": 1})
+    write_predictions(predictions, (torch.arange(2), torch.tensor([0, 1]), torch.tensor([[0], [1]]),
+                                    torch.tensor([[0.9], [0.8]])), ["a", "b"], lambda i: f"img{i}.jpg")  # fmt: skip
+    write_per_class(torch.tensor([[2, 0], [1, 1]]), ["a", "b"], tmp_path)
+    before = {path: path.read_bytes() for path in tmp_path.iterdir()}
+
+    def no_space(*args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(dlojz_lib.durable.os, "fsync", no_space)
+    monkeypatch.setattr("dlojz_lib.log.os.replace", no_space)
+    with pytest.raises(OSError):
+        write_predictions(predictions, (torch.arange(1), torch.tensor([1]), torch.tensor([[0]]),
+                                        torch.tensor([[0.5]])), ["a", "b"], str)  # fmt: skip
+    with pytest.raises(OSError):
+        write_per_class(torch.tensor([[0, 2], [2, 0]]), ["a", "b"], tmp_path)
+    append_json_line(history, {"epoch": 2})  # a warning, the run goes on
+    assert "not written (No space left on device)" in capsys.readouterr().err
+    assert {path: path.read_bytes() for path in tmp_path.iterdir()} == before
