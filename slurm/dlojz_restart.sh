@@ -53,7 +53,23 @@ dlojz_step() {
 # The node check that dlojz_srun runs on each node, found beside this file.
 DLOJZ_NODE_CHECK="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/dlojz_node_check.sh"
 
+# The restart loop's settings are whole numbers: one line naming the variable and exit status 2 otherwise (a
+# non-number would compare as an error in every round, and restart forever).
+dlojz_check_settings() {
+    local name value unit
+    for name in DLOJZ_MAX_RESTARTS DLOJZ_NODE_CHECK_S DLOJZ_STEP_GRACE_S DLOJZ_GPU_FREE_S DLOJZ_GPU_PROBE_S; do
+        value="${!name-}"
+        unit=seconds
+        [ "$name" = DLOJZ_MAX_RESTARTS ] && unit=restarts
+        if [ -n "${!name+set}" ] && ! [[ "$value" =~ ^[0-9]+$ ]]; then
+            echo "dlojz_srun: error: $name='$value' is not a whole number of $unit; give one (e.g. $name=3), or unset it for the default" >&2
+            return 2
+        fi
+    done
+}
+
 dlojz_srun() {
+    dlojz_check_settings || return 2
     local max="${DLOJZ_MAX_RESTARTS:-3}" restarts=0 status node nodes up left_out latest
     local -a list
     nodes=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | paste -sd, -)

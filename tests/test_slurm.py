@@ -366,7 +366,8 @@ def dlojz_srun(tmp_path, statuses, down="", hang="", max_restarts="3", gpus=Fals
     env.update(more_env)
     script = f'source slurm/dlojz_restart.sh; dlojz_srun python -u dlojz.py --output-dir "{out}"'
     proc = subprocess.run(["bash", "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
-    steps = [line for line in calls.read_text().splitlines() if line.endswith(f"--output-dir {out}")]
+    said = calls.read_text().splitlines() if calls.exists() else []  # (no srun at all: no file)
+    steps = [line for line in said if line.endswith(f"--output-dir {out}")]
     return proc.returncode, proc.stderr, steps
 
 
@@ -433,3 +434,15 @@ def test_a_node_whose_gpu_stays_held_is_left_out(tmp_path):
     assert status == 0 and len(steps) == 2, stderr
     assert "dlojz_node_check: n2: processes still on its GPUs after 2 s (pid, GPU: 4242, 00000000:1B:00.0):" in stderr
     assert "nodes left out: n2; on n1 from" in restarts_said(stderr)[0]
+
+
+@pytest.mark.parametrize("name, value", [("DLOJZ_MAX_RESTARTS", "three"), ("DLOJZ_NODE_CHECK_S", "-1"),
+                                         ("DLOJZ_MAX_RESTARTS", "")])  # fmt: skip
+def test_a_restart_setting_that_is_not_a_whole_number_is_one_line_before_any_step(name, value, tmp_path):
+    status, stderr, steps = dlojz_srun(tmp_path, "4 4 4 4 4 4", **{name: value})
+    assert status == 2 and steps == [], stderr  # before any step: a non-number once restarted forever
+    assert stderr.strip() == (
+        f"dlojz_srun: error: {name}='{value}' is not a whole number of "
+        f"{'restarts' if name == 'DLOJZ_MAX_RESTARTS' else 'seconds'}; give one (e.g. {name}=3), or unset it for "
+        "the default"
+    )
