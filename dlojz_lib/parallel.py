@@ -51,10 +51,10 @@ class Model:
 def build_model(cfg, num_classes, ranks, log) -> Model:
     module = create_model(cfg.arch, num_classes, cfg.zero_init_residual, cfg.image_size, cfg.drop_path)
     if cfg.initial_checkpoint is not None or cfg.pretrained is not None:  # before any wrapper or copy
-        from dlojz_lib.pretrained import load_initial_weights, published_weights_file
+        from dlojz_lib.pretrained import load_initial_weights, weights_source
 
-        weights = cfg.initial_checkpoint or published_weights_file(cfg.arch, cfg.pretrained)
-        log(load_initial_weights(module, weights, num_classes))
+        weights, what, fix = weights_source(cfg)  # (the flag as given, and what to do with a damaged cache file)
+        log(load_initial_weights(module, weights, num_classes, what, fix))
     if cfg.blurpool:  # before the copies below (SyncBN, EMA): they keep the blurred layers
         changed = apply_blurpool(module)
         if changed == 0:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from dlojz_lib.checks import UserError, check_input_file, fail
+from dlojz_lib.checks import check_output_folder, UserError, check_input_file, fail
 from dlojz_lib.model import classifier_name
 
 # Prefixes that wrappers add to a saved state dict's keys: DDP's and torch.compile's.
@@ -140,26 +140,47 @@ def fetch_weights(arch, name):
         repo = timm_weights(arch, name).hf_hub_id
         path = timm_cached_file(repo)
         if path is not None:
-            return f"{path}: already in Hugging Face's cache"
+            blob = Path(path).resolve()  # a large file is stored under its SHA-256: a truncated one is fetched again
+            if len(blob.name) != 64 or sha256_of(blob) == blob.name:
+                return f"{path}: already in Hugging Face's cache"
+            Path(path).unlink()
+            blob.unlink()
         return fetch_from_hugging_face(repo)
     weights = torchvision_weights(arch, name)
     path = torchvision_weights_path(weights)
-    if path.is_file():
-        return f"{path}: already in torch hub's cache"
     prefix = torch.hub.HASH_REGEX.search(path.name).group(1)
+    again = ""
+    if path.is_file():
+        if sha256_of(path).startswith(prefix):
+            return f"{path}: already in torch hub's cache (its SHA-256 starts with {prefix} as published)"
+        path.unlink()  # truncated or damaged: fetched again below
+        again = " again (the cached file was damaged: its SHA-256 did not match)"
     fetch_file(weights.url, path, prefix)
-    return f"{path}: fetched from {weights.url}, its SHA-256 starts with {prefix} as published"
+    return f"{path}: fetched{again} from {weights.url}, its SHA-256 starts with {prefix} as published"
+
+
+def sha256_of(path) -> str:
+    import hashlib
+
+    digest = hashlib.sha256()
+    with open(path, "rb") as file:
+        for block in iter(lambda: file.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def fetch_file(url, path, sha256_prefix):
     """`url` into `path` through a temporary file beside it, kept only when its SHA-256 starts with the prefix."""
     from urllib.error import URLError
 
-    path.parent.mkdir(parents=True, exist_ok=True)
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        check_output_folder(path.parent, "--fetch-weights")  # a read-only cache: one line, before the download
         torch.hub.download_url_to_file(url, str(path), hash_prefix=sha256_prefix, progress=True)
     except RuntimeError as err:  # torch's hash check: its temporary file is removed
         fail(f"--fetch-weights: {url} does not match its published SHA-256 ({err}); nothing was kept: try again")
+    except PermissionError as err:
+        fail(f"--fetch-weights: cannot write {path} ({err.strerror}): set TORCH_HOME to a folder you can write in")
     except (URLError, OSError) as err:
         fail(f"--fetch-weights: cannot download {url} ({err}): run it where the internet is (a login node)")
 
@@ -186,8 +207,19 @@ def fetch_from_hugging_face(repo):
     fail(f"--fetch-weights: cannot download {repo} ({'; '.join(reasons)}): run it where the internet is")
 
 
-def read_weights(path):
-    """{name: tensor} from the file, whatever its kind, and what kind it was."""
+def weights_source(cfg):
+    """The weights file a run starts from, how the user named it, and what to do when it is damaged: the
+    --initial-checkpoint file as given, or the cache's file of --pretrained (delete it, fetch it again)."""
+    if cfg.initial_checkpoint is not None:
+        return cfg.initial_checkpoint, "--initial-checkpoint", ""
+    path = published_weights_file(cfg.arch, cfg.pretrained)
+    fetch = f"python dlojz.py --arch {cfg.arch} --pretrained {cfg.pretrained} --fetch-weights"
+    return path, f"--pretrained {cfg.pretrained}: the cached file", f"; delete it and fetch it again with {fetch}"
+
+
+def read_weights(path, what="--initial-checkpoint", fix=""):
+    """{name: tensor} from the file, whatever its kind, and what kind it was. `what` names the file in an error
+    (the flag the user gave), `fix` ends it ("; what to do")."""
     import dlojz_lib.checkpoint as ckpt
 
     path = Path(path)
@@ -198,28 +230,31 @@ def read_weights(path):
         try:
             return load_file(path, device="cpu"), "safetensors file"
         except (SafetensorError, OSError) as err:
-            fail(f"--initial-checkpoint {path}: not a readable .safetensors file ({err})")
+            fail(f"{what} {path}: not a readable .safetensors file ({err}){fix}")
     if ckpt.NAME_RE.match(path.name) or ckpt.checksum_path(path).exists():  # dlojz's: checked against its SHA-256
         try:
             saved = ckpt.load(path)
         except ckpt.CheckpointError as err:
-            fail(f"--initial-checkpoint: {err}")
+            fail(f"{what}: {err}{fix}")
         return saved["model"], "dlojz checkpoint's model"
     try:
         saved = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # pickle, zip or torch's own errors: one line, not a traceback
-        fail(f"--initial-checkpoint {path}: not a weights file torch can read safely ({ckpt.short_reason(err)})")
+        fail(f"{what} {path}: not a weights file torch can read safely ({ckpt.short_reason(err)}){fix}")
     for key in ("model", "state_dict", "model_state_dict"):  # the layouts of dlojz, timm and common scripts
         if isinstance(saved, dict) and isinstance(saved.get(key), dict):
             return saved[key], f"state dict (its '{key}')"
     if not isinstance(saved, dict) or not all(isinstance(value, torch.Tensor) for value in saved.values()):
-        fail(f"--initial-checkpoint {path}: holds no state dict of tensors (a {type(saved).__name__})")
+        fail(f"{what} {path}: holds no state dict of tensors (a {type(saved).__name__}){fix}")
     return saved, "state dict"
 
 
-def load_initial_weights(module, path, num_classes):
-    """Load the file's tensors into `module` (unwrapped, before DDP or FSDP). Returns the start-up line."""
-    weights, kind = read_weights(path)
+def load_initial_weights(module, path, num_classes, what="--initial-checkpoint", fix=""):
+    """Load the file's tensors into `module` (unwrapped, before DDP or FSDP). Returns the start-up line. BatchNorm's
+    `num_batches_tracked`, absent from older files, stays the model's own (0), as torch's strict load fills it;
+    weights of a non-floating dtype (int8, quantised) for floating parameters are refused. `what`, `fix`: as
+    read_weights'."""
+    weights, kind = read_weights(path, what, fix)
     weights = {strip_wrappers(key): value for key, value in weights.items()}
     own = module.state_dict()
     head = classifier_name(module, num_classes)
@@ -230,7 +265,7 @@ def load_initial_weights(module, path, num_classes):
             if in_head(key):
                 continue
             raise UserError(
-                f"--initial-checkpoint {path}: its tensor {key} has no place in --arch's model (another "
+                f"{what} {path}: its tensor {key} has no place in --arch's model (another "
                 f"architecture's weights?); the model's first keys: {', '.join(list(own)[:3])}"
             )
         if own[key].shape != value.shape:
@@ -238,16 +273,22 @@ def load_initial_weights(module, path, num_classes):
                 new.append(key)
                 continue
             raise UserError(
-                f"--initial-checkpoint {path}: {key} is {tuple(value.shape)} there, {tuple(own[key].shape)} in "
+                f"{what} {path}: {key} is {tuple(value.shape)} there, {tuple(own[key].shape)} in "
                 f"this model (another architecture or width?)"
             )
+        if own[key].is_floating_point() and not value.is_floating_point():
+            raise UserError(
+                f"{what} {path}: {key} is {str(value.dtype).removeprefix('torch.')} there, not floating point "
+                "(quantised weights?): give the floating-point weights to train from"
+            )
         loaded[key] = value
-    missing = [key for key in own if key not in loaded and key not in new]
+    untracked = [key for key in own if key.endswith(".num_batches_tracked") and key not in loaded]
+    missing = [key for key in own if key not in loaded and key not in new and key not in untracked]
     outside = [key for key in missing if not in_head(key)]
     if outside:
         raise UserError(
-            f"--initial-checkpoint {path}: no tensor for {outside[0]} ({len(outside)} of the model's "
-            f"{len(own)} missing; another architecture?)"
+            f"{what} {path}: no tensor for {outside[0]} ({len(outside)} of the model's "
+            f"{len(own)} missing; another architecture?){fix}"
         )
     new += missing
     module.load_state_dict(loaded, strict=False)

@@ -240,12 +240,43 @@ def test_fetch_weights_keeps_only_a_file_with_the_published_hash(tmp_path, monke
     prefix = hashlib.sha256(b"not resnet18's weights").hexdigest()[:8]
     fetch_file(served, tmp_path / "kept" / f"w-{prefix}.pth", prefix)
     assert (tmp_path / "kept" / f"w-{prefix}.pth").read_bytes() == b"not resnet18's weights"
-    # Already there: said, nothing fetched.
+    # A truncated or damaged file in the cache is not "already there": it is fetched again (and here refused again).
     cached = tmp_path / "torch" / "hub" / "checkpoints" / "resnet18-f37072fd.pth"
     cached.write_bytes(b"x")
     asked.clear()
     proc = run_inline("--arch", "resnet18", "--pretrained", "--fetch-weights")
-    assert proc.returncode == 0 and f"{cached}: already in torch hub's cache" in proc.stdout and not asked
+    assert proc.returncode == 2 and asked == ["https://download.pytorch.org/models/resnet18-f37072fd.pth"]
+    assert not cached.exists()
+    # Already there, intact (its SHA-256 starts with the name's prefix): said, nothing fetched.
+    import dlojz_lib.pretrained
+
+    intact = tmp_path / "torch" / "hub" / "checkpoints" / f"resnet18-{prefix}.pth"
+    intact.write_bytes(b"not resnet18's weights")
+    monkeypatch.setattr(dlojz_lib.pretrained, "torchvision_weights_path", lambda weights: intact)
+    asked.clear()
+    proc = run_inline("--arch", "resnet18", "--pretrained", "--fetch-weights")
+    assert proc.returncode == 0 and f"{intact}: already in torch hub's cache" in proc.stdout and not asked
+
+
+def test_fetch_weights_into_a_read_only_cache_is_one_line(tmp_path, monkeypatch, run_inline):
+    """A cache folder the user cannot write in (a shared TORCH_HOME): one line saying what to set, no traceback.
+    (Refused here by a stand-in: the tests run as root, who may write in a read-only folder.)"""
+    import errno
+    import pathlib
+
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch"))
+    mkdir = pathlib.Path.mkdir
+
+    def read_only(self, *args, **kwargs):
+        if str(self).startswith(str(tmp_path / "torch")):
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(self))
+        return mkdir(self, *args, **kwargs)
+
+    monkeypatch.setattr(pathlib.Path, "mkdir", read_only)
+    proc = run_inline("--arch", "resnet18", "--pretrained", "--fetch-weights")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert "(Permission denied): set TORCH_HOME to a folder you can write in" in last, last
 
 
 @pytest.mark.parametrize("intact", [True, False])
@@ -296,3 +327,64 @@ def test_the_weights_mean_and_std_normalise_the_images_unless_given(tmp_path, mo
     black = torch.zeros((1, 3, 1, 1), dtype=torch.uint8)  # ImageNet's mean, this std
     expected = -torch.tensor([0.485 / 0.25, 0.456 / 0.5, 0.406 / 1]).view(1, 3, 1, 1)
     assert torch.allclose(normalisation(cfg, Distribution(1, 0, 0, torch.device("cpu")))(black), expected)
+
+
+def test_an_older_file_without_num_batches_tracked_loads_as_torch_s_strict_load_does(tmp_path):
+    saved = {key: value for key, value in imagenet_resnet18().items() if not key.endswith("num_batches_tracked")}
+    strict = torchvision.models.resnet18(num_classes=1000)
+    strict.load_state_dict(saved, strict=True)  # torch's own loader accepts it
+    torch.save(saved, tmp_path / "old.pth")
+    module, lines = model_from(tmp_path / "old.pth")
+    own = module.state_dict()
+    assert all(torch.equal(own[key], value) for key, value in saved.items() if not key.startswith("fc."))
+    assert own["bn1.num_batches_tracked"] == 0
+    line = next(line for line in lines if line.startswith("initial weights:"))
+    assert "num_batches_tracked" not in line  # not "new": the model's own, as torch leaves it
+
+
+def test_quantised_weights_are_one_line(tmp_path):
+    saved = imagenet_resnet18()
+    saved["conv1.weight"] = saved["conv1.weight"].to(torch.int8)
+    torch.save(saved, tmp_path / "int8.pth")
+    with pytest.raises(UserError, match=r"conv1\.weight is int8 there, not floating point \(quantised weights\?\)"):
+        model_from(tmp_path / "int8.pth")
+
+
+def test_a_damaged_cache_file_is_named_by_pretrained_with_what_to_do(tmp_path, monkeypatch):
+    """The user gave --pretrained, not --initial-checkpoint: the error names the flag they gave and says how to
+    get the file back."""
+    from dlojz_lib.pretrained import torchvision_weights, torchvision_weights_path
+
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch"))
+    cached = torchvision_weights_path(torchvision_weights("resnet18", "DEFAULT"))
+    cached.parent.mkdir(parents=True)
+    cached.write_bytes(b"PK\x03\x04 truncated")
+    cfg = resolve_config(get_args_parser().parse_args(["--device", "cpu", "--arch", "resnet18", "--pretrained"]))
+    with pytest.raises(UserError) as caught:
+        build_model(cfg, 3, Distribution(1, 0, 0, torch.device("cpu")), lambda line: None)
+    message = str(caught.value)
+    assert message.startswith(f"--pretrained DEFAULT: the cached file {cached}: not a weights file torch can read")
+    assert message.endswith(
+        "; delete it and fetch it again with python dlojz.py --arch resnet18 --pretrained DEFAULT --fetch-weights"
+    )
+    assert "--initial-checkpoint" not in message
+
+
+def test_a_truncated_timm_file_in_the_cache_is_fetched_again(tmp_path, monkeypatch, run_inline):
+    """Hugging Face stores a large file under its SHA-256: a blob whose bytes no longer hash to its name is not
+    "already in the cache"; it is removed and fetched again (here no network: one line)."""
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    repo = tmp_path / "hf" / "models--timm--resnet10t.c3_in1k"
+    blob = repo / "blobs" / ("a" * 64)
+    blob.parent.mkdir(parents=True)
+    blob.write_bytes(b"truncated")
+    snapshot = repo / "snapshots" / "0123abc" / "model.safetensors"
+    snapshot.parent.mkdir(parents=True)
+    snapshot.symlink_to(blob)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0123abc")
+    proc = run_inline("--arch", "timm:resnet10t", "--pretrained", "--fetch-weights")
+    assert proc.returncode == 2 and "already" not in proc.stdout and "Traceback" not in proc.stderr, proc.stderr
+    assert "--fetch-weights: cannot download timm/resnet10t.c3_in1k" in proc.stderr.strip().splitlines()[-1]
+    assert not blob.exists() and not snapshot.is_symlink()
