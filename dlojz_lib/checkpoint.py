@@ -99,6 +99,15 @@ def newest_checkpoint(output_dir):
     return found[-1] if found else None
 
 
+def resumes_a_checkpoint(resume, output_dir) -> bool:
+    """Whether a run given --resume `resume` starts from a checkpoint's weights: a path given (a bad one is
+    --resume's own line), or `auto` with a checkpoint in `output_dir`. Its --initial-checkpoint or --pretrained
+    weights are then not needed: the checkpoint's replace them."""
+    if not resume:
+        return False
+    return resume != "auto" or newest_checkpoint(output_dir) is not None
+
+
 def write(state, path):
     """`state` as one dlojz checkpoint file at `path`, atomically (no `latest`, no pruning), with its SHA-256
     beside it: written before the checkpoint takes its name, so that a checkpoint never appears without it."""

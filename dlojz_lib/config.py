@@ -464,11 +464,14 @@ def check(cfg: Config):
                 f"--optimizer {cfg.optimizer} needs timm, which does not import here ({err}): pip install timm, "
                 f"or use --optimizer {' or '.join(FUSED)}"
             )
-    if cfg.initial_checkpoint is not None:
+    from dlojz_lib.checkpoint import resumes_a_checkpoint
+
+    starts_from_weights = not resumes_a_checkpoint(cfg.resume, cfg.output_dir)  # (a resumed run: its checkpoint's)
+    if cfg.initial_checkpoint is not None and starts_from_weights:
         from dlojz_lib.pretrained import check_weights_file
 
         check_weights_file(cfg.initial_checkpoint)
-    if cfg.pretrained is not None:
+    if cfg.pretrained is not None and starts_from_weights:
         from dlojz_lib.pretrained import published_weights_file
 
         published_weights_file(cfg.arch, cfg.pretrained)  # in the local cache, or one line saying how to fetch it

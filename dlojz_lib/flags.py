@@ -842,10 +842,10 @@ def check_flags(values):
         )
     frozen = values["freeze_backbone_epochs"]
     if frozen is not None:
-        if values["pretrained"] is None and values["initial_checkpoint"] is None:
+        if values["pretrained"] is None and values["initial_checkpoint"] is None and not values["resume"]:
             fail(
                 f"--freeze-backbone-epochs {frozen} would keep random weights fixed: give the weights to start from "
-                "with --pretrained or --initial-checkpoint"
+                "with --pretrained or --initial-checkpoint (or --resume the fine-tuning run)"
             )
         if frozen >= values["epochs"]:
             fail(

@@ -51,10 +51,14 @@ class Model:
 def build_model(cfg, num_classes, ranks, log) -> Model:
     module = create_model(cfg.arch, num_classes, cfg.zero_init_residual, cfg.image_size, cfg.drop_path)
     if cfg.initial_checkpoint is not None or cfg.pretrained is not None:  # before any wrapper or copy
+        from dlojz_lib.checkpoint import resumes_a_checkpoint
         from dlojz_lib.pretrained import load_initial_weights, weights_source
 
-        weights, what, fix = weights_source(cfg)  # (the flag as given, and what to do with a damaged cache file)
-        log(load_initial_weights(module, weights, num_classes, what, fix))
+        if resumes_a_checkpoint(cfg.resume, cfg.output_dir):  # the file may be gone since: not read
+            log("initial weights: not read, the run resumes from its checkpoint, whose weights replace them")
+        else:
+            weights, what, fix = weights_source(cfg)  # (the flag as given, and what to do with a damaged cache file)
+            log(load_initial_weights(module, weights, num_classes, what, fix))
     if cfg.blurpool:  # before the copies below (SyncBN, EMA): they keep the blurred layers
         changed = apply_blurpool(module)
         if changed == 0:

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 import dlojz_lib.checkpoint as ckpt
 import dlojz_lib.optim as optim
-from dlojz_lib.checks import fail
+from dlojz_lib.checks import UserError, fail
 from dlojz_lib.config import load_idr_torch
 from dlojz_lib.flags import CUDA_GRAPH_MODES, GRAPH_FREE_MODE
 
@@ -359,9 +359,59 @@ def restore_weights(cfg, model, training, saved, path, log):
     saved_optimizer = (saved.get("args") or {}).get("optimizer", cfg.optimizer)
     if not cfg.eval_only and not sharded:
         if saved_optimizer == cfg.optimizer:
-            training.optimizer.load_state_dict(saved["optimizer"])
+            restore_optimizer_state(training.optimizer, model, saved, log)
         else:  # another optimizer's state (momenta, second moments) means nothing to this one
             log(f"--optimizer {cfg.optimizer}: the checkpoint's {saved_optimizer} state is dropped; it starts afresh")
+
+
+def same_grouping(optimizer, saved_state) -> bool:
+    """Whether the saved optimizer state has this optimizer's groups: as many, of as many parameters each."""
+    saved_groups = saved_state["param_groups"]
+    return len(saved_groups) == len(optimizer.param_groups) and all(
+        len(old["params"]) == len(new["params"]) for old, new in zip(saved_groups, optimizer.param_groups)
+    )
+
+
+def restore_optimizer_state(optimizer, model, saved, log):
+    """The checkpoint's optimizer state (momenta, moments), into this run's parameter groups. Where the groups are
+    another run's (--layer-decay, --no-wd-norm-bias, --norm-wd and the like added or left out), each parameter's
+    state is carried over to its new group: the saved groups are made again from the checkpoint's flags on this
+    model, which gives the parameter behind each saved index. The groups' learning rates and weight decays are
+    this run's; one line says so. A state that cannot be mapped starts afresh, one line saying so."""
+    saved_state = saved["optimizer"]
+    if same_grouping(optimizer, saved_state):
+        optimizer.load_state_dict(saved_state)
+        return
+    args = saved.get("args") or {}
+    module = model.module
+    try:
+        head = optim.fine_tuning_head(module, model.num_classes, args)
+        old_groups = optim.param_groups(
+            module, args["wd"], args.get("no_wd_norm_bias", False), args.get("layer_decay"), head,
+            optim.kind_decay(args),
+        )  # fmt: skip
+    except (KeyError, UserError):
+        old_groups = None
+    old_order = [param for group in old_groups or () for param in group["params"]]
+    if not old_groups or [len(g["params"]) for g in old_groups] != [
+        len(g["params"]) for g in saved_state["param_groups"]
+    ]:
+        log(
+            f"the checkpoint's optimizer state has {len(saved_state['param_groups'])} parameter groups, this run "
+            f"{len(optimizer.param_groups)} that cannot be matched to them: the optimizer's state starts afresh"
+        )
+        return
+    new_index = {id(param): i for i, param in enumerate(p for g in optimizer.param_groups for p in g["params"])}
+    state = {
+        new_index[id(param)]: saved_state["state"][i] for i, param in enumerate(old_order) if i in saved_state["state"]
+    }
+    # this run's groups (their hyperparameters, their parameters' indices), the carried state under its new indices
+    optimizer.load_state_dict(dict(optimizer.state_dict(), state=state))
+    log(
+        f"the checkpoint's optimizer state ({len(saved_state['param_groups'])} parameter groups) goes on in this "
+        f"run's {len(optimizer.param_groups)} groups, each parameter's momenta kept; learning rates and weight "
+        "decays are this run's"
+    )
 
 
 def ema_weights(saved, path):
@@ -397,6 +447,7 @@ def restore_schedule(cfg, training, saved, global_step, log):
         saved_total == training.total_steps
         and global_step == saved["global_step"]
         and saved_args.get("lr_scheduler", cfg.lr_scheduler) == cfg.lr_scheduler
+        and (saved.get("optimizer") is None or same_grouping(training.optimizer, saved["optimizer"]))  # its lrs
     )
     if same:
         training.scheduler.load_state_dict(saved["scheduler"])

@@ -142,6 +142,16 @@ def test_the_head_learns_alone_then_every_layer_and_a_stopped_fine_tuning_resume
     resumed = at(resumed_out / (resumed_out / "latest").read_text().strip())
     for name, value in final.items():
         assert torch.allclose(value, resumed[name], rtol=1e-5, atol=1e-6), name
+    assert proc.stdout.index("initial weights: not read, the run resumes") < proc.stdout.index("resumed from")
+    assert "freshly initialised" not in proc.stdout  # (the checkpoint's head, not a new one)
+
+    # The start file gone since, or not given again: the fine-tuning resumes all the same (its checkpoint's weights).
+    (tmp_path / "start.pth").unlink()
+    without = [arg for arg in common if arg not in ("--initial-checkpoint", tmp_path / "start.pth")]
+    for name, flags in (("gone", common), ("not-given", without)):
+        proc = run_inline(*flags, "--output-dir", tmp_path / name, "--resume", out / "ckpt_e0001_s000000013.pt")
+        assert proc.returncode == 0, (name, proc.stderr)
+        assert "the head (fc) learns alone for 1 epochs" in proc.stdout
 
 
 def test_a_fine_tuning_sharded_by_fsdp_on_two_ranks_keeps_the_backbone_then_trains_it(tiny_data, tmp_path):

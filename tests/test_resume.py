@@ -214,6 +214,12 @@ def two_epochs_tiny(tiny_data, tmp_path_factory):
         ),
         (["-b", "3", "--keep-global-batch"], 24, "1 rank x 3 images do not divide the checkpoint's global batch of 8"),
         (["--optimizer", "adamw"], 9, "--optimizer adamw: the checkpoint's sgd state is dropped; it starts afresh"),
+        (  # other parameter groups: each parameter's momentum carried into its new group
+            ["--layer-decay", "0.8"],
+            9,
+            "layer decay 0.8: ",  # (and the state's line, below)
+        ),
+        (["--no-wd-norm-bias"], 9, "goes on in this run's 2 groups, each parameter's momenta kept"),
         (
             ["--lr-scheduler", "cosine"],
             9,
@@ -230,6 +236,8 @@ def test_resume_with_changed_settings_goes_on_from_the_same_image_on_a_rebuilt_s
     )
     assert proc.returncode == 0, proc.stderr
     assert said in proc.stdout
+    if "--layer-decay" in changed:
+        assert "the checkpoint's optimizer state (1 parameter groups) goes on in this run's " in proc.stdout
     state = latest_state(out)  # the second epoch, whole, on this setting's schedule, which ends with it
     assert state["global_step"] == state["total_steps"] == state["scheduler"]["last_epoch"] == 2 * steps_per_epoch
     assert state["epoch"] == 2
@@ -649,3 +657,30 @@ def test_keep_global_batch_under_cuda_graphs_compiles_without_them(tmp_path, mon
             check_flags(dict(vars(args), grad_acc=final.grad_acc, compile_mode=mode))  # what it was before
     same = dlojz_lib.resume.keep_global_batch(dataclasses.replace(cfg, compile_mode=mode), 2, lines.append)
     assert (same.grad_acc, same.compile_mode) == (1, mode)  # the same ranks: the graphs stay
+
+
+def test_momenta_follow_their_parameters_into_other_groups(tmp_path):
+    """The checkpoint of a run with one group, resumed with --no-wd-norm-bias (two groups, norms and biases apart):
+    every parameter has the momentum it had, whatever its new index."""
+    from types import SimpleNamespace
+
+    import torchvision
+
+    from dlojz_lib.optim import build_optimizer, param_groups
+    from dlojz_lib.resume import restore_optimizer_state
+
+    torch.manual_seed(0)
+    module = torchvision.models.resnet18(num_classes=3)
+    before = build_optimizer("sgd", param_groups(module, 5e-5, False), lr=0.1, momentum=0.9, weight_decay=5e-5)
+    for param in module.parameters():
+        param.grad = torch.randn_like(param)
+    before.step()
+    momentum = {name: before.state[param]["momentum_buffer"].clone() for name, param in module.named_parameters()}
+    saved = {"optimizer": before.state_dict(), "args": {"wd": 5e-5, "no_wd_norm_bias": False, "arch": "resnet18"}}
+    after = build_optimizer("sgd", param_groups(module, 5e-5, True), lr=0.1, momentum=0.9, weight_decay=5e-5)
+    lines = []
+    restore_optimizer_state(after, SimpleNamespace(module=module, num_classes=3), saved, lines.append)
+    assert len(after.param_groups) == 2 and "each parameter's momenta kept" in lines[0]
+    for name, param in module.named_parameters():
+        assert torch.equal(after.state[param]["momentum_buffer"], momentum[name]), name
+    assert {group["weight_decay"] for group in after.param_groups} == {0.0, 5e-5}  # this run's groups
