@@ -87,10 +87,20 @@ def recipe_value(action, value, where):
         if not isinstance(value, bool):
             fail(f"{where} is a switch: true or false (got {value!r})")
         return value
+    one = argparse.Action([], action.dest, type=action.type, choices=action.choices)  # one of the flag's values
+    if action.nargs == "?":  # --pretrained [WEIGHTS]: a value, or true for the bare flag's
+        if value is True and action.const is not None:
+            return action.const
+        return recipe_value(one, value, where)
+    if action.nargs in ("+", "*"):  # --lr-milestones E [E ...]: a list (or one value)
+        values = value if isinstance(value, list) else [value]
+        if action.nargs == "+" and not values:
+            fail(f"{where} takes one value or more (got [])")
+        return [recipe_value(one, v, where) for v in values]
     if action.nargs is not None:  # e.g. --randaugment N M
         if not isinstance(value, list) or len(value) != action.nargs:
             fail(f"{where} takes a list of {action.nargs} values (got {value!r})")
-        return [recipe_value(argparse.Action([], action.dest, type=action.type), v, where) for v in value]
+        return [recipe_value(one, v, where) for v in value]
     bounds = action.type if hasattr(action.type, "check") else None  # a Number
     expected = value_type(action)
     if expected is float and isinstance(value, int) and not isinstance(value, bool):

@@ -324,3 +324,40 @@ def test_a_published_recipe_gives_its_source_s_flags(name):
     assert {flag: values[flag] for flag in flags} == flags, source
     header = (ROOT / "recipes" / name).read_text()
     assert source.split("(")[-1].rstrip(")") in header  # the source's figure, in the file's header
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--pretrained"],  # the bare flag: its DEFAULT
+        ["--pretrained", "IMAGENET1K_V1", "--lr-milestones", "30", "60", "--lr-scheduler", "step"],
+        ["--randaugment", "2", "9", "--mean", "0.4", "0.5", "0.6", "--std", "0.2", "0.25", "0.3"],
+    ],
+)
+def test_a_run_s_args_toml_is_read_back_by_config_for_every_kind_of_flag(flags, tmp_path):
+    """The recipe dlojz writes beside a run (args.toml, HPO's best.toml) gives --config the same values: switches,
+    numbers, strings, lists of a fixed length, one or more values (--lr-milestones), an optional value
+    (--pretrained)."""
+    from dlojz_lib.recipe import read_recipe, recipe_text
+
+    parser = get_args_parser()
+    args = parser.parse_args(["--device", "cpu", *flags])
+    path = recipe(tmp_path, recipe_text(args, parser))
+    back = read_recipe(parser, path)
+    given = {key: value for key, value in vars(args).items() if value is not None and key not in ("config", "help")}
+    assert {key: list(v) if isinstance(v, tuple) else v for key, v in back.items()} == given
+
+
+def test_every_flag_of_a_resolved_run_goes_through_args_toml_and_back(tmp_path):
+    import dataclasses
+
+    from dlojz_lib.recipe import recipe_text
+
+    cfg = resolve("--lr-milestones", "2", "4", "-e", "6", "--lr-scheduler", "step", "--randaugment", "2", "9")
+    again = resolve("--config", recipe(tmp_path, recipe_text(cfg, get_args_parser())))
+    differ = {
+        field.name: (getattr(cfg, field.name), getattr(again, field.name))
+        for field in dataclasses.fields(cfg)
+        if field.name not in ("config", "notes") and getattr(cfg, field.name) != getattr(again, field.name)
+    }
+    assert differ == {}
