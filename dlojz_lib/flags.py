@@ -100,10 +100,26 @@ class OneLineParser(OneLineArgumentParser):
         pre = argparse.ArgumentParser(add_help=False)
         pre.add_argument("--config", action="append", default=[])
         recipe = {}
+        self.recipe_files = {}  # flag's dest -> the recipe file that set it: an error about it names the file
         for config in pre.parse_known_args(args)[0].config:  # several: merged in order, a later file's key wins
-            recipe.update(read_recipe(self, config))
+            keys = read_recipe(self, config)
+            recipe.update(keys)
+            self.recipe_files.update(dict.fromkeys(keys, config))
         self.set_defaults(**recipe)
         return super().parse_args(args, namespace)
+
+    def from_recipe(self, message, argv) -> str:
+        """`message` (a check's error) with the recipe file named when a flag it names was set there, not on the
+        command line: the user then knows where to change it."""
+        import re
+        import sys
+
+        given = set(sys.argv[1:] if argv is None else map(str, argv))
+        for dest, config in getattr(self, "recipe_files", {}).items():
+            flag = "--" + dest.replace("_", "-")
+            if re.search(re.escape(flag) + r"(?![\w-])", message) and flag not in given:
+                return f"{message} ({flag} is set by --config {config}: change it there, or give it here)"
+        return message
 
 
 def get_args_parser():
@@ -140,7 +156,8 @@ def get_args_parser():
     )
     p.add_argument(
         "--bce-loss",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=False,
         help='training loss: binary cross-entropy per class (timm\'s, as in "ResNet strikes back"), with\n'
         "--label-smoothing and MixUp/CutMix targets as timm gives them; validation's loss stays cross-entropy",
     )
@@ -168,7 +185,8 @@ def get_args_parser():
     )
     p.add_argument(
         "--balanced-sampler",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=False,
         help="each training epoch draws every class equally often (a rare class's images repeated, a large\n"
         "class's in part), as many draws as there are training images: the same steps per epoch",
     )
@@ -180,13 +198,15 @@ def get_args_parser():
     p.add_argument("--seed", type=Number(int, 0, 2**32 - 1), default=123, help="random seed (default: 123)")
     p.add_argument(
         "--deterministic",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=False,
         help="deterministic kernels only (torch.use_deterministic_algorithms, cuDNN autotuning off): the same\n"
         "weights from the same run on the same machine and software, with slower kernels",
     )
     p.add_argument(
         "--blurpool",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=False,
         help="anti-aliased downsampling: blur before strided convolutions and max-pools",
     )
     p.add_argument(
@@ -215,7 +235,8 @@ def get_args_parser():
     )
     p.add_argument(
         "--fetch-weights",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=False,
         help="where the internet is (a login node): download --pretrained's file into its local cache, check\n"
         "it against its published SHA-256, and exit",
     )
@@ -268,7 +289,12 @@ def get_args_parser():
             metavar="WD",
             help=f"weight decay of {what}; default: --wd (0 for norms and biases with --no-wd-norm-bias)",
         )
-    p.add_argument("--nesterov", action="store_true", help="sgd: Nesterov momentum (torchvision's --opt sgd_nesterov)")
+    p.add_argument(
+        "--nesterov",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="sgd: Nesterov momentum (torchvision's --opt sgd_nesterov)",
+    )
     p.add_argument(
         "--lr-scheduler",
         default="onecycle",
@@ -302,7 +328,8 @@ def get_args_parser():
     )
     p.add_argument(
         "--lr-per-epoch",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=False,
         help="the LR (warm-up and decay) changes once per epoch, as torchvision's and timm's schedules step it\n"
         "(default: every optimizer step, smoother for short runs); not with onecycle",
     )
@@ -335,7 +362,8 @@ def get_args_parser():
     )
     p.add_argument(
         "--findlr",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=False,
         help="LR range test: exponential sweep from 1e-8 to --lr over the run, no validation;\n"
         "writes findlr.csv and findlr.png, prints a suggested lr",
     )
@@ -349,16 +377,21 @@ def get_args_parser():
     )
     p.add_argument(
         "--keep-global-batch",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=False,
         help="resuming on another number of ranks: keep the checkpoint's global batch (hence its steps and LR\n"
         "schedule) by changing --grad-acc, where ranks x --batch-size divides it (the Slurm scripts' restarts)",
     )
     p.add_argument(
-        "--grad-checkpointing", action="store_true", help="recompute activations of the model's stages in the backward"
+        "--grad-checkpointing",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="recompute activations of the model's stages in the backward",
     )
     p.add_argument(
         "--compile",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=False,
         help="torch.compile the model (compilation shows as the time to the first step)",
     )
     p.add_argument(
@@ -370,10 +403,13 @@ def get_args_parser():
         "the fastest kernels found by trying them, and\nCUDA graphs (minutes of compilation); "
         "max-autotune-no-cudagraphs",
     )
-    p.add_argument("--sync-bn", action="store_true", help="synchronised BatchNorm across ranks")
+    p.add_argument(
+        "--sync-bn", action=argparse.BooleanOptionalAction, default=False, help="synchronised BatchNorm across ranks"
+    )
     p.add_argument(
         "--model-ema",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=False,
         help="keep an exponential moving average of the weights, validated alongside",
     )
     p.add_argument(
@@ -391,7 +427,8 @@ def get_args_parser():
     )
     p.add_argument(
         "--model-ema-warmup",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=False,
         help="the EMA's decay grows as min(decay, (1 + u) / (10 + u)) over its first updates u (timm's)",
     )
 
@@ -412,7 +449,7 @@ def get_args_parser():
         help="--randaugment: each op's magnitude drawn from a normal law around M with this standard deviation,\n"
         "on the same 0-30 scale (timm's mstd x 3: its rand-m6-mstd0.5 is --randaugment 2 18 --randaugment-mstd 1.5)",
     )
-    p.add_argument("--trivialaugment", action="store_true", help="TrivialAugmentWide")
+    p.add_argument("--trivialaugment", action=argparse.BooleanOptionalAction, default=False, help="TrivialAugmentWide")
     p.add_argument(
         "--autoaugment",
         choices=("imagenet", "cifar10", "svhn"),
@@ -450,7 +487,10 @@ def get_args_parser():
         "the metrics JSON gets time_to_target_s and epochs_to_target",
     )
     p.add_argument(
-        "--tta-flip", action="store_true", help="validation averages the logits of each image and its mirror"
+        "--tta-flip",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="validation averages the logits of each image and its mirror",
     )
     p.add_argument(
         "--min-res",
@@ -480,7 +520,8 @@ def get_args_parser():
     p = parser.add_argument_group("profiler (torch.profiler)")
     p.add_argument(
         "--prof",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=False,
         help="profile a few steps; traces in <output-dir>/profiler (TensorBoard, Perfetto)",
     )
     p.add_argument("--prof-wait", type=Number(int, 0), default=1, help="steps skipped before profiling (default: 1)")
@@ -490,7 +531,8 @@ def get_args_parser():
     p = parser.add_argument_group("modes")
     p.add_argument(
         "--test",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=False,
         help="benchmark: stop after --test-nsteps steps, validate on 20 batches,\n"
         "no W&B, no checkpoint, chronometer report",
     )
@@ -502,11 +544,22 @@ def get_args_parser():
         help="the last steps of --test, timed as a whole without the\nchronometer's waits (the figure to compare "
         "with MLPerf's;\ndefault: half of --test-nsteps from 12 steps, else 0)",
     )
-    p.add_argument("--synthetic", action="store_true", help="random tensors made once in memory: no disk, no decoding")
-    p.add_argument("--eval-only", action="store_true", help="validate the checkpoint given by --resume and stop")
+    p.add_argument(
+        "--synthetic",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="random tensors made once in memory: no disk, no decoding",
+    )
+    p.add_argument(
+        "--eval-only",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="validate the checkpoint given by --resume and stop",
+    )
     p.add_argument(
         "--eval-ema",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=False,
         help="with --eval-only: validate the checkpoint's EMA weights (a run with --model-ema) instead of its model",
     )
     p.add_argument(
@@ -518,7 +571,8 @@ def get_args_parser():
     )
     p.add_argument(
         "--loader-only",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=False,
         help="time the training DataLoader alone (no model) over\n"
         "--test-nsteps batches: images/s overall and per worker",
     )
@@ -712,7 +766,8 @@ def get_args_parser():
     )
     p.add_argument(
         "--fsdp",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=False,
         help="shard parameters, gradients and optimizer state across ranks (FSDP2, dlojz_lib/fsdp.py)\n"
         "instead of DDP's full copy on each; sharded checkpoints (torch.distributed.checkpoint)",
     )
@@ -742,7 +797,8 @@ def get_args_parser():
     )
     p.add_argument(
         "--start-over",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=False,
         help="train from scratch in an --output-dir that holds a run (its files are moved into\n"
         "<output-dir>/previous-<time>/); without it, such a folder needs --resume",
     )
@@ -990,8 +1046,12 @@ def check_data_variable(values):
 def checked_values(argv=None) -> dict:
     """The flags' values of a command line once parsed and checked (the parser exits 2 with its one line; the checks
     raise UserError): what dlojz.py checks first, and dlojz_lab.py for each run of a sweep."""
-    values = vars(get_args_parser().parse_args(argv))
-    check_flags(values)
+    parser = get_args_parser()
+    values = vars(parser.parse_args(argv))
+    try:
+        check_flags(values)
+    except UserError as err:
+        raise UserError(parser.from_recipe(str(err), argv)) from None
     check_data_variable(values)
     return values
 

@@ -361,3 +361,36 @@ def test_every_flag_of_a_resolved_run_goes_through_args_toml_and_back(tmp_path):
         if field.name not in ("config", "notes") and getattr(cfg, field.name) != getattr(again, field.name)
     }
     assert differ == {}
+
+
+def test_a_recipe_s_switch_is_turned_off_from_the_command_line(tmp_path):
+    path = recipe(tmp_path, "blurpool = true\nmodel-ema = true\ntta-flip = true\n")
+    assert (resolve("--config", path).blurpool, resolve("--config", path).model_ema) == (True, True)
+    cfg = resolve("--config", path, "--no-blurpool", "--no-model-ema", "--no-tta-flip")
+    assert (cfg.blurpool, cfg.model_ema, cfg.tta_flip) == (False, False, False)
+
+
+def test_every_switch_has_its_no_form():
+    import argparse
+
+    switches = [action for action in get_args_parser()._actions if action.nargs == 0 and action.dest != "help"]
+    plain = [
+        action.option_strings
+        for action in switches
+        if not isinstance(action, argparse.BooleanOptionalAction) and not action.option_strings[-1].startswith("--no-")
+    ]
+    assert len(switches) > 20 and plain == []
+
+
+def test_an_error_about_a_recipe_s_key_names_the_file(tmp_path):
+    from dlojz_lib.flags import checked_values
+
+    path = recipe(tmp_path, "freeze-backbone-epochs = 1\n")
+    with pytest.raises(UserError) as caught:
+        checked_values(["--config", str(path), "--device", "cpu"])
+    assert str(caught.value).endswith(
+        f"(--freeze-backbone-epochs is set by --config {path}: change it there, or give it here)"
+    )
+    with pytest.raises(UserError) as caught:  # given on the command line: the file is not blamed
+        checked_values(["--config", str(path), "--device", "cpu", "--freeze-backbone-epochs", "1"])
+    assert "--config" not in str(caught.value)
