@@ -374,7 +374,7 @@ def test_flag_words():
     actions = dlojz_lib.hpo.space.flag_actions(get_args_parser())
     assert dlojz_lib.hpo.space.flag_argv(actions["channels_last"], False) == ["--no-channels-last"]
     assert dlojz_lib.hpo.space.flag_argv(actions["blurpool"], True) == ["--blurpool"]
-    assert dlojz_lib.hpo.space.flag_argv(actions["blurpool"], False) == []
+    assert dlojz_lib.hpo.space.flag_argv(actions["blurpool"], False) == ["--no-blurpool"]  # over a recipe too
     assert dlojz_lib.hpo.space.flag_argv(actions["batch_size"], 64) == ["--batch-size", "64"]
 
 
