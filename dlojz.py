@@ -14,6 +14,7 @@ prints in dlojz_lib/log.py, the chronometer, profiler and LR finder hooks in dlo
 
 import contextlib
 import dataclasses
+import math
 import os
 import sys
 import time
@@ -194,7 +195,7 @@ def main(argv=None, running=None) -> dict:
             return stop_run(cfg, result.stop_reason, saver, state, loaders, ranks, log, metrics, chrono, wandb_run)
 
         # ================================ VALIDATION (every --val-every epochs and at the last)
-        target_reached = best = False
+        target_reached = best = nonfinite_validation = False
         if (epoch + 1) % cfg.val_every == 0 or epoch + 1 == cfg.epochs or cfg.test:
             validation = validate(
                 cfg, epoch, model, loaders, training, ranks, chrono, val_max_batches, log, stop, train_seconds
@@ -205,12 +206,21 @@ def main(argv=None, running=None) -> dict:
                 )
             target_reached = record_validation(cfg, epoch, validation, state, metrics, started, wandb_run, ranks, log)
             best = record_best(cfg, epoch, validation, state, metrics)
+            nonfinite_validation = not math.isfinite(validation["val_loss"])  # the epoch is saved, then the run ends
         metrics["epochs"] = epoch + 1
 
         # ================================ CHECKPOINT
         state.epoch, state.batch, state.elapsed_s = epoch + 1, 0, time.perf_counter() - started
         if not cfg.test:
             save_epoch_checkpoint(saver, state, periodic, log, best)
+        if nonfinite_validation:
+            saver.wait()
+            raise TrainingDiverged(
+                f"the validation loss is not finite (nan/inf) after epoch {epoch + 1}: stopping; the epoch's "
+                "checkpoint is kept "
+                f"({ckpt.newest_checkpoint(cfg.output_dir) or 'none written'}); lower --lr, or validate without "
+                "float16 (--amp-dtype bfloat16 or --no-amp) if the outputs overflow"
+            )
         if cfg.test or target_reached:
             break
     saver.wait()  # the last checkpoint's background write
@@ -315,6 +325,8 @@ def record_best(cfg, epoch, validation, state, metrics) -> bool:
     if cfg.best_metric == "none":
         return False
     value = validation[VALIDATION_METRICS[cfg.best_metric][0]]
+    if not math.isfinite(validation["val_loss"]):  # a model whose outputs are nan is never the best
+        return False
     best = state.best_value is None or value > state.best_value  # (a resume keeps it for the same metric only)
     if best:
         state.best_metric, state.best_value, state.best_epoch = cfg.best_metric, value, epoch + 1

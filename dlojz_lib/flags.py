@@ -980,6 +980,8 @@ def check_flags(values):
             )
     if values["synthetic"] and values["data_root"]:
         fail("--synthetic trains on random tensors and reads no data: drop --data-root, or --synthetic")
+    if values["loader_only"] and values["eval_only"]:
+        fail("--loader-only times the training DataLoader alone, --eval-only validates a checkpoint: give one of them")
     if values["loader_only"] and values["synthetic"]:
         fail("--loader-only times the DataLoader, which --synthetic does not use: drop one of them")
     for flag in ("eval_ema", "predictions"):

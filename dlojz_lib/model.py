@@ -63,7 +63,18 @@ def create_model(
                 f"MaxViT models have; timm's ResNets too: --arch timm:NAME)"
             )
         options["stochastic_depth_prob"] = drop_path
-    return torchvision.models.get_model(arch, weights=None, num_classes=num_classes, **options)
+    try:
+        return torchvision.models.get_model(arch, weights=None, num_classes=num_classes, **options)
+    except TypeError as err:  # Swin's builders set the rate themselves: the model's own rates are scaled to it
+        if "stochastic_depth_prob" not in str(err):
+            raise
+        del options["stochastic_depth_prob"]
+        model = torchvision.models.get_model(arch, weights=None, num_classes=num_classes, **options)
+        layers = [m for m in model.modules() if isinstance(m, torchvision.ops.StochasticDepth)]
+        deepest = max(layer.p for layer in layers)  # each block's rate rises with its depth to this one
+        for layer in layers:
+            layer.p = layer.p * drop_path / deepest
+        return model
 
 
 def check_input_sizes(arch, zero_init_residual, sizes, drop_path=None):

@@ -85,6 +85,7 @@ def refusal(capsys, *flags):
         (["--min-res", "32", "--max-res", "64"], "--start-ramp 0 must be before --end-ramp 0"),
         (["--train-subset", "1.5"], "--train-subset is a fraction in (0, 1) or a whole number"),
         (["--loader-only", "--synthetic"], "--loader-only times the DataLoader"),
+        (["--loader-only", "--eval-only", "--resume", "c.pt"], "--loader-only times the training DataLoader alone"),
         (["--eval-only"], "--eval-only needs --resume"),
         (["--hang-timeout", "2"], "--hang-timeout 2: at least 5 seconds"),
         (["--hang-timeout", "-1"], "--hang-timeout: must be >= 0"),

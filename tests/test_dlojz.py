@@ -463,3 +463,24 @@ def test_interactive_terminal_gets_one_live_line_per_epoch(tiny_data, tmp_path):
         assert "\rEpoch 1/1, Step" in text  # rewritten in place
         assert "\n\n" not in text, text[-2000:]
         assert "\n##EVALUATION STEP##" in text
+
+
+def test_a_validation_loss_of_nan_ends_the_run_with_status_3_after_saving_the_epoch(
+    tiny_data, tmp_path, run_inline, monkeypatch
+):
+    """A finite training loss but a nan validation (float16 outputs overflowing in evaluation): the epoch's
+    checkpoint is written, never made the best, and the run ends with 3 and one line instead of going on (it
+    exited 0)."""
+    import dlojz
+
+    evaluate = dlojz.evaluate
+
+    def overflowing(*args, **kwargs):
+        return dict(evaluate(*args, **kwargs), val_loss=float("nan"))
+
+    monkeypatch.setattr(dlojz, "evaluate", overflowing)
+    out = tmp_path / "run"
+    proc = run_inline(*TINY, "--data-root", tiny_data, "-e", "2", "--output-dir", out)
+    assert_one_line_error(proc, "the validation loss is not finite (nan/inf) after epoch 1: stopping; the epoch's "
+                          f"checkpoint is kept ({out / 'ckpt_e0001_s000000009.pt'})", status=3)  # fmt: skip
+    assert (out / "latest").read_text().strip() == "ckpt_e0001_s000000009.pt" and not (out / "best").exists()

@@ -77,6 +77,9 @@ def test_drop_path_reaches_the_model_s_stochastic_depth():
 
     rates = [m.drop_prob for m in module.modules() if isinstance(m, timm.layers.DropPath)]
     assert rates and max(rates) == pytest.approx(0.2)  # rising with depth to the rate, as in both libraries
+    swin = build_model(config("--arch", "swin_t", "--drop-path", "0.3"), 3, CPU, lambda line: None).module
+    rates = [m.p for m in swin.modules() if isinstance(m, torchvision.ops.StochasticDepth)]
+    assert max(rates) == pytest.approx(0.3) and min(rates) == 0.0  # its builder's own rule, scaled (default 0.2)
     with pytest.raises(UserError, match=r"^--drop-path: torchvision's resnet18 has no stochastic depth"):
         config("--arch", "resnet18", "--drop-path", "0.1")
 
