@@ -285,3 +285,29 @@ def test_two_ranks_split_as_one_and_draw_balanced_epochs(tiny_data, tmp_path):
     result = json.loads(metrics.read_text())
     assert result["world_size"] == 2 and result["val_images"] == len(expected) == 14
     assert proc.stdout.count("--balanced-sampler: 44 draws an epoch, about 15 of each of 3 classes") == 1, show(proc)
+
+
+def test_a_class_of_one_image_is_said_to_be_never_validated(tiny_data, tmp_path):
+    folder = tmp_path / "classes"
+    shutil.copytree(tiny_data / "train", folder)
+    lonely = folder / "lonely"
+    lonely.mkdir()
+    shutil.copy(next((folder / sorted(p.name for p in folder.iterdir() if p.is_dir())[0]).iterdir()), lonely / "a.jpg")
+    train, val, classes, _ = split(folder, 0.25)
+    line = next(line for line in train.notes if line.startswith("--val-split 0.25:"))
+    assert line.endswith("; 1 class of one image (lonely) only trains, never validated: add images, or give a "
+                         "validation folder")  # fmt: skip
+    assert classes.index("lonely") not in per_class(val)
+
+
+def test_a_folder_in_place_of_the_run_s_split_list_is_one_line(tiny_data, tmp_path, run_inline):
+    folder = tmp_path / "classes"
+    shutil.copytree(tiny_data / "train", folder)
+    out = tmp_path / "run"
+    (out / "val_split.txt").mkdir(parents=True)
+    proc = run_inline(*TINY, "--data-root", folder, "--val-split", "0.25", "-e", "1", "--output-dir", out)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert (
+        f"--val-split: {out / 'val_split.txt'} is not the run's list of validation images (a folder?)"
+        in (proc.stderr.strip().splitlines()[-1])
+    )

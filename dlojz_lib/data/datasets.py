@@ -17,6 +17,7 @@
 Every bad input raises `DataError` with a one-line message that dlojz.py prints.
 """
 
+import collections
 import copy
 import functools
 import math
@@ -206,6 +207,14 @@ def split_folder(root, train_transform, val_transform, spec, saved=None):
             f"--val-split {spec:g}: {len(chosen)} of {len(samples)} images of {source} validate ({describe_spec(spec)}, "
             "stratified)"
         )
+        sizes = collections.Counter(target for _, target in samples)
+        alone = [train_set.classes[target] for target, size in sorted(sizes.items()) if size == 1]
+        if alone:  # its one image trains: the class is never validated, and its recall never measured
+            line += (
+                f"; {len(alone)} class{'es' if len(alone) > 1 else ''} of one image ({', '.join(alone[:3])}"
+                f"{', ...' if len(alone) > 3 else ''}) only train{'' if len(alone) > 1 else 's'}, never validated: "
+                "add images, or give a validation folder"
+            )
     else:
         path, listed = saved
         relative = [os.path.relpath(where, source) for where, _ in samples]
@@ -228,6 +237,13 @@ def read_val_split(path):
     """The validation files a run's VAL_SPLIT_FILE lists (paths relative to the split folder), or None."""
     from dlojz_lib.checks import read_text
 
+    if Path(path).exists() and not Path(path).is_file():
+        from dlojz_lib.checks import fail
+
+        fail(
+            f"--val-split: {path} is not the run's list of validation images (a folder?): remove it, and the folder "
+            "is split again, or give another --output-dir"
+        )
     if not Path(path).is_file():
         return None
     text = read_text(path, "--val-split's list", "remove it to split the folder again")
