@@ -503,8 +503,14 @@ def report(args):
     from dlojz_lib.checks import check_output_folder
 
     check_output_folder(args.out, "--out")  # before the study is read: a file there is said at once
-    storage = open_storage(args.storage)
-    names = [s.study_name for s in optuna.get_all_study_summaries(storage, include_best_trial=False)]
+    try:  # a journal that is not Optuna's (another file, damaged bytes): one line, not its reader's traceback
+        storage = open_storage(args.storage)
+        names = [s.study_name for s in optuna.get_all_study_summaries(storage, include_best_trial=False)]
+    except (UnicodeDecodeError, ValueError, KeyError) as err:
+        fail(
+            f"--storage {args.storage}: not an Optuna journal this can read ({type(err).__name__}: "
+            f"{str(err).splitlines()[0][:100] if str(err) else ''}); give the study's journal file"
+        )
     if args.study not in names:
         fail(f"--study {args.study}: not in {args.storage} (studies there: {', '.join(names) or 'none'})")
     study = optuna.load_study(study_name=args.study, storage=storage)

@@ -560,6 +560,21 @@ def test_report_of_a_missing_study_is_one_line(finished_study, tmp_path):
     assert proc.stderr.count("\n") == 1, proc.stderr
 
 
+@pytest.mark.parametrize("damage", ["prefix", "append"])
+def test_report_of_a_journal_that_is_not_utf_8_is_one_line(damage, tmp_path, capsys):
+    import dlojz_hpo
+
+    journal = tmp_path / "j.log"
+    storage = optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(str(journal)))
+    optuna.create_study(study_name="s", storage=storage).optimize(lambda t: t.suggest_float("x", 0, 1), n_trials=1)
+    text = journal.read_bytes()
+    journal.write_bytes(b"\xff" + text if damage == "prefix" else text + b"\xff\xfe bad\n")
+    status = dlojz_hpo.main(["report", "--study", "s", "--storage", str(journal), "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert status == 2 and "Traceback" not in err and err.count("\n") == 1, err
+    assert f"--storage {journal}: not an Optuna journal this can read" in err
+
+
 def test_a_study_keeps_its_shared_flags(finished_study, tiny_data, capsys):
     import dlojz_hpo
 
