@@ -127,6 +127,8 @@ def main(argv=None, running=None) -> dict:
         ranks, cfg.hang_timeout, cfg.output_dir, lambda: ckpt.newest_checkpoint(cfg.output_dir), cfg.straggler_factor
     )
     stop = StopPoll(stop_signal, ranks, timedelta(seconds=cfg.dist_timeout), watchdog.start())
+    if running is not None:  # cli tells the others when this rank ends normally: its silence is then no hang
+        running["watchdog"] = watchdog
     log = Console(ranks.is_main)
     if cfg.writes_checkpoints:
         claim_output_dir(cfg, ranks, log)  # one run writes in a folder: refused here, before any data scan
@@ -210,6 +212,7 @@ def main(argv=None, running=None) -> dict:
         metrics["epochs"] = epoch + 1
 
         # ================================ CHECKPOINT
+        stop.watchdog.disarm(f"writing epoch {epoch + 1}'s checkpoint")
         state.epoch, state.batch, state.elapsed_s = epoch + 1, 0, time.perf_counter() - started
         if not cfg.test:
             save_epoch_checkpoint(saver, state, periodic, log, best)
@@ -223,6 +226,7 @@ def main(argv=None, running=None) -> dict:
             )
         if cfg.test or target_reached:
             break
+    stop.watchdog.disarm("at the run's end (the last checkpoint, the report)")
     saver.wait()  # the last checkpoint's background write
     metrics.update(close_hooks(cfg, hooks, ranks, log))
 
@@ -497,7 +501,7 @@ def train_one_epoch(
                 stop_reason = stop.stop_signal.name or "signal on another rank"
                 break
             if save_now and state.batch < loaders.n_train_batches:  # (the epoch's end writes its own)
-                stop.watchdog.disarm()  # a sharded save on a slow file system may take minutes: not a hang
+                stop.watchdog.disarm("writing a checkpoint")  # a sharded save on a slow file system: minutes
                 checkpoints.save(state)
         if end_of_test:
             hooks.chrono.end_window()  # the unsynchronised window's one wait, at its end
@@ -698,6 +702,8 @@ def cli(argv=None) -> int:
                 "stopped_by"
             ) == INTERRUPTED:  # Ctrl-C, checkpointed: the shell's status for it
                 status = 130
+            if "watchdog" in running:
+                running["watchdog"].finish()
         except SystemExit as err:  # argparse: --help, or a bad flag already reported in one line
             status = err.code if isinstance(err.code, int) else 2
         except (UserError, DataError) as err:
@@ -719,7 +725,7 @@ def cli(argv=None) -> int:
             status = 130
         except Exception as err:
             if idr_torch.world_size > 1 and "state" in running and is_lost_peer(err):
-                status = report_lost_peer(**running)
+                status = report_lost_peer(running["ranks"], running["output_dir"], running["state"])
             else:
                 status = report_crash(err, rank)
     finally:  # also when a report itself fails (its terminal or pipe gone): the workers ignore SIGTERM, so

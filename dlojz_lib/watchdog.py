@@ -16,8 +16,11 @@ and how, and the job ends with exit status 7 (HUNG_STATUS) on every backend, lon
   the host waits at the next log point whatever kernel hangs), and when they wait in different collectives, each
   with its own (one rank skipped or added one).
 
-A rank is judged only between its first mark in a loop and the loop's end: the first batch of a loop (where
-torch.compile compiles and cuDNN autotunes), checkpoint writes and start-up are not timed.
+Progress is judged only between a rank's first mark in a loop and the loop's end: the first batch of a loop (where
+torch.compile compiles and cuDNN autotunes), checkpoint writes and start-up are not timed. Silence is judged over
+the whole run, from the watchdog's start (the process group formed) to the run's normal end (`finish()`, which says
+so to the others): a rank stopped during start-up, while a checkpoint is written or after the last validation is
+named silent as in a loop, with where it was (`phase`), instead of holding the others until --dist-timeout.
 
 Stragglers: a slow rank makes every rank's step as long as its own (the gradient all-reduce waits for it), so it
 shows in the part of a step before that all-reduce: the forward and the loss. Each rank times its own (host seconds
@@ -67,6 +70,8 @@ class Watchdog:
         self.armed = False  # in a loop, past its first mark
         self.entered = {}  # collective -> times this rank entered it
         self.waiting = None  # the collective the loop waits in
+        self.phase = "start-up"  # where the run is, for a verdict outside the loops
+        self.done = False  # the run ended normally: its silence after that is no hang
         self._store = None
 
     # ---------------------------------------------------------------- the loop's marks (no sync, no collective)
@@ -76,10 +81,21 @@ class Watchdog:
             self.step = step
         self.progress += 1
         self.armed = True
+        self.phase = "loop"
 
-    def disarm(self):
-        """Leaving a loop, or entering one before its first mark: not timed."""
+    def finish(self):
+        """The run ended normally: said to the others at once, then no more beats."""
+        self.done = True
+        if self._store is not None:
+            with contextlib.suppress(Exception):
+                self._publish(-1)
+
+    def disarm(self, phase=None):
+        """Leaving a loop, or entering one before its first mark: not timed. `phase`: where the run goes (a
+        checkpoint write, the run's end), said in a verdict of silence."""
         self.armed = False
+        if phase is not None:
+            self.phase = phase
 
     @contextlib.contextmanager
     def collective(self, name, entered=True):
@@ -159,6 +175,8 @@ class Watchdog:
             step=self.step,
             entered=self.entered.copy(),  # (one C call: the loop may add a key meanwhile)
             waiting=self.waiting,
+            phase=self.phase,
+            done=self.done,
         )
 
     def _publish(self, beat):
@@ -173,8 +191,10 @@ class Watchdog:
     def _watch(self):
         judge = Judge(self.world_size, self.hang_timeout, self.period, time.monotonic())
         beat, unanswered_since = 0, None
-        while True:
+        while not self.done:
             time.sleep(self.period)
+            if self.done:
+                return
             beat += 1
             now = time.monotonic()
             try:
@@ -236,7 +256,15 @@ class Verdict:
             return f"rank {r} ({host(r)})"
 
         def at(r):
-            return f"at step {self.states[r]['step']}" if r in self.states else "before its first beat"
+            if r not in self.states:
+                return "before its first beat"
+            state = self.states[r]
+            phase = state.get("phase", "loop")
+            if phase == "loop" or state["armed"]:
+                return f"at step {state['step']}"
+            if phase == "start-up":
+                return "during start-up (data, model, before the first step)"
+            return f"after step {state['step']}, {phase}"
 
         if self.kind == "silent":
             return "; ".join(f"{who(r)} is silent {at(r)} (stopped or dead: no heartbeat)" for r in self.ranks)
@@ -287,18 +315,19 @@ class Judge:
             if last is None or state["progress"] != last["progress"] or not state["armed"]:
                 self.moved_at[r] = now
             self.states[r] = state
-        ranks = range(self.world_size)
+        done = {r for r, state in self.states.items() if state.get("done")}  # ended normally: no more beats
+        ranks = [r for r in range(self.world_size) if r not in done]
         silent = [r for r in ranks if now - self.beat_at[r] > self.hang_timeout]
         beating = [r for r in ranks if now - self.beat_at[r] <= 3 * self.period]
-        if len(silent) + len(beating) < self.world_size:
+        if len(silent) + len(beating) < len(ranks):
             return None  # a rank neither beating nor silent yet: wait for it to be one or the other
-        if any(now - self.moved_at[r] <= self.hang_timeout for r in beating):
-            return None  # some rank moves on
         if not beating:
             return None  # no one left to report
         reporter = min(beating)
-        if silent:
+        if silent:  # stopped or dead, wherever the run is: the others will wait for it in their next collective
             return Verdict("silent", silent, self.states, reporter)
+        if any(now - self.moved_at[r] <= self.hang_timeout for r in beating):
+            return None  # some rank moves on
         waiting = {r: self.states[r]["waiting"] for r in beating}
         outside = [r for r in beating if waiting[r] is None]
         if outside and len(outside) < len(beating):

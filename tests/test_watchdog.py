@@ -2,11 +2,13 @@
 the straggler comparison (unit); two ranks whose rank 1 is stopped (silent), kept alive outside the collective rank
 0 waits in (stuck), or slowed by SIGSTOP/SIGCONT pulses (a straggler)."""
 
+import json
 import signal
 import socket
 import subprocess
 import sys
 import time
+import types
 
 import threading
 
@@ -86,6 +88,44 @@ def test_no_verdict_while_a_rank_moves_on_or_is_outside_a_loop():
     assert verdict is None
 
 
+def test_a_rank_silent_outside_the_loops_is_named_with_where_it_was():
+    """Rank 1 stopped while rank 0 writes a checkpoint (neither in a loop): silence is judged over the whole run."""
+    verdict, t = run_judge(
+        lambda t: {
+            0: state(t, 3, armed=False) | {"phase": "writing a checkpoint"},
+            1: state(min(t, 5), 3, armed=False) | {"phase": "at the run's end (the last checkpoint, the report)"},
+        }
+    )
+    assert verdict.kind == "silent" and verdict.ranks == [1] and 5 + T < t <= 5 + T + 2
+    assert verdict.describe(host).startswith(
+        "rank 1 (node1) is silent after step 7, at the run's end (the last checkpoint, the report) (stopped or dead"
+    )
+    start_up, _ = run_judge(  # stopped while the others scan the data or build the model
+        lambda t: {
+            0: state(t, 0, armed=False, step=0) | {"phase": "start-up"},
+            1: state(min(t, 2), 0, armed=False, step=0) | {"phase": "start-up"},
+        }
+    )
+    assert start_up.describe(host).startswith("rank 1 (node1) is silent during start-up (data, model, before the")
+
+
+def test_a_rank_that_ended_normally_is_not_silent():
+    def timeline(t):
+        ended = state(min(t, 5), 3, armed=False) | {"phase": "loop", "done": t >= 5}
+        return {0: state(t, 3, armed=False) | {"phase": "at the run's end"}, 1: ended}
+
+    assert run_judge(timeline) == (None, None)
+
+
+def test_finish_says_the_run_ended_and_stops_the_beats():
+    published = []
+    watchdog = watchdog_of(0.0, world_size=2)
+    watchdog._store = types.SimpleNamespace(set=lambda key, value: published.append(json.loads(value)))
+    watchdog.disarm("at the run's end")
+    watchdog.finish()
+    assert published[-1]["done"] and published[-1]["phase"] == "at the run's end" and watchdog.done
+
+
 def watchdog_of(factor, world_size=3):
     hosts = tuple(f"node{r}" for r in range(world_size))
     return Watchdog(Distribution(world_size, 0, 0, torch.device("cpu"), hosts), 0, "out", straggler_factor=factor)
@@ -146,6 +186,7 @@ def test_a_stopped_rank_is_named_silent_and_the_job_ends_within_the_hang_timeout
     rank0, rank1 = start_ranks([*RUN, "--data-root", watch_data, "--output-dir", out, "--hang-timeout", HANG])
     try:
         wait_for_line(rank0, "Epoch 1/6, Step", timeout=120)
+        time.sleep(2)  # (two beats of rank 1 in its loop: a silent rank is named where its last beat said it was)
         rank1.send_signal(signal.SIGSTOP)  # alive in the process table, but not a single instruction more
         stopped = time.time()
         log0 = end_of(rank0, 120)
@@ -154,7 +195,8 @@ def test_a_stopped_rank_is_named_silent_and_the_job_ends_within_the_hang_timeout
         rank1.kill()
     assert rank0.returncode == HUNG_STATUS, log0[-3000:]
     error = the_error(log0)
-    assert error.startswith(f"dlojz: error: rank 1 ({socket.gethostname()}) is silent at step "), error
+    assert error.startswith(f"dlojz: error: rank 1 ({socket.gethostname()}) is silent "), error
+    assert " step " in error and "during start-up" not in error, error  # where its last beat said it was
     assert "(--hang-timeout)" in error and f"--resume auto --output-dir {out}" in error, error
     assert HANG < elapsed < HANG + 8, f"rank 0 ended {elapsed:.1f} s after rank 1 stopped"  # not --dist-timeout's 600
 
