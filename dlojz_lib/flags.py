@@ -7,6 +7,7 @@ torch is imported. What needs the machine (the device, libraries, output paths) 
 import argparse
 import math
 import os
+import sys
 
 from dlojz_lib.checks import OneLineArgumentParser, UserError, fail, missing_data_variable
 from dlojz_lib.recipe import read_recipe
@@ -106,13 +107,19 @@ class OneLineParser(OneLineArgumentParser):
             recipe.update(keys)
             self.recipe_files.update(dict.fromkeys(keys, config))
         self.set_defaults(**recipe)
-        return super().parse_args(args, namespace)
+        namespace = super().parse_args(args, namespace)
+        given = set(map(str, sys.argv[1:] if args is None else args))
+        if getattr(namespace, "warmup_epochs", None) == 0 and "--warmup-epochs" in given:
+            # no warm-up asked for on the command line: a recipe's warm-up shape goes with it
+            for dest in ("warmup_start_factor", "warmup_method"):
+                if dest in self.recipe_files and f"--{dest.replace('_', '-')}" not in given:
+                    setattr(namespace, dest, None)
+        return namespace
 
     def from_recipe(self, message, argv) -> str:
         """`message` (a check's error) with the recipe file named when a flag it names was set there, not on the
         command line: the user then knows where to change it."""
         import re
-        import sys
 
         given = set(sys.argv[1:] if argv is None else map(str, argv))
         for dest, config in getattr(self, "recipe_files", {}).items():

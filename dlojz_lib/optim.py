@@ -311,7 +311,10 @@ def build_scheduler(
             f"the schedule needs at least 2 optimizer steps, got {total_steps}: raise --epochs, or lower --batch-size or --grad-acc"
         )
     if not 0 <= warmup_steps < total_steps:
-        raise ValueError(f"warmup lasts {warmup_steps} steps out of {total_steps}: lower --warmup-epochs")
+        raise ValueError(
+            f"warmup lasts {warmup_steps} steps out of {total_steps}: lower --warmup-epochs below --epochs (0: no "
+            "warm-up, a recipe's warm-up shape then left out too)"
+        )
 
     if name == "onecycle":
         max_lrs = [lr * group.get("lr_scale", 1.0) for group in optimizer.param_groups]

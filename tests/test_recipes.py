@@ -394,3 +394,16 @@ def test_an_error_about_a_recipe_s_key_names_the_file(tmp_path):
     with pytest.raises(UserError) as caught:  # given on the command line: the file is not blamed
         checked_values(["--config", str(path), "--device", "cpu", "--freeze-backbone-epochs", "1"])
     assert "--config" not in str(caught.value)
+
+
+def test_no_warm_up_on_the_command_line_leaves_a_recipe_s_warm_up_shape_out(tmp_path):
+    """A short run of a recipe with a 5-epoch warm-up: --warmup-epochs 0 is enough (the recipe's start factor and
+    method, which shaped a warm-up no longer there, go with it); given on the command line, they are still checked."""
+    path = recipe(
+        tmp_path,
+        'lr-scheduler = "cosine"\nwarmup-epochs = 5\nwarmup-start-factor = 0.01\nwarmup-method = "linear"\n',
+    )
+    cfg = resolve("--config", path, "-e", "2", "--warmup-epochs", "0")
+    assert (cfg.warmup_epochs, cfg.warmup_start_factor, cfg.warmup_method) == (0, None, None)
+    with pytest.raises(UserError, match="shape the warm-up: give its length with --warmup-epochs"):
+        resolve("--config", path, "-e", "2", "--warmup-epochs", "0", "--warmup-start-factor", "0.1")
