@@ -16,14 +16,13 @@ import contextlib
 import dataclasses
 import math
 import os
+import signal
 import sys
 import time
 from datetime import timedelta
 from pathlib import Path
 
 if __name__ == "__main__":  # --help and every bad flag answer here, before the seconds that torch takes to import
-    import signal
-
     from dlojz_lib.flags import check_command_line
 
     check_command_line()
@@ -161,8 +160,9 @@ def main(argv=None, running=None) -> dict:
     val_max_batches = TEST_VAL_BATCHES if cfg.test else None
     if cfg.eval_only:
         return evaluate_only(
-            cfg, model, loaders, training, ranks, chrono, resumed_from, val_max_batches, metrics, classes, val_set, log
-        )
+            cfg, model, loaders, training, ranks, chrono, resumed_from, val_max_batches, metrics, classes, val_set, log,
+            stop,
+        )  # fmt: skip
     if resumed_from and state.epoch >= cfg.epochs and training.lr_finder is None:  # its metrics stay as they are
         log(f"nothing to train: the run has done its {state.epoch} epochs; give --epochs N > {state.epoch} to go on")
         return {}
@@ -286,10 +286,11 @@ def measure_loader_only(cfg, loaders, ranks, metrics, log) -> dict:
 
 
 def evaluate_only(
-    cfg, model, loaders, training, ranks, chrono, resumed_from, val_max_batches, metrics, classes, val_set, log
+    cfg, model, loaders, training, ranks, chrono, resumed_from, val_max_batches, metrics, classes, val_set, log, stop
 ) -> dict:
     """--eval-only: validate the checkpoint's weights (or its EMA's) and report, with the results per class in the
-    output folder and, with --predictions, each image's."""
+    output folder and, with --predictions, each image's. A stop signal (Slurm's warning, SIGTERM, Ctrl-C) ends it
+    between two batches: nothing to checkpoint, nothing written, exit 128 + the signal's number."""
     chrono.validation()
     result = evaluate(
         model.module,
@@ -297,11 +298,16 @@ def evaluate_only(
         training,
         ranks,
         val_max_batches,
+        stop=stop,
         tta_flip=cfg.tta_flip,
         sharded=model.parallel == "fsdp",
         keep_confusion=True,
         keep_predictions=cfg.predictions is not None,
     )
+    if "stopped_by" in result:
+        name = result["stopped_by"]
+        log(f"{name} received during --eval-only: the evaluation stops, nothing written (run it again to evaluate)")
+        raise SystemExit(128 + getattr(signal.Signals, name, signal.SIGTERM))
     confusion, predictions = result.pop("confusion", None), result.pop("predictions", None)
     metrics.update(result, eval_ema=cfg.eval_ema)
     chrono.validation()

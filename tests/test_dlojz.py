@@ -484,3 +484,31 @@ def test_a_validation_loss_of_nan_ends_the_run_with_status_3_after_saving_the_ep
     assert_one_line_error(proc, "the validation loss is not finite (nan/inf) after epoch 1: stopping; the epoch's "
                           f"checkpoint is kept ({out / 'ckpt_e0001_s000000009.pt'})", status=3)  # fmt: skip
     assert (out / "latest").read_text().strip() == "ckpt_e0001_s000000009.pt" and not (out / "best").exists()
+
+
+def test_sigterm_during_eval_only_stops_the_evaluation_between_two_batches(
+    tiny_data, tmp_path, run_inline, monkeypatch
+):
+    """Slurm's SIGTERM reaches an --eval-only run: it ends at the next batch with one line and 128 + 15, writing
+    nothing, instead of running to the end of the validation set first."""
+    import signal
+
+    import dlojz
+
+    out = tmp_path / "run"
+    assert run_inline(*TINY, "--data-root", tiny_data, "-e", "1", "--output-dir", out).returncode == 0
+    checkpoint = sorted(out.glob("ckpt_e*.pt"))[-1]
+    evaluate = dlojz.evaluate
+
+    def signalled(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)  # as the evaluation starts (the run's StopSignal sets its name)
+        return evaluate(*args, **kwargs)
+
+    monkeypatch.setattr(dlojz, "evaluate", signalled)
+    evaluated = tmp_path / "evaluated"
+    proc = run_inline(*TINY, "--data-root", tiny_data, "--eval-only", "--resume", checkpoint, "--output-dir", evaluated,
+                      "--val-batch-size", "2", "--metrics-json", tmp_path / "m.json")  # fmt: skip
+    assert proc.returncode == 128 + signal.SIGTERM, proc.stderr
+    assert "SIGTERM received during --eval-only: the evaluation stops, nothing written" in proc.stdout
+    assert "##EVALUATION##" not in proc.stdout  # stopped at its first batch, not after the whole set
+    assert not (tmp_path / "m.json").exists() and not (evaluated / "per_class.csv").exists()
