@@ -292,6 +292,12 @@ def restore(cfg, model, training, n_train_batches, device, log):
                 saved["best_value"],
                 saved["best_epoch"],
             )
+        elif saved.get("best_metric") not in (None, "none") and cfg.best_metric != "none":
+            log(
+                f"--best-metric {cfg.best_metric}: the checkpoint's best was by {saved['best_metric']} (epoch "
+                f"{saved.get('best_epoch')}); from here `best` names the best {cfg.best_metric} of this run's "
+                "validations only, earlier checkpoints not compared (evaluate them with --eval-only to choose)"
+            )
         saved_args = saved["args"]
         saved_world, saved_batch_size = saved.get("world_size", idr_torch.world_size), saved_args["batch_size"]
         saved_grad_acc = saved_args.get("grad_acc", 1)

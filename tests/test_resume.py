@@ -328,6 +328,12 @@ def test_best_metric_names_the_checkpoint_of_the_best_validation_through_a_resum
     best = (out / "best").read_text().strip()
     assert best.startswith(f"ckpt_e{best_epoch:04d}_") and (out / best).is_file()
     assert dlojz_lib.checkpoint.load(out / "best")["best_value"] == max(values)
+    if metric == "top1":  # resumed with another metric: said, not silent (its earlier checkpoints are not compared)
+        again = [*TINY, "--data-root", tiny_data, "--output-dir", out, "--keep-checkpoints", "1", "--lr", "1.0"]
+        proc = run_inline(*again, "-e", "4", "--resume", "auto", "--best-metric", "macro_f1")
+        assert proc.returncode == 0, proc.stderr
+        assert "--best-metric macro_f1: the checkpoint's best was by top1 (epoch " in proc.stdout
+        assert "earlier checkpoints not compared" in proc.stdout
 
 
 def test_a_checkpoint_written_before_the_restructuring_still_resumes(tiny_data, tmp_path, run_inline):
