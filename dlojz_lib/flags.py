@@ -129,6 +129,16 @@ class OneLineParser(OneLineArgumentParser):
         return message
 
 
+# The flags whose value turns a feature on (None: off): each has a hidden --no-FLAG that clears a recipe's value.
+CLEARABLE = (
+    "bce_target_thresh", "class_weights", "ra_reps", "clip_grad_norm", "pretrained", "initial_checkpoint",
+    "freeze_backbone_epochs", "layer_decay", "drop_path", "norm_wd", "bias_wd", "embedding_wd", "warmup_start_factor",
+    "warmup_method", "min_lr", "lr_step_size", "lr_milestones", "lr_gamma", "compile_mode", "model_ema_steps",
+    "randaugment", "randaugment_mstd", "autoaugment", "augmix", "target_accuracy", "min_res", "max_res", "val_split",
+    "mean", "std", "train_subset", "checkpoint_every",
+)  # fmt: skip
+
+
 def get_args_parser():
     # One flat list, grouped as --help shows it: split into functions, the flags would be harder to find.
     parser = OneLineParser(
@@ -142,7 +152,8 @@ def get_args_parser():
         default=None,
         metavar="FILE.toml",
         help="recipe file: one key per flag (lr = 0.5, label-smoothing = 0.1);\na flag given on the command line "
-        "wins; several --config files merge in order (a later file's key wins)",
+        "wins; several --config files merge in order (a later file's key wins);\n--no-FLAG turns off what a "
+        "recipe turned on (--no-blurpool, --no-randaugment,\n--no-lr-milestones, ...)",
     )
     p = parser.add_argument_group("training")
     p.add_argument(
@@ -854,6 +865,14 @@ def get_args_parser():
         help="(default: offline: never needs the network)",
     )
     p.add_argument("--wandb-group", default=None, help="W&B group of the run (dlojz_hpo.py: the study)")
+    # A feature a recipe turns on, turned off again from the command line: --no-FLAG (not listed in --help: the
+    # --config help says it once).
+    for action in list(parser._actions):
+        if action.dest in CLEARABLE:
+            name = action.option_strings[-1].removeprefix("--")
+            parser.add_argument(
+                f"--no-{name}", dest=action.dest, action="store_const", const=None, help=argparse.SUPPRESS
+            )
     return parser
 
 

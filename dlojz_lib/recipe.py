@@ -26,11 +26,17 @@ def read_toml(path, flag):
         fail(f"{flag} {path}: not valid TOML ({err})")
 
 
+def flag_actions(parser):
+    """The parser's flags, one action each: not --help, nor the hidden --no-FLAG forms that clear a flag's value
+    (dlojz_lib.flags.CLEARABLE), which share its dest."""
+    return [action for action in parser._actions if action.dest != "help" and action.help != argparse.SUPPRESS]
+
+
 def read_recipe(parser, path):
     """The flag values of a recipe file: one TOML key per flag, its long name without the dashes (`-` or `_`).
     Raises UserError naming the file and the key for an unknown key or a value of the wrong type."""
     recipe = read_toml(path, "--config")
-    actions = {action.dest: action for action in parser._actions if action.dest not in ("help", "config")}
+    actions = {action.dest: action for action in flag_actions(parser) if action.dest != "config"}
     values, keys = {}, {}
     for key, value in recipe.items():
         dest = key.replace("-", "_")
@@ -66,7 +72,7 @@ def recipe_text(cfg, parser, header=()):
     with a value once the recipe, the command line and the CPU/GPU profile are merged; unset ones left out."""
     values = vars(cfg) if not dataclasses.is_dataclass(cfg) else dataclasses.asdict(cfg)
     lines = [f"# {line}" for line in header]
-    for action in parser._actions:
+    for action in flag_actions(parser):
         value = values.get(action.dest)
         if action.dest in ("help", "config") or value is None:
             continue

@@ -407,3 +407,18 @@ def test_no_warm_up_on_the_command_line_leaves_a_recipe_s_warm_up_shape_out(tmp_
     assert (cfg.warmup_epochs, cfg.warmup_start_factor, cfg.warmup_method) == (0, None, None)
     with pytest.raises(UserError, match="shape the warm-up: give its length with --warmup-epochs"):
         resolve("--config", path, "-e", "2", "--warmup-epochs", "0", "--warmup-start-factor", "0.1")
+
+
+def test_a_recipe_s_feature_is_cleared_with_its_no_form(tmp_path):
+    """--randaugment, --ra-reps, --lr-milestones, --lr-step-size and the others a recipe sets: --no-FLAG turns each
+    off (its value None, as without the recipe)."""
+    from dlojz_lib.flags import CLEARABLE
+
+    path = recipe(tmp_path, "randaugment = [2, 9]\nra-reps = 3\nlr-scheduler = 'step'\nlr-milestones = [2]\n"
+                            "epochs = 4\ndrop-path = 0.1\narch = 'convnext_tiny'\nimage-size = 32\n")  # fmt: skip
+    cfg = resolve("--config", path)
+    assert (cfg.randaugment, cfg.ra_reps, cfg.lr_milestones, cfg.drop_path) == ((2, 9), 3, [2.0], 0.1)
+    cfg = resolve("--config", path, "--no-randaugment", "--no-ra-reps", "--no-lr-milestones", "--no-drop-path")
+    assert (cfg.randaugment, cfg.ra_reps, cfg.lr_milestones, cfg.drop_path) == (None, None, None, None)
+    parser = get_args_parser()
+    assert all(parser.parse_args([f"--no-{dest.replace('_', '-')}"]).__dict__[dest] is None for dest in CLEARABLE)

@@ -9,6 +9,7 @@ from dlojz_lib.checks import fail
 from dlojz_lib.checks import UserError
 from dlojz_lib.config import resolve_config
 from dlojz_lib.flags import get_args_parser
+from dlojz_lib.recipe import flag_actions as recipe_flag_actions
 from dlojz_lib.recipe import read_toml, recipe_value, value_type
 
 
@@ -24,7 +25,7 @@ RANGE_KEYS = {"low", "high", "log", "step"}
 
 # The search space and the trials' flags
 def flag_actions(parser):
-    return {action.dest: action for action in parser._actions if action.dest != "help"}
+    return {action.dest: action for action in recipe_flag_actions(parser)}
 
 
 def long_flag(action):
