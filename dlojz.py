@@ -126,8 +126,8 @@ def main(argv=None, running=None) -> dict:
         ranks, cfg.hang_timeout, cfg.output_dir, lambda: ckpt.newest_checkpoint(cfg.output_dir), cfg.straggler_factor
     )
     stop = StopPoll(stop_signal, ranks, timedelta(seconds=cfg.dist_timeout), watchdog.start())
-    if running is not None:  # cli tells the others when this rank ends normally: its silence is then no hang
-        running["watchdog"] = watchdog
+    if running is not None:  # what cli says if a peer is lost from here on; it tells the others of a normal end
+        running.update(ranks=ranks, output_dir=cfg.output_dir, watchdog=watchdog)
     log = Console(ranks.is_main)
     if cfg.writes_checkpoints:
         claim_output_dir(cfg, ranks, log)  # one run writes in a folder: refused here, before any data scan
@@ -730,8 +730,8 @@ def cli(argv=None) -> int:
         except KeyboardInterrupt:
             status = 130
         except Exception as err:
-            if idr_torch.world_size > 1 and "state" in running and is_lost_peer(err):
-                status = report_lost_peer(running["ranks"], running["output_dir"], running["state"])
+            if idr_torch.world_size > 1 and "ranks" in running and is_lost_peer(err):  # (no state: in start-up)
+                status = report_lost_peer(running["ranks"], running["output_dir"], running.get("state"))
             else:
                 status = report_crash(err, rank)
     finally:  # also when a report itself fails (its terminal or pipe gone): the workers ignore SIGTERM, so

@@ -227,10 +227,12 @@ LOST_PEER_STATUS = 4  # exit status: another rank was lost (killed, out of memor
 
 
 def report_lost_peer(ranks, output_dir, state) -> int:
-    """Another rank is gone: one line from the lowest survivor naming it, the step and the last checkpoint."""
+    """Another rank is gone: one line from the lowest survivor naming it, the step (`state` None: during start-up)
+    and the last checkpoint."""
     from dlojz_lib.checkpoint import newest_checkpoint
 
-    line = lost_peer_line(ranks, state.global_step, output_dir, newest_checkpoint(output_dir))
+    step = None if state is None else state.global_step
+    line = lost_peer_line(ranks, step, output_dir, newest_checkpoint(output_dir))
     if line is not None:
         print(f"dlojz: error: {line}", file=sys.stderr, flush=True)
     return LOST_PEER_STATUS
@@ -244,8 +246,9 @@ def lost_peer_line(ranks, step, output_dir, latest):
     if any(r < ranks.rank for r in range(ranks.world_size) if r not in lost):
         return None
     names = ", ".join(f"rank {r} ({ranks.hosts[r]})" if r < len(ranks.hosts) else f"rank {r}" for r in lost)
+    where = "during start-up, before the first step" if step is None else f"at step {step}"
     return (
-        f"{names or 'another rank'} stopped answering at step {step} (killed, out of memory, or its node lost); "
+        f"{names or 'another rank'} stopped answering {where} (killed, out of memory, or its node lost); "
         f"last checkpoint: {latest or 'none'}; continue with --resume auto --output-dir {output_dir}"
     )
 

@@ -690,3 +690,21 @@ def test_momenta_follow_their_parameters_into_other_groups(tmp_path):
     for name, param in module.named_parameters():
         assert torch.equal(after.state[param]["momentum_buffer"], momentum[name]), name
     assert {group["weight_decay"] for group in after.param_groups} == {0.0, 5e-5}  # this run's groups
+
+
+def test_a_peer_lost_during_start_up_is_one_line_too(tmp_path, monkeypatch, capsys):
+    """A rank lost before training starts (in the data scan, the model's build): the survivor's line says so, as it
+    names the step of a rank lost in training (cli reports it from the process group's start, not a traceback)."""
+    from types import SimpleNamespace
+
+    import dlojz_lib.dist
+    from dlojz_lib.dist import Distribution, report_lost_peer
+
+    monkeypatch.setattr(dlojz_lib.dist, "lost_ranks", lambda ranks: [1])
+    ranks = Distribution(2, 0, 0, torch.device("cpu"), ("node0", "node1"))
+    assert report_lost_peer(ranks, tmp_path, None) == 4
+    assert capsys.readouterr().err.startswith(
+        "dlojz: error: rank 1 (node1) stopped answering during start-up, before the first step (killed, out of memory"
+    )
+    report_lost_peer(ranks, tmp_path, SimpleNamespace(global_step=7))
+    assert "rank 1 (node1) stopped answering at step 7 (killed" in capsys.readouterr().err
