@@ -373,8 +373,16 @@ def test_a_damaged_cache_file_is_named_by_pretrained_with_what_to_do(tmp_path, m
 def test_a_truncated_timm_file_in_the_cache_is_fetched_again(tmp_path, monkeypatch, run_inline):
     """Hugging Face stores a large file under its SHA-256: a blob whose bytes no longer hash to its name is not
     "already in the cache"; it is removed and fetched again (here no network: one line)."""
+    import dlojz_lib.pretrained
+
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf"))
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    asked = []
+
+    def no_network(repo):  # (the hub's own client would log its connection errors with tracebacks)
+        asked.append(repo)
+        dlojz_lib.pretrained.fail(f"--fetch-weights: cannot download {repo} (no network here)")
+
+    monkeypatch.setattr(dlojz_lib.pretrained, "fetch_from_hugging_face", no_network)
     repo = tmp_path / "hf" / "models--timm--resnet10t.c3_in1k"
     blob = repo / "blobs" / ("a" * 64)
     blob.parent.mkdir(parents=True)
@@ -387,4 +395,4 @@ def test_a_truncated_timm_file_in_the_cache_is_fetched_again(tmp_path, monkeypat
     proc = run_inline("--arch", "timm:resnet10t", "--pretrained", "--fetch-weights")
     assert proc.returncode == 2 and "already" not in proc.stdout and "Traceback" not in proc.stderr, proc.stderr
     assert "--fetch-weights: cannot download timm/resnet10t.c3_in1k" in proc.stderr.strip().splitlines()[-1]
-    assert not blob.exists() and not snapshot.is_symlink()
+    assert asked == ["timm/resnet10t.c3_in1k"] and not blob.exists() and not snapshot.is_symlink()
