@@ -92,6 +92,11 @@ GRAPH_FREE_MODE = {"reduce-overhead": "default", "max-autotune": "max-autotune-n
 DALI_DEFAULTS = {"dali_threads": None, "dali_prefetch": 2, "dali_hw_decoder_load": None, "dali_antialias": False}
 
 
+def command_line(argv=None) -> set:
+    """The words of the command line (`argv`, else this process's): which flags were given there, not by a recipe."""
+    return set(map(str, sys.argv[1:] if argv is None else argv))
+
+
 class OneLineParser(OneLineArgumentParser):
     """A bad flag is one line, as every other bad input (argparse would print the whole usage first). `--config
     FILE.toml` fills the flags' defaults from a recipe file before the command line is read: a flag given on the
@@ -108,7 +113,7 @@ class OneLineParser(OneLineArgumentParser):
             self.recipe_files.update(dict.fromkeys(keys, config))
         self.set_defaults(**recipe)
         namespace = super().parse_args(args, namespace)
-        given = set(map(str, sys.argv[1:] if args is None else args))
+        given = command_line(args)
         if getattr(namespace, "warmup_epochs", None) == 0 and "--warmup-epochs" in given:
             # no warm-up asked for on the command line: a recipe's warm-up shape goes with it
             for dest in ("warmup_start_factor", "warmup_method"):
@@ -121,7 +126,7 @@ class OneLineParser(OneLineArgumentParser):
         command line: the user then knows where to change it."""
         import re
 
-        given = set(sys.argv[1:] if argv is None else map(str, argv))
+        given = command_line(argv)
         for dest, config in getattr(self, "recipe_files", {}).items():
             flag = "--" + dest.replace("_", "-")
             if re.search(re.escape(flag) + r"(?![\w-])", message) and flag not in given:
@@ -560,7 +565,7 @@ def get_args_parser():
         type=Number(int, 0),
         default=None,
         help="the last steps of --test, timed as a whole without the\nchronometer's waits (the figure to compare "
-        "with MLPerf's;\ndefault: half of --test-nsteps from 12 steps, else 0)",
+        "with MLPerf's;\ndefault: half of --test-nsteps from 20 steps, else 0)",
     )
     p.add_argument(
         "--synthetic",

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import torch
 
-from dlojz_lib.checks import check_output_folder, UserError, check_input_file, fail
+from dlojz_lib.checkpoint import sha256_of
+from dlojz_lib.checks import UserError, check_input_file, check_output_folder, fail
 from dlojz_lib.model import classifier_name
 
 # Prefixes that wrappers add to a saved state dict's keys: DDP's and torch.compile's.
@@ -159,16 +160,6 @@ def fetch_weights(arch, name):
     return f"{path}: fetched{again} from {weights.url}, its SHA-256 starts with {prefix} as published"
 
 
-def sha256_of(path) -> str:
-    import hashlib
-
-    digest = hashlib.sha256()
-    with open(path, "rb") as file:
-        for block in iter(lambda: file.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def fetch_file(url, path, sha256_prefix):
     """`url` into `path` through a temporary file beside it, kept only when its SHA-256 starts with the prefix."""
     from urllib.error import URLError
@@ -186,8 +177,6 @@ def fetch_file(url, path, sha256_prefix):
 
 
 def fetch_from_hugging_face(repo):
-    import hashlib
-
     import huggingface_hub
 
     reasons = []
@@ -198,7 +187,7 @@ def fetch_from_hugging_face(repo):
             reasons.append(f"{filename}: {str(err).strip().splitlines()[0] if str(err).strip() else repr(err)}")
             continue
         blob = path.resolve()
-        digest = hashlib.sha256(blob.read_bytes()).hexdigest()
+        digest = sha256_of(blob)
         if len(blob.name) == 64 and digest != blob.name:  # a large file is stored under its SHA-256
             path.unlink()
             blob.unlink()

@@ -370,12 +370,14 @@ def restore_weights(cfg, model, training, saved, path, log):
             log(f"--optimizer {cfg.optimizer}: the checkpoint's {saved_optimizer} state is dropped; it starts afresh")
 
 
+def group_sizes(param_groups) -> list[int]:
+    """How many parameters each group has: what tells two groupings apart."""
+    return [len(group["params"]) for group in param_groups]
+
+
 def same_grouping(optimizer, saved_state) -> bool:
     """Whether the saved optimizer state has this optimizer's groups: as many, of as many parameters each."""
-    saved_groups = saved_state["param_groups"]
-    return len(saved_groups) == len(optimizer.param_groups) and all(
-        len(old["params"]) == len(new["params"]) for old, new in zip(saved_groups, optimizer.param_groups)
-    )
+    return group_sizes(saved_state["param_groups"]) == group_sizes(optimizer.param_groups)
 
 
 def restore_optimizer_state(optimizer, model, saved, log):
@@ -398,15 +400,13 @@ def restore_optimizer_state(optimizer, model, saved, log):
         )  # fmt: skip
     except (KeyError, UserError):
         old_groups = None
-    old_order = [param for group in old_groups or () for param in group["params"]]
-    if not old_groups or [len(g["params"]) for g in old_groups] != [
-        len(g["params"]) for g in saved_state["param_groups"]
-    ]:
+    if not old_groups or group_sizes(old_groups) != group_sizes(saved_state["param_groups"]):
         log(
             f"the checkpoint's optimizer state has {len(saved_state['param_groups'])} parameter groups, this run "
             f"{len(optimizer.param_groups)} that cannot be matched to them: the optimizer's state starts afresh"
         )
         return
+    old_order = [param for group in old_groups for param in group["params"]]
     new_index = {id(param): i for i, param in enumerate(p for g in optimizer.param_groups for p in g["params"])}
     state = {
         new_index[id(param)]: saved_state["state"][i] for i, param in enumerate(old_order) if i in saved_state["state"]

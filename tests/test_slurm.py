@@ -413,7 +413,6 @@ def test_a_restart_waits_for_the_old_step_s_gpus_and_leaves_out_a_node_whose_gpu
         HELD="n1",
         HELD_QUERIES="2",
         HUNG="n2",
-        STEP_LINGERS="2",
         DLOJZ_GPU_PROBE_S="2",
         DLOJZ_NODE_CHECK_S="10",
     )
