@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 import dlojz_lib.checkpoint as ckpt
 import dlojz_lib.optim as optim
-from dlojz_chrono import Chronometer
+from dlojz_lib.chrono import Chronometer
 from dlojz_lib.config import load_idr_torch, resolve_config
 from dlojz_lib.flags import VALIDATION_METRICS, check_flags, get_args_parser
 from dlojz_lib.checks import DataError, UserError

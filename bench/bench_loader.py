@@ -264,7 +264,7 @@ def measure_dali(
 
 def packed_copy(folder: Path) -> Path:
     """The train folder packed into webdataset shards, once (pack wants train/ and val/: the same images twice)."""
-    from dlojz_pack import pack
+    from dlojz_lib.pack.writer import pack
 
     src = folder.parent.with_name(folder.parent.name + "-src")
     src.mkdir(parents=True, exist_ok=True)

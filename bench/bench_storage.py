@@ -66,7 +66,7 @@ def main(argv=None):
     from bench_loader import default_cache_dir, measure, resolve_train_folder, warm_page_cache
     from dlojz_lib.data.datasets import PackedImages, SafeImageFolder
     from dlojz_lib.data.transforms import TrainTransform, lazy_image_loader
-    from dlojz_pack import pack
+    from dlojz_lib.pack.writer import pack
 
     if args.data:
         src = Path(args.data)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # dlojz.py's folder: the library beside it
 
-from dlojz_chrono import Chronometer  # noqa: E402
+from dlojz_lib.chrono import Chronometer  # noqa: E402
 from dlojz_lib.config import resolve_config  # noqa: E402
 from dlojz_lib.data.loaders import SYNTHETIC_CLASSES, synthetic_loaders  # noqa: E402
 from dlojz_lib.dist import StopPoll, StopSignal, setup_distributed  # noqa: E402

@@ -7,7 +7,7 @@ The loop calls the same few methods whatever is plugged in, so that it reads the
         hooks.step_done()                             # after each micro-batch
         if hooks.optimizer_step_done(loss, stats): break   # the LR finder has swept its range
 
-- The chronometer (`dlojz_chrono.Chronometer`) times data loading, forward (with the loss) and backward (with the
+- The chronometer (`dlojz_lib.chrono.Chronometer`) times data loading, forward (with the loss) and backward (with the
   optimizer step, as the course counts it); disabled, its toggles cost nothing.
 - The profiler (`make_profiler`) labels each phase with `record_function` and is stepped after each micro-batch.
 - The LR finder (`dlojz_lib.optim.LRFinder`) reads every optimizer step's loss (one host synchronisation per step: the

@@ -203,23 +203,23 @@ def test_a_reason_from_deep_inside_a_library_is_cleaned_for_one_line():
 
 def test_a_trial_whose_run_gives_no_top1_is_failed_with_its_reason_and_the_search_goes_on(tmp_path, capsys):
     optuna = pytest.importorskip("optuna")
-    import dlojz_hpo
+    import dlojz_lib.hpo.search
 
     study = optuna.create_study(direction="maximize")
     trial = study.ask({"lr": optuna.distributions.FloatDistribution(0.01, 1.0)})
     worker = SimpleNamespace(
         study=study, stop_signal=None, args=SimpleNamespace(direction="maximize", objective="top1")
     )
-    worker.objective = lambda metrics: dlojz_hpo.Worker.objective(worker, metrics)
-    worker.objective_name = lambda: dlojz_hpo.Worker.objective_name(worker)
-    dlojz_hpo.Worker.tell(worker, trial, None, 0, {"val_accuracy": None, "epochs": 1}, tmp_path)
+    worker.objective = lambda metrics: dlojz_lib.hpo.search.Worker.objective(worker, metrics)
+    worker.objective_name = lambda: dlojz_lib.hpo.search.Worker.objective_name(worker)
+    dlojz_lib.hpo.search.Worker.tell(worker, trial, None, 0, {"val_accuracy": None, "epochs": 1}, tmp_path)
     out = capsys.readouterr().out
     assert "could not record" not in out and f"trial {trial.number}: failed: its run gave no top-1" in out, out
     (recorded,) = study.get_trials()
     assert recorded.state.name == "FAIL" and "gave no top-1" in recorded.user_attrs["error"]
     (tmp_path / "dlojz.log").write_text("dlojz: error: loss is not finite (nan/inf) at step 3 (epoch 1)\n")
     diverged = study.ask({"lr": optuna.distributions.FloatDistribution(0.01, 1.0)})
-    dlojz_hpo.Worker.tell(worker, diverged, None, 3, {}, tmp_path)
+    dlojz_lib.hpo.search.Worker.tell(worker, diverged, None, 3, {}, tmp_path)
     assert f"trial {diverged.number}: failed (exit 3): dlojz: error: loss is not finite" in capsys.readouterr().out
     assert study.get_trials()[-1].state.name == "FAIL"
 

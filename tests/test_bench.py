@@ -16,7 +16,7 @@ import bench_loader  # noqa: E402
 
 
 def test_bench_loader_prints_every_pipeline(tiny_data, tmp_path):
-    from dlojz_pack import pack
+    from dlojz_lib.pack.writer import pack
 
     pack(tiny_data, tmp_path / "packed", log=lambda *a, **k: None)
     command = [

@@ -263,7 +263,7 @@ def gpu_sleep_seconds(cycles):
 def test_the_chronometer_waits_for_the_compute_stream_and_only_for_it():
     """Kernels the host only queues (torch.cuda._sleep) are charged to the phase that queued them; a kernel on a
     side stream (the prefetcher's copy of the next batch) is charged to none."""
-    from dlojz_chrono import Chronometer
+    from dlojz_lib.chrono import Chronometer
 
     device = torch.device("cuda", torch.cuda.current_device())
     calibration = 10_000_000
@@ -356,7 +356,7 @@ def test_nvml_reads_the_energy_per_image(resnet50_test_metrics):
         pynvml.nvmlInit()
     except pynvml.NVMLError as err:
         pytest.skip(f"NVML does not start here ({err}): dlojz leaves the energy figures out")
-    from dlojz_chrono import _nvml_handle_for
+    from dlojz_lib.chrono import _nvml_handle_for
 
     try:
         pynvml.nvmlDeviceGetTotalEnergyConsumption(_nvml_handle_for(pynvml, torch.device("cuda", 0)))
@@ -682,7 +682,7 @@ def test_nvml_reads_the_gpu_cuda_visible_devices_names(tmp_path):
 
     last = torch.cuda.device_count() - 1
     code = (
-        "import pynvml, torch; from dlojz_chrono import _nvml_handle_for; pynvml.nvmlInit(); "
+        "import pynvml, torch; from dlojz_lib.chrono import _nvml_handle_for; pynvml.nvmlInit(); "
         "uuid = pynvml.nvmlDeviceGetUUID(_nvml_handle_for(pynvml, torch.device('cuda', 0))); "
         "print(uuid.decode() if isinstance(uuid, bytes) else uuid)"
     )

@@ -241,7 +241,7 @@ def test_wandb_group_reaches_wandb_init(monkeypatch, tmp_path):
 
 
 def test_trial_energy_is_read_on_the_visible_gpus(monkeypatch):
-    import dlojz_hpo
+    import dlojz_lib.hpo.search
 
     energy = {0: 1_000, 1: 20_000, 2: 300_000, 3: 4_000_000}  # mJ
     fake = SimpleNamespace(
@@ -252,11 +252,11 @@ def test_trial_energy_is_read_on_the_visible_gpus(monkeypatch):
     )
     monkeypatch.setitem(sys.modules, "pynvml", fake)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1,3")
-    assert dlojz_hpo.gpu_energy_mj() == 4_020_000
+    assert dlojz_lib.hpo.search.gpu_energy_mj() == 4_020_000
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
-    assert dlojz_hpo.gpu_energy_mj() == 4_321_000
+    assert dlojz_lib.hpo.search.gpu_energy_mj() == 4_321_000
     monkeypatch.setitem(sys.modules, "pynvml", None)  # not installed: no figure, no failure
-    assert dlojz_hpo.gpu_energy_mj() is None
+    assert dlojz_lib.hpo.search.gpu_energy_mj() is None
 
 
 # ---------------------------------------------------------------- the search space and the shared flags
@@ -379,21 +379,21 @@ def test_flag_words():
 
 
 def test_a_beating_trial_is_left_alone_and_a_silent_one_is_failed_and_retried(tmp_path):
-    import dlojz_hpo
+    import dlojz_lib.hpo.search
 
     storage = optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(str(tmp_path / "j.log")))
     study = optuna.create_study(study_name="s", storage=storage, direction="maximize")
     trial = study.ask({"lr": optuna.distributions.FloatDistribution(0.01, 1.0, log=True)})
     trial.report(0.3, step=1)
-    heartbeat = dlojz_hpo.Heartbeat(trial, interval=0.2)
+    heartbeat = dlojz_lib.hpo.search.Heartbeat(trial, interval=0.2)
     heartbeat.start()
     time.sleep(1.5)
-    dlojz_hpo.fail_stale_trials(study, stale_after=0.8)  # started 1.5 s ago, but beating
+    dlojz_lib.hpo.search.fail_stale_trials(study, stale_after=0.8)  # started 1.5 s ago, but beating
     assert [t.state.name for t in study.get_trials()] == ["RUNNING"]
     heartbeat.stopped.set()
     heartbeat.join()
     time.sleep(1.0)
-    dlojz_hpo.fail_stale_trials(study, stale_after=0.8)
+    dlojz_lib.hpo.search.fail_stale_trials(study, stale_after=0.8)
     failed, retry = study.get_trials()
     assert (failed.state.name, retry.state.name) == ("FAIL", "WAITING")
     assert retry.params == failed.params and retry.system_attrs["failed_trial"] == 0

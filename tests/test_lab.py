@@ -16,6 +16,7 @@ from conftest import ROOT, clean_env
 from test_packed_data import TINY
 
 import dlojz_lab  # noqa: E402
+import dlojz_lib.lab.sweep as sweeps  # noqa: E402
 import dlojz_lib.lab.report  # noqa: E402
 
 RUN = [*TINY, "--test", "--test-nsteps", "2"]
@@ -170,11 +171,11 @@ def test_follow_waits_for_the_queue_and_names_a_task_that_never_started(tmp_path
     runs = [dict(name=f"batch-size={b}", settings={"batch-size": b}, argv=[]) for b in ("4", "8")]
     sweep.mkdir(parents=True)
     (sweep / "sweep.json").write_text(json.dumps(dict(name="q", runs=runs, job_id="77")))
-    dlojz_lab.write_status(sweep / "batch-size=4", state="done", exit=0)
+    sweeps.write_status(sweep / "batch-size=4", state="done", exit=0)
     queues = iter([{1: ("PENDING", "0:00")}, {1: ("RUNNING", "0:05")}, {}])
-    monkeypatch.setattr(dlojz_lab, "queue_states", lambda job: next(queues))
+    monkeypatch.setattr(sweeps, "queue_states", lambda job: next(queues))
     said = []
-    final = dlojz_lab.follow(sweep, every=0, say=said.append)
+    final = sweeps.follow(sweep, every=0, say=said.append)
     assert [line.split("  ", 1)[1] for line in said] == [
         "batch-size=4: done",
         "batch-size=8: pending",
@@ -192,9 +193,9 @@ def test_a_local_run_whose_process_is_gone_is_interrupted_not_running(tmp_path):
     ended = subprocess.Popen(["true"])
     ended.wait()  # a pid no process has now
     host = socket.gethostname()
-    dlojz_lab.write_status(sweep / "batch-size=4", state="running", pid=ended.pid, host=host)
-    dlojz_lab.write_status(sweep / "batch-size=8", state="running", pid=os.getpid(), host=host)
-    assert dlojz_lab.states(sweep) == [
+    sweeps.write_status(sweep / "batch-size=4", state="running", pid=ended.pid, host=host)
+    sweeps.write_status(sweep / "batch-size=8", state="running", pid=os.getpid(), host=host)
+    assert sweeps.states(sweep) == [
         ("batch-size=4", "interrupted (its process is gone)"),
         ("batch-size=8", "running"),
     ]

@@ -1,5 +1,5 @@
 """notebooks/dlojz_lab.ipynb executed headless (nbclient) against the tests' one-node Slurm cluster, in its CPU
-profile on the tiny data set: it submits a sweep through dlojz_lab's functions, follows the queue to the end, shows
+profile on the tiny data set: it submits a sweep through the lab's functions, follows the queue to the end, shows
 a run's chronometer report and timeline, and compares the runs; the test reads what its cells produced."""
 
 import base64
@@ -47,7 +47,7 @@ def test_the_lab_notebook_runs_a_sweep_on_slurm_and_compares_it(slurm_cluster, t
     parameters.source = parameters.source.replace('PROFILE = "gpu"', 'PROFILE = "cpu"') + (
         f'\nRUNS_DIR = {str(tmp_path / "runs")!r}\nSWEEP = "nb"\nDLOJZ_FLAGS += ["--data-root", {str(tiny_data)!r}]\n'
     )
-    follow = next(cell for cell in nb.cells if "dlojz_lab.follow(SWEEP, every=5)" in cell.source)
+    follow = next(cell for cell in nb.cells if "lab.follow(SWEEP, every=5)" in cell.source)
     follow.source = follow.source.replace("every=5", "every=1")  # a user's 5 s between looks; the test's 1 s
     client = nbclient.NotebookClient(
         nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(ROOT / "notebooks")}}

@@ -24,12 +24,13 @@ from PIL import Image
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-import dlojz_pack  # noqa: E402
+import dlojz_lib.pack.writer  # noqa: E402
 from conftest import importtime  # noqa: E402
 from dlojz_lib.checks import DataError  # noqa: E402
 from dlojz_lib.data.layout import IMG_EXTENSIONS  # noqa: E402
 from dlojz_lib.data.embedded import make_embedded_dataset  # noqa: E402
-from dlojz_pack import main, pack  # noqa: E402
+from dlojz_lib.pack.writer import pack  # noqa: E402
+from dlojz_pack import main  # noqa: E402
 from dlojz_lib.data.shards import (  # noqa: E402
     MANIFEST,
     PackedSplit,
@@ -239,7 +240,7 @@ def test_an_interrupted_pack_is_finished_without_rewriting_the_finished_shards(s
     # Ctrl-C while the 4th shard is being written, after its first sample.
     stop_at = sum(manifest["splits"]["train"]["shard_samples"][:3]) + 2
     calls = []
-    read = dlojz_pack._read_source
+    read = dlojz_lib.pack.writer._read_source
 
     def interrupted(path):
         calls.append(path)
@@ -247,7 +248,7 @@ def test_an_interrupted_pack_is_finished_without_rewriting_the_finished_shards(s
             raise KeyboardInterrupt
         return read(path)
 
-    monkeypatch.setattr(dlojz_pack, "_read_source", interrupted)
+    monkeypatch.setattr(dlojz_lib.pack.writer, "_read_source", interrupted)
     with pytest.raises(KeyboardInterrupt):
         pack(src, dst, shard_size=SHARD_SIZE, workers=1, log=quiet)
     monkeypatch.undo()

@@ -17,7 +17,7 @@ TINY = [*conftest.TINY, "--num-workers", "1"]  # with SMALL's DataLoader worker:
 
 
 def pack(src, dst, shard_size="60KB"):
-    from dlojz_pack import pack as pack_tree
+    from dlojz_lib.pack.writer import pack as pack_tree
 
     pack_tree(src, dst, shard_size=shard_size, workers=1, log=lambda *a, **k: None)
     return dst

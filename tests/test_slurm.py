@@ -247,7 +247,7 @@ def test_usr1_checkpoints_requeues_and_resumes(slurm_cluster, tmp_path):
 def test_a_slurm_sweep_is_one_job_array_whose_tasks_are_the_runs(slurm_cluster, tiny_data, tmp_path):
     from test_lab import RUN, lab, read_csv
 
-    import dlojz_lab
+    import dlojz_lib.lab.sweep as sweeps
 
     env = job_env(slurm_cluster)
     proc = lab(
@@ -267,7 +267,7 @@ def test_a_slurm_sweep_is_one_job_array_whose_tasks_are_the_runs(slurm_cluster, 
     runs = json.loads((sweep / "sweep.json").read_text())["runs"]
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline:
-        states = [dlojz_lab.read_status(sweep / run["name"]).get("state") for run in runs]
+        states = [sweeps.read_status(sweep / run["name"]).get("state") for run in runs]
         if all(state in ("done", "failed") for state in states):
             break
         time.sleep(2)

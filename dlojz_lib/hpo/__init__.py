@@ -1,1 +1,1 @@
-"""dlojz_hpo.py's search space file (space) and its report (report)."""
+"""dlojz_hpo.py's library: the search space file (space), the worker and the search (search), the report's files (report)."""

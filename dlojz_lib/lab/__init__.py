@@ -1,1 +1,1 @@
-"""dlojz_lab.py's comparison of a sweep's runs: table, CSV and plots (report)."""
+"""dlojz_lab.py's library: the sweeps and their states (sweep), the comparison's table, CSV and plots (report)."""

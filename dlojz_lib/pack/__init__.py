@@ -1,1 +1,1 @@
-"""The parts of dlojz_pack.py's shard writer: what SRC holds (source) and which image goes in which shard (plan)."""
+"""dlojz_pack.py's library: what SRC holds (source), which image goes in which shard (plan), the writer (writer)."""

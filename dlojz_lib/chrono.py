@@ -1,0 +1,484 @@
+"""Chronometer for dlojz: per-step timings that stay true on a GPU, and a report that says what to change next.
+
+Calling style (the course's toggles: the first call opens a phase, the second call closes it)::
+
+    chrono = Chronometer(enabled=args.test, rank=rank, device=device)
+    chrono.start()
+    chrono.dataload()                      # open: waiting for the first batch
+    for i, (images, labels) in enumerate(train_loader):
+        images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
+        chrono.dataload()                  # close: DataLoader wait + host->device copy
+        chrono.forward()                   # zero_grad + forward + loss
+        ...
+        chrono.forward()
+        chrono.backward()                  # backward + optimizer/scaler step
+        ...
+        chrono.backward()                  # closes the step (step = forward + backward)
+        if i == 0:
+            chrono.first_step_done()       # time to the first step: start-up, cudnn autotune, compilation
+        chrono.validation() ... chrono.validation()   # whole validation pass (measured even when disabled)
+        chrono.dataload()                  # open: waiting for the next batch
+    chrono.gather(all_gather_object)       # collective, every rank, once at the end
+    chrono.write_trace(out_dir / "chrono_trace.json", ctx=ctx)
+    chrono.display(ctx)                    # rank 0 prints; chrono.summary(ctx) gives the same figures as a dict
+
+A load phase left open when the loop ends (the StopIteration wait) is simply never recorded. If a validation pass
+runs while a load phase is open, its duration is taken out of that load.
+
+Truth on a GPU: CUDA kernels run asynchronously, so every phase boundary first waits for the device (``sync``,
+by default the device's current (compute) stream on CUDA, not the prefetcher's copy stream; a no-op on CPU). When the chronometer is disabled
+(a normal full training) the training toggles return at once: no synchronisation, no clock read, no list grows.
+Only the rare once-per-run / once-per-epoch measurements still run when disabled: ``start()``, ``first_step_done()``
+and ``validation()`` (the last two synchronise once, which costs nothing at that frequency and keeps them true).
+
+The unsynchronised window (``synced_steps``): after that many timed steps the chronometer goes quiet (no
+synchronisation, no clock read per phase) and times the steps that follow as a whole, wall clock, the device waited
+for once at its start and once at its end (``end_window()``, called after the last step; validation() and gather()
+close it too). That throughput, ``unsync_throughput_img_s``, counts every per-step cost (MixUp, the log points, EMA,
+the schedule) and none of the chronometer's waits: it is the figure to compare with MLPerf's training throughput.
+The per-phase figures come from the synchronised steps before it.
+
+Statistics skip the first ``warmup_steps`` steps (cudnn autotune, allocator growth, compilation); if no step is
+left after them, only the first step (start-up, compilation) is left out and the summary says so
+(``warmup_excluded: False``).
+
+Power and energy: with NVML (``nvidia-ml-py``, ``import pynvml``) on a CUDA device, the power draw is read at each
+step boundary (peak W) and the GPU's energy counter between the end of the warm-up and the last step, validation
+passes taken out (J per image, energy per epoch estimate). Without NVML (not installed, no driver, no GPU, any NVML
+error) those figures are left out; nothing crashes.
+
+The MFU uses ``dlojz_lib.model.peak_flops(device_name, dtype)`` (the dense peak of V100/A100/H100/H200 GPUs) and the
+context's ``train_flops_per_image`` (``dlojz_lib.model.train_flops_per_image``). The report's lines, its advice and the
+per-step timeline plot are dlojz_lib/chrono_report.py's (``python dlojz_chrono.py plot TRACE.json -o timeline.png``,
+the course's command, a thin front to this module and that one).
+
+A step is one micro-batch's forward and backward on every rank; the context's ``images_per_step`` is that many
+images (micro-batch x ranks), whatever the gradient accumulation.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from dlojz_lib.chrono_report import (
+    energy_figures,
+    flops_figures,
+    report_lines,
+    step_figures,
+    unsync_figures,
+    validation_figures,
+)
+from dlojz_lib.model import peak_flops
+
+# ``nvml`` default: import pynvml lazily, and only for CUDA devices.
+_TRY_PYNVML = object()
+
+
+class _Toggle:
+    """When a toggled phase was opened (None while it is closed)."""
+
+    __slots__ = ("opened_at",)
+
+    def __init__(self):
+        self.opened_at = None
+
+
+class EnergyMeter:
+    """The GPU's power and energy through NVML (pynvml): the power at each step's end (peak W), the energy counter
+    from the end of the warm-up to the last step with the validation passes taken out, and each validation's energy.
+    Without NVML (not installed, no driver, no GPU, any NVML error) the figures are None; nothing fails."""
+
+    def __init__(self, device, nvml=_TRY_PYNVML, enabled=True):
+        self.nvml = self.handle = None
+        self.power_w = []  # W, one sample per step
+        self.start_mj = self.last_mj = None  # the window's first and latest readings
+        self.excluded_mj = 0.0  # validation energy inside the window
+        self.pending_mj = 0.0  # a validation's energy, taken out once a later step's reading covers it
+        self.steps = 0  # steps in the window
+        self.ok = True  # False once the counter failed: energy figures dropped
+        self.val_j = None  # the last validation pass's energy
+        self._val_open_mj = None
+        if enabled:
+            self._init(device, nvml)
+
+    def _init(self, device, nvml):
+        if nvml is _TRY_PYNVML:
+            if device.type != "cuda":
+                return
+            try:
+                import pynvml as nvml
+            except ImportError:
+                return
+        if nvml is None:
+            return
+        try:
+            nvml.nvmlInit()
+            self.handle = _nvml_handle_for(nvml, device)
+            self.nvml = nvml
+        except Exception:  # NVMLError (no driver, no GPU, not permitted) or anything odd: no power lines
+            self.handle = None
+
+    def read(self):
+        """GPU energy counter in mJ, or None (and energy figures dropped) if the GPU cannot report it."""
+        if not self.ok:
+            return None
+        try:
+            return float(self.nvml.nvmlDeviceGetTotalEnergyConsumption(self.handle))
+        except Exception:
+            self.ok = False
+            return None
+
+    def start_window(self):
+        if self.handle is not None and self.start_mj is None:
+            self.start_mj = self.last_mj = self.read()
+            self.steps = 0
+
+    def step_end(self):
+        if self.handle is None:
+            return
+        try:
+            self.power_w.append(self.nvml.nvmlDeviceGetPowerUsage(self.handle) / 1000.0)
+        except Exception:
+            pass
+        if self.start_mj is not None:
+            reading = self.read()
+            if reading is not None:
+                self.last_mj = reading
+                self.steps += 1
+                self.excluded_mj += self.pending_mj
+                self.pending_mj = 0.0
+
+    def window_j(self):
+        if self.start_mj is None or not self.ok or self.steps == 0:
+            return None
+        return (self.last_mj - self.start_mj - self.excluded_mj) / 1000.0
+
+    def validation_start(self):
+        self._val_open_mj = self.read() if self.handle is not None else None
+
+    def validation_end(self):
+        if self._val_open_mj is None:
+            return
+        closed_mj = self.read()
+        if closed_mj is not None:
+            self.val_j = (closed_mj - self._val_open_mj) / 1000.0
+            if self.start_mj is not None:
+                # taken out of the window only once a later step's reading covers this validation
+                self.pending_mj += closed_mj - self._val_open_mj
+        self._val_open_mj = None
+
+
+class Chronometer:
+    """Times the load / forward / backward phases of each training step, the validation and the run.
+
+    enabled: record per-step figures (dlojz passes ``args.test``). When False the toggles are no-ops.
+    rank: only rank 0 prints in display().
+    device: the training device; decides the default ``sync`` and whether NVML is tried.
+    warmup_steps: first steps left out of the statistics.
+    clock: returns seconds (injectable for tests).
+    sync: waits for the device's queued work; default: the current CUDA stream of ``device``, else a no-op.
+    nvml: a pynvml-compatible module, or None for no power/energy figures. Default: ``import pynvml`` on CUDA.
+    synced_steps: steps timed phase by phase; the steps after them form the unsynchronised window (None: none).
+    """
+
+    # One object the loop toggles (the course's API): its records and toggles stay together; the figures made from
+    # them are dlojz_lib.chrono_report's functions, the energy readings EnergyMeter's.
+
+    def __init__(
+        self,
+        enabled: bool,
+        rank: int = 0,
+        device: torch.device | str = "cpu",
+        warmup_steps: int = 5,
+        clock=time.perf_counter,
+        sync=None,
+        nvml=_TRY_PYNVML,
+        synced_steps=None,
+    ):
+        if warmup_steps < 0:
+            raise ValueError(f"Chronometer: warmup_steps must be >= 0, got {warmup_steps}")
+        if synced_steps is not None and synced_steps < 1:
+            raise ValueError(f"Chronometer: synced_steps must be >= 1, got {synced_steps}")
+        self.synced_steps = synced_steps
+        self._window_start = None  # clock at the start of the unsynchronised window, once open
+        self._window_s = None  # its seconds, once closed
+        self._window_steps = 0  # steps in it
+        self._window_in_backward = False  # the window's backward toggle: opened, not closed yet
+        self._enabled = bool(enabled)
+        self.rank = rank
+        self.device = torch.device(device)
+        self.warmup_steps = int(warmup_steps)
+        self._clock = clock
+        self._sync = sync if sync is not None else _default_sync(self.device)
+
+        self._run_start = None
+        self._run_end = None  # frozen by gather(): every later report shows the same total
+        self._time_to_first_step = None
+        self._val_time = None
+
+        # Per-step records, appended only when enabled.
+        self._loads = []  # seconds, NaN when the step had no closed load phase
+        self._forwards = []
+        self._backwards = []
+        self._pending_load = None
+        self._pending_forward = None
+        self._load = _Toggle()
+        self._forward = _Toggle()
+        self._backward = _Toggle()
+        self._validation = _Toggle()
+        self._energy = EnergyMeter(self.device, nvml, enabled=self._enabled)
+
+        self._gathered = None
+        self._last_ctx = {}
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def enabled(self) -> bool:
+        return self._enabled
+
+    @property
+    def steps(self) -> int:
+        """Number of recorded training steps (0 when disabled)."""
+        return len(self._backwards)
+
+    @property
+    def val_time(self):
+        """Wall time in seconds of the last validation pass (None before the first one)."""
+        return self._val_time
+
+    # ------------------------------------------------------------------ recording
+    def start(self):
+        """Start of the run (always recorded: one clock read)."""
+        self._run_start = self._clock()
+
+    def dataload(self):
+        """Toggle: waiting for the DataLoader + host->device copy."""
+        if not self._enabled or self._window_start is not None:
+            return
+        duration = self._toggle(self._load)
+        if duration is None:
+            self._maybe_start_energy()
+        else:
+            self._pending_load = duration
+
+    def forward(self):
+        """Toggle: zero_grad + forward + loss."""
+        if not self._enabled or self._window_start is not None:
+            return
+        duration = self._toggle(self._forward)
+        if duration is None:
+            self._maybe_start_energy()
+        else:
+            self._pending_forward = duration
+
+    def backward(self):
+        """Toggle: backward + optimizer/scaler step. Closing it records the step."""
+        if not self._enabled:
+            return
+        if self._window_start is not None:  # the unsynchronised window: each step counted at its close, not timed
+            self._window_in_backward = not self._window_in_backward
+            if not self._window_in_backward and self._window_s is None:
+                self._window_steps += 1
+            return
+        duration = self._toggle(self._backward)
+        if duration is None:
+            return
+        self._loads.append(math.nan if self._pending_load is None else self._pending_load)
+        self._forwards.append(math.nan if self._pending_forward is None else self._pending_forward)
+        self._backwards.append(duration)
+        self._pending_load = None
+        self._pending_forward = None
+        self._energy.step_end()
+        if self.synced_steps is not None and len(self._backwards) == self.synced_steps:
+            self._window_start = self._clock()  # the device has just been waited for: the window's start
+
+    def end_window(self):
+        """After the last training step: the unsynchronised window ends (one wait for the device), if open."""
+        if self._window_start is None or self._window_s is not None:
+            return
+        self._sync()
+        self._window_s = self._clock() - self._window_start
+
+    @property
+    def window_steps(self) -> int:
+        """Steps in the unsynchronised window so far."""
+        return self._window_steps
+
+    def validation(self):
+        """Toggle: the whole validation pass. Always measured (also when disabled), synchronised at both ends."""
+        self.end_window()
+        self._sync()
+        now = self._clock()
+        if self._validation.opened_at is None:
+            self._validation.opened_at = now
+            self._energy.validation_start()
+            return
+        duration = now - self._validation.opened_at
+        self._validation.opened_at = None
+        self._val_time = duration
+        if self._load.opened_at is not None:
+            # A load phase open across the validation: the validation is not data loading.
+            self._load.opened_at += duration
+        self._energy.validation_end()
+
+    def first_step_done(self):
+        """Called once after the first training step: records the time to the first step (always, cheap)."""
+        if self._time_to_first_step is not None or self._run_start is None:
+            return
+        self._sync()
+        self._time_to_first_step = self._clock() - self._run_start
+
+    def _toggle(self, phase: _Toggle):
+        self._sync()
+        now = self._clock()
+        if phase.opened_at is None:
+            phase.opened_at = now
+            return None
+        duration = now - phase.opened_at
+        phase.opened_at = None
+        return duration
+
+    def _maybe_start_energy(self):
+        # The energy window opens with the first phase of the first measured (post warm-up) step.
+        if len(self._backwards) >= self.warmup_steps:
+            self._energy.start_window()
+
+    # ------------------------------------------------------------------ reporting
+    def _measured(self, values):
+        """The values after warm-up; if warm-up would leave nothing, all but the first step (which carries start-up,
+        cuDNN autotuning and torch.compile, and is reported apart as the time to the first step)."""
+        values = np.asarray(values, dtype=float)
+        if len(values) > self.warmup_steps:
+            return values[self.warmup_steps :]
+        return values[1:] if len(values) > 1 else values
+
+    def _step_array(self):
+        """Per-step seconds: forward + backward (a step without a forward phase counts its backward only)."""
+        return np.nan_to_num(np.asarray(self._forwards, dtype=float)) + np.asarray(self._backwards, dtype=float)
+
+    def _local_record(self):
+        return {
+            "rank": self.rank,
+            "load_median_s": _nanmedian(self._measured(self._loads)),
+            "step_median_s": _nanmedian(self._measured(self._step_array())),
+            "train_energy_j": self._energy.window_j(),
+            "energy_steps": self._energy.steps,
+            "val_energy_j": self._energy.val_j,
+            "peak_power_w": max(self._energy.power_w) if self._energy.power_w else None,
+            "window_s": self._window_s if self._window_steps else None,
+            "window_steps": self._window_steps,
+        }
+
+    def gather(self, all_gather_object=None):
+        """Collective, once at the end on every rank: gathers each rank's medians and energy; fixes the run's end.
+
+        all_gather_object(obj) -> list of every rank's obj (e.g. a wrapper around
+        torch.distributed.all_gather_object). None = single process. Returns the gathered list.
+        """
+        self.end_window()
+        if self._run_end is None:
+            self._run_end = self._clock()
+        record = self._local_record()
+        self._gathered = list(all_gather_object(record)) if all_gather_object is not None else [record]
+        return self._gathered
+
+    def summary(self, ctx: dict | None = None) -> dict:
+        """The report's figures as a dict, in SI units (s, images/s, FLOP/s, W, J, bytes, fractions).
+
+        Keys whose figure cannot be computed (missing ctx entry, disabled chronometer, no NVML) are absent.
+        """
+        ctx = dict(ctx or {})
+        self._last_ctx = ctx
+        out = {"enabled": self._enabled}
+        if self._run_start is not None:
+            end = self._run_end if self._run_end is not None else self._clock()
+            out["total_time_s"] = end - self._run_start
+        if self._time_to_first_step is not None:
+            out["time_to_first_step_s"] = self._time_to_first_step
+        if self.steps:
+            measured = [self._measured(x) for x in (self._loads, self._forwards, self._backwards, self._step_array())]
+            out.update(step_figures(*measured, self.steps, self.warmup_steps, self._slowest_rank(), ctx))
+        out.update(unsync_figures(self._gathered or [self._local_record()], self.synced_steps, ctx))
+        out.update(validation_figures(self._val_time, out.get("step_median_s"), out.get("load_median_s"), ctx))
+        peak = peak_flops(ctx.get("device_name") or "", ctx.get("compute_dtype") or "")
+        out.update(flops_figures(out.get("throughput_img_s"), peak, ctx))
+        gathered = bool(self._gathered) and len(self._gathered) > 1  # else rank 0's energy x the world size
+        out.update(energy_figures(self._gathered or [self._local_record()], gathered, ctx))
+        if ctx.get("trace_path"):
+            out["trace_path"] = str(ctx["trace_path"])
+        return out
+
+    def _slowest_rank(self):
+        if not self._gathered or len(self._gathered) < 2:
+            return None
+        candidates = [r for r in self._gathered if r.get("load_median_s") is not None]
+        return max(candidates, key=lambda r: r["load_median_s"]) if candidates else None
+
+    def display(self, ctx: dict | None = None) -> None:
+        """Rank 0 prints the report, in the course's order. Lines whose figures are unknown are left out."""
+        s = self.summary(ctx)
+        if self.rank != 0:
+            return
+        per_step = (self._step_times(), _nan_to_none(self._loads)) if self._enabled and self.steps else None
+        print("\n".join(report_lines(s, self.warmup_steps, per_step)), flush=True)
+
+    def _step_times(self):
+        return self._step_array().tolist()
+
+    def write_trace(self, path, ctx: dict | None = None) -> None:
+        """JSON trace: per-step load/forward/backward/step seconds, power samples and the summary.
+
+        ctx: as for summary(); default: the last ctx given to summary()/display().
+        """
+        ctx = self._last_ctx if ctx is None else ctx
+        trace = {
+            "warmup_steps": self.warmup_steps,
+            "load_s": _nan_to_none(self._loads),
+            "forward_s": _nan_to_none(self._forwards),
+            "backward_s": _nan_to_none(self._backwards),
+            "step_s": self._step_times(),
+            "power_w": list(self._energy.power_w),
+            "summary": self.summary(ctx),
+        }
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(trace, indent=1))
+
+
+# ---------------------------------------------------------------------- helpers
+def _default_sync(device: torch.device):
+    """Waits for the compute stream only: torch.cuda.synchronize would also wait for the prefetcher's copy of the
+    next batch on its side stream, and count it in the step (the untimed run overlaps it)."""
+    if device.type == "cuda":
+        return lambda: torch.cuda.current_stream(device).synchronize()
+    return lambda: None
+
+
+def _nvml_handle_for(nvml, device: torch.device):
+    """NVML handle of the torch device: by UUID (NVML indexes ignore CUDA_VISIBLE_DEVICES), else by index."""
+    if device.type == "cuda" and torch.cuda.is_available():
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        uuid = getattr(torch.cuda.get_device_properties(index), "uuid", None)
+        if uuid is not None:
+            try:
+                return nvml.nvmlDeviceGetHandleByUUID(f"GPU-{uuid}")
+            except Exception:
+                pass
+        return nvml.nvmlDeviceGetHandleByIndex(index)
+    return nvml.nvmlDeviceGetHandleByIndex(device.index or 0)
+
+
+def _nanmedian(values):
+    values = np.asarray(values, dtype=float)
+    return None if values.size == 0 or np.all(np.isnan(values)) else float(np.nanmedian(values))
+
+
+def _nan_to_none(values):
+    return [None if math.isnan(v) else v for v in values]
+
