@@ -8,7 +8,7 @@ optimizer), DataLoader, initialisation, training, validation, checkpoint and rep
 function, below it or in a helper module; `train_one_epoch` and `evaluate` are the loop's two phases. The flags
 live in dlojz_lib/flags.py, the run's settings and their checks in dlojz_lib/config.py, the process group in dlojz_lib/dist.py,
 the data sets and batches in dlojz_lib/data/loaders.py, the model as it trains (DDP, FSDP, compile) in dlojz_lib/parallel.py,
-its loss, optimizer and schedule in dlojz_lib/optim.py, checkpoints and resume in dlojz_lib/resume.py, the lines the run
+its loss, optimizer and schedule in dlojz_lib/optim/, checkpoints and resume in dlojz_lib/resume.py, the lines the run
 prints in dlojz_lib/log.py, the chronometer, profiler and LR finder hooks in dlojz_lib/hooks.py.
 """
 
@@ -37,7 +37,8 @@ import torch
 import torch.distributed as dist
 
 import dlojz_lib.checkpoint as ckpt
-import dlojz_lib.optim as optim
+from dlojz_lib.optim.losses import soft_target_accuracy
+from dlojz_lib.optim.training import build_training
 from dlojz_lib.chrono import Chronometer
 from dlojz_lib.config import load_idr_torch, resolve_config
 from dlojz_lib.flags import VALIDATION_METRICS, check_flags, get_args_parser
@@ -149,7 +150,7 @@ def main(argv=None, running=None) -> dict:
     metrics = initial_metrics(cfg, ranks)
     if cfg.loader_only:
         return measure_loader_only(cfg, loaders, ranks, metrics, log)
-    training = optim.build_training(
+    training = build_training(
         cfg, model, loaders.n_train_batches, len(classes), ranks, log, class_counts(train_set, len(classes))
     )
 
@@ -473,7 +474,7 @@ def train_one_epoch(
             stats = torch.stack(
                 [
                     loss.detach().double() * count,
-                    optim.soft_target_accuracy(outputs, targets).double() * count,
+                    soft_target_accuracy(outputs, targets).double() * count,
                     torch.full((), count, dtype=torch.float64, device=device),
                 ]
             )

@@ -198,7 +198,7 @@ def common_flags(args):
 def bare_optimizer(model):
     """SGD(lr 0.1, momentum 0.9) with dlojz's fused step: an unfused one under the float16 GradScaler would read the
     overflow flag on the host at every step, and the reference would be slower than the loop it judges."""
-    from dlojz_lib.optim import build_optimizer
+    from dlojz_lib.optim.optimizers import build_optimizer
 
     return build_optimizer("sgd", model.parameters(), 0.1, 0.9, 0.0, fused=True)
 

@@ -481,4 +481,3 @@ def _nanmedian(values):
 
 def _nan_to_none(values):
     return [None if math.isnan(v) else v for v in values]
-

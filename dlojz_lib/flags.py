@@ -10,13 +10,14 @@ import os
 import sys
 
 from dlojz_lib.checks import OneLineArgumentParser, UserError, fail, missing_data_variable
+from dlojz_lib.optim import OPTIMIZER_TABLE
 from dlojz_lib.recipe import read_recipe
 
 
-# The accepted values of --optimizer and --lr-scheduler (dlojz_lib.optim builds them; here for the command line).
-OPTIMIZERS = ("sgd", "adamw", "rmsprop", "lamb", "lars", "lion")
-FUSED = ("sgd", "adamw")  # with a fused step in torch (build_optimizer's fused=True)
-FROM_TIMM = ("lamb", "lars", "lion")  # timm's optimizers; the others are torch's
+# The accepted values of --optimizer (dlojz_lib.optim's table, torch-free) and --lr-scheduler.
+OPTIMIZERS = tuple(OPTIMIZER_TABLE)
+FUSED = tuple(name for name, row in OPTIMIZER_TABLE.items() if row.fused)  # with a fused step in torch
+FROM_TIMM = tuple(name for name, row in OPTIMIZER_TABLE.items() if row.source.startswith("timm."))
 SCHEDULERS = ("onecycle", "cosine", "step", "constant", "linear", "poly")
 # The validation figures a run's best checkpoint, a study's objective and the lab's best run are chosen by:
 # the name a flag takes -> (its key in the metrics JSON and --val-history, its name in a sentence).
@@ -296,7 +297,7 @@ def get_args_parser():
         "stochastic_depth_prob); default: the model's own (0 in timm, 0.1-0.5 in torchvision's ConvNeXt, Swin...)",
     )
 
-    p = parser.add_argument_group("optimizer and schedule (dlojz_lib/optim.py)")
+    p = parser.add_argument_group("optimizer and schedule (dlojz_lib/optim/)")
     p.add_argument("--optimizer", default="sgd", choices=OPTIMIZERS, help="momentum/beta1 from --mom (default: sgd)")
     p.add_argument("--no-wd-norm-bias", action="store_true", help="no weight decay on norm layers and biases")
     for kind, what in (

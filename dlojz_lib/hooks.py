@@ -10,7 +10,7 @@ The loop calls the same few methods whatever is plugged in, so that it reads the
 - The chronometer (`dlojz_lib.chrono.Chronometer`) times data loading, forward (with the loss) and backward (with the
   optimizer step, as the course counts it); disabled, its toggles cost nothing.
 - The profiler (`make_profiler`) labels each phase with `record_function` and is stepped after each micro-batch.
-- The LR finder (`dlojz_lib.optim.LRFinder`) reads every optimizer step's loss (one host synchronisation per step: the
+- The LR finder (`dlojz_lib.optim.schedules.LRFinder`) reads every optimizer step's loss (one host synchronisation per step: the
   range test needs it) and sets the next step's learning rate. Across ranks it reads the loss averaged over all of
   them (one all-reduce per step), so that every rank records the same curve and ends the sweep at the same step.
 """

@@ -19,7 +19,8 @@ from pathlib import Path
 import torch.distributed as dist
 
 import dlojz_lib.checkpoint as ckpt
-import dlojz_lib.optim as optim
+import dlojz_lib.optim.optimizers as optim
+from dlojz_lib.optim.schedules import fast_forward
 from dlojz_lib.checks import UserError, fail
 from dlojz_lib.config import load_idr_torch
 from dlojz_lib.flags import CUDA_GRAPH_MODES, GRAPH_FREE_MODE
@@ -460,7 +461,7 @@ def restore_schedule(cfg, training, saved, global_step, log):
         return
     if global_step > training.total_steps:  # past this run's end: main() says there is nothing to train
         return
-    optim.fast_forward(training.scheduler, global_step)
+    fast_forward(training.scheduler, global_step)
     log(
         f"the learning-rate schedule ({cfg.lr_scheduler}) is rebuilt for {training.total_steps} optimizer steps and "
         f"continues from step {global_step} (the checkpoint's had {saved_total or '?'}, at step {saved['global_step']})"

@@ -14,7 +14,7 @@ from dlojz_lib.checks import UserError
 from dlojz_lib.config import resolve_config
 from dlojz_lib.dist import Distribution
 from dlojz_lib.flags import get_args_parser
-from dlojz_lib.optim import build_training
+from dlojz_lib.optim.training import build_training
 from dlojz_lib.parallel import build_model
 
 CPU = Distribution(1, 0, 0, torch.device("cpu"))

@@ -28,6 +28,7 @@ import pytest
 import torch
 
 import dlojz
+import dlojz_lib.optim.optimizers
 from dlojz_lib.data.loaders import SYNTHETIC_CLASSES, synthetic_loaders
 from in_process import synthetic_loop
 from conftest import read_json, run_dlojz, show
@@ -547,7 +548,9 @@ def test_fused_step_skips_overflowed_steps_on_cuda(name, monkeypatch):
     for fused in (False, True):
         torch.manual_seed(0)
         model = tiny_classifier().cuda()
-        optimizer = dlojz.optim.build_optimizer(name, model.parameters(), GOOD_LR[name], 0.9, 1e-4, fused=fused)
+        optimizer = dlojz_lib.optim.optimizers.build_optimizer(
+            name, model.parameters(), GOOD_LR[name], 0.9, 1e-4, fused=fused
+        )
         assert bool(optimizer.defaults.get("fused")) is fused
         empty_like = torch.empty_like
         monkeypatch.setattr(torch, "empty_like", lambda t, **kw: empty_like(t, **kw).fill_(float("nan")))

@@ -23,6 +23,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
 
 import dlojz
+import dlojz_lib.optim.optimizers
+import dlojz_lib.optim.training
 from conftest import ROOT
 from dlojz_lib.data.loaders import SYNTHETIC_CLASSES, synthetic_loaders
 from dlojz_lib.resume import TrainState
@@ -347,7 +349,7 @@ def loop_on_data(data_root, *flags):
     train_set, val_set, classes = dlojz.build_data(cfg, ranks, log)
     model = dlojz.build_model(cfg, len(classes), ranks, log)
     loaders = dlojz.build_loaders(cfg, train_set, val_set, len(classes), ranks, log)
-    training = dlojz.optim.build_training(cfg, model, loaders.n_train_batches, len(classes), ranks, log)
+    training = dlojz.build_training(cfg, model, loaders.n_train_batches, len(classes), ranks, log)
     progress = dlojz.Progress(
         log, dlojz.NoWandb(), ranks.device, cfg.epochs, loaders.n_train_batches, cfg.grad_acc, cfg.batch_size
     )
@@ -390,8 +392,8 @@ def test_the_float16_scaler_of_an_unfused_optimizer_is_the_listed_exception(monk
 def test_the_audit_sees_the_read_of_an_unfused_sgd_step(monkeypatch, tmp_path):
     """Without the fused step, GradScaler reads the inf flag on the host at every optimizer step."""
     monkeypatch.chdir(tmp_path)
-    build = dlojz.optim.build_optimizer
-    monkeypatch.setattr(dlojz.optim, "build_optimizer", lambda *a, **k: build(*a, **{**k, "fused": False}))
+    build = dlojz_lib.optim.optimizers.build_optimizer
+    monkeypatch.setattr(dlojz_lib.optim.training, "build_optimizer", lambda *a, **k: build(*a, **{**k, "fused": False}))
     loop = loop_for("--amp", "--amp-dtype", "float16", "--optimizer", "sgd", *FLOAT16_MODEL, n_batches=4)
     assert not loop["training"].optimizer.defaults.get("fused")
     outside, _ = audit_epoch(loop, monkeypatch)

@@ -1,4 +1,4 @@
-"""Tests of dlojz_lib.optim: optimizers, parameter groups, LR schedules, LR finder and soft-label accuracy.
+"""Tests of dlojz_lib/optim/: optimizers, parameter groups, LR schedules, LR finder and soft-label accuracy.
 
 CPU only, tiny models, a few seconds. Run from the repository root: ``python -m pytest tests/test_optim.py``.
 """
@@ -13,15 +13,9 @@ import torch
 from torch import nn
 
 from dlojz_lib.flags import OPTIMIZERS, SCHEDULERS
-from dlojz_lib.optim import (
-    LRFinder,
-    build_optimizer,
-    build_scheduler,
-    fast_forward,
-    lr_scaling_line,
-    param_groups,
-    soft_target_accuracy,
-)
+from dlojz_lib.optim.losses import soft_target_accuracy
+from dlojz_lib.optim.optimizers import build_optimizer, param_groups
+from dlojz_lib.optim.schedules import LRFinder, build_scheduler, fast_forward, lr_scaling_line
 
 # An LR per optimizer that trains the tiny model below in a few steps (LARS scales its step by 1e-3 * |w|/|g|).
 GOOD_LR = {"sgd": 0.1, "adamw": 1e-2, "rmsprop": 1e-2, "lamb": 1e-2, "lars": 5.0, "lion": 1e-3}
@@ -120,6 +114,26 @@ def test_momentum_flag_sets_momentum_or_first_beta(name):
     optimizer = build_optimizer(name, nn.Linear(2, 2).parameters(), lr=0.01, momentum=0.8, weight_decay=0.0)
     group = optimizer.param_groups[0]
     assert group.get("momentum", group.get("betas", (None,))[0]) == 0.8
+
+
+def test_an_optimizer_is_one_row_of_the_table(monkeypatch):
+    """Adding an optimizer is a row of dlojz_lib.optim's table: the builder reads its class and options from it (a
+    row whose class and options the builder ignored would build SGD, or fail), and the flag's choices are the
+    table's rows."""
+    import dlojz_lib.optim
+    import dlojz_lib.optim.optimizers
+    from dlojz_lib.flags import FUSED, get_args_parser
+
+    row = dlojz_lib.optim.OptimizerRow(
+        "torch.optim.Adagrad", False, lambda mom, wd, nesterov: dict(lr_decay=mom / 100), "torch's"
+    )
+    monkeypatch.setitem(dlojz_lib.optim.OPTIMIZER_TABLE, "adagrad", row)
+    optimizer = build_optimizer("adagrad", nn.Linear(2, 2).parameters(), lr=0.01, momentum=0.5, weight_decay=0.0)
+    assert isinstance(optimizer, torch.optim.Adagrad) and optimizer.param_groups[0]["lr_decay"] == 0.005
+    monkeypatch.undo()
+    choices = next(a.choices for a in get_args_parser()._actions if a.dest == "optimizer")
+    assert tuple(choices) == tuple(dlojz_lib.optim.OPTIMIZER_TABLE) == OPTIMIZERS
+    assert FUSED == ("sgd", "adamw")
 
 
 def test_lars_with_zero_weight_decay_still_adapts_layer_wise():
@@ -590,7 +604,7 @@ def training_of(*flags):
     from dlojz_lib.config import resolve_config
     from dlojz_lib.dist import Distribution
     from dlojz_lib.flags import checked_values, get_args_parser
-    from dlojz_lib.optim import build_training
+    from dlojz_lib.optim.training import build_training
     from dlojz_lib.parallel import build_model
 
     argv = ["--device", "cpu", "--arch", "resnet18", "--lr", "0.4", "-e", "6", *flags]

@@ -88,7 +88,7 @@ def test_a_run_keeps_its_split_and_eval_only_validates_on_it(tiny_data, tmp_path
 def test_balanced_class_weights_are_inverse_to_each_class_s_share():
     import torch
 
-    from dlojz_lib.optim import balanced_class_weights
+    from dlojz_lib.optim.losses import balanced_class_weights
 
     assert torch.allclose(balanced_class_weights([30, 10]), torch.tensor([40 / 60, 40 / 20]))
     assert balanced_class_weights([5, 0, 5])[1] == 0  # no image: nothing to weigh
@@ -111,7 +111,7 @@ def test_class_weights_balanced_weighs_the_training_loss_of_an_imbalanced_folder
     from dlojz_lib.config import resolve_config
     from dlojz_lib.dist import Distribution
     from dlojz_lib.flags import get_args_parser
-    from dlojz_lib.optim import build_training
+    from dlojz_lib.optim.training import build_training
     from dlojz_lib.parallel import build_model
 
     cpu = Distribution(1, 0, 0, torch.device("cpu"))

@@ -164,10 +164,10 @@ def latest_state(out):
 
 def lr_after(name, steps, total_steps, lr=0.025):
     """The learning rate a fresh schedule of `total_steps` gives after `steps` steps, stepped one by one."""
-    import dlojz_lib.optim
+    import dlojz_lib.optim.schedules
 
     optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=lr, momentum=0.9)
-    scheduler = dlojz_lib.optim.build_scheduler(name, optimizer, lr, total_steps)
+    scheduler = dlojz_lib.optim.schedules.build_scheduler(name, optimizer, lr, total_steps)
     for _ in range(steps):
         optimizer.step()
         scheduler.step()
@@ -672,7 +672,7 @@ def test_momenta_follow_their_parameters_into_other_groups(tmp_path):
 
     import torchvision
 
-    from dlojz_lib.optim import build_optimizer, param_groups
+    from dlojz_lib.optim.optimizers import build_optimizer, param_groups
     from dlojz_lib.resume import restore_optimizer_state
 
     torch.manual_seed(0)

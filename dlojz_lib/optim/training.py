@@ -1,0 +1,155 @@
+"""What a run builds from its flags to learn with: the loss, the optimizer and its schedule (or the LR finder), the
+float16 loss scaler, autocast and MixUp/CutMix, in one `Training` record that train_one_epoch and evaluate take.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+
+import torch
+
+from dlojz_lib.checks import fail
+from dlojz_lib.data.transforms import batch_mixing
+from dlojz_lib.fsdp import UNFUSED_UNDER_FSDP
+from dlojz_lib.optim.losses import BinaryCrossEntropy, balanced_class_weights
+from dlojz_lib.optim.optimizers import build_optimizer, fine_tuning_head, freeze_backbone, kind_decay, param_groups
+from dlojz_lib.optim.schedules import LRFinder, build_scheduler, lr_scaling_line, step_milestones
+
+
+# ---------------------------------------------------------------------- what a run builds of all this
+@dataclasses.dataclass
+class Training:
+    """How the model learns, beside the model and its batches: the loss, the optimizer and its schedule (or the LR
+    finder), the float16 loss scaler, autocast and MixUp/CutMix. train_one_epoch and evaluate take it whole."""
+
+    criterion: torch.nn.Module
+    val_criterion: torch.nn.Module  # summed over the images: exact totals across ranks
+    optimizer: torch.Optimizer
+    scheduler: object | None  # None for the LR finder, which sets the lr itself
+    lr_finder: "LRFinder | None"
+    scaler: torch.amp.GradScaler  # on with float16 only
+    autocast: object  # () -> context manager
+    mix: object | None  # MixUp/CutMix on the device batch
+    total_steps: int  # optimizer steps the schedule spans
+    # --freeze-backbone-epochs: () -> None, drops the frozen layers' gradients while they are frozen; called before
+    # the clip and the float16 scaler, so that neither the norm nor the overflow check counts them
+    drop_frozen_gradients: object = None
+
+
+def build_losses(cfg, class_counts, device, log):
+    """The training loss (cross-entropy, or --bce-loss's, weighted per class by --class-weights) and validation's
+    (cross-entropy summed over the images: exact totals across ranks)."""
+    weight = None
+    if cfg.class_weights == "balanced":
+        weight = balanced_class_weights(class_counts)
+        log(
+            f"--class-weights balanced: the training loss weighs each class by {weight.min():.3g} (the largest) to "
+            f"{weight.max():.3g} (the smallest)"
+        )
+        weight = weight.to(device)
+    if cfg.bce_loss:
+        criterion = BinaryCrossEntropy(cfg.label_smoothing, cfg.bce_target_thresh, weight)
+        log(
+            f"loss: binary cross-entropy per class (label smoothing {cfg.label_smoothing}"
+            + (f", targets above {cfg.bce_target_thresh} as 1" if cfg.bce_target_thresh is not None else "")
+            + "); validation's loss: cross-entropy"
+        )
+    else:  # (it also takes MixUp's soft labels, the weight applied to each class's share)
+        criterion = torch.nn.CrossEntropyLoss(weight=weight, label_smoothing=cfg.label_smoothing)
+    val_criterion = torch.nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing, reduction="sum")
+    return criterion, val_criterion
+
+
+def build_schedule(cfg, optimizer, steps_per_epoch, total_steps):
+    """(the per-step schedule, None) or, with --findlr, (None, the LR finder, which sets every step's LR)."""
+    scheduler, lr_finder = None, None
+    try:  # these checks need the data set's size
+        if cfg.findlr:  # the course's range test: the finder sets the lr of every step, no scheduler
+            lr_finder = LRFinder(
+                optimizer, 1e-8, cfg.lr, min(total_steps, cfg.test_nsteps) if cfg.test else total_steps
+            )
+        else:
+            warmup_epochs = cfg.lr_peak_epoch if cfg.lr_scheduler == "linear" else cfg.warmup_epochs
+            if cfg.lr_scheduler == "linear" and cfg.lr_peak_epoch >= cfg.epochs:
+                fail(f"--lr-peak-epoch {cfg.lr_peak_epoch} must come before the end (--epochs {cfg.epochs})")
+            scheduler = build_scheduler(
+                cfg.lr_scheduler,
+                optimizer,
+                cfg.lr,
+                total_steps,
+                warmup_steps=round(warmup_epochs * steps_per_epoch),
+                poly_power=cfg.lr_poly_power,
+                step_milestones=step_milestones(cfg, steps_per_epoch),
+                gamma=0.1 if cfg.lr_gamma is None else cfg.lr_gamma,
+                warmup_start=cfg.warmup_start_factor or 0.0,
+                warmup_method=cfg.warmup_method or "linear",
+                min_lr=cfg.min_lr or 0.0,
+                steps_per_epoch=steps_per_epoch if cfg.lr_per_epoch else None,
+            )
+    except ValueError as err:
+        fail(str(err))
+    return scheduler, lr_finder
+
+
+def build_training(cfg, model, n_train_batches, num_classes, ranks, log, class_counts=None) -> Training:
+    """Loss, optimizer, per-step schedule (or the LR finder), GradScaler, autocast and MixUp/CutMix.
+    `class_counts`: the training images of each class, for --class-weights."""
+    step_images = cfg.batch_size * ranks.world_size * cfg.grad_acc
+    log(
+        f"global batch size: {step_images} - mini batch size: {cfg.batch_size}"
+        + (f" - {cfg.grad_acc} accumulated micro-batches per optimizer step" if cfg.grad_acc > 1 else "")
+    )
+    criterion, val_criterion = build_losses(cfg, class_counts, ranks.device, log)
+    # Fused steps (sgd, adamw): no host synchronisation with the float16 GradScaler (see build_optimizer); FSDP's
+    # sharded parameters have no fused SGD (its foreach step is used, and bfloat16 needs no scaler).
+    fused = not (cfg.fsdp and cfg.optimizer in UNFUSED_UNDER_FSDP)
+    head = fine_tuning_head(model.module, num_classes, vars(cfg))
+    groups = param_groups(model.module, cfg.wd, cfg.no_wd_norm_bias, cfg.layer_decay, head, kind_decay(vars(cfg)))
+    optimizer = build_optimizer(
+        cfg.optimizer,
+        groups,
+        lr=cfg.lr,
+        momentum=cfg.mom,
+        weight_decay=cfg.wd,
+        fused=fused,
+        nesterov=cfg.nesterov,
+    )
+    fused = optimizer.defaults.get("fused")
+    log(
+        f"optimizer: {cfg.optimizer}{' (fused step)' if fused else ''} (lr {cfg.lr}, "
+        f"{'Nesterov ' if cfg.nesterov else ''}momentum {cfg.mom}, weight decay {cfg.wd}"
+        f"{', none on norms and biases' if cfg.no_wd_norm_bias else ''}"
+        + "".join(f", {value:g} on {kind} parameters" for kind, value in kind_decay(vars(cfg)).items())
+        + f"); {lr_scaling_line(cfg.lr, step_images)}"
+    )
+    if cfg.layer_decay is not None:
+        scales = sorted({group["lr_scale"] for group in optimizer.param_groups})
+        log(
+            f"layer decay {cfg.layer_decay}: {len(scales)} layers, learning rates from lr x {scales[0]:.3g} (the "
+            f"first layer) to lr x 1 ({head})"
+        )
+    steps_per_epoch = math.ceil(n_train_batches / cfg.grad_acc)  # optimizer steps: what schedules and logs count
+    total_steps = cfg.epochs * steps_per_epoch
+    scheduler, lr_finder = build_schedule(cfg, optimizer, steps_per_epoch, total_steps)
+    drop_frozen_gradients = None
+    if cfg.freeze_backbone_epochs:
+        drop_frozen_gradients = freeze_backbone(optimizer, scheduler, cfg.freeze_backbone_epochs * steps_per_epoch)
+        log(f"the head ({head}) learns alone for {cfg.freeze_backbone_epochs} epochs, then every layer")
+    float16 = cfg.amp and cfg.amp_dtype == "float16"
+    autocast = (
+        (lambda: torch.autocast(ranks.device.type, dtype=cfg.autocast_dtype)) if cfg.amp else contextlib.nullcontext
+    )
+    return Training(
+        criterion,
+        val_criterion,
+        optimizer,
+        scheduler,
+        lr_finder,
+        torch.amp.GradScaler(ranks.device.type, enabled=float16),
+        autocast,
+        batch_mixing(cfg, num_classes),
+        total_steps,
+        drop_frozen_gradients,
+    )
