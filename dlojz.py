@@ -43,7 +43,8 @@ from dlojz_lib.chrono import Chronometer
 from dlojz_lib.config import load_idr_torch, resolve_config
 from dlojz_lib.flags import VALIDATION_METRICS, check_flags, get_args_parser
 from dlojz_lib.checks import DataError, UserError
-from dlojz_lib.data.datasets import class_counts, close_loader, measure_loader
+from dlojz_lib.data.datasets import class_counts
+from dlojz_lib.data.loaders import close_loader, measure_loader
 from dlojz_lib.dist import (
     INTERRUPTED,
     RequeueFailed,
@@ -87,7 +88,7 @@ from dlojz_lib.resume import (
 )
 from dlojz_lib.parallel import build_model, state_bytes_per_rank
 from dlojz_lib.watchdog import Watchdog
-from dlojz_lib.data.transforms import training_resolution
+from dlojz_lib.data.augment import training_resolution
 
 idr_torch = load_idr_torch()
 TEST_VAL_BATCHES = 20  # --test validates on this many batches

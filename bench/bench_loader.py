@@ -231,7 +231,8 @@ def measure_dali(
     import torch
 
     from dlojz_lib.data.dali import DaliBatches, DaliSettings, train_pipeline
-    from dlojz_lib.data.datasets import EpochSampler, SafeImageFolder
+    from dlojz_lib.data.datasets import SafeImageFolder
+    from dlojz_lib.data.samplers import EpochSampler
 
     dataset = SafeImageFolder(str(folder))
     sampler = EpochSampler(dataset, 1, 0, shuffle=True, seed=seed)

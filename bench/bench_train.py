@@ -228,7 +228,7 @@ def bare_loop(args):
     lr_momentum = onecycle_values(0.1, args.schedule_steps or args.steps, args.steps)
     scaler = torch.amp.GradScaler(device.type, enabled=args.amp and amp_dtype == torch.float16)
 
-    # One batch, made once, as dlojz_lib.data.datasets.SyntheticLoader does (same generator and order: the same tensors).
+    # One batch, made once, as dlojz_lib.data.loaders.SyntheticLoader does (same generator and order: the same tensors).
     gen = torch.Generator().manual_seed(args.seed)
     images = torch.randn(args.batch_size, 3, args.image_size, args.image_size, generator=gen)
     labels = torch.randint(0, 1000, (args.batch_size,), generator=gen).to(device)

@@ -129,7 +129,7 @@ def close_dataloaders():
     yield
     loaders = sys.modules.get("dlojz_lib.data.loaders")
     if loaders is not None:
-        from dlojz_lib.data.datasets import close_loader
+        from dlojz_lib.data.loaders import close_loader
 
         for loader in loaders.LOADERS:
             close_loader(loader)

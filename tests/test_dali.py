@@ -24,7 +24,8 @@ from test_transforms import (
 import nvidia.dali  # noqa: E402,F401
 
 from dlojz_lib.data.dali import DaliBatches, DaliSettings, EncodedSamples, train_pipeline, val_pipeline  # noqa: E402
-from dlojz_lib.data.datasets import EpochSampler, ShardSampler, build_datasets  # noqa: E402
+from dlojz_lib.data.datasets import build_datasets  # noqa: E402
+from dlojz_lib.data.samplers import EpochSampler, ShardSampler  # noqa: E402
 
 
 ONE_THREAD = DaliSettings(threads=1, prefetch=2, hw_decoder_load=0.9, antialias=False)

@@ -13,15 +13,9 @@ import torch
 from torchvision.transforms import v2
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from dlojz_lib.data.datasets import (
-    DataError,
-    EpochSampler,
-    SafeImageFolder,
-    build_datasets,
-    close_loader,  # noqa: E402
-    make_loader,
-    resolve_data_root,
-)
+from dlojz_lib.data.datasets import DataError, SafeImageFolder, build_datasets, resolve_data_root  # noqa: E402
+from dlojz_lib.data.loaders import close_loader, make_loader  # noqa: E402
+from dlojz_lib.data.samplers import EpochSampler  # noqa: E402
 from dlojz_lib.data.transforms import TrainTransform, ValTransform, lazy_image_loader  # noqa: E402
 
 DATA_VARIABLES = ("DLOJZ_DATA", "ALL_CCFRSCRATCH", "DSDIR")
@@ -230,7 +224,7 @@ def test_augmentation_is_the_same_for_any_number_of_workers(tiny_data):
 def test_loader_timing_starts_after_the_batches_prefetched_at_start_up():
     """3 workers x prefetch_factor 2: 6 batches are ready before the loop asks; timed, they would inflate the rate."""
     import time
-    from dlojz_lib.data.datasets import measure_loader
+    from dlojz_lib.data.loaders import measure_loader
 
     class Loader:
         prefetch_factor = 2
@@ -252,7 +246,8 @@ def test_loader_timing_starts_after_the_batches_prefetched_at_start_up():
 def test_repeated_augmentation_deals_each_image_s_copies_to_different_ranks_and_augments_each(tiny_data):
     """--ra-reps 3 on 3 ranks: an image's 3 copies go to the 3 ranks at the same position (the same step), with 3
     different augmentations; each rank has EpochSampler's number of samples; a resume goes on at the same draw."""
-    from dlojz_lib.data.datasets import EpochSampler, RepeatedAugmentationSampler, build_datasets
+    from dlojz_lib.data.datasets import build_datasets
+    from dlojz_lib.data.samplers import EpochSampler, RepeatedAugmentationSampler
     from dlojz_lib.data.transforms import TrainTransform, ValTransform
 
     train_set = build_datasets(tiny_data, TrainTransform(16), ValTransform(18, 16), seed=5)[0]  # 72 images

@@ -139,7 +139,8 @@ def test_grad_checkpointing_trains_as_the_plain_model():
 )
 def test_augmentation_policies_change_the_crops(flags, tiny_data):
     from dlojz_lib.data.datasets import build_datasets
-    from dlojz_lib.data.transforms import ValTransform, train_transform
+    from dlojz_lib.data.augment import train_transform
+    from dlojz_lib.data.transforms import ValTransform
 
     def crops(*extra):
         cfg = resolve_config(get_args_parser().parse_args([*BASE, *extra]))
@@ -159,7 +160,7 @@ def randaugment_magnitudes(*flags, draws=300):
     """The magnitude each Rotate op of --randaugment gets over many crops (torchvision's bins: degrees)."""
     from torchvision.transforms import v2
 
-    from dlojz_lib.data.transforms import fixed_size_train_transform
+    from dlojz_lib.data.augment import fixed_size_train_transform
 
     cfg = resolve_config(get_args_parser().parse_args([*BASE, *flags]))
     (randaugment,) = [t for t in fixed_size_train_transform(cfg, 32).transforms if isinstance(t, v2.RandAugment)]
@@ -188,7 +189,7 @@ def test_randaugment_mstd_draws_each_op_s_magnitude_around_m():
 
 
 def test_noisy_randaugment_s_finer_bins_are_torchvision_s_bins():
-    from dlojz_lib.data.transforms import NoisyRandAugment
+    from dlojz_lib.data.augment import NoisyRandAugment
 
     fine = NoisyRandAugment.MAX * NoisyRandAugment.BINS_PER_STEP + 1
     for name, (magnitudes, _) in NoisyRandAugment._AUGMENTATION_SPACE.items():

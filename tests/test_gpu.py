@@ -726,7 +726,8 @@ def test_dali_decodes_on_the_gpu_into_the_loop(tmp_path):
 def test_dali_batches_are_on_the_gpu_in_channels_last(tmp_path):
     pytest.importorskip("nvidia.dali", reason="DALI is not installed on this node (pip install nvidia-dali-cuda130)")
     from dlojz_lib.data.dali import DaliBatches, DaliSettings, train_pipeline
-    from dlojz_lib.data.datasets import EpochSampler, build_datasets
+    from dlojz_lib.data.datasets import build_datasets
+    from dlojz_lib.data.samplers import EpochSampler
     from dlojz_lib.data.embedded import make_embedded_dataset
     from dlojz_lib.data.prefetch import DeviceNormalize
 

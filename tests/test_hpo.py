@@ -211,7 +211,7 @@ def test_usr2_and_no_requeue_stop_without_requeue(monkeypatch, capsys):
 def test_dataloader_workers_survive_usr2():
     # srun passes a signal to every process of the step: a DataLoader worker must not die of the pruner's USR2.
     code = (
-        "import os, signal, time, dlojz_lib.data.datasets; dlojz_lib.data.datasets._worker_init(0, os.getppid()); os.kill(os.getpid(), signal.SIGUSR2); "
+        "import os, signal, time, dlojz_lib.data.loaders; dlojz_lib.data.loaders._worker_init(0, os.getppid()); os.kill(os.getpid(), signal.SIGUSR2); "
         "time.sleep(0.2); print('alive')"
     )
     proc = subprocess.run(

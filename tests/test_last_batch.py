@@ -4,7 +4,7 @@ on any number of ranks; validation keeps every image."""
 import pytest
 
 from conftest import SMALL, read_json, run_dlojz, show
-from dlojz_lib.data.datasets import EpochSampler
+from dlojz_lib.data.samplers import EpochSampler
 
 
 @pytest.mark.parametrize(

@@ -211,7 +211,7 @@ class Targets:
 
 
 def test_the_balanced_sampler_draws_every_class_equally_the_same_on_every_rank_and_after_a_resume():
-    from dlojz_lib.data.datasets import BalancedEpochSampler
+    from dlojz_lib.data.samplers import BalancedEpochSampler
 
     data = Targets([0] * 40 + [1] * 12 + [2] * 3 + [3] * 5)  # 60 images, shuffled classes don't matter
     one = BalancedEpochSampler(data, 1, 0, seed=7)

@@ -614,7 +614,7 @@ def test_a_resume_on_other_ranks_and_batches_goes_on_at_the_first_unseen_image(b
     """The samplers of a run stopped after 4 batches, then those of its resume on another number of ranks and batch
     size, skipping as restore() says (`state.batch` of the new setting): every image of the epoch is trained once,
     none skipped, none twice (the 4 batches fill whole batches of the new setting)."""
-    from dlojz_lib.data.datasets import EpochSampler
+    from dlojz_lib.data.samplers import EpochSampler
 
     images = list(range(96))
     (ranks, batch), (new_ranks, new_batch) = before, after

@@ -1,4 +1,4 @@
-"""Data sets and DataLoaders for dlojz.py.
+"""The data sets of dlojz.py: where the data is, its layouts read as data sets, validation splits, class counts.
 
 - `resolve_data_root(arg)`: --data-root, then $DLOJZ_DATA, $ALL_CCFRSCRATCH/imagenet, $DSDIR/imagenet, else the
   embedded data set (dlojz_lib/data/embedded.py, generated once into the cache folder).
@@ -7,24 +7,16 @@
   by their manifest; `PackedImages`, read by index), as dlojz_lib/data/layout.py finds and lists them. Unreadable
   samples are skipped with a warning naming them.
 - `select_train_subset(dataset, spec)`: --train-subset, a fixed stratified part of the training set.
-- `EpochSampler` / `ShardSampler`: the training sampler (DistributedSampler order, resumable mid-epoch) and the
-  validation sampler (each image on exactly one rank, no padding), both yielding (epoch, index) pairs so that the
-  random augmentation of a sample depends only on (seed, epoch, index): identical whatever the number of workers
-  and after a resume.
-- `SyntheticLoader`: one random batch made once on the device, served N times (compute-only benchmark).
-- `measure_loader(...)`: `--loader-only`, the DataLoader's images/s alone (no model), per process and per worker.
+- The samplers that pick their indices are dlojz_lib/data/samplers.py's, the DataLoaders dlojz_lib/data/loaders.py's.
 
 Every bad input raises `DataError` with a one-line message that dlojz.py prints.
 """
 
 import collections
 import copy
-import functools
-import math
 import os
 import random
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -85,7 +77,7 @@ class SeededSamples:
             # per sample. The transforms draw from these two generators only.
             torch.default_generator.manual_seed(sample_seed)
             random.seed(sample_seed)
-            # Progressive resizing: the transform of this sample's epoch (dlojz_lib.data.transforms.EpochTransforms).
+            # Progressive resizing: the transform of this sample's epoch (dlojz_lib.data.augment.EpochTransforms).
             transform = self.transform.for_epoch(epoch) if hasattr(self.transform, "for_epoch") else self.transform
             try:
                 return transform(self.load(i)), self.samples[i][1]
@@ -431,236 +423,3 @@ def build_packed_datasets(root, train_transform, val_transform, seed=0):
     train_set.notes, val_set.notes = class_balance_notes(train_set.targets, train_set.shards.class_names), []
     val_set.unreadable_as_missing = True
     return train_set, val_set, train_set.shards.class_names, layout
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Samplers
-class EpochSampler(torch.utils.data.DistributedSampler):
-    """DistributedSampler that yields (epoch, index) and can start mid-epoch (`skip` samples already seen).
-
-    The last, incomplete batch is kept (every image trains every epoch, the step count is the ceiling), except when
-    it would hold a single image: BatchNorm cannot normalise a batch of one in training, and one extra file in a
-    data set would crash the epoch. That image then waits for the next epoch, where the shuffle puts it elsewhere;
-    every rank has the same share, so all of them leave it out together. `batch_size`: the per-rank (micro-)batch."""
-
-    def __init__(self, dataset, num_replicas, rank, shuffle=True, seed=0, drop_last=False, batch_size=None):
-        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed, drop_last=drop_last)
-        self.skip = 0
-        alone = batch_size and batch_size > 1 and self.num_samples > 1 and self.num_samples % batch_size == 1
-        self.trained = self.num_samples - 1 if alone and not drop_last else self.num_samples
-
-    def __iter__(self):
-        indices = self.rank_indices()[: self.trained][self.skip :]
-        return iter([(self.epoch, i) for i in indices])
-
-    def rank_indices(self):
-        """This rank's share of the epoch's order: DistributedSampler's shuffle of every image once."""
-        return list(super().__iter__())
-
-    def __len__(self):
-        return self.trained - self.skip
-
-
-class RepeatedAugmentationSampler(EpochSampler):
-    """--ra-reps N: repeated augmentation (torchvision's RASampler, the "v2" recipes'): the epoch's shuffled order
-    with each image N times in a row, dealt out to the ranks in turn, so that its N copies go to N different ranks
-    (with N ranks or more) in the same step, each under its own augmentation (the sample key carries the copy).
-    Each rank gets as many samples as EpochSampler gives it (the same steps per epoch): an epoch sees about 1/N of
-    the distinct images, N times each. Resumes and ranks as EpochSampler (the order comes from seed and epoch)."""
-
-    def __init__(self, dataset, num_replicas, rank, reps, seed=0, drop_last=False, batch_size=None):
-        super().__init__(
-            dataset, num_replicas, rank, shuffle=True, seed=seed, drop_last=drop_last, batch_size=batch_size
-        )
-        self.reps = reps
-
-    def epoch_draws(self):
-        """Every rank's (index, copy) draws of this epoch, before they are dealt out."""
-        generator = torch.Generator()
-        generator.manual_seed(self.seed + self.epoch)
-        order = torch.randperm(len(self.dataset), generator=generator).tolist()
-        return [(i, copy) for i in order for copy in range(self.reps)]
-
-    def __iter__(self):
-        draws = self.epoch_draws()[self.rank :: self.num_replicas][: self.trained][self.skip :]
-        return iter([(self.epoch, i, copy) for i, copy in draws])
-
-
-class BalancedEpochSampler(EpochSampler):
-    """--balanced-sampler: an epoch of as many draws as the data set has images (the same steps per epoch), every
-    class drawn equally often (the remainder to classes chosen at random), each class's images repeated as evenly
-    as its quota allows (random orders of the class, one after the other), the whole then shuffled. The epoch's
-    order comes from (seed, epoch) alone, the same on every rank, which takes every W-th draw as DistributedSampler
-    does: exact across ranks, and a resumed run skips what it has done as with EpochSampler."""
-
-    def __init__(self, dataset, num_replicas, rank, seed=0, drop_last=False, batch_size=None):
-        super().__init__(
-            dataset, num_replicas, rank, shuffle=True, seed=seed, drop_last=drop_last, batch_size=batch_size
-        )
-        targets = torch.as_tensor(dataset.targets)
-        self.class_ids = targets.unique().tolist()  # the classes with training images
-        self.by_class = [torch.nonzero(targets == c).flatten() for c in self.class_ids]  # their images
-
-    def epoch_draws(self):
-        """Every rank's draws of this epoch (`total_size` image indices), before they are dealt out."""
-        generator = torch.Generator()
-        generator.manual_seed(self.seed + self.epoch)
-        n_classes = len(self.by_class)
-        quota = torch.full((n_classes,), self.total_size // n_classes)
-        quota[torch.randperm(n_classes, generator=generator)[: self.total_size % n_classes]] += 1
-        drawn = []
-        for images, wanted in zip(self.by_class, quota.tolist()):
-            rounds = -(-wanted // len(images))
-            order = torch.cat([torch.randperm(len(images), generator=generator) for _ in range(rounds)])
-            drawn.append(images[order[:wanted]])
-        drawn = torch.cat(drawn)
-        return drawn[torch.randperm(len(drawn), generator=generator)].tolist()
-
-    def rank_indices(self):
-        return self.epoch_draws()[self.rank : self.total_size : self.num_replicas]
-
-
-class ShardSampler(torch.utils.data.Sampler):
-    """Validation: rank r gets images r, r+W, r+2W... Every image counted once, none twice (no padding)."""
-
-    def __init__(self, dataset, num_replicas, rank):
-        self.indices = range(rank, len(dataset), num_replicas)
-
-    def __iter__(self):
-        return iter([(0, i) for i in self.indices])
-
-    def __len__(self):
-        return len(self.indices)
-
-
-def _worker_init(_, parent):
-    # Slurm's preemption signal reaches every process of the step, and a terminal's Ctrl-C every process of its
-    # group: the workers must not die of them, the main process handles them (finishes the step, checkpoints).
-    import signal
-
-    for signum in (signal.SIGUSR1, signal.SIGTERM, signal.SIGUSR2, signal.SIGHUP, signal.SIGINT):
-        signal.signal(signum, signal.SIG_IGN)
-    die_with_parent(parent)
-    torch.set_num_threads(1)
-
-
-def die_with_parent(parent):
-    """A worker ends within a second of the main process `parent` (SIGKILL, the OOM killer): never an orphan holding
-    its memory. A thread watching that pid: the worker's own parent may be multiprocessing's fork server, not the
-    main process, so neither its parent pid nor Linux's PR_SET_PDEATHSIG tells when the main process dies."""
-    import threading
-
-    def watch():
-        while True:
-            time.sleep(1.0)
-            try:
-                os.kill(parent, 0)  # signal 0: only asks whether the process exists
-            except ProcessLookupError:
-                os._exit(0)
-            except PermissionError:  # exists, another user's (a reused pid): nothing to watch any more
-                return
-
-    threading.Thread(target=watch, name="dlojz-parent-watch", daemon=True).start()
-
-
-def close_loader(loader):
-    """Stop a DataLoader's persistent workers now. They ignore SIGTERM (so that Slurm's SIGTERM lets the main
-    process checkpoint), hence they must not be left for the interpreter's exit, which would wait for them forever."""
-    iterator = getattr(loader, "_iterator", None)
-    if iterator is not None and hasattr(iterator, "_shutdown_workers"):
-        iterator._shutdown_workers()
-    if hasattr(loader, "_iterator"):
-        loader._iterator = None
-
-
-def make_loader(dataset, sampler, batch_size, num_workers, pin_memory, persistent_workers, prefetch_factor, drop_last):
-    workers_opts = {}
-    if num_workers > 0:
-        workers_opts = dict(
-            persistent_workers=persistent_workers,
-            prefetch_factor=prefetch_factor,
-            worker_init_fn=functools.partial(_worker_init, parent=os.getpid()),
-        )
-    return torch.utils.data.DataLoader(
-        dataset,
-        batch_size=batch_size,
-        sampler=sampler,
-        num_workers=num_workers,
-        pin_memory=pin_memory,
-        drop_last=drop_last,
-        **workers_opts,
-    )
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Synthetic data: no disk, no decoding
-class SyntheticLoader:
-    """Serves one random, already normalised batch on the device `num_batches` times (like DLE's synthetic)."""
-
-    def __init__(
-        self,
-        num_images,
-        batch_size,
-        image_size,
-        num_classes,
-        device,
-        channels_last,
-        num_replicas=1,
-        drop_last=False,
-        seed=0,
-    ):
-        gen = torch.Generator().manual_seed(seed)
-        images = torch.randn(batch_size, 3, image_size, image_size, generator=gen)
-        self.labels = torch.randint(0, num_classes, (batch_size,), generator=gen).to(device)
-        memory_format = torch.channels_last if channels_last else torch.contiguous_format
-        self.images = images.to(device).contiguous(memory_format=memory_format)
-        per_rank = num_images // num_replicas
-        self.num_batches = per_rank // batch_size if drop_last else math.ceil(per_rank / batch_size)
-        self.skip = 0
-
-    def __iter__(self):
-        for _ in range(self.num_batches - self.skip):
-            yield self.images, self.labels
-
-    def __len__(self):
-        return self.num_batches - self.skip
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# --loader-only
-def measure_loader(loader, sampler, nsteps, num_workers, all_gather=None, log=print):
-    """Images/s of the DataLoader alone over `nsteps` batches after the workers' start-up, summed over the ranks
-    (`all_gather(obj) -> list`, None for one process). Returns the metrics of --loader-only."""
-    # Not the steady state: the workers' start-up, and the batches they made meanwhile (num_workers x
-    # prefetch_factor wait ready at the start: timed, they would inflate the rate).
-    stock = num_workers * (getattr(loader, "prefetch_factor", None) or 0)
-    warmup = max(1, min(10, nsteps // 5), stock)
-    images, epoch, t0, done = 0, 0, None, 0
-    while done < warmup + nsteps:
-        sampler.set_epoch(epoch)
-        for batch_images, _ in loader:
-            done += 1
-            if done == warmup:
-                t0 = time.perf_counter()
-            elif done > warmup:
-                images += batch_images.shape[0]
-            if done >= warmup + nsteps:
-                break
-        epoch += 1
-    rate = images / (time.perf_counter() - t0)
-    total = sum(all_gather(rate)) if all_gather else rate
-    per_worker = rate / num_workers if num_workers else rate
-    log(
-        f">>> DataLoader alone: {rate:.1f} images/s per process ({per_worker:.1f} per worker, {num_workers} workers), "
-        f"{total:.1f} images/s for all processes, over {nsteps} batches after {warmup} warm-up batches"
-    )
-    log(
-        f">>> A GPU eating 2,500 images/s (ResNet-50, AMP, A100) needs about {math.ceil(2500 / per_worker)} such workers"
-    )
-    return dict(
-        loader_images_per_second=total,
-        loader_images_per_second_per_process=rate,
-        loader_images_per_second_per_worker=per_worker,
-        loader_batches=nsteps,
-        num_workers=num_workers,
-    )

@@ -2,41 +2,177 @@
 JPEG crops decoded by the workers, normalised on the device, a CUDA prefetcher), DALI's pipelines
 (`--data-backend dali`) or the synthetic loaders (`--synthetic`), all behind one `Loaders` record. `LOADERS` lists
 the DataLoaders whose workers dlojz.cli() stops before the process exits. `build_data` finds the data sets first
-(--data-root, the variables, else the embedded one).
+(--data-root, the variables, else the embedded one). The DataLoader's plumbing (its workers' signals and
+end, `--loader-only`'s measure) and the synthetic loader are here too.
 """
 
 import copy
 import dataclasses
+import functools
 import math
+import os
+import time
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
 from dlojz_lib.checks import fail
 from dlojz_lib.data import IMAGENET_TRAIN_IMAGES, IMAGENET_VAL_IMAGES
-from dlojz_lib.data.embedded import embedded_dataset_root
+from dlojz_lib.data.augment import train_transform
 from dlojz_lib.data.datasets import (
-    BalancedEpochSampler,
-    EpochSampler,
-    RepeatedAugmentationSampler,
-    ShardSampler,
-    SyntheticLoader,
-    build_datasets,
-    make_loader,
-    resolve_data_root,
     VAL_SPLIT_FILE,
+    build_datasets,
     class_counts,
     class_counts_line,
     read_val_split,
+    resolve_data_root,
     select_train_subset,
     write_val_split,
 )
+from dlojz_lib.data.embedded import embedded_dataset_root
 from dlojz_lib.data.prefetch import DeviceNormalize, DevicePrefetcher
-from dlojz_lib.data.transforms import IMAGENET_MEAN, IMAGENET_STD, ValTransform, decoder_description, train_transform
+from dlojz_lib.data.samplers import BalancedEpochSampler, EpochSampler, RepeatedAugmentationSampler, ShardSampler
+from dlojz_lib.data.transforms import IMAGENET_MEAN, IMAGENET_STD, ValTransform, decoder_description
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The DataLoader's plumbing
+def _worker_init(_, parent):
+    # Slurm's preemption signal reaches every process of the step, and a terminal's Ctrl-C every process of its
+    # group: the workers must not die of them, the main process handles them (finishes the step, checkpoints).
+    import signal
+
+    for signum in (signal.SIGUSR1, signal.SIGTERM, signal.SIGUSR2, signal.SIGHUP, signal.SIGINT):
+        signal.signal(signum, signal.SIG_IGN)
+    die_with_parent(parent)
+    torch.set_num_threads(1)
+
+
+def die_with_parent(parent):
+    """A worker ends within a second of the main process `parent` (SIGKILL, the OOM killer): never an orphan holding
+    its memory. A thread watching that pid: the worker's own parent may be multiprocessing's fork server, not the
+    main process, so neither its parent pid nor Linux's PR_SET_PDEATHSIG tells when the main process dies."""
+    import threading
+
+    def watch():
+        while True:
+            time.sleep(1.0)
+            try:
+                os.kill(parent, 0)  # signal 0: only asks whether the process exists
+            except ProcessLookupError:
+                os._exit(0)
+            except PermissionError:  # exists, another user's (a reused pid): nothing to watch any more
+                return
+
+    threading.Thread(target=watch, name="dlojz-parent-watch", daemon=True).start()
+
+
+def close_loader(loader):
+    """Stop a DataLoader's persistent workers now. They ignore SIGTERM (so that Slurm's SIGTERM lets the main
+    process checkpoint), hence they must not be left for the interpreter's exit, which would wait for them forever."""
+    iterator = getattr(loader, "_iterator", None)
+    if iterator is not None and hasattr(iterator, "_shutdown_workers"):
+        iterator._shutdown_workers()
+    if hasattr(loader, "_iterator"):
+        loader._iterator = None
+
+
+def make_loader(dataset, sampler, batch_size, num_workers, pin_memory, persistent_workers, prefetch_factor, drop_last):
+    workers_opts = {}
+    if num_workers > 0:
+        workers_opts = dict(
+            persistent_workers=persistent_workers,
+            prefetch_factor=prefetch_factor,
+            worker_init_fn=functools.partial(_worker_init, parent=os.getpid()),
+        )
+    return torch.utils.data.DataLoader(
+        dataset,
+        batch_size=batch_size,
+        sampler=sampler,
+        num_workers=num_workers,
+        pin_memory=pin_memory,
+        drop_last=drop_last,
+        **workers_opts,
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Synthetic data: no disk, no decoding
+class SyntheticLoader:
+    """Serves one random, already normalised batch on the device `num_batches` times (like DLE's synthetic)."""
+
+    def __init__(
+        self,
+        num_images,
+        batch_size,
+        image_size,
+        num_classes,
+        device,
+        channels_last,
+        num_replicas=1,
+        drop_last=False,
+        seed=0,
+    ):
+        gen = torch.Generator().manual_seed(seed)
+        images = torch.randn(batch_size, 3, image_size, image_size, generator=gen)
+        self.labels = torch.randint(0, num_classes, (batch_size,), generator=gen).to(device)
+        memory_format = torch.channels_last if channels_last else torch.contiguous_format
+        self.images = images.to(device).contiguous(memory_format=memory_format)
+        per_rank = num_images // num_replicas
+        self.num_batches = per_rank // batch_size if drop_last else math.ceil(per_rank / batch_size)
+        self.skip = 0
+
+    def __iter__(self):
+        for _ in range(self.num_batches - self.skip):
+            yield self.images, self.labels
+
+    def __len__(self):
+        return self.num_batches - self.skip
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# --loader-only
+def measure_loader(loader, sampler, nsteps, num_workers, all_gather=None, log=print):
+    """Images/s of the DataLoader alone over `nsteps` batches after the workers' start-up, summed over the ranks
+    (`all_gather(obj) -> list`, None for one process). Returns the metrics of --loader-only."""
+    # Not the steady state: the workers' start-up, and the batches they made meanwhile (num_workers x
+    # prefetch_factor wait ready at the start: timed, they would inflate the rate).
+    stock = num_workers * (getattr(loader, "prefetch_factor", None) or 0)
+    warmup = max(1, min(10, nsteps // 5), stock)
+    images, epoch, t0, done = 0, 0, None, 0
+    while done < warmup + nsteps:
+        sampler.set_epoch(epoch)
+        for batch_images, _ in loader:
+            done += 1
+            if done == warmup:
+                t0 = time.perf_counter()
+            elif done > warmup:
+                images += batch_images.shape[0]
+            if done >= warmup + nsteps:
+                break
+        epoch += 1
+    rate = images / (time.perf_counter() - t0)
+    total = sum(all_gather(rate)) if all_gather else rate
+    per_worker = rate / num_workers if num_workers else rate
+    log(
+        f">>> DataLoader alone: {rate:.1f} images/s per process ({per_worker:.1f} per worker, {num_workers} workers), "
+        f"{total:.1f} images/s for all processes, over {nsteps} batches after {warmup} warm-up batches"
+    )
+    log(
+        f">>> A GPU eating 2,500 images/s (ResNet-50, AMP, A100) needs about {math.ceil(2500 / per_worker)} such workers"
+    )
+    return dict(
+        loader_images_per_second=total,
+        loader_images_per_second_per_process=rate,
+        loader_images_per_second_per_worker=per_worker,
+        loader_batches=nsteps,
+        num_workers=num_workers,
+    )
 
 
 SYNTHETIC_CLASSES = 1000  # --synthetic: ImageNet's
-LOADERS = []  # DataLoaders whose workers cli() stops before exiting (see dlojz_lib.data.datasets.close_loader)
+LOADERS = []  # DataLoaders whose workers cli() stops before exiting (see close_loader)
 
 
 @dataclasses.dataclass

@@ -1,0 +1,116 @@
+"""The augmentations of dlojz's flags around the fast crop and flip of dlojz_lib/data/transforms.py: the training
+transform a run gets (`train_transform`: the crop and flip, then --randaugment, --trivialaugment, --autoaugment,
+--augmix or --random-erase, torchvision v2 on the uint8 crop), progressive resizing's resolution per epoch
+(--min-res/--max-res, FFCV's), timm's RandAugment with a noisy magnitude, and MixUp/CutMix on the device batch
+(`batch_mixing`). An augmentation is a flag in dlojz_lib/flags.py's "augmentation" group and a line in
+`fixed_size_train_transform` here (a policy also joins flags.py's `augmentation_policies`: one at a time).
+"""
+
+from __future__ import annotations
+
+import torch
+from torchvision.transforms import v2
+
+from dlojz_lib.data.transforms import TrainTransform
+
+
+def resolution_at(epoch, min_res, max_res, start_ramp, end_ramp, res_step):
+    """FFCV's progressive resizing: `min_res` up to epoch `start_ramp`, `max_res` from `end_ramp`, linear in
+    between, rounded to a multiple of `res_step` (epochs counted from 0, as FFCV counts them)."""
+    if epoch <= start_ramp:
+        return min_res
+    if epoch >= end_ramp:
+        return max_res
+    res = min_res + (max_res - min_res) * (epoch - start_ramp) / (end_ramp - start_ramp)
+    return int(round(res / res_step)) * res_step
+
+
+def training_resolution(cfg, epoch):
+    """The crop size of epoch `epoch`: --image-size, or the progressive resizing schedule's."""
+    if cfg.min_res is None:
+        return cfg.image_size
+    return resolution_at(epoch, cfg.min_res, cfg.max_res, cfg.start_ramp, cfg.end_ramp, cfg.res_step)
+
+
+class EpochTransforms:
+    """A transform per training resolution: the data set asks `for_epoch(epoch)` with the epoch of each sample's
+    key, so that every worker (persistent ones too) and a run resumed mid-epoch crop at that epoch's resolution.
+    The batch size stays the same; each new size is built once per worker."""
+
+    def __init__(self, make, resolution):
+        self.make, self.resolution = make, resolution
+        self._by_size = {}
+
+    def for_epoch(self, epoch):
+        size = self.resolution(epoch)
+        if size not in self._by_size:
+            self._by_size[size] = self.make(size)
+        return self._by_size[size]
+
+    def __call__(self, img):  # a sample without an epoch: epoch 0
+        return self.for_epoch(0)(img)
+
+
+def train_transform(cfg):
+    """The fast crop + flip above, then the optional policies (torchvision v2, on uint8 tensors); with progressive
+    resizing (--min-res/--max-res), one such transform per epoch's resolution."""
+    if cfg.min_res is not None:
+        return EpochTransforms(
+            lambda size: fixed_size_train_transform(cfg, size), lambda epoch: training_resolution(cfg, epoch)
+        )
+    return fixed_size_train_transform(cfg, cfg.image_size)
+
+
+def fixed_size_train_transform(cfg, image_size):
+    extra = []
+    if cfg.randaugment:
+        num_ops, magnitude = cfg.randaugment
+        if cfg.randaugment_mstd:
+            extra.append(NoisyRandAugment(num_ops, magnitude, cfg.randaugment_mstd))
+        else:
+            extra.append(v2.RandAugment(num_ops=num_ops, magnitude=magnitude))
+    if cfg.trivialaugment:
+        extra.append(v2.TrivialAugmentWide())
+    if cfg.autoaugment:
+        extra.append(v2.AutoAugment(policy=v2.AutoAugmentPolicy(cfg.autoaugment)))
+    if cfg.augmix:
+        extra.append(v2.AugMix(severity=cfg.augmix))
+    if cfg.random_erase > 0:
+        extra.append(v2.RandomErasing(p=cfg.random_erase))
+    crop_flip = TrainTransform(image_size)
+    return v2.Compose([crop_flip, *extra]) if extra else crop_flip
+
+
+class NoisyRandAugment(v2.RandAugment):
+    """torchvision's RandAugment whose magnitude is drawn for each op from a normal law around M (timm's
+    ``mstd``), clipped to the 0-30 scale. The same ranges over 301 bins instead of 31 give the drawn magnitude a
+    tenth of a bin's resolution (bin 10 x M of 301 is bin M of 31, posterize's bits included). torchvision's ranges
+    are already timm's "increasing" ones (a larger magnitude, a stronger op)."""
+
+    BINS_PER_STEP = 10
+    MAX = 30
+
+    def __init__(self, num_ops, magnitude, std):
+        self.std = std
+        super().__init__(num_ops=num_ops, magnitude=magnitude, num_magnitude_bins=self.MAX * self.BINS_PER_STEP + 1)
+
+    @property
+    def magnitude(self):  # RandAugment.forward reads it once for each op that has a magnitude
+        drawn = self.mean + self.std * float(torch.randn(()))  # torch's generator: the sample's seed decides
+        return min(max(round(drawn * self.BINS_PER_STEP), 0), self.MAX * self.BINS_PER_STEP)
+
+    @magnitude.setter
+    def magnitude(self, value):
+        self.mean = value
+
+
+def batch_mixing(cfg, num_classes):
+    """MixUp and/or CutMix on the device batch (soft labels), or None."""
+    mixes = []
+    if cfg.mixup_alpha > 0:
+        mixes.append(v2.MixUp(alpha=cfg.mixup_alpha, num_classes=num_classes))
+    if cfg.cutmix_alpha > 0:
+        mixes.append(v2.CutMix(alpha=cfg.cutmix_alpha, num_classes=num_classes))
+    if not mixes:
+        return None
+    return mixes[0] if len(mixes) == 1 else v2.RandomChoice(mixes)
