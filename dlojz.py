@@ -37,14 +37,12 @@ import torch
 import torch.distributed as dist
 
 import dlojz_lib.checkpoint as ckpt
-from dlojz_lib.optim.losses import soft_target_accuracy
-from dlojz_lib.optim.training import build_training
+from dlojz_lib.checks import DataError, UserError
 from dlojz_lib.chrono import Chronometer
 from dlojz_lib.config import load_idr_torch, resolve_config
-from dlojz_lib.flags import VALIDATION_METRICS, check_flags, get_args_parser
-from dlojz_lib.checks import DataError, UserError
+from dlojz_lib.data.augment import training_resolution
 from dlojz_lib.data.datasets import class_counts
-from dlojz_lib.data.loaders import close_loader, measure_loader
+from dlojz_lib.data.loaders import LOADERS, build_data, build_loaders, close_loader, measure_loader
 from dlojz_lib.dist import (
     INTERRUPTED,
     RequeueFailed,
@@ -58,16 +56,14 @@ from dlojz_lib.dist import (
     requeue,
     setup_distributed,
 )
+from dlojz_lib.flags import VALIDATION_METRICS, check_flags, get_args_parser
 from dlojz_lib.hooks import LoopHooks, make_profiler
-from dlojz_lib.metrics import summary as class_summary
-from dlojz_lib.metrics import write_per_class, write_predictions
-from dlojz_lib.data.loaders import LOADERS, build_data, build_loaders
 from dlojz_lib.log import (
     LOG_EVERY,
     Console,
     NoWandb,
-    announce_run,
     Progress,
+    announce_run,
     append_json_line,
     chrono_context,
     finish,
@@ -76,6 +72,11 @@ from dlojz_lib.log import (
     write_json,
     write_lr_finder,
 )
+from dlojz_lib.metrics import summary as class_summary
+from dlojz_lib.metrics import write_per_class, write_predictions
+from dlojz_lib.optim.losses import soft_target_accuracy
+from dlojz_lib.optim.training import build_training
+from dlojz_lib.parallel import build_model, state_bytes_per_rank
 from dlojz_lib.resume import (
     check_checkpoints_written,
     claim_output_dir,
@@ -86,9 +87,7 @@ from dlojz_lib.resume import (
     restore,
     save_epoch_checkpoint,
 )
-from dlojz_lib.parallel import build_model, state_bytes_per_rank
 from dlojz_lib.watchdog import Watchdog
-from dlojz_lib.data.augment import training_resolution
 
 idr_torch = load_idr_torch()
 TEST_VAL_BATCHES = 20  # --test validates on this many batches

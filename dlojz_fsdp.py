@@ -19,6 +19,7 @@ def consolidate(source, target):
     """Write `target`: the ordinary checkpoint (dlojz_lib.checkpoint's .pt) that a run without --fsdp would have
     written at the same point, from the sharded checkpoint folder `source`. One process reads every shard."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
     import dlojz_lib.optim.optimizers as optim
     from dlojz_lib.fsdp import set_optimizer_state
     from dlojz_lib.model import apply_blurpool, create_model

@@ -64,6 +64,7 @@ def main(argv=None):
     # torch and the pipelines after the flags: bad input is one line in a tenth of a second, not after torch's import
     import torch
     from bench_loader import default_cache_dir, measure, resolve_train_folder, warm_page_cache
+
     from dlojz_lib.data.datasets import PackedImages, SafeImageFolder
     from dlojz_lib.data.transforms import TrainTransform, lazy_image_loader
     from dlojz_lib.pack.writer import pack

@@ -57,8 +57,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 from dlojz_lib.checks import OneLineArgumentParser  # noqa: E402
-from dlojz_lib.flags import COUNT, PIXELS, POSITIVE, WHOLE  # noqa: E402
 from dlojz_lib.data import IMAGENET_TRAIN_IMAGES  # noqa: E402  (the size of dlojz's synthetic epoch)
+from dlojz_lib.flags import COUNT, PIXELS, POSITIVE, WHOLE  # noqa: E402
 
 TARGET_RATIO = 0.97
 WARMUP_STEPS = 10  # dlojz's LOG_EVERY: its first synchronised log point, where its steady-state timing starts
@@ -280,8 +280,9 @@ def onecycle_values(max_lr, total_steps, steps):
 def run_dlojz_short_epoch(steps, dlojz_argv):
     """dlojz's normal (non --test) training loop, its own train_one_epoch, over a synthetic epoch of `steps` batches
     (in_process.synthetic_loop), writing the metrics the driver reads."""
-    import dlojz
     from in_process import synthetic_loop
+
+    import dlojz
     from dlojz_lib.log import write_json
 
     loop = synthetic_loop(dlojz_argv, n_batches=steps)

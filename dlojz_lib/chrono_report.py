@@ -11,7 +11,6 @@ import numpy as np
 
 from dlojz_lib.checks import OneLineArgumentParser
 
-
 # Loading is "significant" above this share of the compute step: then the report prints one line of advice.
 LOAD_ADVICE_THRESHOLD = 0.05
 

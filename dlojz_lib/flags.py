@@ -13,7 +13,6 @@ from dlojz_lib.checks import OneLineArgumentParser, UserError, fail, missing_dat
 from dlojz_lib.optim import OPTIMIZER_TABLE
 from dlojz_lib.recipe import read_recipe
 
-
 # The accepted values of --optimizer (dlojz_lib.optim's table, torch-free) and --lr-scheduler.
 OPTIMIZERS = tuple(OPTIMIZER_TABLE)
 FUSED = tuple(name for name, row in OPTIMIZER_TABLE.items() if row.fused)  # with a fused step in torch

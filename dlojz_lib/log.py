@@ -24,8 +24,8 @@ from pathlib import Path
 import torch
 
 from dlojz_lib.flags import get_args_parser
-from dlojz_lib.recipe import recipe_text
 from dlojz_lib.model import peak_memory_bytes, plain_stages, saved_activation_bytes, train_flops_per_image
+from dlojz_lib.recipe import recipe_text
 
 LOG_EVERY = 10  # optimizer steps between W&B points and between the ranks' checks for a stop signal or a NaN loss
 # The files a run writes in its output folder under fixed names, beside its checkpoints

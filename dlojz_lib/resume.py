@@ -20,10 +20,10 @@ import torch.distributed as dist
 
 import dlojz_lib.checkpoint as ckpt
 import dlojz_lib.optim.optimizers as optim
-from dlojz_lib.optim.schedules import fast_forward
 from dlojz_lib.checks import UserError, fail
 from dlojz_lib.config import load_idr_torch
 from dlojz_lib.flags import CUDA_GRAPH_MODES, GRAPH_FREE_MODE
+from dlojz_lib.optim.schedules import fast_forward
 
 idr_torch = load_idr_torch()
 

@@ -2,11 +2,10 @@
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
-
-import signal
 from types import SimpleNamespace
 
 import pytest

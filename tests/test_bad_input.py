@@ -11,11 +11,11 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from PIL import Image
-
 from conftest import ROOT, SMALL
-from dlojz_lib.checks import UserError, read_json, read_text
+from PIL import Image
 from test_dlojz import assert_one_line_error
+
+from dlojz_lib.checks import UserError, read_json, read_text
 
 
 # ---------------------------------------------------------------- side files: one guarded reader per kind
@@ -456,8 +456,9 @@ def test_every_number_option_of_the_siblings_and_benches_has_bounds_and_refuses_
     each value out of them is one line naming the option, exit status 2."""
     import argparse
 
-    from dlojz_lib.flags import Number
     from test_config import out_of_bounds
+
+    from dlojz_lib.flags import Number
 
     parser = parser_of(script, monkeypatch)
     monkeypatch.undo()  # the real parse_args again

@@ -4,12 +4,10 @@ import io
 import subprocess
 import sys
 
-import pytest
-
-from PIL import Image
-
 import preloaded
+import pytest
 from conftest import ROOT, clean_env, importtime
+from PIL import Image
 
 sys.path.insert(0, str(ROOT / "bench"))
 import bench_loader  # noqa: E402

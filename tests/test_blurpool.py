@@ -6,9 +6,9 @@ import copy
 import pytest
 import torch
 import torchvision
+from test_flag_effects import loop_for
 
 from dlojz_lib.model import BlurConv2d, MaxBlurPool2d, apply_blurpool, binomial_kernel, blur
-from test_flag_effects import loop_for
 
 
 def test_the_blur_is_the_binomial_kernel():

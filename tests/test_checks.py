@@ -4,10 +4,10 @@ written, a file name that is a folder, an input that cannot be read: one line na
 import os
 
 import pytest
-
 from conftest import SMALL
-from dlojz_lib.checks import UserError, check_output_file, check_output_folder
 from test_dlojz import assert_one_line_error
+
+from dlojz_lib.checks import UserError, check_output_file, check_output_folder
 
 
 def refused(check, path, flag="--x"):
@@ -103,7 +103,6 @@ def test_an_unreadable_split_folder_is_named(tiny_data, monkeypatch):
     from pathlib import Path
 
     from dlojz_lib.checks import DataError
-
     from dlojz_lib.data.layout import find_layout
 
     iterdir = Path.iterdir
@@ -205,8 +204,9 @@ def test_every_flag_of_dlojz_hpo_refuses_what_it_cannot_take(tmp_path, capsys):
     """The walk of test_config's, over dlojz_hpo.py's two commands: each option with a value has bounds or a reason."""
     import argparse
 
-    import dlojz_hpo
     from test_config import out_of_bounds
+
+    import dlojz_hpo
 
     parser = dlojz_hpo.get_parser()
     commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
@@ -238,7 +238,6 @@ def test_a_class_without_one_readable_training_image_is_refused(tmp_path):
     import shutil
 
     from dlojz_lib.checks import DataError
-
     from dlojz_lib.data.datasets import build_datasets
     from dlojz_lib.data.embedded import make_embedded_dataset
 

@@ -6,12 +6,12 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import ROOT, SMALL, clean_env
+from test_dlojz import assert_one_line_error
+
 from dlojz_lib.checks import UserError
 from dlojz_lib.config import resolve_config
 from dlojz_lib.flags import Number, get_args_parser
-from test_dlojz import assert_one_line_error
 
 
 def resolve(*flags):

@@ -5,9 +5,11 @@ and the one line when DALI is not installed. The GPU's "mixed" decoder runs in t
 import sys
 
 import numpy as np
+
+# DALI is in requirements.txt: a missing DALI fails here (ImportError), it is not skipped
+import nvidia.dali  # noqa: E402,F401
 import pytest
 import torch
-
 from conftest import SMALL, read_json, run_dlojz, show
 from test_packed_data import TINY, pack
 from test_transforms import (
@@ -20,13 +22,9 @@ from test_transforms import (
     reference_geometry,  # noqa: F401
 )
 
-# DALI is in requirements.txt: a missing DALI fails here (ImportError), it is not skipped
-import nvidia.dali  # noqa: E402,F401
-
 from dlojz_lib.data.dali import DaliBatches, DaliSettings, EncodedSamples, train_pipeline, val_pipeline  # noqa: E402
 from dlojz_lib.data.datasets import build_datasets  # noqa: E402
 from dlojz_lib.data.samplers import EpochSampler, ShardSampler  # noqa: E402
-
 
 ONE_THREAD = DaliSettings(threads=1, prefetch=2, hw_decoder_load=0.9, antialias=False)
 

@@ -224,6 +224,7 @@ def test_augmentation_is_the_same_for_any_number_of_workers(tiny_data):
 def test_loader_timing_starts_after_the_batches_prefetched_at_start_up():
     """3 workers x prefetch_factor 2: 6 batches are ready before the loop asks; timed, they would inflate the rate."""
     import time
+
     from dlojz_lib.data.loaders import measure_loader
 
     class Loader:

@@ -7,10 +7,9 @@ import shutil
 import subprocess
 import sys
 
+import preloaded
 import pytest
 import torch
-
-import preloaded
 from conftest import ROOT, SMALL, TINY, clean_env, read_json, run_dlojz, show
 
 TORCHRUN2 = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]

@@ -5,11 +5,11 @@ depth where the model has it."""
 import contextlib
 import dataclasses
 
+import conftest
 import pytest
 import torch
 import torchvision
 
-import conftest
 from dlojz_lib.checks import UserError
 from dlojz_lib.config import resolve_config
 from dlojz_lib.dist import Distribution
@@ -161,7 +161,6 @@ def test_a_fine_tuning_sharded_by_fsdp_on_two_ranks_keeps_the_backbone_then_trai
     """--initial-checkpoint is loaded before FSDP shards the model; the frozen epoch drops the sharded gradients of
     every block but the head's, and --layer-decay's groups are made of the sharded parameters."""
     import timm
-
     from conftest import run_dlojz, show
     from test_fsdp import BASE, weights
 
@@ -190,9 +189,10 @@ def test_frozen_layers_are_out_of_the_clip_s_norm_and_the_float16_scaler_s_overf
     """One optimizer step of the real loop, the backbone frozen, --clip-grad-norm: the head moves as plain SGD
     moves it with its own gradients clipped to its own norm (the backbone's gradients, made large, count for
     nothing), and an inf in a frozen gradient under float16 neither skips the step nor lowers the loss scale."""
+    from in_process import synthetic_loop
+
     import dlojz
     from dlojz_lib.data.loaders import SYNTHETIC_CLASSES
-    from in_process import synthetic_loop
 
     torch.manual_seed(0)
     torch.save(torchvision.models.resnet18(num_classes=SYNTHETIC_CLASSES).state_dict(), tmp_path / "w.pth")

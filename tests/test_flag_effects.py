@@ -5,9 +5,9 @@ hooks on the model see the batch and the activations it gets."""
 
 import pytest
 import torch
+from in_process import synthetic_loop
 
 import dlojz
-from in_process import synthetic_loop
 from dlojz_lib.config import resolve_config
 from dlojz_lib.flags import get_args_parser
 
@@ -138,8 +138,8 @@ def test_grad_checkpointing_trains_as_the_plain_model():
     ],
 )
 def test_augmentation_policies_change_the_crops(flags, tiny_data):
-    from dlojz_lib.data.datasets import build_datasets
     from dlojz_lib.data.augment import train_transform
+    from dlojz_lib.data.datasets import build_datasets
     from dlojz_lib.data.transforms import ValTransform
 
     def crops(*extra):

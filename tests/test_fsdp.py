@@ -11,12 +11,12 @@ import sys
 import pytest
 import torch
 import torch.distributed as dist
-
-import dlojz_lib.checkpoint as ckpt
 from conftest import ROOT, clean_env, read_json, run_dlojz, show
-from dlojz_lib.model import create_model
 from test_dlojz import assert_one_line_error
 from test_resume import start_ranks, wait_for_line
+
+import dlojz_lib.checkpoint as ckpt
+from dlojz_lib.model import create_model
 
 # A small vision transformer (timm's test_vit: no BatchNorm, no dropout). 72 training images: 5 steps of a global
 # batch of 16; 15 validation images in batches of 7: rank 0 has 2 batches, rank 1 one (8 and 7 images).
@@ -81,6 +81,7 @@ def consolidate_command(source, target):
 def consolidate_inline(source, target, capsys):
     """`python dlojz_fsdp.py consolidate SOURCE TARGET` in this process (no process group: one reader)."""
     from types import SimpleNamespace
+
     from dlojz_fsdp import main
 
     status = main(["consolidate", str(source), str(target)])
@@ -297,8 +298,9 @@ def test_reshard_after_forward_frees_the_gathered_parameters(flag, sharded):
 
 
 def sharded_gradients_between_micro_batches():
-    import dlojz
     from in_process import synthetic_loop
+
+    import dlojz
 
     loop = synthetic_loop(
         [

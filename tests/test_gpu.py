@@ -26,12 +26,12 @@ import math
 
 import pytest
 import torch
+from conftest import read_json, run_dlojz, show
+from in_process import synthetic_loop
 
 import dlojz
 import dlojz_lib.optim.optimizers
 from dlojz_lib.data.loaders import SYNTHETIC_CLASSES, synthetic_loaders
-from in_process import synthetic_loop
-from conftest import read_json, run_dlojz, show
 
 pytestmark = [
     pytest.mark.gpu,
@@ -175,11 +175,11 @@ def test_the_prefetcher_gives_the_same_batches_on_its_stream(tmp_path):
     on the GPU, equal to the same uint8 batches normalised on the CPU, even when the compute stream reads each one
     late."""
     from dlojz_lib.config import resolve_config
-    from dlojz_lib.flags import get_args_parser
     from dlojz_lib.data.embedded import make_embedded_dataset
-    from dlojz_lib.dist import Distribution
-    from dlojz_lib.log import Console
     from dlojz_lib.data.prefetch import DeviceNormalize, DevicePrefetcher
+    from dlojz_lib.dist import Distribution
+    from dlojz_lib.flags import get_args_parser
+    from dlojz_lib.log import Console
 
     root = make_embedded_dataset(tmp_path / "d", n_classes=3, train_per_class=16, val_per_class=4, size=(48, 40))
     got, reference = {}, None
@@ -496,8 +496,9 @@ def epoch_without_waits(loop, monkeypatch):
 def test_an_epoch_through_the_dataloader_and_prefetcher_never_waits_for_the_gpu(tmp_path, monkeypatch):
     """The same on images: DataLoader workers, pinned memory, the prefetcher's copy stream, normalisation on the GPU,
     MixUp, float16 with the GradScaler, BlurPool."""
-    from dlojz_lib.data.embedded import make_embedded_dataset
     from test_host_sync import loop_on_data
+
+    from dlojz_lib.data.embedded import make_embedded_dataset
 
     root = make_embedded_dataset(tmp_path / "d", n_classes=3, train_per_class=32, val_per_class=4, size=(48, 40))
     loop = loop_on_data(
@@ -727,9 +728,9 @@ def test_dali_batches_are_on_the_gpu_in_channels_last(tmp_path):
     pytest.importorskip("nvidia.dali", reason="DALI is not installed on this node (pip install nvidia-dali-cuda130)")
     from dlojz_lib.data.dali import DaliBatches, DaliSettings, train_pipeline
     from dlojz_lib.data.datasets import build_datasets
-    from dlojz_lib.data.samplers import EpochSampler
     from dlojz_lib.data.embedded import make_embedded_dataset
     from dlojz_lib.data.prefetch import DeviceNormalize
+    from dlojz_lib.data.samplers import EpochSampler
 
     data = make_embedded_dataset(tmp_path / "data", n_classes=3, train_per_class=16, val_per_class=2, size=(96, 80))
     train, _, _, _ = build_datasets(data, None, None)
@@ -840,8 +841,8 @@ def test_fsdp_on_two_gpus_trains_to_the_weights_of_ddp(tmp_path, tiny_data):
             launcher=TORCHRUN2,
         )
         assert proc.returncode == 0, show(proc)
-    from dlojz_fsdp import consolidate
     import dlojz_lib.checkpoint as ckpt
+    from dlojz_fsdp import consolidate
 
     sharded = ckpt.load_latest(out["fsdp"])[1]
     fsdp = torch.load(consolidate(sharded, tmp_path / "fsdp.pt"), weights_only=True)["model"]

@@ -4,12 +4,12 @@ for the GPU, a driver too old for the wheel's CUDA, emulated bfloat16; FLOPs and
 import sys
 import types
 
+import preloaded
 import pytest
 import torch
 import torchvision
 
 import dlojz_lib.config
-import preloaded
 from dlojz_lib.checks import UserError
 from dlojz_lib.config import check_autocast, local_device
 from dlojz_lib.model import saved_activation_bytes, train_flops_per_image

@@ -15,9 +15,14 @@ import contextlib
 import os
 import sys
 
+import preloaded
 import pytest
 import torch
 import torch.multiprocessing as mp
+from conftest import ROOT
+from in_process import synthetic_loop
+from test_flag_effects import BASE, loop_for
+from test_preemption import as_rank_of_two
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
@@ -25,13 +30,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 import dlojz
 import dlojz_lib.optim.optimizers
 import dlojz_lib.optim.training
-from conftest import ROOT
 from dlojz_lib.data.loaders import SYNTHETIC_CLASSES, synthetic_loaders
 from dlojz_lib.resume import TrainState
-from in_process import synthetic_loop
-import preloaded
-from test_flag_effects import BASE, loop_for
-from test_preemption import as_rank_of_two
 
 aten = torch.ops.aten
 

@@ -18,9 +18,8 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import optuna
-import pytest
-
 import preloaded
+import pytest
 from conftest import ROOT, SMALL, TINY, clean_env, read_json, run_dlojz, show
 from slurm_cluster import slurm_cluster  # noqa: F401  (the session fixture)
 

@@ -9,15 +9,14 @@ import socket
 import subprocess
 import sys
 
-import pytest
-
 import preloaded
+import pytest
 from conftest import ROOT, clean_env
 from test_packed_data import TINY
 
 import dlojz_lab  # noqa: E402
-import dlojz_lib.lab.sweep as sweeps  # noqa: E402
 import dlojz_lib.lab.report  # noqa: E402
+import dlojz_lib.lab.sweep as sweeps  # noqa: E402
 
 RUN = [*TINY, "--test", "--test-nsteps", "2"]
 

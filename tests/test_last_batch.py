@@ -2,8 +2,8 @@
 on any number of ranks; validation keeps every image."""
 
 import pytest
-
 from conftest import SMALL, read_json, run_dlojz, show
+
 from dlojz_lib.data.samplers import EpochSampler
 
 

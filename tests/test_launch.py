@@ -5,8 +5,8 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import ROOT, clean_env
+
 from dlojz_lib.launch import launch_problem, most_tasks_per_node
 
 SLURM = dict(

@@ -6,7 +6,6 @@ import base64
 import json
 
 import pytest
-
 from conftest import ROOT
 from slurm_cluster import slurm_cluster  # noqa: F401  (the session fixture)
 

@@ -4,8 +4,8 @@ run, kept in the output folder and reused by a resumed run and --eval-only)."""
 import shutil
 
 import pytest
-
 from conftest import SMALL
+
 from dlojz_lib.data.datasets import DataError, build_datasets
 
 TINY = [*SMALL, "--image-size", "16", "--val-resize-size", "18", "--val-crop-size", "16", "-b", "8"]
@@ -126,7 +126,6 @@ def test_balanced_accuracy_and_macro_f1_equal_a_direct_computation_from_the_pred
     """evaluate()'s confusion matrix, summed on the device, against the predictions written out and counted in
     Python; one unreadable image (label -100) counts nowhere."""
     import torch
-
     from test_race import FixedLogits, batches_of
     from test_race import evaluate as evaluate_batches
 

@@ -24,13 +24,12 @@ from PIL import Image
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-import dlojz_lib.pack.writer  # noqa: E402
 from conftest import importtime  # noqa: E402
+
+import dlojz_lib.pack.writer  # noqa: E402
 from dlojz_lib.checks import DataError  # noqa: E402
-from dlojz_lib.data.layout import IMG_EXTENSIONS  # noqa: E402
 from dlojz_lib.data.embedded import make_embedded_dataset  # noqa: E402
-from dlojz_lib.pack.writer import pack  # noqa: E402
-from dlojz_pack import main  # noqa: E402
+from dlojz_lib.data.layout import IMG_EXTENSIONS  # noqa: E402
 from dlojz_lib.data.shards import (  # noqa: E402
     MANIFEST,
     PackedSplit,
@@ -40,6 +39,8 @@ from dlojz_lib.data.shards import (  # noqa: E402
     check_shards,
     is_packed,
 )
+from dlojz_lib.pack.writer import pack  # noqa: E402
+from dlojz_pack import main  # noqa: E402
 
 SHARD_SIZE = "20KB"  # 3 samples of these tiny JPEGs per shard (a tar is padded to 10 KiB records): 12 train shards
 # webdataset's split of a member name into sample key and field (webdataset.tariterators.base_plus_ext)

@@ -6,10 +6,9 @@ with a warning naming shard and key."""
 import shutil
 import signal
 
+import conftest
 import pytest
 import torch
-
-import conftest
 from conftest import clean_env, read_json, run_dlojz, show
 from test_resume import RUN, final_weights, start, wait_for_line
 

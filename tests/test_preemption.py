@@ -11,15 +11,15 @@ import subprocess
 import sys
 import textwrap
 
+import preloaded
 import pytest
 import torch.multiprocessing as mp
+from conftest import ROOT, SMALL, clean_env, read_json
+from in_process import synthetic_loop
+from test_flag_effects import BASE
 
 import dlojz
 from dlojz_lib.data.loaders import SYNTHETIC_CLASSES, synthetic_loaders
-from in_process import synthetic_loop
-import preloaded
-from conftest import ROOT, SMALL, clean_env, read_json
-from test_flag_effects import BASE
 
 
 def signal_at_step(loop, step, name="SIGTERM"):

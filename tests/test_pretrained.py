@@ -7,8 +7,8 @@ import os
 import pytest
 import torch
 import torchvision
-
 from conftest import TINY, read_json
+
 from dlojz_lib.checks import UserError
 from dlojz_lib.config import resolve_config
 from dlojz_lib.dist import Distribution

@@ -6,11 +6,11 @@ import types
 
 import pytest
 import torch
+from conftest import SMALL, read_json
+from test_flag_effects import loop_for
 
 import dlojz
 import dlojz_lib.model
-from conftest import SMALL, read_json
-from test_flag_effects import loop_for
 
 
 class FixedLogits(torch.nn.Module):

@@ -4,8 +4,8 @@ naming the file and the key, and every recipe shipped in recipes/ parses and sta
 import math
 
 import pytest
-
 from conftest import ROOT, read_json
+
 from dlojz_lib.checks import UserError
 from dlojz_lib.config import resolve_config
 from dlojz_lib.flags import get_args_parser

@@ -10,12 +10,12 @@ import sys
 import time
 from pathlib import Path
 
+import preloaded
 import pytest
 import torch
+from conftest import ROOT, SMALL, TINY, clean_env, run_dlojz, show, start_dlojz
 
 import dlojz_lib.checkpoint
-import preloaded
-from conftest import ROOT, SMALL, TINY, clean_env, run_dlojz, show, start_dlojz
 
 # 240 train images, batch 16: 15 steps per epoch, long enough for a signal to land mid-run.
 RUN = [*SMALL, "-b", "16", "--epochs", "2", "--no-wandb", "--num-workers", "1"]

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import ROOT, SMALL
 
 import dlojz_lib.checkpoint as ckpt
-from conftest import ROOT, SMALL
 
 TINY = [*SMALL, "--image-size", "16", "--val-resize-size", "18", "--val-crop-size", "16", "-b", "8", "--no-wandb"]
 TINY += ["--num-workers", "0"]  # 72 train images: 9 steps an epoch

@@ -13,10 +13,10 @@ import time
 from pathlib import Path
 
 import pytest
-
-from dlojz_lib.data.embedded import EMBEDDED_NAME
 import slurm_cluster as cluster_module
 from slurm_cluster import slurm_cluster  # noqa: F401  (the session fixture)
+
+from dlojz_lib.data.embedded import EMBEDDED_NAME
 
 ROOT = Path(__file__).resolve().parent.parent
 SLURM_DIR = ROOT / "slurm"

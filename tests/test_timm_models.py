@@ -3,7 +3,6 @@ counts its FLOPs; a wrong name is one line with suggestions."""
 
 import pytest
 import torch
-
 from conftest import SMALL, read_json, run_dlojz, show
 
 RUN = [*SMALL, "-b", "8", "--no-wandb", "--num-workers", "0"]
@@ -77,8 +76,9 @@ def test_a_wrong_model_name_is_one_line(run_inline, tiny_data, tmp_path, arch, n
 def test_channels_last_bfloat16_and_ema_reach_a_timm_model():
     """In-process on --synthetic batches: the timm model's convolutions get channels-last inputs and weights and
     compute in bfloat16, and --model-ema's copy moves with the training."""
-    import dlojz
     from in_process import synthetic_loop
+
+    import dlojz
 
     loop = synthetic_loop(
         [

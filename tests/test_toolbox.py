@@ -6,7 +6,6 @@ import shutil
 
 import pytest
 import torch
-
 from conftest import SMALL, clean_env, read_json, run_dlojz, show
 from test_dlojz import assert_one_line_error
 

@@ -20,6 +20,8 @@ from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from test_jpeg import require_region_decoder  # noqa: E402
+
 import dlojz_lib.data.jpeg  # noqa: E402
 import dlojz_lib.data.transforms  # noqa: E402
 from dlojz_lib.data.prefetch import DeviceNormalize, DevicePrefetcher  # noqa: E402
@@ -33,7 +35,6 @@ from dlojz_lib.data.transforms import (
     lazy_image_loader,
     lazy_pil_loader,
 )
-from test_jpeg import require_region_decoder  # noqa: E402
 
 # ----------------------------------------------------------------------------------------------------------------
 # Helpers

@@ -7,17 +7,16 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import types
 
-import threading
-
+import preloaded
 import pytest
 import torch
-
-import preloaded
 from conftest import ROOT, SMALL, clean_env, read_json, start_dlojz
 from test_resume import start_ranks, wait_for_line
+
 from dlojz_lib.dist import Distribution
 from dlojz_lib.watchdog import HUNG_STATUS, Judge, Watchdog
 

@@ -20,7 +20,6 @@ import time
 from contextlib import redirect_stderr
 from pathlib import Path
 
-
 ROOT = Path(__file__).resolve().parents[2]  # the project: dlojz.py, slurm/
 RUNS = Path("runs")
 OWN_FLAGS = ("--output-dir", "--metrics-json", "--val-history")  # each run's, set by the lab

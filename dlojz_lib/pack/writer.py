@@ -53,10 +53,10 @@ from pathlib import Path
 
 import numpy as np
 
+from dlojz_lib.data.shards import FORMAT, FORMAT_VERSION, MANIFEST, PackError, pack_files, read_manifest
 from dlojz_lib.durable import atomic_write, fsync_folder
 from dlojz_lib.pack.plan import SHUFFLE_SEED, padded, plan_split
 from dlojz_lib.pack.source import SPLITS, class_names_of, list_source, listing_digest, stat_sizes
-from dlojz_lib.data.shards import FORMAT, FORMAT_VERSION, MANIFEST, PackError, pack_files, read_manifest
 
 DEFAULT_SHARD_SIZE = 10**9
 PROGRESS_EVERY = 5.0  # seconds between progress lines
