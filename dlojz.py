@@ -23,7 +23,7 @@ from datetime import timedelta
 from pathlib import Path
 
 if __name__ == "__main__":  # --help and every bad flag answer here, before the seconds that torch takes to import
-    from dlojz_lib.flags import check_command_line
+    from dlojz_lib.flag_checks import check_command_line
 
     check_command_line()
 
@@ -56,7 +56,8 @@ from dlojz_lib.dist import (
     requeue,
     setup_distributed,
 )
-from dlojz_lib.flags import VALIDATION_METRICS, check_flags, get_args_parser
+from dlojz_lib.flag_checks import check_flags
+from dlojz_lib.flags import VALIDATION_METRICS, get_args_parser
 from dlojz_lib.hooks import LoopHooks, make_profiler
 from dlojz_lib.log import (
     LOG_EVERY,

@@ -16,7 +16,8 @@ from datetime import datetime
 from pathlib import Path
 
 from dlojz_lib.checks import fail
-from dlojz_lib.flags import CUDA_GRAPH_MODES, FROM_TIMM, FUSED, check_data_variable, check_flags, get_args_parser
+from dlojz_lib.flag_checks import check_data_variable, check_flags
+from dlojz_lib.flags import CUDA_GRAPH_MODES, FROM_TIMM, FUSED, get_args_parser
 from dlojz_lib.recipe import read_recipe
 
 # GPU defaults are the course's; without a GPU the CPU profile keeps `--test` to a few minutes on a laptop, with the

@@ -136,7 +136,7 @@ def out_of_bounds(action):
 def test_every_flag_of_the_parser_refuses_what_it_cannot_take(capsys):
     """Walks the parser: each flag that takes a value refuses, in one line naming it and with exit status 2, what
     lies outside its bounds, before torch is imported (check_command_line runs first in dlojz.py)."""
-    from dlojz_lib.flags import check_command_line
+    from dlojz_lib.flag_checks import check_command_line
 
     walked = 0
     for action in get_args_parser()._actions:

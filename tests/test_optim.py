@@ -594,7 +594,7 @@ def test_lr_per_epoch_gives_torchvision_s_schedule_stepped_once_per_epoch():
 )
 def test_schedule_flags_the_scheduler_would_not_use_are_refused(flags, message):
     from dlojz_lib.checks import UserError
-    from dlojz_lib.flags import checked_values
+    from dlojz_lib.flag_checks import checked_values
 
     with pytest.raises(UserError, match=re.escape(message)):
         checked_values(["--device", "cpu", "-e", "6", *flags])
@@ -603,7 +603,8 @@ def test_schedule_flags_the_scheduler_would_not_use_are_refused(flags, message):
 def training_of(*flags):
     from dlojz_lib.config import resolve_config
     from dlojz_lib.dist import Distribution
-    from dlojz_lib.flags import checked_values, get_args_parser
+    from dlojz_lib.flag_checks import checked_values
+    from dlojz_lib.flags import get_args_parser
     from dlojz_lib.optim.training import build_training
     from dlojz_lib.parallel import build_model
 

@@ -383,7 +383,7 @@ def test_every_switch_has_its_no_form():
 
 
 def test_an_error_about_a_recipe_s_key_names_the_file(tmp_path):
-    from dlojz_lib.flags import checked_values
+    from dlojz_lib.flag_checks import checked_values
 
     path = recipe(tmp_path, "freeze-backbone-epochs = 1\n")
     with pytest.raises(UserError) as caught:

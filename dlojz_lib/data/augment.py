@@ -3,7 +3,7 @@ transform a run gets (`train_transform`: the crop and flip, then --randaugment, 
 --augmix or --random-erase, torchvision v2 on the uint8 crop), progressive resizing's resolution per epoch
 (--min-res/--max-res, FFCV's), timm's RandAugment with a noisy magnitude, and MixUp/CutMix on the device batch
 (`batch_mixing`). An augmentation is a flag in dlojz_lib/flags.py's "augmentation" group and a line in
-`fixed_size_train_transform` here (a policy also joins flags.py's `augmentation_policies`: one at a time).
+`fixed_size_train_transform` here (a policy also joins dlojz_lib/flag_checks.py's `augmentation_policies`: one at a time).
 """
 
 from __future__ import annotations

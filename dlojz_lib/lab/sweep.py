@@ -104,7 +104,7 @@ def run_name(settings: dict) -> str:
 def check_command_line(name: str, argv: list[str]) -> None:
     """dlojz.py's own parser and flag checks on one run's command line (torch is not imported)."""
     from dlojz_lib.checks import UserError
-    from dlojz_lib.flags import checked_values
+    from dlojz_lib.flag_checks import checked_values
 
     said = io.StringIO()
     try:
