@@ -8,7 +8,7 @@ Calling style (the course's toggles: the first call opens a phase, the second ca
     for i, (images, labels) in enumerate(train_loader):
         images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
         chrono.dataload()                  # close: DataLoader wait + host->device copy
-        chrono.forward()                   # zero_grad + forward + loss
+        chrono.forward()                   # forward + loss
         ...
         chrono.forward()
         chrono.backward()                  # backward + optimizer/scaler step
@@ -268,7 +268,7 @@ class Chronometer:
             self._pending_load = duration
 
     def forward(self):
-        """Toggle: zero_grad + forward + loss."""
+        """Toggle: forward + loss (the course zeroes the gradients here; dlojz after the optimizer step)."""
         if not self._enabled or self._window_start is not None:
             return
         duration = self._toggle(self._forward)

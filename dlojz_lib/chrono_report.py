@@ -119,7 +119,12 @@ def report_lines(s: dict, warmup_steps: int, per_step=None) -> list:
     """The report's lines from a summary `s` (Chronometer.summary), in the course's order; a line whose figures
     are unknown is left out. `per_step`: (step seconds, load seconds or None) of every step, for the course's
     JSON line."""
-    # One branch per line of the report, in the order it prints: split, the order would be harder to follow.
+    return step_lines(s, warmup_steps) + cost_lines(s, per_step)
+
+
+def step_lines(s: dict, warmup_steps: int) -> list:
+    """The report's first half, one branch per line in the order it prints: where a step's time goes, and the
+    advice."""
     lines = []
     if "total_time_s" in s:
         line = f"=>>> Training complete in: {_fmt_duration(s['total_time_s'])}"
@@ -170,6 +175,13 @@ def report_lines(s: dict, warmup_steps: int, per_step=None) -> list:
         lines.append(line)
     if "advice" in s:
         lines.append(f"=>>> Advice: {s['advice']}")
+    return lines
+
+
+def cost_lines(s: dict, per_step=None) -> list:
+    """The report's second half, one branch per line in the order it prints: validation, the epoch's estimate, FLOP/s,
+    memory, power and energy, the course's JSON line, the trace."""
+    lines = []
     if "val_time_s" in s:
         line = f"=>>> Validation time: {s['val_time_s']:.2f} s"
         if "val_full_estimate_s" in s:

@@ -11,13 +11,13 @@ Importing this module imports no torch (the functions that need it import it).
 
 import dataclasses
 import os
-import warnings
 from datetime import datetime
 from pathlib import Path
 
 from dlojz_lib.checks import fail
 from dlojz_lib.flag_checks import check_data_variable, check_flags
 from dlojz_lib.flags import CUDA_GRAPH_MODES, FROM_TIMM, FUSED, get_args_parser
+from dlojz_lib.launch import load_idr_torch
 from dlojz_lib.recipe import read_recipe
 
 # GPU defaults are the course's; without a GPU the CPU profile keeps `--test` to a few minutes on a laptop, with the
@@ -28,15 +28,6 @@ PROFILES = {
     "gpu": dict(batch_size=128, image_size=224, val_resize_size=256, val_crop_size=224, val_batch_size=256, lr=0.1),
     "cpu": dict(batch_size=32, image_size=64, val_resize_size=73, val_crop_size=64, val_batch_size=64, lr=0.025),
 }
-
-
-def load_idr_torch():
-    """idr_torch (rank, world size, CPUs per task from Slurm or torchrun), imported on first use: it imports torch.
-    Its warning that no launcher was found is silenced: one process is a normal way to run dlojz."""
-    import idr_torch
-
-    warnings.filterwarnings("ignore", category=idr_torch.IdrTorchWarning)
-    return idr_torch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -229,6 +220,25 @@ def pretrained_preprocessing(values) -> list:
     return [note]
 
 
+def fill_num_workers(values, cpus_per_task, notes):
+    """--num-workers: by default one fewer than the task's CPUs (one core left to the training process, which feeds
+    the GPU), at most 16; more than twice the CPUs refused, more than the CPUs warned of."""
+    default_workers = max(0, min(cpus_per_task - 1, 16))
+    if values["num_workers"] is None:
+        values["num_workers"] = default_workers
+    elif values["num_workers"] > 2 * cpus_per_task:  # each worker a process with its own decoded batches
+        fail(
+            f"--num-workers {values['num_workers']}: this task may use {cpus_per_task} CPUs (affinity or "
+            f"SLURM_CPUS_PER_TASK); more than twice as many workers only compete for them and fill the memory: "
+            f"give at most {2 * cpus_per_task} (default: {default_workers})"
+        )
+    elif values["num_workers"] > cpus_per_task:
+        notes.append(
+            f"WARNING: --num-workers {values['num_workers']} exceeds the {cpus_per_task} CPUs of this task: "
+            "workers will compete"
+        )
+
+
 def resolve_config(args) -> Config:
     """Fill the defaults that depend on the machine and check every flag; raise UserError on bad input."""
     import torch
@@ -257,20 +267,7 @@ def resolve_config(args) -> Config:
             + "  (any flag given explicitly wins)"
         )
     cpus_per_task = idr_torch.cpus_per_task
-    default_workers = max(0, min(cpus_per_task - 1, 16))  # one core left to the training process, which feeds the GPU
-    if values["num_workers"] is None:
-        values["num_workers"] = default_workers
-    elif values["num_workers"] > 2 * cpus_per_task:  # each worker a process with its own decoded batches
-        fail(
-            f"--num-workers {values['num_workers']}: this task may use {cpus_per_task} CPUs (affinity or "
-            f"SLURM_CPUS_PER_TASK); more than twice as many workers only compete for them and fill the memory: "
-            f"give at most {2 * cpus_per_task} (default: {default_workers})"
-        )
-    elif values["num_workers"] > cpus_per_task:
-        notes.append(
-            f"WARNING: --num-workers {values['num_workers']} exceeds the {cpus_per_task} CPUs of this task: "
-            "workers will compete"
-        )
+    fill_num_workers(values, cpus_per_task, notes)
     values["pin_memory"] = values["pin_memory"] and on_gpu  # page-locked buffers serve host-to-GPU copies only
     if values["checkpoint_every"] is None:  # a dead node loses 15 minutes on average, for a copy of the state
         values["checkpoint_every"] = 30.0 if on_gpu and values["requeue"] else 0.0

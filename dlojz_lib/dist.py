@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 import dlojz_lib.checkpoint as ckpt
-from dlojz_lib.config import load_idr_torch
+from dlojz_lib.launch import load_idr_torch
 from dlojz_lib.watchdog import Watchdog
 
 

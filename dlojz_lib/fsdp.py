@@ -206,3 +206,14 @@ def load_full_weights(module, weights):
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     set_model_state_dict(module, weights, options=StateDictOptions(full_state_dict=True))
+
+
+def match_sharded_forwards(net, images, forwards, loaders, training, max_batches, tta_flip):
+    """FSDP: as many forwards as the rank with the most validation batches (each gathers every rank's shards), then
+    the blocks kept gathered after their forward (--no-fsdp-reshard-after-forward) freed."""
+    for _ in range(forwards, min(loaders.n_val_batches_most, max_batches or loaders.n_val_batches_most)):
+        with training.autocast():  # (every rank has an image: build_loaders checks it)
+            net(images[:1])
+            if tta_flip:
+                net(images[:1].flip(3))
+    reshard(net)

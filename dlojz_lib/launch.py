@@ -1,14 +1,16 @@
 """Which launcher started this process, checked before torch is imported.
 
 dlojz reads its rank, world size and rendezvous address through idr_torch, which picks Slurm when `SLURM_STEP_ID`
-is set (a task of `srun`), torchrun when `TORCHELASTIC_RUN_ID` is set, and otherwise runs one process alone. A
-variable the launcher should have set and did not ended deep in idr_torch (`KeyError`, `ValueError`); rank
-variables without either launcher were ignored, so copies started by hand each trained alone and overwrote each
-other's checkpoints. `launch_problem(environ)` returns the one line saying what is missing or inconsistent, or None
-(one process with no rank variables, or a launcher's whole and consistent set).
+is set (a task of `srun`), torchrun when `TORCHELASTIC_RUN_ID` is set, and otherwise runs one process alone. Left to
+idr_torch, a variable the launcher should have set and did not ends deep inside it (`KeyError`, `ValueError`), and
+rank variables without either launcher are ignored, so that copies started by hand each train alone and overwrite
+each other's checkpoints. `launch_problem(environ)` returns the one line saying what is missing or inconsistent, or
+None (one process with no rank variables, or a launcher's whole and consistent set). `load_idr_torch()` imports
+idr_torch itself, once, where dlojz reads the launch.
 """
 
 import re
+import warnings
 
 # What idr_torch reads from each launcher: rank, local rank, world sizes, nodes, rendezvous address and port.
 SLURM_TASK = (
@@ -79,3 +81,12 @@ def launch_rank(environ):
     if "SLURM_STEP_ID" in environ:
         return int(environ["SLURM_PROCID"])
     return int(environ["RANK"]) if "TORCHELASTIC_RUN_ID" in environ else 0
+
+
+def load_idr_torch():
+    """idr_torch (rank, world size, CPUs per task from Slurm or torchrun), imported on first use (it imports torch), once per process (Python keeps the module).
+    Its warning that no launcher was found is silenced: one process is a normal way to run dlojz."""
+    import idr_torch
+
+    warnings.filterwarnings("ignore", category=idr_torch.IdrTorchWarning)
+    return idr_torch

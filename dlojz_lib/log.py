@@ -14,6 +14,7 @@
   metrics JSON (`write_json`, atomic); W&B closed. `write_lr_finder` writes the LR range test's CSV and plot.
 """
 
+import dataclasses
 import json
 import math
 import os
@@ -131,6 +132,18 @@ class Progress:
         self.run_start = time.perf_counter()
         self._last_line = (0, self.run_start, 0.0)  # micro-steps, time and data wait at the previous console line
         self.running = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, images since last line
+
+    def first_batch(self, images):
+        """The run's first batch: its shape and dtype, said once."""
+        if self.micro_steps == 0:
+            self.console(f"image batch shape: {tuple(images.shape)}, dtype {images.dtype}")
+
+    def micro_step_done(self, stats=None):
+        """A micro-batch trained; `stats` (an optimizer step's [loss sum, correct, images], on the device) added to
+        the running totals of the next log point."""
+        self.micro_steps += 1
+        if stats is not None:
+            self.running += stats
 
     def is_console_line(self, batch_index):
         return (batch_index + 1) % self.line_every == 0 or batch_index == self.n_batches - 1
@@ -336,3 +349,123 @@ def write_json(path, obj):
         write_text(path, json.dumps(obj, indent=2, default=float))
     except OSError as err:
         warn_unwritten(path, err)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The run's records, as dlojz.py's main() fills them
+def initial_metrics(cfg, ranks) -> dict:
+    """The metrics JSON's keys before the run fills them."""
+    images_per_step = cfg.batch_size * ranks.world_size  # one micro-batch on every rank
+    return dict(
+        world_size=ranks.world_size,
+        global_batch_size=images_per_step * cfg.grad_acc,
+        steps=0,
+        epochs=0,
+        train_loss=None,
+        val_loss=None,
+        val_accuracy=None,
+        val_top5_accuracy=None,
+        val_images=0,
+        images_per_second=None,
+        data_wait_ms=None,
+        compute_dtype=cfg.compute_dtype,
+        time_to_target_s=None,
+        epochs_to_target=None,
+    )
+
+
+def open_wandb(cfg, ranks, metrics, state):
+    """W&B on rank 0 (resumed under the checkpoint's run id, kept in `state`), a NoWandb elsewhere or when off."""
+    wandb_run = NoWandb()
+    if ranks.is_main:
+        wandb_run = start_wandb(
+            cfg,
+            dict(
+                dataclasses.asdict(cfg),
+                architecture=cfg.arch,
+                world_size=ranks.world_size,
+                global_batch_size=metrics["global_batch_size"],
+            ),
+            Path(cfg.output_dir).name,
+            state.wandb_id,
+        )
+        state.wandb_id = wandb_run.id
+    return wandb_run
+
+
+def record_validation(cfg, epoch, validation, state, metrics, started, wandb_run, ranks, log) -> bool:
+    """An epoch's validation into the metrics, --val-history and W&B; True when --target-accuracy is reached."""
+    metrics.update(validation)
+    if ranks.is_main and cfg.val_history:  # followed live by dlojz_hpo.py's pruner
+        append_json_line(
+            cfg.val_history,
+            dict(epoch=epoch + 1, steps=state.global_step, elapsed_s=time.perf_counter() - started, **validation),
+        )
+    wandb_run.log(
+        {
+            "test accuracy": metrics["val_accuracy"],
+            "test top5 accuracy": metrics["val_top5_accuracy"],
+            "test loss": metrics["val_loss"],
+            "epoch": epoch + 1,
+        },
+        step=state.global_step,
+    )
+    target_reached = cfg.target_accuracy is not None and metrics["val_accuracy"] >= cfg.target_accuracy
+    if target_reached:
+        metrics.update(time_to_target_s=time.perf_counter() - started, epochs_to_target=epoch + 1)
+        log(
+            f">>> Target top-1 {cfg.target_accuracy:.4f} reached after {epoch + 1} epochs, "
+            f"{metrics['time_to_target_s']:.1f} s from the start: stopping"
+        )
+    return target_reached
+
+
+def announce_resolution(cfg, epoch, log, wandb_run, step):
+    """Progressive resizing: this epoch's training resolution, to the console and W&B."""
+    from dlojz_lib.data.augment import training_resolution
+
+    resolution = training_resolution(cfg, epoch)
+    log(
+        f"epoch {epoch + 1}: training resolution {resolution} px (progressive resizing "
+        f"{cfg.min_res}->{cfg.max_res} px, epochs {cfg.start_ramp}->{cfg.end_ramp} counted from 0); "
+        f"validation {cfg.val_crop_size} px, {cfg.val_crop_size / resolution:.2f}x"
+    )
+    wandb_run.log({"resolution": resolution}, step=step)
+
+
+def close_hooks(cfg, hooks, ranks, log) -> dict:
+    """After training: the profiler's traces closed and announced, the LR finder's CSV, plot and suggested
+    learning rate written (its metrics returned)."""
+    hooks.close()
+    trace_dir = Path(cfg.output_dir) / "profiler"
+    if hooks.profiler is not None:
+        log(
+            f">>> Profiler traces: {trace_dir} (tensorboard --logdir {trace_dir}, or open the .json in https://ui.perfetto.dev)"
+        )
+    if hooks.lr_finder is not None and ranks.is_main:
+        return write_lr_finder(hooks.lr_finder, Path(cfg.output_dir))
+    return {}
+
+
+def report_run(run, progress, watchdog) -> dict:
+    """The run's figures (throughput, data wait, memory, stragglers, the loss scale; with --test the chronometer's
+    report) into the metrics JSON and W&B; a final model nowhere on disk ends the run non-zero."""
+    from dlojz_lib.parallel import state_bytes_per_rank
+    from dlojz_lib.resume import check_checkpoints_written
+
+    cfg, ranks, metrics, training = run.cfg, run.ranks, run.metrics, run.training
+    metrics["images_per_second"] = progress.images_per_second()
+    metrics["data_wait_ms"] = progress.data_wait_ms()  # steady state, per micro-batch, as images_per_second
+    metrics.update(state_bytes_per_rank(run.model, training, ranks))  # what DDP copies and FSDP shards
+    if watchdog.compares:
+        metrics["stragglers"] = watchdog.stragglers
+    scaler = training.scaler
+    metrics["grad_scaler_scale"] = scaler.get_scale() if scaler.is_enabled() else None  # float16 loss scale
+    ctx = None
+    if cfg.test and ranks.is_main:
+        ctx = chrono_context(cfg, run.model, run.loaders, ranks, metrics, run.val_max_batches)
+    metrics = finish(
+        cfg, metrics, run.chrono, ranks, run.wandb_run, ctx=ctx or {}, n_batches=run.loaders.n_train_batches
+    )
+    check_checkpoints_written(cfg, run.saver, run.log)  # a final model nowhere on disk ends the run non-zero
+    return metrics

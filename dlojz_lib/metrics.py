@@ -9,6 +9,7 @@ import io
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from dlojz_lib.durable import atomic_write
 
@@ -126,3 +127,18 @@ def write_predictions(path, predictions, classes, name_of) -> None:
             row = [name_of(i), classes[label] if label >= 0 else "", classes[top[0]]]
             row += [value for c, p in zip(top, probability) for value in (classes[c], f"{p:.6f}")]
             writer.writerow(row)
+
+
+def gather_predictions(predictions, ranks):
+    """evaluate()'s predictions of every rank on rank 0's CPU, in the data set's order: (image index, label,
+    top-5 classes, their probabilities). ShardSampler gives rank r the images r, r + W, r + 2W..., in order."""
+    labels, top5, probabilities = (torch.cat(parts).cpu() for parts in zip(*predictions))
+    index = torch.arange(len(labels)) * ranks.world_size + ranks.rank
+    mine = (index, labels, top5, probabilities)
+    if not ranks.enabled:
+        return mine
+    every = [None] * ranks.world_size
+    dist.all_gather_object(every, mine)  # once, at the end of --eval-only: a pickled copy is no cost
+    index, labels, top5, probabilities = (torch.cat(parts) for parts in zip(*every))
+    order = index.argsort()
+    return index[order], labels[order], top5[order], probabilities[order]

@@ -21,11 +21,9 @@ import torch.distributed as dist
 import dlojz_lib.checkpoint as ckpt
 import dlojz_lib.optim.optimizers as optim
 from dlojz_lib.checks import UserError, fail
-from dlojz_lib.config import load_idr_torch
-from dlojz_lib.flags import CUDA_GRAPH_MODES, GRAPH_FREE_MODE
+from dlojz_lib.flags import CUDA_GRAPH_MODES, GRAPH_FREE_MODE, VALIDATION_METRICS
+from dlojz_lib.launch import load_idr_torch
 from dlojz_lib.optim.schedules import fast_forward
-
-idr_torch = load_idr_torch()
 
 
 @dataclasses.dataclass
@@ -299,7 +297,7 @@ def restore(cfg, model, training, n_train_batches, device, log):
                 f"{saved.get('best_epoch')}); from here `best` names the best {cfg.best_metric} of this run's "
                 "validations only, earlier checkpoints not compared (evaluate them with --eval-only to choose)"
             )
-        saved_args = saved["args"]
+        saved_args, idr_torch = saved["args"], load_idr_torch()  # (this run's world size)
         saved_world, saved_batch_size = saved.get("world_size", idr_torch.world_size), saved_args["batch_size"]
         saved_grad_acc = saved_args.get("grad_acc", 1)
         images_per_batch = cfg.batch_size * idr_torch.world_size
@@ -466,3 +464,18 @@ def restore_schedule(cfg, training, saved, global_step, log):
         f"the learning-rate schedule ({cfg.lr_scheduler}) is rebuilt for {training.total_steps} optimizer steps and "
         f"continues from step {global_step} (the checkpoint's had {saved_total or '?'}, at step {saved['global_step']})"
     )
+
+
+def record_best(cfg, epoch, validation, state, metrics) -> bool:
+    """Whether this epoch's validation is the run's best by --best-metric (the first of equals stays the best);
+    the best so far goes into `state` (checkpointed with it) and the metrics."""
+    if cfg.best_metric == "none":
+        return False
+    value = validation[VALIDATION_METRICS[cfg.best_metric][0]]
+    if not math.isfinite(validation["val_loss"]):  # a model whose outputs are nan is never the best
+        return False
+    best = state.best_value is None or value > state.best_value  # (a resume keeps it for the same metric only)
+    if best:
+        state.best_metric, state.best_value, state.best_epoch = cfg.best_metric, value, epoch + 1
+    metrics.update(best_metric=state.best_metric, best_value=state.best_value, best_epoch=state.best_epoch)
+    return best

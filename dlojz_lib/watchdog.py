@@ -74,6 +74,15 @@ class Watchdog:
         self.done = False  # the run ended normally: its silence after that is no hang
         self._store = None
 
+    @classmethod
+    def for_run(cls, cfg, ranks):
+        """The run's watchdog: --hang-timeout, --straggler-factor, and the newest checkpoint of --output-dir named in
+        its verdict."""
+        from dlojz_lib.checkpoint import newest_checkpoint
+
+        newest = lambda: newest_checkpoint(cfg.output_dir)  # noqa: E731
+        return cls(ranks, cfg.hang_timeout, cfg.output_dir, newest, cfg.straggler_factor)
+
     # ---------------------------------------------------------------- the loop's marks (no sync, no collective)
     def mark(self, step=None):
         """A unit of work done: an optimizer step or a validation batch."""

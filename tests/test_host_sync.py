@@ -28,6 +28,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
 
 import dlojz
+import dlojz_lib.log
 import dlojz_lib.optim.optimizers
 import dlojz_lib.optim.training
 from dlojz_lib.data.loaders import SYNTHETIC_CLASSES, synthetic_loaders
@@ -259,7 +260,7 @@ def audit_epoch(loop, monkeypatch, checkpoints=None):
         forward.remove()
     outside = [record for record in records if record[0] != "log point"]
     at_log_points = [record for record in records if record[0] == "log point"]
-    assert any(asker == "dlojz.py:train_one_epoch" for _, asker, _ in at_log_points), "the audit sees the epoch's end"
+    assert any(asker == "dlojz.py:epoch_result" for _, asker, _ in at_log_points), "the audit sees the epoch's end"
     # a log point reads the agreed values once; a host value copied into a device tensor there is one wait more
     assert [record for record in at_log_points if record[2] == COPIED_IN] == []
     return outside, at_log_points
@@ -351,7 +352,7 @@ def loop_on_data(data_root, *flags):
     loaders = dlojz.build_loaders(cfg, train_set, val_set, len(classes), ranks, log)
     training = dlojz.build_training(cfg, model, loaders.n_train_batches, len(classes), ranks, log)
     progress = dlojz.Progress(
-        log, dlojz.NoWandb(), ranks.device, cfg.epochs, loaders.n_train_batches, cfg.grad_acc, cfg.batch_size
+        log, dlojz_lib.log.NoWandb(), ranks.device, cfg.epochs, loaders.n_train_batches, cfg.grad_acc, cfg.batch_size
     )
     hooks = dlojz.LoopHooks(dlojz.Chronometer(enabled=False, device=ranks.device))
     stop = dlojz.StopPoll(dlojz.StopSignal(), ranks)

@@ -1,4 +1,5 @@
-"""The product's modules form no import circle (imports inside functions count: they tie the modules as well)."""
+"""The shape of the house: no import circle (imports inside functions count: they tie the modules as well), no
+import from a layer below, modules and functions within bounds, and docs/architecture.md a true map."""
 
 import ast
 
@@ -79,3 +80,95 @@ def test_the_command_line_modules_import_no_torch():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "[]", proc.stdout
+
+
+# The layers, in docs/architecture.md's order: a module imports from its own layer or those above it in this list.
+LAYERS = (
+    ("the command line", r"dlojz_lib(\.(checks|flags|flag_checks|recipe|launch|config|durable|optim))?"),
+    ("the run's pieces and the data", r"dlojz_lib\.(?!hpo|lab|pack)\w+(\.\w+)?"),
+    ("the commands' libraries", r"dlojz_lib\.(hpo|lab|pack)(\.\w+)?"),
+    ("the commands", r"dlojz\w*"),
+)
+
+
+def layer_of(module):
+    import re
+
+    return next(k for k, (_, pattern) in enumerate(LAYERS) if re.fullmatch(pattern, module))
+
+
+def test_no_module_imports_from_a_layer_below_its_own():
+    """The command line does not reach into the run (config's set-up reads a few of its pieces, inside functions,
+    once the flags are checked: it is the meeting point), the run's pieces never import the commands' libraries,
+    and nothing in dlojz_lib imports a root command."""
+    graph = product_imports()
+    set_up_reads = {"dlojz_lib.config", "dlojz_lib.flags"}  # flags reads the optimizer table (torch-free)
+    upward = [
+        f"{module} ({LAYERS[layer_of(module)][0]}) imports {target} ({LAYERS[layer_of(target)][0]})"
+        for module, targets in graph.items()
+        for target in targets
+        if layer_of(target) > layer_of(module) and module not in set_up_reads
+    ]
+    assert not upward, upward
+    assert layer_of("dlojz_lib.data.samplers") == 1 and layer_of("dlojz_lib.hpo.search") == 2
+    assert layer_of("dlojz_lab") == 3 and layer_of("dlojz_lib.flag_checks") == 0
+
+
+def test_the_layer_rule_finds_an_upward_import():
+    assert layer_of("dlojz_lib.data.datasets") < layer_of("dlojz_lib.lab.sweep") < layer_of("dlojz_pack")
+
+
+MAX_MODULE_LINES = 650
+MAX_FUNCTION_LINES = 80
+FLAG_TABLE = ("dlojz_lib/flags.py", "get_args_parser")  # only a table: one add_argument after the other
+
+
+def sizes(path):
+    """(the module's lines outside the flag table, {function: its lines}) of a product file."""
+    tree = ast.parse(path.read_text())
+    functions = {
+        node.name: node.end_lineno - node.lineno + 1
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+    }
+    lines = path.read_text().count("\n")
+    if path.relative_to(ROOT).as_posix() == FLAG_TABLE[0]:
+        lines -= functions.pop(FLAG_TABLE[1])
+    return lines, functions
+
+
+def test_modules_and_functions_stay_within_bounds():
+    """No product module over 650 lines, no function over 80 (a docstring counts: what a reader scrolls through)."""
+    over = []
+    for name, path in sorted(product_modules().items()):
+        lines, functions = sizes(path)
+        if lines > MAX_MODULE_LINES:
+            over.append(f"{path.relative_to(ROOT)}: {lines} lines")
+        if name == "dlojz":
+            functions.pop("main")  # the course's main(): its own bound, below
+        over += [f"{path.relative_to(ROOT)}: {f}() {n} lines" for f, n in functions.items() if n > MAX_FUNCTION_LINES]
+    assert not over, over
+
+
+def test_the_course_main_stays_on_a_few_screens():
+    """dlojz.py's main() reads top to bottom in the course's order: at most 100 lines, each section one call."""
+    _, functions = sizes(ROOT / "dlojz.py")
+    assert functions["main"] <= 100, functions["main"]
+
+
+ARCHITECTURE = ROOT / "docs" / "architecture.md"
+
+
+def test_the_module_map_names_every_module_and_only_modules():
+    """docs/architecture.md is the one map: every module of dlojz_lib/ (and the C decoder) is named there by its
+    path, and every dlojz_lib path named there exists."""
+    import re
+
+    text = ARCHITECTURE.read_text()
+    named = set(re.findall(r"`(dlojz_lib/[\w/]+(?:\.py|\.c)?)/?`", text))
+    files = {p.relative_to(ROOT).as_posix() for p in (ROOT / "dlojz_lib").rglob("*") if p.suffix in (".py", ".c")}
+    assert files - named == set(), f"not in docs/architecture.md: {sorted(files - named)}"
+    missing = sorted(path for path in named if not (ROOT / path).exists())
+    assert not missing, f"docs/architecture.md names what does not exist: {missing}"
+    for pointer in (ROOT / "README.md", ROOT / "dlojz_lib" / "__init__.py"):
+        assert "docs/architecture.md" in pointer.read_text(), f"{pointer.name} does not point to the map"

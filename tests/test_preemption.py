@@ -153,7 +153,7 @@ def test_a_signal_during_validation_checkpoints_and_the_resumed_run_validates_fi
         arguments = inspect.signature(validate).bind(*args).arguments
         calls.append(arguments["epoch"])
         if len(calls) == 1:
-            arguments["stop"].stop_signal.name = "SIGTERM"  # arrives as the first validation starts
+            arguments["run"].stop.stop_signal.name = "SIGTERM"  # arrives as the first validation starts
         return validate(*args)
 
     monkeypatch.setattr(dlojz, "validate", signal_during_validation)

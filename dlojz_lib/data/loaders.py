@@ -410,3 +410,24 @@ def build_data(cfg, ranks, log):
     log(class_counts_line(class_counts(train_set, len(classes)), classes))
     log(f"JPEG decoding: {decoder_description()}")
     return train_set, val_set, classes
+
+
+def measure_loader_only(cfg, loaders, ranks, metrics, log) -> dict:
+    """--loader-only: the training DataLoader alone, images/s overall and per worker."""
+    from dlojz_lib.log import write_json
+
+    metrics = dict(
+        measure_loader(
+            loaders.train,
+            loaders.train_sampler,
+            cfg.test_nsteps,
+            cfg.num_workers,
+            ranks.all_gather if ranks.enabled else None,
+            log,
+        ),
+        world_size=ranks.world_size,
+        global_batch_size=metrics["global_batch_size"],
+    )
+    if ranks.is_main and cfg.metrics_json:
+        write_json(cfg.metrics_json, metrics)
+    return metrics
