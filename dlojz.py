@@ -41,17 +41,17 @@ from dlojz_lib.checks import DataError, UserError
 from dlojz_lib.chrono import Chronometer
 from dlojz_lib.config import resolve_config
 from dlojz_lib.data.datasets import class_counts
-from dlojz_lib.data.loaders import LOADERS, build_data, build_loaders, close_loader, measure_loader_only
+from dlojz_lib.data.loaders import build_data, build_loaders, measure_loader_only
 from dlojz_lib.dist import (
     INTERRUPTED,
+    LostPeerReport,
+    PeerLost,
     RequeueFailed,
     StopPoll,
     StopSignal,
     agree_on_stop,
     checkpoint_for_stop,
-    is_lost_peer,
     report_crash,
-    report_lost_peer,
     requeue,
     setup_distributed,
 )
@@ -85,7 +85,6 @@ from dlojz_lib.resume import (
     make_saver,
     periodic_checkpoints,
     record_best,
-    release_output_dir,
     restore,
     save_epoch_checkpoint,
 )
@@ -126,10 +125,12 @@ class Run:
     wandb_run: object = None
 
 
-def main(argv=None, running=None) -> dict:
-    """One run, in the course's order; returns its metrics. Bad input raises UserError (see cli). `running`, a dict
-    if given, receives the ranks, the output folder and the TrainState once training can start: what cli() says
-    when a peer is lost."""
+def main(argv=None, resources=None) -> dict:
+    """One run, in the course's order; returns its metrics. Bad input raises UserError (see cli). `resources`: the
+    run's ExitStack (DataLoader workers, the folder's lock, the lost-peer report), cli()'s or one of its own."""
+    if resources is None:  # a caller other than cli(): what the run holds is released at its end
+        with contextlib.ExitStack() as resources:
+            return main(argv, resources)
     # ================================ ARGUMENTS: every check, before any process group or data scan
     run_start = time.perf_counter()  # time to target counts from here, start-up included
     args = get_args_parser().parse_args(argv)
@@ -142,11 +143,10 @@ def main(argv=None, running=None) -> dict:
     ranks, cfg = setup_distributed(cfg)
     watchdog = Watchdog.for_run(cfg, ranks)  # ends the job in one line when a rank hangs (StopPoll's calls: moving)
     stop = StopPoll(stop_signal, ranks, timedelta(seconds=cfg.dist_timeout), watchdog.start())
-    if running is not None:  # what cli says if a peer is lost from here on; it tells the others of a normal end
-        running.update(ranks=ranks, output_dir=cfg.output_dir, watchdog=watchdog)
+    resources.push(peer_report := LostPeerReport(ranks, cfg.output_dir, watchdog))  # a rank lost: one line from here
     log = Console(ranks.is_main)
     if cfg.writes_checkpoints:
-        claim_output_dir(cfg, ranks, log)  # one run writes in a folder: refused here, before any data scan
+        claim_output_dir(cfg, ranks, log, resources)  # one run writes in a folder: refused here, before any data scan
     cfg = keep_global_batch(cfg, ranks.world_size, log)  # (before the loaders and the schedule: --grad-acc)
     idr_torch = load_idr_torch()  # the launch, as setup_distributed read it
     announce_run(cfg, argv, ranks, log, f"{idr_torch.num_nodes} nodes", idr_torch.current_API)
@@ -162,6 +162,7 @@ def main(argv=None, running=None) -> dict:
 
     # ================================ DATALOADER
     loaders = build_loaders(cfg, train_set, val_set, len(classes), ranks, log)
+    resources.callback(loaders.close)  # the workers ignore SIGTERM: stopped at the run's end, whatever happens
     metrics = initial_metrics(cfg, ranks)
     if cfg.loader_only:
         return measure_loader_only(cfg, loaders, ranks, metrics, log)
@@ -170,8 +171,7 @@ def main(argv=None, running=None) -> dict:
 
     # ================================ INITIALISATION: resume, W&B, hooks
     state, resumed_from = restore(cfg, model, training, loaders.n_train_batches, ranks.device, log)
-    if running is not None:
-        running.update(ranks=ranks, output_dir=cfg.output_dir, state=state)
+    peer_report.state = state  # (the step a lost peer's line names)
     val_max_batches = TEST_VAL_BATCHES if cfg.test else None  # --test validates on a few batches
     run = Run(cfg, ranks, log, stop, chrono, model, training, loaders, state, metrics, val_max_batches)
     if cfg.eval_only:
@@ -586,44 +586,33 @@ def cli(argv=None) -> int:
     idr_torch = load_idr_torch()  # which rank this is, before main() reads anything
     rank = idr_torch.rank
     status = 0
-    running = {}
     try:
-        try:
-            if (main(argv, running) or {}).get(
-                "stopped_by"
-            ) == INTERRUPTED:  # Ctrl-C, checkpointed: the shell's status for it
+        with contextlib.ExitStack() as resources:  # closed before any line below: workers, lock, lost peer
+            if (main(argv, resources) or {}).get("stopped_by") == INTERRUPTED:  # Ctrl-C, checkpointed
                 status = 130
-            if "watchdog" in running:
-                running["watchdog"].finish()
-        except SystemExit as err:  # argparse: --help, or a bad flag already reported in one line
-            status = err.code if isinstance(err.code, int) else 2
-        except (UserError, DataError) as err:
-            if rank == 0 or idr_torch.world_size == 1:
-                print(f"dlojz: error: {err}", file=sys.stderr, flush=True)
-            status = 2
-        except TrainingDiverged as err:
-            if rank == 0:
-                print(f"dlojz: error: {err}", file=sys.stderr, flush=True)
-            status = 3
-        except ckpt.CheckpointNotWritten as err:
-            if rank == 0:
-                print(f"dlojz: error: {err}", file=sys.stderr, flush=True)
-            status = 5
-        except RequeueFailed as err:  # (raised on rank 0 only, after every rank's part of the stop)
+    except PeerLost as err:  # its one line said by the lowest survivor
+        status = err.status
+    except SystemExit as err:  # argparse: --help, or a bad flag already reported in one line
+        status = err.code if isinstance(err.code, int) else 2
+    except (UserError, DataError) as err:
+        if rank == 0 or idr_torch.world_size == 1:
             print(f"dlojz: error: {err}", file=sys.stderr, flush=True)
-            status = 6
-        except KeyboardInterrupt:
-            status = 130
-        except Exception as err:
-            if idr_torch.world_size > 1 and "ranks" in running and is_lost_peer(err):  # (no state: in start-up)
-                status = report_lost_peer(running["ranks"], running["output_dir"], running.get("state"))
-            else:
-                status = report_crash(err, rank)
-    finally:  # also when a report itself fails (its terminal or pipe gone): the workers ignore SIGTERM, so
-        for loader in LOADERS:  # left to the interpreter's exit they would be waited for forever
-            close_loader(loader)
-        LOADERS.clear()
-        release_output_dir()
+        status = 2
+    except TrainingDiverged as err:
+        if rank == 0:
+            print(f"dlojz: error: {err}", file=sys.stderr, flush=True)
+        status = 3
+    except ckpt.CheckpointNotWritten as err:
+        if rank == 0:
+            print(f"dlojz: error: {err}", file=sys.stderr, flush=True)
+        status = 5
+    except RequeueFailed as err:  # (raised on rank 0 only, after every rank's part of the stop)
+        print(f"dlojz: error: {err}", file=sys.stderr, flush=True)
+        status = 6
+    except KeyboardInterrupt:
+        status = 130
+    except Exception as err:
+        status = report_crash(err, rank)
     if dist.is_available() and dist.is_initialized():
         if status == 0 or idr_torch.world_size == 1:  # (--fsdp's group of one: no peer to wait for)
             dist.destroy_process_group()

@@ -226,6 +226,31 @@ def report_crash(err, rank) -> int:
 LOST_PEER_STATUS = 4  # exit status: another rank was lost (killed, out of memory, its node gone)
 
 
+class PeerLost(Exception):
+    """Another rank is gone and the survivors' one line is said: the exit status to end with."""
+
+    def __init__(self, status):
+        super().__init__(status)
+        self.status = status
+
+
+class LostPeerReport:
+    """On the run's ExitStack from the moment the process group forms: an error that says another rank is gone
+    becomes the survivors' one line (raised again as PeerLost, with its status); a normal end tells the other ranks'
+    watchdogs that this rank's silence from now on is no hang. `state`: the TrainState once training can start,
+    for the step the line names."""
+
+    def __init__(self, ranks, output_dir, watchdog):
+        self.ranks, self.output_dir, self.watchdog, self.state = ranks, output_dir, watchdog, None
+
+    def __call__(self, exc_type, exc, traceback):
+        if exc is None:
+            self.watchdog.finish()
+        elif self.ranks.world_size > 1 and isinstance(exc, Exception) and is_lost_peer(exc):
+            raise PeerLost(report_lost_peer(self.ranks, self.output_dir, self.state)) from None
+        return False
+
+
 def report_lost_peer(ranks, output_dir, state) -> int:
     """Another rank is gone: one line from the lowest survivor naming it, the step (`state` None: during start-up)
     and the last checkpoint."""

@@ -40,17 +40,15 @@ class TrainState:
     best_epoch: int = 0
 
 
-_lock_file = None  # this process's open lock file, while it holds the lock
-
-
-def claim_output_dir(cfg, ranks, log):
+def claim_output_dir(cfg, ranks, log, resources):
     """Make the output folder this run's, on rank 0; every rank learns the answer. Refused, in one line: while another
     run holds its lock, or when it holds a run's checkpoints and neither --resume (continue it) nor --start-over
-    (its files moved aside into `previous-<time>/`) is given. The temporary files of a write that died are removed."""
+    (its files moved aside into `previous-<time>/`) is given. The temporary files of a write that died are removed.
+    The lock is held until `resources` (the run's ExitStack) closes."""
     problem = None
     if ranks.is_main:
         try:
-            problem = _claim(Path(cfg.output_dir), cfg, log)
+            problem = _claim(Path(cfg.output_dir), cfg, log, resources)
         except OSError as err:
             problem = f"--output-dir {cfg.output_dir}: {err.strerror or err}; give a folder this run can write in"
     if ranks.enabled:
@@ -58,12 +56,10 @@ def claim_output_dir(cfg, ranks, log):
         dist.broadcast_object_list(answer, src=0)
         problem = answer[0]
     if problem:
-        release_output_dir()
-        fail(problem)
+        fail(problem)  # (a lock taken is released as the run's ExitStack closes)
 
 
-def _claim(folder, cfg, log):
-    global _lock_file
+def _claim(folder, cfg, log, resources):
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / ckpt.RUN_LOCK
     path.touch()
@@ -80,7 +76,7 @@ def _claim(folder, cfg, log):
     except OSError:  # a file system without locks (NFS without lockd, Lustre without -o flock): unlocked, as before
         pass
     path.write_text(f"pid {os.getpid()} on {socket.gethostname()}\n")  # who holds it, for the run refused
-    _lock_file = lock
+    resources.callback(lock.close)  # another run may write here once this one ends
     for stale in folder.glob(".*.tmp"):  # a checkpoint write that died (only this run writes here now)
         shutil.rmtree(stale) if stale.is_dir() else stale.unlink()
     newest = ckpt.newest_checkpoint(folder)
@@ -98,14 +94,6 @@ def _claim(folder, cfg, log):
             entry.rename(aside / entry.name)
     log(f"--start-over: the run that was in {folder} is now in {aside}")
     return None
-
-
-def release_output_dir():
-    """Let another run write in the output folder (a run's end; an in-process caller runs main() again)."""
-    global _lock_file
-    if _lock_file is not None:
-        _lock_file.close()
-        _lock_file = None
 
 
 class PeriodicCheckpoints:

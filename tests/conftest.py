@@ -122,17 +122,18 @@ def embedded_cache(tmp_path_factory):
 
 
 @pytest.fixture(autouse=True)
-def close_dataloaders():
-    """Stop the DataLoader workers a test opened through dlojz's loaders, as cli() does at the end of a run: they
-    ignore SIGTERM, and the interpreter's exit would wait for them forever."""
-    yield
+def close_dataloaders(monkeypatch):
+    """Stop the DataLoader workers a test opened through dlojz's make_loader and left open (a run's end closes its
+    own): they ignore SIGTERM, and the interpreter's exit would wait for them forever. Only where the test's module
+    has the loaders imported already: the others import no torch for it."""
     loaders = sys.modules.get("dlojz_lib.data.loaders")
+    opened = []
     if loaders is not None:
-        from dlojz_lib.data.loaders import close_loader
-
-        for loader in loaders.LOADERS:
-            close_loader(loader)
-        loaders.LOADERS.clear()
+        make_loader = loaders.make_loader
+        monkeypatch.setattr(loaders, "make_loader", lambda *a, **k: opened.append(make_loader(*a, **k)) or opened[-1])
+    yield
+    for loader in opened:
+        loaders.close_loader(loader)
 
 
 @pytest.fixture

@@ -219,7 +219,6 @@ def test_the_prefetcher_gives_the_same_batches_on_its_stream(tmp_path):
         ranks = Distribution(1, 0, 0, torch.device(cfg.torch_device))
         log = Console(False)
         train_set, val_set, classes = dlojz.build_data(cfg, ranks, log)
-        opened = len(dlojz.LOADERS)
         loaders = dlojz.build_loaders(cfg, train_set, val_set, len(classes), ranks, log)
         try:
             prefetcher = loaders.val_batches
@@ -237,9 +236,7 @@ def test_the_prefetcher_gives_the_same_batches_on_its_stream(tmp_path):
                 normalize = DeviceNormalize(torch.device("cpu"))
                 reference = [(normalize(images), labels) for images, labels in prefetcher.loader]
         finally:
-            for loader in dlojz.LOADERS[opened:]:
-                dlojz.close_loader(loader)
-            del dlojz.LOADERS[opened:]
+            loaders.close()
     assert [len(images) for images, _ in reference] == [5, 5, 2]  # 12 validation images
     for name, batches in got.items():
         assert len(batches) == len(reference), name

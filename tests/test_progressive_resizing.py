@@ -64,15 +64,12 @@ def test_every_worker_crops_at_the_epochs_resolution(tiny_data, tmp_path):
         ]
         assert sizes_of_epoch(loaders, 2, first_batch=5) == {(24, 24)}  # resumed mid-epoch 2
     finally:
-        for loader in dlojz.LOADERS:
-            dlojz.close_loader(loader)
-        dlojz.LOADERS.clear()
+        loaders.close()
 
 
 def test_without_the_flags_the_resolution_is_fixed(tiny_data, tmp_path):
     loaders = loaders_for(tiny_data, tmp_path, "--image-size", "24", "--num-workers", "0")
     assert sizes_of_epoch(loaders, 0) == sizes_of_epoch(loaders, 3) == {(24, 24)}
-    dlojz.LOADERS.clear()
 
 
 @pytest.mark.parametrize(

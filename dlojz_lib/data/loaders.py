@@ -1,7 +1,7 @@
 """The data sets and the batches a run trains and validates on, ready on the device: `build_loaders` makes DataLoaders (uint8
 JPEG crops decoded by the workers, normalised on the device, a CUDA prefetcher), DALI's pipelines
-(`--data-backend dali`) or the synthetic loaders (`--synthetic`), all behind one `Loaders` record. `LOADERS` lists
-the DataLoaders whose workers dlojz.cli() stops before the process exits. `build_data` finds the data sets first
+(`--data-backend dali`) or the synthetic loaders (`--synthetic`), all behind one `Loaders` record, whose `close()`
+stops the DataLoaders' workers (dlojz.py's main() hands it to the run's ExitStack). `build_data` finds the data sets first
 (--data-root, the variables, else the embedded one). The DataLoader's plumbing (its workers' signals and
 end, `--loader-only`'s measure) and the synthetic loader are here too.
 """
@@ -172,7 +172,6 @@ def measure_loader(loader, sampler, nsteps, num_workers, all_gather=None, log=pr
 
 
 SYNTHETIC_CLASSES = 1000  # --synthetic: ImageNet's
-LOADERS = []  # DataLoaders whose workers cli() stops before exiting (see close_loader)
 
 
 @dataclasses.dataclass
@@ -186,6 +185,13 @@ class Loaders:
     n_val_images: int
     n_val_batches_every_rank: int  # that every rank has (the last ranks may have one image fewer than the first)
     n_val_batches_most: int  # that the first rank has
+    owned: tuple = ()  # the DataLoaders whose workers close() stops
+
+    def close(self):
+        """Stop the DataLoaders' workers now: they ignore SIGTERM (so that Slurm's lets the main process checkpoint),
+        and left to the interpreter's exit they would be waited for forever."""
+        for loader in self.owned:
+            close_loader(loader)
 
     def start_epoch(self, epoch, first_batch):
         """Shuffle for `epoch` and skip the batches a resumed run has already done."""
@@ -244,7 +250,6 @@ def build_loaders(cfg, train_set, val_set, num_classes, ranks, log) -> Loaders:
     val = make_loader(
         val_set, ShardSampler(val_set, ranks.world_size, ranks.rank), cfg.val_batch_size, drop_last=False, **options
     )
-    LOADERS.extend([train, val])  # closed by cli(), whatever happens
     normalize = normalisation(cfg, ranks)
     return Loaders(
         train,
@@ -255,6 +260,7 @@ def build_loaders(cfg, train_set, val_set, num_classes, ranks, log) -> Loaders:
         len(val),
         len(val_set),
         *val_batches_per_rank(len(val_set), ranks.world_size, cfg.val_batch_size),
+        owned=(train, val),
     )
 
 
