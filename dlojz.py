@@ -219,7 +219,7 @@ def main(argv=None, resources=None) -> dict:
         # ================================ CHECKPOINT
         if save_epoch(run, epoch, validation, periodic):  # True: the end of --test, or --target-accuracy reached
             break
-    stop.watchdog.disarm("at the run's end (the last checkpoint, the report)")
+    stop.disarm("at the run's end (the last checkpoint, the report)")
     run.saver.wait()  # the last checkpoint's background write
     metrics.update(close_hooks(cfg, hooks, ranks, log))
 
@@ -292,7 +292,7 @@ def train_one_epoch(
     first_nonfinite = torch.full((), -1.0, dtype=torch.float64, device=ranks.device)  # step of a NaN/inf loss
     stop_reason = None
     model.net.train()
-    stop.watchdog.disarm()  # the first step (compilation, autotuning) is not timed
+    stop.disarm()  # the first step (compilation, autotuning) is not timed
     batches = hooks.loading(loaders.train_batches)
     for images, labels in batches:
         progress.first_batch(images)
@@ -301,12 +301,12 @@ def train_one_epoch(
         images, targets = training.mix(images, labels) if training.mix is not None else (images, labels)
         optimizer_step = (batch_index + 1) % cfg.grad_acc == 0 or batch_index == loaders.n_train_batches - 1
         with model.gradient_sync(optimizer_step):  # accumulating: gradients reduced at the last micro-batch only
-            with hooks.phase("forward"), stop.watchdog.timing(), training.autocast():
+            with hooks.phase("forward"), stop.timing(), training.autocast():
                 model.begin_step()  # CUDA graphs: the last step's outputs may be overwritten
                 outputs = model.net(images)
                 with hooks.phase("loss"):
                     loss = training.criterion(outputs, targets)
-            with hooks.phase("backward"), stop.watchdog.collective("the gradient all-reduce", optimizer_step):
+            with hooks.phase("backward"), stop.collective("the gradient all-reduce", optimizer_step):
                 training.scaler.scale(loss / cfg.grad_acc).backward()
         if optimizer_step:
             with hooks.phase("optimizer_step"):  # (frozen layers dropped, clip, scaler step, zero_grad, EMA)
@@ -350,7 +350,7 @@ def train_one_epoch(
                 stop_reason = stop.stop_signal.name or "signal on another rank"
                 break
             if save_now and state.batch < loaders.n_train_batches:  # (the epoch's end writes its own)
-                stop.watchdog.disarm("writing a checkpoint")  # a sharded save on a slow file system: minutes
+                stop.disarm("writing a checkpoint")  # a sharded save on a slow file system: minutes
                 checkpoints.save(state)
         if end_of_test:
             hooks.chrono.end_window()  # the unsynchronised window's one wait, at its end
@@ -392,11 +392,11 @@ def step_stats(loss, outputs, targets, labels, first_nonfinite, step):
 
 def epoch_result(epoch_totals, stop_reason, ranks, stop) -> EpochResult:
     """The epoch's loss and accuracy over every rank: one all-reduce and one read, at the epoch's end."""
-    with stop.watchdog.collective("the epoch's totals", ranks.enabled):
+    with stop.collective("the epoch's totals", ranks.enabled):
         if ranks.enabled:
             dist.all_reduce(epoch_totals)
         loss_sum, correct, count = epoch_totals.tolist()
-    stop.watchdog.disarm()
+    stop.disarm()
     if count == 0:  # resumed after this epoch's training (stopped during its validation)
         return EpochResult(None, None, stop_reason)
     return EpochResult(loss_sum / count, correct / count, stop_reason)
@@ -426,7 +426,7 @@ def evaluate(
             dist.broadcast(buffer, 0)
     net.eval()
     if stop is not None:
-        stop.watchdog.disarm()  # the first batch (compilation in eval mode) is not timed
+        stop.disarm()  # the first batch (compilation in eval mode) is not timed
     totals = torch.zeros(4, dtype=torch.float64, device=ranks.device)  # loss sum, top-1 and top-5 correct, images
     confusion = None  # [true class x predicted class] counts, flattened, made at the first batch (its width)
     forwards, images = 0, None
@@ -466,12 +466,12 @@ def evaluate(
         stop.settle()  # a signal it found is asked again at the next call: this validation is complete
     # One all-reduce and one wait for the device: the totals and the confusion counts (exact in float64) together.
     results = totals if confusion is None else torch.cat([totals, confusion.double()])
-    with stop.watchdog.collective("the validation's totals", ranks.enabled) if stop else contextlib.nullcontext():
+    with stop.collective("the validation's totals", ranks.enabled) if stop else contextlib.nullcontext():
         if ranks.enabled:
             dist.all_reduce(results)  # (every rank has a batch, hence the same length: build_loaders checks it)
         results = results.cpu()
     if stop is not None:
-        stop.watchdog.disarm()
+        stop.disarm()
     net.train()
     per_class = {}
     if confusion is not None:  # (`classes`: the width of the batches' logits)
@@ -564,7 +564,7 @@ def save_epoch(run, epoch, validation, periodic) -> bool:
         )
         best = record_best(cfg, epoch, validation, state, metrics)
     metrics["epochs"] = epoch + 1
-    run.stop.watchdog.disarm(f"writing epoch {epoch + 1}'s checkpoint")
+    run.stop.disarm(f"writing epoch {epoch + 1}'s checkpoint")
     state.epoch, state.batch, state.elapsed_s = epoch + 1, 0, time.perf_counter() - run.started
     if not cfg.test:
         save_epoch_checkpoint(run.saver, state, periodic, run.log, best)

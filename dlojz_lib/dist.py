@@ -120,6 +120,20 @@ class StopPoll:
         self._pending = (dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True), flag)
         return False
 
+    # The loop tells the watchdog where it is through these: it reaches one object, the poll it asks anyway.
+    def disarm(self, phase=None):
+        """Leaving a loop, or before its first mark (compilation, autotuning): not timed; `phase` (a checkpoint
+        write, the run's end) is said in a verdict of silence."""
+        self.watchdog.disarm(phase)
+
+    def timing(self):
+        """Around a micro-batch's forward and loss: this rank's share of a step, for the straggler check."""
+        return self.watchdog.timing()
+
+    def collective(self, name, entered=True):
+        """The loop waits in collective `name` (when `entered`): a hang there is named by it."""
+        return self.watchdog.collective(name, entered)
+
     def settle(self) -> bool:
         """Wait for the all-reduce in flight, if any: whether it found a signal on some rank."""
         if self._pending is None:

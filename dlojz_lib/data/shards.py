@@ -4,8 +4,8 @@
 - `PackedSplit(root, split)`: `classes`, `class_names`, `len()`, `targets`, `key(i)`, `shard_path(i)`,
   `location(i)`, `read_bytes(i)` (os.pread on descriptors opened lazily, cached per process, reopened after a
   fork, never pickled: `OpenFiles`), `rows()` (the index).
-- `check_shards(packed)` (every shard there with its size: the start-up check), `intact_rows(packed)` (the samples
-  whose bytes are whole, with a warning per damaged shard); `check_pack(root)`: `check_shards` of every split.
+- `intact_rows(packed)`: the start-up check, the samples whose bytes are whole in their shards, with a warning per
+  shard cut short or missing (a shard larger than the pack made it is a PackError).
 - `read_manifest(root, hint)`, `pack_files(manifest)`, `repack_hint(manifest, root)`: the manifest, shared with the
   writer.
 
@@ -265,27 +265,3 @@ def intact_rows(packed):
             f"left out; {repack_hint(dict(source=packed.source), packed.root)}"
         )
     return np.flatnonzero(intact).tolist(), warnings
-
-
-def check_shards(packed):
-    """Every shard present with the size the manifest records; PackError naming the first that is not."""
-    for name, expected in zip(packed.shards, packed.shard_sizes):
-        path = packed.root / name
-        try:
-            size = path.stat().st_size
-        except OSError as err:
-            raise PackError(
-                f"{path}: shard missing ({err.strerror}); {repack_hint(dict(source=packed.source), packed.root)}"
-            ) from None
-        if size != expected:
-            raise PackError(
-                f"{path}: {size} bytes, the pack made it {expected} (truncated or replaced); "
-                f"{repack_hint(dict(source=packed.source), packed.root)}"
-            )
-
-
-def check_pack(root):
-    """The start-up check of a whole pack: every split's shards present with their sizes."""
-    manifest = read_manifest(root, f"make one with python dlojz_pack.py SRC {root}")
-    for split in manifest.get("splits", {}):
-        check_shards(PackedSplit(root, split))
