@@ -256,3 +256,35 @@ def torchvision_vit_state():
         torch.manual_seed(0)
         _VIT_STATE.update(torchvision.models.vit_b_32(num_classes=1000).state_dict())
     return _VIT_STATE
+
+
+def test_random_erase_fills_with_the_mean_colour_which_normalises_to_zero():
+    """torchvision's reference erases after normalisation with 0: the data set's mean colour. The crops here are
+    uint8, normalised on the device: the erased box holds the mean's uint8 value, about 0 once normalised (within
+    half a uint8 level), not black."""
+    from torchvision.transforms import v2
+
+    from dlojz_lib.data.augment import fixed_size_train_transform
+    from dlojz_lib.data.prefetch import DeviceNormalize
+
+    cfg = resolve_config(get_args_parser().parse_args([*BASE, "--random-erase", "1"]))
+    (erase,) = [t for t in fixed_size_train_transform(cfg, 32).transforms if isinstance(t, v2.RandomErasing)]
+    torch.manual_seed(0)
+    image = torch.full((3, 32, 32), 255, dtype=torch.uint8)  # white: the box is what is not white
+    erased = erase(image)
+    box = (erased != 255).all(dim=0)
+    assert box.sum() > 0
+    normalised = DeviceNormalize(torch.device("cpu"))(erased[None])[0]
+    assert normalised[:, box].abs().max() < 0.5 / 255 / 0.224, normalised[:, box].abs().max()
+
+
+def test_the_policies_interpolate_bilinear_as_torchvision_s_reference():
+    from torchvision.transforms import v2
+
+    from dlojz_lib.data.augment import fixed_size_train_transform
+
+    for flags in (["--randaugment", "2", "9"], ["--randaugment", "2", "9", "--randaugment-mstd", "1"],
+                  ["--trivialaugment"], ["--autoaugment", "imagenet"], ["--augmix", "3"]):  # fmt: skip
+        cfg = resolve_config(get_args_parser().parse_args([*BASE, *flags]))
+        (policy,) = fixed_size_train_transform(cfg, 32).transforms[1:]
+        assert policy.interpolation == v2.InterpolationMode.BILINEAR, flags

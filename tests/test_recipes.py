@@ -124,6 +124,7 @@ PUBLISHED = {
         "torchvision references/classification README, ResNet-50 IMAGENET1K_V2 (80.858 %)",
         dict(
             arch="resnet50",
+            zero_init_residual=False,
             epochs=600,
             batch_size=128,
             lr=0.5,
@@ -315,6 +316,22 @@ PUBLISHED["timm_rsb_a2_resnet50.toml"] = (
 
 for _, published_flags in PUBLISHED.values():
     published_flags["lr_per_epoch"] = True  # torchvision's and timm's train.py step their schedulers once per epoch
+
+
+# The sources that leave the residual BatchNorm scales at 1 (dlojz zero-inits them by default): torchvision's
+# references/classification/train.py (torchvision.models.get_model without zero_init_residual), FFCV's
+# ffcv-imagenet rn50 configs (torchvision's resnet50 as built), NVIDIA's MLPerf v4.0 ResNet-50 submission.
+NO_ZERO_INIT = ("torchvision_resnet50_v2.toml", "race_rn50_16ep.toml", "race_rn50_88ep.toml", "mlperf_rn50_lars.toml")
+
+
+@pytest.mark.parametrize("name", NO_ZERO_INIT)
+def test_the_recipes_whose_source_does_not_zero_init_build_a_model_without_it(name):
+    from dlojz_lib.model import create_model
+
+    values = vars(get_args_parser().parse_args(["--config", str(ROOT / "recipes" / name)]))
+    assert values["zero_init_residual"] is False
+    model = create_model(values["arch"], 10, values["zero_init_residual"])
+    assert model.layer1[0].bn3.weight.detach().eq(1).all()  # torchvision's init: scale 1 (zero-init: 0)
 
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED))

@@ -11,7 +11,10 @@ from __future__ import annotations
 import torch
 from torchvision.transforms import v2
 
-from dlojz_lib.data.transforms import TrainTransform
+from dlojz_lib.data.transforms import IMAGENET_MEAN, TrainTransform
+
+# The mean colour as a uint8 crop holds it: what a normalised image's 0 is (random erasing's fill).
+MEAN_UINT8 = tuple(round(255 * m) for m in IMAGENET_MEAN)
 
 
 def resolution_at(epoch, min_res, max_res, start_ramp, end_ramp, res_step):
@@ -62,21 +65,26 @@ def train_transform(cfg):
 
 
 def fixed_size_train_transform(cfg, image_size):
+    """The crop and flip at `image_size`, then the flags' policies as torchvision's reference (presets.py) runs
+    them: bilinear interpolation for the policies' geometric ops, and random erasing that fills with the data
+    set's mean colour (torchvision erases after normalisation with 0, which is the mean; the crops here are uint8,
+    normalised on the device, so the box takes the mean's uint8 value, 0 once normalised)."""
+    bilinear = dict(interpolation=v2.InterpolationMode.BILINEAR)
     extra = []
     if cfg.randaugment:
         num_ops, magnitude = cfg.randaugment
         if cfg.randaugment_mstd:
-            extra.append(NoisyRandAugment(num_ops, magnitude, cfg.randaugment_mstd))
+            extra.append(NoisyRandAugment(num_ops, magnitude, cfg.randaugment_mstd, **bilinear))
         else:
-            extra.append(v2.RandAugment(num_ops=num_ops, magnitude=magnitude))
+            extra.append(v2.RandAugment(num_ops=num_ops, magnitude=magnitude, **bilinear))
     if cfg.trivialaugment:
-        extra.append(v2.TrivialAugmentWide())
+        extra.append(v2.TrivialAugmentWide(**bilinear))
     if cfg.autoaugment:
-        extra.append(v2.AutoAugment(policy=v2.AutoAugmentPolicy(cfg.autoaugment)))
+        extra.append(v2.AutoAugment(policy=v2.AutoAugmentPolicy(cfg.autoaugment), **bilinear))
     if cfg.augmix:
-        extra.append(v2.AugMix(severity=cfg.augmix))
+        extra.append(v2.AugMix(severity=cfg.augmix, **bilinear))
     if cfg.random_erase > 0:
-        extra.append(v2.RandomErasing(p=cfg.random_erase))
+        extra.append(v2.RandomErasing(p=cfg.random_erase, value=list(MEAN_UINT8)))
     crop_flip = TrainTransform(image_size)
     return v2.Compose([crop_flip, *extra]) if extra else crop_flip
 
@@ -90,9 +98,10 @@ class NoisyRandAugment(v2.RandAugment):
     BINS_PER_STEP = 10
     MAX = 30
 
-    def __init__(self, num_ops, magnitude, std):
+    def __init__(self, num_ops, magnitude, std, **options):
         self.std = std
-        super().__init__(num_ops=num_ops, magnitude=magnitude, num_magnitude_bins=self.MAX * self.BINS_PER_STEP + 1)
+        bins = self.MAX * self.BINS_PER_STEP + 1
+        super().__init__(num_ops=num_ops, magnitude=magnitude, num_magnitude_bins=bins, **options)
 
     @property
     def magnitude(self):  # RandAugment.forward reads it once for each op that has a magnitude
