@@ -385,3 +385,36 @@ def restore_rng(state, device):
     random.setstate(state["rng"]["python"])
     if device.type == "cuda" and state["rng"].get("cuda") is not None:
         torch.cuda.set_rng_state(state["rng"]["cuda"], device)
+
+
+def average(paths):
+    """One checkpoint whose model is the mean of the models of `paths` (dlojz checkpoints of one run, .pt): every
+    floating tensor of the state dict (parameters and BatchNorm's running statistics) averaged in float64, the
+    integer buffers (BatchNorm's num_batches_tracked) the newest's; torchvision's MobileNetV3 recipe and timm's
+    avg_checkpoints.py do the same. The rest (args, position, optimizer) is the newest checkpoint's, its EMA left
+    out, and `averaged_from` names the files. CheckpointError for a sharded checkpoint or models that differ."""
+    paths = [Path(p) for p in paths]
+    saved = []
+    for path in paths:
+        state = load(path)
+        if state.get("sharded_path"):
+            raise CheckpointError(
+                f"checkpoint {path} is sharded (--fsdp): consolidate it first (python dlojz_fsdp.py consolidate)"
+            )
+        saved.append(state)
+    newest = saved[-1]
+    keys = {name: value.shape for name, value in newest["model"].items()}
+    for path, state in zip(paths, saved):
+        if {name: value.shape for name, value in state["model"].items()} != keys:
+            raise CheckpointError(
+                f"checkpoint {path}: another model than {paths[-1]}'s ({state['args'].get('arch')}, "
+                f"{newest['args'].get('arch')}): average the checkpoints of one run"
+            )
+    model = {}
+    for name, value in newest["model"].items():
+        if value.is_floating_point():
+            total = sum(state["model"][name].double() for state in saved)
+            model[name] = (total / len(saved)).to(value.dtype)
+        else:
+            model[name] = value.clone()
+    return dict(newest, model=model, ema=None, averaged_from=[str(p) for p in paths])

@@ -413,6 +413,7 @@ SCRIPTS = [
     "dlojz_lab.py",
     "dlojz_pack.py",
     "dlojz_fsdp.py",
+    "dlojz_avg.py",
     "dlojz_lib/chrono_report.py",  # dlojz_chrono.py's command line
     *sorted(  # the benches that are commands (in_process.py is the loop they import)
         path.relative_to(ROOT).as_posix()
