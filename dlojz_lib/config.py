@@ -92,6 +92,7 @@ class Config:
     model_ema_decay: float
     model_ema_steps: int | None  # None: every optimizer step
     model_ema_warmup: bool
+    model_ema_adjust: bool
     # augmentation
     randaugment: tuple | None
     randaugment_mstd: float | None  # the standard deviation of RandAugment's magnitude, per op

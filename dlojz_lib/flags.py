@@ -453,6 +453,13 @@ def get_args_parser():
         default=False,
         help="the EMA's decay grows as min(decay, (1 + u) / (10 + u)) over its first updates u (timm's)",
     )
+    p.add_argument(
+        "--model-ema-adjust",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="torchvision's rule: the decay per update is 1 - (1 - --model-ema-decay) x global batch x\n"
+        "--model-ema-steps / --epochs, computed at start-up from the GPUs the job has (its recipes give 0.99998)",
+    )
 
     p = parser.add_argument_group("augmentation")
     p.add_argument(

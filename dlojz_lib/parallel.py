@@ -48,6 +48,16 @@ class Model:
         return contextlib.nullcontext()
 
 
+def ema_decay(cfg, world_size) -> float:
+    """The EMA's decay per update: --model-ema-decay, or with --model-ema-adjust torchvision's rule (train.py):
+    1 - min(1, (1 - decay) x images a step x --model-ema-steps / --epochs), so that a recipe's EMA averages over the
+    same share of its training whatever the number of GPUs (images a step: world size x batch x --grad-acc)."""
+    if not cfg.model_ema_adjust:
+        return cfg.model_ema_decay
+    adjust = world_size * cfg.batch_size * cfg.grad_acc * (cfg.model_ema_steps or 1) / cfg.epochs
+    return 1.0 - min(1.0, (1.0 - cfg.model_ema_decay) * adjust)
+
+
 def build_model(cfg, num_classes, ranks, log) -> Model:
     module = create_model(cfg.arch, num_classes, cfg.zero_init_residual, cfg.image_size, cfg.drop_path)
     if cfg.initial_checkpoint is not None or cfg.pretrained is not None:  # before any wrapper or copy
@@ -77,7 +87,14 @@ def build_model(cfg, num_classes, ranks, log) -> Model:
         log(BFLOAT16_BATCH_NORM)
     ema = None
     if cfg.model_ema:
-        ema = ModelEma(module, cfg.model_ema_decay, cfg.model_ema_steps or 1, cfg.model_ema_warmup)
+        decay = ema_decay(cfg, ranks.world_size)
+        if cfg.model_ema_adjust:
+            log(
+                f"EMA decay {decay:.6f} per update: torchvision's rule from --model-ema-decay {cfg.model_ema_decay} "
+                f"({ranks.world_size} x {cfg.batch_size * cfg.grad_acc} images x {cfg.model_ema_steps or 1} steps / "
+                f"{cfg.epochs} epochs)"
+            )
+        ema = ModelEma(module, decay, cfg.model_ema_steps or 1, cfg.model_ema_warmup)
     net, parallel, unsharded = module, "none", module
     if cfg.fsdp:
         from dlojz_lib.fsdp import shard_model

@@ -288,3 +288,15 @@ def test_the_policies_interpolate_bilinear_as_torchvision_s_reference():
         cfg = resolve_config(get_args_parser().parse_args([*BASE, *flags]))
         (policy,) = fixed_size_train_transform(cfg, 32).transforms[1:]
         assert policy.interpolation == v2.InterpolationMode.BILINEAR, flags
+
+
+def test_model_ema_adjust_gives_the_ema_torchvision_s_decay(tiny_data, tmp_path, run_inline):
+    """One GPU's worth: 1 rank x 8 images x 1 step / 2 epochs: 1 - 1e-4 x 4 = 0.9996 per update, said at start-up."""
+    from conftest import TINY
+
+    common = [*TINY, "--data-root", tiny_data, "-e", "2", "--test", "--test-nsteps", "1", "--model-ema"]
+    proc = run_inline(*common, "--model-ema-decay", "0.9999", "--model-ema-adjust", "--output-dir", tmp_path / "a")
+    assert proc.returncode == 0, proc.stderr
+    assert "EMA decay 0.999600 per update: torchvision's rule from --model-ema-decay 0.9999" in proc.stdout
+    proc = run_inline(*common, "--model-ema-decay", "0.9999", "--output-dir", tmp_path / "b")
+    assert proc.returncode == 0 and "EMA decay" not in proc.stdout, proc.stderr

@@ -143,6 +143,8 @@ PUBLISHED = {
             ra_reps=4,
             model_ema=True,
             model_ema_steps=32,
+            model_ema_decay=0.99998,
+            model_ema_adjust=True,
             image_size=176,
             val_resize_size=232,
             val_crop_size=224,
@@ -192,6 +194,8 @@ PUBLISHED = {
             ra_reps=4,
             model_ema=True,
             model_ema_steps=32,
+            model_ema_decay=0.99998,
+            model_ema_adjust=True,
             image_size=176,
             val_resize_size=236,
         ),
@@ -217,6 +221,8 @@ PUBLISHED = {
             ra_reps=3,
             model_ema=True,
             model_ema_steps=32,
+            model_ema_decay=0.99998,
+            model_ema_adjust=True,
         ),
     ),
     "torchvision_efficientnet_v2_s.toml": (
@@ -240,6 +246,8 @@ PUBLISHED = {
             ra_reps=4,
             model_ema=True,
             model_ema_steps=32,
+            model_ema_decay=0.99998,
+            model_ema_adjust=True,
             image_size=300,
             val_resize_size=384,
             val_crop_size=384,
@@ -439,3 +447,18 @@ def test_a_recipe_s_feature_is_cleared_with_its_no_form(tmp_path):
     assert (cfg.randaugment, cfg.ra_reps, cfg.lr_milestones, cfg.drop_path) == (None, None, None, None)
     parser = get_args_parser()
     assert all(parser.parse_args([f"--no-{dest.replace('_', '-')}"]).__dict__[dest] is None for dest in CLEARABLE)
+
+
+@pytest.mark.parametrize("gpus", [1, 4, 8, 32])
+def test_the_ema_decay_follows_the_gpus_as_torchvision_s_train_py_computes_it(gpus):
+    """torchvision's train.py: adjust = world size x batch x --model-ema-steps / epochs, decay = 1 - (1 - 0.99998)
+    x adjust; the recipe gives 0.99998 and --model-ema-adjust, and dlojz computes it from the GPUs of the job."""
+    import dataclasses
+
+    from dlojz_lib.parallel import ema_decay
+
+    cfg = resolve("--config", ROOT / "recipes" / "torchvision_resnet50_v2.toml")
+    assert (cfg.model_ema_decay, cfg.model_ema_adjust) == (0.99998, True)
+    assert ema_decay(cfg, gpus) == pytest.approx(1 - 2e-5 * gpus * 128 * 32 / 600, abs=1e-12)
+    assert ema_decay(cfg, 8) == pytest.approx(0.998908, abs=1e-6)  # the value the recipe typed for 8 GPUs before
+    assert ema_decay(dataclasses.replace(cfg, model_ema_adjust=False), gpus) == 0.99998  # without the rule: as given
