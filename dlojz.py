@@ -540,11 +540,7 @@ def validate(run, epoch, train_seconds) -> dict:
         ema = evaluate(model.ema.module, *where)
         if "stopped_by" in ema:
             return ema
-        metrics.update(
-            ema_val_loss=ema["val_loss"],
-            ema_val_accuracy=ema["val_accuracy"],
-            ema_val_top5_accuracy=ema["val_top5_accuracy"],
-        )
+        metrics.update({f"ema_{key}": value for key, value in ema.items() if isinstance(value, float)})
         log(
             f"{epoch}, EMA model: Validation Loss: {ema['val_loss']:.4f}, Validation Accuracy: {ema['val_accuracy']:.4f}, "
             f"top-5 {ema['val_top5_accuracy']:.4f}"

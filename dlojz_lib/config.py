@@ -93,6 +93,7 @@ class Config:
     model_ema_steps: int | None  # None: every optimizer step
     model_ema_warmup: bool
     model_ema_adjust: bool
+    ema_judges: bool  # the EMA's validation chooses best and reaches the target
     # augmentation
     randaugment: tuple | None
     randaugment_mstd: float | None  # the standard deviation of RandAugment's magnitude, per op

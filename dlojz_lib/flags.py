@@ -454,6 +454,13 @@ def get_args_parser():
         help="the EMA's decay grows as min(decay, (1 + u) / (10 + u)) over its first updates u (timm's)",
     )
     p.add_argument(
+        "--ema-judges",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="with --model-ema: the EMA's validation chooses `best` (--best-metric) and reaches --target-accuracy,\n"
+        "as torchvision's published figures are the EMA weights'",
+    )
+    p.add_argument(
         "--model-ema-adjust",
         action=argparse.BooleanOptionalAction,
         default=False,

@@ -410,11 +410,12 @@ def record_validation(cfg, epoch, validation, state, metrics, started, wandb_run
         },
         step=state.global_step,
     )
-    target_reached = cfg.target_accuracy is not None and metrics["val_accuracy"] >= cfg.target_accuracy
+    top1 = metrics["ema_val_accuracy" if cfg.ema_judges else "val_accuracy"]  # --ema-judges: the EMA's
+    target_reached = cfg.target_accuracy is not None and top1 >= cfg.target_accuracy
     if target_reached:
         metrics.update(time_to_target_s=time.perf_counter() - started, epochs_to_target=epoch + 1)
         log(
-            f">>> Target top-1 {cfg.target_accuracy:.4f} reached after {epoch + 1} epochs, "
+            f">>> Target top-1 {cfg.target_accuracy:.4f} reached{' by the EMA' if cfg.ema_judges else ''} after {epoch + 1} epochs, "
             f"{metrics['time_to_target_s']:.1f} s from the start: stopping"
         )
     return target_reached

@@ -459,8 +459,9 @@ def record_best(cfg, epoch, validation, state, metrics) -> bool:
     the best so far goes into `state` (checkpointed with it) and the metrics."""
     if cfg.best_metric == "none":
         return False
-    value = validation[VALIDATION_METRICS[cfg.best_metric][0]]
-    if not math.isfinite(validation["val_loss"]):  # a model whose outputs are nan is never the best
+    judged = "ema_" if cfg.ema_judges else ""  # --ema-judges: the EMA's figures
+    value = validation[judged + VALIDATION_METRICS[cfg.best_metric][0]]
+    if not math.isfinite(validation[judged + "val_loss"]):  # a model whose outputs are nan is never the best
         return False
     best = state.best_value is None or value > state.best_value  # (a resume keeps it for the same metric only)
     if best:

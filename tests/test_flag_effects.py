@@ -300,3 +300,31 @@ def test_model_ema_adjust_gives_the_ema_torchvision_s_decay(tiny_data, tmp_path,
     assert "EMA decay 0.999600 per update: torchvision's rule from --model-ema-decay 0.9999" in proc.stdout
     proc = run_inline(*common, "--model-ema-decay", "0.9999", "--output-dir", tmp_path / "b")
     assert proc.returncode == 0 and "EMA decay" not in proc.stdout, proc.stderr
+
+
+def test_ema_judges_chooses_best_and_reaches_the_target_by_the_ema_s_figures():
+    """torchvision's published figures are the EMA weights': with --ema-judges the EMA's validation chooses `best`
+    and reaches --target-accuracy; without it, the model's does."""
+    from types import SimpleNamespace
+
+    from dlojz_lib.log import NoWandb, record_validation
+    from dlojz_lib.resume import TrainState, record_best
+
+    def figures(top1, ema_top1):
+        return dict(val_loss=1.0, val_accuracy=top1, val_top5_accuracy=1.0, ema_val_loss=1.0,
+                    ema_val_accuracy=ema_top1, ema_val_top5_accuracy=1.0)  # fmt: skip
+
+    epochs = [figures(0.9, 0.3), figures(0.2, 0.6)]  # the model's best first, the EMA's second
+    chosen = {}
+    for judges in (False, True):
+        flags = ["--model-ema", "--target-accuracy", "0.5", *(["--ema-judges"] if judges else [])]
+        cfg = resolve_config(get_args_parser().parse_args([*BASE, *flags]))
+        state, metrics, ranks = TrainState(), {}, SimpleNamespace(is_main=True)
+        bests = [record_best(cfg, epoch, validation, state, metrics) for epoch, validation in enumerate(epochs)]
+        reached = [
+            record_validation(cfg, epoch, v, state, dict(metrics), 0.0, NoWandb(), ranks, lambda line: None)
+            for epoch, v in enumerate(epochs)
+        ]
+        chosen[judges] = (bests, state.best_epoch, reached)
+    assert chosen[False] == ([True, False], 1, [True, False])  # the model: 0.9 then 0.2
+    assert chosen[True] == ([True, True], 2, [False, True])  # the EMA: 0.3 then 0.6
