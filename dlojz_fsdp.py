@@ -39,7 +39,7 @@ def consolidate(source, target):
         args["arch"], saved["num_classes"], args["zero_init_residual"], args["image_size"], args.get("drop_path")
     )
     if args["blurpool"]:
-        apply_blurpool(module)
+        apply_blurpool(module, maxpool=args.get("blurpool_maxpool", True))
     # as a run without --fsdp builds it (fused where torch has it): its param_groups are what such a run loads
     head = optim.fine_tuning_head(module, saved["num_classes"], args)
     optimizer = optim.build_optimizer(

@@ -54,6 +54,7 @@ class Config:
     arch: str
     seed: int
     blurpool: bool
+    blurpool_maxpool: bool  # --blurpool blurs the strided max-pools too (Composer's), or not (FFCV's)
     zero_init_residual: bool | None  # None: on where the model takes it
     clip_grad_norm: float | None
     pretrained: str | None  # torchvision's weights name for --arch, from the local hub cache

@@ -134,6 +134,8 @@ def check_optimisation(values):
     for flag in ("model_ema_steps", "model_ema_warmup", "model_ema_adjust", "ema_judges"):
         if values[flag] and not values["model_ema"]:
             fail(f"--{flag.replace('_', '-')} sets how --model-ema averages: add --model-ema")
+    if values["blurpool_maxpool"] is False and not values["blurpool"]:
+        fail("--no-blurpool-maxpool sets which layers --blurpool blurs: add --blurpool")
     if values["bce_target_thresh"] is not None and not values["bce_loss"]:
         fail("--bce-target-thresh binarises --bce-loss's targets: add --bce-loss")
     if values["nesterov"] and values["optimizer"] != "sgd":

@@ -232,6 +232,13 @@ def get_args_parser():
         help="anti-aliased downsampling: blur before strided convolutions and max-pools",
     )
     p.add_argument(
+        "--blurpool-maxpool",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="--blurpool also blurs the strided max-pools (Composer's, the default); --no-blurpool-maxpool: the\n"
+        "strided convolutions only, as FFCV's apply_blurpool",
+    )
+    p.add_argument(
         "--zero-init-residual",
         action=argparse.BooleanOptionalAction,
         default=None,

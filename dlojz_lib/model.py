@@ -270,15 +270,16 @@ class MaxBlurPool2d(torch.nn.MaxPool2d):
         return blur(pooled, self.blur_kernel, self.stride)
 
 
-def apply_blurpool(model, min_channels=16):
+def apply_blurpool(model, min_channels=16, maxpool=True):
     """Blur before each strided Conv2d with at least `min_channels` inputs (the stem's 3-channel conv keeps its
-    own), and turn each strided MaxPool2d into a MaxBlurPool2d. Returns how many layers changed."""
+    own), and with `maxpool` (Composer's) turn each strided MaxPool2d into a MaxBlurPool2d; without it the
+    convolutions only, as FFCV's apply_blurpool. Returns how many layers changed."""
     changed = 0
     device = next(model.parameters(), torch.empty(0)).device
     for module in model.modules():
         if type(module) is torch.nn.Conv2d and max(module.stride) > 1 and module.in_channels >= min_channels:
             module.__class__ = BlurConv2d
-        elif type(module) is torch.nn.MaxPool2d and module.stride not in (1, (1, 1)):
+        elif maxpool and type(module) is torch.nn.MaxPool2d and module.stride not in (1, (1, 1)):
             module.__class__ = MaxBlurPool2d
         else:
             continue

@@ -70,10 +70,11 @@ def build_model(cfg, num_classes, ranks, log) -> Model:
             weights, what, fix = weights_source(cfg)  # (the flag as given, and what to do with a damaged cache file)
             log(load_initial_weights(module, weights, num_classes, what, fix))
     if cfg.blurpool:  # before the copies below (SyncBN, EMA): they keep the blurred layers
-        changed = apply_blurpool(module)
+        changed = apply_blurpool(module, maxpool=cfg.blurpool_maxpool)
+        layers = "strided convolutions and max-pools" if cfg.blurpool_maxpool else "strided convolutions (FFCV's)"
         if changed == 0:
-            fail(f"--blurpool: --arch {cfg.arch} has no strided convolution or max-pool to blur")
-        log(f"BlurPool: {changed} strided convolutions and max-pools blur their input first")
+            fail(f"--blurpool: --arch {cfg.arch} has no {layers} to blur")
+        log(f"BlurPool: {changed} {layers} blur their input first")
     if cfg.sync_bn and ranks.enabled:
         module = torch.nn.SyncBatchNorm.convert_sync_batchnorm(module)
     if not cfg.fsdp:  # FSDP moves each rank's shards only to the device

@@ -62,6 +62,25 @@ def test_the_flag_reaches_the_trained_model(monkeypatch, tmp_path):
     kinds = {type(m) for m in loop_for("--blurpool")["model"].module.modules()}
     assert {BlurConv2d, MaxBlurPool2d} <= kinds
     assert not {BlurConv2d, MaxBlurPool2d} & {type(m) for m in loop_for()["model"].module.modules()}
+    ffcv = {type(m) for m in loop_for("--blurpool", "--no-blurpool-maxpool")["model"].module.modules()}
+    assert BlurConv2d in ffcv and MaxBlurPool2d not in ffcv and torch.nn.MaxPool2d in ffcv  # FFCV's: convolutions
+
+
+def test_the_race_recipes_blur_as_ffcv_does():
+    """FFCV's apply_blurpool (ffcv-imagenet's rn50 train_imagenet.py) replaces strided convolutions of 16 or more
+    input channels and leaves the max-pool: the race recipes, which cite it, do the same."""
+    from conftest import ROOT
+
+    from dlojz_lib.flags import get_args_parser
+
+    for name in ("race_rn50_16ep.toml", "race_rn50_88ep.toml"):
+        values = vars(get_args_parser().parse_args(["--config", str(ROOT / "recipes" / name)]))
+        assert (values["blurpool"], values["blurpool_maxpool"]) == (True, False), name
+    from dlojz_lib.checks import UserError
+    from dlojz_lib.flag_checks import checked_values
+
+    with pytest.raises(UserError, match="--no-blurpool-maxpool sets which layers --blurpool blurs: add --blurpool"):
+        checked_values(["--device", "cpu", "--no-blurpool-maxpool"])
 
 
 def test_a_model_with_nothing_to_blur_is_one_line(run_inline):
