@@ -466,3 +466,20 @@ def test_the_ema_decay_follows_the_gpus_as_torchvision_s_train_py_computes_it(gp
     assert ema_decay(cfg, gpus) == pytest.approx(1 - 2e-5 * gpus * 128 * 32 / 600, abs=1e-12)
     assert ema_decay(cfg, 8) == pytest.approx(0.998908, abs=1e-6)  # the value the recipe typed for 8 GPUs before
     assert ema_decay(dataclasses.replace(cfg, model_ema_adjust=False), gpus) == 0.99998  # without the rule: as given
+
+
+@pytest.mark.parametrize("name", ["race_rn50_16ep.toml", "race_rn50_88ep.toml"])
+def test_the_race_headers_say_the_epochs_the_resolution_changes(name):
+    """The header's "160 px up to epoch A, 192 px from epoch B" is what the recipe's ramp gives."""
+    import re
+
+    from dlojz_lib.data.augment import resolution_at
+
+    text = (ROOT / "recipes" / name).read_text()
+    last_low, first_high = map(
+        int, re.search(r"160 px up to epoch\s*#?\s*(\d+), 192 px from epoch (\d+)", text).groups()
+    )
+    values = vars(get_args_parser().parse_args(["--config", str(ROOT / "recipes" / name)]))
+    ramp = [values[key] for key in ("min_res", "max_res", "start_ramp", "end_ramp", "res_step")]
+    sizes = [resolution_at(epoch, *ramp) for epoch in range(values["epochs"])]
+    assert sizes.index(192) == first_high and sizes[last_low] == 160 and first_high == last_low + 1
