@@ -94,6 +94,7 @@ class Config:
     model_ema_steps: int | None  # None: every optimizer step
     model_ema_warmup: bool
     model_ema_adjust: bool
+    model_ema_warmup_copy: bool  # the EMA copies the weights during the LR's warm-up (torchvision's)
     ema_judges: bool  # the EMA's validation chooses best and reaches the target
     # augmentation
     randaugment: tuple | None

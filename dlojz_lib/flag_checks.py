@@ -131,7 +131,7 @@ def check_augmentation(values):
 
 def check_optimisation(values):
     """The loss, the optimizer and the averaged weights (the schedule is check_schedule's)."""
-    for flag in ("model_ema_steps", "model_ema_warmup", "model_ema_adjust", "ema_judges"):
+    for flag in ("model_ema_steps", "model_ema_warmup", "model_ema_adjust", "ema_judges", "model_ema_warmup_copy"):
         if values[flag] and not values["model_ema"]:
             fail(f"--{flag.replace('_', '-')} sets how --model-ema averages: add --model-ema")
     if values["blurpool_maxpool"] is False and not values["blurpool"]:

@@ -468,6 +468,13 @@ def get_args_parser():
         "as torchvision's published figures are the EMA weights'",
     )
     p.add_argument(
+        "--model-ema-warmup-copy",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="during the LR's warm-up the EMA copies the weights at each update, averaging from its end\n"
+        "(torchvision's train.py resets it there)",
+    )
+    p.add_argument(
         "--model-ema-adjust",
         action=argparse.BooleanOptionalAction,
         default=False,

@@ -301,6 +301,7 @@ class ModelEma(torch.optim.swa_utils.AveragedModel):
         super().__init__(model, use_buffers=True)
         self.decay, self.every, self.warmup = decay, every, warmup
         self.updates = 0
+        self.copy_updates = 0  # --model-ema-warmup-copy: the first updates copy the weights (the LR's warm-up)
 
     def due(self, step):
         """Whether optimizer step `step` (counted from 1) updates the average."""
@@ -312,7 +313,7 @@ class ModelEma(torch.optim.swa_utils.AveragedModel):
         current = [t.detach() for t in (*model.parameters(), *model.buffers())]
         floating = [(a, c) for a, c in zip(averaged, current) if a.is_floating_point()]
         decay = min(self.decay, (1 + self.updates) / (10 + self.updates)) if self.warmup else self.decay
-        if self.updates == 0:  # the first update copies, as AveragedModel does
+        if self.updates <= self.copy_updates:  # the first copies, as AveragedModel does; torchvision's warm-up too
             torch._foreach_copy_([a for a, _ in floating], [c for _, c in floating])
         else:
             torch._foreach_lerp_([a for a, _ in floating], [c for _, c in floating], 1.0 - decay)

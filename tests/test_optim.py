@@ -723,3 +723,31 @@ def test_weight_decay_per_kind_of_parameter():
     assert by_name["class_token"] == by_name["encoder.pos_embedding"] == 0.0
     assert by_name["encoder.ln.weight"] == by_name["encoder.layers.encoder_layer_0.ln_1.bias"] == 0.1
     assert by_name["heads.head.bias"] == by_name["conv_proj.weight"] == 0.3
+
+
+def test_model_ema_warmup_copy_copies_the_weights_through_the_warm_up(tiny_data, tmp_path, run_inline):
+    """torchvision's train.py resets the EMA after each update of the LR's warm-up: it holds the model's weights at
+    the warm-up's end, and averages from there."""
+    from conftest import TINY
+
+    from dlojz_lib.model import ModelEma
+
+    model = nn.Linear(2, 1)
+    ema = ModelEma(model, decay=0.9)
+    ema.copy_updates = 2  # updates 1 to 3 copy (the warm-up's two, and the first after it, as n_averaged 0 does)
+    for update in range(1, 5):
+        with torch.no_grad():
+            model.weight.add_(1.0)
+        before = ema.module.weight.detach().clone()
+        ema.update_parameters(model)
+        expected = model.weight if update <= 3 else 0.9 * before + 0.1 * model.weight
+        assert torch.allclose(ema.module.weight, expected), update
+    common = [*TINY, "--data-root", tiny_data, "-e", "2", "--warmup-epochs", "1", "--lr-scheduler", "cosine"]
+    common += ["--model-ema", "--model-ema-decay", "0.5"]
+    for flags, copied in (([], False), (["--model-ema-warmup-copy"], True)):
+        out = tmp_path / str(copied)
+        assert run_inline(*common, *flags, "--output-dir", out).returncode == 0
+        first = torch.load(sorted(out.glob("ckpt_e0001_*.pt"))[0], weights_only=True)  # the warm-up's end
+        weights = [name for name, value in first["model"].items() if value.is_floating_point()]
+        same = all(torch.equal(first["ema"]["module." + name], first["model"][name]) for name in weights)
+        assert same is copied

@@ -133,6 +133,11 @@ def build_training(cfg, model, n_train_batches, num_classes, ranks, log, class_c
     steps_per_epoch = math.ceil(n_train_batches / cfg.grad_acc)  # optimizer steps: what schedules and logs count
     total_steps = cfg.epochs * steps_per_epoch
     scheduler, lr_finder = build_schedule(cfg, optimizer, steps_per_epoch, total_steps)
+    if model.ema is not None and cfg.model_ema_warmup_copy:  # torchvision's: the EMA follows the warm-up's weights
+        warmup_steps = round(
+            (cfg.lr_peak_epoch if cfg.lr_scheduler == "linear" else cfg.warmup_epochs) * steps_per_epoch
+        )
+        model.ema.copy_updates = warmup_steps // model.ema.every
     drop_frozen_gradients = None
     if cfg.freeze_backbone_epochs:
         drop_frozen_gradients = freeze_backbone(optimizer, scheduler, cfg.freeze_backbone_epochs * steps_per_epoch)
