@@ -132,6 +132,7 @@ class Config:
     data_root: str | None
     val_resize_size: int
     val_crop_size: int
+    val_interpolation: str  # the validation resize's filter: bilinear or bicubic
     val_split: float | None  # the part of one folder of classes that validates
     mean: tuple | None  # what the images are normalised with: ImageNet's when None
     std: tuple | None

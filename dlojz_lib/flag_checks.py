@@ -117,6 +117,7 @@ def check_augmentation(values):
                 *((policy, True) for policy in augmentation_policies(values)),
                 ("--ra-reps", values["ra_reps"] is not None),
                 ("--random-erase", values["random_erase"] > 0),
+                ("--val-interpolation bicubic", values["val_interpolation"] == "bicubic"),
             )
             if on
         ]

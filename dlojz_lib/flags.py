@@ -647,6 +647,13 @@ def get_args_parser():
         help="validation center crop in px (default: 224; CPU profile: 64)",
     )
     p.add_argument(
+        "--val-interpolation",
+        choices=("bilinear", "bicubic"),
+        default="bilinear",
+        help="validation resize filter (PIL's, antialiased): bilinear (torchvision's reference, default) or\n"
+        "bicubic (timm's evaluation)",
+    )
+    p.add_argument(
         "--val-split",
         type=POSITIVE,
         default=None,

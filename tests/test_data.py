@@ -267,3 +267,20 @@ def test_repeated_augmentation_deals_each_image_s_copies_to_different_ranks_and_
     assert torch.equal(crops[0], train_set[(epoch, index)][0])  # copy 0: the augmentation without --ra-reps
     ranks[1].skip = 5
     assert list(ranks[1]) == drawn[1][5:]
+
+
+def test_val_interpolation_bicubic_is_pil_s_bicubic_resize(tmp_path):
+    """--val-interpolation bicubic (timm's evaluation): torchvision's Resize(BICUBIC) + CenterCrop on the PIL image,
+    to a level; bilinear (the default) is not that."""
+    import numpy as np
+    import torchvision.transforms as T
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    image = Image.fromarray(rng.integers(0, 256, (90, 120, 3), dtype=np.uint8))
+    reference = T.Compose([T.Resize(70, interpolation=T.InterpolationMode.BICUBIC), T.CenterCrop(64), T.PILToTensor()])
+    expected = reference(image).int()
+    bicubic = ValTransform(70, 64, interpolation="bicubic")(image).int()
+    bilinear = ValTransform(70, 64)(image).int()
+    assert (bicubic - expected).abs().max() <= 1
+    assert (bilinear - expected).abs().max() > 1

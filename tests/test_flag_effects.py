@@ -328,3 +328,24 @@ def test_ema_judges_chooses_best_and_reaches_the_target_by_the_ema_s_figures():
         chosen[judges] = (bests, state.best_epoch, reached)
     assert chosen[False] == ([True, False], 1, [True, False])  # the model: 0.9 then 0.2
     assert chosen[True] == ([True, True], 2, [False, True])  # the EMA: 0.3 then 0.6
+
+
+def test_val_interpolation_reaches_the_validation_set(tiny_data, tmp_path):
+    from types import SimpleNamespace
+
+    from dlojz_lib.data.loaders import build_data
+
+    for interpolation in ("bilinear", "bicubic"):
+        argv = [
+            *BASE,
+            "--data-root",
+            str(tiny_data),
+            "--val-interpolation",
+            interpolation,
+            "--output-dir",
+            str(tmp_path),
+        ]
+        cfg = resolve_config(get_args_parser().parse_args(argv))
+        ranks = SimpleNamespace(is_main=True, enabled=False, world_size=1, rank=0, device=torch.device("cpu"))
+        _, val_set, _ = build_data(cfg, ranks, lambda line: None)
+        assert val_set.transform.interpolation == interpolation

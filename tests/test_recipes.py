@@ -296,7 +296,8 @@ PUBLISHED = {
             randaugment=[2, 18],
             randaugment_mstd=1.5,
             image_size=160,
-            val_resize_size=236,
+            val_resize_size=235,  # timm's floor(224 / 0.95)
+            val_interpolation="bicubic",
             val_crop_size=224,
         ),
     ),
@@ -317,7 +318,8 @@ RSB_A1_A2 = dict(  # table 1's common values of A1 and A2, on timm's resnet50 (s
     drop_path=0.05,
     ra_reps=3,
     image_size=224,
-    val_resize_size=236,
+    val_resize_size=235,  # timm's floor(224 / 0.95)
+    val_interpolation="bicubic",
     val_crop_size=224,
 )
 PUBLISHED["timm_rsb_a1_resnet50.toml"] = (

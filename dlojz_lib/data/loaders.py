@@ -397,7 +397,7 @@ def build_data(cfg, ranks, log):
     train_set, val_set, classes, layout = build_datasets(
         root,
         train_transform(cfg),
-        ValTransform(cfg.val_resize_size, cfg.val_crop_size),
+        ValTransform(cfg.val_resize_size, cfg.val_crop_size, interpolation=cfg.val_interpolation),
         seed=cfg.seed,
         val_split=cfg.val_split,
         saved_split=saved_split,

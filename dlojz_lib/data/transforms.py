@@ -347,11 +347,15 @@ def _pil_to_uint8_chw(img: Image.Image) -> torch.Tensor:
     return torch.from_numpy(np.array(img, dtype=np.uint8)).permute(2, 0, 1)
 
 
-def _resize_box_pil(pixels, box: tuple, out_width: int, out_height: int) -> torch.Tensor:
-    """PIL's bilinear (antialiased) resize of ``box`` (fractional coordinates allowed) to a uint8 CHW tensor."""
+RESAMPLE = {"bilinear": Image.BILINEAR, "bicubic": Image.BICUBIC}  # --val-interpolation's PIL filters
+
+
+def _resize_box_pil(pixels, box: tuple, out_width: int, out_height: int, resample=Image.BILINEAR) -> torch.Tensor:
+    """PIL's (antialiased) resize of ``box`` (fractional coordinates allowed) to a uint8 CHW tensor: bilinear, or
+    the filter given."""
     if isinstance(pixels, np.ndarray):
         pixels = Image.fromarray(pixels)
-    return _pil_to_uint8_chw(pixels.resize((out_width, out_height), Image.BILINEAR, box=box))
+    return _pil_to_uint8_chw(pixels.resize((out_width, out_height), resample, box=box))
 
 
 class TrainTransform:
@@ -409,7 +413,7 @@ class ValTransform:
     stays within JPEG-decoding tolerance of the reference (checked by the tests).
     """
 
-    def __init__(self, resize_size: int = 256, crop_size: int = 224, draft: bool = True):
+    def __init__(self, resize_size: int = 256, crop_size: int = 224, draft: bool = True, interpolation="bilinear"):
         if not 0 < crop_size <= resize_size:
             raise ValueError(
                 f"ValTransform: need 0 < crop_size <= resize_size, got crop_size={crop_size}, "
@@ -418,9 +422,13 @@ class ValTransform:
         self.resize_size = int(resize_size)
         self.crop_size = int(crop_size)
         self.draft = draft
+        self.interpolation = interpolation  # --val-interpolation: PIL's bilinear (torchvision's) or bicubic (timm's)
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(resize_size={self.resize_size}, crop_size={self.crop_size}, draft={self.draft})"
+        return (
+            f"{type(self).__name__}(resize_size={self.resize_size}, crop_size={self.crop_size}, draft={self.draft}, "
+            f"interpolation={self.interpolation})"
+        )
 
     def __call__(self, img: Image.Image) -> torch.Tensor:
         width, height = img.size
@@ -437,4 +445,4 @@ class ValTransform:
         box = (crop_left * sx, crop_top * sy, (crop_left + crop) * sx, (crop_top + crop) * sy)
         pixels, box = _decode(img, box, crop, crop, self.draft)
         # Always PIL's resize here (the reference's filter), so that full-scale decodes give the reference pixels.
-        return _resize_box_pil(pixels, box, crop, crop)
+        return _resize_box_pil(pixels, box, crop, crop, RESAMPLE[self.interpolation])
