@@ -285,20 +285,20 @@ def restore(cfg, model, training, n_train_batches, device, log):
                 f"{saved.get('best_epoch')}); from here `best` names the best {cfg.best_metric} of this run's "
                 "validations only, earlier checkpoints not compared (evaluate them with --eval-only to choose)"
             )
-        saved_args, idr_torch = saved["args"], load_idr_torch()  # (this run's world size)
-        saved_world, saved_batch_size = saved.get("world_size", idr_torch.world_size), saved_args["batch_size"]
+        saved_args, world_size = saved["args"], load_idr_torch().world_size  # (this run's)
+        saved_world, saved_batch_size = saved.get("world_size", world_size), saved_args["batch_size"]
         saved_grad_acc = saved_args.get("grad_acc", 1)
-        images_per_batch = cfg.batch_size * idr_torch.world_size
-        if (saved_world, saved_batch_size) != (idr_torch.world_size, cfg.batch_size) and state.batch:
+        images_per_batch = cfg.batch_size * world_size
+        if (saved_world, saved_batch_size) != (world_size, cfg.batch_size) and state.batch:
             # The samplers deal out one order of the epoch's images: go on after as many as were trained on.
             done = state.batch * saved_batch_size * saved_world
             state.batch = done // images_per_batch
             log(
-                f"resumed on {idr_torch.world_size} ranks x {cfg.batch_size} images a checkpoint written on "
+                f"resumed on {world_size} ranks x {cfg.batch_size} images a checkpoint written on "
                 f"{saved_world} x {saved_batch_size}: the epoch goes on after its first {done} images"
                 + ("" if done % images_per_batch == 0 else f" ({done % images_per_batch} of them trained on again)")
             )
-        if (saved_world, saved_batch_size, saved_grad_acc) != (idr_torch.world_size, cfg.batch_size, cfg.grad_acc):
+        if (saved_world, saved_batch_size, saved_grad_acc) != (world_size, cfg.batch_size, cfg.grad_acc):
             # Optimizer steps of another size: the step this setting has reached at the same image.
             steps_per_epoch = math.ceil(n_train_batches / cfg.grad_acc)
             state.global_step = state.epoch * steps_per_epoch + state.batch // cfg.grad_acc

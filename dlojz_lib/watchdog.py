@@ -32,6 +32,7 @@ anyway, carries every rank's seconds since the last one. A rank slower than the 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import statistics
@@ -80,7 +81,7 @@ class Watchdog:
         its verdict."""
         from dlojz_lib.checkpoint import newest_checkpoint
 
-        newest = lambda: newest_checkpoint(cfg.output_dir)  # noqa: E731
+        newest = functools.partial(newest_checkpoint, cfg.output_dir)
         return cls(ranks, cfg.hang_timeout, cfg.output_dir, newest, cfg.straggler_factor)
 
     # ---------------------------------------------------------------- the loop's marks (no sync, no collective)

@@ -130,7 +130,12 @@ def close_dataloaders(monkeypatch):
     opened = []
     if loaders is not None:
         make_loader = loaders.make_loader
-        monkeypatch.setattr(loaders, "make_loader", lambda *a, **k: opened.append(make_loader(*a, **k)) or opened[-1])
+
+        def recorded(*args, **kwargs):
+            opened.append(make_loader(*args, **kwargs))
+            return opened[-1]
+
+        monkeypatch.setattr(loaders, "make_loader", recorded)
     yield
     for loader in opened:
         loaders.close_loader(loader)

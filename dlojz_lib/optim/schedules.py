@@ -120,6 +120,11 @@ def build_scheduler(
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
+def warmup_steps(cfg, steps_per_epoch: int) -> int:
+    """The LR's warm-up in optimizer steps: --warmup-epochs, or the linear schedule's --lr-peak-epoch."""
+    return round((cfg.lr_peak_epoch if cfg.lr_scheduler == "linear" else cfg.warmup_epochs) * steps_per_epoch)
+
+
 def step_milestones(cfg, steps_per_epoch: int):
     """--lr-scheduler step's milestones in optimizer steps: every --lr-step-size epochs (torchvision's StepLR), at
     --lr-milestones' epochs (MultiStepLR), else None (30, 60 and 90 % of the run)."""

@@ -15,7 +15,7 @@ from dlojz_lib.data.augment import batch_mixing
 from dlojz_lib.fsdp import UNFUSED_UNDER_FSDP
 from dlojz_lib.optim.losses import BinaryCrossEntropy, balanced_class_weights
 from dlojz_lib.optim.optimizers import build_optimizer, fine_tuning_head, freeze_backbone, kind_decay, param_groups
-from dlojz_lib.optim.schedules import LRFinder, build_scheduler, lr_scaling_line, step_milestones
+from dlojz_lib.optim.schedules import LRFinder, build_scheduler, lr_scaling_line, step_milestones, warmup_steps
 
 
 # ---------------------------------------------------------------------- what a run builds of all this
@@ -71,7 +71,6 @@ def build_schedule(cfg, optimizer, steps_per_epoch, total_steps):
                 optimizer, 1e-8, cfg.lr, min(total_steps, cfg.test_nsteps) if cfg.test else total_steps
             )
         else:
-            warmup_epochs = cfg.lr_peak_epoch if cfg.lr_scheduler == "linear" else cfg.warmup_epochs
             if cfg.lr_scheduler == "linear" and cfg.lr_peak_epoch >= cfg.epochs:
                 fail(f"--lr-peak-epoch {cfg.lr_peak_epoch} must come before the end (--epochs {cfg.epochs})")
             scheduler = build_scheduler(
@@ -79,7 +78,7 @@ def build_schedule(cfg, optimizer, steps_per_epoch, total_steps):
                 optimizer,
                 cfg.lr,
                 total_steps,
-                warmup_steps=round(warmup_epochs * steps_per_epoch),
+                warmup_steps=warmup_steps(cfg, steps_per_epoch),
                 poly_power=cfg.lr_poly_power,
                 step_milestones=step_milestones(cfg, steps_per_epoch),
                 gamma=0.1 if cfg.lr_gamma is None else cfg.lr_gamma,
@@ -134,10 +133,7 @@ def build_training(cfg, model, n_train_batches, num_classes, ranks, log, class_c
     total_steps = cfg.epochs * steps_per_epoch
     scheduler, lr_finder = build_schedule(cfg, optimizer, steps_per_epoch, total_steps)
     if model.ema is not None and cfg.model_ema_warmup_copy:  # torchvision's: the EMA follows the warm-up's weights
-        warmup_steps = round(
-            (cfg.lr_peak_epoch if cfg.lr_scheduler == "linear" else cfg.warmup_epochs) * steps_per_epoch
-        )
-        model.ema.copy_updates = warmup_steps // model.ema.every
+        model.ema.copy_updates = warmup_steps(cfg, steps_per_epoch) // model.ema.every
     drop_frozen_gradients = None
     if cfg.freeze_backbone_epochs:
         drop_frozen_gradients = freeze_backbone(optimizer, scheduler, cfg.freeze_backbone_epochs * steps_per_epoch)
