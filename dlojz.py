@@ -58,6 +58,7 @@ from dlojz_lib.dist import (
 from dlojz_lib.flag_checks import check_flags
 from dlojz_lib.flags import get_args_parser
 from dlojz_lib.fsdp import match_sharded_forwards
+from dlojz_lib.global_batch import fit_to_ranks
 from dlojz_lib.hooks import LoopHooks, make_profiler
 from dlojz_lib.launch import load_idr_torch
 from dlojz_lib.log import (
@@ -81,7 +82,6 @@ from dlojz_lib.optim.training import build_training
 from dlojz_lib.parallel import build_model
 from dlojz_lib.resume import (
     claim_output_dir,
-    keep_global_batch,
     make_saver,
     periodic_checkpoints,
     record_best,
@@ -147,7 +147,7 @@ def main(argv=None, resources=None) -> dict:
     log = Console(ranks.is_main)
     if cfg.writes_checkpoints:
         claim_output_dir(cfg, ranks, log, resources)  # one run writes in a folder: refused here, before any data scan
-    cfg = keep_global_batch(cfg, ranks.world_size, log)  # (before the loaders and the schedule: --grad-acc)
+    cfg = fit_to_ranks(cfg, ranks.world_size, log)  # (before the loaders and the schedule: batch, --grad-acc, --lr)
     idr_torch = load_idr_torch()  # the launch, as setup_distributed read it
     announce_run(cfg, argv, ranks, log, f"{idr_torch.num_nodes} nodes", idr_torch.current_API)
     # --test: the chronometer times each phase of the first steps, then the last --test-unsync-steps as a whole

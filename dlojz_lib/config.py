@@ -85,6 +85,8 @@ class Config:
     # memory and speed
     grad_acc: int
     keep_global_batch: bool  # resumed on another number of ranks: --grad-acc keeps the global batch
+    global_batch: int | None  # images a step on any number of ranks (batch and --grad-acc chosen at start-up)
+    lr_scaling: str | None  # --global-batch's rule for --lr where the ranks cannot make it exactly
     grad_checkpointing: bool
     compile: bool
     compile_mode: str | None

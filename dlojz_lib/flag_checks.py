@@ -161,6 +161,13 @@ def check_speed(values):
                 f"gradients --grad-acc {values['grad_acc']} accumulates; use --compile-mode "
                 "max-autotune-no-cudagraphs (or default) with --grad-acc, or --grad-acc 1"
             )
+    if values["global_batch"] is not None and values["grad_acc"] > 1:
+        fail(
+            f"--global-batch chooses --grad-acc from the ranks the job has: drop --grad-acc {values['grad_acc']} "
+            "(--batch-size is the most a rank holds at once)"
+        )
+    if values["lr_scaling"] is not None and values["global_batch"] is None:
+        fail("--lr-scaling says how --lr follows --global-batch: add --global-batch, the global batch --lr is for")
     if values["fsdp_reshard_after_forward"] is not None and not values["fsdp"]:
         fail("--fsdp-reshard-after-forward/--no-fsdp-reshard-after-forward set how --fsdp shards: add --fsdp")
     if 0 < values["straggler_factor"] <= 1:

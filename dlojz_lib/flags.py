@@ -85,6 +85,7 @@ NON_NEGATIVE = Number(float, 0)
 POSITIVE = Number(float, 0, low_open=True)
 FRACTION = Number(float, 0, 1)
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+LR_SCALING_RULES = ("linear", "sqrt", "none")  # --lr-scaling: how the LR follows the global batch
 CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")  # the modes that record CUDA graphs
 GRAPH_FREE_MODE = {"reduce-overhead": "default", "max-autotune": "max-autotune-no-cudagraphs"}  # the same, no graphs
 # The --dali-* flags' defaults (also how check_flags tells that one was given)
@@ -118,6 +119,8 @@ class OneLineParser(OneLineArgumentParser):
             for dest in ("warmup_start_factor", "warmup_method"):
                 if dest in self.recipe_files and f"--{dest.replace('_', '-')}" not in given:
                     setattr(namespace, dest, None)
+        if "--no-global-batch" in given and "--lr-scaling" not in given:  # a recipe's LR rule goes with its batch
+            namespace.lr_scaling = None
         return namespace
 
     def from_recipe(self, message, argv) -> str:
@@ -139,7 +142,7 @@ CLEARABLE = (
     "freeze_backbone_epochs", "layer_decay", "drop_path", "norm_wd", "bias_wd", "embedding_wd", "warmup_start_factor",
     "warmup_method", "min_lr", "lr_step_size", "lr_milestones", "lr_gamma", "compile_mode", "model_ema_steps",
     "randaugment", "randaugment_mstd", "autoaugment", "augmix", "target_accuracy", "min_res", "max_res", "val_split",
-    "mean", "std", "train_subset", "checkpoint_every",
+    "mean", "std", "train_subset", "checkpoint_every", "global_batch",
 )  # fmt: skip
 
 
@@ -410,6 +413,21 @@ def get_args_parser():
         default=False,
         help="resuming on another number of ranks: keep the checkpoint's global batch (hence its steps and LR\n"
         "schedule) by changing --grad-acc, where ranks x --batch-size divides it (the Slurm scripts' restarts)",
+    )
+    p.add_argument(
+        "--global-batch",
+        type=COUNT,
+        default=None,
+        help="images per optimizer step, kept on any number of ranks (a recipe's published global batch):\n"
+        "--batch-size becomes the most a rank holds at once, and each rank's batch and --grad-acc are chosen\n"
+        "at start-up (said in one block); --lr is the one for this global batch",
+    )
+    p.add_argument(
+        "--lr-scaling",
+        choices=LR_SCALING_RULES,
+        default=None,
+        help="with --global-batch: how --lr and --min-lr follow where the ranks cannot make that global batch\n"
+        "exactly (the nearest is taken): linear (default), sqrt (the Adam/LAMB family's), none",
     )
     p.add_argument(
         "--grad-checkpointing",

@@ -21,7 +21,7 @@ import torch.distributed as dist
 import dlojz_lib.checkpoint as ckpt
 import dlojz_lib.optim.optimizers as optim
 from dlojz_lib.checks import UserError, fail
-from dlojz_lib.flags import CUDA_GRAPH_MODES, GRAPH_FREE_MODE, VALIDATION_METRICS
+from dlojz_lib.flags import VALIDATION_METRICS
 from dlojz_lib.launch import load_idr_torch
 from dlojz_lib.optim.schedules import fast_forward
 
@@ -196,58 +196,6 @@ def make_saver(cfg, model, training, ranks):
         ema=model.ema,
         scaler=training.scaler,
     )
-
-
-def keep_global_batch(cfg, world_size, log):
-    """--keep-global-batch: a run resumed on another number of ranks (a restart without a lost node) keeps its
-    checkpoint's global batch, hence the same optimizer steps per epoch and the same learning rates, by changing
-    --grad-acc, when ranks x --batch-size divides it; otherwise one line says how the global batch changes.
-    Returns cfg, with the --grad-acc that does it."""
-    if not cfg.keep_global_batch or not cfg.resume or cfg.eval_only:
-        return cfg
-    try:
-        saved, _ = ckpt.load_latest(cfg.output_dir) if cfg.resume == "auto" else (ckpt.load(cfg.resume), None)
-    except ckpt.CheckpointError:
-        return cfg  # restore() says it in its own line
-    if saved is None:
-        return cfg
-    args = saved["args"]
-    saved_world, saved_batch, saved_acc = (
-        saved.get("world_size", world_size),
-        args["batch_size"],
-        args.get("grad_acc", 1),
-    )
-    saved_global = saved_world * saved_batch * saved_acc
-    per_step = world_size * cfg.batch_size
-    if saved_global == per_step * cfg.grad_acc:
-        return cfg
-    written = f"the checkpoint's global batch of {saved_global} images ({ranks_of(saved_world)} x {saved_batch} x {saved_acc})"
-    if saved_global % per_step:
-        log(
-            f"--keep-global-batch: {ranks_of(world_size)} x {cfg.batch_size} images do not divide {written}: the global "
-            f"batch becomes {per_step * cfg.grad_acc} images, and with it the steps per epoch and the LR schedule; "
-            f"give a --batch-size B with {world_size} x B dividing {saved_global} to keep it"
-        )
-        return cfg
-    grad_acc = saved_global // per_step
-    log(
-        f"--keep-global-batch: {ranks_of(world_size)} x {cfg.batch_size} images x --grad-acc {grad_acc} keep {written}: "
-        f"the same steps per epoch and learning rates"
-    )
-    compile_mode = cfg.compile_mode
-    if grad_acc > 1 and compile_mode in CUDA_GRAPH_MODES:
-        # A CUDA graph's next replay overwrites the gradients being accumulated: the restart keeps its global batch
-        # (what --keep-global-batch asks) and compiles without graphs, slower per step but the same run.
-        compile_mode = GRAPH_FREE_MODE[compile_mode]
-        log(
-            f"--keep-global-batch: --compile-mode {cfg.compile_mode} replays CUDA graphs, which cannot accumulate "
-            f"gradients over --grad-acc {grad_acc}: this run compiles with --compile-mode {compile_mode} instead"
-        )
-    return dataclasses.replace(cfg, grad_acc=grad_acc, compile_mode=compile_mode)
-
-
-def ranks_of(n):
-    return f"{n} rank{'s' if n > 1 else ''}"
 
 
 def restore(cfg, model, training, n_train_batches, device, log):

@@ -106,6 +106,7 @@ def test_every_shipped_recipe_parses_and_starts(path, tmp_path, run_inline, tiny
         "--test",
         "--test-nsteps",
         "2",
+        "--no-global-batch",  # the published one would be one step of hundreds of micro-batches here
         "--output-dir",
         tmp_path / "run",
         "--metrics-json",

@@ -639,7 +639,7 @@ def test_keep_global_batch_under_cuda_graphs_compiles_without_them(tmp_path, mon
     same mode without graphs, says so, and its final settings pass the rule that refuses graphs with --grad-acc."""
     import dataclasses
 
-    import dlojz_lib.resume
+    import dlojz_lib.global_batch
     from dlojz_lib.checks import UserError
     from dlojz_lib.config import resolve_config
     from dlojz_lib.flag_checks import check_flags
@@ -647,13 +647,13 @@ def test_keep_global_batch_under_cuda_graphs_compiles_without_them(tmp_path, mon
 
     saved = tmp_path / "ckpt.pt"
     saved.write_bytes(b"")  # read through the stand-in below: the checkpoint of a run on 2 ranks x 8 images
-    monkeypatch.setattr(dlojz_lib.resume.ckpt, "load", lambda path: {"args": {"batch_size": 8}, "world_size": 2})
+    monkeypatch.setattr(dlojz_lib.global_batch.ckpt, "load", lambda path: {"args": {"batch_size": 8}, "world_size": 2})
     argv = ["--device", "cpu", "-b", "8", "--resume", str(saved), "--keep-global-batch", "--output-dir", tmp_path]
     args = get_args_parser().parse_args(list(map(str, argv)))
     for mode, graph_free in (("reduce-overhead", "default"), ("max-autotune", "max-autotune-no-cudagraphs")):
         cfg = dataclasses.replace(resolve_config(args), compile=True, compile_mode=mode)  # (a GPU's settings)
         lines = []
-        final = dlojz_lib.resume.keep_global_batch(cfg, 1, lines.append)
+        final = dlojz_lib.global_batch.keep_global_batch(cfg, 1, lines.append)
         assert (final.grad_acc, final.compile_mode) == (2, graph_free)
         assert lines[-1] == (
             f"--keep-global-batch: --compile-mode {mode} replays CUDA graphs, which cannot accumulate gradients over "
@@ -662,7 +662,7 @@ def test_keep_global_batch_under_cuda_graphs_compiles_without_them(tmp_path, mon
         check_flags(dict(vars(args), grad_acc=final.grad_acc, compile_mode=final.compile_mode))
         with pytest.raises(UserError, match="overwrites the gradients --grad-acc 2 accumulates"):
             check_flags(dict(vars(args), grad_acc=final.grad_acc, compile_mode=mode))  # what it was before
-    same = dlojz_lib.resume.keep_global_batch(dataclasses.replace(cfg, compile_mode=mode), 2, lines.append)
+    same = dlojz_lib.global_batch.keep_global_batch(dataclasses.replace(cfg, compile_mode=mode), 2, lines.append)
     assert (same.grad_acc, same.compile_mode) == (1, mode)  # the same ranks: the graphs stay
 
 
