@@ -101,6 +101,7 @@ class Config:
     # augmentation
     randaugment: tuple | None
     randaugment_mstd: float | None  # the standard deviation of RandAugment's magnitude, per op
+    timm_augment: str | None  # timm's augmentation config string (its --aa), built by timm
     trivialaugment: bool
     autoaugment: str | None  # AutoAugment's policy: imagenet, cifar10, svhn
     augmix: int | None  # AugMix's severity

@@ -6,9 +6,13 @@ flags and says what to do.
 """
 
 import os
+import re
 
 from dlojz_lib.checks import UserError, fail, missing_data_variable
 from dlojz_lib.flags import CUDA_GRAPH_MODES, DALI_DEFAULTS, get_args_parser
+
+# timm's --aa strings: a kind, then options, each a letter key and its number (rand-m7-mstd0.5-inc1)
+TIMM_AUGMENT = re.compile(r"(rand|augmix|original|originalr|v0|v0r|3a)(-[a-z]+\d*(\.\d+)?)*")
 
 
 def check_flags(values):
@@ -106,6 +110,11 @@ def check_augmentation(values):
     policies = augmentation_policies(values)
     if len(policies) > 1:
         fail(f"{' and '.join(policies)}: one augmentation policy at a time (as torchvision's --auto-augment): give one")
+    if values["timm_augment"] is not None and not TIMM_AUGMENT.fullmatch(values["timm_augment"]):
+        fail(
+            f"--timm-augment {values['timm_augment']!r} is not one of timm's augmentation strings (its --aa): "
+            "rand-m7-mstd0.5-inc1 (RandAugment), augmix-m5-w3 (AugMix), original or v0 (AutoAugment)"
+        )
     if values["randaugment_mstd"] is not None and not values["randaugment"]:
         fail("--randaugment-mstd varies --randaugment's magnitude: add --randaugment N M")
     if values["data_backend"] == "dali":
@@ -209,6 +218,7 @@ def augmentation_policies(values):
         ("--trivialaugment", values["trivialaugment"]),
         ("--autoaugment", values["autoaugment"] is not None),
         ("--augmix", values["augmix"] is not None),
+        ("--timm-augment", values["timm_augment"] is not None),
     )
     return [flag for flag, on in given if on]
 

@@ -142,7 +142,7 @@ CLEARABLE = (
     "freeze_backbone_epochs", "layer_decay", "drop_path", "norm_wd", "bias_wd", "embedding_wd", "warmup_start_factor",
     "warmup_method", "min_lr", "lr_step_size", "lr_milestones", "lr_gamma", "compile_mode", "model_ema_steps",
     "randaugment", "randaugment_mstd", "autoaugment", "augmix", "target_accuracy", "min_res", "max_res", "val_split",
-    "mean", "std", "train_subset", "checkpoint_every", "global_batch",
+    "mean", "std", "train_subset", "checkpoint_every", "global_batch", "timm_augment",
 )  # fmt: skip
 
 
@@ -531,6 +531,14 @@ def get_args_parser():
         default=None,
         metavar="SEVERITY",
         help="AugMix at this severity, 1-10 (torchvision's --auto-augment augmix: 3)",
+    )
+    p.add_argument(
+        "--timm-augment",
+        default=None,
+        metavar="CONFIG",
+        help="timm's own augmentation from its config string (timm's --aa), as timm's train.py builds it:\n"
+        "rand-m7-mstd0.5-inc1 (RandAugment: each op with probability 0.5, the data set's mean as fill, random\n"
+        "bilinear or bicubic), augmix-m5-w3, original or v0 (AutoAugment)",
     )
     p.add_argument(
         "--random-erase",

@@ -135,6 +135,8 @@ def test_grad_checkpointing_trains_as_the_plain_model():
         ["--autoaugment", "svhn"],
         ["--augmix", "3"],
         ["--random-erase", "1"],
+        ["--timm-augment", "rand-m9-mstd0.5-inc1"],
+        ["--timm-augment", "original"],
     ],
 )
 def test_augmentation_policies_change_the_crops(flags, tiny_data):
@@ -288,6 +290,40 @@ def test_the_policies_interpolate_bilinear_as_torchvision_s_reference():
         cfg = resolve_config(get_args_parser().parse_args([*BASE, *flags]))
         (policy,) = fixed_size_train_transform(cfg, 32).transforms[1:]
         assert policy.interpolation == v2.InterpolationMode.BILINEAR, flags
+
+
+def test_timm_augment_is_timm_s_own_as_its_train_py_builds_it():
+    """rand-m7-mstd0.5-inc1 (RSB's): timm's RandAugment, each op with probability 0.5 and magnitude 7 +- 0.5, the
+    mean colour as fill, random bilinear or bicubic; the same sample seed gives the same crop, numpy's op choice
+    included; a string timm does not read is one line."""
+    import random
+
+    from PIL import Image
+
+    from dlojz_lib.checks import UserError
+    from dlojz_lib.data.augment import MEAN_UINT8, TimmAugment, fixed_size_train_transform
+
+    cfg = resolve_config(get_args_parser().parse_args([*BASE, "--timm-augment", "rand-m7-mstd0.5-inc1"]))
+    (policy,) = fixed_size_train_transform(cfg, 32).transforms[1:]
+    assert isinstance(policy, TimmAugment) and policy.transform.num_layers == 2
+    ops = policy.transform.ops
+    assert {op.name for op in ops} >= {"Invert", "SolarizeAdd", "PosterizeIncreasing"}  # timm's set, not torchvision's
+    for op in ops:
+        assert (op.prob, op.magnitude, op.magnitude_std) == (0.5, 7, 0.5), op
+        assert op.kwargs["fillcolor"] == MEAN_UINT8
+        assert set(op.kwargs["resample"]) == {Image.Resampling.BILINEAR, Image.Resampling.BICUBIC}
+    image = torch.randint(0, 256, (3, 32, 32), dtype=torch.uint8)
+    out = []
+    for seed in (5, 5):
+        random.seed(seed)
+        torch.manual_seed(seed)
+        out.append(policy(image))
+    assert torch.equal(out[0], out[1]) and out[0].dtype == torch.uint8 and out[0].shape == image.shape
+    for bad in ("rand-m7-", "randaugment", "m7-rand"):
+        with pytest.raises(UserError, match="is not one of timm's augmentation strings"):
+            resolve_config(get_args_parser().parse_args([*BASE, "--timm-augment", bad]))
+    with pytest.raises(UserError, match="one augmentation policy at a time"):
+        resolve_config(get_args_parser().parse_args([*BASE, "--timm-augment", "v0", "--trivialaugment"]))
 
 
 def test_model_ema_adjust_gives_the_ema_torchvision_s_decay(tiny_data, tmp_path, run_inline):

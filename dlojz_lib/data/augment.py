@@ -1,6 +1,6 @@
 """The augmentations of dlojz's flags around the fast crop and flip of dlojz_lib/data/transforms.py: the training
 transform a run gets (`train_transform`: the crop and flip, then --randaugment, --trivialaugment, --autoaugment,
---augmix or --random-erase, torchvision v2 on the uint8 crop), progressive resizing's resolution per epoch
+--augmix or --random-erase, torchvision v2 on the uint8 crop, or --timm-augment, timm's own), progressive resizing's resolution per epoch
 (--min-res/--max-res, FFCV's), timm's RandAugment with a noisy magnitude, and MixUp/CutMix on the device batch
 (`batch_mixing`). An augmentation is a flag in dlojz_lib/flags.py's "augmentation" group and a line in
 `fixed_size_train_transform` here (a policy also joins dlojz_lib/flag_checks.py's `augmentation_policies`: one at a time).
@@ -8,6 +8,9 @@ transform a run gets (`train_transform`: the crop and flip, then --randaugment, 
 
 from __future__ import annotations
 
+import random
+
+import numpy as np
 import torch
 from torchvision.transforms import v2
 
@@ -83,6 +86,8 @@ def fixed_size_train_transform(cfg, image_size):
         extra.append(v2.AutoAugment(policy=v2.AutoAugmentPolicy(cfg.autoaugment), **bilinear))
     if cfg.augmix:
         extra.append(v2.AugMix(severity=cfg.augmix, **bilinear))
+    if cfg.timm_augment:
+        extra.append(TimmAugment(cfg.timm_augment, image_size))
     if cfg.random_erase > 0:
         extra.append(v2.RandomErasing(p=cfg.random_erase, value=list(MEAN_UINT8)))
     crop_flip = TrainTransform(image_size)
@@ -111,6 +116,35 @@ class NoisyRandAugment(v2.RandAugment):
     @magnitude.setter
     def magnitude(self, value):
         self.mean = value
+
+
+class TimmAugment:
+    """timm's own RandAugment, AugMix or AutoAugment from its config string (timm's --aa), with the parameters timm's
+    training transform gives it (timm.data.transforms_factory): translations up to 45 % of the image size, the data
+    set's mean colour as fill, and, as timm's train.py's default --train-interpolation random, each geometric op
+    bilinear or bicubic at random. It runs on PIL images: the uint8 crop goes through PIL and back. timm's ops draw
+    from Python's generator, seeded per sample, and its op choice from numpy's, seeded here from Python's: the
+    sample's seed decides, as for every other transform."""
+
+    def __init__(self, config, image_size, fill=MEAN_UINT8):
+        from timm.data.auto_augment import augment_and_mix_transform, auto_augment_transform, rand_augment_transform
+
+        hparams = dict(translate_const=int(image_size * 0.45), img_mean=tuple(fill))
+        if config.startswith("rand"):
+            self.transform = rand_augment_transform(config, hparams)
+        elif config.startswith("augmix"):
+            self.transform = augment_and_mix_transform(config, dict(hparams, translate_pct=0.3))
+        else:
+            self.transform = auto_augment_transform(config, hparams)
+        self.config = config
+
+    def __call__(self, img: torch.Tensor) -> torch.Tensor:
+        np.random.seed(random.getrandbits(32))
+        out = self.transform(v2.functional.to_pil_image(img))
+        return torch.from_numpy(np.array(out, dtype=np.uint8)).permute(2, 0, 1)
+
+    def __repr__(self):
+        return f"TimmAugment({self.config!r})"
 
 
 def batch_mixing(cfg, num_classes):
