@@ -1,8 +1,10 @@
 """Average the weights of a run's checkpoints into one checkpoint, as torchvision's MobileNetV3-Large recipe does
 for its published 74.042 % (and timm's avg_checkpoints.py): the mean of the parameters and BatchNorm statistics of
-the last N checkpoints of a run's folder, or of the files given.
+the last N checkpoints of a run's folder, the last N that improved its best validation when they were written
+(torchvision's MobileNetV3 rule: "the last three checkpoints that improved top-1"), or of the files given.
 
     python dlojz_avg.py runs/JOB --last 3 -o runs/JOB/averaged.pt
+    python dlojz_avg.py runs/JOB --improved 3 -o runs/JOB/averaged.pt
     python dlojz_avg.py runs/JOB/ckpt_e0598_s*.pt runs/JOB/ckpt_e0600_s*.pt -o averaged.pt
 
 The result is an ordinary dlojz checkpoint (the newest's run settings and position, its model averaged, no EMA),
@@ -22,7 +24,15 @@ from dlojz_lib.flags import COUNT
 def main(argv=None) -> int:
     parser = OneLineArgumentParser(prog="dlojz_avg.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("checkpoints", nargs="+", help="a run's folder (with --last), or checkpoint files")
-    parser.add_argument("--last", type=COUNT, default=None, metavar="N", help="the run folder's newest N checkpoints")
+    choice = parser.add_mutually_exclusive_group()
+    choice.add_argument("--last", type=COUNT, default=None, metavar="N", help="the run folder's newest N checkpoints")
+    choice.add_argument(
+        "--improved",
+        type=COUNT,
+        default=None,
+        metavar="N",
+        help="the run folder's newest N checkpoints that each improved the best validation (--best-metric) when written",
+    )
     parser.add_argument("-o", "--output", required=True, help="the checkpoint file to write")
     args = parser.parse_args(argv)
     import dlojz_lib.checkpoint as ckpt  # (torch: after the command line is read)
@@ -33,7 +43,7 @@ def main(argv=None) -> int:
         return 2
     try:
         check_output_file(args.output, "-o")
-        paths = checkpoints_to_average(args.checkpoints, args.last)
+        paths = checkpoints_to_average(args.checkpoints, args.last, args.improved)
         if Path(args.output).resolve() in {path.resolve() for path in paths}:
             raise UserError(f"-o {args.output}: one of the checkpoints averaged; give a new file")
         ckpt.write(ckpt.average(paths), args.output)
@@ -47,25 +57,43 @@ def main(argv=None) -> int:
     return 0
 
 
-def checkpoints_to_average(given, last):
-    """The files to average: the newest `last` of a run's folder, or the files given (at least two)."""
+def checkpoints_to_average(given, last=None, improved=None):
+    """The files to average: the newest `last` of a run's folder, its newest `improved` that each improved the best
+    validation when written, or the files given (at least two)."""
     from dlojz_lib.checkpoint import list_checkpoints
     from dlojz_lib.checks import UserError
 
-    if last is not None:
-        if len(given) != 1 or not Path(given[0]).is_dir():
-            raise UserError("--last N takes one run folder: give its path, or the checkpoint files without --last")
-        found = [path for path in list_checkpoints(given[0]) if path.suffix == ".pt"]
-        if len(found) < max(last, 2):
-            raise UserError(
-                f"--last {last}: {given[0]} holds {len(found)} checkpoint(s) (.pt); give --last {len(found)} at "
-                "most (2 or more), and run with --keep-checkpoints N to keep N"
-            )
-        return found[-last:]
-    paths = [Path(p) for p in given]
-    if len(paths) < 2:
-        raise UserError("give two checkpoint files or more (or a run folder with --last N)")
-    return paths
+    if last is None and improved is None:
+        paths = [Path(p) for p in given]
+        if len(paths) < 2:
+            raise UserError("give two checkpoint files or more (or a run folder with --last N or --improved N)")
+        return paths
+    flag, n = ("--last", last) if last is not None else ("--improved", improved)
+    if len(given) != 1 or not Path(given[0]).is_dir():
+        raise UserError(f"{flag} N takes one run folder: give its path, or the checkpoint files without {flag}")
+    found = [path for path in list_checkpoints(given[0]) if path.suffix == ".pt"]
+    if improved is not None:
+        found = [path for path in found if improved_when_written(path)]
+    if len(found) < max(n, 2):
+        what = "checkpoint(s) (.pt)" if last is not None else "checkpoint(s) that improved the best validation"
+        raise UserError(
+            f"{flag} {n}: {given[0]} holds {len(found)} {what}; give {flag} {len(found)} at most (2 or more), and run "
+            "with --keep-checkpoints K to keep more"
+        )
+    return found[-n:]
+
+
+def improved_when_written(path) -> bool:
+    """Whether the checkpoint at `path` closed an epoch whose validation was the run's best so far (its `best_epoch`
+    is its own epoch): the checkpoints that `best` named in turn."""
+    from dlojz_lib.checkpoint import load
+
+    saved = load(path)
+    return (
+        saved.get("batch", 0) == 0
+        and saved.get("best_value") is not None
+        and saved.get("best_epoch") == saved.get("epoch")
+    )
 
 
 if __name__ == "__main__":

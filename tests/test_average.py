@@ -74,3 +74,21 @@ def test_bad_input_is_one_line(argv, fragment, run_folder, tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert status == 2 and len(err.splitlines()) == 1 and fragment in err, err
     assert not (tmp_path / "out.pt").exists()
+
+
+def test_improved_takes_the_newest_checkpoints_that_were_the_best_when_written(run_folder, tmp_path, monkeypatch):
+    """torchvision's MobileNetV3 rule, "the last checkpoints that improved top-1": a checkpoint improved when the
+    epoch it closes was the best validation so far (its best_epoch is its epoch); epochs 1 and 3 here, not 2."""
+    from pathlib import Path
+
+    found = ckpt.list_checkpoints(run_folder)
+    assert dlojz_avg.improved_when_written(found[0])  # a run's first validation is its best so far
+    real = ckpt.load
+    fields = {found[0]: (1, 1), found[1]: (2, 1), found[2]: (3, 3)}  # (epoch, best_epoch) as written
+    monkeypatch.setattr(
+        ckpt, "load", lambda path: {**real(path), **dict(zip(("epoch", "best_epoch"), fields[Path(path)]))}
+    )
+    averaged = tmp_path / "averaged.pt"
+    assert dlojz_avg.main([str(run_folder), "--improved", "2", "-o", str(averaged)]) == 0
+    assert real(averaged)["averaged_from"] == [str(found[0]), str(found[2])]
+    assert dlojz_avg.main([str(run_folder), "--improved", "3", "-o", str(tmp_path / "three.pt")]) == 2
