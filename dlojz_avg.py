@@ -38,11 +38,8 @@ def main(argv=None) -> int:
     import dlojz_lib.checkpoint as ckpt  # (torch: after the command line is read)
     from dlojz_lib.checks import UserError, check_output_file
 
-    if not Path(args.output).resolve().parent.is_dir():
-        print(f"dlojz_avg.py: error: -o {args.output}: its folder does not exist", file=sys.stderr)
-        return 2
     try:
-        check_output_file(args.output, "-o")
+        check_output_file(args.output, "-o", create_folder=False)
         paths = checkpoints_to_average(args.checkpoints, args.last, args.improved)
         if Path(args.output).resolve() in {path.resolve() for path in paths}:
             raise UserError(f"-o {args.output}: one of the checkpoints averaged; give a new file")

@@ -80,11 +80,8 @@ def main(argv=None):
     args = parser.parse_args(argv)
     from dlojz_lib.checks import UserError, check_output_file
 
-    if not Path(args.target).resolve().parent.is_dir():
-        print(f"dlojz_fsdp.py: error: {args.target}: its folder does not exist", file=sys.stderr)
-        return 2
     try:
-        check_output_file(args.target, "target")
+        check_output_file(args.target, "target", create_folder=False)
         consolidate(args.source, args.target)
     except (ckpt.CheckpointError, UserError) as err:
         print(f"dlojz_fsdp.py: error: {err}", file=sys.stderr)

@@ -59,10 +59,14 @@ def check_output_folder(path, flag, named=None):
         fail(f"{flag} {named}: cannot write in {path} ({err.strerror}); choose another folder")
 
 
-def check_output_file(path, flag):
+def check_output_file(path, flag, create_folder=True):
+    """A file a command or a run will write: not a folder, writable, its folder writable (created where missing,
+    unless `create_folder` is False: a command's single output file names a folder that must exist)."""
     path = Path(path)
     if path.is_dir():
         fail(f"{flag} {path} is a folder: give a file name")
+    if not create_folder and not path.resolve().parent.is_dir():
+        fail(f"{flag} {path}: its folder does not exist; create it, or give a file in a folder that does")
     if path.exists() and not os.access(path, os.W_OK):
         fail(f"{flag} {path}: the file cannot be written (Permission denied); choose another file")
     check_output_folder(path.resolve().parent, flag, named=path)
