@@ -1,0 +1,124 @@
+"""Tensor parallelism (Megatron-LM's layout) on PyTorch's DTensor: each of the N ranks of a tensor group holds a
+slice of every transformer block's weights and computes a slice of each of its matrix products.
+
+The plan, per block of timm's ViT family (`Block`: `attn.qkv`, `attn.proj`, `mlp.fc1`, `mlp.fc2`):
+- attention: q, k and v column-wise, so that each rank holds whole heads and computes them alone, then the output
+  projection row-wise (its partial sums all-reduced). timm fuses q, k and v in one `qkv` projection, whose weight is
+  [q; k; v]: a column-wise split of it would give rank 0 all of q and half of k. `HeadShardedQKV` holds the three
+  apart instead, and reads a fused `qkv` from a checkpoint or published weights;
+- MLP: fc1 column-wise, fc2 row-wise (one all-reduce);
+- the norms, the patch embedding, the class token and position embedding, the head: replicated. They are small next to
+  the blocks, their input is the same on every rank of the group, and so are their gradients.
+Each block costs two all-reduces of its activations in the forward, and two in the backward.
+
+- `parallelize(module, tp_mesh)`: the plan applied in place; a model without one, or whose heads or MLP width do not
+  split over the ranks, is one line (UserError).
+- `fused_state_dict(state)`: a parallelised model's full state dict (q, k and v apart) with timm's fused `qkv` again:
+  what an ordinary model loads.
+"""
+
+import torch
+from torch import nn
+
+from dlojz_lib.checks import UserError
+
+FAMILIES = "timm's ViT family (timm:vit_*, timm:deit_*, timm:test_vit ...)"
+PARTS = ("q", "k", "v")
+
+
+class HeadShardedQKV(nn.Module):
+    """timm's fused `qkv` projection as three (q, k, v), whose outputs are concatenated as the fused one's: split
+    column-wise, each rank's concatenation is its own heads' [q; k; v], which timm's Attention.forward reshapes as it
+    does the whole. A state dict with the fused `qkv.weight` (and bias) loads into it."""
+
+    def __init__(self, qkv: nn.Linear):
+        super().__init__()
+        width, bias = qkv.out_features // 3, qkv.bias is not None
+        like = dict(device=qkv.weight.device, dtype=qkv.weight.dtype)
+        self.q, self.k, self.v = (nn.Linear(qkv.in_features, width, bias=bias, **like) for _ in PARTS)
+        with torch.no_grad():
+            for name in ("weight", "bias") if bias else ("weight",):
+                for part, chunk in zip(self.parts(), getattr(qkv, name).chunk(3)):
+                    getattr(part, name).copy_(chunk)
+        self.register_load_state_dict_pre_hook(split_fused_qkv)
+
+    def parts(self):
+        return self.q, self.k, self.v
+
+    def forward(self, x):
+        return torch.cat([part(x) for part in self.parts()], dim=-1)
+
+
+def split_fused_qkv(module, state_dict, prefix, *_):
+    """A fused `qkv.weight`/`qkv.bias` (an ordinary model's) read as the three parts."""
+    for name in ("weight", "bias"):
+        fused = state_dict.pop(prefix + name, None)
+        if fused is not None:
+            for part, chunk in zip(PARTS, fused.chunk(3)):
+                state_dict[f"{prefix}{part}.{name}"] = chunk
+
+
+def fused_state_dict(state: dict) -> dict:
+    """`state` (full tensors) with each HeadShardedQKV's q, k and v fused into timm's `qkv` again, in order."""
+    fused = {}
+    for key, value in state.items():
+        stem, _, name = key.rpartition(".")
+        base, _, part = stem.rpartition(".")
+        if part in PARTS and base.endswith("attn.qkv") and f"{base}.q.{name}" in state:
+            if part == "q":
+                fused[f"{base}.{name}"] = torch.cat([state[f"{base}.{p}.{name}"] for p in PARTS])
+            continue
+        fused[key] = value
+    return fused
+
+
+def transformer_blocks(module):
+    """The blocks the plan knows: timm's ViT `Block`s (a plain `Attention` and a plain `Mlp`)."""
+    from timm.layers import Attention, Mlp
+
+    return [
+        block
+        for block in module.modules()
+        if type(getattr(block, "attn", None)) is Attention and type(getattr(block, "mlp", None)) is Mlp
+    ]
+
+
+def check_splittable(block, n, arch):
+    attn, mlp = block.attn, block.mlp
+    if not isinstance(attn.norm, nn.Identity) or getattr(attn, "gate", None) is not None:
+        raise UserError(f"--tp: {arch}'s attention normalises or gates its heads together, which --tp does not split")
+    if not isinstance(mlp.norm, nn.Identity):
+        raise UserError(f"--tp: {arch}'s MLP normalises its hidden layer as a whole, which --tp does not split")
+    if not hasattr(attn, "attn_dim"):  # older timm reshapes the heads' output to the input's width
+        raise UserError("--tp: this timm's Attention has no attn_dim to give each rank its heads: install a newer timm")
+    if attn.num_heads % n:
+        raise UserError(f"--tp {n}: {arch} has {attn.num_heads} heads per block; give a --tp that divides it")
+    if mlp.fc1.out_features % n:
+        raise UserError(f"--tp {n}: {arch}'s MLP is {mlp.fc1.out_features} wide; give a --tp that divides it")
+
+
+def parallelize(module, tp_mesh, arch="this model") -> int:
+    """The plan above applied to `module` in place over `tp_mesh` (a 1-D DeviceMesh, or the tensor dimension of a
+    2-D one). Returns the number of blocks parallelised."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    blocks = transformer_blocks(module)
+    if not blocks:
+        raise UserError(f"--tp: --arch {arch} has no tensor-parallel plan here: {FAMILIES} has one")
+    n = tp_mesh.size()
+    for block in blocks:
+        check_splittable(block, n, arch)
+    plan = {
+        **{f"attn.qkv.{part}": ColwiseParallel() for part in PARTS},
+        "attn.proj": RowwiseParallel(),
+        "mlp.fc1": ColwiseParallel(),
+        "mlp.fc2": RowwiseParallel(),
+    }
+    for block in blocks:
+        attn = block.attn
+        attn.qkv = HeadShardedQKV(attn.qkv)
+        parallelize_module(block, tp_mesh, plan)
+        # timm's forward reshapes with these: this rank's heads only
+        attn.num_heads //= n
+        attn.attn_dim //= n
+    return len(blocks)

@@ -1,0 +1,107 @@
+"""Tensor parallelism's plan (dlojz_lib/tensor_parallel.py) on 2 gloo processes: the parallelised tiny ViT gives
+the single-process model's outputs, gradients and step, and its state dict fused back is an ordinary model's."""
+
+import multiprocessing
+import traceback
+
+import pytest
+import torch
+
+from dlojz_lib.checks import UserError
+from dlojz_lib.model import create_model
+from dlojz_lib.tensor_parallel import HeadShardedQKV, fused_state_dict, parallelize
+
+ARCH = "timm:test_vit"  # 6 blocks, 2 heads of 32, MLP 192 wide
+
+
+def full(tensor):
+    from torch.distributed.tensor import DTensor
+
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def compare_on_rank(rank, world, store_path, failures):
+    """One rank: the same model and batch as one process, parallelised over `world` ranks, one SGD step."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    try:
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
+        torch.manual_seed(0)
+        reference = create_model(ARCH, 3, False, 32)
+        parallel = create_model(ARCH, 3, False, 32)
+        parallel.load_state_dict(reference.state_dict())  # a fused qkv read into the three parts below
+        assert parallelize(parallel, init_device_mesh("cpu", (world,)), ARCH) == 6
+        images, labels = torch.randn(4, 3, 32, 32), torch.tensor([0, 1, 2, 1])
+        optimizers = [torch.optim.SGD(m.parameters(), lr=0.5, momentum=0.9) for m in (reference, parallel)]
+        for model, optimizer in zip((reference, parallel), optimizers):
+            for _ in range(2):  # two steps: the momentum's second use too
+                loss = torch.nn.functional.cross_entropy(model(images), labels)
+                optimizer.zero_grad()
+                loss.backward()
+                optimizer.step()
+            model.outputs = model(images).detach()
+        torch.testing.assert_close(parallel.outputs, reference.outputs, rtol=1e-4, atol=1e-5)
+        local = parallel.blocks[0].attn.qkv.q.weight.to_local()
+        assert local.shape == (64 // world, 64) and parallel.blocks[0].attn.num_heads == 2 // world
+        state = fused_state_dict({key: full(value) for key, value in parallel.state_dict().items()})
+        expected = reference.state_dict()
+        assert state.keys() == expected.keys()
+        for key in expected:
+            torch.testing.assert_close(state[key], expected[key], rtol=1e-4, atol=1e-5, msg=key)
+        dist.destroy_process_group()
+    except BaseException:
+        failures.put(f"rank {rank}: {traceback.format_exc()}")
+
+
+def test_the_parallel_vit_trains_as_one_process(tmp_path):
+    """2 ranks (1 head each): after two SGD steps with momentum the outputs are the single process's (float32 sums in
+    another order: 1e-5), and the fused state dict is an ordinary model's, key for key."""
+    context = multiprocessing.get_context("spawn")
+    failures = context.Queue()
+    workers = [
+        context.Process(target=compare_on_rank, args=(rank, 2, str(tmp_path / "store"), failures)) for rank in range(2)
+    ]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join(timeout=240)
+    errors = []
+    while not failures.empty():
+        errors.append(failures.get())
+    assert not errors, "\n".join(errors)
+    assert all(worker.exitcode == 0 for worker in workers), [worker.exitcode for worker in workers]
+
+
+def test_the_fused_qkv_loads_and_the_parts_fuse_back():
+    """One process: HeadShardedQKV computes the fused projection's output, reads a fused state dict, and
+    fused_state_dict gives it back."""
+    torch.manual_seed(0)
+    qkv = torch.nn.Linear(8, 24)
+    split = HeadShardedQKV(qkv)
+    x = torch.randn(2, 5, 8)
+    torch.testing.assert_close(split(x), qkv(x))
+    other = HeadShardedQKV(torch.nn.Linear(8, 24))
+    other.load_state_dict(qkv.state_dict())  # the fused keys
+    torch.testing.assert_close(other(x), qkv(x))
+    fused = fused_state_dict({f"attn.qkv.{k}": v for k, v in other.state_dict().items()})
+    assert set(fused) == {"attn.qkv.weight", "attn.qkv.bias"}
+    torch.testing.assert_close(fused["attn.qkv.weight"], qkv.weight)
+
+
+@pytest.mark.parametrize(
+    "arch, tp, fragment",
+    [
+        ("resnet18", 2, "--tp: --arch resnet18 has no tensor-parallel plan here: timm's ViT family"),
+        (ARCH, 4, "--tp 4: timm:test_vit has 2 heads per block; give a --tp that divides it"),
+    ],
+)
+def test_a_model_the_plan_cannot_split_is_one_line(arch, tp, fragment):
+    class Mesh:  # only its size is read before the plan is refused
+        def size(self):
+            return tp
+
+    with pytest.raises(UserError) as err:
+        parallelize(create_model(arch, 3, False, 32), Mesh(), arch)
+    assert fragment in str(err.value)
