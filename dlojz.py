@@ -147,7 +147,7 @@ def main(argv=None, resources=None) -> dict:
     log = Console(ranks.is_main)
     if cfg.writes_checkpoints:
         claim_output_dir(cfg, ranks, log, resources)  # one run writes in a folder: refused here, before any data scan
-    cfg = fit_to_ranks(cfg, ranks.world_size, log)  # (before the loaders and the schedule: batch, --grad-acc, --lr)
+    cfg = fit_to_ranks(cfg, ranks.data_size, log)  # (before the loaders and the schedule: batch, --grad-acc, --lr)
     idr_torch = load_idr_torch()  # the launch, as setup_distributed read it
     announce_run(cfg, argv, ranks, log, f"{idr_torch.num_nodes} nodes", idr_torch.current_API)
     # --test: the chronometer times each phase of the first steps, then the last --test-unsync-steps as a whole
@@ -183,7 +183,7 @@ def main(argv=None, resources=None) -> dict:
     run.saver = make_saver(cfg, model, training, ranks)
     profiler = make_profiler(cfg, Path(cfg.output_dir) / "profiler", ranks.rank, ranks.device) if cfg.prof else None
     hooks = LoopHooks(chrono, profiler, training.lr_finder, ranks.enabled)  # chronometer, profiler, LR range test
-    images_per_step = cfg.batch_size * ranks.world_size  # one micro-batch on every rank
+    images_per_step = cfg.batch_size * ranks.data_size  # one micro-batch on every data replica
     progress = Progress(
         log, wandb_run, ranks.device, cfg.epochs, loaders.n_train_batches, cfg.grad_acc, images_per_step
     )
@@ -367,7 +367,7 @@ def step_optimizer(model, training, clip_grad_norm, next_step):
         training.drop_frozen_gradients()
     if clip_grad_norm is not None:  # on the true gradients: unscaled first under float16
         training.scaler.unscale_(training.optimizer)
-        torch.nn.utils.clip_grad_norm_(model.module.parameters(), clip_grad_norm, foreach=True)
+        model.clip_grad_norm(clip_grad_norm)
     training.scaler.step(training.optimizer)  # skipped by the float16 scaler when gradients overflowed
     training.scaler.update()
     training.optimizer.zero_grad(set_to_none=True)
@@ -394,7 +394,7 @@ def epoch_result(epoch_totals, stop_reason, ranks, stop) -> EpochResult:
     """The epoch's loss and accuracy over every rank: one all-reduce and one read, at the epoch's end."""
     with stop.collective("the epoch's totals", ranks.enabled):
         if ranks.enabled:
-            dist.all_reduce(epoch_totals)
+            dist.all_reduce(epoch_totals, group=ranks.data_group)
         loss_sum, correct, count = epoch_totals.tolist()
     stop.disarm()
     if count == 0:  # resumed after this epoch's training (stopped during its validation)
@@ -468,7 +468,9 @@ def evaluate(
     results = totals if confusion is None else torch.cat([totals, confusion.double()])
     with stop.collective("the validation's totals", ranks.enabled) if stop else contextlib.nullcontext():
         if ranks.enabled:
-            dist.all_reduce(results)  # (every rank has a batch, hence the same length: build_loaders checks it)
+            dist.all_reduce(
+                results, group=ranks.data_group
+            )  # (every rank has a batch, hence the same length: build_loaders checks it)
         results = results.cpu()
     if stop is not None:
         stop.disarm()

@@ -63,6 +63,10 @@ def consolidate(source, target):
         state = torch.load(whole, map_location="cpu", weights_only=True)
     finally:
         whole.unlink(missing_ok=True)
+    if args.get("tp", 1) > 1:  # --tp held timm's fused qkv as q, k and v: an ordinary model's again
+        from dlojz_lib.tensor_parallel import fused_optimizer_state, fused_state_dict
+
+        state.update(model=fused_state_dict(state["model"]), optimizer=fused_optimizer_state(state["optimizer"]))
     module.load_state_dict(state["model"])
     set_optimizer_state(module, optimizer, state["optimizer"])
     full = {key: value for key, value in saved.items() if key != "sharded_path"}

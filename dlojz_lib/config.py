@@ -163,6 +163,7 @@ class Config:
     straggler_factor: float  # a rank this many times slower than the median in its forward is named; 0: off
     fsdp: bool
     fsdp_reshard_after_forward: bool | None  # set (default True) with --fsdp only
+    tp: int  # tensor-parallel group size (1: none)
     # logging, checkpoints, resume
     output_dir: str
     metrics_json: str | None

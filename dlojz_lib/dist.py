@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 import dlojz_lib.checkpoint as ckpt
+from dlojz_lib.checks import fail
 from dlojz_lib.launch import load_idr_torch
 from dlojz_lib.watchdog import Watchdog
 
@@ -45,6 +46,16 @@ class Distribution:
     local_rank: int
     device: torch.device
     hosts: tuple = ()  # every rank's host name, by rank (gathered once at start-up with several ranks)
+    # The data dimension: with --tp, the ranks of a tensor-parallel group share one batch, so the samplers, the
+    # images a step and the metrics' sums count data replicas, not ranks.
+    data_rank: int | None = None  # this rank's replica: rank, or with --tp rank // tp
+    data_size: int | None = None  # the replicas: world_size, or with --tp world_size // tp
+    data_group: object = None  # the process group of the replicas this rank sums metrics with (None: every rank)
+    mesh: object = None  # with --tp: the DeviceMesh ("data", "tensor")
+
+    def __post_init__(self):
+        self.data_rank = self.rank if self.data_rank is None else self.data_rank
+        self.data_size = self.world_size if self.data_size is None else self.data_size
 
     @property
     def enabled(self):
@@ -400,7 +411,21 @@ def setup_distributed(cfg):
             world_size=1,
             device_id=device if device.type == "cuda" else None,
         )
+    if cfg.tp > 1:
+        tensor_parallel_mesh(ranks, cfg.tp)
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
     return ranks, cfg
+
+
+def tensor_parallel_mesh(ranks, tp):
+    """--tp: the ranks as a (data, tensor) DeviceMesh, each group of `tp` consecutive ranks one tensor-parallel group
+    (on a node, over its fast links, when tp divides the GPUs per node), the groups the data replicas."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if ranks.world_size % tp:
+        fail(f"--tp {tp}: this job has {ranks.world_size} rank(s), not a multiple of {tp}; give a --tp that divides it")
+    ranks.mesh = init_device_mesh(ranks.device.type, (ranks.world_size // tp, tp), mesh_dim_names=("data", "tensor"))
+    ranks.data_rank, ranks.data_size = ranks.mesh["data"].get_local_rank(), ranks.world_size // tp
+    ranks.data_group = ranks.mesh["data"].get_group()

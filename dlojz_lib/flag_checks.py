@@ -177,6 +177,14 @@ def check_speed(values):
         )
     if values["lr_scaling"] is not None and values["global_batch"] is None:
         fail("--lr-scaling says how --lr follows --global-batch: add --global-batch, the global batch --lr is for")
+    if values["tp"] > 1 and not values["fsdp"]:
+        # FSDP2 over the data dimension is PyTorch's way to replicate a model whose parameters are DTensors
+        fail(
+            f"--tp {values['tp']} runs with --fsdp over the data dimension (2-D; a data dimension of 1 rank is "
+            "plain tensor parallelism): add --fsdp (PyTorch's DDP does not take tensor-parallel parameters)"
+        )
+    if values["tp"] > 1 and values["loader_only"]:
+        fail(f"--tp {values['tp']} splits the model, which --loader-only does not build: drop one of them")
     if values["fsdp_reshard_after_forward"] is not None and not values["fsdp"]:
         fail("--fsdp-reshard-after-forward/--no-fsdp-reshard-after-forward set how --fsdp shards: add --fsdp")
     if 0 < values["straggler_factor"] <= 1:

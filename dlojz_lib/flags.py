@@ -861,6 +861,14 @@ def get_args_parser():
         help="--fsdp: free each block's gathered parameters after its forward and gather them again for\n"
         "the backward (ZeRO-3, default), or keep them until the backward (ZeRO-2-like: faster, more memory)",
     )
+    p.add_argument(
+        "--tp",
+        type=COUNT,
+        default=1,
+        metavar="N",
+        help="tensor parallelism over groups of N ranks (with --fsdp over the rest: 2-D): each rank of a group\n"
+        "holds 1/N of every transformer block's weights and heads (timm's ViT family); the group shares a batch",
+    )
 
     p = parser.add_argument_group("logging, checkpoints, resume")
     p.add_argument(

@@ -60,13 +60,14 @@ def sharding_units(module):
     return units
 
 
-def shard_model(module, cfg, device):
-    """Shard `module` in place across the process group's ranks (each block, then the root). Its parameters
-    become DTensors holding this rank's shard, on `device`. Returns the number of blocks."""
+def shard_model(module, cfg, device, mesh=None):
+    """Shard `module` in place across the process group's ranks (each block, then the root), or across `mesh` (with
+    --tp, the data dimension of the (data, tensor) mesh: 2-D). Its parameters become DTensors holding this rank's
+    shard, on `device`. Returns the number of blocks."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    mesh = mesh if mesh is not None else init_device_mesh(device.type, (dist.get_world_size(),))
     precision = MixedPrecisionPolicy(param_dtype=cfg.autocast_dtype if cfg.amp else None, reduce_dtype=torch.float32)
     units = sharding_units(module)
     for unit in units:

@@ -222,7 +222,7 @@ def chrono_context(cfg, model, loaders, ranks, metrics, val_max_batches) -> dict
         metrics.update(activation_bytes_per_image=kept, activation_bytes_per_image_without_checkpointing=plain)
     device = ranks.device
     return dict(
-        images_per_step=cfg.batch_size * ranks.world_size,
+        images_per_step=cfg.batch_size * ranks.data_size,
         world_size=ranks.world_size,
         steps_per_epoch=loaders.n_train_batches,
         val_batches_done=min(val_max_batches or loaders.n_val_batches, loaders.n_val_batches),
@@ -355,7 +355,7 @@ def write_json(path, obj):
 # The run's records, as dlojz.py's main() fills them
 def initial_metrics(cfg, ranks) -> dict:
     """The metrics JSON's keys before the run fills them."""
-    images_per_step = cfg.batch_size * ranks.world_size  # one micro-batch on every rank
+    images_per_step = cfg.batch_size * ranks.data_size  # one micro-batch on every data replica
     return dict(
         world_size=ranks.world_size,
         global_batch_size=images_per_step * cfg.grad_acc,

@@ -133,7 +133,7 @@ def gather_predictions(predictions, ranks):
     """evaluate()'s predictions of every rank on rank 0's CPU, in the data set's order: (image index, label,
     top-5 classes, their probabilities). ShardSampler gives rank r the images r, r + W, r + 2W..., in order."""
     labels, top5, probabilities = (torch.cat(parts).cpu() for parts in zip(*predictions))
-    index = torch.arange(len(labels)) * ranks.world_size + ranks.rank
+    index = torch.arange(len(labels)) * ranks.data_size + ranks.data_rank
     mine = (index, labels, top5, probabilities)
     if not ranks.enabled:
         return mine
@@ -141,4 +141,6 @@ def gather_predictions(predictions, ranks):
     dist.all_gather_object(every, mine)  # once, at the end of --eval-only: a pickled copy is no cost
     index, labels, top5, probabilities = (torch.cat(parts) for parts in zip(*every))
     order = index.argsort()
+    if ranks.data_size < ranks.world_size:  # --tp: the ranks of a tensor-parallel group predicted the same images
+        order = order[torch.cat([torch.tensor([True]), index[order][1:] != index[order][:-1]])]
     return index[order], labels[order], top5[order], probabilities[order]

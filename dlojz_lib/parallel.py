@@ -31,12 +31,31 @@ class Model:
     parallel: str  # "none", or "ddp" or "fsdp" across ranks
     unsharded: torch.nn.Module  # the model whole, for FLOP counts: `module`, or with --fsdp its meta-device copy
     cuda_graphs: bool = False  # compiled in a mode that replays CUDA graphs
+    tensor_parallel: bool = False  # --tp: gradients on two meshes, (data, tensor) and data
 
     def begin_step(self):
         """Before a forward: under CUDA graphs, tells torch that the previous step's outputs are no longer used (their
         memory is the next replay's), which it cannot always infer when validation runs between training steps."""
         if self.cuda_graphs:
             torch.compiler.cudagraph_mark_step_begin()
+
+    def clip_grad_norm(self, max_norm):
+        """Scale the gradients so that their global norm is at most `max_norm` (torch's clip_grad_norm_). Under --tp
+        the split layers' gradients live on the (data, tensor) mesh and the replicated ones' on the data mesh, whose
+        DTensors do not combine: each mesh's norm is reduced apart, then the norms are, as torchtitan does."""
+        if not self.tensor_parallel:
+            return torch.nn.utils.clip_grad_norm_(self.module.parameters(), max_norm, foreach=True)
+        from torch.distributed.tensor import DTensor
+
+        by_mesh = {}
+        for p in self.module.parameters():
+            if p.grad is not None:
+                by_mesh.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p)
+        norms = [torch.nn.utils.get_total_norm([p.grad for p in group], foreach=True) for group in by_mesh.values()]
+        total = torch.linalg.vector_norm(torch.stack([n.full_tensor() if isinstance(n, DTensor) else n for n in norms]))
+        for group in by_mesh.values():  # one mesh at a time: a DTensor operation takes one
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, total, foreach=True)
+        return total
 
     def gradient_sync(self, sync):
         """Context of a micro-batch's forward and backward: gradients are reduced across ranks only when `sync`
@@ -88,11 +107,11 @@ def build_model(cfg, num_classes, ranks, log) -> Model:
         log(BFLOAT16_BATCH_NORM)
     ema = None
     if cfg.model_ema:
-        decay = ema_decay(cfg, ranks.world_size)
+        decay = ema_decay(cfg, ranks.data_size)
         if cfg.model_ema_adjust:
             log(
                 f"EMA decay {decay:.6f} per update: torchvision's rule from --model-ema-decay {cfg.model_ema_decay} "
-                f"({ranks.world_size} x {cfg.batch_size * cfg.grad_acc} images x {cfg.model_ema_steps or 1} steps / "
+                f"({ranks.data_size} x {cfg.batch_size * cfg.grad_acc} images x {cfg.model_ema_steps or 1} steps / "
                 f"{cfg.epochs} epochs)"
             )
         ema = ModelEma(module, decay, cfg.model_ema_steps or 1, cfg.model_ema_warmup)
@@ -101,10 +120,18 @@ def build_model(cfg, num_classes, ranks, log) -> Model:
         from dlojz_lib.fsdp import shard_model
 
         unsharded = meta_copy(module)
-        blocks = shard_model(module, cfg, ranks.device)
+        if cfg.tp > 1:
+            from dlojz_lib.tensor_parallel import parallelize
+
+            split = parallelize(module, ranks.mesh["tensor"], cfg.arch)
+            log(
+                f"tensor parallelism: {split} blocks over groups of {cfg.tp} ranks (q, k, v and fc1 column-wise, proj "
+                f"and fc2 row-wise), {ranks.data_size} data replica{'s' if ranks.data_size > 1 else ''}"
+            )
+        blocks = shard_model(module, cfg, ranks.device, ranks.mesh["data"] if ranks.mesh is not None else None)
         parallel = "fsdp"
         log(
-            f"FSDP: {blocks} blocks and the root sharded over {ranks.world_size} rank{'s' if ranks.world_size > 1 else ''}, parameters gathered in "
+            f"FSDP: {blocks} blocks and the root sharded over {ranks.data_size} rank{'s' if ranks.data_size > 1 else ''}, parameters gathered in "
             f"{cfg.amp_dtype if cfg.amp else 'float32'}, gradients reduced in float32, "
             f"{'resharded' if cfg.fsdp_reshard_after_forward else 'kept gathered'} after each block's forward"
         )
@@ -118,7 +145,7 @@ def build_model(cfg, num_classes, ranks, log) -> Model:
         net = torch.compile(net, mode=cfg.compile_mode)
         log(f"torch.compile: mode {cfg.compile_mode or 'default'}")
     cuda_graphs = cfg.compile_mode in CUDA_GRAPH_MODES  # (a --compile-mode implies --compile)
-    return Model(net, module, ema, num_classes, parallel, unsharded, cuda_graphs)
+    return Model(net, module, ema, num_classes, parallel, unsharded, cuda_graphs, cfg.tp > 1)
 
 
 def state_bytes_per_rank(model, training, ranks) -> dict:

@@ -13,8 +13,9 @@ Each block costs two all-reduces of its activations in the forward, and two in t
 
 - `parallelize(module, tp_mesh)`: the plan applied in place; a model without one, or whose heads or MLP width do not
   split over the ranks, is one line (UserError).
-- `fused_state_dict(state)`: a parallelised model's full state dict (q, k and v apart) with timm's fused `qkv` again:
-  what an ordinary model loads.
+- `fused_state_dict(state)`, `fused_optimizer_state(state)`: a parallelised model's full state dict (q, k and v
+  apart), and its optimizer's by parameter name (torch.distributed.checkpoint's form), with timm's fused `qkv` again:
+  what an ordinary model and its optimizer load (`dlojz_fsdp.py consolidate`).
 """
 
 import torch
@@ -70,6 +71,36 @@ def fused_state_dict(state: dict) -> dict:
             continue
         fused[key] = value
     return fused
+
+
+def fused_name(key):
+    """(the fused parameter's name, which part) for a HeadShardedQKV part's parameter name, else (key, None)."""
+    stem, _, name = key.rpartition(".")
+    base, _, part = stem.rpartition(".")
+    if part in PARTS and base.endswith("attn.qkv"):
+        return f"{base}.{name}", part
+    return key, None
+
+
+def fused_optimizer_state(state: dict) -> dict:
+    """An optimizer state dict keyed by parameter name (get_state_dict's) with each part's state fused as the
+    parameters are: the tensors of q, k and v concatenated, a scalar (a step count) q's."""
+    fused_state = {}
+    for key, entries in state["state"].items():
+        name, part = fused_name(key)
+        if part is None:
+            fused_state[key] = entries
+        elif part == "q":
+            siblings = [state["state"][key.replace(".qkv.q.", f".qkv.{p}.")] for p in PARTS]
+            fused_state[name] = {
+                entry: torch.cat([s[entry] for s in siblings]) if torch.is_tensor(value) and value.dim() else value
+                for entry, value in entries.items()
+            }
+    groups = []
+    for group in state["param_groups"]:
+        params = [fused_name(key)[0] for key in group["params"] if fused_name(key)[1] in (None, "q")]
+        groups.append(dict(group, params=params))
+    return {"state": fused_state, "param_groups": groups}
 
 
 def transformer_blocks(module):

@@ -105,3 +105,83 @@ def test_a_model_the_plan_cannot_split_is_one_line(arch, tp, fragment):
     with pytest.raises(UserError) as err:
         parallelize(create_model(arch, 3, False, 32), Mesh(), arch)
     assert fragment in str(err.value)
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_data, tmp_path_factory):
+    """The same training (global batch 16) as one process, as one tensor-parallel group of 2 ranks (one data
+    replica: both ranks take the 16 images), and 2-D on 4 ranks (2 groups of 2, 8 images each); then with 2
+    accumulated micro-batches and the gradients' global norm clipped to 0.1 (always below a fresh ViT's)."""
+    from conftest import run_dlojz, show
+    from test_fsdp import BASE
+
+    out = tmp_path_factory.mktemp("tp")
+    common = [*BASE, "--data-root", tiny_data, "--num-workers", "0"]  # 4 ranks on 2 cores: no CPU for a worker
+    for name, ranks, flags in (
+        ("single", 1, ["-b", "16"]),
+        ("tp", 2, ["-b", "16", "--fsdp", "--tp", "2"]),
+        ("tp-fsdp", 4, ["-b", "8", "--fsdp", "--tp", "2"]),
+        ("single-clip", 1, ["-b", "8", "--grad-acc", "2", "--clip-grad-norm", "0.1"]),
+        ("tp-clip", 2, ["-b", "8", "--grad-acc", "2", "--clip-grad-norm", "0.1", "--fsdp", "--tp", "2"]),
+    ):
+        proc = run_dlojz(
+            *common, *flags, "--output-dir", out / name, "--metrics-json", out / f"{name}.json", ranks=ranks
+        )
+        assert proc.returncode == 0, show(proc)
+        (out / f"{name}.log").write_text(proc.stdout)
+    return out
+
+
+@pytest.mark.parametrize("name", ["tp", "tp-fsdp"])
+def test_tp_trains_to_the_weights_of_one_process(runs, name):
+    """Tensor-parallel (and 2-D) training reaches one process's weights after 5 SGD steps (float32 sums in another
+    order), its consolidated checkpoint is an ordinary model's, and the data dimension is the replicas': the global
+    batch is 16, and validation sees each of the 15 images once."""
+    from conftest import read_json
+    from test_fsdp import assert_same_weights, weights
+
+    assert_same_weights(weights(runs / name), weights(runs / "single"), atol=1e-5)
+    metrics, single = read_json(runs / f"{name}.json"), read_json(runs / "single.json")
+    assert (metrics["steps"], metrics["global_batch_size"], metrics["val_images"]) == (5, 16, 15)
+    assert metrics["val_accuracy"] == single["val_accuracy"]
+    assert metrics["val_loss"] == pytest.approx(single["val_loss"], rel=1e-4)
+    log = (runs / f"{name}.log").read_text()
+    replicas = "1 data replica" if name == "tp" else "2 data replicas"
+    assert (
+        f"tensor parallelism: 6 blocks over groups of 2 ranks (q, k, v and fc1 column-wise, proj and fc2 row-wise), {replicas}"
+        in log
+    )
+
+
+def test_tp_clips_the_global_norm_over_both_meshes_and_accumulates(runs):
+    """--clip-grad-norm under --tp: the split layers' gradients (2-D mesh) and the replicated ones' (data mesh)
+    clipped by one global norm, with --grad-acc 2: the weights of one process doing the same."""
+    from test_fsdp import assert_same_weights, weights
+
+    clipped = weights(runs / "tp-clip")
+    assert_same_weights(clipped, weights(runs / "single-clip"), atol=1e-5)
+    unclipped = weights(runs / "single")
+    assert any(not torch.allclose(clipped[k], unclipped[k], atol=1e-4) for k in clipped)  # the clip changed the run
+
+
+@pytest.mark.parametrize(
+    "flags, ranks, fragments",
+    [
+        (["--tp", "2"], 1, ["--tp 2 runs with --fsdp over the data dimension", "add --fsdp"]),
+        (["--tp", "2", "--fsdp", "--loader-only"], 1, ["--tp 2 splits the model, which --loader-only does not build"]),
+        (["--tp", "3", "--fsdp"], 2, ["--tp 3: this job has 2 rank(s), not a multiple of 3"]),
+        (
+            ["--tp", "2", "--fsdp", "--arch", "timm:test_resnet"],
+            2,
+            ["--arch timm:test_resnet has no tensor-parallel plan"],
+        ),
+    ],
+)
+def test_what_tp_cannot_do_is_one_line(flags, ranks, fragments, tiny_data, tmp_path):
+    from conftest import run_dlojz
+    from test_dlojz import assert_one_line_error
+    from test_fsdp import BASE
+
+    proc = run_dlojz(*BASE, "--data-root", tiny_data, "--num-workers", "0", "-b", "8", *flags,
+                     "--output-dir", tmp_path / "run", ranks=ranks)  # fmt: skip
+    assert_one_line_error(proc, *fragments)

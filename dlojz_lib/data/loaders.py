@@ -217,27 +217,29 @@ def build_loaders(cfg, train_set, val_set, num_classes, ranks, log) -> Loaders:
             f"({cfg.val_crop_size / cfg.image_size:.2f}x)"
         )
     # A batch larger than a rank's share is the whole share, padded, with the LR scaled for images that are not there.
-    per_rank = (len(train_set) // ranks.world_size) if cfg.drop_last else math.ceil(len(train_set) / ranks.world_size)
+    per_rank = (len(train_set) // ranks.data_size) if cfg.drop_last else math.ceil(len(train_set) / ranks.data_size)
     if cfg.batch_size > per_rank:
         fail(
             f"--batch-size {cfg.batch_size} is more than the {per_rank} training images of each of the "
-            f"{ranks.world_size} process(es) ({len(train_set)} in all{', --drop-last' if cfg.drop_last else ''}): "
+            f"{ranks.data_size} process(es) ({len(train_set)} in all{', --drop-last' if cfg.drop_last else ''}): "
             f"give --batch-size {per_rank} at most"
         )
     sampling = dict(seed=cfg.seed, drop_last=cfg.drop_last, batch_size=cfg.batch_size)  # what every sampler takes
     if cfg.ra_reps:
-        train_sampler = RepeatedAugmentationSampler(train_set, ranks.world_size, ranks.rank, cfg.ra_reps, **sampling)
+        train_sampler = RepeatedAugmentationSampler(
+            train_set, ranks.data_size, ranks.data_rank, cfg.ra_reps, **sampling
+        )
         log(
             f"--ra-reps {cfg.ra_reps}: each epoch's images {cfg.ra_reps} times, each copy augmented on its own "
             f"(and on another rank): an epoch sees about 1/{cfg.ra_reps} of the {len(train_set)} images"
         )
     elif cfg.balanced_sampler:
-        train_sampler = BalancedEpochSampler(train_set, ranks.world_size, ranks.rank, **sampling)
+        train_sampler = BalancedEpochSampler(train_set, ranks.data_size, ranks.data_rank, **sampling)
         log(balanced_sampler_line(train_sampler, train_set.classes))
     else:
-        train_sampler = EpochSampler(train_set, ranks.world_size, ranks.rank, shuffle=True, **sampling)
-    if cfg.fsdp and len(val_set) < ranks.world_size:
-        fail(f"--fsdp: the validation set has {len(val_set)} images for {ranks.world_size} ranks: each rank needs one")
+        train_sampler = EpochSampler(train_set, ranks.data_size, ranks.data_rank, shuffle=True, **sampling)
+    if cfg.fsdp and len(val_set) < ranks.data_size:
+        fail(f"--fsdp: the validation set has {len(val_set)} images for {ranks.data_size} ranks: each rank needs one")
     if cfg.data_backend == "dali":
         return dali_loaders(cfg, train_set, val_set, train_sampler, ranks, log)
     options = dict(
@@ -248,7 +250,7 @@ def build_loaders(cfg, train_set, val_set, num_classes, ranks, log) -> Loaders:
     )
     train = make_loader(train_set, train_sampler, cfg.batch_size, drop_last=cfg.drop_last, **options)
     val = make_loader(
-        val_set, ShardSampler(val_set, ranks.world_size, ranks.rank), cfg.val_batch_size, drop_last=False, **options
+        val_set, ShardSampler(val_set, ranks.data_size, ranks.data_rank), cfg.val_batch_size, drop_last=False, **options
     )
     normalize = normalisation(cfg, ranks)
     return Loaders(
@@ -259,7 +261,7 @@ def build_loaders(cfg, train_set, val_set, num_classes, ranks, log) -> Loaders:
         len(train),
         len(val),
         len(val_set),
-        *val_batches_per_rank(len(val_set), ranks.world_size, cfg.val_batch_size),
+        *val_batches_per_rank(len(val_set), ranks.data_size, cfg.val_batch_size),
         owned=(train, val),
     )
 
@@ -295,7 +297,7 @@ def dali_loaders(cfg, train_set, val_set, train_sampler, ranks, log) -> Loaders:
         check_decodable(dataset)
 
     device_id = ranks.device.index if ranks.device.type == "cuda" else None
-    settings, seed = dali_settings(cfg), cfg.seed * 1_000 + ranks.rank
+    settings, seed = dali_settings(cfg), cfg.seed * 1_000 + ranks.data_rank
     where = (
         f"the GPU (nvJPEG, {settings.hw_decoder_load:.0%} to the hardware decoder)"
         if device_id is not None
@@ -316,7 +318,7 @@ def dali_loaders(cfg, train_set, val_set, train_sampler, ranks, log) -> Loaders:
         normalize,
         drop_last=cfg.drop_last,
     )
-    val_sampler = ShardSampler(val_set, ranks.world_size, ranks.rank)
+    val_sampler = ShardSampler(val_set, ranks.data_size, ranks.data_rank)
     val = DaliBatches(
         val_set,
         val_sampler,
@@ -337,7 +339,7 @@ def dali_loaders(cfg, train_set, val_set, train_sampler, ranks, log) -> Loaders:
         len(train),
         len(val),
         len(val_set),
-        *val_batches_per_rank(len(val_set), ranks.world_size, cfg.val_batch_size),
+        *val_batches_per_rank(len(val_set), ranks.data_size, cfg.val_batch_size),
     )
 
 
@@ -350,7 +352,7 @@ def synthetic_loaders(cfg, num_classes, ranks, train_images, val_images) -> Load
         num_classes,
         ranks.device,
         cfg.channels_last,
-        ranks.world_size,
+        ranks.data_size,
         cfg.drop_last,
         seed=cfg.seed,
     )
@@ -361,7 +363,7 @@ def synthetic_loaders(cfg, num_classes, ranks, train_images, val_images) -> Load
         num_classes,
         ranks.device,
         cfg.channels_last,
-        ranks.world_size,
+        ranks.data_size,
         seed=cfg.seed + 1,
     )
     return Loaders(train, None, train, val, len(train), len(val), val_images, len(val), len(val))

@@ -95,7 +95,7 @@ def build_schedule(cfg, optimizer, steps_per_epoch, total_steps):
 def build_training(cfg, model, n_train_batches, num_classes, ranks, log, class_counts=None) -> Training:
     """Loss, optimizer, per-step schedule (or the LR finder), GradScaler, autocast and MixUp/CutMix.
     `class_counts`: the training images of each class, for --class-weights."""
-    step_images = cfg.batch_size * ranks.world_size * cfg.grad_acc
+    step_images = cfg.batch_size * ranks.data_size * cfg.grad_acc
     log(
         f"global batch size: {step_images} - mini batch size: {cfg.batch_size}"
         + (f" - {cfg.grad_acc} accumulated micro-batches per optimizer step" if cfg.grad_acc > 1 else "")
