@@ -185,3 +185,29 @@ def test_what_tp_cannot_do_is_one_line(flags, ranks, fragments, tiny_data, tmp_p
     proc = run_dlojz(*BASE, "--data-root", tiny_data, "--num-workers", "0", "-b", "8", *flags,
                      "--output-dir", tmp_path / "run", ranks=ranks)  # fmt: skip
     assert_one_line_error(proc, *fragments)
+
+
+def test_the_day_4_table_gives_the_bytes_a_run_measures(runs, tmp_path):
+    """bench/parallel_memory.py's parameter, gradient and optimizer bytes per rank for TP 2 (2 ranks) and TP 2 x
+    FSDP 2 (4 ranks) are what those runs measured (the metrics JSON's *_bytes_per_rank), to the byte; FSDP's and
+    DDP's rows follow their rule (a half, a whole)."""
+    import importlib.util
+
+    from conftest import ROOT, read_json
+
+    spec = importlib.util.spec_from_file_location("parallel_memory", ROOT / "bench" / "parallel_memory.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    table = tmp_path / "table.json"
+    argv = ["--arch", ARCH, "--image-size", "32", "--num-classes", "3", "--gpus", "2,4", "--tp", "2", "--optimizer",
+            "sgd", "-b", "8", "--json", str(table)]  # fmt: skip
+    assert bench.main(argv) == 0
+    rows = {(row["gpus"], row["layout"]): row for row in read_json(table)}
+    for name, key in (("tp", (2, "TP 2 x FSDP 1")), ("tp-fsdp", (4, "TP 2 x FSDP 2"))):
+        measured, estimated = read_json(runs / f"{name}.json"), rows[key]
+        for kind in ("parameter", "gradient", "optimizer"):
+            assert measured[f"{kind}_bytes_per_rank"] == estimated[f"{kind}_bytes"], (name, kind)
+    whole = rows[(2, "DDP")]["parameter_bytes"]
+    assert whole == 4 * sum(p.numel() for p in create_model(ARCH, 3, False, 32).parameters())
+    assert rows[(2, "FSDP")]["parameter_bytes"] <= whole // 2 + 4 * 1024  # each parameter's half, rounded up
+    assert rows[(4, "TP 2 x FSDP 2")]["activation_bytes"] < rows[(4, "FSDP")]["activation_bytes"]

@@ -1,0 +1,179 @@
+"""The course's day-4 table: per GPU, the bytes of parameters, gradients, optimizer state and activations, and the
+bytes each GPU sends per step, under DDP, FSDP and tensor parallelism with FSDP (2-D), for a model built on the meta
+device (no memory, no GPU: a 2.4 B-parameter model is read in seconds).
+
+    python bench/parallel_memory.py                                        # timm's ViT-g/14, 8/16/32 GPUs, --tp 4
+    python bench/parallel_memory.py --arch timm:vit_huge_patch14_224 --gpus 8,16 --tp 2,4 -b 32
+    python bench/parallel_memory.py --arch timm:test_vit --image-size 32 --gpus 2,4 --tp 2 --json out.json
+
+What each figure is (float32 parameters, gradients and optimizer state, as dlojz keeps them; the AMP dtype for what
+travels and for activations):
+- parameters, gradients: DDP a whole copy; FSDP 1/N of each parameter's first dimension (rounded up, as FSDP2 shards
+  it); TP x FSDP: the split layers (q, k, v, fc1 column-wise, proj and fc2 row-wise) 1/tp on the tensor dimension,
+  then every parameter sharded over the data replicas as FSDP does: the exact local shapes of dlojz's plan, which a
+  real run's metrics JSON measures (parameter_bytes_per_rank; tests/test_tensor_parallel.py compares them);
+- optimizer state: 1 float32 per parameter for SGD's momentum, 2 for AdamW, LAMB and Lion's... (its table's number);
+- activations (an estimate): Megatron-LM's count per transformer layer, s b h (34 + 5 a s / h) bytes at 16 bits, and
+  with tensor parallelism s b h (10 + 24 / t + 5 a s / (h t)) (Korthikanti et al. 2022, "Reducing Activation
+  Recomputation in Large Transformer Models", without sequence parallelism), times the layers, for the per-GPU batch;
+- sent per step (ring algorithms: an all-reduce sends 2 (n-1)/n of its buffer, an all-gather or a reduce-scatter
+  (n-1)/n): DDP all-reduces the float32 gradients; FSDP all-gathers the parameters in the AMP dtype twice (forward and
+  backward) and reduce-scatters float32 gradients; TP all-reduces each layer's output activations twice in the
+  forward and twice in the backward, in the AMP dtype, within its group, and FSDP runs over the replicas on what the
+  group's rank holds.
+"""
+
+import json
+import math
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from dlojz_lib.checks import OneLineArgumentParser  # noqa: E402
+from dlojz_lib.flags import COUNT, PIXELS  # noqa: E402
+
+GiB = 2**30
+STATE_PER_PARAMETER = {"sgd": 1, "adamw": 2, "lamb": 2, "lars": 1, "lion": 1, "rmsprop": 2}
+
+
+def get_args(argv=None):
+    p = OneLineArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--arch", default="timm:vit_giant_patch14_224", help="a timm ViT-family model (default: ViT-g/14)")
+    p.add_argument("--image-size", type=PIXELS, default=224)
+    p.add_argument("--num-classes", type=COUNT, default=1000)
+    p.add_argument(
+        "-b", "--batch-size", type=COUNT, default=16, help="images per GPU (a tensor-parallel group shares them)"
+    )
+    p.add_argument("--gpus", default="8,16,32", help="world sizes, comma-separated (default: 8,16,32)")
+    p.add_argument("--tp", default="4", help="tensor-parallel group sizes, comma-separated (default: 4)")
+    p.add_argument("--optimizer", default="adamw", choices=sorted(STATE_PER_PARAMETER))
+    p.add_argument("--amp-bytes", type=COUNT, default=2, help="bytes of the AMP dtype (default: 2, bfloat16)")
+    p.add_argument("--json", help="also write the rows to this file")
+    args = p.parse_args(argv)
+    for flag in ("gpus", "tp"):
+        try:
+            values = [int(v) for v in getattr(args, flag).split(",")]
+        except ValueError:
+            p.error(f"--{flag} {getattr(args, flag)}: comma-separated whole numbers, e.g. 8,16,32")
+        if any(v < 1 for v in values):
+            p.error(f"--{flag} {getattr(args, flag)}: each at least 1")
+        setattr(args, flag, values)
+    return args
+
+
+def layout(module):
+    """(shape, tensor-parallel placement) of every parameter under dlojz's plan: "col" (split on dim 0), "row"
+    (split on dim 1), or None (replicated)."""
+    from dlojz_lib.tensor_parallel import transformer_blocks
+
+    placement = {}
+    for block in transformer_blocks(module):
+        attn, mlp = block.attn, block.mlp
+        for linear, kind in ((attn.qkv, "col"), (mlp.fc1, "col"), (attn.proj, "row"), (mlp.fc2, "row")):
+            placement[id(linear.weight)] = kind
+            if linear.bias is not None:
+                placement[id(linear.bias)] = "col" if kind == "col" else None  # a row-wise bias is replicated
+    return [(tuple(p.shape), placement.get(id(p))) for p in module.parameters()]
+
+
+def local_numel(shape, kind, tp, replicas):
+    """Elements of one parameter on the largest rank: split 1/tp by the plan, then its dim 0 over the replicas."""
+    shape = list(shape)
+    if kind == "col":
+        shape[0] //= tp
+    elif kind == "row":
+        shape[1] //= tp
+    shape[0] = math.ceil(shape[0] / replicas)
+    return math.prod(shape)
+
+
+def transformer_shape(module, image_size):
+    """(layers, tokens, width, heads) of a ViT."""
+    from dlojz_lib.tensor_parallel import transformer_blocks
+
+    blocks = transformer_blocks(module)
+    width = blocks[0].attn.qkv.in_features
+    patch = module.patch_embed
+    tokens = (image_size // patch.patch_size[0]) * (image_size // patch.patch_size[1]) + module.num_prefix_tokens
+    return len(blocks), tokens, width, blocks[0].attn.num_heads
+
+
+def rows(args):
+    import torch
+
+    from dlojz_lib.model import create_model
+    from dlojz_lib.tensor_parallel import transformer_blocks
+
+    with torch.device("meta"):
+        module = create_model(args.arch, args.num_classes, False, args.image_size)
+    if not transformer_blocks(module):
+        from dlojz_lib.checks import UserError
+        from dlojz_lib.tensor_parallel import FAMILIES
+
+        raise UserError(f"--arch {args.arch} has no tensor-parallel plan: give a model of {FAMILIES}")
+    params = layout(module)
+    total = sum(math.prod(shape) for shape, _ in params)
+    layers, s, h, a = transformer_shape(module, args.image_size)
+    state = STATE_PER_PARAMETER[args.optimizer]
+    out = []
+    for gpus in args.gpus:
+        layouts = [("DDP", 1, 1), ("FSDP", 1, gpus)]
+        layouts += [(f"TP {tp} x FSDP {gpus // tp}", tp, gpus // tp) for tp in args.tp if gpus % tp == 0 and tp > 1]
+        for name, tp, replicas in layouts:
+            if name == "DDP":
+                local = total
+            else:
+                local = sum(local_numel(shape, kind, tp, replicas) for shape, kind in params)
+            b = args.batch_size
+            per_layer = s * b * h * ((34 + 5 * a * s / h) if tp == 1 else (10 + 24 / tp + 5 * a * s / (h * tp)))
+            activations = layers * per_layer * args.amp_bytes / 2  # Megatron's count is for 16 bits
+            if name == "DDP":
+                sent = 2 * (gpus - 1) / gpus * 4 * total
+            else:
+                held = sum(local_numel(shape, kind, tp, 1) for shape, kind in params)  # the group rank's part
+                n = replicas
+                sent = (n - 1) / n * held * (2 * args.amp_bytes + 4)  # 2 all-gathers + 1 reduce-scatter
+                if tp > 1:
+                    sent += layers * 4 * 2 * (tp - 1) / tp * s * b * h * args.amp_bytes
+            out.append(
+                dict(
+                    gpus=gpus,
+                    layout=name,
+                    parameters=total,
+                    parameter_bytes=4 * local,
+                    gradient_bytes=4 * local,
+                    optimizer_bytes=4 * state * local,
+                    activation_bytes=activations,
+                    sent_bytes_per_step=sent,
+                )
+            )
+    return out, total
+
+
+def main(argv=None) -> int:
+    from dlojz_lib.checks import UserError
+
+    args = get_args(argv)
+    try:
+        table, total = rows(args)
+    except UserError as err:
+        print(f"parallel_memory.py: error: {err}", file=sys.stderr)
+        return 2
+    unit, name = (GiB, "GiB") if table[0]["parameter_bytes"] >= GiB / 16 else (2**20, "MiB")  # a small model: MiB
+    print(
+        f"{args.arch}: {total / 1e6:,.1f} M parameters, {args.image_size} px, {args.batch_size} images per GPU, "
+        f"{args.optimizer}; {name} per GPU (float32 state, activations estimated), {name} sent per GPU per step"
+    )
+    print(f"{'GPUs':>5} {'layout':<16}{'params':>9}{'grads':>9}{'optim':>9}{'state':>9}{'activ.':>9}{'sent':>9}")
+    for row in table:
+        state = row["parameter_bytes"] + row["gradient_bytes"] + row["optimizer_bytes"]
+        figures = (row["parameter_bytes"], row["gradient_bytes"], row["optimizer_bytes"], state,
+                   row["activation_bytes"], row["sent_bytes_per_step"])  # fmt: skip
+        print(f"{row['gpus']:>5} {row['layout']:<16}" + "".join(f"{value / unit:>9.2f}" for value in figures))
+    if args.json:
+        Path(args.json).write_text(json.dumps(table, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
