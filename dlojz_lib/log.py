@@ -293,7 +293,8 @@ def print_report(cfg, metrics, chrono, ctx, n_batches):
 
 
 def memory_line(metrics):
-    """What each rank holds of the model's state (DDP: everything; FSDP: a 1/N shard), and each rank's peak."""
+    """What each rank holds of the model's state (DDP: everything; FSDP: a 1/N shard; TP x FSDP: its blocks' 1/tp,
+    sharded over the replicas), and each rank's peak."""
     mib = 2**20
     state = (
         metrics["parameter_bytes_per_rank"],
@@ -302,9 +303,13 @@ def memory_line(metrics):
     )
     peaks = metrics["peak_memory_bytes_per_rank"]
     ranks = f"{len(peaks)} rank{'s' if len(peaks) > 1 else ''}"
-    how = {"fsdp": f"FSDP, sharded over {ranks}", "ddp": f"DDP, a full copy on each of {ranks}", "none": "one process"}[
-        metrics["parallel"]
-    ]
+    tp = metrics.get("tensor_parallel_size", 1)
+    how = {
+        "fsdp": f"FSDP, sharded over {ranks}",
+        "ddp": f"DDP, a full copy on each of {ranks}",
+        "none": "one process",
+        "tp": f"TP {tp} x FSDP {len(peaks) // tp}: blocks split over groups of {tp}, sharded over the replicas",
+    }[metrics["parallel"]]
     return (
         f">>> Model state per rank ({how}): parameters {state[0] / mib:,.1f} MiB, gradients {state[1] / mib:,.1f} "
         f"MiB, optimizer state {state[2] / mib:,.1f} MiB, total {sum(state) / mib:,.1f} MiB; peak memory per rank: "

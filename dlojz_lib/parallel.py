@@ -157,5 +157,6 @@ def state_bytes_per_rank(model, training, ranks) -> dict:
     every = ranks.all_gather(local) if ranks.enabled else [local]
     result = {f"{key}_per_rank": max(rank[key] for rank in every) for key in local if key != "peak_memory_bytes"}
     result["peak_memory_bytes_per_rank"] = [rank["peak_memory_bytes"] for rank in every]
-    result["parallel"] = model.parallel
+    result["parallel"] = "tp" if model.tensor_parallel else model.parallel
+    result["tensor_parallel_size"] = ranks.world_size // ranks.data_size
     return result

@@ -151,6 +151,8 @@ def test_tp_trains_to_the_weights_of_one_process(runs, name):
         f"tensor parallelism: 6 blocks over groups of 2 ranks (q, k, v and fc1 column-wise, proj and fc2 row-wise), {replicas}"
         in log
     )
+    assert f"Model state per rank (TP 2 x FSDP {1 if name == 'tp' else 2}: blocks split over groups of 2" in log
+    assert metrics["parallel"] == "tp" and metrics["tensor_parallel_size"] == 2
 
 
 def test_tp_clips_the_global_norm_over_both_meshes_and_accumulates(runs):
@@ -211,3 +213,47 @@ def test_the_day_4_table_gives_the_bytes_a_run_measures(runs, tmp_path):
     assert whole == 4 * sum(p.numel() for p in create_model(ARCH, 3, False, 32).parameters())
     assert rows[(2, "FSDP")]["parameter_bytes"] <= whole // 2 + 4 * 1024  # each parameter's half, rounded up
     assert rows[(4, "TP 2 x FSDP 2")]["activation_bytes"] < rows[(4, "FSDP")]["activation_bytes"]
+
+
+def test_a_tp_run_stopped_mid_epoch_resumes_in_2d_to_the_same_weights(runs, tiny_data, tmp_path):
+    """Saved by one tensor-parallel group of 2 ranks after a step or two (sharded, the TP layout inside), resumed by
+    4 ranks in 2-D (2 groups x 8 images): DCP reshards model and optimizer across the layouts, the epoch goes on
+    after the images already trained on, and the run ends on one process's weights."""
+    import signal
+
+    from conftest import run_dlojz, show
+    from test_fsdp import BASE, assert_same_weights, weights
+    from test_resume import start_ranks, wait_for_line
+
+    import dlojz_lib.checkpoint as ckpt
+
+    out = tmp_path / "run"
+    common = [*BASE, "--data-root", tiny_data, "--num-workers", "0", "--fsdp", "--tp", "2", "--output-dir", out]
+    rank0, rank1 = start_ranks([*common, "-b", "16"])
+    early = wait_for_line(rank0, "Epoch 1/1, Step 1/5")
+    rank0.send_signal(signal.SIGUSR1)
+    log = early + rank0.communicate(timeout=300)[0] + rank1.communicate(timeout=300)[0]
+    assert rank0.returncode == 0 and rank1.returncode == 0, log
+    stopped = ckpt.load_latest(out)[0]
+    assert stopped["sharded_path"].endswith(".dcp") and 1 <= stopped["batch"] < 5, log
+    proc = run_dlojz(*common, "-b", "8", "--resume", "auto", ranks=4)
+    assert proc.returncode == 0, show(proc)
+    assert_same_weights(weights(out), weights(runs / "single"), atol=1e-5)
+
+
+def test_tp_trains_under_bfloat16_autocast_with_recomputed_activations(tiny_data, tmp_path):
+    """--amp (bfloat16: FSDP gathers in it) and --grad-checkpointing with --tp: a --test run whose loss is finite,
+    the chronometer's report and the per-rank memory line written."""
+    import math
+
+    from conftest import read_json, run_dlojz, show
+    from test_fsdp import BASE
+
+    metrics = tmp_path / "m.json"
+    proc = run_dlojz(*BASE, "--data-root", tiny_data, "--num-workers", "0", "-b", "8", "--fsdp", "--tp", "2", "--amp",
+                     "--amp-dtype", "bfloat16", "--grad-checkpointing", "--test", "--test-nsteps", "3",
+                     "--output-dir", tmp_path / "run", "--metrics-json", metrics, ranks=2)  # fmt: skip
+    assert proc.returncode == 0, show(proc)
+    result = read_json(metrics)
+    assert result["compute_dtype"] == "bfloat16" and result["steps"] == 3 and math.isfinite(result["train_loss"])
+    assert result["chrono"]["steps"] == 3 and "Model state per rank (TP 2 x FSDP 1" in proc.stdout
