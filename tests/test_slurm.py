@@ -21,9 +21,18 @@ from dlojz_lib.data.embedded import EMBEDDED_NAME
 ROOT = Path(__file__).resolve().parent.parent
 SLURM_DIR = ROOT / "slurm"
 CPU_SCRIPT = SLURM_DIR / "dlojz_cpu.slurm"
-GPU_SCRIPTS = ["dlojz_1gpu.slurm", "dlojz_1node.slurm", "dlojz_multinode.slurm", "dlojz_test.slurm", "dlojz_fsdp.slurm"]
-RESTARTS = ["dlojz_cpu.slurm", "dlojz_1node.slurm", "dlojz_multinode.slurm", "dlojz_fsdp.slurm"]
-LONG_JOBS = ["dlojz_cpu.slurm", "dlojz_1gpu.slurm", "dlojz_1node.slurm", "dlojz_multinode.slurm", "dlojz_fsdp.slurm"]
+GPU_SCRIPTS = [
+    "dlojz_1gpu.slurm",
+    "dlojz_1node.slurm",
+    "dlojz_multinode.slurm",
+    "dlojz_test.slurm",
+    "dlojz_fsdp.slurm",
+    "dlojz_tp.slurm",
+]
+RESTARTS = ["dlojz_cpu.slurm", "dlojz_1node.slurm", "dlojz_multinode.slurm", "dlojz_fsdp.slurm", "dlojz_tp.slurm"]
+LONG_JOBS = [
+    "dlojz_cpu.slurm", "dlojz_1gpu.slurm", "dlojz_1node.slurm", "dlojz_multinode.slurm", "dlojz_fsdp.slurm", "dlojz_tp.slurm"
+]  # fmt: skip
 
 
 @pytest.mark.parametrize("ci, outcome", [("true", pytest.fail.Exception), (None, pytest.skip.Exception)])
@@ -445,3 +454,19 @@ def test_a_restart_setting_that_is_not_a_whole_number_is_one_line_before_any_ste
         f"{'restarts' if name == 'DLOJZ_MAX_RESTARTS' else 'seconds'}; give one (e.g. {name}=3), or unset it for "
         "the default"
     )
+
+
+@pytest.mark.parametrize("name", GPU_SCRIPTS + ["dlojz_cpu.slurm"])
+def test_the_script_s_dlojz_flags_pass_dlojz_s_checks(name, monkeypatch):
+    """The flags a script gives dlojz.py (--tp with --fsdp, a recipe's keys...) pass dlojz's own checks, as they
+    would at the job's start, hours after submission (inside a Slurm job: the output folder is the job's)."""
+    import shlex
+
+    monkeypatch.setenv("SLURM_JOB_ID", "1")
+    from dlojz_lib.flag_checks import checked_values
+
+    text = (SLURM_DIR / name).read_text()
+    command = re.search(r"python -u dlojz\.py \\\n(.*?)\"\$@\"", text, re.S)
+    assert command, name
+    argv = [word for word in shlex.split(command.group(1).replace("\\\n", " ")) if not word.startswith("$")]
+    checked_values(argv)  # one line (UserError) on a bad combination
