@@ -164,6 +164,7 @@ class Config:
     fsdp: bool
     fsdp_reshard_after_forward: bool | None  # set (default True) with --fsdp only
     tp: int  # tensor-parallel group size (1: none)
+    sequence_parallel: bool  # --tp: the tokens split over the group between the matrix products
     # logging, checkpoints, resume
     output_dir: str
     metrics_json: str | None

@@ -183,6 +183,8 @@ def check_speed(values):
             f"--tp {values['tp']} runs with --fsdp over the data dimension (2-D; a data dimension of 1 rank is "
             "plain tensor parallelism): add --fsdp (PyTorch's DDP does not take tensor-parallel parameters)"
         )
+    if values["sequence_parallel"] and values["tp"] == 1:
+        fail("--sequence-parallel splits the tokens over a tensor-parallel group: add --tp N (and --fsdp)")
     if values["tp"] > 1 and values["loader_only"]:
         fail(f"--tp {values['tp']} splits the model, which --loader-only does not build: drop one of them")
     if values["fsdp_reshard_after_forward"] is not None and not values["fsdp"]:

@@ -869,6 +869,13 @@ def get_args_parser():
         help="tensor parallelism over groups of N ranks (with --fsdp over the rest: 2-D): each rank of a group\n"
         "holds 1/N of every transformer block's weights and heads (timm's ViT family); the group shares a batch",
     )
+    p.add_argument(
+        "--sequence-parallel",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="--tp: between the blocks' matrix products the tokens are split over the group too (norms,\n"
+        "residuals, dropouts on 1/N of them: 1/N of those activations, the same bytes sent)",
+    )
 
     p = parser.add_argument_group("logging, checkpoints, resume")
     p.add_argument(

@@ -123,10 +123,11 @@ def build_model(cfg, num_classes, ranks, log) -> Model:
         if cfg.tp > 1:
             from dlojz_lib.tensor_parallel import parallelize
 
-            split = parallelize(module, ranks.mesh["tensor"], cfg.arch)
+            split = parallelize(module, ranks.mesh["tensor"], cfg.arch, cfg.sequence_parallel)
             log(
                 f"tensor parallelism: {split} blocks over groups of {cfg.tp} ranks (q, k, v and fc1 column-wise, proj "
-                f"and fc2 row-wise), {ranks.data_size} data replica{'s' if ranks.data_size > 1 else ''}"
+                f"and fc2 row-wise{'; the tokens split between them: sequence parallelism' if cfg.sequence_parallel else ''}), "
+                f"{ranks.data_size} data replica{'s' if ranks.data_size > 1 else ''}"
             )
         blocks = shard_model(module, cfg, ranks.device, ranks.mesh["data"] if ranks.mesh is not None else None)
         parallel = "fsdp"

@@ -128,10 +128,49 @@ def check_splittable(block, n, arch):
         raise UserError(f"--tp {n}: {arch}'s MLP is {mlp.fc1.out_features} wide; give a --tp that divides it")
 
 
-def parallelize(module, tp_mesh, arch="this model") -> int:
+def sequence_length(module):
+    """The tokens a ViT's blocks see: its patch grid and its prefix tokens (class, registers)."""
+    grid = module.patch_embed.grid_size
+    return grid[0] * grid[1] + getattr(module, "num_prefix_tokens", 0)
+
+
+def block_plan(block, sequence_parallel):
+    """The plan of one block: Megatron-LM's, and with sequence parallelism the norms (and layer scales) on this
+    rank's share of the tokens, the attention's and the MLP's input gathered, their outputs reduce-scattered."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
+
+    plan = {f"attn.qkv.{part}": ColwiseParallel() for part in PARTS}
+    plan["mlp.fc1"] = ColwiseParallel()
+    if not sequence_parallel:
+        return {**plan, "attn.proj": RowwiseParallel(), "mlp.fc2": RowwiseParallel()}
+    gather = dict(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True)
+    plan.update(
+        {
+            "attn": PrepareModuleInput(**gather),
+            "attn.proj": RowwiseParallel(output_layouts=Shard(1)),
+            "mlp": PrepareModuleInput(**gather),
+            "mlp.fc2": RowwiseParallel(output_layouts=Shard(1)),
+        }
+    )
+    for name in ("norm1", "norm2", "ls1", "ls2"):
+        if not isinstance(getattr(block, name), nn.Identity):
+            plan[name] = SequenceParallel(use_local_output=True)  # a local shard, as the residual it joins
+    return plan
+
+
+def parallelize(module, tp_mesh, arch="this model", sequence_parallel=False) -> int:
     """The plan above applied to `module` in place over `tp_mesh` (a 1-D DeviceMesh, or the tensor dimension of a
-    2-D one). Returns the number of blocks parallelised."""
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    2-D one). `sequence_parallel`: between the blocks' matrix products the tokens are split over the group too
+    (the norms, residuals and dropouts on 1/N of them; all-gather and reduce-scatter instead of all-reduce: the same
+    volume, 1/N of the activations). Returns the number of blocks parallelised."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import PrepareModuleInput, PrepareModuleOutput, parallelize_module
 
     blocks = transformer_blocks(module)
     if not blocks:
@@ -139,17 +178,29 @@ def parallelize(module, tp_mesh, arch="this model") -> int:
     n = tp_mesh.size()
     for block in blocks:
         check_splittable(block, n, arch)
-    plan = {
-        **{f"attn.qkv.{part}": ColwiseParallel() for part in PARTS},
-        "attn.proj": RowwiseParallel(),
-        "mlp.fc1": ColwiseParallel(),
-        "mlp.fc2": RowwiseParallel(),
-    }
+    if sequence_parallel and sequence_length(module) % n:
+        raise UserError(
+            f"--sequence-parallel: {arch} sees {sequence_length(module)} tokens at this image size, which do not "
+            f"split over {n} ranks; give an --image-size or a --tp that makes them a multiple of {n}"
+        )
     for block in blocks:
         attn = block.attn
         attn.qkv = HeadShardedQKV(attn.qkv)
-        parallelize_module(block, tp_mesh, plan)
+        parallelize_module(block, tp_mesh, block_plan(block, sequence_parallel))
         # timm's forward reshapes with these: this rank's heads only
         attn.num_heads //= n
         attn.attn_dim //= n
+    if sequence_parallel:  # the tokens split before the first block, gathered after the last
+        parallelize_module(
+            blocks[0],
+            tp_mesh,
+            PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),), use_local_output=True),
+        )
+        parallelize_module(
+            blocks[-1],
+            tp_mesh,
+            PrepareModuleOutput(
+                output_layouts=(Shard(1),), desired_output_layouts=(Replicate(),), use_local_output=True
+            ),
+        )
     return len(blocks)

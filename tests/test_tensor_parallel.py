@@ -20,7 +20,7 @@ def full(tensor):
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
-def compare_on_rank(rank, world, store_path, failures):
+def compare_on_rank(rank, world, store_path, failures, size=32, sequence_parallel=False):
     """One rank: the same model and batch as one process, parallelised over `world` ranks, one SGD step."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -29,11 +29,11 @@ def compare_on_rank(rank, world, store_path, failures):
         torch.set_num_threads(1)
         dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
         torch.manual_seed(0)
-        reference = create_model(ARCH, 3, False, 32)
-        parallel = create_model(ARCH, 3, False, 32)
+        reference = create_model(ARCH, 3, False, size)
+        parallel = create_model(ARCH, 3, False, size)
         parallel.load_state_dict(reference.state_dict())  # a fused qkv read into the three parts below
-        assert parallelize(parallel, init_device_mesh("cpu", (world,)), ARCH) == 6
-        images, labels = torch.randn(4, 3, 32, 32), torch.tensor([0, 1, 2, 1])
+        assert parallelize(parallel, init_device_mesh("cpu", (world,)), ARCH, sequence_parallel) == 6
+        images, labels = torch.randn(4, 3, size, size), torch.tensor([0, 1, 2, 1])
         optimizers = [torch.optim.SGD(m.parameters(), lr=0.5, momentum=0.9) for m in (reference, parallel)]
         for model, optimizer in zip((reference, parallel), optimizers):
             for _ in range(2):  # two steps: the momentum's second use too
@@ -55,13 +55,19 @@ def compare_on_rank(rank, world, store_path, failures):
         failures.put(f"rank {rank}: {traceback.format_exc()}")
 
 
-def test_the_parallel_vit_trains_as_one_process(tmp_path):
+@pytest.mark.parametrize("size, sequence_parallel", [(32, False), (48, True)])
+def test_the_parallel_vit_trains_as_one_process(tmp_path, size, sequence_parallel):
     """2 ranks (1 head each): after two SGD steps with momentum the outputs are the single process's (float32 sums in
-    another order: 1e-5), and the fused state dict is an ordinary model's, key for key."""
+    another order: 1e-5), and the fused state dict is an ordinary model's, key for key. With sequence parallelism
+    (48 px: 9 patches and the class token, 5 tokens a rank) the norms' gradients come from each rank's tokens and are
+    summed over the group: a norm left out of the plan would train on half of them."""
     context = multiprocessing.get_context("spawn")
     failures = context.Queue()
     workers = [
-        context.Process(target=compare_on_rank, args=(rank, 2, str(tmp_path / "store"), failures)) for rank in range(2)
+        context.Process(
+            target=compare_on_rank, args=(rank, 2, str(tmp_path / "store"), failures, size, sequence_parallel)
+        )
+        for rank in range(2)
     ]
     for worker in workers:
         worker.start()
@@ -257,3 +263,36 @@ def test_tp_trains_under_bfloat16_autocast_with_recomputed_activations(tiny_data
     result = read_json(metrics)
     assert result["compute_dtype"] == "bfloat16" and result["steps"] == 3 and math.isfinite(result["train_loss"])
     assert result["chrono"]["steps"] == 3 and "Model state per rank (TP 2 x FSDP 1" in proc.stdout
+
+
+def test_sequence_parallel_trains_to_the_weights_of_one_process(tiny_data, tmp_path):
+    """--tp 2 --sequence-parallel at 48 px (10 tokens, 5 a rank) against one process at 48 px: the same weights
+    after the epoch; the start-up line says the tokens are split."""
+    from conftest import run_dlojz, show
+    from test_fsdp import BASE, assert_same_weights, weights
+
+    size = ["--image-size", "48", "--val-resize-size", "54", "--val-crop-size", "48"]
+    common = [*BASE, *size, "--data-root", tiny_data, "--num-workers", "0", "-b", "16"]
+    single = run_dlojz(*common, "--output-dir", tmp_path / "single")
+    assert single.returncode == 0, show(single)
+    proc = run_dlojz(*common, "--fsdp", "--tp", "2", "--sequence-parallel", "--output-dir", tmp_path / "sp", ranks=2)
+    assert proc.returncode == 0, show(proc)
+    assert "the tokens split between them: sequence parallelism" in proc.stdout
+    assert_same_weights(weights(tmp_path / "sp"), weights(tmp_path / "single"), atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "flags, ranks, fragment",
+    [
+        (["--sequence-parallel"], 1, "--sequence-parallel splits the tokens over a tensor-parallel group: add --tp N"),
+        (["--fsdp", "--tp", "2", "--sequence-parallel"], 2, "sees 5 tokens at this image size, which do not split"),
+    ],
+)
+def test_what_sequence_parallel_cannot_do_is_one_line(flags, ranks, fragment, tiny_data, tmp_path):
+    from conftest import run_dlojz
+    from test_dlojz import assert_one_line_error
+    from test_fsdp import BASE
+
+    proc = run_dlojz(*BASE, "--data-root", tiny_data, "--num-workers", "0", "-b", "8", *flags,
+                     "--output-dir", tmp_path / "run", ranks=ranks)  # fmt: skip
+    assert_one_line_error(proc, fragment)
