@@ -15,7 +15,8 @@ travels and for activations):
 - optimizer state: 1 float32 per parameter for SGD's momentum, 2 for AdamW, LAMB and Lion's... (its table's number);
 - activations (an estimate): Megatron-LM's count per transformer layer, s b h (34 + 5 a s / h) bytes at 16 bits, and
   with tensor parallelism s b h (10 + 24 / t + 5 a s / (h t)) (Korthikanti et al. 2022, "Reducing Activation
-  Recomputation in Large Transformer Models", without sequence parallelism), times the layers, for the per-GPU batch;
+  Recomputation in Large Transformer Models"), and with --sequence-parallel s b h (34 + 5 a s / h) / t, times the
+  layers, for the per-GPU batch;
 - sent per step (ring algorithms: an all-reduce sends 2 (n-1)/n of its buffer, an all-gather or a reduce-scatter
   (n-1)/n): DDP all-reduces the float32 gradients; FSDP all-gathers the parameters in the AMP dtype twice (forward and
   backward) and reduce-scatters float32 gradients; TP all-reduces each layer's output activations twice in the
@@ -48,6 +49,9 @@ def get_args(argv=None):
     p.add_argument("--tp", default="4", help="tensor-parallel group sizes, comma-separated (default: 4)")
     p.add_argument("--optimizer", default="adamw", choices=sorted(STATE_PER_PARAMETER))
     p.add_argument("--amp-bytes", type=COUNT, default=2, help="bytes of the AMP dtype (default: 2, bfloat16)")
+    p.add_argument(
+        "--sequence-parallel", action="store_true", help="the TP rows with --sequence-parallel (activations 1/tp)"
+    )
     p.add_argument("--json", help="also write the rows to this file")
     args = p.parse_args(argv)
     for flag in ("gpus", "tp"):
@@ -118,14 +122,20 @@ def rows(args):
     out = []
     for gpus in args.gpus:
         layouts = [("DDP", 1, 1), ("FSDP", 1, gpus)]
-        layouts += [(f"TP {tp} x FSDP {gpus // tp}", tp, gpus // tp) for tp in args.tp if gpus % tp == 0 and tp > 1]
+        sp = " + SP" if args.sequence_parallel else ""
+        layouts += [(f"TP {tp}{sp} x FSDP {gpus // tp}", tp, gpus // tp) for tp in args.tp if gpus % tp == 0 and tp > 1]
         for name, tp, replicas in layouts:
             if name == "DDP":
                 local = total
             else:
                 local = sum(local_numel(shape, kind, tp, replicas) for shape, kind in params)
             b = args.batch_size
-            per_layer = s * b * h * ((34 + 5 * a * s / h) if tp == 1 else (10 + 24 / tp + 5 * a * s / (h * tp)))
+            if tp == 1:
+                per_layer = s * b * h * (34 + 5 * a * s / h)
+            elif args.sequence_parallel:  # the norms' and dropouts' activations split too
+                per_layer = s * b * h * (34 + 5 * a * s / h) / tp
+            else:
+                per_layer = s * b * h * (10 + 24 / tp + 5 * a * s / (h * tp))
             activations = layers * per_layer * args.amp_bytes / 2  # Megatron's count is for 16 bits
             if name == "DDP":
                 sent = 2 * (gpus - 1) / gpus * 4 * total
@@ -164,12 +174,12 @@ def main(argv=None) -> int:
         f"{args.arch}: {total / 1e6:,.1f} M parameters, {args.image_size} px, {args.batch_size} images per GPU, "
         f"{args.optimizer}; {name} per GPU (float32 state, activations estimated), {name} sent per GPU per step"
     )
-    print(f"{'GPUs':>5} {'layout':<16}{'params':>9}{'grads':>9}{'optim':>9}{'state':>9}{'activ.':>9}{'sent':>9}")
+    print(f"{'GPUs':>5} {'layout':<20}{'params':>9}{'grads':>9}{'optim':>9}{'state':>9}{'activ.':>9}{'sent':>9}")
     for row in table:
         state = row["parameter_bytes"] + row["gradient_bytes"] + row["optimizer_bytes"]
         figures = (row["parameter_bytes"], row["gradient_bytes"], row["optimizer_bytes"], state,
                    row["activation_bytes"], row["sent_bytes_per_step"])  # fmt: skip
-        print(f"{row['gpus']:>5} {row['layout']:<16}" + "".join(f"{value / unit:>9.2f}" for value in figures))
+        print(f"{row['gpus']:>5} {row['layout']:<20}" + "".join(f"{value / unit:>9.2f}" for value in figures))
     if args.json:
         Path(args.json).write_text(json.dumps(table, indent=1))
     return 0

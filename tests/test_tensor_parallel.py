@@ -219,6 +219,10 @@ def test_the_day_4_table_gives_the_bytes_a_run_measures(runs, tmp_path):
     assert whole == 4 * sum(p.numel() for p in create_model(ARCH, 3, False, 32).parameters())
     assert rows[(2, "FSDP")]["parameter_bytes"] <= whole // 2 + 4 * 1024  # each parameter's half, rounded up
     assert rows[(4, "TP 2 x FSDP 2")]["activation_bytes"] < rows[(4, "FSDP")]["activation_bytes"]
+    assert bench.main([*argv, "--sequence-parallel"]) == 0  # the norms' and dropouts' activations split too
+    split = {(row["gpus"], row["layout"]): row for row in read_json(table)}[(4, "TP 2 + SP x FSDP 2")]
+    assert split["activation_bytes"] < rows[(4, "TP 2 x FSDP 2")]["activation_bytes"]
+    assert split["sent_bytes_per_step"] == rows[(4, "TP 2 x FSDP 2")]["sent_bytes_per_step"]  # the same bytes sent
 
 
 def test_a_tp_run_stopped_mid_epoch_resumes_in_2d_to_the_same_weights(runs, tiny_data, tmp_path):
