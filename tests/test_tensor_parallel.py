@@ -178,6 +178,7 @@ def test_tp_clips_the_global_norm_over_both_meshes_and_accumulates(runs):
         (["--tp", "2"], 1, ["--tp 2 runs with --fsdp over the data dimension", "add --fsdp"]),
         (["--tp", "2", "--fsdp", "--loader-only"], 1, ["--tp 2 splits the model, which --loader-only does not build"]),
         (["--tp", "3", "--fsdp"], 2, ["--tp 3: this job has 2 rank(s), not a multiple of 3"]),
+        (["--tp", "2", "--fsdp", "--amp", "--amp-dtype", "float16"], 1, ["--fsdp with --amp-dtype float16"]),
         (
             ["--tp", "2", "--fsdp", "--arch", "timm:test_resnet"],
             2,
