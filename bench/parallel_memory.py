@@ -39,7 +39,11 @@ STATE_PER_PARAMETER = {"sgd": 1, "adamw": 2, "lamb": 2, "lars": 1, "lion": 1, "r
 
 def get_args(argv=None):
     p = OneLineArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--arch", default="timm:vit_giant_patch14_224", help="a timm ViT-family model (default: ViT-g/14)")
+    p.add_argument(
+        "--arch",
+        default="timm:vit_giant_patch14_224",
+        help="a model (default: ViT-g/14); one without a tensor-parallel plan gets DDP's and FSDP's rows only",
+    )
     p.add_argument("--image-size", type=PIXELS, default=224)
     p.add_argument("--num-classes", type=COUNT, default=1000)
     p.add_argument(
@@ -110,33 +114,34 @@ def rows(args):
 
     with torch.device("meta"):
         module = create_model(args.arch, args.num_classes, False, args.image_size)
-    if not transformer_blocks(module):
-        from dlojz_lib.checks import UserError
-        from dlojz_lib.tensor_parallel import FAMILIES
-
-        raise UserError(f"--arch {args.arch} has no tensor-parallel plan: give a model of {FAMILIES}")
+    planned = bool(transformer_blocks(module))  # a model without a plan: DDP's and FSDP's rows only
     params = layout(module)
     total = sum(math.prod(shape) for shape, _ in params)
-    layers, s, h, a = transformer_shape(module, args.image_size)
+    layers, s, h, a = transformer_shape(module, args.image_size) if planned else (0, 0, 0, 0)
     state = STATE_PER_PARAMETER[args.optimizer]
     out = []
     for gpus in args.gpus:
         layouts = [("DDP", 1, 1), ("FSDP", 1, gpus)]
         sp = " + SP" if args.sequence_parallel else ""
-        layouts += [(f"TP {tp}{sp} x FSDP {gpus // tp}", tp, gpus // tp) for tp in args.tp if gpus % tp == 0 and tp > 1]
+        if planned:
+            layouts += [
+                (f"TP {tp}{sp} x FSDP {gpus // tp}", tp, gpus // tp) for tp in args.tp if gpus % tp == 0 and tp > 1
+            ]
         for name, tp, replicas in layouts:
             if name == "DDP":
                 local = total
             else:
                 local = sum(local_numel(shape, kind, tp, replicas) for shape, kind in params)
             b = args.batch_size
-            if tp == 1:
+            if not planned:  # Megatron-LM's count is a transformer's
+                per_layer = None
+            elif tp == 1:
                 per_layer = s * b * h * (34 + 5 * a * s / h)
             elif args.sequence_parallel:  # the norms' and dropouts' activations split too
                 per_layer = s * b * h * (34 + 5 * a * s / h) / tp
             else:
                 per_layer = s * b * h * (10 + 24 / tp + 5 * a * s / (h * tp))
-            activations = layers * per_layer * args.amp_bytes / 2  # Megatron's count is for 16 bits
+            activations = None if per_layer is None else layers * per_layer * args.amp_bytes / 2  # (16 bits)
             if name == "DDP":
                 sent = 2 * (gpus - 1) / gpus * 4 * total
             else:
@@ -157,18 +162,12 @@ def rows(args):
                     sent_bytes_per_step=sent,
                 )
             )
-    return out, total
+    return out, total, planned
 
 
 def main(argv=None) -> int:
-    from dlojz_lib.checks import UserError
-
     args = get_args(argv)
-    try:
-        table, total = rows(args)
-    except UserError as err:
-        print(f"parallel_memory.py: error: {err}", file=sys.stderr)
-        return 2
+    table, total, planned = rows(args)
     unit, name = (GiB, "GiB") if table[0]["parameter_bytes"] >= GiB / 16 else (2**20, "MiB")  # a small model: MiB
     print(
         f"{args.arch}: {total / 1e6:,.1f} M parameters, {args.image_size} px, {args.batch_size} images per GPU, "
@@ -179,7 +178,14 @@ def main(argv=None) -> int:
         state = row["parameter_bytes"] + row["gradient_bytes"] + row["optimizer_bytes"]
         figures = (row["parameter_bytes"], row["gradient_bytes"], row["optimizer_bytes"], state,
                    row["activation_bytes"], row["sent_bytes_per_step"])  # fmt: skip
-        print(f"{row['gpus']:>5} {row['layout']:<20}" + "".join(f"{value / unit:>9.2f}" for value in figures))
+        cells = ("n/a" if value is None else f"{value / unit:.2f}" for value in figures)
+        print(f"{row['gpus']:>5} {row['layout']:<20}" + "".join(f"{cell:>9}" for cell in cells))
+    if not planned:
+        from dlojz_lib.tensor_parallel import FAMILIES
+
+        print(
+            f"{args.arch} has no tensor-parallel plan in dlojz (its TP rows and activations are left out): {FAMILIES} has one"
+        )
     if args.json:
         Path(args.json).write_text(json.dumps(table, indent=1))
     return 0

@@ -301,3 +301,22 @@ def test_what_sequence_parallel_cannot_do_is_one_line(flags, ranks, fragment, ti
     proc = run_dlojz(*BASE, "--data-root", tiny_data, "--num-workers", "0", "-b", "8", *flags,
                      "--output-dir", tmp_path / "run", ranks=ranks)  # fmt: skip
     assert_one_line_error(proc, fragment)
+
+
+def test_the_table_of_a_model_without_a_plan_has_ddp_and_fsdp_only(tmp_path, capsys):
+    """A CoAtNet-class model (here timm's test_resnet, small): DDP's and FSDP's state per GPU, no TP row, no
+    activation estimate (Megatron-LM's count is a transformer's), and a line saying which models have a plan."""
+    import importlib.util
+
+    from conftest import ROOT, read_json
+
+    spec = importlib.util.spec_from_file_location("parallel_memory", ROOT / "bench" / "parallel_memory.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    table = tmp_path / "table.json"
+    assert bench.main(["--arch", "timm:test_resnet", "--image-size", "32", "--gpus", "2,4", "--json", str(table)]) == 0
+    rows = read_json(table)
+    assert [row["layout"] for row in rows] == ["DDP", "FSDP"] * 2
+    assert all(row["activation_bytes"] is None for row in rows)
+    assert rows[3]["parameter_bytes"] < rows[1]["parameter_bytes"] < rows[0]["parameter_bytes"]
+    assert "timm:test_resnet has no tensor-parallel plan in dlojz" in capsys.readouterr().out
