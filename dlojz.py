@@ -467,10 +467,8 @@ def evaluate(
     # One all-reduce and one wait for the device: the totals and the confusion counts (exact in float64) together.
     results = totals if confusion is None else torch.cat([totals, confusion.double()])
     with stop.collective("the validation's totals", ranks.enabled) if stop else contextlib.nullcontext():
-        if ranks.enabled:
-            dist.all_reduce(
-                results, group=ranks.data_group
-            )  # (every rank has a batch, hence the same length: build_loaders checks it)
+        if ranks.enabled:  # (every rank has a batch, hence the same length: build_loaders checks it)
+            dist.all_reduce(results, group=ranks.data_group)
         results = results.cpu()
     if stop is not None:
         stop.disarm()

@@ -137,10 +137,8 @@ def gather_predictions(predictions, ranks):
     mine = (index, labels, top5, probabilities)
     if not ranks.enabled:
         return mine
-    every = [None] * ranks.world_size
-    dist.all_gather_object(every, mine)  # once, at the end of --eval-only: a pickled copy is no cost
+    every = [None] * ranks.data_size  # (--tp: a tensor-parallel group's ranks predicted the same images)
+    dist.all_gather_object(every, mine, group=ranks.data_group)  # once, at --eval-only's end: no cost
     index, labels, top5, probabilities = (torch.cat(parts) for parts in zip(*every))
     order = index.argsort()
-    if ranks.data_size < ranks.world_size:  # --tp: the ranks of a tensor-parallel group predicted the same images
-        order = order[torch.cat([torch.tensor([True]), index[order][1:] != index[order][:-1]])]
     return index[order], labels[order], top5[order], probabilities[order]

@@ -59,27 +59,32 @@ def split_fused_qkv(module, state_dict, prefix, *_):
                 state_dict[f"{prefix}{part}.{name}"] = chunk
 
 
+def fused_name(key):
+    """(the fused parameter's name, which part) for a HeadShardedQKV part's parameter name, else (key, None)."""
+    stem, _, leaf = key.rpartition(".")
+    base, _, part = stem.rpartition(".")
+    if part in PARTS and base.endswith("attn.qkv"):
+        return f"{base}.{leaf}", part
+    return key, None
+
+
+def part_name(fused, part):
+    """The name of `part`'s parameter for the fused parameter's name `fused` (blocks.0.attn.qkv.weight, "k" ->
+    blocks.0.attn.qkv.k.weight)."""
+    base, _, leaf = fused.rpartition(".")
+    return f"{base}.{part}.{leaf}"
+
+
 def fused_state_dict(state: dict) -> dict:
     """`state` (full tensors) with each HeadShardedQKV's q, k and v fused into timm's `qkv` again, in order."""
     fused = {}
     for key, value in state.items():
-        stem, _, name = key.rpartition(".")
-        base, _, part = stem.rpartition(".")
-        if part in PARTS and base.endswith("attn.qkv") and f"{base}.q.{name}" in state:
-            if part == "q":
-                fused[f"{base}.{name}"] = torch.cat([state[f"{base}.{p}.{name}"] for p in PARTS])
-            continue
-        fused[key] = value
+        name, part = fused_name(key)
+        if part is None:
+            fused[key] = value
+        elif part == "q":
+            fused[name] = torch.cat([state[part_name(name, p)] for p in PARTS])
     return fused
-
-
-def fused_name(key):
-    """(the fused parameter's name, which part) for a HeadShardedQKV part's parameter name, else (key, None)."""
-    stem, _, name = key.rpartition(".")
-    base, _, part = stem.rpartition(".")
-    if part in PARTS and base.endswith("attn.qkv"):
-        return f"{base}.{name}", part
-    return key, None
 
 
 def fused_optimizer_state(state: dict) -> dict:
@@ -91,7 +96,7 @@ def fused_optimizer_state(state: dict) -> dict:
         if part is None:
             fused_state[key] = entries
         elif part == "q":
-            siblings = [state["state"][key.replace(".qkv.q.", f".qkv.{p}.")] for p in PARTS]
+            siblings = [state["state"][part_name(name, p)] for p in PARTS]
             fused_state[name] = {
                 entry: torch.cat([s[entry] for s in siblings]) if torch.is_tensor(value) and value.dim() else value
                 for entry, value in entries.items()

@@ -193,17 +193,24 @@ def test_a_sharded_checkpoint_evaluates_on_one_rank_and_consolidates(runs, tiny_
     assert_one_line_error(proc, "a sharded checkpoint (written with --fsdp): add --fsdp, or make one ordinary")
 
 
-def test_an_fsdp_run_stopped_mid_epoch_resumes_on_one_rank_to_the_same_weights(runs, tiny_data, tmp_path):
-    """Saved by 2 ranks x 8 images after a step or two, resumed by 1 process x 16: DCP reshards the model and the
-    optimizer, and the epoch goes on after the images already trained on."""
-    out = tmp_path / "run"
-    rank0, rank1 = start_ranks([*BASE, "--data-root", tiny_data, "-b", "8", "--fsdp", "--output-dir", out])
+def stopped_mid_epoch(args, out):
+    """Two ranks of a sharded run (`args`) into `out`, Slurm's warning (SIGUSR1) to rank 0 once step 1 is logged:
+    both exit 0 and the newest checkpoint is a sharded one, mid-epoch. Returns it."""
+    rank0, rank1 = start_ranks([*args, "--output-dir", out])
     early = wait_for_line(rank0, "Epoch 1/1, Step 1/5")
     rank0.send_signal(signal.SIGUSR1)
     log = early + rank0.communicate(timeout=300)[0] + rank1.communicate(timeout=300)[0]
     assert rank0.returncode == 0 and rank1.returncode == 0, log
     stopped = ckpt.load_latest(out)[0]
     assert stopped["sharded_path"].endswith(".dcp") and 1 <= stopped["batch"] < 5, log
+    return stopped
+
+
+def test_an_fsdp_run_stopped_mid_epoch_resumes_on_one_rank_to_the_same_weights(runs, tiny_data, tmp_path):
+    """Saved by 2 ranks x 8 images after a step or two, resumed by 1 process x 16: DCP reshards the model and the
+    optimizer, and the epoch goes on after the images already trained on."""
+    out = tmp_path / "run"
+    stopped = stopped_mid_epoch([*BASE, "--data-root", tiny_data, "-b", "8", "--fsdp"], out)
     shutil.copytree(out, tmp_path / "by8")
     proc = run_dlojz(*BASE, "--data-root", tiny_data, "-b", "16", "--fsdp", "--output-dir", out, "--resume", "auto")
     assert proc.returncode == 0, show(proc)

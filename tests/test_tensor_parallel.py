@@ -230,24 +230,13 @@ def test_a_tp_run_stopped_mid_epoch_resumes_in_2d_to_the_same_weights(runs, tiny
     """Saved by one tensor-parallel group of 2 ranks after a step or two (sharded, the TP layout inside), resumed by
     4 ranks in 2-D (2 groups x 8 images): DCP reshards model and optimizer across the layouts, the epoch goes on
     after the images already trained on, and the run ends on one process's weights."""
-    import signal
-
     from conftest import run_dlojz, show
-    from test_fsdp import BASE, assert_same_weights, weights
-    from test_resume import start_ranks, wait_for_line
-
-    import dlojz_lib.checkpoint as ckpt
+    from test_fsdp import BASE, assert_same_weights, stopped_mid_epoch, weights
 
     out = tmp_path / "run"
-    common = [*BASE, "--data-root", tiny_data, "--num-workers", "0", "--fsdp", "--tp", "2", "--output-dir", out]
-    rank0, rank1 = start_ranks([*common, "-b", "16"])
-    early = wait_for_line(rank0, "Epoch 1/1, Step 1/5")
-    rank0.send_signal(signal.SIGUSR1)
-    log = early + rank0.communicate(timeout=300)[0] + rank1.communicate(timeout=300)[0]
-    assert rank0.returncode == 0 and rank1.returncode == 0, log
-    stopped = ckpt.load_latest(out)[0]
-    assert stopped["sharded_path"].endswith(".dcp") and 1 <= stopped["batch"] < 5, log
-    proc = run_dlojz(*common, "-b", "8", "--resume", "auto", ranks=4)
+    common = [*BASE, "--data-root", tiny_data, "--num-workers", "0", "--fsdp", "--tp", "2"]
+    stopped_mid_epoch([*common, "-b", "16"], out)
+    proc = run_dlojz(*common, "-b", "8", "--output-dir", out, "--resume", "auto", ranks=4)
     assert proc.returncode == 0, show(proc)
     assert_same_weights(weights(out), weights(runs / "single"), atol=1e-5)
 
