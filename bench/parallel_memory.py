@@ -3,6 +3,7 @@ bytes each GPU sends per step, under DDP, FSDP and tensor parallelism with FSDP 
 device (no memory, no GPU: a 2.4 B-parameter model is read in seconds).
 
     python bench/parallel_memory.py                                        # timm's ViT-g/14, 8/16/32 GPUs, --tp 4
+    python bench/parallel_memory.py --arch timm:coatnet_7_224              # the course's CoAtNet-7 (2.4 B)
     python bench/parallel_memory.py --arch timm:vit_huge_patch14_224 --gpus 8,16 --tp 2,4 -b 32
     python bench/parallel_memory.py --arch timm:test_vit --image-size 32 --gpus 2,4 --tp 2 --json out.json
 
@@ -15,11 +16,12 @@ travels and for activations):
 - optimizer state: 1 float32 per parameter for SGD's momentum, 2 for AdamW, LAMB and Lion's... (its table's number);
 - activations (an estimate): Megatron-LM's count per transformer layer, s b h (34 + 5 a s / h) bytes at 16 bits, and
   with tensor parallelism s b h (10 + 24 / t + 5 a s / (h t)) (Korthikanti et al. 2022, "Reducing Activation
-  Recomputation in Large Transformer Models"), and with --sequence-parallel s b h (34 + 5 a s / h) / t, times the
-  layers, for the per-GPU batch;
+  Recomputation in Large Transformer Models"), and with --sequence-parallel s b h (34 + 5 a s / h) / t, summed over
+  the transformer blocks for the per-GPU batch; s is a block's tokens per image, and in the attention scores' term
+  the tokens each one attends to (a MaxViT block's window or grid cell); a CoAtNet's MBConv blocks are not counted;
 - sent per step (ring algorithms: an all-reduce sends 2 (n-1)/n of its buffer, an all-gather or a reduce-scatter
   (n-1)/n): DDP all-reduces the float32 gradients; FSDP all-gathers the parameters in the AMP dtype twice (forward and
-  backward) and reduce-scatters float32 gradients; TP all-reduces each layer's output activations twice in the
+  backward) and reduce-scatters float32 gradients; TP all-reduces each block's output activations twice in the
   forward and twice in the backward, in the AMP dtype, within its group, and FSDP runs over the replicas on what the
   group's rank holds.
 """
@@ -95,29 +97,47 @@ def local_numel(shape, kind, tp, replicas):
     return math.prod(shape)
 
 
-def transformer_shape(module, image_size):
-    """(layers, tokens, width, heads) of a ViT."""
+def attention_shapes(module, image_size):
+    """(tokens per image, tokens each one attends to, attention width, heads) of every block of the plan, read from a
+    forward of the meta model: a ViT's tokens all attend to each other, a CoAtNet block's map too (NCHW), a MaxViT
+    block's attend within a window or a grid cell (its input: images x windows, tokens, channels)."""
+    import torch
+
     from dlojz_lib.tensor_parallel import transformer_blocks
 
-    blocks = transformer_blocks(module)
-    width = blocks[0].attn.qkv.in_features
-    patch = module.patch_embed
-    tokens = (image_size // patch.patch_size[0]) * (image_size // patch.patch_size[1]) + module.num_prefix_tokens
-    return len(blocks), tokens, width, blocks[0].attn.num_heads
+    shapes = []
+
+    def record(attn, inputs):
+        x = inputs[0]
+        if x.dim() == 4:
+            tokens = span = x.shape[2] * x.shape[3]
+        else:
+            tokens, span = x.shape[0] * x.shape[1], x.shape[1]  # one image: its windows' tokens
+        shapes.append((tokens, span, attn.qkv.weight.shape[0] // 3, attn.num_heads))
+
+    hooks = [block.attn.register_forward_pre_hook(record) for block in transformer_blocks(module)]
+    with torch.no_grad():
+        module.eval()(torch.empty(1, 3, image_size, image_size, device="meta"))
+    for hook in hooks:
+        hook.remove()
+    return shapes
 
 
 def rows(args):
     import torch
 
     from dlojz_lib.model import create_model
-    from dlojz_lib.tensor_parallel import transformer_blocks
+    from dlojz_lib.tensor_parallel import is_vit_block, transformer_blocks
 
     with torch.device("meta"):
         module = create_model(args.arch, args.num_classes, False, args.image_size)
-    planned = bool(transformer_blocks(module))  # a model without a plan: DDP's and FSDP's rows only
+    blocks = transformer_blocks(module)
+    planned = bool(blocks)  # a model without a plan: DDP's and FSDP's rows only
+    if args.sequence_parallel and not all(is_vit_block(block) for block in blocks):
+        sys.exit(f"--sequence-parallel: {args.arch} has no sequence-parallel plan (ViT's tokens only): drop it")
     params = layout(module)
     total = sum(math.prod(shape) for shape, _ in params)
-    layers, s, h, a = transformer_shape(module, args.image_size) if planned else (0, 0, 0, 0)
+    shapes = attention_shapes(module, args.image_size) if planned else []
     state = STATE_PER_PARAMETER[args.optimizer]
     out = []
     for gpus in args.gpus:
@@ -134,22 +154,25 @@ def rows(args):
                 local = sum(local_numel(shape, kind, tp, replicas) for shape, kind in params)
             b = args.batch_size
             if not planned:  # Megatron-LM's count is a transformer's
-                per_layer = None
-            elif tp == 1:
-                per_layer = s * b * h * (34 + 5 * a * s / h)
-            elif args.sequence_parallel:  # the norms' and dropouts' activations split too
-                per_layer = s * b * h * (34 + 5 * a * s / h) / tp
-            else:
-                per_layer = s * b * h * (10 + 24 / tp + 5 * a * s / (h * tp))
-            activations = None if per_layer is None else layers * per_layer * args.amp_bytes / 2  # (16 bits)
+                activations = None
+            else:  # per block: s b h (34 + 5 a s / h) at 16 bits, s the tokens and, in the scores, those attended to
+                activations = 0
+                for tokens, span, h, a in shapes:
+                    if tp == 1:
+                        per_layer = tokens * b * h * (34 + 5 * a * span / h)
+                    elif args.sequence_parallel:  # the norms' and dropouts' activations split too
+                        per_layer = tokens * b * h * (34 + 5 * a * span / h) / tp
+                    else:
+                        per_layer = tokens * b * h * (10 + 24 / tp + 5 * a * span / (h * tp))
+                    activations += per_layer * args.amp_bytes / 2
             if name == "DDP":
                 sent = 2 * (gpus - 1) / gpus * 4 * total
             else:
                 held = sum(local_numel(shape, kind, tp, 1) for shape, kind in params)  # the group rank's part
                 n = replicas
                 sent = (n - 1) / n * held * (2 * args.amp_bytes + 4)  # 2 all-gathers + 1 reduce-scatter
-                if tp > 1:
-                    sent += layers * 4 * 2 * (tp - 1) / tp * s * b * h * args.amp_bytes
+                if tp > 1:  # 4 all-reduces of each block's output a step
+                    sent += sum(4 * 2 * (tp - 1) / tp * tokens * b * h * args.amp_bytes for tokens, _, h, _ in shapes)
             out.append(
                 dict(
                     gpus=gpus,

@@ -119,6 +119,7 @@ def check_arch(arch):
         import timm
     except ImportError as err:
         fail(f"--arch {arch} needs timm, which does not import here ({err}): pip install timm")
+    register_coatnet_7()
     name = arch[len("timm:") :]
     if name not in timm.list_models():
         import difflib
@@ -132,6 +133,30 @@ def check_arch(arch):
                 else " (python -c 'import timm; print(timm.list_models())')"
             )
         )
+
+
+def register_coatnet_7():
+    """timm:coatnet_7_224, the course's day-4 model, in timm's registry (random weights only): CoAtNet-7 (Dai et
+    al. 2021, 2.44 B parameters) as timm's four-stage MaxxVit builds CoAtNets, with the paper's widths: a 192-wide
+    stem, 8 MBConv blocks 1024 wide, its 42 transformer blocks 2048 wide at 1/16 of the image, then 2 at 3072; 2.43 B
+    parameters. timm halves the map at every stage, so the paper's 8 MBConv blocks run at 1/8 of the image here and
+    its 4 at 512 are left out."""
+    import timm
+    from timm.models import register_model
+
+    if "coatnet_7_224" in timm.list_models():
+        return
+
+    def coatnet_7_224(pretrained=False, pretrained_cfg=None, pretrained_cfg_overlay=None, cache_dir=None, **kwargs):
+        from timm.models.maxxvit import MaxxVit, MaxxVitCfg
+
+        if pretrained:
+            raise ValueError("timm:coatnet_7_224 has no published weights")
+        layout = MaxxVitCfg(embed_dim=(256, 1024, 2048, 3072), depths=(2, 8, 42, 2), stem_width=192,
+                            head_hidden_size=3072)  # fmt: skip
+        return MaxxVit(layout, **kwargs)
+
+    register_model(coatnet_7_224)
 
 
 def create_timm_model(arch, num_classes, zero_init_residual, image_size, drop_path=None):

@@ -1,14 +1,22 @@
 """Tensor parallelism (Megatron-LM's layout) on PyTorch's DTensor: each of the N ranks of a tensor group holds a
 slice of every transformer block's weights and computes a slice of each of its matrix products.
 
-The plan, per block of timm's ViT family (`Block`: `attn.qkv`, `attn.proj`, `mlp.fc1`, `mlp.fc2`):
+The plan, per transformer block: timm's ViT family (`Block`: `attn.qkv`, `attn.proj`, `mlp.fc1`, `mlp.fc2`) and the
+transformer blocks of timm's CoAtNet/MaxViT family (`TransformerBlock2d`, `PartitionAttentionCl`/`2d`: the same four
+projections, as Linear layers or as 1x1 convolutions over NCHW maps):
 - attention: q, k and v column-wise, so that each rank holds whole heads and computes them alone, then the output
-  projection row-wise (its partial sums all-reduced). timm fuses q, k and v in one `qkv` projection, whose weight is
-  [q; k; v]: a column-wise split of it would give rank 0 all of q and half of k. `HeadShardedQKV` holds the three
-  apart instead, and reads a fused `qkv` from a checkpoint or published weights;
+  projection row-wise (its partial sums all-reduced). timm's ViT fuses q, k and v in one `qkv` projection whose
+  weight is [q; k; v]: a column-wise split of it would give rank 0 all of q and half of k. `HeadShardedQKV` holds
+  the three apart instead, and reads a fused `qkv` from a checkpoint or published weights. CoAtNet's and MaxViT's
+  `qkv` is laid out head by head ([q, k, v] of head 0, then head 1...: timm's head_first): split as it is, each rank
+  gets whole heads; the TensorFlow ports' (head_first False) are held apart as ViT's;
+- a relative position bias (CoAtNet, MaxViT): computed whole on each rank (a table of a few thousand numbers per
+  head), each rank adding its own heads' slice; its gradient gathered over the group, so the table trains whole;
 - MLP: fc1 column-wise, fc2 row-wise (one all-reduce);
-- the norms, the patch embedding, the class token and position embedding, the head: replicated. They are small next to
-  the blocks, their input is the same on every rank of the group, and so are their gradients.
+- a 1x1 convolution becomes `Pointwise`, a Linear layer over the channels of the NCHW map with the convolution's
+  weight (same name, same shape: checkpoints and published weights are timm's), which PyTorch's styles split;
+- the norms, the stems, patch embeddings, position embeddings, the MBConv blocks, the head: replicated. They are small
+  next to the transformer blocks, their input is the same on every rank of the group, and so are their gradients.
 Each block costs two all-reduces of its activations in the forward, and two in the backward.
 
 - `parallelize(module, tp_mesh)`: the plan applied in place; a model without one, or whose heads or MLP width do not
@@ -23,20 +31,68 @@ from torch import nn
 
 from dlojz_lib.checks import UserError
 
-FAMILIES = "timm's ViT family (timm:vit_*, timm:deit_*, timm:test_vit ...)"
+FAMILIES = (
+    "timm's ViT family (timm:vit_*, timm:deit_*, timm:test_vit ...) and CoAtNet/MaxViT family (timm:coatnet_*, "
+    "timm:maxvit_*, timm:coatnet_7_224 ...)"
+)
 PARTS = ("q", "k", "v")
 
 
+class Pointwise(nn.Linear):
+    """A 1x1 convolution of an NCHW map as a Linear layer over its pixels' channels, keeping the convolution's weight
+    ([out, in, 1, 1]: the same state dict), so that PyTorch's column- and row-wise styles, which take Linear layers,
+    split it as they split a Linear's last dimension. The map turns channels-last before every other forward
+    pre-hook (the styles' read their input as a Linear's), and back after every other forward hook
+    (`hooks_last()`, once a style has added its own)."""
+
+    def __init__(self, conv: nn.Conv2d):
+        nn.Module.__init__(self)
+        pointwise = conv.kernel_size == (1, 1) and conv.stride == (1, 1) and conv.groups == 1
+        if not pointwise or conv.padding not in ((0, 0), "valid"):
+            raise ValueError(f"not a pointwise convolution: {conv}")
+        self.in_features, self.out_features = conv.in_channels, conv.out_channels
+        self.weight = conv.weight
+        self.register_parameter("bias", conv.bias)
+        self.register_forward_pre_hook(channels_last_input, prepend=True)
+        self.output_hook = self.register_forward_hook(channels_first_output)
+
+    def forward(self, x):
+        return nn.functional.linear(x, self.weight.squeeze(3).squeeze(2), self.bias)
+
+    def hooks_last(self):
+        self._forward_hooks.move_to_end(self.output_hook.id)
+
+
+def channels_last_input(module, inputs):
+    # contiguous: a matrix of pixels (DTensor's matrix product views it so); free for a channels-last map
+    return (inputs[0].movedim(1, -1).contiguous(),)
+
+
+def channels_first_output(module, inputs, output):
+    return output.movedim(-1, 1)
+
+
+def channel_dim(layer):
+    """Where a layer's output channels are: 1 for a Pointwise (NCHW), the last dimension for a Linear."""
+    return 1 if isinstance(layer, Pointwise) else -1
+
+
 class HeadShardedQKV(nn.Module):
-    """timm's fused `qkv` projection as three (q, k, v), whose outputs are concatenated as the fused one's: split
-    column-wise, each rank's concatenation is its own heads' [q; k; v], which timm's Attention.forward reshapes as it
-    does the whole. A state dict with the fused `qkv.weight` (and bias) loads into it."""
+    """A fused `qkv` projection laid out [q; k; v] (timm's ViT, the TensorFlow ports of MaxViT) as three (q, k, v),
+    whose outputs are concatenated as the fused one's: split column-wise, each rank's concatenation is its own heads'
+    [q; k; v], which the attention's forward reshapes as it does the whole. A state dict with the fused
+    `qkv.weight` (and bias) loads into it."""
 
     def __init__(self, qkv: nn.Linear):
         super().__init__()
         width, bias = qkv.out_features // 3, qkv.bias is not None
         like = dict(device=qkv.weight.device, dtype=qkv.weight.dtype)
-        self.q, self.k, self.v = (nn.Linear(qkv.in_features, width, bias=bias, **like) for _ in PARTS)
+        if isinstance(qkv, Pointwise):
+            parts = (Pointwise(nn.Conv2d(qkv.in_features, width, 1, bias=bias, **like)) for _ in PARTS)
+        else:
+            parts = (nn.Linear(qkv.in_features, width, bias=bias, **like) for _ in PARTS)
+        self.q, self.k, self.v = parts
+        self.dim = channel_dim(qkv)
         with torch.no_grad():
             for name in ("weight", "bias") if bias else ("weight",):
                 for part, chunk in zip(self.parts(), getattr(qkv, name).chunk(3)):
@@ -47,7 +103,7 @@ class HeadShardedQKV(nn.Module):
         return self.q, self.k, self.v
 
     def forward(self, x):
-        return torch.cat([part(x) for part in self.parts()], dim=-1)
+        return torch.cat([part(x) for part in self.parts()], dim=self.dim)
 
 
 def split_fused_qkv(module, state_dict, prefix, *_):
@@ -108,29 +164,52 @@ def fused_optimizer_state(state: dict) -> dict:
     return {"state": fused_state, "param_groups": groups}
 
 
-def transformer_blocks(module):
-    """The blocks the plan knows: timm's ViT `Block`s (a plain `Attention` and a plain `Mlp`)."""
-    from timm.layers import Attention, Mlp
+def attention_classes():
+    """timm's attention and MLP classes the plan knows: ViT's, and CoAtNet's/MaxViT's (NCHW and channels-last)."""
+    from timm.layers import Attention, ConvMlp, Mlp
+    from timm.models.maxxvit import Attention2d, AttentionCl
 
+    return (Attention, Attention2d, AttentionCl), (Mlp, ConvMlp)
+
+
+def transformer_blocks(module):
+    """The blocks the plan knows: a plain timm attention (`attn`) beside a plain timm MLP (`mlp`)."""
+    attentions, mlps = attention_classes()
     return [
         block
         for block in module.modules()
-        if type(getattr(block, "attn", None)) is Attention and type(getattr(block, "mlp", None)) is Mlp
+        if type(getattr(block, "attn", None)) in attentions and type(getattr(block, "mlp", None)) in mlps
     ]
+
+
+def is_vit_block(block):
+    from timm.layers import Attention
+
+    return type(block.attn) is Attention
 
 
 def check_splittable(block, n, arch):
     attn, mlp = block.attn, block.mlp
-    if not isinstance(attn.norm, nn.Identity) or getattr(attn, "gate", None) is not None:
-        raise UserError(f"--tp: {arch}'s attention normalises or gates its heads together, which --tp does not split")
-    if not isinstance(mlp.norm, nn.Identity):
+    if is_vit_block(block):
+        if not isinstance(attn.norm, nn.Identity) or getattr(attn, "gate", None) is not None:
+            raise UserError(
+                f"--tp: {arch}'s attention normalises or gates its heads together, which --tp does not split"
+            )
+        if not hasattr(attn, "attn_dim"):  # older timm reshapes the heads' output to the input's width
+            raise UserError(
+                "--tp: this timm's Attention has no attn_dim to give each rank its heads: install a newer timm"
+            )
+    if not isinstance(getattr(mlp, "norm", nn.Identity()), nn.Identity):
         raise UserError(f"--tp: {arch}'s MLP normalises its hidden layer as a whole, which --tp does not split")
-    if not hasattr(attn, "attn_dim"):  # older timm reshapes the heads' output to the input's width
-        raise UserError("--tp: this timm's Attention has no attn_dim to give each rank its heads: install a newer timm")
     if attn.num_heads % n:
-        raise UserError(f"--tp {n}: {arch} has {attn.num_heads} heads per block; give a --tp that divides it")
-    if mlp.fc1.out_features % n:
-        raise UserError(f"--tp {n}: {arch}'s MLP is {mlp.fc1.out_features} wide; give a --tp that divides it")
+        raise UserError(f"--tp {n}: {arch} has {attn.num_heads} heads in a block; give a --tp that divides it")
+    if hidden_width(mlp) % n:
+        raise UserError(f"--tp {n}: {arch}'s MLP is {hidden_width(mlp)} wide; give a --tp that divides it")
+
+
+def hidden_width(mlp):
+    fc1 = mlp.fc1
+    return fc1.out_channels if isinstance(fc1, nn.Conv2d) else fc1.out_features
 
 
 def sequence_length(module):
@@ -150,8 +229,8 @@ def block_plan(block, sequence_parallel):
         SequenceParallel,
     )
 
-    plan = {f"attn.qkv.{part}": ColwiseParallel() for part in PARTS}
-    plan["mlp.fc1"] = ColwiseParallel()
+    qkv = [f"attn.qkv.{part}" for part in PARTS] if isinstance(block.attn.qkv, HeadShardedQKV) else ["attn.qkv"]
+    plan = {name: ColwiseParallel() for name in (*qkv, "mlp.fc1")}
     if not sequence_parallel:
         return {**plan, "attn.proj": RowwiseParallel(), "mlp.fc2": RowwiseParallel()}
     gather = dict(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True)
@@ -169,9 +248,33 @@ def block_plan(block, sequence_parallel):
     return plan
 
 
+def pointwise_layers(block):
+    """A CoAtNet block's 1x1 convolutions as Pointwise layers, in place."""
+    for owner, name in ((block.attn, "qkv"), (block.attn, "proj"), (block.mlp, "fc1"), (block.mlp, "fc2")):
+        layer = getattr(owner, name)
+        if isinstance(layer, nn.Conv2d):
+            setattr(owner, name, Pointwise(layer))
+
+
+def heads_of_this_rank(rel_pos, tp_mesh):
+    """`rel_pos`'s bias (every head's: [1,] heads, tokens, tokens) cut to this rank's heads. The cut is a DTensor
+    redistribution (replicated to sharded on the heads), whose backward gathers the heads' gradients: the table,
+    replicated, gets its whole gradient on every rank, as the norms do."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    whole = rel_pos.get_bias
+
+    def get_bias():
+        bias = whole()
+        replicated = DTensor.from_local(bias, tp_mesh, [Replicate()], run_check=False)
+        return replicated.redistribute(tp_mesh, [Shard(bias.dim() - 3)]).to_local()
+
+    rel_pos.get_bias = get_bias  # what the attention's forward and rel_pos's own forward call
+
+
 def parallelize(module, tp_mesh, arch="this model", sequence_parallel=False) -> int:
     """The plan above applied to `module` in place over `tp_mesh` (a 1-D DeviceMesh, or the tensor dimension of a
-    2-D one). `sequence_parallel`: between the blocks' matrix products the tokens are split over the group too
+    2-D one). `sequence_parallel` (ViT): between the blocks' matrix products the tokens are split over the group too
     (the norms, residuals and dropouts on 1/N of them; all-gather and reduce-scatter instead of all-reduce: the same
     volume, 1/N of the activations). Returns the number of blocks parallelised."""
     from torch.distributed.tensor import Replicate, Shard
@@ -183,6 +286,11 @@ def parallelize(module, tp_mesh, arch="this model", sequence_parallel=False) -> 
     n = tp_mesh.size()
     for block in blocks:
         check_splittable(block, n, arch)
+    if sequence_parallel and not all(is_vit_block(block) for block in blocks):
+        raise UserError(
+            f"--sequence-parallel: {arch}'s attention runs on windows or NCHW maps, whose tokens --sequence-parallel "
+            "does not split (ViT's do): drop --sequence-parallel"
+        )
     if sequence_parallel and sequence_length(module) % n:
         raise UserError(
             f"--sequence-parallel: {arch} sees {sequence_length(module)} tokens at this image size, which do not "
@@ -190,11 +298,19 @@ def parallelize(module, tp_mesh, arch="this model", sequence_parallel=False) -> 
         )
     for block in blocks:
         attn = block.attn
-        attn.qkv = HeadShardedQKV(attn.qkv)
+        pointwise_layers(block)
+        if is_vit_block(block) or not attn.head_first:  # [q; k; v]: held apart to split by heads
+            attn.qkv = HeadShardedQKV(attn.qkv)
         parallelize_module(block, tp_mesh, block_plan(block, sequence_parallel))
+        for layer in block.modules():
+            if isinstance(layer, Pointwise):
+                layer.hooks_last()
         # timm's forward reshapes with these: this rank's heads only
         attn.num_heads //= n
-        attn.attn_dim //= n
+        if is_vit_block(block):
+            attn.attn_dim //= n
+        if getattr(attn, "rel_pos", None) is not None:
+            heads_of_this_rank(attn.rel_pos, tp_mesh)
     if sequence_parallel:  # the tokens split before the first block, gathered after the last
         parallelize_module(
             blocks[0],

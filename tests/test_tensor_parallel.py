@@ -1,5 +1,6 @@
-"""Tensor parallelism's plan (dlojz_lib/tensor_parallel.py) on 2 gloo processes: the parallelised tiny ViT gives
-the single-process model's outputs, gradients and step, and its state dict fused back is an ordinary model's."""
+"""Tensor parallelism's plan (dlojz_lib/tensor_parallel.py) on 2 gloo processes: the parallelised tiny ViT, CoAtNet
+and MaxViT give the single-process model's outputs, gradients and step, and their state dicts fused back are an
+ordinary model's."""
 
 import multiprocessing
 import traceback
@@ -9,9 +10,30 @@ import torch
 
 from dlojz_lib.checks import UserError
 from dlojz_lib.model import create_model
-from dlojz_lib.tensor_parallel import HeadShardedQKV, fused_state_dict, parallelize
+from dlojz_lib.tensor_parallel import HeadShardedQKV, Pointwise, fused_state_dict, parallelize
 
 ARCH = "timm:test_vit"  # 6 blocks, 2 heads of 32, MLP 192 wide
+# timm's CoAtNet and MaxViT at 64 px with heads in pairs (timm's test_coatnet and test_maxvit have odd counts):
+TINY = {
+    # 3 transformer blocks on NCHW maps (1x1 convolutions, qkv head by head, a relative position bias), 2 or 4 heads
+    "coatnet": ("coatnet_pico_rw_224", dict(embed_dim=(16, 32, 64, 64), depths=(1, 1, 2, 1), stem_width=(8, 16),
+                                            transformer_dim_head=16)),
+    # 8 channels-last blocks on windows and grid cells, TensorFlow's [q; k; v] layout and bias, 2 or 4 heads
+    "maxvit_tf": ("maxvit_tiny_tf_224", dict(embed_dim=(16, 32, 32, 32), depths=(1, 1, 1, 1), stem_width=16,
+                                             transformer_dim_head=8)),
+}  # fmt: skip
+BLOCKS = {"vit": 6, "coatnet": 3, "maxvit_tf": 8}
+SPLIT = {"vit": 10, "coatnet": 6, "maxvit_tf": 10}  # a block's split parameters: q, k, v (or qkv), fc1 (and their
+# biases), proj and fc2 (their biases replicated)
+
+
+def tiny_model(kind, size):
+    import timm
+
+    if kind == "vit":
+        return create_model(ARCH, 3, False, size)
+    name, layout = TINY[kind]
+    return timm.create_model(name, img_size=size, num_classes=3, **layout)
 
 
 def full(tensor):
@@ -20,19 +42,19 @@ def full(tensor):
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
-def compare_on_rank(rank, world, store_path, failures, size=32, sequence_parallel=False):
-    """One rank: the same model and batch as one process, parallelised over `world` ranks, one SGD step."""
+def compare_on_rank(rank, world, store_path, failures, kind="vit", size=32, sequence_parallel=False):
+    """One rank: the same model and batch as one process, parallelised over `world` ranks, two SGD steps."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
 
     try:
         torch.set_num_threads(1)
         dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
         torch.manual_seed(0)
-        reference = create_model(ARCH, 3, False, size)
-        parallel = create_model(ARCH, 3, False, size)
+        reference, parallel = tiny_model(kind, size), tiny_model(kind, size)
         parallel.load_state_dict(reference.state_dict())  # a fused qkv read into the three parts below
-        assert parallelize(parallel, init_device_mesh("cpu", (world,)), ARCH, sequence_parallel) == 6
+        assert parallelize(parallel, init_device_mesh("cpu", (world,)), kind, sequence_parallel) == BLOCKS[kind]
         images, labels = torch.randn(4, 3, size, size), torch.tensor([0, 1, 2, 1])
         optimizers = [torch.optim.SGD(m.parameters(), lr=0.5, momentum=0.9) for m in (reference, parallel)]
         for model, optimizer in zip((reference, parallel), optimizers):
@@ -43,8 +65,9 @@ def compare_on_rank(rank, world, store_path, failures, size=32, sequence_paralle
                 optimizer.step()
             model.outputs = model(images).detach()
         torch.testing.assert_close(parallel.outputs, reference.outputs, rtol=1e-4, atol=1e-5)
-        local = parallel.blocks[0].attn.qkv.q.weight.to_local()
-        assert local.shape == (64 // world, 64) and parallel.blocks[0].attn.num_heads == 2 // world
+        split = [p for p in parallel.parameters() if isinstance(p, DTensor) and p.placements[0].is_shard()]
+        assert all(p.to_local().numel() * world == p.numel() for p in split)
+        assert len(split) == BLOCKS[kind] * SPLIT[kind]
         state = fused_state_dict({key: full(value) for key, value in parallel.state_dict().items()})
         expected = reference.state_dict()
         assert state.keys() == expected.keys()
@@ -55,17 +78,22 @@ def compare_on_rank(rank, world, store_path, failures, size=32, sequence_paralle
         failures.put(f"rank {rank}: {traceback.format_exc()}")
 
 
-@pytest.mark.parametrize("size, sequence_parallel", [(32, False), (48, True)])
-def test_the_parallel_vit_trains_as_one_process(tmp_path, size, sequence_parallel):
-    """2 ranks (1 head each): after two SGD steps with momentum the outputs are the single process's (float32 sums in
-    another order: 1e-5), and the fused state dict is an ordinary model's, key for key. With sequence parallelism
-    (48 px: 9 patches and the class token, 5 tokens a rank) the norms' gradients come from each rank's tokens and are
-    summed over the group: a norm left out of the plan would train on half of them."""
+@pytest.mark.parametrize(
+    "kind, size, sequence_parallel",
+    [("vit", 32, False), ("vit", 48, True), ("coatnet", 64, False), ("maxvit_tf", 64, False)],
+)
+def test_the_parallel_model_trains_as_one_process(tmp_path, kind, size, sequence_parallel):
+    """2 ranks (half the heads each): after two SGD steps with momentum the outputs are the single process's
+    (float32 sums in another order: 1e-5), and the fused state dict is an ordinary model's, key for key. With
+    sequence parallelism (48 px: 9 patches and the class token, 5 tokens a rank) the norms' gradients come from each
+    rank's tokens and are summed over the group: a norm left out of the plan would train on half of them. CoAtNet and
+    MaxViT: each rank adds its heads' slice of the relative position bias, whose table gets every head's gradient (a
+    table trained on one rank's heads would part from the single process's)."""
     context = multiprocessing.get_context("spawn")
     failures = context.Queue()
     workers = [
         context.Process(
-            target=compare_on_rank, args=(rank, 2, str(tmp_path / "store"), failures, size, sequence_parallel)
+            target=compare_on_rank, args=(rank, 2, str(tmp_path / "store"), failures, kind, size, sequence_parallel)
         )
         for rank in range(2)
     ]
@@ -96,11 +124,27 @@ def test_the_fused_qkv_loads_and_the_parts_fuse_back():
     torch.testing.assert_close(fused["attn.qkv.weight"], qkv.weight)
 
 
+def test_a_pointwise_convolution_is_a_linear_layer_with_its_weight():
+    """Pointwise: a 1x1 convolution's output from an NCHW map (and a channels-last one), with the convolution's own
+    parameters (its state dict's names and shapes); held apart by HeadShardedQKV, the same output."""
+    torch.manual_seed(0)
+    conv = torch.nn.Conv2d(8, 12, 1)
+    layer = Pointwise(conv)
+    assert {k: v.shape for k, v in layer.state_dict().items()} == {k: v.shape for k, v in conv.state_dict().items()}
+    x = torch.randn(2, 8, 3, 5)
+    for image in (x, x.contiguous(memory_format=torch.channels_last)):
+        torch.testing.assert_close(layer(image), conv(image))
+    torch.testing.assert_close(HeadShardedQKV(Pointwise(conv))(x), conv(x))
+    with pytest.raises(ValueError):
+        Pointwise(torch.nn.Conv2d(8, 12, 3))
+
+
 @pytest.mark.parametrize(
     "arch, tp, fragment",
     [
         ("resnet18", 2, "--tp: --arch resnet18 has no tensor-parallel plan here: timm's ViT family"),
-        (ARCH, 4, "--tp 4: timm:test_vit has 2 heads per block; give a --tp that divides it"),
+        (ARCH, 4, "--tp 4: timm:test_vit has 2 heads in a block; give a --tp that divides it"),
+        ("timm:test_coatnet", 2, "--tp 2: timm:test_coatnet has 3 heads in a block; give a --tp that divides it"),
     ],
 )
 def test_a_model_the_plan_cannot_split_is_one_line(arch, tp, fragment):
@@ -200,13 +244,9 @@ def test_the_day_4_table_gives_the_bytes_a_run_measures(runs, tmp_path):
     """bench/parallel_memory.py's parameter, gradient and optimizer bytes per rank for TP 2 (2 ranks) and TP 2 x
     FSDP 2 (4 ranks) are what those runs measured (the metrics JSON's *_bytes_per_rank), to the byte; FSDP's and
     DDP's rows follow their rule (a half, a whole)."""
-    import importlib.util
+    from conftest import read_json
 
-    from conftest import ROOT, read_json
-
-    spec = importlib.util.spec_from_file_location("parallel_memory", ROOT / "bench" / "parallel_memory.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = parallel_memory()
     table = tmp_path / "table.json"
     argv = ["--arch", ARCH, "--image-size", "32", "--num-classes", "3", "--gpus", "2,4", "--tp", "2", "--optimizer",
             "sgd", "-b", "8", "--json", str(table)]  # fmt: skip
@@ -292,16 +332,52 @@ def test_what_sequence_parallel_cannot_do_is_one_line(flags, ranks, fragment, ti
     assert_one_line_error(proc, fragment)
 
 
-def test_the_table_of_a_model_without_a_plan_has_ddp_and_fsdp_only(tmp_path, capsys):
-    """A CoAtNet-class model (here timm's test_resnet, small): DDP's and FSDP's state per GPU, no TP row, no
-    activation estimate (Megatron-LM's count is a transformer's), and a line saying which models have a plan."""
+def test_sequence_parallelism_on_windows_or_maps_is_one_line():
+    """--sequence-parallel splits a ViT's tokens; a CoAtNet's attention on NCHW maps is refused before any change."""
+
+    class Mesh:
+        def size(self):
+            return 2
+
+    with pytest.raises(UserError) as err:
+        parallelize(tiny_model("coatnet", 64), Mesh(), "coatnet", sequence_parallel=True)
+    assert "--sequence-parallel: coatnet's attention runs on windows or NCHW maps" in str(err.value)
+
+
+def parallel_memory():
     import importlib.util
 
-    from conftest import ROOT, read_json
+    from conftest import ROOT
 
     spec = importlib.util.spec_from_file_location("parallel_memory", ROOT / "bench" / "parallel_memory.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
+    return bench
+
+
+def test_the_table_of_the_course_coatnet_7_has_its_tp_rows(tmp_path, capsys):
+    """The course's CoAtNet-7 (timm:coatnet_7_224, 2.43 B parameters, on the meta device) has a TP 4 x FSDP 2 row on
+    8 GPUs: its state a little above FSDP's over 8 (the MBConv blocks, stem and head sharded over 2 replicas only),
+    its activations (the transformer blocks' estimate) and the bytes it sends below FSDP's."""
+    from conftest import read_json
+
+    table = tmp_path / "table.json"
+    assert parallel_memory().main(["--arch", "timm:coatnet_7_224", "--gpus", "8", "--json", str(table)]) == 0
+    rows = {row["layout"]: row for row in read_json(table)}
+    assert set(rows) == {"DDP", "FSDP", "TP 4 x FSDP 2"}
+    assert 2.40e9 < rows["DDP"]["parameters"] < 2.45e9
+    tp, fsdp = rows["TP 4 x FSDP 2"], rows["FSDP"]
+    assert fsdp["parameter_bytes"] < tp["parameter_bytes"] < 1.25 * fsdp["parameter_bytes"]  # the MBConv replicated
+    assert tp["activation_bytes"] < fsdp["activation_bytes"] and tp["sent_bytes_per_step"] < fsdp["sent_bytes_per_step"]
+    assert "no tensor-parallel plan" not in capsys.readouterr().out
+
+
+def test_the_table_of_a_model_without_a_plan_has_ddp_and_fsdp_only(tmp_path, capsys):
+    """A convolutional model (timm's test_resnet): DDP's and FSDP's state per GPU, no TP row, no activation estimate
+    (Megatron-LM's count is a transformer's), and a line saying which models have a plan."""
+    from conftest import read_json
+
+    bench = parallel_memory()
     table = tmp_path / "table.json"
     assert bench.main(["--arch", "timm:test_resnet", "--image-size", "32", "--gpus", "2,4", "--json", str(table)]) == 0
     rows = read_json(table)
