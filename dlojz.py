@@ -181,7 +181,9 @@ def main(argv=None, resources=None) -> dict:
         return {}
     run.wandb_run = wandb_run = open_wandb(cfg, ranks, metrics, state)
     run.saver = make_saver(cfg, model, training, ranks)
-    profiler = make_profiler(cfg, Path(cfg.output_dir) / "profiler", ranks.rank, ranks.device) if cfg.prof else None
+    profiler = (
+        make_profiler(cfg, Path(cfg.output_dir) / "profiler", ranks.rank, ranks.device, log) if cfg.prof else None
+    )
     hooks = LoopHooks(chrono, profiler, training.lr_finder, ranks.enabled)  # chronometer, profiler, LR range test
     images_per_step = cfg.batch_size * ranks.data_size  # one micro-batch on every data replica
     progress = Progress(

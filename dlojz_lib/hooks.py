@@ -9,7 +9,10 @@ The loop calls the same few methods whatever is plugged in, so that it reads the
 
 - The chronometer (`dlojz_lib.chrono.Chronometer`) times data loading, forward (with the loss) and backward (with the
   optimizer step, as the course counts it); disabled, its toggles cost nothing.
-- The profiler (`make_profiler`) labels each phase with `record_function` and is stepped after each micro-batch.
+- The profiler (`make_profiler`) labels each phase with `record_function` and is stepped after each micro-batch;
+  once its steps are recorded it says how long each kind of collective took per step (`collective_times`): the part
+  of a step the chronometer's phases cannot tell apart from compute (FSDP's gathers, tensor parallelism's
+  all-reduces inside the forward and the backward).
 - The LR finder (`dlojz_lib.optim.schedules.LRFinder`) reads every optimizer step's loss (one host synchronisation per step: the
   range test needs it) and sets the next step's learning rate. Across ranks it reads the loss averaged over all of
   them (one all-reduce per step), so that every rank records the same curve and ends the sweep at the same step.
@@ -81,15 +84,69 @@ class LoopHooks:
             self.profiler.stop()
 
 
-def make_profiler(cfg, trace_dir, rank, device):
-    """torch.profiler over --prof-wait/--prof-warmup/--prof-active steps, traces for TensorBoard and Perfetto."""
+# Collectives as the profiler names them: NCCL's kernels on a GPU, c10d's operators on the host.
+COLLECTIVE_KINDS = {
+    "all_reduce": ("allreduce", "all_reduce"),
+    "all_gather": ("allgather", "all_gather"),
+    "reduce_scatter": ("reducescatter", "reduce_scatter"),
+    "broadcast": ("broadcast",),
+    "all_to_all": ("alltoall", "all_to_all"),
+    "send/recv": ("sendrecv", "send", "recv"),
+}
+FUNCTIONAL_WAIT = "_c10d_functional::wait_tensor"
+
+
+def collective_times(events, steps, on_gpu):
+    """Milliseconds per step spent in each kind of collective, from the profiler's `events` (key_averages) over
+    `steps` steps: on a GPU the NCCL kernels' time; on the host (gloo) c10d's operators' time, and apart ("waits")
+    the time spent waiting for the functional collectives that DTensor issues (tensor parallelism's all-reduces run
+    on gloo's own thread: the training thread's wait is what they cost it, late peers included)."""
+    times = {}
+    for event in events:
+        name = event.key.lower()
+        if on_gpu and name.startswith("nccl"):
+            spent = event.self_device_time_total
+        elif not on_gpu and name.startswith("c10d::"):
+            spent = event.cpu_time_total
+        elif not on_gpu and event.key == FUNCTIONAL_WAIT:
+            times["waits"] = times.get("waits", 0.0) + event.self_cpu_time_total / 1e3 / steps
+            continue
+        else:
+            continue
+        kind = next((k for k, names in COLLECTIVE_KINDS.items() if any(n in name for n in names)), "other")
+        times[kind] = times.get(kind, 0.0) + spent / 1e3 / steps
+    return times
+
+
+def collectives_line(profiler, steps, on_gpu):
+    """One line: each kind of collective's milliseconds per profiled step, beside the step's."""
+    events = profiler.key_averages()
+    step_ms = sum(e.cpu_time_total for e in events if e.key.startswith("ProfilerStep")) / 1e3 / steps
+    times = collective_times(events, steps, on_gpu)
+    if not times:
+        return f"profiler: no collectives in the {steps} profiled steps ({step_ms:.1f} ms a step)"
+    where = "NCCL kernels' GPU time" if on_gpu else "host time"
+    figures = ", ".join(f"{kind} {ms:.1f} ms" for kind, ms in sorted(times.items(), key=lambda item: -item[1]))
+    return f"profiler: collectives per step on rank 0 ({where}): {figures}; a step {step_ms:.1f} ms (host)"
+
+
+def make_profiler(cfg, trace_dir, rank, device, log=None):
+    """torch.profiler over --prof-wait/--prof-warmup/--prof-active steps, traces for TensorBoard and Perfetto; `log`
+    gets the collectives' line once the steps are recorded."""
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
+    write_trace = torch.profiler.tensorboard_trace_handler(str(trace_dir), worker_name=f"rank{rank}")
+
+    def trace_ready(profiler):
+        write_trace(profiler)
+        if log is not None:
+            log(collectives_line(profiler, cfg.prof_active, device.type == "cuda"))
+
     profiler = torch.profiler.profile(
         activities=activities,
         schedule=torch.profiler.schedule(wait=cfg.prof_wait, warmup=cfg.prof_warmup, active=cfg.prof_active, repeat=1),
-        on_trace_ready=torch.profiler.tensorboard_trace_handler(str(trace_dir), worker_name=f"rank{rank}"),
+        on_trace_ready=trace_ready,
     )
     profiler.start()
     return profiler

@@ -283,7 +283,8 @@ def test_a_tp_run_stopped_mid_epoch_resumes_in_2d_to_the_same_weights(runs, tiny
 
 def test_tp_trains_under_bfloat16_autocast_with_recomputed_activations(tiny_data, tmp_path):
     """--amp (bfloat16: FSDP gathers in it) and --grad-checkpointing with --tp: a --test run whose loss is finite,
-    the chronometer's report and the per-rank memory line written."""
+    the chronometer's report and the per-rank memory line written; under --prof, the profiler's line gives the time
+    in tensor parallelism's collectives (gloo: the training thread's waits for DTensor's all-reduces)."""
     import math
 
     from conftest import read_json, run_dlojz, show
@@ -291,12 +292,15 @@ def test_tp_trains_under_bfloat16_autocast_with_recomputed_activations(tiny_data
 
     metrics = tmp_path / "m.json"
     proc = run_dlojz(*BASE, "--data-root", tiny_data, "--num-workers", "0", "-b", "8", "--fsdp", "--tp", "2", "--amp",
-                     "--amp-dtype", "bfloat16", "--grad-checkpointing", "--test", "--test-nsteps", "3",
-                     "--output-dir", tmp_path / "run", "--metrics-json", metrics, ranks=2)  # fmt: skip
+                     "--amp-dtype", "bfloat16", "--grad-checkpointing", "--test", "--test-nsteps", "3", "--prof",
+                     "--prof-wait", "0", "--prof-active", "1", "--output-dir", tmp_path / "run",
+                     "--metrics-json", metrics, ranks=2)  # fmt: skip
     assert proc.returncode == 0, show(proc)
     result = read_json(metrics)
     assert result["compute_dtype"] == "bfloat16" and result["steps"] == 3 and math.isfinite(result["train_loss"])
     assert result["chrono"]["steps"] == 3 and "Model state per rank (TP 2 x FSDP 1" in proc.stdout
+    line = next(line for line in proc.stdout.splitlines() if line.startswith("profiler: "))
+    assert "collectives per step on rank 0 (host time): " in line and "waits " in line and "all_reduce " in line
 
 
 def test_sequence_parallel_trains_to_the_weights_of_one_process(tiny_data, tmp_path):

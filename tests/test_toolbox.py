@@ -68,6 +68,7 @@ def test_profiler_trace_has_the_labels(tiny_data, tmp_path):
     text = (gzip.decompress(raw) if traces[0].suffix == ".gz" else raw).decode()
     for name in ("data_loading", "forward", "loss", "backward", "optimizer_step"):
         assert f'"name": "{name}"' in text or f'"name":"{name}"' in text, name
+    assert "profiler: no collectives in the 2 profiled steps" in proc.stdout  # one process
 
 
 def test_optimizer_schedule_ema_and_scaling_rule(tiny_data, tmp_path):
@@ -184,3 +185,30 @@ def test_grad_checkpointing_reports_the_memory_it_saves(tiny_data, tmp_path):
     assert "--grad-checkpointing: activations kept for the backward" in proc.stdout
     # model FLOPs do not count the recomputation
     assert figures["ckpt"]["chrono"]["train_flops_per_image"] == figures["plain"]["chrono"]["train_flops_per_image"]
+
+
+def test_the_collectives_line_names_nccl_kernels_and_host_waits():
+    """collective_times on a GPU's events (NCCL kernels' device time, by kind) and on the host's (c10d's operators,
+    and DTensor's functional waits apart), per step; other events are not counted."""
+    from types import SimpleNamespace
+
+    from dlojz_lib.hooks import collective_times
+
+    def event(key, device_us=0.0, cpu_us=0.0, self_cpu_us=0.0):
+        return SimpleNamespace(
+            key=key, self_device_time_total=device_us, cpu_time_total=cpu_us, self_cpu_time_total=self_cpu_us
+        )
+
+    gpu = [
+        event("ncclDevKernel_AllGather_RING_LL", device_us=3000),
+        event("ncclDevKernel_ReduceScatter_Sum_f32_RING_LL", device_us=1000),
+        event("ncclDevKernel_AllReduce_Sum_bf16_RING_LL", device_us=4000),
+        event("aten::mm", device_us=9000),
+    ]
+    assert collective_times(gpu, 2, on_gpu=True) == {"all_gather": 1.5, "reduce_scatter": 0.5, "all_reduce": 2.0}
+    host = [
+        event("c10d::allreduce_", cpu_us=2000),
+        event("_c10d_functional::wait_tensor", self_cpu_us=6000),
+        event("aten::addmm", cpu_us=5000),
+    ]
+    assert collective_times(host, 2, on_gpu=False) == {"all_reduce": 1.0, "waits": 3.0}
