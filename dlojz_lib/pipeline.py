@@ -1,0 +1,267 @@
+"""Pipeline parallelism (GPipe's and its successors' layout) on PyTorch's `torch.distributed.pipelining`: the model cut
+into stages of consecutive layers, each rank holding one stage (or several, for the interleaved schedules), the
+micro-batches flowing through them; the price is the bubble, the time a stage waits for the others.
+
+- `pipeline_layers(model, arch)`: the model as the layers its forward runs one after another: the stem (patch
+  embedding, class token and position embedding; a ResNet's first convolution and pooling), each block, the head
+  (final norm, pooling, classifier). Known: timm's ViT family and CoAtNet/MaxViT family, torchvision's ResNets and
+  ViT, and any nn.Sequential (each child a layer); another model is one line (UserError).
+- `stage_bounds(weights, n)`: where to cut the layers into n stages of balanced weight (parameters, or measured
+  forward time), each stage at least one layer.
+- `Stage(model, layers, first, last)`: layers [first, last) of `model` as a module of their own, holding them under
+  the model's own names (a stage's state dict is the model's, less the other stages' entries: the stages' state
+  dicts together are an ordinary model's), the rest of the model dropped.
+- `build_pipeline(model, arch, ...)`: this rank's stages (one, or several for the interleaved schedules: stages
+  rank, rank + N, ...) as PyTorch's PipelineStages, and the schedule that runs them (`--pp-schedule`).
+- `StageClock(stages, device)`: the time this rank's stages compute in a step (each micro-batch's forward and
+  backward, and the weights' backward the zero-bubble schedules run apart); the rest of the step they wait for the
+  other stages (the bubble) or for their own sends: `idle_share(step_seconds)`.
+- `expected_bubble(stages, microbatches)`: GPipe's and 1F1B's idle share of a step, (N - 1) / (M + N - 1).
+"""
+
+import copy
+import dataclasses
+import time
+from typing import Callable
+
+import torch
+from torch import nn
+
+from dlojz_lib.checks import UserError
+
+FAMILIES = "timm's ViT and CoAtNet/MaxViT families, torchvision's ResNets and ViT, an nn.Sequential"
+# --pp-schedule: PyTorch's class, and whether a rank holds several stages (looped: rank, rank + N, ...)
+SCHEDULES = {
+    "gpipe": ("ScheduleGPipe", False),
+    "1f1b": ("Schedule1F1B", False),
+    "interleaved": ("ScheduleInterleaved1F1B", True),
+    "zero-bubble": ("ScheduleInterleavedZeroBubble", True),
+}
+
+
+@dataclasses.dataclass
+class Layer:
+    name: str
+    owns: tuple  # the paths of the modules and parameters it runs; the last layer (the head) owns all the others'
+    run: Callable  # its forward: an activation in, an activation out
+
+
+def pipeline_layers(model, arch="this model") -> list:
+    """`model`'s forward as a list of Layers whose composition is the forward (eval or train mode alike)."""
+    import torchvision
+
+    kind = type(model).__name__
+    module_path = type(model).__module__
+    if module_path.startswith("timm.models.vision_transformer") and kind == "VisionTransformer":
+        stem = Layer("stem", ("patch_embed", "cls_token", "reg_token", "pos_embed", "norm_pre", "patch_drop"),
+                     lambda x: model.norm_pre(model.patch_drop(model._pos_embed(model.patch_embed(x)))))  # fmt: skip
+        blocks = [(f"blocks.{i}", block) for i, block in enumerate(model.blocks)]
+        head = lambda x: model.forward_head(model.norm(x))  # noqa: E731
+    elif module_path.startswith("timm.models.maxxvit") and kind == "MaxxVit":
+        stem = Layer("stem", ("stem",), model.stem)
+        blocks = [
+            (f"stages.{s}.blocks.{i}", b) for s, stage in enumerate(model.stages) for i, b in enumerate(stage.blocks)
+        ]
+        head = lambda x: model.forward_head(model.norm(x))  # noqa: E731
+    elif isinstance(model, torchvision.models.ResNet):
+        stem = Layer("stem", ("conv1", "bn1"), lambda x: model.maxpool(model.relu(model.bn1(model.conv1(x)))))
+        blocks = [(f"layer{k}.{i}", b) for k in range(1, 5) for i, b in enumerate(getattr(model, f"layer{k}"))]
+        head = lambda x: model.fc(torch.flatten(model.avgpool(x), 1))  # noqa: E731
+    elif isinstance(model, torchvision.models.VisionTransformer):
+
+        def embed(x):
+            x = model._process_input(x)
+            x = torch.cat([model.class_token.expand(x.shape[0], -1, -1), x], dim=1)
+            return model.encoder.dropout(x + model.encoder.pos_embedding)
+
+        stem = Layer("stem", ("conv_proj", "class_token", "encoder.pos_embedding"), embed)
+        blocks = [(f"encoder.layers.{name}", b) for name, b in model.encoder.layers.named_children()]
+        head = lambda x: model.heads(model.encoder.ln(x)[:, 0])  # noqa: E731
+    elif isinstance(model, nn.Sequential):
+        return [Layer(name, (name,), child) for name, child in model.named_children()]
+    else:
+        raise UserError(f"--pp: --arch {arch} has no pipeline split here: {FAMILIES} have one")
+    return [stem, *(Layer(name, (name,), block) for name, block in blocks), Layer("head", (), head)]
+
+
+def owner(path, layers):
+    """The index of the layer that owns parameter, buffer or module `path`: the one that names it or a module above
+    it, else the head (the last)."""
+    for index, layer in enumerate(layers[:-1]):
+        if any(path == owned or path.startswith(owned + ".") for owned in layer.owns):
+            return index
+    return len(layers) - 1
+
+
+def layer_sizes(model, layers) -> list:
+    """Parameters each layer owns."""
+    sizes = [0] * len(layers)
+    for path, parameter in model.named_parameters():
+        sizes[owner(path, layers)] += parameter.numel()
+    return sizes
+
+
+def stage_bounds(weights, n) -> list:
+    """Cut points [(first, last), ...] splitting `weights` (one per layer) into n runs of consecutive layers, each
+    non-empty, whose largest sum is the smallest possible (a stage as slow as the slowest sets the pace)."""
+    count = len(weights)
+    if n > count:
+        raise UserError(f"--pp {n}: the model has {count} layers (stem, blocks, head): give a --pp of {count} or less")
+    prefix = [0]
+    for w in weights:
+        prefix.append(prefix[-1] + w)
+    # best[k][i]: the smallest largest-stage for the first i layers cut into k stages; cut[k][i]: where its last starts
+    best = [[float("inf")] * (count + 1) for _ in range(n + 1)]
+    cut = [[0] * (count + 1) for _ in range(n + 1)]
+    best[0][0] = 0
+    for k in range(1, n + 1):
+        for i in range(k, count - (n - k) + 1):
+            for j in range(k - 1, i):
+                value = max(best[k - 1][j], prefix[i] - prefix[j])
+                if value < best[k][i]:
+                    best[k][i], cut[k][i] = value, j
+    bounds, end = [], count
+    for k in range(n, 0, -1):
+        start = cut[k][end]
+        bounds.append((start, end))
+        end = start
+    return bounds[::-1]
+
+
+def bounds_at(cuts, count, n):
+    """[(first, last), ...] for stages starting at layers `cuts` (the first stage at 0), one line if they do not make
+    n non-empty stages of the `count` layers."""
+    if len(cuts) != n - 1 or list(cuts) != sorted(set(cuts)) or not all(0 < c < count for c in cuts):
+        raise UserError(
+            f"--pp-split {','.join(map(str, cuts))}: {n - 1} increasing layer indices between 1 and {count - 1} "
+            f"(where stages 2 to {n} start; layer 0 is the stem, {count - 1} the head)"
+        )
+    starts = [0, *cuts, count]
+    return list(zip(starts[:-1], starts[1:]))
+
+
+def prune(module, keep, prefix=""):
+    """Drop from `module`, in place, every parameter and buffer for which keep(path) is False, and the submodules
+    under which nothing is kept (entries set to None: state dicts and parameters() skip them); keep reads the
+    paths of parameters and buffers only."""
+    for name, child in list(module._modules.items()):
+        if child is None:
+            continue
+        path = prefix + name
+        kept = [keep(f"{path}.{sub}") for sub, _ in (*child.named_parameters(), *child.named_buffers())]
+        if all(kept):  # all of it, or stateless (an activation, a pooling, a dropout: the forwards still call it)
+            continue
+        if any(kept):
+            prune(child, keep, path + ".")
+        else:
+            module._modules[name] = None
+    for registry in (module._parameters, module._buffers):
+        for name in list(registry):
+            if registry[name] is not None and not keep(prefix + name):
+                registry[name] = None
+
+
+class Stage(nn.Module):
+    """Layers [first, last) of `model` (a model of its own: the rest of it is dropped) as one module, holding the
+    model's top-level modules, parameters and buffers under their own names."""
+
+    def __init__(self, model, layers, first, last):
+        super().__init__()
+        mine = range(first, last)
+        prune(model, lambda path: owner(path, layers) in mine)
+        for name, child in model._modules.items():
+            if child is not None and (any(True for _ in child.parameters()) or any(True for _ in child.buffers())):
+                self.add_module(name, child)
+        for name, parameter in model._parameters.items():
+            if parameter is not None:
+                self.register_parameter(name, parameter)
+        for name, buffer in model._buffers.items():
+            if buffer is not None:
+                self.register_buffer(name, buffer, persistent=name not in model._non_persistent_buffers_set)
+        self.runs = [layer.run for layer in layers[first:last]]
+        self.names = [layer.name for layer in layers[first:last]]
+        object.__setattr__(self, "model", model)  # the layers' forwards read it; not a submodule (no name prefix)
+
+    def forward(self, x):
+        for run in self.runs:
+            x = run(x)
+        return x
+
+    def train(self, mode=True):
+        self.model.train(mode)  # the dropped parts' flags too, as the layers' forwards may read the model's
+        return super().train(mode)
+
+
+class StageClock:
+    """The compute time of this rank's PipelineStages: each call of the per-micro-batch methods the schedules run
+    (forward, backward, the weights' backward) timed, on a GPU by CUDA events read once a step (`busy_seconds`,
+    after the step's synchronisation), on the CPU by the host clock."""
+
+    METHODS = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")
+
+    def __init__(self, stages, device):
+        self.cuda = device.type == "cuda"
+        self.spans = []  # this step's (start, end): events on a GPU, seconds on the host
+        for stage in stages:
+            for name in self.METHODS:
+                setattr(stage, name, self.timed(getattr(stage, name)))  # this stage's own: the schedule calls it
+
+    def now(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def timed(self, method):
+        def run(*args, **kwargs):
+            start = self.now()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                self.spans.append((start, self.now()))
+
+        return run
+
+    def busy_seconds(self):
+        """This step's compute seconds, and a new step begins."""
+        if self.cuda:
+            busy = sum(start.elapsed_time(end) for start, end in self.spans) / 1e3
+        else:
+            busy = sum(end - start for start, end in self.spans)
+        self.spans = []
+        return busy
+
+
+def expected_bubble(stages, microbatches):
+    """The idle share of a GPipe or 1F1B step (Huang et al. 2019; Narayanan et al. 2021): (N - 1) / (M + N - 1)."""
+    return (stages - 1) / (microbatches + stages - 1)
+
+
+def build_pipeline(
+    model, arch, rank, pp, schedule, microbatches, loss_fn, device, group=None, stages_per_rank=1, cuts=None
+):
+    """This rank's stages of `model` cut into pp x stages_per_rank stages, balanced by parameters or starting at the
+    layers `cuts` (each a copy of `model` pruned to its layers), as PipelineStages over `group`, and the `schedule`
+    running `microbatches` micro-batches through them with `loss_fn` on the last (gradients scaled by 1 /
+    microbatches: a step's are the mean over its images, as one process's). Returns (the schedule, the Stages)."""
+    from torch.distributed import pipelining
+
+    class_name, looped = SCHEDULES[schedule]
+    per_rank = stages_per_rank if looped else 1
+    total = pp * per_rank
+    layers = pipeline_layers(model, arch)
+    if cuts is None:
+        bounds = stage_bounds(layer_sizes(model, layers), total)
+    else:
+        bounds = bounds_at(cuts, len(layers), total)
+    modules, stages = [], []
+    for index in range(rank, total, pp):
+        copied = copy.deepcopy(model)
+        module = Stage(copied, pipeline_layers(copied, arch), *bounds[index]).to(device)
+        modules.append(module)
+        stages.append(pipelining.PipelineStage(module, index, total, device, group=group))
+    runner = getattr(pipelining, class_name)
+    if looped:
+        return runner(stages, microbatches, loss_fn=loss_fn), modules
+    return runner(stages[0], microbatches, loss_fn=loss_fn), modules

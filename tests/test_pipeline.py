@@ -1,0 +1,212 @@
+"""Pipeline parallelism's pieces (dlojz_lib/pipeline.py): the layers of each known family compose to the model, the
+stages' state dicts to the model's; on 2 and 4 gloo processes every schedule trains to one process's weights, and
+the measured bubble shrinks as the micro-batches grow."""
+
+import copy
+import multiprocessing
+import statistics
+import time
+import traceback
+
+import pytest
+import torch
+import torchvision
+
+from dlojz_lib.checks import UserError
+from dlojz_lib.model import create_model
+from dlojz_lib.pipeline import (
+    Stage,
+    StageClock,
+    bounds_at,
+    build_pipeline,
+    expected_bubble,
+    layer_sizes,
+    pipeline_layers,
+    stage_bounds,
+)
+
+SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zero-bubble", 2)]  # (schedule, stages per rank)
+
+
+def small_model(arch):
+    torch.manual_seed(0)
+    if arch == "torchvision-vit":  # torchvision's ViT at 32 px: 16 patches, 3 blocks
+        return torchvision.models.VisionTransformer(32, 8, 3, 2, 32, 64, num_classes=3)
+    size = 64 if "coatnet" in arch or "maxvit" in arch else 32
+    return create_model(arch, 3, False, size)
+
+
+@pytest.mark.parametrize(
+    "arch", ["timm:test_vit", "resnet18", "torchvision-vit", "timm:coatnet_pico_rw_224", "timm:maxvit_pico_rw_256"]
+)
+def test_the_stages_compose_to_the_model(arch):
+    """Three stages balanced by parameters, run one after the other: the model's output to the last bit, and their
+    state dicts, disjoint, are the model's."""
+    model = small_model(arch).eval()
+    image = torch.randn(2, 3, *(64, 64) if "coatnet" in arch or "maxvit" in arch else (32, 32))
+    expected = model(image)
+    layers = pipeline_layers(model, arch)
+    bounds = stage_bounds(layer_sizes(model, layers), 3)
+    x, keys = image, []
+    for first, last in bounds:
+        copied = copy.deepcopy(model)
+        stage = Stage(copied, pipeline_layers(copied, arch), first, last).eval()
+        x = stage(x)
+        keys.append(set(stage.state_dict()))
+    torch.testing.assert_close(x, expected, rtol=0, atol=0)
+    assert sum(len(k) for k in keys) == len(set().union(*keys)) == len(model.state_dict())
+    assert set().union(*keys) == set(model.state_dict())
+
+
+def test_the_cut_balances_the_largest_stage():
+    """The largest stage is the smallest possible: a heavy layer alone, the light ones together; each stage at least
+    one layer; more stages than layers, or a model without a split, is one line."""
+    assert stage_bounds([1, 1, 1, 1, 10, 1], 3) == [(0, 4), (4, 5), (5, 6)]
+    assert stage_bounds([5, 5, 5, 5], 4) == [(0, 1), (1, 2), (2, 3), (3, 4)]
+    assert stage_bounds([1, 2, 3], 1) == [(0, 3)]
+    with pytest.raises(UserError, match=r"--pp 5: the model has 4 layers \(stem, blocks, head\)"):
+        stage_bounds([1, 1, 1, 1], 5)
+    with pytest.raises(UserError, match="--pp: --arch mine has no pipeline split here: timm's ViT"):
+        pipeline_layers(torch.nn.Linear(2, 2), "mine")
+    assert bounds_at([4], 8, 2) == [(0, 4), (4, 8)]
+    for cuts in ([4], [5, 3], [0, 4], [4, 8]):
+        with pytest.raises(UserError, match="--pp-split .*: 2 increasing layer indices between 1 and 7"):
+            bounds_at(cuts, 8, 3)
+    assert expected_bubble(4, 4) == pytest.approx(3 / 7) and expected_bubble(1, 8) == 0
+
+
+def train_on_rank(rank, world, store_path, results, cases, bubble):
+    """One rank: for each (arch, schedule, stages per rank), two SGD steps with momentum through the pipeline (8
+    images in 4 micro-batches) against one process accumulating the same micro-batches; then, with `bubble`, the
+    idle share of a GPipe step of 32 images in 2 and in 8 micro-batches, measured on a toy whose layers pause for a
+    known time (the stages balanced whatever else the 2 cores run)."""
+    import torch.distributed as dist
+
+    try:
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
+        loss_fn = torch.nn.functional.cross_entropy
+        for arch, schedule, per_rank in cases:
+            model = small_model(arch)
+            reference = copy.deepcopy(model)
+            runner, stages = build_pipeline(model, arch, rank, world, schedule, 4, loss_fn, torch.device("cpu"),
+                                            stages_per_rank=per_rank)  # fmt: skip
+            optimizer = torch.optim.SGD([p for s in stages for p in s.parameters()], lr=0.1, momentum=0.9)
+            expected = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+            data = torch.Generator().manual_seed(1)
+            for _ in range(2):
+                images, labels = torch.randn(8, 3, 32, 32, generator=data), torch.randint(0, 3, (8,), generator=data)
+                optimizer.zero_grad()
+                step(runner, rank, world, images, labels)
+                optimizer.step()
+                expected.zero_grad()
+                for micro_images, micro_labels in zip(images.chunk(4), labels.chunk(4)):
+                    (loss_fn(reference(micro_images), micro_labels) / 4).backward()
+                expected.step()
+            whole = reference.state_dict()
+            for stage in stages:
+                for key, value in stage.state_dict().items():
+                    torch.testing.assert_close(value, whole[key], rtol=1e-4, atol=1e-5, msg=f"{schedule}: {key}")
+            results.put((rank, arch, schedule, [stage.names for stage in stages]))
+        if bubble:  # a toy of 4 equal layers whose compute is a pause: 1 ms an image forward, 2 backward
+            images, labels = torch.randn(32, 8), torch.randint(0, 8, (32,))
+            for microbatches in (2, 8):
+                toy = torch.nn.Sequential(*(Paused(8) for _ in range(4)))
+                runner, stages = build_pipeline(toy, "toy", rank, world, "gpipe", microbatches, loss_fn,
+                                                torch.device("cpu"))  # fmt: skip
+                clock = StageClock([runner._stage], torch.device("cpu"))
+                shares = []
+                for _ in range(3):
+                    dist.barrier()
+                    start = time.perf_counter()
+                    step(runner, rank, world, images, labels)
+                    dist.barrier()  # the step ends when the last stage's backward has reached the first
+                    shares.append(1 - clock.busy_seconds() / (time.perf_counter() - start))
+                results.put((rank, "bubble", microbatches, statistics.median(shares)))
+        dist.destroy_process_group()
+    except BaseException:
+        results.put((rank, "error", traceback.format_exc(), None))
+
+
+class Pause(torch.autograd.Function):
+    """Compute that takes a known time whatever the machine: a pause (no CPU used) of `seconds`, twice as long in
+    the backward."""
+
+    @staticmethod
+    def forward(ctx, x, seconds):
+        time.sleep(seconds)
+        ctx.seconds = seconds
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(2 * ctx.seconds)
+        return grad, None
+
+
+class Paused(torch.nn.Linear):
+    def __init__(self, width):
+        super().__init__(width, width)
+
+    def forward(self, x):
+        return Pause.apply(super().forward(x), 1e-3 * x.shape[0])
+
+
+def step(runner, rank, world, images, labels):
+    if rank == 0:
+        runner.step(images)
+    elif rank == world - 1:
+        runner.step(target=labels, losses=[])
+    else:
+        runner.step()
+
+
+def spawn(world, cases, bubble, tmp_path):
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    workers = [
+        context.Process(target=train_on_rank, args=(rank, world, str(tmp_path / "store"), results, cases, bubble))
+        for rank in range(world)
+    ]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join(timeout=300)
+    found = []
+    while not results.empty():
+        found.append(results.get())
+    errors = [f"rank {r}: {text}" for r, kind, text, _ in found if kind == "error"]
+    assert not errors, "\n".join(errors)
+    assert all(worker.exitcode == 0 for worker in workers), [worker.exitcode for worker in workers]
+    return found
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    cases = [("timm:test_vit", schedule, per_rank) for schedule, per_rank in SCHEDULES] + [("resnet18", "1f1b", 1)]
+    return spawn(2, cases, True, tmp_path_factory.mktemp("pp2"))
+
+
+def test_every_schedule_trains_to_the_weights_of_one_process(two_ranks):
+    """2 ranks, a ViT (no BatchNorm) under each schedule and a ResNet (BatchNorm on each micro-batch, as one process
+    accumulating them) under 1F1B: after two SGD steps with momentum each stage's weights and buffers are one
+    process's (float32 sums in another order: 1e-5). The interleaved schedules hold 2 stages a rank (0 and 2, 1 and
+    3)."""
+    trained = {(rank, arch, schedule): names for rank, arch, schedule, names in two_ranks if arch != "bubble"}
+    assert len(trained) == 2 * (len(SCHEDULES) + 1)
+    assert trained[(0, "timm:test_vit", "gpipe")] == [["stem", "blocks.0", "blocks.1"]]
+    assert len(trained[(1, "timm:test_vit", "interleaved")]) == 2
+
+
+def test_the_bubble_shrinks_as_the_micro_batches_grow(two_ranks):
+    """GPipe on 2 balanced stages: each rank's measured idle share of a step (its stage's compute timed, the rest of
+    the step waiting) is smaller with 8 micro-batches than with 2, as (N - 1) / (M + N - 1) says (1/3, then 1/9)."""
+    idle = {(rank, microbatches): share for rank, kind, microbatches, share in two_ranks if kind == "bubble"}
+    for rank in (0, 1):
+        assert 0 <= idle[(rank, 8)] < idle[(rank, 2)] < 1, idle
+
+
+def test_four_stages_train_to_the_weights_of_one_process(tmp_path):
+    """4 ranks, one stage each (stem, blocks, head of a ViT): 1F1B's weights are one process's."""
+    found = spawn(4, [("timm:test_vit", "1f1b", 1)], False, tmp_path)
+    assert sorted(rank for rank, *_ in found) == [0, 1, 2, 3]
