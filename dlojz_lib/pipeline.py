@@ -13,10 +13,15 @@ micro-batches flowing through them; the price is the bubble, the time a stage wa
   dicts together are an ordinary model's), the rest of the model dropped.
 - `build_pipeline(model, arch, ...)`: this rank's stages (one, or several for the interleaved schedules: stages
   rank, rank + N, ...) as PyTorch's PipelineStages, and the schedule that runs them (`--pp-schedule`).
+- `pipeline_step(runner, rank, ranks, images, labels)`: one step, each rank giving the schedule what its stages
+  need (the images on the first, the labels on the last).
 - `StageClock(stages, device)`: the time this rank's stages compute in a step (each micro-batch's forward and
   backward, and the weights' backward the zero-bubble schedules run apart); the rest of the step they wait for the
   other stages (the bubble) or for their own sends: `idle_share(step_seconds)`.
-- `expected_bubble(stages, microbatches)`: GPipe's and 1F1B's idle share of a step, (N - 1) / (M + N - 1).
+- `expected_bubble(ranks, microbatches, stages_per_rank)`: GPipe's and 1F1B's idle share of a step, (N - 1) /
+  (M + N - 1), the interleaved schedules' (N - 1) / (V M + N - 1).
+- `paused_toy(layers, width, seconds_per_image)`: a model whose compute takes a known time on any machine (each
+  layer pauses, twice as long in its backward): the bubble's formula seen on a laptop (bench/pipeline_bubble.py).
 """
 
 import copy
@@ -233,9 +238,10 @@ class StageClock:
         return busy
 
 
-def expected_bubble(stages, microbatches):
-    """The idle share of a GPipe or 1F1B step (Huang et al. 2019; Narayanan et al. 2021): (N - 1) / (M + N - 1)."""
-    return (stages - 1) / (microbatches + stages - 1)
+def expected_bubble(ranks, microbatches, stages_per_rank=1):
+    """The idle share of a GPipe or 1F1B step over `ranks` stages (Huang et al. 2019; Narayanan et al. 2021),
+    (N - 1) / (M + N - 1); interleaved, V stages a rank: (N - 1) / (V M + N - 1)."""
+    return (ranks - 1) / (stages_per_rank * microbatches + ranks - 1)
 
 
 def build_pipeline(
@@ -265,3 +271,43 @@ def build_pipeline(
     if looped:
         return runner(stages, microbatches, loss_fn=loss_fn), modules
     return runner(stages[0], microbatches, loss_fn=loss_fn), modules
+
+
+def pipeline_step(runner, rank, ranks, images, labels):
+    """One step of the schedule on this rank: the first stage's rank gives the images, the last's the labels (it
+    computes the loss); returns the last stage's losses, one per micro-batch ([] elsewhere)."""
+    losses = []
+    runner.step(*(images,) if rank == 0 else (), target=labels if rank == ranks - 1 else None, losses=losses)
+    return losses
+
+
+class Pause(torch.autograd.Function):
+    """Compute that takes a known time whatever the machine: a pause (no CPU used) of `seconds`, twice as long in
+    the backward."""
+
+    @staticmethod
+    def forward(ctx, x, seconds):
+        time.sleep(seconds)
+        ctx.seconds = seconds
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(2 * ctx.seconds)
+        return grad, None
+
+
+class Paused(nn.Linear):
+    """A Linear layer whose forward pauses `seconds_per_image` an image (its backward twice as long)."""
+
+    def __init__(self, width, seconds_per_image):
+        super().__init__(width, width)
+        self.seconds_per_image = seconds_per_image
+
+    def forward(self, x):
+        return Pause.apply(super().forward(x), self.seconds_per_image * x.shape[0])
+
+
+def paused_toy(layers, width, seconds_per_image):
+    """An nn.Sequential of `layers` Paused layers: `width` features in, `width` classes out."""
+    return nn.Sequential(*(Paused(width, seconds_per_image) for _ in range(layers)))
