@@ -20,7 +20,6 @@ import signal
 import sys
 import time
 from datetime import timedelta
-from pathlib import Path
 
 if __name__ == "__main__":  # --help and every bad flag answer here, before the seconds that torch takes to import
     from dlojz_lib.flag_checks import check_command_line
@@ -181,9 +180,7 @@ def main(argv=None, resources=None) -> dict:
         return {}
     run.wandb_run = wandb_run = open_wandb(cfg, ranks, metrics, state)
     run.saver = make_saver(cfg, model, training, ranks)
-    profiler = (
-        make_profiler(cfg, Path(cfg.output_dir) / "profiler", ranks.rank, ranks.device, log) if cfg.prof else None
-    )
+    profiler = make_profiler(cfg, ranks.rank, ranks.device, log) if cfg.prof else None
     hooks = LoopHooks(chrono, profiler, training.lr_finder, ranks.enabled)  # chronometer, profiler, LR range test
     images_per_step = cfg.batch_size * ranks.data_size  # one micro-batch on every data replica
     progress = Progress(

@@ -20,6 +20,7 @@ The loop calls the same few methods whatever is plugged in, so that it reads the
 
 import contextlib
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -130,12 +131,13 @@ def collectives_line(profiler, steps, on_gpu):
     return f"profiler: collectives per step on rank 0 ({where}): {figures}; a step {step_ms:.1f} ms (host)"
 
 
-def make_profiler(cfg, trace_dir, rank, device, log=None):
-    """torch.profiler over --prof-wait/--prof-warmup/--prof-active steps, traces for TensorBoard and Perfetto; `log`
-    gets the collectives' line once the steps are recorded."""
+def make_profiler(cfg, rank, device, log=None):
+    """torch.profiler over --prof-wait/--prof-warmup/--prof-active steps, traces for TensorBoard and Perfetto in
+    <output-dir>/profiler; `log` gets the collectives' line once the steps are recorded."""
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
+    trace_dir = Path(cfg.output_dir) / "profiler"
     write_trace = torch.profiler.tensorboard_trace_handler(str(trace_dir), worker_name=f"rank{rank}")
 
     def trace_ready(profiler):
