@@ -1,6 +1,6 @@
 """The course's day-4 table: per GPU, the bytes of parameters, gradients, optimizer state and activations, and the
-bytes each GPU sends per step, under DDP, FSDP and tensor parallelism with FSDP (2-D), for a model built on the meta
-device (no memory, no GPU: a 2.4 B-parameter model is read in seconds).
+bytes each GPU sends per step, under DDP, FSDP, tensor parallelism with FSDP (2-D) and pipeline parallelism with
+FSDP, for a model built on the meta device (no memory, no GPU: a 2.4 B-parameter model is read in seconds).
 
     python bench/parallel_memory.py                                        # timm's ViT-g/14, 8/16/32 GPUs, --tp 4
     python bench/parallel_memory.py --arch timm:coatnet_7_224              # the course's CoAtNet-7 (2.4 B)
@@ -23,7 +23,12 @@ travels and for activations):
   (n-1)/n): DDP all-reduces the float32 gradients; FSDP all-gathers the parameters in the AMP dtype twice (forward and
   backward) and reduce-scatters float32 gradients; TP all-reduces each block's output activations twice in the
   forward and twice in the backward, in the AMP dtype, within its group, and FSDP runs over the replicas on what the
-  group's rank holds.
+  group's rank holds;
+- PP p x FSDP d: the layers cut into p stages balanced by parameters (dlojz_lib/pipeline.py's cut), FSDP over the d
+  pipelines; the largest stage's state; under 1F1B with --pp-microbatches M, the first stage's blocks hold min(p, M)
+  micro-batches of b p / M images (a pipeline takes b images a GPU, as the other rows); each GPU sends its stage's
+  output forward and its input's gradient backward for every micro-batch (the AMP dtype), and FSDP's on its stage.
+  The price these bytes do not show is the bubble, (p - 1) / (M + p - 1) of the step idle, said under the table.
 """
 
 import json
@@ -53,6 +58,10 @@ def get_args(argv=None):
     )
     p.add_argument("--gpus", default="8,16,32", help="world sizes, comma-separated (default: 8,16,32)")
     p.add_argument("--tp", default="4", help="tensor-parallel group sizes, comma-separated (default: 4)")
+    p.add_argument("--pp", default="4", help="pipeline stage counts, comma-separated (default: 4)")
+    p.add_argument(
+        "--pp-microbatches", type=COUNT, default=8, help="micro-batches of a pipeline step, 1F1B (default: 8)"
+    )
     p.add_argument("--optimizer", default="adamw", choices=sorted(STATE_PER_PARAMETER))
     p.add_argument("--amp-bytes", type=COUNT, default=2, help="bytes of the AMP dtype (default: 2, bfloat16)")
     p.add_argument(
@@ -60,7 +69,7 @@ def get_args(argv=None):
     )
     p.add_argument("--json", help="also write the rows to this file")
     args = p.parse_args(argv)
-    for flag in ("gpus", "tp"):
+    for flag in ("gpus", "tp", "pp"):
         try:
             values = [int(v) for v in getattr(args, flag).split(",")]
         except ValueError:
@@ -98,24 +107,28 @@ def local_numel(shape, kind, tp, replicas):
 
 
 def attention_shapes(module, image_size):
-    """(tokens per image, tokens each one attends to, attention width, heads) of every block of the plan, read from a
-    forward of the meta model: a ViT's tokens all attend to each other, a CoAtNet block's map too (NCHW), a MaxViT
-    block's attend within a window or a grid cell (its input: images x windows, tokens, channels)."""
+    """(tokens per image, tokens each one attends to, attention width, heads, the block's path) of every block of the
+    plan, read from a forward of the meta model: a ViT's tokens all attend to each other, a CoAtNet block's map too
+    (NCHW), a MaxViT block's attend within a window or a grid cell (its input: images x windows, tokens, channels)."""
     import torch
 
     from dlojz_lib.tensor_parallel import transformer_blocks
 
     shapes = []
+    paths = {id(block): path for path, block in module.named_modules()}
 
-    def record(attn, inputs):
-        x = inputs[0]
-        if x.dim() == 4:
-            tokens = span = x.shape[2] * x.shape[3]
-        else:
-            tokens, span = x.shape[0] * x.shape[1], x.shape[1]  # one image: its windows' tokens
-        shapes.append((tokens, span, attn.qkv.weight.shape[0] // 3, attn.num_heads))
+    def recorder(block):
+        def record(attn, inputs):
+            x = inputs[0]
+            if x.dim() == 4:
+                tokens = span = x.shape[2] * x.shape[3]
+            else:
+                tokens, span = x.shape[0] * x.shape[1], x.shape[1]  # one image: its windows' tokens
+            shapes.append((tokens, span, attn.qkv.weight.shape[0] // 3, attn.num_heads, paths[id(block)]))
 
-    hooks = [block.attn.register_forward_pre_hook(record) for block in transformer_blocks(module)]
+        return record
+
+    hooks = [block.attn.register_forward_pre_hook(recorder(block)) for block in transformer_blocks(module)]
     with torch.no_grad():
         module.eval()(torch.empty(1, 3, image_size, image_size, device="meta"))
     for hook in hooks:
@@ -157,9 +170,9 @@ def rows(args):
                 activations = None
             else:  # per block: s b h (34 + 5 a s / h) at 16 bits, s the tokens and, in the scores, those attended to
                 activations = 0
-                for tokens, span, h, a in shapes:
+                for tokens, span, h, a, _ in shapes:
                     if tp == 1:
-                        per_layer = tokens * b * h * (34 + 5 * a * span / h)
+                        per_layer = block_activations(tokens, span, h, a, b)
                     elif args.sequence_parallel:  # the norms' and dropouts' activations split too
                         per_layer = tokens * b * h * (34 + 5 * a * span / h) / tp
                     else:
@@ -172,7 +185,7 @@ def rows(args):
                 n = replicas
                 sent = (n - 1) / n * held * (2 * args.amp_bytes + 4)  # 2 all-gathers + 1 reduce-scatter
                 if tp > 1:  # 4 all-reduces of each block's output a step
-                    sent += sum(4 * 2 * (tp - 1) / tp * tokens * b * h * args.amp_bytes for tokens, _, h, _ in shapes)
+                    sent += sum(4 * 2 * (tp - 1) / tp * tokens * b * h * args.amp_bytes for tokens, _, h, *_ in shapes)
             out.append(
                 dict(
                     gpus=gpus,
@@ -185,7 +198,78 @@ def rows(args):
                     sent_bytes_per_step=sent,
                 )
             )
+        out += pipeline_rows(args, module, gpus, shapes, state)
     return out, total, planned
+
+
+def block_activations(tokens, span, h, a, images):
+    """Megatron-LM's count for one transformer block without tensor parallelism, in bytes at 16 bits."""
+    return tokens * images * h * (34 + 5 * a * span / h)
+
+
+def pipeline_rows(args, module, gpus, shapes, state):
+    """PP p x FSDP d rows: the stages cut by parameters as dlojz_lib/pipeline.py cuts them, FSDP over the d
+    pipelines; the largest stage's state, and under 1F1B the first stage's activations (min(p, M) micro-batches in
+    flight, each of b p / M images: a pipeline takes b images a GPU), and each GPU's sends: its stage's output
+    forward and its input's gradient backward, for every micro-batch, with FSDP's on its stage. A model without a
+    pipeline split gets none."""
+    import torch
+
+    from dlojz_lib.checks import UserError
+    from dlojz_lib.pipeline import layer_sizes, owner, pipeline_layers, stage_bounds
+
+    try:
+        layers = pipeline_layers(module, args.arch)
+    except UserError:
+        return []
+    names = [name for name, _ in module.named_parameters()]
+    params = layout(module)
+    # each layer's output, per image (the activations a stage sends on), from a forward of the meta model
+    x, sent_per_image = torch.empty(1, 3, args.image_size, args.image_size, device="meta"), []
+    with torch.no_grad():
+        for layer in layers:
+            x = layer.run(x)
+            sent_per_image.append(x.numel())
+    rows, m, b = [], args.pp_microbatches, args.batch_size
+    for pp in args.pp:
+        if pp < 2 or gpus % pp or pp > len(layers):
+            continue
+        replicas = gpus // pp
+        bounds = stage_bounds(layer_sizes(module, layers), pp)
+        stage_of = [
+            next(k for k, (first, last) in enumerate(bounds) if first <= owner(n, layers) < last) for n in names
+        ]
+        local = [0] * pp
+        held = [0] * pp
+        for stage, (shape, _) in zip(stage_of, params):
+            local[stage] += local_numel(shape, None, 1, replicas)
+            held[stage] += math.prod(shape)
+        activations = None
+        if shapes:
+            images = b * pp / m  # a micro-batch
+            per_stage = [0.0] * pp
+            for tokens, span, h, a, path in shapes:
+                stage = next(k for k, (first, last) in enumerate(bounds) if first <= owner(path, layers) < last)
+                per_stage[stage] += block_activations(tokens, span, h, a, images) * min(pp - stage, m)
+            activations = max(per_stage) * args.amp_bytes / 2
+        boundary = max(sent_per_image[last - 1] for _, last in bounds[:-1])
+        sent = 2 * m * (b * pp / m) * boundary * args.amp_bytes  # forward out, backward in, every micro-batch
+        sent += (replicas - 1) / replicas * max(held) * (2 * args.amp_bytes + 4)  # FSDP on the stage
+        largest = max(local)
+        rows.append(
+            dict(
+                gpus=gpus,
+                layout=f"PP {pp} x FSDP {replicas}",
+                parameters=sum(held),
+                parameter_bytes=4 * largest,
+                gradient_bytes=4 * largest,
+                optimizer_bytes=4 * state * largest,
+                activation_bytes=activations,
+                sent_bytes_per_step=sent,
+                bubble=(pp - 1) / (m + pp - 1),
+            )
+        )
+    return rows
 
 
 def main(argv=None) -> int:
@@ -203,6 +287,12 @@ def main(argv=None) -> int:
                    row["activation_bytes"], row["sent_bytes_per_step"])  # fmt: skip
         cells = ("n/a" if value is None else f"{value / unit:.2f}" for value in figures)
         print(f"{row['gpus']:>5} {row['layout']:<20}" + "".join(f"{cell:>9}" for cell in cells))
+    bubbles = {row["layout"].split(" x ")[0]: row["bubble"] for row in table if "bubble" in row}
+    if bubbles:
+        print(
+            f"PP rows: 1F1B, {args.pp_microbatches} micro-batches a step; idle (the bubble, (p - 1) / (M + p - 1)): "
+            + ", ".join(f"{name} {share:.0%}" for name, share in bubbles.items())
+        )
     if not planned:
         from dlojz_lib.tensor_parallel import FAMILIES
 

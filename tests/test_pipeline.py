@@ -181,3 +181,32 @@ def test_the_pipeline_lab_prints_the_bubble_beside_its_formula(tmp_path):
     assert abs(rows[("gpipe", 2)]["bubble_mean"] - 1 / 3) < 0.1
     assert all(row["images_per_s"] > 0 for row in rows.values())
     assert "schedule      stages  micro  bubble max" in proc.stdout
+
+
+def test_the_day_4_table_s_pipeline_rows_hold_the_stages_bytes(tmp_path):
+    """bench/parallel_memory.py's PP rows: on 2 GPUs (one pipeline of 2 stages) each GPU holds the largest real
+    Stage's parameters, to the byte, and sends its stage's output and its gradient for 4 micro-batches of 4 images;
+    on 4 GPUs FSDP halves the stage; the first stage's activations under 1F1B are below FSDP's whole model's."""
+    from conftest import read_json
+    from test_tensor_parallel import parallel_memory
+
+    table = tmp_path / "table.json"
+    argv = ["--arch", "timm:test_vit", "--image-size", "32", "--num-classes", "3", "--gpus", "2,4", "--pp", "2",
+            "--pp-microbatches", "4", "--optimizer", "sgd", "-b", "8", "--json", str(table)]  # fmt: skip
+    assert parallel_memory().main(argv) == 0
+    rows = {(row["gpus"], row["layout"]): row for row in read_json(table)}
+    model = create_model("timm:test_vit", 3, False, 32)
+    layers = pipeline_layers(model)
+    bounds = stage_bounds(layer_sizes(model, layers), 2)
+    sizes, x = [], torch.randn(1, 3, 32, 32)
+    for first, last in bounds:
+        copied = copy.deepcopy(model)
+        stage = Stage(copied, pipeline_layers(copied), first, last)
+        sizes.append(sum(p.numel() for p in stage.parameters()))
+        x = stage(x) if first == 0 else x  # the first stage's output: what it sends on
+    pipeline = rows[(2, "PP 2 x FSDP 1")]
+    assert pipeline["parameter_bytes"] == 4 * max(sizes) and pipeline["parameters"] == sum(sizes)
+    assert pipeline["sent_bytes_per_step"] == 2 * 4 * 4 * x.numel() * 2  # both ways, 4 micro-batches of 4, bf16
+    assert rows[(4, "PP 2 x FSDP 2")]["parameter_bytes"] <= pipeline["parameter_bytes"] // 2 + 4 * 1024
+    assert pipeline["activation_bytes"] < rows[(2, "FSDP")]["activation_bytes"]
+    assert pipeline["bubble"] == pytest.approx(1 / 5)

@@ -368,7 +368,7 @@ def test_the_table_of_the_course_coatnet_7_has_its_tp_rows(tmp_path, capsys):
     table = tmp_path / "table.json"
     assert parallel_memory().main(["--arch", "timm:coatnet_7_224", "--gpus", "8", "--json", str(table)]) == 0
     rows = {row["layout"]: row for row in read_json(table)}
-    assert set(rows) == {"DDP", "FSDP", "TP 4 x FSDP 2"}
+    assert set(rows) == {"DDP", "FSDP", "TP 4 x FSDP 2", "PP 4 x FSDP 2"}
     assert 2.40e9 < rows["DDP"]["parameters"] < 2.45e9
     tp, fsdp = rows["TP 4 x FSDP 2"], rows["FSDP"]
     assert fsdp["parameter_bytes"] < tp["parameter_bytes"] < 1.25 * fsdp["parameter_bytes"]  # the MBConv replicated
