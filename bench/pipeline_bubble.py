@@ -44,6 +44,12 @@ def get_args(argv=None):
     p.add_argument("--schedules", default=",".join(SCHEDULES), help=f"comma-separated, of {', '.join(SCHEDULES)}")
     p.add_argument("--microbatches", default="4,8,16", help="micro-batch counts, comma-separated (default: 4,8,16)")
     p.add_argument("--stages-per-rank", type=COUNT, default=2, help="the interleaved schedules' (default: 2)")
+    p.add_argument(
+        "--split",
+        default="params",
+        help="the stages balanced by params (default) or by each layer's measured forward time (time), or the\n"
+        "layers where stages 2, 3... start (i,j,...)",
+    )
     p.add_argument("--steps", type=COUNT, default=5, help="steps timed after one of warm-up (default: 5)")
     p.add_argument("--amp", action="store_true", help="bfloat16 autocast on a GPU")
     p.add_argument("--json", help="also write the rows to this file (rank 0)")
@@ -59,6 +65,11 @@ def get_args(argv=None):
     bad = [m for m in args.microbatches if m < 1 or args.batch_size % m]
     if bad:
         p.error(f"--microbatches {bad[0]}: each a divisor of --batch-size {args.batch_size}")
+    if args.split not in ("params", "time"):
+        try:
+            args.split = [int(c) for c in args.split.split(",")]
+        except ValueError:
+            p.error(f"--split {args.split}: params, time, or layer indices, e.g. 4,8")
     return args
 
 
@@ -85,8 +96,8 @@ def measure(args, rank, world, device):
             if microbatches < world:
                 continue  # a micro-batch for every stage at least: the schedules refuse fewer
             runner, stages = build_pipeline(model, args.arch, rank, world, schedule, microbatches,
-                                            torch.nn.functional.cross_entropy, device,
-                                            stages_per_rank=per_rank)  # fmt: skip
+                                            torch.nn.functional.cross_entropy, device, stages_per_rank=per_rank,
+                                            split=args.split, sample=images[: args.batch_size // microbatches])  # fmt: skip
             optimizer = torch.optim.SGD([p for s in stages for p in s.parameters()], lr=1e-3)
             stage_list = getattr(runner, "_stages", None) or [runner._stage]
             clock = StageClock(stage_list, device)

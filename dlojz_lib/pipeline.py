@@ -7,7 +7,7 @@ micro-batches flowing through them; the price is the bubble, the time a stage wa
   (final norm, pooling, classifier). Known: timm's ViT family and CoAtNet/MaxViT family, torchvision's ResNets and
   ViT, and any nn.Sequential (each child a layer); another model is one line (UserError).
 - `stage_bounds(weights, n)`: where to cut the layers into n stages of balanced weight (parameters, or measured
-  forward time), each stage at least one layer.
+  forward time: `layer_seconds`), each stage at least one layer.
 - `Stage(model, layers, first, last)`: layers [first, last) of `model` as a module of their own, holding them under
   the model's own names (a stage's state dict is the model's, less the other stages' entries: the stages' state
   dicts together are an ordinary model's), the rest of the model dropped.
@@ -104,6 +104,33 @@ def layer_sizes(model, layers) -> list:
     for path, parameter in model.named_parameters():
         sizes[owner(path, layers)] += parameter.numel()
     return sizes
+
+
+def layer_seconds(model, layers, sample, repeats=3) -> list:
+    """Each layer's forward time on `sample` (a micro-batch's images), the median of `repeats` after a warm-up: on a
+    GPU by CUDA events read once at the end, on the CPU by the host clock. Start-up work, not a step's."""
+    cuda = sample.device.type == "cuda"
+    runs = []
+    with torch.no_grad():
+        for attempt in range(1 + repeats):
+            x, marks = sample, []
+            for layer in layers:
+                if cuda:
+                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    start.record()
+                    x = layer.run(x)
+                    end.record()
+                    marks.append((start, end))
+                else:
+                    start = time.perf_counter()
+                    x = layer.run(x)
+                    marks.append((start, time.perf_counter()))
+            if attempt:
+                runs.append(marks)
+        if cuda:
+            torch.cuda.synchronize(sample.device)  # once: the events' times are read below
+    seconds = [[(s.elapsed_time(e) / 1e3) if cuda else (e - s) for s, e in marks] for marks in runs]
+    return [sorted(column)[len(column) // 2] for column in zip(*seconds)]
 
 
 def stage_bounds(weights, n) -> list:
@@ -245,22 +272,31 @@ def expected_bubble(ranks, microbatches, stages_per_rank=1):
 
 
 def build_pipeline(
-    model, arch, rank, pp, schedule, microbatches, loss_fn, device, group=None, stages_per_rank=1, cuts=None
-):
-    """This rank's stages of `model` cut into pp x stages_per_rank stages, balanced by parameters or starting at the
-    layers `cuts` (each a copy of `model` pruned to its layers), as PipelineStages over `group`, and the `schedule`
-    running `microbatches` micro-batches through them with `loss_fn` on the last (gradients scaled by 1 /
-    microbatches: a step's are the mean over its images, as one process's). Returns (the schedule, the Stages)."""
+    model, arch, rank, pp, schedule, microbatches, loss_fn, device, group=None, stages_per_rank=1, split="params",
+    sample=None,
+):  # fmt: skip
+    """This rank's stages of `model` cut into pp x stages_per_rank stages (each a copy of `model` pruned to its
+    layers), as PipelineStages over `group`, and the `schedule` running `microbatches` micro-batches through them
+    with `loss_fn` on the last (gradients scaled by 1 / microbatches: a step's are the mean over its images, as one
+    process's). `split`: "params" (balanced by parameters), "time" (by each layer's forward time on `sample`, a
+    micro-batch, measured on this rank: every rank must cut alike, so the ranks' times are averaged over `group`),
+    or the layers where stages 2, 3... start. Returns (the schedule, the Stages)."""
     from torch.distributed import pipelining
 
     class_name, looped = SCHEDULES[schedule]
     per_rank = stages_per_rank if looped else 1
     total = pp * per_rank
     layers = pipeline_layers(model, arch)
-    if cuts is None:
+    if split == "params":
         bounds = stage_bounds(layer_sizes(model, layers), total)
+    elif split == "time":
+        seconds = layer_seconds(model.to(device), layers, sample.to(device))
+        seconds = torch.tensor(seconds, dtype=torch.float64, device=device)
+        if torch.distributed.is_initialized():
+            torch.distributed.all_reduce(seconds, group=group)  # the same cut on every rank
+        bounds = stage_bounds(seconds.tolist(), total)
     else:
-        bounds = bounds_at(cuts, len(layers), total)
+        bounds = bounds_at(split, len(layers), total)
     modules, stages = [], []
     for index in range(rank, total, pp):
         copied = copy.deepcopy(model)

@@ -13,10 +13,12 @@ import torchvision
 from dlojz_lib.checks import UserError
 from dlojz_lib.model import create_model
 from dlojz_lib.pipeline import (
+    Paused,
     Stage,
     bounds_at,
     build_pipeline,
     expected_bubble,
+    layer_seconds,
     layer_sizes,
     pipeline_layers,
     pipeline_step,
@@ -58,7 +60,8 @@ def test_the_stages_compose_to_the_model(arch):
 
 def test_the_cut_balances_the_largest_stage():
     """The largest stage is the smallest possible: a heavy layer alone, the light ones together; each stage at least
-    one layer; more stages than layers, or a model without a split, is one line."""
+    one layer; balanced by measured time, a slow layer alone; more stages than layers, or a model without a split,
+    is one line."""
     assert stage_bounds([1, 1, 1, 1, 10, 1], 3) == [(0, 4), (4, 5), (5, 6)]
     assert stage_bounds([5, 5, 5, 5], 4) == [(0, 1), (1, 2), (2, 3), (3, 4)]
     assert stage_bounds([1, 2, 3], 1) == [(0, 3)]
@@ -67,6 +70,10 @@ def test_the_cut_balances_the_largest_stage():
     with pytest.raises(UserError, match="--pp: --arch mine has no pipeline split here: timm's ViT"):
         pipeline_layers(torch.nn.Linear(2, 2), "mine")
     assert bounds_at([4], 8, 2) == [(0, 4), (4, 8)]
+    slow_last = torch.nn.Sequential(*(Paused(4, seconds) for seconds in (1e-3, 1e-3, 1e-3, 3e-3)))
+    layers = pipeline_layers(slow_last)
+    assert stage_bounds(layer_sizes(slow_last, layers), 2) == [(0, 2), (2, 4)]  # the same parameters each
+    assert stage_bounds(layer_seconds(slow_last, layers, torch.randn(2, 4)), 2) == [(0, 3), (3, 4)]  # its time
     for cuts in ([4], [5, 3], [0, 4], [4, 8]):
         with pytest.raises(UserError, match="--pp-split .*: 2 increasing layer indices between 1 and 7"):
             bounds_at(cuts, 8, 3)
