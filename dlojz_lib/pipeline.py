@@ -15,6 +15,9 @@ micro-batches flowing through them; the price is the bubble, the time a stage wa
   rank, rank + N, ...) as PyTorch's PipelineStages, and the schedule that runs them (`--pp-schedule`).
 - `pipeline_step(runner, rank, ranks, images, labels)`: one step, each rank giving the schedule what its stages
   need (the images on the first, the labels on the last).
+- `pipeline_eval(runner, rank, ranks, images, batch_size)`: a forward-only pass of any number of images (a
+  validation's last batch too) through the schedule, padded to the training batch's shape (the stages' buffers are
+  made for its micro-batches): the last stage's logits of the real images, None elsewhere.
 - `StageClock(stages, device)`: the time this rank's stages compute in a step (each micro-batch's forward and
   backward, and the weights' backward the zero-bubble schedules run apart); the rest of the step they wait for the
   other stages (the bubble) or for their own sends: `idle_share(step_seconds)`.
@@ -315,6 +318,22 @@ def pipeline_step(runner, rank, ranks, images, labels):
     losses = []
     runner.step(*(images,) if rank == 0 else (), target=labels if rank == ranks - 1 else None, losses=losses)
     return losses
+
+
+def pipeline_eval(runner, rank, ranks, images, batch_size):
+    """The logits of `images` (at most `batch_size`, the training batch) on the last stage's rank, None elsewhere: a
+    forward-only pass of the schedule on the images padded with zeros to `batch_size`, the padding's logits dropped.
+    Every rank calls it with the same number of images (the other ranks' `images` only give that number)."""
+    count = images.shape[0]
+    if count > batch_size:
+        raise ValueError(f"{count} images for a pipeline built for batches of {batch_size}")
+    if rank == 0 and count < batch_size:
+        images = torch.cat([images, images.new_zeros((batch_size - count, *images.shape[1:]))])
+    last = rank == ranks - 1
+    # the schedule computes its loss on the last stage: placeholder labels, a loss nobody reads
+    target = torch.zeros(batch_size, dtype=torch.long, device=images.device) if last else None
+    outputs = runner.eval(*(images,) if rank == 0 else (), target=target)
+    return outputs[:count] if last else None
 
 
 class Pause(torch.autograd.Function):

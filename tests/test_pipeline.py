@@ -20,6 +20,7 @@ from dlojz_lib.pipeline import (
     expected_bubble,
     layer_seconds,
     layer_sizes,
+    pipeline_eval,
     pipeline_layers,
     pipeline_step,
     stage_bounds,
@@ -83,7 +84,8 @@ def test_the_cut_balances_the_largest_stage():
 
 def train_on_rank(rank, world, store_path, results, cases):
     """One rank: for each (arch, schedule, stages per rank), two SGD steps with momentum through the pipeline (8
-    images in 4 micro-batches) against one process accumulating the same micro-batches."""
+    images in 4 micro-batches) against one process accumulating the same micro-batches; then a forward-only pass of
+    8 images and of 3 (a validation's last batch, padded) against the model in eval mode."""
     import torch.distributed as dist
 
     try:
@@ -111,6 +113,15 @@ def train_on_rank(rank, world, store_path, results, cases):
             for stage in stages:
                 for key, value in stage.state_dict().items():
                     torch.testing.assert_close(value, whole[key], rtol=1e-4, atol=1e-5, msg=f"{schedule}: {key}")
+            for stage in stages:
+                stage.eval()
+            reference.eval()
+            for images in (torch.randn(8, 3, 32, 32), torch.randn(3, 3, 32, 32)):  # a last, smaller batch too
+                logits = pipeline_eval(runner, rank, world, images, 8)
+                if rank == world - 1:
+                    torch.testing.assert_close(logits, reference(images), rtol=1e-4, atol=1e-5)
+                else:
+                    assert logits is None
             results.put((rank, arch, schedule, [stage.names for stage in stages]))
         dist.destroy_process_group()
     except BaseException:
@@ -146,8 +157,8 @@ def two_ranks(tmp_path_factory):
 def test_every_schedule_trains_to_the_weights_of_one_process(two_ranks):
     """2 ranks, a ViT (no BatchNorm) under each schedule and a ResNet (BatchNorm on each micro-batch, as one process
     accumulating them) under 1F1B: after two SGD steps with momentum each stage's weights and buffers are one
-    process's (float32 sums in another order: 1e-5). The interleaved schedules hold 2 stages a rank (0 and 2, 1 and
-    3)."""
+    process's (float32 sums in another order: 1e-5), and the pipeline's eval-mode logits, of a full batch and of a
+    smaller last one, are the model's. The interleaved schedules hold 2 stages a rank (0 and 2, 1 and 3)."""
     trained = {(rank, arch, schedule): names for rank, arch, schedule, names in two_ranks}
     assert len(trained) == 2 * (len(SCHEDULES) + 1)
     assert trained[(0, "timm:test_vit", "gpipe")] == [["stem", "blocks.0", "blocks.1"]]
