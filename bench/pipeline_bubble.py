@@ -21,6 +21,7 @@ real model on a few CPU cores mostly shows the schedules' own overhead (micro-ba
 On GPUs each rank takes its local GPU (NCCL); without one, the CPU (gloo, one thread a rank).
 """
 
+import gc
 import json
 import os
 import statistics
@@ -117,6 +118,10 @@ def measure(args, rank, world, device):
                 if step:  # the first step builds the stages' buffers
                     walls.append(wall)
                     idles.append(1 - busy / wall)
+            # freed now, while the process group lives: a schedule's last sends are C++ works that would otherwise
+            # be destroyed at the interpreter's exit, after the group (an abort, now and then, on gloo)
+            del runner, stages, optimizer, clock
+            gc.collect()
             idle = statistics.median(idles)
             every = [None] * world
             dist.all_gather_object(every, idle)
@@ -153,10 +158,9 @@ def main(argv=None) -> int:
         device = torch.device("cpu")
         torch.set_num_threads(1)  # a rank a core
         dist.init_process_group("gloo")
-    try:
-        rows = measure(args, rank, world, device)
-    finally:
-        dist.destroy_process_group()
+    rows = measure(args, rank, world, device)
+    dist.barrier()  # every rank's last sends received before the group goes
+    dist.destroy_process_group()
     if rank == 0:
         size = "layers pausing 1 ms an image" if args.arch == "toy" else f"{args.image_size} px"
         print(f"{args.arch}: {world} ranks, {args.batch_size} images a step, {size}, {device.type}; "

@@ -83,27 +83,39 @@ def test_the_cut_balances_the_largest_stage():
 
 
 def train_on_rank(rank, world, store_path, results, cases):
-    """One rank: for each (arch, schedule, stages per rank), two SGD steps with momentum through the pipeline (8
-    images in 4 micro-batches) against one process accumulating the same micro-batches; then a forward-only pass of
-    8 images and of 3 (a validation's last batch, padded) against the model in eval mode."""
+    """One rank: for each (arch, schedule, stages per rank, tensor-parallel size), two SGD steps with momentum
+    through the pipeline (8 images in 4 micro-batches) against one process accumulating the same micro-batches;
+    then a forward-only pass of 8 images and of 3 (a validation's last batch, padded) against the model in eval
+    mode. With a tensor-parallel size t, the ranks are a (pipe, tensor) mesh: world / t stages, each split over t
+    ranks by dlojz's tensor-parallel plan (3-D without its data dimension)."""
     import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    from dlojz_lib.tensor_parallel import fused_state_dict, parallelize
 
     try:
         torch.set_num_threads(1)
         dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
         loss_fn = torch.nn.functional.cross_entropy
-        for arch, schedule, per_rank in cases:
+        for arch, schedule, per_rank, tp in cases:
             model = small_model(arch)
             reference = copy.deepcopy(model)
-            runner, stages = build_pipeline(model, arch, rank, world, schedule, 4, loss_fn, torch.device("cpu"),
-                                            stages_per_rank=per_rank)  # fmt: skip
+            pipe, group = rank, None
+            if tp > 1:
+                mesh = init_device_mesh("cpu", (world // tp, tp), mesh_dim_names=("pipe", "tensor"))
+                pipe, group = mesh["pipe"].get_local_rank(), mesh["pipe"].get_group()
+            runner, stages = build_pipeline(model, arch, pipe, world // tp, schedule, 4, loss_fn, torch.device("cpu"),
+                                            group, stages_per_rank=per_rank)  # fmt: skip
+            for stage in stages if tp > 1 else ():
+                parallelize(stage, mesh["tensor"], arch)
             optimizer = torch.optim.SGD([p for s in stages for p in s.parameters()], lr=0.1, momentum=0.9)
             expected = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
             data = torch.Generator().manual_seed(1)
             for _ in range(2):
                 images, labels = torch.randn(8, 3, 32, 32, generator=data), torch.randint(0, 3, (8,), generator=data)
                 optimizer.zero_grad()
-                pipeline_step(runner, rank, world, images, labels)
+                pipeline_step(runner, pipe, world // tp, images, labels)
                 optimizer.step()
                 expected.zero_grad()
                 for micro_images, micro_labels in zip(images.chunk(4), labels.chunk(4)):
@@ -111,18 +123,21 @@ def train_on_rank(rank, world, store_path, results, cases):
                 expected.step()
             whole = reference.state_dict()
             for stage in stages:
-                for key, value in stage.state_dict().items():
+                state = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in stage.state_dict().items()}
+                for key, value in fused_state_dict(state).items():  # (q, k and v held apart under --tp)
                     torch.testing.assert_close(value, whole[key], rtol=1e-4, atol=1e-5, msg=f"{schedule}: {key}")
             for stage in stages:
                 stage.eval()
             reference.eval()
-            for images in (torch.randn(8, 3, 32, 32), torch.randn(3, 3, 32, 32)):  # a last, smaller batch too
-                logits = pipeline_eval(runner, rank, world, images, 8)
-                if rank == world - 1:
+            for count in (8, 3):  # a last, smaller batch too; the same images on every rank
+                images = torch.randn(count, 3, 32, 32, generator=data)
+                logits = pipeline_eval(runner, pipe, world // tp, images, 8)
+                if pipe == world // tp - 1:
                     torch.testing.assert_close(logits, reference(images), rtol=1e-4, atol=1e-5)
                 else:
                     assert logits is None
-            results.put((rank, arch, schedule, [stage.names for stage in stages]))
+            results.put((rank, arch, f"{schedule} tp {tp}", [stage.names for stage in stages]))
+        dist.barrier()  # every rank's last sends received before the group goes
         dist.destroy_process_group()
     except BaseException:
         results.put((rank, "error", traceback.format_exc(), None))
@@ -150,7 +165,8 @@ def spawn(world, cases, tmp_path):
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
-    cases = [("timm:test_vit", schedule, per_rank) for schedule, per_rank in SCHEDULES] + [("resnet18", "1f1b", 1)]
+    cases = [("timm:test_vit", schedule, per_rank, 1) for schedule, per_rank in SCHEDULES]
+    cases.append(("resnet18", "1f1b", 1, 1))
     return spawn(2, cases, tmp_path_factory.mktemp("pp2"))
 
 
@@ -161,14 +177,17 @@ def test_every_schedule_trains_to_the_weights_of_one_process(two_ranks):
     smaller last one, are the model's. The interleaved schedules hold 2 stages a rank (0 and 2, 1 and 3)."""
     trained = {(rank, arch, schedule): names for rank, arch, schedule, names in two_ranks}
     assert len(trained) == 2 * (len(SCHEDULES) + 1)
-    assert trained[(0, "timm:test_vit", "gpipe")] == [["stem", "blocks.0", "blocks.1"]]
-    assert len(trained[(1, "timm:test_vit", "interleaved")]) == 2
+    assert trained[(0, "timm:test_vit", "gpipe tp 1")] == [["stem", "blocks.0", "blocks.1"]]
+    assert len(trained[(1, "timm:test_vit", "interleaved tp 1")]) == 2
 
 
-def test_four_stages_train_to_the_weights_of_one_process(tmp_path):
-    """4 ranks, one stage each (stem, blocks, head of a ViT): 1F1B's weights are one process's."""
-    found = spawn(4, [("timm:test_vit", "1f1b", 1)], tmp_path)
-    assert sorted(rank for rank, *_ in found) == [0, 1, 2, 3]
+def test_four_ranks_train_to_the_weights_of_one_process_in_4_stages_and_in_2_of_2_ranks(tmp_path):
+    """4 ranks: 1F1B over 4 stages (stem, blocks, head of a ViT), then over 2 stages each split over 2 ranks by the
+    tensor-parallel plan (a (pipe, tensor) mesh): both reach one process's weights, and their eval logits its."""
+    found = spawn(4, [("timm:test_vit", "1f1b", 1, 1), ("timm:test_vit", "1f1b", 1, 2)], tmp_path)
+    names = {(rank, schedule): stages for rank, _, schedule, stages in found}
+    assert sorted(rank for rank, _ in names) == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert names[(1, "1f1b tp 2")] == names[(0, "1f1b tp 2")] == [["stem", "blocks.0", "blocks.1"]]  # one stage
 
 
 def test_the_pipeline_lab_prints_the_bubble_beside_its_formula(tmp_path):
