@@ -198,7 +198,7 @@ def rows(args):
                     sent_bytes_per_step=sent,
                 )
             )
-        out += pipeline_rows(args, module, gpus, shapes, state)
+        out += pipeline_rows(args, module, params, gpus, shapes, state)
     return out, total, planned
 
 
@@ -207,7 +207,7 @@ def block_activations(tokens, span, h, a, images):
     return tokens * images * h * (34 + 5 * a * span / h)
 
 
-def pipeline_rows(args, module, gpus, shapes, state):
+def pipeline_rows(args, module, params, gpus, shapes, state):
     """PP p x FSDP d rows: the stages cut by parameters as dlojz_lib/pipeline.py cuts them, FSDP over the d
     pipelines; the largest stage's state, and under 1F1B the first stage's activations (min(p, M) micro-batches in
     flight, each of b p / M images: a pipeline takes b images a GPU), and each GPU's sends: its stage's output
@@ -222,8 +222,7 @@ def pipeline_rows(args, module, gpus, shapes, state):
         layers = pipeline_layers(module, args.arch)
     except UserError:
         return []
-    names = [name for name, _ in module.named_parameters()]
-    params = layout(module)
+    names = [name for name, _ in module.named_parameters()]  # (the order of `params`, layout's)
     # each layer's output, per image (the activations a stage sends on), from a forward of the meta model
     x, sent_per_image = torch.empty(1, 3, args.image_size, args.image_size, device="meta"), []
     with torch.no_grad():
@@ -236,9 +235,8 @@ def pipeline_rows(args, module, gpus, shapes, state):
             continue
         replicas = gpus // pp
         bounds = stage_bounds(layer_sizes(module, layers), pp)
-        stage_of = [
-            next(k for k, (first, last) in enumerate(bounds) if first <= owner(n, layers) < last) for n in names
-        ]
+        stage_of_layer = [k for k, (first, last) in enumerate(bounds) for _ in range(first, last)]
+        stage_of = [stage_of_layer[owner(name, layers)] for name in names]
         local = [0] * pp
         held = [0] * pp
         for stage, (shape, _) in zip(stage_of, params):
@@ -249,7 +247,7 @@ def pipeline_rows(args, module, gpus, shapes, state):
             images = b * pp / m  # a micro-batch
             per_stage = [0.0] * pp
             for tokens, span, h, a, path in shapes:
-                stage = next(k for k, (first, last) in enumerate(bounds) if first <= owner(path, layers) < last)
+                stage = stage_of_layer[owner(path, layers)]
                 per_stage[stage] += block_activations(tokens, span, h, a, images) * min(pp - stage, m)
             activations = max(per_stage) * args.amp_bytes / 2
         boundary = max(sent_per_image[last - 1] for _, last in bounds[:-1])

@@ -100,8 +100,7 @@ def measure(args, rank, world, device):
                                             torch.nn.functional.cross_entropy, device, stages_per_rank=per_rank,
                                             split=args.split, sample=images[: args.batch_size // microbatches])  # fmt: skip
             optimizer = torch.optim.SGD([p for s in stages for p in s.parameters()], lr=1e-3)
-            stage_list = getattr(runner, "_stages", None) or [runner._stage]
-            clock = StageClock(stage_list, device)
+            clock = StageClock(runner, device)
             walls, idles = [], []
             for step in range(1 + args.steps):
                 dist.barrier()

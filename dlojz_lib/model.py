@@ -144,7 +144,7 @@ def register_coatnet_7():
     import timm
     from timm.models import register_model
 
-    if "coatnet_7_224" in timm.list_models():
+    if timm.models.is_model("coatnet_7_224"):
         return
 
     def coatnet_7_224(pretrained=False, pretrained_cfg=None, pretrained_cfg_overlay=None, cache_dir=None, **kwargs):

@@ -18,9 +18,9 @@ micro-batches flowing through them; the price is the bubble, the time a stage wa
 - `pipeline_eval(runner, rank, ranks, images, batch_size)`: a forward-only pass of any number of images (a
   validation's last batch too) through the schedule, padded to the training batch's shape (the stages' buffers are
   made for its micro-batches): the last stage's logits of the real images, None elsewhere.
-- `StageClock(stages, device)`: the time this rank's stages compute in a step (each micro-batch's forward and
-  backward, and the weights' backward the zero-bubble schedules run apart); the rest of the step they wait for the
-  other stages (the bubble) or for their own sends: `idle_share(step_seconds)`.
+- `StageClock(runner, device)`: the time this rank's stages compute in a step (each micro-batch's forward and
+  backward, and the weights' backward the zero-bubble schedules run apart): `busy_seconds()`; the rest of the step
+  they wait for the other stages (the bubble) or for their own sends.
 - `expected_bubble(ranks, microbatches, stages_per_rank)`: GPipe's and 1F1B's idle share of a step, (N - 1) /
   (M + N - 1), the interleaved schedules' (N - 1) / (V M + N - 1).
 - `paused_toy(layers, width, seconds_per_image)`: a model whose compute takes a known time on any machine (each
@@ -29,6 +29,7 @@ micro-batches flowing through them; the price is the bubble, the time a stage wa
 
 import copy
 import dataclasses
+import itertools
 import time
 from typing import Callable
 
@@ -109,6 +110,20 @@ def layer_sizes(model, layers) -> list:
     return sizes
 
 
+def time_mark(cuda):
+    """A point in time: a recorded CUDA event on a GPU (no wait), the host clock on the CPU."""
+    if not cuda:
+        return time.perf_counter()
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
+
+
+def seconds_between(start, end, cuda):
+    """Seconds between two time_marks (on a GPU, once their events are done)."""
+    return start.elapsed_time(end) / 1e3 if cuda else end - start
+
+
 def layer_seconds(model, layers, sample, repeats=3) -> list:
     """Each layer's forward time on `sample` (a micro-batch's images), the median of `repeats` after a warm-up: on a
     GPU by CUDA events read once at the end, on the CPU by the host clock. Start-up work, not a step's."""
@@ -118,21 +133,14 @@ def layer_seconds(model, layers, sample, repeats=3) -> list:
         for attempt in range(1 + repeats):
             x, marks = sample, []
             for layer in layers:
-                if cuda:
-                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    start.record()
-                    x = layer.run(x)
-                    end.record()
-                    marks.append((start, end))
-                else:
-                    start = time.perf_counter()
-                    x = layer.run(x)
-                    marks.append((start, time.perf_counter()))
+                start = time_mark(cuda)
+                x = layer.run(x)
+                marks.append((start, time_mark(cuda)))
             if attempt:
                 runs.append(marks)
         if cuda:
             torch.cuda.synchronize(sample.device)  # once: the events' times are read below
-    seconds = [[(s.elapsed_time(e) / 1e3) if cuda else (e - s) for s, e in marks] for marks in runs]
+    seconds = [[seconds_between(start, end, cuda) for start, end in marks] for marks in runs]
     return [sorted(column)[len(column) // 2] for column in zip(*seconds)]
 
 
@@ -198,14 +206,14 @@ def prune(module, keep, prefix=""):
 
 class Stage(nn.Module):
     """Layers [first, last) of `model` (a model of its own: the rest of it is dropped) as one module, holding the
-    model's top-level modules, parameters and buffers under their own names."""
+    model's top-level modules that kept parameters or buffers, and its own, under their own names."""
 
     def __init__(self, model, layers, first, last):
         super().__init__()
         mine = range(first, last)
         prune(model, lambda path: owner(path, layers) in mine)
         for name, child in model._modules.items():
-            if child is not None and (any(True for _ in child.parameters()) or any(True for _ in child.buffers())):
+            if child is not None and any(True for _ in itertools.chain(child.parameters(), child.buffers())):
                 self.add_module(name, child)
         for name, parameter in model._parameters.items():
             if parameter is not None:
@@ -228,42 +236,34 @@ class Stage(nn.Module):
 
 
 class StageClock:
-    """The compute time of this rank's PipelineStages: each call of the per-micro-batch methods the schedules run
-    (forward, backward, the weights' backward) timed, on a GPU by CUDA events read once a step (`busy_seconds`,
-    after the step's synchronisation), on the CPU by the host clock."""
+    """The compute time of the PipelineStages a schedule (`runner`) runs on this rank: each call of the
+    per-micro-batch methods the schedules run (forward, backward, the weights' backward) timed, on a GPU by CUDA
+    events read once a step (`busy_seconds`, after the step's synchronisation), on the CPU by the host clock."""
 
     METHODS = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")
 
-    def __init__(self, stages, device):
+    def __init__(self, runner, device):
         self.cuda = device.type == "cuda"
-        self.spans = []  # this step's (start, end): events on a GPU, seconds on the host
+        self.spans = []  # this step's (start, end) time_marks
+        # PyTorch's schedules keep their stages privately: one stage, or a list for the looped schedules
+        stages = getattr(runner, "_stages", None) or [runner._stage]
         for stage in stages:
             for name in self.METHODS:
                 setattr(stage, name, self.timed(getattr(stage, name)))  # this stage's own: the schedule calls it
 
-    def now(self):
-        if not self.cuda:
-            return time.perf_counter()
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
-
     def timed(self, method):
         def run(*args, **kwargs):
-            start = self.now()
+            start = time_mark(self.cuda)
             try:
                 return method(*args, **kwargs)
             finally:
-                self.spans.append((start, self.now()))
+                self.spans.append((start, time_mark(self.cuda)))
 
         return run
 
     def busy_seconds(self):
         """This step's compute seconds, and a new step begins."""
-        if self.cuda:
-            busy = sum(start.elapsed_time(end) for start, end in self.spans) / 1e3
-        else:
-            busy = sum(end - start for start, end in self.spans)
+        busy = sum(seconds_between(start, end, self.cuda) for start, end in self.spans)
         self.spans = []
         return busy
 
@@ -282,7 +282,7 @@ def build_pipeline(
     layers), as PipelineStages over `group`, and the `schedule` running `microbatches` micro-batches through them
     with `loss_fn` on the last (gradients scaled by 1 / microbatches: a step's are the mean over its images, as one
     process's). `split`: "params" (balanced by parameters), "time" (by each layer's forward time on `sample`, a
-    micro-batch, measured on this rank: every rank must cut alike, so the ranks' times are averaged over `group`),
+    micro-batch, measured on this rank: every rank must cut alike, so the ranks' times are summed over `group`),
     or the layers where stages 2, 3... start. Returns (the schedule, the Stages)."""
     from torch.distributed import pipelining
 

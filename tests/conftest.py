@@ -96,6 +96,28 @@ def start_dlojz(*args, env=None, cwd=None):
     )
 
 
+def spawn_ranks(target, world, tmp_path, *args, timeout=300):
+    """Run target(rank, world, store_path, queue, *args) in `world` spawned processes that meet through a FileStore
+    under `tmp_path` (gloo); returns what they put in the queue, once every one has exited with status 0."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("spawn")  # never fork a process that has threads
+    queue = context.Queue()
+    workers = [
+        context.Process(target=target, args=(rank, world, str(tmp_path / "store"), queue, *args))
+        for rank in range(world)
+    ]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join(timeout=timeout)
+    found = []
+    while not queue.empty():
+        found.append(queue.get())
+    assert all(worker.exitcode == 0 for worker in workers), ([worker.exitcode for worker in workers], found)
+    return found
+
+
 def read_json(path):
     return json.loads(Path(path).read_text())
 

@@ -3,7 +3,6 @@ stages' state dicts to the model's; on 2 and 4 gloo processes every schedule tra
 lab (bench/pipeline_bubble.py) measures a bubble that shrinks as the micro-batches grow, as its formula says."""
 
 import copy
-import multiprocessing
 import traceback
 
 import pytest
@@ -144,22 +143,11 @@ def train_on_rank(rank, world, store_path, results, cases):
 
 
 def spawn(world, cases, tmp_path):
-    context = multiprocessing.get_context("spawn")
-    results = context.Queue()
-    workers = [
-        context.Process(target=train_on_rank, args=(rank, world, str(tmp_path / "store"), results, cases))
-        for rank in range(world)
-    ]
-    for worker in workers:
-        worker.start()
-    for worker in workers:
-        worker.join(timeout=300)
-    found = []
-    while not results.empty():
-        found.append(results.get())
+    from conftest import spawn_ranks
+
+    found = spawn_ranks(train_on_rank, world, tmp_path, cases)
     errors = [f"rank {r}: {text}" for r, kind, text, _ in found if kind == "error"]
     assert not errors, "\n".join(errors)
-    assert all(worker.exitcode == 0 for worker in workers), [worker.exitcode for worker in workers]
     return found
 
 

@@ -2,7 +2,6 @@
 and MaxViT give the single-process model's outputs, gradients and step, and their state dicts fused back are an
 ordinary model's."""
 
-import multiprocessing
 import traceback
 
 import pytest
@@ -89,23 +88,10 @@ def test_the_parallel_model_trains_as_one_process(tmp_path, kind, size, sequence
     rank's tokens and are summed over the group: a norm left out of the plan would train on half of them. CoAtNet and
     MaxViT: each rank adds its heads' slice of the relative position bias, whose table gets every head's gradient (a
     table trained on one rank's heads would part from the single process's)."""
-    context = multiprocessing.get_context("spawn")
-    failures = context.Queue()
-    workers = [
-        context.Process(
-            target=compare_on_rank, args=(rank, 2, str(tmp_path / "store"), failures, kind, size, sequence_parallel)
-        )
-        for rank in range(2)
-    ]
-    for worker in workers:
-        worker.start()
-    for worker in workers:
-        worker.join(timeout=240)
-    errors = []
-    while not failures.empty():
-        errors.append(failures.get())
+    from conftest import spawn_ranks
+
+    errors = spawn_ranks(compare_on_rank, 2, tmp_path, kind, size, sequence_parallel, timeout=240)
     assert not errors, "\n".join(errors)
-    assert all(worker.exitcode == 0 for worker in workers), [worker.exitcode for worker in workers]
 
 
 def test_the_fused_qkv_loads_and_the_parts_fuse_back():
