@@ -242,7 +242,7 @@ def evaluate_only(run, resumed_from, classes, val_set) -> dict:
     cfg, ranks, chrono, metrics, log = run.cfg, run.ranks, run.chrono, run.metrics, run.log
     chrono.validation()
     result = evaluate(
-        run.model.module,
+        run.model.evaluated,
         run.loaders,
         run.training,
         ranks,
@@ -299,14 +299,7 @@ def train_one_epoch(
         # MixUp/CutMix: soft labels, which the loss and the train accuracy take as they are
         images, targets = training.mix(images, labels) if training.mix is not None else (images, labels)
         optimizer_step = (batch_index + 1) % cfg.grad_acc == 0 or batch_index == loaders.n_train_batches - 1
-        with model.gradient_sync(optimizer_step):  # accumulating: gradients reduced at the last micro-batch only
-            with hooks.phase("forward"), stop.timing(), training.autocast():
-                model.begin_step()  # CUDA graphs: the last step's outputs may be overwritten
-                outputs = model.net(images)
-                with hooks.phase("loss"):
-                    loss = training.criterion(outputs, targets)
-            with hooks.phase("backward"), stop.collective("the gradient all-reduce", optimizer_step):
-                training.scaler.scale(loss / cfg.grad_acc).backward()
+        loss, accuracy = forward_backward(model, training, images, targets, cfg.grad_acc, hooks, stop, optimizer_step)
         if optimizer_step:
             with hooks.phase("optimizer_step"):  # (frozen layers dropped, clip, scaler step, zero_grad, EMA)
                 step_optimizer(model, training, cfg.clip_grad_norm, state.global_step + 1)
@@ -319,9 +312,7 @@ def train_one_epoch(
         if training.scheduler is not None:
             training.scheduler.step()
         with torch.no_grad():  # added on the device: no wait for the host
-            stats, count, first_nonfinite = step_stats(
-                loss, outputs, targets, labels, first_nonfinite, state.global_step
-            )
+            stats, count, first_nonfinite = step_stats(loss, accuracy, labels, first_nonfinite, state.global_step)
             progress.micro_step_done(stats)
             epoch_totals += stats
         if hooks.optimizer_step_done(loss, stats[1], count):  # the LR finder has swept its range
@@ -360,6 +351,27 @@ def train_one_epoch(
     return epoch_result(epoch_totals, stop_reason, ranks, stop)
 
 
+def forward_backward(model, training, images, targets, grad_acc, hooks, stop, optimizer_step):
+    """A micro-batch's forward, loss and backward, its gradients reduced across ranks at an optimizer step's; under
+    --pp the schedule's step (every micro-batch's forward and backward through the stages). Returns the loss and,
+    at an optimizer step, the accuracy (under --pp both the last stage's, on every stage)."""
+    if model.pipeline is not None:
+        with hooks.phase("pipeline"), stop.timing(), stop.collective("the pipeline's step"), training.autocast():
+            return model.pipeline.step(images, targets)
+    with model.gradient_sync(optimizer_step):  # accumulating: gradients reduced at the last micro-batch only
+        with hooks.phase("forward"), stop.timing(), training.autocast():
+            model.begin_step()  # CUDA graphs: the last step's outputs may be overwritten
+            outputs = model.net(images)
+            with hooks.phase("loss"):
+                loss = training.criterion(outputs, targets)
+        with hooks.phase("backward"), stop.collective("the gradient all-reduce", optimizer_step):
+            training.scaler.scale(loss / grad_acc).backward()
+    if not optimizer_step:
+        return loss, None
+    with torch.no_grad():
+        return loss, soft_target_accuracy(outputs, targets)
+
+
 def step_optimizer(model, training, clip_grad_norm, next_step):
     """An optimizer step: the frozen layers' gradients dropped, the clip, the (scaled) step, zero_grad, the EMA."""
     if training.drop_frozen_gradients is not None:  # frozen layers: out of the clip's norm and the scaler
@@ -374,14 +386,14 @@ def step_optimizer(model, training, clip_grad_norm, next_step):
         model.ema.update_parameters(model.module)
 
 
-def step_stats(loss, outputs, targets, labels, first_nonfinite, step):
+def step_stats(loss, accuracy, labels, first_nonfinite, step):
     """(the step's [loss sum, correct, images] on the device, its image count, the first step whose loss is not
     finite so far): a Python scalar or torch.full, as torch.tensor(x, device=cuda) would wait for the host."""
     count = float(labels.numel())
     stats = torch.stack(
         [
             loss.detach().double() * count,
-            soft_target_accuracy(outputs, targets).double() * count,
+            accuracy.double() * count,
             torch.full((), count, dtype=torch.float64, device=loss.device),
         ]
     )
@@ -420,9 +432,9 @@ def evaluate(
     the result's "confusion" is the [true, predicted] matrix of counts (on the CPU). `keep_predictions`: the
     result's "predictions" are (image index, label, top-5 classes, their probabilities) of every image, gathered
     from every rank on the CPU, in the data set's order."""
-    if ranks.enabled:  # BN statistics drift per rank in training: validate rank 0's model, as checkpointed
-        for buffer in net.buffers():
-            dist.broadcast(buffer, 0)
+    if ranks.enabled:  # BN statistics drift per data replica in training: validate the first's, as checkpointed
+        for buffer in net.buffers():  # (--tp, --pp: over the ranks holding the same part of the model)
+            dist.broadcast(buffer, group=ranks.data_group, group_src=0)
     net.eval()
     if stop is not None:
         stop.disarm()  # the first batch (compilation in eval mode) is not timed
@@ -523,7 +535,7 @@ def validate(run, epoch, train_seconds) -> dict:
     cfg, model, chrono, log = run.cfg, run.model, run.chrono, run.log
     where = (run.loaders, run.training, run.ranks, run.val_max_batches, run.stop, cfg.tta_flip)
     chrono.validation()
-    metrics = evaluate(model.module, *where, model.parallel == "fsdp")
+    metrics = evaluate(model.evaluated, *where, model.parallel == "fsdp")
     chrono.validation()
     if "stopped_by" in metrics:
         return metrics

@@ -165,6 +165,10 @@ class Config:
     fsdp_reshard_after_forward: bool | None  # set (default True) with --fsdp only
     tp: int  # tensor-parallel group size (1: none)
     sequence_parallel: bool  # --tp: the tokens split over the group between the matrix products
+    pp: int  # pipeline stages (1: none)
+    pp_schedule: str  # gpipe or 1f1b
+    pp_microbatches: int | None  # --pp: set (default 2 x pp) with --pp only
+    pp_split: str  # params, time, or the layers where stages 2, 3... start
     # logging, checkpoints, resume
     output_dir: str
     metrics_json: str | None
@@ -249,6 +253,17 @@ def fill_num_workers(values, cpus_per_task, notes):
         )
 
 
+def fill_parallel_defaults(values, notes):
+    """--fsdp's and --pp's defaults, where not given."""
+    if values["fsdp"] and values["fsdp_reshard_after_forward"] is None:
+        values["fsdp_reshard_after_forward"] = True
+    if values["pp"] > 1 and values["pp_microbatches"] is None:  # a bubble of (N - 1) / (3 N - 1): about a third
+        values["pp_microbatches"] = 2 * values["pp"]
+    if values["pp"] > 1 and values["drop_last"] is None:
+        values["drop_last"] = True
+        notes.append("--pp: the last incomplete batch of each epoch is dropped (the stages' buffers hold one shape)")
+
+
 def resolve_config(args) -> Config:
     """Fill the defaults that depend on the machine and check every flag; raise UserError on bad input."""
     import torch
@@ -285,8 +300,7 @@ def resolve_config(args) -> Config:
         values["amp"] = on_gpu
     if values["amp_dtype"] is None:  # FSDP: bfloat16, which needs no loss scaler across the shards
         values["amp_dtype"] = "float16" if on_gpu and not values["fsdp"] else "bfloat16"
-    if values["fsdp"] and values["fsdp_reshard_after_forward"] is None:
-        values["fsdp_reshard_after_forward"] = True
+    fill_parallel_defaults(values, notes)
     if values["tf32"] is None:
         values["tf32"] = on_gpu and torch.cuda.get_device_capability(torch_device)[0] >= 8
     elif values["tf32"] and not on_gpu:

@@ -48,10 +48,10 @@ class Distribution:
     hosts: tuple = ()  # every rank's host name, by rank (gathered once at start-up with several ranks)
     # The data dimension: with --tp, the ranks of a tensor-parallel group share one batch, so the samplers, the
     # images a step and the metrics' sums count data replicas, not ranks.
-    data_rank: int | None = None  # this rank's replica: rank, or with --tp rank // tp
-    data_size: int | None = None  # the replicas: world_size, or with --tp world_size // tp
+    data_rank: int | None = None  # this rank's replica: rank, or with --tp (--pp) rank // tp (pp)
+    data_size: int | None = None  # the replicas: world_size, or with --tp (--pp) world_size // tp (pp)
     data_group: object = None  # the process group of the replicas this rank sums metrics with (None: every rank)
-    mesh: object = None  # with --tp: the DeviceMesh ("data", "tensor")
+    mesh: object = None  # with --tp: the DeviceMesh ("data", "tensor"); with --pp ("data", "pipe")
 
     def __post_init__(self):
         self.data_rank = self.rank if self.data_rank is None else self.data_rank
@@ -412,20 +412,27 @@ def setup_distributed(cfg):
             device_id=device if device.type == "cuda" else None,
         )
     if cfg.tp > 1:
-        tensor_parallel_mesh(ranks, cfg.tp)
+        model_parallel_mesh(ranks, cfg.tp, "tensor", "--tp")
+    if cfg.pp > 1:
+        model_parallel_mesh(ranks, cfg.pp, "pipe", "--pp")
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
     return ranks, cfg
 
 
-def tensor_parallel_mesh(ranks, tp):
-    """--tp: the ranks as a (data, tensor) DeviceMesh, each group of `tp` consecutive ranks one tensor-parallel group
-    (on a node, over its fast links, when tp divides the GPUs per node), the groups the data replicas."""
+def model_parallel_mesh(ranks, size, dimension, flag):
+    """--tp or --pp: the ranks as a (data, `dimension`) DeviceMesh, each group of `size` consecutive ranks one
+    tensor-parallel group or one pipeline (on a node, over its fast links, when `size` divides the GPUs per node),
+    the groups the data replicas."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    if ranks.world_size % tp:
-        fail(f"--tp {tp}: this job has {ranks.world_size} rank(s), not a multiple of {tp}; give a --tp that divides it")
-    ranks.mesh = init_device_mesh(ranks.device.type, (ranks.world_size // tp, tp), mesh_dim_names=("data", "tensor"))
-    ranks.data_rank, ranks.data_size = ranks.mesh["data"].get_local_rank(), ranks.world_size // tp
+    if ranks.world_size % size:
+        fail(
+            f"{flag} {size}: this job has {ranks.world_size} rank(s), not a multiple of {size}; give a {flag} that "
+            "divides it"
+        )
+    shape = (ranks.world_size // size, size)
+    ranks.mesh = init_device_mesh(ranks.device.type, shape, mesh_dim_names=("data", dimension))
+    ranks.data_rank, ranks.data_size = ranks.mesh["data"].get_local_rank(), ranks.world_size // size
     ranks.data_group = ranks.mesh["data"].get_group()

@@ -187,12 +187,72 @@ def check_speed(values):
         fail("--sequence-parallel splits the tokens over a tensor-parallel group: add --tp N (and --fsdp)")
     if values["tp"] > 1 and values["loader_only"]:
         fail(f"--tp {values['tp']} splits the model, which --loader-only does not build: drop one of them")
+    check_pipeline(values)
     if values["fsdp_reshard_after_forward"] is not None and not values["fsdp"]:
         fail("--fsdp-reshard-after-forward/--no-fsdp-reshard-after-forward set how --fsdp shards: add --fsdp")
     if 0 < values["straggler_factor"] <= 1:
         fail(f"--straggler-factor {values['straggler_factor']:g}: above 1 (times the others' median), or 0 (off)")
     if 0 < values["hang_timeout"] < 5:
         fail(f"--hang-timeout {values['hang_timeout']:g}: at least 5 seconds (the ranks beat every few), or 0 (off)")
+
+
+def check_pipeline(values):
+    """--pp: what composes with the pipeline in dlojz.py, and the micro-batches."""
+    pp, flags = values["pp"], {k: values[k] for k in ("pp_microbatches", "pp_split")}
+    if pp == 1:
+        if values["pp_microbatches"] is not None or values["pp_split"] != "params" or values["pp_schedule"] != "1f1b":
+            fail("--pp-schedule, --pp-microbatches and --pp-split set how --pp N cuts the model: add --pp N")
+        return
+    if not values["fsdp"]:
+        # FSDP2 over the data dimension is the replication PyTorch's pipeline stages support (torchtitan's layout)
+        fail(
+            f"--pp {pp} runs with --fsdp over the data dimension (a data dimension of 1 rank is the pipeline "
+            "alone): add --fsdp"
+        )
+    refused = {
+        "tp": (values["tp"] > 1, "--tp with --pp (3-D) composes in tests/test_pipeline.py, not yet in dlojz.py"),
+        "loader_only": (values["loader_only"], "--loader-only does not build the model"),
+        "compile": (
+            values["compile"] or values["compile_mode"] is not None,
+            "torch.compile does not trace the schedule",
+        ),
+        "grad_checkpointing": (values["grad_checkpointing"], "the stages run their layers one by one, unrecomputed"),
+        "mixup_alpha": (
+            values["mixup_alpha"] > 0 or values["cutmix_alpha"] > 0,
+            "the first and last stages would have to mix alike",
+        ),
+        "findlr": (values["findlr"], "the LR range test is not wired to the schedule's step"),
+        "freeze_backbone_epochs": (bool(values["freeze_backbone_epochs"]), "the head is on the last stage alone"),
+        "layer_decay": (values["layer_decay"] is not None, "the layers' depths are counted on one stage alone"),
+    }
+    for name, (given, why) in refused.items():
+        if given:
+            fail(f"--pp {pp} with --{name.replace('_', '-')}: {why}; drop one of them")
+    if values["drop_last"] is False:
+        fail(f"--pp {pp} with --no-drop-last: the stages' buffers hold one batch shape; drop --no-drop-last")
+    if values["grad_acc"] > 1:
+        fail(
+            f"--pp {pp} with --grad-acc {values['grad_acc']}: the schedule already accumulates its micro-batches; for "
+            f"the same global batch and memory give -b {values['batch_size']} x {values['grad_acc']} and "
+            f"--pp-microbatches {values['grad_acc']} x M"
+        )
+    microbatches = flags["pp_microbatches"] or 2 * pp
+    if microbatches < pp:
+        fail(
+            f"--pp-microbatches {microbatches}: at least --pp {pp}, or the last stages never start before the first ends"
+        )
+    if values["batch_size"] is not None and values["batch_size"] % microbatches:
+        fail(f"--pp-microbatches {microbatches} must divide -b {values['batch_size']} (each micro-batch the same size)")
+    if flags["pp_split"] not in ("params", "time"):
+        try:
+            cuts = [int(part) for part in flags["pp_split"].split(",")]
+        except ValueError:
+            cuts = None
+        if cuts is None or len(cuts) != pp - 1:
+            fail(
+                f"--pp-split {flags['pp_split']}: params, time, or {pp - 1} layer indices separated by commas "
+                f"(where stages 2 to {pp} start)"
+            )
 
 
 def check_run_mode(values):

@@ -878,6 +878,39 @@ def get_args_parser():
         "residuals, dropouts on 1/N of them: 1/N of those activations, the same bytes sent)",
     )
 
+    p.add_argument(
+        "--pp",
+        type=COUNT,
+        default=1,
+        metavar="N",
+        help="pipeline parallelism over groups of N ranks (with --fsdp over the rest): the model cut into N\n"
+        "stages of consecutive layers (stem with the first, head and loss with the last), each batch split into\n"
+        "--pp-microbatches that flow through them (timm's ViT and CoAtNet/MaxViT, torchvision's ResNets and ViT)",
+    )
+    p.add_argument(
+        "--pp-schedule",
+        default="1f1b",
+        choices=("gpipe", "1f1b"),
+        help="--pp: the order the stages run the micro-batches in: all forwards then all backwards (gpipe), or\n"
+        "one forward one backward (1f1b: the same bubble, activations of N micro-batches at most); the\n"
+        "interleaved schedules are measured by bench/pipeline_bubble.py",
+    )
+    p.add_argument(
+        "--pp-microbatches",
+        type=COUNT,
+        default=None,
+        metavar="M",
+        help="--pp: micro-batches a batch is split into (at least N; default 2 N): the bubble, the time a stage\n"
+        "waits, is (N - 1) / (M + N - 1) of a step; -b must be a multiple of M",
+    )
+    p.add_argument(
+        "--pp-split",
+        default="params",
+        metavar="params|time|I,J,...",
+        help="--pp: where the stages are cut: balanced by parameters (default), by each layer's measured forward\n"
+        "time, or at the given layers (where stages 2, 3... start; layer 0 is the stem)",
+    )
+
     p = parser.add_argument_group("logging, checkpoints, resume")
     p.add_argument(
         "--output-dir",

@@ -37,6 +37,8 @@ BLOCK_SUFFIXES = (
     "EncoderLayer",
     "DecoderLayer",
 )
+# A sharded checkpoint's optimizer groups saved as a list (the first group's keys), not parameter by parameter
+NESTED_GROUPS = "optimizer.param_groups.0."
 # timm's optimizers step on sharded (DTensor) parameters; torch's fused SGD has no sharded kernel (the
 # foreach one is used), fused AdamW has one.
 UNFUSED_UNDER_FSDP = ("sgd",)
@@ -136,7 +138,7 @@ class ShardedCheckpointSaver:
 
     def save(self, position, best=False):
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
         self.wait()  # one checkpoint at a time, in order
         name = ckpt.checkpoint_name(position["epoch"], position["global_step"], sharded=True)
@@ -145,7 +147,10 @@ class ShardedCheckpointSaver:
             self.output_dir.mkdir(parents=True, exist_ok=True)
             shutil.rmtree(staging, ignore_errors=True)  # left by a run killed while writing
         dist.barrier()
-        model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
+        # --pp: each stage's optimizer has its own parameter groups; their settings are saved parameter by parameter
+        # (by name, torchtitan's layout), or the stages' groups would overwrite each other's
+        flat = StateDictOptions(flatten_optimizer_state_dict=self.fixed["args"].get("pp", 1) > 1)
+        model_state, optimizer_state = get_state_dict(self.model, self.optimizer, options=flat)
         future = dcp.async_save(
             {"model": model_state, "optimizer": optimizer_state}, checkpoint_id=staging, process_group=self._group
         )
@@ -180,10 +185,17 @@ def load_sharded(path, module, optimizer=None):
     """Load a sharded checkpoint's model (and optimizer) shards into the sharded `module` (and `optimizer`),
     whatever the number of ranks that wrote it. Every rank calls it."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict, set_model_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_state_dict,
+        set_model_state_dict,
+    )
 
     if optimizer is not None:
-        model_state, optimizer_state = get_state_dict(module, optimizer)
+        saved_keys = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+        flat = StateDictOptions(flatten_optimizer_state_dict=not any(k.startswith(NESTED_GROUPS) for k in saved_keys))
+        model_state, optimizer_state = get_state_dict(module, optimizer, options=flat)
         state = {"model": model_state, "optimizer": optimizer_state}
     else:
         state = {"model": get_model_state_dict(module)}
@@ -199,7 +211,9 @@ def set_optimizer_state(module, optimizer, state):
     optimizer: not an error."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
-    set_optimizer_state_dict(module, optimizer, state, options=StateDictOptions(strict=False))
+    flat = "param_groups" not in state  # saved parameter by parameter (--pp)
+    options = StateDictOptions(strict=False, flatten_optimizer_state_dict=flat)
+    set_optimizer_state_dict(module, optimizer, state, options=options)
 
 
 def load_full_weights(module, weights):

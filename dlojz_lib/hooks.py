@@ -3,7 +3,7 @@
 The loop calls the same few methods whatever is plugged in, so that it reads the same with or without them:
 
     for images, labels in hooks.loading(batches):     # "data_loading" phase around each next()
-        with hooks.phase("forward"): ...               # also "loss", "backward", "optimizer_step"
+        with hooks.phase("forward"): ...               # also "loss", "backward", "optimizer_step", "pipeline"
         hooks.step_done()                             # after each micro-batch
         if hooks.optimizer_step_done(loss, stats): break   # the LR finder has swept its range
 
@@ -25,8 +25,16 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-_CHRONO_OPENS = {"data_loading": "dataload", "forward": "forward", "backward": "backward"}
-_CHRONO_CLOSES = {"data_loading": "dataload", "forward": "forward"}  # "backward" closes in step_done
+# The chronometer's toggles each phase opens and closes. "backward" closes in step_done (with the optimizer step).
+# --pp's "pipeline" (the schedule's step: every micro-batch's forward and backward) is timed as the forward, and the
+# optimizer step that follows as the backward.
+_CHRONO_OPENS = {
+    "data_loading": ("dataload",),
+    "forward": ("forward",),
+    "backward": ("backward",),
+    "pipeline": ("forward",),
+}
+_CHRONO_CLOSES = {"data_loading": ("dataload",), "forward": ("forward",), "pipeline": ("forward", "backward")}
 
 
 class LoopHooks:
@@ -55,12 +63,12 @@ class LoopHooks:
 
     @contextlib.contextmanager
     def phase(self, name):
-        if name in _CHRONO_OPENS:
-            getattr(self.chrono, _CHRONO_OPENS[name])()
+        for toggle in _CHRONO_OPENS.get(name, ()):
+            getattr(self.chrono, toggle)()
         with torch.profiler.record_function(name) if self.profiler is not None else contextlib.nullcontext():
             yield
-        if name in _CHRONO_CLOSES:
-            getattr(self.chrono, _CHRONO_CLOSES[name])()
+        for toggle in _CHRONO_CLOSES.get(name, ()):
+            getattr(self.chrono, toggle)()
 
     def step_done(self):
         self.chrono.backward()  # closes the step: backward + optimizer step

@@ -32,6 +32,12 @@ class Model:
     unsharded: torch.nn.Module  # the model whole, for FLOP counts: `module`, or with --fsdp its meta-device copy
     cuda_graphs: bool = False  # compiled in a mode that replays CUDA graphs
     tensor_parallel: bool = False  # --tp: gradients on two meshes, (data, tensor) and data
+    pipeline: object = None  # --pp: the PipelineRun (also `net`): this rank's stage is `module`
+
+    @property
+    def evaluated(self):
+        """What validation runs: the model without its wrappers, or under --pp the pipeline (every rank its stage)."""
+        return self.module if self.pipeline is None else self.pipeline
 
     def begin_step(self):
         """Before a forward: under CUDA graphs, tells torch that the previous step's outputs are no longer used (their
@@ -42,8 +48,9 @@ class Model:
     def clip_grad_norm(self, max_norm):
         """Scale the gradients so that their global norm is at most `max_norm` (torch's clip_grad_norm_). Under --tp
         the split layers' gradients live on the (data, tensor) mesh and the replicated ones' on the data mesh, whose
-        DTensors do not combine: each mesh's norm is reduced apart, then the norms are, as torchtitan does."""
-        if not self.tensor_parallel:
+        DTensors do not combine: each mesh's norm is reduced apart, then the norms are, as torchtitan does; under
+        --pp, then the stages' norms."""
+        if not self.tensor_parallel and self.pipeline is None:
             return torch.nn.utils.clip_grad_norm_(self.module.parameters(), max_norm, foreach=True)
         from torch.distributed.tensor import DTensor
 
@@ -53,6 +60,8 @@ class Model:
                 by_mesh.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p)
         norms = [torch.nn.utils.get_total_norm([p.grad for p in group], foreach=True) for group in by_mesh.values()]
         total = torch.linalg.vector_norm(torch.stack([n.full_tensor() if isinstance(n, DTensor) else n for n in norms]))
+        if self.pipeline is not None:  # each stage holds its own layers' gradients
+            total = self.pipeline.norm_across_stages(total)
         for group in by_mesh.values():  # one mesh at a time: a DTensor operation takes one
             torch.nn.utils.clip_grads_with_norm_(group, max_norm, total, foreach=True)
         return total
@@ -116,6 +125,8 @@ def build_model(cfg, num_classes, ranks, log) -> Model:
             )
         ema = ModelEma(module, decay, cfg.model_ema_steps or 1, cfg.model_ema_warmup)
     net, parallel, unsharded = module, "none", module
+    if cfg.pp > 1:
+        return build_pipeline_model(cfg, module, ema, num_classes, ranks, log)
     if cfg.fsdp:
         from dlojz_lib.fsdp import shard_model
 
@@ -147,6 +158,46 @@ def build_model(cfg, num_classes, ranks, log) -> Model:
         log(f"torch.compile: mode {cfg.compile_mode or 'default'}")
     cuda_graphs = cfg.compile_mode in CUDA_GRAPH_MODES  # (a --compile-mode implies --compile)
     return Model(net, module, ema, num_classes, parallel, unsharded, cuda_graphs, cfg.tp > 1)
+
+
+def build_pipeline_model(cfg, module, ema, num_classes, ranks, log) -> Model:
+    """--pp: `module` cut into --pp stages, this rank's sharded by FSDP over the data dimension, run by the
+    schedule (dlojz_lib.pipeline)."""
+    from dlojz_lib.fsdp import shard_model
+    from dlojz_lib.pipeline import PipelineRun, build_pipeline
+
+    if cfg.grad_acc > 1 or cfg.batch_size % cfg.pp_microbatches:  # (--global-batch may have chosen them)
+        fail(
+            f"--pp {cfg.pp}: -b {cfg.batch_size} x --grad-acc {cfg.grad_acc} per rank; the schedule accumulates its "
+            f"--pp-microbatches {cfg.pp_microbatches} (which must divide -b) instead of --grad-acc: give a --global-batch "
+            "or -b that one step of the pipeline takes"
+        )
+    pipe = ranks.mesh["pipe"]
+    unsharded = meta_copy(module)
+    split = cfg.pp_split if cfg.pp_split in ("params", "time") else [int(i) for i in cfg.pp_split.split(",")]
+    micro = cfg.batch_size // cfg.pp_microbatches
+    sample = torch.randn(micro, 3, cfg.image_size, cfg.image_size) if split == "time" else None
+    blocks = []
+    run = None  # the PipelineRun, whose loss the schedule calls
+
+    def shard(stage):
+        blocks.append(shard_model(stage, cfg, ranks.device, ranks.mesh["data"]))
+
+    runner, (stage,) = build_pipeline(
+        module, cfg.arch, pipe.get_local_rank(), cfg.pp, cfg.pp_schedule, cfg.pp_microbatches,
+        lambda outputs, targets: run.loss(outputs, targets), ranks.device, pipe.get_group(), split=split,
+        sample=sample, wrap=shard,
+    )  # fmt: skip
+    run = PipelineRun(runner, stage, pipe.get_local_rank(), cfg.pp, pipe.get_group(), cfg.batch_size, num_classes)
+    layers = stage.names[0] if len(stage.names) == 1 else f"{stage.names[0]} to {stage.names[-1]}"
+    everyone = ranks.all_gather(f"{layers} ({sum(p.numel() for p in stage.parameters()):,} parameters)")
+    log(
+        f"pipeline: {cfg.pp} stages, schedule {cfg.pp_schedule}, {cfg.pp_microbatches} micro-batches of {micro} "
+        f"images a step (bubble (N - 1) / (M + N - 1) = {(cfg.pp - 1) / (cfg.pp_microbatches + cfg.pp - 1):.0%}); "
+        f"stages: {'; '.join(everyone[: cfg.pp])}; each sharded by FSDP ({blocks[0]} blocks) over "
+        f"{ranks.data_size} data replica{'s' if ranks.data_size > 1 else ''}"
+    )
+    return Model(run, stage, ema, num_classes, "fsdp", unsharded, False, False, run)
 
 
 def state_bytes_per_rank(model, training, ranks) -> dict:

@@ -221,6 +221,9 @@ class Stage(nn.Module):
         for name, buffer in model._buffers.items():
             if buffer is not None:
                 self.register_buffer(name, buffer, persistent=name not in model._non_persistent_buffers_set)
+        # The layers' forwards read the model's own parameters (a ViT's class token): one registry for both, so that
+        # what FSDP puts on the stage (its shards, then the gathered parameters in a forward) is what they read.
+        model._parameters, model._buffers = self._parameters, self._buffers
         self.runs = [layer.run for layer in layers[first:last]]
         self.names = [layer.name for layer in layers[first:last]]
         object.__setattr__(self, "model", model)  # the layers' forwards read it; not a submodule (no name prefix)
@@ -276,14 +279,15 @@ def expected_bubble(ranks, microbatches, stages_per_rank=1):
 
 def build_pipeline(
     model, arch, rank, pp, schedule, microbatches, loss_fn, device, group=None, stages_per_rank=1, split="params",
-    sample=None,
+    sample=None, wrap=None,
 ):  # fmt: skip
     """This rank's stages of `model` cut into pp x stages_per_rank stages (each a copy of `model` pruned to its
     layers), as PipelineStages over `group`, and the `schedule` running `microbatches` micro-batches through them
     with `loss_fn` on the last (gradients scaled by 1 / microbatches: a step's are the mean over its images, as one
     process's). `split`: "params" (balanced by parameters), "time" (by each layer's forward time on `sample`, a
     micro-batch, measured on this rank: every rank must cut alike, so the ranks' times are summed over `group`),
-    or the layers where stages 2, 3... start. Returns (the schedule, the Stages)."""
+    or the layers where stages 2, 3... start. `wrap`: called on each Stage before PyTorch's PipelineStage takes it
+    (dlojz.py shards it with FSDP over the data dimension). Returns (the schedule, the Stages)."""
     from torch.distributed import pipelining
 
     class_name, looped = SCHEDULES[schedule]
@@ -304,6 +308,8 @@ def build_pipeline(
     for index in range(rank, total, pp):
         copied = copy.deepcopy(model)
         module = Stage(copied, pipeline_layers(copied, arch), *bounds[index]).to(device)
+        if wrap is not None:
+            wrap(module)
         modules.append(module)
         stages.append(pipelining.PipelineStage(module, index, total, device, group=group))
     runner = getattr(pipelining, class_name)
@@ -334,6 +340,64 @@ def pipeline_eval(runner, rank, ranks, images, batch_size):
     target = torch.zeros(batch_size, dtype=torch.long, device=images.device) if last else None
     outputs = runner.eval(*(images,) if rank == 0 else (), target=target)
     return outputs[:count] if last else None
+
+
+class PipelineRun(nn.Module):
+    """The pipeline as dlojz.py trains and validates with it (--pp): this rank's stage (`stage`, FSDP-sharded over
+    the data dimension) of a model cut into `pp`, the schedule running it (`runner`), the pipeline's process group.
+    Validation calls it like a model; `train()`, `eval()` and `buffers()` are its stage's."""
+
+    def __init__(self, runner, stage, pipe_rank, pp, group, batch_size, num_classes):
+        super().__init__()
+        self.stage = stage
+        self.runner, self.pipe_rank, self.pp, self.group = runner, pipe_rank, pp, group
+        self.batch_size, self.num_classes = batch_size, num_classes
+        self.criterion = None  # the training loss, set once built (dlojz_lib.optim.training); the schedule's loss_fn
+
+    @property
+    def last(self):
+        return self.pipe_rank == self.pp - 1
+
+    def loss(self, outputs, targets):
+        return self.criterion(outputs, targets)
+
+    def step(self, images, targets):
+        """One training step of the schedule (forwards, backwards, gradients reduced over the data dimension by
+        FSDP); returns (the batch's mean loss, its accuracy) on every rank of the pipeline: the last stage's, which
+        alone has them, summed with the other stages' zeros by one all-reduce of two numbers (stream-ordered on a
+        GPU: no wait for the host)."""
+        from dlojz_lib.optim.losses import soft_target_accuracy
+
+        losses = []
+        outputs = self.runner.step(
+            *(images,) if self.pipe_rank == 0 else (), target=targets if self.last else None, losses=losses
+        )
+        figures = torch.zeros(2, device=images.device)
+        if self.last:
+            with torch.no_grad():
+                accuracy = soft_target_accuracy(outputs, targets)
+                figures = torch.stack([torch.stack(losses).mean().detach().float(), accuracy.float()])
+        torch.distributed.all_reduce(figures, group=self.group)
+        return figures[0], figures[1]
+
+    def forward(self, images):
+        """Validation's forward: the logits of `images` on every rank of the pipeline, computed by the schedule in
+        pieces of at most the training batch (its stages' buffers are made for it) and broadcast from the last."""
+        pieces = []
+        for piece in images.split(self.batch_size):
+            logits = pipeline_eval(self.runner, self.pipe_rank, self.pp, piece, self.batch_size)
+            if logits is None:
+                logits = torch.empty(piece.shape[0], self.num_classes, device=piece.device)
+            logits = logits.float().contiguous()
+            torch.distributed.broadcast(logits, group=self.group, group_src=self.pp - 1)
+            pieces.append(logits)
+        return torch.cat(pieces)
+
+    def norm_across_stages(self, norm):
+        """The gradients' global norm from this stage's: the squares summed over the pipeline."""
+        squared = norm.double() ** 2
+        torch.distributed.all_reduce(squared, group=self.group)
+        return squared.sqrt().to(norm.dtype)
 
 
 class Pause(torch.autograd.Function):

@@ -116,6 +116,7 @@ FREE = {
     "initial_checkpoint": "a weights file, checked there before the run and read when the model is made",
     "wandb_project": "a name W&B shows",
     "wandb_group": "a name W&B shows",
+    "pp_split": "params, time or layer indices, checked in flag_checks (tests/test_pipeline.py)",
 }
 
 

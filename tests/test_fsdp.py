@@ -193,16 +193,16 @@ def test_a_sharded_checkpoint_evaluates_on_one_rank_and_consolidates(runs, tiny_
     assert_one_line_error(proc, "a sharded checkpoint (written with --fsdp): add --fsdp, or make one ordinary")
 
 
-def stopped_mid_epoch(args, out):
-    """Two ranks of a sharded run (`args`) into `out`, Slurm's warning (SIGUSR1) to rank 0 once step 1 is logged:
-    both exit 0 and the newest checkpoint is a sharded one, mid-epoch. Returns it."""
+def stopped_mid_epoch(args, out, steps=5):
+    """Two ranks of a sharded run (`args`, `steps` a epoch) into `out`, Slurm's warning (SIGUSR1) to rank 0 once
+    step 1 is logged: both exit 0 and the newest checkpoint is a sharded one, mid-epoch. Returns it."""
     rank0, rank1 = start_ranks([*args, "--output-dir", out])
-    early = wait_for_line(rank0, "Epoch 1/1, Step 1/5")
+    early = wait_for_line(rank0, f"Epoch 1/1, Step 1/{steps}")
     rank0.send_signal(signal.SIGUSR1)
     log = early + rank0.communicate(timeout=300)[0] + rank1.communicate(timeout=300)[0]
     assert rank0.returncode == 0 and rank1.returncode == 0, log
     stopped = ckpt.load_latest(out)[0]
-    assert stopped["sharded_path"].endswith(".dcp") and 1 <= stopped["batch"] < 5, log
+    assert stopped["sharded_path"].endswith(".dcp") and 1 <= stopped["batch"] < steps, log
     return stopped
 
 

@@ -235,3 +235,122 @@ def test_the_day_4_table_s_pipeline_rows_hold_the_stages_bytes(tmp_path):
     assert rows[(4, "PP 2 x FSDP 2")]["parameter_bytes"] <= pipeline["parameter_bytes"] // 2 + 4 * 1024
     assert pipeline["activation_bytes"] < rows[(2, "FSDP")]["activation_bytes"]
     assert pipeline["bubble"] == pytest.approx(1 / 5)
+
+
+# ---------------------------------------------------------------------------------------------- dlojz.py --pp
+@pytest.fixture(scope="module")
+def runs(tiny_data, tmp_path_factory):
+    """The same training (global batch 16, 4 steps: the last incomplete batch dropped, as --pp does) as one process,
+    as a pipeline of 2 ranks under 1F1B (4 micro-batches, cut by parameters), under GPipe (2 micro-batches, cut at
+    layer 4), and on 4 ranks as 2 pipelines x 2 data replicas of 8 images, the gradients' global norm clipped to 0.1
+    (below a fresh ViT's), beside one process clipping too."""
+    from conftest import run_dlojz, show
+    from test_fsdp import BASE
+
+    out = tmp_path_factory.mktemp("pp")
+    common = [*BASE, "--data-root", tiny_data, "--num-workers", "0"]  # 4 ranks on 2 cores: no CPU for a worker
+    for name, ranks, flags in (
+        ("single", 1, ["-b", "16", "--drop-last"]),
+        ("1f1b", 2, ["-b", "16", "--fsdp", "--pp", "2"]),
+        ("gpipe", 2, ["-b", "16", "--fsdp", "--pp", "2", "--pp-schedule", "gpipe", "--pp-microbatches", "2",
+                      "--pp-split", "4"]),
+        ("single-clip", 1, ["-b", "16", "--drop-last", "--clip-grad-norm", "0.1"]),
+        ("pp-data-clip", 4, ["-b", "8", "--fsdp", "--pp", "2", "--pp-microbatches", "2", "--clip-grad-norm", "0.1"]),
+    ):  # fmt: skip
+        proc = run_dlojz(
+            *common, *flags, "--output-dir", out / name, "--metrics-json", out / f"{name}.json", ranks=ranks
+        )
+        assert proc.returncode == 0, show(proc)
+        (out / f"{name}.log").write_text(proc.stdout)
+    return out
+
+
+@pytest.mark.parametrize("name, reference", [("1f1b", "single"), ("gpipe", "single"), ("pp-data-clip", "single-clip")])
+def test_pp_trains_to_the_weights_of_one_process(runs, name, reference):
+    """`dlojz.py --fsdp --pp 2` under either schedule, and with 2 data replicas, reaches one process's weights after
+    4 SGD steps (float32 sums in another order); its checkpoint (each stage's shards) consolidates into an ordinary
+    model's, key for key; the loss and accuracy the log prints are the last stage's; validation sees each of the 15
+    images once, with one process's figures."""
+    from conftest import read_json
+    from test_fsdp import assert_same_weights, checkpoint
+
+    consolidated, one = checkpoint(runs / name), checkpoint(runs / reference)
+    assert_same_weights(consolidated["model"], one["model"], atol=1e-5)
+    # the stages' optimizer states, saved parameter by parameter, are one process's momentum buffers, in its groups
+    momentum = [{i: s["momentum_buffer"] for i, s in c["optimizer"]["state"].items()} for c in (consolidated, one)]
+    assert momentum[0].keys() == momentum[1].keys() and len(momentum[0]) == len(consolidated["model"])
+    assert all(torch.allclose(momentum[0][i], momentum[1][i], atol=1e-5) for i in momentum[0])
+    settings = [[{k: g[k] for k in ("params", "lr", "momentum", "weight_decay")} for g in c["optimizer"]["param_groups"]]
+                for c in (consolidated, one)]  # fmt: skip
+    assert settings[0] == settings[1]
+    metrics, single = read_json(runs / f"{name}.json"), read_json(runs / f"{reference}.json")
+    assert (metrics["steps"], metrics["global_batch_size"], metrics["val_images"]) == (4, 16, 15)
+    assert metrics["train_loss"] == pytest.approx(single["train_loss"], rel=1e-4)
+    assert metrics["val_accuracy"] == single["val_accuracy"]
+    assert metrics["val_loss"] == pytest.approx(single["val_loss"], rel=1e-4)
+    log = (runs / f"{name}.log").read_text()
+    stages = {
+        "1f1b": "stem to blocks.1 (133,056 parameters); blocks.2 to head (167,235 parameters)",
+        "gpipe": "stem to blocks.2 (",
+        "pp-data-clip": "over 2 data replicas",
+    }
+    assert stages[name] in next(line for line in log.splitlines() if line.startswith("pipeline: 2 stages")), log
+    schedule = {"1f1b": "schedule 1f1b, 4 micro-batches of 4", "gpipe": "schedule gpipe, 2 micro-batches of 8"}
+    assert schedule.get(name, "schedule 1f1b, 2 micro-batches of 4") in log
+
+
+def test_pp_clips_the_global_norm_across_stages(runs):
+    """--clip-grad-norm under --pp: each stage's norm, the squares summed over the pipeline: one process's clip (the
+    clip changed the run)."""
+    from test_fsdp import weights
+
+    clipped, unclipped = weights(runs / "pp-data-clip"), weights(runs / "single")
+    assert any(not torch.allclose(clipped[k], unclipped[k], atol=1e-4) for k in clipped)
+
+
+def test_a_pp_run_stopped_mid_epoch_resumes_to_the_same_weights(runs, tiny_data, tmp_path):
+    """Saved by a pipeline of 2 ranks after a step or two (each stage's shards in one DCP folder), resumed by the same
+    layout: the epoch goes on after the images already trained on, and the run ends on one process's weights."""
+    from conftest import run_dlojz, show
+    from test_fsdp import BASE, assert_same_weights, stopped_mid_epoch, weights
+
+    out = tmp_path / "run"
+    common = [*BASE, "--data-root", tiny_data, "--num-workers", "0", "-b", "16", "--fsdp", "--pp", "2"]
+    stopped_mid_epoch(common, out, steps=4)
+    proc = run_dlojz(*common, "--output-dir", out, "--resume", "auto", ranks=2)
+    assert proc.returncode == 0, show(proc)
+    assert_same_weights(weights(out), weights(runs / "single"), atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "flags, ranks, fragments",
+    [
+        (["--pp", "2"], 1, ["--pp 2 runs with --fsdp over the data dimension", "add --fsdp"]),
+        (["--pp", "2", "--fsdp", "--pp-microbatches", "1"], 1, ["--pp-microbatches 1: at least --pp 2"]),
+        (["--pp", "2", "--fsdp", "--pp-microbatches", "3"], 1, ["--pp-microbatches 3 must divide -b 8"]),
+        (
+            ["--pp", "2", "--fsdp", "--grad-acc", "2"],
+            1,
+            ["the schedule already accumulates", "--pp-microbatches 2 x M"],
+        ),
+        (["--pp", "2", "--fsdp", "--pp-split", "2,3"], 1, ["--pp-split 2,3: params, time, or 1 layer indices"]),
+        (["--pp-microbatches", "4"], 1, ["set how --pp N cuts the model: add --pp N"]),
+        (["--pp", "2", "--fsdp", "--no-drop-last"], 1, ["--pp 2 with --no-drop-last"]),
+        (["--pp", "2", "--fsdp", "--tp", "2"], 1, ["--pp 2 with --tp", "not yet in dlojz.py"]),
+        (["--pp", "3", "--fsdp", "--pp-microbatches", "4"], 4, ["--pp 3: this job has 4 rank(s), not a multiple of 3"]),
+        (["--pp", "2", "--fsdp", "--pp-split", "9"], 2, ["--pp-split", "9"]),
+        (
+            ["--pp", "2", "--fsdp", "--arch", "timm:test_resnet"],
+            2,
+            ["--arch timm:test_resnet has no pipeline split here"],
+        ),
+    ],
+)
+def test_what_pp_cannot_do_is_one_line(flags, ranks, fragments, tiny_data, tmp_path):
+    from conftest import run_dlojz
+    from test_dlojz import assert_one_line_error
+    from test_fsdp import BASE
+
+    proc = run_dlojz(*BASE, "--data-root", tiny_data, "--num-workers", "0", "-b", "8", *flags,
+                     "--output-dir", tmp_path / "run", ranks=ranks)  # fmt: skip
+    assert_one_line_error(proc, *fragments)

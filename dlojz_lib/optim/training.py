@@ -101,6 +101,8 @@ def build_training(cfg, model, n_train_batches, num_classes, ranks, log, class_c
         + (f" - {cfg.grad_acc} accumulated micro-batches per optimizer step" if cfg.grad_acc > 1 else "")
     )
     criterion, val_criterion = build_losses(cfg, class_counts, ranks.device, log)
+    if getattr(model, "pipeline", None) is not None:  # --pp: the schedule computes the loss on the last stage
+        model.pipeline.criterion = criterion
     # Fused steps (sgd, adamw): no host synchronisation with the float16 GradScaler (see build_optimizer); FSDP's
     # sharded parameters have no fused SGD (its foreach step is used, and bfloat16 needs no scaler).
     fused = not (cfg.fsdp and cfg.optimizer in UNFUSED_UNDER_FSDP)
