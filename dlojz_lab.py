@@ -4,6 +4,7 @@ search_log), for dlojz.
 
     python dlojz_lab.py sweep --name bs --grid batch-size=128,256 --grid channels-last=on,off [--launch slurm
         --gpus-per-node 1 --time 00:20:00 ...] -- --test --arch resnet50 --amp
+    python dlojz_lab.py sweep --name pp --nproc-per-node 2 --grid pp-microbatches=2,4,8 -- --test --fsdp --pp 2
     python dlojz_lab.py status bs                 # the sweep's jobs in the queue, the last line of each run's log
     python dlojz_lab.py compare runs/bs [runs/other ...]   # table, compare.csv and PNG plots (dlojz_lib/lab/report.py)
 
@@ -23,7 +24,7 @@ import sys
 from pathlib import Path
 
 from dlojz_lib.checks import OneLineArgumentParser
-from dlojz_lib.flags import VALIDATION_METRICS, WHOLE
+from dlojz_lib.flags import COUNT, VALIDATION_METRICS, WHOLE
 from dlojz_lib.lab.sweep import (
     SLURM_RESOURCES,
     LabError,
@@ -40,7 +41,9 @@ from dlojz_lib.lab.sweep import (
 
 def sweep_command(args) -> int:
     resources = {key: getattr(args, key) for key, _ in SLURM_RESOURCES if getattr(args, key) is not None}
-    sweep_dir = sweep(args.name, args.grid, args.dlojz_args, args.launch, args.sbatch, args.python, **resources)
+    sweep_dir = sweep(
+        args.name, args.grid, args.dlojz_args, args.launch, args.sbatch, args.python, args.nproc_per_node, **resources
+    )
     if args.launch == "local":
         done = [state for _, state in states(sweep_dir)]
         return 0 if all(state == "done" for state in done) else 1
@@ -80,6 +83,14 @@ def get_parser():
         "--python",
         default=None,
         help="the Python that runs each dlojz.py (default: the one running this, or the job's after dlojz_env.sh)",
+    )
+    s.add_argument(
+        "--nproc-per-node",
+        type=COUNT,
+        default=1,
+        metavar="N",
+        help="--launch local: each run as N processes (torchrun's --standalone), e.g. for --pp or --tp; on Slurm\n"
+        "the job's tasks are the ranks (--ntasks-per-node)",
     )
     s.add_argument("dlojz_args", nargs=argparse.REMAINDER, help="-- then dlojz.py's flags, common to every run")
     c = sub.add_parser("compare", help="one table, compare.csv and plots of one or more sweeps")

@@ -467,6 +467,10 @@ def report_run(run, progress, watchdog) -> dict:
         metrics["stragglers"] = watchdog.stragglers
     scaler = training.scaler
     metrics["grad_scaler_scale"] = scaler.get_scale() if scaler.is_enabled() else None  # float16 loss scale
+    pipeline = run.model.pipeline
+    if pipeline is not None and pipeline.steps:  # --pp under the chronometer: each stage's busy and idle time
+        line, metrics["pipeline"] = pipeline.bubble_report(ranks)
+        run.log(f">>> {line}")
     ctx = None
     if cfg.test and ranks.is_main:
         ctx = chrono_context(cfg, run.model, run.loaders, ranks, metrics, run.val_max_batches)

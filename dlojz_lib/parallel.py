@@ -189,6 +189,8 @@ def build_pipeline_model(cfg, module, ema, num_classes, ranks, log) -> Model:
         sample=sample, wrap=shard,
     )  # fmt: skip
     run = PipelineRun(runner, stage, pipe.get_local_rank(), cfg.pp, pipe.get_group(), cfg.batch_size, num_classes)
+    if cfg.test:  # the chronometer's run: the stages' compute and idle time, for the bubble
+        run.time_steps(ranks.device, cfg.pp_schedule, cfg.pp_microbatches)
     layers = stage.names[0] if len(stage.names) == 1 else f"{stage.names[0]} to {stage.names[-1]}"
     everyone = ranks.all_gather(f"{layers} ({sum(p.numel() for p in stage.parameters()):,} parameters)")
     log(

@@ -264,11 +264,14 @@ class StageClock:
 
         return run
 
+    def take_spans(self):
+        """This step's (start, end) time marks, and a new step begins."""
+        spans, self.spans = self.spans, []
+        return spans
+
     def busy_seconds(self):
-        """This step's compute seconds, and a new step begins."""
-        busy = sum(seconds_between(start, end, self.cuda) for start, end in self.spans)
-        self.spans = []
-        return busy
+        """This step's compute seconds, and a new step begins (on a GPU, once the step's work is done)."""
+        return sum(seconds_between(start, end, self.cuda) for start, end in self.take_spans())
 
 
 def expected_bubble(ranks, microbatches, stages_per_rank=1):
@@ -353,6 +356,12 @@ class PipelineRun(nn.Module):
         self.runner, self.pipe_rank, self.pp, self.group = runner, pipe_rank, pp, group
         self.batch_size, self.num_classes = batch_size, num_classes
         self.criterion = None  # the training loss, set once built (dlojz_lib.optim.training); the schedule's loss_fn
+        self.clock, self.steps = None, []  # time_steps(): the stage's compute, and each step's marks
+
+    def time_steps(self, device, schedule, microbatches):
+        """Keep each step's length and this rank's compute in it (time marks: CUDA events on a GPU, read at the run's
+        end, so no step waits for the host), for `bubble_report` (the chronometer's runs, --test)."""
+        self.clock, self.schedule, self.microbatches = StageClock(self.runner, device), schedule, microbatches
 
     @property
     def last(self):
@@ -369,9 +378,12 @@ class PipelineRun(nn.Module):
         from dlojz_lib.optim.losses import soft_target_accuracy
 
         losses = []
+        start = time_mark(self.clock.cuda) if self.clock is not None else None
         outputs = self.runner.step(
             *(images,) if self.pipe_rank == 0 else (), target=targets if self.last else None, losses=losses
         )
+        if self.clock is not None:
+            self.steps.append((start, time_mark(self.clock.cuda), self.clock.take_spans()))
         figures = torch.zeros(2, device=images.device)
         if self.last:
             with torch.no_grad():
@@ -392,6 +404,35 @@ class PipelineRun(nn.Module):
             torch.distributed.broadcast(logits, group=self.group, group_src=self.pp - 1)
             pieces.append(logits)
         return torch.cat(pieces)
+
+    def bubble_report(self, ranks):
+        """(a line, its figures): each stage's compute and idle time per step (the medians over the timed steps after
+        the first, which makes the stages' buffers), the bubble (the largest idle share of a step) beside its
+        formula. Every rank calls it (it gathers the stages' times)."""
+        import statistics
+
+        if self.clock.cuda:
+            torch.cuda.synchronize()  # the run's end: the last events recorded
+        timed = self.steps[1:] or self.steps
+        cuda = self.clock.cuda
+        busy = statistics.median(sum(seconds_between(a, b, cuda) for a, b in spans) for _, _, spans in timed)
+        step = statistics.median(seconds_between(start, end, cuda) for start, end, _ in timed)
+        stages = ranks.all_gather((self.pipe_rank, busy, step))[: self.pp]  # the first pipeline's ranks
+        rows = [dict(stage=i + 1, compute_s=b, step_s=t, idle_share=max(0.0, 1 - b / t)) for i, b, t in stages]
+        bubble = max(row["idle_share"] for row in rows)
+        expected = expected_bubble(self.pp, self.microbatches)
+        line = (
+            f"pipeline ({self.schedule}, {self.pp} stages, {self.microbatches} micro-batches; medians of {len(timed)} "
+            "steps): "
+            + "; ".join(
+                f"stage {r['stage']} computes {r['compute_s'] * 1e3:.1f} ms of a {r['step_s'] * 1e3:.1f} ms step "
+                f"(idle {r['idle_share']:.0%})"
+                for r in rows
+            )
+            + f"; bubble {bubble:.2f} (the largest idle share), {expected:.2f} by (N - 1) / (M + N - 1); the "
+            "chronometer's forward below is the schedule's whole step"
+        )
+        return line, dict(stages=rows, bubble=bubble, expected_bubble=expected, schedule=self.schedule)
 
     def norm_across_stages(self, norm):
         """The gradients' global norm from this stage's: the squares summed over the pipeline."""

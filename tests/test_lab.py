@@ -155,6 +155,18 @@ def test_a_bad_grid_is_one_line_before_anything_runs(tmp_path, monkeypatch, caps
     assert not (tmp_path / "runs").exists()  # nothing written, nothing run
 
 
+def test_ranks_started_by_the_lab_on_slurm_are_one_line_before_anything_runs(tmp_path, monkeypatch, capsys):
+    """--nproc-per-node starts a local run's ranks; on Slurm the job's tasks are them: said in one line."""
+    monkeypatch.chdir(tmp_path)
+    argv = ["sweep", "--name", "n", "--launch", "slurm", "--nproc-per-node", "2", "--grid=batch-size=4,8", "--"]
+    assert dlojz_lab.main(argv) == 2
+    err = capsys.readouterr().err
+    assert (
+        err.count("\n") == 1 and "--nproc-per-node 2 starts local runs' ranks" in err and "--ntasks-per-node 2" in err
+    )
+    assert not (tmp_path / "runs").exists()
+
+
 def test_a_python_that_is_not_there_is_one_line_before_anything_runs(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     assert dlojz_lab.main(["sweep", "--name", "p", "--python", "venv/bin/pyhton", "--grid=batch-size=4,8", "--"]) == 2

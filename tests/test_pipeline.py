@@ -354,3 +354,37 @@ def test_what_pp_cannot_do_is_one_line(flags, ranks, fragments, tiny_data, tmp_p
     proc = run_dlojz(*BASE, "--data-root", tiny_data, "--num-workers", "0", "-b", "8", *flags,
                      "--output-dir", tmp_path / "run", ranks=ranks)  # fmt: skip
     assert_one_line_error(proc, *fragments)
+
+
+def test_the_lab_sweeps_schedules_and_prints_each_run_s_bubble(tiny_data, tmp_path):
+    """`dlojz_lab.py sweep --nproc-per-node 2` over --pp-schedule: each run's two ranks started by torchrun, each
+    run's chronometer line gives every stage's compute and idle time per step and the bubble beside its formula, and
+    `compare` tabulates both beside the img/s."""
+    import csv
+    import json
+
+    from conftest import show
+    from test_fsdp import BASE
+    from test_lab import lab
+
+    grid = ["--grid", "pp-schedule=gpipe,1f1b"]
+    flags = [*BASE, "--data-root", tiny_data, "--num-workers", "0", "-b", "16", "--fsdp", "--pp", "2", "--test",
+             "--test-nsteps", "4", "--pp-microbatches", "8"]  # fmt: skip
+    proc = lab("sweep", "--name", "pp", "--nproc-per-node", "2", *grid, "--", *flags, cwd=tmp_path)
+    assert proc.returncode == 0, show(proc)
+    proc = lab("compare", "runs/pp", cwd=tmp_path)
+    assert proc.returncode == 0, show(proc)
+    assert "bubble %" in proc.stdout and "formula %" in proc.stdout, proc.stdout
+    with open(tmp_path / "runs" / "pp" / "compare.csv", newline="") as file:
+        rows = {row["pp-schedule"]: row for row in csv.DictReader(file)}
+    for schedule in ("gpipe", "1f1b"):
+        run = tmp_path / "runs" / "pp" / f"pp-schedule={schedule}"
+        pipeline = json.loads((run / "metrics.json").read_text())["pipeline"]
+        assert pipeline["schedule"] == schedule and pipeline["expected_bubble"] == pytest.approx(1 / 9)
+        assert [stage["stage"] for stage in pipeline["stages"]] == [1, 2]
+        assert all(0 < s["compute_s"] <= s["step_s"] * 1.05 for s in pipeline["stages"]), pipeline
+        assert float(rows[schedule]["bubble"]) == pytest.approx(pipeline["bubble"])
+        assert float(rows[schedule]["img_s"]) > 0
+        log = (run / "log.txt").read_text()
+        assert f">>> pipeline ({schedule}, 2 stages, 8 micro-batches; medians of 3 steps): stage 1 computes" in log
+        assert "0.11 by (N - 1) / (M + N - 1)" in log and "Training on 1 nodes and 2 processes (TorchElastic)" in log

@@ -31,6 +31,8 @@ COLUMNS = [
     ("mfu", "MFU %", ("chrono", "mfu")),
     ("peak_memory_gib", "peak GiB", ("chrono", "peak_memory_bytes"), ("max_memory_bytes",)),
     ("energy_j_per_image", "J/img", ("chrono", "energy_per_image_j")),
+    ("bubble", "bubble %", ("pipeline", "bubble")),
+    ("expected_bubble", "formula %", ("pipeline", "expected_bubble")),
     ("val_top1", "top-1", ("val_accuracy",)),
     ("val_top5", "top-5", ("val_top5_accuracy",)),
     ("val_balanced_accuracy", "bal. acc.", ("val_balanced_accuracy",)),
@@ -39,7 +41,16 @@ COLUMNS = [
 ]
 FIGURES = [column for column, *_ in COLUMNS]
 SCALE = {"step_ms": 1e3, "load_ms": 1e3, "forward_ms": 1e3, "backward_ms": 1e3, "peak_memory_gib": 2**-30}
-PERCENT = {"load_share", "mfu", "val_top1", "val_top5", "val_balanced_accuracy", "val_macro_f1"}
+PERCENT = {
+    "bubble",
+    "expected_bubble",
+    "load_share",
+    "mfu",
+    "val_top1",
+    "val_top5",
+    "val_balanced_accuracy",
+    "val_macro_f1",
+}
 
 
 def _lookup(metrics: dict, path: tuple):

@@ -163,10 +163,16 @@ def run_one(sweep_dir: Path, index: int) -> int:
     job = os.environ.get("SLURM_ARRAY_JOB_ID") or os.environ.get("SLURM_JOB_ID")  # the array's id, in a task
     started = time.time()
     write_status(run_dir, state="running", started=started, job=job)
-    launcher = ["srun", "--kill-on-bad-exit=1"] if os.environ.get("SLURM_JOB_ID") else []
+    python = sweep.get("python") or sys.executable
+    command = [python, "-u", str(ROOT / "dlojz.py"), *run["argv"]]
+    if os.environ.get("SLURM_JOB_ID"):
+        command = ["srun", "--kill-on-bad-exit=1", *command]
+    elif sweep.get("nproc_per_node", 1) > 1:  # the ranks on this machine, as torchrun starts them
+        ranks = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(sweep["nproc_per_node"])]
+        command = [python, "-u", *ranks, *command[2:]]
     with open(run_dir / "log.txt", "ab") as log:
         proc = subprocess.Popen(
-            [*launcher, sweep.get("python") or sys.executable, "-u", str(ROOT / "dlojz.py"), *run["argv"]],
+            command,
             cwd=sweep.get("cwd") or None,  # where the sweep was asked: the flags' relative paths start there
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -259,11 +265,19 @@ def sweep_on_slurm(sweep_dir: Path, sweep: dict, resources: dict) -> None:
 
 
 def sweep(
-    name: str, grid: dict, dlojz_args: list[str], launch: str = "local", sbatch=(), python=None, **resources
+    name: str,
+    grid: dict,
+    dlojz_args: list[str],
+    launch: str = "local",
+    sbatch=(),
+    python=None,
+    nproc_per_node=1,
+    **resources,
 ) -> Path:
     """The sweep as a Python call (what the notebook uses): `grid` {flag: [values]}, `resources` the Slurm flags'
     names (partition, account, qos, time, nodes, ntasks_per_node, gpus_per_node, cpus_per_task, constraint),
-    `python` the Python that runs each dlojz.py (by default the one that runs the lab, or the job's).
+    `python` the Python that runs each dlojz.py (by default the one that runs the lab, or the job's);
+    `nproc_per_node`: each local run as that many processes (torchrun --standalone).
     Runs it here or submits it; returns its folder. Raises LabError on bad input, before anything runs."""
     unknown = set(resources) - {key for key, _ in SLURM_RESOURCES}
     if unknown:
@@ -276,7 +290,13 @@ def sweep(
     found = None if python is None else shutil.which(python)
     if python is not None and found is None:
         raise LabError(f"--python {python}: not an executable; give the path of the Python that runs dlojz.py")
+    if nproc_per_node > 1 and launch != "local":
+        raise LabError(
+            f"--nproc-per-node {nproc_per_node} starts local runs' ranks; on Slurm the job's tasks are the ranks: "
+            f"give --ntasks-per-node {nproc_per_node} (and --gpus-per-node)"
+        )
     plan = plan_sweep(name, parse_grid(texts), list(map(str, dlojz_args)))
+    plan["nproc_per_node"] = nproc_per_node
     sweep_dir = RUNS / name
     if (sweep_dir / "sweep.json").exists():
         raise LabError(f"{sweep_dir} holds a sweep already: choose another --name, or delete that folder")
