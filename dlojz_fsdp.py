@@ -64,9 +64,11 @@ def consolidate(source, target):
     finally:
         whole.unlink(missing_ok=True)
     if args.get("tp", 1) > 1:  # --tp held timm's fused qkv as q, k and v: an ordinary model's again
-        from dlojz_lib.tensor_parallel import fused_optimizer_state, fused_state_dict
+        from dlojz_lib.tensor_parallel import fused_flat_optimizer_state, fused_optimizer_state, fused_state_dict
 
-        state.update(model=fused_state_dict(state["model"]), optimizer=fused_optimizer_state(state["optimizer"]))
+        flat = "param_groups" not in state["optimizer"]  # saved parameter by parameter (--pp)
+        fuse = fused_flat_optimizer_state if flat else fused_optimizer_state
+        state.update(model=fused_state_dict(state["model"]), optimizer=fuse(state["optimizer"]))
     module.load_state_dict(state["model"])
     set_optimizer_state(module, optimizer, state["optimizer"])
     full = {key: value for key, value in saved.items() if key != "sharded_path"}

@@ -48,10 +48,10 @@ class Distribution:
     hosts: tuple = ()  # every rank's host name, by rank (gathered once at start-up with several ranks)
     # The data dimension: with --tp, the ranks of a tensor-parallel group share one batch, so the samplers, the
     # images a step and the metrics' sums count data replicas, not ranks.
-    data_rank: int | None = None  # this rank's replica: rank, or with --tp (--pp) rank // tp (pp)
-    data_size: int | None = None  # the replicas: world_size, or with --tp (--pp) world_size // tp (pp)
+    data_rank: int | None = None  # this rank's replica: rank, or with --tp and --pp rank // (tp x pp)
+    data_size: int | None = None  # the replicas: world_size, or with --tp and --pp world_size // (tp x pp)
     data_group: object = None  # the process group of the replicas this rank sums metrics with (None: every rank)
-    mesh: object = None  # with --tp: the DeviceMesh ("data", "tensor"); with --pp ("data", "pipe")
+    mesh: object = None  # with --tp or --pp: the DeviceMesh ("data", "pipe", "tensor"), less the dimensions of 1
 
     def __post_init__(self):
         self.data_rank = self.rank if self.data_rank is None else self.data_rank
@@ -411,28 +411,33 @@ def setup_distributed(cfg):
             world_size=1,
             device_id=device if device.type == "cuda" else None,
         )
-    if cfg.tp > 1:
-        model_parallel_mesh(ranks, cfg.tp, "tensor", "--tp")
-    if cfg.pp > 1:
-        model_parallel_mesh(ranks, cfg.pp, "pipe", "--pp")
+    if cfg.tp > 1 or cfg.pp > 1:
+        model_parallel_mesh(ranks, cfg.pp, cfg.tp)
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
     return ranks, cfg
 
 
-def model_parallel_mesh(ranks, size, dimension, flag):
-    """--tp or --pp: the ranks as a (data, `dimension`) DeviceMesh, each group of `size` consecutive ranks one
-    tensor-parallel group or one pipeline (on a node, over its fast links, when `size` divides the GPUs per node),
-    the groups the data replicas."""
+def model_parallel_mesh(ranks, pp, tp):
+    """--pp and --tp: the ranks as a DeviceMesh (data, pipe, tensor) without the dimensions of size 1, the tensor
+    dimension innermost (a tensor-parallel group: `tp` consecutive ranks, on a node over its fast links when tp
+    divides the GPUs per node), then the pipeline's stages, the data replicas outermost."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    if ranks.world_size % size:
-        fail(
-            f"{flag} {size}: this job has {ranks.world_size} rank(s), not a multiple of {size}; give a {flag} that "
-            "divides it"
+    copy = pp * tp  # the ranks that hold one copy of the model
+    if ranks.world_size % copy:
+        flag = f"--pp {pp} x --tp {tp} = {copy}" if pp > 1 and tp > 1 else f"--pp {pp}" if pp > 1 else f"--tp {tp}"
+        what = (
+            "a --pp and a --tp whose product divides it"
+            if pp > 1 and tp > 1
+            else f"a {flag.split()[0]} that divides it"
         )
-    shape = (ranks.world_size // size, size)
-    ranks.mesh = init_device_mesh(ranks.device.type, shape, mesh_dim_names=("data", dimension))
-    ranks.data_rank, ranks.data_size = ranks.mesh["data"].get_local_rank(), ranks.world_size // size
+        fail(f"{flag}: this job has {ranks.world_size} rank(s), not a multiple of {copy}; give {what}")
+    dims = [("data", ranks.world_size // copy), ("pipe", pp), ("tensor", tp)]
+    dims = [dims[0]] + [(name, size) for name, size in dims[1:] if size > 1]
+    ranks.mesh = init_device_mesh(
+        ranks.device.type, tuple(size for _, size in dims), mesh_dim_names=tuple(name for name, _ in dims)
+    )
+    ranks.data_rank, ranks.data_size = ranks.mesh["data"].get_local_rank(), ranks.world_size // copy
     ranks.data_group = ranks.mesh["data"].get_group()

@@ -210,13 +210,12 @@ def check_pipeline(values):
             "alone): add --fsdp"
         )
     refused = {
-        "tp": (values["tp"] > 1, "--tp with --pp (3-D) composes in tests/test_pipeline.py, not yet in dlojz.py"),
+        "sequence_parallel": (values["sequence_parallel"], "the stages send whole activations, not token shards"),
         "loader_only": (values["loader_only"], "--loader-only does not build the model"),
         "compile": (
             values["compile"] or values["compile_mode"] is not None,
             "torch.compile does not trace the schedule",
         ),
-        "grad_checkpointing": (values["grad_checkpointing"], "the stages run their layers one by one, unrecomputed"),
         "mixup_alpha": (
             values["mixup_alpha"] > 0 or values["cutmix_alpha"] > 0,
             "the first and last stages would have to mix alike",

@@ -303,8 +303,12 @@ def memory_line(metrics):
     )
     peaks = metrics["peak_memory_bytes_per_rank"]
     ranks = f"{len(peaks)} rank{'s' if len(peaks) > 1 else ''}"
-    tp = metrics.get("tensor_parallel_size", 1)
+    tp, pp = metrics.get("tensor_parallel_size", 1), metrics.get("pipeline_size", 1)
+    split = f" x TP {tp}" if tp > 1 else ""
     how = {
+        "pp": f"PP {pp}{split} x FSDP {len(peaks) // (pp * tp)}: a stage each"
+        + (f", its blocks split over groups of {tp}" if tp > 1 else "")
+        + ", sharded over the replicas",
         "fsdp": f"FSDP, sharded over {ranks}",
         "ddp": f"DDP, a full copy on each of {ranks}",
         "none": "one process",

@@ -181,12 +181,16 @@ def build_pipeline_model(cfg, module, ema, num_classes, ranks, log) -> Model:
     run = None  # the PipelineRun, whose loss the schedule calls
 
     def shard(stage):
+        if cfg.tp > 1:  # 3-D: the stage's blocks split over the tensor dimension first, as --tp's 2-D
+            from dlojz_lib.tensor_parallel import parallelize
+
+            parallelize(stage, ranks.mesh["tensor"], cfg.arch)
         blocks.append(shard_model(stage, cfg, ranks.device, ranks.mesh["data"]))
 
     runner, (stage,) = build_pipeline(
         module, cfg.arch, pipe.get_local_rank(), cfg.pp, cfg.pp_schedule, cfg.pp_microbatches,
         lambda outputs, targets: run.loss(outputs, targets), ranks.device, pipe.get_group(), split=split,
-        sample=sample, wrap=shard,
+        sample=sample, wrap=shard, recompute=cfg.grad_checkpointing,
     )  # fmt: skip
     run = PipelineRun(runner, stage, pipe.get_local_rank(), cfg.pp, pipe.get_group(), cfg.batch_size, num_classes)
     if cfg.test:  # the chronometer's run: the stages' compute and idle time, for the bubble
@@ -196,10 +200,13 @@ def build_pipeline_model(cfg, module, ema, num_classes, ranks, log) -> Model:
     log(
         f"pipeline: {cfg.pp} stages, schedule {cfg.pp_schedule}, {cfg.pp_microbatches} micro-batches of {micro} "
         f"images a step (bubble (N - 1) / (M + N - 1) = {(cfg.pp - 1) / (cfg.pp_microbatches + cfg.pp - 1):.0%}); "
-        f"stages: {'; '.join(everyone[: cfg.pp])}; each sharded by FSDP ({blocks[0]} blocks) over "
+        f"stages: {'; '.join(everyone[: cfg.pp * cfg.tp : cfg.tp])}; each"
+        f"{f' split over {cfg.tp} ranks by the tensor-parallel plan and' if cfg.tp > 1 else ''} sharded by FSDP "
+        f"({blocks[0]} blocks) over "
         f"{ranks.data_size} data replica{'s' if ranks.data_size > 1 else ''}"
+        f"{'; each layer recomputed in the backward (--grad-checkpointing)' if cfg.grad_checkpointing else ''}"
     )
-    return Model(run, stage, ema, num_classes, "fsdp", unsharded, False, False, run)
+    return Model(run, stage, ema, num_classes, "fsdp", unsharded, False, cfg.tp > 1, run)
 
 
 def state_bytes_per_rank(model, training, ranks) -> dict:
@@ -211,6 +218,8 @@ def state_bytes_per_rank(model, training, ranks) -> dict:
     every = ranks.all_gather(local) if ranks.enabled else [local]
     result = {f"{key}_per_rank": max(rank[key] for rank in every) for key in local if key != "peak_memory_bytes"}
     result["peak_memory_bytes_per_rank"] = [rank["peak_memory_bytes"] for rank in every]
-    result["parallel"] = "tp" if model.tensor_parallel else model.parallel
-    result["tensor_parallel_size"] = ranks.world_size // ranks.data_size
+    pp = model.pipeline.pp if model.pipeline is not None else 1
+    result["parallel"] = "pp" if pp > 1 else "tp" if model.tensor_parallel else model.parallel
+    result["tensor_parallel_size"] = ranks.world_size // ranks.data_size // pp
+    result["pipeline_size"] = pp
     return result

@@ -206,9 +206,11 @@ def prune(module, keep, prefix=""):
 
 class Stage(nn.Module):
     """Layers [first, last) of `model` (a model of its own: the rest of it is dropped) as one module, holding the
-    model's top-level modules that kept parameters or buffers, and its own, under their own names."""
+    model's top-level modules that kept parameters or buffers, and its own, under their own names. `recompute`
+    (--grad-checkpointing): each layer's activations are dropped after its forward and computed again in the
+    backward (PyTorch's non-reentrant checkpoint), its input alone kept."""
 
-    def __init__(self, model, layers, first, last):
+    def __init__(self, model, layers, first, last, recompute=False):
         super().__init__()
         mine = range(first, last)
         prune(model, lambda path: owner(path, layers) in mine)
@@ -225,6 +227,10 @@ class Stage(nn.Module):
         # what FSDP puts on the stage (its shards, then the gathered parameters in a forward) is what they read.
         model._parameters, model._buffers = self._parameters, self._buffers
         self.runs = [layer.run for layer in layers[first:last]]
+        if recompute:
+            from torch.utils.checkpoint import checkpoint
+
+            self.runs = [lambda x, run=run: checkpoint(run, x, use_reentrant=False) for run in self.runs]
         self.names = [layer.name for layer in layers[first:last]]
         object.__setattr__(self, "model", model)  # the layers' forwards read it; not a submodule (no name prefix)
 
@@ -282,7 +288,7 @@ def expected_bubble(ranks, microbatches, stages_per_rank=1):
 
 def build_pipeline(
     model, arch, rank, pp, schedule, microbatches, loss_fn, device, group=None, stages_per_rank=1, split="params",
-    sample=None, wrap=None,
+    sample=None, wrap=None, recompute=False,
 ):  # fmt: skip
     """This rank's stages of `model` cut into pp x stages_per_rank stages (each a copy of `model` pruned to its
     layers), as PipelineStages over `group`, and the `schedule` running `microbatches` micro-batches through them
@@ -290,7 +296,8 @@ def build_pipeline(
     process's). `split`: "params" (balanced by parameters), "time" (by each layer's forward time on `sample`, a
     micro-batch, measured on this rank: every rank must cut alike, so the ranks' times are summed over `group`),
     or the layers where stages 2, 3... start. `wrap`: called on each Stage before PyTorch's PipelineStage takes it
-    (dlojz.py shards it with FSDP over the data dimension). Returns (the schedule, the Stages)."""
+    (dlojz.py shards it with FSDP over the data dimension); `recompute`: see Stage. Returns (the schedule, the
+    Stages)."""
     from torch.distributed import pipelining
 
     class_name, looped = SCHEDULES[schedule]
@@ -310,7 +317,7 @@ def build_pipeline(
     modules, stages = [], []
     for index in range(rank, total, pp):
         copied = copy.deepcopy(model)
-        module = Stage(copied, pipeline_layers(copied, arch), *bounds[index]).to(device)
+        module = Stage(copied, pipeline_layers(copied, arch), *bounds[index], recompute).to(device)
         if wrap is not None:
             wrap(module)
         modules.append(module)

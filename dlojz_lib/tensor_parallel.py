@@ -164,6 +164,23 @@ def fused_optimizer_state(state: dict) -> dict:
     return {"state": fused_state, "param_groups": groups}
 
 
+def fused_flat_optimizer_state(state: dict) -> dict:
+    """fused_optimizer_state for an optimizer state saved parameter by parameter (--pp: keys `state.NAME.ENTRY` and
+    `param_groups.NAME.SETTING`)."""
+    fused = {}
+    for key, value in state.items():
+        kind, rest = key.split(".", 1)
+        name, entry = rest.rsplit(".", 1)
+        whole, part = fused_name(name)
+        if part is None:
+            fused[key] = value
+        elif part == "q":
+            parts = [state[f"{kind}.{part_name(whole, p)}.{entry}"] for p in PARTS]
+            tensor = kind == "state" and torch.is_tensor(value) and value.dim()
+            fused[f"{kind}.{whole}.{entry}"] = torch.cat(parts) if tensor else value
+    return fused
+
+
 def attention_classes():
     """timm's attention and MLP classes the plan knows: ViT's, and CoAtNet's/MaxViT's (NCHW and channels-last)."""
     from timm.layers import Attention, ConvMlp, Mlp

@@ -58,6 +58,26 @@ def test_the_stages_compose_to_the_model(arch):
     assert set().union(*keys) == set(model.state_dict())
 
 
+def test_a_stage_recomputes_its_layers_in_the_backward_to_the_same_gradients():
+    """Stage(recompute=True) (--grad-checkpointing under --pp): the same output and gradients, from a forward that
+    keeps a few tensors for the backward (each layer's input) instead of every activation."""
+    model = small_model("timm:test_vit")
+    image = torch.randn(4, 3, 32, 32)
+    grads, saved = [], []
+    for recompute in (False, True):
+        copied = copy.deepcopy(model)
+        stage = Stage(copied, pipeline_layers(copied, "timm:test_vit"), 0, 8, recompute)
+        count = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: count.append(1) or t, lambda t: t):
+            loss = stage(image).square().sum()
+        loss.backward()
+        saved.append(len(count))
+        grads.append({name: p.grad for name, p in stage.named_parameters()})
+    assert saved[1] < saved[0] / 4, saved  # the activations dropped after the forward
+    for name in grads[0]:
+        torch.testing.assert_close(grads[1][name], grads[0][name])
+
+
 def test_the_cut_balances_the_largest_stage():
     """The largest stage is the smallest possible: a heavy layer alone, the light ones together; each stage at least
     one layer; balanced by measured time, a slow layer alone; more stages than layers, or a model without a split,
@@ -256,6 +276,7 @@ def runs(tiny_data, tmp_path_factory):
                       "--pp-split", "4"]),
         ("single-clip", 1, ["-b", "16", "--drop-last", "--clip-grad-norm", "0.1"]),
         ("pp-data-clip", 4, ["-b", "8", "--fsdp", "--pp", "2", "--pp-microbatches", "2", "--clip-grad-norm", "0.1"]),
+        ("pp-tp", 4, ["-b", "16", "--fsdp", "--pp", "2", "--tp", "2"]),
     ):  # fmt: skip
         proc = run_dlojz(
             *common, *flags, "--output-dir", out / name, "--metrics-json", out / f"{name}.json", ranks=ranks
@@ -265,7 +286,9 @@ def runs(tiny_data, tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("name, reference", [("1f1b", "single"), ("gpipe", "single"), ("pp-data-clip", "single-clip")])
+@pytest.mark.parametrize(
+    "name, reference", [("1f1b", "single"), ("gpipe", "single"), ("pp-data-clip", "single-clip"), ("pp-tp", "single")]
+)
 def test_pp_trains_to_the_weights_of_one_process(runs, name, reference):
     """`dlojz.py --fsdp --pp 2` under either schedule, and with 2 data replicas, reaches one process's weights after
     4 SGD steps (float32 sums in another order); its checkpoint (each stage's shards) consolidates into an ordinary
@@ -293,9 +316,11 @@ def test_pp_trains_to_the_weights_of_one_process(runs, name, reference):
         "1f1b": "stem to blocks.1 (133,056 parameters); blocks.2 to head (167,235 parameters)",
         "gpipe": "stem to blocks.2 (",
         "pp-data-clip": "over 2 data replicas",
+        "pp-tp": "each split over 2 ranks by the tensor-parallel plan and sharded by FSDP (2 blocks) over 1 data",
     }
     assert stages[name] in next(line for line in log.splitlines() if line.startswith("pipeline: 2 stages")), log
-    schedule = {"1f1b": "schedule 1f1b, 4 micro-batches of 4", "gpipe": "schedule gpipe, 2 micro-batches of 8"}
+    schedule = {"1f1b": "schedule 1f1b, 4 micro-batches of 4", "gpipe": "schedule gpipe, 2 micro-batches of 8",
+                "pp-tp": "schedule 1f1b, 4 micro-batches of 4"}  # fmt: skip
     assert schedule.get(name, "schedule 1f1b, 2 micro-batches of 4") in log
 
 
@@ -336,7 +361,8 @@ def test_a_pp_run_stopped_mid_epoch_resumes_to_the_same_weights(runs, tiny_data,
         (["--pp", "2", "--fsdp", "--pp-split", "2,3"], 1, ["--pp-split 2,3: params, time, or 1 layer indices"]),
         (["--pp-microbatches", "4"], 1, ["set how --pp N cuts the model: add --pp N"]),
         (["--pp", "2", "--fsdp", "--no-drop-last"], 1, ["--pp 2 with --no-drop-last"]),
-        (["--pp", "2", "--fsdp", "--tp", "2"], 1, ["--pp 2 with --tp", "not yet in dlojz.py"]),
+        (["--pp", "2", "--fsdp", "--tp", "2", "--sequence-parallel"], 1, ["--pp 2 with --sequence-parallel"]),
+        (["--pp", "2", "--fsdp", "--tp", "2"], 2, ["--pp 2 x --tp 2 = 4: this job has 2 rank(s), not a multiple of 4"]),
         (["--pp", "3", "--fsdp", "--pp-microbatches", "4"], 4, ["--pp 3: this job has 4 rank(s), not a multiple of 3"]),
         (["--pp", "2", "--fsdp", "--pp-split", "9"], 2, ["--pp-split", "9"]),
         (
@@ -357,9 +383,9 @@ def test_what_pp_cannot_do_is_one_line(flags, ranks, fragments, tiny_data, tmp_p
 
 
 def test_the_lab_sweeps_schedules_and_prints_each_run_s_bubble(tiny_data, tmp_path):
-    """`dlojz_lab.py sweep --nproc-per-node 2` over --pp-schedule: each run's two ranks started by torchrun, each
-    run's chronometer line gives every stage's compute and idle time per step and the bubble beside its formula, and
-    `compare` tabulates both beside the img/s."""
+    """`dlojz_lab.py sweep --nproc-per-node 2` over --pp-schedule (under bfloat16 autocast, layers recomputed): each
+    run's two ranks started by torchrun, each run's chronometer line gives every stage's compute and idle time per
+    step and the bubble beside its formula, and `compare` tabulates both beside the img/s."""
     import csv
     import json
 
@@ -369,7 +395,8 @@ def test_the_lab_sweeps_schedules_and_prints_each_run_s_bubble(tiny_data, tmp_pa
 
     grid = ["--grid", "pp-schedule=gpipe,1f1b"]
     flags = [*BASE, "--data-root", tiny_data, "--num-workers", "0", "-b", "16", "--fsdp", "--pp", "2", "--test",
-             "--test-nsteps", "4", "--pp-microbatches", "8"]  # fmt: skip
+             "--test-nsteps", "4", "--pp-microbatches", "8", "--amp", "--amp-dtype", "bfloat16",
+             "--grad-checkpointing"]  # fmt: skip
     proc = lab("sweep", "--name", "pp", "--nproc-per-node", "2", *grid, "--", *flags, cwd=tmp_path)
     assert proc.returncode == 0, show(proc)
     proc = lab("compare", "runs/pp", cwd=tmp_path)
@@ -379,7 +406,9 @@ def test_the_lab_sweeps_schedules_and_prints_each_run_s_bubble(tiny_data, tmp_pa
         rows = {row["pp-schedule"]: row for row in csv.DictReader(file)}
     for schedule in ("gpipe", "1f1b"):
         run = tmp_path / "runs" / "pp" / f"pp-schedule={schedule}"
-        pipeline = json.loads((run / "metrics.json").read_text())["pipeline"]
+        metrics = json.loads((run / "metrics.json").read_text())
+        pipeline = metrics["pipeline"]
+        assert metrics["compute_dtype"] == "bfloat16" and metrics["train_loss"] > 0  # finite: JSON has no NaN
         assert pipeline["schedule"] == schedule and pipeline["expected_bubble"] == pytest.approx(1 / 9)
         assert [stage["stage"] for stage in pipeline["stages"]] == [1, 2]
         assert all(0 < s["compute_s"] <= s["step_s"] * 1.05 for s in pipeline["stages"]), pipeline
@@ -387,4 +416,5 @@ def test_the_lab_sweeps_schedules_and_prints_each_run_s_bubble(tiny_data, tmp_pa
         assert float(rows[schedule]["img_s"]) > 0
         log = (run / "log.txt").read_text()
         assert f">>> pipeline ({schedule}, 2 stages, 8 micro-batches; medians of 3 steps): stage 1 computes" in log
+        assert "; each layer recomputed in the backward (--grad-checkpointing)" in log
         assert "0.11 by (N - 1) / (M + N - 1)" in log and "Training on 1 nodes and 2 processes (TorchElastic)" in log
