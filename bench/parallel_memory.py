@@ -1,6 +1,6 @@
 """The course's day-4 table: per GPU, the bytes of parameters, gradients, optimizer state and activations, and the
-bytes each GPU sends per step, under DDP, FSDP, tensor parallelism with FSDP (2-D) and pipeline parallelism with
-FSDP, for a model built on the meta device (no memory, no GPU: a 2.4 B-parameter model is read in seconds).
+bytes each GPU sends per step, under DDP, FSDP, tensor parallelism with FSDP (2-D), pipeline parallelism with
+FSDP and all three (3-D), for a model built on the meta device (no memory, no GPU: a 2.4 B-parameter model is read in seconds).
 
     python bench/parallel_memory.py                                        # timm's ViT-g/14, 8/16/32 GPUs, --tp 4
     python bench/parallel_memory.py --arch timm:coatnet_7_224              # the course's CoAtNet-7 (2.4 B)
@@ -27,7 +27,9 @@ travels and for activations):
 - PP p x FSDP d: the layers cut into p stages balanced by parameters (dlojz_lib/pipeline.py's cut), FSDP over the d
   pipelines; the largest stage's state; under 1F1B with --pp-microbatches M, the first stage's blocks hold min(p, M)
   micro-batches of b p / M images (a pipeline takes b images a GPU, as the other rows); each GPU sends its stage's
-  output forward and its input's gradient backward for every micro-batch (the AMP dtype), and FSDP's on its stage.
+  output forward and its input's gradient backward for every micro-batch (the AMP dtype; the first stage the first
+  alone, the last the second alone), and FSDP's on its stage: the busiest stage's figure. PP p x TP t x FSDP d
+  (3-D, dlojz.py --pp p --tp t --fsdp): each stage's blocks split as the TP rows', its group's all-reduces added.
   The price these bytes do not show is the bubble, (p - 1) / (M + p - 1) of the step idle, said under the table.
 """
 
@@ -230,40 +232,46 @@ def pipeline_rows(args, module, params, gpus, shapes, state):
             x = layer.run(x)
             sent_per_image.append(x.numel())
     rows, m, b = [], args.pp_microbatches, args.batch_size
-    for pp in args.pp:
-        if pp < 2 or gpus % pp or pp > len(layers):
+    splits = [1, *(tp for tp in args.tp if tp > 1 and shapes)]  # PP x TP x FSDP where the model has a TP plan
+    for pp, tp in ((pp, tp) for pp in args.pp for tp in splits):
+        if pp < 2 or gpus % (pp * tp) or pp > len(layers):
             continue
-        replicas = gpus // pp
+        replicas = gpus // (pp * tp)
         bounds = stage_bounds(layer_sizes(module, layers), pp)
         stage_of_layer = [k for k, (first, last) in enumerate(bounds) for _ in range(first, last)]
         stage_of = [stage_of_layer[owner(name, layers)] for name in names]
         local = [0] * pp
         held = [0] * pp
-        for stage, (shape, _) in zip(stage_of, params):
-            local[stage] += local_numel(shape, None, 1, replicas)
-            held[stage] += math.prod(shape)
-        activations = None
-        if shapes:
-            images = b * pp / m  # a micro-batch
-            per_stage = [0.0] * pp
-            for tokens, span, h, a, path in shapes:
-                stage = stage_of_layer[owner(path, layers)]
-                per_stage[stage] += block_activations(tokens, span, h, a, images) * min(pp - stage, m)
-            activations = max(per_stage) * args.amp_bytes / 2
-        boundary = max(sent_per_image[last - 1] for _, last in bounds[:-1])
-        sent = 2 * m * (b * pp / m) * boundary * args.amp_bytes  # forward out, backward in, every micro-batch
-        sent += (replicas - 1) / replicas * max(held) * (2 * args.amp_bytes + 4)  # FSDP on the stage
+        for stage, (shape, kind) in zip(stage_of, params):
+            local[stage] += local_numel(shape, kind if tp > 1 else None, tp, replicas)
+            held[stage] += local_numel(shape, kind if tp > 1 else None, tp, 1)  # the group rank's part
+        images = b * pp / m  # a micro-batch (a tensor-parallel group shares it)
+        per_stage = [0.0] * pp  # activations held, under 1F1B
+        sent = [0.0] * pp  # each GPU's sends a step
+        for tokens, span, h, a, path in shapes:
+            stage = stage_of_layer[owner(path, layers)]
+            if tp == 1:
+                per_layer = block_activations(tokens, span, h, a, images)
+            else:
+                per_layer = tokens * images * h * (10 + 24 / tp + 5 * a * span / (h * tp))
+                sent[stage] += 4 * 2 * (tp - 1) / tp * tokens * b * pp * h * args.amp_bytes  # its all-reduces
+            per_stage[stage] += per_layer * min(pp - stage, m)
+        activations = max(per_stage) * args.amp_bytes / 2 if shapes else None
+        for stage, (first, last) in enumerate(bounds):  # its input's gradient back, its output on
+            ends = [sent_per_image[i] for i in (first - 1, last - 1) if 0 <= i < len(layers) - 1]
+            sent[stage] += sum(ends) * b * pp * args.amp_bytes
+            sent[stage] += (replicas - 1) / replicas * held[stage] * (2 * args.amp_bytes + 4)  # FSDP on the stage
         largest = max(local)
         rows.append(
             dict(
                 gpus=gpus,
-                layout=f"PP {pp} x FSDP {replicas}",
+                layout=f"PP {pp}{f' x TP {tp}' if tp > 1 else ''} x FSDP {replicas}",
                 parameters=sum(held),
                 parameter_bytes=4 * largest,
                 gradient_bytes=4 * largest,
                 optimizer_bytes=4 * state * largest,
                 activation_bytes=activations,
-                sent_bytes_per_step=sent,
+                sent_bytes_per_step=max(sent),
                 bubble=(pp - 1) / (m + pp - 1),
             )
         )

@@ -230,8 +230,9 @@ def test_the_pipeline_lab_prints_the_bubble_beside_its_formula(tmp_path):
 
 def test_the_day_4_table_s_pipeline_rows_hold_the_stages_bytes(tmp_path):
     """bench/parallel_memory.py's PP rows: on 2 GPUs (one pipeline of 2 stages) each GPU holds the largest real
-    Stage's parameters, to the byte, and sends its stage's output and its gradient for 4 micro-batches of 4 images;
-    on 4 GPUs FSDP halves the stage; the first stage's activations under 1F1B are below FSDP's whole model's."""
+    Stage's parameters, to the byte, and sends one way for 4 micro-batches of 4 images (the first stage its output,
+    the last its input's gradient); on 4 GPUs FSDP halves the stage; the first stage's activations under 1F1B are
+    below FSDP's whole model's."""
     from conftest import read_json
     from test_tensor_parallel import parallel_memory
 
@@ -251,7 +252,7 @@ def test_the_day_4_table_s_pipeline_rows_hold_the_stages_bytes(tmp_path):
         x = stage(x) if first == 0 else x  # the first stage's output: what it sends on
     pipeline = rows[(2, "PP 2 x FSDP 1")]
     assert pipeline["parameter_bytes"] == 4 * max(sizes) and pipeline["parameters"] == sum(sizes)
-    assert pipeline["sent_bytes_per_step"] == 2 * 4 * 4 * x.numel() * 2  # both ways, 4 micro-batches of 4, bf16
+    assert pipeline["sent_bytes_per_step"] == 4 * 4 * x.numel() * 2  # 4 micro-batches of 4, bf16
     assert rows[(4, "PP 2 x FSDP 2")]["parameter_bytes"] <= pipeline["parameter_bytes"] // 2 + 4 * 1024
     assert pipeline["activation_bytes"] < rows[(2, "FSDP")]["activation_bytes"]
     assert pipeline["bubble"] == pytest.approx(1 / 5)
@@ -331,6 +332,26 @@ def test_pp_clips_the_global_norm_across_stages(runs):
 
     clipped, unclipped = weights(runs / "pp-data-clip"), weights(runs / "single")
     assert any(not torch.allclose(clipped[k], unclipped[k], atol=1e-4) for k in clipped)
+
+
+def test_the_day_4_table_s_pp_x_tp_row_holds_what_a_3d_run_measures(runs, tmp_path):
+    """bench/parallel_memory.py's PP 2 x TP 2 row: each GPU's parameters, to the byte, those a 3-D run of dlojz.py
+    measured on its largest rank; its activations below PP 2's alone (the blocks' split), its sends above the
+    stages' alone (TP's all-reduces)."""
+    from conftest import read_json
+    from test_tensor_parallel import parallel_memory
+
+    table = tmp_path / "table.json"
+    argv = ["--arch", "timm:test_vit", "--image-size", "32", "--num-classes", "3", "--gpus", "2,4", "--pp", "2",
+            "--tp", "2", "--pp-microbatches", "4", "--optimizer", "sgd", "-b", "8", "--json", str(table)]  # fmt: skip
+    assert parallel_memory().main(argv) == 0
+    rows = {(row["gpus"], row["layout"]): row for row in read_json(table)}
+    three_d, measured = rows[(4, "PP 2 x TP 2 x FSDP 1")], read_json(runs / "pp-tp.json")
+    assert three_d["parameter_bytes"] == measured["parameter_bytes_per_rank"]
+    assert three_d["optimizer_bytes"] == measured["optimizer_bytes_per_rank"]
+    assert measured["parallel"] == "pp" and measured["pipeline_size"] == 2 and measured["tensor_parallel_size"] == 2
+    assert three_d["activation_bytes"] < rows[(4, "PP 2 x FSDP 2")]["activation_bytes"]
+    assert three_d["sent_bytes_per_step"] > rows[(2, "PP 2 x FSDP 1")]["sent_bytes_per_step"]  # the stages' sends
 
 
 def test_a_pp_run_stopped_mid_epoch_resumes_to_the_same_weights(runs, tiny_data, tmp_path):
