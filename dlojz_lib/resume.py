@@ -287,6 +287,11 @@ def restore_weights(cfg, model, training, saved, path, log):
         elif cfg.fsdp:
             from dlojz_lib.fsdp import load_full_weights
 
+            if model.pipeline is not None:  # this rank's stage: its layers' weights (the model's names)
+                missing = set(model.unsharded.state_dict()) - set(weights)
+                if missing:
+                    raise KeyError(f"missing {sorted(missing)[0]} and {len(missing) - 1} more")
+                weights = {key: value for key, value in weights.items() if key in model.module.state_dict()}
             load_full_weights(model.module, weights)
         else:
             model.module.load_state_dict(weights)

@@ -259,12 +259,16 @@ def test_the_day_4_table_s_pipeline_rows_hold_the_stages_bytes(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------- dlojz.py --pp
+RESNET = ["--arch", "resnet18", "--train-subset", "16"]  # 48 images: 3 steps of 16
+
+
 @pytest.fixture(scope="module")
 def runs(tiny_data, tmp_path_factory):
     """The same training (global batch 16, 4 steps: the last incomplete batch dropped, as --pp does) as one process,
     as a pipeline of 2 ranks under 1F1B (4 micro-batches, cut by parameters), under GPipe (2 micro-batches, cut at
-    layer 4), and on 4 ranks as 2 pipelines x 2 data replicas of 8 images, the gradients' global norm clipped to 0.1
-    (below a fresh ViT's), beside one process clipping too."""
+    layer 4), on 4 ranks as 2 pipelines x 2 data replicas of 8 images, the gradients' global norm clipped to 0.1
+    (below a fresh ViT's), beside one process clipping too, and as PP 2 x TP 2 on 4 ranks; a ResNet-18 (BatchNorm) as
+    one process accumulating 4 batches of 4 and as a pipeline of 4 micro-batches of 4."""
     from conftest import run_dlojz, show
     from test_fsdp import BASE
 
@@ -278,6 +282,8 @@ def runs(tiny_data, tmp_path_factory):
         ("single-clip", 1, ["-b", "16", "--drop-last", "--clip-grad-norm", "0.1"]),
         ("pp-data-clip", 4, ["-b", "8", "--fsdp", "--pp", "2", "--pp-microbatches", "2", "--clip-grad-norm", "0.1"]),
         ("pp-tp", 4, ["-b", "16", "--fsdp", "--pp", "2", "--tp", "2"]),
+        ("resnet-single", 1, [*RESNET, "-b", "4", "--grad-acc", "4", "--drop-last"]),
+        ("resnet-pp", 2, [*RESNET, "-b", "16", "--fsdp", "--pp", "2"]),
     ):  # fmt: skip
         proc = run_dlojz(
             *common, *flags, "--output-dir", out / name, "--metrics-json", out / f"{name}.json", ranks=ranks
@@ -323,6 +329,52 @@ def test_pp_trains_to_the_weights_of_one_process(runs, name, reference):
     schedule = {"1f1b": "schedule 1f1b, 4 micro-batches of 4", "gpipe": "schedule gpipe, 2 micro-batches of 8",
                 "pp-tp": "schedule 1f1b, 4 micro-batches of 4"}  # fmt: skip
     assert schedule.get(name, "schedule 1f1b, 2 micro-batches of 4") in log
+
+
+def test_pp_trains_a_resnet_as_one_process_accumulating_its_micro_batches(runs):
+    """torchvision's ResNet-18 under --pp 2 (4 micro-batches of 4): each stage's BatchNorm normalises micro-batch by
+    micro-batch and updates its statistics in their order, as one process accumulating 4 batches of 4 does: the same
+    weights and BatchNorm statistics after 3 steps, the same validation."""
+    from conftest import read_json
+    from test_fsdp import assert_same_weights, weights
+
+    assert_same_weights(weights(runs / "resnet-pp"), weights(runs / "resnet-single"), atol=1e-5)
+    pipelined, single = read_json(runs / "resnet-pp.json"), read_json(runs / "resnet-single.json")
+    assert pipelined["steps"] == single["steps"] == 3 and pipelined["global_batch_size"] == 16
+    assert pipelined["val_accuracy"] == single["val_accuracy"]
+    assert pipelined["val_loss"] == pytest.approx(single["val_loss"], rel=1e-4)
+
+
+def test_pp_evaluates_its_own_and_an_ordinary_checkpoint_as_one_process(runs, tiny_data, tmp_path):
+    """--eval-only through the pipeline: its own sharded checkpoint and one process's ordinary one (each stage taking
+    its layers' weights) give one process's validation, and --predictions the same classes image by image."""
+    import csv
+
+    from conftest import read_json, run_dlojz, show
+    from test_fsdp import BASE
+
+    def predicted(path):
+        with open(path, newline="") as file:
+            return [(row["image"], row["predicted_class"]) for row in csv.DictReader(file)]
+
+    import dlojz_lib.checkpoint as ckpt
+
+    single = read_json(runs / "single.json")
+    ordinary = ckpt.newest_checkpoint(runs / "single")
+    own = next(path for path in ckpt.list_checkpoints(runs / "1f1b") if path.suffix == ".dcp")
+    common = [*BASE, "--data-root", tiny_data, "--num-workers", "0", "-b", "16", "--eval-only"]
+    first = run_dlojz(*common, "--resume", ordinary, "--output-dir", tmp_path / "one",
+                      "--predictions", tmp_path / "one.csv")  # fmt: skip
+    assert first.returncode == 0, show(first)
+    for name, source in (("own", own), ("ordinary", ordinary)):
+        proc = run_dlojz(*common, "--fsdp", "--pp", "2", "--resume", source, "--output-dir", tmp_path / name,
+                         "--metrics-json", tmp_path / f"{name}.json", "--predictions", tmp_path / f"{name}.csv",
+                         ranks=2)  # fmt: skip
+        assert proc.returncode == 0, show(proc)
+        metrics = read_json(tmp_path / f"{name}.json")
+        assert metrics["val_images"] == 15 and metrics["val_accuracy"] == single["val_accuracy"]
+        assert metrics["val_loss"] == pytest.approx(single["val_loss"], rel=1e-4)
+        assert predicted(tmp_path / f"{name}.csv") == predicted(tmp_path / "one.csv")
 
 
 def test_pp_clips_the_global_norm_across_stages(runs):
