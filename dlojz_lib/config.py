@@ -169,6 +169,7 @@ class Config:
     pp_schedule: str  # gpipe or 1f1b
     pp_microbatches: int | None  # --pp: set (default 2 x pp) with --pp only
     pp_split: str  # params, time, or the layers where stages 2, 3... start
+    pp_stages_per_rank: int | None  # the interleaved schedules' stages a rank (default 2), else None
     # logging, checkpoints, resume
     output_dir: str
     metrics_json: str | None
@@ -259,6 +260,8 @@ def fill_parallel_defaults(values, notes):
         values["fsdp_reshard_after_forward"] = True
     if values["pp"] > 1 and values["pp_microbatches"] is None:  # a bubble of (N - 1) / (3 N - 1): about a third
         values["pp_microbatches"] = 2 * values["pp"]
+    if values["pp_schedule"] in ("interleaved", "zero-bubble") and values["pp_stages_per_rank"] is None:
+        values["pp_stages_per_rank"] = 2
     if values["pp"] > 1 and values["drop_last"] is None:
         values["drop_last"] = True
         notes.append("--pp: the last incomplete batch of each epoch is dropped (the stages' buffers hold one shape)")

@@ -200,9 +200,23 @@ def check_pipeline(values):
     """--pp: what composes with the pipeline in dlojz.py, and the micro-batches."""
     pp, flags = values["pp"], {k: values[k] for k in ("pp_microbatches", "pp_split")}
     if pp == 1:
-        if values["pp_microbatches"] is not None or values["pp_split"] != "params" or values["pp_schedule"] != "1f1b":
-            fail("--pp-schedule, --pp-microbatches and --pp-split set how --pp N cuts the model: add --pp N")
+        set_ = values["pp_microbatches"] is not None or values["pp_stages_per_rank"] is not None
+        if set_ or values["pp_split"] != "params" or values["pp_schedule"] != "1f1b":
+            fail("--pp-schedule, --pp-microbatches, --pp-stages-per-rank and --pp-split set how --pp N cuts the "
+                 "model: add --pp N")  # fmt: skip
         return
+    if values["pp_schedule"] == "zero-bubble":  # its split backward runs after FSDP's reduction of the weights'
+        fail(
+            f"--pp {pp} --pp-schedule zero-bubble computes the weights' gradients apart, after FSDP has reduced them: "
+            "use --pp-schedule interleaved (bench/pipeline_bubble.py measures zero-bubble without FSDP)"
+        )
+    looped = values["pp_schedule"] in ("interleaved", "zero-bubble")
+    if values["pp_stages_per_rank"] is not None and not looped:
+        fail(
+            f"--pp-stages-per-rank is the interleaved schedules' (several stages a rank): --pp-schedule "
+            f"{values['pp_schedule']} holds one; add --pp-schedule interleaved or zero-bubble"
+        )
+    stages = pp * ((values["pp_stages_per_rank"] or 2) if looped else 1)
     if not values["fsdp"]:
         # FSDP2 over the data dimension is the replication PyTorch's pipeline stages support (torchtitan's layout)
         fail(
@@ -247,10 +261,10 @@ def check_pipeline(values):
             cuts = [int(part) for part in flags["pp_split"].split(",")]
         except ValueError:
             cuts = None
-        if cuts is None or len(cuts) != pp - 1:
+        if cuts is None or len(cuts) != stages - 1:
             fail(
-                f"--pp-split {flags['pp_split']}: params, time, or {pp - 1} layer indices separated by commas "
-                f"(where stages 2 to {pp} start)"
+                f"--pp-split {flags['pp_split']}: params, time, or {stages - 1} layer indices separated by commas "
+                f"(where stages 2 to {stages} start)"
             )
 
 

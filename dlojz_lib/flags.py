@@ -890,10 +890,18 @@ def get_args_parser():
     p.add_argument(
         "--pp-schedule",
         default="1f1b",
-        choices=("gpipe", "1f1b"),
-        help="--pp: the order the stages run the micro-batches in: all forwards then all backwards (gpipe), or\n"
-        "one forward one backward (1f1b: the same bubble, activations of N micro-batches at most); the\n"
-        "interleaved schedules are measured by bench/pipeline_bubble.py",
+        choices=("gpipe", "1f1b", "interleaved", "zero-bubble"),
+        help="--pp: the order the stages run the micro-batches in: all forwards then all backwards (gpipe),\n"
+        "one forward one backward (1f1b: the same bubble, activations of N micro-batches at most), or with\n"
+        "--pp-stages-per-rank V stages a rank, looped (interleaved 1F1B: a bubble V times smaller, V times the\n"
+        "sends; zero-bubble: each micro-batch's weights' backward run apart, in the gaps)",
+    )
+    p.add_argument(
+        "--pp-stages-per-rank",
+        type=COUNT,
+        default=None,
+        metavar="V",
+        help="--pp-schedule interleaved or zero-bubble: stages a rank holds (rank, rank + N, ...; default 2)",
     )
     p.add_argument(
         "--pp-microbatches",

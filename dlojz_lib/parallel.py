@@ -164,7 +164,7 @@ def build_pipeline_model(cfg, module, ema, num_classes, ranks, log) -> Model:
     """--pp: `module` cut into --pp stages, this rank's sharded by FSDP over the data dimension, run by the
     schedule (dlojz_lib.pipeline)."""
     from dlojz_lib.fsdp import shard_model
-    from dlojz_lib.pipeline import PipelineRun, build_pipeline
+    from dlojz_lib.pipeline import SCHEDULES, PipelineRun, RankStages, build_pipeline
 
     if cfg.grad_acc > 1 or cfg.batch_size % cfg.pp_microbatches:  # (--global-batch may have chosen them)
         fail(
@@ -187,26 +187,34 @@ def build_pipeline_model(cfg, module, ema, num_classes, ranks, log) -> Model:
             parallelize(stage, ranks.mesh["tensor"], cfg.arch)
         blocks.append(shard_model(stage, cfg, ranks.device, ranks.mesh["data"]))
 
-    runner, (stage,) = build_pipeline(
+    per_rank = cfg.pp_stages_per_rank if SCHEDULES[cfg.pp_schedule][1] else 1
+    runner, stages = build_pipeline(
         module, cfg.arch, pipe.get_local_rank(), cfg.pp, cfg.pp_schedule, cfg.pp_microbatches,
-        lambda outputs, targets: run.loss(outputs, targets), ranks.device, pipe.get_group(), split=split,
+        lambda outputs, targets: run.loss(outputs, targets), ranks.device, pipe.get_group(), per_rank, split=split,
         sample=sample, wrap=shard, recompute=cfg.grad_checkpointing,
     )  # fmt: skip
-    run = PipelineRun(runner, stage, pipe.get_local_rank(), cfg.pp, pipe.get_group(), cfg.batch_size, num_classes)
+    run = PipelineRun(runner, stages, pipe.get_local_rank(), cfg.pp, pipe.get_group(), cfg.batch_size, num_classes)
     if cfg.test:  # the chronometer's run: the stages' compute and idle time, for the bubble
-        run.time_steps(ranks.device, cfg.pp_schedule, cfg.pp_microbatches)
-    layers = stage.names[0] if len(stage.names) == 1 else f"{stage.names[0]} to {stage.names[-1]}"
-    everyone = ranks.all_gather(f"{layers} ({sum(p.numel() for p in stage.parameters()):,} parameters)")
+        run.time_steps(ranks.device, cfg.pp_schedule, cfg.pp_microbatches, per_rank)
+    mine = [
+        f"{s.names[0] if len(s.names) == 1 else f'{s.names[0]} to {s.names[-1]}'} "
+        f"({sum(p.numel() for p in s.parameters()):,} parameters)"
+        for s in stages
+    ]
+    everyone = ranks.all_gather(" and ".join(mine))
+    looped = f", {per_rank} a rank" if per_rank > 1 else ""
+    formula = "(N - 1) / (V M + N - 1)" if per_rank > 1 else "(N - 1) / (M + N - 1)"
     log(
-        f"pipeline: {cfg.pp} stages, schedule {cfg.pp_schedule}, {cfg.pp_microbatches} micro-batches of {micro} "
-        f"images a step (bubble (N - 1) / (M + N - 1) = {(cfg.pp - 1) / (cfg.pp_microbatches + cfg.pp - 1):.0%}); "
+        f"pipeline: {cfg.pp * per_rank} stages{looped}, schedule {cfg.pp_schedule}, {cfg.pp_microbatches} micro-batches"
+        f" of {micro} images a step (bubble {formula} = {(cfg.pp - 1) / (per_rank * cfg.pp_microbatches + cfg.pp - 1):.0%}); "
         f"stages: {'; '.join(everyone[: cfg.pp * cfg.tp : cfg.tp])}; each"
         f"{f' split over {cfg.tp} ranks by the tensor-parallel plan and' if cfg.tp > 1 else ''} sharded by FSDP "
         f"({blocks[0]} blocks) over "
         f"{ranks.data_size} data replica{'s' if ranks.data_size > 1 else ''}"
         f"{'; each layer recomputed in the backward (--grad-checkpointing)' if cfg.grad_checkpointing else ''}"
     )
-    return Model(run, stage, ema, num_classes, "fsdp", unsharded, False, cfg.tp > 1, run)
+    held = stages[0] if len(stages) == 1 else RankStages(stages)  # what the optimizer and the checkpoint see
+    return Model(run, held, ema, num_classes, "fsdp", unsharded, False, cfg.tp > 1, run)
 
 
 def state_bytes_per_rank(model, training, ranks) -> dict:

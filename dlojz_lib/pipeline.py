@@ -244,6 +244,39 @@ class Stage(nn.Module):
         return super().train(mode)
 
 
+class RankStages(nn.Module):
+    """The stages a rank holds under the interleaved schedules (stages rank, rank + N, ...; each a Stage of its
+    own, as PyTorch's schedules run them) as one module under the model's own names, for what sees the rank's part
+    of the model whole: the optimizer, the checkpoint, the clip. Built once the stages are wrapped (FSDP's sharded
+    parameters are the ones it holds); a container (a ViT's `blocks`) that several stages hold a part of is merged,
+    entry by entry."""
+
+    def __init__(self, stages):
+        super().__init__()
+        for stage in stages:
+            for name, child in stage._modules.items():
+                mine = self._modules.get(name)
+                if mine is None:
+                    self.add_module(name, child)
+                    continue
+                if mine is child:
+                    continue
+                if not isinstance(mine, (nn.ModuleList, nn.Sequential, nn.ModuleDict)) or type(mine) is not type(child):
+                    raise ValueError(f"stages hold two {name}s that are not containers of layers")
+                if not getattr(mine, "_merged", False):  # a merged copy of the first stage's, so as not to change it
+                    merged = type(mine)()
+                    merged._modules.update(mine._modules)
+                    merged._merged = True
+                    self._modules[name] = mine = merged
+                for key, entry in child._modules.items():
+                    if entry is not None:
+                        mine._modules[key] = entry
+            for name, parameter in stage._parameters.items():
+                self.register_parameter(name, parameter)
+            for name, buffer in stage._buffers.items():
+                self.register_buffer(name, buffer, persistent=name not in stage._non_persistent_buffers_set)
+
+
 class StageClock:
     """The compute time of the PipelineStages a schedule (`runner`) runs on this rank: each call of the
     per-micro-batch methods the schedules run (forward, backward, the weights' backward) timed, on a GPU by CUDA
@@ -353,22 +386,24 @@ def pipeline_eval(runner, rank, ranks, images, batch_size):
 
 
 class PipelineRun(nn.Module):
-    """The pipeline as dlojz.py trains and validates with it (--pp): this rank's stage (`stage`, FSDP-sharded over
-    the data dimension) of a model cut into `pp`, the schedule running it (`runner`), the pipeline's process group.
-    Validation calls it like a model; `train()`, `eval()` and `buffers()` are its stage's."""
+    """The pipeline as dlojz.py trains and validates with it (--pp): this rank's stages (`stages`, FSDP-sharded over
+    the data dimension: one, or several under the interleaved schedules) of a model cut over `pp` ranks, the
+    schedule running them (`runner`), the pipeline's process group. Validation calls it like a model; `train()`,
+    `eval()` and `buffers()` are its stages'."""
 
-    def __init__(self, runner, stage, pipe_rank, pp, group, batch_size, num_classes):
+    def __init__(self, runner, stages, pipe_rank, pp, group, batch_size, num_classes):
         super().__init__()
-        self.stage = stage
+        self.stages = nn.ModuleList(stages)
         self.runner, self.pipe_rank, self.pp, self.group = runner, pipe_rank, pp, group
         self.batch_size, self.num_classes = batch_size, num_classes
         self.criterion = None  # the training loss, set once built (dlojz_lib.optim.training); the schedule's loss_fn
         self.clock, self.steps = None, []  # time_steps(): the stage's compute, and each step's marks
 
-    def time_steps(self, device, schedule, microbatches):
+    def time_steps(self, device, schedule, microbatches, stages_per_rank=1):
         """Keep each step's length and this rank's compute in it (time marks: CUDA events on a GPU, read at the run's
         end, so no step waits for the host), for `bubble_report` (the chronometer's runs, --test)."""
         self.clock, self.schedule, self.microbatches = StageClock(self.runner, device), schedule, microbatches
+        self.stages_per_rank = stages_per_rank
 
     @property
     def last(self):
@@ -427,16 +462,18 @@ class PipelineRun(nn.Module):
         stages = ranks.all_gather((self.pipe_rank, busy, step))[: self.pp]  # the first pipeline's ranks
         rows = [dict(stage=i + 1, compute_s=b, step_s=t, idle_share=max(0.0, 1 - b / t)) for i, b, t in stages]
         bubble = max(row["idle_share"] for row in rows)
-        expected = expected_bubble(self.pp, self.microbatches)
+        expected = expected_bubble(self.pp, self.microbatches, self.stages_per_rank)
+        formula = "(N - 1) / (M + N - 1)" if self.stages_per_rank == 1 else "(N - 1) / (V M + N - 1)"
+        what = "rank" if self.stages_per_rank > 1 else "stage"  # a rank's stages are timed together
         line = (
-            f"pipeline ({self.schedule}, {self.pp} stages, {self.microbatches} micro-batches; medians of {len(timed)} "
-            "steps): "
+            f"pipeline ({self.schedule}, {self.pp * self.stages_per_rank} stages on {self.pp} ranks, "
+            f"{self.microbatches} micro-batches; medians of {len(timed)} steps): "
             + "; ".join(
-                f"stage {r['stage']} computes {r['compute_s'] * 1e3:.1f} ms of a {r['step_s'] * 1e3:.1f} ms step "
+                f"{what} {r['stage']} computes {r['compute_s'] * 1e3:.1f} ms of a {r['step_s'] * 1e3:.1f} ms step "
                 f"(idle {r['idle_share']:.0%})"
                 for r in rows
             )
-            + f"; bubble {bubble:.2f} (the largest idle share), {expected:.2f} by (N - 1) / (M + N - 1); the "
+            + f"; bubble {bubble:.2f} (the largest idle share), {expected:.2f} by {formula}; the "
             "chronometer's forward below is the schedule's whole step"
         )
         return line, dict(stages=rows, bubble=bubble, expected_bubble=expected, schedule=self.schedule)

@@ -282,6 +282,7 @@ def runs(tiny_data, tmp_path_factory):
         ("single-clip", 1, ["-b", "16", "--drop-last", "--clip-grad-norm", "0.1"]),
         ("pp-data-clip", 4, ["-b", "8", "--fsdp", "--pp", "2", "--pp-microbatches", "2", "--clip-grad-norm", "0.1"]),
         ("pp-tp", 4, ["-b", "16", "--fsdp", "--pp", "2", "--tp", "2"]),
+        ("interleaved", 2, ["-b", "16", "--fsdp", "--pp", "2", "--pp-schedule", "interleaved"]),
         ("resnet-single", 1, [*RESNET, "-b", "4", "--grad-acc", "4", "--drop-last"]),
         ("resnet-pp", 2, [*RESNET, "-b", "16", "--fsdp", "--pp", "2"]),
     ):  # fmt: skip
@@ -294,8 +295,10 @@ def runs(tiny_data, tmp_path_factory):
 
 
 @pytest.mark.parametrize(
-    "name, reference", [("1f1b", "single"), ("gpipe", "single"), ("pp-data-clip", "single-clip"), ("pp-tp", "single")]
-)
+    "name, reference",
+    [("1f1b", "single"), ("gpipe", "single"), ("interleaved", "single"), ("pp-data-clip", "single-clip"),
+     ("pp-tp", "single")],
+)  # fmt: skip
 def test_pp_trains_to_the_weights_of_one_process(runs, name, reference):
     """`dlojz.py --fsdp --pp 2` under either schedule, and with 2 data replicas, reaches one process's weights after
     4 SGD steps (float32 sums in another order); its checkpoint (each stage's shards) consolidates into an ordinary
@@ -324,10 +327,12 @@ def test_pp_trains_to_the_weights_of_one_process(runs, name, reference):
         "gpipe": "stem to blocks.2 (",
         "pp-data-clip": "over 2 data replicas",
         "pp-tp": "each split over 2 ranks by the tensor-parallel plan and sharded by FSDP (2 blocks) over 1 data",
+        "interleaved": "stem (49,600 parameters) and blocks.2 to blocks.3 (83,456 parameters); blocks.0 to blocks.1",
     }
-    assert stages[name] in next(line for line in log.splitlines() if line.startswith("pipeline: 2 stages")), log
+    assert stages[name] in next(line for line in log.splitlines() if line.startswith("pipeline: ")), log
     schedule = {"1f1b": "schedule 1f1b, 4 micro-batches of 4", "gpipe": "schedule gpipe, 2 micro-batches of 8",
-                "pp-tp": "schedule 1f1b, 4 micro-batches of 4"}  # fmt: skip
+                "pp-tp": "schedule 1f1b, 4 micro-batches of 4",
+                "interleaved": "4 stages, 2 a rank, schedule interleaved, 4 micro-batches of 4"}  # fmt: skip
     assert schedule.get(name, "schedule 1f1b, 2 micro-batches of 4") in log
 
 
@@ -433,6 +438,9 @@ def test_a_pp_run_stopped_mid_epoch_resumes_to_the_same_weights(runs, tiny_data,
         ),
         (["--pp", "2", "--fsdp", "--pp-split", "2,3"], 1, ["--pp-split 2,3: params, time, or 1 layer indices"]),
         (["--pp-microbatches", "4"], 1, ["set how --pp N cuts the model: add --pp N"]),
+        (["--pp", "2", "--fsdp", "--pp-stages-per-rank", "2"], 1, ["--pp-schedule 1f1b holds one; add --pp-schedule"]),
+        (["--pp", "2", "--fsdp", "--pp-schedule", "zero-bubble"], 1, ["after FSDP has reduced them"]),
+        (["--pp", "2", "--fsdp", "--pp-schedule", "interleaved", "--pp-split", "3"], 1, ["3 layer indices"]),
         (["--pp", "2", "--fsdp", "--no-drop-last"], 1, ["--pp 2 with --no-drop-last"]),
         (["--pp", "2", "--fsdp", "--tp", "2", "--sequence-parallel"], 1, ["--pp 2 with --sequence-parallel"]),
         (["--pp", "2", "--fsdp", "--tp", "2"], 2, ["--pp 2 x --tp 2 = 4: this job has 2 rank(s), not a multiple of 4"]),
@@ -456,7 +464,7 @@ def test_what_pp_cannot_do_is_one_line(flags, ranks, fragments, tiny_data, tmp_p
 
 
 def test_the_lab_sweeps_schedules_and_prints_each_run_s_bubble(tiny_data, tmp_path):
-    """`dlojz_lab.py sweep --nproc-per-node 2` over --pp-schedule (under bfloat16 autocast, layers recomputed): each
+    """`dlojz_lab.py sweep --nproc-per-node 2` over the schedules (under bfloat16 autocast, layers recomputed): each
     run's two ranks started by torchrun, each run's chronometer line gives every stage's compute and idle time per
     step and the bubble beside its formula, and `compare` tabulates both beside the img/s."""
     import csv
@@ -466,7 +474,7 @@ def test_the_lab_sweeps_schedules_and_prints_each_run_s_bubble(tiny_data, tmp_pa
     from test_fsdp import BASE
     from test_lab import lab
 
-    grid = ["--grid", "pp-schedule=gpipe,1f1b"]
+    grid = ["--grid", "pp-schedule=gpipe,1f1b,interleaved"]
     flags = [*BASE, "--data-root", tiny_data, "--num-workers", "0", "-b", "16", "--fsdp", "--pp", "2", "--test",
              "--test-nsteps", "4", "--pp-microbatches", "8", "--amp", "--amp-dtype", "bfloat16",
              "--grad-checkpointing"]  # fmt: skip
@@ -477,17 +485,25 @@ def test_the_lab_sweeps_schedules_and_prints_each_run_s_bubble(tiny_data, tmp_pa
     assert "bubble %" in proc.stdout and "formula %" in proc.stdout, proc.stdout
     with open(tmp_path / "runs" / "pp" / "compare.csv", newline="") as file:
         rows = {row["pp-schedule"]: row for row in csv.DictReader(file)}
-    for schedule in ("gpipe", "1f1b"):
+    for schedule, stages, who, formula in (
+        ("gpipe", 2, "stage", "0.11 by (N - 1) / (M + N - 1)"),
+        ("1f1b", 2, "stage", "0.11 by (N - 1) / (M + N - 1)"),
+        ("interleaved", 4, "rank", "0.06 by (N - 1) / (V M + N - 1)"),  # 2 stages a rank: timed together
+    ):
         run = tmp_path / "runs" / "pp" / f"pp-schedule={schedule}"
         metrics = json.loads((run / "metrics.json").read_text())
         pipeline = metrics["pipeline"]
         assert metrics["compute_dtype"] == "bfloat16" and metrics["train_loss"] > 0  # finite: JSON has no NaN
-        assert pipeline["schedule"] == schedule and pipeline["expected_bubble"] == pytest.approx(1 / 9)
+        assert pipeline["schedule"] == schedule
+        assert pipeline["expected_bubble"] == pytest.approx(1 / (1 + 8 * stages // 2))
         assert [stage["stage"] for stage in pipeline["stages"]] == [1, 2]
         assert all(0 < s["compute_s"] <= s["step_s"] * 1.05 for s in pipeline["stages"]), pipeline
         assert float(rows[schedule]["bubble"]) == pytest.approx(pipeline["bubble"])
         assert float(rows[schedule]["img_s"]) > 0
         log = (run / "log.txt").read_text()
-        assert f">>> pipeline ({schedule}, 2 stages, 8 micro-batches; medians of 3 steps): stage 1 computes" in log
+        assert (
+            f">>> pipeline ({schedule}, {stages} stages on 2 ranks, 8 micro-batches; medians of 3 steps): {who} 1 "
+            in log
+        )
         assert "; each layer recomputed in the backward (--grad-checkpointing)" in log
-        assert "0.11 by (N - 1) / (M + N - 1)" in log and "Training on 1 nodes and 2 processes (TorchElastic)" in log
+        assert formula in log and "Training on 1 nodes and 2 processes (TorchElastic)" in log
