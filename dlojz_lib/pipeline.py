@@ -337,6 +337,11 @@ def build_pipeline(
     per_rank = stages_per_rank if looped else 1
     total = pp * per_rank
     layers = pipeline_layers(model, arch)
+    if looped and total > len(layers):
+        raise UserError(
+            f"--pp {pp} x --pp-stages-per-rank {per_rank} = {total} stages: the model has {len(layers)} layers "
+            "(stem, blocks, head): give fewer stages"
+        )
     if split == "params":
         bounds = stage_bounds(layer_sizes(model, layers), total)
     elif split == "time":

@@ -447,6 +447,11 @@ def test_a_pp_run_stopped_mid_epoch_resumes_to_the_same_weights(runs, tiny_data,
         (["--pp", "3", "--fsdp", "--pp-microbatches", "4"], 4, ["--pp 3: this job has 4 rank(s), not a multiple of 3"]),
         (["--pp", "2", "--fsdp", "--pp-split", "9"], 2, ["--pp-split", "9"]),
         (
+            ["--pp", "2", "--fsdp", "--pp-schedule", "interleaved", "--pp-stages-per-rank", "5"],
+            2,
+            ["--pp 2 x --pp-stages-per-rank 5 = 10 stages: the model has 8 layers"],
+        ),
+        (
             ["--pp", "2", "--fsdp", "--arch", "timm:test_resnet"],
             2,
             ["--arch timm:test_resnet has no pipeline split here"],
