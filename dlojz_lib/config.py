@@ -16,7 +16,7 @@ from pathlib import Path
 
 from dlojz_lib.checks import fail
 from dlojz_lib.flag_checks import check_data_variable, check_flags
-from dlojz_lib.flags import CUDA_GRAPH_MODES, FROM_TIMM, FUSED, get_args_parser
+from dlojz_lib.flags import CUDA_GRAPH_MODES, FROM_TIMM, FUSED, LOOPED_SCHEDULES, get_args_parser
 from dlojz_lib.launch import load_idr_torch
 from dlojz_lib.recipe import read_recipe
 
@@ -260,7 +260,7 @@ def fill_parallel_defaults(values, notes):
         values["fsdp_reshard_after_forward"] = True
     if values["pp"] > 1 and values["pp_microbatches"] is None:  # a bubble of (N - 1) / (3 N - 1): about a third
         values["pp_microbatches"] = 2 * values["pp"]
-    if values["pp_schedule"] in ("interleaved", "zero-bubble") and values["pp_stages_per_rank"] is None:
+    if values["pp_schedule"] in LOOPED_SCHEDULES and values["pp_stages_per_rank"] is None:
         values["pp_stages_per_rank"] = 2
     if values["pp"] > 1 and values["drop_last"] is None:
         values["drop_last"] = True

@@ -427,12 +427,11 @@ def model_parallel_mesh(ranks, pp, tp):
 
     copy = pp * tp  # the ranks that hold one copy of the model
     if ranks.world_size % copy:
-        flag = f"--pp {pp} x --tp {tp} = {copy}" if pp > 1 and tp > 1 else f"--pp {pp}" if pp > 1 else f"--tp {tp}"
-        what = (
-            "a --pp and a --tp whose product divides it"
-            if pp > 1 and tp > 1
-            else f"a {flag.split()[0]} that divides it"
-        )
+        if pp > 1 and tp > 1:
+            flag, what = f"--pp {pp} x --tp {tp} = {copy}", "a --pp and a --tp whose product divides it"
+        else:
+            name = "--pp" if pp > 1 else "--tp"
+            flag, what = f"{name} {copy}", f"a {name} that divides it"
         fail(f"{flag}: this job has {ranks.world_size} rank(s), not a multiple of {copy}; give {what}")
     dims = [("data", ranks.world_size // copy), ("pipe", pp), ("tensor", tp)]
     dims = [dims[0]] + [(name, size) for name, size in dims[1:] if size > 1]

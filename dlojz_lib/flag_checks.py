@@ -9,7 +9,7 @@ import os
 import re
 
 from dlojz_lib.checks import UserError, fail, missing_data_variable
-from dlojz_lib.flags import CUDA_GRAPH_MODES, DALI_DEFAULTS, get_args_parser
+from dlojz_lib.flags import CUDA_GRAPH_MODES, DALI_DEFAULTS, LOOPED_SCHEDULES, get_args_parser
 
 # timm's --aa strings: a kind, then options, each a letter key and its number (rand-m7-mstd0.5-inc1)
 TIMM_AUGMENT = re.compile(r"(rand|augmix|original|originalr|v0|v0r|3a)(-[a-z]+\d*(\.\d+)?)*")
@@ -198,10 +198,10 @@ def check_speed(values):
 
 def check_pipeline(values):
     """--pp: what composes with the pipeline in dlojz.py, and the micro-batches."""
-    pp, flags = values["pp"], {k: values[k] for k in ("pp_microbatches", "pp_split")}
+    pp, split = values["pp"], values["pp_split"]
     if pp == 1:
-        set_ = values["pp_microbatches"] is not None or values["pp_stages_per_rank"] is not None
-        if set_ or values["pp_split"] != "params" or values["pp_schedule"] != "1f1b":
+        counts = values["pp_microbatches"], values["pp_stages_per_rank"]
+        if counts != (None, None) or split != "params" or values["pp_schedule"] != "1f1b":
             fail("--pp-schedule, --pp-microbatches, --pp-stages-per-rank and --pp-split set how --pp N cuts the "
                  "model: add --pp N")  # fmt: skip
         return
@@ -210,7 +210,7 @@ def check_pipeline(values):
             f"--pp {pp} --pp-schedule zero-bubble computes the weights' gradients apart, after FSDP has reduced them: "
             "use --pp-schedule interleaved (bench/pipeline_bubble.py measures zero-bubble without FSDP)"
         )
-    looped = values["pp_schedule"] in ("interleaved", "zero-bubble")
+    looped = values["pp_schedule"] in LOOPED_SCHEDULES
     if values["pp_stages_per_rank"] is not None and not looped:
         fail(
             f"--pp-stages-per-rank is the interleaved schedules' (several stages a rank): --pp-schedule "
@@ -249,21 +249,21 @@ def check_pipeline(values):
             f"the same global batch and memory give -b {values['batch_size']} x {values['grad_acc']} and "
             f"--pp-microbatches {values['grad_acc']} x M"
         )
-    microbatches = flags["pp_microbatches"] or 2 * pp
+    microbatches = values["pp_microbatches"] or 2 * pp
     if microbatches < pp:
         fail(
             f"--pp-microbatches {microbatches}: at least --pp {pp}, or the last stages never start before the first ends"
         )
     if values["batch_size"] is not None and values["batch_size"] % microbatches:
         fail(f"--pp-microbatches {microbatches} must divide -b {values['batch_size']} (each micro-batch the same size)")
-    if flags["pp_split"] not in ("params", "time"):
+    if split not in ("params", "time"):
         try:
-            cuts = [int(part) for part in flags["pp_split"].split(",")]
+            cuts = [int(part) for part in split.split(",")]
         except ValueError:
             cuts = None
         if cuts is None or len(cuts) != stages - 1:
             fail(
-                f"--pp-split {flags['pp_split']}: params, time, or {stages - 1} layer indices separated by commas "
+                f"--pp-split {split}: params, time, or {stages - 1} layer indices separated by commas "
                 f"(where stages 2 to {stages} start)"
             )
 

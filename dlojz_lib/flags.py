@@ -80,6 +80,8 @@ class Number:
 # Below 8 px a ResNet's stem leaves less than a pixel; above 4096 px one image's activations fill a GPU.
 PIXELS = Number(int, 8, 4096)
 COUNT = Number(int, 1)  # a number of things: at least one
+# --pp-schedule's schedules that hold several stages a rank (--pp-stages-per-rank)
+LOOPED_SCHEDULES = ("interleaved", "zero-bubble")
 WHOLE = Number(int, 0)  # a number that may be zero (workers), or a seed
 NON_NEGATIVE = Number(float, 0)
 POSITIVE = Number(float, 0, low_open=True)
@@ -890,7 +892,7 @@ def get_args_parser():
     p.add_argument(
         "--pp-schedule",
         default="1f1b",
-        choices=("gpipe", "1f1b", "interleaved", "zero-bubble"),
+        choices=("gpipe", "1f1b", *LOOPED_SCHEDULES),
         help="--pp: the order the stages run the micro-batches in: all forwards then all backwards (gpipe),\n"
         "one forward one backward (1f1b: the same bubble, activations of N micro-batches at most), or with\n"
         "--pp-stages-per-rank V stages a rank, looped (interleaved 1F1B: a bubble V times smaller, V times the\n"

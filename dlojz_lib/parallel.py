@@ -164,7 +164,14 @@ def build_pipeline_model(cfg, module, ema, num_classes, ranks, log) -> Model:
     """--pp: `module` cut into --pp stages, this rank's sharded by FSDP over the data dimension, run by the
     schedule (dlojz_lib.pipeline)."""
     from dlojz_lib.fsdp import shard_model
-    from dlojz_lib.pipeline import SCHEDULES, PipelineRun, RankStages, build_pipeline
+    from dlojz_lib.pipeline import (
+        SCHEDULES,
+        PipelineRun,
+        RankStages,
+        bubble_formula,
+        build_pipeline,
+        expected_bubble,
+    )
 
     if cfg.grad_acc > 1 or cfg.batch_size % cfg.pp_microbatches:  # (--global-batch may have chosen them)
         fail(
@@ -203,10 +210,10 @@ def build_pipeline_model(cfg, module, ema, num_classes, ranks, log) -> Model:
     ]
     everyone = ranks.all_gather(" and ".join(mine))
     looped = f", {per_rank} a rank" if per_rank > 1 else ""
-    formula = "(N - 1) / (V M + N - 1)" if per_rank > 1 else "(N - 1) / (M + N - 1)"
+    bubble = expected_bubble(cfg.pp, cfg.pp_microbatches, per_rank)
     log(
         f"pipeline: {cfg.pp * per_rank} stages{looped}, schedule {cfg.pp_schedule}, {cfg.pp_microbatches} micro-batches"
-        f" of {micro} images a step (bubble {formula} = {(cfg.pp - 1) / (per_rank * cfg.pp_microbatches + cfg.pp - 1):.0%}); "
+        f" of {micro} images a step (bubble {bubble_formula(per_rank)} = {bubble:.0%}); "
         f"stages: {'; '.join(everyone[: cfg.pp * cfg.tp : cfg.tp])}; each"
         f"{f' split over {cfg.tp} ranks by the tensor-parallel plan and' if cfg.tp > 1 else ''} sharded by FSDP "
         f"({blocks[0]} blocks) over "

@@ -319,6 +319,11 @@ def expected_bubble(ranks, microbatches, stages_per_rank=1):
     return (ranks - 1) / (stages_per_rank * microbatches + ranks - 1)
 
 
+def bubble_formula(stages_per_rank=1):
+    """expected_bubble's formula, as the lines that print it write it."""
+    return "(N - 1) / (M + N - 1)" if stages_per_rank == 1 else "(N - 1) / (V M + N - 1)"
+
+
 def build_pipeline(
     model, arch, rank, pp, schedule, microbatches, loss_fn, device, group=None, stages_per_rank=1, split="params",
     sample=None, wrap=None, recompute=False,
@@ -368,10 +373,11 @@ def build_pipeline(
 
 def pipeline_step(runner, rank, ranks, images, labels):
     """One step of the schedule on this rank: the first stage's rank gives the images, the last's the labels (it
-    computes the loss); returns the last stage's losses, one per micro-batch ([] elsewhere)."""
+    computes the loss); returns the last stage's outputs (the micro-batches' merged) and losses, one per
+    micro-batch (None and [] elsewhere)."""
     losses = []
-    runner.step(*(images,) if rank == 0 else (), target=labels if rank == ranks - 1 else None, losses=losses)
-    return losses
+    outputs = runner.step(*(images,) if rank == 0 else (), target=labels if rank == ranks - 1 else None, losses=losses)
+    return outputs, losses
 
 
 def pipeline_eval(runner, rank, ranks, images, batch_size):
@@ -424,11 +430,8 @@ class PipelineRun(nn.Module):
         GPU: no wait for the host)."""
         from dlojz_lib.optim.losses import soft_target_accuracy
 
-        losses = []
         start = time_mark(self.clock.cuda) if self.clock is not None else None
-        outputs = self.runner.step(
-            *(images,) if self.pipe_rank == 0 else (), target=targets if self.last else None, losses=losses
-        )
+        outputs, losses = pipeline_step(self.runner, self.pipe_rank, self.pp, images, targets)
         if self.clock is not None:
             self.steps.append((start, time_mark(self.clock.cuda), self.clock.take_spans()))
         figures = torch.zeros(2, device=images.device)
@@ -468,7 +471,6 @@ class PipelineRun(nn.Module):
         rows = [dict(stage=i + 1, compute_s=b, step_s=t, idle_share=max(0.0, 1 - b / t)) for i, b, t in stages]
         bubble = max(row["idle_share"] for row in rows)
         expected = expected_bubble(self.pp, self.microbatches, self.stages_per_rank)
-        formula = "(N - 1) / (M + N - 1)" if self.stages_per_rank == 1 else "(N - 1) / (V M + N - 1)"
         what = "rank" if self.stages_per_rank > 1 else "stage"  # a rank's stages are timed together
         line = (
             f"pipeline ({self.schedule}, {self.pp * self.stages_per_rank} stages on {self.pp} ranks, "
@@ -478,7 +480,8 @@ class PipelineRun(nn.Module):
                 f"(idle {r['idle_share']:.0%})"
                 for r in rows
             )
-            + f"; bubble {bubble:.2f} (the largest idle share), {expected:.2f} by {formula}; the "
+            + f"; bubble {bubble:.2f} (the largest idle share), {expected:.2f} by {bubble_formula(self.stages_per_rank)}; "
+            "the "
             "chronometer's forward below is the schedule's whole step"
         )
         return line, dict(stages=rows, bubble=bubble, expected_bubble=expected, schedule=self.schedule)

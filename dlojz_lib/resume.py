@@ -291,7 +291,8 @@ def restore_weights(cfg, model, training, saved, path, log):
                 missing = set(model.unsharded.state_dict()) - set(weights)
                 if missing:
                     raise KeyError(f"missing {sorted(missing)[0]} and {len(missing) - 1} more")
-                weights = {key: value for key, value in weights.items() if key in model.module.state_dict()}
+                held = model.module.state_dict().keys()
+                weights = {key: value for key, value in weights.items() if key in held}
             load_full_weights(model.module, weights)
         else:
             model.module.load_state_dict(weights)
