@@ -11,9 +11,9 @@ timed over the same number of batches after a warm-up:
 * dlojz+norm: the same, then ``DeviceNormalize`` on the CPU in the main process (what training on the CPU does);
 * dlojz shards: dlojz on the same images packed in webdataset shards, read by index (the generated set is packed
   once, next to it, by dlojz_pack.py; with --data, give --shards PACK);
-* DALI-CPU: ``--data-backend dali`` without a GPU, DALI's CPU decoder with ``--workers`` threads (uint8 batches),
-  when DALI is installed; its training resize without antialiasing (dlojz.py's default) and with it
-  (``--dali-antialias``).
+* DALI-CPU: ``--data-backend dali`` without a GPU, DALI's CPU decoder with ``--workers`` threads, when DALI is
+  installed: normalised float32 batches, DALI's ``crop_mirror_normalize`` doing what DeviceNormalize does for
+  dlojz+norm; its training resize without antialiasing (dlojz.py's default) and with it (``--dali-antialias``).
 
 The main process runs torch with ``--main-threads`` (default 1) threads: on a machine with as many cores as workers,
 a multi-threaded normalisation would spin against the workers (OpenMP threads busy-wait after each operation).
@@ -241,10 +241,9 @@ def measure_dali(
         sampler,
         batch_size,
         lambda source: train_pipeline(
-            source, batch_size, image_size, None, DaliSettings(max(1, threads), 2, 0.65, antialias), seed
+            source, batch_size, image_size, None, DaliSettings(max(1, threads), antialias=antialias), seed
         ),
         torch.device("cpu"),
-        lambda images: images,
         drop_last=True,
     )
     process = psutil.Process()
@@ -430,7 +429,7 @@ def main(argv=None):
         f"\nMedians over {args.repeats} rounds. img/s: wall clock; ratio: over the reference within each round. "
         "dlojz: uint8 batches as a GPU receives them (it converts and normalises them); dlojz+norm: also "
         "normalised to float32 in the main process, as when training on the CPU; dlojz shards: dlojz reading the "
-        "same images from webdataset shards; DALI-CPU: DALI's CPU decoder, uint8. CPU ms/img: main process + "
+        "same images from webdataset shards; DALI-CPU: DALI's CPU decoder, normalised float32 (as dlojz+norm). CPU ms/img: main process + "
         "workers (less sensitive to other jobs on the machine)."
     )
     return rows

@@ -145,6 +145,7 @@ class Config:
     dali_prefetch: int
     dali_hw_decoder_load: float | None
     dali_antialias: bool
+    dali_pad_channels: bool
     train_subset: float | None
     num_workers: int
     persistent_workers: bool

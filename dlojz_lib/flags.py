@@ -91,7 +91,13 @@ LR_SCALING_RULES = ("linear", "sqrt", "none")  # --lr-scaling: how the LR follow
 CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")  # the modes that record CUDA graphs
 GRAPH_FREE_MODE = {"reduce-overhead": "default", "max-autotune": "max-autotune-no-cudagraphs"}  # the same, no graphs
 # The --dali-* flags' defaults (also how check_flags tells that one was given)
-DALI_DEFAULTS = {"dali_threads": None, "dali_prefetch": 2, "dali_hw_decoder_load": None, "dali_antialias": False}
+DALI_DEFAULTS = {
+    "dali_threads": None,
+    "dali_prefetch": 3,
+    "dali_hw_decoder_load": None,
+    "dali_antialias": False,
+    "dali_pad_channels": False,
+}
 
 
 def command_line(argv=None) -> set:
@@ -732,7 +738,7 @@ def get_args_parser():
         type=COUNT,
         default=DALI_DEFAULTS["dali_prefetch"],
         metavar="N",
-        help="batches DALI prepares ahead (default: 2)",
+        help="batches DALI prepares ahead, across epoch boundaries (default: 3)",
     )
     p.add_argument(
         "--dali-hw-decoder-load",
@@ -740,7 +746,7 @@ def get_args_parser():
         default=DALI_DEFAULTS["dali_hw_decoder_load"],
         metavar="F",
         help="share of the JPEGs for the A100/H100 hardware decoder,\nthe rest for nvJPEG's CPU+GPU decoding "
-        "(default: 0.9 with\nfewer than 8 DALI threads, else DALI's 0.65)",
+        "(default: 0.99, as MLPerf's H100/H200 pipelines)",
     )
     p.add_argument(
         "--dali-antialias",
@@ -748,6 +754,13 @@ def get_args_parser():
         default=DALI_DEFAULTS["dali_antialias"],
         help="antialias DALI's training resize (default: off, as NVIDIA's DALI\nResNet-50 pipelines: the CPU "
         "backend's resize then costs half;\nvalidation's resize is antialiased either way)",
+    )
+    p.add_argument(
+        "--dali-pad-channels",
+        action="store_true",
+        default=DALI_DEFAULTS["dali_pad_channels"],
+        help="DALI writes 4 channels (RGB and zeros) and the stem's weight is\npadded to match (zeros): the stem's "
+        "convolution on tensor cores'\nwhole channel multiples, as MLPerf's ResNet-50",
     )
     p.add_argument(
         "--train-subset",

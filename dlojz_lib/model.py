@@ -10,6 +10,9 @@
   3x3 binomial blur before each strided convolution of 16+ input channels, and max-pools that take the max at
   stride 1 then blur with the stride. Only classes change and the blur filter is a constant: the state dict keeps
   its keys and loads into the model with or without it.
+- `pad_stem_channels(model)`: the first 3-channel convolution takes 4 (`--dali-pad-channels`: DALI writes RGB and a
+  zero channel), its weight padded with zeros in each forward: the outputs are the 3-channel ones and the state
+  dict keeps its shapes, so checkpoints load with or without it.
 - `ModelEma(model, decay)`: `--model-ema`'s exponential moving average of the weights and buffers, updated without
   waiting for the device (torch's AveragedModel reads its step count back from the GPU every step).
 - `saved_activation_bytes(model, image_size, channels_last, checkpointing, arch)`: bytes per image that autograd
@@ -260,6 +263,30 @@ def plain_stages(model):
     finally:
         for module, cls in stages:
             module.__class__ = cls
+
+
+# ---------------------------------------------------------------------- a 4-channel stem
+class ChannelPaddedConv2d(torch.nn.Conv2d):
+    """A Conv2d given more input channels than its weight has: the weight is padded with zeros for them (the input's
+    extra channels are zeros too), so the output is the unpadded convolution's. Its parameters are the Conv2d's."""
+
+    def forward(self, input):
+        extra = input.shape[1] - self.in_channels
+        weight = self.weight
+        if extra > 0:
+            weight = torch.nn.functional.pad(weight, (0, 0, 0, 0, 0, extra))
+            if input.is_contiguous(memory_format=torch.channels_last):  # the layout the kernel is chosen for
+                weight = weight.contiguous(memory_format=torch.channels_last)
+        return self._conv_forward(input, weight, self.bias)
+
+
+def pad_stem_channels(model):
+    """Make the first 3-channel Conv2d of `model` a ChannelPaddedConv2d, in place; its name, or None if it has none."""
+    for name, module in model.named_modules():
+        if type(module) is torch.nn.Conv2d and module.in_channels == 3 and module.groups == 1:
+            module.__class__ = ChannelPaddedConv2d
+            return name
+    return None
 
 
 # ---------------------------------------------------------------------- anti-aliased downsampling

@@ -19,6 +19,7 @@ from dlojz_lib.model import (
     create_model,
     enable_grad_checkpointing,
     meta_copy,
+    pad_stem_channels,
 )
 
 
@@ -103,6 +104,11 @@ def build_model(cfg, num_classes, ranks, log) -> Model:
         if changed == 0:
             fail(f"--blurpool: --arch {cfg.arch} has no {layers} to blur")
         log(f"BlurPool: {changed} {layers} blur their input first")
+    if cfg.dali_pad_channels:
+        stem = pad_stem_channels(module)
+        if stem is None:
+            fail(f"--dali-pad-channels: --arch {cfg.arch} has no 3-channel convolution to pad: drop the flag")
+        log(f"--dali-pad-channels: DALI writes 4 channels, {stem}'s weight is padded with zeros to take them")
     if cfg.sync_bn and ranks.enabled:
         module = torch.nn.SyncBatchNorm.convert_sync_batchnorm(module)
     if not cfg.fsdp:  # FSDP moves each rank's shards only to the device

@@ -1,41 +1,48 @@
-"""NVIDIA DALI input pipeline for dlojz.py (`--data-backend dali`): JPEG decoding on the GPU.
+"""NVIDIA DALI input pipeline for dlojz.py (`--data-backend dali`): JPEG decoding on the GPU, built as NVIDIA's are.
 
-One GPU eats more images per second than the CPU cores it gets can decode (an H100 ~7,000 img/s of ResNet-50; a
-core decodes 250-290 at 224 px). DALI decodes on the GPU (nvJPEG, and the hardware JPEG decoder of A100/H100:
-`device="mixed"`), decoding only the random crop's region, then resizes, flips and crops there. Without a GPU the
-same pipeline runs on DALI's CPU backend (what the CPU tests run).
+One GPU eats more images per second than the CPU cores it gets can decode (an H200 ~6,500-8,000 img/s of ResNet-50;
+a core decodes 250-290 at 224 px). DALI decodes on the GPU (nvJPEG, and the hardware JPEG decoder of A100/H100/H200:
+`device="mixed"`, 99% of the images to it as in MLPerf's pipelines), decoding only the random crop's region, then
+resizes, and one `crop_mirror_normalize` flips, normalises and writes the model's input: float16 under --amp
+(float32 without), HWC, optionally padded to 4 channels (--dali-pad-channels: the stem's weight is padded to match,
+see dlojz_lib/model.py). Without a GPU the same pipeline runs on DALI's CPU backend (what the CPU tests run).
 
-    train: samples -> decoders.image_random_crop (RandomResizedCrop's area 0.08-1 and ratio 3/4-4/3, only the
-           region decoded) -> resize to --image-size -> random horizontal flip -> uint8 HWC
-    val:   samples -> decoders.image -> resize the shorter side to --val-resize-size -> center crop --val-crop-size
+    train: file paths -> io.file.read -> decoders.image_random_crop (RandomResizedCrop's area 0.08-1 and ratio
+           3/4-4/3, only the region decoded) -> resize to --image-size -> crop_mirror_normalize (random flip)
+    val:   file paths -> io.file.read -> decoders.image -> resize the shorter side to --val-resize-size (antialiased)
+           -> crop_mirror_normalize (center crop --val-crop-size)
 
-The batches come out HWC and are seen as NCHW tensors in channels-last memory (a free permute): what channels-last
-training wants, and one DALI operator less than a CHW transpose. The training resize is not antialiased unless
---dali-antialias, as in NVIDIA's own DALI ResNet-50 pipelines: on DALI's CPU backend the antialiased resize costs
-twice the decode (measured here: decode alone 3,200 img/s on 2 threads, + resize 1,000, + resize without
-antialiasing 1,450); validation's resize is antialiased (the yardstick stays the pytorch backend's).
+The HWC batches are seen as NCHW tensors in channels-last memory (a free permute): what channels-last training
+wants. The training resize is not antialiased unless --dali-antialias, as in NVIDIA's own DALI ResNet-50 pipelines
+(on DALI's CPU backend the antialiased resize costs twice the decode); validation's is (the yardstick stays the
+pytorch backend's).
 
-Samples come from dlojz's own data sets and samplers through an external source, not from a DALI reader: the
-order is the pytorch backend's (the shuffle by seed and epoch, exact mid-epoch resume by the sampler's position,
---train-subset, packed shards read by index), and validation is exact (each image once across ranks, the last
-batch partial). Normalisation is dlojz's DeviceNormalize, as for the pytorch backend. What
-differs from it: the crops and flips are DALI's draws (seeded by --seed and the rank), not the per-sample seeds, so a
-resumed run goes on from the same sample with other crops. A file that is not a whole JPEG or PNG is skipped with
-a warning before DALI sees it; one DALI cannot decode stops the run with DALI's error naming no file.
+The order is dlojz's own: an external source gives DALI each batch's file paths in the sampler's order (the shuffle
+by seed and epoch, exact mid-epoch resume by the sampler's position, --train-subset, shards, exact validation with
+the last batch partial), and DALI's threads read the files (`fn.io.file.read`, C++, no GIL): the training thread's
+share is a few hundred small arrays per batch. The source runs on from epoch to epoch without an end, so DALI's
+queue (--dali-prefetch batches, 3 by default) stays full across an epoch boundary instead of restarting empty.
+Packed shards (dlojz_pack.py) are read by index in Python, by a thread pool a few batches ahead. The crops and flips
+are DALI's draws (seeded by --seed and the rank), not the per-sample seeds: a resumed run goes on from the same
+sample with other crops. A file DALI cannot decode stops DALI's pipeline; the batches it was preparing are then
+checked in Python, each file that is not a whole JPEG or PNG skipped with a warning naming it (the next readable
+one in its place, as the pytorch backend does), and the pipeline rebuilt where it was.
 
-The source runs in the training process: a thread pool reads the next batches' files (chunks of a batch per task,
-so the training thread only collects them: ~2.5 ms per batch of 32 here). DALI's parallel external source (worker
-processes, `parallel=True`) was measured and not kept: on 2 cores it fed 950-973 img/s against 936-968 for the
-thread pool (the workers' processes and shared-memory copies cost what they save), and 1,296 when its workers even
-did dlojz's own DCT-scaled decoding; DALI's own file reader (no Python at all) gives at best 1,500-1,570 img/s with
-the same operators, but cannot keep dlojz's order, shards or skipped files.
+Measured on DALI's CPU backend (2 threads, 2 cores, 1,000 JPEGs of 500x375, 224 px, batch 32, same operators,
+2026-11-27): paths read by `fn.io.file.read` 915 img/s, DALI's own `fn.readers.file` 926 (it cannot take a new
+order each epoch without a rebuild), the thread pool of file bytes 805, DALI's parallel sample-mode external source
+(worker processes, spawned) 831: the C++ reads are kept, the thread pool serves the shards.
+
+Outputs are stream-ordered and not copied: the pipeline runs with the training's current CUDA stream
+(`run(stream)`, DALI's dynamic executor) and its output buffers become torch tensors through DLPack (what DALI's own
+PyTorch iterator does with this executor), so there is no host wait, no per-batch allocation and no copy.
 
 - `check_available()`: the one-line error when DALI is not installed; `check_decodable(dataset)`: one for a data
   set whose files are not all JPEG or PNG.
 - `dali_settings(cfg)`: the --dali-* flags, or their defaults from the task's CPUs (`DaliSettings`).
-- `train_pipeline`, `val_pipeline`: the two DALI pipelines, fed by `EncodedSamples`.
-- `DaliBatches(dataset, sampler, batch_size, make_pipeline, ...)`: an iterable of (normalised images, labels) on the
-  device, with `len()` and `batch_size`, in place of the DataLoader + DevicePrefetcher.
+- `train_pipeline`, `val_pipeline`: the two DALI pipelines, fed by `SampleFeed`.
+- `DaliBatches(dataset, sampler, batch_size, make_pipeline, ...)`: an iterable of (images, labels) on the device, with
+  `len()` and `batch_size`, in place of the DataLoader + DevicePrefetcher.
 """
 
 import collections
@@ -49,8 +56,13 @@ import numpy as np
 import torch
 
 DALI_PACKAGE = "nvidia-dali-cuda130"
-READ_THREADS = 8  # file reads release the GIL: a few threads keep the external source ahead of the decoder
-READ_AHEAD = 3  # batches read before DALI asks for them
+READ_THREADS = 8  # packed shards: pread releases the GIL, a few threads keep the source ahead of the decoder
+READ_AHEAD = 3  # packed shards: batches read before DALI asks for them
+HW_DECODER_LOAD = 0.99  # the hardware JPEG decoder's share (MLPerf's H100/H200 pipelines): nvJPEG's CPU part is slow
+# nvJPEG's and the resize's buffers sized once for ImageNet's images (NVIDIA's DALI ResNet-50 values): without them
+# they are reallocated, synchronously, as larger images come in the first batches.
+DEVICE_MEMORY_PADDING, HOST_MEMORY_PADDING = 211_025_920, 140_544_512
+SIZE_HINT = (6_000, 4_000)  # the largest ImageNet image's width and height, rounded up: nvJPEG's preallocation
 
 
 def check_available():
@@ -94,67 +106,92 @@ def whole_image(data):
     ] == b"\x89PNG\r\n\x1a\n"
 
 
-class EncodedSamples:
-    """The external source: each iteration is one epoch of the sampler, in batches of the files' bytes and labels.
-    DALI iterates it ahead (the next epoch starts as soon as one ends), so it keeps its own copy of the sampler and
-    counts its epochs itself; `next_start` is the (epoch, first sample) its next iteration will give."""
+class SampleFeed:
+    """The external source: batches of (file paths or file bytes, labels) in the sampler's order, from `start` (an
+    epoch and the samples of it already seen) on, epoch after epoch without end (validation: the same pass again),
+    so that DALI prepares the next epoch's first batches while this one ends. It keeps its own copy of the sampler.
+    A folder data set gives paths (DALI's threads read them); packed shards give bytes, read by a thread pool."""
 
-    def __init__(self, dataset, sampler, batch_size, epoch=0, skip=0):
+    def __init__(self, dataset, sampler, batch_size, start=(0, 0), drop_last=False):
         self.dataset, self.sampler, self.batch_size = dataset, copy.copy(sampler), batch_size
-        self.next_start = (epoch, skip)
+        self.start, self.drop_last = start, drop_last
+        self.by_path = all(isinstance(where, str) for where, _ in dataset.samples)
+        self.skipped = set()  # samples found unreadable: each replaced by the next readable one
         self.pool = None
 
-    def __iter__(self):
-        epoch, skip = self.next_start
-        if hasattr(self.sampler, "set_epoch"):  # training: the next iteration is the next epoch
-            self.next_start = (epoch + 1, 0)
-            self.sampler.set_epoch(epoch)
-            self.sampler.skip = skip
-        keys = list(iter(self.sampler))
-        return self._batches(keys)
+    def index_batches(self, start):
+        """The data set's indices, a batch at a time, from `start` = (epoch, samples already seen) on."""
+        epoch, skip = start
+        while True:
+            if hasattr(self.sampler, "set_epoch"):  # training: each pass is the next epoch
+                self.sampler.set_epoch(epoch)
+                self.sampler.skip = 0
+            indices = [index for _, index in iter(self.sampler)][skip:]
+            end = len(indices) - len(indices) % self.batch_size if self.drop_last else len(indices)
+            if end == 0 and skip == 0:
+                raise ValueError(f"DALI: no whole batch of {self.batch_size} in an epoch of {len(indices)} samples")
+            for first in range(0, end, self.batch_size):
+                yield [self.readable(index) for index in indices[first : first + self.batch_size]]
+            epoch, skip = epoch + 1, 0
 
-    def _batches(self, keys):
-        """DALI calls the source from the training process's thread that runs the pipeline: the files of the next
-        READ_AHEAD batches are read meanwhile by the thread pool, so that a call only collects a batch already read."""
+    def readable(self, index):
+        """`index`, or the next sample not found unreadable (as the pytorch backend skips a corrupt file)."""
+        n = len(self.dataset.samples)
+        for attempt in range(n):
+            if (index + attempt) % n not in self.skipped:
+                return (index + attempt) % n
+        raise OSError(f"no readable image in {self.dataset.root}")
+
+    def labels(self, indices):
+        return np.asarray([self.dataset.samples[i][1] for i in indices], dtype=np.int64).reshape(-1, 1)
+
+    def __iter__(self):
+        batches = self.index_batches(self.start)
+        if self.by_path:
+            for indices in batches:
+                paths = [np.frombuffer(self.dataset.samples[i][0].encode(), dtype=np.uint8) for i in indices]
+                yield paths, self.labels(indices)
+        else:
+            yield from self._read_ahead(batches)
+
+    def _read_ahead(self, batches):
+        """DALI calls the source from the thread that runs the pipeline: the next READ_AHEAD batches' samples are
+        read meanwhile by the thread pool, in chunks (a future per sample costs ~20 us of that thread)."""
         if self.pool is None:
             self.pool = ThreadPoolExecutor(READ_THREADS)
         pending = collections.deque()
-        # A batch's reads in READ_THREADS chunks, not one task per file: the training thread's share of the work (a
-        # future per sample cost ~20 us there) is then small beside the reads.
         chunk = max(1, -(-self.batch_size // READ_THREADS))
-        for start in range(0, len(keys), self.batch_size):
-            indices = [index for _, index in keys[start : start + self.batch_size]]
+        for indices in batches:
             pending.append(
-                [self.pool.submit(self._read_many, indices[k : k + chunk]) for k in range(0, len(indices), chunk)]
+                (
+                    indices,
+                    [self.pool.submit(self._read_many, indices[k : k + chunk]) for k in range(0, len(indices), chunk)],
+                )
             )
             if len(pending) > READ_AHEAD:
-                yield self._collect(pending.popleft())
-        while pending:
-            yield self._collect(pending.popleft())
-
-    @staticmethod
-    def _collect(futures):
-        samples = [sample for future in futures for sample in future.result()]
-        return [data for data, _ in samples], [target for _, target in samples]
+                indices, futures = pending.popleft()
+                yield [data for future in futures for data in future.result()], self.labels(indices)
 
     def _read_many(self, indices):
-        return [self._read(index) for index in indices]
+        return [np.frombuffer(self.dataset.read_bytes(i), dtype=np.uint8) for i in indices]
 
-    def _read(self, index):
-        """(bytes as a uint8 array, label) of sample `index`, or of the next readable one (as the pytorch backend)."""
-        n = len(self.dataset.samples)
-        for attempt in range(n):
-            i = (index + attempt) % n
-            try:
-                data = self.dataset.read_bytes(i)
-                if not whole_image(data):
-                    raise OSError("not a whole JPEG or PNG file")
-                return np.frombuffer(data, dtype=np.uint8), np.array([self.dataset.samples[i][1]], dtype=np.int64)
-            except OSError as err:
-                print(
-                    f"WARNING: skipping unreadable image {self.dataset.describe(i)}: {err}", file=sys.stderr, flush=True
-                )
-        raise OSError(f"no readable image in {self.dataset.root}")
+    def unreadable(self, start, batches):
+        """The samples of `batches` batches from `start` on that are not whole JPEG or PNG files, each warned about
+        by name: what a failed DALI pipeline was preparing."""
+        found = set()
+        for _, indices in zip(range(batches), self.index_batches(start)):
+            for i in indices:
+                try:
+                    if not whole_image(self.dataset.read_bytes(i)):
+                        raise OSError("not a whole JPEG or PNG file")
+                except OSError as err:
+                    print(
+                        f"WARNING: skipping unreadable image {self.dataset.describe(i)}: {err}",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                    found.add(i)
+        return found
 
     def __getstate__(self):  # the thread pool stays in the process that made it
         return dict(self.__dict__, pool=None)
@@ -163,74 +200,110 @@ class EncodedSamples:
 @dataclasses.dataclass(frozen=True)
 class DaliSettings:
     """How DALI's pipelines run: CPU threads, batches prepared ahead, the hardware decoder's share, the training
-    resize's antialiasing."""
+    resize's antialiasing; what they write: float16 or float32, normalised by `mean` and `std` (in [0, 1] units),
+    padded to 4 channels or not."""
 
     threads: int
-    prefetch: int
-    hw_decoder_load: float
-    antialias: bool
+    prefetch: int = 3
+    hw_decoder_load: float = HW_DECODER_LOAD
+    antialias: bool = False
+    half: bool = False
+    pad_channels: bool = False
+    mean: tuple = (0.485, 0.456, 0.406)
+    std: tuple = (0.229, 0.224, 0.225)
 
 
 def dali_settings(cfg):
-    """The flags' values, or defaults from the CPUs the task has: --num-workers is already the task's CPUs less the
-    training process's. With few threads the CPU's share of nvJPEG's decoding is slow, so the hardware decoder
-    takes more of the images than DALI's default 0.65."""
-    threads = cfg.dali_threads or max(1, cfg.num_workers)
-    load = cfg.dali_hw_decoder_load
-    if load is None:
-        load = 0.9 if threads < 8 else 0.65
-    return DaliSettings(threads, cfg.dali_prefetch, load, cfg.dali_antialias)
+    """The flags' values, or their defaults: --num-workers threads (the task's CPUs less the training process's),
+    float16 output under --amp (either AMP dtype: autocast casts it to bfloat16 in the first layer, and float16 keeps
+    more of the normalised pixels' precision), ImageNet's mean and std unless --mean/--std."""
+    from dlojz_lib.data.transforms import IMAGENET_MEAN, IMAGENET_STD
+
+    load = HW_DECODER_LOAD if cfg.dali_hw_decoder_load is None else cfg.dali_hw_decoder_load
+    return DaliSettings(
+        threads=cfg.dali_threads or max(1, cfg.num_workers),
+        prefetch=cfg.dali_prefetch,
+        hw_decoder_load=load,
+        antialias=cfg.dali_antialias,
+        half=cfg.amp,
+        pad_channels=cfg.dali_pad_channels,
+        mean=tuple(cfg.mean or IMAGENET_MEAN),
+        std=tuple(cfg.std or IMAGENET_STD),
+    )
 
 
-def decoder_options(device_id, hw_decoder_load):
-    """The decoder's device, and the hardware JPEG decoder's share of the images where there is one (A100, H100)."""
+def decoder_options(device_id, settings):
+    """The decoder's device; on a GPU the hardware JPEG decoder's share, unpinned threads (`affine=False`, as MLPerf:
+    pinned, they pile onto the first cores of a Slurm cpuset) and the buffers sized once."""
     if device_id is None:
         return {"device": "cpu"}
-    # nvJPEG's buffers sized once for ImageNet's largest images (the values of NVIDIA's DALI ResNet-50 pipelines):
-    # without them it reallocates, synchronously, as larger images come in the first batches.
     return {
         "device": "mixed",
-        "hw_decoder_load": hw_decoder_load,
-        "device_memory_padding": 211_025_920,
-        "host_memory_padding": 140_544_512,
+        "hw_decoder_load": settings.hw_decoder_load,
+        "affine": False,
+        "device_memory_padding": DEVICE_MEMORY_PADDING,
+        "host_memory_padding": HOST_MEMORY_PADDING,
+        "preallocate_width_hint": SIZE_HINT[0],
+        "preallocate_height_hint": SIZE_HINT[1],
     }
 
 
 def pipeline_options(batch_size, device_id, settings, seed):
-    """What both pipelines run with: the batch, the device, DALI's threads and prefetch depth, the seed."""
+    """What both pipelines run with: the batch, the device, DALI's threads and prefetch depth, the seed, and DALI's
+    dynamic executor (outputs bound to a CUDA stream, and shared with torch without a copy)."""
     return dict(
         batch_size=batch_size,
         num_threads=settings.threads,
         device_id=device_id,
         seed=seed,
         prefetch_queue_depth=settings.prefetch,
+        exec_dynamic=True,
     )
 
 
-def encoded_samples(source):
-    """The pipeline's input: EncodedSamples' batches of file bytes and labels (inside a pipeline definition)."""
+def encoded_samples(source, by_path):
+    """The pipeline's input: the files' bytes (read by DALI from SampleFeed's paths, or given by it) and labels."""
     from nvidia.dali import fn, types
 
-    return fn.external_source(source=source, num_outputs=2, batch=True, cycle="raise", dtype=[types.UINT8, types.INT64])
+    data, labels = fn.external_source(source=source, num_outputs=2, batch=True, dtype=[types.UINT8, types.INT64])
+    return (fn.io.file.read(data) if by_path else data), labels
+
+
+def normalised(images, settings, device_id, **crop_and_flip):
+    """crop_mirror_normalize: the model's input, float16 or float32, HWC, (x / 255 - mean) / std, padded to 4
+    channels with zeros when asked; with the crop or flip given, in the same pass."""
+    from nvidia.dali import fn, types
+
+    if device_id is not None:
+        images = images.gpu()
+    return fn.crop_mirror_normalize(
+        images,
+        dtype=types.FLOAT16 if settings.half else types.FLOAT,
+        output_layout="HWC",
+        mean=[255 * m for m in settings.mean],
+        std=[255 * s for s in settings.std],
+        pad_output=settings.pad_channels,
+        **crop_and_flip,
+    )
 
 
 def train_pipeline(source, batch_size, image_size, device_id, settings, seed):
-    """RandomResizedCrop + flip, uint8 HWC (the batch's NHWC memory is what channels-last training wants)."""
+    """RandomResizedCrop, then the flip folded into the normalisation."""
     from nvidia.dali import fn, pipeline_def, types
 
     @pipeline_def(**pipeline_options(batch_size, device_id, settings, seed))
     def pipeline():
-        encoded, labels = encoded_samples(source)
+        encoded, labels = encoded_samples(source, getattr(source, "by_path", False))
         images = fn.decoders.image_random_crop(
             encoded,
             output_type=types.RGB,
             random_area=[0.08, 1.0],
             random_aspect_ratio=[3 / 4, 4 / 3],
             num_attempts=10,
-            **decoder_options(device_id, settings.hw_decoder_load),
+            **decoder_options(device_id, settings),
         )
         images = fn.resize(images, resize_x=image_size, resize_y=image_size, antialias=settings.antialias)
-        images = fn.flip(images, horizontal=fn.random.coin_flip(probability=0.5))
+        images = normalised(images, settings, device_id, mirror=fn.random.coin_flip(probability=0.5))
         return images, labels.gpu() if device_id is not None else labels
 
     return pipeline()
@@ -238,33 +311,33 @@ def train_pipeline(source, batch_size, image_size, device_id, settings, seed):
 
 def val_pipeline(source, batch_size, resize_size, crop_size, device_id, settings, seed):
     """Resize the shorter side (antialiased, whatever the training's setting: validation is the fixed yardstick),
-    center crop, uint8 HWC."""
+    then the center crop folded into the normalisation."""
     from nvidia.dali import fn, pipeline_def, types
 
     @pipeline_def(**pipeline_options(batch_size, device_id, settings, seed))
     def pipeline():
-        encoded, labels = encoded_samples(source)
-        images = fn.decoders.image(
-            encoded, output_type=types.RGB, **decoder_options(device_id, settings.hw_decoder_load)
-        )
+        encoded, labels = encoded_samples(source, getattr(source, "by_path", False))
+        images = fn.decoders.image(encoded, output_type=types.RGB, **decoder_options(device_id, settings))
         images = fn.resize(images, resize_shorter=resize_size, antialias=True)
-        images = fn.crop(images, crop=(crop_size, crop_size))
+        images = normalised(images, settings, device_id, crop=(crop_size, crop_size))
         return images, labels.gpu() if device_id is not None else labels
 
     return pipeline()
 
 
 class DaliBatches:
-    """(normalised images, labels) on the device for one epoch of `sampler` per iteration (uint8 images when
-    `normalize` is None: what --loader-only times, as it times the pytorch backend's DataLoader). Each iteration starts
-    where the sampler says (its epoch and `skip`, set by the training loop); when that is not what the pipeline has
-    already prefetched (the first epoch, a resume, an iteration left before its end), the pipeline is built anew."""
+    """(images, labels) on the device for one epoch of `sampler` per iteration: the model's input, normalised by
+    DALI. Each iteration starts where the sampler says (its epoch and `skip`, set by the training loop); when that
+    is where the pipeline already is (the previous iteration ran to its end, and DALI has been preparing the next
+    one's batches since) it goes on, else (the first epoch, a resume, an iteration left before its end) the
+    pipeline is built anew at that place."""
 
-    def __init__(self, dataset, sampler, batch_size, make_pipeline, device, normalize, drop_last=False):
+    def __init__(self, dataset, sampler, batch_size, make_pipeline, device, drop_last=False):
         self.dataset, self.sampler, self.batch_size = dataset, sampler, batch_size
-        self.make_pipeline, self.device, self.normalize, self.drop_last = make_pipeline, device, normalize, drop_last
+        self.make_pipeline, self.device, self.drop_last = make_pipeline, device, drop_last
         self.pipeline = self.source = None
-        self.finished = False  # the previous iteration ran to its end (the pipeline then holds the next epoch)
+        self.position = None  # (epoch, samples seen) of the pipeline's next batch; None mid-iteration
+        self.rebuilds = 0  # pipelines built: what the tests count
 
     def __len__(self):
         n = getattr(self.sampler, "trained", None) or getattr(self.sampler, "num_samples", None) or len(self.sampler)
@@ -273,40 +346,40 @@ class DaliBatches:
     def _wanted(self):
         return getattr(self.sampler, "epoch", 0), getattr(self.sampler, "skip", 0)
 
+    def _build(self, start, skipped=()):
+        self.pipeline = None  # its threads and buffers go before the new one's come
+        self.source = SampleFeed(self.dataset, self.sampler, self.batch_size, start, self.drop_last)
+        self.source.skipped |= set(skipped)
+        self.pipeline = self.make_pipeline(self.source)
+        self.pipeline.build()
+        self.rebuilds += 1
+
     def __iter__(self):
         wanted = self._wanted()
-        if self.pipeline is not None and self.finished and self.source.next_start == (wanted[0], 0) == wanted:
-            self.pipeline.reset()  # already prefetching this epoch
-        else:
-            self.source = EncodedSamples(self.dataset, self.sampler, self.batch_size, *wanted)
-            self.pipeline = self.make_pipeline(self.source)
-            self.pipeline.build()
-        self.finished = False
-        return self._batches()
+        if self.pipeline is None or self.position != wanted:
+            self._build(wanted, self.source.skipped if self.source is not None else ())
+        self.position = None
+        return self._batches(*wanted)
 
-    def _batches(self):
-        from nvidia.dali.plugin.pytorch import feed_ndarray
+    def _batches(self, epoch, skip):
+        first = skip // self.batch_size
+        for batch in range(first, len(self)):
+            if batch == len(self) - 1:  # the next iteration's batches are the ones DALI is preparing
+                self.position = (epoch + 1 if hasattr(self.sampler, "set_epoch") else epoch, 0)
+            images, labels = self._run(epoch, batch * self.batch_size)
+            yield images.permute(0, 3, 1, 2), labels.view(-1)  # NCHW's shape over NHWC memory: channels-last
 
-        left = len(self) - self._wanted()[1] // self.batch_size
-        while left > 0:
-            try:
-                images, labels = self.pipeline.run()
-            except StopIteration:
-                self.finished = True
-                return
-            images, labels = images.as_tensor(), labels.as_tensor()
-            out_images = torch.empty(images.shape(), dtype=torch.uint8, device=self.device)  # N, H, W, C
-            out_labels = torch.empty(labels.shape(), dtype=torch.int64, device=self.device)
-            stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
-            feed_ndarray(images, out_images, cuda_stream=stream)
-            feed_ndarray(labels, out_labels, cuda_stream=stream)
-            left -= 1
-            out_images = out_images.permute(0, 3, 1, 2)  # NCHW's shape over NHWC memory: channels-last, no copy
-            yield (out_images if self.normalize is None else self.normalize(out_images)), out_labels.view(-1)
-        # --drop-last: the partial batch left is not trained on; the pipeline's epoch is drained, not wasted work
-        while True:
-            try:
-                self.pipeline.run()
-            except StopIteration:
-                self.finished = True
-                return
+    def _run(self, epoch, seen):
+        """The next batch as torch tensors sharing DALI's buffers, ready on the current CUDA stream (no host wait).
+        A pipeline that fails is rebuilt at the same place without the files found unreadable among those it was
+        preparing; if none is, DALI's error goes on."""
+        stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+        try:
+            outputs = self.pipeline.run(stream)
+        except RuntimeError:
+            bad = self.source.unreadable((epoch, seen), self.pipeline.prefetch_queue_depth + 2)
+            if not bad:
+                raise
+            self._build((epoch, seen), self.source.skipped | bad)
+            outputs = self.pipeline.run(stream)
+        return tuple(torch.from_dlpack(output.as_tensor()) for output in outputs)

@@ -6,7 +6,6 @@ stops the DataLoaders' workers (dlojz.py's main() hands it to the run's ExitStac
 end, `--loader-only`'s measure) and the synthetic loader are here too.
 """
 
-import copy
 import dataclasses
 import functools
 import math
@@ -290,7 +289,8 @@ def normalisation(cfg, ranks):
 
 
 def dali_loaders(cfg, train_set, val_set, train_sampler, ranks, log) -> Loaders:
-    """--data-backend dali: the same samples and samplers, decoded and augmented by DALI (dlojz_lib/data/dali.py)."""
+    """--data-backend dali: the same samples and samplers, decoded, augmented and normalised by DALI
+    (dlojz_lib/data/dali.py); --loader-only times these batches, the model's input."""
     from dlojz_lib.data.dali import DaliBatches, check_decodable, dali_settings, train_pipeline, val_pipeline
 
     for dataset in (train_set, val_set):
@@ -304,18 +304,18 @@ def dali_loaders(cfg, train_set, val_set, train_sampler, ranks, log) -> Loaders:
         else "the CPU (no GPU)"
     )
     log(
-        f"DALI: decoding on {where}, {settings.threads} threads, {settings.prefetch} batches ahead, training resize "
-        f"{'with' if settings.antialias else 'without'} antialiasing; a resumed run continues at the same sample "
-        f"with DALI's own crops"
+        f"DALI: decoding on {where}, {settings.threads} thread{'s' if settings.threads > 1 else ''}, "
+        f"{settings.prefetch} batches ahead, training resize "
+        f"{'with' if settings.antialias else 'without'} antialiasing, {'float16' if settings.half else 'float32'} "
+        f"channels-last output{' padded to 4 channels' if settings.pad_channels else ''}; a resumed run continues "
+        f"at the same sample with DALI's own crops"
     )
-    normalize = normalisation(cfg, ranks)
     train = DaliBatches(
         train_set,
         train_sampler,
         cfg.batch_size,
         lambda source: train_pipeline(source, cfg.batch_size, cfg.image_size, device_id, settings, seed),
         ranks.device,
-        normalize,
         drop_last=cfg.drop_last,
     )
     val_sampler = ShardSampler(val_set, ranks.data_size, ranks.data_rank)
@@ -327,12 +327,9 @@ def dali_loaders(cfg, train_set, val_set, train_sampler, ranks, log) -> Loaders:
             source, cfg.val_batch_size, cfg.val_resize_size, cfg.val_crop_size, device_id, settings, seed + 1
         ),
         ranks.device,
-        normalize,
     )
-    uint8_train = copy.copy(train)  # --loader-only times the decoded uint8 batches, as the DataLoader's
-    uint8_train.normalize = None
     return Loaders(
-        uint8_train,
+        train,
         train_sampler,
         train,
         val,
