@@ -363,6 +363,11 @@ def test_decoder_options_on_a_gpu_are_mlperfs():
     assert options["preallocate_width_hint"] > 0 and options["device_memory_padding"] > 0
     assert decoder_options(0, DaliSettings(1, hw_decoder_load=0.5))["hw_decoder_load"] == 0.5
     assert decoder_options(None, ONE_THREAD) == {"device": "cpu"}
+    from nvidia.dali import backend
+
+    for operator in ("decoders__ImageRandomCrop", "decoders__Image"):  # each option is one the GPU decoders take
+        schema = backend.GetSchema(operator)
+        assert [name for name in options if name != "device" and not schema.HasArgument(name)] == [], operator
 
 
 def test_hardware_decoder_share_and_output_follow_the_flags():

@@ -132,6 +132,13 @@ class SyntheticLoader:
 
 # ---------------------------------------------------------------------------------------------------------------
 # --loader-only
+def finished(images):
+    """Wait for a batch made on the GPU by stream-ordered work (DALI's): --loader-only's clock reads there, twice
+    a measurement, never per batch."""
+    if images.is_cuda:
+        torch.cuda.synchronize(images.device)
+
+
 def measure_loader(loader, sampler, nsteps, num_workers, all_gather=None, log=print):
     """Images/s of the DataLoader alone over `nsteps` batches after the workers' start-up, summed over the ranks
     (`all_gather(obj) -> list`, None for one process). Returns the metrics of --loader-only."""
@@ -145,12 +152,14 @@ def measure_loader(loader, sampler, nsteps, num_workers, all_gather=None, log=pr
         for batch_images, _ in loader:
             done += 1
             if done == warmup:
+                finished(batch_images)
                 t0 = time.perf_counter()
             elif done > warmup:
                 images += batch_images.shape[0]
             if done >= warmup + nsteps:
                 break
         epoch += 1
+    finished(batch_images)
     rate = images / (time.perf_counter() - t0)
     total = sum(all_gather(rate)) if all_gather else rate
     per_worker = rate / num_workers if num_workers else rate
