@@ -77,6 +77,20 @@ def test_dali_follows_the_sampler_epoch_after_epoch_and_after_a_resume(tiny_data
     assert labels_of(batches) == in_batches(list(iter(sampler)), train.targets, 8)
 
 
+def test_batches_are_dalis_buffers_not_copies(tiny_data):
+    """The images and labels handed to training are DALI's output buffers seen through DLPack: no allocation and no
+    copy per batch (on a GPU the same call binds them to the training's stream)."""
+    train, _, _, _ = build_datasets(tiny_data, None, None)
+    batches = train_batches(train, EpochSampler(train, 1, 0))
+    iterator = iter(batches)
+    next(iterator)
+    run, outputs = batches.pipeline.run, []
+    batches.pipeline.run = lambda *args: outputs.append(run(*args)) or outputs[-1]
+    images, labels = next(iterator)
+    assert images.data_ptr() == outputs[0][0].as_tensor().data_ptr()
+    assert labels.data_ptr() == outputs[0][1].as_tensor().data_ptr()
+
+
 def test_drop_last_leaves_out_the_partial_batch(tiny_data):
     train, _, _, _ = build_datasets(tiny_data, None, None)
     sampler = EpochSampler(train, 1, 0, shuffle=True, seed=5, drop_last=True)
