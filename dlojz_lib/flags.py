@@ -757,7 +757,7 @@ def get_args_parser():
     )
     p.add_argument(
         "--dali-pad-channels",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
         default=DALI_DEFAULTS["dali_pad_channels"],
         help="DALI writes 4 channels (RGB and zeros) and the stem's weight is\npadded to match (zeros): the stem's "
         "convolution on tensor cores'\nwhole channel multiples, as MLPerf's ResNet-50",
