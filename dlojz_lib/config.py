@@ -61,6 +61,7 @@ class Config:
     initial_checkpoint: str | None  # weights to start from (not a resume)
     fetch_weights: bool  # only fetch --pretrained's file, then exit
     freeze_backbone_epochs: int | None  # epochs in which only the head learns
+    linear_probe: bool  # the head alone learns, the whole run, on the frozen backbone's features
     layer_decay: float | None  # learning-rate factor from one block to the one below
     drop_path: float | None  # stochastic depth rate, None: the model's own
     # optimizer and schedule

@@ -66,6 +66,23 @@ def check_starting_weights(values):
         fail("--pretrained and --initial-checkpoint both give the starting weights: give one of them")
     if values["fetch_weights"] and values["pretrained"] is None:
         fail("--fetch-weights fetches --pretrained's weights: add --pretrained [WEIGHTS]")
+    if values["linear_probe"]:
+        if values["pretrained"] is None and values["initial_checkpoint"] is None and not values["resume"]:
+            fail(
+                "--linear-probe trains a head on a frozen backbone: give the backbone's weights with --pretrained or "
+                "--initial-checkpoint (or --resume the probe's run)"
+            )
+        given = [
+            flag
+            for flag, on in (
+                ("--freeze-backbone-epochs", values["freeze_backbone_epochs"] is not None),
+                ("--layer-decay", values["layer_decay"] is not None),
+                ("--fsdp", values["fsdp"]),
+            )
+            if on
+        ]
+        if given:
+            fail(f"--linear-probe freezes the backbone for the whole run: drop {', '.join(given)}")
     frozen = values["freeze_backbone_epochs"]
     if frozen is not None:
         if values["pretrained"] is None and values["initial_checkpoint"] is None and not values["resume"]:

@@ -297,6 +297,13 @@ def get_args_parser():
         "dropped before each optimizer step), then every layer",
     )
     p.add_argument(
+        "--linear-probe",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="the head alone learns for the whole run, on the frozen backbone's features (eval mode, no\n"
+        "backward through it): the standard evaluation of a pretrained backbone",
+    )
+    p.add_argument(
         "--layer-decay",
         type=Number(float, 0, 1, low_open=True),
         default=None,

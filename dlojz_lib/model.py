@@ -13,6 +13,9 @@
 - `pad_stem_channels(model)`: the first 3-channel convolution takes 4 (`--dali-pad-channels`: DALI writes RGB and a
   zero channel), its weight padded with zeros in each forward: the outputs are the 3-channel ones and the state
   dict keeps its shapes, so checkpoints load with or without it.
+- `linear_probe(model, head)`: `--linear-probe`: every parameter but the head's frozen (`requires_grad=False`: no
+  backward through the backbone) and the backbone kept in eval mode whatever `train()` says (its BatchNorm
+  statistics and dropout fixed: the features are the pretrained backbone's); only the class changes.
 - `ModelEma(model, decay)`: `--model-ema`'s exponential moving average of the weights and buffers, updated without
   waiting for the device (torch's AveragedModel reads its step count back from the GPU every step).
 - `saved_activation_bytes(model, image_size, channels_last, checkpointing, arch)`: bytes per image that autograd
@@ -287,6 +290,32 @@ def pad_stem_channels(model):
             module.__class__ = ChannelPaddedConv2d
             return name
     return None
+
+
+# ---------------------------------------------------------------------- a linear probe
+class LinearProbe:
+    """A model whose backbone is a fixed feature extractor: train(True) trains the head alone (`probe_head`, a module
+    name), the rest stays in eval mode (running statistics used and kept, no dropout)."""
+
+    probe_head: str
+
+    def train(self, mode=True):
+        super().train(False)
+        self.training = mode
+        self.get_submodule(self.probe_head).train(mode)
+        return self
+
+
+def linear_probe(model, head):
+    """Freeze every parameter of `model` outside `head` and keep them in eval mode (LinearProbe), in place; returns
+    (parameters that train, all parameters)."""
+    for name, param in model.named_parameters():
+        param.requires_grad_(name.startswith(head + "."))
+    model.__class__ = type(f"LinearProbe{type(model).__name__}", (LinearProbe, type(model)), {})
+    model.probe_head = head
+    model.train(model.training)
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return trained, sum(p.numel() for p in model.parameters())
 
 
 # ---------------------------------------------------------------------- anti-aliased downsampling

@@ -16,8 +16,10 @@ from dlojz_lib.model import (
     ModelEma,
     apply_blurpool,
     batch_norm_on_native_kernels,
+    classifier_name,
     create_model,
     enable_grad_checkpointing,
+    linear_probe,
     meta_copy,
     pad_stem_channels,
 )
@@ -87,6 +89,31 @@ def ema_decay(cfg, world_size) -> float:
     return 1.0 - min(1.0, (1.0 - cfg.model_ema_decay) * adjust)
 
 
+def adapt_module(cfg, module, num_classes, log):
+    """What the flags change in the model's own modules, in place (classes and flags only: the state dict keeps its
+    keys): --blurpool's blurred downsampling, --linear-probe's frozen backbone, --dali-pad-channels' 4-channel stem."""
+    if cfg.blurpool:
+        changed = apply_blurpool(module, maxpool=cfg.blurpool_maxpool)
+        layers = "strided convolutions and max-pools" if cfg.blurpool_maxpool else "strided convolutions (FFCV's)"
+        if changed == 0:
+            fail(f"--blurpool: --arch {cfg.arch} has no {layers} to blur")
+        log(f"BlurPool: {changed} {layers} blur their input first")
+    if cfg.linear_probe:
+        head = classifier_name(module, num_classes)
+        if head is None:
+            fail(f"--linear-probe: --arch {cfg.arch} has no Linear layer with {num_classes} outputs to train alone")
+        trained, total = linear_probe(module, head)
+        log(
+            f"--linear-probe: only the head ({head}, {trained:,} of {total:,} parameters) trains, on the backbone's "
+            "features: the backbone frozen, in eval mode (its BatchNorm statistics kept), no backward through it"
+        )
+    if cfg.dali_pad_channels:
+        stem = pad_stem_channels(module)
+        if stem is None:
+            fail(f"--dali-pad-channels: --arch {cfg.arch} has no 3-channel convolution to pad: drop the flag")
+        log(f"--dali-pad-channels: DALI writes 4 channels, {stem}'s weight is padded with zeros to take them")
+
+
 def build_model(cfg, num_classes, ranks, log) -> Model:
     module = create_model(cfg.arch, num_classes, cfg.zero_init_residual, cfg.image_size, cfg.drop_path)
     if cfg.initial_checkpoint is not None or cfg.pretrained is not None:  # before any wrapper or copy
@@ -98,17 +125,7 @@ def build_model(cfg, num_classes, ranks, log) -> Model:
         else:
             weights, what, fix = weights_source(cfg)  # (the flag as given, and what to do with a damaged cache file)
             log(load_initial_weights(module, weights, num_classes, what, fix))
-    if cfg.blurpool:  # before the copies below (SyncBN, EMA): they keep the blurred layers
-        changed = apply_blurpool(module, maxpool=cfg.blurpool_maxpool)
-        layers = "strided convolutions and max-pools" if cfg.blurpool_maxpool else "strided convolutions (FFCV's)"
-        if changed == 0:
-            fail(f"--blurpool: --arch {cfg.arch} has no {layers} to blur")
-        log(f"BlurPool: {changed} {layers} blur their input first")
-    if cfg.dali_pad_channels:
-        stem = pad_stem_channels(module)
-        if stem is None:
-            fail(f"--dali-pad-channels: --arch {cfg.arch} has no 3-channel convolution to pad: drop the flag")
-        log(f"--dali-pad-channels: DALI writes 4 channels, {stem}'s weight is padded with zeros to take them")
+    adapt_module(cfg, module, num_classes, log)  # before the copies below (SyncBN, EMA): they keep its changes
     if cfg.sync_bn and ranks.enabled:
         module = torch.nn.SyncBatchNorm.convert_sync_batchnorm(module)
     if not cfg.fsdp:  # FSDP moves each rank's shards only to the device

@@ -90,6 +90,9 @@ def test_drop_path_reaches_the_model_s_stochastic_depth():
         (["--freeze-backbone-epochs", "1", "-e", "2"], r"would keep random weights fixed: give the weights"),
         (["--freeze-backbone-epochs", "2", "-e", "2", "--initial-checkpoint", "w.pt"], r"must end before --epochs 2"),
         (["--freeze-backbone-epochs", "1", "-e", "2", "--initial-checkpoint", "w.pt", "--findlr"], r"--findlr sweeps"),
+        (["--linear-probe"], r"--linear-probe trains a head on a frozen backbone: give the backbone's weights"),
+        (["--linear-probe", "--initial-checkpoint", "w.pt", "--layer-decay", "0.8"], r"drop --layer-decay"),
+        (["--linear-probe", "--initial-checkpoint", "w.pt", "--freeze-backbone-epochs", "1", "-e", "3"], r"drop --fre"),
     ],
 )
 def test_fine_tuning_flags_refuse_in_one_line(flags, message, tmp_path):
@@ -237,3 +240,40 @@ def test_frozen_layers_are_out_of_the_clip_s_norm_and_the_float16_scaler_s_overf
     scaler = loop["training"].scaler
     assert scaler.is_enabled() and scaler.get_scale() == 2.0**8  # not halved: no overflow counted
     assert not torch.equal(head[0].detach(), before[0])  # and the head stepped
+
+
+def test_a_linear_probe_trains_the_head_alone_on_the_frozen_backbone(tiny_data, tmp_path, run_inline):
+    """--linear-probe: 2 epochs, then every backbone weight and BatchNorm buffer is the file's, the head has learnt,
+    and the backbone ran in eval mode (its running statistics untouched, though the batches differ from them)."""
+    torch.manual_seed(0)
+    start = torchvision.models.resnet18(num_classes=3)
+    torch.save(start.state_dict(), tmp_path / "start.pth")
+    flags = [*TINY, "--data-root", tiny_data, "-e", "2", "--initial-checkpoint", tmp_path / "start.pth"]
+    proc = run_inline(*flags, "--linear-probe", "--output-dir", tmp_path / "probe", "--keep-checkpoints", "1")
+    assert proc.returncode == 0, proc.stderr
+    assert "--linear-probe: only the head (fc, 1,539 of 11,178,051 parameters) trains" in proc.stdout
+    out = tmp_path / "probe"
+    final = torch.load(out / (out / "latest").read_text().strip(), weights_only=True)["model"]
+    for name, value in start.state_dict().items():
+        assert torch.equal(final[name], value) != name.startswith("fc."), name  # buffers too: running_mean, ...
+
+
+def test_a_linear_probe_keeps_the_backbone_in_eval_mode_and_computes_no_backbone_gradient():
+    from dlojz_lib.model import linear_probe
+
+    model = torchvision.models.resnet18(num_classes=3)
+    assert linear_probe(model, "fc") == (1539, 11178051)
+    model.train()
+    assert model.training and model.fc.training and not model.layer1[0].bn1.training and not model.bn1.training
+    images = torch.randn(4, 3, 32, 32, requires_grad=False)
+    loss = model(images).sum()
+    assert loss.grad_fn is not None and all(p.grad is None for p in model.parameters())
+    loss.backward()
+    assert model.fc.weight.grad is not None and model.conv1.weight.grad is None
+    model.eval()
+    assert not model.training and not model.fc.training
+    import copy
+
+    twin = copy.deepcopy(model)  # (EMA's copy) keeps the class
+    twin.train()
+    assert not twin.layer4[1].bn2.training and twin.fc.training
