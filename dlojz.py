@@ -179,7 +179,7 @@ def main(argv=None, resources=None) -> dict:
         log(f"nothing to train: the run has done its {state.epoch} epochs; give --epochs N > {state.epoch} to go on")
         return {}
     run.wandb_run = wandb_run = open_wandb(cfg, ranks, metrics, state)
-    run.saver = make_saver(cfg, model, training, ranks)
+    run.saver = make_saver(cfg, model, training, ranks, classes)
     profiler = make_profiler(cfg, ranks.rank, ranks.device, log) if cfg.prof else None
     hooks = LoopHooks(chrono, profiler, training.lr_finder, ranks.enabled)  # chronometer, profiler, LR range test
     images_per_step = cfg.batch_size * ranks.data_size  # one micro-batch on every data replica

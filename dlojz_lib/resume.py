@@ -161,13 +161,15 @@ def check_checkpoints_written(cfg, saver, log):
     log(f"WARNING: {len(unwritten)} checkpoint(s) not written during the run ({names}); the last one is on disk")
 
 
-def make_saver(cfg, model, training, ranks):
-    """The checkpoint writer: one file by rank 0, or with --fsdp one folder of every rank's shards."""
+def make_saver(cfg, model, training, ranks, classes=None):
+    """The checkpoint writer: one file by rank 0, or with --fsdp one folder of every rank's shards. The class names
+    go with the weights: dlojz_predict.py names its predictions with them."""
     fixed = dict(
         args=dataclasses.asdict(cfg),
         total_steps=training.total_steps,
         world_size=ranks.world_size,
         num_classes=model.num_classes,
+        classes=list(classes) if classes is not None else None,
     )
     if model.parallel == "fsdp":
         from dlojz_lib.fsdp import ShardedCheckpointSaver

@@ -1,0 +1,121 @@
+"""dlojz_predict.py: a folder of images through a trained model, as --eval-only sees them (the same probabilities,
+flip TTA, EMA weights), top-k, AMP, unreadable files skipped and counted, and the one-line errors."""
+
+import csv
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import TINY, run_dlojz, show
+
+import dlojz_predict
+
+RUN = [*TINY, "--arch", "resnet18", "--epochs", "1", "--model-ema", "--model-ema-decay", "0.5"]
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_data, tmp_path_factory):
+    """A run of one epoch (with an EMA), and --eval-only's predictions of its weights and of its EMA's."""
+    out = tmp_path_factory.mktemp("predict")
+    proc = run_dlojz(*RUN, "--data-root", tiny_data, "--output-dir", out / "run")
+    assert proc.returncode == 0, show(proc)
+    evaluated = {}
+    for name, flags in (("raw", []), ("ema", ["--eval-ema"]), ("tta", ["--tta-flip"])):
+        csv_path = out / f"{name}.csv"
+        proc = run_dlojz(
+            *RUN, "--data-root", tiny_data, "--output-dir", out / "run", "--eval-only", "--resume", "auto",
+            "--predictions", csv_path, *flags,
+        )  # fmt: skip
+        assert proc.returncode == 0, show(proc)
+        evaluated[name] = rows_of(csv_path)
+    return out / "run", evaluated
+
+
+def rows_of(path):
+    with open(path, newline="") as file:
+        return {row["image"]: row for row in csv.DictReader(file)}
+
+
+def predicted(tmp_path, capsys, *args):
+    out = tmp_path / "p.csv"
+    status = dlojz_predict.main([*map(str, args), "-o", str(out), "--num-workers", "0"])
+    captured = capsys.readouterr()
+    return status, (rows_of(out) if status == 0 else None), captured
+
+
+def probabilities(row, k=3):
+    return [(row[f"class_{r}"], float(row[f"probability_{r}"])) for r in range(1, k + 1)]
+
+
+@pytest.mark.parametrize("name, flags", [("raw", []), ("ema", ["--ema"]), ("tta", ["--tta-flip"])])
+def test_predictions_are_eval_only_s(trained, tiny_data, tmp_path, capsys, name, flags):
+    run, evaluated = trained
+    status, rows, captured = predicted(tmp_path, capsys, run, tiny_data / "val", *flags)
+    assert status == 0, captured.err
+    assert "3 classes named by the checkpoint, validation's preprocessing (resize 18, crop 16" in captured.out
+    assert rows.keys() == evaluated[name].keys() and len(rows) == 15
+    for image, row in rows.items():
+        expected = evaluated[name][image]
+        assert row["predicted_class"] == expected["predicted_class"], image
+        for (c, p), (d, q) in zip(probabilities(row), probabilities(expected)):
+            assert c == d and p == pytest.approx(q, abs=2e-6), image
+    others = [evaluated[other] for other in evaluated if other != name]
+    assert all(  # the flag was not ignored: another setting's probabilities differ
+        any(probabilities(rows[i]) != probabilities(other[i]) for i in rows) for other in others
+    )
+
+
+def test_top_k_amp_and_unreadable_files(trained, tiny_data, tmp_path, capsys):
+    run, evaluated = trained
+    folder = shutil.copytree(tiny_data / "val", tmp_path / "images")
+    (folder / "nested").mkdir()
+    shutil.copy(next((tiny_data / "val").rglob("*.JPEG")), folder / "nested" / "copy.jpg")
+    (folder / "broken.jpg").write_bytes(b"not an image")
+    (folder / "notes.txt").write_text("not an image file name: left out")
+    status, rows, captured = predicted(tmp_path, capsys, run, folder, "--top-k", "2", "--amp")
+    assert status == 0, captured.err
+    assert len(rows) == 16 and str(folder / "nested" / "copy.jpg") in rows  # found in a sub-folder
+    assert "WARNING: skipping unreadable image" in captured.err and str(folder / "broken.jpg") in captured.err
+    assert "1 unreadable file(s) skipped" in captured.out
+    row = next(iter(rows.values()))
+    assert "class_2" in row and "class_3" not in row
+    # bfloat16 autocast: close to the float32 probabilities, not the same numbers
+    gaps = []
+    for path, row in rows.items():
+        relative = Path(path).relative_to(folder)
+        if relative.parts[0] != "nested":
+            expected = evaluated["raw"][str(tiny_data / "val" / relative)]
+            gaps.append(abs(float(row["probability_1"]) - float(expected["probability_1"])))
+    assert 0 < max(gaps) < 0.05, gaps
+
+
+def test_a_checkpoint_without_class_names_takes_its_data_folders(trained, tiny_data, tmp_path, capsys):
+    import dlojz_lib.checkpoint as ckpt
+
+    run, _ = trained
+    saved, _ = ckpt.load_latest(run)
+    del saved["classes"]
+    ckpt.write(saved, tmp_path / "ckpt_e0001_s000000009.pt")
+    status, rows, captured = predicted(tmp_path, capsys, tmp_path / "ckpt_e0001_s000000009.pt", tiny_data / "val")
+    assert status == 0 and f"named by the folders of {tiny_data / 'train'}" in captured.out, captured
+
+
+@pytest.mark.parametrize(
+    "make, args, message",
+    [
+        (lambda p: torch.save({"weights": 1}, p / "w.pt"), ["{p}/w.pt", "{val}"], "not written by dlojz"),
+        (lambda p: (p / "empty").mkdir(), ["{run}", "{p}/empty"], "no images in"),
+        (lambda p: None, ["{run}", "{p}/missing"], "no such file or folder"),
+        (lambda p: None, [], "name the model"),
+        (lambda p: None, ["{run}"], "give the images"),
+        (lambda p: None, ["{p}", "--pretrained", "DEFAULT"], "name the model"),
+    ],
+)
+def test_bad_input_is_one_line(trained, tiny_data, tmp_path, capsys, make, args, message):
+    run, _ = trained
+    make(tmp_path)
+    args = [a.format(p=tmp_path, run=run, val=tiny_data / "val") for a in args]
+    status = dlojz_predict.main([*args, "-o", str(tmp_path / "p.csv")])
+    err = capsys.readouterr().err
+    assert status == 2 and err.count("\n") == 1 and message in err, err
