@@ -131,6 +131,7 @@ class Config:
     eval_only: bool
     eval_ema: bool  # --eval-only validates the checkpoint's EMA weights
     predictions: str | None  # --eval-only writes one CSV row per image there
+    tensorboard: str | None  # --tensorboard's folder ('' for the output folder's tensorboard/)
     loader_only: bool
     # data and DataLoader
     data_root: str | None
@@ -519,6 +520,8 @@ def check(cfg: Config):
         from dlojz_lib.checks import check_output_file, check_output_folder, check_side_outputs
 
         check_output_folder(cfg.output_dir, "--output-dir")  # --test too: the chronometer's trace and plot go there
+        if cfg.tensorboard:  # (its default, the output folder's tensorboard/, is made with the output folder)
+            check_output_folder(cfg.tensorboard, "--tensorboard")
         for flag in ("metrics_json", "val_history", "predictions"):
             if getattr(cfg, flag):
                 check_output_file(getattr(cfg, flag), f"--{flag.replace('_', '-')}")

@@ -654,6 +654,15 @@ def get_args_parser():
         help="with --eval-only: validate the checkpoint's EMA weights (a run with --model-ema) instead of its model",
     )
     p.add_argument(
+        "--tensorboard",
+        nargs="?",
+        const="",
+        default=None,
+        metavar="DIR",
+        help="also log W&B's scalars as TensorBoard event files (torch's SummaryWriter), rank 0: in DIR\n"
+        "(default: the output folder's tensorboard/); a resumed run appends there",
+    )
+    p.add_argument(
         "--predictions",
         default=None,
         metavar="FILE.csv",

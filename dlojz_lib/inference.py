@@ -57,6 +57,8 @@ class InferenceModel:
     preprocessing: Preprocessing
     arch: str
     source: str  # where the weights, classes and preprocessing came from, in a line
+    fresh: object  # () -> a new module of the same architecture (random weights): what a weights file loads into
+    settings: dict = dataclasses.field(default_factory=dict)  # the checkpoint's run settings (none for published)
 
 
 def load_for_inference(checkpoint=None, arch=None, pretrained=None, ema=False) -> InferenceModel:
@@ -93,9 +95,14 @@ def _from_checkpoint(path, ema) -> InferenceModel:
     args, num_classes = saved.get("args") or {}, saved.get("num_classes")
     if "arch" not in args or num_classes is None:
         fail(f"{path}: a dlojz checkpoint without its run's settings (arch, classes): written by an older dlojz?")
-    module = create_model(args["arch"], num_classes, args.get("zero_init_residual", False), args.get("image_size"))
-    if args.get("blurpool"):  # the run's blurred downsampling is part of the model it trained
-        apply_blurpool(module, maxpool=args.get("blurpool_maxpool", True))
+
+    def fresh():
+        module = create_model(args["arch"], num_classes, args.get("zero_init_residual", False), args.get("image_size"))
+        if args.get("blurpool"):  # the run's blurred downsampling is part of the model it trained
+            apply_blurpool(module, maxpool=args.get("blurpool_maxpool", True))
+        return module
+
+    module = fresh()
     weights = ema_weights(saved, path) if ema else saved["model"]
     try:
         module.load_state_dict({strip_wrappers(key): value for key, value in weights.items()})
@@ -116,7 +123,7 @@ def _from_checkpoint(path, ema) -> InferenceModel:
         f"{named_by}, validation's preprocessing (resize {preprocessing.resize_size}, crop {preprocessing.crop_size}, "
         f"{preprocessing.interpolation})"
     )
-    return InferenceModel(module.eval(), list(classes), preprocessing, args["arch"], source)
+    return InferenceModel(module.eval(), list(classes), preprocessing, args["arch"], source, fresh, args)
 
 
 def _classes_of_data(data_root, num_classes):
@@ -147,7 +154,11 @@ def _from_published(arch, name) -> InferenceModel:
 
         classes = list(torchvision_weights(arch, name).meta["categories"])
         num_classes = len(classes)
-    module = create_model(arch, num_classes, False, preprocessing["val_crop_size"])
+
+    def fresh():
+        return create_model(arch, num_classes, False, preprocessing["val_crop_size"])
+
+    module = fresh()
     path = published_weights_file(arch, name)
     load_initial_weights(module, path, num_classes, f"--pretrained {name}")
     classes = classes or [str(i) for i in range(num_classes)]
@@ -159,7 +170,7 @@ def _from_published(arch, name) -> InferenceModel:
         preprocessing["std"],
     )
     source = f"--arch {arch} --pretrained {name} ({path}): {num_classes} classes, the published preprocessing"
-    return InferenceModel(module.eval(), classes, found, arch, source)
+    return InferenceModel(module.eval(), classes, found, arch, source, fresh)
 
 
 def image_files(paths) -> list[str]:

@@ -99,6 +99,48 @@ class NoWandb:
         pass
 
 
+class TensorBoardRun:
+    """--tensorboard: the scalars W&B gets, as TensorBoard event files in `folder` (torch's SummaryWriter), on rank
+    0. A resumed run appends to the same folder from its checkpoint's step (`purge_step`: the points a stopped run
+    wrote after its last checkpoint are dropped, as they are trained again)."""
+
+    id = None
+
+    def __init__(self, folder, step):
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(str(folder), purge_step=step or None)
+
+    def log(self, values, step):
+        for name, value in values.items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                self.writer.add_scalar(name, value, step)
+
+    def finish(self):
+        self.writer.close()
+
+
+class Loggers:
+    """W&B and TensorBoard together, behind W&B's interface (`log(values, step)`, `finish()`, `id`: W&B's)."""
+
+    def __init__(self, *runs):
+        self.runs = runs
+        self.id = runs[0].id
+
+    def log(self, values, step):
+        for run in self.runs:
+            run.log(values, step)
+
+    def finish(self):
+        for run in self.runs:
+            run.finish()
+
+
+def tensorboard_folder(cfg):
+    """--tensorboard's folder: the one given, or the run's output folder's tensorboard/."""
+    return Path(cfg.tensorboard) if cfg.tensorboard else Path(cfg.output_dir) / "tensorboard"
+
+
 def start_wandb(cfg, config, run_name, wandb_id):
     """W&B run on rank 0 (offline by default: never needs the network), or a NoWandb."""
     if not cfg.wandb or cfg.test or cfg.eval_only or cfg.findlr or cfg.wandb_mode == "disabled":
@@ -173,9 +215,10 @@ class Progress:
 
     def log_train(self, step, loss, lr):
         loss_sum, correct, count = self.running.tolist()
-        self.wandb_run.log(
-            {"train loss": loss.item(), "train accuracy": correct / max(count, 1), "learning rate": lr}, step=step
-        )
+        values = {"train loss": loss.item(), "train accuracy": correct / max(count, 1), "learning rate": lr}
+        if (rate := self.images_per_second()) is not None:  # steady state only: after the warm-up's steps
+            values.update({"images per second": rate, "data wait ms per step": self.data_wait_ms()})
+        self.wandb_run.log(values, step=step)
 
     def console_line(self, epoch, batch_index, lr, data_wait_s):
         """The progress line: loss and accuracy since the previous line, the learning rate, the host's wait for
@@ -247,6 +290,9 @@ def finish(cfg, metrics, chrono, ranks, wandb_run=None, ctx=None, n_batches=None
     if ranks.is_main:
         print_report(cfg, metrics, chrono, ctx, n_batches)
     if wandb_run is not None:
+        summary = {f"chrono/{name}": value for name, value in (metrics.get("chrono") or {}).items()}
+        if summary:  # --test: the chronometer's figures, once, at the run's last step
+            wandb_run.log(summary, step=metrics.get("steps") or 0)
         wandb_run.finish()
     if teardown and "wandb" in sys.modules:
         sys.modules["wandb"].teardown()
@@ -384,7 +430,8 @@ def initial_metrics(cfg, ranks) -> dict:
 
 
 def open_wandb(cfg, ranks, metrics, state):
-    """W&B on rank 0 (resumed under the checkpoint's run id, kept in `state`), a NoWandb elsewhere or when off."""
+    """W&B on rank 0 (resumed under the checkpoint's run id, kept in `state`), a NoWandb elsewhere or when off;
+    with --tensorboard, TensorBoard's writer beside it (Loggers)."""
     wandb_run = NoWandb()
     if ranks.is_main:
         wandb_run = start_wandb(
@@ -399,6 +446,8 @@ def open_wandb(cfg, ranks, metrics, state):
             state.wandb_id,
         )
         state.wandb_id = wandb_run.id
+        if cfg.tensorboard is not None and not (cfg.eval_only or cfg.findlr):
+            wandb_run = Loggers(wandb_run, TensorBoardRun(tensorboard_folder(cfg), state.global_step))
     return wandb_run
 
 
@@ -416,6 +465,14 @@ def record_validation(cfg, epoch, validation, state, metrics, started, wandb_run
             "test top5 accuracy": metrics["val_top5_accuracy"],
             "test loss": metrics["val_loss"],
             "epoch": epoch + 1,
+            **{  # the per-class figures' summaries
+                name: metrics[key]
+                for name, key in (
+                    ("test balanced accuracy", "val_balanced_accuracy"),
+                    ("test macro-F1", "val_macro_f1"),
+                )
+                if metrics.get(key) is not None
+            },
         },
         step=state.global_step,
     )

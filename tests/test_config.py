@@ -111,6 +111,7 @@ FREE = {
     "metrics_json": "a file path, its folder checked writable before the run",
     "val_history": "a file path, its folder checked writable before the run",
     "predictions": "a file path, its folder checked writable before the run",
+    "tensorboard": "a folder (or none: the output folder's tensorboard/), checked writable before the run",
     "resume": "'auto' or a checkpoint path, checked when the checkpoint is read",
     "pretrained": "a weights name, checked against torchvision's list for --arch before the run",
     "initial_checkpoint": "a weights file, checked there before the run and read when the model is made",
