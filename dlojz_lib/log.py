@@ -109,7 +109,7 @@ class TensorBoardRun:
     def __init__(self, folder, step):
         from torch.utils.tensorboard import SummaryWriter
 
-        self.writer = SummaryWriter(str(folder), purge_step=step or None)
+        self.writer = SummaryWriter(str(folder), purge_step=step + 1 if step else None)  # (the step's own points stay)
 
     def log(self, values, step):
         for name, value in values.items():

@@ -3,7 +3,7 @@ data-loading wait, the run's arguments as a recipe file, pin_memory as it is, th
 
 import re
 
-from conftest import SMALL, read_json, run_dlojz, show
+from conftest import SMALL, TINY, read_json, run_dlojz, show
 
 
 def progress_lines(stdout):
@@ -108,3 +108,43 @@ def test_the_data_wait_share_leaves_the_epoch_change_out():
     share = int(re.search(r"\((\d+) %\)", console.lines[-1]).group(1))
     assert share >= 10, console.lines[-1]  # counted from the previous line: under 3 %
     assert "Data wait: 3.8 ms/step" in console.lines[-1]
+
+
+def tensorboard_scalars(folder):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(folder))
+    events.Reload()
+    return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+
+
+def test_tensorboard_gets_w_and_b_s_scalars_and_a_resumed_run_appends(tiny_data, tmp_path):
+    """--tensorboard: the training scalars every 10 steps (loss, accuracy, learning rate, then img/s and the data
+    wait once past the warm-up), validation's at each epoch (the per-class summaries too), in the output folder's
+    tensorboard/; the run resumed for a third epoch writes on in the same folder from its step."""
+    flags = [*TINY, "--data-root", tiny_data, "--output-dir", tmp_path / "run", "--lr-scheduler", "cosine", "-b", "4"]
+    proc = run_dlojz(*flags, "--epochs", "2", "--tensorboard")
+    assert proc.returncode == 0, show(proc)
+    scalars = tensorboard_scalars(tmp_path / "run" / "tensorboard")
+    for tag in ("train loss", "train accuracy", "learning rate", "test accuracy", "test loss", "test macro-F1"):
+        assert tag in scalars, (tag, sorted(scalars))
+    assert [step for step, _ in scalars["test accuracy"]] == [18, 36]  # 18 steps an epoch
+    assert [step for step, _ in scalars["train loss"]] == [10, 20, 30]
+    assert [step for step, _ in scalars["images per second"]] == [20, 30] and scalars["images per second"][0][1] > 0
+    proc = run_dlojz(*flags, "--epochs", "3", "--tensorboard", "--resume", "auto")
+    assert proc.returncode == 0, show(proc)
+    scalars = tensorboard_scalars(tmp_path / "run" / "tensorboard")
+    assert [step for step, _ in scalars["test accuracy"]] == [18, 36, 54]
+    assert [step for step, _ in scalars["train loss"]] == [10, 20, 30, 40, 50]
+    proc = run_dlojz(*TINY, "--data-root", tiny_data, "--output-dir", tmp_path / "plain", "--epochs", "1")
+    assert proc.returncode == 0 and not (tmp_path / "plain" / "tensorboard").exists()  # only when asked
+
+
+def test_tensorboard_in_a_folder_of_its_own_and_the_chronometer_s_summary(tiny_data, tmp_path):
+    proc = run_dlojz(
+        *TINY, "--data-root", tiny_data, "--test", "--test-nsteps", "4", "--tensorboard", tmp_path / "tb",
+        "--output-dir", tmp_path / "run",
+    )  # fmt: skip
+    assert proc.returncode == 0, show(proc)
+    scalars = tensorboard_scalars(tmp_path / "tb")
+    assert any(tag.startswith("chrono/") for tag in scalars), sorted(scalars)
