@@ -358,12 +358,16 @@ def forward_backward(model, training, images, targets, grad_acc, hooks, stop, op
     if model.pipeline is not None:
         with hooks.phase("pipeline"), stop.timing(), stop.collective("the pipeline's step"), training.autocast():
             return model.pipeline.step(images, targets)
+    teacher = ()
+    if training.teacher is not None:  # --teacher: its logits, without gradients, in a phase of their own
+        with hooks.phase("teacher"), training.autocast():
+            teacher = (training.teacher(images),)
     with model.gradient_sync(optimizer_step):  # accumulating: gradients reduced at the last micro-batch only
         with hooks.phase("forward"), stop.timing(), training.autocast():
             model.begin_step()  # CUDA graphs: the last step's outputs may be overwritten
             outputs = model.net(images)
             with hooks.phase("loss"):
-                loss = training.criterion(outputs, targets)
+                loss = training.criterion(outputs, targets, *teacher)
         with hooks.phase("backward"), stop.collective("the gradient all-reduce", optimizer_step):
             training.scaler.scale(loss / grad_acc).backward()
     if not optimizer_step:

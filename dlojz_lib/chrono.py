@@ -226,10 +226,13 @@ class Chronometer:
         self._loads = []  # seconds, NaN when the step had no closed load phase
         self._forwards = []
         self._backwards = []
+        self._teachers = []  # --teacher: its forward, before the student's (NaN without one)
         self._pending_load = None
         self._pending_forward = None
+        self._pending_teacher = None
         self._load = _Toggle()
         self._forward = _Toggle()
+        self._teacher = _Toggle()
         self._backward = _Toggle()
         self._validation = _Toggle()
         self._energy = EnergyMeter(self.device, nvml, enabled=self._enabled)
@@ -277,6 +280,14 @@ class Chronometer:
         else:
             self._pending_forward = duration
 
+    def teacher(self):
+        """Toggle: --teacher's forward (its logits for the distillation loss), a phase of the step of its own."""
+        if not self._enabled or self._window_start is not None:
+            return
+        duration = self._toggle(self._teacher)
+        if duration is not None:
+            self._pending_teacher = duration
+
     def backward(self):
         """Toggle: backward + optimizer/scaler step. Closing it records the step."""
         if not self._enabled:
@@ -292,8 +303,10 @@ class Chronometer:
         self._loads.append(math.nan if self._pending_load is None else self._pending_load)
         self._forwards.append(math.nan if self._pending_forward is None else self._pending_forward)
         self._backwards.append(duration)
+        self._teachers.append(math.nan if self._pending_teacher is None else self._pending_teacher)
         self._pending_load = None
         self._pending_forward = None
+        self._pending_teacher = None
         self._energy.step_end()
         if self.synced_steps is not None and len(self._backwards) == self.synced_steps:
             self._window_start = self._clock()  # the device has just been waited for: the window's start
@@ -359,8 +372,12 @@ class Chronometer:
         return values[1:] if len(values) > 1 else values
 
     def _step_array(self):
-        """Per-step seconds: forward + backward (a step without a forward phase counts its backward only)."""
-        return np.nan_to_num(np.asarray(self._forwards, dtype=float)) + np.asarray(self._backwards, dtype=float)
+        """Per-step seconds: teacher + forward + backward (a step without a forward phase counts its backward only)."""
+        return (
+            np.nan_to_num(np.asarray(self._teachers, dtype=float))
+            + np.nan_to_num(np.asarray(self._forwards, dtype=float))
+            + np.asarray(self._backwards, dtype=float)
+        )
 
     def _local_record(self):
         return {
@@ -404,6 +421,10 @@ class Chronometer:
         if self.steps:
             measured = [self._measured(x) for x in (self._loads, self._forwards, self._backwards, self._step_array())]
             out.update(step_figures(*measured, self.steps, self.warmup_steps, self._slowest_rank(), ctx))
+            teachers = self._measured(self._teachers)
+            if len(teachers) and not np.all(np.isnan(teachers)):
+                out["teacher_median_s"] = float(np.nanmedian(teachers))
+                out["teacher_share"] = out["teacher_median_s"] / out["step_median_s"]
         out.update(unsync_figures(self._gathered or [self._local_record()], self.synced_steps, ctx))
         out.update(validation_figures(self._val_time, out.get("step_median_s"), out.get("load_median_s"), ctx))
         peak = peak_flops(ctx.get("device_name") or "", ctx.get("compute_dtype") or "")
@@ -442,6 +463,7 @@ class Chronometer:
             "load_s": _nan_to_none(self._loads),
             "forward_s": _nan_to_none(self._forwards),
             "backward_s": _nan_to_none(self._backwards),
+            "teacher_s": _nan_to_none(self._teachers),
             "step_s": self._step_times(),
             "power_w": list(self._energy.power_w),
             "summary": self.summary(ctx),

@@ -152,6 +152,11 @@ def step_lines(s: dict, warmup_steps: int) -> list:
         lines.append(
             f"=>>> Forward median {_ms(s['forward_median_s'])}, backward median {_ms(s['backward_median_s'])}{shares}"
         )
+    if "teacher_median_s" in s:
+        lines.append(
+            f"=>>> Teacher's forward median {_ms(s['teacher_median_s'])} ({s['teacher_share']:.0%} of the step): the "
+            "distillation's cost"
+        )
     if "throughput_img_s" in s:
         lines.append(
             f"=>>> Throughput: {s['throughput_img_s']:.1f} images/s (global batch / (step + load)); "

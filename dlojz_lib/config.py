@@ -14,7 +14,7 @@ import os
 from datetime import datetime
 from pathlib import Path
 
-from dlojz_lib.checks import fail
+from dlojz_lib.checks import UserError, fail
 from dlojz_lib.flag_checks import check_data_variable, check_flags
 from dlojz_lib.flags import CUDA_GRAPH_MODES, FROM_TIMM, FUSED, LOOPED_SCHEDULES, get_args_parser
 from dlojz_lib.launch import load_idr_torch
@@ -62,6 +62,9 @@ class Config:
     fetch_weights: bool  # only fetch --pretrained's file, then exit
     freeze_backbone_epochs: int | None  # epochs in which only the head learns
     linear_probe: bool  # the head alone learns, the whole run, on the frozen backbone's features
+    teacher: str | None  # --teacher: a checkpoint or a model name whose logits join the loss
+    distill_alpha: float
+    distill_temperature: float
     layer_decay: float | None  # learning-rate factor from one block to the one below
     drop_path: float | None  # stochastic depth rate, None: the model's own
     # optimizer and schedule
@@ -492,6 +495,15 @@ def check(cfg: Config):
                 f"--optimizer {cfg.optimizer} needs timm, which does not import here ({err}): pip install timm, "
                 f"or use --optimizer {' or '.join(FUSED)}"
             )
+    if cfg.teacher is not None and not Path(cfg.teacher).exists():  # a model name: known, and its weights cached
+        from dlojz_lib.model import check_arch
+        from dlojz_lib.pretrained import published_weights_file
+
+        try:
+            check_arch(cfg.teacher)
+            published_weights_file(cfg.teacher, "DEFAULT")
+        except UserError as err:
+            fail(f"--teacher {cfg.teacher}: no such checkpoint, and as a model name: {err}")
     from dlojz_lib.checkpoint import resumes_a_checkpoint
 
     starts_from_weights = not resumes_a_checkpoint(cfg.resume, cfg.output_dir)  # (a resumed run: its checkpoint's)

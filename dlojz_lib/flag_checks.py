@@ -83,6 +83,18 @@ def check_starting_weights(values):
         ]
         if given:
             fail(f"--linear-probe freezes the backbone for the whole run: drop {', '.join(given)}")
+    if values["teacher"] is None:
+        given = [
+            f"--{n.replace('_', '-')}"
+            for n, d in (("distill_alpha", 0.5), ("distill_temperature", 1.0))
+            if values[n] != d
+        ]
+        if given:
+            fail(f"{', '.join(given)} set the distillation from a teacher: add --teacher CKPT|NAME, or drop them")
+    elif values["pp"] > 1:
+        fail(
+            "--teacher with --pp: the loss is the last stage's, which has no images to give a teacher: drop one of them"
+        )
     frozen = values["freeze_backbone_epochs"]
     if frozen is not None:
         if values["pretrained"] is None and values["initial_checkpoint"] is None and not values["resume"]:

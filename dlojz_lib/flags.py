@@ -297,6 +297,27 @@ def get_args_parser():
         "dropped before each optimizer step), then every layer",
     )
     p.add_argument(
+        "--teacher",
+        default=None,
+        metavar="CKPT|NAME",
+        help="knowledge distillation: a dlojz checkpoint (or a run's folder), or torchvision's NAME or\n"
+        "timm:NAME with its published DEFAULT weights from the offline cache, whose logits join the loss",
+    )
+    p.add_argument(
+        "--distill-alpha",
+        type=Number(float, 0, 1),
+        default=0.5,
+        metavar="A",
+        help="--teacher: loss = (1 - A) x the labels' + A x T^2 x KL(teacher || student) (default: 0.5)",
+    )
+    p.add_argument(
+        "--distill-temperature",
+        type=POSITIVE,
+        default=1.0,
+        metavar="T",
+        help="--teacher: the softmax temperature of both models in the distillation term (default: 1)",
+    )
+    p.add_argument(
         "--linear-probe",
         action=argparse.BooleanOptionalAction,
         default=False,

@@ -33,8 +33,14 @@ _CHRONO_OPENS = {
     "forward": ("forward",),
     "backward": ("backward",),
     "pipeline": ("forward",),
+    "teacher": ("teacher",),
 }
-_CHRONO_CLOSES = {"data_loading": ("dataload",), "forward": ("forward",), "pipeline": ("forward", "backward")}
+_CHRONO_CLOSES = {
+    "data_loading": ("dataload",),
+    "forward": ("forward",),
+    "pipeline": ("forward", "backward"),
+    "teacher": ("teacher",),
+}
 
 
 class LoopHooks:

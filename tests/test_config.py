@@ -111,6 +111,7 @@ FREE = {
     "metrics_json": "a file path, its folder checked writable before the run",
     "val_history": "a file path, its folder checked writable before the run",
     "predictions": "a file path, its folder checked writable before the run",
+    "teacher": "a checkpoint, or a model name checked with its cached weights before the run (tests/test_distill.py)",
     "tensorboard": "a folder (or none: the output folder's tensorboard/), checked writable before the run",
     "resume": "'auto' or a checkpoint path, checked when the checkpoint is read",
     "pretrained": "a weights name, checked against torchvision's list for --arch before the run",

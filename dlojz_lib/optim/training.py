@@ -36,6 +36,7 @@ class Training:
     # --freeze-backbone-epochs: () -> None, drops the frozen layers' gradients while they are frozen; called before
     # the clip and the float16 scaler, so that neither the norm nor the overflow check counts them
     drop_frozen_gradients: object = None
+    teacher: object = None  # --teacher: images -> its logits, which the criterion (a DistillationLoss) then takes
 
 
 def build_losses(cfg, class_counts, device, log):
@@ -101,6 +102,12 @@ def build_training(cfg, model, n_train_batches, num_classes, ranks, log, class_c
         + (f" - {cfg.grad_acc} accumulated micro-batches per optimizer step" if cfg.grad_acc > 1 else "")
     )
     criterion, val_criterion = build_losses(cfg, class_counts, ranks.device, log)
+    teacher = None
+    if cfg.teacher is not None:
+        from dlojz_lib.optim.distill import DistillationLoss, load_teacher
+
+        teacher = load_teacher(cfg, num_classes, ranks.device, log)
+        criterion = DistillationLoss(criterion, cfg.distill_alpha, cfg.distill_temperature)
     if getattr(model, "pipeline", None) is not None:  # --pp: the schedule computes the loss on the last stage
         model.pipeline.criterion = criterion
     # Fused steps (sgd, adamw): no host synchronisation with the float16 GradScaler (see build_optimizer); FSDP's
@@ -155,4 +162,5 @@ def build_training(cfg, model, n_train_batches, num_classes, ranks, log, class_c
         batch_mixing(cfg, num_classes),
         total_steps,
         drop_frozen_gradients,
+        teacher,
     )
