@@ -83,3 +83,21 @@ def test_a_teacher_of_other_classes_is_one_line(teacher, tiny_data, tmp_path, ru
 def test_distillation_flags_without_a_teacher_or_out_of_range_are_one_line(run_inline, flags, message):
     proc = run_inline(*TINY, *flags)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and message in proc.stderr, proc.stderr
+
+
+def test_a_teacher_by_name_takes_its_cached_weights_and_its_classes_are_checked(
+    tiny_data, tmp_path, run_inline, monkeypatch
+):
+    import torchvision
+
+    from dlojz_lib.pretrained import torchvision_weights, torchvision_weights_path
+
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch"))
+    proc = run_inline(*RUN, "--data-root", tiny_data, "--teacher", "resnet18", "--output-dir", tmp_path / "a")
+    assert proc.returncode == 2 and "--teacher resnet18: no such checkpoint, and as a model name" in proc.stderr
+    assert "not in torch hub's cache" in proc.stderr, proc.stderr  # checked before the run, as --pretrained
+    path = torchvision_weights_path(torchvision_weights("resnet18", "DEFAULT"))
+    path.parent.mkdir(parents=True)
+    torch.save(torchvision.models.resnet18().state_dict(), path)
+    proc = run_inline(*RUN, "--data-root", tiny_data, "--teacher", "resnet18", "--output-dir", tmp_path / "b")
+    assert proc.returncode == 2 and "it predicts 1000 classes, the data set has 3" in proc.stderr, proc.stderr

@@ -119,3 +119,23 @@ def test_bad_input_is_one_line(trained, tiny_data, tmp_path, capsys, make, args,
     status = dlojz_predict.main([*args, "-o", str(tmp_path / "p.csv")])
     err = capsys.readouterr().err
     assert status == 2 and err.count("\n") == 1 and message in err, err
+
+
+def test_published_weights_from_the_cache_predict_with_their_class_names(tiny_data, tmp_path, capsys, monkeypatch):
+    """--arch NAME --pretrained DEFAULT: the weights from torch hub's cache, torchvision's preprocessing and ImageNet's
+    class names (a file of random weights stands for the published one: nothing is downloaded)."""
+    import torchvision
+
+    from dlojz_lib.pretrained import torchvision_weights, torchvision_weights_path
+
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch"))
+    weights = torchvision_weights("resnet18", "DEFAULT")
+    path = torchvision_weights_path(weights)
+    path.parent.mkdir(parents=True)
+    torch.manual_seed(0)
+    torch.save(torchvision.models.resnet18().state_dict(), path)
+    args = ["--arch", "resnet18", "--pretrained", "DEFAULT", tiny_data / "val", "--top-k", "2"]
+    status, rows, captured = predicted(tmp_path, capsys, *args)
+    assert status == 0, captured.err
+    assert f"--arch resnet18 --pretrained DEFAULT ({path}): 1000 classes, the published preprocessing" in captured.out
+    assert len(rows) == 15 and all(row["class_1"] in weights.meta["categories"] for row in rows.values())
