@@ -139,3 +139,18 @@ def test_published_weights_from_the_cache_predict_with_their_class_names(tiny_da
     assert status == 0, captured.err
     assert f"--arch resnet18 --pretrained DEFAULT ({path}): 1000 classes, the published preprocessing" in captured.out
     assert len(rows) == 15 and all(row["class_1"] in weights.meta["categories"] for row in rows.values())
+
+
+def test_an_averaged_checkpoint_predicts_as_its_weights_do(trained, tiny_data, tmp_path, capsys):
+    """dlojz_avg.py's file (the mean of the checkpoints given: here one, twice) is read as any checkpoint."""
+    import dlojz_avg
+    import dlojz_lib.checkpoint as ckpt
+
+    run, evaluated = trained
+    newest = ckpt.list_checkpoints(run)[-1]
+    assert dlojz_avg.main([str(newest), str(newest), "-o", str(tmp_path / "averaged.pt")]) == 0
+    status, rows, captured = predicted(tmp_path, capsys, tmp_path / "averaged.pt", tiny_data / "val")
+    assert status == 0, captured.err
+    for image, row in rows.items():
+        for (c, p), (d, q) in zip(probabilities(row), probabilities(evaluated["raw"][image])):
+            assert c == d and p == pytest.approx(q, abs=2e-6), image
