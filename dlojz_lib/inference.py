@@ -71,6 +71,7 @@ def load_for_inference(checkpoint=None, arch=None, pretrained=None, ema=False) -
 
 def _from_checkpoint(path, ema) -> InferenceModel:
     import dlojz_lib.checkpoint as ckpt
+    from dlojz_lib.data.transforms import IMAGENET_MEAN, IMAGENET_STD
     from dlojz_lib.model import apply_blurpool, create_model
     from dlojz_lib.pretrained import strip_wrappers
     from dlojz_lib.resume import ema_weights
@@ -115,8 +116,8 @@ def _from_checkpoint(path, ema) -> InferenceModel:
         args["val_resize_size"],
         args["val_crop_size"],
         args.get("val_interpolation", "bilinear"),
-        tuple(args.get("mean") or (0.485, 0.456, 0.406)),
-        tuple(args.get("std") or (0.229, 0.224, 0.225)),
+        tuple(args.get("mean") or IMAGENET_MEAN),  # the run's --mean/--std, ImageNet's when it gave none
+        tuple(args.get("std") or IMAGENET_STD),
     )
     source = (
         f"{path}{' (its EMA weights)' if ema else ''}: --arch {args['arch']}, {num_classes} classes named by "

@@ -137,6 +137,20 @@ def tiny_data(tmp_path_factory):
     )
 
 
+# A trained model for the tests of what uses one (dlojz_predict.py, dlojz_export.py, --teacher): one epoch of a
+# resnet18 with an EMA that differs from its weights.
+TRAINED_RUN = [*TINY, "--arch", "resnet18", "--epochs", "1", "--model-ema", "--model-ema-decay", "0.5"]
+
+
+@pytest.fixture(scope="session")
+def trained_run(tiny_data, tmp_path_factory):
+    """The output folder of TRAINED_RUN on tiny_data, trained once per test worker; read it, do not write in it."""
+    out = tmp_path_factory.mktemp("trained") / "run"
+    proc = run_dlojz(*TRAINED_RUN, "--data-root", tiny_data, "--output-dir", out)
+    assert proc.returncode == 0, show(proc)
+    return out
+
+
 @pytest.fixture(scope="session")
 def embedded_cache(tmp_path_factory):
     """An XDG cache in which dlojz generates its embedded data set (once for the session)."""

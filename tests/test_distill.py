@@ -29,12 +29,9 @@ def test_the_loss_is_the_kl_to_the_teacher_at_alpha_1_and_the_labels_at_alpha_0(
     torch.testing.assert_close(student.grad, t * (F.softmax(student / t, 1) - p).detach() / 6)
 
 
-@pytest.fixture(scope="module")
-def teacher(tiny_data, tmp_path_factory):
-    out = tmp_path_factory.mktemp("teacher") / "run"
-    proc = run_dlojz(*RUN, "--data-root", tiny_data, "--output-dir", out)
-    assert proc.returncode == 0, show(proc)
-    return out
+@pytest.fixture
+def teacher(trained_run):
+    return trained_run
 
 
 def test_a_student_distils_on_two_ranks_and_the_teacher_stays_out_of_its_checkpoint(teacher, tiny_data, tmp_path):

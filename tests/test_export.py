@@ -6,20 +6,15 @@ import json
 import numpy as np
 import pytest
 import torch
-from conftest import TINY, run_dlojz, show
 
 import dlojz_export
 
-RUN = [*TINY, "--arch", "resnet18", "--epochs", "1", "--model-ema", "--model-ema-decay", "0.5"]
 TOLERANCE = 1e-4  # float32 on the CPU: the exporters' kernels sum in another order (measured: up to 7e-7)
 
 
-@pytest.fixture(scope="module")
-def run(tiny_data, tmp_path_factory):
-    out = tmp_path_factory.mktemp("export") / "run"
-    proc = run_dlojz(*RUN, "--data-root", tiny_data, "--output-dir", out)
-    assert proc.returncode == 0, show(proc)
-    return out
+@pytest.fixture
+def run(trained_run):
+    return trained_run
 
 
 def exported(tmp_path, capsys, *args):

@@ -7,24 +7,21 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY, run_dlojz, show
+from conftest import TRAINED_RUN, run_dlojz, show
 
 import dlojz_predict
 
-RUN = [*TINY, "--arch", "resnet18", "--epochs", "1", "--model-ema", "--model-ema-decay", "0.5"]
-
 
 @pytest.fixture(scope="module")
-def trained(tiny_data, tmp_path_factory):
+def trained(trained_run, tiny_data, tmp_path_factory):
     """A run of one epoch (with an EMA), and --eval-only's predictions of its weights and of its EMA's."""
     out = tmp_path_factory.mktemp("predict")
-    proc = run_dlojz(*RUN, "--data-root", tiny_data, "--output-dir", out / "run")
-    assert proc.returncode == 0, show(proc)
+    shutil.copytree(trained_run, out / "run")  # --eval-only writes its per-class files in the run's folder
     evaluated = {}
     for name, flags in (("raw", []), ("ema", ["--eval-ema"]), ("tta", ["--tta-flip"])):
         csv_path = out / f"{name}.csv"
         proc = run_dlojz(
-            *RUN, "--data-root", tiny_data, "--output-dir", out / "run", "--eval-only", "--resume", "auto",
+            *TRAINED_RUN, "--data-root", tiny_data, "--output-dir", out / "run", "--eval-only", "--resume", "auto",
             "--predictions", csv_path, *flags,
         )  # fmt: skip
         assert proc.returncode == 0, show(proc)

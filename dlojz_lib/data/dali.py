@@ -55,6 +55,8 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
+from dlojz_lib.data.transforms import IMAGENET_MEAN, IMAGENET_STD
+
 DALI_PACKAGE = "nvidia-dali-cuda130"
 READ_THREADS = 8  # packed shards: pread releases the GIL, a few threads keep the source ahead of the decoder
 READ_AHEAD = 3  # packed shards: batches read before DALI asks for them
@@ -209,16 +211,14 @@ class DaliSettings:
     antialias: bool = False
     half: bool = False
     pad_channels: bool = False
-    mean: tuple = (0.485, 0.456, 0.406)
-    std: tuple = (0.229, 0.224, 0.225)
+    mean: tuple = IMAGENET_MEAN
+    std: tuple = IMAGENET_STD
 
 
 def dali_settings(cfg):
     """The flags' values, or their defaults: --num-workers threads (the task's CPUs less the training process's),
     float16 output under --amp (either AMP dtype: autocast casts it to bfloat16 in the first layer, and float16 keeps
     more of the normalised pixels' precision), ImageNet's mean and std unless --mean/--std."""
-    from dlojz_lib.data.transforms import IMAGENET_MEAN, IMAGENET_STD
-
     load = HW_DECODER_LOAD if cfg.dali_hw_decoder_load is None else cfg.dali_hw_decoder_load
     return DaliSettings(
         threads=cfg.dali_threads or max(1, cfg.num_workers),
