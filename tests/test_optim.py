@@ -180,11 +180,21 @@ def test_fused_step_skips_overflowed_steps_as_the_unfused_one(name, monkeypatch)
         monkeypatch.setattr(torch, "empty_like", lambda t, **kw: empty_like(t, **kw).fill_(float("nan")))
         results[fused] = grad_scaler_steps(optimizer, model, overflow_at=(0, 2))
         monkeypatch.undo()
-    # Adam's normalised step amplifies the kernels' rounding where gradients are near 0: a fraction of one step.
-    atol = 1e-6 if name == "sgd" else 0.3 * GOOD_LR[name]
+        if name == "adamw":  # the two overflowed steps skipped: Adam's step count and bias correction stop there
+            assert {int(state["step"]) for state in optimizer.state.values()} == {2}, fused
     for unfused, fused in zip(results[False], results[True]):
         assert torch.isfinite(fused).all()
-        torch.testing.assert_close(fused, unfused, rtol=0, atol=atol)
+        if name == "sgd":
+            torch.testing.assert_close(fused, unfused, rtol=0, atol=1e-6)
+    if name == "adamw":
+        # Adam's step is m / (sqrt(v) + eps): where a gradient is near eps (the first convolution's bias, whose
+        # gradient BatchNorm makes zero but for rounding), the kernels' rounding (another order of operations,
+        # another vector width) can turn it anywhere in [-lr, lr] (bias-corrected, at most 1.0013 lr a coordinate
+        # at steps 1 and 2 with betas 0.9, 0.999). So: no coordinate further apart than two steps each way, and
+        # the typical coordinate, whose gradient is far from eps, equal to float32's rounding.
+        difference = torch.cat([(f - u).abs().flatten() for u, f in zip(results[False], results[True])])
+        assert difference.max() <= 2 * 2 * 1.0013 * GOOD_LR[name], difference.max()
+        assert difference.median() <= 1e-5, difference.median()
 
 
 def test_unknown_optimizer_or_bad_lr_gives_one_line_naming_the_flag():
