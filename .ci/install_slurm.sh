@@ -1,5 +1,5 @@
 #!/bin/sh
-# Install Slurm and munge (Debian/Ubuntu packages) so that tests/test_slurm.py can start its
+# Install Slurm and munge (Debian/Ubuntu packages) so that tests/system/test_slurm.py can start its
 # one-node test cluster. Idempotent: does nothing when the daemons and sbatch are already installed.
 # Needs root (CI containers run as root); without root or apt-get it says so and exits 0: the
 # Slurm tests are then skipped with that reason, and .ci/run fails under CI=true.

@@ -12,7 +12,7 @@ travels and for activations):
 - parameters, gradients: DDP a whole copy; FSDP 1/N of each parameter's first dimension (rounded up, as FSDP2 shards
   it); TP x FSDP: the split layers (q, k, v, fc1 column-wise, proj and fc2 row-wise) 1/tp on the tensor dimension,
   then every parameter sharded over the data replicas as FSDP does: the exact local shapes of dlojz's plan, which a
-  real run's metrics JSON measures (parameter_bytes_per_rank; tests/test_tensor_parallel.py compares them);
+  real run's metrics JSON measures (parameter_bytes_per_rank; tests/parallelism/test_tensor_parallel.py compares them);
 - optimizer state: 1 float32 per parameter for SGD's momentum, 2 for AdamW, LAMB and Lion's... (its table's number);
 - activations (an estimate): Megatron-LM's count per transformer layer, s b h (34 + 5 a s / h) bytes at 16 bits, and
   with tensor parallelism s b h (10 + 24 / t + 5 a s / (h t)) (Korthikanti et al. 2022, "Reducing Activation

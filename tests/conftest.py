@@ -5,6 +5,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -13,6 +14,11 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(1, str(ROOT / "bench"))  # in_process.synthetic_loop: dlojz's loop in-process, for tests and benches
+# tests/ mirrors the package (data/, optim/, parallelism/, commands/, system/, the rest beside it): a test file's
+# helpers are imported by name from another folder's (`from test_dlojz import assert_one_line_error`), whichever
+# folder pytest collected first.
+TEST_FOLDERS = ("data", "optim", "parallelism", "commands", "system")
+sys.path[2:2] = [str(ROOT / "tests" / folder) for folder in TEST_FOLDERS]
 
 import file_seconds  # noqa: E402
 import preloaded  # noqa: E402  (after the path that finds dlojz)
@@ -71,6 +77,7 @@ def run_dlojz(*args, env=None, timeout=600, launcher=None, cwd=None, ranks=1, fr
     for a fresh interpreter or `fresh_interpreter` does."""
     env = env or clean_env()
     argv = [str(a) for a in args]
+    note_ranks(ranks, "dlojz.py")
     if not launcher and not fresh_interpreter and preloaded.can_run(env):
         return preloaded.run_ranks(argv, env, cwd or ROOT, timeout, world_size=ranks)
     if ranks > 1 and not launcher:
@@ -101,6 +108,7 @@ def spawn_ranks(target, world, tmp_path, *args, timeout=300):
     under `tmp_path` (gloo); returns what they put in the queue, once every one has exited with status 0."""
     import multiprocessing
 
+    note_ranks(world, getattr(target, "__name__", "a process group"))
     context = multiprocessing.get_context("spawn")  # never fork a process that has threads
     queue = context.Queue()
     workers = [
@@ -209,15 +217,122 @@ def pytest_configure(config):
         config.option.loadscopereorder = False
 
     torch.set_num_threads(int(THREADS))  # the tests that train in this process
+    config.pluginmanager.register(SharedFixtureSeconds(), "dlojz-shared-fixture-seconds")
 
 
 def pytest_collection_modifyitems(config, items):
-    """The tests that start a Slurm cluster (one node or two) carry the `slurm` marker: `-m "not slurm"` leaves them
-    out. The files are ordered by their last measured seconds, slowest first (tests/file_seconds.py): two xdist
-    workers then end close together. A file not measured yet goes first (it may be slow); a file's tests keep their
-    order."""
+    """Markers the tests do not write themselves: `slurm` on the tests that start a Slurm cluster (one node or two),
+    `slow` on those tests/file_seconds.json measured over file_seconds.SLOW_S (or that need a fixture over it). The
+    files are ordered by their last measured seconds, slowest first: two xdist workers then end close together. A
+    file not measured yet goes first (it may be slow); a file's tests keep their order."""
+    figures = file_seconds.load()
     for item in items:
         if {"slurm_cluster", "slurm_two_nodes"} & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slurm)
-    seconds = file_seconds.load()
-    items.sort(key=lambda item: -seconds.get(item.path.name, float("inf")))
+        if file_seconds.is_slow(item.nodeid, fixture_keys(item), figures):
+            item.add_marker(pytest.mark.slow)
+    tests = Path(__file__).resolve().parent
+    items.sort(key=lambda item: -figures["files"].get(item.path.relative_to(tests).as_posix(), float("inf")))
+
+
+def fixture_keys(item):
+    """The keys (file_seconds.fixture_key) of the fixtures above function scope that a test needs."""
+    info = getattr(item, "_fixtureinfo", None)
+    keys = []
+    for definitions in getattr(info, "name2fixturedefs", {}).values():
+        if definitions and definitions[-1].scope != "function":
+            keys.append(file_seconds.fixture_key(definitions[-1]))
+    return keys
+
+
+class SharedFixtureSeconds:
+    """The set-up seconds of each shared fixture, put in the report of the test whose set-up built it (a junit
+    property that tests/file_seconds.py reads): that test's own seconds leave them out. A plugin, not conftest's
+    hooks: pytest asks a conftest only about the nodes under its folder, and a session fixture's node is the
+    session. Also notes the fixtures that started several ranks (RANK_FIXTURES)."""
+
+    def __init__(self):
+        self.built = []
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_fixture_setup(self, fixturedef, request):
+        started, ranks = time.perf_counter(), len(SEVERAL_RANKS)
+        yield
+        if fixturedef.scope != "function":
+            self.built.append((file_seconds.fixture_key(fixturedef), time.perf_counter() - started))
+            if len(SEVERAL_RANKS) > ranks:
+                RANK_FIXTURES.add(file_seconds.fixture_key(fixturedef))
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_setup(self, item):
+        self.built.clear()
+        SEVERAL_RANKS.clear()  # before any fixture: a shared one that starts ranks is the test's too
+        yield
+        item.user_properties.extend(("fixture_seconds", f"{key}={seconds:.2f}") for key, seconds in self.built)
+        self.built.clear()
+
+
+# ------------------------------------------------------------------------------------ several ranks, one marker
+# What the running test started with several ranks, its fixtures included: the `multirank` marker must say so (the
+# guard below fails a test that starts ranks without it), so that `-m "not multirank"` leaves out every test that
+# starts them. A shared fixture that started ranks (RANK_FIXTURES) counts for every test that needs it.
+SEVERAL_RANKS = preloaded.SEVERAL_RANKS  # ranks started as torchrun starts them (preloaded.rank_env) land here too
+RANK_FIXTURES = set()
+
+
+def note_ranks(count, what):
+    if int(count) > 1:
+        SEVERAL_RANKS.append(f"{what} on {count} ranks")
+
+
+def note_torchrun(args):
+    """A command line that starts torchrun with several processes a node."""
+    argv = [str(a) for a in (args if isinstance(args, (list, tuple)) else str(args).split())]
+    if any(a.endswith("torchrun") or a == "torch.distributed.run" for a in argv):
+        for flag in ("--nproc-per-node", "--nproc_per_node"):
+            if flag in argv[:-1]:
+                count = argv[argv.index(flag) + 1]
+                note_ranks(count if count.isdigit() else 2, "torchrun")
+
+
+class _WatchedPopen(subprocess.Popen):
+    """subprocess.Popen noting torchrun's starts; every test's subprocesses go through it (set just below)."""
+
+    def __init__(self, *args, **kwargs):
+        note_torchrun(args[0] if args else kwargs.get("args", ()))
+        super().__init__(*args, **kwargs)
+
+
+subprocess.Popen = _WatchedPopen
+
+
+@pytest.fixture(autouse=True)
+def several_ranks_carry_the_marker(request):
+    yield
+    started = list(SEVERAL_RANKS) + sorted(RANK_FIXTURES & set(fixture_keys(request.node)))
+    if started and request.node.get_closest_marker("multirank") is None:
+        pytest.fail(f"{request.node.nodeid} starts {started[0]}: mark it @pytest.mark.multirank", pytrace=False)
+
+
+# ------------------------------------------------------------------------------------ state a test may change
+@pytest.fixture(autouse=True)
+def torch_state_restored():
+    """Each test starts from the same torch: its thread count, default dtype, deterministic flags and random
+    state, whatever the tests before it in the worker changed (a result must not depend on their order)."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        yield
+        return
+    saved = (
+        torch.get_num_threads(),
+        torch.get_default_dtype(),
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+        torch.get_rng_state(),
+    )
+    yield
+    threads, dtype, deterministic, warn_only, rng = saved
+    torch.set_num_threads(threads)
+    torch.set_default_dtype(dtype)
+    torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
+    torch.set_rng_state(rng)

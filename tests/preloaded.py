@@ -178,8 +178,14 @@ def free_port():
         return s.getsockname()[1]
 
 
+# The world sizes of the ranks started since conftest last cleared it (its guard of the `multirank` marker).
+SEVERAL_RANKS = []
+
+
 def rank_env(env, rank, world_size, port):
     """The variables torchrun gives each of its processes on one node (idr_torch reads them)."""
+    if rank == 0 and world_size > 1:
+        SEVERAL_RANKS.append(f"dlojz.py on {world_size} ranks")
     return {
         **env,
         "TORCHELASTIC_RUN_ID": "test",

@@ -1,5 +1,5 @@
 """dlojz.py as a rank that stays alive but never enters the log point's all-reduce from its second log point on
-(it loops in Python instead): the rank the watchdog must name as stuck (tests/test_watchdog.py)."""
+(it loops in Python instead): the rank the watchdog must name as stuck (tests/system/test_watchdog.py)."""
 
 import sys
 import time

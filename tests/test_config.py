@@ -111,14 +111,14 @@ FREE = {
     "metrics_json": "a file path, its folder checked writable before the run",
     "val_history": "a file path, its folder checked writable before the run",
     "predictions": "a file path, its folder checked writable before the run",
-    "teacher": "a checkpoint, or a model name checked with its cached weights before the run (tests/test_distill.py)",
+    "teacher": "a checkpoint, or a model name checked with its cached weights before the run (tests/optim/test_distill.py)",
     "tensorboard": "a folder (or none: the output folder's tensorboard/), checked writable before the run",
     "resume": "'auto' or a checkpoint path, checked when the checkpoint is read",
     "pretrained": "a weights name, checked against torchvision's list for --arch before the run",
     "initial_checkpoint": "a weights file, checked there before the run and read when the model is made",
     "wandb_project": "a name W&B shows",
     "wandb_group": "a name W&B shows",
-    "pp_split": "params, time or layer indices, checked in flag_checks (tests/test_pipeline.py)",
+    "pp_split": "params, time or layer indices, checked in flag_checks (tests/parallelism/test_pipeline.py)",
 }
 
 

@@ -113,6 +113,7 @@ def test_no_global_batch_drops_a_recipe_s_batch_and_its_lr_rule(tmp_path):
 
 
 @pytest.mark.parametrize("ranks, batch, grad_acc", [(1, 8, 2), (2, 8, 1)])
+@pytest.mark.multirank
 def test_a_run_keeps_the_global_batch_on_one_and_two_ranks(tiny_data, tmp_path, ranks, batch, grad_acc):
     """The same command on 1 and 2 ranks: 16 images a step on both (one rank accumulates two micro-batches of 8),
     the block said once."""

@@ -580,6 +580,7 @@ TINY = [
 
 
 @two_gpus
+@pytest.mark.multirank
 def test_nccl_validation_on_two_gpus_equals_one(tmp_path, tiny_data):
     """A checkpoint trained on one GPU, validated with --eval-only on 1 and on 2 GPUs (NCCL): 15 images, 8 + 7 on
     two ranks, every image counted once. float32 (no AMP, no TF32): the logits differ by rounding at most."""
@@ -617,6 +618,7 @@ def test_nccl_validation_on_two_gpus_equals_one(tmp_path, tiny_data):
 
 
 @two_gpus
+@pytest.mark.multirank
 def test_sync_bn_test_run_on_two_gpus_reports(tmp_path):
     metrics = tmp_path / "m.json"
     proc = run_dlojz(
@@ -643,6 +645,7 @@ def test_sync_bn_test_run_on_two_gpus_reports(tmp_path):
 
 @two_gpus
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.multirank
 def test_an_lr_sweep_on_two_gpus_ends_on_both_at_once(tmp_path, dtype):
     """Pushed to lr 10, one rank's float16 loss turns non-finite before the other's: both stop at the same step
     (the averaged loss), the job ends in seconds, not at --dist-timeout."""
@@ -660,6 +663,7 @@ def test_an_lr_sweep_on_two_gpus_ends_on_both_at_once(tmp_path, dtype):
 
 
 @two_gpus
+@pytest.mark.multirank
 def test_gradient_accumulation_under_ddp_on_two_gpus(tmp_path):
     metrics = tmp_path / "m.json"
     proc = run_dlojz(
@@ -824,6 +828,7 @@ def test_fsdp_compiles_on_cuda(tmp_path):
 
 
 @two_gpus
+@pytest.mark.multirank
 def test_fsdp_on_two_gpus_trains_to_the_weights_of_ddp(tmp_path, tiny_data):
     """NCCL: FSDP's reduce-scatter and DDP's all-reduce give the same weights (float32: --no-amp --no-tf32)."""
     out = {}

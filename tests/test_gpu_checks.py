@@ -131,6 +131,7 @@ def syncbn_report_figures(rank, world_size, port, results):
         dist.destroy_process_group()
 
 
+@pytest.mark.multirank
 def test_flops_and_activation_bytes_of_a_syncbn_model_in_a_process_group():
     """--test --sync-bn on 2 ranks: the report's FLOP count and activation estimate run with the process group up
     (a SyncBatchNorm in training mode would reach for the other rank, and refuse CPU/meta tensors)."""

@@ -2,6 +2,7 @@
 import from a layer below, modules and functions within bounds, and docs/architecture.md a true map."""
 
 import ast
+import re
 
 from conftest import ROOT
 
@@ -172,3 +173,56 @@ def test_the_module_map_names_every_module_and_only_modules():
     assert not missing, f"docs/architecture.md names what does not exist: {missing}"
     for pointer in (ROOT / "README.md", ROOT / "dlojz_lib" / "__init__.py"):
         assert "docs/architecture.md" in pointer.read_text(), f"{pointer.name} does not point to the map"
+
+
+TESTING = ROOT / "docs" / "testing.md"
+TEST_ROW = re.compile(r"^\| `(dlojz_lib/[\w/]+\.(?:py|c))` \| (.*) \|$", re.M)
+
+
+def names_module(module, text):
+    """Whether a test file's text names a module of the package: by its path (`dlojz_lib/data/jpeg.py`), its dotted
+    name (`dlojz_lib.data.jpeg`) or an import of it (`from dlojz_lib.data import jpeg`); a package by its folder."""
+    if module.endswith("__init__.py"):
+        package = module[: -len("/__init__.py")]
+        patterns = [re.escape(package + "/"), rf"\b{re.escape(package.replace('/', '.'))}\b(?![.\w])"]
+    else:
+        patterns = [re.escape(module)]
+        if module.endswith(".py"):
+            parent, name = module[:-3].replace("/", ".").rsplit(".", 1)
+            patterns += [rf"\b{re.escape(parent)}\.{name}\b", rf"from {re.escape(parent)} import [^\n]*\b{name}\b"]
+    return any(re.search(pattern, text) for pattern in patterns)
+
+
+def map_errors(text):
+    """What is wrong with docs/testing.md's map from the package's modules to their tests: a module without a row,
+    a test file that does not exist, or one that does not name the module it is listed for."""
+    rows = {module: re.findall(r"`(tests/[\w/]+\.py)`", tests) for module, tests in TEST_ROW.findall(text)}
+    files = {p.relative_to(ROOT).as_posix() for p in (ROOT / "dlojz_lib").rglob("*") if p.suffix in (".py", ".c")}
+    errors = [f"{module}: no row" for module in sorted(files - set(rows))]
+    errors += [f"{module}: no module of that name" for module in sorted(set(rows) - files)]
+    for module, tests in sorted(rows.items()):
+        if not tests:
+            errors.append(f"{module}: no test file named")
+        for test in tests:
+            if not (ROOT / test).is_file():
+                errors.append(f"{module}: {test} does not exist")
+            elif not names_module(module, (ROOT / test).read_text()):
+                errors.append(f"{module}: {test} does not name it")
+    return errors
+
+
+def test_the_test_map_gives_every_module_test_files_that_name_it():
+    """docs/testing.md maps each module of dlojz_lib/ to the test files that test it, each naming it (a newcomer
+    finds a module's tests by its row, and a row cannot point at a file that has stopped testing it)."""
+    errors = map_errors(TESTING.read_text())
+    assert not errors, "docs/testing.md's map from modules to tests:\n" + "\n".join(errors)
+
+
+def test_the_test_map_check_sees_a_missing_row_and_a_wrong_file():
+    text = TESTING.read_text()
+    without = TEST_ROW.sub(lambda row: "" if row.group(1) == "dlojz_lib/chrono.py" else row.group(0), text)
+    assert "dlojz_lib/chrono.py: no row" in map_errors(without)
+    wrong = text.replace("| `dlojz_lib/fsdp.py` | `", "| `dlojz_lib/fsdp.py` | `tests/test_docs.py`, `", 1)
+    assert "dlojz_lib/fsdp.py: tests/test_docs.py does not name it" in map_errors(wrong)
+    gone = text.replace("| `dlojz_lib/fsdp.py` | `", "| `dlojz_lib/fsdp.py` | `tests/parallelism/test_gone.py`, `", 1)
+    assert "dlojz_lib/fsdp.py: tests/parallelism/test_gone.py does not exist" in map_errors(gone)

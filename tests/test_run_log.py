@@ -95,7 +95,7 @@ def test_the_arguments_of_a_run_are_saved_as_a_recipe_that_runs_it_again(tiny_da
     saved = out / "args.toml"
     assert f"arguments: {saved}" in proc.stdout, proc.stdout
     assert "pin_memory=False" in proc.stdout and "pin_memory=True" not in proc.stdout
-    assert "host memory: freed memory kept for reuse" in proc.stdout  # tests/test_host_memory.py: what it does
+    assert "host memory: freed memory kept for reuse" in proc.stdout  # tests/system/test_host_memory.py: what it does
     text = saved.read_text()
     body = [line for line in text.splitlines() if not line.startswith("#")]
     assert "lr = 0.0371" in body and "label-smoothing = 0.05" in body and 'optimizer = "adamw"' in body

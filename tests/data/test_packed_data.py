@@ -97,6 +97,7 @@ def test_training_on_shards_equals_training_on_folders(tiny_data, packed, traine
         assert torch.equal(value, shards_weights[key]), key
 
 
+@pytest.mark.multirank
 def test_one_and_two_ranks_validate_the_same_images_on_shards(packed, trained_on_shards, tmp_path):
     run = trained_on_shards[0]
     checkpoint = run / (run / "latest").read_text().strip()

@@ -3,7 +3,9 @@
 
 Searches run as a user runs them (subprocesses, each trial a dlojz.py run on the tiny data set at 16 px, started by
 the worker through --launch as a fork of the tests' preloaded server); the search-space checks run in this process.
-The Slurm job array runs on the one-node test cluster, its trials fresh interpreters as a user's are."""
+The Slurm job array runs on the one-node test cluster, its trials fresh interpreters as a user's are.
+
+Modules: dlojz_lib/hpo/ (the space, the search, and dlojz_lib/hpo/report.py: its CSV, figures and recipe)."""
 
 import csv
 import json
@@ -120,7 +122,7 @@ def test_train_subset_is_stratified_and_the_same_whatever_the_seed_and_process(t
     assert subset_paths(tiny_data, 0.25, seed=99)[0] == quarter  # not tied to --seed: every trial sees these
     # Another interpreter (another hash seed) picks the same images.
     code = (
-        f"import json, sys; sys.path.insert(0, {str(ROOT / 'tests')!r}); from test_hpo import subset_paths; "
+        f"import json, sys; sys.path[:0] = [{str(ROOT / 'tests')!r}, {str(ROOT / 'tests' / 'commands')!r}]; from test_hpo import subset_paths; "
         f"print(json.dumps(subset_paths({str(tiny_data)!r}, 0.25, 5)[0]))"
     )
     other = subprocess.run(

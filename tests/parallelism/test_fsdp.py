@@ -116,6 +116,7 @@ def runs(tiny_data, tmp_path_factory):
     return out
 
 
+@pytest.mark.multirank
 def test_fsdp_trains_to_the_weights_of_ddp_and_of_one_process(runs):
     fsdp = weights(runs / "fsdp")
     assert_same_weights(fsdp, weights(runs / "ddp"))
@@ -126,6 +127,7 @@ def test_fsdp_trains_to_the_weights_of_ddp_and_of_one_process(runs):
     assert (runs / "fsdp" / "ckpt_e0001_s000000005.dcp" / ckpt.SHARDED_META).is_file()
 
 
+@pytest.mark.multirank
 def test_fsdp_holds_half_of_the_model_state_per_rank(runs):
     ddp, fsdp = read_json(runs / "ddp.json"), read_json(runs / "fsdp.json")
     assert (ddp["parallel"], fsdp["parallel"]) == ("ddp", "fsdp")
@@ -137,6 +139,7 @@ def test_fsdp_holds_half_of_the_model_state_per_rank(runs):
     assert "Model state per rank (FSDP, sharded over 2 ranks)" in (runs / "fsdp.log").read_text()
 
 
+@pytest.mark.multirank
 def test_uneven_validation_shards_are_exact_under_fsdp(runs):
     """Rank 1 has one batch fewer: it runs one uncounted forward (else rank 0's all-gather would wait forever)."""
     ddp, fsdp = read_json(runs / "ddp.json"), read_json(runs / "fsdp.json")
@@ -145,6 +148,7 @@ def test_uneven_validation_shards_are_exact_under_fsdp(runs):
         assert fsdp[key] == pytest.approx(ddp[key], abs=1e-5), key
 
 
+@pytest.mark.multirank
 def test_a_sharded_checkpoint_evaluates_on_one_rank_and_consolidates(runs, tiny_data, tmp_path, run_inline):
     sharded = runs / "fsdp" / "ckpt_e0001_s000000005.dcp"
     expected = read_json(runs / "fsdp.json")
@@ -206,6 +210,7 @@ def stopped_mid_epoch(args, out, steps=5):
     return stopped
 
 
+@pytest.mark.multirank
 def test_an_fsdp_run_stopped_mid_epoch_resumes_on_one_rank_to_the_same_weights(runs, tiny_data, tmp_path):
     """Saved by 2 ranks x 8 images after a step or two, resumed by 1 process x 16: DCP reshards the model and the
     optimizer, and the epoch goes on after the images already trained on."""
@@ -228,6 +233,7 @@ def test_an_fsdp_run_stopped_mid_epoch_resumes_on_one_rank_to_the_same_weights(r
     assert final["global_step"] == final["total_steps"] == final["scheduler"]["last_epoch"] == 9, proc.stdout
 
 
+@pytest.mark.multirank
 def test_fsdp_with_accumulation_checkpointing_and_no_reshard_trains_the_same(runs, tiny_data, tmp_path):
     """2 micro-batches of 4 per rank and step, activations recomputed, parameters kept gathered: same weights."""
     proc = run_dlojz(
@@ -255,6 +261,7 @@ def test_fsdp_with_accumulation_checkpointing_and_no_reshard_trains_the_same(run
     assert read_json(tmp_path / "m.json")["parameter_bytes_per_rank"] == fsdp["parameter_bytes_per_rank"]
 
 
+@pytest.mark.multirank
 def test_lamb_and_gradient_clipping_step_on_shards_as_on_the_whole_model(tiny_data, tmp_path):
     """--clip-grad-norm and timm's LAMB (its own global-norm clipping, a trust ratio of norms per layer): computed on
     sharded parameters (DTensors), the norms are those of the whole tensors."""
@@ -432,6 +439,7 @@ def test_what_fsdp_cannot_take_is_one_line(flags, message, run_inline):
     assert_one_line_error(run_inline("--device", "cpu", "--test", "--no-wandb", *flags), message)
 
 
+@pytest.mark.multirank
 def test_fsdp_does_not_resume_training_from_an_ordinary_checkpoint(runs, tiny_data):
     plain = ckpt.load_latest(runs / "single")[1]
     assert_one_line_error(

@@ -1,6 +1,8 @@
 """dlojz_lab.py: sweeps of dlojz.py runs here and as a Slurm job array, `status`, and `compare`'s table, CSV and plots
 checked against the runs' own metrics; bad grids refused in one line before anything runs. The sweep as a Slurm job
-array is in test_slurm.py, with the tests' one-node cluster."""
+array is in test_slurm.py, with the tests' one-node cluster.
+
+Modules: dlojz_lib/lab/ (the sweeps and the comparison's report)."""
 
 import csv
 import json

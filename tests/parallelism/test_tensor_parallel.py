@@ -81,6 +81,7 @@ def compare_on_rank(rank, world, store_path, failures, kind="vit", size=32, sequ
     "kind, size, sequence_parallel",
     [("vit", 32, False), ("vit", 48, True), ("coatnet", 64, False), ("maxvit_tf", 64, False)],
 )
+@pytest.mark.multirank
 def test_the_parallel_model_trains_as_one_process(tmp_path, kind, size, sequence_parallel):
     """2 ranks (half the heads each): after two SGD steps with momentum the outputs are the single process's
     (float32 sums in another order: 1e-5), and the fused state dict is an ordinary model's, key for key. With
@@ -169,6 +170,7 @@ def runs(tiny_data, tmp_path_factory):
 
 
 @pytest.mark.parametrize("name", ["tp", "tp-fsdp"])
+@pytest.mark.multirank
 def test_tp_trains_to_the_weights_of_one_process(runs, name):
     """Tensor-parallel (and 2-D) training reaches one process's weights after 5 SGD steps (float32 sums in another
     order), its consolidated checkpoint is an ordinary model's, and the data dimension is the replicas': the global
@@ -191,6 +193,7 @@ def test_tp_trains_to_the_weights_of_one_process(runs, name):
     assert metrics["parallel"] == "tp" and metrics["tensor_parallel_size"] == 2
 
 
+@pytest.mark.multirank
 def test_tp_clips_the_global_norm_over_both_meshes_and_accumulates(runs):
     """--clip-grad-norm under --tp: the split layers' gradients (2-D mesh) and the replicated ones' (data mesh)
     clipped by one global norm, with --grad-acc 2: the weights of one process doing the same."""
@@ -216,6 +219,7 @@ def test_tp_clips_the_global_norm_over_both_meshes_and_accumulates(runs):
         ),
     ],
 )
+@pytest.mark.multirank
 def test_what_tp_cannot_do_is_one_line(flags, ranks, fragments, tiny_data, tmp_path):
     from conftest import run_dlojz
     from test_dlojz import assert_one_line_error
@@ -226,6 +230,7 @@ def test_what_tp_cannot_do_is_one_line(flags, ranks, fragments, tiny_data, tmp_p
     assert_one_line_error(proc, *fragments)
 
 
+@pytest.mark.multirank
 def test_the_day_4_table_gives_the_bytes_a_run_measures(runs, tmp_path):
     """bench/parallel_memory.py's parameter, gradient and optimizer bytes per rank for TP 2 (2 ranks) and TP 2 x
     FSDP 2 (4 ranks) are what those runs measured (the metrics JSON's *_bytes_per_rank), to the byte; FSDP's and
@@ -252,6 +257,7 @@ def test_the_day_4_table_gives_the_bytes_a_run_measures(runs, tmp_path):
     assert split["sent_bytes_per_step"] == rows[(4, "TP 2 x FSDP 2")]["sent_bytes_per_step"]  # the same bytes sent
 
 
+@pytest.mark.multirank
 def test_a_tp_run_stopped_mid_epoch_resumes_in_2d_to_the_same_weights(runs, tiny_data, tmp_path):
     """Saved by one tensor-parallel group of 2 ranks after a step or two (sharded, the TP layout inside), resumed by
     4 ranks in 2-D (2 groups x 8 images): DCP reshards model and optimizer across the layouts, the epoch goes on
@@ -267,6 +273,7 @@ def test_a_tp_run_stopped_mid_epoch_resumes_in_2d_to_the_same_weights(runs, tiny
     assert_same_weights(weights(out), weights(runs / "single"), atol=1e-5)
 
 
+@pytest.mark.multirank
 def test_tp_trains_under_bfloat16_autocast_with_recomputed_activations(tiny_data, tmp_path):
     """--amp (bfloat16: FSDP gathers in it) and --grad-checkpointing with --tp: a --test run whose loss is finite,
     the chronometer's report and the per-rank memory line written; under --prof, the profiler's line gives the time
@@ -289,6 +296,7 @@ def test_tp_trains_under_bfloat16_autocast_with_recomputed_activations(tiny_data
     assert "collectives per step on rank 0 (host time): " in line and "waits " in line and "all_reduce " in line
 
 
+@pytest.mark.multirank
 def test_sequence_parallel_trains_to_the_weights_of_one_process(tiny_data, tmp_path):
     """--tp 2 --sequence-parallel at 48 px (10 tokens, 5 a rank) against one process at 48 px: the same weights
     after the epoch; the start-up line says the tokens are split."""
@@ -312,6 +320,7 @@ def test_sequence_parallel_trains_to_the_weights_of_one_process(tiny_data, tmp_p
         (["--fsdp", "--tp", "2", "--sequence-parallel"], 2, "sees 5 tokens at this image size, which do not split"),
     ],
 )
+@pytest.mark.multirank
 def test_what_sequence_parallel_cannot_do_is_one_line(flags, ranks, fragment, tiny_data, tmp_path):
     from conftest import run_dlojz
     from test_dlojz import assert_one_line_error

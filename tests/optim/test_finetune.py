@@ -160,6 +160,7 @@ def test_the_head_learns_alone_then_every_layer_and_a_stopped_fine_tuning_resume
         assert "the head (fc) learns alone for 1 epochs" in proc.stdout
 
 
+@pytest.mark.multirank
 def test_a_fine_tuning_sharded_by_fsdp_on_two_ranks_keeps_the_backbone_then_trains_it(tiny_data, tmp_path):
     """--initial-checkpoint is loaded before FSDP shards the model; the frozen epoch drops the sharded gradients of
     every block but the head's, and --layer-decay's groups are made of the sharded parameters."""

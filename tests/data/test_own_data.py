@@ -260,6 +260,7 @@ def test_balanced_sampler_reaches_the_training_loader_and_refuses_class_weights(
     assert proc.returncode == 2 and "both would favour the rare classes twice: give one of them" in proc.stderr
 
 
+@pytest.mark.multirank
 def test_two_ranks_split_as_one_and_draw_balanced_epochs(tiny_data, tmp_path):
     """--val-split on 2 ranks lists the images one process chooses, and both validate them once between them;
     --balanced-sampler's epoch trains on both."""

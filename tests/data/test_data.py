@@ -12,7 +12,7 @@ import pytest
 import torch
 from torchvision.transforms import v2
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from dlojz_lib.data.datasets import DataError, SafeImageFolder, build_datasets, resolve_data_root  # noqa: E402
 from dlojz_lib.data.loaders import close_loader, make_loader  # noqa: E402
 from dlojz_lib.data.samplers import EpochSampler  # noqa: E402

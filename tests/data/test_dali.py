@@ -116,6 +116,7 @@ def test_validation_sees_every_image_once(tiny_data, world_size):
     assert sorted(seen) == [(i, t) for i, t in enumerate(val.targets)]  # 15 images, each once, with its label
 
 
+@pytest.mark.multirank
 def test_one_and_two_ranks_validate_the_same_images_with_dali_on_shards(tiny_data, tmp_path):
     shards = pack(tiny_data, tmp_path / "packed")
     proc = run_dlojz(

@@ -1,6 +1,6 @@
 """Tests of dlojz_lib/optim/: optimizers, parameter groups, LR schedules, LR finder and soft-label accuracy.
 
-CPU only, tiny models, a few seconds. Run from the repository root: ``python -m pytest tests/test_optim.py``.
+CPU only, tiny models, a few seconds. Run from the repository root: ``python -m pytest tests/optim/test_optim.py``.
 """
 
 import csv

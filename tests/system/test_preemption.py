@@ -2,7 +2,7 @@
 batch, by every rank at the same step, and the run resumes exactly; torch.compile's workers survive it.
 
 Signals are simulated by setting the StopSignal's name, as its handler does, at a chosen step: a real signal's
-timing could not be chosen. tests/test_slurm.py sends real ones through Slurm."""
+timing could not be chosen. tests/system/test_slurm.py sends real ones through Slurm."""
 
 import inspect
 import math

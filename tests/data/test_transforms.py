@@ -18,7 +18,7 @@ import torch
 import torchvision.transforms as T
 from PIL import Image
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_jpeg import require_region_decoder  # noqa: E402
 

@@ -180,6 +180,7 @@ def the_error(log):
     return errors[0]
 
 
+@pytest.mark.multirank
 def test_a_stopped_rank_is_named_silent_and_the_job_ends_within_the_hang_timeout(watch_data, tmp_path):
     out = tmp_path / "run"
     rank0, rank1 = start_ranks([*RUN, "--data-root", watch_data, "--output-dir", out, "--hang-timeout", HANG])
@@ -200,6 +201,7 @@ def test_a_stopped_rank_is_named_silent_and_the_job_ends_within_the_hang_timeout
     assert HANG < elapsed < HANG + 8, f"rank 0 ended {elapsed:.1f} s after rank 1 stopped"  # not --dist-timeout's 600
 
 
+@pytest.mark.multirank
 def test_a_rank_alive_outside_the_others_collective_is_named_stuck_and_every_rank_ends(watch_data, tmp_path):
     out = tmp_path / "run"
     args = [*RUN, "--data-root", watch_data, "--output-dir", out, "--hang-timeout", HANG]
@@ -226,6 +228,7 @@ def test_a_rank_alive_outside_the_others_collective_is_named_stuck_and_every_ran
     assert "dlojz: " not in log1, log1[-3000:]  # one line for the job, from rank 0
 
 
+@pytest.mark.multirank
 def test_a_rank_slowed_by_pulses_is_named_a_straggler_once_and_in_the_metrics(watch_data, tmp_path):
     metrics = tmp_path / "m.json"
     # 30 steps: a log point every 3 steps, each comparing the sum of 3 forwards (several pulses each: on rank 1 they

@@ -80,6 +80,7 @@ def trained_checkpoint(tiny_data, tmp_path_factory):
     return out / (out / "latest").read_text().strip()
 
 
+@pytest.mark.multirank
 def test_eval_one_vs_two_processes_identical(trained_checkpoint, tiny_data, tmp_path):
     """15 validation images on 2 ranks (8 + 7): every image counted once, same numbers as 1 process; --predictions
     has one row per image in the data set's order, and the per-class figures are those its rows give."""

@@ -178,6 +178,7 @@ def two_ranks(tmp_path_factory):
     return spawn(2, cases, tmp_path_factory.mktemp("pp2"))
 
 
+@pytest.mark.multirank
 def test_every_schedule_trains_to_the_weights_of_one_process(two_ranks):
     """2 ranks, a ViT (no BatchNorm) under each schedule and a ResNet (BatchNorm on each micro-batch, as one process
     accumulating them) under 1F1B: after two SGD steps with momentum each stage's weights and buffers are one
@@ -189,6 +190,7 @@ def test_every_schedule_trains_to_the_weights_of_one_process(two_ranks):
     assert len(trained[(1, "timm:test_vit", "interleaved tp 1")]) == 2
 
 
+@pytest.mark.multirank
 def test_four_ranks_train_to_the_weights_of_one_process_in_4_stages_and_in_2_of_2_ranks(tmp_path):
     """4 ranks: 1F1B over 4 stages (stem, blocks, head of a ViT), then over 2 stages each split over 2 ranks by the
     tensor-parallel plan (a (pipe, tensor) mesh): both reach one process's weights, and their eval logits its."""
@@ -304,6 +306,7 @@ def runs(tiny_data, tmp_path_factory):
     [("1f1b", "single"), ("gpipe", "single"), ("interleaved", "single"), ("pp-data-clip", "single-clip"),
      ("pp-tp", "single")],
 )  # fmt: skip
+@pytest.mark.multirank
 def test_pp_trains_to_the_weights_of_one_process(runs, name, reference):
     """`dlojz.py --fsdp --pp 2` under either schedule, and with 2 data replicas, reaches one process's weights after
     4 SGD steps (float32 sums in another order); its checkpoint (each stage's shards) consolidates into an ordinary
@@ -341,6 +344,7 @@ def test_pp_trains_to_the_weights_of_one_process(runs, name, reference):
     assert schedule.get(name, "schedule 1f1b, 2 micro-batches of 4") in log
 
 
+@pytest.mark.multirank
 def test_pp_trains_a_resnet_as_one_process_accumulating_its_micro_batches(runs):
     """torchvision's ResNet-18 under --pp 2 (4 micro-batches of 4): each stage's BatchNorm normalises micro-batch by
     micro-batch and updates its statistics in their order, as one process accumulating 4 batches of 4 does: the same
@@ -355,6 +359,7 @@ def test_pp_trains_a_resnet_as_one_process_accumulating_its_micro_batches(runs):
     assert pipelined["val_loss"] == pytest.approx(single["val_loss"], rel=1e-4)
 
 
+@pytest.mark.multirank
 def test_pp_evaluates_its_own_and_an_ordinary_checkpoint_as_one_process(runs, tiny_data, tmp_path):
     """--eval-only through the pipeline: its own sharded checkpoint and one process's ordinary one (each stage taking
     its layers' weights) give one process's validation, and --predictions the same classes image by image."""
@@ -387,6 +392,7 @@ def test_pp_evaluates_its_own_and_an_ordinary_checkpoint_as_one_process(runs, ti
         assert predicted(tmp_path / f"{name}.csv") == predicted(tmp_path / "one.csv")
 
 
+@pytest.mark.multirank
 def test_pp_clips_the_global_norm_across_stages(runs):
     """--clip-grad-norm under --pp: each stage's norm, the squares summed over the pipeline: one process's clip (the
     clip changed the run)."""
@@ -396,6 +402,7 @@ def test_pp_clips_the_global_norm_across_stages(runs):
     assert any(not torch.allclose(clipped[k], unclipped[k], atol=1e-4) for k in clipped)
 
 
+@pytest.mark.multirank
 def test_the_day_4_table_s_pp_x_tp_row_holds_what_a_3d_run_measures(runs, tmp_path):
     """bench/parallel_memory.py's PP 2 x TP 2 row: each GPU's parameters, to the byte, those a 3-D run of dlojz.py
     measured on its largest rank; its activations below PP 2's alone (the blocks' split), its sends above the
@@ -416,6 +423,7 @@ def test_the_day_4_table_s_pp_x_tp_row_holds_what_a_3d_run_measures(runs, tmp_pa
     assert three_d["sent_bytes_per_step"] > rows[(2, "PP 2 x FSDP 1")]["sent_bytes_per_step"]  # the stages' sends
 
 
+@pytest.mark.multirank
 def test_a_pp_run_stopped_mid_epoch_resumes_to_the_same_weights(runs, tiny_data, tmp_path):
     """Saved by a pipeline of 2 ranks after a step or two (each stage's shards in one DCP folder), resumed by the same
     layout: the epoch goes on after the images already trained on, and the run ends on one process's weights."""
@@ -463,6 +471,7 @@ def test_a_pp_run_stopped_mid_epoch_resumes_to_the_same_weights(runs, tiny_data,
         ),
     ],
 )
+@pytest.mark.multirank
 def test_what_pp_cannot_do_is_one_line(flags, ranks, fragments, tiny_data, tmp_path):
     from conftest import run_dlojz
     from test_dlojz import assert_one_line_error

@@ -4,6 +4,9 @@ interrupted pack is finished without rewriting what was done, a damaged shard is
 
 Small trees only (tens of 32x24 JPEGs): the whole file takes a few seconds on 2 cores, most of it two CLI
 subprocesses (importing torch) run side by side.
+
+Modules: dlojz_lib/pack/ (dlojz_lib/pack/source.py: the tree read, dlojz_lib/pack/plan.py: byte-identical
+shards whatever the writers, the writer).
 """
 
 import json
@@ -22,7 +25,7 @@ import torch
 import torchvision
 from PIL import Image
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 from conftest import importtime  # noqa: E402
 

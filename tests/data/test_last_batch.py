@@ -49,6 +49,7 @@ def test_drop_last_is_unchanged():
 
 
 @pytest.mark.parametrize("ranks, batch", [(1, 71), (2, 5), (3, 23)])
+@pytest.mark.multirank
 def test_a_share_leaving_one_image_trains_to_the_end(tiny_data, tmp_path, ranks, batch):
     """72 training images: each rank's share leaves a last batch of one; the epoch ends, validation sees all 15."""
     metrics = tmp_path / "m.json"

@@ -111,6 +111,7 @@ def start_ranks(args, world_size=2):
     ]
 
 
+@pytest.mark.multirank
 def test_signal_on_one_rank_stops_all_ranks_at_the_same_step(resume_data, tmp_path):
     out = tmp_path / "run"
     rank0, rank1 = start_ranks([*RUN, "--data-root", resume_data, "--output-dir", out])
@@ -124,6 +125,7 @@ def test_signal_on_one_rank_stops_all_ranks_at_the_same_step(resume_data, tmp_pa
     assert 0 < state["global_step"] < 16
 
 
+@pytest.mark.multirank
 def test_a_killed_rank_ends_the_other_with_one_line_and_the_run_resumes_from_its_last_checkpoint(resume_data, tmp_path):
     out = tmp_path / "run"
     args = [*RUN, "--data-root", resume_data, "--output-dir", out, "--dist-timeout", "60"]
@@ -468,6 +470,7 @@ def test_ctrl_c_checkpoints_says_how_to_continue_and_resumes_exactly(resume_data
         assert torch.allclose(value.float(), b["model"][key].float(), rtol=1e-5, atol=1e-6), key
 
 
+@pytest.mark.multirank
 def test_ctrl_c_on_two_ranks_stops_both_with_one_checkpoint(resume_data, tmp_path):
     out = tmp_path / "run"
     rank0, rank1 = start_ranks([*RUN, "--data-root", resume_data, "--output-dir", out])

@@ -2,7 +2,7 @@
 
 The cluster (munged + slurmctld + slurmd on localhost) comes from the ``slurm_cluster`` fixture of
 tests/slurm_cluster.py; without Slurm or root every test here is skipped with the reason (under CI=true: fails).
-Run only these tests:  python -m pytest tests/test_slurm.py -v -rs   (about 3 minutes on 2 cores)
+Run only these tests:  python -m pytest tests/system/test_slurm.py -v -rs   (about 3 minutes on 2 cores)
 """
 
 import json
@@ -18,7 +18,7 @@ from slurm_cluster import slurm_cluster  # noqa: F401  (the session fixture)
 
 from dlojz_lib.data.embedded import EMBEDDED_NAME
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SLURM_DIR = ROOT / "slurm"
 CPU_SCRIPT = SLURM_DIR / "dlojz_cpu.slurm"
 GPU_SCRIPTS = [

@@ -34,6 +34,7 @@ def teacher(trained_run):
     return trained_run
 
 
+@pytest.mark.multirank
 def test_a_student_distils_on_two_ranks_and_the_teacher_stays_out_of_its_checkpoint(teacher, tiny_data, tmp_path):
     import torchvision
 
