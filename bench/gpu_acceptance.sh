@@ -25,12 +25,23 @@ PYTHON="${1:-python3}"
 OUT_DIR="${OUT_DIR:-runs/gpu_acceptance_$(date +%s)}"
 
 # ------------------------------------------------------------------ 1. checks
-if ! "$PYTHON" -c 'import torch; assert torch.cuda.is_available()' >/dev/null 2>&1; then
+# One interpreter for the check and, without a GPU, what it found (each import of torch costs seconds): exit 0 with
+# a GPU; 3 with torch but no GPU, after the torch line and dlojz's own driver check (it names both versions).
+found_gpu=$("$PYTHON" -c '
+import sys, torch
+if torch.cuda.is_available():
+    sys.exit(0)
+print(f"torch {torch.__version__}, built for CUDA {torch.version.cuda}, GPUs visible to it: {torch.cuda.device_count()}")
+try:
+    import dlojz_lib.config as c; print((c.driver_too_old() or "").lstrip(": "))
+except Exception:
+    pass
+sys.exit(3)' 2>/dev/null)
+status=$?
+if [ "$status" != 0 ]; then
     echo "gpu_acceptance.sh: $PYTHON ($(command -v "$PYTHON" || echo 'not found'))"
-    if "$PYTHON" -c 'import torch' >/dev/null 2>&1; then
-        "$PYTHON" -c 'import torch; print(f"torch {torch.__version__}, built for CUDA {torch.version.cuda}, GPUs visible to it: {torch.cuda.device_count()}")' 2>&1 | tail -1
-        # the driver too old for this torch's CUDA: dlojz's own check names both versions
-        "$PYTHON" -c 'import dlojz_lib.config as c; print((c.driver_too_old() or "").lstrip(": "))' 2>/dev/null | grep . || true
+    if [ "$status" = 3 ]; then
+        printf '%s\n' "$found_gpu" | grep . || true
     else
         echo "torch does not import with $PYTHON: give the Python of the venv or module that has it"
     fi

@@ -306,12 +306,19 @@ class _WatchedPopen(subprocess.Popen):
 subprocess.Popen = _WatchedPopen
 
 
+def ranks_without_marker(node):
+    """The guard's verdict on a test that has run: None, or the line that names what it started unmarked."""
+    started = list(SEVERAL_RANKS) + sorted(RANK_FIXTURES & set(fixture_keys(node)))
+    if started and node.get_closest_marker("multirank") is None:
+        return f"{node.nodeid} starts {started[0]}: mark it @pytest.mark.multirank"
+    return None
+
+
 @pytest.fixture(autouse=True)
 def several_ranks_carry_the_marker(request):
     yield
-    started = list(SEVERAL_RANKS) + sorted(RANK_FIXTURES & set(fixture_keys(request.node)))
-    if started and request.node.get_closest_marker("multirank") is None:
-        pytest.fail(f"{request.node.nodeid} starts {started[0]}: mark it @pytest.mark.multirank", pytrace=False)
+    if (verdict := ranks_without_marker(request.node)) is not None:
+        pytest.fail(verdict, pytrace=False)
 
 
 # ------------------------------------------------------------------------------------ state a test may change

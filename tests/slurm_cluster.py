@@ -147,7 +147,7 @@ class SlurmCluster:
             info = self.job_info(job_id, timeout=_left(deadline)) or info
             if info.get("JobState") in until:
                 return self._result(job_id, info)
-            time.sleep(1.0)
+            time.sleep(0.25)  # a poll: scontrol answers in milliseconds, a job ends any time
         try:
             self.run(["scancel", str(job_id)], check=False, timeout=30)
         except subprocess.TimeoutExpired:
@@ -167,7 +167,7 @@ class SlurmCluster:
                 return text
             if job_id is not None and self.job_info(job_id, timeout=_left(deadline)).get("JobState") in FINAL_STATES:
                 break
-            time.sleep(1.0)
+            time.sleep(0.25)  # a poll: scontrol answers in milliseconds, a job ends any time
         state = self.job_info(job_id, timeout=10).get("JobState") if job_id else "-"
         raise TimeoutError(
             f"{needle!r} not found in {path} within {timeout:.0f} s (job {job_id}: {state});"
