@@ -217,6 +217,13 @@ def pytest_configure(config):
         config.option.loadscopereorder = False
 
     torch.set_num_threads(int(THREADS))  # the tests that train in this process
+    spawn = torch.multiprocessing.spawn
+
+    def noted_spawn(fn, args=(), nprocs=1, *rest, **kwargs):  # torch.multiprocessing.spawn starting ranks
+        note_ranks(nprocs, getattr(fn, "__name__", "torch.multiprocessing.spawn"))
+        return spawn(fn, args, nprocs, *rest, **kwargs)
+
+    torch.multiprocessing.spawn = noted_spawn
     config.pluginmanager.register(SharedFixtureSeconds(), "dlojz-shared-fixture-seconds")
 
 

@@ -39,22 +39,36 @@ def test_a_test_is_slow_by_its_own_seconds_or_by_a_fixture_it_needs():
 
 
 def test_conftest_marks_the_measured_slow_tests_and_leaves_the_others():
-    """`-m slow` selects a test tests/file_seconds.json measured over SLOW_S, `-m "not slow"` the file's others."""
+    """Collection gives `slow` to a test tests/file_seconds.json measured over SLOW_S, and to one that needs a shared
+    fixture measured over it, not to the others; the slowest file's tests go first."""
     figures = file_seconds.load()
     slow = [nodeid for nodeid, seconds in figures["tests"].items() if seconds > file_seconds.SLOW_S]
+    fixture = next(key for key, seconds in figures["fixtures"].items() if seconds > file_seconds.SLOW_S)
     assert slow, "tests/file_seconds.json lists no slow test"
-    path = slow[0].split("::")[0]
 
-    def collected(marker):
-        proc = subprocess.run(
-            [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", "-m", marker, path],
-            capture_output=True, text=True, cwd=conftest.ROOT, env=conftest.clean_env(), timeout=300,
-        )  # fmt: skip
-        return {line.strip() for line in proc.stdout.splitlines() if "::" in line}
+    class Item:
+        def __init__(self, nodeid, fixtures=()):
+            self.nodeid, self.markers, self.fixtures = nodeid, [], list(fixtures)
+            self.path = conftest.ROOT / nodeid.split("::")[0]
+            self.fixturenames = []
 
-    assert slow[0] in collected("slow")
-    fast = collected("not slow")
-    assert slow[0] not in fast and all(figures["tests"].get(nodeid, 0) <= file_seconds.SLOW_S for nodeid in fast)
+        def add_marker(self, marker):
+            self.markers.append(marker.name)
+
+    items = [Item("tests/test_suite.py::test_quick"), Item(slow[0]), Item("tests/test_suite.py::test_reads", [fixture])]
+    original = conftest.fixture_keys
+    conftest.fixture_keys = lambda item: item.fixtures
+    try:
+        conftest.pytest_collection_modifyitems(None, items)
+    finally:
+        conftest.fixture_keys = original
+    marked = {item.nodeid: item.markers for item in items}
+    assert marked == {
+        slow[0]: ["slow"],
+        "tests/test_suite.py::test_quick": [],
+        "tests/test_suite.py::test_reads": ["slow"],
+    }
+    assert items[0].nodeid == slow[0]  # the slowest test's file was measured slower than this one
 
 
 def test_torchrun_with_several_processes_is_noted_and_an_unmarked_test_refused():

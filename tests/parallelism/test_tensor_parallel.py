@@ -41,57 +41,73 @@ def full(tensor):
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
-def compare_on_rank(rank, world, store_path, failures, kind="vit", size=32, sequence_parallel=False):
+def compare(rank, world, kind, size, sequence_parallel):
     """One rank: the same model and batch as one process, parallelised over `world` ranks, two SGD steps."""
-    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
 
-    try:
-        torch.set_num_threads(1)
-        dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
-        torch.manual_seed(0)
-        reference, parallel = tiny_model(kind, size), tiny_model(kind, size)
-        parallel.load_state_dict(reference.state_dict())  # a fused qkv read into the three parts below
-        assert parallelize(parallel, init_device_mesh("cpu", (world,)), kind, sequence_parallel) == BLOCKS[kind]
-        images, labels = torch.randn(4, 3, size, size), torch.tensor([0, 1, 2, 1])
-        optimizers = [torch.optim.SGD(m.parameters(), lr=0.5, momentum=0.9) for m in (reference, parallel)]
-        for model, optimizer in zip((reference, parallel), optimizers):
-            for _ in range(2):  # two steps: the momentum's second use too
-                loss = torch.nn.functional.cross_entropy(model(images), labels)
-                optimizer.zero_grad()
-                loss.backward()
-                optimizer.step()
-            model.outputs = model(images).detach()
-        torch.testing.assert_close(parallel.outputs, reference.outputs, rtol=1e-4, atol=1e-5)
-        split = [p for p in parallel.parameters() if isinstance(p, DTensor) and p.placements[0].is_shard()]
-        assert all(p.to_local().numel() * world == p.numel() for p in split)
-        assert len(split) == BLOCKS[kind] * SPLIT[kind]
-        state = fused_state_dict({key: full(value) for key, value in parallel.state_dict().items()})
-        expected = reference.state_dict()
-        assert state.keys() == expected.keys()
-        for key in expected:
-            torch.testing.assert_close(state[key], expected[key], rtol=1e-4, atol=1e-5, msg=key)
-        dist.destroy_process_group()
-    except BaseException:
-        failures.put(f"rank {rank}: {traceback.format_exc()}")
+    torch.manual_seed(0)
+    reference, parallel = tiny_model(kind, size), tiny_model(kind, size)
+    parallel.load_state_dict(reference.state_dict())  # a fused qkv read into the three parts below
+    assert parallelize(parallel, init_device_mesh("cpu", (world,)), kind, sequence_parallel) == BLOCKS[kind]
+    images, labels = torch.randn(4, 3, size, size), torch.tensor([0, 1, 2, 1])
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.5, momentum=0.9) for m in (reference, parallel)]
+    for model, optimizer in zip((reference, parallel), optimizers):
+        for _ in range(2):  # two steps: the momentum's second use too
+            loss = torch.nn.functional.cross_entropy(model(images), labels)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+        model.outputs = model(images).detach()
+    torch.testing.assert_close(parallel.outputs, reference.outputs, rtol=1e-4, atol=1e-5)
+    split = [p for p in parallel.parameters() if isinstance(p, DTensor) and p.placements[0].is_shard()]
+    assert all(p.to_local().numel() * world == p.numel() for p in split)
+    assert len(split) == BLOCKS[kind] * SPLIT[kind]
+    state = fused_state_dict({key: full(value) for key, value in parallel.state_dict().items()})
+    expected = reference.state_dict()
+    assert state.keys() == expected.keys()
+    for key in expected:
+        torch.testing.assert_close(state[key], expected[key], rtol=1e-4, atol=1e-5, msg=key)
 
 
-@pytest.mark.parametrize(
-    "kind, size, sequence_parallel",
-    [("vit", 32, False), ("vit", 48, True), ("coatnet", 64, False), ("maxvit_tf", 64, False)],
-)
+def compare_on_rank(rank, world, store_path, failures, cases):
+    """One rank of one process group for every case (a process start and torch's import once, not per case): each
+    case's failure put in `failures` under the case."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
+    for case in cases:
+        try:
+            compare(rank, world, *case)
+        except BaseException:
+            failures.put((case, f"rank {rank}: {traceback.format_exc()}"))
+        dist.barrier()  # the next case starts together, whatever this one did on the other rank
+    dist.destroy_process_group()
+
+
+CASES = [("vit", 32, False), ("vit", 48, True), ("coatnet", 64, False), ("maxvit_tf", 64, False)]
+
+
+@pytest.fixture(scope="module")
+def compared(tmp_path_factory):
+    """Each case's failures on 2 ranks, {case: [lines]} (empty where it passed)."""
+    from conftest import spawn_ranks
+
+    found = spawn_ranks(compare_on_rank, 2, tmp_path_factory.mktemp("tp-cases"), CASES, timeout=400)
+    return {case: [text for failed, text in found if tuple(failed) == case] for case in CASES}
+
+
+@pytest.mark.parametrize("kind, size, sequence_parallel", CASES)
 @pytest.mark.multirank
-def test_the_parallel_model_trains_as_one_process(tmp_path, kind, size, sequence_parallel):
+def test_the_parallel_model_trains_as_one_process(compared, kind, size, sequence_parallel):
     """2 ranks (half the heads each): after two SGD steps with momentum the outputs are the single process's
     (float32 sums in another order: 1e-5), and the fused state dict is an ordinary model's, key for key. With
     sequence parallelism (48 px: 9 patches and the class token, 5 tokens a rank) the norms' gradients come from each
     rank's tokens and are summed over the group: a norm left out of the plan would train on half of them. CoAtNet and
     MaxViT: each rank adds its heads' slice of the relative position bias, whose table gets every head's gradient (a
     table trained on one rank's heads would part from the single process's)."""
-    from conftest import spawn_ranks
-
-    errors = spawn_ranks(compare_on_rank, 2, tmp_path, kind, size, sequence_parallel, timeout=240)
+    errors = compared[(kind, size, sequence_parallel)]
     assert not errors, "\n".join(errors)
 
 

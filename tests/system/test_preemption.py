@@ -82,6 +82,7 @@ def two_ranks(rank, port, out_dir, results):
         dist.destroy_process_group()
 
 
+@pytest.mark.multirank
 def test_every_rank_stops_at_the_same_step_and_validation_batch(tmp_path):
     port = preloaded.free_port()
     results = mp.Manager().dict()
@@ -113,6 +114,7 @@ def lr_sweep_of_two_ranks(rank, port, out_dir, results):
         dist.destroy_process_group()
 
 
+@pytest.mark.multirank
 def test_the_lr_sweep_ends_at_the_same_step_on_every_rank(tmp_path):
     """Each rank's own loss would end the sweep on that rank alone, and leave the other in DDP's next all-reduce
     until --dist-timeout: the ranks read the loss averaged over all of them, and stop together."""
