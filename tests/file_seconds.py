@@ -3,7 +3,7 @@ files to the xdist workers first: longest first is the schedule that ends two wo
 test's own seconds and each shared fixture's set-up seconds (a test over SLOW_S, or one that needs a fixture over
 SLOW_S, carries the `slow` marker: `-m "not slow"` is the loop to run after a change).
 
-    python -m pytest tests -q -n 2 --dist loadfile --junitxml=/tmp/junit.xml
+    python -m pytest tests -q -n 3 --dist loadfile --junitxml=/tmp/junit.xml     # as CI runs it
     python tests/file_seconds.py /tmp/junit.xml        # rewrites tests/file_seconds.json
 
 conftest.py records each fixture's set-up seconds into the report (a `fixture_seconds` property of the test whose

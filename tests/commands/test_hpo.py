@@ -468,6 +468,7 @@ def test_a_worker_lost_mid_trial_leaves_the_study_usable_and_the_trial_retried(
                 "the first trial never validated",
             )
             first.send_signal(signal.SIGKILL if how == "killed" else signal.SIGUSR1)
+            lost_at = time.monotonic()
             first.wait(timeout=120)
         finally:
             first.kill()
@@ -480,7 +481,7 @@ def test_a_worker_lost_mid_trial_leaves_the_study_usable_and_the_trial_retried(
         assert "SIGUSR1 received: stopped; run `search` again" in worker_a, worker_a
         assert [t.state.name for t in load(tmp_path / "j.log", "s").trials] == ["FAIL", "WAITING"]
     else:
-        time.sleep(3.5)  # the heartbeat goes stale
+        time.sleep(max(0.0, lost_at + 3.5 - time.monotonic()))  # the heartbeat goes stale (--stale-after 3)
     second = hpo(*args)
     assert second.returncode == 0, show(second)
     study = load(tmp_path / "j.log", "s")
