@@ -238,15 +238,12 @@ def test_a_rank_slowed_by_pulses_is_named_a_straggler_once_and_in_the_metrics(wa
     rank0, rank1 = start_ranks([*args, "--metrics-json", metrics])
     done = threading.Event()
 
-    # rank 1 runs 40 % of the time, in pulses much shorter than a forward: every forward of rank 1 takes ~2.5 times
-    # rank 0's, not only those a long pause happens to fall in (pulses of a forward's length made the ratio of 3
-    # forwards a matter of chance, below the factor at some log point on a loaded machine)
-    def pulses():
+    def pulses():  # rank 1 runs 40 % of the time, in pulses shorter than a step: its forwards take ~2.5 times rank 0's
         while not done.is_set() and rank1.poll() is None:
             rank1.send_signal(signal.SIGSTOP)
-            time.sleep(0.006)
+            time.sleep(0.03)
             rank1.send_signal(signal.SIGCONT)
-            time.sleep(0.004)
+            time.sleep(0.02)
 
     pulsing = threading.Thread(target=pulses, daemon=True)
     try:
