@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The tests whose subject is timed (the pipeline lab's bubble, the data wait, a rank's end after another's) and the fused step compared across kernels, run twice in a row with two busy processes spinning beside
-# them on the 2 cores: a test asserts behaviour, so a loaded machine (a login node, another job) must not turn it red.
+# The tests whose subject is timed (the pipeline lab's bubble, the data wait, a rank's end after another's) and the
+# fused step compared across kernels, run twice in a row with two busy processes spinning beside them on the 2 cores:
+# a test asserts behaviour, so a loaded machine (a login node, another job) must not turn it red.
 # Run by .ci/run after the suite; by hand: bash .ci/under_load.sh (in the venv).
 set -euo pipefail
 cd "$(dirname "$0")/.."

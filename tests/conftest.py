@@ -238,8 +238,9 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.slurm)
         if file_seconds.is_slow(item.nodeid, fixture_keys(item), figures):
             item.add_marker(pytest.mark.slow)
-    tests = Path(__file__).resolve().parent
-    items.sort(key=lambda item: -figures["files"].get(item.path.relative_to(tests).as_posix(), float("inf")))
+    items.sort(
+        key=lambda item: -figures["files"].get(item.path.relative_to(file_seconds.TESTS).as_posix(), float("inf"))
+    )
 
 
 def fixture_keys(item):

@@ -19,8 +19,8 @@ from pathlib import Path
 
 FIGURES = Path(__file__).with_name("file_seconds.json")
 TESTS = Path(__file__).resolve().parent
-# A test over this many seconds on an idle 2-core machine of the project's kind is `slow`: the tier after a change
-# leaves it out. Where most of the suite's time goes: the slow tests are about a tenth of them.
+# A test over this many seconds, measured in the suite as CI runs it on a 2-core machine of the project's kind, is
+# `slow`: the tier after a change leaves it out. The slow tests are about a seventh of them and most of the time.
 SLOW_S = 1.0
 # What the figures keep of tests and fixtures: the rest are too short to matter to a tier or to the schedule.
 KEPT_S = 0.5

@@ -160,14 +160,17 @@ def test_the_course_main_stays_on_a_few_screens():
 ARCHITECTURE = ROOT / "docs" / "architecture.md"
 
 
+def package_files():
+    """The package's modules (and the C decoder) by their paths from the root: what the maps must name."""
+    return {p.relative_to(ROOT).as_posix() for p in (ROOT / "dlojz_lib").rglob("*") if p.suffix in (".py", ".c")}
+
+
 def test_the_module_map_names_every_module_and_only_modules():
     """docs/architecture.md is the one map: every module of dlojz_lib/ (and the C decoder) is named there by its
     path, and every dlojz_lib path named there exists."""
-    import re
-
     text = ARCHITECTURE.read_text()
     named = set(re.findall(r"`(dlojz_lib/[\w/]+(?:\.py|\.c)?)/?`", text))
-    files = {p.relative_to(ROOT).as_posix() for p in (ROOT / "dlojz_lib").rglob("*") if p.suffix in (".py", ".c")}
+    files = package_files()
     assert files - named == set(), f"not in docs/architecture.md: {sorted(files - named)}"
     missing = sorted(path for path in named if not (ROOT / path).exists())
     assert not missing, f"docs/architecture.md names what does not exist: {missing}"
@@ -197,7 +200,7 @@ def map_errors(text):
     """What is wrong with docs/testing.md's map from the package's modules to their tests: a module without a row,
     a test file that does not exist, or one that does not name the module it is listed for."""
     rows = {module: re.findall(r"`(tests/[\w/]+\.py)`", tests) for module, tests in TEST_ROW.findall(text)}
-    files = {p.relative_to(ROOT).as_posix() for p in (ROOT / "dlojz_lib").rglob("*") if p.suffix in (".py", ".c")}
+    files = package_files()
     errors = [f"{module}: no row" for module in sorted(files - set(rows))]
     errors += [f"{module}: no module of that name" for module in sorted(set(rows) - files)]
     for module, tests in sorted(rows.items()):
