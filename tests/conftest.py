@@ -77,7 +77,6 @@ def run_dlojz(*args, env=None, timeout=600, launcher=None, cwd=None, ranks=1, fr
     for a fresh interpreter or `fresh_interpreter` does."""
     env = env or clean_env()
     argv = [str(a) for a in args]
-    note_ranks(ranks, "dlojz.py")
     if not launcher and not fresh_interpreter and preloaded.can_run(env):
         return preloaded.run_ranks(argv, env, cwd or ROOT, timeout, world_size=ranks)
     if ranks > 1 and not launcher:
