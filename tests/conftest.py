@@ -103,24 +103,39 @@ def start_dlojz(*args, env=None, cwd=None):
 
 
 def spawn_ranks(target, world, tmp_path, *args, timeout=300):
-    """Run target(rank, world, store_path, queue, *args) in `world` spawned processes that meet through a FileStore
-    under `tmp_path` (gloo); returns what they put in the queue, once every one has exited with status 0."""
+    """Run target(rank, world, store_path, queue, *args) in `world` processes that meet through a FileStore under
+    `tmp_path` (gloo); returns what they put in the queue, once every one has exited with status 0. Each process
+    starts as a spawned one would (this process's environment and working directory, the platform's start method for
+    its own children), but forked from the tests' preloaded server (tests/preloaded.py), which imported torch, dlojz
+    and timm once, where that server can give this environment; else spawned (never fork a process that has threads).
+    """
     import multiprocessing
 
     note_ranks(world, getattr(target, "__name__", "a process group"))
-    context = multiprocessing.get_context("spawn")  # never fork a process that has threads
+    forked = preloaded.can_run(dict(os.environ))
+    context = preloaded.fork_context() if forked else multiprocessing.get_context("spawn")
     queue = context.Queue()
-    workers = [
-        context.Process(target=target, args=(rank, world, str(tmp_path / "store"), queue, *args))
-        for rank in range(world)
-    ]
+    workers = []
+    for rank in range(world):
+        rank_args = (rank, world, str(tmp_path / "store"), queue, *args)
+        if forked:
+            workers.append(
+                context.Process(target=preloaded.run_as_spawned, args=(dict(os.environ), target, *rank_args))
+            )
+        else:
+            workers.append(context.Process(target=target, args=rank_args))
     for worker in workers:
         worker.start()
+    deadline = time.monotonic() + timeout
     for worker in workers:
-        worker.join(timeout=timeout)
+        worker.join(timeout=max(0.0, deadline - time.monotonic()))
     found = []
     while not queue.empty():
         found.append(queue.get())
+    for worker in workers:
+        if worker.exitcode is None:  # past the timeout: not left behind the test
+            worker.kill()
+            worker.join()
     assert all(worker.exitcode == 0 for worker in workers), ([worker.exitcode for worker in workers], found)
     return found
 

@@ -149,6 +149,31 @@ def _child(argv, env, cwd, out, err, affinity=None):
     os._exit(status)
 
 
+def fork_context():
+    """The context whose processes are forks of the server (started with this process's environment if need be)."""
+    _ensure_server(dict(os.environ))
+    return _context
+
+
+def as_spawned(env):
+    """Set up a fork of the server as a spawned process starts: the environment it is given (a fork has the
+    server's), the platform's start method for its own children, torch's threads from OMP_NUM_THREADS.
+    multiprocessing has already given it the parent's working directory and sys.path. (A Pool's initializer.)"""
+    os.environ.clear()
+    os.environ.update(env)
+    multiprocessing.set_start_method(None, force=True)
+    import torch
+
+    if env.get("OMP_NUM_THREADS", "").isdigit():
+        torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
+
+
+def run_as_spawned(env, target, *args):
+    """target(*args) in a fork of the server set up as_spawned(env)."""
+    as_spawned(env)
+    target(*args)
+
+
 def _read(path):
     # as subprocess.run(text=True) decodes: the locale's encoding, universal newlines
     if not os.path.exists(path):  # the child died before it opened its output
@@ -321,30 +346,56 @@ def _accept(listener):
 
 
 def _serve(connection):
-    """One client: its request (argv, env, cwd, with its stdout and stderr), the run's pid, then its exit code.
-    The run is killed if the client goes away first, as a fresh interpreter would be with it."""
+    """One client: its request (argv, ranks, env, cwd, with its stdout and stderr), the runs' pids, then the exit
+    code. Several ranks are started as torchrun starts them on one node and ended as it ends them: when one fails,
+    the others get SIGTERM, and the exit code is 1. The runs are killed if the client goes away first, as a fresh
+    interpreter would be with it."""
     with connection:
         message, fds, _, _ = socket.recv_fds(connection, 1 << 20, 2)
         request = json.loads(message)
+        ranks = request.get("ranks", 1)
         try:
             if not can_run(request["env"]):
                 connection.send(json.dumps({"fresh": True}).encode())
                 return
-            process = _context.Process(
-                target=_child,
-                args=(request["argv"], request["env"], request["cwd"], _FdForChild(fds[0]), _FdForChild(fds[1])),
-                kwargs={"affinity": request["affinity"]},
-            )
-            process.start()
+            port = free_port()
+            processes = []
+            for rank in range(ranks):
+                env = request["env"] if ranks == 1 else rank_env(request["env"], rank, ranks, port)
+                processes.append(
+                    _context.Process(
+                        target=_child,
+                        args=(request["argv"], env, request["cwd"], _FdForChild(fds[0]), _FdForChild(fds[1])),
+                        kwargs={"affinity": request["affinity"]},
+                    )
+                )
+            for process in processes:
+                process.start()
         finally:
             for fd in fds:
                 os.close(fd)
-        connection.send(json.dumps({"pid": process.pid}).encode())
-        while process.exitcode is None:
-            ready, _, _ = select.select([connection, process.sentinel], [], [])
+        connection.send(json.dumps({"pids": [process.pid for process in processes]}).encode())
+        ending = None  # when the others were asked to end
+        while any(process.exitcode is None for process in processes):
+            waiting = [process.sentinel for process in processes if process.exitcode is None]
+            ready, _, _ = select.select([connection, *waiting], [], [], None if ending is None else 1.0)
             if connection in ready and not connection.recv(1):  # the client is gone
-                process.kill()
-            process.join(0)
-        process.join()
+                for process in processes:
+                    process.kill()
+            for process in processes:
+                process.join(0)
+            failed = any(process.exitcode not in (None, 0) for process in processes)
+            if failed and ending is None:  # torchrun ends the other workers when one fails
+                ending = time.monotonic()
+                for process in processes:
+                    if process.exitcode is None:
+                        process.terminate()
+            elif ending is not None and time.monotonic() - ending > 30:
+                for process in processes:
+                    process.kill()
+        for process in processes:
+            process.join()
+        codes = [process.exitcode for process in processes]
+        code = codes[0] if ranks == 1 else int(any(codes))
         with contextlib.suppress(OSError):
-            connection.send(json.dumps({"exitcode": process.exitcode}).encode())
+            connection.send(json.dumps({"exitcode": code}).encode())

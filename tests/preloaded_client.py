@@ -1,9 +1,12 @@
 """`preloaded_client.py SOCKET python [-u] dlojz.py ARGS`: run dlojz.py as a fork of the tests' preloaded server.
 
-The launcher prefix of preloaded.launch_prefix: for the commands that start dlojz.py themselves (a search's trials),
-the 4-5 s of imports a fresh interpreter pays are paid once per test session. This process stands for the run: the
-signals it receives go to the run, and it exits as the run exits (with its status, or killed by its signal). It
-imports no torch. A command that is not dlojz.py, or an environment the server cannot give, is executed as given.
+The launcher prefix of preloaded.launch_prefix: for the commands that start dlojz.py themselves (a search's trials,
+a lab's runs), the 4-5 s of imports a fresh interpreter pays are paid once per test session. This process stands for
+the run: the signals it receives go to the run, and it exits as the run exits (with its status, or killed by its
+signal). `python [-u] -m torch.distributed.run --standalone --nproc-per-node N dlojz.py ARGS` (a lab's local
+multi-rank run) is served as N forks given torchrun's variables (preloaded.rank_env), ended together as torchrun
+ends its workers when one fails. It imports no torch. A command that is neither, or an environment the server cannot
+give, is executed as given.
 """
 
 import json
@@ -15,37 +18,57 @@ import sys
 FORWARDED = (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGCONT)
 
 
-def dlojz_argv(command):
-    """The dlojz.py arguments of `python [-u] .../dlojz.py ARGS`, else None."""
+TORCHRUN = ("-m", "torch.distributed.run")
+
+
+def dlojz_ranks(command):
+    """(the dlojz.py arguments, the number of ranks) of `python [-u] .../dlojz.py ARGS` (1 rank) or of
+    `python [-u] -m torch.distributed.run --standalone --nproc-per-node N [-u] .../dlojz.py ARGS` (N), else None."""
     words = list(command)
-    if words and os.path.basename(words[0]).startswith("python"):
+    if not words or not os.path.basename(words[0]).startswith("python"):
+        return None
+    words, ranks = words[1:], 1
+    while words and words[0] == "-u":
         words = words[1:]
+    if tuple(words[:2]) == TORCHRUN:
+        words = words[2:]
+        if words[:1] != ["--standalone"] or words[1:2] != ["--nproc-per-node"] or not words[2:3][0].isdigit():
+            return None  # another torchrun: run as given
+        ranks, words = int(words[2]), words[3:]
         while words and words[0] == "-u":
             words = words[1:]
     if words and os.path.basename(words[0]) == "dlojz.py":
-        return words[1:]
+        return words[1:], ranks
     return None
 
 
 def main(path, command):
-    argv = dlojz_argv(command)
-    if argv is None:
+    run = dlojz_ranks(command)
+    if run is None:
         os.execvp(command[0], command)
+    argv, ranks = run
     connection = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     connection.connect(path)
-    request = {"argv": argv, "env": dict(os.environ), "cwd": os.getcwd(), "affinity": sorted(os.sched_getaffinity(0))}
+    request = {
+        "argv": argv,
+        "ranks": ranks,
+        "env": dict(os.environ),
+        "cwd": os.getcwd(),
+        "affinity": sorted(os.sched_getaffinity(0)),
+    }
     socket.send_fds(connection, [json.dumps(request).encode()], [1, 2])
     reply = json.loads(connection.recv(1 << 16))
     if reply.get("fresh"):
         connection.close()
         os.execvp(command[0], command)
-    pid = reply["pid"]
+    pids = reply["pids"]
 
     def forward(signum, _frame):
-        try:
-            os.kill(pid, signum)
-        except ProcessLookupError:  # the run has just ended: its exit code follows
-            pass
+        for pid in pids:
+            try:
+                os.kill(pid, signum)
+            except ProcessLookupError:  # that rank has just ended: the exit code follows
+                pass
 
     for signum in FORWARDED:
         signal.signal(signum, forward)

@@ -4,10 +4,10 @@ for the GPU, a driver too old for the wheel's CUDA, emulated bfloat16; FLOPs and
 import sys
 import types
 
-import preloaded
 import pytest
 import torch
 import torchvision
+from conftest import spawn_ranks
 
 import dlojz_lib.config
 from dlojz_lib.checks import UserError
@@ -114,10 +114,10 @@ def test_emulated_bfloat16_is_refused(monkeypatch):
     assert calls == [False]
 
 
-def syncbn_report_figures(rank, world_size, port, results):
+def syncbn_report_figures(rank, world_size, store, results):
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size)
     try:
         torch.manual_seed(0)
         synced = torch.nn.SyncBatchNorm.convert_sync_batchnorm(torchvision.models.resnet18(num_classes=10))
@@ -126,20 +126,16 @@ def syncbn_report_figures(rank, world_size, port, results):
             saved_activation_bytes(synced, 32, False, False, "resnet18"),
             any(isinstance(m, torch.nn.SyncBatchNorm) for m in synced.modules()),
         )
-        results[rank] = figures
+        results.put((rank, figures))
     finally:
         dist.destroy_process_group()
 
 
 @pytest.mark.multirank
-def test_flops_and_activation_bytes_of_a_syncbn_model_in_a_process_group():
+def test_flops_and_activation_bytes_of_a_syncbn_model_in_a_process_group(tmp_path):
     """--test --sync-bn on 2 ranks: the report's FLOP count and activation estimate run with the process group up
     (a SyncBatchNorm in training mode would reach for the other rank, and refuse CPU/meta tensors)."""
-    import torch.multiprocessing as mp
-
-    port = preloaded.free_port()
-    results = mp.Manager().dict()
-    mp.spawn(syncbn_report_figures, args=(2, port, results), nprocs=2, join=True)
+    results = dict(spawn_ranks(syncbn_report_figures, 2, tmp_path))
     plain = torchvision.models.resnet18(num_classes=10)
     expected = (train_flops_per_image(plain, 32), saved_activation_bytes(plain, 32, False, False, "resnet18"), True)
     assert results[0] == results[1] == expected  # and the model itself keeps its SyncBatchNorm layers

@@ -7,7 +7,9 @@ from types import SimpleNamespace
 
 import conftest
 import file_seconds
+import preloaded
 import pytest
+from conftest import ROOT, SMALL, clean_env
 
 JUNIT = """<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="pytest">
 <testcase classname="tests.parallelism.test_x" name="test_first" time="14.0">
@@ -55,7 +57,13 @@ def test_conftest_marks_the_measured_slow_tests_and_leaves_the_others():
         def add_marker(self, marker):
             self.markers.append(marker.name)
 
-    items = [Item("tests/test_suite.py::test_quick"), Item(slow[0]), Item("tests/test_suite.py::test_reads", [fixture])]
+    quick = min(figures["files"], key=figures["files"].get)  # the file measured fastest
+    items = [
+        Item(f"tests/{quick}::test_quick"),
+        Item(slow[0]),
+        Item(f"tests/{quick}::test_reads", [fixture]),
+        Item("tests/test_not_measured_yet.py::test_new"),
+    ]
     original = conftest.fixture_keys
     conftest.fixture_keys = lambda item: item.fixtures
     try:
@@ -65,10 +73,17 @@ def test_conftest_marks_the_measured_slow_tests_and_leaves_the_others():
     marked = {item.nodeid: item.markers for item in items}
     assert marked == {
         slow[0]: ["slow"],
-        "tests/test_suite.py::test_quick": [],
-        "tests/test_suite.py::test_reads": ["slow"],
+        f"tests/{quick}::test_quick": [],
+        f"tests/{quick}::test_reads": ["slow"],
+        "tests/test_not_measured_yet.py::test_new": [],
     }
-    assert items[0].nodeid == slow[0]  # the slowest test's file was measured slower than this one
+    # a file not measured yet first (it may be slow), then the slowest measured; a file's tests keep their order
+    assert [item.nodeid.split("::")[1] for item in items] == [
+        "test_new",
+        slow[0].split("::")[1],
+        "test_quick",
+        "test_reads",
+    ]
 
 
 def test_torchrun_with_several_processes_is_noted_and_an_unmarked_test_refused():
@@ -105,3 +120,20 @@ def test_each_test_starts_from_the_same_torch_state_part_two():
     state = torch.get_rng_state()
     torch.manual_seed(123)
     assert not torch.equal(state, torch.get_rng_state())  # the generator is not left at part one's seed
+
+
+@pytest.mark.multirank
+def test_the_launch_prefix_serves_torchrun_s_ranks_and_its_exit_status(tmp_path):
+    """`python -m torch.distributed.run --standalone --nproc-per-node 2 dlojz.py ...` through launch_prefix (a lab's
+    local multi-rank run): two forks of the preloaded server given torchrun's variables, one process group; a failed
+    run's exit status is torchrun's, 1, not the ranks' own (a flag error's 2)."""
+    torchrun = [*preloaded.launch_prefix(clean_env()), sys.executable, "-u", "-m", "torch.distributed.run",
+                "--standalone", "--nproc-per-node", "2", str(ROOT / "dlojz.py")]  # fmt: skip
+    run = [*SMALL, "--synthetic", "--test", "--test-nsteps", "2", "-b", "4", "--output-dir", tmp_path / "run"]
+    preloaded.SEVERAL_RANKS.clear()
+    proc = subprocess.run([*torchrun, *map(str, run)], capture_output=True, text=True, env=clean_env(), timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "Training on 1 nodes and 2 processes (TorchElastic)" in proc.stdout, proc.stdout
+    assert "dlojz.py on 2 ranks" in preloaded.SEVERAL_RANKS  # forks given torchrun's variables, not a torchrun
+    proc = subprocess.run([*torchrun, "--epochs", "0"], capture_output=True, text=True, env=clean_env(), timeout=120)
+    assert proc.returncode == 1 and proc.stderr.count("--epochs") >= 2, proc.stderr  # each rank's line

@@ -3,11 +3,13 @@ half of the model's state per rank, validates exactly, writes sharded checkpoint
 number of ranks, survive a crash mid-write and consolidate into one ordinary checkpoint."""
 
 import multiprocessing
+import os
 import shutil
 import signal
 import subprocess
 import sys
 
+import preloaded
 import pytest
 import torch
 import torch.distributed as dist
@@ -279,9 +281,15 @@ def test_lamb_and_gradient_clipping_step_on_shards_as_on_the_whole_model(tiny_da
 
 # ---------------------------------------------------------------------- in a group of one rank
 def in_fresh_process(function, *args):
-    """function(*args) in a spawned interpreter: a process group (and its threads) must never live in the pytest
-    process, which forks afterwards (DataLoader workers, pools), and a fork of a process with threads can hang."""
-    with multiprocessing.get_context("spawn").Pool(1) as pool:
+    """function(*args) in a process of its own: a process group (and its threads) must never live in the pytest
+    process, which forks afterwards (DataLoader workers, pools), and a fork of a process with threads can hang. The
+    process is a fork of the tests' preloaded server (tests/preloaded.py) set up as a spawned one, else spawned."""
+    env = dict(os.environ)
+    if preloaded.can_run(env):
+        pool = preloaded.fork_context().Pool(1, initializer=preloaded.as_spawned, initargs=(env,))
+    else:
+        pool = multiprocessing.get_context("spawn").Pool(1)
+    with pool:
         return pool.apply(function, args)
 
 

@@ -482,23 +482,34 @@ def test_what_pp_cannot_do_is_one_line(flags, ranks, fragments, tiny_data, tmp_p
     assert_one_line_error(proc, *fragments)
 
 
+@pytest.mark.multirank
 def test_the_lab_sweeps_schedules_and_prints_each_run_s_bubble(tiny_data, tmp_path):
     """`dlojz_lab.py sweep --nproc-per-node 2` over the schedules (under bfloat16 autocast, layers recomputed): each
-    run's two ranks started by torchrun, each run's chronometer line gives every stage's compute and idle time per
-    step and the bubble beside its formula, and `compare` tabulates both beside the img/s."""
+    run's two ranks started as torchrun starts them, each run's chronometer line gives every stage's compute and idle
+    time per step and the bubble beside its formula, and `compare` tabulates both beside the img/s."""
     import csv
     import json
 
-    from conftest import show
+    import preloaded
+    from conftest import clean_env, show
     from test_fsdp import BASE
     from test_lab import lab
+
+    # --python: each run's torchrun served by the tests' preloaded server (tests/preloaded_client.py): two forks
+    # given torchrun's variables, not torchrun and two new interpreters
+    (tmp_path / "py").mkdir()
+    python = preloaded.python_executable(tmp_path / "py", clean_env())
 
     grid = ["--grid", "pp-schedule=gpipe,1f1b,interleaved"]
     flags = [*BASE, "--data-root", tiny_data, "--num-workers", "0", "-b", "16", "--fsdp", "--pp", "2", "--test",
              "--test-nsteps", "4", "--pp-microbatches", "8", "--amp", "--amp-dtype", "bfloat16",
              "--grad-checkpointing"]  # fmt: skip
-    proc = lab("sweep", "--name", "pp", "--nproc-per-node", "2", *grid, "--", *flags, cwd=tmp_path)
+    proc = lab("sweep", "--name", "pp", "--nproc-per-node", "2", "--python", python, *grid, "--", *flags, cwd=tmp_path)
     assert proc.returncode == 0, show(proc)
+    calls = (tmp_path / "py" / "python.calls").read_text().splitlines()
+    assert len(calls) == 3 and all(
+        c.startswith("-u -m torch.distributed.run --standalone --nproc-per-node 2 ") for c in calls
+    )
     proc = lab("compare", "runs/pp", cwd=tmp_path)
     assert proc.returncode == 0, show(proc)
     assert "bubble %" in proc.stdout and "formula %" in proc.stdout, proc.stdout

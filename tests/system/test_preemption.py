@@ -13,8 +13,7 @@ import textwrap
 
 import preloaded
 import pytest
-import torch.multiprocessing as mp
-from conftest import ROOT, SMALL, clean_env, read_json
+from conftest import ROOT, SMALL, clean_env, read_json, spawn_ranks
 from in_process import synthetic_loop
 from test_flag_effects import BASE
 
@@ -64,7 +63,7 @@ def as_rank_of_two(rank, port, out_dir):
     os.chdir(out_dir)
 
 
-def two_ranks(rank, port, out_dir, results):
+def two_ranks(rank, world, store, results, port, out_dir):
     as_rank_of_two(rank, port, out_dir)
     import torch.distributed as dist
 
@@ -77,23 +76,21 @@ def two_ranks(rank, port, out_dir, results):
         cfg, ranks = loop["cfg"], loop["ranks"]
         loaders = synthetic_loaders(cfg, SYNTHETIC_CLASSES, ranks, 8, 6 * 2 * cfg.val_batch_size)
         validation = dlojz.evaluate(loop["model"].module, loaders, loop["training"], ranks, stop=loop["stop"])
-        results[rank] = (result.stop_reason, loop["state"].global_step, validation)
+        results.put((rank, (result.stop_reason, loop["state"].global_step, validation)))
     finally:
         dist.destroy_process_group()
 
 
 @pytest.mark.multirank
 def test_every_rank_stops_at_the_same_step_and_validation_batch(tmp_path):
-    port = preloaded.free_port()
-    results = mp.Manager().dict()
-    mp.spawn(two_ranks, args=(port, str(tmp_path), results), nprocs=2, join=True)
+    results = dict(spawn_ranks(two_ranks, 2, tmp_path, preloaded.free_port(), str(tmp_path)))
     # Rank 1's signal after step 3 is read by both ranks at step 4 (one call later, without waiting for a GPU).
     assert results[0][:2] == ("signal on another rank", 4) and results[1][:2] == ("SIGTERM", 4), dict(results)
     # The flag stays set: the validation that follows stops at its second batch on both ranks, not at its end.
     assert results[0][2] == {"stopped_by": "signal on another rank"} and results[1][2] == {"stopped_by": "SIGTERM"}
 
 
-def lr_sweep_of_two_ranks(rank, port, out_dir, results):
+def lr_sweep_of_two_ranks(rank, world, store, results, port, out_dir):
     """--findlr on 2 ranks, where rank 1's loss alone turns infinite at the sweep's third step (as a float16 batch
     can at a high learning rate while the other rank's stays finite)."""
     as_rank_of_two(rank, port, out_dir)
@@ -109,7 +106,7 @@ def lr_sweep_of_two_ranks(rank, port, out_dir, results):
                 criterion(outputs, targets) * (float("inf") if state.global_step == 2 else 1.0)
             )
         dlojz.train_one_epoch(**loop)
-        results[rank] = (state.global_step, training.lr_finder.losses, training.lr_finder.done)
+        results.put((rank, (state.global_step, training.lr_finder.losses, training.lr_finder.done)))
     finally:
         dist.destroy_process_group()
 
@@ -118,9 +115,7 @@ def lr_sweep_of_two_ranks(rank, port, out_dir, results):
 def test_the_lr_sweep_ends_at_the_same_step_on_every_rank(tmp_path):
     """Each rank's own loss would end the sweep on that rank alone, and leave the other in DDP's next all-reduce
     until --dist-timeout: the ranks read the loss averaged over all of them, and stop together."""
-    port = preloaded.free_port()
-    results = mp.Manager().dict()
-    mp.spawn(lr_sweep_of_two_ranks, args=(port, str(tmp_path), results), nprocs=2, join=True)
+    results = dict(spawn_ranks(lr_sweep_of_two_ranks, 2, tmp_path, preloaded.free_port(), str(tmp_path)))
     (steps0, losses0, done0), (steps1, losses1, done1) = results[0], results[1]
     assert steps0 == steps1 == 3 and done0 and done1, dict(results)
     assert losses0 == losses1 and len(losses0) == 3 and not math.isfinite(losses0[-1])
