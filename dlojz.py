@@ -169,7 +169,7 @@ def main(argv=None, resources=None) -> dict:
     training = build_training(cfg, model, loaders.n_train_batches, len(classes), ranks, log, counts)
 
     # ================================ INITIALISATION: resume, W&B, hooks
-    state, resumed_from = restore(cfg, model, training, loaders.n_train_batches, ranks.device, log)
+    state, resumed_from = restore(cfg, model, training, loaders.n_train_batches, ranks, log)
     peer_report.state = state  # (the step a lost peer's line names)
     val_max_batches = TEST_VAL_BATCHES if cfg.test else None  # --test validates on a few batches
     run = Run(cfg, ranks, log, stop, chrono, model, training, loaders, state, metrics, val_max_batches)

@@ -285,6 +285,15 @@ def check_pipeline(values):
         )
     if values["batch_size"] is not None and values["batch_size"] % microbatches:
         fail(f"--pp-microbatches {microbatches} must divide -b {values['batch_size']} (each micro-batch the same size)")
+    rounds = max(1, microbatches // pp)  # PyTorch's looped schedules run the micro-batches in rounds of equal size
+    if looped and microbatches % rounds:
+        size = values["batch_size"]
+        fits = [m for m in range(pp, (size or 0) + 1, pp) if size % m == 0]
+        example = f" (e.g. {min(fits, key=lambda m: abs(m - microbatches))})" if fits else ""
+        fail(
+            f"--pp-microbatches {microbatches}: --pp-schedule {values['pp_schedule']} over --pp {pp} runs them in "
+            f"{rounds} rounds of equal size; give a multiple of --pp {pp} that divides -b{example}"
+        )
     if split not in ("params", "time"):
         try:
             cuts = [int(part) for part in split.split(",")]

@@ -206,7 +206,10 @@ def build_pipeline_model(cfg, module, ema, num_classes, ranks, log) -> Model:
     unsharded = meta_copy(module)
     split = cfg.pp_split if cfg.pp_split in ("params", "time") else [int(i) for i in cfg.pp_split.split(",")]
     micro = cfg.batch_size // cfg.pp_microbatches
-    sample = torch.randn(micro, 3, cfg.image_size, cfg.image_size) if split == "time" else None
+    sample = None
+    if split == "time":  # a micro-batch as the run feeds it: its memory format, its autocast (below)
+        sample = torch.randn(micro, 3, cfg.image_size, cfg.image_size)
+        sample = sample.to(memory_format=torch.channels_last) if cfg.channels_last else sample
     blocks = []
     run = None  # the PipelineRun, whose loss the schedule calls
 
@@ -222,6 +225,7 @@ def build_pipeline_model(cfg, module, ema, num_classes, ranks, log) -> Model:
         module, cfg.arch, pipe.get_local_rank(), cfg.pp, cfg.pp_schedule, cfg.pp_microbatches,
         lambda outputs, targets: run.loss(outputs, targets), ranks.device, pipe.get_group(), per_rank, split=split,
         sample=sample, wrap=shard, recompute=cfg.grad_checkpointing,
+        autocast_dtype=cfg.autocast_dtype if cfg.amp else None, seed=cfg.seed,
     )  # fmt: skip
     run = PipelineRun(runner, stages, pipe.get_local_rank(), cfg.pp, pipe.get_group(), cfg.batch_size, num_classes)
     if cfg.test:  # the chronometer's run: the stages' compute and idle time, for the bubble
@@ -232,12 +236,19 @@ def build_pipeline_model(cfg, module, ema, num_classes, ranks, log) -> Model:
         for s in stages
     ]
     everyone = ranks.all_gather(" and ".join(mine))
+    # the world's ranks as the mesh lays them out: data replicas outermost, then stages, tensor peers innermost
+    replicas = [everyone[r * cfg.pp * cfg.tp : (r + 1) * cfg.pp * cfg.tp : cfg.tp] for r in range(ranks.data_size)]
+    if any(cut != replicas[0] for cut in replicas):  # their sends would never meet: stop now, not at --dist-timeout
+        fail(
+            f"--pp-split {cfg.pp_split}: the data replicas cut the model differently ({' | '.join(map('; '.join, replicas))})"
+        )
     looped = f", {per_rank} a rank" if per_rank > 1 else ""
     bubble = expected_bubble(cfg.pp, cfg.pp_microbatches, per_rank)
     log(
         f"pipeline: {cfg.pp * per_rank} stages{looped}, schedule {cfg.pp_schedule}, {cfg.pp_microbatches} micro-batches"
         f" of {micro} images a step (bubble {bubble_formula(per_rank)} = {bubble:.0%}); "
-        f"stages: {'; '.join(everyone[: cfg.pp * cfg.tp : cfg.tp])}; each"
+        f"stages: {'; '.join(replicas[0])}"
+        f"{f', the same cut on each of {ranks.data_size} data replicas' if ranks.data_size > 1 else ''}; each"
         f"{f' split over {cfg.tp} ranks by the tensor-parallel plan and' if cfg.tp > 1 else ''} sharded by FSDP "
         f"({blocks[0]} blocks) over "
         f"{ranks.data_size} data replica{'s' if ranks.data_size > 1 else ''}"

@@ -29,6 +29,7 @@ micro-batches flowing through them; the price is the bubble, the time a stage wa
 
 import copy
 import dataclasses
+import hashlib
 import itertools
 import time
 from typing import Callable
@@ -204,14 +205,25 @@ def prune(module, keep, prefix=""):
                 registry[name] = None
 
 
+def stage_seed(seed, index, call):
+    """The seed of stage `index`'s `call`-th training forward: every stage draws its own random numbers (dropout,
+    stochastic depth), where ranks seeded alike would draw the same masks on every stage; a function of the run's
+    seed and the training step (not a stream kept apart), so a resumed run draws what the uninterrupted one did."""
+    digest = hashlib.blake2b(f"{seed}:{index}:{call}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1  # (torch.manual_seed takes 63 bits)
+
+
 class Stage(nn.Module):
     """Layers [first, last) of `model` (a model of its own: the rest of it is dropped) as one module, holding the
     model's top-level modules that kept parameters or buffers, and its own, under their own names. `recompute`
     (--grad-checkpointing): each layer's activations are dropped after its forward and computed again in the
-    backward (PyTorch's non-reentrant checkpoint), its input alone kept."""
+    backward (PyTorch's non-reentrant checkpoint), its input alone kept. `seed`: each training forward draws from
+    stage_seed(seed, index, its count), the process's own generators left as they were (the data's, the schedule's
+    draws); the same on a stage's tensor peers and data replicas, other on each stage."""
 
-    def __init__(self, model, layers, first, last, recompute=False):
+    def __init__(self, model, layers, first, last, recompute=False, seed=None, index=0):
         super().__init__()
+        self.seed, self.index, self.calls = seed, index, 0
         mine = range(first, last)
         prune(model, lambda path: owner(path, layers) in mine)
         for name, child in model._modules.items():
@@ -235,9 +247,22 @@ class Stage(nn.Module):
         object.__setattr__(self, "model", model)  # the layers' forwards read it; not a submodule (no name prefix)
 
     def forward(self, x):
+        if self.seed is None or not self.training:
+            return self.run_layers(x)
+        devices = [x.device] if x.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):  # the generators as they were, once the stage has drawn
+            torch.manual_seed(stage_seed(self.seed, self.index, self.calls))
+            self.calls += 1
+            return self.run_layers(x)
+
+    def run_layers(self, x):
         for run in self.runs:
             x = run(x)
         return x
+
+    def seek(self, calls):
+        """Go on as after `calls` training forwards (a resumed run: its steps x the micro-batches)."""
+        self.calls = calls
 
     def train(self, mode=True):
         self.model.train(mode)  # the dropped parts' flags too, as the layers' forwards may read the model's
@@ -326,14 +351,16 @@ def bubble_formula(stages_per_rank=1):
 
 def build_pipeline(
     model, arch, rank, pp, schedule, microbatches, loss_fn, device, group=None, stages_per_rank=1, split="params",
-    sample=None, wrap=None, recompute=False,
+    sample=None, wrap=None, recompute=False, autocast_dtype=None, seed=None,
 ):  # fmt: skip
     """This rank's stages of `model` cut into pp x stages_per_rank stages (each a copy of `model` pruned to its
     layers), as PipelineStages over `group`, and the `schedule` running `microbatches` micro-batches through them
     with `loss_fn` on the last (gradients scaled by 1 / microbatches: a step's are the mean over its images, as one
     process's). `split`: "params" (balanced by parameters), "time" (by each layer's forward time on `sample`, a
-    micro-batch, measured on this rank: every rank must cut alike, so the ranks' times are summed over `group`),
-    or the layers where stages 2, 3... start. `wrap`: called on each Stage before PyTorch's PipelineStage takes it
+    micro-batch in the run's memory format, under autocast to `autocast_dtype` when given, measured on this rank:
+    every rank of the world must cut alike, the other data replicas' and tensor peers' pipelines as this one, or
+    their sends would not meet, so the times are summed over the world), or the layers where stages 2, 3... start.
+    `seed`: each stage's random draws its own (Stage). `wrap`: called on each Stage before PyTorch's PipelineStage takes it
     (dlojz.py shards it with FSDP over the data dimension); `recompute`: see Stage. Returns (the schedule, the
     Stages)."""
     from torch.distributed import pipelining
@@ -350,17 +377,20 @@ def build_pipeline(
     if split == "params":
         bounds = stage_bounds(layer_sizes(model, layers), total)
     elif split == "time":
-        seconds = layer_seconds(model.to(device), layers, sample.to(device))
+        home = next(itertools.chain(model.parameters(), model.buffers())).device
+        with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+            seconds = layer_seconds(model.to(device), layers, sample.to(device))
+        model.to(home)  # the stages are copied from it: one model on the device at a time, not 1 + V
         seconds = torch.tensor(seconds, dtype=torch.float64, device=device)
         if torch.distributed.is_initialized():
-            torch.distributed.all_reduce(seconds, group=group)  # the same cut on every rank
+            torch.distributed.all_reduce(seconds)  # over the world: one cut for every replica and tensor peer
         bounds = stage_bounds(seconds.tolist(), total)
     else:
         bounds = bounds_at(split, len(layers), total)
     modules, stages = [], []
     for index in range(rank, total, pp):
         copied = copy.deepcopy(model)
-        module = Stage(copied, pipeline_layers(copied, arch), *bounds[index], recompute).to(device)
+        module = Stage(copied, pipeline_layers(copied, arch), *bounds[index], recompute, seed, index).to(device)
         if wrap is not None:
             wrap(module)
         modules.append(module)
@@ -441,6 +471,11 @@ class PipelineRun(nn.Module):
                 figures = torch.stack([torch.stack(losses).mean().detach().float(), accuracy.float()])
         torch.distributed.all_reduce(figures, group=self.group)
         return figures[0], figures[1]
+
+    def seek(self, global_step):
+        """Each stage's random draws as after `global_step` training steps of the schedule's micro-batches."""
+        for stage in self.stages:
+            stage.seek(global_step * self.runner._n_microbatches)
 
     def forward(self, images):
         """Validation's forward: the logits of `images` on every rank of the pipeline, computed by the schedule in

@@ -22,7 +22,6 @@ import dlojz_lib.checkpoint as ckpt
 import dlojz_lib.optim.optimizers as optim
 from dlojz_lib.checks import UserError, fail
 from dlojz_lib.flags import VALIDATION_METRICS
-from dlojz_lib.launch import load_idr_torch
 from dlojz_lib.optim.schedules import fast_forward
 
 
@@ -168,6 +167,7 @@ def make_saver(cfg, model, training, ranks, classes=None):
         args=dataclasses.asdict(cfg),
         total_steps=training.total_steps,
         world_size=ranks.world_size,
+        data_size=ranks.data_size,  # the data-parallel width: the world over --tp x --pp
         num_classes=model.num_classes,
         classes=list(classes) if classes is not None else None,
     )
@@ -200,7 +200,14 @@ def make_saver(cfg, model, training, ranks, classes=None):
     )
 
 
-def restore(cfg, model, training, n_train_batches, device, log):
+def saved_data_size(saved):
+    """The data-parallel width of the run that wrote `saved`: recorded, or (older checkpoints) its world over its
+    --tp x --pp."""
+    args = saved["args"]
+    return saved.get("data_size") or saved.get("world_size", 1) // (args.get("tp", 1) * args.get("pp", 1))
+
+
+def restore(cfg, model, training, n_train_batches, ranks, log):
     """--resume: the weights (and EMA); unless --eval-only, also the optimizer, schedule, GradScaler, training
     position and random generators. Returns (TrainState, the checkpoint's path or None)."""
     if not cfg.resume:
@@ -235,20 +242,23 @@ def restore(cfg, model, training, n_train_batches, device, log):
                 f"{saved.get('best_epoch')}); from here `best` names the best {cfg.best_metric} of this run's "
                 "validations only, earlier checkpoints not compared (evaluate them with --eval-only to choose)"
             )
-        saved_args, world_size = saved["args"], load_idr_torch().world_size  # (this run's)
-        saved_world, saved_batch_size = saved.get("world_size", world_size), saved_args["batch_size"]
+        # A batch is `batch_size` images on each data replica: the tensor and pipeline ranks of a replica share
+        # theirs, so the layouts are compared by their data-parallel widths, not their worlds.
+        saved_args, replicas = saved["args"], ranks.data_size
+        saved_replicas, saved_batch_size = saved_data_size(saved), saved_args["batch_size"]
         saved_grad_acc = saved_args.get("grad_acc", 1)
-        images_per_batch = cfg.batch_size * world_size
-        if (saved_world, saved_batch_size) != (world_size, cfg.batch_size) and state.batch:
+        images_per_batch = cfg.batch_size * replicas
+        if (saved_replicas, saved_batch_size) != (replicas, cfg.batch_size) and state.batch:
             # The samplers deal out one order of the epoch's images: go on after as many as were trained on.
-            done = state.batch * saved_batch_size * saved_world
+            done = state.batch * saved_batch_size * saved_replicas
             state.batch = done // images_per_batch
             log(
-                f"resumed on {world_size} ranks x {cfg.batch_size} images a checkpoint written on "
-                f"{saved_world} x {saved_batch_size}: the epoch goes on after its first {done} images"
+                f"resumed on {replicas} data replica{'s' if replicas > 1 else ''} x {cfg.batch_size} images a "
+                f"checkpoint written on {saved_replicas} x {saved_batch_size}: the epoch goes on after its first "
+                f"{done} images"
                 + ("" if done % images_per_batch == 0 else f" ({done % images_per_batch} of them trained on again)")
             )
-        if (saved_world, saved_batch_size, saved_grad_acc) != (world_size, cfg.batch_size, cfg.grad_acc):
+        if (saved_replicas, saved_batch_size, saved_grad_acc) != (replicas, cfg.batch_size, cfg.grad_acc):
             # Optimizer steps of another size: the step this setting has reached at the same image.
             steps_per_epoch = math.ceil(n_train_batches / cfg.grad_acc)
             state.global_step = state.epoch * steps_per_epoch + state.batch // cfg.grad_acc
@@ -256,7 +266,9 @@ def restore(cfg, model, training, n_train_batches, device, log):
             restore_schedule(cfg, training, saved, state.global_step, log)
         if saved.get("scaler"):  # none when it was written with the scaler off (bfloat16, --no-amp, CPU)
             training.scaler.load_state_dict(saved["scaler"])
-        ckpt.restore_rng(saved, device)
+        ckpt.restore_rng(saved, ranks.device)
+        if model.pipeline is not None:  # each stage's random draws go on from this step's
+            model.pipeline.seek(state.global_step)
     at = state if not cfg.eval_only else TrainState(saved["epoch"], saved["batch"], saved["global_step"])
     log(f"resumed from {path} (epoch {at.epoch + 1}, step {at.batch}/{n_train_batches}, global step {at.global_step})")
     return state, path

@@ -363,5 +363,11 @@ def torch_state_restored():
     threads, dtype, deterministic, warn_only, rng = saved
     torch.set_num_threads(threads)
     torch.set_default_dtype(dtype)
-    torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
+    # only when changed: the call imports torch._dynamo the first time, which reads the working directory, and a
+    # test's tmp_path (its working directory under monkeypatch.chdir) is already removed here
+    if (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()) != (
+        deterministic,
+        warn_only,
+    ):
+        torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
     torch.set_rng_state(rng)

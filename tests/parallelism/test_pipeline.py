@@ -3,6 +3,7 @@ stages' state dicts to the model's; on 2 and 4 gloo processes every schedule tra
 lab (bench/pipeline_bubble.py) measures a bubble that shrinks as the micro-batches grow, as its formula says."""
 
 import copy
+import shutil
 import traceback
 
 import pytest
@@ -76,6 +77,34 @@ def test_a_stage_recomputes_its_layers_in_the_backward_to_the_same_gradients():
     assert saved[1] < saved[0] / 4, saved  # the activations dropped after the forward
     for name in grads[0]:
         torch.testing.assert_close(grads[1][name], grads[0][name])
+
+
+def test_each_stage_draws_its_own_random_numbers_and_its_peers_the_same():
+    """Ranks are seeded alike: without a seed per stage, stage 1's stochastic-depth masks would repeat stage 0's.
+    Two stages of the same layers (as two ranks run them, each from the run's seed): other masks on stage 1, the
+    same on a stage's peer (a tensor peer, another replica), another at each forward, none in eval mode, the
+    process's generator left as it was, and a stage sought to a step draws what it drew there."""
+    from timm.layers import DropPath
+
+    def stage(index):
+        model = torch.nn.Sequential(torch.nn.Identity(), DropPath(0.5), DropPath(0.5), torch.nn.Identity())
+        return Stage(model, pipeline_layers(model), 1, 3, seed=7, index=index)
+
+    def masks(stage, forwards=1):
+        torch.manual_seed(7)  # each rank's generator, as the run seeds it
+        before = torch.get_rng_state()
+        drawn = [stage(torch.ones(64, 1)).flatten() for _ in range(forwards)]
+        assert torch.equal(torch.get_rng_state(), before)  # the data's and the schedule's draws unchanged
+        return drawn
+
+    first, peer, second = masks(stage(0), 2), masks(stage(0), 2), masks(stage(1), 2)
+    assert torch.equal(first[0], peer[0]) and torch.equal(first[1], peer[1])  # peers alike
+    assert not torch.equal(first[0], second[0]) and not torch.equal(first[0], first[1])
+    resumed = stage(0)
+    resumed.seek(1)
+    assert torch.equal(masks(resumed)[0], first[1])
+    evaluated = stage(0).eval()
+    assert torch.equal(masks(evaluated)[0], torch.ones(64))
 
 
 def test_the_cut_balances_the_largest_stage():
@@ -160,6 +189,40 @@ def train_on_rank(rank, world, store_path, results, cases):
         dist.destroy_process_group()
     except BaseException:
         results.put((rank, "error", traceback.format_exc(), None))
+
+
+def cut_on_rank(rank, world, store_path, results):
+    """One of 4 ranks, 2 data replicas x 2 stages: --pp-split time on a toy whose slow layer is the last on replica
+    0 and the first on replica 1 (each replica's own times would cut it [(0, 3), (3, 4)] and [(0, 1), (1, 4)])."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
+    try:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("data", "pipe"))
+        replica = mesh["data"].get_local_rank()
+        pauses = (1e-3, 1e-3, 1e-3, 10e-3) if replica == 0 else (10e-3, 1e-3, 1e-3, 1e-3)
+        toy = torch.nn.Sequential(*(Paused(4, seconds) for seconds in pauses))
+        pipe = mesh["pipe"].get_local_rank()
+        _, stages = build_pipeline(toy, "toy", pipe, 2, "1f1b", 2, torch.nn.functional.cross_entropy,
+                                   torch.device("cpu"), mesh["pipe"].get_group(), split="time",
+                                   sample=torch.randn(2, 4))  # fmt: skip
+        results.put((rank, stages[0].names))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.multirank
+def test_a_cut_by_time_is_the_same_on_every_data_replica(tmp_path):
+    """The layers' times are summed over the world, not one pipeline: replica 1's stages hold the layers replica 0's
+    do, whatever each replica measured (else their sends and receives would never meet: a hang)."""
+    from conftest import spawn_ranks
+
+    names = dict(spawn_ranks(cut_on_rank, 4, tmp_path))
+    assert names[0] == names[2] and names[1] == names[3], names  # ranks 0, 1: replica 0's stages; 2, 3: replica 1's
+    assert names[0] + names[1] == ["0", "1", "2", "3"], names
 
 
 def spawn(world, cases, tmp_path):
@@ -274,7 +337,8 @@ def runs(tiny_data, tmp_path_factory):
     """The same training (global batch 16, 4 steps: the last incomplete batch dropped, as --pp does) as one process,
     as a pipeline of 2 ranks under 1F1B (4 micro-batches, cut by parameters), under GPipe (2 micro-batches, cut at
     layer 4), on 4 ranks as 2 pipelines x 2 data replicas of 8 images, the gradients' global norm clipped to 0.1
-    (below a fresh ViT's), beside one process clipping too, and as PP 2 x TP 2 on 4 ranks; a ResNet-18 (BatchNorm) as
+    (below a fresh ViT's; cut by the layers' times, summed over the world), beside one process clipping too, and as
+    PP 2 x TP 2 on 4 ranks; a ResNet-18 (BatchNorm) as
     one process accumulating 4 batches of 4 and as a pipeline of 4 micro-batches of 4."""
     from conftest import run_dlojz, show
     from test_fsdp import BASE
@@ -287,7 +351,8 @@ def runs(tiny_data, tmp_path_factory):
         ("gpipe", 2, ["-b", "16", "--fsdp", "--pp", "2", "--pp-schedule", "gpipe", "--pp-microbatches", "2",
                       "--pp-split", "4"]),
         ("single-clip", 1, ["-b", "16", "--drop-last", "--clip-grad-norm", "0.1"]),
-        ("pp-data-clip", 4, ["-b", "8", "--fsdp", "--pp", "2", "--pp-microbatches", "2", "--clip-grad-norm", "0.1"]),
+        ("pp-data-clip", 4, ["-b", "8", "--fsdp", "--pp", "2", "--pp-microbatches", "2", "--clip-grad-norm", "0.1",
+                             "--pp-split", "time"]),
         ("pp-tp", 4, ["-b", "16", "--fsdp", "--pp", "2", "--tp", "2"]),
         ("interleaved", 2, ["-b", "16", "--fsdp", "--pp", "2", "--pp-schedule", "interleaved"]),
         ("resnet-single", 1, [*RESNET, "-b", "4", "--grad-acc", "4", "--drop-last"]),
@@ -333,7 +398,7 @@ def test_pp_trains_to_the_weights_of_one_process(runs, name, reference):
     stages = {
         "1f1b": "stem to blocks.1 (133,056 parameters); blocks.2 to head (167,235 parameters)",
         "gpipe": "stem to blocks.2 (",
-        "pp-data-clip": "over 2 data replicas",
+        "pp-data-clip": "parameters), the same cut on each of 2 data replicas; each sharded by FSDP (",
         "pp-tp": "each split over 2 ranks by the tensor-parallel plan and sharded by FSDP (2 blocks) over 1 data",
         "interleaved": "stem (49,600 parameters) and blocks.2 to blocks.3 (83,456 parameters); blocks.0 to blocks.1",
     }
@@ -433,9 +498,36 @@ def test_a_pp_run_stopped_mid_epoch_resumes_to_the_same_weights(runs, tiny_data,
     out = tmp_path / "run"
     common = [*BASE, "--data-root", tiny_data, "--num-workers", "0", "-b", "16", "--fsdp", "--pp", "2"]
     stopped_mid_epoch(common, out, steps=4)
+    shutil.copytree(out, tmp_path / "to-fsdp")
     proc = run_dlojz(*common, "--output-dir", out, "--resume", "auto", ranks=2)
     assert proc.returncode == 0, show(proc)
     assert_same_weights(weights(out), weights(runs / "single"), atol=1e-5)
+
+
+@pytest.mark.multirank
+def test_a_run_resumes_mid_epoch_in_another_layout_by_its_data_parallel_width(runs, tiny_data, tmp_path):
+    """A batch is -b images on each data replica, and a pipeline's 2 ranks are one replica: `--fsdp --pp 2 -b 16` on 2
+    ranks (16 images a step) stopped mid-epoch goes on as `--fsdp -b 8` on 2 ranks (2 replicas x 8) after the images
+    it trained on, and the other way round; both end on one process's weights (-b 16), at its step count."""
+    from conftest import run_dlojz, show
+    from test_fsdp import BASE, assert_same_weights, stopped_mid_epoch, weights
+
+    import dlojz_lib.checkpoint as ckpt
+
+    common = [*BASE, "--data-root", tiny_data, "--num-workers", "0", "--drop-last"]
+    pipeline, data = [*common, "-b", "16", "--fsdp", "--pp", "2"], [*common, "-b", "8", "--fsdp"]
+    steps = ckpt.load_latest(runs / "single")[0]["global_step"]
+    for name, before, after in (("pp-to-fsdp", pipeline, data), ("fsdp-to-pp", data, pipeline)):
+        out = tmp_path / name
+        stopped = stopped_mid_epoch(before, out, steps=4)
+        proc = run_dlojz(*after, "--output-dir", out, "--resume", "auto", ranks=2)
+        assert proc.returncode == 0, show(proc)
+        saved = "1 x 16" if before is pipeline else "2 x 8"
+        assert f"a checkpoint written on {saved}: the epoch goes on after its first {16 * stopped['batch']} images" in (
+            proc.stdout
+        ), proc.stdout
+        assert_same_weights(weights(out), weights(runs / "single"), atol=1e-5)
+        assert ckpt.load_latest(out)[0]["global_step"] == steps == 4
 
 
 @pytest.mark.parametrize(
@@ -454,6 +546,11 @@ def test_a_pp_run_stopped_mid_epoch_resumes_to_the_same_weights(runs, tiny_data,
         (["--pp", "2", "--fsdp", "--pp-stages-per-rank", "2"], 1, ["--pp-schedule 1f1b holds one; add --pp-schedule"]),
         (["--pp", "2", "--fsdp", "--pp-schedule", "zero-bubble"], 1, ["after FSDP has reduced them"]),
         (["--pp", "2", "--fsdp", "--pp-schedule", "interleaved", "--pp-split", "3"], 1, ["3 layer indices"]),
+        (
+            ["--pp", "2", "--fsdp", "--pp-schedule", "interleaved", "--pp-microbatches", "5", "-b", "10"],
+            1,
+            ["--pp-microbatches 5: --pp-schedule interleaved over --pp 2 runs them in 2 rounds", "(e.g. 2)"],
+        ),
         (["--pp", "2", "--fsdp", "--no-drop-last"], 1, ["--pp 2 with --no-drop-last"]),
         (["--pp", "2", "--fsdp", "--tp", "2", "--sequence-parallel"], 1, ["--pp 2 with --sequence-parallel"]),
         (["--pp", "2", "--fsdp", "--tp", "2"], 2, ["--pp 2 x --tp 2 = 4: this job has 2 rank(s), not a multiple of 4"]),
