@@ -380,12 +380,16 @@ def step_optimizer(model, training, clip_grad_norm, next_step):
     """An optimizer step: the frozen layers' gradients dropped, the clip, the (scaled) step, zero_grad, the EMA."""
     if training.drop_frozen_gradients is not None:  # frozen layers: out of the clip's norm and the scaler
         training.drop_frozen_gradients()
+    if model.whole_copies is not None:  # --tp: one step for the tensor group's copies of its replicated weights
+        model.whole_copies.average_gradients()
     if clip_grad_norm is not None:  # on the true gradients: unscaled first under float16
         training.scaler.unscale_(training.optimizer)
         model.clip_grad_norm(clip_grad_norm)
     training.scaler.step(training.optimizer)  # skipped by the float16 scaler when gradients overflowed
     training.scaler.update()
     training.optimizer.zero_grad(set_to_none=True)
+    if model.whole_copies is not None:
+        model.whole_copies.check(next_step)  # --check-replicas N: every N steps (a wait for the device then)
     if model.ema is not None and model.ema.due(next_step):
         model.ema.update_parameters(model.module)
 

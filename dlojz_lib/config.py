@@ -171,6 +171,7 @@ class Config:
     fsdp_reshard_after_forward: bool | None  # set (default True) with --fsdp only
     tp: int  # tensor-parallel group size (1: none)
     sequence_parallel: bool  # --tp: the tokens split over the group between the matrix products
+    check_replicas: int  # --tp: every N steps the tensor peers' whole copies compared; 0: off
     pp: int  # pipeline stages (1: none)
     pp_schedule: str  # gpipe or 1f1b
     pp_microbatches: int | None  # --pp: set (default 2 x pp) with --pp only

@@ -214,6 +214,8 @@ def check_speed(values):
         )
     if values["sequence_parallel"] and values["tp"] == 1:
         fail("--sequence-parallel splits the tokens over a tensor-parallel group: add --tp N (and --fsdp)")
+    if values["check_replicas"] and values["tp"] == 1:
+        fail("--check-replicas compares the weights a tensor-parallel group holds whole: add --tp N (and --fsdp)")
     if values["tp"] > 1 and values["loader_only"]:
         fail(f"--tp {values['tp']} splits the model, which --loader-only does not build: drop one of them")
     check_pipeline(values)

@@ -929,6 +929,15 @@ def get_args_parser():
         help="--tp: between the blocks' matrix products the tokens are split over the group too (norms,\n"
         "residuals, dropouts on 1/N of them: 1/N of those activations, the same bytes sent)",
     )
+    p.add_argument(
+        "--check-replicas",
+        type=Number(int, 0),
+        default=0,
+        metavar="N",
+        help="--tp: every N optimizer steps, compare a checksum of each weight the tensor peers hold whole (norms,\n"
+        "embeddings, the head) across each group, and end the run in one line naming the first that differs\n"
+        "(default: 0, off; their gradients are averaged over the group at every step, so they should not)",
+    )
 
     p.add_argument(
         "--pp",

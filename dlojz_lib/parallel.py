@@ -36,6 +36,7 @@ class Model:
     cuda_graphs: bool = False  # compiled in a mode that replays CUDA graphs
     tensor_parallel: bool = False  # --tp: gradients on two meshes, (data, tensor) and data
     pipeline: object = None  # --pp: the PipelineRun (also `net`): this rank's stage is `module`
+    whole_copies: object = None  # --tp: the weights a tensor group holds whole (tensor_parallel.WholeCopies)
 
     @property
     def evaluated(self):
@@ -161,7 +162,9 @@ def build_model(cfg, num_classes, ranks, log) -> Model:
             log(
                 f"tensor parallelism: {split} blocks over groups of {cfg.tp} ranks (q, k, v and fc1 column-wise, proj "
                 f"and fc2 row-wise{'; the tokens split between them: sequence parallelism' if cfg.sequence_parallel else ''}), "
-                f"{ranks.data_size} data replica{'s' if ranks.data_size > 1 else ''}"
+                f"{ranks.data_size} data replica{'s' if ranks.data_size > 1 else ''}; the weights each group holds "
+                "whole get its average gradient"
+                f"{f', their copies compared every {cfg.check_replicas} steps' if cfg.check_replicas else ''}"
             )
         blocks = shard_model(module, cfg, ranks.device, ranks.mesh["data"] if ranks.mesh is not None else None)
         parallel = "fsdp"
@@ -180,7 +183,18 @@ def build_model(cfg, num_classes, ranks, log) -> Model:
         net = torch.compile(net, mode=cfg.compile_mode)
         log(f"torch.compile: mode {cfg.compile_mode or 'default'}")
     cuda_graphs = cfg.compile_mode in CUDA_GRAPH_MODES  # (a --compile-mode implies --compile)
-    return Model(net, module, ema, num_classes, parallel, unsharded, cuda_graphs, cfg.tp > 1)
+    whole = whole_copies(cfg, module, ranks)
+    return Model(net, module, ema, num_classes, parallel, unsharded, cuda_graphs, cfg.tp > 1, whole_copies=whole)
+
+
+def whole_copies(cfg, module, ranks):
+    """--tp: the weights each tensor group holds whole, their gradients averaged over it (--check-replicas: and
+    their copies compared)."""
+    if cfg.tp == 1:
+        return None
+    from dlojz_lib.tensor_parallel import WholeCopies
+
+    return WholeCopies(module, ranks.mesh["tensor"], cfg.check_replicas, ranks.all_gather)
 
 
 def build_pipeline_model(cfg, module, ema, num_classes, ranks, log) -> Model:
@@ -255,7 +269,7 @@ def build_pipeline_model(cfg, module, ema, num_classes, ranks, log) -> Model:
         f"{'; each layer recomputed in the backward (--grad-checkpointing)' if cfg.grad_checkpointing else ''}"
     )
     held = stages[0] if len(stages) == 1 else RankStages(stages)  # what the optimizer and the checkpoint see
-    return Model(run, held, ema, num_classes, "fsdp", unsharded, False, cfg.tp > 1, run)
+    return Model(run, held, ema, num_classes, "fsdp", unsharded, False, cfg.tp > 1, run, whole_copies(cfg, held, ranks))
 
 
 def state_bytes_per_rank(model, training, ranks) -> dict:

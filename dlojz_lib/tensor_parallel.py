@@ -16,7 +16,10 @@ projections, as Linear layers or as 1x1 convolutions over NCHW maps):
 - a 1x1 convolution becomes `Pointwise`, a Linear layer over the channels of the NCHW map with the convolution's
   weight (same name, same shape: checkpoints and published weights are timm's), which PyTorch's styles split;
 - the norms, the stems, patch embeddings, position embeddings, the MBConv blocks, the head: replicated. They are small
-  next to the transformer blocks, their input is the same on every rank of the group, and so are their gradients.
+  next to the transformer blocks and their input is the same on every rank of the group; their gradients should be
+  too, but a GPU's kernels need not compute bit-identical gradients on two ranks (cuDNN's autotuned algorithms,
+  atomics), and copies that drift apart would stay apart: `WholeCopies` averages them over the group at every step
+  (one all-reduce of their few weights), and compares the copies' checksums (--check-replicas).
 Each block costs two all-reduces of its activations in the forward, and two in the backward.
 
 - `parallelize(module, tp_mesh)`: the plan applied in place; a model without one, or whose heads or MLP width do not
@@ -24,6 +27,8 @@ Each block costs two all-reduces of its activations in the forward, and two in t
 - `fused_state_dict(state)`, `fused_optimizer_state(state)`: a parallelised model's full state dict (q, k and v
   apart), and its optimizer's by parameter name (torch.distributed.checkpoint's form), with timm's fused `qkv` again:
   what an ordinary model and its optimizer load (`dlojz_fsdp.py consolidate`).
+- `WholeCopies(module, tp_mesh, check_every, gather)`: the weights the group holds whole (`held_whole`), their
+  gradients averaged over the group before each step, their copies compared every N steps (`replicas_differ`).
 """
 
 import torch
@@ -342,3 +347,93 @@ def parallelize(module, tp_mesh, arch="this model", sequence_parallel=False) -> 
             ),
         )
     return len(blocks)
+
+
+def tensor_dim(parameter, tp_mesh):
+    """The index of the tensor dimension in `parameter`'s mesh (a DTensor on the tensor mesh, or on a mesh naming
+    a "tensor" dimension), else None (a plain tensor, or FSDP's data mesh alone)."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(parameter, DTensor):
+        return None
+    mesh = parameter.device_mesh
+    if mesh == tp_mesh:
+        return 0
+    names = mesh.mesh_dim_names or ()
+    return names.index("tensor") if "tensor" in names else None
+
+
+def held_whole(module, tp_mesh) -> list:
+    """(name, parameter) of the trainable parameters that every rank of a tensor group holds whole: not split over
+    the tensor dimension by the plan (replicated there, or not on it at all)."""
+    whole = []
+    for name, parameter in module.named_parameters():
+        dim = tensor_dim(parameter, tp_mesh)
+        if parameter.requires_grad and (dim is None or not parameter.placements[dim].is_shard()):
+            whole.append((name, parameter))
+    return whole
+
+
+def local(tensor):
+    from torch.distributed.tensor import DTensor
+
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+class WholeCopies:
+    """The weights every rank of a tensor group holds whole (held_whole): before each optimizer step their gradients
+    are averaged over the group (one all-reduce of them all, flattened), so the group's copies take the same step
+    whatever each rank's kernels computed; with `check_every` N, every N steps a float64 checksum of each copy is
+    compared across the group and the run ends in one line (UserError, on every rank: `gather` is the world's
+    all_gather of Python objects) naming the first weight whose copies differ."""
+
+    def __init__(self, module, tp_mesh, check_every=0, gather=None):
+        self.named, self.mesh, self.check_every, self.gather = held_whole(module, tp_mesh), tp_mesh, check_every, gather
+
+    def average_gradients(self):
+        grads = [local(p.grad) for _, p in self.named if p.grad is not None]
+        if not grads:
+            return
+        flat = torch._utils._flatten_dense_tensors(grads)
+        torch.distributed.all_reduce(flat, group=self.mesh.get_group())
+        flat /= self.mesh.size()
+        for grad, averaged in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
+            grad.copy_(averaged)
+
+    def check(self, step):
+        """At every check_every-th step: one line, on every rank, if some copies differ."""
+        if not self.check_every or step % self.check_every:
+            return
+        group = self.mesh.get_group()
+        found = replicas_differ(self.named, self.mesh)
+        if found is not None:
+            name, first, other = found
+            found = (name, *(torch.distributed.get_global_rank(group, r) for r in (first, other)))
+        reported = [f for f in self.gather(found) if f is not None]
+        if reported:
+            name, first, other = reported[0]
+            raise UserError(
+                f"--check-replicas {self.check_every}: at step {step} ranks {first} and {other} hold different copies "
+                f"of {name}, which their tensor group holds whole: the run stops here; resume it from its last "
+                "checkpoint (--resume auto: one copy of each weight was saved) and report the GPUs and torch version"
+            )
+
+
+def replicas_differ(named, tp_mesh):
+    """The name of the first of `named` (held_whole's) whose copies differ across the tensor group, with the two
+    group ranks, else None. One all-gather of a float64 checksum per tensor; the answer read on the host, the same
+    on every rank of the group."""
+    if not named:
+        return None
+    sums = torch.stack(
+        [local(p).detach().double().sum() for _, p in named]
+        + [local(p).detach().double().abs().sum() for _, p in named]
+    )
+    every = [torch.empty_like(sums) for _ in range(tp_mesh.size())]
+    torch.distributed.all_gather(every, sums, group=tp_mesh.get_group())
+    every = torch.stack(every).cpu()  # the one wait of the check
+    for rank in range(1, len(every)):
+        differ = (every[rank] != every[0]).nonzero()
+        if len(differ):
+            return named[int(differ[0]) % len(named)][0], 0, rank
+    return None

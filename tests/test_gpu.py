@@ -664,6 +664,22 @@ def test_an_lr_sweep_on_two_gpus_ends_on_both_at_once(tmp_path, dtype):
 
 @two_gpus
 @pytest.mark.multirank
+def test_tensor_parallel_copies_stay_equal_on_two_gpus(tmp_path):
+    """--tp 2 on two GPUs (NCCL, cuDNN autotuning, float16 autocast gathers): the copies of the weights the group
+    holds whole are compared at every step (--check-replicas 1) and stay equal: their gradients are averaged."""
+    metrics = tmp_path / "m.json"
+    proc = run_dlojz(
+        *CUDA, "--arch", "timm:test_vit", "--image-size", "32", "--synthetic", "--test", "--test-nsteps", "10",
+        "--fsdp", "--tp", "2", "--check-replicas", "1", "--amp", "--amp-dtype", "bfloat16", "--metrics-json", metrics,
+        "--output-dir", tmp_path / "run", launcher=TORCHRUN2, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, show(proc)
+    assert "their copies compared every 1 steps" in proc.stdout and "hold different copies" not in proc.stdout
+    assert read_json(metrics)["steps"] == 10
+
+
+@two_gpus
+@pytest.mark.multirank
 def test_gradient_accumulation_under_ddp_on_two_gpus(tmp_path):
     metrics = tmp_path / "m.json"
     proc = run_dlojz(

@@ -315,7 +315,8 @@ def test_tp_trains_under_bfloat16_autocast_with_recomputed_activations(tiny_data
 @pytest.mark.multirank
 def test_sequence_parallel_trains_to_the_weights_of_one_process(tiny_data, tmp_path):
     """--tp 2 --sequence-parallel at 48 px (10 tokens, 5 a rank) against one process at 48 px: the same weights
-    after the epoch; the start-up line says the tokens are split."""
+    after the epoch; the start-up line says the tokens are split; --check-replicas 1 compares the copies of the
+    replicated weights at every step and finds them equal."""
     from conftest import run_dlojz, show
     from test_fsdp import BASE, assert_same_weights, weights
 
@@ -323,9 +324,14 @@ def test_sequence_parallel_trains_to_the_weights_of_one_process(tiny_data, tmp_p
     common = [*BASE, *size, "--data-root", tiny_data, "--num-workers", "0", "-b", "16"]
     single = run_dlojz(*common, "--output-dir", tmp_path / "single")
     assert single.returncode == 0, show(single)
-    proc = run_dlojz(*common, "--fsdp", "--tp", "2", "--sequence-parallel", "--output-dir", tmp_path / "sp", ranks=2)
+    proc = run_dlojz(*common, "--fsdp", "--tp", "2", "--sequence-parallel", "--check-replicas", "1",
+                     "--output-dir", tmp_path / "sp", ranks=2)  # fmt: skip
     assert proc.returncode == 0, show(proc)
     assert "the tokens split between them: sequence parallelism" in proc.stdout
+    # every step's check passed: the replicated weights' copies stayed equal (their gradients averaged)
+    assert "the weights each group holds whole get its average gradient, their copies compared every 1 steps" in (
+        proc.stdout
+    )
     assert_same_weights(weights(tmp_path / "sp"), weights(tmp_path / "single"), atol=1e-5)
 
 
@@ -333,6 +339,7 @@ def test_sequence_parallel_trains_to_the_weights_of_one_process(tiny_data, tmp_p
     "flags, ranks, fragment",
     [
         (["--sequence-parallel"], 1, "--sequence-parallel splits the tokens over a tensor-parallel group: add --tp N"),
+        (["--check-replicas", "5"], 1, "--check-replicas compares the weights a tensor-parallel group holds whole"),
         (["--fsdp", "--tp", "2", "--sequence-parallel"], 2, "sees 5 tokens at this image size, which do not split"),
     ],
 )
@@ -400,3 +407,82 @@ def test_the_table_of_a_model_without_a_plan_has_ddp_and_fsdp_only(tmp_path, cap
     assert all(row["activation_bytes"] is None for row in rows)
     assert rows[3]["parameter_bytes"] < rows[1]["parameter_bytes"] < rows[0]["parameter_bytes"]
     assert "timm:test_resnet has no tensor-parallel plan in dlojz" in capsys.readouterr().out
+
+
+def whole_copies_on_rank(rank, world, store_path, results):
+    """One of 2 ranks of a tensor group: a tiny ViT split by the plan, one backward; rank 1's gradient of the final
+    norm nudged (as another kernel's rounding would); then the averaged step, the unaveraged one, and a copy
+    changed on rank 1 under the check."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from dlojz_lib.tensor_parallel import WholeCopies, replicas_differ
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
+    try:
+        mesh = init_device_mesh("cpu", (world,))
+
+        def gather(obj):
+            out = [None] * world
+            dist.all_gather_object(out, obj)
+            return out
+
+        outcome = {}
+        for averaged in (False, True):  # the averaged model last: its copies equal until changed below
+            torch.manual_seed(0)
+            model = tiny_model("vit", 32)
+            parallelize(model, mesh, "vit")
+            copies = WholeCopies(model, mesh, check_every=2, gather=gather)
+            names = [name for name, _ in copies.named]
+            torch.nn.functional.cross_entropy(model(torch.randn(2, 3, 32, 32)), torch.tensor([0, 1])).backward()
+            if rank == 1:
+                model.norm.weight.grad += 1e-3
+            if averaged:
+                copies.average_gradients()
+            torch.optim.SGD(model.parameters(), lr=0.1).step()
+            outcome[averaged] = replicas_differ(copies.named, mesh)
+        copies.check(1)  # not a checked step: no comparison
+        with torch.no_grad():
+            model.head.bias[0] += rank  # rank 1's copy changed
+        try:
+            copies.check(2)
+            raised = None
+        except UserError as err:
+            raised = str(err)
+        results.put((rank, names, outcome, raised))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.multirank
+def test_the_weights_a_group_holds_whole_keep_one_value_and_a_drift_is_named(tmp_path):
+    """The replicated weights (norms, embeddings, head, the row-wise layers' biases; not the split q, k, v, fc1,
+    proj and fc2 weights): a gradient that differs on one rank leaves their copies apart unless averaged over the
+    group; --check-replicas names the first copy that differs, on every rank, in one line."""
+    from conftest import spawn_ranks
+
+    found = {rank: rest for rank, *rest in spawn_ranks(whole_copies_on_rank, 2, tmp_path)}
+    names, outcome, raised = found[0]
+    assert "norm.weight" in names and "head.bias" in names and "blocks.0.attn.proj.bias" in names
+    assert not any(name.endswith(("qkv.q.weight", "fc1.weight", "attn.proj.weight", "fc2.weight")) for name in names)
+    assert "patch_embed.proj.weight" in names  # the stem
+    assert outcome[True] is None and outcome[False] == ("norm.weight", 0, 1)  # averaged: equal; else apart
+    for rank in (0, 1):
+        assert found[rank][2] == (
+            "--check-replicas 2: at step 2 ranks 0 and 1 hold different copies of head.bias, which their tensor "
+            "group holds whole: the run stops here; resume it from its last checkpoint (--resume auto: one copy of "
+            "each weight was saved) and report the GPUs and torch version"
+        )
+
+
+def test_check_replicas_reaches_the_model_s_whole_copies():
+    """--check-replicas N is the period of the comparison the run's WholeCopies makes; without --tp there is none."""
+    from types import SimpleNamespace
+
+    from dlojz_lib.parallel import whole_copies
+
+    ranks = SimpleNamespace(mesh={"tensor": object()}, all_gather=None)
+    copies = whole_copies(SimpleNamespace(tp=2, check_replicas=3), torch.nn.Linear(2, 2), ranks)
+    assert copies.check_every == 3 and [name for name, _ in copies.named] == ["weight", "bias"]
+    assert whole_copies(SimpleNamespace(tp=1, check_replicas=0), torch.nn.Linear(2, 2), ranks) is None
