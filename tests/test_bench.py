@@ -64,6 +64,14 @@ def test_generated_jpegs_look_like_imagenet_files():
     assert 60_000 < len(data) < 160_000  # ImageNet's training JPEGs average ~110 KB
 
 
+def test_gpu_seams_says_no_cuda_gpu_here(capsys):
+    """bench/gpu_seams.py (day 4's seams on one GPU) without a GPU: exit status 1 and the line that says why."""
+    import gpu_seams
+
+    assert gpu_seams.main([]) == 1
+    assert capsys.readouterr().out == "gpu_seams.py: no CUDA GPU visible\n"
+
+
 def test_gpu_acceptance_says_no_cuda_gpu_here():
     """The one-command GPU acceptance run, on a machine without a GPU: non-zero, and its last line says why."""
     proc = subprocess.run(
