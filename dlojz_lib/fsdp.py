@@ -181,10 +181,15 @@ class ShardedCheckpointSaver:
         dist.barrier(group=self._group)  # nobody goes on (and maybe stops) before the checkpoint is in place
 
 
+class QkvLayoutError(ValueError):
+    """A sharded checkpoint of the other tensor-parallel naming (q, k and v apart or fused) than the model's."""
+
+
 def load_sharded(path, module, optimizer=None):
     """Load a sharded checkpoint's model (and optimizer) shards into the sharded `module` (and `optimizer`),
     whatever the number of ranks that wrote it. Every rank calls it."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         get_model_state_dict,
@@ -192,14 +197,22 @@ def load_sharded(path, module, optimizer=None):
         set_model_state_dict,
     )
 
+    from dlojz_lib.tensor_parallel import qkv_layouts_differ
+
+    saved_keys = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     if optimizer is not None:
-        saved_keys = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
         flat = StateDictOptions(flatten_optimizer_state_dict=not any(k.startswith(NESTED_GROUPS) for k in saved_keys))
         model_state, optimizer_state = get_state_dict(module, optimizer, options=flat)
         state = {"model": model_state, "optimizer": optimizer_state}
     else:
         state = {"model": get_model_state_dict(module)}
-    dcp.load(state, checkpoint_id=path)
+    saved_model = [key.removeprefix("model.") for key in saved_keys if key.startswith("model.")]
+    if qkv_layouts_differ(saved_model, state["model"]):
+        raise QkvLayoutError("q, k and v held apart on one side (--tp N), fused in timm's qkv on the other (--tp 1)")
+    try:
+        dcp.load(state, checkpoint_id=path)
+    except CheckpointException as err:  # a BaseException: every rank's failures, one line of the first
+        raise ValueError(f"the checkpoint does not load: {str(err).strip().splitlines()[0][:200]}") from None
     set_model_state_dict(module, state["model"])
     if optimizer is not None:
         set_optimizer_state(module, optimizer, state["optimizer"])

@@ -148,6 +148,30 @@ def fused_state_dict(state: dict) -> dict:
     return fused
 
 
+def split_state_dict(state: dict, keys) -> dict:
+    """`state` (full tensors, timm's names: an ordinary checkpoint's) with each fused `qkv` weight and bias that
+    `keys` (a parallelised model's state dict keys) holds as a HeadShardedQKV's parts split into q, k and v: what
+    such a model loads parameter by parameter, each part distributed over its mesh."""
+    keys, split = set(keys), {}
+    for key, value in state.items():
+        if key.rpartition(".")[0].endswith("attn.qkv") and part_name(key, "q") in keys:
+            split.update({part_name(key, part): chunk for part, chunk in zip(PARTS, value.chunk(3))})
+        else:
+            split[key] = value
+    return split
+
+
+def qkv_layouts_differ(saved_keys, keys) -> bool:
+    """Whether a checkpoint's parameter names and a model's differ by a HeadShardedQKV (q, k and v held apart under
+    --tp, fused in timm's `qkv` otherwise): the one difference between the tensor-parallel layouts' names."""
+    saved_keys, keys = set(saved_keys), set(keys)
+    return any(
+        fused_name(key)[1] is not None and (fused_name(key)[0] in other)
+        for mine, other in ((saved_keys, keys), (keys, saved_keys))
+        for key in mine - other
+    )
+
+
 def fused_optimizer_state(state: dict) -> dict:
     """An optimizer state dict keyed by parameter name (get_state_dict's) with each part's state fused as the
     parameters are: the tensors of q, k and v concatenated, a scalar (a step count) q's."""

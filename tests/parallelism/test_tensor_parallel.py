@@ -289,6 +289,57 @@ def test_a_tp_run_stopped_mid_epoch_resumes_in_2d_to_the_same_weights(runs, tiny
     assert_same_weights(weights(out), weights(runs / "single"), atol=1e-5)
 
 
+def test_checkpoint_names_map_between_the_fused_and_the_split_qkv():
+    """An ordinary checkpoint's fused qkv splits into the parts a parallelised model holds (other keys as they are,
+    a model without parts left fused); the names' difference is seen both ways, and not between equal layouts."""
+    from dlojz_lib.tensor_parallel import qkv_layouts_differ, split_state_dict
+
+    reference = tiny_model("vit", 32)
+    parallel = tiny_model("vit", 32)
+    parallel.blocks[0].attn.qkv = HeadShardedQKV(parallel.blocks[0].attn.qkv)  # as the plan holds it
+    fused, keys = reference.state_dict(), parallel.state_dict().keys()
+    split = split_state_dict(fused, keys)
+    assert split.keys() == keys
+    q, k, v = (split[f"blocks.0.attn.qkv.{part}.weight"] for part in "qkv")
+    assert torch.equal(torch.cat([q, k, v]), fused["blocks.0.attn.qkv.weight"])
+    assert split_state_dict(fused, fused.keys()) == fused
+    parallel.load_state_dict(split)
+    torch.testing.assert_close(parallel(torch.ones(1, 3, 32, 32)), reference(torch.ones(1, 3, 32, 32)))
+    assert qkv_layouts_differ(fused, keys) and qkv_layouts_differ(keys, fused)
+    assert not qkv_layouts_differ(keys, keys) and not qkv_layouts_differ(fused, {**fused, "extra.weight": 0})
+
+
+@pytest.mark.multirank
+def test_a_tp_checkpoint_meets_another_tp_degree_in_one_line_and_its_consolidation_evaluates_under_tp(
+    runs, tiny_data, tmp_path
+):
+    """A --tp 2 sharded checkpoint (q, k and v apart) resumed with --tp 1: one line giving both degrees and the way
+    across (consolidate, then --initial-checkpoint or --eval-only), not DCP's traceback on every rank; that
+    consolidated checkpoint (timm's fused qkv) evaluates under --fsdp --tp 2 to the run's own last validation."""
+    import shutil
+
+    from conftest import read_json, run_dlojz, show
+    from test_dlojz import assert_one_line_error
+    from test_fsdp import BASE, checkpoint
+
+    import dlojz_lib.checkpoint as ckpt
+
+    common = [*BASE, "--data-root", tiny_data, "--num-workers", "0", "-b", "16", "--fsdp"]
+    shutil.copytree(runs / "tp", tmp_path / "tp")
+    proc = run_dlojz(*common, "--output-dir", tmp_path / "tp", "--resume", "auto", ranks=2)
+    assert_one_line_error(proc, "written with --tp 2, resumed with --tp 1", "dlojz_fsdp.py consolidate",
+                          "--initial-checkpoint OUT.pt")  # fmt: skip
+    sharded = ckpt.load_latest(runs / "tp")[1]
+    checkpoint(sharded)  # consolidated beside it
+    metrics = tmp_path / "eval.json"
+    proc = run_dlojz(*common, "--tp", "2", "--eval-only", "--resume", sharded.with_suffix(".consolidated.pt"),
+                     "--output-dir", tmp_path / "eval", "--metrics-json", metrics, ranks=2)  # fmt: skip
+    assert proc.returncode == 0, show(proc)
+    evaluated, trained = read_json(metrics), read_json(runs / "tp.json")
+    assert evaluated["val_accuracy"] == trained["val_accuracy"] and evaluated["val_images"] == 15
+    assert evaluated["val_loss"] == pytest.approx(trained["val_loss"], rel=1e-5)
+
+
 @pytest.mark.multirank
 def test_tp_trains_under_bfloat16_autocast_with_recomputed_activations(tiny_data, tmp_path):
     """--amp (bfloat16: FSDP gathers in it) and --grad-checkpointing with --tp: a --test run whose loss is finite,
