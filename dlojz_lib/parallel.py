@@ -227,10 +227,13 @@ def build_pipeline_model(cfg, module, ema, num_classes, ranks, log) -> Model:
     blocks = []
     run = None  # the PipelineRun, whose loss the schedule calls
 
-    def shard(stage):
-        if cfg.tp > 1:  # 3-D: the stage's blocks split over the tensor dimension first, as --tp's 2-D
-            from dlojz_lib.tensor_parallel import parallelize
+    if cfg.tp > 1:  # the plan checked once, on the whole model: the stages hold its blocks or none
+        from dlojz_lib.tensor_parallel import check_plan, parallelize, transformer_blocks
 
+        check_plan(module, cfg.tp, cfg.arch)
+
+    def shard(stage):
+        if cfg.tp > 1 and transformer_blocks(stage):  # 3-D: the blocks split over the tensor dimension, as 2-D's
             parallelize(stage, ranks.mesh["tensor"], cfg.arch)
         blocks.append(shard_model(stage, cfg, ranks.device, ranks.mesh["data"]))
 
@@ -246,7 +249,8 @@ def build_pipeline_model(cfg, module, ema, num_classes, ranks, log) -> Model:
         run.time_steps(ranks.device, cfg.pp_schedule, cfg.pp_microbatches, per_rank)
     mine = [
         f"{s.names[0] if len(s.names) == 1 else f'{s.names[0]} to {s.names[-1]}'} "
-        f"({sum(p.numel() for p in s.parameters()):,} parameters)"
+        f"({sum(p.numel() for p in s.parameters()):,} parameters"
+        f"{', no block: replicated over the tensor group' if cfg.tp > 1 and not transformer_blocks(s) else ''})"
         for s in stages
     ]
     everyone = ranks.all_gather(" and ".join(mine))

@@ -234,6 +234,17 @@ def is_vit_block(block):
     return type(block.attn) is Attention
 
 
+def check_plan(module, n, arch="this model") -> list:
+    """`module`'s transformer blocks, each checked to split over `n` ranks; a model without any is one line. (--pp
+    checks the whole model once: a stage without blocks, a stem or a head, stays replicated over the group.)"""
+    blocks = transformer_blocks(module)
+    if not blocks:
+        raise UserError(f"--tp: --arch {arch} has no tensor-parallel plan here: {FAMILIES} has one")
+    for block in blocks:
+        check_splittable(block, n, arch)
+    return blocks
+
+
 def check_splittable(block, n, arch):
     attn, mlp = block.attn, block.mlp
     if is_vit_block(block):
@@ -326,12 +337,8 @@ def parallelize(module, tp_mesh, arch="this model", sequence_parallel=False) -> 
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import PrepareModuleInput, PrepareModuleOutput, parallelize_module
 
-    blocks = transformer_blocks(module)
-    if not blocks:
-        raise UserError(f"--tp: --arch {arch} has no tensor-parallel plan here: {FAMILIES} has one")
     n = tp_mesh.size()
-    for block in blocks:
-        check_splittable(block, n, arch)
+    blocks = check_plan(module, n, arch)
     if sequence_parallel and not all(is_vit_block(block) for block in blocks):
         raise UserError(
             f"--sequence-parallel: {arch}'s attention runs on windows or NCHW maps, whose tokens --sequence-parallel "

@@ -338,7 +338,7 @@ def runs(tiny_data, tmp_path_factory):
     as a pipeline of 2 ranks under 1F1B (4 micro-batches, cut by parameters), under GPipe (2 micro-batches, cut at
     layer 4), on 4 ranks as 2 pipelines x 2 data replicas of 8 images, the gradients' global norm clipped to 0.1
     (below a fresh ViT's; cut by the layers' times, summed over the world), beside one process clipping too, and as
-    PP 2 x TP 2 on 4 ranks; a ResNet-18 (BatchNorm) as
+    PP 2 x TP 2 on 4 ranks (also cut after the stem: a stage without a block); a ResNet-18 (BatchNorm) as
     one process accumulating 4 batches of 4 and as a pipeline of 4 micro-batches of 4."""
     from conftest import run_dlojz, show
     from test_fsdp import BASE
@@ -354,6 +354,7 @@ def runs(tiny_data, tmp_path_factory):
         ("pp-data-clip", 4, ["-b", "8", "--fsdp", "--pp", "2", "--pp-microbatches", "2", "--clip-grad-norm", "0.1",
                              "--pp-split", "time"]),
         ("pp-tp", 4, ["-b", "16", "--fsdp", "--pp", "2", "--tp", "2"]),
+        ("pp-tp-stem", 4, ["-b", "16", "--fsdp", "--pp", "2", "--tp", "2", "--pp-split", "1"]),
         ("interleaved", 2, ["-b", "16", "--fsdp", "--pp", "2", "--pp-schedule", "interleaved"]),
         ("resnet-single", 1, [*RESNET, "-b", "4", "--grad-acc", "4", "--drop-last"]),
         ("resnet-pp", 2, [*RESNET, "-b", "16", "--fsdp", "--pp", "2"]),
@@ -369,7 +370,7 @@ def runs(tiny_data, tmp_path_factory):
 @pytest.mark.parametrize(
     "name, reference",
     [("1f1b", "single"), ("gpipe", "single"), ("interleaved", "single"), ("pp-data-clip", "single-clip"),
-     ("pp-tp", "single")],
+     ("pp-tp", "single"), ("pp-tp-stem", "single")],
 )  # fmt: skip
 @pytest.mark.multirank
 def test_pp_trains_to_the_weights_of_one_process(runs, name, reference):
@@ -401,10 +402,12 @@ def test_pp_trains_to_the_weights_of_one_process(runs, name, reference):
         "pp-data-clip": "parameters), the same cut on each of 2 data replicas; each sharded by FSDP (",
         "pp-tp": "each split over 2 ranks by the tensor-parallel plan and sharded by FSDP (2 blocks) over 1 data",
         "interleaved": "stem (49,600 parameters) and blocks.2 to blocks.3 (83,456 parameters); blocks.0 to blocks.1",
+        # a stage without a transformer block (the stem alone) stays whole on both ranks of its tensor group
+        "pp-tp-stem": "stages: stem (49,600 parameters, no block: replicated over the tensor group); blocks.0 to head",
     }
     assert stages[name] in next(line for line in log.splitlines() if line.startswith("pipeline: ")), log
     schedule = {"1f1b": "schedule 1f1b, 4 micro-batches of 4", "gpipe": "schedule gpipe, 2 micro-batches of 8",
-                "pp-tp": "schedule 1f1b, 4 micro-batches of 4",
+                "pp-tp": "schedule 1f1b, 4 micro-batches of 4", "pp-tp-stem": "schedule 1f1b, 4 micro-batches of 4",
                 "interleaved": "4 stages, 2 a rank, schedule interleaved, 4 micro-batches of 4"}  # fmt: skip
     assert schedule.get(name, "schedule 1f1b, 2 micro-batches of 4") in log
 
