@@ -6,8 +6,9 @@ the tensor group's whole copies, checked on CUDA in one process (a process group
 1. A pipeline stage's own random draws (pipeline.Stage with a seed): stage 1's stochastic-depth masks differ from
    stage 0's, a peer's are the same, the process's CPU and CUDA generators are left as they were, and the forward
    makes no host-device synchronisation (torch.cuda.set_sync_debug_mode("error")).
-2. --pp-split time: the layers timed on the GPU under bfloat16 autocast, the model back on the host before the
-   stage is copied: the GPU holds the stage, not the model and the stage (bytes allocated after the build).
+2. --pp-split time: the layers timed on the GPU under bfloat16 autocast, one layer's weights there at a time (the
+   peak below half the model's bytes), the model left on the host: after the build the GPU holds the stage, not
+   the model and the stage.
 3. --tp's whole copies (tensor_parallel.WholeCopies) on a tensor mesh of one GPU: the gradients' average makes no
    host synchronisation; the check finds the copies equal.
 Prints one line per check and exits 1 if one fails.
@@ -24,7 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from dlojz_lib.pipeline import Stage, build_pipeline, pipeline_layers  # noqa: E402
+from dlojz_lib.pipeline import Stage, build_pipeline, layer_seconds, pipeline_layers  # noqa: E402
 
 
 def stage_draws(device):
@@ -57,15 +58,24 @@ def cut_by_time(device):
 
     model = timm.create_model("vit_small_patch16_224", num_classes=10)
     model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    warm = torch.ones(64, 64, device=device, dtype=torch.bfloat16)
+    (warm @ warm).float().sum().item()  # cuBLAS's workspace allocated before the count starts
+    del warm
     torch.cuda.synchronize(device)
     start = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    # the timing alone, as build_pipeline runs it: one layer's weights there at a time, no cache of their casts
+    with torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False):
+        seconds = layer_seconds(model, pipeline_layers(model), torch.randn(8, 3, 224, 224, device=device))
+    timing_peak = torch.cuda.max_memory_allocated(device) - start
     _, stages = build_pipeline(model, "vit", 0, 1, "gpipe", 2, torch.nn.functional.cross_entropy, device,
                                split="time", sample=torch.randn(8, 3, 224, 224), autocast_dtype=torch.bfloat16)  # fmt: skip
     held = torch.cuda.memory_allocated(device) - start
     home = {p.device.type for p in model.parameters()}
-    ok = home == {"cpu"} and held < 1.5 * model_bytes
-    return ok, dict(model_mb=round(model_bytes / 2**20, 1), allocated_after_build_mb=round(held / 2**20, 1),
-                    model_left_on=sorted(home), stage_on=str(next(stages[0].parameters()).device))  # fmt: skip
+    ok = home == {"cpu"} and held < 1.5 * model_bytes and timing_peak < model_bytes / 2 and len(seconds) == 14
+    return ok, dict(model_mb=round(model_bytes / 2**20, 1), timing_peak_mb=round(timing_peak / 2**20, 1),
+                    allocated_after_build_mb=round(held / 2**20, 1), model_left_on=sorted(home),
+                    stage_on=str(next(stages[0].parameters()).device))  # fmt: skip
 
 
 def whole_copies(device):

@@ -126,23 +126,38 @@ def seconds_between(start, end, cuda):
 
 
 def layer_seconds(model, layers, sample, repeats=3) -> list:
-    """Each layer's forward time on `sample` (a micro-batch's images), the median of `repeats` after a warm-up: on a
-    GPU by CUDA events read once at the end, on the CPU by the host clock. Start-up work, not a step's."""
-    cuda = sample.device.type == "cuda"
-    runs = []
+    """Each layer's forward time on `sample` (a micro-batch's images, on the device that times them), the median of
+    `repeats` after a warm-up: on a GPU by CUDA events read once at the end, on the CPU by the host clock. One layer's
+    weights on the device at a time (moved there for its timing, then back): a model cut because it does not fit on
+    one GPU is timed whole. Start-up work, not a step's."""
+    device = sample.device
+    cuda = device.type == "cuda"
+    owned = [[] for _ in layers]
+    for path, tensor in itertools.chain(model.named_parameters(), model.named_buffers()):
+        owned[owner(path, layers)].append(tensor)
+    marks = []  # per layer, its timed runs' (start, end)
+    x = sample
     with torch.no_grad():
-        for attempt in range(1 + repeats):
-            x, marks = sample, []
-            for layer in layers:
-                start = time_mark(cuda)
-                x = layer.run(x)
-                marks.append((start, time_mark(cuda)))
-            if attempt:
-                runs.append(marks)
+        for layer, tensors in zip(layers, owned):
+            homes = [tensor.data for tensor in tensors]
+            for tensor in tensors:
+                tensor.data = tensor.data.to(device)
+            try:
+                runs = []
+                for attempt in range(1 + repeats):
+                    start = time_mark(cuda)
+                    y = layer.run(x)
+                    if attempt:
+                        runs.append((start, time_mark(cuda)))
+            finally:
+                for tensor, home in zip(tensors, homes):
+                    tensor.data = home
+            marks.append(runs)
+            x = y
         if cuda:
-            torch.cuda.synchronize(sample.device)  # once: the events' times are read below
-    seconds = [[seconds_between(start, end, cuda) for start, end in marks] for marks in runs]
-    return [sorted(column)[len(column) // 2] for column in zip(*seconds)]
+            torch.cuda.synchronize(device)  # once: the events' times are read below
+    seconds = [sorted(seconds_between(start, end, cuda) for start, end in runs) for runs in marks]
+    return [column[len(column) // 2] for column in seconds]
 
 
 def stage_bounds(weights, n) -> list:
@@ -360,8 +375,8 @@ def build_pipeline(
     micro-batch in the run's memory format, under autocast to `autocast_dtype` when given, measured on this rank:
     every rank of the world must cut alike, the other data replicas' and tensor peers' pipelines as this one, or
     their sends would not meet, so the times are summed over the world), or the layers where stages 2, 3... start.
-    `seed`: each stage's random draws its own (Stage). `wrap`: called on each Stage before PyTorch's PipelineStage takes it
-    (dlojz.py shards it with FSDP over the data dimension); `recompute`: see Stage. Returns (the schedule, the
+    `seed`: each stage's random draws its own (Stage). `wrap`: called on each Stage before PyTorch's PipelineStage
+    takes it (dlojz.py shards it with FSDP over the data dimension); `recompute`: see Stage. Returns (the schedule, the
     Stages)."""
     from torch.distributed import pipelining
 
@@ -377,10 +392,9 @@ def build_pipeline(
     if split == "params":
         bounds = stage_bounds(layer_sizes(model, layers), total)
     elif split == "time":
-        home = next(itertools.chain(model.parameters(), model.buffers())).device
-        with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
-            seconds = layer_seconds(model.to(device), layers, sample.to(device))
-        model.to(home)  # the stages are copied from it: one model on the device at a time, not 1 + V
+        # (no cache of the weights' casts: each layer's weights leave the device once timed)
+        with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None, cache_enabled=False):
+            seconds = layer_seconds(model, layers, sample.to(device))  # (the model stays where it is)
         seconds = torch.tensor(seconds, dtype=torch.float64, device=device)
         if torch.distributed.is_initialized():
             torch.distributed.all_reduce(seconds)  # over the world: one cut for every replica and tensor peer
