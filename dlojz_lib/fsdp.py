@@ -181,10 +181,6 @@ class ShardedCheckpointSaver:
         dist.barrier(group=self._group)  # nobody goes on (and maybe stops) before the checkpoint is in place
 
 
-class QkvLayoutError(ValueError):
-    """A sharded checkpoint of the other tensor-parallel naming (q, k and v apart or fused) than the model's."""
-
-
 def load_sharded(path, module, optimizer=None):
     """Load a sharded checkpoint's model (and optimizer) shards into the sharded `module` (and `optimizer`),
     whatever the number of ranks that wrote it. Every rank calls it."""
@@ -207,15 +203,90 @@ def load_sharded(path, module, optimizer=None):
     else:
         state = {"model": get_model_state_dict(module)}
     saved_model = [key.removeprefix("model.") for key in saved_keys if key.startswith("model.")]
-    if qkv_layouts_differ(saved_model, state["model"]):
-        raise QkvLayoutError("q, k and v held apart on one side (--tp N), fused in timm's qkv on the other (--tp 1)")
     try:
-        dcp.load(state, checkpoint_id=path)
+        if qkv_layouts_differ(saved_model, state["model"]):
+            load_across_qkv_layouts(path, state, saved_keys)
+        else:
+            dcp.load(state, checkpoint_id=path)
     except CheckpointException as err:  # a BaseException: every rank's failures, one line of the first
         raise ValueError(f"the checkpoint does not load: {str(err).strip().splitlines()[0][:200]}") from None
     set_model_state_dict(module, state["model"])
     if optimizer is not None:
         set_optimizer_state(module, optimizer, state["optimizer"])
+
+
+def saved_sources(key, saved):
+    """Where the value of `key` (a flattened state dict key: model.NAME, optimizer.state.NAME.ENTRY or
+    optimizer.param_groups.NAME.SETTING) is in a checkpoint whose keys are `saved`, across the two qkv namings:
+    ("same", [key]), ("part", [the fused key], index of the part), ("fuse", [the q, k and v keys]), or None."""
+    from dlojz_lib.tensor_parallel import PARTS, fused_name, part_name
+
+    if key in saved:
+        return "same", [key], None
+    for prefix in ("model.", "optimizer.state.", "optimizer.param_groups."):
+        if key.startswith(prefix):
+            rest = key.removeprefix(prefix)
+            name, suffix = (rest, "") if prefix == "model." else (rest.rsplit(".", 1)[0], "." + rest.rsplit(".", 1)[1])
+            fused, part = fused_name(name)
+            if part is not None and prefix + fused + suffix in saved:
+                return "part", [prefix + fused + suffix], PARTS.index(part)
+            parts = [prefix + part_name(name, p) + suffix for p in PARTS]
+            if all(k in saved for k in parts):
+                return "fuse", parts, None
+    return None
+
+
+def load_across_qkv_layouts(path, state, saved):
+    """dcp.load of `state` from a checkpoint written under the other qkv naming (--tp N's q, k and v apart, or
+    --tp 1's fused qkv): the keys that match load as they are; a converted weight or optimizer entry is read whole
+    (every rank the full tensor: a conversion between layouts, not a step's work), fused or split, then distributed
+    over the target's own mesh and placements. The optimizer's groups keep this run's parameter names."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict, unflatten_state_dict
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    flat, mapping = flatten_state_dict(state)
+    request, converted = {}, {}
+    for key in list(flat):
+        found = saved_sources(key, saved)
+        if key.endswith(".params") and key.startswith("optimizer.param_groups."):
+            continue  # this run's parameter names
+        if found is None:
+            raise KeyError(f"the checkpoint has no {key}")
+        kind, sources, index = found
+        if kind == "same":
+            request[key] = flat[key]
+            continue
+        converted[key] = found
+        for source in sources:
+            meta = saved[source]
+            if isinstance(meta, TensorStorageMetadata):
+                request.setdefault(source, torch.empty(meta.size, dtype=meta.properties.dtype))
+            else:
+                request.setdefault(source, None)  # an object (a setting): DCP puts it in
+    dcp.load(request, checkpoint_id=path)
+    for key in flat:
+        if key in request and key not in converted:
+            flat[key] = request[key]  # (a tensor loaded in place; an object replaced)
+    for key, (kind, sources, index) in converted.items():
+        values = [request[source] for source in sources]
+        target = flat[key]
+        if not torch.is_tensor(target):
+            flat[key] = values[0]  # a setting: q's (or the fused one's) for each part
+            continue
+        if target.dim() == 0:
+            whole = values[0]
+        elif kind == "part":
+            whole = values[0].chunk(3)[index]
+        else:
+            whole = torch.cat(values)
+        if isinstance(target, DTensor):
+            local = distribute_tensor(whole.to(target.device, target.dtype), target.device_mesh, target.placements)
+            target.to_local().copy_(local.to_local())
+        else:
+            target.copy_(whole)
+    state.update(unflatten_state_dict(flat, mapping))
 
 
 def set_optimizer_state(module, optimizer, state):

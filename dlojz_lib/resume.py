@@ -293,8 +293,6 @@ def restore_weights(cfg, model, training, saved, path, log):
     if cfg.eval_ema:
         weights = ema_weights(saved, path)
         log(f"--eval-ema: validating the EMA weights of {path} (its model's are left out)")
-    from dlojz_lib.fsdp import QkvLayoutError
-
     try:
         if sharded:
             from dlojz_lib.fsdp import load_sharded
@@ -315,14 +313,6 @@ def restore_weights(cfg, model, training, saved, path, log):
             load_full_weights(model.module, weights)
         else:
             model.module.load_state_dict(weights)
-    except QkvLayoutError as err:
-        saved_tp = (saved.get("args") or {}).get("tp", 1)
-        fail(
-            f"--resume {path}: written with --tp {saved_tp}, resumed with --tp {cfg.tp}: {err}; a sharded checkpoint "
-            f"moves between --tp degrees above 1 only: give --tp {saved_tp}, or make an ordinary checkpoint of it "
-            f"(python dlojz_fsdp.py consolidate {path} OUT.pt) and start from its weights with --initial-checkpoint "
-            "OUT.pt (the optimizer afresh), or evaluate it with --eval-only --resume OUT.pt"
-        )
     except (RuntimeError, ValueError, KeyError) as err:
         fail(
             f"--resume {path}: the weights do not fit --arch {cfg.arch} with {model.num_classes} classes "

@@ -310,29 +310,30 @@ def test_checkpoint_names_map_between_the_fused_and_the_split_qkv():
 
 
 @pytest.mark.multirank
-def test_a_tp_checkpoint_meets_another_tp_degree_in_one_line_and_its_consolidation_evaluates_under_tp(
+def test_a_run_resumes_mid_epoch_between_tp_1_and_tp_2_and_its_consolidation_evaluates_under_tp(
     runs, tiny_data, tmp_path
 ):
-    """A --tp 2 sharded checkpoint (q, k and v apart) resumed with --tp 1: one line giving both degrees and the way
-    across (consolidate, then --initial-checkpoint or --eval-only), not DCP's traceback on every rank; that
-    consolidated checkpoint (timm's fused qkv) evaluates under --fsdp --tp 2 to the run's own last validation."""
-    import shutil
-
+    """The names differ between --tp 1 (timm's fused qkv) and --tp 2 (q, k and v apart): a --tp 2 run stopped
+    mid-epoch resumes as --fsdp on 2 replicas, and an --fsdp one as --tp 2, each weight and optimizer entry fused or
+    split on the way, both to one process's weights; a consolidated --tp 2 checkpoint (fused) evaluates under --fsdp
+    --tp 2 to the run's own last validation."""
     from conftest import read_json, run_dlojz, show
-    from test_dlojz import assert_one_line_error
-    from test_fsdp import BASE, checkpoint
+    from test_fsdp import BASE, assert_same_weights, checkpoint, stopped_mid_epoch, weights
 
     import dlojz_lib.checkpoint as ckpt
 
-    common = [*BASE, "--data-root", tiny_data, "--num-workers", "0", "-b", "16", "--fsdp"]
-    shutil.copytree(runs / "tp", tmp_path / "tp")
-    proc = run_dlojz(*common, "--output-dir", tmp_path / "tp", "--resume", "auto", ranks=2)
-    assert_one_line_error(proc, "written with --tp 2, resumed with --tp 1", "dlojz_fsdp.py consolidate",
-                          "--initial-checkpoint OUT.pt")  # fmt: skip
+    common = [*BASE, "--data-root", tiny_data, "--num-workers", "0", "--fsdp"]
+    tensor, data = [*common, "-b", "16", "--tp", "2"], [*common, "-b", "8"]
+    for name, before, after in (("tp-to-fsdp", tensor, data), ("fsdp-to-tp", data, tensor)):
+        out = tmp_path / name
+        stopped_mid_epoch(before, out)
+        proc = run_dlojz(*after, "--output-dir", out, "--resume", "auto", ranks=2)
+        assert proc.returncode == 0, show(proc)
+        assert_same_weights(weights(out), weights(runs / "single"), atol=1e-5)
     sharded = ckpt.load_latest(runs / "tp")[1]
     checkpoint(sharded)  # consolidated beside it
     metrics = tmp_path / "eval.json"
-    proc = run_dlojz(*common, "--tp", "2", "--eval-only", "--resume", sharded.with_suffix(".consolidated.pt"),
+    proc = run_dlojz(*tensor, "--eval-only", "--resume", sharded.with_suffix(".consolidated.pt"),
                      "--output-dir", tmp_path / "eval", "--metrics-json", metrics, ranks=2)  # fmt: skip
     assert proc.returncode == 0, show(proc)
     evaluated, trained = read_json(metrics), read_json(runs / "tp.json")
@@ -537,3 +538,26 @@ def test_check_replicas_reaches_the_model_s_whole_copies():
     copies = whole_copies(SimpleNamespace(tp=2, check_replicas=3), torch.nn.Linear(2, 2), ranks)
     assert copies.check_every == 3 and [name for name, _ in copies.named] == ["weight", "bias"]
     assert whole_copies(SimpleNamespace(tp=1, check_replicas=0), torch.nn.Linear(2, 2), ranks) is None
+
+
+def test_a_resume_across_the_qkv_namings_finds_each_entry_s_source():
+    """Each key of the run's state (a weight, an optimizer entry, a group setting) found in a checkpoint of the other
+    naming: a part in the fused tensor (its third), a fused tensor in the three parts; a key found nowhere, None."""
+    from dlojz_lib.fsdp import saved_sources
+
+    fused = {"model.b.attn.qkv.weight", "optimizer.state.b.attn.qkv.weight.exp_avg", "model.b.norm.weight"}
+    assert saved_sources("model.b.attn.qkv.k.weight", fused) == ("part", ["model.b.attn.qkv.weight"], 1)
+    assert saved_sources("optimizer.state.b.attn.qkv.v.weight.exp_avg", fused) == (
+        "part", ["optimizer.state.b.attn.qkv.weight.exp_avg"], 2
+    )  # fmt: skip
+    assert saved_sources("model.b.norm.weight", fused) == ("same", ["model.b.norm.weight"], None)
+    split = {f"model.b.attn.qkv.{p}.weight" for p in "qkv"} | {
+        f"optimizer.param_groups.b.attn.qkv.{p}.weight.lr" for p in "qkv"
+    }
+    assert saved_sources("model.b.attn.qkv.weight", split) == (
+        "fuse",
+        [f"model.b.attn.qkv.{p}.weight" for p in "qkv"],
+        None,
+    )
+    assert saved_sources("optimizer.param_groups.b.attn.qkv.weight.lr", split)[0] == "fuse"
+    assert saved_sources("model.b.attn.proj.weight", split) is None
