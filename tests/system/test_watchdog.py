@@ -228,22 +228,23 @@ def test_a_rank_alive_outside_the_others_collective_is_named_stuck_and_every_ran
     assert "dlojz: " not in log1, log1[-3000:]  # one line for the job, from rank 0
 
 
-@pytest.mark.multirank
-def test_a_rank_slowed_by_pulses_is_named_a_straggler_once_and_in_the_metrics(watch_data, tmp_path):
-    metrics = tmp_path / "m.json"
-    # 30 steps: a log point every 3 steps, each comparing the sum of 3 forwards (several pulses each: on rank 1 they
-    # take about 2.5 times rank 0's, above --straggler-factor 1.3); named at the third, never again at the others.
+def pulsed_run(watch_data, folder):
+    """A 2-rank run whose rank 1 is paused 75 % of the time once it trains, in pulses shorter than a forward: its
+    forwards take about 4 times rank 0's. Returns (rank 0's log, both exit codes, the metrics file)."""
+    metrics = folder / "m.json"
+    # 30 steps: a log point every 3 steps, each comparing the sum of 3 forwards (several pulses each), above
+    # --straggler-factor 1.3; named at the third, never again at the others.
     # A model without BatchNorm: DDP broadcasts a model's buffers at the start of each forward, so rank 0's forward
     # would wait there for the paused rank 1 and take as long as its own (no straggler named on a loaded machine).
     args = [*RUN, "--arch", "timm:test_vit", "--epochs", "1", "-b", "4", "--straggler-factor", "1.3"]
-    args += ["--data-root", watch_data, "--output-dir", tmp_path / "run"]
+    args += ["--data-root", watch_data, "--output-dir", folder / "run"]
     rank0, rank1 = start_ranks([*args, "--metrics-json", metrics])
     done = threading.Event()
 
-    def pulses():  # rank 1 runs 40 % of the time, in pulses shorter than a forward: each takes ~2.5 times rank 0's
+    def pulses():
         while not done.is_set() and rank1.poll() is None:
             rank1.send_signal(signal.SIGSTOP)
-            time.sleep(0.006)
+            time.sleep(0.012)
             rank1.send_signal(signal.SIGCONT)
             time.sleep(0.004)
 
@@ -257,7 +258,19 @@ def test_a_rank_slowed_by_pulses_is_named_a_straggler_once_and_in_the_metrics(wa
         pulsing.join()
         rank1.send_signal(signal.SIGCONT)
         end_of(rank1, 60)
-    assert rank0.returncode == 0 and rank1.returncode == 0, log0[-3000:]
-    lines = [line for line in log0.splitlines() if "straggler:" in line]
+    return log0, (rank0.returncode, rank1.returncode), metrics
+
+
+@pytest.mark.multirank
+def test_a_rank_slowed_by_pulses_is_named_a_straggler_once_and_in_the_metrics(watch_data, tmp_path):
+    # The pulses come from this process's thread, which a loaded machine may not wake in time (a run whose rank 1
+    # ran on unpaused named no straggler, 1 time in about 10 beside two busy processes): a second run then, each
+    # run's own assertions the same.
+    for attempt in range(2):
+        log0, codes, metrics = pulsed_run(watch_data, tmp_path / str(attempt))
+        assert codes == (0, 0), log0[-3000:]
+        lines = [line for line in log0.splitlines() if "straggler:" in line]
+        if lines:
+            break
     assert len(lines) == 1 and f"rank 1 ({socket.gethostname()}) takes" in lines[0], lines or log0[-3000:]
     assert [s["rank"] for s in read_json(metrics)["stragglers"]] == [1]
