@@ -89,10 +89,10 @@ def reshard(module):
 
 
 def _local_bytes(tensor):
-    from torch.distributed.tensor import DTensor
+    from dlojz_lib.tensor_parallel import local
 
-    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
-    return local.numel() * local.element_size()
+    mine = local(tensor)
+    return mine.numel() * mine.element_size()
 
 
 def state_bytes(module, optimizer):
@@ -247,16 +247,17 @@ def load_across_qkv_layouts(path, state, saved):
     from torch.distributed.tensor import DTensor, distribute_tensor
 
     flat, mapping = flatten_state_dict(state)
-    request, converted = {}, {}
-    for key in list(flat):
-        found = saved_sources(key, saved)
+    request, same, converted = {}, [], {}
+    for key in flat:
         if key.endswith(".params") and key.startswith("optimizer.param_groups."):
             continue  # this run's parameter names
+        found = saved_sources(key, saved)
         if found is None:
             raise KeyError(f"the checkpoint has no {key}")
         kind, sources, index = found
         if kind == "same":
             request[key] = flat[key]
+            same.append(key)
             continue
         converted[key] = found
         for source in sources:
@@ -266,9 +267,8 @@ def load_across_qkv_layouts(path, state, saved):
             else:
                 request.setdefault(source, None)  # an object (a setting): DCP puts it in
     dcp.load(request, checkpoint_id=path)
-    for key in flat:
-        if key in request and key not in converted:
-            flat[key] = request[key]  # (a tensor loaded in place; an object replaced)
+    for key in same:
+        flat[key] = request[key]  # (a tensor loaded in place; an object replaced)
     for key, (kind, sources, index) in converted.items():
         values = [request[source] for source in sources]
         target = flat[key]

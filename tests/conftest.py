@@ -109,21 +109,15 @@ def spawn_ranks(target, world, tmp_path, *args, timeout=300):
     its own children), but forked from the tests' preloaded server (tests/preloaded.py), which imported torch, dlojz
     and timm once, where that server can give this environment; else spawned (never fork a process that has threads).
     """
-    import multiprocessing
-
     note_ranks(world, getattr(target, "__name__", "a process group"))
-    forked = preloaded.can_run(dict(os.environ))
-    context = preloaded.fork_context() if forked else multiprocessing.get_context("spawn")
+    context, env = preloaded.spawned_context()
     queue = context.Queue()
-    workers = []
-    for rank in range(world):
-        rank_args = (rank, world, str(tmp_path / "store"), queue, *args)
-        if forked:
-            workers.append(
-                context.Process(target=preloaded.run_as_spawned, args=(dict(os.environ), target, *rank_args))
-            )
-        else:
-            workers.append(context.Process(target=target, args=rank_args))
+    workers = [
+        context.Process(
+            target=preloaded.run_as_spawned, args=(env, target, rank, world, str(tmp_path / "store"), queue, *args)
+        )
+        for rank in range(world)
+    ]
     for worker in workers:
         worker.start()
     deadline = time.monotonic() + timeout

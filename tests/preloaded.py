@@ -115,8 +115,7 @@ def _child(argv, env, cwd, out, err, affinity=None):
     the CPUs it may run on (those of the process it stands for), by default the server's."""
     if affinity is not None:
         os.sched_setaffinity(0, affinity)
-    os.environ.clear()
-    os.environ.update(env)
+    as_spawned(env)
     os.chdir(cwd)
     for fd, target in ((1, out), (2, out if err is None else err)):
         file_fd = target if isinstance(target, int) else os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -127,13 +126,6 @@ def _child(argv, env, cwd, out, err, affinity=None):
     sys.stdout = open(1, "w", buffering=1, closefd=False)
     sys.stderr = open(2, "w", buffering=1, closefd=False)
     sys.argv = [str(DLOJZ), *argv]
-    # A child of the fork server inherits its start method: a fresh interpreter's is the platform's default, which
-    # DataLoader workers use (with forkserver, each run would start a fork server of its own: 3-4 s per loader).
-    multiprocessing.set_start_method(None, force=True)
-    import torch
-
-    if env.get("OMP_NUM_THREADS", "").isdigit():
-        torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
     import dlojz
 
     try:
@@ -155,12 +147,27 @@ def fork_context():
     return _context
 
 
+def spawned_context():
+    """(a multiprocessing context, the environment to give as_spawned): forks of the server, set up as a spawned
+    process starts, where the server can give this process's environment; else spawn's own processes (None: they
+    need no setting up)."""
+    env = dict(os.environ)
+    if can_run(env):
+        return fork_context(), env
+    return multiprocessing.get_context("spawn"), None
+
+
 def as_spawned(env):
     """Set up a fork of the server as a spawned process starts: the environment it is given (a fork has the
     server's), the platform's start method for its own children, torch's threads from OMP_NUM_THREADS.
-    multiprocessing has already given it the parent's working directory and sys.path. (A Pool's initializer.)"""
+    multiprocessing has already given it the parent's working directory and sys.path. (A Pool's initializer.) With
+    env None (a spawned process): nothing to do."""
+    if env is None:
+        return
     os.environ.clear()
     os.environ.update(env)
+    # A child of the fork server inherits its start method: a fresh interpreter's is the platform's default, which
+    # DataLoader workers use (with forkserver, each run would start a fork server of its own: 3-4 s per loader).
     multiprocessing.set_start_method(None, force=True)
     import torch
 
@@ -224,20 +231,31 @@ def rank_env(env, rank, world_size, port):
     }
 
 
+def rank_processes(argv, env, cwd, world_size, outputs, affinity=None):
+    """`world_size` forks of the server running dlojz.py `argv` (not started yet): one with `env`, or several given
+    torchrun's variables on one node (rank_env); `outputs(rank)` gives a rank's (out, err) for _child."""
+    port = free_port()
+    processes = []
+    for rank in range(world_size):
+        rank_environ = env if world_size == 1 else rank_env(env, rank, world_size, port)
+        out, err = outputs(rank)
+        processes.append(
+            _context.Process(
+                target=_child, args=(argv, rank_environ, str(cwd), out, err), kwargs={"affinity": affinity}
+            )
+        )
+    return processes
+
+
 def run_ranks(argv, env, cwd, timeout, world_size):
     """Like subprocess.run([python, dlojz.py, *argv], capture_output=True, text=True, ...), in forks of the server;
     with world_size > 1, that many ranks on this node, started as `torchrun --standalone --nproc-per-node N`
     starts them. The result is shaped like torchrun's: every rank's stdout (then stderr) in rank order, and
     exit status 0 if every rank ended with 0, else the first rank's non-zero status."""
     cmd = [sys.executable, str(DLOJZ), *argv]
-    port = free_port()
     with tempfile.TemporaryDirectory(prefix="dlojz-run-") as tmp:
-        paths, processes = [], []
-        for rank in range(world_size):
-            out, err = os.path.join(tmp, f"{rank}.out"), os.path.join(tmp, f"{rank}.err")
-            rank_environ = env if world_size == 1 else rank_env(env, rank, world_size, port)
-            processes.append(_context.Process(target=_child, args=(argv, rank_environ, str(cwd), out, err)))
-            paths.append((out, err))
+        paths = [(os.path.join(tmp, f"{rank}.out"), os.path.join(tmp, f"{rank}.err")) for rank in range(world_size)]
+        processes = rank_processes(argv, env, cwd, world_size, paths.__getitem__)
         for process in processes:
             process.start()
         timed_out = _finish(processes, timeout)
@@ -358,17 +376,10 @@ def _serve(connection):
             if not can_run(request["env"]):
                 connection.send(json.dumps({"fresh": True}).encode())
                 return
-            port = free_port()
-            processes = []
-            for rank in range(ranks):
-                env = request["env"] if ranks == 1 else rank_env(request["env"], rank, ranks, port)
-                processes.append(
-                    _context.Process(
-                        target=_child,
-                        args=(request["argv"], env, request["cwd"], _FdForChild(fds[0]), _FdForChild(fds[1])),
-                        kwargs={"affinity": request["affinity"]},
-                    )
-                )
+            processes = rank_processes(
+                request["argv"], request["env"], request["cwd"], ranks,
+                lambda rank: (_FdForChild(fds[0]), _FdForChild(fds[1])), request["affinity"],
+            )  # fmt: skip
             for process in processes:
                 process.start()
         finally:

@@ -2,8 +2,6 @@
 half of the model's state per rank, validates exactly, writes sharded checkpoints that resume mid-epoch on another
 number of ranks, survive a crash mid-write and consolidate into one ordinary checkpoint."""
 
-import multiprocessing
-import os
 import shutil
 import signal
 import subprocess
@@ -284,12 +282,8 @@ def in_fresh_process(function, *args):
     """function(*args) in a process of its own: a process group (and its threads) must never live in the pytest
     process, which forks afterwards (DataLoader workers, pools), and a fork of a process with threads can hang. The
     process is a fork of the tests' preloaded server (tests/preloaded.py) set up as a spawned one, else spawned."""
-    env = dict(os.environ)
-    if preloaded.can_run(env):
-        pool = preloaded.fork_context().Pool(1, initializer=preloaded.as_spawned, initargs=(env,))
-    else:
-        pool = multiprocessing.get_context("spawn").Pool(1)
-    with pool:
+    context, env = preloaded.spawned_context()
+    with context.Pool(1, initializer=preloaded.as_spawned, initargs=(env,)) as pool:
         return pool.apply(function, args)
 
 

@@ -3,7 +3,6 @@ stages' state dicts to the model's; on 2 and 4 gloo processes every schedule tra
 lab (bench/pipeline_bubble.py) measures a bubble that shrinks as the micro-batches grow, as its formula says."""
 
 import copy
-import shutil
 import traceback
 
 import pytest
@@ -503,7 +502,6 @@ def test_a_pp_run_stopped_mid_epoch_resumes_to_the_same_weights(runs, tiny_data,
     out = tmp_path / "run"
     common = [*BASE, "--data-root", tiny_data, "--num-workers", "0", "-b", "16", "--fsdp", "--pp", "2"]
     stopped_mid_epoch(common, out, steps=4)
-    shutil.copytree(out, tmp_path / "to-fsdp")
     proc = run_dlojz(*common, "--output-dir", out, "--resume", "auto", ranks=2)
     assert proc.returncode == 0, show(proc)
     assert_same_weights(weights(out), weights(runs / "single"), atol=1e-5)
