@@ -1,7 +1,9 @@
 """Consolidate a sharded (--fsdp) checkpoint into one ordinary dlojz checkpoint (.pt), for inference, DDP
-fine-tuning or `--resume` without --fsdp. The sharding itself and the sharded checkpoints are dlojz_lib/fsdp.py's.
+fine-tuning or `--resume` without --fsdp; or shard an ordinary one, for `--resume` with --fsdp (any --tp, --pp). The
+sharding itself and the sharded checkpoints are dlojz_lib/fsdp.py's.
 
     python dlojz_fsdp.py consolidate runs/JOB/ckpt_e0010_s000050040.dcp model.pt
+    python dlojz_fsdp.py shard runs/JOB/ckpt_e0010_s000050040.pt runs/NEW   # then --fsdp --resume auto --output-dir runs/NEW
 """
 
 import os
@@ -15,32 +17,18 @@ import dlojz_lib.checkpoint as ckpt
 from dlojz_lib.checks import OneLineArgumentParser
 
 
-def consolidate(source, target):
-    """Write `target`: the ordinary checkpoint (dlojz_lib.checkpoint's .pt) that a run without --fsdp would have
-    written at the same point, from the sharded checkpoint folder `source`. One process reads every shard."""
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
+def ordinary_model_and_optimizer(saved):
+    """The model and optimizer a run without --fsdp builds for the checkpoint `saved` (fused where torch has it):
+    their state dicts are an ordinary checkpoint's."""
     import dlojz_lib.optim.optimizers as optim
-    from dlojz_lib.fsdp import set_optimizer_state
     from dlojz_lib.model import apply_blurpool, create_model
 
-    source = Path(source)
-    if source.is_dir() and not ckpt.NAME_RE.match(source.name):  # a run's folder: name its sharded checkpoints
-        found = [path for path in ckpt.list_checkpoints(source) if path.suffix == ".dcp"]
-        raise ckpt.CheckpointError(
-            f"{source} is a run's folder, not a sharded checkpoint: "
-            + (f"give one of its .dcp folders, e.g. {found[-1]} (its newest)" if found else "it holds no .dcp folder")
-        )
-    saved = ckpt.load(source)  # the metadata, once the folder is checked complete
-    if not saved.get("sharded_path"):
-        raise ckpt.CheckpointError(f"checkpoint {source} is not sharded: nothing to consolidate")
     args = saved["args"]
     module = create_model(
         args["arch"], saved["num_classes"], args["zero_init_residual"], args["image_size"], args.get("drop_path")
     )
     if args["blurpool"]:
         apply_blurpool(module, maxpool=args.get("blurpool_maxpool", True))
-    # as a run without --fsdp builds it (fused where torch has it): its param_groups are what such a run loads
     head = optim.fine_tuning_head(module, saved["num_classes"], args)
     optimizer = optim.build_optimizer(
         args["optimizer"],
@@ -53,6 +41,28 @@ def consolidate(source, target):
         fused=True,
         nesterov=args.get("nesterov", False),
     )
+    return module, optimizer
+
+
+def consolidate(source, target):
+    """Write `target`: the ordinary checkpoint (dlojz_lib.checkpoint's .pt) that a run without --fsdp would have
+    written at the same point, from the sharded checkpoint folder `source`. One process reads every shard."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    from dlojz_lib.fsdp import set_optimizer_state
+
+    source = Path(source)
+    if source.is_dir() and not ckpt.NAME_RE.match(source.name):  # a run's folder: name its sharded checkpoints
+        found = [path for path in ckpt.list_checkpoints(source) if path.suffix == ".dcp"]
+        raise ckpt.CheckpointError(
+            f"{source} is a run's folder, not a sharded checkpoint: "
+            + (f"give one of its .dcp folders, e.g. {found[-1]} (its newest)" if found else "it holds no .dcp folder")
+        )
+    saved = ckpt.load(source)  # the metadata, once the folder is checked complete
+    if not saved.get("sharded_path"):
+        raise ckpt.CheckpointError(f"checkpoint {source} is not sharded: nothing to consolidate")
+    args = saved["args"]
+    module, optimizer = ordinary_model_and_optimizer(saved)
     # Everything the checkpoint holds, the schedule's entries in the optimizer's param_groups too (loading into
     # placeholders would keep only the keys a fresh optimizer has).
     whole = Path(target).with_name(f".{Path(target).name}.whole.tmp")
@@ -70,11 +80,47 @@ def consolidate(source, target):
         fuse = fused_flat_optimizer_state if flat else fused_optimizer_state
         state.update(model=fused_state_dict(state["model"]), optimizer=fuse(state["optimizer"]))
     module.load_state_dict(state["model"])
+    if "param_groups" not in state["optimizer"]:  # saved parameter by parameter (--pp): torch reads back only
+        # the settings a group already has; the schedule's (max_lr, initial_lr, ...) get a place first
+        names = {id(param): name for name, param in module.named_parameters()}
+        for group in optimizer.param_groups:
+            prefix = f"param_groups.{names[id(group['params'][0])]}."
+            for key in state["optimizer"]:
+                if key.startswith(prefix):
+                    group.setdefault(key.removeprefix(prefix), None)
     set_optimizer_state(module, optimizer, state["optimizer"])
     full = {key: value for key, value in saved.items() if key != "sharded_path"}
     full.update(model=module.state_dict(), optimizer=optimizer.state_dict(), ema=None)
     ckpt.write(full, target)
     return target
+
+
+def shard(source, target_dir):
+    """Write into the folder `target_dir` the sharded checkpoint (a ckpt_e*_s*.dcp folder, `latest` naming it) that a
+    run with --fsdp would have written at the point of the ordinary checkpoint `source`: its weights and optimizer
+    state by parameter name, whole (a resume under any --fsdp layout reads them into its own shards, q, k and v
+    split for --tp). One process writes it. Returns the folder written."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    source, target_dir = Path(source), Path(target_dir)
+    saved = ckpt.load(source)
+    if saved.get("sharded_path"):
+        raise ckpt.CheckpointError(f"checkpoint {source} is already sharded: --resume it with --fsdp")
+    name = ckpt.checkpoint_name(saved["epoch"], saved["global_step"], sharded=True)
+    if (target_dir / name).exists():
+        raise ckpt.CheckpointError(f"{target_dir / name} exists: give another folder, or remove it")
+    module, optimizer = ordinary_model_and_optimizer(saved)
+    module.load_state_dict(saved["model"])
+    optimizer.load_state_dict(saved["optimizer"])
+    model_state, optimizer_state = get_state_dict(module, optimizer)  # by parameter name, a run's sharded layout
+    target_dir.mkdir(parents=True, exist_ok=True)
+    staging = target_dir / f".{name}.tmp"
+    with warnings.catch_warnings():  # "saving in a single process": it is
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=staging, no_dist=True)
+    meta = {key: value for key, value in saved.items() if key not in ("model", "optimizer", "ema")}
+    return ckpt.publish_folder(meta, staging, target_dir, name, keep=0)
 
 
 def main(argv=None):
@@ -83,15 +129,27 @@ def main(argv=None):
     command = commands.add_parser("consolidate", help="one ordinary .pt checkpoint from a sharded (.dcp) one")
     command.add_argument("source", help="a sharded checkpoint folder (ckpt_e*_s*.dcp)")
     command.add_argument("target", help="the .pt file to write")
+    command = commands.add_parser("shard", help="a sharded (.dcp) checkpoint from an ordinary .pt one")
+    command.add_argument("source", help="an ordinary checkpoint (ckpt_e*_s*.pt)")
+    command.add_argument("target", help="the folder to write it in: the --output-dir of the run that resumes it")
     args = parser.parse_args(argv)
-    from dlojz_lib.checks import UserError, check_output_file
+    from dlojz_lib.checks import UserError, check_output_file, check_output_folder
 
     try:
-        check_output_file(args.target, "target", create_folder=False)
-        consolidate(args.source, args.target)
+        if args.command == "shard":
+            check_output_folder(args.target, "target")
+            written = shard(args.source, args.target)
+        else:
+            check_output_file(args.target, "target", create_folder=False)
+            consolidate(args.source, args.target)
     except (ckpt.CheckpointError, UserError) as err:
         print(f"dlojz_fsdp.py: error: {err}", file=sys.stderr)
         return 2
+    if args.command == "shard":
+        print(
+            f"written: {written}: resume it with --fsdp --resume auto --output-dir {args.target} (or --resume {written})"
+        )
+        return 0
     print(
         f"written: {args.target} ({os.path.getsize(args.target) / 2**20:.1f} MiB): --resume it without --fsdp, or "
         f"torch.load(...)['model'] for the weights"

@@ -39,6 +39,7 @@ BLOCK_SUFFIXES = (
 )
 # A sharded checkpoint's optimizer groups saved as a list (the first group's keys), not parameter by parameter
 NESTED_GROUPS = "optimizer.param_groups.0."
+KERNEL_CHOICE = ("fused", "foreach")  # an optimizer group's settings that say how it steps, not what it does
 # timm's optimizers step on sharded (DTensor) parameters; torch's fused SGD has no sharded kernel (the
 # foreach one is used), fused AdamW has one.
 UNFUSED_UNDER_FSDP = ("sgd",)
@@ -297,7 +298,12 @@ def set_optimizer_state(module, optimizer, state):
 
     flat = "param_groups" not in state  # saved parameter by parameter (--pp)
     options = StateDictOptions(strict=False, flatten_optimizer_state_dict=flat)
+    # which kernel steps the parameters is this run's: a checkpoint of whole parameters may hold fused SGD, which
+    # has no kernel for shards
+    kernels = [{key: group[key] for key in KERNEL_CHOICE if key in group} for group in optimizer.param_groups]
     set_optimizer_state_dict(module, optimizer, state, options=options)
+    for group, kernel in zip(optimizer.param_groups, kernels, strict=True):
+        group.update(kernel)
 
 
 def load_full_weights(module, weights):

@@ -285,8 +285,9 @@ def restore_weights(cfg, model, training, saved, path, log):
         )
     if cfg.fsdp and not sharded and not cfg.eval_only:
         fail(
-            f"--resume {path}: --fsdp resumes training from sharded checkpoints (.dcp folders); an ordinary "
-            f"checkpoint gives its weights to --fsdp --eval-only, or resumes without --fsdp"
+            f"--resume {path}: --fsdp resumes training from sharded checkpoints (.dcp folders); make one of this "
+            f"ordinary checkpoint: python dlojz_fsdp.py shard {path} NEW_DIR, then --resume auto --output-dir NEW_DIR "
+            f"(or resume it without --fsdp)"
         )
     check_same_model(cfg, model.num_classes, saved, path)
     weights = saved.get("model")

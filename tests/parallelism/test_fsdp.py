@@ -439,12 +439,3 @@ def test_consolidating_what_is_not_a_sharded_checkpoint_is_one_line(tmp_path, ca
 )
 def test_what_fsdp_cannot_take_is_one_line(flags, message, run_inline):
     assert_one_line_error(run_inline("--device", "cpu", "--test", "--no-wandb", *flags), message)
-
-
-@pytest.mark.multirank
-def test_fsdp_does_not_resume_training_from_an_ordinary_checkpoint(runs, tiny_data):
-    plain = ckpt.load_latest(runs / "single")[1]
-    assert_one_line_error(
-        run_dlojz(*BASE, "--data-root", tiny_data, "--fsdp", "--resume", plain),
-        "--fsdp resumes training from sharded checkpoints",
-    )

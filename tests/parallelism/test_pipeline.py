@@ -507,32 +507,6 @@ def test_a_pp_run_stopped_mid_epoch_resumes_to_the_same_weights(runs, tiny_data,
     assert_same_weights(weights(out), weights(runs / "single"), atol=1e-5)
 
 
-@pytest.mark.multirank
-def test_a_run_resumes_mid_epoch_in_another_layout_by_its_data_parallel_width(runs, tiny_data, tmp_path):
-    """A batch is -b images on each data replica, and a pipeline's 2 ranks are one replica: `--fsdp --pp 2 -b 16` on 2
-    ranks (16 images a step) stopped mid-epoch goes on as `--fsdp -b 8` on 2 ranks (2 replicas x 8) after the images
-    it trained on, and the other way round; both end on one process's weights (-b 16), at its step count."""
-    from conftest import run_dlojz, show
-    from test_fsdp import BASE, assert_same_weights, stopped_mid_epoch, weights
-
-    import dlojz_lib.checkpoint as ckpt
-
-    common = [*BASE, "--data-root", tiny_data, "--num-workers", "0", "--drop-last"]
-    pipeline, data = [*common, "-b", "16", "--fsdp", "--pp", "2"], [*common, "-b", "8", "--fsdp"]
-    steps = ckpt.load_latest(runs / "single")[0]["global_step"]
-    for name, before, after in (("pp-to-fsdp", pipeline, data), ("fsdp-to-pp", data, pipeline)):
-        out = tmp_path / name
-        stopped = stopped_mid_epoch(before, out, steps=4)
-        proc = run_dlojz(*after, "--output-dir", out, "--resume", "auto", ranks=2)
-        assert proc.returncode == 0, show(proc)
-        saved = "1 x 16" if before is pipeline else "2 x 8"
-        assert f"a checkpoint written on {saved}: the epoch goes on after its first {16 * stopped['batch']} images" in (
-            proc.stdout
-        ), proc.stdout
-        assert_same_weights(weights(out), weights(runs / "single"), atol=1e-5)
-        assert ckpt.load_latest(out)[0]["global_step"] == steps == 4
-
-
 @pytest.mark.parametrize(
     "flags, ranks, fragments",
     [
