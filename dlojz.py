@@ -7,7 +7,7 @@ One command runs alone, under torchrun or under srun across nodes:
 optimizer), DataLoader, initialisation, training, validation, checkpoint and report. Each section calls one
 function, below it or in a helper module; `train_one_epoch` and `evaluate` are the loop's two phases. The flags
 live in dlojz_lib/flags.py, the run's settings and their checks in dlojz_lib/config.py, the process group in dlojz_lib/dist.py,
-the data sets and batches in dlojz_lib/data/loaders.py, the model as it trains (DDP, FSDP, compile) in dlojz_lib/parallel.py,
+the data sets and batches in dlojz_lib/data/loaders.py, the model as it trains (DDP, FSDP, compile) in dlojz_lib/parallelism/build.py,
 its loss, optimizer and schedule in dlojz_lib/optim/, checkpoints and resume in dlojz_lib/resume.py, the lines the run
 prints in dlojz_lib/log.py, the chronometer, profiler and LR finder hooks in dlojz_lib/hooks.py.
 """
@@ -56,7 +56,6 @@ from dlojz_lib.dist import (
 )
 from dlojz_lib.flag_checks import check_flags
 from dlojz_lib.flags import get_args_parser
-from dlojz_lib.fsdp import match_sharded_forwards
 from dlojz_lib.global_batch import fit_to_ranks
 from dlojz_lib.hooks import LoopHooks, make_profiler
 from dlojz_lib.launch import load_idr_torch
@@ -78,7 +77,8 @@ from dlojz_lib.metrics import gather_predictions, write_per_class, write_predict
 from dlojz_lib.metrics import summary as class_summary
 from dlojz_lib.optim.losses import soft_target_accuracy
 from dlojz_lib.optim.training import build_training
-from dlojz_lib.parallel import build_model
+from dlojz_lib.parallelism.build import build_model
+from dlojz_lib.parallelism.fsdp import match_sharded_forwards
 from dlojz_lib.resume import (
     claim_output_dir,
     make_saver,

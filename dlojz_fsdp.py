@@ -1,6 +1,6 @@
 """Consolidate a sharded (--fsdp) checkpoint into one ordinary dlojz checkpoint (.pt), for inference, DDP
 fine-tuning or `--resume` without --fsdp; or shard an ordinary one, for `--resume` with --fsdp (any --tp, --pp). The
-sharding itself and the sharded checkpoints are dlojz_lib/fsdp.py's.
+sharding itself and the sharded checkpoints are dlojz_lib/parallelism/fsdp.py's.
 
     python dlojz_fsdp.py consolidate runs/JOB/ckpt_e0010_s000050040.dcp model.pt
     python dlojz_fsdp.py shard runs/JOB/ckpt_e0010_s000050040.pt runs/NEW   # then --fsdp --resume auto --output-dir runs/NEW
@@ -49,7 +49,7 @@ def consolidate(source, target):
     written at the same point, from the sharded checkpoint folder `source`. One process reads every shard."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    from dlojz_lib.fsdp import set_optimizer_state
+    from dlojz_lib.parallelism.fsdp import set_optimizer_state
 
     source = Path(source)
     if source.is_dir() and not ckpt.NAME_RE.match(source.name):  # a run's folder: name its sharded checkpoints
@@ -74,7 +74,7 @@ def consolidate(source, target):
     finally:
         whole.unlink(missing_ok=True)
     if args.get("tp", 1) > 1:  # --tp held timm's fused qkv as q, k and v: an ordinary model's again
-        from dlojz_lib.tensor_parallel import fused_flat_optimizer_state, fused_optimizer_state, fused_state_dict
+        from dlojz_lib.parallelism.tensor import fused_flat_optimizer_state, fused_optimizer_state, fused_state_dict
 
         flat = "param_groups" not in state["optimizer"]  # saved parameter by parameter (--pp)
         fuse = fused_flat_optimizer_state if flat else fused_optimizer_state

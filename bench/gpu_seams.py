@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from dlojz_lib.pipeline import Stage, build_pipeline, layer_seconds, pipeline_layers  # noqa: E402
+from dlojz_lib.parallelism.pipeline import Stage, build_pipeline, layer_seconds, pipeline_layers  # noqa: E402
 
 
 def stage_draws(device):
@@ -82,7 +82,7 @@ def whole_copies(device):
     import timm
     from torch.distributed.device_mesh import init_device_mesh
 
-    from dlojz_lib.tensor_parallel import WholeCopies, parallelize
+    from dlojz_lib.parallelism.tensor import WholeCopies, parallelize
 
     mesh = init_device_mesh("cuda", (1,))
     model = timm.create_model("vit_small_patch16_224", num_classes=10).to(device)

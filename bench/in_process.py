@@ -19,7 +19,7 @@ from dlojz_lib.flags import get_args_parser  # noqa: E402
 from dlojz_lib.hooks import LoopHooks  # noqa: E402
 from dlojz_lib.log import Console, NoWandb, Progress  # noqa: E402
 from dlojz_lib.optim.training import build_training  # noqa: E402
-from dlojz_lib.parallel import build_model  # noqa: E402
+from dlojz_lib.parallelism.build import build_model  # noqa: E402
 from dlojz_lib.resume import TrainState  # noqa: E402
 
 

@@ -24,7 +24,7 @@ travels and for activations):
   backward) and reduce-scatters float32 gradients; TP all-reduces each block's output activations twice in the
   forward and twice in the backward, in the AMP dtype, within its group, and FSDP runs over the replicas on what the
   group's rank holds;
-- PP p x FSDP d: the layers cut into p stages balanced by parameters (dlojz_lib/pipeline.py's cut), FSDP over the d
+- PP p x FSDP d: the layers cut into p stages balanced by parameters (dlojz_lib/parallelism/pipeline.py's cut), FSDP over the d
   pipelines; the largest stage's state; under 1F1B with --pp-microbatches M, the first stage's blocks hold min(p, M)
   micro-batches of b p / M images (a pipeline takes b images a GPU, as the other rows); each GPU sends its stage's
   output forward and its input's gradient backward for every micro-batch (the AMP dtype; the first stage the first
@@ -85,7 +85,7 @@ def get_args(argv=None):
 def layout(module):
     """(shape, tensor-parallel placement) of every parameter under dlojz's plan: "col" (split on dim 0), "row"
     (split on dim 1), or None (replicated)."""
-    from dlojz_lib.tensor_parallel import transformer_blocks
+    from dlojz_lib.parallelism.tensor import transformer_blocks
 
     placement = {}
     for block in transformer_blocks(module):
@@ -114,7 +114,7 @@ def attention_shapes(module, image_size):
     (NCHW), a MaxViT block's attend within a window or a grid cell (its input: images x windows, tokens, channels)."""
     import torch
 
-    from dlojz_lib.tensor_parallel import transformer_blocks
+    from dlojz_lib.parallelism.tensor import transformer_blocks
 
     shapes = []
     paths = {id(block): path for path, block in module.named_modules()}
@@ -142,7 +142,7 @@ def rows(args):
     import torch
 
     from dlojz_lib.model import create_model
-    from dlojz_lib.tensor_parallel import is_vit_block, transformer_blocks
+    from dlojz_lib.parallelism.tensor import is_vit_block, transformer_blocks
 
     with torch.device("meta"):
         module = create_model(args.arch, args.num_classes, False, args.image_size)
@@ -210,7 +210,7 @@ def block_activations(tokens, span, h, a, images):
 
 
 def pipeline_rows(args, module, params, gpus, shapes, state):
-    """PP p x FSDP d rows: the stages cut by parameters as dlojz_lib/pipeline.py cuts them, FSDP over the d
+    """PP p x FSDP d rows: the stages cut by parameters as dlojz_lib/parallelism/pipeline.py cuts them, FSDP over the d
     pipelines; the largest stage's state, and under 1F1B the first stage's activations (min(p, M) micro-batches in
     flight, each of b p / M images: a pipeline takes b images a GPU), and each GPU's sends: its stage's output
     forward and its input's gradient backward, for every micro-batch, with FSDP's on its stage. A model without a
@@ -218,7 +218,7 @@ def pipeline_rows(args, module, params, gpus, shapes, state):
     import torch
 
     from dlojz_lib.checks import UserError
-    from dlojz_lib.pipeline import layer_sizes, owner, pipeline_layers, stage_bounds
+    from dlojz_lib.parallelism.pipeline import layer_sizes, owner, pipeline_layers, stage_bounds
 
     try:
         layers = pipeline_layers(module, args.arch)
@@ -300,10 +300,10 @@ def main(argv=None) -> int:
             + ", ".join(f"{name} {share:.0%}" for name, share in bubbles.items())
         )
     if not planned:
-        from dlojz_lib.tensor_parallel import FAMILIES
+        from dlojz_lib.parallelism.families import names
 
         print(
-            f"{args.arch} has no tensor-parallel plan in dlojz (its TP rows and activations are left out): {FAMILIES} has one"
+            f"{args.arch} has no tensor-parallel plan in dlojz (its TP rows and activations are left out): {names(True)} have one"
         )
     if args.json:
         Path(args.json).write_text(json.dumps(table, indent=1))

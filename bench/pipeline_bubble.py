@@ -2,7 +2,7 @@
 images per second, as the micro-batches grow.
 
 Each rank holds one stage of the model (two or more for the interleaved schedules: stages rank, rank + N, ...), cut
-by parameters (`dlojz_lib/pipeline.py`); a step runs one batch of synthetic images through PyTorch's schedule
+by parameters (`dlojz_lib/parallelism/pipeline.py`); a step runs one batch of synthetic images through PyTorch's schedule
 (`torch.distributed.pipelining`), SGD after it. Per schedule and micro-batch count, after a warm-up step, each rank's
 compute time is timed (its stages' forwards and backwards: CUDA events on a GPU) and the rest of the step is its
 idle share, the bubble; the table gives the largest and the mean over the ranks beside the formula, (N - 1) / (V M
@@ -14,7 +14,7 @@ per second of the step.
     python -m torch.distributed.run --standalone --nproc-per-node 2 bench/pipeline_bubble.py --arch toy \\
         --microbatches 2,4,8 -b 32                     # on a laptop: layers that pause 1 ms an image, the formula seen
 
-`--arch toy`: 8 layers (`--toy-layers`) whose forward pauses 1 ms an image and backward 2 (`dlojz_lib.pipeline.
+`--arch toy`: 8 layers (`--toy-layers`) whose forward pauses 1 ms an image and backward 2 (`dlojz_lib.parallelism.pipeline.
 paused_toy`): compute of a known length on any machine, so the bubble follows the formula, not the CPU's load. A
 real model on a few CPU cores mostly shows the schedules' own overhead (micro-batches of a few images).
 
@@ -32,7 +32,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from dlojz_lib.checks import OneLineArgumentParser  # noqa: E402
 from dlojz_lib.flags import COUNT, PIXELS  # noqa: E402
-from dlojz_lib.pipeline import SCHEDULES, expected_bubble  # noqa: E402
+from dlojz_lib.parallelism.pipeline import SCHEDULES, expected_bubble  # noqa: E402
 
 
 def get_args(argv=None):
@@ -79,7 +79,7 @@ def measure(args, rank, world, device):
     import torch.distributed as dist
 
     from dlojz_lib.model import create_model
-    from dlojz_lib.pipeline import StageClock, build_pipeline, paused_toy, pipeline_step
+    from dlojz_lib.parallelism.pipeline import StageClock, build_pipeline, paused_toy, pipeline_step
 
     torch.manual_seed(0)
     if args.arch == "toy":

@@ -17,7 +17,7 @@
 
 A checkpoint is a plain dict with `FORMAT_KEY` set, so a file written by another program is refused clearly.
 
-Sharded checkpoints (--fsdp, written by dlojz_lib.fsdp.ShardedCheckpointSaver) are folders `ckpt_e*_s*.dcp`: the
+Sharded checkpoints (--fsdp, written by dlojz_lib.parallelism.fsdp.ShardedCheckpointSaver) are folders `ckpt_e*_s*.dcp`: the
 shards of every rank (torch.distributed.checkpoint's files and `.metadata`) and `SHARDED_META`, the same dict
 without the model and optimizer. They are written under a hidden staging name and renamed into place
 (`publish_folder`), then named by `latest` and pruned like the files; `load` of such a folder checks that every

@@ -903,7 +903,7 @@ def get_args_parser():
         "--fsdp",
         action=argparse.BooleanOptionalAction,
         default=False,
-        help="shard parameters, gradients and optimizer state across ranks (FSDP2, dlojz_lib/fsdp.py)\n"
+        help="shard parameters, gradients and optimizer state across ranks (FSDP2, dlojz_lib/parallelism/fsdp.py)\n"
         "instead of DDP's full copy on each; sharded checkpoints (torch.distributed.checkpoint)",
     )
     p.add_argument(

@@ -517,7 +517,7 @@ def close_hooks(cfg, hooks, ranks, log) -> dict:
 def report_run(run, progress, watchdog) -> dict:
     """The run's figures (throughput, data wait, memory, stragglers, the loss scale; with --test the chronometer's
     report) into the metrics JSON and W&B; a final model nowhere on disk ends the run non-zero."""
-    from dlojz_lib.parallel import state_bytes_per_rank
+    from dlojz_lib.parallelism.build import state_bytes_per_rank
     from dlojz_lib.resume import check_checkpoints_written
 
     cfg, ranks, metrics, training = run.cfg, run.ranks, run.metrics, run.training

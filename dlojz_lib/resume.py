@@ -172,7 +172,7 @@ def make_saver(cfg, model, training, ranks, classes=None):
         classes=list(classes) if classes is not None else None,
     )
     if model.parallel == "fsdp":
-        from dlojz_lib.fsdp import ShardedCheckpointSaver
+        from dlojz_lib.parallelism.fsdp import ShardedCheckpointSaver
 
         return ShardedCheckpointSaver(
             cfg.output_dir,
@@ -296,12 +296,12 @@ def restore_weights(cfg, model, training, saved, path, log):
         log(f"--eval-ema: validating the EMA weights of {path} (its model's are left out)")
     try:
         if sharded:
-            from dlojz_lib.fsdp import load_sharded
+            from dlojz_lib.parallelism.fsdp import load_sharded
 
             load_sharded(sharded, model.module, None if cfg.eval_only else training.optimizer)
         elif cfg.fsdp:
-            from dlojz_lib.fsdp import load_full_weights
-            from dlojz_lib.tensor_parallel import split_state_dict
+            from dlojz_lib.parallelism.fsdp import load_full_weights
+            from dlojz_lib.parallelism.tensor import split_state_dict
 
             held = model.module.state_dict().keys()
             if model.pipeline is not None:  # this rank's stage: its layers' weights (the model's names)

@@ -309,15 +309,17 @@ def test_checkpoint_every_is_off_on_the_cpu_unless_asked():
 def test_compile_mode_implies_compile_and_reaches_torch_compile(monkeypatch):
     import torch
 
-    import dlojz_lib.parallel
+    import dlojz_lib.parallelism.build
     from dlojz_lib.dist import Distribution
 
     given = []
-    monkeypatch.setattr(dlojz_lib.parallel, "start_compile_workers", lambda: None)
+    monkeypatch.setattr(dlojz_lib.parallelism.build, "start_compile_workers", lambda: None)
     monkeypatch.setattr(torch, "compile", lambda net, **options: given.append(options) or net)
     cfg = resolve("--arch", "resnet18", "--compile-mode", "max-autotune-no-cudagraphs")
     assert cfg.compile and cfg.drop_last
-    model = dlojz_lib.parallel.build_model(cfg, 3, Distribution(1, 0, 0, torch.device("cpu")), lambda line: None)
+    model = dlojz_lib.parallelism.build.build_model(
+        cfg, 3, Distribution(1, 0, 0, torch.device("cpu")), lambda line: None
+    )
     assert given == [{"mode": "max-autotune-no-cudagraphs"}] and not model.cuda_graphs
     assert not resolve("--arch", "resnet18").compile  # ... and without it, nothing is compiled
 

@@ -83,6 +83,17 @@ def test_the_command_line_modules_import_no_torch():
     assert proc.stdout.strip() == "[]", proc.stdout
 
 
+def test_the_parallelism_wing_s_init_names_each_of_its_modules_and_imports_nothing():
+    """dlojz_lib/parallelism/__init__.py is the wing's door: its docstring names every module in the folder, and it
+    imports none of them (a reader of one pays for no other)."""
+    init = ROOT / "dlojz_lib" / "parallelism" / "__init__.py"
+    tree = ast.parse(init.read_text())
+    assert not [node for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom))]
+    modules = {path.stem for path in init.parent.glob("*.py")} - {"__init__"}
+    doc = ast.get_docstring(tree)
+    assert modules and all(f"`{name}`" in doc for name in modules), (sorted(modules), doc)
+
+
 # The layers, in docs/architecture.md's order: a module imports from its own layer or those above it in this list.
 LAYERS = (
     ("the command line", r"dlojz_lib(\.(checks|flags|flag_checks|recipe|launch|config|durable|optim))?"),
@@ -225,7 +236,13 @@ def test_the_test_map_check_sees_a_missing_row_and_a_wrong_file():
     text = TESTING.read_text()
     without = TEST_ROW.sub(lambda row: "" if row.group(1) == "dlojz_lib/chrono.py" else row.group(0), text)
     assert "dlojz_lib/chrono.py: no row" in map_errors(without)
-    wrong = text.replace("| `dlojz_lib/fsdp.py` | `", "| `dlojz_lib/fsdp.py` | `tests/test_docs.py`, `", 1)
-    assert "dlojz_lib/fsdp.py: tests/test_docs.py does not name it" in map_errors(wrong)
-    gone = text.replace("| `dlojz_lib/fsdp.py` | `", "| `dlojz_lib/fsdp.py` | `tests/parallelism/test_gone.py`, `", 1)
-    assert "dlojz_lib/fsdp.py: tests/parallelism/test_gone.py does not exist" in map_errors(gone)
+    wrong = text.replace(
+        "| `dlojz_lib/parallelism/fsdp.py` | `", "| `dlojz_lib/parallelism/fsdp.py` | `tests/test_docs.py`, `", 1
+    )
+    assert "dlojz_lib/parallelism/fsdp.py: tests/test_docs.py does not name it" in map_errors(wrong)
+    gone = text.replace(
+        "| `dlojz_lib/parallelism/fsdp.py` | `",
+        "| `dlojz_lib/parallelism/fsdp.py` | `tests/parallelism/test_gone.py`, `",
+        1,
+    )
+    assert "dlojz_lib/parallelism/fsdp.py: tests/parallelism/test_gone.py does not exist" in map_errors(gone)

@@ -13,7 +13,7 @@ from dlojz_lib.checks import UserError
 from dlojz_lib.config import resolve_config
 from dlojz_lib.dist import Distribution
 from dlojz_lib.flags import get_args_parser
-from dlojz_lib.parallel import build_model
+from dlojz_lib.parallelism.build import build_model
 
 
 @pytest.fixture(autouse=True)

@@ -12,10 +12,10 @@ import torch
 
 from dlojz_lib.checks import fail
 from dlojz_lib.data.augment import batch_mixing
-from dlojz_lib.fsdp import UNFUSED_UNDER_FSDP
 from dlojz_lib.optim.losses import BinaryCrossEntropy, balanced_class_weights
 from dlojz_lib.optim.optimizers import build_optimizer, fine_tuning_head, freeze_backbone, kind_decay, param_groups
 from dlojz_lib.optim.schedules import LRFinder, build_scheduler, lr_scaling_line, step_milestones, warmup_steps
+from dlojz_lib.parallelism.fsdp import UNFUSED_UNDER_FSDP
 
 
 # ---------------------------------------------------------------------- what a run builds of all this

@@ -112,7 +112,7 @@ def test_class_weights_balanced_weighs_the_training_loss_of_an_imbalanced_folder
     from dlojz_lib.dist import Distribution
     from dlojz_lib.flags import get_args_parser
     from dlojz_lib.optim.training import build_training
-    from dlojz_lib.parallel import build_model
+    from dlojz_lib.parallelism.build import build_model
 
     cpu = Distribution(1, 0, 0, torch.device("cpu"))
     for flags, expected in (([], None), (["--class-weights", "balanced"], [50 / 66, 50 / 66, 50 / 18])):

@@ -15,7 +15,7 @@ from dlojz_lib.config import resolve_config
 from dlojz_lib.dist import Distribution
 from dlojz_lib.flags import get_args_parser
 from dlojz_lib.optim.training import build_training
-from dlojz_lib.parallel import build_model
+from dlojz_lib.parallelism.build import build_model
 
 CPU = Distribution(1, 0, 0, torch.device("cpu"))
 # torchvision's resnet18: the tests name its layers.

@@ -616,7 +616,7 @@ def training_of(*flags):
     from dlojz_lib.flag_checks import checked_values
     from dlojz_lib.flags import get_args_parser
     from dlojz_lib.optim.training import build_training
-    from dlojz_lib.parallel import build_model
+    from dlojz_lib.parallelism.build import build_model
 
     argv = ["--device", "cpu", "--arch", "resnet18", "--lr", "0.4", "-e", "6", *flags]
     checked_values(argv)

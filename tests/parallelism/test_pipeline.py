@@ -1,4 +1,4 @@
-"""Pipeline parallelism's pieces (dlojz_lib/pipeline.py): the layers of each known family compose to the model, the
+"""Pipeline parallelism's pieces (dlojz_lib/parallelism/pipeline.py): the layers of each known family compose to the model, the
 stages' state dicts to the model's; on 2 and 4 gloo processes every schedule trains to one process's weights; the
 lab (bench/pipeline_bubble.py) measures a bubble that shrinks as the micro-batches grow, as its formula says."""
 
@@ -11,7 +11,7 @@ import torchvision
 
 from dlojz_lib.checks import UserError
 from dlojz_lib.model import create_model
-from dlojz_lib.pipeline import (
+from dlojz_lib.parallelism.pipeline import (
     Paused,
     Stage,
     bounds_at,
@@ -29,6 +29,10 @@ SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zero-bubble", 2)] 
 
 
 def small_model(arch):
+    if arch == "toy-family":  # a model known by the row a test adds (dlojz_lib/parallelism/families.py)
+        from test_families import toy_with_its_row
+
+        return toy_with_its_row()
     torch.manual_seed(0)
     if arch == "torchvision-vit":  # torchvision's ViT at 32 px: 16 patches, 3 blocks
         return torchvision.models.VisionTransformer(32, 8, 3, 2, 32, 64, num_classes=3)
@@ -141,7 +145,7 @@ def train_on_rank(rank, world, store_path, results, cases):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
 
-    from dlojz_lib.tensor_parallel import fused_state_dict, parallelize
+    from dlojz_lib.parallelism.tensor import fused_state_dict, parallelize
 
     try:
         torch.set_num_threads(1)
@@ -257,11 +261,16 @@ def test_every_schedule_trains_to_the_weights_of_one_process(two_ranks):
 @pytest.mark.multirank
 def test_four_ranks_train_to_the_weights_of_one_process_in_4_stages_and_in_2_of_2_ranks(tmp_path):
     """4 ranks: 1F1B over 4 stages (stem, blocks, head of a ViT), then over 2 stages each split over 2 ranks by the
-    tensor-parallel plan (a (pipe, tensor) mesh): both reach one process's weights, and their eval logits its."""
-    found = spawn(4, [("timm:test_vit", "1f1b", 1, 1), ("timm:test_vit", "1f1b", 1, 2)], tmp_path)
-    names = {(rank, schedule): stages for rank, _, schedule, stages in found}
-    assert sorted(rank for rank, _ in names) == [0, 0, 1, 1, 2, 2, 3, 3]
-    assert names[(1, "1f1b tp 2")] == names[(0, "1f1b tp 2")] == [["stem", "blocks.0", "blocks.1"]]  # one stage
+    tensor-parallel plan (a (pipe, tensor) mesh): both reach one process's weights, and their eval logits its; so
+    does a toy model whose family is the one row tests/parallelism/test_families.py adds, under PP 2 x TP 2."""
+    cases = [("timm:test_vit", "1f1b", 1, 1), ("timm:test_vit", "1f1b", 1, 2), ("toy-family", "1f1b", 1, 2)]
+    found = spawn(4, cases, tmp_path)
+    names = {(rank, arch, schedule): stages for rank, arch, schedule, stages in found}
+    assert sorted(rank for rank, _, _ in names) == [0, 0, 0, 1, 1, 1, 2, 2, 2, 3, 3, 3]
+    vit = names[(1, "timm:test_vit", "1f1b tp 2")]
+    assert vit == names[(0, "timm:test_vit", "1f1b tp 2")] == [["stem", "blocks.0", "blocks.1"]]  # one stage
+    toy = names[(0, "toy-family", "1f1b tp 2")], names[(3, "toy-family", "1f1b tp 2")]
+    assert toy == ([["stem", "mixers.0"]], [["mixers.1", "mixers.2", "mixers.3", "head"]]), toy  # cut by parameters
 
 
 @pytest.mark.multirank

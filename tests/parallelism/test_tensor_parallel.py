@@ -1,4 +1,4 @@
-"""Tensor parallelism's plan (dlojz_lib/tensor_parallel.py) on 2 gloo processes: the parallelised tiny ViT, CoAtNet
+"""Tensor parallelism's plan (dlojz_lib/parallelism/tensor.py) on 2 gloo processes: the parallelised tiny ViT, CoAtNet
 and MaxViT give the single-process model's outputs, gradients and step, and their state dicts fused back are an
 ordinary model's."""
 
@@ -9,7 +9,7 @@ import torch
 
 from dlojz_lib.checks import UserError
 from dlojz_lib.model import create_model
-from dlojz_lib.tensor_parallel import HeadShardedQKV, Pointwise, fused_state_dict, parallelize
+from dlojz_lib.parallelism.tensor import HeadShardedQKV, Pointwise, fused_state_dict, parallelize
 
 ARCH = "timm:test_vit"  # 6 blocks, 2 heads of 32, MLP 192 wide
 # timm's CoAtNet and MaxViT at 64 px with heads in pairs (timm's test_coatnet and test_maxvit have odd counts):
@@ -292,7 +292,7 @@ def test_a_tp_run_stopped_mid_epoch_resumes_in_2d_to_the_same_weights(runs, tiny
 def test_checkpoint_names_map_between_the_fused_and_the_split_qkv():
     """An ordinary checkpoint's fused qkv splits into the parts a parallelised model holds (other keys as they are,
     a model without parts left fused); the names' difference is seen both ways, and not between equal layouts."""
-    from dlojz_lib.tensor_parallel import qkv_layouts_differ, split_state_dict
+    from dlojz_lib.parallelism.tensor import qkv_layouts_differ, split_state_dict
 
     reference = tiny_model("vit", 32)
     parallel = tiny_model("vit", 32)
@@ -458,7 +458,7 @@ def whole_copies_on_rank(rank, world, store_path, results):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from dlojz_lib.tensor_parallel import WholeCopies, replicas_differ
+    from dlojz_lib.parallelism.tensor import WholeCopies, replicas_differ
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
@@ -522,7 +522,7 @@ def test_check_replicas_reaches_the_model_s_whole_copies():
     """--check-replicas N is the period of the comparison the run's WholeCopies makes; without --tp there is none."""
     from types import SimpleNamespace
 
-    from dlojz_lib.parallel import whole_copies
+    from dlojz_lib.parallelism.build import whole_copies
 
     ranks = SimpleNamespace(mesh={"tensor": object()}, all_gather=None)
     copies = whole_copies(SimpleNamespace(tp=2, check_replicas=3), torch.nn.Linear(2, 2), ranks)
@@ -533,7 +533,7 @@ def test_check_replicas_reaches_the_model_s_whole_copies():
 def test_a_resume_across_the_qkv_namings_finds_each_entry_s_source():
     """Each key of the run's state (a weight, an optimizer entry, a group setting) found in a checkpoint of the other
     naming: a part in the fused tensor (its third), a fused tensor in the three parts; a key found nowhere, None."""
-    from dlojz_lib.fsdp import saved_sources
+    from dlojz_lib.parallelism.fsdp import saved_sources
 
     fused = {"model.b.attn.qkv.weight", "optimizer.state.b.attn.qkv.weight.exp_avg", "model.b.norm.weight"}
     assert saved_sources("model.b.attn.qkv.k.weight", fused) == ("part", ["model.b.attn.qkv.weight"], 1)

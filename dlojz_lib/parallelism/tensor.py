@@ -35,11 +35,8 @@ import torch
 from torch import nn
 
 from dlojz_lib.checks import UserError
+from dlojz_lib.parallelism import families
 
-FAMILIES = (
-    "timm's ViT family (timm:vit_*, timm:deit_*, timm:test_vit ...) and CoAtNet/MaxViT family (timm:coatnet_*, "
-    "timm:maxvit_*, timm:coatnet_7_224 ...)"
-)
 PARTS = ("q", "k", "v")
 
 
@@ -235,11 +232,13 @@ def is_vit_block(block):
 
 
 def check_plan(module, n, arch="this model") -> list:
-    """`module`'s transformer blocks, each checked to split over `n` ranks; a model without any is one line. (--pp
-    checks the whole model once: a stage without blocks, a stem or a head, stays replicated over the group.)"""
-    blocks = transformer_blocks(module)
+    """`module`'s transformer blocks, each checked to split over `n` ranks; a model without any, or of a family whose
+    row has no plan (families.py), is one line. (--pp checks the whole model once: a stage without blocks, a stem
+    or a head, stays replicated over the group.)"""
+    family = families.family_of(module)  # none for a pipeline's stage: its model's was checked
+    blocks = transformer_blocks(module) if family is None or family.tensor_parallel else []
     if not blocks:
-        raise UserError(f"--tp: --arch {arch} has no tensor-parallel plan here: {FAMILIES} has one")
+        raise UserError(f"--tp: --arch {arch} has no tensor-parallel plan here: {families.names(True)} have one")
     for block in blocks:
         check_splittable(block, n, arch)
     return blocks

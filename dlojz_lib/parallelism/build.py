@@ -152,11 +152,11 @@ def build_model(cfg, num_classes, ranks, log) -> Model:
     if cfg.pp > 1:
         return build_pipeline_model(cfg, module, ema, num_classes, ranks, log)
     if cfg.fsdp:
-        from dlojz_lib.fsdp import shard_model
+        from dlojz_lib.parallelism.fsdp import shard_model
 
         unsharded = meta_copy(module)
         if cfg.tp > 1:
-            from dlojz_lib.tensor_parallel import parallelize
+            from dlojz_lib.parallelism.tensor import parallelize
 
             split = parallelize(module, ranks.mesh["tensor"], cfg.arch, cfg.sequence_parallel)
             log(
@@ -192,16 +192,16 @@ def whole_copies(cfg, module, ranks):
     their copies compared)."""
     if cfg.tp == 1:
         return None
-    from dlojz_lib.tensor_parallel import WholeCopies
+    from dlojz_lib.parallelism.tensor import WholeCopies
 
     return WholeCopies(module, ranks.mesh["tensor"], cfg.check_replicas, ranks.all_gather)
 
 
 def build_pipeline_model(cfg, module, ema, num_classes, ranks, log) -> Model:
     """--pp: `module` cut into --pp stages, this rank's sharded by FSDP over the data dimension, run by the
-    schedule (dlojz_lib.pipeline)."""
-    from dlojz_lib.fsdp import shard_model
-    from dlojz_lib.pipeline import (
+    schedule (dlojz_lib.parallelism.pipeline)."""
+    from dlojz_lib.parallelism.fsdp import shard_model
+    from dlojz_lib.parallelism.pipeline import (
         SCHEDULES,
         PipelineRun,
         RankStages,
@@ -228,7 +228,7 @@ def build_pipeline_model(cfg, module, ema, num_classes, ranks, log) -> Model:
     run = None  # the PipelineRun, whose loss the schedule calls
 
     if cfg.tp > 1:  # the plan checked once, on the whole model: the stages hold its blocks or none
-        from dlojz_lib.tensor_parallel import check_plan, parallelize, transformer_blocks
+        from dlojz_lib.parallelism.tensor import check_plan, parallelize, transformer_blocks
 
         check_plan(module, cfg.tp, cfg.arch)
 
@@ -278,8 +278,8 @@ def build_pipeline_model(cfg, module, ema, num_classes, ranks, log) -> Model:
 
 def state_bytes_per_rank(model, training, ranks) -> dict:
     """Bytes of parameters, gradients and optimizer state on each rank (the largest), and each rank's peak."""
-    from dlojz_lib.fsdp import state_bytes
     from dlojz_lib.model import peak_memory_bytes
+    from dlojz_lib.parallelism.fsdp import state_bytes
 
     local = dict(state_bytes(model.module, training.optimizer), peak_memory_bytes=peak_memory_bytes(ranks.device))
     every = ranks.all_gather(local) if ranks.enabled else [local]

@@ -4,8 +4,8 @@ micro-batches flowing through them; the price is the bubble, the time a stage wa
 
 - `pipeline_layers(model, arch)`: the model as the layers its forward runs one after another: the stem (patch
   embedding, class token and position embedding; a ResNet's first convolution and pooling), each block, the head
-  (final norm, pooling, classifier). Known: timm's ViT family and CoAtNet/MaxViT family, torchvision's ResNets and
-  ViT, and any nn.Sequential (each child a layer); another model is one line (UserError).
+  (final norm, pooling, classifier), as the model's row of families.py gives them; a model of no family is one line
+  (UserError).
 - `stage_bounds(weights, n)`: where to cut the layers into n stages of balanced weight (parameters, or measured
   forward time: `layer_seconds`), each stage at least one layer.
 - `Stage(model, layers, first, last)`: layers [first, last) of `model` as a module of their own, holding them under
@@ -28,18 +28,16 @@ micro-batches flowing through them; the price is the bubble, the time a stage wa
 """
 
 import copy
-import dataclasses
 import hashlib
 import itertools
 import time
-from typing import Callable
 
 import torch
 from torch import nn
 
 from dlojz_lib.checks import UserError
+from dlojz_lib.parallelism import families
 
-FAMILIES = "timm's ViT and CoAtNet/MaxViT families, torchvision's ResNets and ViT, an nn.Sequential"
 # --pp-schedule: PyTorch's class, and whether a rank holds several stages (looped: rank, rank + N, ...)
 SCHEDULES = {
     "gpipe": ("ScheduleGPipe", False),
@@ -49,49 +47,13 @@ SCHEDULES = {
 }
 
 
-@dataclasses.dataclass
-class Layer:
-    name: str
-    owns: tuple  # the paths of the modules and parameters it runs; the last layer (the head) owns all the others'
-    run: Callable  # its forward: an activation in, an activation out
-
-
 def pipeline_layers(model, arch="this model") -> list:
-    """`model`'s forward as a list of Layers whose composition is the forward (eval or train mode alike)."""
-    import torchvision
-
-    kind = type(model).__name__
-    module_path = type(model).__module__
-    if module_path.startswith("timm.models.vision_transformer") and kind == "VisionTransformer":
-        stem = Layer("stem", ("patch_embed", "cls_token", "reg_token", "pos_embed", "norm_pre", "patch_drop"),
-                     lambda x: model.norm_pre(model.patch_drop(model._pos_embed(model.patch_embed(x)))))  # fmt: skip
-        blocks = [(f"blocks.{i}", block) for i, block in enumerate(model.blocks)]
-        head = lambda x: model.forward_head(model.norm(x))  # noqa: E731
-    elif module_path.startswith("timm.models.maxxvit") and kind == "MaxxVit":
-        stem = Layer("stem", ("stem",), model.stem)
-        blocks = [
-            (f"stages.{s}.blocks.{i}", b) for s, stage in enumerate(model.stages) for i, b in enumerate(stage.blocks)
-        ]
-        head = lambda x: model.forward_head(model.norm(x))  # noqa: E731
-    elif isinstance(model, torchvision.models.ResNet):
-        stem = Layer("stem", ("conv1", "bn1"), lambda x: model.maxpool(model.relu(model.bn1(model.conv1(x)))))
-        blocks = [(f"layer{k}.{i}", b) for k in range(1, 5) for i, b in enumerate(getattr(model, f"layer{k}"))]
-        head = lambda x: model.fc(torch.flatten(model.avgpool(x), 1))  # noqa: E731
-    elif isinstance(model, torchvision.models.VisionTransformer):
-
-        def embed(x):
-            x = model._process_input(x)
-            x = torch.cat([model.class_token.expand(x.shape[0], -1, -1), x], dim=1)
-            return model.encoder.dropout(x + model.encoder.pos_embedding)
-
-        stem = Layer("stem", ("conv_proj", "class_token", "encoder.pos_embedding"), embed)
-        blocks = [(f"encoder.layers.{name}", b) for name, b in model.encoder.layers.named_children()]
-        head = lambda x: model.heads(model.encoder.ln(x)[:, 0])  # noqa: E731
-    elif isinstance(model, nn.Sequential):
-        return [Layer(name, (name,), child) for name, child in model.named_children()]
-    else:
-        raise UserError(f"--pp: --arch {arch} has no pipeline split here: {FAMILIES} have one")
-    return [stem, *(Layer(name, (name,), block) for name, block in blocks), Layer("head", (), head)]
+    """`model`'s forward as a list of Layers whose composition is the forward (eval or train mode alike): its
+    family's stem, blocks and head (families.py)."""
+    found = families.layers(model)
+    if found is None:
+        raise UserError(f"--pp: --arch {arch} has no pipeline split here: {families.names()} have one")
+    return found
 
 
 def owner(path, layers):
@@ -228,6 +190,19 @@ def stage_seed(seed, index, call):
     return int.from_bytes(digest, "little") >> 1  # (torch.manual_seed takes 63 bits)
 
 
+class ContiguousGradient(torch.autograd.Function):
+    """The identity, whose backward makes the gradient contiguous (a stage's input gradient is sent as it is; a
+    hook would pile up on the receive buffer the schedule gives every step)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, gradient):
+        return gradient.contiguous()
+
+
 class Stage(nn.Module):
     """Layers [first, last) of `model` (a model of its own: the rest of it is dropped) as one module, holding the
     model's top-level modules that kept parameters or buffers, and its own, under their own names. `recompute`
@@ -271,9 +246,11 @@ class Stage(nn.Module):
             return self.run_layers(x)
 
     def run_layers(self, x):
+        if x.requires_grad:  # what goes back to the previous stage: the send takes contiguous tensors only
+            x = ContiguousGradient.apply(x)
         for run in self.runs:
             x = run(x)
-        return x
+        return x.contiguous()  # the next stage's input (a layer may end on a transposed view: a family's stem)
 
     def seek(self, calls):
         """Go on as after `calls` training forwards (a resumed run: its steps x the micro-batches)."""

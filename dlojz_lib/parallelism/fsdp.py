@@ -46,8 +46,14 @@ UNFUSED_UNDER_FSDP = ("sgd",)
 
 
 def sharding_units(module):
-    """The outermost submodules whose class is a residual or transformer block (BLOCK_SUFFIXES); for a model
-    without any, its children that hold parameters."""
+    """The blocks of `module`'s family (families.py) that hold parameters; for a model of no family, the outermost
+    submodules whose class is a residual or transformer block (BLOCK_SUFFIXES), or if none, its children that hold
+    parameters."""
+    from dlojz_lib.parallelism import families
+
+    family = families.family_of(module)
+    if family is not None:
+        return [block for _, block in family.blocks(module) if any(True for _ in block.parameters())]
     units = []
 
     def visit(parent):
@@ -90,7 +96,7 @@ def reshard(module):
 
 
 def _local_bytes(tensor):
-    from dlojz_lib.tensor_parallel import local
+    from dlojz_lib.parallelism.tensor import local
 
     mine = local(tensor)
     return mine.numel() * mine.element_size()
@@ -194,7 +200,7 @@ def load_sharded(path, module, optimizer=None):
         set_model_state_dict,
     )
 
-    from dlojz_lib.tensor_parallel import qkv_layouts_differ
+    from dlojz_lib.parallelism.tensor import qkv_layouts_differ
 
     saved_keys = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     if optimizer is not None:
@@ -220,7 +226,7 @@ def saved_sources(key, saved):
     """Where the value of `key` (a flattened state dict key: model.NAME, optimizer.state.NAME.ENTRY or
     optimizer.param_groups.NAME.SETTING) is in a checkpoint whose keys are `saved`, across the two qkv namings:
     ("same", [key]), ("part", [the fused key], index of the part), ("fuse", [the q, k and v keys]), or None."""
-    from dlojz_lib.tensor_parallel import PARTS, fused_name, part_name
+    from dlojz_lib.parallelism.tensor import PARTS, fused_name, part_name
 
     if key in saved:
         return "same", [key], None
