@@ -59,20 +59,7 @@ from dlojz_lib.flags import get_args_parser
 from dlojz_lib.global_batch import fit_to_ranks
 from dlojz_lib.hooks import LoopHooks, make_profiler
 from dlojz_lib.launch import load_idr_torch
-from dlojz_lib.log import (
-    LOG_EVERY,
-    Console,
-    Progress,
-    announce_resolution,
-    announce_run,
-    close_hooks,
-    finish,
-    initial_metrics,
-    open_wandb,
-    record_validation,
-    report_run,
-    warn_unwritten,
-)
+from dlojz_lib.log import LOG_EVERY, Console, Progress, finish, warn_unwritten
 from dlojz_lib.metrics import gather_predictions, write_per_class, write_predictions
 from dlojz_lib.metrics import summary as class_summary
 from dlojz_lib.optim.losses import soft_target_accuracy
@@ -86,6 +73,15 @@ from dlojz_lib.resume import (
     record_best,
     restore,
     save_epoch_checkpoint,
+)
+from dlojz_lib.run_record import (
+    announce_resolution,
+    announce_run,
+    close_hooks,
+    initial_metrics,
+    open_wandb,
+    record_validation,
+    report_run,
 )
 from dlojz_lib.watchdog import Watchdog
 

@@ -35,6 +35,7 @@ from pathlib import Path
 
 import torch
 
+from dlojz_lib.checks import fail
 from dlojz_lib.durable import atomic_write, fsync_folder
 
 FORMAT_KEY = "dlojz_checkpoint_format"
@@ -418,3 +419,13 @@ def average(paths):
         else:
             model[name] = value.clone()
     return dict(newest, model=model, ema=None, averaged_from=[str(p) for p in paths])
+
+
+def ema_weights(saved, path):
+    """--eval-ema: the model's state dict of the checkpoint's EMA (ModelEma keeps the model under `module.`)."""
+    if saved.get("sharded_path"):
+        fail(f"--eval-ema: {path} is a sharded checkpoint (--fsdp), which keeps no EMA weights")
+    ema = saved.get("ema")
+    if not ema:
+        fail(f"--eval-ema: {path} has no EMA weights (its run had no --model-ema): leave --eval-ema out")
+    return {name[len("module.") :]: tensor for name, tensor in ema.items() if name.startswith("module.")}

@@ -9,14 +9,13 @@ import math
 import sys
 
 from dlojz_lib.checks import OneLineArgumentParser
-from dlojz_lib.optim import OPTIMIZER_TABLE
+from dlojz_lib.optim import OPTIMIZER_TABLE, SCHEDULERS
 from dlojz_lib.recipe import read_recipe
 
-# The accepted values of --optimizer (dlojz_lib.optim's table, torch-free) and --lr-scheduler.
+# The accepted values of --optimizer (dlojz_lib.optim's table, torch-free; --lr-scheduler's: SCHEDULERS there).
 OPTIMIZERS = tuple(OPTIMIZER_TABLE)
 FUSED = tuple(name for name, row in OPTIMIZER_TABLE.items() if row.fused)  # with a fused step in torch
 FROM_TIMM = tuple(name for name, row in OPTIMIZER_TABLE.items() if row.source.startswith("timm."))
-SCHEDULERS = ("onecycle", "cosine", "step", "constant", "linear", "poly")
 # The validation figures a run's best checkpoint, a study's objective and the lab's best run are chosen by:
 # the name a flag takes -> (its key in the metrics JSON and --val-history, its name in a sentence).
 VALIDATION_METRICS = {
@@ -24,16 +23,6 @@ VALIDATION_METRICS = {
     "balanced_accuracy": ("val_balanced_accuracy", "balanced accuracy"),
     "macro_f1": ("val_macro_f1", "macro-F1"),
 }
-
-
-def check_hyperparameters(lr: float, momentum: float, weight_decay: float) -> None:
-    """Raise ValueError naming the flag if ``--lr``, ``--mom`` or ``--wd`` is out of range."""
-    if not lr > 0:
-        raise ValueError(f"--lr must be > 0, got {lr}")
-    if not 0 <= momentum < 1:
-        raise ValueError(f"--mom must be in [0, 1), got {momentum}")
-    if not weight_decay >= 0:
-        raise ValueError(f"--wd must be >= 0, got {weight_decay}")
 
 
 INT_LIMIT = 2**31 - 1  # a count (of epochs, steps, images) beyond it is a typo, and its products overflow int64

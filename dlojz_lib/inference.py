@@ -74,7 +74,6 @@ def _from_checkpoint(path, ema) -> InferenceModel:
     from dlojz_lib.data.transforms import IMAGENET_MEAN, IMAGENET_STD
     from dlojz_lib.model import apply_blurpool, create_model
     from dlojz_lib.pretrained import strip_wrappers
-    from dlojz_lib.resume import ema_weights
 
     if path.is_dir() and not ckpt.NAME_RE.match(path.name):  # a run's folder: its newest checkpoint
         saved, found = ckpt.load_latest(path)
@@ -104,7 +103,7 @@ def _from_checkpoint(path, ema) -> InferenceModel:
         return module
 
     module = fresh()
-    weights = ema_weights(saved, path) if ema else saved["model"]
+    weights = ckpt.ema_weights(saved, path) if ema else saved["model"]
     try:
         module.load_state_dict({strip_wrappers(key): value for key, value in weights.items()})
     except RuntimeError as err:

@@ -292,7 +292,7 @@ def restore_weights(cfg, model, training, saved, path, log):
     check_same_model(cfg, model.num_classes, saved, path)
     weights = saved.get("model")
     if cfg.eval_ema:
-        weights = ema_weights(saved, path)
+        weights = ckpt.ema_weights(saved, path)
         log(f"--eval-ema: validating the EMA weights of {path} (its model's are left out)")
     try:
         if sharded:
@@ -377,16 +377,6 @@ def restore_optimizer_state(optimizer, model, saved, log):
         f"run's {len(optimizer.param_groups)} groups, each parameter's momenta kept; learning rates and weight "
         "decays are this run's"
     )
-
-
-def ema_weights(saved, path):
-    """--eval-ema: the model's state dict of the checkpoint's EMA (ModelEma keeps the model under `module.`)."""
-    if saved.get("sharded_path"):
-        fail(f"--eval-ema: {path} is a sharded checkpoint (--fsdp), which keeps no EMA weights")
-    ema = saved.get("ema")
-    if not ema:
-        fail(f"--eval-ema: {path} has no EMA weights (its run had no --model-ema): leave --eval-ema out")
-    return {name[len("module.") :]: tensor for name, tensor in ema.items() if name.startswith("module.")}
 
 
 def check_same_model(cfg, num_classes, saved, path):

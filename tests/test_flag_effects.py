@@ -343,8 +343,9 @@ def test_ema_judges_chooses_best_and_reaches_the_target_by_the_ema_s_figures():
     and reaches --target-accuracy; without it, the model's does."""
     from types import SimpleNamespace
 
-    from dlojz_lib.log import NoWandb, record_validation
+    from dlojz_lib.log import NoWandb
     from dlojz_lib.resume import TrainState, record_best
+    from dlojz_lib.run_record import record_validation
 
     def figures(top1, ema_top1):
         return dict(val_loss=1.0, val_accuracy=top1, val_top5_accuracy=1.0, ema_val_loss=1.0,

@@ -29,20 +29,40 @@ from typing import Callable
 class OptimizerRow:
     """One `--optimizer` value: the class (`module.Name`, imported when built: timm's import costs seconds that
     sgd/adamw runs do not pay), whether torch has a fused step for it, and its keyword arguments from `--mom`,
-    `--wd` and `--nesterov`."""
+    `--wd` and `--nesterov`; whether that fused step takes sharded (DTensor) parameters (--fsdp: else the foreach
+    step is used)."""
 
     source: str
     fused: bool
     options: Callable[[float, float, bool], dict]
     about: str
+    fused_on_shards: bool = True
+
+
+# The accepted values of --lr-scheduler (their shapes: schedules.py's decay_factor).
+SCHEDULERS = ("onecycle", "cosine", "step", "constant", "linear", "poly")
+
+
+def check_hyperparameters(lr: float, momentum: float, weight_decay: float) -> None:
+    """Raise ValueError naming the flag if ``--lr``, ``--mom`` or ``--wd`` is out of range."""
+    if not lr > 0:
+        raise ValueError(f"--lr must be > 0, got {lr}")
+    if not 0 <= momentum < 1:
+        raise ValueError(f"--mom must be in [0, 1), got {momentum}")
+    if not weight_decay >= 0:
+        raise ValueError(f"--wd must be >= 0, got {weight_decay}")
 
 
 # momentum (--mom) is SGD/LARS/RMSprop momentum or the first beta of AdamW/LAMB/Lion. timm's LAMB and LARS adapt
 # the step layer-wise only for groups with weight decay (so the norms and biases of --no-wd-norm-bias keep a plain
 # step): with --wd 0 (the course's default) that would silently make them Adam/SGD, so every layer adapts then.
 OPTIMIZER_TABLE = {
-    "sgd": OptimizerRow(
-        "torch.optim.SGD", True, lambda mom, wd, nesterov: dict(momentum=mom, nesterov=nesterov), "torch's SGD"
+    "sgd": OptimizerRow(  # torch's fused SGD has no kernel for sharded parameters; fused AdamW has one
+        "torch.optim.SGD",
+        True,
+        lambda mom, wd, nesterov: dict(momentum=mom, nesterov=nesterov),
+        "torch's SGD",
+        fused_on_shards=False,
     ),
     "adamw": OptimizerRow("torch.optim.AdamW", True, lambda mom, wd, nesterov: dict(betas=(mom, 0.999)), "torch's"),
     "rmsprop": OptimizerRow(  # torchvision's MobileNet recipes' (TensorFlow's constants)

@@ -11,9 +11,8 @@ import torch
 from torch import nn
 
 from dlojz_lib.checks import fail
-from dlojz_lib.flags import check_hyperparameters
 from dlojz_lib.model import classifier_name
-from dlojz_lib.optim import OPTIMIZER_TABLE
+from dlojz_lib.optim import OPTIMIZER_TABLE, check_hyperparameters
 
 # Layers whose affine parameters are normalisation scales/shifts: decaying them towards 0 only fights the
 # normalisation (see "Bag of Tricks", He et al. 2019), hence --no-wd-norm-bias.

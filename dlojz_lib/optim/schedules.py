@@ -1,5 +1,5 @@
 """Learning-rate schedules, stepped once per optimizer step (one closed formula per step), and the course's LR range
-test (`--findlr`) with its analysis. The accepted --lr-scheduler values are dlojz_lib.flags' `SCHEDULERS`.
+test (`--findlr`) with its analysis. The accepted --lr-scheduler values are dlojz_lib.optim's `SCHEDULERS`.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dlojz_lib.flags import SCHEDULERS
+from dlojz_lib.optim import SCHEDULERS
 
 
 def fast_forward(scheduler: torch.optim.lr_scheduler.LRScheduler, step: int) -> None:

@@ -12,10 +12,10 @@ import torch
 
 from dlojz_lib.checks import fail
 from dlojz_lib.data.augment import batch_mixing
+from dlojz_lib.optim import OPTIMIZER_TABLE
 from dlojz_lib.optim.losses import BinaryCrossEntropy, balanced_class_weights
 from dlojz_lib.optim.optimizers import build_optimizer, fine_tuning_head, freeze_backbone, kind_decay, param_groups
 from dlojz_lib.optim.schedules import LRFinder, build_scheduler, lr_scaling_line, step_milestones, warmup_steps
-from dlojz_lib.parallelism.fsdp import UNFUSED_UNDER_FSDP
 
 
 # ---------------------------------------------------------------------- what a run builds of all this
@@ -112,7 +112,7 @@ def build_training(cfg, model, n_train_batches, num_classes, ranks, log, class_c
         model.pipeline.criterion = criterion
     # Fused steps (sgd, adamw): no host synchronisation with the float16 GradScaler (see build_optimizer); FSDP's
     # sharded parameters have no fused SGD (its foreach step is used, and bfloat16 needs no scaler).
-    fused = not (cfg.fsdp and cfg.optimizer in UNFUSED_UNDER_FSDP)
+    fused = not cfg.fsdp or OPTIMIZER_TABLE[cfg.optimizer].fused_on_shards
     head = fine_tuning_head(model.module, num_classes, vars(cfg))
     groups = param_groups(model.module, cfg.wd, cfg.no_wd_norm_bias, cfg.layer_decay, head, kind_decay(vars(cfg)))
     optimizer = build_optimizer(

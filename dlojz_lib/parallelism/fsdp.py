@@ -40,9 +40,6 @@ BLOCK_SUFFIXES = (
 # A sharded checkpoint's optimizer groups saved as a list (the first group's keys), not parameter by parameter
 NESTED_GROUPS = "optimizer.param_groups.0."
 KERNEL_CHOICE = ("fused", "foreach")  # an optimizer group's settings that say how it steps, not what it does
-# timm's optimizers step on sharded (DTensor) parameters; torch's fused SGD has no sharded kernel (the
-# foreach one is used), fused AdamW has one.
-UNFUSED_UNDER_FSDP = ("sgd",)
 
 
 def sharding_units(module):

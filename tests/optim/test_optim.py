@@ -12,7 +12,8 @@ import pytest
 import torch
 from torch import nn
 
-from dlojz_lib.flags import OPTIMIZERS, SCHEDULERS
+from dlojz_lib.flags import OPTIMIZERS
+from dlojz_lib.optim import SCHEDULERS
 from dlojz_lib.optim.losses import soft_target_accuracy
 from dlojz_lib.optim.optimizers import build_optimizer, param_groups
 from dlojz_lib.optim.schedules import LRFinder, build_scheduler, fast_forward, lr_scaling_line
