@@ -6,10 +6,10 @@ One command runs alone, under torchrun or under srun across nodes:
 `main()` reads top to bottom in the course's order: arguments, instantiation (distribution, model, loss,
 optimizer), DataLoader, initialisation, training, validation, checkpoint and report. Each section calls one
 function, below it or in a helper module; `train_one_epoch` and `evaluate` are the loop's two phases. The flags
-live in dlojz_lib/flags.py, the run's settings and their checks in dlojz_lib/config.py, the process group in dlojz_lib/dist.py,
+live in dlojz_lib/settings/flags.py, the run's settings and their checks in dlojz_lib/settings/config.py, the process group in dlojz_lib/dist.py,
 the data sets and batches in dlojz_lib/data/loaders.py, the model as it trains (DDP, FSDP, compile) in dlojz_lib/parallelism/build.py,
 its loss, optimizer and schedule in dlojz_lib/optim/, checkpoints and resume in dlojz_lib/resume.py, the lines the run
-prints in dlojz_lib/log.py, the chronometer, profiler and LR finder hooks in dlojz_lib/hooks.py.
+prints in dlojz_lib/log.py, the chronometer, profiler and LR finder hooks in dlojz_lib/observers/hooks.py.
 """
 
 import contextlib
@@ -22,7 +22,7 @@ import time
 from datetime import timedelta
 
 if __name__ == "__main__":  # --help and every bad flag answer here, before the seconds that torch takes to import
-    from dlojz_lib.flag_checks import check_command_line
+    from dlojz_lib.settings.flag_checks import check_command_line
 
     check_command_line()
 
@@ -37,8 +37,6 @@ import torch.distributed as dist
 
 import dlojz_lib.checkpoint as ckpt
 from dlojz_lib.checks import DataError, UserError
-from dlojz_lib.chrono import Chronometer
-from dlojz_lib.config import resolve_config
 from dlojz_lib.data.datasets import class_counts
 from dlojz_lib.data.loaders import build_data, build_loaders, measure_loader_only
 from dlojz_lib.dist import (
@@ -54,14 +52,13 @@ from dlojz_lib.dist import (
     requeue,
     setup_distributed,
 )
-from dlojz_lib.flag_checks import check_flags
-from dlojz_lib.flags import get_args_parser
 from dlojz_lib.global_batch import fit_to_ranks
-from dlojz_lib.hooks import LoopHooks, make_profiler
-from dlojz_lib.launch import load_idr_torch
 from dlojz_lib.log import LOG_EVERY, Console, Progress, finish, warn_unwritten
 from dlojz_lib.metrics import gather_predictions, write_per_class, write_predictions
 from dlojz_lib.metrics import summary as class_summary
+from dlojz_lib.observers.chrono import Chronometer
+from dlojz_lib.observers.hooks import LoopHooks, make_profiler
+from dlojz_lib.observers.watchdog import Watchdog
 from dlojz_lib.optim.losses import soft_target_accuracy
 from dlojz_lib.optim.training import build_training
 from dlojz_lib.parallelism.build import build_model
@@ -83,7 +80,10 @@ from dlojz_lib.run_record import (
     record_validation,
     report_run,
 )
-from dlojz_lib.watchdog import Watchdog
+from dlojz_lib.settings.config import resolve_config
+from dlojz_lib.settings.flag_checks import check_flags
+from dlojz_lib.settings.flags import get_args_parser
+from dlojz_lib.settings.launch import load_idr_torch
 
 TEST_VAL_BATCHES = 20  # --test validates on this many batches
 

@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 from dlojz_lib.checks import OneLineArgumentParser
-from dlojz_lib.flags import COUNT
+from dlojz_lib.settings.flags import COUNT
 
 
 def main(argv=None) -> int:

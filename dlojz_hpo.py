@@ -39,8 +39,8 @@ import argparse
 import sys
 
 from dlojz_lib.checks import UserError, fail
-from dlojz_lib.flags import COUNT, NON_NEGATIVE, POSITIVE, VALIDATION_METRICS, Number
 from dlojz_lib.hpo.search import report, search
+from dlojz_lib.settings.flags import COUNT, NON_NEGATIVE, POSITIVE, VALIDATION_METRICS, Number
 
 
 def get_parser():

@@ -24,7 +24,6 @@ import sys
 from pathlib import Path
 
 from dlojz_lib.checks import OneLineArgumentParser
-from dlojz_lib.flags import COUNT, VALIDATION_METRICS, WHOLE
 from dlojz_lib.lab.sweep import (
     SLURM_RESOURCES,
     LabError,
@@ -37,6 +36,7 @@ from dlojz_lib.lab.sweep import (
     sweep,
     sweep_dir_of,
 )
+from dlojz_lib.settings.flags import COUNT, VALIDATION_METRICS, WHOLE
 
 
 def sweep_command(args) -> int:

@@ -13,8 +13,8 @@ import argparse
 import sys
 
 from dlojz_lib.checks import DataError
-from dlojz_lib.flags import COUNT
 from dlojz_lib.pack.writer import default_workers, pack
+from dlojz_lib.settings.flags import COUNT
 
 
 class _Parser(argparse.ArgumentParser):

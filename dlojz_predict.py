@@ -17,7 +17,7 @@ import os
 import sys
 
 from dlojz_lib.checks import OneLineArgumentParser, UserError, check_output_file
-from dlojz_lib.flags import COUNT, WHOLE
+from dlojz_lib.settings.flags import COUNT, WHOLE
 
 
 def get_parser():

@@ -38,9 +38,11 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))  # the flags' bounds and one-line errors: dlojz_lib.flags, dlojz_lib.checks (no torch)
+sys.path.insert(
+    0, str(ROOT)
+)  # the flags' bounds and one-line errors: dlojz_lib.settings.flags, dlojz_lib.checks (no torch)
 from dlojz_lib.checks import OneLineArgumentParser  # noqa: E402
-from dlojz_lib.flags import COUNT, PIXELS  # noqa: E402
+from dlojz_lib.settings.flags import COUNT, PIXELS  # noqa: E402
 
 # One optimisation more per row: (name, what it adds, dlojz.py's flags for the row as a whole).
 FLOAT16_CHANNELS_LAST = ["--amp", "--amp-dtype", "float16", "--tf32", "--channels-last"]

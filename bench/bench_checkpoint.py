@@ -29,7 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from dlojz_lib.checks import OneLineArgumentParser  # noqa: E402
-from dlojz_lib.flags import COUNT, PIXELS  # noqa: E402
+from dlojz_lib.settings.flags import COUNT, PIXELS  # noqa: E402
 
 
 def build(model_name, num_classes):

@@ -16,8 +16,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dlojz_lib.checks import OneLineArgumentParser  # noqa: E402
-from dlojz_lib.chrono import Chronometer  # noqa: E402
-from dlojz_lib.flags import COUNT, POSITIVE  # noqa: E402
+from dlojz_lib.observers.chrono import Chronometer  # noqa: E402
+from dlojz_lib.settings.flags import COUNT, POSITIVE  # noqa: E402
 
 
 def toggled_step(chrono, work):

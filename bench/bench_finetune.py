@@ -28,7 +28,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 from dlojz_lib.checks import OneLineArgumentParser  # noqa: E402
-from dlojz_lib.flags import COUNT  # noqa: E402
+from dlojz_lib.settings.flags import COUNT  # noqa: E402
 
 LETTERS, DIGITS = "ABCDEFGHIJ", "0123456789"
 SYMBOL_FONTS = ("cmex10", "cmsy10")  # Computer Modern's symbols at the letters' code points: not letters

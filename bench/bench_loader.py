@@ -47,7 +47,7 @@ from PIL import Image, ImageDraw
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from dlojz_lib.checks import OneLineArgumentParser  # noqa: E402
-from dlojz_lib.flags import COUNT, PIXELS, WHOLE  # noqa: E402
+from dlojz_lib.settings.flags import COUNT, PIXELS, WHOLE  # noqa: E402
 
 if TYPE_CHECKING:
     from torchvision.datasets import ImageFolder

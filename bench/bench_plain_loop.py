@@ -38,9 +38,11 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))  # the flags' bounds and one-line errors: dlojz_lib.flags, dlojz_lib.checks (no torch)
+sys.path.insert(
+    0, str(REPO)
+)  # the flags' bounds and one-line errors: dlojz_lib.settings.flags, dlojz_lib.checks (no torch)
 from dlojz_lib.checks import OneLineArgumentParser  # noqa: E402
-from dlojz_lib.flags import COUNT, PIXELS, POSITIVE, WHOLE  # noqa: E402
+from dlojz_lib.settings.flags import COUNT, PIXELS, POSITIVE, WHOLE  # noqa: E402
 
 WARMUP_STEPS = 10  # dlojz's first synchronised log point: its steady-state timing starts there
 RESULT_TAG = "BENCH_PLAIN_RESULT "

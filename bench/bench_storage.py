@@ -21,7 +21,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from dlojz_lib.checks import OneLineArgumentParser  # noqa: E402
-from dlojz_lib.flags import COUNT, PIXELS, WHOLE  # noqa: E402
+from dlojz_lib.settings.flags import COUNT, PIXELS, WHOLE  # noqa: E402
 
 OPENS = [0]
 

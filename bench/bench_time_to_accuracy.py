@@ -18,9 +18,11 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))  # the flags' bounds and one-line errors: dlojz_lib.flags, dlojz_lib.checks (no torch)
+sys.path.insert(
+    0, str(ROOT)
+)  # the flags' bounds and one-line errors: dlojz_lib.settings.flags, dlojz_lib.checks (no torch)
 from dlojz_lib.checks import OneLineArgumentParser  # noqa: E402
-from dlojz_lib.flags import COUNT, PIXELS, POSITIVE, WHOLE  # noqa: E402
+from dlojz_lib.settings.flags import COUNT, PIXELS, POSITIVE, WHOLE  # noqa: E402
 
 VALIDATION = re.compile(r"Epoch \[(\d+)/\d+\], Validation Loss: [\d.]+, Validation Accuracy: ([\d.]+), top-5 ([\d.]+)")
 TIMES = re.compile(r"Validation complete in: ([\d.]+) s \(this epoch's training: ([\d.]+) s\)")

@@ -58,7 +58,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 from dlojz_lib.checks import OneLineArgumentParser  # noqa: E402
 from dlojz_lib.data import IMAGENET_TRAIN_IMAGES  # noqa: E402  (the size of dlojz's synthetic epoch)
-from dlojz_lib.flags import COUNT, PIXELS, POSITIVE, WHOLE  # noqa: E402
+from dlojz_lib.settings.flags import COUNT, PIXELS, POSITIVE, WHOLE  # noqa: E402
 
 TARGET_RATIO = 0.97
 WARMUP_STEPS = 10  # dlojz's LOG_EVERY: its first synchronised log point, where its steady-state timing starts

@@ -33,7 +33,7 @@ if torch.cuda.is_available():
     sys.exit(0)
 print(f"torch {torch.__version__}, built for CUDA {torch.version.cuda}, GPUs visible to it: {torch.cuda.device_count()}")
 try:
-    import dlojz_lib.config as c; print((c.driver_too_old() or "").lstrip(": "))
+    import dlojz_lib.settings.config as c; print((c.driver_too_old() or "").lstrip(": "))
 except Exception:
     pass
 sys.exit(3)' 2>/dev/null)

@@ -11,16 +11,16 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # dlojz.py's folder: the library beside it
 
-from dlojz_lib.chrono import Chronometer  # noqa: E402
-from dlojz_lib.config import resolve_config  # noqa: E402
 from dlojz_lib.data.loaders import SYNTHETIC_CLASSES, synthetic_loaders  # noqa: E402
 from dlojz_lib.dist import StopPoll, StopSignal, setup_distributed  # noqa: E402
-from dlojz_lib.flags import get_args_parser  # noqa: E402
-from dlojz_lib.hooks import LoopHooks  # noqa: E402
 from dlojz_lib.log import Console, NoWandb, Progress  # noqa: E402
+from dlojz_lib.observers.chrono import Chronometer  # noqa: E402
+from dlojz_lib.observers.hooks import LoopHooks  # noqa: E402
 from dlojz_lib.optim.training import build_training  # noqa: E402
 from dlojz_lib.parallelism.build import build_model  # noqa: E402
 from dlojz_lib.resume import TrainState  # noqa: E402
+from dlojz_lib.settings.config import resolve_config  # noqa: E402
+from dlojz_lib.settings.flags import get_args_parser  # noqa: E402
 
 
 def synthetic_loop(argv, n_batches):

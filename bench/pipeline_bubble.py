@@ -31,8 +31,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from dlojz_lib.checks import OneLineArgumentParser  # noqa: E402
-from dlojz_lib.flags import COUNT, PIXELS  # noqa: E402
 from dlojz_lib.parallelism.pipeline import SCHEDULES, expected_bubble  # noqa: E402
+from dlojz_lib.settings.flags import COUNT, PIXELS  # noqa: E402
 
 
 def get_args(argv=None):

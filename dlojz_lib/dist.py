@@ -35,8 +35,8 @@ import torch.distributed as dist
 
 import dlojz_lib.checkpoint as ckpt
 from dlojz_lib.checks import fail
-from dlojz_lib.launch import load_idr_torch
-from dlojz_lib.watchdog import Watchdog
+from dlojz_lib.observers.watchdog import Watchdog
+from dlojz_lib.settings.launch import load_idr_torch
 
 
 @dataclasses.dataclass

@@ -18,7 +18,7 @@ import math
 
 import dlojz_lib.checkpoint as ckpt
 from dlojz_lib.checks import UserError
-from dlojz_lib.flags import CUDA_GRAPH_MODES, GRAPH_FREE_MODE
+from dlojz_lib.settings.flags import CUDA_GRAPH_MODES, GRAPH_FREE_MODE
 
 
 def fit_to_ranks(cfg, world_size, log):

@@ -292,7 +292,7 @@ def print_report(cfg, metrics, chrono, ctx, n_batches):
         chrono.display(ctx)
         metrics["chrono"] = chrono.summary(ctx)
         try:
-            from dlojz_lib.chrono_report import plot_trace
+            from dlojz_lib.observers.chrono_report import plot_trace
 
             plot_trace(trace, output_dir / TIMELINE)
             print(f">>> Timeline plot: {output_dir / TIMELINE}")

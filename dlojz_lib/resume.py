@@ -21,8 +21,8 @@ import torch.distributed as dist
 import dlojz_lib.checkpoint as ckpt
 import dlojz_lib.optim.optimizers as optim
 from dlojz_lib.checks import UserError, fail
-from dlojz_lib.flags import VALIDATION_METRICS
 from dlojz_lib.optim.schedules import fast_forward
+from dlojz_lib.settings.flags import VALIDATION_METRICS
 
 
 @dataclasses.dataclass

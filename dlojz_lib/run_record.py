@@ -17,7 +17,6 @@ import time
 from pathlib import Path
 
 from dlojz_lib.data.augment import training_resolution
-from dlojz_lib.flags import get_args_parser
 from dlojz_lib.log import (
     ARGS_FILE,
     Loggers,
@@ -32,8 +31,9 @@ from dlojz_lib.log import (
     write_text,
 )
 from dlojz_lib.parallelism.build import state_bytes_per_rank
-from dlojz_lib.recipe import recipe_text
 from dlojz_lib.resume import check_checkpoints_written
+from dlojz_lib.settings.flags import get_args_parser
+from dlojz_lib.settings.recipe import recipe_text
 
 
 def announce_run(cfg, argv, ranks, log, nodes, launcher):

@@ -1,4 +1,4 @@
-"""Write docs/flags.md, the reference of dlojz.py's flags, from its parser (dlojz_lib.flags.get_args_parser): each
+"""Write docs/flags.md, the reference of dlojz.py's flags, from its parser (dlojz_lib.settings.flags.get_args_parser): each
 group of `--help` as a table of flag, value, default and help. tests/test_docs.py fails when the page differs from
 what this writes, so a flag added or changed is documented by running it:
 
@@ -12,7 +12,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from dlojz_lib.flags import Number, get_args_parser  # noqa: E402
+from dlojz_lib.settings.flags import Number, get_args_parser  # noqa: E402
 
 PAGE = ROOT / "docs" / "flags.md"
 

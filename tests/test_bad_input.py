@@ -60,8 +60,8 @@ def test_a_recipe_with_one_flag_under_two_spellings_is_refused(tmp_path, run_inl
 
 
 def test_several_recipes_merge_in_order(tmp_path):
-    from dlojz_lib.config import resolve_config
-    from dlojz_lib.flags import get_args_parser
+    from dlojz_lib.settings.config import resolve_config
+    from dlojz_lib.settings.flags import get_args_parser
 
     (tmp_path / "a.toml").write_text("lr = 0.5\nlabel-smoothing = 0.1\n")
     (tmp_path / "b.toml").write_text("lr = 0.2\n")
@@ -81,12 +81,12 @@ def test_several_recipes_merge_in_order(tmp_path):
     ],
 )
 def test_chrono_plot_of_a_file_that_is_no_trace_is_one_line(tmp_path, capsys, content, fragment):
-    import dlojz_lib.chrono_report
+    import dlojz_lib.observers.chrono_report
 
     trace = tmp_path / "trace.json"
     trace.write_bytes(content)
     with pytest.raises(SystemExit) as exit:
-        dlojz_lib.chrono_report.main(["plot", str(trace), "-o", str(tmp_path / "t.png")])
+        dlojz_lib.observers.chrono_report.main(["plot", str(trace), "-o", str(tmp_path / "t.png")])
     err = capsys.readouterr().err.strip().splitlines()
     assert exit.value.code == 2 and "Traceback" not in "\n".join(err) and fragment in err[-1], err
     assert f"trace {trace}" in err[-1] and "chrono_trace.json" in err[-1]  # what to give instead
@@ -381,8 +381,8 @@ def test_counts_past_what_a_run_can_hold_are_refused(tmp_path, run_inline):
 
 
 def test_tf32_on_the_cpu_says_it_does_nothing():
-    from dlojz_lib.config import resolve_config
-    from dlojz_lib.flags import get_args_parser
+    from dlojz_lib.settings.config import resolve_config
+    from dlojz_lib.settings.flags import get_args_parser
 
     cfg = resolve_config(get_args_parser().parse_args(["--device", "cpu", "--tf32"]))
     assert cfg.tf32 is False and cfg.compute_dtype == "float32"
@@ -403,7 +403,7 @@ def test_wandb_online_without_a_key_is_one_line(tmp_path, run_inline, monkeypatc
     assert_one_line_error(proc, "--wandb-mode online: no W&B API key here", "wandb login")
     (tmp_path / "netrc").write_text("machine api.wandb.ai\n  login user\n  password 0123456789abcdef\n")
     (tmp_path / "netrc").chmod(0o600)
-    from dlojz_lib.config import check_wandb_login
+    from dlojz_lib.settings.config import check_wandb_login
 
     check_wandb_login()  # `wandb login`'s entry: accepted
 
@@ -414,7 +414,7 @@ SCRIPTS = [
     "dlojz_pack.py",
     "dlojz_fsdp.py",
     "dlojz_avg.py",
-    "dlojz_lib/chrono_report.py",  # dlojz_chrono.py's command line
+    "dlojz_lib/observers/chrono_report.py",  # dlojz_chrono.py's command line
     *sorted(  # the benches that are commands (in_process.py is the loop they import)
         path.relative_to(ROOT).as_posix()
         for path in (ROOT / "bench").glob("*.py")
@@ -453,13 +453,13 @@ def test_every_number_option_of_the_siblings_and_benches_has_bounds_and_refuses_
     script, monkeypatch, capsys
 ):
     """The walk of test_config's over each sibling script and bench: an option taking a number has bounds
-    (dlojz_lib.flags.Number: without them `bench_loader.py --sizes 0` reaches torchvision and fails inside it), and
+    (dlojz_lib.settings.flags.Number: without them `bench_loader.py --sizes 0` reaches torchvision and fails inside it), and
     each value out of them is one line naming the option, exit status 2."""
     import argparse
 
     from test_config import out_of_bounds
 
-    from dlojz_lib.flags import Number
+    from dlojz_lib.settings.flags import Number
 
     parser = parser_of(script, monkeypatch)
     monkeypatch.undo()  # the real parse_args again
@@ -481,7 +481,7 @@ def test_every_number_option_of_the_siblings_and_benches_has_bounds_and_refuses_
                 assert exit.value.code == 2 and len(lines) == 1, (script, action.dest, value, lines)
                 assert action.option_strings[-1] in lines[0], (script, lines)
                 walked += 1
-    no_numbers = ("dlojz_lib/chrono_report.py", "dlojz_fsdp.py", "dlojz_lab.py", "bench/gpu_seams.py")
+    no_numbers = ("dlojz_lib/observers/chrono_report.py", "dlojz_fsdp.py", "dlojz_lab.py", "bench/gpu_seams.py")
     assert walked or script in no_numbers, script
 
 

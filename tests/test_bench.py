@@ -329,7 +329,7 @@ def test_a_bench_refuses_a_bad_flag_in_one_line_before_it_imports_torch(script, 
     result = subprocess.run(command, capture_output=True, text=True, timeout=120, env=clean_env())
     assert result.returncode == 2 and says in result.stderr.splitlines()[-1], result.stderr[-2000:]
     _, imported = importtime(result.stderr)
-    assert "dlojz_lib.flags" in imported and "torch" not in imported, imported
+    assert "dlojz_lib.settings.flags" in imported and "torch" not in imported, imported
 
 
 def test_the_bare_loop_steps_with_dlojz_s_fused_sgd():

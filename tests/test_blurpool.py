@@ -71,13 +71,13 @@ def test_the_race_recipes_blur_as_ffcv_does():
     input channels and leaves the max-pool: the race recipes, which cite it, do the same."""
     from conftest import ROOT
 
-    from dlojz_lib.flags import get_args_parser
+    from dlojz_lib.settings.flags import get_args_parser
 
     for name in ("race_rn50_16ep.toml", "race_rn50_88ep.toml"):
         values = vars(get_args_parser().parse_args(["--config", str(ROOT / "recipes" / name)]))
         assert (values["blurpool"], values["blurpool_maxpool"]) == (True, False), name
     from dlojz_lib.checks import UserError
-    from dlojz_lib.flag_checks import checked_values
+    from dlojz_lib.settings.flag_checks import checked_values
 
     with pytest.raises(UserError, match="--no-blurpool-maxpool sets which layers --blurpool blurs: add --blurpool"):
         checked_values(["--device", "cpu", "--no-blurpool-maxpool"])

@@ -51,14 +51,14 @@ def test_the_test_mode_s_output_folder_is_checked_too(tmp_path, run_inline):
 
 
 def test_chrono_plot_into_a_folder_that_cannot_be(tmp_path, capsys):
-    import dlojz_lib.chrono_report
+    import dlojz_lib.observers.chrono_report
 
     trace = tmp_path / "trace.json"
     trace.write_text('{"load_s": [], "forward_s": [], "backward_s": [], "step_s": []}')
     blocker = tmp_path / "a-file"
     blocker.write_text("")
     with pytest.raises(SystemExit) as exit:
-        dlojz_lib.chrono_report.main(["plot", str(trace), "-o", str(blocker / "timeline.png")])
+        dlojz_lib.observers.chrono_report.main(["plot", str(trace), "-o", str(blocker / "timeline.png")])
     err = capsys.readouterr().err.strip().splitlines()
     assert exit.value.code == 2 and "-o/--output" in err[-1] and "is a file, not a folder" in err[-1], err
 

@@ -1,4 +1,4 @@
-"""Tests of the chronometer (dlojz_lib/chrono.py): Chronometer timings (fake clock), statistics, advice, NVML energy, trace plot, FLOP count.
+"""Tests of the chronometer (dlojz_lib/observers/chrono.py): Chronometer timings (fake clock), statistics, advice, NVML energy, trace plot, FLOP count.
 
 No training, no GPU: a fake clock and a fake sync stand in for the device; a fake pynvml module for NVML.
 Run from the repository root: ``python -m pytest tests/test_chrono.py`` (a few seconds).
@@ -12,9 +12,9 @@ import pytest
 import torch
 from torch import nn
 
-from dlojz_lib.chrono import Chronometer
-from dlojz_lib.chrono_report import loading_advice, main, report_lines
 from dlojz_lib.model import peak_flops, train_flops_per_image
+from dlojz_lib.observers.chrono import Chronometer
+from dlojz_lib.observers.chrono_report import loading_advice, main, report_lines
 
 
 class FakeClock:
@@ -333,7 +333,7 @@ def test_slowest_rank_load_drives_the_advice():
 # ------------------------------------------------------------------ sync and disabled
 def test_default_sync_waits_for_the_compute_stream_only(monkeypatch):
     """Not torch.cuda.synchronize: that would wait for the prefetcher's side stream too (the next batch's copy)."""
-    from dlojz_lib.chrono import _default_sync
+    from dlojz_lib.observers.chrono import _default_sync
 
     waited = []
     stream = types.SimpleNamespace(synchronize=lambda: waited.append("compute stream"))

@@ -10,8 +10,8 @@ from conftest import ROOT, SMALL, clean_env
 from test_dlojz import assert_one_line_error
 
 from dlojz_lib.checks import UserError
-from dlojz_lib.config import resolve_config
-from dlojz_lib.flags import Number, get_args_parser
+from dlojz_lib.settings.config import resolve_config
+from dlojz_lib.settings.flags import Number, get_args_parser
 
 
 def resolve(*flags):
@@ -101,7 +101,7 @@ def test_each_bound_is_checked(capsys, flags, fragment):
 
 
 # Flags that take any value of their type, and why; a flag added without bounds fails the walk below until it is
-# given some (dlojz_lib.flags.Number beside its definition) or is listed here.
+# given some (dlojz_lib.settings.flags.Number beside its definition) or is listed here.
 FREE = {
     "config": "a file path, read and checked by the recipe reader",
     "arch": "a model name, checked when the model is made",
@@ -140,7 +140,7 @@ def out_of_bounds(action):
 def test_every_flag_of_the_parser_refuses_what_it_cannot_take(capsys):
     """Walks the parser: each flag that takes a value refuses, in one line naming it and with exit status 2, what
     lies outside its bounds, before torch is imported (check_command_line runs first in dlojz.py)."""
-    from dlojz_lib.flag_checks import check_command_line
+    from dlojz_lib.settings.flag_checks import check_command_line
 
     walked = 0
     for action in get_args_parser()._actions:
@@ -228,7 +228,7 @@ def test_compile_drops_the_last_batch_unless_told_otherwise():
 
 
 def test_float16_on_a_recent_gpu_says_bfloat16_needs_no_scaler():
-    from dlojz_lib.config import precision_notes
+    from dlojz_lib.settings.config import precision_notes
 
     float16 = resolve("--amp", "--amp-dtype", "float16")
     assert any("--amp-dtype bfloat16 needs no GradScaler" in n for n in precision_notes(float16, (9, 0)))
@@ -299,7 +299,7 @@ def test_help_and_a_mistyped_flag_answer_before_torch_is_imported(flags, status,
 
 
 def test_checkpoint_every_is_off_on_the_cpu_unless_asked():
-    from dlojz_lib.config import resolve_config
+    from dlojz_lib.settings.config import resolve_config
 
     assert resolve_config(get_args_parser().parse_args(["--device", "cpu"])).checkpoint_every == 0
     asked = resolve_config(get_args_parser().parse_args(["--device", "cpu", "--checkpoint-every", "12.5"]))

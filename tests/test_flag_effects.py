@@ -8,8 +8,8 @@ import torch
 from in_process import synthetic_loop
 
 import dlojz
-from dlojz_lib.config import resolve_config
-from dlojz_lib.flags import get_args_parser
+from dlojz_lib.settings.config import resolve_config
+from dlojz_lib.settings.flags import get_args_parser
 
 BASE = ["--device", "cpu", "--arch", "resnet18", "--image-size", "32", "-b", "4", "--val-batch-size", "4"]
 

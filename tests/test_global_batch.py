@@ -10,9 +10,9 @@ import pytest
 from conftest import ROOT, TINY, read_json, run_dlojz
 
 from dlojz_lib.checks import UserError
-from dlojz_lib.config import resolve_config
-from dlojz_lib.flags import get_args_parser
 from dlojz_lib.global_batch import fit_global_batch, fit_to_ranks, split_global_batch
+from dlojz_lib.settings.config import resolve_config
+from dlojz_lib.settings.flags import get_args_parser
 
 FITTED = [p for p in sorted((ROOT / "recipes").glob("*.toml")) if re.search(r"^global-batch = ", p.read_text(), re.M)]
 

@@ -175,12 +175,12 @@ def test_the_prefetcher_gives_the_same_batches_on_its_stream(tmp_path):
     normalisation on the GPU) with --non-blocking, --no-non-blocking and --channels-last: the same images and labels,
     on the GPU, equal to the same uint8 batches normalised on the CPU, even when the compute stream reads each one
     late."""
-    from dlojz_lib.config import resolve_config
     from dlojz_lib.data.embedded import make_embedded_dataset
     from dlojz_lib.data.prefetch import DeviceNormalize, DevicePrefetcher
     from dlojz_lib.dist import Distribution
-    from dlojz_lib.flags import get_args_parser
     from dlojz_lib.log import Console
+    from dlojz_lib.settings.config import resolve_config
+    from dlojz_lib.settings.flags import get_args_parser
 
     root = make_embedded_dataset(tmp_path / "d", n_classes=3, train_per_class=16, val_per_class=4, size=(48, 40))
     got, reference = {}, None
@@ -262,7 +262,7 @@ def gpu_sleep_seconds(cycles):
 def test_the_chronometer_waits_for_the_compute_stream_and_only_for_it():
     """Kernels the host only queues (torch.cuda._sleep) are charged to the phase that queued them; a kernel on a
     side stream (the prefetcher's copy of the next batch) is charged to none."""
-    from dlojz_lib.chrono import Chronometer
+    from dlojz_lib.observers.chrono import Chronometer
 
     device = torch.device("cuda", torch.cuda.current_device())
     calibration = 10_000_000
@@ -355,7 +355,7 @@ def test_nvml_reads_the_energy_per_image(resnet50_test_metrics):
         pynvml.nvmlInit()
     except pynvml.NVMLError as err:
         pytest.skip(f"NVML does not start here ({err}): dlojz leaves the energy figures out")
-    from dlojz_lib.chrono import _nvml_handle_for
+    from dlojz_lib.observers.chrono import _nvml_handle_for
 
     try:
         pynvml.nvmlDeviceGetTotalEnergyConsumption(_nvml_handle_for(pynvml, torch.device("cuda", 0)))
@@ -704,7 +704,7 @@ def test_nvml_reads_the_gpu_cuda_visible_devices_names(tmp_path):
 
     last = torch.cuda.device_count() - 1
     code = (
-        "import pynvml, torch; from dlojz_lib.chrono import _nvml_handle_for; pynvml.nvmlInit(); "
+        "import pynvml, torch; from dlojz_lib.observers.chrono import _nvml_handle_for; pynvml.nvmlInit(); "
         "uuid = pynvml.nvmlDeviceGetUUID(_nvml_handle_for(pynvml, torch.device('cuda', 0))); "
         "print(uuid.decode() if isinstance(uuid, bytes) else uuid)"
     )

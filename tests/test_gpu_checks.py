@@ -9,10 +9,10 @@ import torch
 import torchvision
 from conftest import spawn_ranks
 
-import dlojz_lib.config
+import dlojz_lib.settings.config
 from dlojz_lib.checks import UserError
-from dlojz_lib.config import check_autocast, local_device
 from dlojz_lib.model import saved_activation_bytes, train_flops_per_image
+from dlojz_lib.settings.config import check_autocast, local_device
 
 
 @pytest.fixture
@@ -97,7 +97,7 @@ def test_a_driver_too_old_for_the_wheel_is_named(monkeypatch):
         local_device("cuda", 0)
     assert "driver 550.54 supports CUDA up to 12.4, this torch needs CUDA 13.0" in str(err.value)
     monkeypatch.setattr(nvml, "nvmlSystemGetCudaDriverVersion", lambda: 13000)
-    assert dlojz_lib.config.driver_too_old() is None
+    assert dlojz_lib.settings.config.driver_too_old() is None
 
 
 def test_emulated_bfloat16_is_refused(monkeypatch):

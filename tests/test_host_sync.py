@@ -64,7 +64,7 @@ FACTORIES = {
 
 # Known waits, by the function that asks, with the reason they are kept.
 EXCEPTIONS = {
-    "dlojz_lib/hooks.py:optimizer_step_done": "--findlr reads every step's loss: the range test needs it",
+    "dlojz_lib/observers/hooks.py:optimizer_step_done": "--findlr reads every step's loss: the range test needs it",
     "grad_scaler.py:<genexpr>": "an optimizer without a fused step under the float16 GradScaler reads the "
     "overflow flag at every step (timm's LAMB, LARS, Lion): said at start-up, --amp-dtype bfloat16 avoids it",
 }
@@ -98,7 +98,7 @@ MACHINERY = (
 
 def asker():
     """Where the operation was asked: the innermost frame outside this audit and torch's dispatch machinery, as
-    'file:function': a product file's path from the project's root (dlojz_lib/hooks.py), another file's name
+    'file:function': a product file's path from the project's root (dlojz_lib/observers/hooks.py), another file's name
     (grad_scaler.py when torch asks on its own)."""
     frame = sys._getframe(2)
     while frame is not None:
@@ -331,7 +331,9 @@ def test_a_training_epoch_waits_for_the_device_only_at_log_points(flags, monkeyp
     outside, at_log_points = audit_epoch(loop, monkeypatch)
     assert unexpected(outside) == []
     if "--findlr" in flags:  # the warned exception is seen at every step
-        assert {position for position, asker, _ in outside if asker == "dlojz_lib/hooks.py:optimizer_step_done"} >= {
+        assert {
+            position for position, asker, _ in outside if asker == "dlojz_lib/observers/hooks.py:optimizer_step_done"
+        } >= {
             1,
             3,
         }
@@ -340,8 +342,8 @@ def test_a_training_epoch_waits_for_the_device_only_at_log_points(flags, monkeyp
 def loop_on_data(data_root, *flags):
     """train_one_epoch's arguments as main() builds them, on the images of `data_root` through the DataLoader
     (one worker: the batches reach this process as they do in a run)."""
-    from dlojz_lib.config import resolve_config
-    from dlojz_lib.flags import get_args_parser
+    from dlojz_lib.settings.config import resolve_config
+    from dlojz_lib.settings.flags import get_args_parser
 
     argv = [*BASE, "--data-root", str(data_root), "--num-workers", "1", "--no-wandb", *flags]
     cfg = resolve_config(get_args_parser().parse_args(argv))
@@ -505,7 +507,7 @@ def audited_ranks(rank, port, out_dir, results):
     flags = ["--amp", "--amp-dtype", "float16", "--grad-acc", "2", "--model-ema", "--clip-grad-norm", "1.0"]
     # (BlurPool, a ResNet's, is audited in one process above: DDP adds nothing to it)
     loop = synthetic_loop([*BASE, *flags, *FLOAT16_MODEL, "--tta-flip", "--mixup-alpha", "0.2"], n_batches=4)
-    from dlojz_lib.watchdog import Watchdog
+    from dlojz_lib.observers.watchdog import Watchdog
 
     # the ranks' forward seconds compared at each log point, as --straggler-factor's default does in a run
     loop["stop"].watchdog = Watchdog(loop["ranks"], 0, None, straggler_factor=1.5)
@@ -546,7 +548,7 @@ def test_a_log_point_sends_the_ranks_forward_seconds_without_a_copy_from_the_hos
 
     import dlojz_lib.dist
     from dlojz_lib.dist import Distribution, StopSignal, agree_on_stop
-    from dlojz_lib.watchdog import Watchdog
+    from dlojz_lib.observers.watchdog import Watchdog
 
     monkeypatch.setattr(dlojz_lib.dist.dist, "all_reduce", lambda tensor, op=None: None)  # the one rank of two here
     ranks = Distribution(2, 1, 1, torch.device("cpu"))

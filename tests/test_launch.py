@@ -7,7 +7,7 @@ import sys
 import pytest
 from conftest import ROOT, clean_env
 
-from dlojz_lib.launch import launch_problem, most_tasks_per_node
+from dlojz_lib.settings.launch import launch_problem, most_tasks_per_node
 
 SLURM = dict(
     SLURM_STEP_ID="0",
@@ -102,7 +102,7 @@ def test_dlojz_refuses_them_before_importing_torch(tmp_path, env, fragment):
 
 
 def test_a_missing_dlojz_data_is_fine_when_no_data_is_read(monkeypatch):
-    from dlojz_lib.flag_checks import check_data_variable
+    from dlojz_lib.settings.flag_checks import check_data_variable
 
     monkeypatch.setenv("DLOJZ_DATA", "/nonexistent")
     check_data_variable(dict(data_root=None, synthetic=True))

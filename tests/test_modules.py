@@ -4,6 +4,7 @@ import from a layer below, modules and functions within bounds, and docs/archite
 import ast
 import re
 
+import pytest
 from conftest import ROOT
 
 
@@ -58,7 +59,7 @@ def find_circle(graph):
 
 def test_no_import_circle():
     graph = product_imports()
-    assert {"dlojz", "dlojz_lib.config", "dlojz_lib.data.datasets", "dlojz_lib.checks"} <= set(graph)
+    assert {"dlojz", "dlojz_lib.settings.config", "dlojz_lib.data.datasets", "dlojz_lib.checks"} <= set(graph)
     circle = find_circle(graph)
     assert circle is None, " -> ".join(circle)
 
@@ -94,8 +95,8 @@ def test_the_command_line_modules_import_no_torch():
     import sys
 
     code = (
-        "import sys, dlojz_lib.flags, dlojz_lib.recipe, dlojz_lib.config, dlojz_lib.checks, dlojz_lib.launch\n"
-        "dlojz_lib.flags.get_args_parser().parse_args(['--lr', '0.1'])\n"
+        "import sys, dlojz_lib.settings.flags, dlojz_lib.settings.recipe, dlojz_lib.settings.config, dlojz_lib.checks, dlojz_lib.settings.launch\n"
+        "dlojz_lib.settings.flags.get_args_parser().parse_args(['--lr', '0.1'])\n"
         "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'numpy', 'torchvision')))"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
@@ -103,10 +104,12 @@ def test_the_command_line_modules_import_no_torch():
     assert proc.stdout.strip() == "[]", proc.stdout
 
 
-def test_the_parallelism_wing_s_init_names_each_of_its_modules_and_imports_nothing():
-    """dlojz_lib/parallelism/__init__.py is the wing's door: its docstring names every module in the folder, and it
-    imports none of them (a reader of one pays for no other)."""
-    init = ROOT / "dlojz_lib" / "parallelism" / "__init__.py"
+@pytest.mark.parametrize("package", ["parallelism", "settings", "observers"])
+def test_a_package_s_init_names_each_of_its_modules_and_imports_nothing(package):
+    """dlojz_lib/parallelism/__init__.py, dlojz_lib/settings/__init__.py and dlojz_lib/observers/__init__.py are
+    their folders' doors: each docstring names every module in the folder, and imports none of them (a reader of one
+    pays for no other; settings' flags stay torch-free)."""
+    init = ROOT / "dlojz_lib" / package / "__init__.py"
     tree = ast.parse(init.read_text())
     assert not [node for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom))]
     modules = {path.stem for path in init.parent.glob("*.py")} - {"__init__"}
@@ -116,7 +119,7 @@ def test_the_parallelism_wing_s_init_names_each_of_its_modules_and_imports_nothi
 
 # The layers, in docs/architecture.md's order: a module imports from its own layer or those above it in this list.
 LAYERS = (
-    ("the command line", r"dlojz_lib(\.(checks|flags|flag_checks|recipe|launch|config|durable|optim))?"),
+    ("the command line", r"dlojz_lib(\.(checks|settings(\.(flags|flag_checks|recipe|launch|config))?|durable|optim))?"),
     ("the run's pieces and the data", r"dlojz_lib\.(?!hpo|lab|pack)\w+(\.\w+)?"),
     ("the commands' libraries", r"dlojz_lib\.(hpo|lab|pack)(\.\w+)?"),
     ("the commands", r"dlojz\w*"),
@@ -134,7 +137,10 @@ def test_no_module_imports_from_a_layer_below_its_own():
     once the flags are checked: it is the meeting point), the run's pieces never import the commands' libraries,
     and nothing in dlojz_lib imports a root command."""
     graph = product_imports()
-    set_up_reads = {"dlojz_lib.config", "dlojz_lib.flags"}  # flags reads the optimizer table (torch-free)
+    set_up_reads = {
+        "dlojz_lib.settings.config",
+        "dlojz_lib.settings.flags",
+    }  # flags reads the optimizer table (torch-free)
     upward = [
         f"{module} ({LAYERS[layer_of(module)][0]}) imports {target} ({LAYERS[layer_of(target)][0]})"
         for module, targets in graph.items()
@@ -143,7 +149,7 @@ def test_no_module_imports_from_a_layer_below_its_own():
     ]
     assert not upward, upward
     assert layer_of("dlojz_lib.data.samplers") == 1 and layer_of("dlojz_lib.hpo.search") == 2
-    assert layer_of("dlojz_lab") == 3 and layer_of("dlojz_lib.flag_checks") == 0
+    assert layer_of("dlojz_lab") == 3 and layer_of("dlojz_lib.settings.flag_checks") == 0
 
 
 def test_the_layer_rule_finds_an_upward_import():
@@ -152,7 +158,7 @@ def test_the_layer_rule_finds_an_upward_import():
 
 MAX_MODULE_LINES = 650
 MAX_FUNCTION_LINES = 80
-FLAG_TABLE = ("dlojz_lib/flags.py", "get_args_parser")  # only a table: one add_argument after the other
+FLAG_TABLE = ("dlojz_lib/settings/flags.py", "get_args_parser")  # only a table: one add_argument after the other
 
 
 def sizes(path):
@@ -254,8 +260,8 @@ def test_the_test_map_gives_every_module_test_files_that_name_it():
 
 def test_the_test_map_check_sees_a_missing_row_and_a_wrong_file():
     text = TESTING.read_text()
-    without = TEST_ROW.sub(lambda row: "" if row.group(1) == "dlojz_lib/chrono.py" else row.group(0), text)
-    assert "dlojz_lib/chrono.py: no row" in map_errors(without)
+    without = TEST_ROW.sub(lambda row: "" if row.group(1) == "dlojz_lib/observers/chrono.py" else row.group(0), text)
+    assert "dlojz_lib/observers/chrono.py: no row" in map_errors(without)
     wrong = text.replace(
         "| `dlojz_lib/parallelism/fsdp.py` | `", "| `dlojz_lib/parallelism/fsdp.py` | `tests/test_docs.py`, `", 1
     )

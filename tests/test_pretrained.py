@@ -10,10 +10,10 @@ import torchvision
 from conftest import TINY, read_json
 
 from dlojz_lib.checks import UserError
-from dlojz_lib.config import resolve_config
 from dlojz_lib.dist import Distribution
-from dlojz_lib.flags import get_args_parser
 from dlojz_lib.parallelism.build import build_model
+from dlojz_lib.settings.config import resolve_config
+from dlojz_lib.settings.flags import get_args_parser
 
 
 @pytest.fixture(autouse=True)

@@ -82,7 +82,7 @@ def test_zero_init_residual_starts_each_block_as_the_identity():
 
 
 def test_zero_init_residual_is_on_by_default_where_the_model_takes_it():
-    from dlojz_lib.flags import get_args_parser
+    from dlojz_lib.settings.flags import get_args_parser
 
     def zeroed(model):
         return [m.bn2.weight.abs().sum().item() == 0 for m in model.modules() if hasattr(m, "bn2")]

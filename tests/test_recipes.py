@@ -7,8 +7,8 @@ import pytest
 from conftest import ROOT, read_json
 
 from dlojz_lib.checks import UserError
-from dlojz_lib.config import resolve_config
-from dlojz_lib.flags import get_args_parser
+from dlojz_lib.settings.config import resolve_config
+from dlojz_lib.settings.flags import get_args_parser
 
 RECIPES = sorted((ROOT / "recipes").glob("*.toml"))
 
@@ -372,7 +372,7 @@ def test_a_run_s_args_toml_is_read_back_by_config_for_every_kind_of_flag(flags, 
     """The recipe dlojz writes beside a run (args.toml, HPO's best.toml) gives --config the same values: switches,
     numbers, strings, lists of a fixed length, one or more values (--lr-milestones), an optional value
     (--pretrained)."""
-    from dlojz_lib.recipe import read_recipe, recipe_text
+    from dlojz_lib.settings.recipe import read_recipe, recipe_text
 
     parser = get_args_parser()
     args = parser.parse_args(["--device", "cpu", *flags])
@@ -385,7 +385,7 @@ def test_a_run_s_args_toml_is_read_back_by_config_for_every_kind_of_flag(flags, 
 def test_every_flag_of_a_resolved_run_goes_through_args_toml_and_back(tmp_path):
     import dataclasses
 
-    from dlojz_lib.recipe import recipe_text
+    from dlojz_lib.settings.recipe import recipe_text
 
     cfg = resolve("--lr-milestones", "2", "4", "-e", "6", "--lr-scheduler", "step", "--randaugment", "2", "9")
     again = resolve("--config", recipe(tmp_path, recipe_text(cfg, get_args_parser())))
@@ -417,7 +417,7 @@ def test_every_switch_has_its_no_form():
 
 
 def test_an_error_about_a_recipe_s_key_names_the_file(tmp_path):
-    from dlojz_lib.flag_checks import checked_values
+    from dlojz_lib.settings.flag_checks import checked_values
 
     path = recipe(tmp_path, "freeze-backbone-epochs = 1\n")
     with pytest.raises(UserError) as caught:
@@ -446,7 +446,7 @@ def test_no_warm_up_on_the_command_line_leaves_a_recipe_s_warm_up_shape_out(tmp_
 def test_a_recipe_s_feature_is_cleared_with_its_no_form(tmp_path):
     """--randaugment, --ra-reps, --lr-milestones, --lr-step-size and the others a recipe sets: --no-FLAG turns each
     off (its value None, as without the recipe)."""
-    from dlojz_lib.flags import CLEARABLE
+    from dlojz_lib.settings.flags import CLEARABLE
 
     path = recipe(tmp_path, "randaugment = [2, 9]\nra-reps = 3\nlr-scheduler = 'step'\nlr-milestones = [2]\n"
                             "epochs = 4\ndrop-path = 0.1\narch = 'convnext_tiny'\nimage-size = 32\n")  # fmt: skip

@@ -42,7 +42,7 @@ def test_the_data_wait_is_the_chronometer_s_load_phase():
     time the batches took to come (each pauses 20 ms, and a pause never ends early), never more than the phase."""
     import time
 
-    from dlojz_lib.hooks import LoopHooks
+    from dlojz_lib.observers.hooks import LoopHooks
 
     class Phases:
         def __init__(self):
@@ -68,8 +68,8 @@ def test_the_data_wait_is_the_chronometer_s_load_phase():
 def test_the_arguments_of_a_run_are_saved_as_a_recipe_that_runs_it_again(tiny_data, tmp_path):
     """args.toml in the output folder holds the recipe's values, the command line's (which win) and the profile's;
     `--config args.toml` reads back the same flags. pin_memory is reported False on a CPU, where it does nothing."""
-    from dlojz_lib.flags import get_args_parser
-    from dlojz_lib.recipe import recipe_text
+    from dlojz_lib.settings.flags import get_args_parser
+    from dlojz_lib.settings.recipe import recipe_text
 
     recipe = tmp_path / "recipe.toml"
     recipe.write_text('label-smoothing = 0.05\nlr = 0.5\noptimizer = "adamw"\n')

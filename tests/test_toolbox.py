@@ -192,7 +192,7 @@ def test_the_collectives_line_names_nccl_kernels_and_host_waits():
     and DTensor's functional waits apart), per step; other events are not counted."""
     from types import SimpleNamespace
 
-    from dlojz_lib.hooks import collective_times
+    from dlojz_lib.observers.hooks import collective_times
 
     def event(key, device_us=0.0, cpu_us=0.0, self_cpu_us=0.0):
         return SimpleNamespace(

@@ -2,8 +2,8 @@
 transform a run gets (`train_transform`: the crop and flip, then --randaugment, --trivialaugment, --autoaugment,
 --augmix or --random-erase, torchvision v2 on the uint8 crop, or --timm-augment, timm's own), progressive resizing's resolution per epoch
 (--min-res/--max-res, FFCV's), timm's RandAugment with a noisy magnitude, and MixUp/CutMix on the device batch
-(`batch_mixing`). An augmentation is a flag in dlojz_lib/flags.py's "augmentation" group and a line in
-`fixed_size_train_transform` here (a policy also joins dlojz_lib/flag_checks.py's `augmentation_policies`: one at a time).
+(`batch_mixing`). An augmentation is a flag in dlojz_lib/settings/flags.py's "augmentation" group and a line in
+`fixed_size_train_transform` here (a policy also joins dlojz_lib/settings/flag_checks.py's `augmentation_policies`: one at a time).
 """
 
 from __future__ import annotations

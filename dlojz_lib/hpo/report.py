@@ -9,9 +9,9 @@ import os
 import warnings
 from pathlib import Path
 
-from dlojz_lib.flags import get_args_parser
 from dlojz_lib.hpo.space import NOT_IN_RECIPE, flag_actions, flag_argv, long_flag
-from dlojz_lib.recipe import toml_value
+from dlojz_lib.settings.flags import get_args_parser
+from dlojz_lib.settings.recipe import toml_value
 
 
 def best_trial(study):

@@ -19,9 +19,9 @@ import warnings
 from pathlib import Path
 
 from dlojz_lib.checks import fail
-from dlojz_lib.flags import VALIDATION_METRICS
 from dlojz_lib.hpo.report import best_trial, write_csv, write_plots, write_recipe
 from dlojz_lib.hpo.space import check_shared, flag_argv, read_space, split_shared
+from dlojz_lib.settings.flags import VALIDATION_METRICS
 
 DLOJZ = Path(__file__).resolve().parents[2] / "dlojz.py"  # the project's training script, beside dlojz_lib/
 

@@ -6,10 +6,10 @@ whole command resolved once, before any trial), and a sampled value back into co
 import argparse
 
 from dlojz_lib.checks import UserError, fail
-from dlojz_lib.config import resolve_config
-from dlojz_lib.flags import get_args_parser
-from dlojz_lib.recipe import flag_actions as recipe_flag_actions
-from dlojz_lib.recipe import read_toml, recipe_value, value_type
+from dlojz_lib.settings.config import resolve_config
+from dlojz_lib.settings.flags import get_args_parser
+from dlojz_lib.settings.recipe import flag_actions as recipe_flag_actions
+from dlojz_lib.settings.recipe import read_toml, recipe_value, value_type
 
 # Flags the worker sets for each trial: not in the search space nor after `--` (--output-dir is the trials' root).
 PER_TRIAL = ("metrics_json", "val_history", "resume", "requeue", "wandb_group", "config")

@@ -18,7 +18,7 @@ import io
 import json
 from pathlib import Path
 
-from dlojz_lib.flags import VALIDATION_METRICS
+from dlojz_lib.settings.flags import VALIDATION_METRICS
 
 # (column, header, where in the metrics JSON: a key of the chronometer's dict, or of the metrics themselves)
 COLUMNS = [

@@ -43,7 +43,7 @@ class LabError(Exception):
 # ------------------------------------------------------------------ the grid
 def dlojz_flags():
     """dlojz.py's long flags: {name without dashes: (the argparse action, is a switch)}."""
-    from dlojz_lib.flags import get_args_parser
+    from dlojz_lib.settings.flags import get_args_parser
 
     flags = {}
     for action in get_args_parser()._actions:
@@ -104,7 +104,7 @@ def run_name(settings: dict) -> str:
 def check_command_line(name: str, argv: list[str]) -> None:
     """dlojz.py's own parser and flag checks on one run's command line (torch is not imported)."""
     from dlojz_lib.checks import UserError
-    from dlojz_lib.flag_checks import checked_values
+    from dlojz_lib.settings.flag_checks import checked_values
 
     said = io.StringIO()
     try:

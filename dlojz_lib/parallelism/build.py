@@ -10,7 +10,6 @@ import torch
 
 from dlojz_lib.checks import fail
 from dlojz_lib.dist import start_compile_workers
-from dlojz_lib.flags import CUDA_GRAPH_MODES
 from dlojz_lib.model import (
     BFLOAT16_BATCH_NORM,
     ModelEma,
@@ -23,6 +22,7 @@ from dlojz_lib.model import (
     meta_copy,
     pad_stem_channels,
 )
+from dlojz_lib.settings.flags import CUDA_GRAPH_MODES
 
 
 @dataclasses.dataclass

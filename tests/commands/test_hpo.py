@@ -370,7 +370,7 @@ def test_minimize_needs_a_target(tmp_path, capsys):
 
 def test_flag_words():
     import dlojz_lib.hpo.space
-    from dlojz_lib.flags import get_args_parser
+    from dlojz_lib.settings.flags import get_args_parser
 
     actions = dlojz_lib.hpo.space.flag_actions(get_args_parser())
     assert dlojz_lib.hpo.space.flag_argv(actions["channels_last"], False) == ["--no-channels-last"]
@@ -543,7 +543,7 @@ def test_report_writes_plots_csv_and_a_recipe_that_dlojz_runs(finished_study, tm
         history = [json.loads(line) for line in (folder / "val_history.jsonl").read_text().splitlines()]
         assert trial.intermediate_values == {1: history[0]["val_macro_f1"]}
     # The recipe: the best trial's flags, as dlojz.py --config reads them.
-    from dlojz_lib.flags import get_args_parser
+    from dlojz_lib.settings.flags import get_args_parser
 
     recipe = vars(get_args_parser().parse_args(["--config", str(out / "best.toml")]))
     assert recipe["lr"] == best.params["lr"] and recipe["label_smoothing"] == best.params["label_smoothing"]

@@ -258,9 +258,9 @@ def test_dali_writes_the_models_input_in_channels_last(tiny_data, flags, dtype):
 
 def dali_loaders_for(tiny_data, *flags):
     import dlojz_lib.data.loaders
-    from dlojz_lib.config import resolve_config
     from dlojz_lib.dist import Distribution
-    from dlojz_lib.flags import get_args_parser
+    from dlojz_lib.settings.config import resolve_config
+    from dlojz_lib.settings.flags import get_args_parser
 
     args = [*TINY, "--data-root", str(tiny_data), "--data-backend", "dali", "--num-workers", "1", *flags]
     cfg = resolve_config(get_args_parser().parse_args(args))

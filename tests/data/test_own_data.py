@@ -108,11 +108,11 @@ def test_class_weights_balanced_weighs_the_training_loss_of_an_imbalanced_folder
     assert f"classes: 3, training images per class from 6 ({rare.name}) to 22 " in proc.stdout, proc.stdout
     assert "--class-weights balanced: the training loss weighs each class by 0.758 (the largest) to 2.78" in proc.stdout
 
-    from dlojz_lib.config import resolve_config
     from dlojz_lib.dist import Distribution
-    from dlojz_lib.flags import get_args_parser
     from dlojz_lib.optim.training import build_training
     from dlojz_lib.parallelism.build import build_model
+    from dlojz_lib.settings.config import resolve_config
+    from dlojz_lib.settings.flags import get_args_parser
 
     cpu = Distribution(1, 0, 0, torch.device("cpu"))
     for flags, expected in (([], None), (["--class-weights", "balanced"], [50 / 66, 50 / 66, 50 / 18])):

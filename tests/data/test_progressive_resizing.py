@@ -6,11 +6,11 @@ import torch
 
 import dlojz
 from dlojz_lib.checks import UserError
-from dlojz_lib.config import resolve_config
 from dlojz_lib.data.augment import resolution_at
 from dlojz_lib.dist import Distribution
-from dlojz_lib.flags import get_args_parser
 from dlojz_lib.log import Console
+from dlojz_lib.settings.config import resolve_config
+from dlojz_lib.settings.flags import get_args_parser
 
 RAMP = ["--min-res", "16", "--max-res", "32", "--start-ramp", "1", "--end-ramp", "3", "--res-step", "8"]
 

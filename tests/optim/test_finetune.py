@@ -11,11 +11,11 @@ import torch
 import torchvision
 
 from dlojz_lib.checks import UserError
-from dlojz_lib.config import resolve_config
 from dlojz_lib.dist import Distribution
-from dlojz_lib.flags import get_args_parser
 from dlojz_lib.optim.training import build_training
 from dlojz_lib.parallelism.build import build_model
+from dlojz_lib.settings.config import resolve_config
+from dlojz_lib.settings.flags import get_args_parser
 
 CPU = Distribution(1, 0, 0, torch.device("cpu"))
 # torchvision's resnet18: the tests name its layers.

@@ -12,11 +12,11 @@ import pytest
 import torch
 from torch import nn
 
-from dlojz_lib.flags import OPTIMIZERS
 from dlojz_lib.optim import SCHEDULERS
 from dlojz_lib.optim.losses import soft_target_accuracy
 from dlojz_lib.optim.optimizers import build_optimizer, param_groups
 from dlojz_lib.optim.schedules import LRFinder, build_scheduler, fast_forward, lr_scaling_line
+from dlojz_lib.settings.flags import OPTIMIZERS
 
 # An LR per optimizer that trains the tiny model below in a few steps (LARS scales its step by 1e-3 * |w|/|g|).
 GOOD_LR = {"sgd": 0.1, "adamw": 1e-2, "rmsprop": 1e-2, "lamb": 1e-2, "lars": 5.0, "lion": 1e-3}
@@ -123,7 +123,7 @@ def test_an_optimizer_is_one_row_of_the_table(monkeypatch):
     table's rows."""
     import dlojz_lib.optim
     import dlojz_lib.optim.optimizers
-    from dlojz_lib.flags import FUSED, get_args_parser
+    from dlojz_lib.settings.flags import FUSED, get_args_parser
 
     row = dlojz_lib.optim.OptimizerRow(
         "torch.optim.Adagrad", False, lambda mom, wd, nesterov: dict(lr_decay=mom / 100), "torch's"
@@ -605,19 +605,19 @@ def test_lr_per_epoch_gives_torchvision_s_schedule_stepped_once_per_epoch():
 )
 def test_schedule_flags_the_scheduler_would_not_use_are_refused(flags, message):
     from dlojz_lib.checks import UserError
-    from dlojz_lib.flag_checks import checked_values
+    from dlojz_lib.settings.flag_checks import checked_values
 
     with pytest.raises(UserError, match=re.escape(message)):
         checked_values(["--device", "cpu", "-e", "6", *flags])
 
 
 def training_of(*flags):
-    from dlojz_lib.config import resolve_config
     from dlojz_lib.dist import Distribution
-    from dlojz_lib.flag_checks import checked_values
-    from dlojz_lib.flags import get_args_parser
     from dlojz_lib.optim.training import build_training
     from dlojz_lib.parallelism.build import build_model
+    from dlojz_lib.settings.config import resolve_config
+    from dlojz_lib.settings.flag_checks import checked_values
+    from dlojz_lib.settings.flags import get_args_parser
 
     argv = ["--device", "cpu", "--arch", "resnet18", "--lr", "0.4", "-e", "6", *flags]
     checked_values(argv)

@@ -288,9 +288,9 @@ def in_fresh_process(function, *args):
 
 
 def sharded_test_vit(*flags):
-    from dlojz_lib.config import resolve_config
-    from dlojz_lib.flags import get_args_parser
     from dlojz_lib.parallelism.fsdp import shard_model
+    from dlojz_lib.settings.config import resolve_config
+    from dlojz_lib.settings.flags import get_args_parser
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     cfg = resolve_config(get_args_parser().parse_args(["--device", "cpu", "--fsdp", "--test", *flags]))

@@ -332,14 +332,14 @@ def test_cuda_without_gpu(tmp_path, run_inline):
 def test_autocast_dtype_that_cannot_run(monkeypatch):
     """Where autocast in the chosen dtype fails on the device, dlojz says so before training, naming the flag."""
     import dlojz_lib.checks
-    import dlojz_lib.config
+    import dlojz_lib.settings.config
 
     def broken_autocast(*args, **kwargs):
         raise RuntimeError("Current CPU device does not support float16 autocast\nmore details")
 
     monkeypatch.setattr(torch, "autocast", broken_autocast)
     with pytest.raises(dlojz_lib.checks.UserError, match=r"^--amp-dtype float16 cannot run on cpu: Current CPU device"):
-        dlojz_lib.config.check_autocast(torch.device("cpu"), torch.float16)
+        dlojz_lib.settings.config.check_autocast(torch.device("cpu"), torch.float16)
 
 
 def test_unwritable_output_dir(tiny_data, tmp_path, run_inline):
@@ -408,8 +408,8 @@ def test_loader_only_with_synthetic_is_refused(tmp_path, run_inline):
 
 def test_cpu_profile_scales_the_learning_rate_unless_given(tmp_path, monkeypatch):
     # Without a GPU the profile's batch is 4x smaller than the course's: the lr follows the linear scaling rule.
-    from dlojz_lib.config import resolve_config
-    from dlojz_lib.flags import get_args_parser
+    from dlojz_lib.settings.config import resolve_config
+    from dlojz_lib.settings.flags import get_args_parser
 
     monkeypatch.chdir(tmp_path)  # the default --output-dir is made under ./runs
     common = ["--device", "cpu", "--arch", "resnet18"]

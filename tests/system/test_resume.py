@@ -644,9 +644,9 @@ def test_keep_global_batch_under_cuda_graphs_compiles_without_them(tmp_path, mon
 
     import dlojz_lib.global_batch
     from dlojz_lib.checks import UserError
-    from dlojz_lib.config import resolve_config
-    from dlojz_lib.flag_checks import check_flags
-    from dlojz_lib.flags import get_args_parser
+    from dlojz_lib.settings.config import resolve_config
+    from dlojz_lib.settings.flag_checks import check_flags
+    from dlojz_lib.settings.flags import get_args_parser
 
     saved = tmp_path / "ckpt.pt"
     saved.write_bytes(b"")  # read through the stand-in below: the checkpoint of a run on 2 ranks x 8 images

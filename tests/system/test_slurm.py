@@ -463,7 +463,7 @@ def test_the_script_s_dlojz_flags_pass_dlojz_s_checks(name, monkeypatch):
     import shlex
 
     monkeypatch.setenv("SLURM_JOB_ID", "1")
-    from dlojz_lib.flag_checks import checked_values
+    from dlojz_lib.settings.flag_checks import checked_values
 
     text = (SLURM_DIR / name).read_text()
     command = re.search(r"python -u dlojz\.py \\\n(.*?)\"\$@\"", text, re.S)

@@ -1,4 +1,4 @@
-"""The hang watchdog and the straggler line (dlojz_lib/watchdog.py): verdicts from the ranks' published states and
+"""The hang watchdog and the straggler line (dlojz_lib/observers/watchdog.py): verdicts from the ranks' published states and
 the straggler comparison (unit); two ranks whose rank 1 is stopped (silent), kept alive outside the collective rank
 0 waits in (stuck), or slowed by SIGSTOP/SIGCONT pulses (a straggler)."""
 
@@ -18,7 +18,7 @@ from conftest import ROOT, SMALL, clean_env, read_json, start_dlojz
 from test_resume import start_ranks, wait_for_line
 
 from dlojz_lib.dist import Distribution
-from dlojz_lib.watchdog import HUNG_STATUS, Judge, Watchdog
+from dlojz_lib.observers.watchdog import HUNG_STATUS, Judge, Watchdog
 
 T, PERIOD = 10.0, 1.0
 

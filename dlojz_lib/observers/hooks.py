@@ -7,7 +7,7 @@ The loop calls the same few methods whatever is plugged in, so that it reads the
         hooks.step_done()                             # after each micro-batch
         if hooks.optimizer_step_done(loss, stats): break   # the LR finder has swept its range
 
-- The chronometer (`dlojz_lib.chrono.Chronometer`) times data loading, forward (with the loss) and backward (with the
+- The chronometer (`dlojz_lib.observers.chrono.Chronometer`) times data loading, forward (with the loss) and backward (with the
   optimizer step, as the course counts it); disabled, its toggles cost nothing.
 - The profiler (`make_profiler`) labels each phase with `record_function` and is stepped after each micro-batch;
   once its steps are recorded it says how long each kind of collective took per step (`collective_times`): the part

@@ -1,7 +1,7 @@
 """dlojz's command line: the flags (`get_args_parser`), each with its bounds beside it (`Number`), recipe files
-read first (`--config FILE.toml`, several merged in order; dlojz_lib/recipe.py), and the checks of flags taken together (`check_flags`). No torch, no file but the recipe read: `check_command_line()`,
+read first (`--config FILE.toml`, several merged in order; dlojz_lib/settings/recipe.py), and the checks of flags taken together (`check_flags`). No torch, no file but the recipe read: `check_command_line()`,
 dlojz.py's first step, answers `--help`, a mistyped flag or a value out of bounds in a fraction of a second, before
-torch is imported. What needs the machine (the device, libraries, output paths) is dlojz_lib/config.py's.
+torch is imported. What needs the machine (the device, libraries, output paths) is dlojz_lib/settings/config.py's.
 """
 
 import argparse
@@ -10,7 +10,7 @@ import sys
 
 from dlojz_lib.checks import OneLineArgumentParser
 from dlojz_lib.optim import OPTIMIZER_TABLE, SCHEDULERS
-from dlojz_lib.recipe import read_recipe
+from dlojz_lib.settings.recipe import read_recipe
 
 # The accepted values of --optimizer (dlojz_lib.optim's table, torch-free; --lr-scheduler's: SCHEDULERS there).
 OPTIMIZERS = tuple(OPTIMIZER_TABLE)

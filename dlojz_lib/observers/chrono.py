@@ -49,7 +49,7 @@ error) those figures are left out; nothing crashes.
 
 The MFU uses ``dlojz_lib.model.peak_flops(device_name, dtype)`` (the dense peak of V100/A100/H100/H200 GPUs) and the
 context's ``train_flops_per_image`` (``dlojz_lib.model.train_flops_per_image``). The report's lines, its advice and the
-per-step timeline plot are dlojz_lib/chrono_report.py's (``python dlojz_chrono.py plot TRACE.json -o timeline.png``,
+per-step timeline plot are dlojz_lib/observers/chrono_report.py's (``python dlojz_chrono.py plot TRACE.json -o timeline.png``,
 the course's command, a thin front to this module and that one).
 
 A step is one micro-batch's forward and backward on every rank; the context's ``images_per_step`` is that many
@@ -66,7 +66,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dlojz_lib.chrono_report import (
+from dlojz_lib.model import peak_flops
+from dlojz_lib.observers.chrono_report import (
     energy_figures,
     flops_figures,
     report_lines,
@@ -74,7 +75,6 @@ from dlojz_lib.chrono_report import (
     unsync_figures,
     validation_figures,
 )
-from dlojz_lib.model import peak_flops
 
 # ``nvml`` default: import pynvml lazily, and only for CUDA devices.
 _TRY_PYNVML = object()
@@ -188,7 +188,7 @@ class Chronometer:
     """
 
     # One object the loop toggles (the course's API): its records and toggles stay together; the figures made from
-    # them are dlojz_lib.chrono_report's functions, the energy readings EnergyMeter's.
+    # them are dlojz_lib.observers.chrono_report's functions, the energy readings EnergyMeter's.
 
     def __init__(
         self,

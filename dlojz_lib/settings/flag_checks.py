@@ -1,5 +1,5 @@
 """The flags' combinations, checked before torch is imported: what a flag means beside the others (each flag alone
-is checked by its type in dlojz_lib/flags.py's table as it is parsed). `check_flags` runs one check per topic;
+is checked by its type in dlojz_lib/settings/flags.py's table as it is parsed). `check_flags` runs one check per topic;
 `checked_values` parses and checks a command line (dlojz.py's first step, and dlojz_lab.py's check of each run of a
 sweep); `check_command_line` is dlojz.py's first step itself. Every refusal is one line (UserError) that names the
 flags and says what to do.
@@ -9,7 +9,7 @@ import os
 import re
 
 from dlojz_lib.checks import UserError, fail, missing_data_variable
-from dlojz_lib.flags import CUDA_GRAPH_MODES, DALI_DEFAULTS, LOOPED_SCHEDULES, get_args_parser
+from dlojz_lib.settings.flags import CUDA_GRAPH_MODES, DALI_DEFAULTS, LOOPED_SCHEDULES, get_args_parser
 
 # timm's --aa strings: a kind, then options, each a letter key and its number (rand-m7-mstd0.5-inc1)
 TIMM_AUGMENT = re.compile(r"(rand|augmix|original|originalr|v0|v0r|3a)(-[a-z]+\d*(\.\d+)?)*")
@@ -406,7 +406,7 @@ def check_command_line(argv=None):
     main() parses again."""
     import sys
 
-    from dlojz_lib.launch import launch_problem, launch_rank
+    from dlojz_lib.settings.launch import launch_problem, launch_rank
 
     if (problem := launch_problem(os.environ)) is not None:
         print(f"dlojz: error: {problem}", file=sys.stderr, flush=True)  # every copy: which rank it is is unknown

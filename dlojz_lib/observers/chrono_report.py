@@ -1,7 +1,7 @@
 """The chronometer's report: its figures from the recorded timings (`step_figures`, `validation_figures`,
 `flops_figures`, `energy_figures`, which `Chronometer.summary` puts in one dict), the lines it prints, its advice
 when data loading holds the step back, and the per-step timeline plot (`python dlojz_chrono.py plot TRACE.json -o
-timeline.png`). The timing itself is dlojz_lib/chrono.py's. No torch here.
+timeline.png`). The timing itself is dlojz_lib/observers/chrono.py's. No torch here.
 """
 
 import json

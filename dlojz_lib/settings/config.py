@@ -1,4 +1,4 @@
-"""dlojz's run settings: `resolve_config(args)` -> `Config`, from the flags that dlojz_lib/flags.py parses.
+"""dlojz's run settings: `resolve_config(args)` -> `Config`, from the flags that dlojz_lib/settings/flags.py parses.
 
 `resolve_config(args)` fills what the user left unset (the GPU defaults, or the CPU profile without a GPU; AMP,
 TF32 and DataLoader workers from the device and the Slurm task) and checks every flag, all before any process
@@ -15,10 +15,10 @@ from datetime import datetime
 from pathlib import Path
 
 from dlojz_lib.checks import UserError, fail
-from dlojz_lib.flag_checks import check_data_variable, check_flags
-from dlojz_lib.flags import CUDA_GRAPH_MODES, FROM_TIMM, FUSED, LOOPED_SCHEDULES, get_args_parser
-from dlojz_lib.launch import load_idr_torch
-from dlojz_lib.recipe import read_recipe
+from dlojz_lib.settings.flag_checks import check_data_variable, check_flags
+from dlojz_lib.settings.flags import CUDA_GRAPH_MODES, FROM_TIMM, FUSED, LOOPED_SCHEDULES, get_args_parser
+from dlojz_lib.settings.launch import load_idr_torch
+from dlojz_lib.settings.recipe import read_recipe
 
 # GPU defaults are the course's; without a GPU the CPU profile keeps `--test` to a few minutes on a laptop, with the
 # learning rate scaled to its smaller batch by the linear scaling rule (0.1 x 32/128: at 0.1, ResNet-50 at batch 32
@@ -464,8 +464,8 @@ def driver_too_old():
 
 
 def check_launch():
-    """The launcher's variables whole and consistent (dlojz_lib.launch): never N copies of one silent process."""
-    from dlojz_lib.launch import launch_problem
+    """The launcher's variables whole and consistent (dlojz_lib.settings.launch): never N copies of one silent process."""
+    from dlojz_lib.settings.launch import launch_problem
 
     if (problem := launch_problem(os.environ)) is not None:
         fail(problem)

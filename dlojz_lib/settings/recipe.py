@@ -1,7 +1,7 @@
 """Recipe files: a run's flags as TOML, one key per flag (its long name without the dashes). `read_recipe` reads
 one for `--config FILE.toml`, checking every value as the command line would; `recipe_text`, its inverse, writes a
 run's `args.toml` (and dlojz_hpo.py's best trial); `read_toml` is the one reader of TOML files, for recipes and
-dlojz_hpo.py's search spaces. No torch. A flag's bounds are its parser type's (dlojz_lib.flags.Number: `kind`,
+dlojz_hpo.py's search spaces. No torch. A flag's bounds are its parser type's (dlojz_lib.settings.flags.Number: `kind`,
 `check`).
 """
 
@@ -28,7 +28,7 @@ def read_toml(path, flag):
 
 def flag_actions(parser):
     """The parser's flags, one action each: not --help, nor the hidden --no-FLAG forms that clear a flag's value
-    (dlojz_lib.flags.CLEARABLE), which share its dest."""
+    (dlojz_lib.settings.flags.CLEARABLE), which share its dest."""
     return [action for action in parser._actions if action.dest != "help" and action.help != argparse.SUPPRESS]
 
 
