@@ -19,8 +19,9 @@ import sys
 from pathlib import Path
 
 from dlojz_lib.checks import OneLineArgumentParser, UserError, check_output_folder
+from dlojz_lib.export import EXPORTERS
 
-FORMATS = ("onnx", "export", "torchscript", "safetensors")
+FORMATS = tuple(EXPORTERS)  # the table's rows (torch-free: read before the flags are checked)
 
 
 def get_parser():
@@ -58,7 +59,7 @@ def main(argv=None) -> int:
 
 
 def export_model(args) -> int:
-    from dlojz_lib.export import EXPORTERS, check_images, export, max_difference, write_preprocessing
+    from dlojz_lib.export import check_images, export, max_difference, write_preprocessing
     from dlojz_lib.inference import image_files, load_for_inference
 
     model = load_for_inference(args.checkpoint, args.arch, args.pretrained, args.ema)
@@ -73,7 +74,7 @@ def export_model(args) -> int:
         difference = max_difference(model, fmt, path, images)
         worst = max(worst, difference)
         print(
-            f"{fmt}: {path} ({path.stat().st_size / 2**20:.1f} MiB; {EXPORTERS[fmt][1]}): largest logit difference "
+            f"{fmt}: {path} ({path.stat().st_size / 2**20:.1f} MiB; {EXPORTERS[fmt].readers}): largest logit difference "
             f"from PyTorch on {len(images)} images {difference:.2e}",
             flush=True,
         )

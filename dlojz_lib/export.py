@@ -1,9 +1,11 @@
 """A trained model in the formats other tools read (dlojz_export.py), each checked against the PyTorch model on real
 images in the same command.
 
-- `EXPORTERS`: format -> (file name, what reads it): ONNX (torch.onnx's exporter; checked with onnxruntime), a
-  `torch.export` program (.pt2: torch.export.load, AOTInductor), TorchScript (torch.jit.trace: C++ libtorch) and
-  a safetensors state dict (the weights alone, for any code that builds the architecture).
+- `EXPORTERS`: one row per format (its file name, what reads it, its writer and its reader): ONNX (torch.onnx's
+  exporter; checked with onnxruntime), a `torch.export` program (.pt2: torch.export.load, AOTInductor), TorchScript
+  (torch.jit.trace: C++ libtorch) and a safetensors state dict (the weights alone, for any code that builds the
+  architecture). A new format is one row; the command's `--format` choices are the table's keys. Importing this
+  module imports no torch (the command reads the table before its flags are checked).
 - `export(model, fmt, folder, example)`: write one format; one line (UserError) when the model cannot be exported so.
 - `max_difference(model, fmt, path, images)`: the largest absolute difference between the exported model's logits
   and PyTorch's on `images` (a normalised NCHW float32 batch).
@@ -15,18 +17,99 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+from dataclasses import dataclass
 from pathlib import Path
-
-import torch
+from typing import Callable
 
 from dlojz_lib.checks import fail
 
+MAX_BATCH = 4096  # the exported graphs' batch dimension is free up to this
+
+
+@dataclass(frozen=True)
+class Exporter:
+    file: str
+    readers: str  # who reads the file, as the command's report says
+    write: Callable  # (net, path, example, arch): the file written
+    read: Callable  # (model, path) -> a callable from images to logits
+
+
+def batch_dim():
+    import torch
+
+    return torch.export.Dim("batch", min=1, max=MAX_BATCH)
+
+
+def write_onnx(net, path, example, arch):
+    import torch
+
+    torch.onnx.export(net, (example,), str(path), input_names=["images"], output_names=["logits"],
+                      dynamic_shapes=({0: batch_dim()},), dynamo=True, external_data=False, verbose=False)  # fmt: skip
+
+
+def read_onnx(model, path):
+    import onnxruntime
+    import torch
+
+    session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    return lambda images: torch.from_numpy(session.run(["logits"], {"images": images.numpy()})[0])
+
+
+def write_program(net, path, example, arch):
+    import torch
+
+    torch.export.save(torch.export.export(net, (example,), dynamic_shapes=({0: batch_dim()},)), str(path))
+
+
+def read_program(model, path):
+    import torch
+
+    return torch.export.load(str(path)).module()
+
+
+def write_torchscript(net, path, example, arch):
+    import torch
+
+    torch.jit.trace(net, example, check_trace=False).save(str(path))
+
+
+def read_torchscript(model, path):
+    import torch
+
+    return torch.jit.load(str(path))
+
+
+def write_safetensors(net, path, example, arch):
+    from safetensors.torch import save_file
+
+    state = {name: tensor.contiguous() for name, tensor in net.state_dict().items()}
+    save_file(state, str(path), metadata={"arch": arch})
+
+
+def read_safetensors(model, path):
+    from safetensors.torch import load_file
+
+    net = model.fresh()  # the same architecture, its own initial weights, then the file's
+    net.load_state_dict(load_file(str(path)))
+    return net.eval()
+
+
 EXPORTERS = {
-    "onnx": ("model.onnx", "ONNX runtimes (onnxruntime, TensorRT, OpenVINO), checked here with onnxruntime"),
-    "export": ("model.pt2", "torch.export.load, AOTInductor: PyTorch's own deployable program"),
-    "torchscript": ("model.torchscript.pt", "torch.jit.load, libtorch in C++"),
-    "safetensors": ("model.safetensors", "the weights alone: load_state_dict into the architecture"),
-}
+    "onnx": Exporter(
+        "model.onnx", "ONNX runtimes (onnxruntime, TensorRT, OpenVINO), checked here with onnxruntime", write_onnx,
+        read_onnx,
+    ),
+    "export": Exporter(
+        "model.pt2", "torch.export.load, AOTInductor: PyTorch's own deployable program", write_program, read_program
+    ),
+    "torchscript": Exporter(
+        "model.torchscript.pt", "torch.jit.load, libtorch in C++", write_torchscript, read_torchscript
+    ),
+    "safetensors": Exporter(
+        "model.safetensors", "the weights alone: load_state_dict into the architecture", write_safetensors,
+        read_safetensors,
+    ),
+}  # fmt: skip
 PREPROCESSING_FILE = "preprocessing.json"
 
 
@@ -38,34 +121,13 @@ def _short(err, limit=200):
 def export(model, fmt, folder, example):
     """Write `model` (an InferenceModel) in `fmt` into `folder`; its path. `example`: a batch of the model's input
     (its batch size left free in the exported graph where the format allows)."""
-    path = Path(folder) / EXPORTERS[fmt][0]
+    import torch
+
+    path = Path(folder) / EXPORTERS[fmt].file
     net = model.module.eval()
     try:  # the exporters log their graphs to stderr when they fail: the error is said in one line instead
         with torch.no_grad(), contextlib.redirect_stderr(io.StringIO()):
-            if fmt == "safetensors":
-                from safetensors.torch import save_file
-
-                state = {name: tensor.contiguous() for name, tensor in net.state_dict().items()}
-                save_file(state, str(path), metadata={"arch": model.arch})
-            elif fmt == "export":
-                batch = torch.export.Dim("batch", min=1, max=4096)
-                program = torch.export.export(net, (example,), dynamic_shapes=({0: batch},))
-                torch.export.save(program, str(path))
-            elif fmt == "torchscript":
-                traced = torch.jit.trace(net, example, check_trace=False)
-                traced.save(str(path))
-            else:
-                torch.onnx.export(
-                    net,
-                    (example,),
-                    str(path),
-                    input_names=["images"],
-                    output_names=["logits"],
-                    dynamic_shapes=({0: torch.export.Dim("batch", min=1, max=4096)},),
-                    dynamo=True,
-                    external_data=False,
-                    verbose=False,
-                )
+            EXPORTERS[fmt].write(net, path, example, model.arch)
     except Exception as err:  # each exporter has its own errors: one line naming the format and the model
         fail(
             f"--format {fmt}: --arch {model.arch} cannot be exported this way ({_short(err)}); "
@@ -76,25 +138,15 @@ def export(model, fmt, folder, example):
 
 def run_exported(model, fmt, path, images):
     """The exported file's logits on `images`, read back by what reads that format."""
+    import torch
+
     with torch.no_grad():
-        if fmt == "safetensors":
-            from safetensors.torch import load_file
-
-            net = model.fresh()  # the same architecture, its own initial weights, then the file's
-            net.load_state_dict(load_file(str(path)))
-            return net.eval()(images)
-        if fmt == "export":
-            return torch.export.load(str(path)).module()(images)
-        if fmt == "torchscript":
-            return torch.jit.load(str(path))(images)
-    import onnxruntime
-
-    session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    (logits,) = session.run(["logits"], {"images": images.numpy()})
-    return torch.from_numpy(logits)
+        return EXPORTERS[fmt].read(model, path)(images)
 
 
 def max_difference(model, fmt, path, images):
+    import torch
+
     with torch.no_grad():
         reference = model.module.eval()(images)
     return (run_exported(model, fmt, path, images).float() - reference.float()).abs().max().item()
@@ -102,6 +154,8 @@ def max_difference(model, fmt, path, images):
 
 def check_images(model, paths, limit=8):
     """Up to `limit` of the image files, prepared as validation prepares them: a float32 NCHW batch."""
+    import torch
+
     from dlojz_lib.data.prefetch import DeviceNormalize
     from dlojz_lib.inference import ImageFiles
 

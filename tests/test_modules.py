@@ -96,7 +96,9 @@ def test_the_command_line_modules_import_no_torch():
 
     code = (
         "import sys, dlojz_lib.settings.flags, dlojz_lib.settings.recipe, dlojz_lib.settings.config, dlojz_lib.checks, dlojz_lib.settings.launch\n"
+        "import dlojz_export\n"  # its --format choices, the export table's rows
         "dlojz_lib.settings.flags.get_args_parser().parse_args(['--lr', '0.1'])\n"
+        "dlojz_export.get_parser().parse_args(['CKPT', '-o', 'out', '--format', 'onnx'])\n"
         "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'numpy', 'torchvision')))"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
