@@ -37,6 +37,7 @@ import dlojz_lib.checkpoint as ckpt
 from dlojz_lib.checks import fail
 from dlojz_lib.observers.watchdog import Watchdog
 from dlojz_lib.settings.launch import load_idr_torch
+from dlojz_lib.torch_internals import default_store, warm_compile_workers
 
 
 @dataclasses.dataclass
@@ -226,7 +227,7 @@ def lost_ranks(ranks, wait_s=3.0):
     """The ranks gone: every survivor writes its rank in the job's key-value store (rank 0's, or the launcher's);
     those that have not within `wait_s` are reported lost. None when the store cannot be reached (its host gone)."""
     try:
-        store = dist.distributed_c10d._get_default_store()
+        store = default_store()
         store.set(f"dlojz/alive/{ranks.rank}", "1")
         deadline = time.monotonic() + wait_s
         while True:
@@ -338,13 +339,9 @@ def start_compile_workers():
     of the job step, and a worker killed by the preemption warning fails the next compilation; a signal blocked
     when a process starts stays blocked in it (and its children) across exec. This process keeps its handlers:
     a signal that arrives meanwhile is delivered when the `with` ends."""
-    try:
-        from torch._inductor.async_compile import AsyncCompile
-    except ImportError:  # a torch without inductor: nothing to start
-        return
     blocked = signal.pthread_sigmask(signal.SIG_BLOCK, set(STOP_SIGNALS))
     try:
-        AsyncCompile.warm_pool()
+        warm_compile_workers()  # nothing to start in a torch without inductor
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 

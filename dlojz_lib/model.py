@@ -35,6 +35,7 @@ import torch
 import torchvision
 
 from dlojz_lib.checks import UserError, fail
+from dlojz_lib.torch_internals import batch_norm_base, foreach_copy_, foreach_lerp_
 
 
 def create_model(
@@ -221,11 +222,7 @@ def running_stats_frozen(module):
     """BatchNorm layers of `module` normalise with the batch's statistics, as in training, and save the same
     tensors for the backward, but leave their running statistics and batch count as they were: a recomputed
     forward must not count the batch twice. (Momentum 0 keeps the running statistics exactly.)"""
-    norms = [
-        m
-        for m in module.modules()
-        if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.training and m.track_running_stats
-    ]
+    norms = [m for m in module.modules() if isinstance(m, batch_norm_base()) and m.training and m.track_running_stats]
     momenta = [norm.momentum for norm in norms]
     for norm in norms:
         norm.momentum = 0.0
@@ -395,9 +392,9 @@ class ModelEma(torch.optim.swa_utils.AveragedModel):
         floating = [(a, c) for a, c in zip(averaged, current) if a.is_floating_point()]
         decay = min(self.decay, (1 + self.updates) / (10 + self.updates)) if self.warmup else self.decay
         if self.updates <= self.copy_updates:  # the first copies, as AveragedModel does; torchvision's warm-up too
-            torch._foreach_copy_([a for a, _ in floating], [c for _, c in floating])
+            foreach_copy_([a for a, _ in floating], [c for _, c in floating])
         else:
-            torch._foreach_lerp_([a for a, _ in floating], [c for _, c in floating], 1.0 - decay)
+            foreach_lerp_([a for a, _ in floating], [c for _, c in floating], 1.0 - decay)
         for a, c in zip(averaged, current):
             if not a.is_floating_point():  # BatchNorm's num_batches_tracked: the model's count
                 a.copy_(c)
@@ -515,7 +512,7 @@ def batch_norm_on_native_kernels(module, device_type: str, amp_dtype: str | None
     step on an H200 (forward +55 %, backward +13 %). torch.compile generates the batch norm itself: no cost there."""
     if device_type != "cuda" or amp_dtype != "bfloat16" or compiled:
         return False
-    return any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in module.modules())
+    return any(isinstance(m, batch_norm_base()) for m in module.modules())
 
 
 BFLOAT16_BATCH_NORM = (

@@ -64,6 +64,53 @@ def test_no_import_circle():
     assert circle is None, " -> ".join(circle)
 
 
+# torch's private names dlojz reads (dlojz_lib/torch_internals.py), besides any `torch...._name`
+TORCH_PRIVATE = {"_stage", "_stages", "_n_microbatches", "_iterator", "_shutdown_workers", "_get_default_store"}
+
+
+def torch_private_uses(path):
+    """The lines of `path` that reach a private name of torch: an import from a private module of torch, an
+    attribute `_name` of a chain that starts at `torch`, or one of TORCH_PRIVATE."""
+
+    def chain_root(node):
+        while isinstance(node, ast.Attribute):
+            node = node.value
+        return node.id if isinstance(node, ast.Name) else None
+
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            names = [node.module or ""] if isinstance(node, ast.ImportFrom) else [a.name for a in node.names]
+            if any(n.split(".")[0] == "torch" and any(p.startswith("_") for p in n.split(".")) for n in names):
+                found.append(node.lineno)
+        elif isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+            if node.attr in TORCH_PRIVATE or chain_root(node) == "torch":
+                found.append(node.lineno)
+    return found
+
+
+def test_torch_s_private_names_are_read_in_one_place():
+    """What a torch upgrade may break lives in dlojz_lib/torch_internals.py: no other product module reaches a
+    private name of torch (the finder sees one planted in a module)."""
+    internals = ROOT / "dlojz_lib" / "torch_internals.py"
+    elsewhere = {
+        str(path.relative_to(ROOT)): lines
+        for path in product_modules().values()
+        if path != internals and (lines := torch_private_uses(path))
+    }
+    assert not elsewhere, elsewhere
+    assert torch_private_uses(internals)  # it does read them
+
+
+def test_the_private_name_finder_finds_each_kind(tmp_path):
+    planted = tmp_path / "planted.py"
+    planted.write_text(
+        "import torch\nfrom torch._inductor import config\nx = torch._utils._flatten_dense_tensors([])\n"
+        "n = schedule._n_microbatches\ny = module.__class__\n"
+    )
+    assert sorted(torch_private_uses(planted)) == [2, 3, 3, 4]
+
+
 def room_of(module):
     """The room a module stands in: a sub-package of dlojz_lib (data, optim, parallelism...) is one room, as the
     map draws it; any other module is a room of its own."""

@@ -33,6 +33,7 @@ from dlojz_lib.data.embedded import embedded_dataset_root
 from dlojz_lib.data.prefetch import DeviceNormalize, DevicePrefetcher
 from dlojz_lib.data.samplers import BalancedEpochSampler, EpochSampler, RepeatedAugmentationSampler, ShardSampler
 from dlojz_lib.data.transforms import IMAGENET_MEAN, IMAGENET_STD, ValTransform, decoder_description
+from dlojz_lib.torch_internals import shutdown_loader_workers
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -70,11 +71,7 @@ def die_with_parent(parent):
 def close_loader(loader):
     """Stop a DataLoader's persistent workers now. They ignore SIGTERM (so that Slurm's SIGTERM lets the main
     process checkpoint), hence they must not be left for the interpreter's exit, which would wait for them forever."""
-    iterator = getattr(loader, "_iterator", None)
-    if iterator is not None and hasattr(iterator, "_shutdown_workers"):
-        iterator._shutdown_workers()
-    if hasattr(loader, "_iterator"):
-        loader._iterator = None
+    shutdown_loader_workers(loader)
 
 
 def make_loader(dataset, sampler, batch_size, num_workers, pin_memory, persistent_workers, prefetch_factor, drop_last):

@@ -42,6 +42,8 @@ from datetime import timedelta
 
 import torch
 
+from dlojz_lib.torch_internals import default_store
+
 HUNG_STATUS = 7  # exit status: a rank hung (beside 4, a rank lost)
 STRAGGLER_POINTS = 3  # log points in a row a rank must be slow at to be named a straggler
 _KEY = "dlojz/watchdog/{}"
@@ -254,7 +256,7 @@ def store_client(timeout_s):
             return dist.TCPStore(
                 host, int(port), is_master=False, timeout=timedelta(seconds=timeout_s), wait_for_workers=False
             )
-    return dist.distributed_c10d._get_default_store()
+    return default_store()
 
 
 class Verdict:

@@ -246,9 +246,10 @@ def load_across_qkv_layouts(path, state, saved):
     (every rank the full tensor: a conversion between layouts, not a step's work), fused or split, then distributed
     over the target's own mesh and placements. The optimizer's groups keep this run's parameter names."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint._nested_dict import flatten_state_dict, unflatten_state_dict
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
     from torch.distributed.tensor import DTensor, distribute_tensor
+
+    from dlojz_lib.torch_internals import flatten_state_dict, unflatten_state_dict
 
     flat, mapping = flatten_state_dict(state)
     request, same, converted = {}, [], {}

@@ -37,6 +37,7 @@ from torch import nn
 
 from dlojz_lib.checks import UserError
 from dlojz_lib.parallelism import families
+from dlojz_lib.torch_internals import schedule_microbatches, schedule_stages
 
 # --pp-schedule: PyTorch's class, and whether a rank holds several stages (looped: rank, rank + N, ...)
 SCHEDULES = {
@@ -304,8 +305,7 @@ class StageClock:
     def __init__(self, runner, device):
         self.cuda = device.type == "cuda"
         self.spans = []  # this step's (start, end) time_marks
-        # PyTorch's schedules keep their stages privately: one stage, or a list for the looped schedules
-        stages = getattr(runner, "_stages", None) or [runner._stage]
+        stages = schedule_stages(runner)  # PyTorch's schedules keep their stages privately
         for stage in stages:
             for name in self.METHODS:
                 setattr(stage, name, self.timed(getattr(stage, name)))  # this stage's own: the schedule calls it
@@ -466,7 +466,7 @@ class PipelineRun(nn.Module):
     def seek(self, global_step):
         """Each stage's random draws as after `global_step` training steps of the schedule's micro-batches."""
         for stage in self.stages:
-            stage.seek(global_step * self.runner._n_microbatches)
+            stage.seek(global_step * schedule_microbatches(self.runner))
 
     def forward(self, images):
         """Validation's forward: the logits of `images` on every rank of the pipeline, computed by the schedule in

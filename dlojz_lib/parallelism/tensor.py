@@ -36,6 +36,7 @@ from torch import nn
 
 from dlojz_lib.checks import UserError
 from dlojz_lib.parallelism import families
+from dlojz_lib.torch_internals import flatten_dense, unflatten_dense
 
 PARTS = ("q", "k", "v")
 
@@ -424,10 +425,10 @@ class WholeCopies:
         grads = [local(p.grad) for _, p in self.named if p.grad is not None]
         if not grads:
             return
-        flat = torch._utils._flatten_dense_tensors(grads)
+        flat = flatten_dense(grads)
         torch.distributed.all_reduce(flat, group=self.mesh.get_group())
         flat /= self.mesh.size()
-        for grad, averaged in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
+        for grad, averaged in zip(grads, unflatten_dense(flat, grads)):
             grad.copy_(averaged)
 
     def check(self, step):

@@ -1,0 +1,92 @@
+"""Every place dlojz reaches into torch's private attributes, in one module: what a torch upgrade may break is here
+and nowhere else (`tests/test_modules.py` holds it). Written against torch 2.11; each function says what it reads.
+Imports are inside the functions: importing this module imports no torch.
+
+- `default_store()`: the default process group's key-value store (`distributed_c10d._get_default_store`).
+- `flatten_dense(tensors)`, `unflatten_dense(flat, tensors)`: one buffer of many tensors and back
+  (`torch._utils._flatten_dense_tensors`, DDP's bucketing).
+- `flatten_state_dict(state)`, `unflatten_state_dict(flat, mapping)`: DCP's own flattening of a nested state dict
+  (`torch.distributed.checkpoint._nested_dict`), so that keys match what DCP wrote.
+- `schedule_stages(schedule)`, `schedule_microbatches(schedule)`: a pipelining schedule's stages (`_stage`, or
+  `_stages` for the looped schedules) and its micro-batch count (`_n_microbatches`).
+- `warm_compile_workers()`: start torch.compile's worker pool now (`torch._inductor.async_compile.AsyncCompile`).
+- `shutdown_loader_workers(loader)`: a DataLoader's persistent workers stopped now (`_iterator._shutdown_workers`).
+- `batch_norm_base()`: the class every BatchNorm (1d, 2d, 3d, SyncBatchNorm) derives from (`_BatchNorm`).
+- `foreach_copy_(targets, sources)`, `foreach_lerp_(targets, sources, weight)`: one kernel for many tensors
+  (`torch._foreach_*`).
+"""
+
+
+def default_store():
+    import torch.distributed as dist
+
+    return dist.distributed_c10d._get_default_store()
+
+
+def flatten_dense(tensors):
+    import torch
+
+    return torch._utils._flatten_dense_tensors(tensors)
+
+
+def unflatten_dense(flat, tensors):
+    import torch
+
+    return torch._utils._unflatten_dense_tensors(flat, tensors)
+
+
+def flatten_state_dict(state):
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+    return flatten_state_dict(state)
+
+
+def unflatten_state_dict(flat, mapping):
+    from torch.distributed.checkpoint._nested_dict import unflatten_state_dict
+
+    return unflatten_state_dict(flat, mapping)
+
+
+def schedule_stages(schedule):
+    """One stage, or several for the looped schedules."""
+    return getattr(schedule, "_stages", None) or [schedule._stage]
+
+
+def schedule_microbatches(schedule):
+    return schedule._n_microbatches
+
+
+def warm_compile_workers():
+    """False when this torch has no inductor (nothing to start)."""
+    try:
+        from torch._inductor.async_compile import AsyncCompile
+    except ImportError:
+        return False
+    AsyncCompile.warm_pool()
+    return True
+
+
+def shutdown_loader_workers(loader):
+    iterator = getattr(loader, "_iterator", None)
+    if iterator is not None and hasattr(iterator, "_shutdown_workers"):
+        iterator._shutdown_workers()
+    if hasattr(loader, "_iterator"):
+        loader._iterator = None
+
+
+def foreach_copy_(targets, sources):
+    import torch
+
+    torch._foreach_copy_(targets, sources)
+
+
+def foreach_lerp_(targets, sources, weight):
+    import torch
+
+    torch._foreach_lerp_(targets, sources, weight)
+
+
+def batch_norm_base():
+    import torch
+
+    return torch.nn.modules.batchnorm._BatchNorm
