@@ -80,14 +80,6 @@ def consolidate(source, target):
         fuse = fused_flat_optimizer_state if flat else fused_optimizer_state
         state.update(model=fused_state_dict(state["model"]), optimizer=fuse(state["optimizer"]))
     module.load_state_dict(state["model"])
-    if "param_groups" not in state["optimizer"]:  # saved parameter by parameter (--pp): torch reads back only
-        # the settings a group already has; the schedule's (max_lr, initial_lr, ...) get a place first
-        names = {id(param): name for name, param in module.named_parameters()}
-        for group in optimizer.param_groups:
-            prefix = f"param_groups.{names[id(group['params'][0])]}."
-            for key in state["optimizer"]:
-                if key.startswith(prefix):
-                    group.setdefault(key.removeprefix(prefix), None)
     set_optimizer_state(module, optimizer, state["optimizer"])
     full = {key: value for key, value in saved.items() if key != "sharded_path"}
     full.update(model=module.state_dict(), optimizer=optimizer.state_dict(), ema=None)

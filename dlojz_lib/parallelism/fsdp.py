@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 import dlojz_lib.checkpoint as ckpt
+from dlojz_lib.parallelism import families
 
 # Class names of the blocks sharded one by one: torchvision's and timm's residual and transformer blocks.
 BLOCK_SUFFIXES = (
@@ -46,8 +47,6 @@ def sharding_units(module):
     """The blocks of `module`'s family (families.py) that hold parameters; for a model of no family, the outermost
     submodules whose class is a residual or transformer block (BLOCK_SUFFIXES), or if none, its children that hold
     parameters."""
-    from dlojz_lib.parallelism import families
-
     family = families.family_of(module)
     if family is not None:
         return [block for _, block in family.blocks(module) if any(True for _ in block.parameters())]
@@ -302,6 +301,14 @@ def set_optimizer_state(module, optimizer, state):
 
     flat = "param_groups" not in state  # saved parameter by parameter (--pp)
     options = StateDictOptions(strict=False, flatten_optimizer_state_dict=flat)
+    if flat:  # torch reads back only the settings a group already has: the others (a schedule's max_lr,
+        # initial_lr ..., in a group built without its schedule) get a place first
+        names = {id(parameter): name for name, parameter in module.named_parameters()}
+        for group in optimizer.param_groups:
+            first = names.get(id(group["params"][0])) if group["params"] else None
+            settings = [key for key in state if first and key.startswith(f"param_groups.{first}.")]
+            for key in settings:
+                group.setdefault(key.removeprefix(f"param_groups.{first}."), None)
     # which kernel steps the parameters is this run's: a checkpoint of whole parameters may hold fused SGD, which
     # has no kernel for shards
     kernels = [{key: group[key] for key in KERNEL_CHOICE if key in group} for group in optimizer.param_groups]
