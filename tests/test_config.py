@@ -197,6 +197,27 @@ def test_config_is_frozen():
         cfg.lr = 1.0
 
 
+def test_config_is_generated_from_the_parser_s_rows():
+    """One flag, one row: Config's fields are the parser's flags in --help's order, then the fields that follow from
+    the machine; a new row is a new field of its row's type, and config.py types no flag by hand."""
+    import ast
+    import dataclasses
+
+    from dlojz_lib.settings.config import DERIVED_FIELDS, Config, flag_fields
+
+    parser = get_args_parser()
+    flags = [a.dest for a in parser._actions if a.dest != "help" and a.help != argparse.SUPPRESS]
+    assert [field.name for field in dataclasses.fields(Config)] == flags + [name for name, *_ in DERIVED_FIELDS]
+    group = parser.add_argument_group("a new group")
+    group.add_argument("--new-rate", type=Number(float, 0), default=0.5)
+    group.add_argument("--new-switch", action=argparse.BooleanOptionalAction, default=None)
+    group.add_argument("--new-sizes", type=int, nargs="+", default=None)
+    assert flag_fields(parser)[-3:] == [("new_rate", float), ("new_switch", bool | None), ("new_sizes", tuple | None)]
+    source = ast.parse((ROOT / "dlojz_lib" / "settings" / "config.py").read_text())
+    typed = [node.target.id for node in ast.walk(source) if isinstance(node, ast.AnnAssign)]
+    assert not set(typed) & set(flags), typed
+
+
 def test_more_workers_than_cpus_is_a_warning(monkeypatch):
     import idr_torch
 

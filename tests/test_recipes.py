@@ -446,7 +446,7 @@ def test_no_warm_up_on_the_command_line_leaves_a_recipe_s_warm_up_shape_out(tmp_
 def test_a_recipe_s_feature_is_cleared_with_its_no_form(tmp_path):
     """--randaugment, --ra-reps, --lr-milestones, --lr-step-size and the others a recipe sets: --no-FLAG turns each
     off (its value None, as without the recipe)."""
-    from dlojz_lib.settings.flags import CLEARABLE
+    from dlojz_lib.settings.flags import clearable_flags
 
     path = recipe(tmp_path, "randaugment = [2, 9]\nra-reps = 3\nlr-scheduler = 'step'\nlr-milestones = [2]\n"
                             "epochs = 4\ndrop-path = 0.1\narch = 'convnext_tiny'\nimage-size = 32\n")  # fmt: skip
@@ -455,7 +455,13 @@ def test_a_recipe_s_feature_is_cleared_with_its_no_form(tmp_path):
     cfg = resolve("--config", path, "--no-randaugment", "--no-ra-reps", "--no-lr-milestones", "--no-drop-path")
     assert (cfg.randaugment, cfg.ra_reps, cfg.lr_milestones, cfg.drop_path) == (None, None, None, None)
     parser = get_args_parser()
-    assert all(parser.parse_args([f"--no-{dest.replace('_', '-')}"]).__dict__[dest] is None for dest in CLEARABLE)
+    clearable = clearable_flags(parser)  # the rows marked clearable=True
+    assert len(clearable) == 34 and {"ra_reps", "norm_wd", "bias_wd", "checkpoint_every", "timm_augment"} <= {
+        *clearable
+    }
+    assert all(parser.parse_args([f"--no-{dest.replace('_', '-')}"]).__dict__[dest] is None for dest in clearable)
+    with pytest.raises(SystemExit):  # a flag not marked has no --no- form
+        parser.parse_args(["--no-lr"])
 
 
 @pytest.mark.parametrize("gpus", [1, 4, 8, 32])

@@ -9,6 +9,7 @@ ranks (`dataclasses.replace`, in dlojz_lib.dist.setup_distributed).
 Importing this module imports no torch (the functions that need it import it).
 """
 
+import argparse
 import dataclasses
 import os
 from datetime import datetime
@@ -30,171 +31,37 @@ PROFILES = {
 }
 
 
-@dataclasses.dataclass(frozen=True)
-class Config:
-    """Every setting of a run: the flags (same names), the profile's values filled in, and what follows from the
-    device and the Slurm task. Saved in checkpoints as `args` and given to W&B as its config."""
+def flag_type(action):
+    """The type of a flag's value in `Config`, read from its row: a switch is a bool, a number its `Number`'s kind, a
+    list of values a list (a tuple once resolved), None where the row's default is None (the feature off, or a value
+    filled at start-up)."""
+    if isinstance(action, (argparse.BooleanOptionalAction, argparse._StoreTrueAction)):
+        kind = bool
+    elif isinstance(action, argparse._AppendAction):
+        kind = list[str]
+    else:
+        kind = getattr(action.type, "kind", action.type) or str
+        if action.nargs not in (None, "?"):
+            kind = tuple
+    return kind | None if action.default is None else kind
 
-    # One field per flag, grouped as --help groups them: a table, longer than a function is allowed to be.
-    config: list[str] | None  # the recipe files the defaults came from, in order
-    # training
-    batch_size: int
-    epochs: int
-    image_size: int
-    lr: float
-    wd: float
-    mom: float
-    label_smoothing: float
-    bce_loss: bool  # the training loss: timm's binary cross-entropy
-    bce_target_thresh: float | None
-    deterministic: bool  # torch.use_deterministic_algorithms
-    ra_reps: int | None  # repeated augmentation's copies of an image
-    balanced_sampler: bool  # every class drawn equally often in a training epoch
-    class_weights: str | None  # "balanced": the training loss weighs classes by inverse frequency
-    arch: str
-    seed: int
-    blurpool: bool
-    blurpool_maxpool: bool  # --blurpool blurs the strided max-pools too (Composer's), or not (FFCV's)
-    zero_init_residual: bool | None  # None: on where the model takes it
-    clip_grad_norm: float | None
-    pretrained: str | None  # torchvision's weights name for --arch, from the local hub cache
-    initial_checkpoint: str | None  # weights to start from (not a resume)
-    fetch_weights: bool  # only fetch --pretrained's file, then exit
-    freeze_backbone_epochs: int | None  # epochs in which only the head learns
-    linear_probe: bool  # the head alone learns, the whole run, on the frozen backbone's features
-    teacher: str | None  # --teacher: a checkpoint or a model name whose logits join the loss
-    distill_alpha: float
-    distill_temperature: float
-    layer_decay: float | None  # learning-rate factor from one block to the one below
-    drop_path: float | None  # stochastic depth rate, None: the model's own
-    # optimizer and schedule
-    optimizer: str
-    no_wd_norm_bias: bool
-    nesterov: bool  # sgd's Nesterov momentum
-    norm_wd: float | None  # weight decay per kind of parameter; None: --wd (or --no-wd-norm-bias's 0)
-    bias_wd: float | None
-    embedding_wd: float | None
-    lr_scheduler: str
-    warmup_epochs: float
-    lr_peak_epoch: float
-    lr_poly_power: float
-    warmup_start_factor: float | None  # None: 0 (the schedule's own where it has one)
-    warmup_method: str | None  # None: linear
-    min_lr: float | None  # None: 0
-    lr_per_epoch: bool  # the LR held through each epoch at its value at the epoch's first step
-    lr_step_size: int | None  # step: epochs between milestones
-    lr_milestones: list | None  # step: the milestones' epochs
-    lr_gamma: float | None  # None: 0.1
-    findlr: bool
-    # memory and speed
-    grad_acc: int
-    keep_global_batch: bool  # resumed on another number of ranks: --grad-acc keeps the global batch
-    global_batch: int | None  # images a step on any number of ranks (batch and --grad-acc chosen at start-up)
-    lr_scaling: str | None  # --global-batch's rule for --lr where the ranks cannot make it exactly
-    grad_checkpointing: bool
-    compile: bool
-    compile_mode: str | None
-    sync_bn: bool
-    model_ema: bool
-    model_ema_decay: float
-    model_ema_steps: int | None  # None: every optimizer step
-    model_ema_warmup: bool
-    model_ema_adjust: bool
-    model_ema_warmup_copy: bool  # the EMA copies the weights during the LR's warm-up (torchvision's)
-    ema_judges: bool  # the EMA's validation chooses best and reaches the target
-    # augmentation
-    randaugment: tuple | None
-    randaugment_mstd: float | None  # the standard deviation of RandAugment's magnitude, per op
-    timm_augment: str | None  # timm's augmentation config string (its --aa), built by timm
-    trivialaugment: bool
-    autoaugment: str | None  # AutoAugment's policy: imagenet, cifar10, svhn
-    augmix: int | None  # AugMix's severity
-    random_erase: float
-    mixup_alpha: float
-    cutmix_alpha: float
-    # validation and time to accuracy
-    val_every: int
-    target_accuracy: float | None
-    tta_flip: bool
-    min_res: int | None
-    max_res: int | None
-    start_ramp: int
-    end_ramp: int
-    res_step: int
-    # profiler
-    prof: bool
-    prof_wait: int
-    prof_warmup: int
-    prof_active: int
-    # modes
-    test: bool
-    test_nsteps: int
-    test_unsync_steps: int  # the last steps of --test, timed as a whole without the chronometer's waits
-    synthetic: bool
-    eval_only: bool
-    eval_ema: bool  # --eval-only validates the checkpoint's EMA weights
-    predictions: str | None  # --eval-only writes one CSV row per image there
-    tensorboard: str | None  # --tensorboard's folder ('' for the output folder's tensorboard/)
-    loader_only: bool
-    # data and DataLoader
-    data_root: str | None
-    val_resize_size: int
-    val_crop_size: int
-    val_interpolation: str  # the validation resize's filter: bilinear or bicubic
-    val_split: float | None  # the part of one folder of classes that validates
-    mean: tuple | None  # what the images are normalised with: ImageNet's when None
-    std: tuple | None
-    val_batch_size: int
-    data_backend: str
-    dali_threads: int | None
-    dali_prefetch: int
-    dali_hw_decoder_load: float | None
-    dali_antialias: bool
-    dali_pad_channels: bool
-    train_subset: float | None
-    num_workers: int
-    persistent_workers: bool
-    pin_memory: bool
-    non_blocking: bool
-    prefetch_factor: int
-    drop_last: bool
-    # device and precision
-    device: str  # the flag: auto, cuda or cpu
-    amp: bool
-    amp_dtype: str
-    channels_last: bool
-    tf32: bool
-    dist_timeout: float
-    hang_timeout: float  # seconds without progress on any rank before the watchdog ends the job; 0: off
-    straggler_factor: float  # a rank this many times slower than the median in its forward is named; 0: off
-    fsdp: bool
-    fsdp_reshard_after_forward: bool | None  # set (default True) with --fsdp only
-    tp: int  # tensor-parallel group size (1: none)
-    sequence_parallel: bool  # --tp: the tokens split over the group between the matrix products
-    check_replicas: int  # --tp: every N steps the tensor peers' whole copies compared; 0: off
-    pp: int  # pipeline stages (1: none)
-    pp_schedule: str  # gpipe or 1f1b
-    pp_microbatches: int | None  # --pp: set (default 2 x pp) with --pp only
-    pp_split: str  # params, time, or the layers where stages 2, 3... start
-    pp_stages_per_rank: int | None  # the interleaved schedules' stages a rank (default 2), else None
-    # logging, checkpoints, resume
-    output_dir: str
-    metrics_json: str | None
-    val_history: str | None
-    resume: str | None
-    start_over: bool
-    requeue: bool
-    keep_checkpoints: int
-    best_metric: str  # top1, balanced_accuracy, macro_f1 or none
-    checkpoint_every: float  # minutes; 0: off
-    wandb: bool
-    wandb_project: str
-    wandb_mode: str
-    wandb_group: str | None
-    # what follows from the machine
-    torch_device: str  # this rank's device: "cuda:<index>" or "cpu"
-    cpus_per_task: int
-    notes: tuple = ()  # lines rank 0 prints once the run starts (profile values, warnings)
+
+def flag_fields(parser) -> list:
+    """(name, type) of each flag, in the parser's order (its --help groups), once each: the hidden --no-FLAG forms
+    share their flag's name."""
+    fields = {}
+    for action in parser._actions:
+        if action.dest != "help" and action.help != argparse.SUPPRESS:
+            fields.setdefault(action.dest, flag_type(action))
+    return list(fields.items())
+
+
+class RunSettings:
+    """Every setting of a run: the flags (same names), the profile's values filled in, and what follows from the
+    device and the Slurm task. Saved in checkpoints as `args` and given to W&B as its config.
+
+    `Config`, the frozen dataclass of these settings, is generated from the parser's table (one field per flag, the
+    flag's row its only definition) and the fields below that no flag sets."""
 
     @property
     def autocast_dtype(self):
@@ -211,6 +78,22 @@ class Config:
     def compute_dtype(self):
         """What the convolutions compute in: the AMP dtype, else tf32 or float32."""
         return self.amp_dtype if self.amp else ("tf32" if self.tf32 else "float32")
+
+
+# What follows from the machine, after the flags: no flag sets these.
+DERIVED_FIELDS = [
+    ("torch_device", str),  # this rank's device: "cuda:<index>" or "cpu"
+    ("cpus_per_task", int),
+    (
+        "notes",
+        tuple,
+        dataclasses.field(default=()),
+    ),  # lines rank 0 prints once the run starts (profile values, warnings)
+]
+Config = dataclasses.make_dataclass(
+    "Config", flag_fields(get_args_parser()) + DERIVED_FIELDS, bases=(RunSettings,), frozen=True
+)
+Config.__module__ = __name__  # (make_dataclass's own is the caller's only from Python 3.12): pickled by name
 
 
 def pretrained_preprocessing(values) -> list:

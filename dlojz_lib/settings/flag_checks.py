@@ -9,7 +9,7 @@ import os
 import re
 
 from dlojz_lib.checks import UserError, fail, missing_data_variable
-from dlojz_lib.settings.flags import CUDA_GRAPH_MODES, DALI_DEFAULTS, LOOPED_SCHEDULES, get_args_parser
+from dlojz_lib.settings.flags import CUDA_GRAPH_MODES, LOOPED_SCHEDULES, built_in_defaults, get_args_parser
 
 # timm's --aa strings: a kind, then options, each a letter key and its number (rand-m7-mstd0.5-inc1)
 TIMM_AUGMENT = re.compile(r"(rand|augmix|original|originalr|v0|v0r|3a)(-[a-z]+\d*(\.\d+)?)*")
@@ -164,7 +164,11 @@ def check_augmentation(values):
                 f"--data-backend dali does RandomResizedCrop and flip only: {', '.join(unsupported)} needs "
                 f"--data-backend pytorch"
             )
-    elif given := [f"--{name.replace('_', '-')}" for name in DALI_DEFAULTS if values[name] != DALI_DEFAULTS[name]]:
+    elif given := [
+        f"--{name.replace('_', '-')}"
+        for name, default in built_in_defaults(get_args_parser(), "dali_").items()
+        if values[name] != default
+    ]:
         fail(f"{', '.join(given)} set DALI's pipeline: add --data-backend dali, or drop them")
 
 

@@ -79,14 +79,6 @@ COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-
 LR_SCALING_RULES = ("linear", "sqrt", "none")  # --lr-scaling: how the LR follows the global batch
 CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")  # the modes that record CUDA graphs
 GRAPH_FREE_MODE = {"reduce-overhead": "default", "max-autotune": "max-autotune-no-cudagraphs"}  # the same, no graphs
-# The --dali-* flags' defaults (also how check_flags tells that one was given)
-DALI_DEFAULTS = {
-    "dali_threads": None,
-    "dali_prefetch": 3,
-    "dali_hw_decoder_load": None,
-    "dali_antialias": False,
-    "dali_pad_channels": False,
-}
 
 
 def command_line(argv=None) -> set:
@@ -132,15 +124,35 @@ class OneLineParser(OneLineArgumentParser):
                 return f"{message} ({flag} is set by --config {config}: change it there, or give it here)"
         return message
 
+    def add_argument_group(self, *args, **kwargs):
+        group = FlagGroup(self, *args, **kwargs)
+        self._action_groups.append(group)
+        return group
 
-# The flags whose value turns a feature on (None: off): each has a hidden --no-FLAG that clears a recipe's value.
-CLEARABLE = (
-    "bce_target_thresh", "class_weights", "ra_reps", "clip_grad_norm", "pretrained", "initial_checkpoint",
-    "freeze_backbone_epochs", "layer_decay", "drop_path", "norm_wd", "bias_wd", "embedding_wd", "warmup_start_factor",
-    "warmup_method", "min_lr", "lr_step_size", "lr_milestones", "lr_gamma", "compile_mode", "model_ema_steps",
-    "randaugment", "randaugment_mstd", "autoaugment", "augmix", "target_accuracy", "min_res", "max_res", "val_split",
-    "mean", "std", "train_subset", "checkpoint_every", "global_batch", "timm_augment",
-)  # fmt: skip
+
+class FlagGroup(argparse._ArgumentGroup):
+    """A --help group whose flag rows take one more keyword: `clearable=True` marks a flag whose value turns a
+    feature on (None: off), which gets a hidden --no-FLAG that clears a recipe's value."""
+
+    def add_argument(self, *args, clearable=False, **kwargs):
+        action = super().add_argument(*args, **kwargs)
+        action.clearable = clearable
+        return action
+
+
+def clearable_flags(parser) -> list:
+    """The dests of the flags a row marks `clearable`."""
+    return [action.dest for action in parser._actions if getattr(action, "clearable", False)]
+
+
+def built_in_defaults(parser, prefix) -> dict:
+    """{dest: default} of the flags whose dest starts with `prefix` (e.g. the --dali-* flags), as their rows give
+    them: from a parser no recipe has set defaults on."""
+    return {
+        action.dest: action.default
+        for action in parser._actions
+        if action.dest.startswith(prefix) and action.help != argparse.SUPPRESS
+    }
 
 
 def get_args_parser():
@@ -189,6 +201,7 @@ def get_args_parser():
         default=None,
         metavar="T",
         help="--bce-loss: targets above T become 1, the others 0 (timm's --bce-target-thresh)",
+        clearable=True,
     )
     p.add_argument(
         "--class-weights",
@@ -196,6 +209,7 @@ def get_args_parser():
         default=None,
         help="balanced: the training loss weighs each class by the inverse of its share of the training images\n"
         "(images / (classes x its images), as scikit-learn's); validation's loss stays unweighted",
+        clearable=True,
     )
     p.add_argument(
         "--ra-reps",
@@ -204,6 +218,7 @@ def get_args_parser():
         metavar="N",
         help="repeated augmentation: each epoch shows 1/N of the images N times, each copy augmented on its own\n"
         "and on another rank (torchvision's --ra-sampler --ra-reps; the same steps per epoch)",
+        clearable=True,
     )
     p.add_argument(
         "--balanced-sampler",
@@ -251,6 +266,7 @@ def get_args_parser():
         default=None,
         metavar="X",
         help="clip the gradients' global norm to X (after unscaling)",
+        clearable=True,
     )
     p.add_argument(
         "--pretrained",
@@ -261,6 +277,7 @@ def get_args_parser():
         help="start from the published weights of --arch (bare: its DEFAULT; else torchvision's name such as\n"
         "IMAGENET1K_V2, or timm's tag such as a1_in1k), read from the local cache only (torch hub's, Hugging\n"
         "Face's: never downloaded by a run; see --fetch-weights), new head as below",
+        clearable=True,
     )
     p.add_argument(
         "--fetch-weights",
@@ -276,6 +293,7 @@ def get_args_parser():
         help="start from these weights (a torchvision/timm state dict .pt/.pth, a .safetensors file, or a dlojz\n"
         "checkpoint's model), with a new head where the number of classes differs; a fresh optimizer, schedule and\n"
         "epoch count, unlike --resume (which wins when it finds a checkpoint)",
+        clearable=True,
     )
     p.add_argument(
         "--freeze-backbone-epochs",
@@ -284,6 +302,7 @@ def get_args_parser():
         metavar="N",
         help="fine-tuning: the head alone learns for the first N epochs (the other parameters' gradients are\n"
         "dropped before each optimizer step), then every layer",
+        clearable=True,
     )
     p.add_argument(
         "--teacher",
@@ -320,6 +339,7 @@ def get_args_parser():
         metavar="F",
         help="fine-tuning: each block's learning rate is F times the next one's, from the head (x1) down to the\n"
         "stem (as timm's --layer-decay); blocks: timm's grouping, or each block of a torchvision model's stages",
+        clearable=True,
     )
     p.add_argument(
         "--drop-path",
@@ -328,6 +348,7 @@ def get_args_parser():
         metavar="R",
         help="stochastic depth rate, for models that have it (timm's drop_path_rate, torchvision's\n"
         "stochastic_depth_prob); default: the model's own (0 in timm, 0.1-0.5 in torchvision's ConvNeXt, Swin...)",
+        clearable=True,
     )
 
     p = parser.add_argument_group("optimizer and schedule (dlojz_lib/optim/)")
@@ -345,6 +366,7 @@ def get_args_parser():
             default=None,
             metavar="WD",
             help=f"weight decay of {what}; default: --wd (0 for norms and biases with --no-wd-norm-bias)",
+            clearable=True,
         )
     p.add_argument(
         "--nesterov",
@@ -370,18 +392,21 @@ def get_args_parser():
         default=None,
         metavar="F",
         help="the warm-up starts at F x --lr (torchvision's --lr-warmup-decay; default: 0)",
+        clearable=True,
     )
     p.add_argument(
         "--warmup-method",
         choices=("linear", "constant"),
         default=None,
         help="linear: from --warmup-start-factor to 1 (default); constant: at it throughout the warm-up",
+        clearable=True,
     )
     p.add_argument(
         "--min-lr",
         type=NON_NEGATIVE,
         default=None,
         help="cosine, linear, poly: the LR they decay to instead of 0 (torchvision's --lr-min, timm's --min-lr)",
+        clearable=True,
     )
     p.add_argument(
         "--lr-per-epoch",
@@ -396,6 +421,7 @@ def get_args_parser():
         default=None,
         metavar="EPOCHS",
         help="step: multiply the LR by --lr-gamma every EPOCHS epochs (torchvision's StepLR)",
+        clearable=True,
     )
     p.add_argument(
         "--lr-milestones",
@@ -404,12 +430,14 @@ def get_args_parser():
         default=None,
         metavar="EPOCH",
         help="step: multiply the LR by --lr-gamma at these epochs (MultiStepLR; default: 30, 60, 90 %% of the run)",
+        clearable=True,
     )
     p.add_argument(
         "--lr-gamma",
         type=Number(float, 0, 1, low_open=True),
         default=None,
         help="step: the factor of each milestone (default: 0.1)",
+        clearable=True,
     )
     p.add_argument(
         "--lr-peak-epoch", type=NON_NEGATIVE, default=2.0, help="linear: epoch of the peak, as FFCV's (default: 2)"
@@ -446,6 +474,7 @@ def get_args_parser():
         help="images per optimizer step, kept on any number of ranks (a recipe's published global batch):\n"
         "--batch-size becomes the most a rank holds at once, and each rank's batch and --grad-acc are chosen\n"
         "at start-up (said in one block); --lr is the one for this global batch",
+        clearable=True,
     )
     p.add_argument(
         "--lr-scaling",
@@ -474,6 +503,7 @@ def get_args_parser():
         "forward and backward replayed as\nCUDA graphs (static shapes: --drop-last, one resolution);\nmax-autotune: "
         "the fastest kernels found by trying them, and\nCUDA graphs (minutes of compilation); "
         "max-autotune-no-cudagraphs",
+        clearable=True,
     )
     p.add_argument(
         "--sync-bn", action=argparse.BooleanOptionalAction, default=False, help="synchronised BatchNorm across ranks"
@@ -496,6 +526,7 @@ def get_args_parser():
         default=None,
         metavar="N",
         help="update the EMA every N optimizer steps (torchvision's --model-ema-steps; default: 1)",
+        clearable=True,
     )
     p.add_argument(
         "--model-ema-warmup",
@@ -533,6 +564,7 @@ def get_args_parser():
         metavar=("N", "M"),
         default=None,
         help="RandAugment with N ops of magnitude M (torchvision's 0-30 scale: timm's m on its 0-10 scale x 3)",
+        clearable=True,
     )
     p.add_argument(
         "--randaugment-mstd",
@@ -541,6 +573,7 @@ def get_args_parser():
         metavar="STD",
         help="--randaugment: each op's magnitude drawn from a normal law around M with this standard deviation,\n"
         "on the same 0-30 scale (timm's mstd x 3: its rand-m6-mstd0.5 is --randaugment 2 18 --randaugment-mstd 1.5)",
+        clearable=True,
     )
     p.add_argument("--trivialaugment", action=argparse.BooleanOptionalAction, default=False, help="TrivialAugmentWide")
     p.add_argument(
@@ -549,6 +582,7 @@ def get_args_parser():
         default=None,
         metavar="POLICY",
         help="AutoAugment with the policy learnt on imagenet, cifar10 or svhn (torchvision's --auto-augment)",
+        clearable=True,
     )
     p.add_argument(
         "--augmix",
@@ -556,6 +590,7 @@ def get_args_parser():
         default=None,
         metavar="SEVERITY",
         help="AugMix at this severity, 1-10 (torchvision's --auto-augment augmix: 3)",
+        clearable=True,
     )
     p.add_argument(
         "--timm-augment",
@@ -564,6 +599,7 @@ def get_args_parser():
         help="timm's own augmentation from its config string (timm's --aa), as timm's train.py builds it:\n"
         "rand-m7-mstd0.5-inc1 (RandAugment: each op with probability 0.5, the data set's mean as fill, random\n"
         "bilinear or bicubic), augmix-m5-w3, original or v0 (AutoAugment)",
+        clearable=True,
     )
     p.add_argument(
         "--random-erase",
@@ -586,6 +622,7 @@ def get_args_parser():
         metavar="A",
         help="stop at the first validation with top-1 >= A (0-1);\n"
         "the metrics JSON gets time_to_target_s and epochs_to_target",
+        clearable=True,
     )
     p.add_argument(
         "--tta-flip",
@@ -598,9 +635,14 @@ def get_args_parser():
         type=PIXELS,
         default=None,
         help="progressive resizing (FFCV's): training resolution in px up to --start-ramp",
+        clearable=True,
     )
     p.add_argument(
-        "--max-res", type=PIXELS, default=None, help="progressive resizing: training resolution in px from --end-ramp"
+        "--max-res",
+        type=PIXELS,
+        default=None,
+        help="progressive resizing: training resolution in px from --end-ramp",
+        clearable=True,
     )
     p.add_argument(
         "--start-ramp",
@@ -721,6 +763,7 @@ def get_args_parser():
         help="--data-root is one folder of classes (no val/): validate on a stratified part of it, F < 1 a\n"
         "fraction of each class, F >= 1 that many images per class; the same in every run, listed in the output\n"
         "folder's val_split.txt, which a resumed run or --eval-only of its checkpoints uses",
+        clearable=True,
     )
     p.add_argument(
         "--mean",
@@ -730,6 +773,7 @@ def get_args_parser():
         default=None,
         help="per-channel mean the images are normalised with, in [0, 1] (default: ImageNet's; with --pretrained:\n"
         "the weights')",
+        clearable=True,
     )
     p.add_argument(
         "--std",
@@ -738,6 +782,7 @@ def get_args_parser():
         metavar=("R", "G", "B"),
         default=None,
         help="per-channel standard deviation, as --mean",
+        clearable=True,
     )
     p.add_argument(
         "--val-batch-size",
@@ -755,21 +800,21 @@ def get_args_parser():
     p.add_argument(
         "--dali-threads",
         type=COUNT,
-        default=DALI_DEFAULTS["dali_threads"],
+        default=None,
         metavar="N",
         help="DALI's CPU threads (default: --num-workers, itself the task's CPUs - 1)",
     )
     p.add_argument(
         "--dali-prefetch",
         type=COUNT,
-        default=DALI_DEFAULTS["dali_prefetch"],
+        default=3,
         metavar="N",
         help="batches DALI prepares ahead, across epoch boundaries (default: 3)",
     )
     p.add_argument(
         "--dali-hw-decoder-load",
         type=FRACTION,
-        default=DALI_DEFAULTS["dali_hw_decoder_load"],
+        default=None,
         metavar="F",
         help="share of the JPEGs for the A100/H100 hardware decoder,\nthe rest for nvJPEG's CPU+GPU decoding "
         "(default: 0.99, as MLPerf's H100/H200 pipelines)",
@@ -777,14 +822,14 @@ def get_args_parser():
     p.add_argument(
         "--dali-antialias",
         action=argparse.BooleanOptionalAction,
-        default=DALI_DEFAULTS["dali_antialias"],
+        default=False,
         help="antialias DALI's training resize (default: off, as NVIDIA's DALI\nResNet-50 pipelines: the CPU "
         "backend's resize then costs half;\nvalidation's resize is antialiased either way)",
     )
     p.add_argument(
         "--dali-pad-channels",
         action=argparse.BooleanOptionalAction,
-        default=DALI_DEFAULTS["dali_pad_channels"],
+        default=False,
         help="DALI writes 4 channels (RGB and zeros) and the stem's weight is\npadded to match (zeros): the stem's "
         "convolution on tensor cores'\nwhole channel multiples, as MLPerf's ResNet-50",
     )
@@ -795,6 +840,7 @@ def get_args_parser():
         metavar="F",
         help="train on a fixed part of the training set, the same\n"
         "in every run whatever --seed: F < 1 a fraction, F >= 1 images per class\n(stratified; validation stays whole)",
+        clearable=True,
     )
 
     p = parser.add_argument_group("DataLoader")
@@ -1020,6 +1066,7 @@ def get_args_parser():
         help="also checkpoint mid-epoch once this many minutes have passed since the last\n"
         "checkpoint, for a node that dies without warning (0: off; default: 30 on a GPU\n"
         "with --requeue, off on the CPU)",
+        clearable=True,
     )
     p.add_argument(
         "--wandb",
@@ -1040,7 +1087,7 @@ def get_args_parser():
     # A feature a recipe turns on, turned off again from the command line: --no-FLAG (not listed in --help: the
     # --config help says it once).
     for action in list(parser._actions):
-        if action.dest in CLEARABLE:
+        if getattr(action, "clearable", False):
             name = action.option_strings[-1].removeprefix("--")
             parser.add_argument(
                 f"--no-{name}", dest=action.dest, action="store_const", const=None, help=argparse.SUPPRESS

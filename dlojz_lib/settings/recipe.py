@@ -28,7 +28,7 @@ def read_toml(path, flag):
 
 def flag_actions(parser):
     """The parser's flags, one action each: not --help, nor the hidden --no-FLAG forms that clear a flag's value
-    (dlojz_lib.settings.flags.CLEARABLE), which share its dest."""
+    (a row's `clearable=True` in dlojz_lib/settings/flags.py), which share its dest."""
     return [action for action in parser._actions if action.dest != "help" and action.help != argparse.SUPPRESS]
 
 
