@@ -166,43 +166,49 @@ def test_a_package_s_init_names_each_of_its_modules_and_imports_nothing(package)
     assert modules and all(f"`{name}`" in doc for name in modules), (sorted(modules), doc)
 
 
-# The layers, in docs/architecture.md's order: a module imports from its own layer or those above it in this list.
-LAYERS = (
-    ("the command line", r"dlojz_lib(\.(checks|settings(\.(flags|flag_checks|recipe|launch|config))?|durable|optim))?"),
-    ("the run's pieces and the data", r"dlojz_lib\.(?!hpo|lab|pack)\w+(\.\w+)?"),
-    ("the commands' libraries", r"dlojz_lib\.(hpo|lab|pack)(\.\w+)?"),
-    ("the commands", r"dlojz\w*"),
-)
+ARCHITECTURE = ROOT / "docs" / "architecture.md"
 
 
-def layer_of(module):
-    import re
+def listed_floors(text):
+    """{room: floor} from docs/architecture.md's floor table (rows `| N: name | `room`, `room` |`)."""
+    section = text.split("## The floors", 1)[1].split("\n## ", 1)[0]
+    floors = {}
+    for number, rooms in re.findall(r"^\| (\d+)[^|]*\| (.+) \|$", section, re.M):
+        for room in re.findall(r"`([\w.]+)`", rooms):
+            assert room not in floors, f"{room} listed twice"
+            floors[room] = int(number)
+    return floors
 
-    return next(k for k, (_, pattern) in enumerate(LAYERS) if re.fullmatch(pattern, module))
 
-
-def test_no_module_imports_from_a_layer_below_its_own():
-    """The command line does not reach into the run (config's set-up reads a few of its pieces, inside functions,
-    once the flags are checked: it is the meeting point), the run's pieces never import the commands' libraries,
-    and nothing in dlojz_lib imports a root command."""
-    graph = product_imports()
-    set_up_reads = {
-        "dlojz_lib.settings.config",
-        "dlojz_lib.settings.flags",
-    }  # flags reads the optimizer table (torch-free)
-    upward = [
-        f"{module} ({LAYERS[layer_of(module)][0]}) imports {target} ({LAYERS[layer_of(target)][0]})"
+def imports_up_or_sideways(graph, floors):
+    """'module (floor) imports target (floor)' for each import that does not run down a floor."""
+    return [
+        f"{module} (floor {floors[room_of(module)]}) imports {target} (floor {floors[room_of(target)]})"
         for module, targets in graph.items()
         for target in targets
-        if layer_of(target) > layer_of(module) and module not in set_up_reads
+        if room_of(target) != room_of(module) and floors[room_of(target)] >= floors[room_of(module)]
     ]
-    assert not upward, upward
-    assert layer_of("dlojz_lib.data.samplers") == 1 and layer_of("dlojz_lib.hpo.search") == 2
-    assert layer_of("dlojz_lab") == 3 and layer_of("dlojz_lib.settings.flag_checks") == 0
 
 
-def test_the_layer_rule_finds_an_upward_import():
-    assert layer_of("dlojz_lib.data.datasets") < layer_of("dlojz_lib.lab.sweep") < layer_of("dlojz_pack")
+def test_every_import_runs_down_the_floors():
+    """docs/architecture.md lists every room on one floor, and every import (inside functions too) goes from a room
+    to a room on a floor below it. No module is exempt."""
+    graph = product_imports()
+    floors = listed_floors(ARCHITECTURE.read_text())
+    rooms = {room_of(module) for module in graph}
+    assert rooms - set(floors) == set(), f"rooms missing from the floor table: {sorted(rooms - set(floors))}"
+    assert set(floors) - rooms == set(), f"the floor table names no such room: {sorted(set(floors) - rooms)}"
+    assert not imports_up_or_sideways(graph, floors)
+
+
+def test_the_floor_rule_finds_an_import_that_runs_up():
+    floors = listed_floors(ARCHITECTURE.read_text())
+    graph = {"dlojz_lib.data.datasets": ["dlojz_lib.settings.flags"], "dlojz_lib.checks": [], "dlojz": ["dlojz_lib"]}
+    assert imports_up_or_sideways(graph, floors) == [
+        "dlojz_lib.data.datasets (floor 4) imports dlojz_lib.settings.flags (floor 7)"
+    ]
+    assert imports_up_or_sideways({"dlojz_lib.dist": ["dlojz_lib.lab.sweep"]}, floors)  # the same floor: sideways
+    assert floors["dlojz"] > floors["dlojz_lib.run_record"] > floors["dlojz_lib.checks"] == 0
 
 
 MAX_MODULE_LINES = 650
@@ -241,9 +247,6 @@ def test_the_course_main_stays_on_a_few_screens():
     """dlojz.py's main() reads top to bottom in the course's order: at most 100 lines, each section one call."""
     _, functions = sizes(ROOT / "dlojz.py")
     assert functions["main"] <= 100, functions["main"]
-
-
-ARCHITECTURE = ROOT / "docs" / "architecture.md"
 
 
 def package_files():
