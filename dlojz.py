@@ -136,12 +136,12 @@ def main(argv=None, resources=None) -> dict:
 
     # ================================ INSTANTIATION: distribution
     ranks, cfg = setup_distributed(cfg)
-    watchdog = Watchdog.for_run(cfg, ranks)  # ends the job in one line when a rank hangs (StopPoll's calls: moving)
+    watchdog = Watchdog.for_run(cfg.section("distribution"), cfg.output_dir, ranks)  # a hung rank ends the job
     stop = StopPoll(stop_signal, ranks, timedelta(seconds=cfg.dist_timeout), watchdog.start())
     resources.push(peer_report := LostPeerReport(ranks, cfg.output_dir, watchdog))  # a rank lost: one line from here
     log = Console(ranks.is_main)
     if cfg.writes_checkpoints:
-        claim_output_dir(cfg, ranks, log, resources)  # one run writes in a folder: refused here, before any data scan
+        claim_output_dir(cfg.section("logging"), ranks, log, resources)  # one run a folder: checked before the data
     cfg = fit_to_ranks(cfg, ranks.data_size, log)  # (before the loaders and the schedule: batch, --grad-acc, --lr)
     idr_torch = load_idr_torch()  # the launch, as setup_distributed read it
     announce_run(cfg, argv, ranks, log, f"{idr_torch.num_nodes} nodes", idr_torch.current_API)
@@ -158,9 +158,9 @@ def main(argv=None, resources=None) -> dict:
     # ================================ DATALOADER
     loaders = build_loaders(cfg, train_set, val_set, len(classes), ranks, log)
     resources.callback(loaders.close)  # the workers ignore SIGTERM: stopped at the run's end, whatever happens
-    metrics = initial_metrics(cfg, ranks)
+    metrics = initial_metrics(cfg.batch_size, cfg.grad_acc, cfg.compute_dtype, ranks)
     if cfg.loader_only:
-        return measure_loader_only(cfg, loaders, ranks, metrics, log)
+        return measure_loader_only(cfg.test_nsteps, cfg.num_workers, cfg.metrics_json, loaders, ranks, metrics, log)
     counts = class_counts(train_set, len(classes))
     training = build_training(cfg, model, loaders.n_train_batches, len(classes), ranks, log, counts)
 
@@ -176,7 +176,7 @@ def main(argv=None, resources=None) -> dict:
         return {}
     run.wandb_run = wandb_run = open_wandb(cfg, ranks, metrics, state)
     run.saver = make_saver(cfg, model, training, ranks, classes)
-    profiler = make_profiler(cfg, ranks.rank, ranks.device, log) if cfg.prof else None
+    profiler = make_profiler(cfg.section("profiler"), cfg.output_dir, ranks.rank, ranks.device, log)  # or None
     hooks = LoopHooks(chrono, profiler, training.lr_finder, ranks.enabled)  # chronometer, profiler, LR range test
     images_per_step = cfg.batch_size * ranks.data_size  # one micro-batch on every data replica
     progress = Progress(
@@ -216,7 +216,7 @@ def main(argv=None, resources=None) -> dict:
             break
     stop.disarm("at the run's end (the last checkpoint, the report)")
     run.saver.wait()  # the last checkpoint's background write
-    metrics.update(close_hooks(cfg, hooks, ranks, log))
+    metrics.update(close_hooks(cfg.output_dir, hooks, ranks, log))
 
     # ================================ REPORT
     return report_run(run, progress, watchdog)
@@ -326,7 +326,7 @@ def train_one_epoch(
                 progress.console(straggler)
             progress.mark(hooks.data_wait_s)
             if bad_step >= 0:
-                diverged(cfg, bad_step, state.epoch)
+                diverged(cfg.output_dir, bad_step, state.epoch)
             lr = training.optimizer.param_groups[0]["lr"]  # the next step's (the scheduler has stepped)
             if state.global_step % LOG_EVERY == 0:
                 progress.log_train(state.global_step, loss, lr)
@@ -515,17 +515,17 @@ def stop_run(run, reason):
     """A stop signal (preemption, time limit): checkpoint where training is, write W&B and the metrics, then
     requeue the Slurm job (last: Slurm ends the job's processes as it requeues it)."""
     cfg, ranks, state = run.cfg, run.ranks, run.state
-    checkpoint_for_stop(cfg, run.saver, state, reason, run.loaders.n_train_batches, ranks, run.log)
+    checkpoint_for_stop(cfg.output_dir, cfg.test, run.saver, state, reason, run.loaders.n_train_batches, ranks, run.log)
     run.metrics.update(stopped_by=reason, epochs=state.epoch)
     finish(cfg, run.metrics, run.chrono, ranks, run.wandb_run, teardown=True)
     if ranks.enabled:
         dist.barrier()  # every rank has written what it had to
-    requeue(cfg, ranks, reason)
+    requeue(cfg.section("logging"), cfg.test, ranks, reason)
     return run.metrics
 
 
-def diverged(cfg, bad_step, epoch):
-    kept = ckpt.newest_checkpoint(cfg.output_dir)
+def diverged(output_dir, bad_step, epoch):
+    kept = ckpt.newest_checkpoint(output_dir)
     where = f"; last good checkpoint kept: {kept}" if kept else "; no checkpoint written"
     raise TrainingDiverged(
         f"loss is not finite (nan/inf) at step {int(bad_step)} (epoch {epoch + 1}): "
@@ -573,7 +573,7 @@ def save_epoch(run, epoch, validation, periodic) -> bool:
         target_reached = record_validation(
             cfg, epoch, validation, state, metrics, run.started, run.wandb_run, run.ranks, run.log
         )
-        best = record_best(cfg, epoch, validation, state, metrics)
+        best = record_best(cfg.best_metric, cfg.ema_judges, epoch, validation, state, metrics)
     metrics["epochs"] = epoch + 1
     run.stop.disarm(f"writing epoch {epoch + 1}'s checkpoint")
     state.epoch, state.batch, state.elapsed_s = epoch + 1, 0, time.perf_counter() - run.started

@@ -185,7 +185,7 @@ def agree_on_stop(stop, first_nonfinite, ranks, checkpoint_due=False):
     return bool(stop_requested), bad_step, bool(checkpoint_now), straggler
 
 
-def checkpoint_for_stop(cfg, saver, state, reason, n_train_batches, ranks, log):
+def checkpoint_for_stop(output_dir, test, saver, state, reason, n_train_batches, ranks, log):
     """Checkpoint where training is (rank 0, or every rank's shards); every rank waits for it."""
     where = (
         f"after epoch {state.epoch + 1}'s training, before its validation"
@@ -194,7 +194,7 @@ def checkpoint_for_stop(cfg, saver, state, reason, n_train_batches, ranks, log):
     )
     log(f"{reason} received: saving a checkpoint {where}")
     written = True
-    if not cfg.test:  # rank 0 writes; with --fsdp every rank writes its shards
+    if not test:  # rank 0 writes; with --fsdp every rank writes its shards
         path = saver.save(dataclasses.asdict(state))
         saver.wait()  # the job may end right after: the checkpoint is on disk first
         written = not ranks.is_main or (path is not None and path.exists())
@@ -207,7 +207,7 @@ def checkpoint_for_stop(cfg, saver, state, reason, n_train_batches, ranks, log):
     if not written:  # no clean stop, and no requeue: the job would only start again from an older checkpoint
         reason_lost = (saver.last_unwritten() or "the write failed") if ranks.is_main else ""
         raise ckpt.CheckpointNotWritten(
-            ckpt.not_written_message(cfg.output_dir, f"the checkpoint of the stop ({reason})", reason_lost)
+            ckpt.not_written_message(output_dir, f"the checkpoint of the stop ({reason})", reason_lost)
         )
 
 
@@ -308,12 +308,12 @@ class RequeueFailed(Exception):
     """The run stopped with its checkpoint, but Slurm did not take the job back: one line, exit status 6."""
 
 
-def requeue(cfg, ranks, reason=None):
+def requeue(logging, test, ranks, reason=None):
     """Requeue the Slurm job, or say how to continue. Last thing a stopped run does: Slurm ends the job's
     processes as it requeues it, so W&B and the metrics must be written before. --no-requeue, or `reason`
     NO_REQUEUE: only say how to continue."""
     job_id = os.environ.get("SLURM_JOB_ID")
-    if ranks.is_main and job_id and not cfg.test and cfg.requeue and reason not in NO_REQUEUE:
+    if ranks.is_main and job_id and not test and logging.requeue and reason not in NO_REQUEUE:
         print(f"requeue: scontrol requeue {job_id} (resume with --resume auto)", flush=True)
         try:
             done = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True, check=False)
@@ -326,12 +326,12 @@ def requeue(cfg, ranks, reason=None):
         if failure is not None:
             raise RequeueFailed(
                 f"scontrol requeue {job_id} failed ({failure}): the job is not requeued; its checkpoint is kept: "
-                f"submit it again with --resume auto --output-dir {cfg.output_dir}"
+                f"submit it again with --resume auto --output-dir {logging.output_dir}"
             )
-    elif ranks.is_main and cfg.test:
+    elif ranks.is_main and test:
         print(f"stopped by {reason} (--test writes no checkpoint)", flush=True)
     elif ranks.is_main:
-        print(f"stopped cleanly; continue with --resume auto --output-dir {cfg.output_dir}", flush=True)
+        print(f"stopped cleanly; continue with --resume auto --output-dir {logging.output_dir}", flush=True)
 
 
 def start_compile_workers():

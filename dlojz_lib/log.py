@@ -118,9 +118,9 @@ class Loggers:
             run.finish()
 
 
-def tensorboard_folder(cfg):
+def tensorboard_folder(tensorboard, output_dir):
     """--tensorboard's folder: the one given, or the run's output folder's tensorboard/."""
-    return Path(cfg.tensorboard) if cfg.tensorboard else Path(cfg.output_dir) / "tensorboard"
+    return Path(tensorboard) if tensorboard else Path(output_dir) / "tensorboard"
 
 
 def start_wandb(cfg, config, run_name, wandb_id):

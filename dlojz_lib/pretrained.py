@@ -196,14 +196,15 @@ def fetch_from_hugging_face(repo):
     fail(f"--fetch-weights: cannot download {repo} ({'; '.join(reasons)}): run it where the internet is")
 
 
-def weights_source(cfg):
+def weights_source(training):
     """The weights file a run starts from, how the user named it, and what to do when it is damaged: the
-    --initial-checkpoint file as given, or the cache's file of --pretrained (delete it, fetch it again)."""
-    if cfg.initial_checkpoint is not None:
-        return cfg.initial_checkpoint, "--initial-checkpoint", ""
-    path = published_weights_file(cfg.arch, cfg.pretrained)
-    fetch = f"python dlojz.py --arch {cfg.arch} --pretrained {cfg.pretrained} --fetch-weights"
-    return path, f"--pretrained {cfg.pretrained}: the cached file", f"; delete it and fetch it again with {fetch}"
+    --initial-checkpoint file as given, or the cache's file of --pretrained (delete it, fetch it again). `training`:
+    the run's training settings (--arch, --pretrained, --initial-checkpoint)."""
+    if training.initial_checkpoint is not None:
+        return training.initial_checkpoint, "--initial-checkpoint", ""
+    path = published_weights_file(training.arch, training.pretrained)
+    fetch = f"python dlojz.py --arch {training.arch} --pretrained {training.pretrained} --fetch-weights"
+    return path, f"--pretrained {training.pretrained}: the cached file", f"; delete it and fetch it again with {fetch}"
 
 
 def read_weights(path, what="--initial-checkpoint", fix=""):

@@ -39,17 +39,17 @@ class TrainState:
     best_epoch: int = 0
 
 
-def claim_output_dir(cfg, ranks, log, resources):
+def claim_output_dir(logging, ranks, log, resources):
     """Make the output folder this run's, on rank 0; every rank learns the answer. Refused, in one line: while another
     run holds its lock, or when it holds a run's checkpoints and neither --resume (continue it) nor --start-over
     (its files moved aside into `previous-<time>/`) is given. The temporary files of a write that died are removed.
-    The lock is held until `resources` (the run's ExitStack) closes."""
+    The lock is held until `resources` (the run's ExitStack) closes. `logging`: the run's logging settings."""
     problem = None
     if ranks.is_main:
         try:
-            problem = _claim(Path(cfg.output_dir), cfg, log, resources)
+            problem = _claim(Path(logging.output_dir), logging, log, resources)
         except OSError as err:
-            problem = f"--output-dir {cfg.output_dir}: {err.strerror or err}; give a folder this run can write in"
+            problem = f"--output-dir {logging.output_dir}: {err.strerror or err}; give a folder this run can write in"
     if ranks.enabled:
         answer = [problem]
         dist.broadcast_object_list(answer, src=0)
@@ -58,7 +58,7 @@ def claim_output_dir(cfg, ranks, log, resources):
         fail(problem)  # (a lock taken is released as the run's ExitStack closes)
 
 
-def _claim(folder, cfg, log, resources):
+def _claim(folder, logging, log, resources):
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / ckpt.RUN_LOCK
     path.touch()
@@ -79,9 +79,9 @@ def _claim(folder, cfg, log, resources):
     for stale in folder.glob(".*.tmp"):  # a checkpoint write that died (only this run writes here now)
         shutil.rmtree(stale) if stale.is_dir() else stale.unlink()
     newest = ckpt.newest_checkpoint(folder)
-    if newest is None or cfg.resume:
+    if newest is None or logging.resume:
         return None
-    if not cfg.start_over:
+    if not logging.start_over:
         return (
             f"--output-dir {folder} holds a run (its checkpoint {newest.name}): continue it with --resume auto, "
             "start it over with --start-over (its files are kept aside), or give another --output-dir"
@@ -145,7 +145,7 @@ def save_epoch_checkpoint(saver, state, periodic, log, best=False):
         periodic.restart()
 
 
-def check_checkpoints_written(cfg, saver, log):
+def check_checkpoints_written(output_dir, saver, log):
     """At the end of a run: the checkpoints whose write failed, said in one line; the last one's failure (the final
     model nowhere) raises CheckpointNotWritten, which ends the run non-zero."""
     unwritten = saver.unwritten
@@ -154,7 +154,7 @@ def check_checkpoints_written(cfg, saver, log):
     last = saver.last_unwritten()
     if last is not None:
         raise ckpt.CheckpointNotWritten(
-            ckpt.not_written_message(cfg.output_dir, f"the run's last checkpoint ({unwritten[-1][0].name})", last)
+            ckpt.not_written_message(output_dir, f"the run's last checkpoint ({unwritten[-1][0].name})", last)
         )
     names = ", ".join(path.name for path, _ in unwritten)
     log(f"WARNING: {len(unwritten)} checkpoint(s) not written during the run ({names}); the last one is on disk")
@@ -263,7 +263,7 @@ def restore(cfg, model, training, n_train_batches, ranks, log):
             steps_per_epoch = math.ceil(n_train_batches / cfg.grad_acc)
             state.global_step = state.epoch * steps_per_epoch + state.batch // cfg.grad_acc
         if training.scheduler is not None and saved.get("scheduler") is not None:
-            restore_schedule(cfg, training, saved, state.global_step, log)
+            restore_schedule(cfg.lr_scheduler, training, saved, state.global_step, log)
         if saved.get("scaler"):  # none when it was written with the scaler off (bfloat16, --no-amp, CPU)
             training.scaler.load_state_dict(saved["scaler"])
         ckpt.restore_rng(saved, ranks.device)
@@ -289,7 +289,7 @@ def restore_weights(cfg, model, training, saved, path, log):
             f"ordinary checkpoint: python dlojz_fsdp.py shard {path} NEW_DIR, then --resume auto --output-dir NEW_DIR "
             f"(or resume it without --fsdp)"
         )
-    check_same_model(cfg, model.num_classes, saved, path)
+    check_same_model(cfg.arch, model.num_classes, saved, path)
     weights = saved.get("model")
     if cfg.eval_ema:
         weights = ckpt.ema_weights(saved, path)
@@ -379,21 +379,19 @@ def restore_optimizer_state(optimizer, model, saved, log):
     )
 
 
-def check_same_model(cfg, num_classes, saved, path):
+def check_same_model(arch, num_classes, saved, path):
     """A checkpoint of another model (--arch) or number of classes is refused in one line naming both, before its
     weights are tried."""
     saved_arch = (saved.get("args") or {}).get("arch")
     saved_classes = saved.get("num_classes")  # (older checkpoints have none: their weights' shapes decide)
-    if (saved_arch is not None and saved_arch != cfg.arch) or (
-        saved_classes is not None and saved_classes != num_classes
-    ):
+    if (saved_arch is not None and saved_arch != arch) or (saved_classes is not None and saved_classes != num_classes):
         fail(
             f"--resume {path}: a checkpoint of --arch {saved_arch or '?'} with {saved_classes or '?'} classes; this "
-            f"run is --arch {cfg.arch} with {num_classes} classes: give the checkpoint of this model, or its flags"
+            f"run is --arch {arch} with {num_classes} classes: give the checkpoint of this model, or its flags"
         )
 
 
-def restore_schedule(cfg, training, saved, global_step, log):
+def restore_schedule(lr_scheduler, training, saved, global_step, log):
     """The schedule as saved when nothing that shapes it changed; otherwise (more --epochs, another batch size,
     --grad-acc or number of ranks, another --lr-scheduler) the new schedule, from the step this setting has reached."""
     saved_args = saved["args"]
@@ -401,7 +399,7 @@ def restore_schedule(cfg, training, saved, global_step, log):
     same = (
         saved_total == training.total_steps
         and global_step == saved["global_step"]
-        and saved_args.get("lr_scheduler", cfg.lr_scheduler) == cfg.lr_scheduler
+        and saved_args.get("lr_scheduler", lr_scheduler) == lr_scheduler
         and (saved.get("optimizer") is None or same_grouping(training.optimizer, saved["optimizer"]))  # its lrs
     )
     if same:
@@ -411,22 +409,22 @@ def restore_schedule(cfg, training, saved, global_step, log):
         return
     fast_forward(training.scheduler, global_step)
     log(
-        f"the learning-rate schedule ({cfg.lr_scheduler}) is rebuilt for {training.total_steps} optimizer steps and "
+        f"the learning-rate schedule ({lr_scheduler}) is rebuilt for {training.total_steps} optimizer steps and "
         f"continues from step {global_step} (the checkpoint's had {saved_total or '?'}, at step {saved['global_step']})"
     )
 
 
-def record_best(cfg, epoch, validation, state, metrics) -> bool:
-    """Whether this epoch's validation is the run's best by --best-metric (the first of equals stays the best);
-    the best so far goes into `state` (checkpointed with it) and the metrics."""
-    if cfg.best_metric == "none":
+def record_best(best_metric, ema_judges, epoch, validation, state, metrics) -> bool:
+    """Whether this epoch's validation is the run's best by --best-metric (the first of equals stays the best; by the
+    EMA's figures with --ema-judges); the best so far goes into `state` (checkpointed with it) and the metrics."""
+    if best_metric == "none":
         return False
-    judged = "ema_" if cfg.ema_judges else ""  # --ema-judges: the EMA's figures
-    value = validation[judged + VALIDATION_METRICS[cfg.best_metric][0]]
+    judged = "ema_" if ema_judges else ""  # --ema-judges: the EMA's figures
+    value = validation[judged + VALIDATION_METRICS[best_metric][0]]
     if not math.isfinite(validation[judged + "val_loss"]):  # a model whose outputs are nan is never the best
         return False
     best = state.best_value is None or value > state.best_value  # (a resume keeps it for the same metric only)
     if best:
-        state.best_metric, state.best_value, state.best_epoch = cfg.best_metric, value, epoch + 1
+        state.best_metric, state.best_value, state.best_epoch = best_metric, value, epoch + 1
     metrics.update(best_metric=state.best_metric, best_value=state.best_value, best_epoch=state.best_epoch)
     return best

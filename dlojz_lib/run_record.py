@@ -3,7 +3,7 @@ they read (the model's layout, the checkpoints, the data's resolution):
 
 - `announce_run(...)`: the run's first lines (the settings' notes, where it runs) and its flags saved as a recipe,
   `args.toml` in the output folder (`dlojz.py --config FILE` runs them again).
-- `initial_metrics(cfg, ranks)`: the metrics JSON's keys before the run fills them.
+- `initial_metrics(...)`: the metrics JSON's keys before the run fills them.
 - `open_wandb(...)`: W&B on rank 0 (resumed under the checkpoint's run id), TensorBoard beside it.
 - `record_validation(...)`: an epoch's validation into the metrics, --val-history and W&B; --target-accuracy.
 - `announce_resolution(...)`: progressive resizing's resolution of the epoch.
@@ -50,12 +50,12 @@ def announce_run(cfg, argv, ranks, log, nodes, launcher):
         log(f"arguments: {path} (dlojz.py --config FILE runs them again)")
 
 
-def initial_metrics(cfg, ranks) -> dict:
+def initial_metrics(batch_size, grad_acc, compute_dtype, ranks) -> dict:
     """The metrics JSON's keys before the run fills them."""
-    images_per_step = cfg.batch_size * ranks.data_size  # one micro-batch on every data replica
+    images_per_step = batch_size * ranks.data_size  # one micro-batch on every data replica
     return dict(
         world_size=ranks.world_size,
-        global_batch_size=images_per_step * cfg.grad_acc,
+        global_batch_size=images_per_step * grad_acc,
         steps=0,
         epochs=0,
         train_loss=None,
@@ -65,7 +65,7 @@ def initial_metrics(cfg, ranks) -> dict:
         val_images=0,
         images_per_second=None,
         data_wait_ms=None,
-        compute_dtype=cfg.compute_dtype,
+        compute_dtype=compute_dtype,
         time_to_target_s=None,
         epochs_to_target=None,
     )
@@ -89,7 +89,9 @@ def open_wandb(cfg, ranks, metrics, state):
         )
         state.wandb_id = wandb_run.id
         if cfg.tensorboard is not None and not (cfg.eval_only or cfg.findlr):
-            wandb_run = Loggers(wandb_run, TensorBoardRun(tensorboard_folder(cfg), state.global_step))
+            wandb_run = Loggers(
+                wandb_run, TensorBoardRun(tensorboard_folder(cfg.tensorboard, cfg.output_dir), state.global_step)
+            )
     return wandb_run
 
 
@@ -131,7 +133,7 @@ def record_validation(cfg, epoch, validation, state, metrics, started, wandb_run
 
 def announce_resolution(cfg, epoch, log, wandb_run, step):
     """Progressive resizing: this epoch's training resolution, to the console and W&B."""
-    resolution = training_resolution(cfg, epoch)
+    resolution = training_resolution(cfg.section("validation"), cfg.image_size, epoch)
     log(
         f"epoch {epoch + 1}: training resolution {resolution} px (progressive resizing "
         f"{cfg.min_res}->{cfg.max_res} px, epochs {cfg.start_ramp}->{cfg.end_ramp} counted from 0); "
@@ -140,17 +142,17 @@ def announce_resolution(cfg, epoch, log, wandb_run, step):
     wandb_run.log({"resolution": resolution}, step=step)
 
 
-def close_hooks(cfg, hooks, ranks, log) -> dict:
+def close_hooks(output_dir, hooks, ranks, log) -> dict:
     """After training: the profiler's traces closed and announced, the LR finder's CSV, plot and suggested
     learning rate written (its metrics returned)."""
     hooks.close()
-    trace_dir = Path(cfg.output_dir) / "profiler"
+    trace_dir = Path(output_dir) / "profiler"
     if hooks.profiler is not None:
         log(
             f">>> Profiler traces: {trace_dir} (tensorboard --logdir {trace_dir}, or open the .json in https://ui.perfetto.dev)"
         )
     if hooks.lr_finder is not None and ranks.is_main:
-        return write_lr_finder(hooks.lr_finder, Path(cfg.output_dir))
+        return write_lr_finder(hooks.lr_finder, Path(output_dir))
     return {}
 
 
@@ -175,5 +177,5 @@ def report_run(run, progress, watchdog) -> dict:
     metrics = finish(
         cfg, metrics, run.chrono, ranks, run.wandb_run, ctx=ctx or {}, n_batches=run.loaders.n_train_batches
     )
-    check_checkpoints_written(cfg, run.saver, run.log)  # a final model nowhere on disk ends the run non-zero
+    check_checkpoints_written(cfg.output_dir, run.saver, run.log)  # a final model nowhere on disk ends the run non-zero
     return metrics

@@ -212,10 +212,36 @@ def test_config_is_generated_from_the_parser_s_rows():
     group.add_argument("--new-rate", type=Number(float, 0), default=0.5)
     group.add_argument("--new-switch", action=argparse.BooleanOptionalAction, default=None)
     group.add_argument("--new-sizes", type=int, nargs="+", default=None)
-    assert flag_fields(parser)[-3:] == [("new_rate", float), ("new_switch", bool | None), ("new_sizes", tuple | None)]
+    assert flag_fields(parser._actions)[-3:] == [
+        ("new_rate", float),
+        ("new_switch", bool | None),
+        ("new_sizes", tuple | None),
+    ]
     source = ast.parse((ROOT / "dlojz_lib" / "settings" / "config.py").read_text())
     typed = [node.target.id for node in ast.walk(source) if isinstance(node, ast.AnnAssign)]
     assert not set(typed) & set(flags), typed
+
+
+def test_a_section_holds_its_help_group_s_settings():
+    """cfg.section(name): the values of one --help group's flags, frozen, as the run resolved them; every group with
+    flags is a section, and every flag is in one."""
+    import dataclasses
+
+    from dlojz_lib.settings.config import SECTIONS
+
+    cfg = resolve("--checkpoint-every", "7", "--prof-wait", "3", "--mixup-alpha", "0.4")
+    logging, profiler = cfg.section("logging"), cfg.section("profiler")
+    assert (logging.checkpoint_every, logging.output_dir, profiler.prof_wait) == (7.0, cfg.output_dir, 3)
+    assert cfg.section("augmentation").mixup_alpha == 0.4 and not hasattr(logging, "lr")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        logging.output_dir = "elsewhere"
+    assert {*SECTIONS} == {"training", "optimizer", "memory", "augmentation", "validation", "profiler", "modes", "data",
+                           "dataloader", "device", "distribution", "logging"}  # fmt: skip
+    in_sections = [field.name for section in SECTIONS.values() for field in dataclasses.fields(section)]
+    flags = [
+        a.dest for a in get_args_parser()._actions if a.dest not in ("help", "config") and a.help != argparse.SUPPRESS
+    ]
+    assert sorted(in_sections) == sorted(set(flags))
 
 
 def test_more_workers_than_cpus_is_a_warning(monkeypatch):
@@ -249,7 +275,10 @@ def test_compile_drops_the_last_batch_unless_told_otherwise():
 
 
 def test_float16_on_a_recent_gpu_says_bfloat16_needs_no_scaler():
-    from dlojz_lib.settings.config import precision_notes
+    from dlojz_lib.settings import config
+
+    def precision_notes(cfg, capability):
+        return config.precision_notes(cfg.section("device"), cfg.compile, cfg.optimizer, capability)
 
     float16 = resolve("--amp", "--amp-dtype", "float16")
     assert any("--amp-dtype bfloat16 needs no GradScaler" in n for n in precision_notes(float16, (9, 0)))

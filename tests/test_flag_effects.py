@@ -146,7 +146,12 @@ def test_augmentation_policies_change_the_crops(flags, tiny_data):
 
     def crops(*extra):
         cfg = resolve_config(get_args_parser().parse_args([*BASE, *extra]))
-        train_set = build_datasets(tiny_data, train_transform(cfg), ValTransform(36, 32), seed=cfg.seed)[0]
+        train_set = build_datasets(
+            tiny_data,
+            train_transform(cfg.section("augmentation"), cfg.section("validation"), cfg.image_size),
+            ValTransform(36, 32),
+            seed=cfg.seed,
+        )[0]
         return torch.stack([train_set[(0, i)][0] for i in range(8)])
 
     plain = crops()
@@ -165,7 +170,11 @@ def randaugment_magnitudes(*flags, draws=300):
     from dlojz_lib.data.augment import fixed_size_train_transform
 
     cfg = resolve_config(get_args_parser().parse_args([*BASE, *flags]))
-    (randaugment,) = [t for t in fixed_size_train_transform(cfg, 32).transforms if isinstance(t, v2.RandAugment)]
+    (randaugment,) = [
+        t
+        for t in fixed_size_train_transform(cfg.section("augmentation"), 32).transforms
+        if isinstance(t, v2.RandAugment)
+    ]
     apply, seen = randaugment._apply_image_or_video_transform, []
 
     def recorded(image, transform_id, magnitude, **kwargs):
@@ -270,7 +279,11 @@ def test_random_erase_fills_with_the_mean_colour_which_normalises_to_zero():
     from dlojz_lib.data.prefetch import DeviceNormalize
 
     cfg = resolve_config(get_args_parser().parse_args([*BASE, "--random-erase", "1"]))
-    (erase,) = [t for t in fixed_size_train_transform(cfg, 32).transforms if isinstance(t, v2.RandomErasing)]
+    (erase,) = [
+        t
+        for t in fixed_size_train_transform(cfg.section("augmentation"), 32).transforms
+        if isinstance(t, v2.RandomErasing)
+    ]
     torch.manual_seed(0)
     image = torch.full((3, 32, 32), 255, dtype=torch.uint8)  # white: the box is what is not white
     erased = erase(image)
@@ -288,7 +301,7 @@ def test_the_policies_interpolate_bilinear_as_torchvision_s_reference():
     for flags in (["--randaugment", "2", "9"], ["--randaugment", "2", "9", "--randaugment-mstd", "1"],
                   ["--trivialaugment"], ["--autoaugment", "imagenet"], ["--augmix", "3"]):  # fmt: skip
         cfg = resolve_config(get_args_parser().parse_args([*BASE, *flags]))
-        (policy,) = fixed_size_train_transform(cfg, 32).transforms[1:]
+        (policy,) = fixed_size_train_transform(cfg.section("augmentation"), 32).transforms[1:]
         assert policy.interpolation == v2.InterpolationMode.BILINEAR, flags
 
 
@@ -304,7 +317,7 @@ def test_timm_augment_is_timm_s_own_as_its_train_py_builds_it():
     from dlojz_lib.data.augment import MEAN_UINT8, TimmAugment, fixed_size_train_transform
 
     cfg = resolve_config(get_args_parser().parse_args([*BASE, "--timm-augment", "rand-m7-mstd0.5-inc1"]))
-    (policy,) = fixed_size_train_transform(cfg, 32).transforms[1:]
+    (policy,) = fixed_size_train_transform(cfg.section("augmentation"), 32).transforms[1:]
     assert isinstance(policy, TimmAugment) and policy.transform.num_layers == 2
     ops = policy.transform.ops
     assert {op.name for op in ops} >= {"Invert", "SolarizeAdd", "PosterizeIncreasing"}  # timm's set, not torchvision's
@@ -357,7 +370,10 @@ def test_ema_judges_chooses_best_and_reaches_the_target_by_the_ema_s_figures():
         flags = ["--model-ema", "--target-accuracy", "0.5", *(["--ema-judges"] if judges else [])]
         cfg = resolve_config(get_args_parser().parse_args([*BASE, *flags]))
         state, metrics, ranks = TrainState(), {}, SimpleNamespace(is_main=True)
-        bests = [record_best(cfg, epoch, validation, state, metrics) for epoch, validation in enumerate(epochs)]
+        bests = [
+            record_best(cfg.best_metric, cfg.ema_judges, epoch, validation, state, metrics)
+            for epoch, validation in enumerate(epochs)
+        ]
         reached = [
             record_validation(cfg, epoch, v, state, dict(metrics), 0.0, NoWandb(), ranks, lambda line: None)
             for epoch, v in enumerate(epochs)

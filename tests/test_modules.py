@@ -243,6 +243,29 @@ def test_modules_and_functions_stay_within_bounds():
     assert not over, over
 
 
+def functions_taking_the_whole_config():
+    """'path: function' for each product function with a `cfg` parameter (the whole Config)."""
+    found = []
+    for path in product_modules().values():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                arguments = node.args.posonlyargs + node.args.args + node.args.kwonlyargs
+                if "cfg" in [argument.arg for argument in arguments]:
+                    found.append(f"{path.relative_to(ROOT)}: {node.name}")
+    return sorted(found)
+
+
+MAX_WHOLE_CONFIG_TAKERS = 29  # (59 before the builders took their sections)
+
+
+def test_builders_take_their_settings_not_the_whole_config():
+    """A function takes the settings it reads (a --help group's section: `cfg.section("logging")`, or the values),
+    not the whole Config: at most MAX_WHOLE_CONFIG_TAKERS of them do (the run's sections that read many groups)."""
+    takers = functions_taking_the_whole_config()
+    assert len(takers) <= MAX_WHOLE_CONFIG_TAKERS, takers
+    assert "dlojz_lib/parallelism/build.py: build_model" in takers  # the finder finds them
+
+
 def test_the_course_main_stays_on_a_few_screens():
     """dlojz.py's main() reads top to bottom in the course's order: at most 100 lines, each section one call."""
     _, functions = sizes(ROOT / "dlojz.py")

@@ -319,14 +319,23 @@ def test_the_weights_mean_and_std_normalise_the_images_unless_given(tmp_path, mo
     assert tuple(cfg.mean) == tuple(cfg.std) == (0.5, 0.5, 0.5)
     assert any("--mean 0.5 0.5 0.5 --std 0.5 0.5 0.5 (given flags win)" in note for note in cfg.notes), cfg.notes
     white = torch.full((1, 3, 2, 2), 255, dtype=torch.uint8)
-    assert torch.allclose(normalisation(cfg, Distribution(1, 0, 0, torch.device("cpu")))(white), torch.ones(1))
+    assert torch.allclose(
+        normalisation(cfg.section("data"), cfg.channels_last, Distribution(1, 0, 0, torch.device("cpu")))(white),
+        torch.ones(1),
+    )
     cfg = resolve_config(get_args_parser().parse_args([*flags, "--mean", "0.25", "0.25", "0.25"]))
     assert tuple(cfg.mean) == (0.25, 0.25, 0.25) and tuple(cfg.std) == (0.5, 0.5, 0.5)
-    assert torch.allclose(normalisation(cfg, Distribution(1, 0, 0, torch.device("cpu")))(white), torch.tensor(1.5))
+    assert torch.allclose(
+        normalisation(cfg.section("data"), cfg.channels_last, Distribution(1, 0, 0, torch.device("cpu")))(white),
+        torch.tensor(1.5),
+    )
     cfg = resolve_config(get_args_parser().parse_args(["--device", "cpu", "--std", "0.25", "0.5", "1"]))
     black = torch.zeros((1, 3, 1, 1), dtype=torch.uint8)  # ImageNet's mean, this std
     expected = -torch.tensor([0.485 / 0.25, 0.456 / 0.5, 0.406 / 1]).view(1, 3, 1, 1)
-    assert torch.allclose(normalisation(cfg, Distribution(1, 0, 0, torch.device("cpu")))(black), expected)
+    assert torch.allclose(
+        normalisation(cfg.section("data"), cfg.channels_last, Distribution(1, 0, 0, torch.device("cpu")))(black),
+        expected,
+    )
 
 
 def test_an_older_file_without_num_batches_tracked_loads_as_torch_s_strict_load_does(tmp_path):

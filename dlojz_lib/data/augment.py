@@ -31,11 +31,13 @@ def resolution_at(epoch, min_res, max_res, start_ramp, end_ramp, res_step):
     return int(round(res / res_step)) * res_step
 
 
-def training_resolution(cfg, epoch):
+def training_resolution(validation, image_size, epoch):
     """The crop size of epoch `epoch`: --image-size, or the progressive resizing schedule's."""
-    if cfg.min_res is None:
-        return cfg.image_size
-    return resolution_at(epoch, cfg.min_res, cfg.max_res, cfg.start_ramp, cfg.end_ramp, cfg.res_step)
+    if validation.min_res is None:
+        return image_size
+    return resolution_at(
+        epoch, validation.min_res, validation.max_res, validation.start_ramp, validation.end_ramp, validation.res_step
+    )
 
 
 class EpochTransforms:
@@ -57,39 +59,40 @@ class EpochTransforms:
         return self.for_epoch(0)(img)
 
 
-def train_transform(cfg):
+def train_transform(augmentation, validation, image_size):
     """The fast crop + flip above, then the optional policies (torchvision v2, on uint8 tensors); with progressive
-    resizing (--min-res/--max-res), one such transform per epoch's resolution."""
-    if cfg.min_res is not None:
+    resizing (--min-res/--max-res, in the validation settings), one such transform per epoch's resolution."""
+    if validation.min_res is not None:
         return EpochTransforms(
-            lambda size: fixed_size_train_transform(cfg, size), lambda epoch: training_resolution(cfg, epoch)
+            lambda size: fixed_size_train_transform(augmentation, size),
+            lambda epoch: training_resolution(validation, image_size, epoch),
         )
-    return fixed_size_train_transform(cfg, cfg.image_size)
+    return fixed_size_train_transform(augmentation, image_size)
 
 
-def fixed_size_train_transform(cfg, image_size):
+def fixed_size_train_transform(augmentation, image_size):
     """The crop and flip at `image_size`, then the flags' policies as torchvision's reference (presets.py) runs
     them: bilinear interpolation for the policies' geometric ops, and random erasing that fills with the data
     set's mean colour (torchvision erases after normalisation with 0, which is the mean; the crops here are uint8,
     normalised on the device, so the box takes the mean's uint8 value, 0 once normalised)."""
     bilinear = dict(interpolation=v2.InterpolationMode.BILINEAR)
     extra = []
-    if cfg.randaugment:
-        num_ops, magnitude = cfg.randaugment
-        if cfg.randaugment_mstd:
-            extra.append(NoisyRandAugment(num_ops, magnitude, cfg.randaugment_mstd, **bilinear))
+    if augmentation.randaugment:
+        num_ops, magnitude = augmentation.randaugment
+        if augmentation.randaugment_mstd:
+            extra.append(NoisyRandAugment(num_ops, magnitude, augmentation.randaugment_mstd, **bilinear))
         else:
             extra.append(v2.RandAugment(num_ops=num_ops, magnitude=magnitude, **bilinear))
-    if cfg.trivialaugment:
+    if augmentation.trivialaugment:
         extra.append(v2.TrivialAugmentWide(**bilinear))
-    if cfg.autoaugment:
-        extra.append(v2.AutoAugment(policy=v2.AutoAugmentPolicy(cfg.autoaugment), **bilinear))
-    if cfg.augmix:
-        extra.append(v2.AugMix(severity=cfg.augmix, **bilinear))
-    if cfg.timm_augment:
-        extra.append(TimmAugment(cfg.timm_augment, image_size))
-    if cfg.random_erase > 0:
-        extra.append(v2.RandomErasing(p=cfg.random_erase, value=list(MEAN_UINT8)))
+    if augmentation.autoaugment:
+        extra.append(v2.AutoAugment(policy=v2.AutoAugmentPolicy(augmentation.autoaugment), **bilinear))
+    if augmentation.augmix:
+        extra.append(v2.AugMix(severity=augmentation.augmix, **bilinear))
+    if augmentation.timm_augment:
+        extra.append(TimmAugment(augmentation.timm_augment, image_size))
+    if augmentation.random_erase > 0:
+        extra.append(v2.RandomErasing(p=augmentation.random_erase, value=list(MEAN_UINT8)))
     crop_flip = TrainTransform(image_size)
     return v2.Compose([crop_flip, *extra]) if extra else crop_flip
 
@@ -147,13 +150,13 @@ class TimmAugment:
         return f"TimmAugment({self.config!r})"
 
 
-def batch_mixing(cfg, num_classes):
+def batch_mixing(augmentation, num_classes):
     """MixUp and/or CutMix on the device batch (soft labels), or None."""
     mixes = []
-    if cfg.mixup_alpha > 0:
-        mixes.append(v2.MixUp(alpha=cfg.mixup_alpha, num_classes=num_classes))
-    if cfg.cutmix_alpha > 0:
-        mixes.append(v2.CutMix(alpha=cfg.cutmix_alpha, num_classes=num_classes))
+    if augmentation.mixup_alpha > 0:
+        mixes.append(v2.MixUp(alpha=augmentation.mixup_alpha, num_classes=num_classes))
+    if augmentation.cutmix_alpha > 0:
+        mixes.append(v2.CutMix(alpha=augmentation.cutmix_alpha, num_classes=num_classes))
     if not mixes:
         return None
     return mixes[0] if len(mixes) == 1 else v2.RandomChoice(mixes)

@@ -39,7 +39,7 @@ PyTorch iterator does with this executor), so there is no host wait, no per-batc
 
 - `check_available()`: the one-line error when DALI is not installed; `check_decodable(dataset)`: one for a data
   set whose files are not all JPEG or PNG.
-- `dali_settings(cfg)`: the --dali-* flags, or their defaults from the task's CPUs (`DaliSettings`).
+- `dali_settings(data, num_workers, amp)`: the --dali-* flags, or their defaults from the task's CPUs (`DaliSettings`).
 - `train_pipeline`, `val_pipeline`: the two DALI pipelines, fed by `SampleFeed`.
 - `DaliBatches(dataset, sampler, batch_size, make_pipeline, ...)`: an iterable of (images, labels) on the device, with
   `len()` and `batch_size`, in place of the DataLoader + DevicePrefetcher.
@@ -215,20 +215,20 @@ class DaliSettings:
     std: tuple = IMAGENET_STD
 
 
-def dali_settings(cfg):
+def dali_settings(data, num_workers, amp):
     """The flags' values, or their defaults: --num-workers threads (the task's CPUs less the training process's),
     float16 output under --amp (either AMP dtype: autocast casts it to bfloat16 in the first layer, and float16 keeps
     more of the normalised pixels' precision), ImageNet's mean and std unless --mean/--std."""
-    load = HW_DECODER_LOAD if cfg.dali_hw_decoder_load is None else cfg.dali_hw_decoder_load
+    load = HW_DECODER_LOAD if data.dali_hw_decoder_load is None else data.dali_hw_decoder_load
     return DaliSettings(
-        threads=cfg.dali_threads or max(1, cfg.num_workers),
-        prefetch=cfg.dali_prefetch,
+        threads=data.dali_threads or max(1, num_workers),
+        prefetch=data.dali_prefetch,
         hw_decoder_load=load,
-        antialias=cfg.dali_antialias,
-        half=cfg.amp,
-        pad_channels=cfg.dali_pad_channels,
-        mean=tuple(cfg.mean or IMAGENET_MEAN),
-        std=tuple(cfg.std or IMAGENET_STD),
+        antialias=data.dali_antialias,
+        half=amp,
+        pad_channels=data.dali_pad_channels,
+        mean=tuple(data.mean or IMAGENET_MEAN),
+        std=tuple(data.std or IMAGENET_STD),
     )
 
 

@@ -257,7 +257,7 @@ def build_loaders(cfg, train_set, val_set, num_classes, ranks, log) -> Loaders:
     val = make_loader(
         val_set, ShardSampler(val_set, ranks.data_size, ranks.data_rank), cfg.val_batch_size, drop_last=False, **options
     )
-    normalize = normalisation(cfg, ranks)
+    normalize = normalisation(cfg.section("data"), cfg.channels_last, ranks)
     return Loaders(
         train,
         train_sampler,
@@ -287,10 +287,10 @@ def balanced_sampler_line(sampler, classes):
     )
 
 
-def normalisation(cfg, ranks):
+def normalisation(data, channels_last, ranks):
     """uint8 batches to the floats the model takes: --mean and --std, ImageNet's by default."""
     return DeviceNormalize(
-        ranks.device, mean=cfg.mean or IMAGENET_MEAN, std=cfg.std or IMAGENET_STD, channels_last=cfg.channels_last
+        ranks.device, mean=data.mean or IMAGENET_MEAN, std=data.std or IMAGENET_STD, channels_last=channels_last
     )
 
 
@@ -303,7 +303,7 @@ def dali_loaders(cfg, train_set, val_set, train_sampler, ranks, log) -> Loaders:
         check_decodable(dataset)
 
     device_id = ranks.device.index if ranks.device.type == "cuda" else None
-    settings, seed = dali_settings(cfg), cfg.seed * 1_000 + ranks.data_rank
+    settings, seed = dali_settings(cfg.section("data"), cfg.num_workers, cfg.amp), cfg.seed * 1_000 + ranks.data_rank
     where = (
         f"the GPU (nvJPEG, {settings.hw_decoder_load:.0%} to the hardware decoder)"
         if device_id is not None
@@ -401,7 +401,7 @@ def build_data(cfg, ranks, log):
         saved_split = read_val_split(where / VAL_SPLIT_FILE)
     train_set, val_set, classes, layout = build_datasets(
         root,
-        train_transform(cfg),
+        train_transform(cfg.section("augmentation"), cfg.section("validation"), cfg.image_size),
         ValTransform(cfg.val_resize_size, cfg.val_crop_size, interpolation=cfg.val_interpolation),
         seed=cfg.seed,
         val_split=cfg.val_split,
@@ -423,22 +423,23 @@ def build_data(cfg, ranks, log):
     return train_set, val_set, classes
 
 
-def measure_loader_only(cfg, loaders, ranks, metrics, log) -> dict:
-    """--loader-only: the training DataLoader alone, images/s overall and per worker."""
+def measure_loader_only(steps, num_workers, metrics_json, loaders, ranks, metrics, log) -> dict:
+    """--loader-only: the training DataLoader alone over `steps` batches (--test-nsteps), images/s overall and per
+    worker; the figures into `metrics_json` where given."""
     from dlojz_lib.log import write_json
 
     metrics = dict(
         measure_loader(
             loaders.train,
             loaders.train_sampler,
-            cfg.test_nsteps,
-            cfg.num_workers,
+            steps,
+            num_workers,
             ranks.all_gather if ranks.enabled else None,
             log,
         ),
         world_size=ranks.world_size,
         global_batch_size=metrics["global_batch_size"],
     )
-    if ranks.is_main and cfg.metrics_json:
-        write_json(cfg.metrics_json, metrics)
+    if ranks.is_main and metrics_json:
+        write_json(metrics_json, metrics)
     return metrics

@@ -145,23 +145,30 @@ def collectives_line(profiler, steps, on_gpu):
     return f"profiler: collectives per step on rank 0 ({where}): {figures}; a step {step_ms:.1f} ms (host)"
 
 
-def make_profiler(cfg, rank, device, log=None):
+def make_profiler(profiler_settings, output_dir, rank, device, log=None):
     """torch.profiler over --prof-wait/--prof-warmup/--prof-active steps, traces for TensorBoard and Perfetto in
-    <output-dir>/profiler; `log` gets the collectives' line once the steps are recorded."""
+    <output-dir>/profiler; `log` gets the collectives' line once the steps are recorded. None without --prof."""
+    if not profiler_settings.prof:
+        return None
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
-    trace_dir = Path(cfg.output_dir) / "profiler"
+    trace_dir = Path(output_dir) / "profiler"
     write_trace = torch.profiler.tensorboard_trace_handler(str(trace_dir), worker_name=f"rank{rank}")
 
     def trace_ready(profiler):
         write_trace(profiler)
         if log is not None:
-            log(collectives_line(profiler, cfg.prof_active, device.type == "cuda"))
+            log(collectives_line(profiler, profiler_settings.prof_active, device.type == "cuda"))
 
     profiler = torch.profiler.profile(
         activities=activities,
-        schedule=torch.profiler.schedule(wait=cfg.prof_wait, warmup=cfg.prof_warmup, active=cfg.prof_active, repeat=1),
+        schedule=torch.profiler.schedule(
+            wait=profiler_settings.prof_wait,
+            warmup=profiler_settings.prof_warmup,
+            active=profiler_settings.prof_active,
+            repeat=1,
+        ),
         on_trace_ready=trace_ready,
     )
     profiler.start()

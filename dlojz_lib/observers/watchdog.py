@@ -78,13 +78,13 @@ class Watchdog:
         self._store = None
 
     @classmethod
-    def for_run(cls, cfg, ranks):
+    def for_run(cls, distribution, output_dir, ranks):
         """The run's watchdog: --hang-timeout, --straggler-factor, and the newest checkpoint of --output-dir named in
         its verdict."""
         from dlojz_lib.checkpoint import newest_checkpoint
 
-        newest = functools.partial(newest_checkpoint, cfg.output_dir)
-        return cls(ranks, cfg.hang_timeout, cfg.output_dir, newest, cfg.straggler_factor)
+        newest = functools.partial(newest_checkpoint, output_dir)
+        return cls(ranks, distribution.hang_timeout, output_dir, newest, distribution.straggler_factor)
 
     # ---------------------------------------------------------------- the loop's marks (no sync, no collective)
     def mark(self, step=None):

@@ -120,18 +120,20 @@ def build_scheduler(
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
-def warmup_steps(cfg, steps_per_epoch: int) -> int:
+def warmup_steps(schedule, steps_per_epoch: int) -> int:
     """The LR's warm-up in optimizer steps: --warmup-epochs, or the linear schedule's --lr-peak-epoch."""
-    return round((cfg.lr_peak_epoch if cfg.lr_scheduler == "linear" else cfg.warmup_epochs) * steps_per_epoch)
+    return round(
+        (schedule.lr_peak_epoch if schedule.lr_scheduler == "linear" else schedule.warmup_epochs) * steps_per_epoch
+    )
 
 
-def step_milestones(cfg, steps_per_epoch: int):
+def step_milestones(schedule, epochs, steps_per_epoch: int):
     """--lr-scheduler step's milestones in optimizer steps: every --lr-step-size epochs (torchvision's StepLR), at
     --lr-milestones' epochs (MultiStepLR), else None (30, 60 and 90 % of the run)."""
-    if cfg.lr_milestones:
-        return [round(epoch * steps_per_epoch) for epoch in cfg.lr_milestones]
-    if cfg.lr_step_size:
-        return [round(epoch * steps_per_epoch) for epoch in range(cfg.lr_step_size, cfg.epochs, cfg.lr_step_size)]
+    if schedule.lr_milestones:
+        return [round(epoch * steps_per_epoch) for epoch in schedule.lr_milestones]
+    if schedule.lr_step_size:
+        return [round(epoch * steps_per_epoch) for epoch in range(schedule.lr_step_size, epochs, schedule.lr_step_size)]
     return None
 
 

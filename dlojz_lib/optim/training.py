@@ -39,27 +39,27 @@ class Training:
     teacher: object = None  # --teacher: images -> its logits, which the criterion (a DistillationLoss) then takes
 
 
-def build_losses(cfg, class_counts, device, log):
+def build_losses(training, class_counts, device, log):
     """The training loss (cross-entropy, or --bce-loss's, weighted per class by --class-weights) and validation's
     (cross-entropy summed over the images: exact totals across ranks)."""
     weight = None
-    if cfg.class_weights == "balanced":
+    if training.class_weights == "balanced":
         weight = balanced_class_weights(class_counts)
         log(
             f"--class-weights balanced: the training loss weighs each class by {weight.min():.3g} (the largest) to "
             f"{weight.max():.3g} (the smallest)"
         )
         weight = weight.to(device)
-    if cfg.bce_loss:
-        criterion = BinaryCrossEntropy(cfg.label_smoothing, cfg.bce_target_thresh, weight)
+    if training.bce_loss:
+        criterion = BinaryCrossEntropy(training.label_smoothing, training.bce_target_thresh, weight)
         log(
-            f"loss: binary cross-entropy per class (label smoothing {cfg.label_smoothing}"
-            + (f", targets above {cfg.bce_target_thresh} as 1" if cfg.bce_target_thresh is not None else "")
+            f"loss: binary cross-entropy per class (label smoothing {training.label_smoothing}"
+            + (f", targets above {training.bce_target_thresh} as 1" if training.bce_target_thresh is not None else "")
             + "); validation's loss: cross-entropy"
         )
     else:  # (it also takes MixUp's soft labels, the weight applied to each class's share)
-        criterion = torch.nn.CrossEntropyLoss(weight=weight, label_smoothing=cfg.label_smoothing)
-    val_criterion = torch.nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing, reduction="sum")
+        criterion = torch.nn.CrossEntropyLoss(weight=weight, label_smoothing=training.label_smoothing)
+    val_criterion = torch.nn.CrossEntropyLoss(label_smoothing=training.label_smoothing, reduction="sum")
     return criterion, val_criterion
 
 
@@ -79,9 +79,9 @@ def build_schedule(cfg, optimizer, steps_per_epoch, total_steps):
                 optimizer,
                 cfg.lr,
                 total_steps,
-                warmup_steps=warmup_steps(cfg, steps_per_epoch),
+                warmup_steps=warmup_steps(cfg.section("optimizer"), steps_per_epoch),
                 poly_power=cfg.lr_poly_power,
-                step_milestones=step_milestones(cfg, steps_per_epoch),
+                step_milestones=step_milestones(cfg.section("optimizer"), cfg.epochs, steps_per_epoch),
                 gamma=0.1 if cfg.lr_gamma is None else cfg.lr_gamma,
                 warmup_start=cfg.warmup_start_factor or 0.0,
                 warmup_method=cfg.warmup_method or "linear",
@@ -101,7 +101,7 @@ def build_training(cfg, model, n_train_batches, num_classes, ranks, log, class_c
         f"global batch size: {step_images} - mini batch size: {cfg.batch_size}"
         + (f" - {cfg.grad_acc} accumulated micro-batches per optimizer step" if cfg.grad_acc > 1 else "")
     )
-    criterion, val_criterion = build_losses(cfg, class_counts, ranks.device, log)
+    criterion, val_criterion = build_losses(cfg.section("training"), class_counts, ranks.device, log)
     teacher = None
     if cfg.teacher is not None:
         from dlojz_lib.optim.distill import DistillationLoss, load_teacher
@@ -142,7 +142,7 @@ def build_training(cfg, model, n_train_batches, num_classes, ranks, log, class_c
     total_steps = cfg.epochs * steps_per_epoch
     scheduler, lr_finder = build_schedule(cfg, optimizer, steps_per_epoch, total_steps)
     if model.ema is not None and cfg.model_ema_warmup_copy:  # torchvision's: the EMA follows the warm-up's weights
-        model.ema.copy_updates = warmup_steps(cfg, steps_per_epoch) // model.ema.every
+        model.ema.copy_updates = warmup_steps(cfg.section("optimizer"), steps_per_epoch) // model.ema.every
     drop_frozen_gradients = None
     if cfg.freeze_backbone_epochs:
         drop_frozen_gradients = freeze_backbone(optimizer, scheduler, cfg.freeze_backbone_epochs * steps_per_epoch)
@@ -159,7 +159,7 @@ def build_training(cfg, model, n_train_batches, num_classes, ranks, log, class_c
         lr_finder,
         torch.amp.GradScaler(ranks.device.type, enabled=float16),
         autocast,
-        batch_mixing(cfg, num_classes),
+        batch_mixing(cfg.section("augmentation"), num_classes),
         total_steps,
         drop_frozen_gradients,
         teacher,

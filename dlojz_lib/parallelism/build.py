@@ -90,28 +90,30 @@ def ema_decay(cfg, world_size) -> float:
     return 1.0 - min(1.0, (1.0 - cfg.model_ema_decay) * adjust)
 
 
-def adapt_module(cfg, module, num_classes, log):
+def adapt_module(training, pad_channels, module, num_classes, log):
     """What the flags change in the model's own modules, in place (classes and flags only: the state dict keeps its
     keys): --blurpool's blurred downsampling, --linear-probe's frozen backbone, --dali-pad-channels' 4-channel stem."""
-    if cfg.blurpool:
-        changed = apply_blurpool(module, maxpool=cfg.blurpool_maxpool)
-        layers = "strided convolutions and max-pools" if cfg.blurpool_maxpool else "strided convolutions (FFCV's)"
+    if training.blurpool:
+        changed = apply_blurpool(module, maxpool=training.blurpool_maxpool)
+        layers = "strided convolutions and max-pools" if training.blurpool_maxpool else "strided convolutions (FFCV's)"
         if changed == 0:
-            fail(f"--blurpool: --arch {cfg.arch} has no {layers} to blur")
+            fail(f"--blurpool: --arch {training.arch} has no {layers} to blur")
         log(f"BlurPool: {changed} {layers} blur their input first")
-    if cfg.linear_probe:
+    if training.linear_probe:
         head = classifier_name(module, num_classes)
         if head is None:
-            fail(f"--linear-probe: --arch {cfg.arch} has no Linear layer with {num_classes} outputs to train alone")
+            fail(
+                f"--linear-probe: --arch {training.arch} has no Linear layer with {num_classes} outputs to train alone"
+            )
         trained, total = linear_probe(module, head)
         log(
             f"--linear-probe: only the head ({head}, {trained:,} of {total:,} parameters) trains, on the backbone's "
             "features: the backbone frozen, in eval mode (its BatchNorm statistics kept), no backward through it"
         )
-    if cfg.dali_pad_channels:
+    if pad_channels:
         stem = pad_stem_channels(module)
         if stem is None:
-            fail(f"--dali-pad-channels: --arch {cfg.arch} has no 3-channel convolution to pad: drop the flag")
+            fail(f"--dali-pad-channels: --arch {training.arch} has no 3-channel convolution to pad: drop the flag")
         log(f"--dali-pad-channels: DALI writes 4 channels, {stem}'s weight is padded with zeros to take them")
 
 
@@ -124,9 +126,12 @@ def build_model(cfg, num_classes, ranks, log) -> Model:
         if resumes_a_checkpoint(cfg.resume, cfg.output_dir):  # the file may be gone since: not read
             log("initial weights: not read, the run resumes from its checkpoint, whose weights replace them")
         else:
-            weights, what, fix = weights_source(cfg)  # (the flag as given, and what to do with a damaged cache file)
+            # the file, the flag as given, and what to do with a damaged cache file
+            weights, what, fix = weights_source(cfg.section("training"))
             log(load_initial_weights(module, weights, num_classes, what, fix))
-    adapt_module(cfg, module, num_classes, log)  # before the copies below (SyncBN, EMA): they keep its changes
+    adapt_module(
+        cfg.section("training"), cfg.dali_pad_channels, module, num_classes, log
+    )  # before the copies below (SyncBN, EMA): they keep its changes
     if cfg.sync_bn and ranks.enabled:
         module = torch.nn.SyncBatchNorm.convert_sync_batchnorm(module)
     if not cfg.fsdp:  # FSDP moves each rank's shards only to the device
@@ -166,7 +171,9 @@ def build_model(cfg, num_classes, ranks, log) -> Model:
                 "whole get its average gradient"
                 f"{f', their copies compared every {cfg.check_replicas} steps' if cfg.check_replicas else ''}"
             )
-        blocks = shard_model(module, cfg, ranks.device, ranks.mesh["data"] if ranks.mesh is not None else None)
+        data_mesh = ranks.mesh["data"] if ranks.mesh is not None else None
+        cast = cfg.autocast_dtype if cfg.amp else None  # the gathered weights, in the AMP dtype
+        blocks = shard_model(module, cfg.fsdp_reshard_after_forward, cast, ranks.device, data_mesh)
         parallel = "fsdp"
         log(
             f"FSDP: {blocks} blocks and the root sharded over {ranks.data_size} rank{'s' if ranks.data_size > 1 else ''}, parameters gathered in "
@@ -183,18 +190,18 @@ def build_model(cfg, num_classes, ranks, log) -> Model:
         net = torch.compile(net, mode=cfg.compile_mode)
         log(f"torch.compile: mode {cfg.compile_mode or 'default'}")
     cuda_graphs = cfg.compile_mode in CUDA_GRAPH_MODES  # (a --compile-mode implies --compile)
-    whole = whole_copies(cfg, module, ranks)
+    whole = whole_copies(cfg.section("distribution"), module, ranks)
     return Model(net, module, ema, num_classes, parallel, unsharded, cuda_graphs, cfg.tp > 1, whole_copies=whole)
 
 
-def whole_copies(cfg, module, ranks):
+def whole_copies(distribution, module, ranks):
     """--tp: the weights each tensor group holds whole, their gradients averaged over it (--check-replicas: and
     their copies compared)."""
-    if cfg.tp == 1:
+    if distribution.tp == 1:
         return None
     from dlojz_lib.parallelism.tensor import WholeCopies
 
-    return WholeCopies(module, ranks.mesh["tensor"], cfg.check_replicas, ranks.all_gather)
+    return WholeCopies(module, ranks.mesh["tensor"], distribution.check_replicas, ranks.all_gather)
 
 
 def build_pipeline_model(cfg, module, ema, num_classes, ranks, log) -> Model:
@@ -224,7 +231,7 @@ def build_pipeline_model(cfg, module, ema, num_classes, ranks, log) -> Model:
     if split == "time":  # a micro-batch as the run feeds it: its memory format, its autocast (below)
         sample = torch.randn(micro, 3, cfg.image_size, cfg.image_size)
         sample = sample.to(memory_format=torch.channels_last) if cfg.channels_last else sample
-    blocks = []
+    blocks, cast = [], cfg.autocast_dtype if cfg.amp else None  # FSDP units; the gathered weights in the AMP dtype
     run = None  # the PipelineRun, whose loss the schedule calls
 
     if cfg.tp > 1:  # the plan checked once, on the whole model: the stages hold its blocks or none
@@ -235,14 +242,14 @@ def build_pipeline_model(cfg, module, ema, num_classes, ranks, log) -> Model:
     def shard(stage):
         if cfg.tp > 1 and transformer_blocks(stage):  # 3-D: the blocks split over the tensor dimension, as 2-D's
             parallelize(stage, ranks.mesh["tensor"], cfg.arch)
-        blocks.append(shard_model(stage, cfg, ranks.device, ranks.mesh["data"]))
+        blocks.append(shard_model(stage, cfg.fsdp_reshard_after_forward, cast, ranks.device, ranks.mesh["data"]))
 
     per_rank = cfg.pp_stages_per_rank if SCHEDULES[cfg.pp_schedule][1] else 1
     runner, stages = build_pipeline(
         module, cfg.arch, pipe.get_local_rank(), cfg.pp, cfg.pp_schedule, cfg.pp_microbatches,
         lambda outputs, targets: run.loss(outputs, targets), ranks.device, pipe.get_group(), per_rank, split=split,
         sample=sample, wrap=shard, recompute=cfg.grad_checkpointing,
-        autocast_dtype=cfg.autocast_dtype if cfg.amp else None, seed=cfg.seed,
+        autocast_dtype=cast, seed=cfg.seed,
     )  # fmt: skip
     run = PipelineRun(runner, stages, pipe.get_local_rank(), cfg.pp, pipe.get_group(), cfg.batch_size, num_classes)
     if cfg.test:  # the chronometer's run: the stages' compute and idle time, for the bubble
@@ -273,7 +280,8 @@ def build_pipeline_model(cfg, module, ema, num_classes, ranks, log) -> Model:
         f"{'; each layer recomputed in the backward (--grad-checkpointing)' if cfg.grad_checkpointing else ''}"
     )
     held = stages[0] if len(stages) == 1 else RankStages(stages)  # what the optimizer and the checkpoint see
-    return Model(run, held, ema, num_classes, "fsdp", unsharded, False, cfg.tp > 1, run, whole_copies(cfg, held, ranks))
+    whole = whole_copies(cfg.section("distribution"), held, ranks)
+    return Model(run, held, ema, num_classes, "fsdp", unsharded, False, cfg.tp > 1, run, whole)
 
 
 def state_bytes_per_rank(model, training, ranks) -> dict:

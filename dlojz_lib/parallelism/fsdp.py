@@ -65,18 +65,19 @@ def sharding_units(module):
     return units
 
 
-def shard_model(module, cfg, device, mesh=None):
+def shard_model(module, reshard_after_forward, param_dtype, device, mesh=None):
     """Shard `module` in place across the process group's ranks (each block, then the root), or across `mesh` (with
     --tp, the data dimension of the (data, tensor) mesh: 2-D). Its parameters become DTensors holding this rank's
-    shard, on `device`. Returns the number of blocks."""
+    shard, on `device`; `param_dtype`: what the gathered weights are cast to (the AMP dtype, or None: as held).
+    Returns the number of blocks."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mesh = mesh if mesh is not None else init_device_mesh(device.type, (dist.get_world_size(),))
-    precision = MixedPrecisionPolicy(param_dtype=cfg.autocast_dtype if cfg.amp else None, reduce_dtype=torch.float32)
+    precision = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     units = sharding_units(module)
     for unit in units:
-        fully_shard(unit, mesh=mesh, mp_policy=precision, reshard_after_forward=cfg.fsdp_reshard_after_forward)
+        fully_shard(unit, mesh=mesh, mp_policy=precision, reshard_after_forward=reshard_after_forward)
     # The root's own parameters (stem, head) are needed again at once by the backward: kept gathered.
     fully_shard(module, mesh=mesh, mp_policy=precision, reshard_after_forward=False)
     return len(units)

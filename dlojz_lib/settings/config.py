@@ -46,14 +46,30 @@ def flag_type(action):
     return kind | None if action.default is None else kind
 
 
-def flag_fields(parser) -> list:
-    """(name, type) of each flag, in the parser's order (its --help groups), once each: the hidden --no-FLAG forms
-    share their flag's name."""
+def flag_fields(actions) -> list:
+    """(name, type) of each flag among a parser's `actions`, in their order (its --help groups), once each: the
+    hidden --no-FLAG forms share their flag's name."""
     fields = {}
-    for action in parser._actions:
+    for action in actions:
         if action.dest != "help" and action.help != argparse.SUPPRESS:
             fields.setdefault(action.dest, flag_type(action))
     return list(fields.items())
+
+
+def section_name(title):
+    """A --help group's section name: the first word of its title (training, optimizer, memory, augmentation,
+    validation, profiler, modes, data, dataloader, device, distribution, logging)."""
+    return title.split()[0].rstrip(",").lower()
+
+
+def flag_sections(parser) -> dict:
+    """{section name: its flags' (name, type)}, one section per --help group with flags."""
+    sections = {}
+    for group in parser._action_groups:
+        fields = flag_fields(group._group_actions)
+        if fields and group.title != "options":  # (options: --config alone, the recipe files)
+            sections[section_name(group.title)] = fields
+    return sections
 
 
 class RunSettings:
@@ -62,6 +78,12 @@ class RunSettings:
 
     `Config`, the frozen dataclass of these settings, is generated from the parser's table (one field per flag, the
     flag's row its only definition) and the fields below that no flag sets."""
+
+    def section(self, name):
+        """The settings of one --help group (`cfg.section("logging").output_dir`), frozen: what a builder that
+        needs one topic's flags takes, rather than the whole Config."""
+        section = SECTIONS[name]
+        return section(**{field.name: getattr(self, field.name) for field in dataclasses.fields(section)})
 
     @property
     def autocast_dtype(self):
@@ -91,9 +113,13 @@ DERIVED_FIELDS = [
     ),  # lines rank 0 prints once the run starts (profile values, warnings)
 ]
 Config = dataclasses.make_dataclass(
-    "Config", flag_fields(get_args_parser()) + DERIVED_FIELDS, bases=(RunSettings,), frozen=True
+    "Config", flag_fields(get_args_parser()._actions) + DERIVED_FIELDS, bases=(RunSettings,), frozen=True
 )
 Config.__module__ = __name__  # (make_dataclass's own is the caller's only from Python 3.12): pickled by name
+SECTIONS = {
+    name: dataclasses.make_dataclass(f"{name.title()}Settings", fields, frozen=True)
+    for name, fields in flag_sections(get_args_parser()).items()
+}
 
 
 def pretrained_preprocessing(values) -> list:
@@ -222,7 +248,8 @@ def resolve_config(args) -> Config:
     cfg = Config(**values, torch_device=torch_device, cpus_per_task=cpus_per_task, notes=())
     check(cfg)
     if on_gpu:
-        notes.extend(precision_notes(cfg, torch.cuda.get_device_capability(torch_device)))
+        capability = torch.cuda.get_device_capability(torch_device)
+        notes.extend(precision_notes(cfg.section("device"), cfg.compile, cfg.optimizer, capability))
     if on_gpu and cfg.sync_bn:
         notes.append(
             "--sync-bn: torch's SyncBatchNorm waits for the GPU once per BatchNorm layer in each training forward "
@@ -236,23 +263,23 @@ def resolve_config(args) -> Config:
     return dataclasses.replace(cfg, notes=tuple(notes))
 
 
-def precision_notes(cfg, capability):
+def precision_notes(device, compile, optimizer, capability):
     """What a float16 run on this GPU should know: bfloat16 needs no GradScaler where the GPU has it (compute
     capability 8.0 and newer), but in eager mode it costs a BatchNorm model cuDNN's batch norm (torch gives
     bfloat16's to its own kernels: dlojz_lib.model.batch_norm_on_native_kernels); an optimizer without a fused step
     waits for the GPU at every float16 step."""
     notes = []
     # what bfloat16 costs where it is an option: nothing compiled; in eager mode, a BatchNorm model's batch norm
-    cost = "" if cfg.compile else " (without --compile, a BatchNorm model's batch norm then leaves cuDNN: ~22 % slower)"
-    if cfg.amp and cfg.amp_dtype == "float16":
+    cost = "" if compile else " (without --compile, a BatchNorm model's batch norm then leaves cuDNN: ~22 % slower)"
+    if device.amp and device.amp_dtype == "float16":
         if capability[0] >= 8:
             notes.append(
                 "AMP float16 with a GradScaler (loss scaling, skipped overflow steps); on this GPU "
                 f"--amp-dtype bfloat16 needs no GradScaler{cost}"
             )
-        if cfg.optimizer not in FUSED:
+        if optimizer not in FUSED:
             notes.append(
-                f"WARNING: --optimizer {cfg.optimizer} has no fused step: the float16 GradScaler reads its "
+                f"WARNING: --optimizer {optimizer} has no fused step: the float16 GradScaler reads its "
                 "overflow flag on the host, one GPU synchronisation per optimizer step; "
                 + (f"--amp-dtype bfloat16 avoids it{cost}" if capability[0] >= 8 else f"{', '.join(FUSED)} avoid it")
             )
@@ -400,7 +427,7 @@ def check(cfg: Config):
 
         published_weights_file(cfg.arch, cfg.pretrained)  # in the local cache, or one line saying how to fetch it
     if cfg.fsdp:
-        check_fsdp(cfg)
+        check_fsdp(cfg.section("memory"), cfg.section("device"))
     if cfg.wandb and cfg.wandb_mode == "online" and not (cfg.test or cfg.eval_only or cfg.findlr):
         check_wandb_login()
     if cfg.sync_bn and cfg.torch_device == "cpu":
@@ -470,19 +497,19 @@ def check_wandb_login():
     )
 
 
-def check_fsdp(cfg):
+def check_fsdp(memory, device):
     """One line for each flag that cannot go with --fsdp."""
-    if cfg.sync_bn:
+    if memory.sync_bn:
         fail(
             "--fsdp with --sync-bn: FSDP shards parameters, not BatchNorm's statistics, and synchronised "
             "BatchNorm is a DDP feature; drop --sync-bn (or use a model without BatchNorm)"
         )
-    if cfg.model_ema:
+    if memory.model_ema:
         fail(
             "--fsdp with --model-ema: the averaged copy would be a whole unsharded model on every rank; drop "
             "--model-ema"
         )
-    if cfg.amp and cfg.amp_dtype == "float16":
+    if device.amp and device.amp_dtype == "float16":
         fail(
             "--fsdp with --amp-dtype float16: the loss scaler would have to agree on overflows across shards; "
             "use --amp-dtype bfloat16 (the default with --fsdp) or --no-amp"

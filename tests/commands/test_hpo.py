@@ -193,10 +193,10 @@ def test_usr2_and_no_requeue_stop_without_requeue(monkeypatch, capsys):
     monkeypatch.setenv("SLURM_JOB_ID", "42")
     ranks = SimpleNamespace(is_main=True)
     cfg = SimpleNamespace(test=False, requeue=True, output_dir="out")
-    dlojz_lib.dist.requeue(cfg, ranks, "SIGUSR1")
+    dlojz_lib.dist.requeue(cfg, cfg.test, ranks, "SIGUSR1")
     assert calls == [["scontrol", "requeue", "42"]]
-    dlojz_lib.dist.requeue(cfg, ranks, "SIGUSR2")
-    dlojz_lib.dist.requeue(SimpleNamespace(**{**vars(cfg), "requeue": False}), ranks, "SIGUSR1")
+    dlojz_lib.dist.requeue(cfg, cfg.test, ranks, "SIGUSR2")
+    dlojz_lib.dist.requeue(SimpleNamespace(**{**vars(cfg), "requeue": False}), cfg.test, ranks, "SIGUSR1")
     assert len(calls) == 1, calls
     assert capsys.readouterr().out.count("stopped cleanly; continue with --resume auto") == 2
     saved = signal.getsignal(signal.SIGUSR2)

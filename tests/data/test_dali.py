@@ -390,26 +390,24 @@ def test_hardware_decoder_share_and_output_follow_the_flags():
 
     from dlojz_lib.data.dali import dali_settings
 
-    def cfg(**flags):
+    def settings(num_workers=3, amp=False, **flags):  # the data settings, the DataLoader's workers, --amp
         values = dict(
             dali_threads=None,
-            num_workers=3,
             dali_prefetch=3,
             dali_hw_decoder_load=None,
             dali_antialias=False,
             dali_pad_channels=False,
-            amp=False,
             mean=None,
             std=None,
         )
-        return SimpleNamespace(**{**values, **flags})
+        return dali_settings(SimpleNamespace(**{**values, **flags}), num_workers, amp)
 
-    assert dali_settings(cfg()).threads == 3 and dali_settings(cfg()).hw_decoder_load == 0.99
-    assert dali_settings(cfg(dali_hw_decoder_load=0.3)).hw_decoder_load == 0.3
-    assert dali_settings(cfg(num_workers=0)).threads == 1
-    assert dali_settings(cfg(amp=True)).half and not dali_settings(cfg()).half
-    assert dali_settings(cfg(dali_pad_channels=True)).pad_channels
-    assert dali_settings(cfg(mean=(0.5, 0.5, 0.5))).mean == (0.5, 0.5, 0.5)
+    assert settings().threads == 3 and settings().hw_decoder_load == 0.99
+    assert settings(dali_hw_decoder_load=0.3).hw_decoder_load == 0.3
+    assert settings(num_workers=0).threads == 1
+    assert settings(amp=True).half and not settings().half
+    assert settings(dali_pad_channels=True).pad_channels
+    assert settings(mean=(0.5, 0.5, 0.5)).mean == (0.5, 0.5, 0.5)
 
 
 @pytest.mark.parametrize(

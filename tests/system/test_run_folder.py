@@ -236,10 +236,10 @@ def test_a_failed_requeue_is_one_line_and_an_error(tmp_path, monkeypatch):
     cfg = type("Cfg", (), dict(test=False, requeue=True, output_dir=str(tmp_path / "run")))()
     ranks = type("Ranks", (), dict(is_main=True))()
     with pytest.raises(dlojz_lib.dist.RequeueFailed) as failed:
-        dlojz_lib.dist.requeue(cfg, ranks, "SIGUSR1")
+        dlojz_lib.dist.requeue(cfg, cfg.test, ranks, "SIGUSR1")
     assert str(failed.value) == (
         "scontrol requeue 777 failed (scontrol: error: Requested operation is presently disabled): the job is not "
         f"requeued; its checkpoint is kept: submit it again with --resume auto --output-dir {tmp_path / 'run'}"
     )
     Path(scontrol).write_text("#!/bin/sh\nexit 0\n")
-    dlojz_lib.dist.requeue(cfg, ranks, "SIGUSR1")  # a requeue Slurm takes: no error
+    dlojz_lib.dist.requeue(cfg, cfg.test, ranks, "SIGUSR1")  # a requeue Slurm takes: no error
