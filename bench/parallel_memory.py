@@ -21,9 +21,10 @@ travels and for activations):
   the tokens each one attends to (a MaxViT block's window or grid cell); a CoAtNet's MBConv blocks are not counted;
 - sent per step (ring algorithms: an all-reduce sends 2 (n-1)/n of its buffer, an all-gather or a reduce-scatter
   (n-1)/n): DDP all-reduces the float32 gradients; FSDP all-gathers the parameters in the AMP dtype twice (forward and
-  backward) and reduce-scatters float32 gradients; TP all-reduces each block's output activations twice in the
-  forward and twice in the backward, in the AMP dtype, within its group, and FSDP runs over the replicas on what the
-  group's rank holds;
+  backward) and reduce-scatters float32 gradients; TP sends what dlojz_lib/parallelism/tensor.py's
+  BLOCK_COLLECTIVES counts on each block's activations, in the AMP dtype, within its group (2 all-reduces each way;
+  with --sequence-parallel 2 all-gathers and 2 reduce-scatters each way: the same bytes), and FSDP runs over the
+  replicas on what the group's rank holds;
 - PP p x FSDP d: the layers cut into p stages balanced by parameters (dlojz_lib/parallelism/pipeline.py's cut), FSDP over the d
   pipelines; the largest stage's state; under 1F1B with --pp-microbatches M, the first stage's blocks hold min(p, M)
   micro-batches of b p / M images (a pipeline takes b images a GPU, as the other rows); each GPU sends its stage's
@@ -142,7 +143,7 @@ def rows(args):
     import torch
 
     from dlojz_lib.model import create_model
-    from dlojz_lib.parallelism.tensor import is_vit_block, transformer_blocks
+    from dlojz_lib.parallelism.tensor import block_bytes_sent, is_vit_block, transformer_blocks
 
     with torch.device("meta"):
         module = create_model(args.arch, args.num_classes, False, args.image_size)
@@ -186,8 +187,11 @@ def rows(args):
                 held = sum(local_numel(shape, kind, tp, 1) for shape, kind in params)  # the group rank's part
                 n = replicas
                 sent = (n - 1) / n * held * (2 * args.amp_bytes + 4)  # 2 all-gathers + 1 reduce-scatter
-                if tp > 1:  # 4 all-reduces of each block's output a step
-                    sent += sum(4 * 2 * (tp - 1) / tp * tokens * b * h * args.amp_bytes for tokens, _, h, *_ in shapes)
+                if tp > 1:  # the plan's collectives on each block's activations (BLOCK_COLLECTIVES)
+                    sent += sum(
+                        block_bytes_sent(args.sequence_parallel, tp, tokens * b * h * args.amp_bytes)
+                        for tokens, _, h, *_ in shapes
+                    )
             out.append(
                 dict(
                     gpus=gpus,
@@ -219,6 +223,7 @@ def pipeline_rows(args, module, params, gpus, shapes, state):
 
     from dlojz_lib.checks import UserError
     from dlojz_lib.parallelism.pipeline import layer_sizes, owner, pipeline_layers, stage_bounds
+    from dlojz_lib.parallelism.tensor import block_bytes_sent
 
     try:
         layers = pipeline_layers(module, args.arch)
@@ -254,7 +259,7 @@ def pipeline_rows(args, module, params, gpus, shapes, state):
                 per_layer = block_activations(tokens, span, h, a, images)
             else:
                 per_layer = tokens * images * h * (10 + 24 / tp + 5 * a * span / (h * tp))
-                sent[stage] += 4 * 2 * (tp - 1) / tp * tokens * b * pp * h * args.amp_bytes  # its all-reduces
+                sent[stage] += block_bytes_sent(args.sequence_parallel, tp, tokens * b * pp * h * args.amp_bytes)
             per_stage[stage] += per_layer * min(pp - stage, m)
         activations = max(per_stage) * args.amp_bytes / 2 if shapes else None
         for stage, (first, last) in enumerate(bounds):  # its input's gradient back, its output on

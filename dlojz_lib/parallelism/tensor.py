@@ -20,7 +20,9 @@ projections, as Linear layers or as 1x1 convolutions over NCHW maps):
   too, but a GPU's kernels need not compute bit-identical gradients on two ranks (cuDNN's autotuned algorithms,
   atomics), and copies that drift apart would stay apart: `WholeCopies` averages them over the group at every step
   (one all-reduce of their few weights), and compares the copies' checksums (--check-replicas).
-Each block costs two all-reduces of its activations in the forward, and two in the backward.
+Each block costs two all-reduces of its activations in the forward, and two in the backward (q, k and v read one
+DTensor input: their three input gradients are summed before one all-reduce); with sequence parallelism, two
+all-gathers and two reduce-scatters each way (`BLOCK_COLLECTIVES`, counted by the tests).
 
 - `parallelize(module, tp_mesh)`: the plan applied in place; a model without one, or whose heads or MLP width do not
   split over the ranks, is one line (UserError).
@@ -39,6 +41,25 @@ from dlojz_lib.parallelism import families
 from dlojz_lib.torch_internals import flatten_dense, unflatten_dense
 
 PARTS = ("q", "k", "v")
+
+# What the plan sends per transformer block and step, each collective on one block's activations ([tokens, batch,
+# width], in the AMP dtype), as Megatron-LM's layout: without sequence parallelism the row-wise layers' outputs
+# all-reduced in the forward and the column-wise layers' input gradients in the backward; with it, all-gathers of the
+# attention's and the MLP's inputs and reduce-scatters of their outputs, each the other's backward. Counted on 2 ranks
+# by tests/parallelism/test_tensor_parallel.py; bench/parallel_memory.py's bytes sent are made of it.
+BLOCK_COLLECTIVES = {
+    False: {"forward": {"all_reduce": 2}, "backward": {"all_reduce": 2}},
+    True: {"forward": {"all_gather": 2, "reduce_scatter": 2}, "backward": {"all_gather": 2, "reduce_scatter": 2}},
+}
+RING_SENDS = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1}  # a ring sends this x (n - 1) / n of the buffer
+
+
+def block_bytes_sent(sequence_parallel, tp, activation_bytes):
+    """The bytes one rank of a `tp` group sends per transformer block and step, `activation_bytes` the block's
+    activations (BLOCK_COLLECTIVES, ring algorithms)."""
+    passes = BLOCK_COLLECTIVES[sequence_parallel].values()
+    sends = sum(RING_SENDS[kind] * count for collectives in passes for kind, count in collectives.items())
+    return sends * (tp - 1) / tp * activation_bytes
 
 
 class Pointwise(nn.Linear):
@@ -289,8 +310,14 @@ def block_plan(block, sequence_parallel):
     qkv = [f"attn.qkv.{part}" for part in PARTS] if isinstance(block.attn.qkv, HeadShardedQKV) else ["attn.qkv"]
     plan = {name: ColwiseParallel() for name in (*qkv, "mlp.fc1")}
     if not sequence_parallel:
+        if len(qkv) == 3:  # q, k and v read one DTensor: their input gradients summed, then one all-reduce
+            plan["attn.qkv"] = PrepareModuleInput(
+                input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),), use_local_output=False
+            )
         return {**plan, "attn.proj": RowwiseParallel(), "mlp.fc2": RowwiseParallel()}
-    gather = dict(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True)
+    # The gathered tokens stay a DTensor: the attention's (or MLP's) input gradients, partial sums on each rank, are
+    # summed as one and reduce-scattered back to the tokens' shards (Megatron-LM's), rather than all-reduced whole.
+    gather = dict(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=False)
     plan.update(
         {
             "attn": PrepareModuleInput(**gather),

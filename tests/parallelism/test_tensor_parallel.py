@@ -70,6 +70,62 @@ def compare(rank, world, kind, size, sequence_parallel):
         torch.testing.assert_close(state[key], expected[key], rtol=1e-4, atol=1e-5, msg=key)
 
 
+def counting_mode():
+    """A dispatch mode that counts the collectives DTensor sends (by kind: all_reduce, all_gather, reduce_scatter...),
+    without the module hooks of torch's CommDebugMode (whose view of a block's input breaks timm's in-place SiLU)."""
+    from collections import Counter
+
+    from torch.distributed.tensor import DTensor
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    kinds = {"all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter"}
+
+    class Collectives(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.counts = Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if any(kind is DTensor for kind in types):
+                return NotImplemented  # DTensor first turns its op into local ops and collectives, seen here
+            name = func.__name__.split(".")[0]
+            if func.namespace in ("_c10d_functional", "c10d") and not name.startswith(("wait", "_wrap")):
+                self.counts[kinds.get(name, name)] += 1
+            return func(*args, **(kwargs or {}))
+
+    return Collectives()
+
+
+def count_collectives(world, kind, size, sequence_parallel):
+    """The collectives of one forward and one backward of the parallelised model, {pass: {kind: count}}."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.manual_seed(0)
+    model = tiny_model(kind, size)
+    parallelize(model, init_device_mesh("cpu", (world,)), kind, sequence_parallel)
+    with counting_mode() as forward:
+        loss = model(torch.randn(4, 3, size, size)).sum()
+    with counting_mode() as backward:
+        loss.backward()
+    return {"forward": dict(forward.counts), "backward": dict(backward.counts)}
+
+
+def megatron_s_collectives(kind, sequence_parallel):
+    """What Megatron-LM's layout sends for the whole model: BLOCK_COLLECTIVES per block; with sequence parallelism
+    the tokens gathered after the last block (and, backward, the first block's input gradient); CoAtNet's and
+    MaxViT's relative position bias tables, their gradient gathered over the heads, one a block."""
+    from dlojz_lib.parallelism.tensor import BLOCK_COLLECTIVES
+
+    expected = {}
+    for step, collectives in BLOCK_COLLECTIVES[sequence_parallel].items():
+        expected[step] = {name: count * BLOCKS[kind] for name, count in collectives.items()}
+        if sequence_parallel:
+            expected[step]["all_gather"] += 1
+    if kind != "vit":
+        expected["backward"]["all_gather"] = BLOCKS[kind]
+    return expected
+
+
 def compare_on_rank(rank, world, store_path, failures, cases):
     """One rank of one process group for every case (a process start and torch's import once, not per case): each
     case's failure put in `failures` under the case."""
@@ -80,6 +136,8 @@ def compare_on_rank(rank, world, store_path, failures, cases):
     for case in cases:
         try:
             compare(rank, world, *case)
+            counted = count_collectives(world, *case)
+            assert counted == megatron_s_collectives(case[0], case[2]), counted
         except BaseException:
             failures.put((case, f"rank {rank}: {traceback.format_exc()}"))
         dist.barrier()  # the next case starts together, whatever this one did on the other rank
@@ -106,7 +164,10 @@ def test_the_parallel_model_trains_as_one_process(compared, kind, size, sequence
     sequence parallelism (48 px: 9 patches and the class token, 5 tokens a rank) the norms' gradients come from each
     rank's tokens and are summed over the group: a norm left out of the plan would train on half of them. CoAtNet and
     MaxViT: each rank adds its heads' slice of the relative position bias, whose table gets every head's gradient (a
-    table trained on one rank's heads would part from the single process's)."""
+    table trained on one rank's heads would part from the single process's). And what it sends, counted per kind in
+    one forward and one backward, is Megatron-LM's (BLOCK_COLLECTIVES a block, the table bench/parallel_memory.py
+    sends by): 2 all-reduces each way a block (q, k and v summed before one), or with sequence parallelism 2
+    all-gathers and 2 reduce-scatters each way."""
     errors = compared[(kind, size, sequence_parallel)]
     assert not errors, "\n".join(errors)
 
