@@ -134,6 +134,34 @@ def spawn_ranks(target, world, tmp_path, *args, timeout=300):
     return found
 
 
+def counting_mode():
+    """A dispatch mode that counts the collectives sent in it, DTensor's and FSDP's (by kind: all_reduce, all_gather,
+    reduce_scatter, send...), without the module hooks of torch's CommDebugMode (whose view of a block's input breaks
+    timm's in-place SiLU)."""
+    from collections import Counter
+
+    from torch.distributed.tensor import DTensor
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    kinds = {"all_gather_into_tensor": "all_gather", "_allgather_base_": "all_gather", "allreduce_": "all_reduce",
+             "reduce_scatter_tensor": "reduce_scatter", "_reduce_scatter_base_": "reduce_scatter"}  # fmt: skip
+
+    class Collectives(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.counts = Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if any(kind is DTensor for kind in types):
+                return NotImplemented  # DTensor first turns its op into local ops and collectives, seen here
+            name = func.__name__.split(".")[0]
+            if func.namespace in ("_c10d_functional", "c10d") and not name.startswith(("wait", "_wrap")):
+                self.counts[kinds.get(name, name)] += 1
+            return func(*args, **(kwargs or {}))
+
+    return Collectives()
+
+
 def read_json(path):
     return json.loads(Path(path).read_text())
 

@@ -347,8 +347,9 @@ def build_pipeline(
 ):  # fmt: skip
     """This rank's stages of `model` cut into pp x stages_per_rank stages (each a copy of `model` pruned to its
     layers), as PipelineStages over `group`, and the `schedule` running `microbatches` micro-batches through them
-    with `loss_fn` on the last (gradients scaled by 1 / microbatches: a step's are the mean over its images, as one
-    process's). `split`: "params" (balanced by parameters), "time" (by each layer's forward time on `sample`, a
+    with `loss_fn` on the last, each micro-batch's loss divided by their number (its share of the step's mean: the
+    gradients need no scaling after the backward, a loop over the parameters that torch's `scale_grads` would run;
+    a step's gradients are the mean over its images, as one process's). `split`: "params" (balanced by parameters), "time" (by each layer's forward time on `sample`, a
     micro-batch in the run's memory format, under autocast to `autocast_dtype` when given, measured on this rank:
     every rank of the world must cut alike, the other data replicas' and tensor peers' pipelines as this one, or
     their sends would not meet, so the times are summed over the world), or the layers where stages 2, 3... start.
@@ -386,16 +387,18 @@ def build_pipeline(
             wrap(module)
         modules.append(module)
         stages.append(pipelining.PipelineStage(module, index, total, device, group=group))
+    def loss_share(outputs, targets):  # this micro-batch's share of the step's mean loss
+        return loss_fn(outputs, targets) / microbatches
+
     runner = getattr(pipelining, class_name)
-    if looped:
-        return runner(stages, microbatches, loss_fn=loss_fn), modules
-    return runner(stages[0], microbatches, loss_fn=loss_fn), modules
+    held = stages if looped else stages[0]
+    return runner(held, microbatches, loss_fn=loss_share, scale_grads=False), modules
 
 
 def pipeline_step(runner, rank, ranks, images, labels):
     """One step of the schedule on this rank: the first stage's rank gives the images, the last's the labels (it
-    computes the loss); returns the last stage's outputs (the micro-batches' merged) and losses, one per
-    micro-batch (None and [] elsewhere)."""
+    computes the loss); returns the last stage's outputs (the micro-batches' merged) and losses, each micro-batch's
+    share of the step's mean (their sum is the mean loss; None and [] elsewhere)."""
     losses = []
     outputs = runner.step(*(images,) if rank == 0 else (), target=labels if rank == ranks - 1 else None, losses=losses)
     return outputs, losses
@@ -459,7 +462,7 @@ class PipelineRun(nn.Module):
         if self.last:
             with torch.no_grad():
                 accuracy = soft_target_accuracy(outputs, targets)
-                figures = torch.stack([torch.stack(losses).mean().detach().float(), accuracy.float()])
+                figures = torch.stack([torch.stack(losses).sum().detach().float(), accuracy.float()])  # shares
         torch.distributed.all_reduce(figures, group=self.group)
         return figures[0], figures[1]
 

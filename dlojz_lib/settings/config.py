@@ -172,8 +172,8 @@ def fill_num_workers(values, cpus_per_task, notes):
 
 def fill_parallel_defaults(values, notes):
     """--fsdp's and --pp's defaults, where not given."""
-    if values["fsdp"] and values["fsdp_reshard_after_forward"] is None:
-        values["fsdp_reshard_after_forward"] = True
+    if values["fsdp"] and values["fsdp_reshard_after_forward"] is None:  # a stage's blocks serve every micro-batch
+        values["fsdp_reshard_after_forward"] = values["pp"] == 1
     if values["pp"] > 1 and values["pp_microbatches"] is None:  # a bubble of (N - 1) / (3 N - 1): about a third
         values["pp_microbatches"] = 2 * values["pp"]
     if values["pp_schedule"] in LOOPED_SCHEDULES and values["pp_stages_per_rank"] is None:

@@ -946,7 +946,9 @@ def get_args_parser():
         default=None,
         action=argparse.BooleanOptionalAction,
         help="--fsdp: free each block's gathered parameters after its forward and gather them again for\n"
-        "the backward (ZeRO-3, default), or keep them until the backward (ZeRO-2-like: faster, more memory)",
+        "the backward (ZeRO-3, default), or keep them until the backward (ZeRO-2-like: faster, more memory);\n"
+        "with --pp off by default (resharded, a block is gathered again for each micro-batch: M + 1 all-gathers\n"
+        "a step instead of 1, as torchtitan): --fsdp-reshard-after-forward forces it",
     )
     p.add_argument(
         "--tp",

@@ -168,12 +168,17 @@ def train_on_rank(rank, world, store_path, results, cases):
             for _ in range(2):
                 images, labels = torch.randn(8, 3, 32, 32, generator=data), torch.randint(0, 3, (8,), generator=data)
                 optimizer.zero_grad()
-                pipeline_step(runner, pipe, world // tp, images, labels)
+                _, losses = pipeline_step(runner, pipe, world // tp, images, labels)
                 optimizer.step()
                 expected.zero_grad()
+                mean_loss = 0.0
                 for micro_images, micro_labels in zip(images.chunk(4), labels.chunk(4)):
-                    (loss_fn(reference(micro_images), micro_labels) / 4).backward()
+                    share = loss_fn(reference(micro_images), micro_labels) / 4
+                    share.backward()
+                    mean_loss += share.item()
                 expected.step()
+                if pipe == world // tp - 1:  # the micro-batches' shares of the loss sum to the batch's mean
+                    assert len(losses) == 4 and abs(sum(loss.item() for loss in losses) - mean_loss) < 1e-5, losses
             whole = reference.state_dict()
             for stage in stages:
                 state = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in stage.state_dict().items()}
@@ -194,6 +199,60 @@ def train_on_rank(rank, world, store_path, results, cases):
         dist.destroy_process_group()
     except BaseException:
         results.put((rank, "error", traceback.format_exc(), None))
+
+
+def gathers_on_rank(rank, world, store_path, results):
+    """One of 2 ranks, the data dimension of a one-stage pipeline whose stage FSDP shards over both: the collectives
+    of a step of 4 micro-batches (after a first one), the blocks resharded after their forward as --pp's default
+    sets it, and as --fsdp-reshard-after-forward forces it."""
+    import torch.distributed as dist
+    from conftest import counting_mode
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from dlojz_lib.parallelism.fsdp import shard_model
+    from dlojz_lib.settings.config import resolve_config
+    from dlojz_lib.settings.flags import get_args_parser
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
+    try:
+        mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("data", "pipe"))
+        for forced in ([], ["--fsdp-reshard-after-forward"]):
+            argv = ["--device", "cpu", "--fsdp", "--pp", "2", *forced]
+            reshard = resolve_config(get_args_parser().parse_args(argv)).fsdp_reshard_after_forward
+            units = []
+
+            def shard(stage):
+                units.append(shard_model(stage, reshard, None, torch.device("cpu"), mesh["data"]) + 1)  # and the root
+
+            runner, _ = build_pipeline(small_model("timm:test_vit"), "timm:test_vit", 0, 1, "1f1b", 4,
+                                       torch.nn.functional.cross_entropy, torch.device("cpu"), mesh["pipe"].get_group(),
+                                       wrap=shard)  # fmt: skip
+            images, labels = torch.randn(8, 3, 32, 32), torch.randint(0, 3, (8,))
+            pipeline_step(runner, 0, 1, images, labels)
+            with counting_mode() as counted:
+                pipeline_step(runner, 0, 1, images, labels)
+            results.put((rank, bool(forced), units[0], dict(counted.counts)))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.multirank
+def test_under_pp_fsdp_gathers_each_unit_once_a_step(tmp_path):
+    """--pp's default keeps a stage's blocks gathered from their forward to their backward: one all-gather per FSDP
+    unit a step, where resharding (--fsdp-reshard-after-forward, forced) gathers each block again for every
+    micro-batch (M forwards and the backward: 4 + 1 here); one reduce-scatter per unit either way."""
+    from conftest import spawn_ranks
+
+    found = {
+        (rank, forced): (units, counts) for rank, forced, units, counts in spawn_ranks(gathers_on_rank, 2, tmp_path)
+    }
+    units, default = found[(0, False)]
+    assert units == 7 and default == {"all_gather": units, "reduce_scatter": units}, default  # 6 blocks and the root
+    _, forced = found[(0, True)]
+    assert forced == {"all_gather": 6 * (4 + 1) + 1, "reduce_scatter": units}, forced
+    assert found[(1, False)][1] == default
 
 
 def cut_on_rank(rank, world, store_path, results):

@@ -70,34 +70,9 @@ def compare(rank, world, kind, size, sequence_parallel):
         torch.testing.assert_close(state[key], expected[key], rtol=1e-4, atol=1e-5, msg=key)
 
 
-def counting_mode():
-    """A dispatch mode that counts the collectives DTensor sends (by kind: all_reduce, all_gather, reduce_scatter...),
-    without the module hooks of torch's CommDebugMode (whose view of a block's input breaks timm's in-place SiLU)."""
-    from collections import Counter
-
-    from torch.distributed.tensor import DTensor
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    kinds = {"all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter"}
-
-    class Collectives(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.counts = Counter()
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if any(kind is DTensor for kind in types):
-                return NotImplemented  # DTensor first turns its op into local ops and collectives, seen here
-            name = func.__name__.split(".")[0]
-            if func.namespace in ("_c10d_functional", "c10d") and not name.startswith(("wait", "_wrap")):
-                self.counts[kinds.get(name, name)] += 1
-            return func(*args, **(kwargs or {}))
-
-    return Collectives()
-
-
 def count_collectives(world, kind, size, sequence_parallel):
     """The collectives of one forward and one backward of the parallelised model, {pass: {kind: count}}."""
+    from conftest import counting_mode
     from torch.distributed.device_mesh import init_device_mesh
 
     torch.manual_seed(0)
