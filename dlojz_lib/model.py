@@ -3,8 +3,11 @@
 - `create_model(arch, num_classes)`: any torchvision classification model by name, or any timm one as `timm:NAME`,
   random weights (no download), with `--drop-path`'s stochastic depth where the model has it;
   an unknown name is a `UserError` with the closest names. `classifier_name(model, num_classes)`: its head.
-- `enable_grad_checkpointing(model, arch)`: recompute each stage's activations in the backward (`--grad-checkpointing`),
-  BatchNorm running statistics updated once per step as without it; `plain_stages(model)` undoes it for as long
+- `enable_grad_checkpointing(model, arch)`: recompute each stage's activations in the backward (`--grad-checkpointing`,
+  `--activation-checkpointing full`), BatchNorm running statistics updated once per step as without it;
+  `checkpoint_blocks(blocks, mode, every)`: the same on given blocks, `selective` keeping each block's costly
+  outputs (matrix products, convolutions, attentions) and recomputing the rest, every N-th block only with
+  `every` (`--activation-checkpointing selective`, `--ac-every`); `plain_stages(model)` undoes either for as long
   as a `with` lasts (FLOP counts exclude the recomputation).
 - `apply_blurpool(model)`: anti-aliased downsampling (`--blurpool`, Zhang 2019, as FFCV and Composer apply it): a
   3x3 binomial blur before each strided convolution of 16+ input channels, and max-pools that take the max at
@@ -197,8 +200,27 @@ def classifier_name(module, num_classes):
 
 
 # ---------------------------------------------------------------------- activation checkpointing
+def selective_checkpoint_context():
+    """The context of selective activation checkpointing (torchtitan's op-level policy): the outputs of the costly
+    ops (matrix products, convolutions, fused attentions: torch_internals.costly_ops) kept for the backward, every
+    other op (norms, activations, additions, reshapes) recomputed from them."""
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    from dlojz_lib.torch_internals import costly_ops
+
+    costly = costly_ops()
+
+    def policy(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE if op in costly else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
+
+
 class CheckpointedStage:
-    """Mixed into a stage's class: its activations are recomputed in the backward instead of being kept."""
+    """Mixed into a stage's class: its activations are recomputed in the backward instead of being kept (`selective`:
+    all but its costly ops' outputs)."""
+
+    selective = False
 
     def forward(self, *inputs):
         forward = super().forward
@@ -214,25 +236,26 @@ class CheckpointedStage:
             with running_stats_frozen(self):  # the recomputation in the backward: same batch statistics, no update
                 return forward(*args)
 
-        return torch.utils.checkpoint.checkpoint(run, *inputs, use_reentrant=False)
+        context = dict(context_fn=selective_checkpoint_context) if self.selective else {}
+        return torch.utils.checkpoint.checkpoint(run, *inputs, use_reentrant=False, **context)
 
 
 @contextlib.contextmanager
 def running_stats_frozen(module):
     """BatchNorm layers of `module` normalise with the batch's statistics, as in training, and save the same
     tensors for the backward, but leave their running statistics and batch count as they were: a recomputed
-    forward must not count the batch twice. (Momentum 0 keeps the running statistics exactly.)"""
+    forward must not count the batch twice. Momentum 0 keeps the running statistics exactly, and without its
+    batch count a norm counts nothing: the recomputation runs no op the forward did not (selective checkpointing
+    replays the forward's ops, and refuses a new one)."""
     norms = [m for m in module.modules() if isinstance(m, batch_norm_base()) and m.training and m.track_running_stats]
-    momenta = [norm.momentum for norm in norms]
+    kept = [(norm.momentum, norm.num_batches_tracked) for norm in norms]
     for norm in norms:
-        norm.momentum = 0.0
+        norm.momentum, norm.num_batches_tracked = 0.0, None
     try:
         yield
     finally:
-        for norm, momentum in zip(norms, momenta):
-            norm.momentum = momentum
-            if norm.num_batches_tracked is not None:
-                norm.num_batches_tracked.sub_(1)  # counted again by the recomputation
+        for norm, (momentum, count) in zip(norms, kept):
+            norm.momentum, norm.num_batches_tracked = momentum, count
 
 
 def enable_grad_checkpointing(model, arch):
@@ -248,8 +271,20 @@ def enable_grad_checkpointing(model, arch):
         return
     if not stages:
         fail(f"--grad-checkpointing: --arch {arch} has neither layer1..layer4 nor a .features Sequential to checkpoint")
-    for stage in stages:
-        stage.__class__ = type(f"Checkpointed{type(stage).__name__}", (CheckpointedStage, type(stage)), {})
+    checkpoint_blocks(stages)
+
+
+def checkpoint_blocks(blocks, mode="full", every=1):
+    """Each of `blocks` (the 1st, the every+1-th...) recomputed in the backward: whole (`full`), or all but its
+    costly ops' outputs (`selective`). Only the blocks' classes change: parameters and checkpoint keys stay."""
+    for index, block in enumerate(blocks):
+        if mode != "none" and index % every == 0:
+            mixin = CheckpointedStage if mode == "full" else SelectivelyCheckpointed
+            block.__class__ = type(f"Checkpointed{type(block).__name__}", (mixin, type(block)), {})
+
+
+class SelectivelyCheckpointed(CheckpointedStage):
+    selective = True
 
 
 @contextlib.contextmanager

@@ -14,6 +14,11 @@ Imports are inside the functions: importing this module imports no torch.
 - `batch_norm_base()`: the class every BatchNorm (1d, 2d, 3d, SyncBatchNorm) derives from (`_BatchNorm`).
 - `foreach_copy_(targets, sources)`, `foreach_lerp_(targets, sources, weight)`: one kernel for many tensors
   (`torch._foreach_*`).
+- `held_after_forward(module, *inputs)`: the bytes a forward leaves alive (what it holds for the backward), its
+  tensors' storages followed by weak reference (`UntypedStorage._weak_ref`, as torch's own memory tracker) under a
+  dispatch mode (`torch.utils._python_dispatch`).
+- `costly_ops()`: the aten ops whose outputs selective activation checkpointing keeps: the matrix products, the
+  convolution and the fused attentions' kernels (`aten._scaled_dot_product_*`).
 """
 
 
@@ -90,3 +95,46 @@ def batch_norm_base():
     import torch
 
     return torch.nn.modules.batchnorm._BatchNorm
+
+
+def costly_ops():
+    import torch
+
+    aten = torch.ops.aten
+    ops = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.convolution.default}
+    for attention in (  # the fused attentions' kernels, those of this build
+        aten._scaled_dot_product_flash_attention,
+        aten._scaled_dot_product_efficient_attention,
+        aten._scaled_dot_product_cudnn_attention,
+        aten._scaled_dot_product_flash_attention_for_cpu,
+    ):
+        ops.add(attention.default)
+    return ops
+
+
+def held_after_forward(module, *inputs):
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    made = []
+
+    class Made(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for tensor in tree_leaves(out):
+                if isinstance(tensor, torch.Tensor) and tensor.device.type != "meta":
+                    storage = tensor.untyped_storage()
+                    made.append((storage._weak_ref(), storage.data_ptr(), storage.nbytes()))
+            return out
+
+    with Made():
+        output = module(*inputs)
+    own = {t.untyped_storage().data_ptr() for t in (*module.parameters(), *module.buffers())}
+    alive = {}  # by storage: a tensor's views count once
+    for ref, pointer, size in made:
+        if not torch.UntypedStorage._expired(ref) and pointer not in own:
+            alive[pointer] = size
+        torch.UntypedStorage._free_weak_ref(ref)
+    del output
+    return sum(alive.values())

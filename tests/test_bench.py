@@ -354,3 +354,19 @@ def test_a_bench_given_a_missing_data_folder_says_so_before_any_run(script, flag
     assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
     assert f"{flag} {missing}: no train/ folder there" in result.stderr.splitlines()[-1]
     assert not list(tmp_path.iterdir()) and result.stdout == ""  # nothing run, nothing written
+
+
+def test_the_activation_memory_bench_orders_the_modes(tmp_path):
+    """bench/activation_memory.py on a tiny ViT: a row per mode, the bytes held ordered as the modes say (full the
+    least, selective between full and none, every 2nd block between its mode and none), none's ratios 1."""
+    import json
+
+    table = tmp_path / "rows.json"
+    command = [sys.executable, str(ROOT / "bench" / "activation_memory.py"), "--arch", "timm:test_vit",
+               "--image-size", "32", "-b", "4", "--repeats", "1", "--json", str(table)]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=clean_env(), cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    held = {(row["mode"], row["every"]): row["held_bytes"] for row in json.loads(table.read_text())}
+    assert held["full", 1] < held["selective", 1] < held["none", 1], held
+    assert held["full", 1] < held["full", 2] < held["none", 1] and held["selective", 1] < held["selective", 2], held
+    assert "none             1" in result.stdout and "x none" in result.stdout

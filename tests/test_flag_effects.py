@@ -125,6 +125,56 @@ def test_grad_checkpointing_trains_as_the_plain_model():
         torch.testing.assert_close(checkpointed[key], plain[key], rtol=1e-4, atol=1e-5, msg=key)
 
 
+CHECKPOINTING = {
+    "none": [],
+    "full": ["--activation-checkpointing", "full"],
+    "selective": ["--activation-checkpointing", "selective"],
+    "full, every 2nd block": ["--activation-checkpointing", "full", "--ac-every", "2"],
+    "selective, every 2nd block": ["--activation-checkpointing", "selective", "--ac-every", "2"],
+}
+
+
+@pytest.mark.parametrize("arch", ["timm:test_vit", "resnet18"])
+def test_activation_checkpointing_keeps_less_and_trains_as_the_plain_model(arch):
+    """--activation-checkpointing full | selective and --ac-every 2: after 2 steps the weights and buffers are the
+    plain model's (BatchNorm's running statistics counted once), and the bytes its forward holds for the backward
+    (measured on the CPU) order as the modes say: full the least, selective more (the matrix products' and
+    convolutions' outputs kept), every 2nd block between each mode and none."""
+    from dlojz_lib.torch_internals import held_after_forward
+
+    held, states = {}, {}
+    for mode, flags in CHECKPOINTING.items():
+        loop = loop_for("--no-amp", "--arch", arch, *flags, n_batches=2)
+        dlojz.train_one_epoch(**loop)
+        states[mode] = loop["model"].module.state_dict()
+        images = next(iter(loop["loaders"].train_batches))[0]
+        held[mode] = held_after_forward(loop["model"].net, images)
+    for mode in CHECKPOINTING:
+        for key, value in states["none"].items():
+            torch.testing.assert_close(states[mode][key], value, rtol=1e-4, atol=1e-5, msg=f"{mode}: {key}")
+    assert held["full"] < held["selective"] < held["none"], held
+    assert held["full"] < held["full, every 2nd block"] < held["none"], held
+    assert held["selective"] < held["selective, every 2nd block"] < held["none"], held
+
+
+@pytest.mark.parametrize(
+    "flags, fragment",
+    [
+        (["--grad-checkpointing", "--activation-checkpointing", "none"], "one recomputes, the other not"),
+        (["--ac-every", "2"], "--ac-every 2 sets which blocks --activation-checkpointing recomputes"),
+        (
+            ["--arch", "mobilenet_v3_small", "--activation-checkpointing", "selective"],
+            "--arch mobilenet_v3_small is none of",
+        ),
+    ],
+)
+def test_what_activation_checkpointing_cannot_do_is_one_line(flags, fragment):
+    from dlojz_lib.checks import UserError
+
+    with pytest.raises(UserError, match=fragment):
+        loop_for(*flags)
+
+
 @pytest.mark.parametrize(
     "flags",
     [

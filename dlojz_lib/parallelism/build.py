@@ -15,6 +15,7 @@ from dlojz_lib.model import (
     ModelEma,
     apply_blurpool,
     batch_norm_on_native_kernels,
+    checkpoint_blocks,
     classifier_name,
     create_model,
     enable_grad_checkpointing,
@@ -138,8 +139,10 @@ def build_model(cfg, num_classes, ranks, log) -> Model:
         module = module.to(ranks.device)
     if cfg.channels_last:
         module = module.to(memory_format=torch.channels_last)
-    if cfg.grad_checkpointing:
+    if cfg.activation_checkpointing == "full" and cfg.ac_every == 1:
         enable_grad_checkpointing(module, cfg.arch)
+    elif cfg.activation_checkpointing != "none" and cfg.pp == 1:  # (--pp: each stage recomputes its own layers)
+        checkpoint_blocks(checkpointed_blocks(module, cfg.arch), cfg.activation_checkpointing, cfg.ac_every)
     log(f"model: {cfg.arch}, {sum(p.numel() for p in module.parameters()):,} parameters")
     if cfg.amp and batch_norm_on_native_kernels(module, ranks.device.type, cfg.amp_dtype, cfg.compile):
         log(BFLOAT16_BATCH_NORM)
@@ -192,6 +195,20 @@ def build_model(cfg, num_classes, ranks, log) -> Model:
     cuda_graphs = cfg.compile_mode in CUDA_GRAPH_MODES  # (a --compile-mode implies --compile)
     whole = whole_copies(cfg.section("distribution"), module, ranks)
     return Model(net, module, ema, num_classes, parallel, unsharded, cuda_graphs, cfg.tp > 1, whole_copies=whole)
+
+
+def checkpointed_blocks(module, arch):
+    """The blocks --activation-checkpointing selective (or --ac-every) recomputes: its family's (parallelism.families),
+    in forward order; a model of no family is one line."""
+    from dlojz_lib.parallelism import families
+
+    family = families.family_of(module)
+    if family is None:
+        fail(
+            f"--activation-checkpointing selective and --ac-every recompute a model family's blocks: --arch {arch} is "
+            f"none of {families.names()}; use --activation-checkpointing full (or --grad-checkpointing)"
+        )
+    return [block for _, block in family.blocks(module)]
 
 
 def whole_copies(distribution, module, ranks):
@@ -248,7 +265,7 @@ def build_pipeline_model(cfg, module, ema, num_classes, ranks, log) -> Model:
     runner, stages = build_pipeline(
         module, cfg.arch, pipe.get_local_rank(), cfg.pp, cfg.pp_schedule, cfg.pp_microbatches,
         lambda outputs, targets: run.loss(outputs, targets), ranks.device, pipe.get_group(), per_rank, split=split,
-        sample=sample, wrap=shard, recompute=cfg.grad_checkpointing,
+        sample=sample, wrap=shard, recompute=cfg.activation_checkpointing, recompute_every=cfg.ac_every,
         autocast_dtype=cast, seed=cfg.seed,
     )  # fmt: skip
     run = PipelineRun(runner, stages, pipe.get_local_rank(), cfg.pp, pipe.get_group(), cfg.batch_size, num_classes)

@@ -207,12 +207,13 @@ class ContiguousGradient(torch.autograd.Function):
 class Stage(nn.Module):
     """Layers [first, last) of `model` (a model of its own: the rest of it is dropped) as one module, holding the
     model's top-level modules that kept parameters or buffers, and its own, under their own names. `recompute`
-    (--grad-checkpointing): each layer's activations are dropped after its forward and computed again in the
-    backward (PyTorch's non-reentrant checkpoint), its input alone kept. `seed`: each training forward draws from
+    (--grad-checkpointing, --activation-checkpointing): each layer's activations are dropped after its forward and
+    computed again in the backward (PyTorch's non-reentrant checkpoint), its input alone kept (True or "full"), or
+    all but its costly ops' outputs ("selective"); `every`: the stage's 1st layer, its every+1-th... only. `seed`: each training forward draws from
     stage_seed(seed, index, its count), the process's own generators left as they were (the data's, the schedule's
     draws); the same on a stage's tensor peers and data replicas, other on each stage."""
 
-    def __init__(self, model, layers, first, last, recompute=False, seed=None, index=0):
+    def __init__(self, model, layers, first, last, recompute=False, seed=None, index=0, every=1):
         super().__init__()
         self.seed, self.index, self.calls = seed, index, 0
         mine = range(first, last)
@@ -230,10 +231,16 @@ class Stage(nn.Module):
         # what FSDP puts on the stage (its shards, then the gathered parameters in a forward) is what they read.
         model._parameters, model._buffers = self._parameters, self._buffers
         self.runs = [layer.run for layer in layers[first:last]]
-        if recompute:
+        if recompute not in (False, "none"):
             from torch.utils.checkpoint import checkpoint
 
-            self.runs = [lambda x, run=run: checkpoint(run, x, use_reentrant=False) for run in self.runs]
+            from dlojz_lib.model import selective_checkpoint_context
+
+            context = dict(context_fn=selective_checkpoint_context) if recompute == "selective" else {}
+            self.runs = [
+                (lambda x, run=run: checkpoint(run, x, use_reentrant=False, **context)) if k % every == 0 else run
+                for k, run in enumerate(self.runs)
+            ]
         self.names = [layer.name for layer in layers[first:last]]
         object.__setattr__(self, "model", model)  # the layers' forwards read it; not a submodule (no name prefix)
 
@@ -343,7 +350,7 @@ def bubble_formula(stages_per_rank=1):
 
 def build_pipeline(
     model, arch, rank, pp, schedule, microbatches, loss_fn, device, group=None, stages_per_rank=1, split="params",
-    sample=None, wrap=None, recompute=False, autocast_dtype=None, seed=None,
+    sample=None, wrap=None, recompute=False, autocast_dtype=None, seed=None, recompute_every=1,
 ):  # fmt: skip
     """This rank's stages of `model` cut into pp x stages_per_rank stages (each a copy of `model` pruned to its
     layers), as PipelineStages over `group`, and the `schedule` running `microbatches` micro-batches through them
@@ -354,7 +361,7 @@ def build_pipeline(
     every rank of the world must cut alike, the other data replicas' and tensor peers' pipelines as this one, or
     their sends would not meet, so the times are summed over the world), or the layers where stages 2, 3... start.
     `seed`: each stage's random draws its own (Stage). `wrap`: called on each Stage before PyTorch's PipelineStage
-    takes it (dlojz.py shards it with FSDP over the data dimension); `recompute`: see Stage. Returns (the schedule, the
+    takes it (dlojz.py shards it with FSDP over the data dimension); `recompute`, `recompute_every`: see Stage. Returns (the schedule, the
     Stages)."""
     from torch.distributed import pipelining
 
@@ -382,11 +389,13 @@ def build_pipeline(
     modules, stages = [], []
     for index in range(rank, total, pp):
         copied = copy.deepcopy(model)
-        module = Stage(copied, pipeline_layers(copied, arch), *bounds[index], recompute, seed, index).to(device)
+        layers = pipeline_layers(copied, arch)
+        module = Stage(copied, layers, *bounds[index], recompute, seed, index, recompute_every).to(device)
         if wrap is not None:
             wrap(module)
         modules.append(module)
         stages.append(pipelining.PipelineStage(module, index, total, device, group=group))
+
     def loss_share(outputs, targets):  # this micro-batch's share of the step's mean loss
         return loss_fn(outputs, targets) / microbatches
 

@@ -170,6 +170,13 @@ def fill_num_workers(values, cpus_per_task, notes):
         )
 
 
+def fill_checkpointing(values):
+    """--grad-checkpointing is --activation-checkpointing full: each says the other."""
+    if values["activation_checkpointing"] is None:
+        values["activation_checkpointing"] = "full" if values["grad_checkpointing"] else "none"
+    values["grad_checkpointing"] = values["activation_checkpointing"] != "none"
+
+
 def fill_parallel_defaults(values, notes):
     """--fsdp's and --pp's defaults, where not given."""
     if values["fsdp"] and values["fsdp_reshard_after_forward"] is None:  # a stage's blocks serve every micro-batch
@@ -220,6 +227,7 @@ def resolve_config(args) -> Config:
     if values["amp_dtype"] is None:  # FSDP: bfloat16, which needs no loss scaler across the shards
         values["amp_dtype"] = "float16" if on_gpu and not values["fsdp"] else "bfloat16"
     fill_parallel_defaults(values, notes)
+    fill_checkpointing(values)
     if values["tf32"] is None:
         values["tf32"] = on_gpu and torch.cuda.get_device_capability(torch_device)[0] >= 8
     elif values["tf32"] and not on_gpu:

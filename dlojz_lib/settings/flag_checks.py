@@ -188,7 +188,16 @@ def check_optimisation(values):
 
 
 def check_speed(values):
-    """The speed-ups and the watchdogs: CUDA graphs' fixed shapes, FSDP's resharding, hang and straggler bounds."""
+    """The speed-ups and the watchdogs: CUDA graphs' fixed shapes, FSDP's resharding, hang and straggler bounds,
+    what activation checkpointing recomputes."""
+    recomputes = values["grad_checkpointing"] or values["activation_checkpointing"] not in (None, "none")
+    if values["grad_checkpointing"] and values["activation_checkpointing"] == "none":
+        fail("--grad-checkpointing with --activation-checkpointing none: one recomputes, the other not; drop one")
+    if values["ac_every"] > 1 and not recomputes:
+        fail(
+            f"--ac-every {values['ac_every']} sets which blocks --activation-checkpointing recomputes: add "
+            "--activation-checkpointing full or selective"
+        )
     if values["compile_mode"] in CUDA_GRAPH_MODES:
         # A CUDA graph replays one input shape: each new shape records another graph, and holds its memory.
         graphs = f"--compile-mode {values['compile_mode']} replays CUDA graphs of one input shape"

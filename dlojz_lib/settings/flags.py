@@ -76,6 +76,7 @@ NON_NEGATIVE = Number(float, 0)
 POSITIVE = Number(float, 0, low_open=True)
 FRACTION = Number(float, 0, 1)
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+MODES_OF_CHECKPOINTING = ("none", "full", "selective")  # --activation-checkpointing's
 LR_SCALING_RULES = ("linear", "sqrt", "none")  # --lr-scaling: how the LR follows the global batch
 CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")  # the modes that record CUDA graphs
 GRAPH_FREE_MODE = {"reduce-overhead": "default", "max-autotune": "max-autotune-no-cudagraphs"}  # the same, no graphs
@@ -487,7 +488,26 @@ def get_args_parser():
         "--grad-checkpointing",
         action=argparse.BooleanOptionalAction,
         default=False,
-        help="recompute activations of the model's stages in the backward",
+        help="recompute activations of the model's stages in the backward (--activation-checkpointing full,\n"
+        "unless it says selective)",
+    )
+    p.add_argument(
+        "--activation-checkpointing",
+        choices=MODES_OF_CHECKPOINTING,
+        default=None,
+        metavar="MODE",
+        help="what the backward recomputes instead of keeping: none; full (each stage's forward, or each block's,\n"
+        "as --grad-checkpointing); selective (each block keeps its matrix products', convolutions' and attentions'\n"
+        "outputs and recomputes the cheap ops: norms, activations, additions; torchtitan's op-level policy)\n"
+        "(default: none, or full with --grad-checkpointing)",
+    )
+    p.add_argument(
+        "--ac-every",
+        type=COUNT,
+        default=1,
+        metavar="N",
+        help="--activation-checkpointing: only every N-th block recomputes (the 1st, the N+1-th...), the others keep\n"
+        "their activations: memory traded for less recomputation (torchtitan's by layer; default: 1, every block)",
     )
     p.add_argument(
         "--compile",

@@ -80,6 +80,18 @@ def test_a_stage_recomputes_its_layers_in_the_backward_to_the_same_gradients():
     assert saved[1] < saved[0] / 4, saved  # the activations dropped after the forward
     for name in grads[0]:
         torch.testing.assert_close(grads[1][name], grads[0][name])
+    from dlojz_lib.torch_internals import held_after_forward  # --activation-checkpointing selective, and --ac-every 2, under --pp
+
+    held = {}
+    for recompute, every in ((False, 1), ("selective", 1), ("selective", 2), ("full", 2)):
+        copied = copy.deepcopy(model)
+        stage = Stage(copied, pipeline_layers(copied, "timm:test_vit"), 0, 8, recompute, every=every)
+        held[recompute, every] = held_after_forward(stage, image)
+        stage(image).square().sum().backward()
+        for name, parameter in stage.named_parameters():
+            torch.testing.assert_close(parameter.grad, grads[0][name], msg=f"{recompute}, every {every}: {name}")
+    assert held["selective", 1] < held["selective", 2] < held[False, 1], held
+    assert held["full", 2] < held[False, 1], held
 
 
 def test_each_stage_draws_its_own_random_numbers_and_its_peers_the_same():
