@@ -162,6 +162,19 @@ def bounds_at(cuts, count, n):
     return list(zip(starts[:-1], starts[1:]))
 
 
+def stage_copy(model, layers, first, last):
+    """A copy of `model` for the stage of layers [first, last): its own parameters and buffers copied, the others'
+    meta tensors in their place (no memory; Stage prunes them), so that a rank's stages cost their own size in host
+    memory, not the whole model's each."""
+    mine = range(first, last)
+    memo = {}
+    for path, tensor in itertools.chain(model.named_parameters(), model.named_buffers()):
+        if owner(path, layers) not in mine:
+            empty = tensor.detach().to("meta")
+            memo[id(tensor)] = nn.Parameter(empty, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else empty
+    return copy.deepcopy(model, memo)
+
+
 def prune(module, keep, prefix=""):
     """Drop from `module`, in place, every parameter and buffer for which keep(path) is False, and the submodules
     under which nothing is kept (entries set to None: state dicts and parameters() skip them); keep reads the
@@ -388,9 +401,9 @@ def build_pipeline(
         bounds = bounds_at(split, len(layers), total)
     modules, stages = [], []
     for index in range(rank, total, pp):
-        copied = copy.deepcopy(model)
-        layers = pipeline_layers(copied, arch)
-        module = Stage(copied, layers, *bounds[index], recompute, seed, index, recompute_every).to(device)
+        copied = stage_copy(model, layers, *bounds[index])
+        own_layers = pipeline_layers(copied, arch)
+        module = Stage(copied, own_layers, *bounds[index], recompute, seed, index, recompute_every).to(device)
         if wrap is not None:
             wrap(module)
         modules.append(module)

@@ -23,6 +23,7 @@ from dlojz_lib.parallelism.pipeline import (
     pipeline_layers,
     pipeline_step,
     stage_bounds,
+    stage_copy,
 )
 
 SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zero-bubble", 2)]  # (schedule, stages per rank)
@@ -44,8 +45,8 @@ def small_model(arch):
     "arch", ["timm:test_vit", "resnet18", "torchvision-vit", "timm:coatnet_pico_rw_224", "timm:maxvit_pico_rw_256"]
 )
 def test_the_stages_compose_to_the_model(arch):
-    """Three stages balanced by parameters, run one after the other: the model's output to the last bit, and their
-    state dicts, disjoint, are the model's."""
+    """Three stages balanced by parameters, each from a copy that holds only its own weights, run one after the
+    other: the model's output to the last bit, and their state dicts, disjoint, are the model's."""
     model = small_model(arch).eval()
     image = torch.randn(2, 3, *(64, 64) if "coatnet" in arch or "maxvit" in arch else (32, 32))
     expected = model(image)
@@ -53,8 +54,10 @@ def test_the_stages_compose_to_the_model(arch):
     bounds = stage_bounds(layer_sizes(model, layers), 3)
     x, keys = image, []
     for first, last in bounds:
-        copied = copy.deepcopy(model)
+        copied = stage_copy(model, layers, first, last)  # the others' weights on the meta device, pruned by Stage
+        assert {p.device.type for p in copied.parameters()} == {"cpu", "meta"}
         stage = Stage(copied, pipeline_layers(copied, arch), first, last).eval()
+        assert {p.device.type for p in stage.parameters()} == {"cpu"}  # its own, copied
         x = stage(x)
         keys.append(set(stage.state_dict()))
     torch.testing.assert_close(x, expected, rtol=0, atol=0)
@@ -80,7 +83,9 @@ def test_a_stage_recomputes_its_layers_in_the_backward_to_the_same_gradients():
     assert saved[1] < saved[0] / 4, saved  # the activations dropped after the forward
     for name in grads[0]:
         torch.testing.assert_close(grads[1][name], grads[0][name])
-    from dlojz_lib.torch_internals import held_after_forward  # --activation-checkpointing selective, and --ac-every 2, under --pp
+    from dlojz_lib.torch_internals import (
+        held_after_forward,
+    )  # --activation-checkpointing selective, and --ac-every 2, under --pp
 
     held = {}
     for recompute, every in ((False, 1), ("selective", 1), ("selective", 2), ("full", 2)):
