@@ -23,6 +23,15 @@ from dlojz_lib.model import (
     meta_copy,
     pad_stem_channels,
 )
+from dlojz_lib.parallelism import families
+from dlojz_lib.parallelism.pipeline import (
+    SCHEDULES,
+    PipelineRun,
+    RankStages,
+    bubble_formula,
+    build_pipeline,
+    expected_bubble,
+)
 from dlojz_lib.settings.flags import CUDA_GRAPH_MODES
 
 
@@ -174,6 +183,8 @@ def build_model(cfg, num_classes, ranks, log) -> Model:
                 "whole get its average gradient"
                 f"{f', their copies compared every {cfg.check_replicas} steps' if cfg.check_replicas else ''}"
             )
+        if cfg.compile and families.family_of(module) is not None:  # each block, between the plan and FSDP
+            log(compile_blocks([block for _, block in families.family_of(module).blocks(module)], cfg.compile_mode))
         data_mesh = ranks.mesh["data"] if ranks.mesh is not None else None
         cast = cfg.autocast_dtype if cfg.amp else None  # the gathered weights, in the AMP dtype
         blocks = shard_model(module, cfg.fsdp_reshard_after_forward, cast, ranks.device, data_mesh)
@@ -188,7 +199,7 @@ def build_model(cfg, num_classes, ranks, log) -> Model:
             net, device_ids=[ranks.device.index] if ranks.device.type == "cuda" else None, gradient_as_bucket_view=True
         )
         parallel = "ddp"
-    if cfg.compile:
+    if cfg.compile and not (cfg.fsdp and families.family_of(module) is not None):  # (FSDP's: block by block)
         start_compile_workers()  # deaf to Slurm's preemption signal, which this process handles
         net = torch.compile(net, mode=cfg.compile_mode)
         log(f"torch.compile: mode {cfg.compile_mode or 'default'}")
@@ -197,11 +208,31 @@ def build_model(cfg, num_classes, ranks, log) -> Model:
     return Model(net, module, ema, num_classes, parallel, unsharded, cuda_graphs, cfg.tp > 1, whole_copies=whole)
 
 
+def held_blocks(stage, paths) -> list:
+    """The blocks of `paths` (the whole model's) that `stage` holds."""
+    held = []
+    for path in paths:
+        try:
+            held.append(stage.get_submodule(path))
+        except AttributeError:  # another stage's: pruned from this one
+            continue
+    return held
+
+
+def compile_blocks(blocks, mode) -> str:
+    """torch.compile on each block's forward, one graph a block (fullgraph), as torchtitan compiles under FSDP, TP
+    and PP: the parallel plan's and FSDP's hooks run around the graphs, not in them, and blocks of the same code
+    compile once. Returns the line that says so."""
+    start_compile_workers()  # deaf to Slurm's preemption signal, which this process handles
+    for block in blocks:
+        block.forward = torch.compile(block.forward, mode=mode, fullgraph=True)
+    n = len(blocks)
+    return f"torch.compile: each of {n} block{'s' if n != 1 else ''} (fullgraph, mode {mode or 'default'}), around them eager"
+
+
 def checkpointed_blocks(module, arch):
     """The blocks --activation-checkpointing selective (or --ac-every) recomputes: its family's (parallelism.families),
     in forward order; a model of no family is one line."""
-    from dlojz_lib.parallelism import families
-
     family = families.family_of(module)
     if family is None:
         fail(
@@ -225,14 +256,6 @@ def build_pipeline_model(cfg, module, ema, num_classes, ranks, log) -> Model:
     """--pp: `module` cut into --pp stages, this rank's sharded by FSDP over the data dimension, run by the
     schedule (dlojz_lib.parallelism.pipeline)."""
     from dlojz_lib.parallelism.fsdp import shard_model
-    from dlojz_lib.parallelism.pipeline import (
-        SCHEDULES,
-        PipelineRun,
-        RankStages,
-        bubble_formula,
-        build_pipeline,
-        expected_bubble,
-    )
 
     if cfg.grad_acc > 1 or cfg.batch_size % cfg.pp_microbatches:  # (--global-batch may have chosen them)
         fail(
@@ -256,9 +279,14 @@ def build_pipeline_model(cfg, module, ema, num_classes, ranks, log) -> Model:
 
         check_plan(module, cfg.tp, cfg.arch)
 
+    family = families.family_of(module)  # (None: build_pipeline refuses the model in one line)
+    block_paths, compiled = ([path for path, _ in family.blocks(module)] if family else []), []  # compile's lines
+
     def shard(stage):
         if cfg.tp > 1 and transformer_blocks(stage):  # 3-D: the blocks split over the tensor dimension, as 2-D's
             parallelize(stage, ranks.mesh["tensor"], cfg.arch)
+        if cfg.compile:  # each of the stage's blocks, between the plan and FSDP
+            compiled.append(compile_blocks(held_blocks(stage, block_paths), cfg.compile_mode))
         blocks.append(shard_model(stage, cfg.fsdp_reshard_after_forward, cast, ranks.device, ranks.mesh["data"]))
 
     per_rank = cfg.pp_stages_per_rank if SCHEDULES[cfg.pp_schedule][1] else 1
@@ -295,6 +323,7 @@ def build_pipeline_model(cfg, module, ema, num_classes, ranks, log) -> Model:
         f"({blocks[0]} blocks) over "
         f"{ranks.data_size} data replica{'s' if ranks.data_size > 1 else ''}"
         f"{'; each layer recomputed in the backward (--grad-checkpointing)' if cfg.grad_checkpointing else ''}"
+        f"{'; ' + '; '.join(compiled) if compiled else ''}"
     )
     held = stages[0] if len(stages) == 1 else RankStages(stages)  # what the optimizer and the checkpoint see
     whole = whole_copies(cfg.section("distribution"), held, ranks)

@@ -270,10 +270,6 @@ def check_pipeline(values):
     refused = {
         "sequence_parallel": (values["sequence_parallel"], "the stages send whole activations, not token shards"),
         "loader_only": (values["loader_only"], "--loader-only does not build the model"),
-        "compile": (
-            values["compile"] or values["compile_mode"] is not None,
-            "torch.compile does not trace the schedule",
-        ),
         "mixup_alpha": (
             values["mixup_alpha"] > 0 or values["cutmix_alpha"] > 0,
             "the first and last stages would have to mix alike",

@@ -100,13 +100,15 @@ def assert_same_weights(a, b, atol=2e-6):
 
 @pytest.fixture(scope="module")
 def runs(tiny_data, tmp_path_factory):
-    """The same training as one process (global batch 16), DDP on 2 ranks and FSDP on 2 ranks (8 per rank)."""
+    """The same training as one process (global batch 16), DDP on 2 ranks and FSDP on 2 ranks (8 per rank), eager
+    and with --compile."""
     out = tmp_path_factory.mktemp("fsdp")
     common = [*BASE, "--data-root", tiny_data]
     for name, ranks, flags in (
         ("single", 1, ["-b", "16"]),
         ("ddp", 2, ["-b", "8"]),
         ("fsdp", 2, ["-b", "8", "--fsdp"]),
+        ("fsdp-compiled", 2, ["-b", "8", "--fsdp", "--compile", "--no-drop-last"]),
     ):
         proc = run_dlojz(
             *common, *flags, "--output-dir", out / name, "--metrics-json", out / f"{name}.json", ranks=ranks
@@ -125,6 +127,15 @@ def test_fsdp_trains_to_the_weights_of_ddp_and_of_one_process(runs):
     log = (runs / "fsdp.log").read_text()
     assert "FSDP: 6 blocks and the root sharded over 2 ranks" in log, log
     assert (runs / "fsdp" / "ckpt_e0001_s000000005.dcp" / ckpt.SHARDED_META).is_file()
+
+
+@pytest.mark.multirank
+def test_fsdp_compiles_each_block_to_the_weights_of_eager(runs):
+    """--compile under --fsdp compiles each block (one graph a block, between the tensor plan and FSDP, as torchtitan
+    does), not the whole sharded model: the same weights as the eager FSDP run."""
+    assert_same_weights(weights(runs / "fsdp-compiled"), weights(runs / "fsdp"))
+    log = (runs / "fsdp-compiled.log").read_text()
+    assert "torch.compile: each of 6 blocks (fullgraph, mode default), around them eager" in log, log
 
 
 @pytest.mark.multirank
