@@ -513,7 +513,8 @@ def get_args_parser():
         "--compile",
         action=argparse.BooleanOptionalAction,
         default=False,
-        help="torch.compile the model (compilation shows as the time to the first step)",
+        help="torch.compile the model (compilation shows as the time to the first step); under --fsdp, --tp and\n"
+        "--pp each block alone (fullgraph), the parallel hooks around the graphs eager, as torchtitan",
     )
     p.add_argument(
         "--compile-mode",
