@@ -94,6 +94,41 @@ def make_loader(dataset, sampler, batch_size, num_workers, pin_memory, persisten
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# A pipeline's later stages: no image read, the first stage's labels
+class Placeholders(torch.utils.data.Dataset):
+    """What a pipeline stage that reads no images loads (--pp: only the first stage's input is the images): for each
+    sample key its sampler gives, a 1-pixel black image and label 0, nothing read from disk; the real labels come
+    from the first stage (FirstStageLabels)."""
+
+    def __init__(self, length):
+        self.length, self.image = length, torch.zeros(3, 1, 1, dtype=torch.uint8)
+
+    def __len__(self):
+        return self.length
+
+    def __getitem__(self, key):
+        return self.image, 0
+
+
+class FirstStageLabels:
+    """`batches` whose labels are the pipeline's first stage's, broadcast over the pipeline's `group` at each batch
+    (one small collective, stream-ordered on a GPU): the stages that decode no image (Placeholders) get the labels
+    of the images the first stage read, an unreadable image's replacement included."""
+
+    def __init__(self, batches, group):
+        self.batches, self.group = batches, group
+
+    def __len__(self):
+        return len(self.batches)
+
+    def __iter__(self):
+        for images, labels in self.batches:
+            labels = labels.contiguous()
+            dist.broadcast(labels, group=self.group, group_src=0)
+            yield images, labels
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # Synthetic data: no disk, no decoding
 class SyntheticLoader:
     """Serves one random, already normalised batch on the device `num_batches` times (like DLE's synthetic)."""
@@ -253,16 +288,24 @@ def build_loaders(cfg, train_set, val_set, num_classes, ranks, log) -> Loaders:
         persistent_workers=cfg.persistent_workers,
         prefetch_factor=cfg.prefetch_factor,
     )
+    val_sampler = ShardSampler(val_set, ranks.data_size, ranks.data_rank)
+    reads_images = cfg.pp == 1 or ranks.mesh["pipe"].get_local_rank() == 0  # a later stage's input is the previous'
+    if not reads_images:
+        train_set, val_set = Placeholders(len(train_set)), Placeholders(len(val_set))
+        options.update(num_workers=0, pin_memory=False)
     train = make_loader(train_set, train_sampler, cfg.batch_size, drop_last=cfg.drop_last, **options)
-    val = make_loader(
-        val_set, ShardSampler(val_set, ranks.data_size, ranks.data_rank), cfg.val_batch_size, drop_last=False, **options
-    )
+    val = make_loader(val_set, val_sampler, cfg.val_batch_size, drop_last=False, **options)
     normalize = normalisation(cfg.section("data"), cfg.channels_last, ranks)
+    train_batches = DevicePrefetcher(train, ranks.device, normalize, non_blocking=cfg.non_blocking)
+    val_batches = DevicePrefetcher(val, ranks.device, normalize, non_blocking=cfg.non_blocking)
+    if cfg.pp > 1:
+        pipe = ranks.mesh["pipe"].get_group()
+        train_batches, val_batches = FirstStageLabels(train_batches, pipe), FirstStageLabels(val_batches, pipe)
     return Loaders(
         train,
         train_sampler,
-        DevicePrefetcher(train, ranks.device, normalize, non_blocking=cfg.non_blocking),
-        DevicePrefetcher(val, ranks.device, normalize, non_blocking=cfg.non_blocking),
+        train_batches,
+        val_batches,
         len(train),
         len(val),
         len(val_set),
