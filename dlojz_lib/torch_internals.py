@@ -21,6 +21,8 @@ Imports are inside the functions: importing this module imports no torch.
   convolution and the fused attentions' kernels (`aten._scaled_dot_product_*`).
 """
 
+import functools
+
 
 def default_store():
     import torch.distributed as dist
@@ -97,6 +99,7 @@ def batch_norm_base():
     return torch.nn.modules.batchnorm._BatchNorm
 
 
+@functools.cache  # read at every checkpointed forward: the set is made once
 def costly_ops():
     import torch
 

@@ -168,6 +168,7 @@ def build_model(cfg, num_classes, ranks, log) -> Model:
     net, parallel, unsharded = module, "none", module
     if cfg.pp > 1:
         return build_pipeline_model(cfg, module, ema, num_classes, ranks, log)
+    compiled_blocks = families.blocks_of(module) if cfg.compile and cfg.fsdp else None  # FSDP's: block by block
     if cfg.fsdp:
         from dlojz_lib.parallelism.fsdp import shard_model
 
@@ -183,11 +184,10 @@ def build_model(cfg, num_classes, ranks, log) -> Model:
                 "whole get its average gradient"
                 f"{f', their copies compared every {cfg.check_replicas} steps' if cfg.check_replicas else ''}"
             )
-        if cfg.compile and families.family_of(module) is not None:  # each block, between the plan and FSDP
-            log(compile_blocks([block for _, block in families.family_of(module).blocks(module)], cfg.compile_mode))
+        if compiled_blocks is not None:  # each block, between the plan and FSDP
+            log(compile_blocks([block for _, block in compiled_blocks], cfg.compile_mode))
         data_mesh = ranks.mesh["data"] if ranks.mesh is not None else None
-        cast = cfg.autocast_dtype if cfg.amp else None  # the gathered weights, in the AMP dtype
-        blocks = shard_model(module, cfg.fsdp_reshard_after_forward, cast, ranks.device, data_mesh)
+        blocks = shard_model(module, cfg.fsdp_reshard_after_forward, cfg.amp_torch_dtype, ranks.device, data_mesh)
         parallel = "fsdp"
         log(
             f"FSDP: {blocks} blocks and the root sharded over {ranks.data_size} rank{'s' if ranks.data_size > 1 else ''}, parameters gathered in "
@@ -199,7 +199,7 @@ def build_model(cfg, num_classes, ranks, log) -> Model:
             net, device_ids=[ranks.device.index] if ranks.device.type == "cuda" else None, gradient_as_bucket_view=True
         )
         parallel = "ddp"
-    if cfg.compile and not (cfg.fsdp and families.family_of(module) is not None):  # (FSDP's: block by block)
+    if cfg.compile and compiled_blocks is None:
         start_compile_workers()  # deaf to Slurm's preemption signal, which this process handles
         net = torch.compile(net, mode=cfg.compile_mode)
         log(f"torch.compile: mode {cfg.compile_mode or 'default'}")
@@ -233,13 +233,13 @@ def compile_blocks(blocks, mode) -> str:
 def checkpointed_blocks(module, arch):
     """The blocks --activation-checkpointing selective (or --ac-every) recomputes: its family's (parallelism.families),
     in forward order; a model of no family is one line."""
-    family = families.family_of(module)
-    if family is None:
+    blocks = families.blocks_of(module)
+    if blocks is None:
         fail(
             f"--activation-checkpointing selective and --ac-every recompute a model family's blocks: --arch {arch} is "
             f"none of {families.names()}; use --activation-checkpointing full (or --grad-checkpointing)"
         )
-    return [block for _, block in family.blocks(module)]
+    return [block for _, block in blocks]
 
 
 def whole_copies(distribution, module, ranks):
@@ -271,7 +271,7 @@ def build_pipeline_model(cfg, module, ema, num_classes, ranks, log) -> Model:
     if split == "time":  # a micro-batch as the run feeds it: its memory format, its autocast (below)
         sample = torch.randn(micro, 3, cfg.image_size, cfg.image_size)
         sample = sample.to(memory_format=torch.channels_last) if cfg.channels_last else sample
-    blocks, cast = [], cfg.autocast_dtype if cfg.amp else None  # FSDP units; the gathered weights in the AMP dtype
+    blocks = []  # the FSDP units of each stage
     run = None  # the PipelineRun, whose loss the schedule calls
 
     if cfg.tp > 1:  # the plan checked once, on the whole model: the stages hold its blocks or none
@@ -279,22 +279,24 @@ def build_pipeline_model(cfg, module, ema, num_classes, ranks, log) -> Model:
 
         check_plan(module, cfg.tp, cfg.arch)
 
-    family = families.family_of(module)  # (None: build_pipeline refuses the model in one line)
-    block_paths, compiled = ([path for path, _ in family.blocks(module)] if family else []), []  # compile's lines
+    block_paths = [path for path, _ in families.blocks_of(module) or ()]  # (none: build_pipeline refuses the model)
+    compiled = []  # compile_blocks' lines, a stage each
 
     def shard(stage):
         if cfg.tp > 1 and transformer_blocks(stage):  # 3-D: the blocks split over the tensor dimension, as 2-D's
             parallelize(stage, ranks.mesh["tensor"], cfg.arch)
         if cfg.compile:  # each of the stage's blocks, between the plan and FSDP
             compiled.append(compile_blocks(held_blocks(stage, block_paths), cfg.compile_mode))
-        blocks.append(shard_model(stage, cfg.fsdp_reshard_after_forward, cast, ranks.device, ranks.mesh["data"]))
+        blocks.append(
+            shard_model(stage, cfg.fsdp_reshard_after_forward, cfg.amp_torch_dtype, ranks.device, ranks.mesh["data"])
+        )
 
     per_rank = cfg.pp_stages_per_rank if SCHEDULES[cfg.pp_schedule][1] else 1
     runner, stages = build_pipeline(
         module, cfg.arch, pipe.get_local_rank(), cfg.pp, cfg.pp_schedule, cfg.pp_microbatches,
         lambda outputs, targets: run.loss(outputs, targets), ranks.device, pipe.get_group(), per_rank, split=split,
         sample=sample, wrap=shard, recompute=cfg.activation_checkpointing, recompute_every=cfg.ac_every,
-        autocast_dtype=cast, seed=cfg.seed,
+        autocast_dtype=cfg.amp_torch_dtype, seed=cfg.seed,
     )  # fmt: skip
     run = PipelineRun(runner, stages, pipe.get_local_rank(), cfg.pp, pipe.get_group(), cfg.batch_size, num_classes)
     if cfg.test:  # the chronometer's run: the stages' compute and idle time, for the bubble

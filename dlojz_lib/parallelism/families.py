@@ -127,6 +127,12 @@ def family_of(model):
     return next((family for family in FAMILIES if family.matches(model)), None)
 
 
+def blocks_of(model):
+    """`model`'s blocks as its family lists them, [(path, module)] in forward order; None for a model of none."""
+    family = family_of(model)
+    return None if family is None else family.blocks(model)
+
+
 def names(tensor_parallel=False):
     """The families (those whose blocks --tp splits), as a refusal lists them."""
     known = [family.name for family in FAMILIES if family.tensor_parallel or not tensor_parallel]

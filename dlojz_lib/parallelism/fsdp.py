@@ -47,9 +47,9 @@ def sharding_units(module):
     """The blocks of `module`'s family (families.py) that hold parameters; for a model of no family, the outermost
     submodules whose class is a residual or transformer block (BLOCK_SUFFIXES), or if none, its children that hold
     parameters."""
-    family = families.family_of(module)
-    if family is not None:
-        return [block for _, block in family.blocks(module) if any(True for _ in block.parameters())]
+    blocks = families.blocks_of(module)
+    if blocks is not None:
+        return [block for _, block in blocks if any(True for _ in block.parameters())]
     units = []
 
     def visit(parent):

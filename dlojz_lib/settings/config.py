@@ -92,6 +92,11 @@ class RunSettings:
         return getattr(torch, self.amp_dtype)
 
     @property
+    def amp_torch_dtype(self):
+        """AMP's torch dtype, None without --amp: what FSDP gathers the weights in, and what autocast runs."""
+        return self.autocast_dtype if self.amp else None
+
+    @property
     def writes_checkpoints(self):
         """The runs that train for real, and own their output folder (not --test, --eval-only, --loader-only)."""
         return not (self.test or self.eval_only or self.loader_only)
@@ -103,22 +108,16 @@ class RunSettings:
 
 
 # What follows from the machine, after the flags: no flag sets these.
-DERIVED_FIELDS = [
-    ("torch_device", str),  # this rank's device: "cuda:<index>" or "cpu"
-    ("cpus_per_task", int),
-    (
-        "notes",
-        tuple,
-        dataclasses.field(default=()),
-    ),  # lines rank 0 prints once the run starts (profile values, warnings)
-]
+# (notes: the lines rank 0 prints once the run starts, profile values and warnings)
+DERIVED_FIELDS = [("torch_device", str), ("cpus_per_task", int), ("notes", tuple, dataclasses.field(default=()))]
+_FLAGS = get_args_parser()  # the table Config and its sections are made from (read once, at import)
 Config = dataclasses.make_dataclass(
-    "Config", flag_fields(get_args_parser()._actions) + DERIVED_FIELDS, bases=(RunSettings,), frozen=True
+    "Config", flag_fields(_FLAGS._actions) + DERIVED_FIELDS, bases=(RunSettings,), frozen=True
 )
 Config.__module__ = __name__  # (make_dataclass's own is the caller's only from Python 3.12): pickled by name
 SECTIONS = {
     name: dataclasses.make_dataclass(f"{name.title()}Settings", fields, frozen=True)
-    for name, fields in flag_sections(get_args_parser()).items()
+    for name, fields in flag_sections(_FLAGS).items()
 }
 
 

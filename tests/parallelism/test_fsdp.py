@@ -306,7 +306,7 @@ def sharded_test_vit(*flags):
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     cfg = resolve_config(get_args_parser().parse_args(["--device", "cpu", "--fsdp", "--test", *flags]))
     model = create_model("timm:test_vit", 10, False, 32)
-    shard_model(model, cfg.fsdp_reshard_after_forward, cfg.autocast_dtype if cfg.amp else None, torch.device("cpu"))
+    shard_model(model, cfg.fsdp_reshard_after_forward, cfg.amp_torch_dtype, torch.device("cpu"))
     return model
 
 
