@@ -31,6 +31,7 @@ from dlojz_lib.parallelism.pipeline import (
     bubble_formula,
     build_pipeline,
     expected_bubble,
+    time_layers,
 )
 from dlojz_lib.settings.flags import CUDA_GRAPH_MODES
 
@@ -127,18 +128,29 @@ def adapt_module(training, pad_channels, module, num_classes, log):
         log(f"--dali-pad-channels: DALI writes 4 channels, {stem}'s weight is padded with zeros to take them")
 
 
-def build_model(cfg, num_classes, ranks, log) -> Model:
-    module = create_model(cfg.arch, num_classes, cfg.zero_init_residual, cfg.image_size, cfg.drop_path)
-    if cfg.initial_checkpoint is not None or cfg.pretrained is not None:  # before any wrapper or copy
-        from dlojz_lib.checkpoint import resumes_a_checkpoint
-        from dlojz_lib.pretrained import load_initial_weights, weights_source
+def load_starting_weights(training, resume, output_dir, module, num_classes, log):
+    """--pretrained's or --initial-checkpoint's weights into `module`, before any wrapper or copy; not read when the
+    run resumes from a checkpoint (`resume`, `output_dir`), whose weights replace them."""
+    if training.initial_checkpoint is None and training.pretrained is None:
+        return
+    from dlojz_lib.checkpoint import resumes_a_checkpoint
+    from dlojz_lib.pretrained import load_initial_weights, weights_source
 
-        if resumes_a_checkpoint(cfg.resume, cfg.output_dir):  # the file may be gone since: not read
-            log("initial weights: not read, the run resumes from its checkpoint, whose weights replace them")
-        else:
-            # the file, the flag as given, and what to do with a damaged cache file
-            weights, what, fix = weights_source(cfg.section("training"))
-            log(load_initial_weights(module, weights, num_classes, what, fix))
+    if resumes_a_checkpoint(resume, output_dir):  # the file may be gone since: not read
+        log("initial weights: not read, the run resumes from its checkpoint, whose weights replace them")
+        return
+    weights, what, fix = weights_source(training)  # the file, the flag as given, what to do with a damaged cache file
+    log(load_initial_weights(module, weights, num_classes, what, fix))
+
+
+def build_model(cfg, num_classes, ranks, log) -> Model:
+    # --fsdp: the model's shapes on every rank but the first, which builds it whole, as one process would; its values
+    # fill each rank's own stage and shard once they are cut (fsdp.to_meta, fill_from_first_rank)
+    shapes_only = cfg.fsdp and not ranks.is_main
+    with torch.device("meta") if shapes_only else contextlib.nullcontext():
+        module = create_model(cfg.arch, num_classes, cfg.zero_init_residual, cfg.image_size, cfg.drop_path)
+    if not shapes_only:  # (the first rank reads them into the values it gives the others)
+        load_starting_weights(cfg.section("training"), cfg.resume, cfg.output_dir, module, num_classes, log)
     adapt_module(
         cfg.section("training"), cfg.dali_pad_channels, module, num_classes, log
     )  # before the copies below (SyncBN, EMA): they keep its changes
@@ -170,8 +182,9 @@ def build_model(cfg, num_classes, ranks, log) -> Model:
         return build_pipeline_model(cfg, module, ema, num_classes, ranks, log)
     compiled_blocks = families.blocks_of(module) if cfg.compile and cfg.fsdp else None  # FSDP's: block by block
     if cfg.fsdp:
-        from dlojz_lib.parallelism.fsdp import shard_model
+        from dlojz_lib.parallelism.fsdp import fill_from_first_rank, shard_model, to_meta
 
+        catalogue, values = to_meta(module, ranks)
         unsharded = meta_copy(module)
         if cfg.tp > 1:
             from dlojz_lib.parallelism.tensor import parallelize
@@ -188,6 +201,7 @@ def build_model(cfg, num_classes, ranks, log) -> Model:
             log(compile_blocks([block for _, block in compiled_blocks], cfg.compile_mode))
         data_mesh = ranks.mesh["data"] if ranks.mesh is not None else None
         blocks = shard_model(module, cfg.fsdp_reshard_after_forward, cfg.amp_torch_dtype, ranks.device, data_mesh)
+        fill_from_first_rank([module], catalogue, values, ranks.device)
         parallel = "fsdp"
         log(
             f"FSDP: {blocks} blocks and the root sharded over {ranks.data_size} rank{'s' if ranks.data_size > 1 else ''}, parameters gathered in "
@@ -255,7 +269,7 @@ def whole_copies(distribution, module, ranks):
 def build_pipeline_model(cfg, module, ema, num_classes, ranks, log) -> Model:
     """--pp: `module` cut into --pp stages, this rank's sharded by FSDP over the data dimension, run by the
     schedule (dlojz_lib.parallelism.pipeline)."""
-    from dlojz_lib.parallelism.fsdp import shard_model
+    from dlojz_lib.parallelism.fsdp import fill_from_first_rank, shard_model, to_meta
 
     if cfg.grad_acc > 1 or cfg.batch_size % cfg.pp_microbatches:  # (--global-batch may have chosen them)
         fail(
@@ -267,10 +281,12 @@ def build_pipeline_model(cfg, module, ema, num_classes, ranks, log) -> Model:
     unsharded = meta_copy(module)
     split = cfg.pp_split if cfg.pp_split in ("params", "time") else [int(i) for i in cfg.pp_split.split(",")]
     micro = cfg.batch_size // cfg.pp_microbatches
-    sample = None
-    if split == "time":  # a micro-batch as the run feeds it: its memory format, its autocast (below)
-        sample = torch.randn(micro, 3, cfg.image_size, cfg.image_size)
+    layer_weights = None
+    if split == "time":  # a micro-batch as the run feeds it (its own draws: the run's stay one process's)
+        sample = torch.randn(micro, 3, cfg.image_size, cfg.image_size, generator=torch.Generator().manual_seed(0))
         sample = sample.to(memory_format=torch.channels_last) if cfg.channels_last else sample
+        layer_weights = time_layers(module, cfg.arch, sample, ranks.device, cfg.amp_torch_dtype)  # (before to_meta)
+    catalogue, values = to_meta(module, ranks)
     blocks = []  # the FSDP units of each stage
     run = None  # the PipelineRun, whose loss the schedule calls
 
@@ -278,7 +294,6 @@ def build_pipeline_model(cfg, module, ema, num_classes, ranks, log) -> Model:
         from dlojz_lib.parallelism.tensor import check_plan, parallelize, transformer_blocks
 
         check_plan(module, cfg.tp, cfg.arch)
-
     block_paths = [path for path, _ in families.blocks_of(module) or ()]  # (none: build_pipeline refuses the model)
     compiled = []  # compile_blocks' lines, a stage each
 
@@ -295,9 +310,10 @@ def build_pipeline_model(cfg, module, ema, num_classes, ranks, log) -> Model:
     runner, stages = build_pipeline(
         module, cfg.arch, pipe.get_local_rank(), cfg.pp, cfg.pp_schedule, cfg.pp_microbatches,
         lambda outputs, targets: run.loss(outputs, targets), ranks.device, pipe.get_group(), per_rank, split=split,
-        sample=sample, wrap=shard, recompute=cfg.activation_checkpointing, recompute_every=cfg.ac_every,
+        layer_weights=layer_weights, wrap=shard, recompute=cfg.activation_checkpointing, recompute_every=cfg.ac_every,
         autocast_dtype=cfg.amp_torch_dtype, seed=cfg.seed,
     )  # fmt: skip
+    fill_from_first_rank(stages, catalogue, values, ranks.device)
     run = PipelineRun(runner, stages, pipe.get_local_rank(), cfg.pp, pipe.get_group(), cfg.batch_size, num_classes)
     if cfg.test:  # the chronometer's run: the stages' compute and idle time, for the bubble
         run.time_steps(ranks.device, cfg.pp_schedule, cfg.pp_microbatches, per_rank)

@@ -9,6 +9,11 @@ all-gather more per block and step.
 - `sharding_units(module)`: the blocks sharded one by one (residual blocks, transformer blocks); `shard_model`
   shards each, then the root (stem, head and whatever is left), with the mixed precision of --amp-dtype.
 - `reshard(module)`: free the gathered parameters (after validation's forwards).
+- `to_meta`, `fill_from_first_rank`: models built on the meta device. Every rank but the first builds the model's
+  shapes only; the first builds it whole, with the seed a single process uses, keeps its values and turns meta too;
+  every rank then cuts, splits and shards its meta model and gives storage to its own part only, which the first
+  rank's values fill, one tensor at a time: a rank's host memory holds its stage and shard, not the model (the
+  first rank: the model once more, while it starts).
 - `state_bytes(module, optimizer)`: this rank's bytes of parameters, gradients and optimizer state.
 - `ShardedCheckpointSaver`, `load_sharded`: checkpoints written by every rank, each its own shards, with
   torch.distributed.checkpoint (DCP), into a folder `ckpt_eEEEE_sSSSSSSSSS.dcp` that appears complete or not at
@@ -81,6 +86,60 @@ def shard_model(module, reshard_after_forward, param_dtype, device, mesh=None):
     # The root's own parameters (stem, head) are needed again at once by the backward: kept gathered.
     fully_shard(module, mesh=mesh, mp_policy=precision, reshard_after_forward=False)
     return len(units)
+
+
+def named_tensors(module):
+    """(path, tensor) for each parameter and buffer of `module` (non-persistent buffers too: a relative position
+    index is no less needed for being left out of state dicts)."""
+    return [*module.named_parameters(), *module.named_buffers()]
+
+
+def to_meta(module, ranks):
+    """`module` (built whole on the first rank, on the meta device on the others) turned to the meta device on every
+    rank, in place. Returns (catalogue, values): every tensor's path, shape and dtype in one order, the same on every
+    rank; the first rank's tensors by path (None elsewhere), for fill_from_first_rank. The other ranks' random
+    generator takes the first rank's state: what the model's initialisation drew on it, they drew nothing on meta
+    tensors, and a single process's dropout follows from that state."""
+    values = {path: tensor.detach() for path, tensor in named_tensors(module)} if ranks.is_main else None
+    module.to(device="meta")  # (the detached tensors keep the first rank's storage)
+    catalogue = [(path, tuple(tensor.shape), tensor.dtype) for path, tensor in named_tensors(module)]
+    state = [torch.get_rng_state()]
+    dist.broadcast_object_list(state, src=0)
+    torch.set_rng_state(state[0])
+    return catalogue, values
+
+
+@torch.no_grad()
+def fill_from_first_rank(parts, catalogue, values, device):
+    """`parts` (this rank's modules on the meta device: a model sharded by FSDP, or its pipeline stages, cut,
+    parallelised and sharded on meta) given storage on `device` for what they hold, then filled with the first rank's
+    `values`: each tensor of `catalogue` broadcast in turn (one tensor's memory at a time), a rank keeping its stage's
+    tensors and, of a DTensor, its own shard. A tensor-parallel q, k or v part takes its third of timm's fused qkv.
+    Every rank calls it, with the same catalogue."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    from dlojz_lib.parallelism.tensor import PARTS, fused_name
+
+    targets = {}  # the catalogue's path -> [(this rank's tensor, the part of a fused qkv or None)]
+    for part in parts:
+        part.to_empty(device=device)
+        for path, tensor in named_tensors(part):
+            whole, piece = fused_name(path)
+            targets.setdefault(whole, []).append((tensor, piece))
+    for path, shape, dtype in catalogue:
+        if values is not None:
+            full = values.pop(path).to(device).contiguous()  # (the first rank's copy freed as it goes)
+        else:
+            full = torch.empty(shape, dtype=dtype, device=device)
+        dist.broadcast(full.view(torch.uint8) if full.dtype == torch.bool else full, src=0)  # (gloo sends no bool)
+        for tensor, piece in targets.pop(path, ()):
+            value = full if piece is None else full.chunk(len(PARTS))[PARTS.index(piece)]
+            if isinstance(tensor, DTensor):  # this rank's shard: a slice of the value, no message
+                value = distribute_tensor(value, tensor.device_mesh, tensor.placements, src_data_rank=None).to_local()
+                tensor = tensor.to_local()
+            tensor.copy_(value)
+    if targets:
+        raise ValueError(f"no value for {', '.join(sorted(targets))}: the ranks built different models")
 
 
 def reshard(module):

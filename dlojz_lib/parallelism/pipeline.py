@@ -361,18 +361,39 @@ def bubble_formula(stages_per_rank=1):
     return "(N - 1) / (M + N - 1)" if stages_per_rank == 1 else "(N - 1) / (V M + N - 1)"
 
 
+def is_meta(module) -> bool:
+    return any(tensor.is_meta for tensor in itertools.chain(module.parameters(), module.buffers()))
+
+
+def time_layers(model, arch, sample, device, autocast_dtype=None) -> list:
+    """Each layer's forward time on `sample` (a micro-batch in the run's memory format, under autocast to
+    `autocast_dtype` when given), measured on this rank and summed over the world: every rank of the world must cut
+    alike, the other data replicas' and tensor peers' pipelines as this one, or their sends would not meet. A model
+    on the meta device (shapes only: --fsdp's ranks but the first) adds nothing."""
+    layers = pipeline_layers(model, arch)
+    if is_meta(model):
+        seconds = [0.0] * len(layers)
+    else:  # (no cache of the weights' casts: each layer's weights leave the device once timed)
+        with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None, cache_enabled=False):
+            seconds = layer_seconds(model, layers, sample.to(device))  # (the model stays where it is)
+    seconds = torch.tensor(seconds, dtype=torch.float64, device=device)
+    if torch.distributed.is_initialized():
+        torch.distributed.all_reduce(seconds)  # over the world: one cut for every replica and tensor peer
+    return seconds.tolist()
+
+
 def build_pipeline(
     model, arch, rank, pp, schedule, microbatches, loss_fn, device, group=None, stages_per_rank=1, split="params",
-    sample=None, wrap=None, recompute=False, autocast_dtype=None, seed=None, recompute_every=1,
+    sample=None, wrap=None, recompute=False, autocast_dtype=None, seed=None, recompute_every=1, layer_weights=None,
 ):  # fmt: skip
     """This rank's stages of `model` cut into pp x stages_per_rank stages (each a copy of `model` pruned to its
     layers), as PipelineStages over `group`, and the `schedule` running `microbatches` micro-batches through them
     with `loss_fn` on the last, each micro-batch's loss divided by their number (its share of the step's mean: the
     gradients need no scaling after the backward, a loop over the parameters that torch's `scale_grads` would run;
-    a step's gradients are the mean over its images, as one process's). `split`: "params" (balanced by parameters), "time" (by each layer's forward time on `sample`, a
-    micro-batch in the run's memory format, under autocast to `autocast_dtype` when given, measured on this rank:
-    every rank of the world must cut alike, the other data replicas' and tensor peers' pipelines as this one, or
-    their sends would not meet, so the times are summed over the world), or the layers where stages 2, 3... start.
+    a step's gradients are the mean over its images, as one process's). `split`: "params" (balanced by parameters), "time" (by each layer's forward time on `sample`:
+    time_layers, summed over the world), or the layers where stages 2, 3... start; `layer_weights`: the layers'
+    weights to balance, measured beforehand (time_layers' before the model turned meta), instead. A model on the
+    meta device is cut as it is: its stages are given storage by the caller.
     `seed`: each stage's random draws its own (Stage). `wrap`: called on each Stage before PyTorch's PipelineStage
     takes it (dlojz.py shards it with FSDP over the data dimension); `recompute`, `recompute_every`: see Stage. Returns (the schedule, the
     Stages)."""
@@ -387,23 +408,20 @@ def build_pipeline(
             f"--pp {pp} x --pp-stages-per-rank {per_rank} = {total} stages: the model has {len(layers)} layers "
             "(stem, blocks, head): give fewer stages"
         )
-    if split == "params":
+    if layer_weights is not None:
+        bounds = stage_bounds(layer_weights, total)
+    elif split == "params":
         bounds = stage_bounds(layer_sizes(model, layers), total)
     elif split == "time":
-        # (no cache of the weights' casts: each layer's weights leave the device once timed)
-        with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None, cache_enabled=False):
-            seconds = layer_seconds(model, layers, sample.to(device))  # (the model stays where it is)
-        seconds = torch.tensor(seconds, dtype=torch.float64, device=device)
-        if torch.distributed.is_initialized():
-            torch.distributed.all_reduce(seconds)  # over the world: one cut for every replica and tensor peer
-        bounds = stage_bounds(seconds.tolist(), total)
+        bounds = stage_bounds(time_layers(model, arch, sample, device, autocast_dtype), total)
     else:
         bounds = bounds_at(split, len(layers), total)
     modules, stages = [], []
     for index in range(rank, total, pp):
         copied = stage_copy(model, layers, *bounds[index])
         own_layers = pipeline_layers(copied, arch)
-        module = Stage(copied, own_layers, *bounds[index], recompute, seed, index, recompute_every).to(device)
+        module = Stage(copied, own_layers, *bounds[index], recompute, seed, index, recompute_every)
+        module = module if is_meta(module) else module.to(device)  # (a meta model: its owner gives it storage)
         if wrap is not None:
             wrap(module)
         modules.append(module)
