@@ -280,7 +280,8 @@ def build_loaders(cfg, train_set, val_set, num_classes, ranks, log) -> Loaders:
         train_sampler = EpochSampler(train_set, ranks.data_size, ranks.data_rank, shuffle=True, **sampling)
     if cfg.fsdp and len(val_set) < ranks.data_size:
         fail(f"--fsdp: the validation set has {len(val_set)} images for {ranks.data_size} ranks: each rank needs one")
-    if cfg.data_backend == "dali":
+    reads_images = cfg.pp == 1 or ranks.mesh["pipe"].get_local_rank() == 0  # a later stage's input is the previous'
+    if cfg.data_backend == "dali" and reads_images:
         return dali_loaders(cfg, train_set, val_set, train_sampler, ranks, log)
     options = dict(
         num_workers=cfg.num_workers,
@@ -289,8 +290,7 @@ def build_loaders(cfg, train_set, val_set, num_classes, ranks, log) -> Loaders:
         prefetch_factor=cfg.prefetch_factor,
     )
     val_sampler = ShardSampler(val_set, ranks.data_size, ranks.data_rank)
-    reads_images = cfg.pp == 1 or ranks.mesh["pipe"].get_local_rank() == 0  # a later stage's input is the previous'
-    if not reads_images:
+    if not reads_images:  # (under DALI too: the DataLoader's placeholders, no pipeline built)
         train_set, val_set = Placeholders(len(train_set)), Placeholders(len(val_set))
         options.update(num_workers=0, pin_memory=False)
     train = make_loader(train_set, train_sampler, cfg.batch_size, drop_last=cfg.drop_last, **options)
@@ -377,11 +377,15 @@ def dali_loaders(cfg, train_set, val_set, train_sampler, ranks, log) -> Loaders:
         ),
         ranks.device,
     )
+    train_batches, val_batches = train, val
+    if cfg.pp > 1:  # the first stage's: the later ones decode nothing and take its labels
+        pipe = ranks.mesh["pipe"].get_group()
+        train_batches, val_batches = FirstStageLabels(train, pipe), FirstStageLabels(val, pipe)
     return Loaders(
         train,
         train_sampler,
-        train,
-        val,
+        train_batches,
+        val_batches,
         len(train),
         len(val),
         len(val_set),

@@ -698,19 +698,23 @@ def test_the_lab_sweeps_schedules_and_prints_each_run_s_bubble(tiny_data, tmp_pa
         assert formula in log and "Training on 1 nodes and 2 processes (TorchElastic)" in log
 
 
-def test_a_later_stage_reads_no_image(tiny_data, tmp_path, monkeypatch):
-    """--pp: the first stage's rank loads the images; a later stage's loads placeholders for the same sample keys
-    (nothing read from disk: every file made unreadable, its batches still come), their shapes the same batch
-    sizes, and its labels are the first stage's, broadcast at each batch (FirstStageLabels)."""
+@pytest.mark.parametrize("backend", ["pytorch", "dali"])
+def test_a_later_stage_reads_no_image(tiny_data, tmp_path, monkeypatch, backend):
+    """--pp: the first stage's rank loads the images (through DALI too); a later stage's loads placeholders for the
+    same sample keys (nothing read from disk: every file made unreadable, its batches still come; no DALI pipeline
+    built), their shapes the same batch sizes, and its labels are the first stage's, broadcast at each batch
+    (FirstStageLabels)."""
     from types import SimpleNamespace
 
     from dlojz_lib.data.loaders import FirstStageLabels, Placeholders, build_data, build_loaders
     from dlojz_lib.settings.config import resolve_config
     from dlojz_lib.settings.flags import get_args_parser
 
+    if backend == "dali":
+        pytest.importorskip("nvidia.dali")
     monkeypatch.chdir(tmp_path)
     argv = ["--device", "cpu", "--fsdp", "--pp", "2", "--data-root", str(tiny_data), "-b", "4", "--num-workers", "0"]
-    cfg = resolve_config(get_args_parser().parse_args(argv))
+    cfg = resolve_config(get_args_parser().parse_args([*argv, "--data-backend", backend]))
     device = torch.device("cpu")
     for pipe_rank in (0, 1):
         mesh = {"pipe": SimpleNamespace(get_local_rank=lambda rank=pipe_rank: rank, get_group=lambda: None)}
@@ -718,7 +722,8 @@ def test_a_later_stage_reads_no_image(tiny_data, tmp_path, monkeypatch):
         train_set, val_set, _ = build_data(cfg, ranks, lambda line: None)
         loaders = build_loaders(cfg, train_set, val_set, 3, ranks, lambda line: None)
         assert isinstance(loaders.train_batches, FirstStageLabels) and isinstance(loaders.val_batches, FirstStageLabels)
-        assert isinstance(loaders.train.dataset, Placeholders) is (pipe_rank == 1)
+        assert isinstance(getattr(loaders.train, "dataset", None), Placeholders) is (pipe_rank == 1)
+        assert (type(loaders.train).__name__ == "DaliBatches") is (backend == "dali" and pipe_rank == 0)
         if pipe_rank == 1:
             monkeypatch.setattr("builtins.open", lambda *a, **k: pytest.fail("a later stage opened a file"))
             loaders.start_epoch(0, 0)
