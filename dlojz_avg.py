@@ -34,15 +34,17 @@ def main(argv=None) -> int:
         help="the run folder's newest N checkpoints that each improved the best validation (--best-metric) when written",
     )
     parser.add_argument("-o", "--output", required=True, help="the checkpoint file to write")
+    parser.add_argument("--force", action="store_true", help="replace -o even if dlojz_avg.py did not write it")
     args = parser.parse_args(argv)
     import dlojz_lib.checkpoint as ckpt  # (torch: after the command line is read)
-    from dlojz_lib.checks import UserError, check_output_file
+    from dlojz_lib.checks import UserError, claim_output
 
     try:
-        check_output_file(args.output, "-o", create_folder=False)
         paths = checkpoints_to_average(args.checkpoints, args.last, args.improved)
-        if Path(args.output).resolve() in {path.resolve() for path in paths}:
-            raise UserError(f"-o {args.output}: one of the checkpoints averaged; give a new file")
+        claim_output(
+            args.output, "-o", "a checkpoint dlojz_avg.py wrote", lambda path: ckpt.written_by_command(path, "averaged_from"),
+            [*paths, *args.checkpoints], args.force, create_folder=False,
+        )  # fmt: skip
         ckpt.write(ckpt.average(paths), args.output)
     except (UserError, ckpt.CheckpointError) as err:  # a damaged or sharded checkpoint, another model: one line
         print(f"dlojz_avg.py: error: {err}", file=sys.stderr)

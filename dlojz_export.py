@@ -18,8 +18,8 @@ size free.
 import sys
 from pathlib import Path
 
-from dlojz_lib.checks import OneLineArgumentParser, UserError, check_output_folder
-from dlojz_lib.export import EXPORTERS
+from dlojz_lib.checks import OneLineArgumentParser, UserError, check_output_folder, claim_output
+from dlojz_lib.export import EXPORTERS, PREPROCESSING_FILE, is_exported
 
 FORMATS = tuple(EXPORTERS)  # the table's rows (torch-free: read before the flags are checked)
 
@@ -42,6 +42,9 @@ def get_parser():
         help="image files or folders for the check (default: the run's validation images)",
     )
     parser.add_argument("--tolerance", type=float, default=1e-4, help="largest logit difference accepted")
+    parser.add_argument(
+        "--force", action="store_true", help="replace files of these names in -o that an export did not write"
+    )
     return parser
 
 
@@ -52,6 +55,9 @@ def main(argv=None) -> int:
 
         check_checkpoint_or_weights(args.checkpoint, args.arch, args.pretrained)
         check_output_folder(args.output, "-o")
+        for name in (PREPROCESSING_FILE, *(EXPORTERS[fmt].file for fmt in args.format)):
+            given = [path for path in (args.checkpoint, *(args.check_images or ())) if path]
+            claim_output(Path(args.output) / name, "-o", "a file dlojz_export.py wrote", is_exported, given, args.force)
         return export_model(args)
     except UserError as err:
         print(f"dlojz_export.py: error: {err}", file=sys.stderr)
@@ -59,7 +65,7 @@ def main(argv=None) -> int:
 
 
 def export_model(args) -> int:
-    from dlojz_lib.export import check_images, export, max_difference, write_preprocessing
+    from dlojz_lib.export import check_images, export, max_difference, record_export, write_preprocessing
     from dlojz_lib.inference import image_files, load_for_inference
 
     model = load_for_inference(args.checkpoint, args.arch, args.pretrained, args.ema)
@@ -71,6 +77,7 @@ def export_model(args) -> int:
     worst = 0.0
     for fmt in args.format:
         path = export(model, fmt, folder, images[:2])
+        record_export(path)  # (a later export may replace it)
         difference = max_difference(model, fmt, path, images)
         worst = max(worst, difference)
         print(

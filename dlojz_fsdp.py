@@ -82,7 +82,7 @@ def consolidate(source, target):
     module.load_state_dict(state["model"])
     set_optimizer_state(module, optimizer, state["optimizer"])
     full = {key: value for key, value in saved.items() if key != "sharded_path"}
-    full.update(model=module.state_dict(), optimizer=optimizer.state_dict(), ema=None)
+    full.update(model=module.state_dict(), optimizer=optimizer.state_dict(), ema=None, consolidated_from=str(source))
     ckpt.write(full, target)
     return target
 
@@ -121,18 +121,23 @@ def main(argv=None):
     command = commands.add_parser("consolidate", help="one ordinary .pt checkpoint from a sharded (.dcp) one")
     command.add_argument("source", help="a sharded checkpoint folder (ckpt_e*_s*.dcp)")
     command.add_argument("target", help="the .pt file to write")
+    command.add_argument("--force", action="store_true", help="replace target even if consolidate did not write it")
     command = commands.add_parser("shard", help="a sharded (.dcp) checkpoint from an ordinary .pt one")
     command.add_argument("source", help="an ordinary checkpoint (ckpt_e*_s*.pt)")
     command.add_argument("target", help="the folder to write it in: the --output-dir of the run that resumes it")
     args = parser.parse_args(argv)
-    from dlojz_lib.checks import UserError, check_output_file, check_output_folder
+    from dlojz_lib.checks import UserError, check_output_folder, claim_output
 
     try:
         if args.command == "shard":
             check_output_folder(args.target, "target")
             written = shard(args.source, args.target)
         else:
-            check_output_file(args.target, "target", create_folder=False)
+            claim_output(
+                args.target, "target", "a checkpoint dlojz_fsdp.py consolidate wrote",
+                lambda path: ckpt.written_by_command(path, "consolidated_from"), [args.source], args.force,
+                create_folder=False,
+            )  # fmt: skip
             consolidate(args.source, args.target)
     except (ckpt.CheckpointError, UserError) as err:
         print(f"dlojz_fsdp.py: error: {err}", file=sys.stderr)

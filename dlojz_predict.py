@@ -16,7 +16,7 @@ the end of the run. Rows follow the files: sorted within each folder, in the ord
 import os
 import sys
 
-from dlojz_lib.checks import OneLineArgumentParser, UserError, check_output_file
+from dlojz_lib.checks import OneLineArgumentParser, UserError, claim_output
 from dlojz_lib.settings.flags import COUNT, WHOLE
 
 
@@ -28,6 +28,7 @@ def get_parser():
     parser.add_argument("--pretrained", default=None, metavar="WEIGHTS", help="published weights (DEFAULT, ...)")
     parser.add_argument("--ema", action="store_true", help="the checkpoint's EMA weights (its run had --model-ema)")
     parser.add_argument("-o", "--output", default="predictions.csv", help="the CSV to write (default: %(default)s)")
+    parser.add_argument("--force", action="store_true", help="replace -o even if it is not a predictions CSV")
     parser.add_argument("--top-k", type=COUNT, default=5, metavar="K", help="classes per image (default: 5)")
     parser.add_argument("-b", "--batch-size", type=COUNT, default=64, help="images per forward (default: 64)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda where there is one")
@@ -43,7 +44,7 @@ def get_parser():
 
 
 def main(argv=None) -> int:
-    args = get_parser().parse_args(argv)
+    args = get_parser().parse_intermixed_args(argv)  # the images after flags too: CKPT --ema photos/ --top-k 3
     if args.pretrained is not None and args.checkpoint is not None:  # then the first positional is an image
         args.images, args.checkpoint = [args.checkpoint, *args.images], None
     try:
@@ -52,11 +53,21 @@ def main(argv=None) -> int:
         check_checkpoint_or_weights(args.checkpoint, args.arch, args.pretrained)
         if not args.images:
             raise UserError("give the images: files or folders after the checkpoint")
-        check_output_file(args.output, "-o", create_folder=True)
+        given = [path for path in (args.checkpoint, *args.images) if path]
+        claim_output(args.output, "-o", "a dlojz_predict.py CSV", is_predictions_csv, given, args.force)
         return predict_images(args)
     except UserError as err:
         print(f"dlojz_predict.py: error: {err}", file=sys.stderr)
         return 2
+
+
+def is_predictions_csv(path) -> bool:
+    """Whether `path` is a CSV this command wrote (its header, the first line)."""
+    try:
+        with open(path, encoding="utf-8") as file:
+            return file.readline().startswith("image,predicted_class,")
+    except (OSError, UnicodeDecodeError):
+        return False
 
 
 def predict_images(args) -> int:

@@ -250,6 +250,15 @@ def load(path):
     return state
 
 
+def written_by_command(path, key) -> bool:
+    """Whether `path` is a dlojz checkpoint that a command wrote, not a run: it loads (its checksum verified) and
+    holds `key` (dlojz_avg.py's `averaged_from`, dlojz_fsdp.py consolidate's `consolidated_from`)."""
+    try:
+        return load(path).get(key) is not None
+    except CheckpointError:
+        return False
+
+
 def short_reason(err, limit=160):
     """An exception's first line for a one-line message: terminal colour codes out, cut at a word."""
     text = re.sub(r"\x1b\[[0-9;]*m", "", str(err)).strip()

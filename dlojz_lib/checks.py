@@ -8,8 +8,10 @@ and a $DLOJZ_DATA that names no folder. The lowest of dlojz's modules: it import
   Both raise UserError: one line, exit status 2 in every script.
 - `OneLineArgumentParser`: argparse's parser whose errors are one line (argparse prints the whole usage first), for
   every script and bench.
-- `check_side_outputs({flag: (path, kind)})`: --metrics-json, --val-history, --predictions each name a new file or
-  a file already of their kind (known by its content), and no two the same path.
+- `claim_output(path, flag, kind, is_own)`: the one rule for every file a dlojz command writes: a new file, or a
+  file of the command's own kind (`is_own` reads its content), or any regular file with `--force`; never a folder,
+  a device, a pipe or a socket, never one of the command's inputs. `check_side_outputs({flag: (path, kind)})`:
+  dlojz.py's --metrics-json, --val-history, --predictions by that rule, and no two the same path.
 - `check_input_file(path, what, fix)`: a file to read is there, regular (not a folder or a pipe) and readable.
 - `read_text(path, what, fix)`, `read_json(path, what, fix)`: the one way a side file (a trace, a sweep's plan, a
   run's status, a checkpoint pointer) is read: a missing file, a folder, bad bytes, truncated or other JSON is one
@@ -111,6 +113,34 @@ def is_side_output(path, kind) -> bool:
         return False
 
 
+def claim_output(path, flag, kind, is_own, inputs=(), force=False, create_folder=True, force_flag="--force"):
+    """The rule for every file a dlojz command writes (dlojz.py's side outputs, dlojz_predict.py's CSV,
+    dlojz_avg.py's and dlojz_fsdp.py consolidate's checkpoints, dlojz_export.py's files): `path` is a new (or empty)
+    file, or an existing regular file that is already `kind` (a phrase: "a dlojz predictions CSV"), as
+    `is_own(path)` tells by its content, or any regular file with `force` (the command's --force). Never, even with
+    `force`: a folder, anything that is not a regular file (a device node, a pipe, a socket: the atomic rename would
+    replace it), one of the command's `inputs`. Then check_output_file. UserError naming `flag` otherwise, and
+    `force_flag` where the command has one."""
+    path = Path(path)
+    if path.is_dir():
+        fail(f"{flag} {path} is a folder: give a file name")
+    if path.exists():
+        if not stat.S_ISREG(path.stat().st_mode):
+            fail(
+                f"{flag} {path}: not a regular file (a device, pipe or socket), which a command never replaces; give a file path"
+            )
+        for given in inputs:
+            if Path(given).exists() and os.path.samefile(path, given):
+                fail(f"{flag} {path}: also an input of this command ({given}); give a new path")
+        if path.stat().st_size and not force and not is_own(path):
+            fail(
+                f"{flag} {path}: an existing file that is not {kind} (a checkpoint, its checksum, a run's args.toml, "
+                "weights, an image or a file of yours?): a command writes only a new file or one of its own kind; "
+                f"give a new path, or {f'add {force_flag} to replace it' if force_flag else 'move that file away'}"
+            )
+    check_output_file(path, flag, create_folder=create_folder)
+
+
 def check_side_outputs(outputs):
     """`outputs`: {flag: (path, kind)} of the side outputs a run is given. Each is a new file or already its kind,
     and no two share a path; UserError naming the flag otherwise."""
@@ -122,12 +152,9 @@ def check_side_outputs(outputs):
         if where in seen:
             fail(f"{seen[where]} and {flag} both name {path}: each writes a file of its own; give two paths")
         seen[where] = flag
-        if where.is_file() and not is_side_output(where, kind):
-            fail(
-                f"{flag} {path}: an existing file that is not {SIDE_OUTPUTS[kind]} (a checkpoint, weights, an image "
-                f"or a file of yours?): dlojz writes only a new file or one of its own there; give a new path, or "
-                "move that file away"
-            )
+        claim_output(
+            path, flag, SIDE_OUTPUTS[kind], lambda file, kind=kind: is_side_output(file, kind), force_flag=None
+        )
 
 
 def check_input_file(path, what, fix):

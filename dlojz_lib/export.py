@@ -10,11 +10,15 @@ images in the same command.
 - `max_difference(model, fmt, path, images)`: the largest absolute difference between the exported model's logits
   and PyTorch's on `images` (a normalised NCHW float32 batch).
 - `check_images(model, paths)`: a batch of real images prepared as the model's validation prepared them.
+- `is_exported(path)`, `record_export(path)`: what an export folder holds of dlojz_export.py's own, by content: its
+  preprocessing.json records each file it wrote with the file's SHA-256 (`exported`), so that a later export
+  replaces those and nothing else (checks.claim_output).
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import io
 import json
 from dataclasses import dataclass
@@ -169,5 +173,41 @@ def check_images(model, paths, limit=8):
 
 def write_preprocessing(model, folder):
     path = Path(folder) / PREPROCESSING_FILE
-    path.write_text(json.dumps(dict(model.preprocessing.as_json(model.classes), arch=model.arch), indent=1) + "\n")
+    record = dict(model.preprocessing.as_json(model.classes), arch=model.arch, exported={})
+    path.write_text(json.dumps(record, indent=1) + "\n")
     return path
+
+
+def sha256_of(path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as file:
+        for block in iter(lambda: file.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def export_record(folder) -> dict | None:
+    """The preprocessing.json dlojz_export.py wrote in `folder` (with its `exported` record), or None."""
+    try:
+        record = json.loads((Path(folder) / PREPROCESSING_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) and isinstance(record.get("exported"), dict) else None
+
+
+def is_exported(path) -> bool:
+    """Whether `path` is a file dlojz_export.py wrote: its folder's preprocessing.json, or a file that json records
+    with the SHA-256 the file has now."""
+    path = Path(path)
+    record = export_record(path.parent)
+    if record is None:
+        return False
+    return path.name == PREPROCESSING_FILE or record["exported"].get(path.name) == sha256_of(path)
+
+
+def record_export(path):
+    """Add the file at `path`, just written, to its folder's record."""
+    path = Path(path)
+    record = export_record(path.parent)
+    record["exported"][path.name] = sha256_of(path)
+    (path.parent / PREPROCESSING_FILE).write_text(json.dumps(record, indent=1) + "\n")

@@ -90,7 +90,7 @@ def _from_checkpoint(path, ema) -> InferenceModel:
     if saved.get("sharded_path"):
         fail(
             f"{path} is a sharded checkpoint (--fsdp): make it one file first with python dlojz_fsdp.py consolidate "
-            f"{path} -o consolidated.pt"
+            f"{path} consolidated.pt, then give consolidated.pt"
         )
     args, num_classes = saved.get("args") or {}, saved.get("num_classes")
     if "arch" not in args or num_classes is None:

@@ -289,8 +289,21 @@ def plot_trace(trace, png_path) -> None:
     ax.legend(fontsize="small", loc="upper right")
     fig.tight_layout()
     Path(png_path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(png_path, dpi=100)
+    fig.savefig(png_path, dpi=100, metadata={"Software": PLOT_SOFTWARE})  # (is_timeline_plot reads it)
     plt.close(fig)
+
+
+PLOT_SOFTWARE = "dlojz_chrono.py plot"
+
+
+def is_timeline_plot(path) -> bool:
+    """Whether `path` is a PNG that `dlojz_chrono.py plot` drew (its Software entry, near the start)."""
+    try:
+        with open(path, "rb") as file:
+            head = file.read(4096)
+    except OSError:
+        return False
+    return head.startswith(b"\x89PNG") and PLOT_SOFTWARE.encode() in head
 
 
 def main(argv=None):
@@ -299,12 +312,15 @@ def main(argv=None):
     plot = sub.add_parser("plot", help="draw the per-step timeline of a chronometer trace")
     plot.add_argument("trace", help="trace JSON written by Chronometer.write_trace")
     plot.add_argument("-o", "--output", default="timeline.png", help="PNG to write (default: timeline.png)")
+    plot.add_argument("--force", action="store_true", help="replace -o even if this command did not draw it")
     args = parser.parse_args(argv)
-    from dlojz_lib.checks import UserError, check_output_file
+    from dlojz_lib.checks import UserError, claim_output
 
     try:
         trace = read_trace(args.trace)
-        check_output_file(args.output, "-o/--output")
+        claim_output(
+            args.output, "-o/--output", "a timeline this command drew", is_timeline_plot, [args.trace], args.force
+        )
     except UserError as err:
         parser.error(str(err))
     plot_trace(trace, args.output)

@@ -58,7 +58,7 @@ def test_an_averaged_checkpoint_is_evaluated_and_fine_tuned_from(run_folder, tin
         (["{run}", "--last", "0"], "--last"),
         (["{first}"], "give two checkpoint files or more"),
         (["{first}", "{run}/latest"], "the pointer to the newest checkpoint"),
-        (["{first}", "{last}", "-o", "{last}"], "one of the checkpoints averaged"),
+        (["{first}", "{last}", "-o", "{last}"], "also an input of this command"),
         (["{first}", "{last}", "-o", "{run}/missing/out.pt"], "missing/out.pt: its folder does not exist"),
         (["{run}", "--last", "2", "--improved", "2"], "not allowed with argument"),
     ],
