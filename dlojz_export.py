@@ -20,6 +20,7 @@ from pathlib import Path
 
 from dlojz_lib.checks import OneLineArgumentParser, UserError, check_output_folder, claim_output
 from dlojz_lib.export import EXPORTERS, PREPROCESSING_FILE, is_exported
+from dlojz_lib.settings.flags import NON_NEGATIVE
 
 FORMATS = tuple(EXPORTERS)  # the table's rows (torch-free: read before the flags are checked)
 
@@ -41,7 +42,9 @@ def get_parser():
         metavar="PATH",
         help="image files or folders for the check (default: the run's validation images)",
     )
-    parser.add_argument("--tolerance", type=float, default=1e-4, help="largest logit difference accepted")
+    parser.add_argument(  # (NaN would pass every check: it compares false)
+        "--tolerance", type=NON_NEGATIVE, default=1e-4, help="largest logit difference accepted (a finite number >= 0)"
+    )
     parser.add_argument(
         "--force", action="store_true", help="replace files of these names in -o that an export did not write"
     )

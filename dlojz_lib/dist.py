@@ -36,7 +36,7 @@ import torch.distributed as dist
 import dlojz_lib.checkpoint as ckpt
 from dlojz_lib.checks import fail
 from dlojz_lib.observers.watchdog import Watchdog
-from dlojz_lib.settings.launch import load_idr_torch
+from dlojz_lib.settings.launch import load_idr_torch, model_copy_problem
 from dlojz_lib.torch_internals import default_store, warm_compile_workers
 
 
@@ -422,14 +422,9 @@ def model_parallel_mesh(ranks, pp, tp):
     divides the GPUs per node), then the pipeline's stages, the data replicas outermost."""
     from torch.distributed.device_mesh import init_device_mesh
 
+    if (problem := model_copy_problem(ranks.world_size, pp, tp)) is not None:
+        fail(problem)
     copy = pp * tp  # the ranks that hold one copy of the model
-    if ranks.world_size % copy:
-        if pp > 1 and tp > 1:
-            flag, what = f"--pp {pp} x --tp {tp} = {copy}", "a --pp and a --tp whose product divides it"
-        else:
-            name = "--pp" if pp > 1 else "--tp"
-            flag, what = f"{name} {copy}", f"a {name} that divides it"
-        fail(f"{flag}: this job has {ranks.world_size} rank(s), not a multiple of {copy}; give {what}")
     dims = [("data", ranks.world_size // copy), ("pipe", pp), ("tensor", tp)]
     dims = [dims[0]] + [(name, size) for name, size in dims[1:] if size > 1]
     ranks.mesh = init_device_mesh(

@@ -387,6 +387,12 @@ def test_timm_augment_is_timm_s_own_as_its_train_py_builds_it():
             resolve_config(get_args_parser().parse_args([*BASE, "--timm-augment", bad]))
     with pytest.raises(UserError, match="one augmentation policy at a time"):
         resolve_config(get_args_parser().parse_args([*BASE, "--timm-augment", "v0", "--trivialaugment"]))
+    # timm clips the magnitude to 10 (or -mmax): rand-m100 trained as rand-m10, said nowhere
+    for bad, fix in (("rand-m100", "give m10 or less"), ("augmix-m12-w3", "-mmax12"), ("rand-m30-mmax20", "m20")):
+        with pytest.raises(UserError, match=f"--timm-augment {bad}: magnitude .* above timm's ceiling.*{fix}"):
+            resolve_config(get_args_parser().parse_args([*BASE, "--timm-augment", bad]))
+    for fine in ("rand-m10-mstd0.5", "rand-m30-mmax30", "original", "augmix-m5-w3"):
+        assert resolve_config(get_args_parser().parse_args([*BASE, "--timm-augment", fine])).timm_augment == fine
 
 
 def test_model_ema_adjust_gives_the_ema_torchvision_s_decay(tiny_data, tmp_path, run_inline):

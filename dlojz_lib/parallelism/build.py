@@ -266,17 +266,33 @@ def whole_copies(distribution, module, ranks):
     return WholeCopies(module, ranks.mesh["tensor"], distribution.check_replicas, ranks.all_gather)
 
 
+def check_micro_batches(module, arch, batch_size, grad_acc, pp, microbatches):
+    """One step of the pipeline takes -b in equal micro-batches, without --grad-acc (--global-batch may have chosen
+    them), and a BatchNorm model's hold 2 images or more (its training statistics of one image fail in its first
+    forward): one line naming the -b and --pp-microbatches that work, before any step."""
+    if grad_acc > 1 or batch_size % microbatches:
+        fail(
+            f"--pp {pp}: -b {batch_size} x --grad-acc {grad_acc} per rank; the schedule accumulates its "
+            f"--pp-microbatches {microbatches} (which must divide -b) instead of --grad-acc: give a --global-batch "
+            "or -b that one step of the pipeline takes"
+        )
+    if batch_size // microbatches > 1:
+        return
+    norms = (torch.nn.BatchNorm1d, torch.nn.BatchNorm2d, torch.nn.BatchNorm3d, torch.nn.SyncBatchNorm)
+    if any(isinstance(m, norms) for m in module.modules()):
+        fail(
+            f"-b {batch_size} in --pp-microbatches {microbatches}: micro-batches of 1 image, whose statistics "
+            f"{arch}'s BatchNorm cannot take; give -b {2 * microbatches} or more, or --pp-microbatches "
+            f"{batch_size // 2 if batch_size >= 2 else 1} (2 images or more a micro-batch)"
+        )
+
+
 def build_pipeline_model(cfg, module, ema, num_classes, ranks, log) -> Model:
     """--pp: `module` cut into --pp stages, this rank's sharded by FSDP over the data dimension, run by the
     schedule (dlojz_lib.parallelism.pipeline)."""
     from dlojz_lib.parallelism.fsdp import fill_from_first_rank, shard_model, to_meta
 
-    if cfg.grad_acc > 1 or cfg.batch_size % cfg.pp_microbatches:  # (--global-batch may have chosen them)
-        fail(
-            f"--pp {cfg.pp}: -b {cfg.batch_size} x --grad-acc {cfg.grad_acc} per rank; the schedule accumulates its "
-            f"--pp-microbatches {cfg.pp_microbatches} (which must divide -b) instead of --grad-acc: give a --global-batch "
-            "or -b that one step of the pipeline takes"
-        )
+    check_micro_batches(module, cfg.arch, cfg.batch_size, cfg.grad_acc, cfg.pp, cfg.pp_microbatches)
     pipe = ranks.mesh["pipe"]
     unsharded = meta_copy(module)
     split = cfg.pp_split if cfg.pp_split in ("params", "time") else [int(i) for i in cfg.pp_split.split(",")]

@@ -10,6 +10,7 @@ import re
 
 from dlojz_lib.checks import UserError, fail, missing_data_variable
 from dlojz_lib.settings.flags import CUDA_GRAPH_MODES, LOOPED_SCHEDULES, built_in_defaults, get_args_parser
+from dlojz_lib.settings.launch import launch_world_size, model_copy_problem
 
 # timm's --aa strings: a kind, then options, each a letter key and its number (rand-m7-mstd0.5-inc1)
 TIMM_AUGMENT = re.compile(r"(rand|augmix|original|originalr|v0|v0r|3a)(-[a-z]+\d*(\.\d+)?)*")
@@ -134,6 +135,19 @@ def check_sampling(values):
             fail("--train-subset picks images of the data set, which --synthetic does not read: drop one of them")
 
 
+def check_timm_magnitude(config):
+    """timm clips an op's magnitude to [0, 10] (or to its `mmax`): rand-m100 would train as rand-m10, said nowhere."""
+    parts = dict(re.fullmatch(r"([a-z]+)([\d.]*)", part).groups() for part in config.split("-")[1:])
+    if "m" not in parts or not parts["m"]:
+        return
+    ceiling = float(parts["mmax"]) if parts.get("mmax") else 10.0
+    if float(parts["m"]) > ceiling:
+        fail(
+            f"--timm-augment {config}: magnitude m{parts['m']} above timm's ceiling {ceiling:g}, which it would "
+            f"train at instead; give m{ceiling:g} or less (or raise the ceiling with -mmax{parts['m']})"
+        )
+
+
 def check_augmentation(values):
     """The augmentation: one policy at a time, and what DALI's pipeline does not do."""
     policies = augmentation_policies(values)
@@ -144,6 +158,8 @@ def check_augmentation(values):
             f"--timm-augment {values['timm_augment']!r} is not one of timm's augmentation strings (its --aa): "
             "rand-m7-mstd0.5-inc1 (RandAugment), augmix-m5-w3 (AugMix), original or v0 (AutoAugment)"
         )
+    if values["timm_augment"] is not None:
+        check_timm_magnitude(values["timm_augment"])
     if values["randaugment_mstd"] is not None and not values["randaugment"]:
         fail("--randaugment-mstd varies --randaugment's magnitude: add --randaugment N M")
     if values["data_backend"] == "dali":
@@ -289,6 +305,9 @@ def check_pipeline(values):
             f"the same global batch and memory give -b {values['batch_size']} x {values['grad_acc']} and "
             f"--pp-microbatches {values['grad_acc']} x M"
         )
+    launched = launch_world_size(os.environ)  # (a single process is told at start-up, after the other flags)
+    if launched > 1 and (problem := model_copy_problem(launched, pp, values["tp"])) is not None:
+        fail(problem)  # first: the micro-batches' default follows --pp
     microbatches = values["pp_microbatches"] or 2 * pp
     if microbatches < pp:
         fail(

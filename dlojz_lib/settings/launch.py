@@ -83,6 +83,27 @@ def launch_rank(environ):
     return int(environ["RANK"]) if "TORCHELASTIC_RUN_ID" in environ else 0
 
 
+def launch_world_size(environ):
+    """The number of ranks the (whole) launch environment says: 1 without a launcher."""
+    if "SLURM_STEP_ID" in environ:
+        return int(environ["SLURM_STEP_NUM_TASKS"])
+    return int(environ["WORLD_SIZE"]) if "TORCHELASTIC_RUN_ID" in environ else 1
+
+
+def model_copy_problem(world_size, pp, tp):
+    """The line saying that `world_size` ranks do not hold whole copies of a model cut by --pp and split by --tp,
+    else None."""
+    copy = pp * tp  # the ranks that hold one copy of the model
+    if world_size % copy == 0:
+        return None
+    if pp > 1 and tp > 1:
+        flag, what = f"--pp {pp} x --tp {tp} = {copy}", "a --pp and a --tp whose product divides it"
+    else:
+        name = "--pp" if pp > 1 else "--tp"
+        flag, what = f"{name} {copy}", f"a {name} that divides it"
+    return f"{flag}: this job has {world_size} rank(s), not a multiple of {copy}; give {what}"
+
+
 def load_idr_torch():
     """idr_torch (rank, world size, CPUs per task from Slurm or torchrun), imported on first use (it imports torch), once per process (Python keeps the module).
     Its warning that no launcher was found is silenced: one process is a normal way to run dlojz."""

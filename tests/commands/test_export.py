@@ -121,3 +121,15 @@ def test_without_check_images_and_without_the_run_s_data_is_one_line(run, tmp_pa
     ckpt.write(saved, tmp_path / "ckpt_e0001_s000000009.pt")
     status, captured = exported(tmp_path, capsys, tmp_path / "ckpt_e0001_s000000009.pt")
     assert status == 2 and "give --check-images PATH" in captured.err, captured.err
+
+
+@pytest.mark.parametrize("tolerance", ["nan", "inf", "-1"])
+def test_a_tolerance_that_checks_nothing_is_one_line(tolerance, tmp_path, capsys):
+    """NaN compares false, so --tolerance nan turned the check off in silence; a negative one fails every export."""
+    with pytest.raises(SystemExit) as refused:
+        dlojz_export.main(
+            ["--arch", "resnet18", "--pretrained", "DEFAULT", "--tolerance", tolerance, "-o", str(tmp_path)]
+        )
+    error = capsys.readouterr().err.strip()
+    assert refused.value.code == 2 and len(error.splitlines()) == 1, error
+    assert "argument --tolerance: must be" in error and ">= 0" in error, error

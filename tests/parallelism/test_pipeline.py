@@ -618,6 +618,13 @@ def test_a_pp_run_stopped_mid_epoch_resumes_to_the_same_weights(runs, tiny_data,
         (["--pp", "2", "--fsdp", "--tp", "2"], 2, ["--pp 2 x --tp 2 = 4: this job has 2 rank(s), not a multiple of 4"]),
         (["--pp", "3", "--fsdp", "--pp-microbatches", "4"], 4, ["--pp 3: this job has 4 rank(s), not a multiple of 3"]),
         (["--pp", "2", "--fsdp", "--pp-split", "9"], 2, ["--pp-split", "9"]),
+        # the ranks named first: -b 8 in --pp 3's default 6 micro-batches was blamed on --pp-microbatches
+        (["--pp", "3", "--fsdp"], 2, ["--pp 3: this job has 2 rank(s), not a multiple of 3"]),
+        (  # micro-batches of 1 image: BatchNorm's "Expected more than 1 value per channel" inside the schedule
+            ["--pp", "2", "--fsdp", "--arch", "resnet18", "-b", "4"],
+            2,
+            ["-b 4 in --pp-microbatches 4: micro-batches of 1 image", "give -b 8 or more, or --pp-microbatches 2"],
+        ),
         (
             ["--pp", "2", "--fsdp", "--pp-schedule", "interleaved", "--pp-stages-per-rank", "5"],
             2,
