@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 import dlojz_lib.checkpoint as ckpt
-from dlojz_lib.checks import DataError, UserError
+from dlojz_lib.checks import DataError, UserError, one_line
 from dlojz_lib.data.datasets import class_counts
 from dlojz_lib.data.loaders import build_data, build_loaders, measure_loader_only
 from dlojz_lib.dist import (
@@ -607,7 +607,7 @@ def cli(argv=None) -> int:
         status = err.code if isinstance(err.code, int) else 2
     except (UserError, DataError) as err:
         if rank == 0 or idr_torch.world_size == 1:
-            print(f"dlojz: error: {err}", file=sys.stderr, flush=True)
+            print(f"dlojz: error: {one_line(err)}", file=sys.stderr, flush=True)
         status = 2
     except TrainingDiverged as err:
         if rank == 0:

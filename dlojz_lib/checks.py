@@ -39,6 +39,17 @@ def fail(message):
     raise UserError(message)
 
 
+def one_line(err) -> str:
+    """An error's message as one line. A DataLoader worker's error reaches the main process as its own type with the
+    worker's traceback in the message ("Caught DataError in DataLoader worker process 0. Original Traceback ..."):
+    its last line's message then."""
+    text = str(err).strip()
+    lines = text.splitlines()
+    if len(lines) > 1 and lines[0].startswith("Caught ") and "Original Traceback" in text:
+        return lines[-1].split(": ", 1)[-1]
+    return text
+
+
 class OneLineArgumentParser(argparse.ArgumentParser):
     """A bad flag is one line naming it, exit status 2, as every other bad input; its sub-commands' parsers too."""
 

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 from torchvision.transforms import v2
 
+from dlojz_lib.checks import DataError
 from dlojz_lib.data.transforms import IMAGENET_MEAN, TrainTransform
 
 # The mean colour as a uint8 crop holds it: what a normalised image's 0 is (random erasing's fill).
@@ -94,7 +95,30 @@ def fixed_size_train_transform(augmentation, image_size):
     if augmentation.random_erase > 0:
         extra.append(v2.RandomErasing(p=augmentation.random_erase, value=list(MEAN_UINT8)))
     crop_flip = TrainTransform(image_size)
-    return v2.Compose([crop_flip, *extra]) if extra else crop_flip
+    return CropThenPolicies([crop_flip, *extra]) if extra else crop_flip
+
+
+class AugmentationError(DataError):
+    """An augmentation policy failed on an image that decodes: the policy's one line, not the image's (the data
+    sets skip only what does not decode)."""
+
+
+class CropThenPolicies(v2.Compose):
+    """The crop (which decodes) then the augmentation policies, whose exceptions are AugmentationErrors naming the
+    policy and its error: the data sets take an OSError or a ValueError for an unreadable file and drop it, and a
+    policy's error is not the image's."""
+
+    def forward(self, *inputs):
+        image = self.transforms[0](*inputs)
+        for policy in self.transforms[1:]:
+            try:
+                image = policy(image)
+            except Exception as err:  # noqa: BLE001  (any policy's own: one line, never taken for a bad file)
+                raise AugmentationError(
+                    f"the augmentation {policy!r} failed on a readable image ({type(err).__name__}: {err}); "
+                    "change or drop that augmentation flag"
+                ) from None
+        return image
 
 
 class NoisyRandAugment(v2.RandAugment):
@@ -140,6 +164,7 @@ class TimmAugment:
         else:
             self.transform = auto_augment_transform(config, hparams)
         self.config = config
+        keep_posterizing_to_zero_bits(self.transform)
 
     def __call__(self, img: torch.Tensor) -> torch.Tensor:
         np.random.seed(random.getrandbits(32))
@@ -148,6 +173,24 @@ class TimmAugment:
 
     def __repr__(self):
         return f"TimmAugment({self.config!r})"
+
+
+def keep_posterizing_to_zero_bits(policy):
+    """timm's AutoAugment policies (v0, original) draw Posterize with 0 bits kept, which the Pillow timm was written
+    for turned into a black image and Pillow 10+ refuses ("bits must be between or equal to 1 and 8"): the black
+    image again, as timm's train.py trained with it."""
+    from PIL import Image
+    from timm.data import auto_augment
+
+    def posterize(img, bits_to_keep, **options):
+        if bits_to_keep < 1:
+            return Image.new(img.mode, img.size)  # every bit masked out
+        return auto_augment.posterize(img, bits_to_keep, **options)
+
+    ops = [*getattr(policy, "ops", ()), *(op for chain in getattr(policy, "policy", ()) for op in chain)]
+    for op in ops:
+        if getattr(op, "aug_fn", None) is auto_augment.posterize:
+            op.aug_fn = posterize
 
 
 def batch_mixing(augmentation, num_classes):
