@@ -108,6 +108,38 @@ def whole_image(data):
     ] == b"\x89PNG\r\n\x1a\n"
 
 
+def head_and_tail(path, tail=4096):
+    """A file's first 8 bytes and its last `tail`: enough for whole_image, without reading the file."""
+    with open(path, "rb") as file:
+        head = file.read(8)
+        size = file.seek(0, 2)
+        file.seek(max(8, size - tail))
+        return head + file.read()
+
+
+def leave_out_cut_short(dataset):
+    """The validation images of a folder `dataset` that are not whole JPEG or PNG files (a truncated JPEG, which
+    DALI decodes with grey where its bytes are missing and PIL refuses), each warned about by name and left out of
+    it, so that DALI's validation counts and scores the images the pytorch backend does (which leaves them out as
+    unreadable). Their first and last bytes are read, not the files; packed shards hold the images dlojz_pack.py
+    decoded."""
+    if not all(isinstance(where, str) for where, _ in dataset.samples):
+        return
+    kept = []
+    for where, target in dataset.samples:
+        try:
+            reason = None if whole_image(head_and_tail(where)) else "not a whole JPEG or PNG file"
+        except OSError as err:
+            reason = str(err)
+        if reason is None:
+            kept.append((where, target))
+        else:
+            print(f"WARNING: skipping unreadable image {where}: {reason}", file=sys.stderr, flush=True)
+    if len(kept) < len(dataset.samples):
+        dataset.samples = dataset.imgs = kept
+        dataset.targets = [target for _, target in kept]
+
+
 class SampleFeed:
     """The external source: batches of (file paths or file bytes, labels) in the sampler's order, from `start` (an
     epoch and the samples of it already seen) on, epoch after epoch without end (validation: the same pass again),

@@ -340,10 +340,18 @@ def normalisation(data, channels_last, ranks):
 def dali_loaders(cfg, train_set, val_set, train_sampler, ranks, log) -> Loaders:
     """--data-backend dali: the same samples and samplers, decoded, augmented and normalised by DALI
     (dlojz_lib/data/dali.py); --loader-only times these batches, the model's input."""
-    from dlojz_lib.data.dali import DaliBatches, check_decodable, dali_settings, train_pipeline, val_pipeline
+    from dlojz_lib.data.dali import (
+        DaliBatches,
+        check_decodable,
+        dali_settings,
+        leave_out_cut_short,
+        train_pipeline,
+        val_pipeline,
+    )
 
     for dataset in (train_set, val_set):
         check_decodable(dataset)
+    leave_out_cut_short(val_set)  # counted as the pytorch backend counts them (training skips them when they fail)
 
     device_id = ranks.device.index if ranks.device.type == "cuda" else None
     settings, seed = dali_settings(cfg.section("data"), cfg.num_workers, cfg.amp), cfg.seed * 1_000 + ranks.data_rank

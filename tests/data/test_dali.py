@@ -422,3 +422,29 @@ def test_hardware_decoder_share_and_output_follow_the_flags():
 def test_dali_flags_without_dali_or_out_of_range_are_one_line(run_inline, flags, message):
     proc = run_inline(*SMALL, *flags)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and message in proc.stderr, proc.stderr
+
+
+def test_validation_counts_the_images_the_pytorch_backend_counts(trained_run, tiny_data, tmp_path):
+    """A truncated validation JPEG decodes in DALI (grey where its bytes are missing) and not in PIL: DALI's
+    validation leaves it out, named, as the pytorch backend does: the same images counted."""
+    import shutil
+
+    root = shutil.copytree(tiny_data, tmp_path / "data")
+    victim = sorted((root / "val").rglob("*.JPEG"))[0]
+    victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])  # cut short, its start intact
+    checkpoint = sorted(trained_run.glob("ckpt_e*.pt"))[-1]
+    metrics = {}
+    for backend in ("pytorch", "dali"):
+        proc = run_dlojz(
+            *TINY, "--arch", "resnet18", "--data-root", root, "--eval-only", "--resume", checkpoint,
+            "--output-dir", tmp_path / backend, "--metrics-json", tmp_path / f"{backend}.json",
+            "--data-backend", backend,
+        )  # fmt: skip
+        assert proc.returncode == 0, show(proc)
+        assert f"skipping unreadable image {victim}" in proc.stderr, (backend, proc.stderr[-2000:])
+        metrics[backend] = read_json(tmp_path / f"{backend}.json")
+    assert (
+        metrics["dali"]["val_images"]
+        == metrics["pytorch"]["val_images"]
+        == len(list((root / "val").rglob("*.JPEG"))) - 1
+    )
