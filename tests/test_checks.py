@@ -275,3 +275,16 @@ def test_an_unreadable_image_is_named_once_not_every_epoch(tmp_path, capsys):
     for epoch in range(3):
         assert train[(epoch, index)] == (0, train.samples[index + 1][1])  # the next image takes its place
     assert capsys.readouterr().err.count(f"skipping unreadable image {bad}") == 1
+
+
+def test_a_global_batch_larger_than_the_data_set_names_global_batch(tiny_data, tmp_path, run_inline):
+    """A recipe's --global-batch on a small set: the advice is about the global batch, not the -b it chose."""
+    proc = run_inline(*SMALL, "--data-root", tiny_data, "--global-batch", "256", "--output-dir", tmp_path)
+    assert_one_line_error(proc, "--global-batch 256 makes 1 optimizer step", "give a smaller --global-batch")
+    assert "--no-global-batch" in proc.stderr and "--grad-acc" not in proc.stderr
+    proc = run_inline(  # a per-rank batch beyond a rank's share: the same advice
+        *SMALL, "--data-root", tiny_data, "--global-batch", "256", "-b", "256", "--output-dir", tmp_path
+    )
+    assert_one_line_error(
+        proc, "--global-batch 256 gives each of 1 process(es) 256 images", "--global-batch 72 at most"
+    )

@@ -258,6 +258,13 @@ def build_loaders(cfg, train_set, val_set, num_classes, ranks, log) -> Loaders:
         )
     # A batch larger than a rank's share is the whole share, padded, with the LR scaled for images that are not there.
     per_rank = (len(train_set) // ranks.data_size) if cfg.drop_last else math.ceil(len(train_set) / ranks.data_size)
+    if cfg.batch_size > per_rank and cfg.global_batch is not None:  # (a recipe's, often): the batch is its choice
+        fail(
+            f"--global-batch {cfg.global_batch} gives each of {ranks.data_size} process(es) {cfg.batch_size} images "
+            f"a step, more than its {per_rank} training images ({len(train_set)} in all"
+            f"{', --drop-last' if cfg.drop_last else ''}): give --global-batch {per_rank * ranks.data_size} at most "
+            "(a recipe's LR was set for its own), or --no-global-batch and a --batch-size"
+        )
     if cfg.batch_size > per_rank:
         fail(
             f"--batch-size {cfg.batch_size} is more than the {per_rank} training images of each of the "

@@ -72,6 +72,12 @@ def build_schedule(cfg, optimizer, steps_per_epoch, total_steps):
                 optimizer, 1e-8, cfg.lr, min(total_steps, cfg.test_nsteps) if cfg.test else total_steps
             )
         else:
+            if total_steps < 2 and cfg.global_batch is not None:  # (a recipe's, often): its advice is the global batch
+                fail(
+                    f"--global-batch {cfg.global_batch} makes {total_steps} optimizer step of {cfg.epochs} epoch(s) "
+                    f"on this data set; the schedule needs 2 at least: give a smaller --global-batch (a recipe's LR "
+                    "was set for its own), more --epochs, or --no-global-batch and a --batch-size"
+                )
             if cfg.lr_scheduler == "linear" and cfg.lr_peak_epoch >= cfg.epochs:
                 fail(f"--lr-peak-epoch {cfg.lr_peak_epoch} must come before the end (--epochs {cfg.epochs})")
             scheduler = build_scheduler(
