@@ -315,9 +315,15 @@ def restore_weights(cfg, model, training, saved, path, log):
         else:
             model.module.load_state_dict(weights)
     except (RuntimeError, ValueError, KeyError) as err:
+        trained_at = (saved.get("args") or {}).get("image_size")
+        size = (  # a position embedding's length follows it
+            f"; the checkpoint trained at --image-size {trained_at}, this run at {cfg.image_size}: resume at its size"
+            if trained_at not in (None, cfg.image_size)
+            else ""
+        )
         fail(
             f"--resume {path}: the weights do not fit --arch {cfg.arch} with {model.num_classes} classes "
-            f"({str(err).strip().splitlines()[0][:120] if str(err).strip() else type(err).__name__})"
+            f"({str(err).strip().splitlines()[0][:120] if str(err).strip() else type(err).__name__}){size}"
         )
     if model.ema is not None and saved.get("ema") is not None:
         model.ema.load_state_dict(saved["ema"])

@@ -266,6 +266,7 @@ def load_sharded(path, module, optimizer=None):
     else:
         state = {"model": get_model_state_dict(module)}
     saved_model = [key.removeprefix("model.") for key in saved_keys if key.startswith("model.")]
+    check_saved_shapes(saved_keys, state["model"])  # before any rank reads: one line, not DCP's per-rank errors
     try:
         if qkv_layouts_differ(saved_model, state["model"]):
             load_across_qkv_layouts(path, state, saved_keys)
@@ -276,6 +277,22 @@ def load_sharded(path, module, optimizer=None):
     set_model_state_dict(module, state["model"])
     if optimizer is not None:
         set_optimizer_state(module, optimizer, state["optimizer"])
+
+
+def check_saved_shapes(saved, model_state):
+    """ValueError naming the first parameter whose whole shape in a sharded checkpoint (its metadata, `saved`) is
+    not this run's model's (a position embedding of another length: another --image-size)."""
+    differ = [
+        (key, list(saved["model." + key].size), list(value.shape))
+        for key, value in model_state.items()
+        if torch.is_tensor(value)
+        and hasattr(saved.get("model." + key), "size")
+        and tuple(saved["model." + key].size) != tuple(value.shape)
+    ]
+    if differ:
+        key, theirs, ours = differ[0]
+        more = f" (and {len(differ) - 1} more)" if len(differ) > 1 else ""
+        raise ValueError(f"the checkpoint's {key} is {theirs}, this run's {ours}{more}")
 
 
 def saved_sources(key, saved):

@@ -450,3 +450,14 @@ def test_consolidating_what_is_not_a_sharded_checkpoint_is_one_line(tmp_path, ca
 )
 def test_what_fsdp_cannot_take_is_one_line(flags, message, run_inline):
     assert_one_line_error(run_inline("--device", "cpu", "--test", "--no-wandb", *flags), message)
+
+
+def test_a_sharded_checkpoint_resumed_at_another_image_size_is_one_line(tiny_data, tmp_path):
+    """A ViT's position embedding follows the image size: resumed at another, DCP failed rank by rank; the shapes
+    are compared first and the difference named, with the size to resume at."""
+    out = tmp_path / "run"
+    vit = [*BASE, "--data-root", tiny_data, "--num-workers", "0", "--arch", "timm:test_vit", "--fsdp", "-b", "8"]
+    proc = run_dlojz(*vit, "--image-size", "32", "--output-dir", out, "--epochs", "1")
+    assert proc.returncode == 0, show(proc)
+    proc = run_dlojz(*vit, "--image-size", "48", "--output-dir", out, "--epochs", "2", "--resume", "auto")
+    assert_one_line_error(proc, "the checkpoint's pos_embed is [1, 5, 64], this run's [1, 10, 64]", "--image-size 32")
