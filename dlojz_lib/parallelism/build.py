@@ -189,7 +189,7 @@ def build_model(cfg, num_classes, ranks, log) -> Model:
         if cfg.tp > 1:
             from dlojz_lib.parallelism.tensor import parallelize
 
-            split = parallelize(module, ranks.mesh["tensor"], cfg.arch, cfg.sequence_parallel)
+            split = parallelize(module, ranks.mesh["tensor"], cfg.arch, cfg.sequence_parallel, cfg.val_crop_size)
             log(
                 f"tensor parallelism: {split} blocks over groups of {cfg.tp} ranks (q, k, v and fc1 column-wise, proj "
                 f"and fc2 row-wise{'; the tokens split between them: sequence parallelism' if cfg.sequence_parallel else ''}), "

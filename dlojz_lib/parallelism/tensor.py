@@ -290,9 +290,12 @@ def hidden_width(mlp):
     return fc1.out_channels if isinstance(fc1, nn.Conv2d) else fc1.out_features
 
 
-def sequence_length(module):
-    """The tokens a ViT's blocks see: its patch grid and its prefix tokens (class, registers)."""
+def sequence_length(module, image_size=None):
+    """The tokens a ViT's blocks see: its patch grid (at its own size, or `image_size`) and its prefix tokens
+    (class, registers)."""
     grid = module.patch_embed.grid_size
+    if image_size is not None:
+        grid = [image_size // patch for patch in module.patch_embed.patch_size]
     return grid[0] * grid[1] + getattr(module, "num_prefix_tokens", 0)
 
 
@@ -356,7 +359,7 @@ def heads_of_this_rank(rel_pos, tp_mesh):
     rel_pos.get_bias = get_bias  # what the attention's forward and rel_pos's own forward call
 
 
-def parallelize(module, tp_mesh, arch="this model", sequence_parallel=False) -> int:
+def parallelize(module, tp_mesh, arch="this model", sequence_parallel=False, val_crop_size=None) -> int:
     """The plan above applied to `module` in place over `tp_mesh` (a 1-D DeviceMesh, or the tensor dimension of a
     2-D one). `sequence_parallel` (ViT): between the blocks' matrix products the tokens are split over the group too
     (the norms, residuals and dropouts on 1/N of them; all-gather and reduce-scatter instead of all-reduce: the same
@@ -375,6 +378,12 @@ def parallelize(module, tp_mesh, arch="this model", sequence_parallel=False) -> 
         raise UserError(
             f"--sequence-parallel: {arch} sees {sequence_length(module)} tokens at this image size, which do not "
             f"split over {n} ranks; give an --image-size or a --tp that makes them a multiple of {n}"
+        )
+    if sequence_parallel and val_crop_size is not None and sequence_length(module, val_crop_size) % n:
+        raise UserError(  # (else validation's collectives mismatch at the end of the first epoch)
+            f"--sequence-parallel: {arch} sees {sequence_length(module, val_crop_size)} tokens at validation's "
+            f"--val-crop-size {val_crop_size}, which do not split over {n} ranks; give a --val-crop-size that makes "
+            f"them a multiple of {n}"
         )
     for block in blocks:
         attn = block.attn

@@ -419,6 +419,22 @@ def test_sequence_parallel_trains_to_the_weights_of_one_process(tiny_data, tmp_p
         (["--sequence-parallel"], 1, "--sequence-parallel splits the tokens over a tensor-parallel group: add --tp N"),
         (["--check-replicas", "5"], 1, "--check-replicas compares the weights a tensor-parallel group holds whole"),
         (["--fsdp", "--tp", "2", "--sequence-parallel"], 2, "sees 5 tokens at this image size, which do not split"),
+        (  # trained an epoch, then validation's collectives mismatched (and the advice was to resume)
+            [
+                "--fsdp",
+                "--tp",
+                "2",
+                "--sequence-parallel",
+                "--image-size",
+                "48",
+                "--val-resize-size",
+                "73",
+                "--val-crop-size",
+                "64",
+            ],
+            2,
+            "sees 17 tokens at validation's --val-crop-size 64, which do not split over 2 ranks",
+        ),
     ],
 )
 @pytest.mark.multirank
