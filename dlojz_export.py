@@ -58,8 +58,8 @@ def main(argv=None) -> int:
 
         check_checkpoint_or_weights(args.checkpoint, args.arch, args.pretrained)
         check_output_folder(args.output, "-o")
+        given = [path for path in (args.checkpoint, *(args.check_images or ())) if path]
         for name in (PREPROCESSING_FILE, *(EXPORTERS[fmt].file for fmt in args.format)):
-            given = [path for path in (args.checkpoint, *(args.check_images or ())) if path]
             claim_output(Path(args.output) / name, "-o", "a file dlojz_export.py wrote", is_exported, given, args.force)
         return export_model(args)
     except UserError as err:

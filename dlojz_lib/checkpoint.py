@@ -24,7 +24,6 @@ without the model and optimizer. They are written under a hidden staging name an
 shard file the metadata lists is there whole, and returns the dict with `sharded_path` set.
 """
 
-import hashlib
 import os
 import random
 import re
@@ -36,7 +35,7 @@ from pathlib import Path
 import torch
 
 from dlojz_lib.checks import fail
-from dlojz_lib.durable import atomic_write, fsync_folder
+from dlojz_lib.durable import atomic_write, fsync_folder, sha256_of
 
 FORMAT_KEY = "dlojz_checkpoint_format"
 FORMAT_VERSION = 2  # 2: a SHA-256 file beside each checkpoint file; 1 (no checksum) is still read
@@ -84,14 +83,6 @@ def checksum_path(path):
     """The checkpoint's SHA-256, beside it: `NAME.sha256`, in `sha256sum` format (`sha256sum -c` checks it)."""
     path = Path(path)
     return path.with_name(path.name + CHECKSUM_SUFFIX)
-
-
-def sha256_of(path):
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def newest_checkpoint(output_dir):

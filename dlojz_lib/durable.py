@@ -1,10 +1,21 @@
 """Files that are whole or as they were: `atomic_write(path, write_to)` writes through a temporary name in the same
-folder (flushed, fsynced) and renames it into place; `fsync_folder(folder)` makes renames and creations durable.
-Checkpoints (dlojz_lib/checkpoint.py) and packed data sets (dlojz_pack.py) are written with them. No torch here."""
+folder (flushed, fsynced) and renames it into place; `fsync_folder(folder)` makes renames and creations durable;
+`sha256_of(path)` tells a file from another, read in chunks (checkpoints' checksums, the weights cache, an export
+folder's record). Checkpoints (dlojz_lib/checkpoint.py) and packed data sets (dlojz_pack.py) are written with them.
+No torch here."""
 
+import hashlib
 import os
 import tempfile
 from pathlib import Path
+
+
+def sha256_of(path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def fsync_folder(folder):

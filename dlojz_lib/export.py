@@ -18,7 +18,6 @@ images in the same command.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import io
 import json
 from dataclasses import dataclass
@@ -26,6 +25,7 @@ from pathlib import Path
 from typing import Callable
 
 from dlojz_lib.checks import fail
+from dlojz_lib.durable import sha256_of
 
 MAX_BATCH = 4096  # the exported graphs' batch dimension is free up to this
 
@@ -176,14 +176,6 @@ def write_preprocessing(model, folder):
     record = dict(model.preprocessing.as_json(model.classes), arch=model.arch, exported={})
     path.write_text(json.dumps(record, indent=1) + "\n")
     return path
-
-
-def sha256_of(path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as file:
-        for block in iter(lambda: file.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def export_record(folder) -> dict | None:

@@ -447,14 +447,13 @@ def check(cfg: Config):
     if cfg.amp:
         check_autocast(torch.device(cfg.torch_device), cfg.autocast_dtype)
     if load_idr_torch().rank == 0:  # what rank 0 writes, checked before the run rather than found after it
-        from dlojz_lib.checks import check_output_file, check_output_folder, check_side_outputs
+        from dlojz_lib.checks import check_output_folder, check_side_outputs
 
         check_output_folder(cfg.output_dir, "--output-dir")  # --test too: the chronometer's trace and plot go there
         if cfg.tensorboard:  # (its default, the output folder's tensorboard/, is made with the output folder)
             check_output_folder(cfg.tensorboard, "--tensorboard")
         for flag in ("metrics_json", "val_history", "predictions"):
-            if getattr(cfg, flag):
-                check_output_file(getattr(cfg, flag), f"--{flag.replace('_', '-')}")
+            if getattr(cfg, flag):  # (writable, not a folder: check_side_outputs below)
                 check_not_a_run_file(getattr(cfg, flag), f"--{flag.replace('_', '-')}", cfg.output_dir)
         check_side_outputs(
             {
