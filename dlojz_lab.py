@@ -23,7 +23,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from dlojz_lib.checks import OneLineArgumentParser
+from dlojz_lib.checks import OneLineArgumentParser, UserError
 from dlojz_lib.lab.sweep import (
     SLURM_RESOURCES,
     LabError,
@@ -65,7 +65,7 @@ def compare_command(args) -> int:
     from dlojz_lib.lab.report import compare
 
     sweeps = load(*args.sweeps)
-    return compare(sweeps, Path(args.out) if args.out else sweeps[0][0], args.metric)
+    return compare(sweeps, Path(args.out) if args.out else sweeps[0][0], args.metric, args.force)
 
 
 # ------------------------------------------------------------------ command line
@@ -96,6 +96,7 @@ def get_parser():
     c = sub.add_parser("compare", help="one table, compare.csv and plots of one or more sweeps")
     c.add_argument("sweeps", nargs="+", help="sweep folders (runs/NAME) or names")
     c.add_argument("--out", default=None, help="where compare.csv and the plots go (default: the first sweep's folder)")
+    c.add_argument("--force", action="store_true", help="replace files of compare's names there that compare did not write")
     c.add_argument(
         "--metric",
         choices=tuple(VALIDATION_METRICS),
@@ -122,7 +123,7 @@ def main(argv=None) -> int:
         if args.command == "compare":
             return compare_command(args)
         return run_one(Path(args.sweep_dir), args.index)
-    except LabError as err:
+    except (LabError, UserError) as err:
         print(f"dlojz_lab.py: error: {err}", file=sys.stderr)
         return 2
 

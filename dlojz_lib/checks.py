@@ -12,6 +12,8 @@ and a $DLOJZ_DATA that names no folder. The lowest of dlojz's modules: it import
   file of the command's own kind (`is_own` reads its content), or any regular file with `--force`; never a folder,
   a device, a pipe or a socket, never one of the command's inputs. `check_side_outputs({flag: (path, kind)})`:
   dlojz.py's --metrics-json, --val-history, --predictions by that rule, and no two the same path.
+  `claim_outputs_in(folder, {name: (kind, is_own)})`: a command's report files in one folder, each by that rule.
+  `starts_with(path, prefix)`, `is_png_drawn_by(path, software)`: how a command knows its own CSV and figures.
 - `check_input_file(path, what, fix)`: a file to read is there, regular (not a folder or a pipe) and readable.
 - `read_text(path, what, fix)`, `read_json(path, what, fix)`: the one way a side file (a trace, a sweep's plan, a
   run's status, a checkpoint pointer) is read: a missing file, a folder, bad bytes, truncated or other JSON is one
@@ -150,6 +152,35 @@ def claim_output(path, flag, kind, is_own, inputs=(), force=False, create_folder
                 f"give a new path, or {f'add {force_flag} to replace it' if force_flag else 'move that file away'}"
             )
     check_output_file(path, flag, create_folder=create_folder)
+
+
+def starts_with(path, prefix: bytes) -> bool:
+    """Whether the file `path` begins with `prefix` (a CSV's header, a recipe's first comment)."""
+    try:
+        with open(path, "rb") as file:
+            return file.read(len(prefix)) == prefix
+    except OSError:
+        return False
+
+
+def is_png_drawn_by(path, software: str) -> bool:
+    """Whether `path` is a PNG whose Software entry (near the start: matplotlib writes its text chunks before the
+    image) names `software`, as the command's savefig(metadata={"Software": software}) wrote it."""
+    try:
+        with open(path, "rb") as file:
+            head = file.read(4096)
+    except OSError:
+        return False
+    return head.startswith(b"\x89PNG") and software.encode() in head
+
+
+def claim_outputs_in(folder, files, flag, force=False, inputs=()):
+    """A command's report files in `folder` (`flag` names it): the folder can be written (made where missing), and
+    each of `files` ({name: (kind, is_own)}) is new or the command's own by claim_output's rule, all checked before
+    any is written: a refusal leaves every file there as it was."""
+    check_output_folder(folder, flag)
+    for name, (kind, is_own) in files.items():
+        claim_output(Path(folder) / name, flag, kind, is_own, inputs, force)
 
 
 def check_side_outputs(outputs):

@@ -1,5 +1,7 @@
 """dlojz_hpo.py's report: every trial in a CSV, Optuna's figures, and the best trial as a recipe file that
 `dlojz.py --config` runs (the shared flags and the sampled ones, where they differ from dlojz.py's defaults).
+`claimed_files()`: those files, each with how an earlier report's is known (the CSV's header, the figures' PNG
+Software entry, the recipe's first comment), for the one output rule.
 """
 
 import contextlib
@@ -9,9 +11,27 @@ import os
 import warnings
 from pathlib import Path
 
+from dlojz_lib.checks import is_png_drawn_by, starts_with
 from dlojz_lib.hpo.space import NOT_IN_RECIPE, flag_actions, flag_argv, long_flag
 from dlojz_lib.settings.flags import get_args_parser
 from dlojz_lib.settings.recipe import toml_value
+
+
+PLOTS = ("history", "importances", "parallel_coordinate", "intermediate_values")  # Optuna's figures, as NAME.png
+PLOT_SOFTWARE = "dlojz_hpo.py report"
+CSV_HEADER = "number,state,value"
+RECIPE_HEAD = "# Best trial of the dlojz_hpo.py study"
+
+
+def claimed_files() -> dict:
+    """{name: (kind, is_own)} of the files the report writes, as checks.claim_outputs_in takes them."""
+    files = {
+        "trials.csv": ("a trials.csv of dlojz_hpo.py report", lambda path: starts_with(path, CSV_HEADER.encode())),
+        "best.toml": ("a best.toml of dlojz_hpo.py report", lambda path: starts_with(path, RECIPE_HEAD.encode())),
+    }
+    for name in PLOTS:
+        files[f"{name}.png"] = ("a figure of dlojz_hpo.py report", lambda path: is_png_drawn_by(path, PLOT_SOFTWARE))
+    return files
 
 
 def best_trial(study):
@@ -37,7 +57,7 @@ def recipe_values(study, trial):
 
 def write_recipe(path, study, trial, objective):
     lines = [
-        f"# Best trial of the dlojz_hpo.py study '{study.study_name}': trial {trial.number}, {objective} "
+        f"{RECIPE_HEAD} '{study.study_name}': trial {trial.number}, {objective} "
         f"{trial.value:.4f}",
         f"# written {datetime.datetime.now().isoformat(timespec='seconds')}; run it with",
         f"#     python dlojz.py --config {path}",
@@ -53,9 +73,7 @@ def write_csv(path, study):
     trials = study.get_trials(deepcopy=False)
     names = sorted({name for t in trials for name in t.params})
     columns = [
-        "number",
-        "state",
-        "value",
+        *CSV_HEADER.split(","),
         *[name.replace("_", "-") for name in names],
         "epochs_validated",
         "epochs",
@@ -98,18 +116,19 @@ def write_plots(out, study):
     from optuna.visualization import matplotlib as vis
 
     written = []
-    for name, plot in (
-        ("history", vis.plot_optimization_history),
-        ("importances", vis.plot_param_importances),
-        ("parallel_coordinate", vis.plot_parallel_coordinate),
-        ("intermediate_values", vis.plot_intermediate_values),
-    ):
+    drawers = (
+        vis.plot_optimization_history,
+        vis.plot_param_importances,
+        vis.plot_parallel_coordinate,
+        vis.plot_intermediate_values,
+    )
+    for name, plot in zip(PLOTS, drawers):
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 axes = plot(study)
             figure = (axes.flat[0] if hasattr(axes, "flat") else axes).figure
-            figure.savefig(out / f"{name}.png", dpi=100, bbox_inches="tight")
+            figure.savefig(out / f"{name}.png", dpi=100, bbox_inches="tight", metadata={"Software": PLOT_SOFTWARE})
             plt.close(figure)
             written.append(f"{name}.png")
         except Exception as err:

@@ -18,8 +18,8 @@ import time
 import warnings
 from pathlib import Path
 
-from dlojz_lib.checks import fail
-from dlojz_lib.hpo.report import best_trial, write_csv, write_plots, write_recipe
+from dlojz_lib.checks import claim_output, claim_outputs_in, fail, starts_with
+from dlojz_lib.hpo.report import best_trial, claimed_files, write_csv, write_plots, write_recipe
 from dlojz_lib.hpo.space import check_shared, flag_argv, read_space, split_shared
 from dlojz_lib.settings.flags import VALIDATION_METRICS
 
@@ -358,14 +358,30 @@ def requeue_worker(reason):
 
 # ---------------------------------------------------------------------------------------------------------------
 # The study: its storage, a worker's search, the report
-def check_storage(path):
-    """--storage writable before any trial: a journal file, or a SQLite database URL's file."""
-    from dlojz_lib.checks import check_output_file
+def is_optuna_journal(path) -> bool:
+    """Whether `path` is an Optuna journal: JSON lines, each an operation (`op_code`) of a worker."""
+    try:
+        with open(path, "rb") as file:
+            first = file.readline(1 << 16)
+        return "op_code" in json.loads(first)
+    except (OSError, ValueError, TypeError):
+        return False
 
+
+def is_sqlite_database(path) -> bool:
+    return starts_with(path, b"SQLite format 3\x00")
+
+
+def check_storage(path):
+    """--storage before any trial, by the one output rule (the study writes into it): a new file or an Optuna
+    journal, or a SQLite database URL's file that is new or a database; never a file of another kind."""
     if path.startswith("sqlite:///"):
-        check_output_file(path.removeprefix("sqlite:///"), "--storage (its SQLite file)")
+        claim_output(
+            path.removeprefix("sqlite:///"), "--storage (its SQLite file)", "a SQLite database", is_sqlite_database,
+            force_flag=None,
+        )  # fmt: skip
     elif "://" not in path:  # other database URLs: the server says
-        check_output_file(path, "--storage")
+        claim_output(path, "--storage", "an Optuna journal (a study's storage)", is_optuna_journal, force_flag=None)
 
 
 def open_storage(path):
@@ -469,9 +485,7 @@ def report(args):
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     if "://" not in args.storage and not Path(args.storage).is_file():
         fail(f"--storage {args.storage}: no such journal file")
-    from dlojz_lib.checks import check_output_folder
-
-    check_output_folder(args.out, "--out")  # before the study is read: a file there is said at once
+    claim_outputs_in(args.out, claimed_files(), "--out", args.force, [args.storage])  # before the study is read
     try:  # a journal that is not Optuna's (another file, damaged bytes): one line, not its reader's traceback
         storage = open_storage(args.storage)
         names = [s.study_name for s in optuna.get_all_study_summaries(storage, include_best_trial=False)]
@@ -487,7 +501,6 @@ def report(args):
     states = {state.name.lower(): sum(t.state == state for t in trials) for state in TrialState}
     print(f"study {args.study}: {len(trials)} trials (" + ", ".join(f"{n} {s}" for s, n in states.items() if n) + ")")
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     objective = objective_name(study.direction.name.lower(), study.user_attrs.get("objective", "top1"))
     done = sorted(
         (t for t in trials if t.state == TrialState.COMPLETE),

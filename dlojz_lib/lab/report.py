@@ -9,6 +9,8 @@
   validated more than once); `best_run(rows, metric)`, the line naming the best run by that figure. Each
   returns its matplotlib Figure (what the tests read back) or None when no run has the figures it draws.
 Runs that did not finish (queued, running, failed) are rows with their state and no figures.
+`compare(sweeps, out)` writes compare.csv and the plots into `out` by the one output rule (`claimed_files`): each new,
+or one an earlier compare wrote (its header, its figures' Software entry), or any file with --force.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import io
 import json
 from pathlib import Path
 
+from dlojz_lib.checks import claim_outputs_in, is_png_drawn_by, starts_with
 from dlojz_lib.settings.flags import VALIDATION_METRICS
 
 # (column, header, where in the metrics JSON: a key of the chronometer's dict, or of the metrics themselves)
@@ -257,6 +260,15 @@ def png(fig) -> bytes:
 
 
 PLOTS = (("throughput_memory.png", plot_throughput), ("phases.png", plot_phases), ("accuracy.png", plot_accuracy))
+PLOT_SOFTWARE = "dlojz_lab.py compare"  # each figure's PNG Software entry: how a later compare knows it
+
+
+def claimed_files() -> dict:
+    """{name: (kind, is_own)} of the files compare writes, as checks.claim_outputs_in takes them."""
+    files = {"compare.csv": ("a compare.csv of dlojz_lab.py compare", lambda path: starts_with(path, b"sweep,run,state"))}
+    for name, _ in PLOTS:
+        files[name] = ("a figure of dlojz_lab.py compare", lambda path: is_png_drawn_by(path, PLOT_SOFTWARE))
+    return files
 
 
 def best_run(rows_: list[dict], metric: str = "top1") -> str | None:
@@ -270,9 +282,11 @@ def best_run(rows_: list[dict], metric: str = "top1") -> str | None:
     return f"best {name}: {best['run']} ({100 * best[column]:.1f} %)"
 
 
-def compare(sweeps, out: Path, metric: str = "top1") -> int:
-    """Print the table and the best run by `metric`, write compare.csv and the plots into `out`; 0 when at least
-    one run has figures."""
+def compare(sweeps, out: Path, metric: str = "top1", force: bool = False) -> int:
+    """Print the table and the best run by `metric`, write compare.csv and the plots into `out` (`force`: over any
+    regular file of those names); 0 when at least one run has figures. UserError before any work when a file there
+    is not compare's."""
+    claim_outputs_in(out, claimed_files(), "--out", force)
     rows_ = rows(sweeps)
     print(table(rows_))
     if line := best_run(rows_, metric):
@@ -283,7 +297,7 @@ def compare(sweeps, out: Path, metric: str = "top1") -> int:
     for name, plot in PLOTS:
         fig = plot(rows_, metric) if plot is plot_accuracy else plot(rows_)
         if fig is not None:
-            fig.savefig(out / name, dpi=110)
+            fig.savefig(out / name, dpi=110, metadata={"Software": PLOT_SOFTWARE})
             _pyplot().close(fig)
             written.append(str(out / name))
     print("written: " + ", ".join(written))

@@ -20,6 +20,8 @@ import time
 from contextlib import redirect_stderr
 from pathlib import Path
 
+from dlojz_lib.checks import UserError, check_output_folder
+
 ROOT = Path(__file__).resolve().parents[2]  # the project: dlojz.py, slurm/
 RUNS = Path("runs")
 OWN_FLAGS = ("--output-dir", "--metrics-json", "--val-history")  # each run's, set by the lab
@@ -300,9 +302,21 @@ def sweep(
     sweep_dir = RUNS / name
     if (sweep_dir / "sweep.json").exists():
         raise LabError(f"{sweep_dir} holds a sweep already: choose another --name, or delete that folder")
+    if sweep_dir.exists() and not sweep_dir.is_dir():
+        raise LabError(f"--name {name}: {sweep_dir} is a file, not a folder; choose another --name")
+    # The sweep's folder is its own: new, empty, or what a refused submission left (its script, rewritten).
+    strangers = sorted(p.name for p in sweep_dir.iterdir() if p.name != "sweep.slurm") if sweep_dir.is_dir() else []
+    if strangers:
+        raise LabError(
+            f"--name {name}: {sweep_dir} holds files that are not a sweep's ({', '.join(strangers[:3])}"
+            f"{', ...' if len(strangers) > 3 else ''}); choose another --name, or move them away"
+        )
     if launch == "slurm" and subprocess.run(["which", "sbatch"], capture_output=True).returncode != 0:
         raise LabError("--launch slurm: sbatch is not found here; run on a login node, or use --launch local")
-    sweep_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        check_output_folder(sweep_dir, "--name")
+    except UserError as err:
+        raise LabError(str(err)) from None
     plan["launch"], plan["cwd"] = launch, os.getcwd()
     if python is not None:  # a path is kept absolute: the array tasks start elsewhere
         plan["python"] = os.path.abspath(found) if os.sep in str(python) else str(python)
@@ -318,7 +332,7 @@ def sweep(
 # ------------------------------------------------------------------ status
 def read_plan(sweep_dir) -> dict:
     """A sweep's sweep.json (its name, runs and their command lines); LabError naming the file if it is damaged."""
-    from dlojz_lib.checks import UserError, read_json
+    from dlojz_lib.checks import read_json
 
     path = Path(sweep_dir) / "sweep.json"
     fix = "dlojz_lab.py sweep writes it once: restore it, or start the sweep again under another --name"

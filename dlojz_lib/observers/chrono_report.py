@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dlojz_lib.checks import OneLineArgumentParser
+from dlojz_lib.checks import OneLineArgumentParser, is_png_drawn_by
 
 # Loading is "significant" above this share of the compute step: then the report prints one line of advice.
 LOAD_ADVICE_THRESHOLD = 0.05
@@ -297,13 +297,8 @@ PLOT_SOFTWARE = "dlojz_chrono.py plot"
 
 
 def is_timeline_plot(path) -> bool:
-    """Whether `path` is a PNG that `dlojz_chrono.py plot` drew (its Software entry, near the start)."""
-    try:
-        with open(path, "rb") as file:
-            head = file.read(4096)
-    except OSError:
-        return False
-    return head.startswith(b"\x89PNG") and PLOT_SOFTWARE.encode() in head
+    """Whether `path` is a PNG that `dlojz_chrono.py plot` drew (its Software entry)."""
+    return is_png_drawn_by(path, PLOT_SOFTWARE)
 
 
 def main(argv=None):

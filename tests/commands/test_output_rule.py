@@ -4,6 +4,7 @@ run's args.toml, an image or a file of the user's without --force, never an inpu
 or a pipe. Each command against each kind of victim: exit 2, one line naming the flag, the victim untouched."""
 
 import ast
+import io
 import json
 import os
 import shutil
@@ -144,13 +145,14 @@ def test_an_export_replaces_no_file_in_its_folder_that_it_did_not_write(trained_
 
 WRITERS = {  # every command's module that writes a file a user names, and the call that claims it
     "dlojz_predict.py", "dlojz_avg.py", "dlojz_export.py", "dlojz_fsdp.py", "dlojz_lib/observers/chrono_report.py",
-    "dlojz_lib/checks.py",  # (dlojz.py's side outputs: check_side_outputs)
+    "dlojz_lib/checks.py",  # (dlojz.py's side outputs: check_side_outputs; a report folder's: claim_outputs_in)
+    "dlojz_lib/lab/report.py", "dlojz_lib/hpo/search.py",  # (compare's --out; the report's --out and --storage)
 }  # fmt: skip
 
 
 def test_every_command_claims_its_outputs_through_the_rule():
-    """A command module that checks an output file calls claim_output: check_output_file alone (writable, not a
-    folder) would let it replace any file. The one exception writes what it also reads: an HPO study's storage."""
+    """A command module that checks an output file calls claim_output (or claim_outputs_in, for a folder's):
+    check_output_file alone (writable, not a folder) would let it replace any file."""
     claimed, checked_only = set(), set()
     for path in [*ROOT.glob("dlojz*.py"), *ROOT.glob("dlojz_lib/**/*.py")]:
         calls = {
@@ -159,12 +161,12 @@ def test_every_command_claims_its_outputs_through_the_rule():
             if isinstance(node, ast.Call)
         }
         name = str(path.relative_to(ROOT))
-        if "claim_output" in calls:
+        if calls & {"claim_output", "claim_outputs_in"}:
             claimed.add(name)
         elif "check_output_file" in calls:
             checked_only.add(name)
     assert claimed == WRITERS, claimed ^ WRITERS
-    assert checked_only == {"dlojz_lib/hpo/search.py"}, checked_only
+    assert checked_only == set(), checked_only
 
 
 def test_a_run_s_side_output_is_never_a_device_or_a_pipe(victims):
@@ -199,3 +201,141 @@ def test_the_advice_for_a_sharded_checkpoint_is_a_command_that_parses(monkeypatc
     with pytest.raises(SystemExit) as old:  # the advice it gave: an -o the command does not have
         dlojz_fsdp.main(["consolidate", str(sharded), "-o", "out.pt"])
     assert old.value.code == 2
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Report folders: dlojz_lab.py compare --out and dlojz_hpo.py report --out, each file by the rule; HPO's --storage.
+@pytest.fixture
+def sweep(tmp_path):
+    """A sweep folder whose one run has not started: compare writes its compare.csv and no figure."""
+    folder = tmp_path / "runs" / "s"
+    folder.mkdir(parents=True)
+    (folder / "sweep.json").write_text(json.dumps({"name": "s", "runs": [{"name": "r", "settings": {"b": "4"}, "argv": []}]}))
+    return folder
+
+
+def test_lab_compare_writes_only_its_own_files_in_out(sweep, tmp_path, capsys):
+    import dlojz_lab
+
+    out = tmp_path / "out"
+    out.mkdir()
+    user = out / "compare.csv"
+    user.write_text("my table\n")
+    assert dlojz_lab.main(["compare", str(sweep), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"--out {user}: an existing file that is not a compare.csv" in err, err
+    assert "add --force" in err and user.read_text() == "my table\n"
+    (out / "phases.png").write_bytes(PNG)  # a figure of the user's, under a name compare draws
+    user.unlink()
+    assert dlojz_lab.main(["compare", str(sweep), "--out", str(out)]) == 2
+    assert "phases.png: an existing file that is not a figure of dlojz_lab.py compare" in capsys.readouterr().err
+    assert not user.exists()  # every file checked before any is written
+    assert dlojz_lab.main(["compare", str(sweep), "--out", str(out), "--force"]) == 1  # (no run has figures)
+    assert user.read_text().startswith("sweep,run,state") and (out / "phases.png").read_bytes() == PNG
+    user.write_text("my table\n")
+    assert dlojz_lab.main(["compare", str(sweep), "--out", str(out), "--force"]) == 1
+    assert user.read_text().startswith("sweep,run,state")
+    (out / "phases.png").unlink()  # (no run had figures: --force drew none over it)
+    assert dlojz_lab.main(["compare", str(sweep), "--out", str(out)]) == 1  # its own, again: replaced
+    assert dlojz_lab.main(["compare", str(sweep), "--out", str(out / "compare.csv")]) == 2  # a file, not a folder
+    assert "is a file, not a folder" in capsys.readouterr().err
+
+
+def test_lab_compare_knows_its_own_figures(tmp_path):
+    """A figure compare drew carries its Software entry: a later compare replaces it, not another PNG."""
+    from dlojz_lib.lab import report
+
+    rows = [
+        {"sweep": "s", "run": "a", "state": "done", "b": "1", "img_s": 10.0, "load_ms": 1.0, "forward_ms": 2.0,
+         "backward_ms": 3.0, "step_ms": 7.0}
+    ]  # fmt: skip
+    figure = report.plot_phases(rows)
+    assert figure is not None
+    drawn = io.BytesIO()
+    figure.savefig(drawn, format="png", metadata={"Software": report.PLOT_SOFTWARE})
+    is_own = report.claimed_files()["phases.png"][1]
+    kinds = {}
+    for name, data in (("ours", drawn.getvalue()), ("theirs", PNG)):
+        path = tmp_path / f"{name}.png"
+        path.write_bytes(data)
+        kinds[name] = is_own(path)
+    assert kinds == {"ours": True, "theirs": False}
+
+
+def test_lab_sweep_folder_is_the_sweep_s_own(tmp_path, monkeypatch, capsys):
+    """A sweep never writes into a folder holding files of another kind (a run's output, a user's files)."""
+    import dlojz_lab
+
+    monkeypatch.chdir(tmp_path)
+    folder = tmp_path / "runs" / "taken"
+    folder.mkdir(parents=True)
+    (folder / "ckpt_e0001.pt").write_bytes(b"weights")
+    assert dlojz_lab.main(["sweep", "--name", "taken", "--grid=batch-size=4,8", "--"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--name taken: runs/taken holds files that are not a sweep's (ckpt_e0001.pt)" in err
+    assert sorted(p.name for p in folder.iterdir()) == ["ckpt_e0001.pt"]
+    (tmp_path / "runs" / "afile").write_text("x")
+    assert dlojz_lab.main(["sweep", "--name", "afile", "--grid=batch-size=4,8", "--"]) == 2
+    assert "--name afile: runs/afile is a file, not a folder" in capsys.readouterr().err
+
+
+@pytest.fixture
+def small_study(tmp_path):
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    journal = tmp_path / "j.log"
+    storage = optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(str(journal)))
+    study = optuna.create_study(study_name="s", storage=storage, direction="maximize")
+    study.optimize(lambda trial: trial.suggest_float("lr", 0.01, 0.1), n_trials=2)
+    return journal
+
+
+def test_hpo_report_writes_only_its_own_files_in_out(small_study, tmp_path, capsys):
+    import dlojz_hpo
+
+    out = tmp_path / "report"
+    argv = ["report", "--study", "s", "--storage", str(small_study), "--out", str(out)]
+    assert dlojz_hpo.main(argv) == 0
+    capsys.readouterr()
+    written = {p.name: p.read_bytes() for p in out.iterdir()}
+    assert {"trials.csv", "best.toml", "history.png"} <= set(written), written.keys()
+    assert dlojz_hpo.main(argv) == 0  # its own files, again: replaced
+    for name, victim in (("best.toml", b"lr = 0.5\n"), ("history.png", PNG), ("trials.csv", b"a,b\n")):
+        for other in out.iterdir():
+            other.unlink()
+        (out / name).write_bytes(victim)
+        assert dlojz_hpo.main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"--out {out / name}: an existing file that is not a" in err, err
+        assert "add --force" in err and [p.name for p in out.iterdir()] == [name]  # nothing written
+        assert (out / name).read_bytes() == victim
+        assert dlojz_hpo.main([*argv, "--force"]) == 0
+        assert (out / name).read_bytes() != victim
+    (tmp_path / "trials.csv").write_bytes(small_study.read_bytes())  # the storage itself, under a report's name
+    argv = ["report", "--study", "s", "--storage", str(tmp_path / "trials.csv"), "--out", str(tmp_path), "--force"]
+    assert dlojz_hpo.main(argv) == 2
+    assert "also an input of this command" in capsys.readouterr().err
+
+
+def test_hpo_storage_is_a_study_s_or_new(small_study, tmp_path, capsys):
+    """--storage names the study's journal (or SQLite file): a user's file, an image, a checkpoint are refused
+    before any trial, and the journal that is one is taken."""
+    from dlojz_lib.checks import UserError
+    from dlojz_lib.hpo.search import check_storage
+
+    check_storage(str(small_study))
+    check_storage(str(tmp_path / "new.log"))
+    check_storage(f"sqlite:///{tmp_path / 'new.db'}")
+    for victim in (b"my notes\n", PNG, b"\x80\x02weights"):
+        path = tmp_path / "victim"
+        path.write_bytes(victim)
+        with pytest.raises(UserError, match="--storage .*victim: an existing file that is not an Optuna journal"):
+            check_storage(str(path))
+        with pytest.raises(UserError, match="--storage \\(its SQLite file\\) .*: an existing file that is not a SQLite"):
+            check_storage(f"sqlite:///{path}")
+        assert path.read_bytes() == victim
+    import sqlite3
+
+    sqlite3.connect(tmp_path / "real.db").execute("create table t (x)").connection.commit()
+    check_storage(f"sqlite:///{tmp_path / 'real.db'}")
