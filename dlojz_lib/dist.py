@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 import dlojz_lib.checkpoint as ckpt
 from dlojz_lib.checks import fail
-from dlojz_lib.observers.watchdog import Watchdog
+from dlojz_lib.observers.watchdog import Watchdog, continue_advice
 from dlojz_lib.settings.launch import load_idr_torch, model_copy_problem
 from dlojz_lib.torch_internals import default_store, warm_compile_workers
 
@@ -300,7 +300,7 @@ def lost_peer_line(ranks, step, output_dir, latest):
     where = "during start-up, before the first step" if step is None else f"at step {step}"
     return (
         f"{names or 'another rank'} stopped answering {where} (killed, out of memory, or its node lost); "
-        f"last checkpoint: {latest or 'none'}; continue with --resume auto --output-dir {output_dir}"
+        + continue_advice(latest, output_dir)
     )
 
 

@@ -50,6 +50,15 @@ _KEY = "dlojz/watchdog/{}"
 _ABORT = "dlojz/watchdog/abort"
 
 
+def continue_advice(latest, output_dir) -> str:
+    """What a run stopped by a lost or stuck rank says to do next. Without a checkpoint there is nothing to continue
+    (--resume auto would start afresh), and a rank's failure in the start-up (a setting its model or data refuses)
+    repeats at every start: its own error first."""
+    if latest is None:
+        return "no checkpoint yet: if that rank's log ends with an error, mend what it names; then start the run again"
+    return f"last checkpoint: {latest}; continue with --resume auto --output-dir {output_dir}"
+
+
 class Watchdog:
     """This rank's marks (set by the loop) and the thread that publishes them and judges every rank's. With one
     rank or --hang-timeout 0 it is off: the marks cost an attribute write."""
@@ -236,7 +245,7 @@ class Watchdog:
         latest = self.latest_checkpoint() if self.latest_checkpoint else None
         line = (
             f"dlojz: error: {what}; no rank has moved on for {self.hang_timeout:g} s (--hang-timeout); "
-            f"last checkpoint: {latest or 'none'}; continue with --resume auto --output-dir {self.output_dir}\n"
+            f"{continue_advice(latest, self.output_dir)}\n"
         )
         os.write(2, line.encode())  # not print: the main thread may be in the middle of one
         with contextlib.suppress(Exception):

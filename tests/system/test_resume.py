@@ -701,14 +701,23 @@ def test_a_peer_lost_during_start_up_is_one_line_too(tmp_path, monkeypatch, caps
     names the step of a rank lost in training (cli reports it from the process group's start, not a traceback)."""
     from types import SimpleNamespace
 
+    import dlojz_lib.checkpoint
     import dlojz_lib.dist
     from dlojz_lib.dist import Distribution, report_lost_peer
 
     monkeypatch.setattr(dlojz_lib.dist, "lost_ranks", lambda ranks: [1])
     ranks = Distribution(2, 0, 0, torch.device("cpu"), ("node0", "node1"))
     assert report_lost_peer(ranks, tmp_path, None) == 4
-    assert capsys.readouterr().err.startswith(
+    err = capsys.readouterr().err
+    assert err.startswith(
         "dlojz: error: rank 1 (node1) stopped answering during start-up, before the first step (killed, out of memory"
     )
+    assert "no checkpoint yet: if that rank's log ends with an error, mend what it names; then start the run again" in (
+        err
+    )  # not "continue with --resume auto": nothing to continue, and a refused setting repeats at every start
+    (tmp_path / "ckpt_e0000_s000000007.pt").write_bytes(b"x")
+    monkeypatch.setattr(dlojz_lib.checkpoint, "newest_checkpoint", lambda folder: tmp_path / "ckpt_e0000_s000000007.pt")
     report_lost_peer(ranks, tmp_path, SimpleNamespace(global_step=7))
-    assert "rank 1 (node1) stopped answering at step 7 (killed" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "rank 1 (node1) stopped answering at step 7 (killed" in err
+    assert f"last checkpoint: {tmp_path}/ckpt_e0000_s000000007.pt; continue with --resume auto --output-dir {tmp_path}" in err
