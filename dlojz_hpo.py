@@ -49,7 +49,7 @@ def get_parser():
         description="Optuna hyper-parameter search for dlojz.py",
         formatter_class=argparse.RawTextHelpFormatter,
     )
-    parser.error = lambda message: parser.exit(2, f"dlojz_hpo: error: {message} (--help lists the options)\n")
+    parser.error = lambda message: parser.exit(2, f"dlojz_hpo.py: error: {message} (--help lists the options)\n")
     commands = parser.add_subparsers(dest="command", required=True)
     s = commands.add_parser("search", help="run trials (one worker; start several on one study)")
     s.add_argument("--study", required=True, help="study name (the trials' folder under --output-dir)")
@@ -111,7 +111,7 @@ def get_parser():
     r.add_argument("--force", action="store_true", help="replace files of the report's names there that it did not write")
     r.add_argument("--top", type=COUNT, default=5, help="best trials printed (default: 5)")
     for sub in (s, r):
-        sub.error = lambda message, sub=sub: sub.exit(2, f"dlojz_hpo {sub.prog.split()[-1]}: error: {message}\n")
+        sub.error = lambda message, sub=sub: sub.exit(2, f"dlojz_hpo.py {sub.prog.split()[-1]}: error: {message}\n")
     return parser
 
 
@@ -133,7 +133,7 @@ def main(argv=None):
             fail("report takes no dlojz flags after --")
         return report(args)
     except UserError as err:
-        print(f"dlojz_hpo: error: {err}", file=sys.stderr, flush=True)
+        print(f"dlojz_hpo.py: error: {err}", file=sys.stderr, flush=True)
         return 2
 
 

@@ -5,7 +5,7 @@ train/<wnid>/, val/<wnid>/) or an ImageFolder (train/<class>/, val/<class>/); DS
 `train-index.npy`, `val-...` and the manifest `dlojz_pack.json`, and `python dlojz.py --data-root DST` reads it.
 The same SRC gives byte-identical shards whatever --workers; an interrupted pack resumes where it stopped.
 
-A bad input is one line `dlojz_pack: error: ...`, exit status 2. The writer, the format and its guarantees are
+A bad input is one line `dlojz_pack.py: error: ...`, exit status 2. The writer, the format and its guarantees are
 dlojz_lib/pack/writer.py's; docs/data.md says when packing pays.
 """
 
@@ -19,7 +19,7 @@ from dlojz_lib.settings.flags import COUNT
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # one line, as for every other bad input
-        print(f"dlojz_pack: error: {message} (see python dlojz_pack.py --help)", file=sys.stderr, flush=True)
+        print(f"dlojz_pack.py: error: {message} (see python dlojz_pack.py --help)", file=sys.stderr, flush=True)
         raise SystemExit(2)
 
 
@@ -52,7 +52,7 @@ def main(argv=None) -> int:
     try:
         pack(args.src, args.dst, shard_size=args.shard_size, workers=args.workers)
     except DataError as err:
-        print(f"dlojz_pack: error: {' '.join(str(err).splitlines())}", file=sys.stderr, flush=True)
+        print(f"dlojz_pack.py: error: {' '.join(str(err).splitlines())}", file=sys.stderr, flush=True)
         return 2
     except KeyboardInterrupt:
         print(
@@ -63,7 +63,7 @@ def main(argv=None) -> int:
         return 130
     except OSError as err:  # disk full, quota, a file system going away: the finished shards are kept
         print(
-            f"dlojz_pack: error: {err}; rerun the same command to finish (finished shards are kept)",
+            f"dlojz_pack.py: error: {err}; rerun the same command to finish (finished shards are kept)",
             file=sys.stderr,
             flush=True,
         )

@@ -231,7 +231,7 @@ def load(path):
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # truncated zip, pickle of foreign objects, not a torch file at all
-        raise CheckpointError(f"checkpoint {path} is unreadable or truncated ({short_reason(err)})") from None
+        raise CheckpointError(f"checkpoint {path} {why_unreadable(path, err)}") from None
     if not isinstance(state, dict) or state.get(FORMAT_KEY) not in (1, FORMAT_VERSION):
         raise CheckpointError(f"checkpoint {path} was not written by dlojz (no '{FORMAT_KEY}' key)")
     if state[FORMAT_KEY] >= 2 and not recorded.is_file():  # format 1 (older dlojz): written without a checksum
@@ -248,6 +248,23 @@ def written_by_command(path, key) -> bool:
         return load(path).get(key) is not None
     except CheckpointError:
         return False
+
+
+def why_unreadable(path, err) -> str:
+    """Why torch.load refused `path`, as a user can act on it: torch's own reasons for a file that is not one of its
+    own are a bare key ('105') or errno 22."""
+    with open(path, "rb") as file:
+        head = file.read(4)
+    if "Weights only load failed" in str(err):  # torch.load(weights_only=True) refused a class it does not know
+        return (
+            "holds objects other than tensors and plain values, which dlojz never unpickles (weights_only): "
+            "not a dlojz checkpoint"
+        )
+    if head.startswith(b"PK"):  # torch.save's zip archive
+        return f"is truncated or damaged (torch: {short_reason(err)}); copy it again, or give another checkpoint"
+    if head.startswith(b"\x80"):  # a pickle (torch's legacy format)
+        return f"cannot be read: {short_reason(err)}"
+    return "is not a PyTorch file (neither a zip archive nor a pickle): give a dlojz checkpoint (ckpt_*.pt)"
 
 
 def short_reason(err, limit=160):
@@ -421,11 +438,12 @@ def average(paths):
     return dict(newest, model=model, ema=None, averaged_from=[str(p) for p in paths])
 
 
-def ema_weights(saved, path):
-    """--eval-ema: the model's state dict of the checkpoint's EMA (ModelEma keeps the model under `module.`)."""
+def ema_weights(saved, path, flag="--eval-ema"):
+    """`flag` (dlojz.py's --eval-ema, the inference commands' --ema): the model's state dict of the checkpoint's EMA
+    (ModelEma keeps the model under `module.`)."""
     if saved.get("sharded_path"):
-        fail(f"--eval-ema: {path} is a sharded checkpoint (--fsdp), which keeps no EMA weights")
+        fail(f"{flag}: {path} is a sharded checkpoint (--fsdp), which keeps no EMA weights")
     ema = saved.get("ema")
     if not ema:
-        fail(f"--eval-ema: {path} has no EMA weights (its run had no --model-ema): leave --eval-ema out")
+        fail(f"{flag}: {path} has no EMA weights (its run had no --model-ema): leave {flag} out")
     return {name[len("module.") :]: tensor for name, tensor in ema.items() if name.startswith("module.")}

@@ -103,7 +103,7 @@ def _from_checkpoint(path, ema) -> InferenceModel:
         return module
 
     module = fresh()
-    weights = ckpt.ema_weights(saved, path) if ema else saved["model"]
+    weights = ckpt.ema_weights(saved, path, "--ema") if ema else saved["model"]
     try:
         module.load_state_dict({strip_wrappers(key): value for key, value in weights.items()})
     except RuntimeError as err:

@@ -62,12 +62,16 @@ def test_foreign_and_malicious_files_are_refused(tmp_path):
 
     pickled = tmp_path / "pickled.pt"
     torch.save({ckpt.FORMAT_KEY: ckpt.FORMAT_VERSION, "obj": Payload()}, pickled)
-    with pytest.raises(ckpt.CheckpointError, match="unreadable"):
+    with pytest.raises(ckpt.CheckpointError, match="holds objects other than tensors .* never unpickles"):
         ckpt.load(pickled)
     text = tmp_path / "notes.pt"
-    text.write_text("hello")
-    with pytest.raises(ckpt.CheckpointError, match="unreadable"):
+    text.write_text("hello")  # (torch's own reason: KeyError 'h')
+    with pytest.raises(ckpt.CheckpointError, match="notes.pt is not a PyTorch file .*: give a dlojz checkpoint"):
         ckpt.load(text)
+    cut = tmp_path / "cut.pt"
+    cut.write_bytes(foreign.read_bytes()[:300])  # (torch's own reason: OSError errno 22)
+    with pytest.raises(ckpt.CheckpointError, match="cut.pt is truncated or damaged .*; copy it again"):
+        ckpt.load(cut)
 
 
 def test_load_latest_in_empty_dir(tmp_path):

@@ -22,7 +22,8 @@ def is_image(path):
 def list_source(src):
     """(layout, classes, {split: [(path, target)]}) in ImageFolder's order (torchvision's own functions)."""
     if not src.is_dir():
-        raise PackError(f"SRC {src}: no such directory; give the folder holding train/ and val/")
+        what = "a file, not a folder" if src.exists() else "no such folder"
+        raise PackError(f"SRC {src}: {what}; give the folder holding train/ and val/")
     for split in SPLITS:
         if not has_class_dirs(src / split):
             raise PackError(

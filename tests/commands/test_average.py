@@ -61,12 +61,15 @@ def test_an_averaged_checkpoint_is_evaluated_and_fine_tuned_from(run_folder, tin
         (["{first}", "{last}", "-o", "{last}"], "also an input of this command"),
         (["{first}", "{last}", "-o", "{run}/missing/out.pt"], "missing/out.pt: its folder does not exist"),
         (["{run}", "--last", "2", "--improved", "2"], "not allowed with argument"),
+        (["{first}", "{first}"], "given twice ({first}); each checkpoint counts once in the mean"),
+        (["{first}", "{run}"], "{run}: a folder among checkpoint files; give a run folder alone with --last N"),
     ],
 )
 def test_bad_input_is_one_line(argv, fragment, run_folder, tmp_path, capsys):
     found = ckpt.list_checkpoints(run_folder)
     names = dict(run=run_folder, first=found[0], last=found[-1])
     argv = [word.format(**names) for word in argv]
+    fragment = fragment.format(**names)
     if "-o" not in argv:
         argv += ["-o", str(tmp_path / "out.pt")]
     try:

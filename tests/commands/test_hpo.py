@@ -305,7 +305,7 @@ def test_a_bad_search_space_is_one_line_naming_the_key(tmp_path, capsys, space, 
         ]
     )
     err = capsys.readouterr().err
-    assert status == 2 and err.count("\n") == 1 and err.startswith("dlojz_hpo: error: --space"), err
+    assert status == 2 and err.count("\n") == 1 and err.startswith("dlojz_hpo.py: error: --space"), err
     assert needle in err, err
     assert not (tmp_path / "j.log").exists()  # nothing started
 
@@ -574,7 +574,19 @@ def test_report_of_a_journal_that_is_not_utf_8_is_one_line(damage, tmp_path, cap
     status = dlojz_hpo.main(["report", "--study", "s", "--storage", str(journal), "--out", str(tmp_path / "out")])
     err = capsys.readouterr().err
     assert status == 2 and "Traceback" not in err and err.count("\n") == 1, err
-    assert f"--storage {journal}: not an Optuna journal this can read" in err
+    assert f"--storage {journal}: not an Optuna journal" in err
+
+
+def test_report_of_a_file_that_is_not_a_journal_says_so(tmp_path, capsys):
+    """A user's file given as --storage: named as not a journal (it read as a journal without studies)."""
+    import dlojz_hpo
+
+    notes = tmp_path / "notes.txt"
+    notes.write_text("my notes\n")
+    status = dlojz_hpo.main(["report", "--study", "s", "--storage", str(notes), "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert status == 2 and err.count("\n") == 1, err
+    assert f"--storage {notes}: not an Optuna journal (no study's operations in it)" in err, err
 
 
 def test_a_study_keeps_its_shared_flags(finished_study, tiny_data, capsys):

@@ -368,7 +368,7 @@ def test_cli_refuses_a_foreign_dst_and_a_non_data_src_in_one_line(src, tmp_path)
         out, err = proc.communicate(timeout=120)
         lines = err.splitlines()
         assert proc.returncode == 2, f"{name}: exit {proc.returncode}\n{err}"
-        assert len(lines) == 1 and lines[0].startswith("dlojz_pack: error: ") and "Traceback" not in err, err
+        assert len(lines) == 1 and lines[0].startswith("dlojz_pack.py: error: ") and "Traceback" not in err, err
         for needle in cases[name][1]:
             assert needle in lines[0], f"{name}: {lines[0]}"
     assert [p.name for p in foreign.iterdir()] == ["notes.txt"]  # left as it was
@@ -391,7 +391,7 @@ def test_bad_inputs_are_one_line_errors(src, imagenet_src, reference, tmp_path, 
     def run(*args):
         status = main([str(a) for a in args])
         err = capsys.readouterr().err
-        assert status == 2 and len(err.splitlines()) == 1 and err.startswith("dlojz_pack: error: "), err
+        assert status == 2 and len(err.splitlines()) == 1 and err.startswith("dlojz_pack.py: error: "), err
         return err
 
     before = {p.name: p.stat().st_mtime_ns for p in reference.iterdir()}
@@ -399,6 +399,9 @@ def test_bad_inputs_are_one_line_errors(src, imagenet_src, reference, tmp_path, 
     assert "argument --workers: must be >= 1 (got 0)" in run(src, tmp_path / "a", "--workers", "0")
     assert f"is a pack of {src.resolve()}, not of SRC {imagenet_src.resolve()}" in run(imagenet_src, reference)
     assert "a complete pack of SRC in shards of 20000 bytes, not 1000000" in run(src, reference, "--shard-size", "1MB")
+    (tmp_path / "notes.txt").write_text("mine")
+    assert f"SRC {tmp_path}/notes.txt: a file, not a folder; give the folder" in run(tmp_path / "notes.txt", tmp_path / "a")
+    assert f"SRC {tmp_path}/nowhere: no such folder; give the folder" in run(tmp_path / "nowhere", tmp_path / "a")
     assert {p.name: p.stat().st_mtime_ns for p in reference.iterdir()} == before
     # Something else next to a pack.
     small = tmp_path / "small"

@@ -139,15 +139,33 @@ def test_published_weights_from_the_cache_predict_with_their_class_names(tiny_da
 
 
 def test_an_averaged_checkpoint_predicts_as_its_weights_do(trained, tiny_data, tmp_path, capsys):
-    """dlojz_avg.py's file (the mean of the checkpoints given: here one, twice) is read as any checkpoint."""
+    """dlojz_avg.py's file (the mean of the checkpoints given: here one and its copy) is read as any checkpoint."""
     import dlojz_avg
     import dlojz_lib.checkpoint as ckpt
 
     run, evaluated = trained
     newest = ckpt.list_checkpoints(run)[-1]
-    assert dlojz_avg.main([str(newest), str(newest), "-o", str(tmp_path / "averaged.pt")]) == 0
+    copy = tmp_path / "copy" / newest.name  # (the same file twice is refused: each counts once in the mean)
+    copy.parent.mkdir()
+    for source in (newest, ckpt.checksum_path(newest)):
+        shutil.copy(source, copy.parent)
+    assert dlojz_avg.main([str(newest), str(copy), "-o", str(tmp_path / "averaged.pt")]) == 0
     status, rows, captured = predicted(tmp_path, capsys, tmp_path / "averaged.pt", tiny_data / "val")
     assert status == 0, captured.err
     for image, row in rows.items():
         for (c, p), (d, q) in zip(probabilities(row), probabilities(evaluated["raw"][image])):
             assert c == d and p == pytest.approx(q, abs=2e-6), image
+
+
+def test_ema_of_a_run_without_one_names_the_flag_given(trained_run, tiny_data, tmp_path, monkeypatch, capsys):
+    """dlojz_predict.py's flag is --ema (dlojz.py's is --eval-ema): the refusal names the one the user typed."""
+    import dlojz_lib.checkpoint as ckpt
+
+    path = sorted(trained_run.glob("ckpt_e*.pt"))[-1]
+    saved = ckpt.load(path)
+    monkeypatch.setattr(ckpt, "load", lambda given: dict(saved, ema=None))  # a run without --model-ema
+    status = dlojz_predict.main([str(path), str(tiny_data / "val"), "--ema", "-o", str(tmp_path / "p.csv")])
+    err = capsys.readouterr().err
+    assert status == 2 and err.count("\n") == 1, err
+    assert "--ema: " in err and "has no EMA weights (its run had no --model-ema): leave --ema out" in err, err
+    assert "--eval-ema" not in err and not (tmp_path / "p.csv").exists()
