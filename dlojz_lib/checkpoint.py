@@ -251,20 +251,17 @@ def written_by_command(path, key) -> bool:
 
 
 def why_unreadable(path, err) -> str:
-    """Why torch.load refused `path`, as a user can act on it: torch's own reasons for a file that is not one of its
-    own are a bare key ('105') or errno 22."""
+    """Why torch.load refused `path`, as a user can act on it (torch's own reasons for a file that is not one of its
+    own are a bare key, '105', or errno 22): a phrase after the path; the caller says what to do."""
     with open(path, "rb") as file:
         head = file.read(4)
-    if "Weights only load failed" in str(err):  # torch.load(weights_only=True) refused a class it does not know
-        return (
-            "holds objects other than tensors and plain values, which dlojz never unpickles (weights_only): "
-            "not a dlojz checkpoint"
-        )
+    if not head.startswith((b"PK", b"\x80")):
+        return "is not a PyTorch file (neither a zip archive nor a pickle)"
+    if "Weights only load failed" in str(err) and "Unsupported" in str(err):  # a class weights_only does not know
+        return "holds objects other than tensors and plain values, which dlojz never unpickles (weights_only)"
     if head.startswith(b"PK"):  # torch.save's zip archive
-        return f"is truncated or damaged (torch: {short_reason(err)}); copy it again, or give another checkpoint"
-    if head.startswith(b"\x80"):  # a pickle (torch's legacy format)
-        return f"cannot be read: {short_reason(err)}"
-    return "is not a PyTorch file (neither a zip archive nor a pickle): give a dlojz checkpoint (ckpt_*.pt)"
+        return f"is truncated or damaged (torch: {short_reason(err)})"
+    return f"cannot be read (torch: {short_reason(err)})"  # a pickle (torch's legacy format)
 
 
 def short_reason(err, limit=160):

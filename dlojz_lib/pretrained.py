@@ -221,7 +221,8 @@ def read_weights(path, what="--initial-checkpoint", fix=""):
             return load_file(path, device="cpu"), "safetensors file"
         except (SafetensorError, OSError) as err:
             fail(f"{what} {path}: not a readable .safetensors file ({err}){fix}")
-    if ckpt.NAME_RE.match(path.name) or ckpt.checksum_path(path).exists():  # dlojz's: checked against its SHA-256
+    side_file = path.name in (ckpt.LATEST, ckpt.BEST) or path.name.endswith(ckpt.CHECKSUM_SUFFIX)  # (a run's)
+    if ckpt.NAME_RE.match(path.name) or ckpt.checksum_path(path).exists() or side_file:  # checked against its SHA-256
         try:
             saved = ckpt.load(path)
         except ckpt.CheckpointError as err:
@@ -230,7 +231,7 @@ def read_weights(path, what="--initial-checkpoint", fix=""):
     try:
         saved = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # pickle, zip or torch's own errors: one line, not a traceback
-        fail(f"{what} {path}: not a weights file torch can read safely ({ckpt.short_reason(err)}){fix}")
+        fail(f"{what} {path} {ckpt.why_unreadable(path, err)}{fix}")
     for key in ("model", "state_dict", "model_state_dict"):  # the layouts of dlojz, timm and common scripts
         if isinstance(saved, dict) and isinstance(saved.get(key), dict):
             return saved[key], f"state dict (its '{key}')"

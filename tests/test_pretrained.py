@@ -101,8 +101,11 @@ def test_a_missing_or_unreadable_file_is_one_line_before_the_run(tmp_path):
     with pytest.raises(UserError, match=r"^--initial-checkpoint .*pipe\.pth: not a regular file \(a pipe"):
         resolve_config(parser.parse_args(["--device", "cpu", "--initial-checkpoint", str(tmp_path / "pipe.pth")]))
     (tmp_path / "text.pth").write_text("not weights")
-    with pytest.raises(UserError, match=r"^--initial-checkpoint .*text\.pth: not a weights file torch can read"):
+    with pytest.raises(UserError, match=r"^--initial-checkpoint .*text\.pth is not a PyTorch file \(neither a zip archive nor a pickle\)"):
         model_from(tmp_path / "text.pth")
+    (tmp_path / "latest").write_text("ckpt_e0001_s000000009.pt\n")  # a run's pointer, not weights
+    with pytest.raises(UserError, match=r"^--initial-checkpoint: checkpoint .*latest: the pointer to the newest checkpoint"):
+        model_from(tmp_path / "latest")
 
 
 def test_a_run_trains_from_the_weights_of_another_run(tiny_data, tmp_path, run_inline):
@@ -372,7 +375,7 @@ def test_a_damaged_cache_file_is_named_by_pretrained_with_what_to_do(tmp_path, m
     with pytest.raises(UserError) as caught:
         build_model(cfg, 3, Distribution(1, 0, 0, torch.device("cpu")), lambda line: None)
     message = str(caught.value)
-    assert message.startswith(f"--pretrained DEFAULT: the cached file {cached}: not a weights file torch can read")
+    assert message.startswith(f"--pretrained DEFAULT: the cached file {cached} is truncated or damaged (torch: ")
     assert message.endswith(
         "; delete it and fetch it again with python dlojz.py --arch resnet18 --pretrained DEFAULT --fetch-weights"
     )
