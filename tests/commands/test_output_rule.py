@@ -55,12 +55,24 @@ def state_of(path):
     return (info.st_mode, info.st_rdev, path.read_bytes() if path.is_file() else None)
 
 
+def two_checkpoints(run, tmp_path):
+    """The run's newest checkpoint and a copy of it (with its checksum) elsewhere: what dlojz_avg.py averages (the
+    same file twice is refused)."""
+    checkpoint = sorted(run.glob("ckpt_e*.pt"))[-1]
+    copy = tmp_path / "copy" / checkpoint.name
+    if not copy.exists():
+        copy.parent.mkdir(exist_ok=True)
+        for source in (checkpoint, checkpoint.with_name(checkpoint.name + ".sha256")):
+            shutil.copy(source, copy.parent)
+    return [str(checkpoint), str(copy)]
+
+
 def commands(run, image, trace, tmp_path):
     """{command: (main, argv writing to the victim at path, the flag named)}."""
-    checkpoint = str(sorted(run.glob("ckpt_e*.pt"))[-1])
+    averaged = two_checkpoints(run, tmp_path)
     return {
         "dlojz_predict.py": (dlojz_predict.main, lambda v: [str(run), str(image), "-o", str(v)], "-o"),
-        "dlojz_avg.py": (dlojz_avg.main, lambda v: [checkpoint, checkpoint, "-o", str(v)], "-o"),
+        "dlojz_avg.py": (dlojz_avg.main, lambda v: [*averaged, "-o", str(v)], "-o"),
         "dlojz_fsdp.py consolidate": (
             dlojz_fsdp.main,
             lambda v: ["consolidate", str(tmp_path / "ckpt_e0001_s000000001.dcp"), str(v)],
@@ -95,14 +107,15 @@ def test_a_command_replaces_no_file_of_another_kind(command, victims, trained_ru
             assert "--force" in error, error
 
 
-def test_force_replaces_a_file_but_never_an_input_or_a_device(trained_run, victims, capsys):
-    checkpoint = sorted(trained_run.glob("ckpt_e*.pt"))[-1]
+def test_force_replaces_a_file_but_never_an_input_or_a_device(trained_run, victims, tmp_path, capsys):
+    averaged = two_checkpoints(trained_run, tmp_path)
+    checkpoint = Path(averaged[0])
     notes = victims["a user's file"]
-    assert dlojz_avg.main([str(checkpoint), str(checkpoint), "-o", str(notes), "--force"]) == 0
+    assert dlojz_avg.main([*averaged, "-o", str(notes), "--force"]) == 0
     assert notes.read_bytes()[:2] == b"PK"  # a torch checkpoint (a zip) now
     for victim in (checkpoint, victims["a pipe"], victims["a device"]):
         before = state_of(victim)
-        assert dlojz_avg.main([str(checkpoint), str(checkpoint), "-o", str(victim), "--force"]) == 2
+        assert dlojz_avg.main([*averaged, "-o", str(victim), "--force"]) == 2
         assert state_of(victim) == before
     assert "also an input of this command" in capsys.readouterr().err
 
@@ -113,7 +126,7 @@ def test_a_command_replaces_its_own_output(trained_run, tiny_data, tmp_path, cap
     image = str(sorted(Path(tiny_data).rglob("*.JPEG"))[0])
     out = tmp_path / "out"
     runs = {
-        "avg": (dlojz_avg.main, [checkpoint, checkpoint, "-o", str(out / "avg.pt")]),
+        "avg": (dlojz_avg.main, [*two_checkpoints(trained_run, tmp_path), "-o", str(out / "avg.pt")]),
         "predict": (dlojz_predict.main, [str(trained_run), "--top-k", "2", image, "-o", str(out / "p.csv")]),
         "export": (
             dlojz_export.main,
