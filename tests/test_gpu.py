@@ -737,7 +737,7 @@ def test_dali_decodes_on_the_gpu_into_the_loop(tmp_path):
         tmp_path / "run",
     )
     assert proc.returncode == 0, show(proc)
-    assert "DALI: decoding on the GPU (nvJPEG" in proc.stdout, show(proc)
+    assert "DALI: decoding on the GPU (" in proc.stdout and "DALI training pipeline: " in proc.stdout, show(proc)
     metrics = read_json(tmp_path / "m.json")
     assert metrics["val_images"] == 21 and metrics["steps"] == 2 * 4, metrics  # 120 images, -b 32: 4 steps
 
@@ -771,6 +771,47 @@ def test_dali_batches_are_on_the_gpu_in_channels_last(tmp_path):
     next(iterator)
     assert time.perf_counter() - started < 0.5  # the batch is ordered after the sleep, not waited for
     torch.cuda.synchronize()
+
+
+def test_dali_batches_dropped_while_a_kernel_reads_them_keep_their_pixels(tmp_path):
+    """Each batch is read by a kernel queued behind ~0.2 s of GPU sleep, and the loop drops its reference at once
+    (as a training loop does) and asks for the next: the sums the kernels compute equal those of the same batches
+    waited for one by one (the same seed: the same crops). Without the lifetime guard DALI may reuse a dropped
+    batch's buffer before the kernel has read it."""
+    pytest.importorskip("nvidia.dali", reason="DALI is not installed on this node (pip install nvidia-dali-cuda130)")
+    from dlojz_lib.data.dali import DaliBatches, DaliSettings, train_pipeline
+    from dlojz_lib.data.datasets import build_datasets
+    from dlojz_lib.data.embedded import make_embedded_dataset
+    from dlojz_lib.data.samplers import EpochSampler
+
+    data = make_embedded_dataset(tmp_path / "data", n_classes=4, train_per_class=32, val_per_class=2, size=(96, 80))
+    train, _, _, _ = build_datasets(data, None, None)
+    device = torch.device("cuda", 0)
+
+    def sums(wait):
+        batches = DaliBatches(
+            train,
+            EpochSampler(train, 1, 0),
+            16,
+            lambda s: train_pipeline(s, 16, 64, 0, DaliSettings(2, prefetch=2), 7),
+            device,
+        )
+        found = []
+        for images, _ in batches:
+            if not wait:
+                torch.cuda._sleep(400_000_000)  # the reading kernel waits behind it, the host does not
+            found.append(images.float().sum((1, 2, 3)))
+            del images  # the loop's reference gone at once
+            if wait:
+                torch.cuda.synchronize()
+        torch.cuda.synchronize()
+        return torch.stack(found).cpu(), batches
+
+    waited, _ = sums(wait=True)
+    racing, batches = sums(wait=False)
+    assert waited.shape == (8, 16)
+    torch.testing.assert_close(racing, waited, rtol=0, atol=0)
+    assert batches.lifetimes is not None and len(batches.lifetimes.held) <= 8
 
 
 # ---------------------------------------------------------------- --fsdp on the GPU

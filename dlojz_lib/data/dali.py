@@ -61,10 +61,16 @@ DALI_PACKAGE = "nvidia-dali-cuda130"
 READ_THREADS = 8  # packed shards: pread releases the GIL, a few threads keep the source ahead of the decoder
 READ_AHEAD = 3  # packed shards: batches read before DALI asks for them
 HW_DECODER_LOAD = 0.99  # the hardware JPEG decoder's share (MLPerf's H100/H200 pipelines): nvJPEG's CPU part is slow
-# nvJPEG's and the resize's buffers sized once for ImageNet's images (NVIDIA's DALI ResNet-50 values): without them
-# they are reallocated, synchronously, as larger images come in the first batches.
+GPU_THREADS = 6  # DALI's threads per GPU in NVIDIA's MLPerf ResNet-50 pipelines (DeepLearningExamples: 5)
+VAL_THREADS = 3  # validation's pipeline: a tenth of the images, prepared while the training's waits
+# nvJPEG's buffers for training sized once for ImageNet's images (NVIDIA's DALI ResNet-50 values): without them they
+# are reallocated, synchronously, as larger images come in the first batches. Each decoding thread holds them (host
+# memory pinned, twice); validation keeps DALI's defaults.
 DEVICE_MEMORY_PADDING, HOST_MEMORY_PADDING = 211_025_920, 140_544_512
-SIZE_HINT = (6_000, 4_000)  # the largest ImageNet image's width and height, rounded up: nvJPEG's preallocation
+SIZE_HINT_SAMPLE = 256  # images whose headers give the hardware decoder's preallocation size (the largest of them)
+# GPUs whose JPEG engines nvJPEG's hardware backend uses (NVIDIA's nvJPEG and DALI documentation): elsewhere DALI
+# sends --dali-hw-decoder-load's share to nvJPEG's CUDA decoder instead, without a word.
+JPEG_ENGINE_GPUS = ("A100", "A800", "A30", "H100", "H800", "H200", "H20", "GH200", "B100", "B200", "GB200", "B300")
 
 
 def check_available():
@@ -233,12 +239,18 @@ class SampleFeed:
 
 @dataclasses.dataclass(frozen=True)
 class DaliSettings:
-    """How DALI's pipelines run: CPU threads, batches prepared ahead, the hardware decoder's share, the training
-    resize's antialiasing; what they write: float16 or float32, normalised by `mean` and `std` (in [0, 1] units),
-    padded to 4 channels or not."""
+    """How DALI's pipelines run: CPU threads (training's, validation's), batches prepared ahead, the hardware
+    decoder's share, the training decode (`roi`: the crop's region; `whole`) and decoded-image cache (MiB, 0: none),
+    the hardware decoder's preallocation (width, height; 0: DALI's default), the training resize's antialiasing;
+    what they write: float16 or float32, normalised by `mean` and `std` (in [0, 1] units), padded to 4 channels or
+    not."""
 
     threads: int
+    val_threads: int = 0  # 0: min(threads, VAL_THREADS)
     prefetch: int = 3
+    decode: str = "roi"
+    cache_mib: int = 0
+    size_hint: tuple = (0, 0)
     hw_decoder_load: float = HW_DECODER_LOAD
     antialias: bool = False
     half: bool = False
@@ -247,13 +259,20 @@ class DaliSettings:
     std: tuple = IMAGENET_STD
 
 
-def dali_settings(data, num_workers, amp):
-    """The flags' values, or their defaults: --num-workers threads (the task's CPUs less the training process's),
-    float16 output under --amp (either AMP dtype: autocast casts it to bfloat16 in the first layer, and float16 keeps
-    more of the normalised pixels' precision), ImageNet's mean and std unless --mean/--std."""
+def dali_settings(data, num_workers, amp, on_gpu=False, size_hint=(0, 0)):
+    """The flags' values, or their defaults: on a GPU MLPerf's 6 training threads, or --num-workers (the task's
+    CPUs less the training process's) where fewer; on the CPU --num-workers; validation 3 of them at most; the
+    region decode unless --dali-cache (whole images); float16 output under --amp (either AMP dtype: autocast casts
+    it to bfloat16 in the first layer, and float16 keeps more of the normalised pixels' precision), ImageNet's mean
+    and std unless --mean/--std."""
     load = HW_DECODER_LOAD if data.dali_hw_decoder_load is None else data.dali_hw_decoder_load
+    threads = data.dali_threads or (min(GPU_THREADS, max(1, num_workers)) if on_gpu else max(1, num_workers))
     return DaliSettings(
-        threads=data.dali_threads or max(1, num_workers),
+        threads=threads,
+        val_threads=min(threads, VAL_THREADS),
+        decode=data.dali_decode or ("whole" if data.dali_cache else "roi"),
+        cache_mib=round(data.dali_cache * 1024) if data.dali_cache else 0,
+        size_hint=tuple(size_hint),
         prefetch=data.dali_prefetch,
         hw_decoder_load=load,
         antialias=data.dali_antialias,
@@ -264,28 +283,87 @@ def dali_settings(data, num_workers, amp):
     )
 
 
-def decoder_options(device_id, settings):
-    """The decoder's device; on a GPU the hardware JPEG decoder's share, unpinned threads (`affine=False`, as MLPerf:
-    pinned, they pile onto the first cores of a Slurm cpuset) and the buffers sized once."""
+def decoder_options(device_id, settings, training=True):
+    """The decoder's device; on a GPU the hardware JPEG decoder's share and unpinned threads (`affine=False`, as
+    MLPerf: pinned, they pile onto the first cores of a Slurm cpuset); for training, nvJPEG's buffers sized once,
+    the hardware decoder's preallocation at the data set's size hint, and the decoded-image cache where asked
+    (DALI's threshold cache: every image, until it is full); validation keeps DALI's default buffers."""
     if device_id is None:
         return {"device": "cpu"}
-    return {
-        "device": "mixed",
-        "hw_decoder_load": settings.hw_decoder_load,
-        "affine": False,
-        "device_memory_padding": DEVICE_MEMORY_PADDING,
-        "host_memory_padding": HOST_MEMORY_PADDING,
-        "preallocate_width_hint": SIZE_HINT[0],
-        "preallocate_height_hint": SIZE_HINT[1],
-    }
+    options = {"device": "mixed", "hw_decoder_load": settings.hw_decoder_load, "affine": False}
+    if training:
+        options.update(device_memory_padding=DEVICE_MEMORY_PADDING, host_memory_padding=HOST_MEMORY_PADDING)
+        if all(settings.size_hint):
+            options.update(preallocate_width_hint=settings.size_hint[0], preallocate_height_hint=settings.size_hint[1])
+        if settings.cache_mib:
+            options.update(cache_size=settings.cache_mib, cache_type="threshold", cache_threshold=0)
+    return options
 
 
-def pipeline_options(batch_size, device_id, settings, seed):
+def jpeg_engines(device_name):
+    """Whether the GPU named `device_name` (torch.cuda.get_device_name) has the JPEG engines nvJPEG's hardware
+    backend uses: True, or None (not known to: DALI then decodes on the SMs and the CPU threads)."""
+    words = device_name.replace("-", " ").split()
+    return True if any(word in JPEG_ENGINE_GPUS for word in words) else None
+
+
+def image_size(data):
+    """(width, height) from a JPEG's frame header or a PNG's IHDR in `data` (the file's first bytes), or None."""
+    if data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) >= 24:
+        return int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+    at = 2 if data[:2] == b"\xff\xd8" else len(data)
+    while at + 9 <= len(data):
+        if data[at] != 0xFF:
+            return None
+        marker, length = data[at + 1], int.from_bytes(data[at + 2 : at + 4], "big")
+        if 0xC0 <= marker <= 0xCF and marker not in (0xC4, 0xC8, 0xCC):  # a start of frame: height, then width
+            return int.from_bytes(data[at + 7 : at + 9], "big"), int.from_bytes(data[at + 5 : at + 7], "big")
+        at += 2 + length
+    return None
+
+
+def sampled_sizes(dataset, sample=SIZE_HINT_SAMPLE, head=1 << 16):
+    """(width, height) of `sample` images spread over `dataset`, from their headers (not decoded): the largest is
+    the hardware decoder's preallocation, the mean area what a cached image takes."""
+    n = len(dataset.samples)
+    count = min(n, sample)
+    sizes = []
+    for i in sorted({k * n // count for k in range(count)}):
+        where = dataset.samples[i][0]
+        try:
+            if isinstance(where, str):
+                with open(where, "rb") as file:
+                    data = file.read(head)
+            else:
+                data = dataset.read_bytes(i)[:head]
+        except OSError:
+            continue
+        size = image_size(data)
+        if size is not None:
+            sizes.append(size)
+    return sizes
+
+
+def largest(sizes):
+    """The largest width and height among `sizes`; (0, 0) for none (DALI's default preallocation then)."""
+    return (max(w for w, _ in sizes), max(h for _, h in sizes)) if sizes else (0, 0)
+
+
+def cached_share(cache_mib, sizes, images):
+    """The share of `images` decoded training images (RGB, uint8) that a cache of `cache_mib` MiB holds, by the
+    mean area of `sizes`: those are decoded once, the rest every epoch. None without sizes."""
+    if not sizes or not images:
+        return None
+    mean_bytes = 3 * sum(w * h for w, h in sizes) / len(sizes)
+    return min(1.0, cache_mib * 2**20 / mean_bytes / images)
+
+
+def pipeline_options(batch_size, device_id, settings, seed, threads=None):
     """What both pipelines run with: the batch, the device, DALI's threads and prefetch depth, the seed, and DALI's
     dynamic executor (outputs bound to a CUDA stream, and shared with torch without a copy)."""
     return dict(
         batch_size=batch_size,
-        num_threads=settings.threads,
+        num_threads=threads or settings.threads,
         device_id=device_id,
         seed=seed,
         prefetch_queue_depth=settings.prefetch,
@@ -326,15 +404,17 @@ def train_pipeline(source, batch_size, image_size, device_id, settings, seed):
     @pipeline_def(**pipeline_options(batch_size, device_id, settings, seed))
     def pipeline():
         encoded, labels = encoded_samples(source, getattr(source, "by_path", False))
-        images = fn.decoders.image_random_crop(
-            encoded,
-            output_type=types.RGB,
-            random_area=[0.08, 1.0],
-            random_aspect_ratio=[3 / 4, 4 / 3],
-            num_attempts=10,
-            **decoder_options(device_id, settings),
-        )
-        images = fn.resize(images, resize_x=image_size, resize_y=image_size, antialias=settings.antialias)
+        crop = dict(random_area=[0.08, 1.0], random_aspect_ratio=[3 / 4, 4 / 3], num_attempts=10)
+        if settings.decode == "roi":  # the crop's region decoded, then resized
+            images = fn.decoders.image_random_crop(
+                encoded, output_type=types.RGB, **crop, **decoder_options(device_id, settings)
+            )
+            images = fn.resize(images, resize_x=image_size, resize_y=image_size, antialias=settings.antialias)
+        else:  # the whole image decoded (and cached), then cropped and resized in one operator
+            images = fn.decoders.image(encoded, output_type=types.RGB, **decoder_options(device_id, settings))
+            images = fn.random_resized_crop(
+                images, size=[image_size, image_size], antialias=settings.antialias, **crop
+            )
         images = normalised(images, settings, device_id, mirror=fn.random.coin_flip(probability=0.5))
         return images, labels.gpu() if device_id is not None else labels
 
@@ -346,15 +426,42 @@ def val_pipeline(source, batch_size, resize_size, crop_size, device_id, settings
     then the center crop folded into the normalisation."""
     from nvidia.dali import fn, pipeline_def, types
 
-    @pipeline_def(**pipeline_options(batch_size, device_id, settings, seed))
+    @pipeline_def(**pipeline_options(batch_size, device_id, settings, seed, settings.val_threads))
     def pipeline():
         encoded, labels = encoded_samples(source, getattr(source, "by_path", False))
-        images = fn.decoders.image(encoded, output_type=types.RGB, **decoder_options(device_id, settings))
+        images = fn.decoders.image(encoded, output_type=types.RGB, **decoder_options(device_id, settings, False))
         images = fn.resize(images, resize_shorter=resize_size, antialias=True)
         images = normalised(images, settings, device_id, crop=(crop_size, crop_size))
         return images, labels.gpu() if device_id is not None else labels
 
     return pipeline()
+
+
+class BatchLifetimes:
+    """Each batch's tensors kept until the step that reads them has run on the device. They are DALI's buffers seen
+    through DLPack: when the last torch reference goes, DALI's deleter runs at once on the host, while the kernels
+    reading the batch may still be queued on torch's stream (torch cannot record a stream on memory it did not
+    allocate, and whether DALI frees in that stream's order is not documented). So when the next batch is asked for
+    (the step of the last one is queued by then) an event is recorded on the consuming stream for the last one, and
+    a batch is let go once its event has passed: `event.query()`, no host wait."""
+
+    def __init__(self, make_event=None):
+        self.make_event = make_event or (lambda: torch.cuda.Event())
+        self.last = None  # the batch handed out last: its step is being queued
+        self.held = collections.deque()  # (event, batch) of earlier batches whose steps may still run
+
+    def next_batch(self, stream):
+        """Called before a new batch is made: the last one's step is queued on `stream`."""
+        if self.last is not None:
+            event = self.make_event()
+            event.record(stream)
+            self.held.append((event, self.last))
+            self.last = None
+        while self.held and self.held[0][0].query():
+            self.held.popleft()
+
+    def handed_out(self, batch):
+        self.last = batch
 
 
 class DaliBatches:
@@ -364,12 +471,16 @@ class DaliBatches:
     one's batches since) it goes on, else (the first epoch, a resume, an iteration left before its end) the
     pipeline is built anew at that place."""
 
-    def __init__(self, dataset, sampler, batch_size, make_pipeline, device, drop_last=False):
+    def __init__(self, dataset, sampler, batch_size, make_pipeline, device, drop_last=False, name="", log=None):
         self.dataset, self.sampler, self.batch_size = dataset, sampler, batch_size
         self.make_pipeline, self.device, self.drop_last = make_pipeline, device, drop_last
+        self.name, self.log = name, log  # the first build's memory is said on `log`
         self.pipeline = self.source = None
         self.position = None  # (epoch, samples seen) of the pipeline's next batch; None mid-iteration
         self.rebuilds = 0  # pipelines built: what the tests count
+        self.lifetimes = BatchLifetimes() if device.type == "cuda" else None
+        self.memory_before = None  # (free GPU bytes, host RSS bytes) before the first build, until its first batch
+        self.memory_taken = None  # (GPU bytes, host bytes) the first pipeline took, built and run once
 
     def __len__(self):
         n = getattr(self.sampler, "trained", None) or getattr(self.sampler, "num_samples", None) or len(self.sampler)
@@ -378,7 +489,21 @@ class DaliBatches:
     def _wanted(self):
         return getattr(self.sampler, "epoch", 0), getattr(self.sampler, "skip", 0)
 
+    def _memory(self):
+        """(free GPU bytes or 0, this process's resident host bytes, pinned buffers included)."""
+        import resource
+
+        free = torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else 0
+        try:
+            with open("/proc/self/statm") as statm:
+                resident = int(statm.read().split()[1]) * resource.getpagesize()
+        except OSError:
+            resident = 0
+        return free, resident
+
     def _build(self, start, skipped=()):
+        if self.rebuilds == 0:
+            self.memory_before = self._memory()
         self.pipeline = None  # its threads and buffers go before the new one's come
         self.source = SampleFeed(self.dataset, self.sampler, self.batch_size, start, self.drop_last)
         self.source.skipped |= set(skipped)
@@ -406,6 +531,8 @@ class DaliBatches:
         A pipeline that fails is rebuilt at the same place without the files found unreadable among those it was
         preparing; if none is, DALI's error goes on."""
         stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+        if self.lifetimes is not None:
+            self.lifetimes.next_batch(stream)
         try:
             outputs = self.pipeline.run(stream)
         except RuntimeError:
@@ -414,4 +541,17 @@ class DaliBatches:
                 raise
             self._build((epoch, seen), self.source.skipped | bad)
             outputs = self.pipeline.run(stream)
-        return tuple(torch.from_dlpack(output.as_tensor()) for output in outputs)
+        batch = tuple(torch.from_dlpack(output.as_tensor()) for output in outputs)
+        if self.lifetimes is not None:
+            self.lifetimes.handed_out(batch)
+        if self.memory_before is not None:  # the first pipeline, built and run once: what it took
+            (free, resident), (free_now, resident_now) = self.memory_before, self._memory()
+            self.memory_taken, self.memory_before = (free - free_now, resident_now - resident), None
+            if self.log is not None:
+                self.log(
+                    f"DALI {self.name} pipeline: {self.pipeline.num_threads} "
+                    f"thread{'s' if self.pipeline.num_threads > 1 else ''}, took "
+                    + (f"{self.memory_taken[0] / 2**30:.2f} GiB of GPU memory and " if stream is not None else "")
+                    + f"{self.memory_taken[1] / 2**30:.2f} GiB of host memory (resident, pinned buffers included)"
+                )
+        return batch

@@ -347,11 +347,15 @@ def normalisation(data, channels_last, ranks):
 def dali_loaders(cfg, train_set, val_set, train_sampler, ranks, log) -> Loaders:
     """--data-backend dali: the same samples and samplers, decoded, augmented and normalised by DALI
     (dlojz_lib/data/dali.py); --loader-only times these batches, the model's input."""
+    from dlojz_lib.checks import fail
     from dlojz_lib.data.dali import (
         DaliBatches,
+        cached_share,
         check_decodable,
         dali_settings,
+        largest,
         leave_out_cut_short,
+        sampled_sizes,
         train_pipeline,
         val_pipeline,
     )
@@ -361,19 +365,21 @@ def dali_loaders(cfg, train_set, val_set, train_sampler, ranks, log) -> Loaders:
     leave_out_cut_short(val_set)  # counted as the pytorch backend counts them (training skips them when they fail)
 
     device_id = ranks.device.index if ranks.device.type == "cuda" else None
-    settings, seed = dali_settings(cfg.section("data"), cfg.num_workers, cfg.amp), cfg.seed * 1_000 + ranks.data_rank
-    where = (
-        f"the GPU (nvJPEG, {settings.hw_decoder_load:.0%} to the hardware decoder)"
-        if device_id is not None
-        else "the CPU (no GPU)"
-    )
-    log(
-        f"DALI: decoding on {where}, {settings.threads} thread{'s' if settings.threads > 1 else ''}, "
-        f"{settings.prefetch} batches ahead, training resize "
-        f"{'with' if settings.antialias else 'without'} antialiasing, {'float16' if settings.half else 'float32'} "
-        f"channels-last output{' padded to 4 channels' if settings.pad_channels else ''}; a resumed run continues "
-        f"at the same sample with DALI's own crops"
-    )
+    data = cfg.section("data")
+    if data.dali_cache and device_id is None:
+        fail("--dali-cache keeps decoded images in GPU memory: there is no GPU here; drop it")
+    sizes = sampled_sizes(train_set) if device_id is not None else []
+    settings = dali_settings(data, cfg.num_workers, cfg.amp, device_id is not None, largest(sizes))
+    seed = cfg.seed * 1_000 + ranks.data_rank
+    log(dali_start_line(settings, device_id, torch.cuda.get_device_name(ranks.device) if device_id is not None else None))
+    if settings.cache_mib:
+        share = cached_share(settings.cache_mib, sizes, len(train_sampler))
+        log(
+            f"DALI cache: {settings.cache_mib / 1024:g} GB of GPU memory holds about "
+            + (f"{share:.0%}" if share is not None else "an unknown share")
+            + f" of this rank's {len(train_sampler):,} training images (by {len(sizes)} images' sizes): those are "
+            "decoded in the first epoch only, the rest every epoch"
+        )
     train = DaliBatches(
         train_set,
         train_sampler,
@@ -381,6 +387,8 @@ def dali_loaders(cfg, train_set, val_set, train_sampler, ranks, log) -> Loaders:
         lambda source: train_pipeline(source, cfg.batch_size, cfg.image_size, device_id, settings, seed),
         ranks.device,
         drop_last=cfg.drop_last,
+        name="training",
+        log=log,
     )
     val_sampler = ShardSampler(val_set, ranks.data_size, ranks.data_rank)
     val = DaliBatches(
@@ -391,6 +399,8 @@ def dali_loaders(cfg, train_set, val_set, train_sampler, ranks, log) -> Loaders:
             source, cfg.val_batch_size, cfg.val_resize_size, cfg.val_crop_size, device_id, settings, seed + 1
         ),
         ranks.device,
+        name="validation",
+        log=log,
     )
     train_batches, val_batches = train, val
     if cfg.pp > 1:  # the first stage's: the later ones decode nothing and take its labels
@@ -405,6 +415,41 @@ def dali_loaders(cfg, train_set, val_set, train_sampler, ranks, log) -> Loaders:
         len(val),
         len(val_set),
         *val_batches_per_rank(len(val_set), ranks.data_size, cfg.val_batch_size),
+    )
+
+
+def dali_start_line(settings, device_id, device_name):
+    """What DALI runs with, said once: where it decodes and with which decoder (the JPEG engines where the GPU is
+    known to have them), its threads, the training decode and buffers, the output."""
+    from dlojz_lib.data.dali import jpeg_engines
+
+    if device_id is None:
+        where = "the CPU (no GPU)"
+    elif settings.hw_decoder_load == 0:
+        where = f"the GPU ({device_name}: nvJPEG's CUDA decoder and the CPU threads, --dali-hw-decoder-load 0)"
+    elif jpeg_engines(device_name):
+        where = (
+            f"the GPU ({device_name}: its JPEG engines take {settings.hw_decoder_load:.0%}, nvJPEG's CUDA decoder "
+            "and the CPU threads the rest)"
+        )
+    else:
+        where = (
+            f"the GPU ({device_name}: not known to have JPEG engines, so nvJPEG's CUDA decoder and the CPU threads "
+            f"take all the images; --dali-hw-decoder-load {settings.hw_decoder_load:g} counts only where DALI finds "
+            "engines)"
+        )
+    decode = "the random crop's region" if settings.decode == "roi" else "whole images, then the crop"
+    buffers = ""
+    if device_id is not None:
+        hint = f"{settings.size_hint[0]}x{settings.size_hint[1]}" if all(settings.size_hint) else "DALI's default"
+        buffers = f", nvJPEG's training buffers sized once (hardware decoder preallocated at {hint})"
+    return (
+        f"DALI: decoding on {where}; training {settings.threads} thread{'s' if settings.threads > 1 else ''} "
+        f"decoding {decode}{buffers}, validation {settings.val_threads or settings.threads}; "
+        f"{settings.prefetch} batches ahead, training resize {'with' if settings.antialias else 'without'} "
+        f"antialiasing, {'float16' if settings.half else 'float32'} channels-last output"
+        f"{' padded to 4 channels' if settings.pad_channels else ''}; a resumed run continues at the same sample with "
+        "DALI's own crops"
     )
 
 

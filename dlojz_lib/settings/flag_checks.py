@@ -180,6 +180,10 @@ def check_augmentation(values):
                 f"--data-backend dali does RandomResizedCrop and flip only: {', '.join(unsupported)} needs "
                 f"--data-backend pytorch"
             )
+        if values["dali_cache"] is not None and values["dali_decode"] == "roi":
+            fail("--dali-cache keeps whole decoded images: drop --dali-decode roi (the cache decodes whole)")
+        if values["dali_cache"] is not None and values["device"] == "cpu":
+            fail("--dali-cache keeps decoded images in GPU memory: drop it on --device cpu")
     elif given := [
         f"--{name.replace('_', '-')}"
         for name, default in built_in_defaults(get_args_parser(), "dali_").items()

@@ -823,7 +823,8 @@ def get_args_parser():
         type=COUNT,
         default=None,
         metavar="N",
-        help="DALI's CPU threads (default: --num-workers, itself the task's CPUs - 1)",
+        help="DALI's CPU threads for training (default on a GPU: 6, as MLPerf's\npipelines, or --num-workers where "
+        "fewer; on the CPU: --num-workers);\nvalidation's pipeline takes 3 of them at most",
     )
     p.add_argument(
         "--dali-prefetch",
@@ -839,6 +840,21 @@ def get_args_parser():
         metavar="F",
         help="share of the JPEGs for the A100/H100 hardware decoder,\nthe rest for nvJPEG's CPU+GPU decoding "
         "(default: 0.99, as MLPerf's H100/H200 pipelines)",
+    )
+    p.add_argument(
+        "--dali-decode",
+        choices=("roi", "whole"),
+        default=None,
+        help="training decode: roi decodes the random crop's region only (default),\nwhole decodes the image then "
+        "crops (the way around a region-decoding\nfault; what --dali-cache needs)",
+    )
+    p.add_argument(
+        "--dali-cache",
+        type=POSITIVE,
+        default=None,
+        metavar="GB",
+        help="keep decoded training images in this much GPU memory (DALI's\nthreshold cache, as NVIDIA's MLPerf "
+        "configuration): the images\nit holds are decoded once, not every epoch (whole decode)",
     )
     p.add_argument(
         "--dali-antialias",

@@ -373,16 +373,22 @@ def test_decoder_options_on_a_gpu_are_mlperfs():
     sized once; on the CPU, none of them (DALI's CPU decoder takes no such option)."""
     from dlojz_lib.data.dali import decoder_options
 
-    options = decoder_options(0, ONE_THREAD)
+    options = decoder_options(0, DaliSettings(1, size_hint=(500, 375)))
     assert options["device"] == "mixed" and options["hw_decoder_load"] == 0.99 and options["affine"] is False
-    assert options["preallocate_width_hint"] > 0 and options["device_memory_padding"] > 0
+    assert (options["preallocate_width_hint"], options["preallocate_height_hint"]) == (500, 375)
+    assert options["device_memory_padding"] > 0 and "cache_size" not in options
+    assert "preallocate_width_hint" not in decoder_options(0, ONE_THREAD)  # no size known: DALI's default
     assert decoder_options(0, DaliSettings(1, hw_decoder_load=0.5))["hw_decoder_load"] == 0.5
     assert decoder_options(None, ONE_THREAD) == {"device": "cpu"}
+    validation = decoder_options(0, DaliSettings(1, size_hint=(500, 375), cache_mib=1024), training=False)
+    assert validation == {"device": "mixed", "hw_decoder_load": 0.99, "affine": False}  # DALI's default buffers
+    cached = decoder_options(0, DaliSettings(1, decode="whole", cache_mib=12 * 1024))
+    assert (cached["cache_size"], cached["cache_type"], cached["cache_threshold"]) == (12 * 1024, "threshold", 0)
     from nvidia.dali import backend
 
-    for operator in ("decoders__ImageRandomCrop", "decoders__Image"):  # each option is one the GPU decoders take
-        schema = backend.GetSchema(operator)
-        assert [name for name in options if name != "device" and not schema.HasArgument(name)] == [], operator
+    for operator, given in (("decoders__ImageRandomCrop", options), ("decoders__Image", {**options, **cached})):
+        schema = backend.GetSchema(operator)  # each option is one the GPU decoder takes
+        assert [name for name in given if name != "device" and not schema.HasArgument(name)] == [], operator
 
 
 def test_hardware_decoder_share_and_output_follow_the_flags():
@@ -397,14 +403,25 @@ def test_hardware_decoder_share_and_output_follow_the_flags():
             dali_hw_decoder_load=None,
             dali_antialias=False,
             dali_pad_channels=False,
+            dali_decode=None,
+            dali_cache=None,
             mean=None,
             std=None,
         )
-        return dali_settings(SimpleNamespace(**{**values, **flags}), num_workers, amp)
+        on_gpu, size_hint = flags.pop("on_gpu", False), flags.pop("size_hint", (0, 0))
+        return dali_settings(SimpleNamespace(**{**values, **flags}), num_workers, amp, on_gpu, size_hint)
 
     assert settings().threads == 3 and settings().hw_decoder_load == 0.99
     assert settings(dali_hw_decoder_load=0.3).hw_decoder_load == 0.3
     assert settings(num_workers=0).threads == 1
+    # On a GPU: MLPerf's 6 threads, or the task's CPUs where fewer; validation 3 at most; --dali-threads wins.
+    assert [settings(num_workers=n, on_gpu=True).threads for n in (15, 6, 4, 0)] == [6, 6, 4, 1]
+    assert settings(num_workers=15).threads == 15  # (the CPU backend: every core decodes)
+    assert [settings(num_workers=n, on_gpu=True).val_threads for n in (15, 2)] == [3, 2]
+    assert settings(num_workers=15, on_gpu=True, dali_threads=9).threads == 9
+    assert settings().decode == "roi" and settings(dali_decode="whole").decode == "whole"
+    assert (settings(dali_cache=1.5).cache_mib, settings(dali_cache=1.5).decode) == (1536, "whole")
+    assert settings(size_hint=(640, 480)).size_hint == (640, 480)
     assert settings(amp=True).half and not settings().half
     assert settings(dali_pad_channels=True).pad_channels
     assert settings(mean=(0.5, 0.5, 0.5)).mean == (0.5, 0.5, 0.5)
@@ -417,6 +434,11 @@ def test_hardware_decoder_share_and_output_follow_the_flags():
         (["--dali-antialias", "--dali-prefetch", "4"], "--dali-prefetch, --dali-antialias set DALI's pipeline"),
         (["--dali-pad-channels"], "--dali-pad-channels set DALI's pipeline"),
         (["--data-backend", "dali", "--dali-hw-decoder-load", "1.5"], "--dali-hw-decoder-load: must be in [0, 1]"),
+        (["--dali-decode", "whole"], "--dali-decode set DALI's pipeline"),
+        (["--dali-cache", "2"], "--dali-cache set DALI's pipeline"),
+        (["--data-backend", "dali", "--dali-cache", "2", "--dali-decode", "roi"], "--dali-cache keeps whole decoded"),
+        (["--data-backend", "dali", "--dali-cache", "2"], "--dali-cache keeps decoded images in GPU memory: drop it"),
+        (["--data-backend", "dali", "--dali-cache", "0"], "--dali-cache: must be"),
     ],
 )
 def test_dali_flags_without_dali_or_out_of_range_are_one_line(run_inline, flags, message):
@@ -448,3 +470,102 @@ def test_validation_counts_the_images_the_pytorch_backend_counts(trained_run, ti
         == metrics["pytorch"]["val_images"]
         == len(list((root / "val").rglob("*.JPEG"))) - 1
     )
+
+
+def test_whole_decode_reaches_the_training_pipeline(tiny_data):
+    """--dali-decode whole: the training pipeline decodes whole images then crops them (random_resized_crop), not
+    the region (image_random_crop); the crops keep the geometry: the same batch (DALI 2.4 on the CPU draws the same
+    windows from the same seed, and the region decode is exact: measured equal)."""
+    _, roi = dali_loaders_for(tiny_data)
+    _, whole = dali_loaders_for(tiny_data, "--dali-decode", "whole")
+    roi_images, whole_images = next(iter(roi.train))[0], next(iter(whole.train))[0]
+    operators = {name: pipe.train.pipeline.serialize() for name, pipe in (("roi", roi), ("whole", whole))}
+    assert b"ImageRandomCrop" in operators["roi"] and b"RandomResizedCrop" not in operators["roi"]
+    assert b"RandomResizedCrop" in operators["whole"] and b"ImageRandomCrop" not in operators["whole"]
+    assert roi_images.shape == whole_images.shape and (roi_images - whole_images).abs().mean() < 0.05
+
+
+def test_the_start_up_line_says_the_decoder_threads_and_buffers():
+    """Which decoder really runs: the JPEG engines on a GPU known to have them; elsewhere the line says that the
+    hardware share does not apply (DALI would fall back without a word)."""
+    from dlojz_lib.data.dali import jpeg_engines
+    from dlojz_lib.data.loaders import dali_start_line
+
+    gpu = DaliSettings(6, val_threads=3, size_hint=(500, 375))
+    h100 = dali_start_line(gpu, 0, "NVIDIA H100 80GB HBM3")
+    assert "NVIDIA H100 80GB HBM3: its JPEG engines take 99%" in h100 and "training 6 threads" in h100
+    assert "validation 3" in h100 and "preallocated at 500x375" in h100 and "the random crop's region" in h100
+    l40 = dali_start_line(gpu, 0, "NVIDIA L40S")
+    assert "not known to have JPEG engines" in l40 and "JPEG engines take" not in l40
+    assert "--dali-hw-decoder-load 0" in dali_start_line(DaliSettings(6, hw_decoder_load=0.0), 0, "NVIDIA H200")
+    cpu = dali_start_line(DaliSettings(2, decode="whole"), None, None)
+    assert "the CPU (no GPU)" in cpu and "whole images, then the crop" in cpu and "preallocated" not in cpu
+    names = ["NVIDIA A100-SXM4-80GB", "NVIDIA H200", "NVIDIA GH200 480GB", "NVIDIA B200", "NVIDIA A30"]
+    assert [jpeg_engines(name) for name in names] == [True] * 5
+    assert [jpeg_engines(name) for name in ("Tesla V100-SXM2-32GB", "NVIDIA L4", "NVIDIA RTX A6000")] == [None] * 3
+
+
+def test_size_hints_and_the_cache_share_come_from_the_images_headers(tiny_data, tmp_path):
+    """The hardware decoder's preallocation is the largest of the sampled images (headers read, JPEG and PNG), and
+    the cache's share of the epoch is its size over the mean decoded image's."""
+    from PIL import Image
+
+    from dlojz_lib.data.dali import cached_share, image_size, largest, sampled_sizes
+
+    for size, kind in (((500, 375), "JPEG"), ((64, 48), "PNG"), ((31, 17), "JPEG")):
+        path = tmp_path / f"x.{kind.lower()}"
+        Image.new("RGB", size).save(path, kind, **({"progressive": True} if size == (31, 17) else {}))
+        assert image_size(path.read_bytes()[:1024]) == size, kind
+    assert image_size(b"not an image") is None
+    from torchvision.datasets import ImageFolder
+
+    sizes = sampled_sizes(ImageFolder(tiny_data / "train"))
+    assert len(sizes) == 72 and largest(sizes) == (48, 40) and largest([]) == (0, 0)
+    assert cached_share(1, [(1024, 1024)], 100) == pytest.approx(1 / 3 / 100)  # a MiB holds a third of a 1 MP image
+    assert cached_share(12 * 1024, [(500, 375)], 1000) == 1.0 and cached_share(1, [], 10) is None
+
+
+def test_a_batch_is_kept_until_the_step_that_reads_it_has_run():
+    """BatchLifetimes: the batch handed out last is kept; when the next is asked for, an event is recorded on the
+    stream for it, and it is let go only once that event has passed (query(), no wait)."""
+    from dlojz_lib.data.dali import BatchLifetimes
+
+    class Event:
+        def __init__(self):
+            self.passed, self.stream = False, None
+
+        def record(self, stream):
+            self.stream = stream
+
+        def query(self):
+            return self.passed
+
+    events = []
+    lifetimes = BatchLifetimes(lambda: events.append(Event()) or events[-1])
+    first, second, third = object(), object(), object()
+    lifetimes.next_batch("stream")
+    lifetimes.handed_out(first)
+    assert events == [] and lifetimes.last is first
+    lifetimes.next_batch("stream")  # the step reading `first` is queued: an event after it
+    lifetimes.handed_out(second)
+    assert [batch for _, batch in lifetimes.held] == [first] and events[0].stream == "stream"
+    lifetimes.next_batch("stream")  # `first`'s step has not run yet: both kept
+    lifetimes.handed_out(third)
+    assert [batch for _, batch in lifetimes.held] == [first, second]
+    events[0].passed = True
+    lifetimes.next_batch("stream")
+    assert [batch for _, batch in lifetimes.held] == [second, third]  # first let go, the others still queued
+    events[1].passed = events[2].passed = True
+    lifetimes.next_batch("stream")
+    assert not lifetimes.held and lifetimes.last is None
+
+
+def test_dali_batches_hold_their_batches_on_a_gpu_only(tiny_data):
+    """On the CPU no stream runs behind the host: nothing is held; the first pipeline's memory is measured once."""
+    lines = []
+    _, loaders = dali_loaders_for(tiny_data)
+    loaders.train.log = lines.append
+    next(iter(loaders.train))
+    assert loaders.train.lifetimes is None
+    assert loaders.train.memory_taken is not None and len(lines) == 1
+    assert lines[0].startswith("DALI training pipeline: 1 thread, took ") and "GPU memory" not in lines[0]
