@@ -68,7 +68,9 @@ def checkpoints_to_average(given, last=None, improved=None):
             raise UserError("give two checkpoint files or more (or a run folder with --last N or --improved N)")
         for i, path in enumerate(paths):
             if path.is_dir() and not path.name.endswith(".dcp"):
-                raise UserError(f"{path}: a folder among checkpoint files; give a run folder alone with --last N or --improved N")
+                raise UserError(
+                    f"{path}: a folder among checkpoint files; give a run folder alone with --last N or --improved N"
+                )
             same = next((p for p in paths[:i] if p.exists() and path.exists() and os.path.samefile(p, path)), None)
             if same is not None:
                 raise UserError(f"{path}: given twice ({same}); each checkpoint counts once in the mean")

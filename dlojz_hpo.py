@@ -108,7 +108,9 @@ def get_parser():
     r.add_argument("--study", required=True)
     r.add_argument("--storage", required=True)
     r.add_argument("--out", required=True, help="folder for the plots, the CSV and best.toml")
-    r.add_argument("--force", action="store_true", help="replace files of the report's names there that it did not write")
+    r.add_argument(
+        "--force", action="store_true", help="replace files of the report's names there that it did not write"
+    )
     r.add_argument("--top", type=COUNT, default=5, help="best trials printed (default: 5)")
     for sub in (s, r):
         sub.error = lambda message, sub=sub: sub.exit(2, f"dlojz_hpo.py {sub.prog.split()[-1]}: error: {message}\n")

@@ -96,7 +96,9 @@ def get_parser():
     c = sub.add_parser("compare", help="one table, compare.csv and plots of one or more sweeps")
     c.add_argument("sweeps", nargs="+", help="sweep folders (runs/NAME) or names")
     c.add_argument("--out", default=None, help="where compare.csv and the plots go (default: the first sweep's folder)")
-    c.add_argument("--force", action="store_true", help="replace files of compare's names there that compare did not write")
+    c.add_argument(
+        "--force", action="store_true", help="replace files of compare's names there that compare did not write"
+    )
     c.add_argument(
         "--metric",
         choices=tuple(VALIDATION_METRICS),

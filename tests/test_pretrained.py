@@ -101,10 +101,15 @@ def test_a_missing_or_unreadable_file_is_one_line_before_the_run(tmp_path):
     with pytest.raises(UserError, match=r"^--initial-checkpoint .*pipe\.pth: not a regular file \(a pipe"):
         resolve_config(parser.parse_args(["--device", "cpu", "--initial-checkpoint", str(tmp_path / "pipe.pth")]))
     (tmp_path / "text.pth").write_text("not weights")
-    with pytest.raises(UserError, match=r"^--initial-checkpoint .*text\.pth is not a PyTorch file \(neither a zip archive nor a pickle\)"):
+    with pytest.raises(
+        UserError,
+        match=r"^--initial-checkpoint .*text\.pth is not a PyTorch file \(neither a zip archive nor a pickle\)",
+    ):
         model_from(tmp_path / "text.pth")
     (tmp_path / "latest").write_text("ckpt_e0001_s000000009.pt\n")  # a run's pointer, not weights
-    with pytest.raises(UserError, match=r"^--initial-checkpoint: checkpoint .*latest: the pointer to the newest checkpoint"):
+    with pytest.raises(
+        UserError, match=r"^--initial-checkpoint: checkpoint .*latest: the pointer to the newest checkpoint"
+    ):
         model_from(tmp_path / "latest")
 
 

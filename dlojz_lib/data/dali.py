@@ -412,9 +412,7 @@ def train_pipeline(source, batch_size, image_size, device_id, settings, seed):
             images = fn.resize(images, resize_x=image_size, resize_y=image_size, antialias=settings.antialias)
         else:  # the whole image decoded (and cached), then cropped and resized in one operator
             images = fn.decoders.image(encoded, output_type=types.RGB, **decoder_options(device_id, settings))
-            images = fn.random_resized_crop(
-                images, size=[image_size, image_size], antialias=settings.antialias, **crop
-            )
+            images = fn.random_resized_crop(images, size=[image_size, image_size], antialias=settings.antialias, **crop)
         images = normalised(images, settings, device_id, mirror=fn.random.coin_flip(probability=0.5))
         return images, labels.gpu() if device_id is not None else labels
 

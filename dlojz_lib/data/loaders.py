@@ -371,7 +371,11 @@ def dali_loaders(cfg, train_set, val_set, train_sampler, ranks, log) -> Loaders:
     sizes = sampled_sizes(train_set) if device_id is not None else []
     settings = dali_settings(data, cfg.num_workers, cfg.amp, device_id is not None, largest(sizes))
     seed = cfg.seed * 1_000 + ranks.data_rank
-    log(dali_start_line(settings, device_id, torch.cuda.get_device_name(ranks.device) if device_id is not None else None))
+    log(
+        dali_start_line(
+            settings, device_id, torch.cuda.get_device_name(ranks.device) if device_id is not None else None
+        )
+    )
     if settings.cache_mib:
         share = cached_share(settings.cache_mib, sizes, len(train_sampler))
         log(

@@ -16,7 +16,6 @@ from dlojz_lib.hpo.space import NOT_IN_RECIPE, flag_actions, flag_argv, long_fla
 from dlojz_lib.settings.flags import get_args_parser
 from dlojz_lib.settings.recipe import toml_value
 
-
 PLOTS = ("history", "importances", "parallel_coordinate", "intermediate_values")  # Optuna's figures, as NAME.png
 PLOT_SOFTWARE = "dlojz_hpo.py report"
 CSV_HEADER = "number,state,value"
@@ -57,8 +56,7 @@ def recipe_values(study, trial):
 
 def write_recipe(path, study, trial, objective):
     lines = [
-        f"{RECIPE_HEAD} '{study.study_name}': trial {trial.number}, {objective} "
-        f"{trial.value:.4f}",
+        f"{RECIPE_HEAD} '{study.study_name}': trial {trial.number}, {objective} {trial.value:.4f}",
         f"# written {datetime.datetime.now().isoformat(timespec='seconds')}; run it with",
         f"#     python dlojz.py --config {path}",
         "",

@@ -486,7 +486,9 @@ def report(args):
     if "://" not in args.storage and not Path(args.storage).is_file():
         fail(f"--storage {args.storage}: no such journal file")
     if "://" not in args.storage and Path(args.storage).stat().st_size and not is_optuna_journal(args.storage):
-        fail(f"--storage {args.storage}: not an Optuna journal (no study's operations in it); give the study's journal file")
+        fail(
+            f"--storage {args.storage}: not an Optuna journal (no study's operations in it); give the study's journal file"
+        )
     claim_outputs_in(args.out, claimed_files(), "--out", args.force, [args.storage])  # before the study is read
     try:  # a journal that is not Optuna's (another file, damaged bytes): one line, not its reader's traceback
         storage = open_storage(args.storage)

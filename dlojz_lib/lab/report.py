@@ -265,7 +265,9 @@ PLOT_SOFTWARE = "dlojz_lab.py compare"  # each figure's PNG Software entry: how 
 
 def claimed_files() -> dict:
     """{name: (kind, is_own)} of the files compare writes, as checks.claim_outputs_in takes them."""
-    files = {"compare.csv": ("a compare.csv of dlojz_lab.py compare", lambda path: starts_with(path, b"sweep,run,state"))}
+    files = {
+        "compare.csv": ("a compare.csv of dlojz_lab.py compare", lambda path: starts_with(path, b"sweep,run,state"))
+    }
     for name, _ in PLOTS:
         files[name] = ("a figure of dlojz_lab.py compare", lambda path: is_png_drawn_by(path, PLOT_SOFTWARE))
     return files

@@ -122,7 +122,6 @@ def test_force_replaces_a_file_but_never_an_input_or_a_device(trained_run, victi
 
 def test_a_command_replaces_its_own_output(trained_run, tiny_data, tmp_path, capsys):
     """Run twice to the same path: the second run replaces what the first wrote, which it knows by its content."""
-    checkpoint = str(sorted(trained_run.glob("ckpt_e*.pt"))[-1])
     image = str(sorted(Path(tiny_data).rglob("*.JPEG"))[0])
     out = tmp_path / "out"
     runs = {
@@ -223,7 +222,9 @@ def sweep(tmp_path):
     """A sweep folder whose one run has not started: compare writes its compare.csv and no figure."""
     folder = tmp_path / "runs" / "s"
     folder.mkdir(parents=True)
-    (folder / "sweep.json").write_text(json.dumps({"name": "s", "runs": [{"name": "r", "settings": {"b": "4"}, "argv": []}]}))
+    (folder / "sweep.json").write_text(
+        json.dumps({"name": "s", "runs": [{"name": "r", "settings": {"b": "4"}, "argv": []}]})
+    )
     return folder
 
 
@@ -345,7 +346,9 @@ def test_hpo_storage_is_a_study_s_or_new(small_study, tmp_path, capsys):
         path.write_bytes(victim)
         with pytest.raises(UserError, match="--storage .*victim: an existing file that is not an Optuna journal"):
             check_storage(str(path))
-        with pytest.raises(UserError, match="--storage \\(its SQLite file\\) .*: an existing file that is not a SQLite"):
+        with pytest.raises(
+            UserError, match="--storage \\(its SQLite file\\) .*: an existing file that is not a SQLite"
+        ):
             check_storage(f"sqlite:///{path}")
         assert path.read_bytes() == victim
     import sqlite3

@@ -400,7 +400,9 @@ def test_bad_inputs_are_one_line_errors(src, imagenet_src, reference, tmp_path, 
     assert f"is a pack of {src.resolve()}, not of SRC {imagenet_src.resolve()}" in run(imagenet_src, reference)
     assert "a complete pack of SRC in shards of 20000 bytes, not 1000000" in run(src, reference, "--shard-size", "1MB")
     (tmp_path / "notes.txt").write_text("mine")
-    assert f"SRC {tmp_path}/notes.txt: a file, not a folder; give the folder" in run(tmp_path / "notes.txt", tmp_path / "a")
+    assert f"SRC {tmp_path}/notes.txt: a file, not a folder; give the folder" in run(
+        tmp_path / "notes.txt", tmp_path / "a"
+    )
     assert f"SRC {tmp_path}/nowhere: no such folder; give the folder" in run(tmp_path / "nowhere", tmp_path / "a")
     assert {p.name: p.stat().st_mtime_ns for p in reference.iterdir()} == before
     # Something else next to a pack.

@@ -720,4 +720,7 @@ def test_a_peer_lost_during_start_up_is_one_line_too(tmp_path, monkeypatch, caps
     report_lost_peer(ranks, tmp_path, SimpleNamespace(global_step=7))
     err = capsys.readouterr().err
     assert "rank 1 (node1) stopped answering at step 7 (killed" in err
-    assert f"last checkpoint: {tmp_path}/ckpt_e0000_s000000007.pt; continue with --resume auto --output-dir {tmp_path}" in err
+    assert (
+        f"last checkpoint: {tmp_path}/ckpt_e0000_s000000007.pt; continue with --resume auto --output-dir {tmp_path}"
+        in err
+    )
