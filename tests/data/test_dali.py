@@ -256,7 +256,7 @@ def test_dali_writes_the_models_input_in_channels_last(tiny_data, flags, dtype):
     assert 0 <= plain.min() and plain.max() <= 1 and plain.max() > 0.5  # x / 255 alone: the flags reach DALI
 
 
-def dali_loaders_for(tiny_data, *flags):
+def dali_loaders_for(tiny_data, *flags, log=None):
     import dlojz_lib.data.loaders
     from dlojz_lib.dist import Distribution
     from dlojz_lib.settings.config import resolve_config
@@ -265,8 +265,9 @@ def dali_loaders_for(tiny_data, *flags):
     args = [*TINY, "--data-root", str(tiny_data), "--data-backend", "dali", "--num-workers", "1", *flags]
     cfg = resolve_config(get_args_parser().parse_args(args))
     ranks = Distribution(1, 0, 0, torch.device("cpu"))
-    train_set, val_set, classes = dlojz_lib.data.loaders.build_data(cfg, ranks, lambda line: None)
-    return cfg, dlojz_lib.data.loaders.build_loaders(cfg, train_set, val_set, len(classes), ranks, lambda line: None)
+    log = log or (lambda line: None)
+    train_set, val_set, classes = dlojz_lib.data.loaders.build_data(cfg, ranks, log)
+    return cfg, dlojz_lib.data.loaders.build_loaders(cfg, train_set, val_set, len(classes), ranks, log)
 
 
 def test_dali_pixels_match_the_pytorch_backends(tiny_data):
@@ -561,11 +562,18 @@ def test_a_batch_is_kept_until_the_step_that_reads_it_has_run():
 
 
 def test_dali_batches_hold_their_batches_on_a_gpu_only(tiny_data):
-    """On the CPU no stream runs behind the host: nothing is held; the first pipeline's memory is measured once."""
+    """On the CPU no stream runs behind the host: nothing is held. The run's log says the start-up line once, then
+    each pipeline's threads and memory at its first batch (measured once, not at each rebuild)."""
     lines = []
-    _, loaders = dali_loaders_for(tiny_data)
-    loaders.train.log = lines.append
-    next(iter(loaders.train))
-    assert loaders.train.lifetimes is None
-    assert loaders.train.memory_taken is not None and len(lines) == 1
-    assert lines[0].startswith("DALI training pipeline: 1 thread, took ") and "GPU memory" not in lines[0]
+    _, loaders = dali_loaders_for(tiny_data, "--dali-decode", "whole", log=lines.append)
+    said = [line for line in lines if line.startswith("DALI")]
+    assert len(said) == 1 and said[0].startswith("DALI: decoding on the CPU (no GPU); training 1 thread decoding")
+    assert "whole images, then the crop" in said[0]
+    for epoch in range(2):
+        loaders.start_epoch(epoch, 0)
+        list(loaders.train_batches)
+    list(loaders.val_batches)
+    assert loaders.train.lifetimes is None and loaders.train.memory_taken is not None
+    said = [line for line in lines if line.startswith("DALI ")]
+    assert [line.split(":")[0] for line in said] == ["DALI training pipeline", "DALI validation pipeline"], said
+    assert said[0].startswith("DALI training pipeline: 1 thread, took ") and "GPU memory" not in said[0]
