@@ -90,9 +90,9 @@ def predict_images(args) -> int:
     rows, unreadable, rate = predict(model, files, args.batch_size, device, amp, args.tta_flip, args.top_k, workers)
     write_csv(args.output, rows, min(args.top_k, len(model.classes)))
     skipped = f"; {unreadable} unreadable file(s) skipped (warnings above)" if unreadable else ""
+    speed = f"{rate:.0f} images/s after the first batch" if rate else "one batch: no rate past the first"
     print(
-        f"written: {args.output}, {len(rows)} images ({f'{rate:.0f}' if rate else 'n/a'} images/s on {device.type} "
-        f"after the first batch, {workers} decoding workers){skipped}",
+        f"written: {args.output}, {len(rows)} images ({speed}, on {device.type}, {workers} decoding workers){skipped}",
         flush=True,
     )
     return 0

@@ -39,10 +39,14 @@ PyTorch iterator does with this executor), so there is no host wait, no per-batc
 
 - `check_available()`: the one-line error when DALI is not installed; `check_decodable(dataset)`: one for a data
   set whose files are not all JPEG or PNG.
-- `dali_settings(data, num_workers, amp)`: the --dali-* flags, or their defaults from the task's CPUs (`DaliSettings`).
+- `dali_settings(data, num_workers, amp, on_gpu, size_hint)`: the --dali-* flags, or their defaults from the node
+  (`DaliSettings`: MLPerf's 6 training threads per GPU, validation's 3, the decode, the cache, the preallocation).
+- `sampled_sizes(dataset)`, `largest`, `cached_share`: images' sizes from their headers, for the hardware decoder's
+  preallocation and the cache's share of an epoch; `jpeg_engines(name)`: whether the GPU has JPEG engines.
 - `train_pipeline`, `val_pipeline`: the two DALI pipelines, fed by `SampleFeed`.
 - `DaliBatches(dataset, sampler, batch_size, make_pipeline, ...)`: an iterable of (images, labels) on the device, with
-  `len()` and `batch_size`, in place of the DataLoader + DevicePrefetcher.
+  `len()` and `batch_size`, in place of the DataLoader + DevicePrefetcher; `BatchLifetimes` keeps each batch until
+  the step that reads it has run on the device.
 """
 
 import collections

@@ -51,6 +51,7 @@ def test_predictions_are_eval_only_s(trained, tiny_data, tmp_path, capsys, name,
     status, rows, captured = predicted(tmp_path, capsys, run, tiny_data / "val", *flags)
     assert status == 0, captured.err
     assert "3 classes named by the checkpoint, validation's preprocessing (resize 18, crop 16" in captured.out
+    assert "15 images (one batch: no rate past the first, on cpu, 0 decoding workers)" in captured.out  # (-b 64)
     assert rows.keys() == evaluated[name].keys() and len(rows) == 15
     for image, row in rows.items():
         expected = evaluated[name][image]
