@@ -553,7 +553,7 @@ class DaliBatches:
                 self.log(
                     f"DALI {self.name} pipeline: {self.pipeline.num_threads} "
                     f"thread{'s' if self.pipeline.num_threads > 1 else ''}, took "
-                    + (f"{self.memory_taken[0] / 2**30:.2f} GiB of GPU memory and " if stream is not None else "")
-                    + f"{self.memory_taken[1] / 2**30:.2f} GiB of host memory (resident, pinned buffers included)"
+                    + (f"{self.memory_taken[0] / 2**20:,.0f} MiB of GPU memory and " if stream is not None else "")
+                    + f"{self.memory_taken[1] / 2**20:,.0f} MiB of host memory (resident, pinned buffers included)"
                 )
         return batch
