@@ -42,7 +42,8 @@ PyTorch iterator does with this executor), so there is no host wait, no per-batc
 - `dali_settings(data, num_workers, amp, on_gpu, size_hint)`: the --dali-* flags, or their defaults from the node
   (`DaliSettings`: MLPerf's 6 training threads per GPU, validation's 3, the decode, the cache, the preallocation).
 - `sampled_sizes(dataset)`, `largest`, `cached_share`: images' sizes from their headers, for the hardware decoder's
-  preallocation and the cache's share of an epoch; `jpeg_engines(name)`: whether the GPU has JPEG engines.
+  preallocation and the cache's share of an epoch; `jpeg_engines(name)`: whether the GPU has JPEG engines;
+  `start_line(settings, device_id, device_name)`: what DALI runs with, said once at start-up.
 - `train_pipeline`, `val_pipeline`: the two DALI pipelines, fed by `SampleFeed`.
 - `DaliBatches(dataset, sampler, batch_size, make_pipeline, ...)`: an iterable of (images, labels) on the device, with
   `len()` and `batch_size`, in place of the DataLoader + DevicePrefetcher; `BatchLifetimes` keeps each batch until
@@ -52,6 +53,7 @@ PyTorch iterator does with this executor), so there is no host wait, no per-batc
 import collections
 import copy
 import dataclasses
+import io
 import math
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -250,7 +252,6 @@ class DaliSettings:
     not."""
 
     threads: int
-    val_threads: int = 0  # 0: min(threads, VAL_THREADS)
     prefetch: int = 3
     decode: str = "roi"
     cache_mib: int = 0
@@ -261,6 +262,10 @@ class DaliSettings:
     pad_channels: bool = False
     mean: tuple = IMAGENET_MEAN
     std: tuple = IMAGENET_STD
+
+    @property
+    def val_threads(self) -> int:
+        return min(self.threads, VAL_THREADS)
 
 
 def dali_settings(data, num_workers, amp, on_gpu=False, size_hint=(0, 0)):
@@ -273,7 +278,6 @@ def dali_settings(data, num_workers, amp, on_gpu=False, size_hint=(0, 0)):
     threads = data.dali_threads or (min(GPU_THREADS, max(1, num_workers)) if on_gpu else max(1, num_workers))
     return DaliSettings(
         threads=threads,
-        val_threads=min(threads, VAL_THREADS),
         decode=data.dali_decode or ("whole" if data.dali_cache else "roi"),
         cache_mib=round(data.dali_cache * 1024) if data.dali_cache else 0,
         size_hint=tuple(size_hint),
@@ -304,26 +308,22 @@ def decoder_options(device_id, settings, training=True):
     return options
 
 
-def jpeg_engines(device_name):
-    """Whether the GPU named `device_name` (torch.cuda.get_device_name) has the JPEG engines nvJPEG's hardware
-    backend uses: True, or None (not known to: DALI then decodes on the SMs and the CPU threads)."""
-    words = device_name.replace("-", " ").split()
-    return True if any(word in JPEG_ENGINE_GPUS for word in words) else None
+def jpeg_engines(device_name) -> bool:
+    """Whether the GPU named `device_name` (torch.cuda.get_device_name) is known to have the JPEG engines nvJPEG's
+    hardware backend uses (False: not known to; DALI then decodes on the SMs and the CPU threads)."""
+    return any(word in JPEG_ENGINE_GPUS for word in device_name.replace("-", " ").split())
 
 
 def image_size(data):
-    """(width, height) from a JPEG's frame header or a PNG's IHDR in `data` (the file's first bytes), or None."""
-    if data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) >= 24:
-        return int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
-    at = 2 if data[:2] == b"\xff\xd8" else len(data)
-    while at + 9 <= len(data):
-        if data[at] != 0xFF:
-            return None
-        marker, length = data[at + 1], int.from_bytes(data[at + 2 : at + 4], "big")
-        if 0xC0 <= marker <= 0xCF and marker not in (0xC4, 0xC8, 0xCC):  # a start of frame: height, then width
-            return int.from_bytes(data[at + 7 : at + 9], "big"), int.from_bytes(data[at + 5 : at + 7], "big")
-        at += 2 + length
-    return None
+    """(width, height) from the header of the image whose first bytes are `data` (PIL reads the header, decodes
+    nothing), or None when they hold none it can read."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(io.BytesIO(data)) as image:
+            return image.size
+    except (UnidentifiedImageError, OSError, SyntaxError, Image.DecompressionBombError):
+        return None
 
 
 def sampled_sizes(dataset, sample=SIZE_HINT_SAMPLE, head=1 << 16):
@@ -362,12 +362,12 @@ def cached_share(cache_mib, sizes, images):
     return min(1.0, cache_mib * 2**20 / mean_bytes / images)
 
 
-def pipeline_options(batch_size, device_id, settings, seed, threads=None):
+def pipeline_options(batch_size, device_id, settings, seed, threads):
     """What both pipelines run with: the batch, the device, DALI's threads and prefetch depth, the seed, and DALI's
     dynamic executor (outputs bound to a CUDA stream, and shared with torch without a copy)."""
     return dict(
         batch_size=batch_size,
-        num_threads=threads or settings.threads,
+        num_threads=threads,
         device_id=device_id,
         seed=seed,
         prefetch_queue_depth=settings.prefetch,
@@ -405,7 +405,7 @@ def train_pipeline(source, batch_size, image_size, device_id, settings, seed):
     """RandomResizedCrop, then the flip folded into the normalisation."""
     from nvidia.dali import fn, pipeline_def, types
 
-    @pipeline_def(**pipeline_options(batch_size, device_id, settings, seed))
+    @pipeline_def(**pipeline_options(batch_size, device_id, settings, seed, settings.threads))
     def pipeline():
         encoded, labels = encoded_samples(source, getattr(source, "by_path", False))
         crop = dict(random_area=[0.08, 1.0], random_aspect_ratio=[3 / 4, 4 / 3], num_attempts=10)
@@ -437,6 +437,39 @@ def val_pipeline(source, batch_size, resize_size, crop_size, device_id, settings
         return images, labels.gpu() if device_id is not None else labels
 
     return pipeline()
+
+
+def start_line(settings, device_id, device_name):
+    """What DALI runs with, said once: where it decodes and with which decoder (the JPEG engines where the GPU is
+    known to have them), its threads, the training decode and buffers, the output."""
+    if device_id is None:
+        where = "the CPU (no GPU)"
+    elif settings.hw_decoder_load == 0:
+        where = f"the GPU ({device_name}: nvJPEG's CUDA decoder and the CPU threads, --dali-hw-decoder-load 0)"
+    elif jpeg_engines(device_name):
+        where = (
+            f"the GPU ({device_name}: its JPEG engines take {settings.hw_decoder_load:.0%}, nvJPEG's CUDA decoder "
+            "and the CPU threads the rest)"
+        )
+    else:
+        where = (
+            f"the GPU ({device_name}: not known to have JPEG engines, so nvJPEG's CUDA decoder and the CPU threads "
+            f"take all the images; --dali-hw-decoder-load {settings.hw_decoder_load:g} counts only where DALI finds "
+            "engines)"
+        )
+    decode = "the random crop's region" if settings.decode == "roi" else "whole images, then the crop"
+    buffers = ""
+    if device_id is not None:
+        hint = f"{settings.size_hint[0]}x{settings.size_hint[1]}" if all(settings.size_hint) else "DALI's default"
+        buffers = f", nvJPEG's training buffers sized once (hardware decoder preallocated at {hint})"
+    return (
+        f"DALI: decoding on {where}; training {settings.threads} thread{'s' if settings.threads > 1 else ''} "
+        f"decoding {decode}{buffers}, validation {settings.val_threads}; "
+        f"{settings.prefetch} batches ahead, training resize {'with' if settings.antialias else 'without'} "
+        f"antialiasing, {'float16' if settings.half else 'float32'} channels-last output"
+        f"{' padded to 4 channels' if settings.pad_channels else ''}; a resumed run continues at the same sample with "
+        "DALI's own crops"
+    )
 
 
 class BatchLifetimes:

@@ -356,6 +356,7 @@ def dali_loaders(cfg, train_set, val_set, train_sampler, ranks, log) -> Loaders:
         largest,
         leave_out_cut_short,
         sampled_sizes,
+        start_line,
         train_pipeline,
         val_pipeline,
     )
@@ -371,11 +372,7 @@ def dali_loaders(cfg, train_set, val_set, train_sampler, ranks, log) -> Loaders:
     sizes = sampled_sizes(train_set) if device_id is not None else []
     settings = dali_settings(data, cfg.num_workers, cfg.amp, device_id is not None, largest(sizes))
     seed = cfg.seed * 1_000 + ranks.data_rank
-    log(
-        dali_start_line(
-            settings, device_id, torch.cuda.get_device_name(ranks.device) if device_id is not None else None
-        )
-    )
+    log(start_line(settings, device_id, torch.cuda.get_device_name(ranks.device) if device_id is not None else None))
     if settings.cache_mib:
         share = cached_share(settings.cache_mib, sizes, len(train_sampler))
         log(
@@ -419,41 +416,6 @@ def dali_loaders(cfg, train_set, val_set, train_sampler, ranks, log) -> Loaders:
         len(val),
         len(val_set),
         *val_batches_per_rank(len(val_set), ranks.data_size, cfg.val_batch_size),
-    )
-
-
-def dali_start_line(settings, device_id, device_name):
-    """What DALI runs with, said once: where it decodes and with which decoder (the JPEG engines where the GPU is
-    known to have them), its threads, the training decode and buffers, the output."""
-    from dlojz_lib.data.dali import jpeg_engines
-
-    if device_id is None:
-        where = "the CPU (no GPU)"
-    elif settings.hw_decoder_load == 0:
-        where = f"the GPU ({device_name}: nvJPEG's CUDA decoder and the CPU threads, --dali-hw-decoder-load 0)"
-    elif jpeg_engines(device_name):
-        where = (
-            f"the GPU ({device_name}: its JPEG engines take {settings.hw_decoder_load:.0%}, nvJPEG's CUDA decoder "
-            "and the CPU threads the rest)"
-        )
-    else:
-        where = (
-            f"the GPU ({device_name}: not known to have JPEG engines, so nvJPEG's CUDA decoder and the CPU threads "
-            f"take all the images; --dali-hw-decoder-load {settings.hw_decoder_load:g} counts only where DALI finds "
-            "engines)"
-        )
-    decode = "the random crop's region" if settings.decode == "roi" else "whole images, then the crop"
-    buffers = ""
-    if device_id is not None:
-        hint = f"{settings.size_hint[0]}x{settings.size_hint[1]}" if all(settings.size_hint) else "DALI's default"
-        buffers = f", nvJPEG's training buffers sized once (hardware decoder preallocated at {hint})"
-    return (
-        f"DALI: decoding on {where}; training {settings.threads} thread{'s' if settings.threads > 1 else ''} "
-        f"decoding {decode}{buffers}, validation {settings.val_threads or settings.threads}; "
-        f"{settings.prefetch} batches ahead, training resize {'with' if settings.antialias else 'without'} "
-        f"antialiasing, {'float16' if settings.half else 'float32'} channels-last output"
-        f"{' padded to 4 channels' if settings.pad_channels else ''}; a resumed run continues at the same sample with "
-        "DALI's own crops"
     )
 
 

@@ -489,21 +489,20 @@ def test_whole_decode_reaches_the_training_pipeline(tiny_data):
 def test_the_start_up_line_says_the_decoder_threads_and_buffers():
     """Which decoder really runs: the JPEG engines on a GPU known to have them; elsewhere the line says that the
     hardware share does not apply (DALI would fall back without a word)."""
-    from dlojz_lib.data.dali import jpeg_engines
-    from dlojz_lib.data.loaders import dali_start_line
+    from dlojz_lib.data.dali import jpeg_engines, start_line
 
-    gpu = DaliSettings(6, val_threads=3, size_hint=(500, 375))
-    h100 = dali_start_line(gpu, 0, "NVIDIA H100 80GB HBM3")
+    gpu = DaliSettings(6, size_hint=(500, 375))
+    h100 = start_line(gpu, 0, "NVIDIA H100 80GB HBM3")
     assert "NVIDIA H100 80GB HBM3: its JPEG engines take 99%" in h100 and "training 6 threads" in h100
     assert "validation 3" in h100 and "preallocated at 500x375" in h100 and "the random crop's region" in h100
-    l40 = dali_start_line(gpu, 0, "NVIDIA L40S")
+    l40 = start_line(gpu, 0, "NVIDIA L40S")
     assert "not known to have JPEG engines" in l40 and "JPEG engines take" not in l40
-    assert "--dali-hw-decoder-load 0" in dali_start_line(DaliSettings(6, hw_decoder_load=0.0), 0, "NVIDIA H200")
-    cpu = dali_start_line(DaliSettings(2, decode="whole"), None, None)
+    assert "--dali-hw-decoder-load 0" in start_line(DaliSettings(6, hw_decoder_load=0.0), 0, "NVIDIA H200")
+    cpu = start_line(DaliSettings(2, decode="whole"), None, None)
     assert "the CPU (no GPU)" in cpu and "whole images, then the crop" in cpu and "preallocated" not in cpu
     names = ["NVIDIA A100-SXM4-80GB", "NVIDIA H200", "NVIDIA GH200 480GB", "NVIDIA B200", "NVIDIA A30"]
     assert [jpeg_engines(name) for name in names] == [True] * 5
-    assert [jpeg_engines(name) for name in ("Tesla V100-SXM2-32GB", "NVIDIA L4", "NVIDIA RTX A6000")] == [None] * 3
+    assert [jpeg_engines(name) for name in ("Tesla V100-SXM2-32GB", "NVIDIA L4", "NVIDIA RTX A6000")] == [False] * 3
 
 
 def test_size_hints_and_the_cache_share_come_from_the_images_headers(tiny_data, tmp_path):
