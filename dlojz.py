@@ -298,7 +298,7 @@ def train_one_epoch(
         loss, accuracy = forward_backward(model, training, images, targets, cfg.grad_acc, hooks, stop, optimizer_step)
         if optimizer_step:
             with hooks.phase("optimizer_step"):  # (frozen layers dropped, clip, scaler step, zero_grad, EMA)
-                step_optimizer(model, training, cfg.clip_grad_norm, state.global_step + 1)
+                step_optimizer(model, training, training.clip_grad_norm, state.global_step + 1)
         state.batch += 1
         hooks.step_done()
         if not optimizer_step:

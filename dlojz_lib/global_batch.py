@@ -56,18 +56,26 @@ def fit_global_batch(cfg, world_size, log):
             f"--global-batch {target}: this job has {world_size} ranks, more than the images of a step; "
             f"give a --global-batch of at least {world_size}, or fewer ranks"
         )
-    per_rank, grad_acc = split_global_batch(target, world_size, cfg.batch_size)
+    if cfg.pp > 1:  # the schedule's micro-batches accumulate in place of --grad-acc: -b takes the whole step
+        per_rank, grad_acc = pipeline_split(target, world_size, cfg.pp_microbatches), 1
+    else:
+        per_rank, grad_acc = split_global_batch(target, world_size, cfg.batch_size)
     actual = world_size * per_rank * grad_acc
     rule = cfg.lr_scaling or "linear"
     lr, min_lr = cfg.lr, cfg.min_lr
     lines = [
         f"--global-batch {target}: fitted to {world_size} rank{'s' if world_size > 1 else ''} "
-        f"(--batch-size {cfg.batch_size} is the most a rank holds at once):",
+        + (
+            f"(--batch-size {cfg.batch_size} is the most a rank holds at once):"
+            if cfg.pp == 1
+            else f"of data (--pp {cfg.pp}: each step's batch in --pp-microbatches {cfg.pp_microbatches}, which "
+            "accumulate in place of --grad-acc):"
+        ),
         f"  {world_size} x {per_rank} images x --grad-acc {grad_acc} = {actual} images a step"
         + (
             ", as given"
             if actual == target
-            else f", the nearest to {target} ({inexact_why(target, world_size, cfg.batch_size)})"
+            else f", the nearest to {target} ({inexact_why(target, world_size, cfg.batch_size, cfg.pp_microbatches)})"
         ),
     ]
     if per_rank != cfg.batch_size:
@@ -100,9 +108,17 @@ def fit_global_batch(cfg, world_size, log):
     )
 
 
-def inexact_why(global_batch, world_size, most_per_rank):
+def pipeline_split(global_batch, world_size, microbatches):
+    """A pipeline's batch per data replica for `global_batch` images a step over `world_size` replicas: one step of
+    the schedule takes it whole, in `microbatches` equal micro-batches (a multiple of them, the nearest)."""
+    return max(microbatches, round(global_batch / (world_size * microbatches)) * microbatches)
+
+
+def inexact_why(global_batch, world_size, most_per_rank, microbatches=None):
     if global_batch % world_size:
         return f"not a multiple of {world_size} ranks"
+    if microbatches is not None:
+        return f"{global_batch // world_size} images per rank do not split into --pp-microbatches {microbatches}"
     return f"{global_batch // world_size} images per rank have no exact split into micro-batches of at most {most_per_rank}"
 
 

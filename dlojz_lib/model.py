@@ -223,7 +223,15 @@ class CheckpointedStage:
     selective = False
 
     def forward(self, *inputs):
-        forward = super().forward
+        return recomputed(super().forward, self, self.selective)(*inputs)
+
+
+def recomputed(forward, module, selective=False):
+    """`forward` (of `module`, or of a part of it) whose activations are recomputed in the backward instead of being
+    kept (PyTorch's non-reentrant checkpoint; `selective`: all but its costly ops' outputs), the recomputation run
+    with `module`'s BatchNorm statistics frozen (running_stats_frozen): a batch counted once."""
+
+    def run_checkpointed(*inputs):
         if not torch.is_grad_enabled():
             return forward(*inputs)
         calls = 0
@@ -233,11 +241,13 @@ class CheckpointedStage:
             calls += 1
             if calls == 1:
                 return forward(*args)
-            with running_stats_frozen(self):  # the recomputation in the backward: same batch statistics, no update
+            with running_stats_frozen(module):  # the recomputation in the backward: same batch statistics, no update
                 return forward(*args)
 
-        context = dict(context_fn=selective_checkpoint_context) if self.selective else {}
+        context = dict(context_fn=selective_checkpoint_context) if selective else {}
         return torch.utils.checkpoint.checkpoint(run, *inputs, use_reentrant=False, **context)
+
+    return run_checkpointed
 
 
 @contextlib.contextmanager
@@ -258,14 +268,16 @@ def running_stats_frozen(module):
             norm.momentum, norm.num_batches_tracked = momentum, count
 
 
-def enable_grad_checkpointing(model, arch):
+def enable_grad_checkpointing(model, arch, blocks=()):
     """Recompute each stage's activations in the backward instead of keeping them (ResNet-like layer1..4, or the
-    children of `.features`). Only the stages' classes change: parameters and checkpoint keys stay, copies work.
-    Other timm models (vision transformers, CoAtNet...) use their own `set_grad_checkpointing`, which does not
-    freeze BatchNorm's running statistics in the recomputation (the transformers have none)."""
+    children of `.features`, else `blocks`: a model family's, e.g. a ViT's or a CoAtNet's). Only the stages' classes
+    change: parameters and checkpoint keys stay, copies work. Other timm models use their own
+    `set_grad_checkpointing`, which does not freeze BatchNorm's running statistics in the recomputation (a
+    CoAtNet's convolutional blocks counted each batch twice: hence its family's blocks first)."""
     stages = [getattr(model, name) for name in ("layer1", "layer2", "layer3", "layer4") if hasattr(model, name)]
     if not stages and isinstance(getattr(model, "features", None), torch.nn.Sequential):
         stages = list(model.features)
+    stages = stages or list(blocks)
     if not stages and hasattr(model, "set_grad_checkpointing"):  # other timm models: their own block checkpointing
         model.set_grad_checkpointing(True)
         return

@@ -9,6 +9,12 @@ Imports are inside the functions: importing this module imports no torch.
   (`torch.distributed.checkpoint._nested_dict`), so that keys match what DCP wrote.
 - `schedule_stages(schedule)`, `schedule_microbatches(schedule)`: a pipelining schedule's stages (`_stage`, or
   `_stages` for the looped schedules) and its micro-batch count (`_n_microbatches`).
+- `init_optimizer_state(optimizer)`: a fresh optimizer's state and the settings its first step adds to a group
+  (LAMB's tensor `step`), as DCP's own loading makes them (`state_dict._init_optim_state`: one step of zero
+  gradients at a learning rate of 0).
+- `allow_recompiles(count)`: torch.compile's graphs a code object may hold raised to `count` at least
+  (`torch._dynamo.config.recompile_limit`, 8 by default: a ResNet's blocks share one forward at 7 shapes, each in
+  training and validation).
 - `warm_compile_workers()`: start torch.compile's worker pool now (`torch._inductor.async_compile.AsyncCompile`).
 - `shutdown_loader_workers(loader)`: a DataLoader's persistent workers stopped now (`_iterator._shutdown_workers`).
 - `batch_norm_base()`: the class every BatchNorm (1d, 2d, 3d, SyncBatchNorm) derives from (`_BatchNorm`).
@@ -61,6 +67,18 @@ def schedule_stages(schedule):
 
 def schedule_microbatches(schedule):
     return schedule._n_microbatches
+
+
+def init_optimizer_state(optimizer):
+    from torch.distributed.checkpoint.state_dict import _init_optim_state
+
+    _init_optim_state(optimizer)
+
+
+def allow_recompiles(count):
+    import torch._dynamo
+
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, count)
 
 
 def warm_compile_workers():

@@ -126,3 +126,17 @@ def test_a_run_keeps_the_global_batch_on_one_and_two_ranks(tiny_data, tmp_path, 
     acc = f" x --grad-acc {grad_acc}" if grad_acc > 1 else " x --grad-acc 1"
     assert f"{ranks} x {batch} images{acc} = 16 images a step, as given" in proc.stdout
     assert proc.stdout.count("--global-batch 16: fitted to") == 1
+
+
+@pytest.mark.parametrize("target, replicas, per_rank", [(64, 2, 32), (64, 1, 64), (60, 2, 32)])
+def test_under_pp_the_global_batch_is_one_step_of_the_schedule_without_grad_acc(target, replicas, per_rank):
+    """--pp accumulates its micro-batches in the schedule, and refuses --grad-acc: --global-batch fits -b (a
+    multiple of --pp-microbatches, the nearest where the replicas cannot make it exactly) with --grad-acc 1."""
+    cfg = resolve("--global-batch", target, "-b", 8, "--fsdp", "--pp", 2, "--lr", 0.1)
+    run, block = fitted(cfg, replicas)
+    assert (run.batch_size, run.grad_acc) == (per_rank, 1), block
+    assert run.batch_size % cfg.pp_microbatches == 0
+    assert f"{replicas} x {per_rank} images x --grad-acc 1 = {replicas * per_rank} images a step" in block
+    assert "each step's batch in --pp-microbatches 4, which accumulate in place of --grad-acc" in block
+    if replicas * per_rank != target:
+        assert "30 images per rank do not split into --pp-microbatches 4" in block and run.lr != cfg.lr

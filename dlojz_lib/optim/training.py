@@ -37,6 +37,7 @@ class Training:
     # the clip and the float16 scaler, so that neither the norm nor the overflow check counts them
     drop_frozen_gradients: object = None
     teacher: object = None  # --teacher: images -> its logits, which the criterion (a DistillationLoss) then takes
+    clip_grad_norm: float | None = None  # the global norm the loop clips the gradients to (--clip-grad-norm)
 
 
 def build_losses(training, class_counts, device, log):
@@ -149,6 +150,7 @@ def build_training(cfg, model, n_train_batches, num_classes, ranks, log, class_c
     scheduler, lr_finder = build_schedule(cfg, optimizer, steps_per_epoch, total_steps)
     if model.ema is not None and cfg.model_ema_warmup_copy:  # torchvision's: the EMA follows the warm-up's weights
         model.ema.copy_updates = warmup_steps(cfg.section("optimizer"), steps_per_epoch) // model.ema.every
+    clip = split_model_clip(optimizer, model, cfg.clip_grad_norm, log)
     drop_frozen_gradients = None
     if cfg.freeze_backbone_epochs:
         drop_frozen_gradients = freeze_backbone(optimizer, scheduler, cfg.freeze_backbone_epochs * steps_per_epoch)
@@ -169,4 +171,21 @@ def build_training(cfg, model, n_train_batches, num_classes, ranks, log, class_c
         total_steps,
         drop_frozen_gradients,
         teacher,
+        clip,
     )
+
+
+def split_model_clip(optimizer, model, clip_grad_norm, log):
+    """The global norm the loop clips to: --clip-grad-norm, and under --pp or --tp also an optimizer's own global
+    clip (LAMB's max_grad_norm), which would see this rank's stage or shard alone: taken out of the optimizer, into
+    the model's clip across the stages and shards (clipping to c, then to m, is clipping to min(c, m))."""
+    own = optimizer.defaults.get("max_grad_norm")
+    if own is None or (getattr(model, "pipeline", None) is None and not getattr(model, "tensor_parallel", False)):
+        return clip_grad_norm
+    optimizer.defaults["max_grad_norm"] = None
+    clip = own if clip_grad_norm is None else min(clip_grad_norm, own)
+    log(
+        f"the optimizer's own clip of the global gradient norm ({own:g}) is the model's across its stages and "
+        f"shards: the gradients clipped to {clip:g}"
+    )
+    return clip

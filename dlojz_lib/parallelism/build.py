@@ -34,6 +34,7 @@ from dlojz_lib.parallelism.pipeline import (
     time_layers,
 )
 from dlojz_lib.settings.flags import CUDA_GRAPH_MODES
+from dlojz_lib.torch_internals import allow_recompiles
 
 
 @dataclasses.dataclass
@@ -160,8 +161,8 @@ def build_model(cfg, num_classes, ranks, log) -> Model:
         module = module.to(ranks.device)
     if cfg.channels_last:
         module = module.to(memory_format=torch.channels_last)
-    if cfg.activation_checkpointing == "full" and cfg.ac_every == 1:
-        enable_grad_checkpointing(module, cfg.arch)
+    if cfg.activation_checkpointing == "full" and cfg.ac_every == 1 and cfg.pp == 1:
+        enable_grad_checkpointing(module, cfg.arch, [block for _, block in families.blocks_of(module) or ()])
     elif cfg.activation_checkpointing != "none" and cfg.pp == 1:  # (--pp: each stage recomputes its own layers)
         checkpoint_blocks(checkpointed_blocks(module, cfg.arch), cfg.activation_checkpointing, cfg.ac_every)
     log(f"model: {cfg.arch}, {sum(p.numel() for p in module.parameters()):,} parameters")
@@ -238,8 +239,12 @@ def compile_blocks(blocks, mode) -> str:
     and PP: the parallel plan's and FSDP's hooks run around the graphs, not in them, and blocks of the same code
     compile once. Returns the line that says so."""
     start_compile_workers()  # deaf to Slurm's preemption signal, which this process handles
+    # static shapes: a CNN's blocks share their code at several shapes (a ResNet's four stages), and one graph
+    # with symbolic shapes for all of them fails to compile its backward; a graph for each shape instead, each in
+    # training and validation (grad mode, BatchNorm's mode): up to 4 a block
+    allow_recompiles(4 * len(blocks))
     for block in blocks:
-        block.forward = torch.compile(block.forward, mode=mode, fullgraph=True)
+        block.forward = torch.compile(block.forward, mode=mode, fullgraph=True, dynamic=False)
     n = len(blocks)
     return f"torch.compile: each of {n} block{'s' if n != 1 else ''} (fullgraph, mode {mode or 'default'}), around them eager"
 
@@ -318,8 +323,12 @@ def build_pipeline_model(cfg, module, ema, num_classes, ranks, log) -> Model:
             parallelize(stage, ranks.mesh["tensor"], cfg.arch)
         if cfg.compile:  # each of the stage's blocks, between the plan and FSDP
             compiled.append(compile_blocks(held_blocks(stage, block_paths), cfg.compile_mode))
+        # the stage's units are the family's blocks it holds (a Stage is of no family: no guess from class names)
+        units = held_blocks(stage, block_paths)
         blocks.append(
-            shard_model(stage, cfg.fsdp_reshard_after_forward, cfg.amp_torch_dtype, ranks.device, ranks.mesh["data"])
+            shard_model(
+                stage, cfg.fsdp_reshard_after_forward, cfg.amp_torch_dtype, ranks.device, ranks.mesh["data"], units
+            )
         )
 
     per_rank = cfg.pp_stages_per_rank if SCHEDULES[cfg.pp_schedule][1] else 1

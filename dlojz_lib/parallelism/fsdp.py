@@ -70,17 +70,18 @@ def sharding_units(module):
     return units
 
 
-def shard_model(module, reshard_after_forward, param_dtype, device, mesh=None):
+def shard_model(module, reshard_after_forward, param_dtype, device, mesh=None, units=None):
     """Shard `module` in place across the process group's ranks (each block, then the root), or across `mesh` (with
     --tp, the data dimension of the (data, tensor) mesh: 2-D). Its parameters become DTensors holding this rank's
     shard, on `device`; `param_dtype`: what the gathered weights are cast to (the AMP dtype, or None: as held).
-    Returns the number of blocks."""
+    `units`: the blocks to shard one by one (a pipeline stage's, which its family names on the whole model), or
+    None: `sharding_units(module)`. Returns the number of blocks."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mesh = mesh if mesh is not None else init_device_mesh(device.type, (dist.get_world_size(),))
     precision = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
-    units = sharding_units(module)
+    units = sharding_units(module) if units is None else [u for u in units if any(True for _ in u.parameters())]
     for unit in units:
         fully_shard(unit, mesh=mesh, mp_policy=precision, reshard_after_forward=reshard_after_forward)
     # The root's own parameters (stem, head) are needed again at once by the backward: kept gathered.
@@ -379,7 +380,11 @@ def set_optimizer_state(module, optimizer, state):
     flat = "param_groups" not in state  # saved parameter by parameter (--pp)
     options = StateDictOptions(strict=False, flatten_optimizer_state_dict=flat)
     if flat:  # torch reads back only the settings a group already has: the others (a schedule's max_lr,
-        # initial_lr ..., in a group built without its schedule) get a place first
+        # initial_lr ..., in a group built without its schedule) get a place first, once the optimizer's first step
+        # has made its own (LAMB's tensor step: a None in its place would be stepped)
+        from dlojz_lib.torch_internals import init_optimizer_state
+
+        init_optimizer_state(optimizer)
         names = {id(parameter): name for name, parameter in module.named_parameters()}
         for group in optimizer.param_groups:
             first = names.get(id(group["params"][0])) if group["params"] else None

@@ -27,6 +27,7 @@ micro-batches flowing through them; the price is the bubble, the time a stage wa
   layer pauses, twice as long in its backward): the bubble's formula seen on a laptop (bench/pipeline_bubble.py).
 """
 
+import contextlib
 import copy
 import hashlib
 import itertools
@@ -229,6 +230,7 @@ class Stage(nn.Module):
     def __init__(self, model, layers, first, last, recompute=False, seed=None, index=0, every=1):
         super().__init__()
         self.seed, self.index, self.calls = seed, index, 0
+        self.numbered = None  # the draws of the micro-batch the schedule runs now (number_forwards), else None
         mine = range(first, last)
         prune(model, lambda path: owner(path, layers) in mine)
         for name, child in model._modules.items():
@@ -245,13 +247,11 @@ class Stage(nn.Module):
         model._parameters, model._buffers = self._parameters, self._buffers
         self.runs = [layer.run for layer in layers[first:last]]
         if recompute not in (False, "none"):
-            from torch.utils.checkpoint import checkpoint
+            from dlojz_lib.model import recomputed
 
-            from dlojz_lib.model import selective_checkpoint_context
-
-            context = dict(context_fn=selective_checkpoint_context) if recompute == "selective" else {}
+            # the recomputation leaves BatchNorm's statistics as the forward left them: a micro-batch counted once
             self.runs = [
-                (lambda x, run=run: checkpoint(run, x, use_reentrant=False, **context)) if k % every == 0 else run
+                recomputed(run, model, selective=recompute == "selective") if k % every == 0 else run
                 for k, run in enumerate(self.runs)
             ]
         self.names = [layer.name for layer in layers[first:last]]
@@ -260,10 +260,12 @@ class Stage(nn.Module):
     def forward(self, x):
         if self.seed is None or not self.training:
             return self.run_layers(x)
+        # a forward the schedule does not number (torch's shape inference after an eval -> train switch) draws as
+        # the next micro-batch will, and moves no count
+        number = self.calls if self.numbered is None else self.numbered
         devices = [x.device] if x.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices):  # the generators as they were, once the stage has drawn
-            torch.manual_seed(stage_seed(self.seed, self.index, self.calls))
-            self.calls += 1
+            torch.manual_seed(stage_seed(self.seed, self.index, number))
             return self.run_layers(x)
 
     def run_layers(self, x):
@@ -274,12 +276,32 @@ class Stage(nn.Module):
         return x.contiguous()  # the next stage's input (a layer may end on a transposed view: a family's stem)
 
     def seek(self, calls):
-        """Go on as after `calls` training forwards (a resumed run: its steps x the micro-batches)."""
+        """Go on as after `calls` training forwards of micro-batches (a resumed run: its steps x the micro-batches)."""
         self.calls = calls
 
     def train(self, mode=True):
         self.model.train(mode)  # the dropped parts' flags too, as the layers' forwards may read the model's
         return super().train(mode)
+
+
+def number_forwards(pipeline_stage, stage):
+    """The training forwards the schedule runs through `pipeline_stage` (one a micro-batch: `forward_one_chunk`)
+    numbered in `stage`'s count, the draws of each a function of (step, micro-batch); a forward the schedule runs
+    for its own ends (shape inference after every eval -> train switch, which a resumed run need not repeat) is
+    not counted."""
+    forward = pipeline_stage.forward_one_chunk
+
+    def numbered(*args, **kwargs):
+        if not stage.training:
+            return forward(*args, **kwargs)
+        stage.numbered = stage.calls
+        stage.calls += 1
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            stage.numbered = None
+
+    pipeline_stage.forward_one_chunk = numbered  # this stage's own: the schedule calls it
 
 
 class RankStages(nn.Module):
@@ -365,6 +387,21 @@ def is_meta(module) -> bool:
     return any(tensor.is_meta for tensor in itertools.chain(module.parameters(), module.buffers()))
 
 
+@contextlib.contextmanager
+def state_kept(model, device):
+    """A forward the training loop does not own (timing) in training mode, as the run will train: afterwards the
+    model's buffers (BatchNorm's statistics and counts) and the random generators (drop-path's draws) are as they
+    were before it, as torch's own shape inference leaves them."""
+    kept = [(buffer, buffer.detach().clone()) for buffer in model.buffers()]
+    try:
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            yield
+    finally:
+        with torch.no_grad():
+            for buffer, value in kept:
+                buffer.copy_(value)
+
+
 def time_layers(model, arch, sample, device, autocast_dtype=None) -> list:
     """Each layer's forward time on `sample` (a micro-batch in the run's memory format, under autocast to
     `autocast_dtype` when given), measured on this rank and summed over the world: every rank of the world must cut
@@ -374,7 +411,10 @@ def time_layers(model, arch, sample, device, autocast_dtype=None) -> list:
     if is_meta(model):
         seconds = [0.0] * len(layers)
     else:  # (no cache of the weights' casts: each layer's weights leave the device once timed)
-        with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None, cache_enabled=False):
+        with (
+            torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None, cache_enabled=False),
+            state_kept(model, device),
+        ):
             seconds = layer_seconds(model, layers, sample.to(device))  # (the model stays where it is)
     seconds = torch.tensor(seconds, dtype=torch.float64, device=device)
     if torch.distributed.is_initialized():
@@ -426,6 +466,7 @@ def build_pipeline(
             wrap(module)
         modules.append(module)
         stages.append(pipelining.PipelineStage(module, index, total, device, group=group))
+        number_forwards(stages[-1], module)
 
     def loss_share(outputs, targets):  # this micro-batch's share of the step's mean loss
         return loss_fn(outputs, targets) / microbatches

@@ -260,6 +260,14 @@ def check_speed(values):
         fail(f"--hang-timeout {values['hang_timeout']:g}: at least 5 seconds (the ranks beat every few), or 0 (off)")
 
 
+# torch infers a pipeline stage's shapes again only after an eval -> train switch: a new resolution between two
+# validations sends activations of another size than the next stage's buffers (gloo aborts; NCCL need not notice)
+PIPELINE_RESIZING = (
+    "the stages send activations of the shape they inferred at the first step, and progressive resizing changes it; "
+    "train at one --image-size"
+)
+
+
 def check_pipeline(values):
     """--pp: what composes with the pipeline in dlojz.py, and the micro-batches."""
     pp, split = values["pp"], values["pp_split"]
@@ -290,6 +298,7 @@ def check_pipeline(values):
     refused = {
         "sequence_parallel": (values["sequence_parallel"], "the stages send whole activations, not token shards"),
         "loader_only": (values["loader_only"], "--loader-only does not build the model"),
+        "min_res": (values["min_res"] is not None, PIPELINE_RESIZING),
         "mixup_alpha": (
             values["mixup_alpha"] > 0 or values["cutmix_alpha"] > 0,
             "the first and last stages would have to mix alike",

@@ -102,7 +102,7 @@ def test_a_stage_recomputes_its_layers_in_the_backward_to_the_same_gradients():
 def test_each_stage_draws_its_own_random_numbers_and_its_peers_the_same():
     """Ranks are seeded alike: without a seed per stage, stage 1's stochastic-depth masks would repeat stage 0's.
     Two stages of the same layers (as two ranks run them, each from the run's seed): other masks on stage 1, the
-    same on a stage's peer (a tensor peer, another replica), another at each forward, none in eval mode, the
+    same on a stage's peer (a tensor peer, another replica), another at each numbered forward, none in eval mode, the
     process's generator left as it was, and a stage sought to a step draws what it drew there."""
     from timm.layers import DropPath
 
@@ -110,21 +110,113 @@ def test_each_stage_draws_its_own_random_numbers_and_its_peers_the_same():
         model = torch.nn.Sequential(torch.nn.Identity(), DropPath(0.5), DropPath(0.5), torch.nn.Identity())
         return Stage(model, pipeline_layers(model), 1, 3, seed=7, index=index)
 
-    def masks(stage, forwards=1):
+    def masks(stage, numbers=(0,)):
         torch.manual_seed(7)  # each rank's generator, as the run seeds it
         before = torch.get_rng_state()
-        drawn = [stage(torch.ones(64, 1)).flatten() for _ in range(forwards)]
+        drawn = []
+        for number in numbers:  # the micro-batches' forwards, as the schedule numbers them (number_forwards)
+            stage.seek(number)
+            drawn.append(stage(torch.ones(64, 1)).flatten())
         assert torch.equal(torch.get_rng_state(), before)  # the data's and the schedule's draws unchanged
         return drawn
 
-    first, peer, second = masks(stage(0), 2), masks(stage(0), 2), masks(stage(1), 2)
+    first, peer, second = masks(stage(0), (0, 1)), masks(stage(0), (0, 1)), masks(stage(1), (0, 1))
     assert torch.equal(first[0], peer[0]) and torch.equal(first[1], peer[1])  # peers alike
     assert not torch.equal(first[0], second[0]) and not torch.equal(first[0], first[1])
     resumed = stage(0)
-    resumed.seek(1)
-    assert torch.equal(masks(resumed)[0], first[1])
+    assert torch.equal(masks(resumed, (1,))[0], first[1])
+    again = stage(0)  # a forward the schedule does not number (shape inference) draws as the next, and counts none
+    assert torch.equal(masks(again, (1,))[0], first[1]) and again.calls == 1
     evaluated = stage(0).eval()
     assert torch.equal(masks(evaluated)[0], torch.ones(64))
+
+
+@pytest.mark.parametrize("recompute", [True, "selective"])
+def test_a_stage_s_recomputation_counts_each_micro_batch_once_in_batch_norm(recompute):
+    """--activation-checkpointing under --pp on a BatchNorm model: the stage's recomputation in the backward leaves
+    the running statistics and the batch count as the forward left them, as a stage that keeps its activations."""
+    model = small_model("resnet18")
+    images = torch.randn(4, 3, 32, 32, generator=torch.Generator().manual_seed(2))
+    states = []
+    for mode in (False, recompute):
+        copied = copy.deepcopy(model)
+        stage = Stage(copied, pipeline_layers(copied, "resnet18"), 0, 4, mode)
+        for _ in range(2):
+            stage(images).square().sum().backward()
+        states.append({name: buffer.clone() for name, buffer in stage.named_buffers()})
+    assert states[0]["bn1.num_batches_tracked"] == 2
+    for name, value in states[0].items():
+        torch.testing.assert_close(states[1][name], value, rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.parametrize("arch", ["resnet18", "timm:test_vit"])
+def test_timing_the_layers_changes_no_state(arch):
+    """--pp-split time's timing forwards (training mode, as the run trains) leave the model's buffers (BatchNorm's
+    statistics and counts: a fine-tuned model's published ones) and the random generators (drop-path) as they were."""
+    from dlojz_lib.parallelism.pipeline import time_layers
+
+    torch.manual_seed(0)
+    model = create_model(arch, 3, False, 32, 0.3 if "vit" in arch else None)
+    before = {name: value.clone() for name, value in model.state_dict().items()}
+    sample = torch.randn(4, 3, 32, 32) + 3
+    rng = torch.get_rng_state()
+    time_layers(model, arch, sample, torch.device("cpu"))
+    assert torch.equal(torch.get_rng_state(), rng)
+    for name, value in model.state_dict().items():
+        torch.testing.assert_close(value, before[name], rtol=0, atol=0, msg=name)
+
+
+def draws_on_rank(rank, world, store_path, results):
+    """One of 2 ranks: a drop-path ViT through the schedule (4 micro-batches a step), 2 steps, a validation, 2
+    steps; then a second pipeline sought to step 2 (a resumed run), a validation, 2 steps: the draw numbers each
+    micro-batch's forward seeds from."""
+    import torch.distributed as dist
+
+    from dlojz_lib.parallelism import pipeline
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
+    drawn = []
+    seeded = pipeline.stage_seed
+    pipeline.stage_seed = lambda seed, index, number: drawn.append(number) or seeded(seed, index, number)
+    try:
+        found = []
+        for resumed in (False, True):
+            torch.manual_seed(0)
+            model = create_model("timm:test_vit", 3, False, 32, 0.3)
+            runner, stages = build_pipeline(model, "timm:test_vit", rank, world, "1f1b", 4,
+                                            torch.nn.functional.cross_entropy, torch.device("cpu"), seed=3)  # fmt: skip
+            data = torch.Generator().manual_seed(1)
+            for step in range(2, 4) if resumed else range(4):
+                if resumed and step == 2:
+                    stages[0].seek(2 * 4)
+                if step == 2:  # a validation between two steps: torch infers the shapes again after it
+                    stages[0].eval()
+                    pipeline_eval(runner, rank, world, torch.randn(8, 3, 32, 32), 8)
+                    stages[0].train()
+                images, labels = torch.randn(8, 3, 32, 32, generator=data), torch.randint(0, 3, (8,), generator=data)
+                del drawn[:]
+                pipeline_step(runner, rank, world, images, labels)
+                found.append((resumed, step, list(drawn)))
+        results.put((rank, found))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.multirank
+def test_a_stage_draws_by_step_and_micro_batch_whatever_validations_ran(tmp_path):
+    """The schedule runs a training forward of its own to infer shapes after every eval -> train switch: a stage
+    counting forwards drew one number ahead after a validation, and a run resumed past one drew otherwise than the
+    uninterrupted run. Each micro-batch's forward draws by (step, micro-batch): 4 a step, the same resumed."""
+    from conftest import spawn_ranks
+
+    for rank, found in spawn_ranks(draws_on_rank, 2, tmp_path):
+        scheduled = {}
+        for resumed, step, drawn in found:
+            assert drawn[-4:] == [4 * step + k for k in range(4)], (rank, resumed, step, drawn)
+            scheduled[resumed, step] = drawn[-4:]
+        assert scheduled[True, 2] == scheduled[False, 2] and scheduled[True, 3] == scheduled[False, 3]
 
 
 def test_the_cut_balances_the_largest_stage():
@@ -614,6 +706,11 @@ def test_a_pp_run_stopped_mid_epoch_resumes_to_the_same_weights(runs, tiny_data,
             ["--pp-microbatches 5: --pp-schedule interleaved over --pp 2 runs them in 2 rounds", "(e.g. 2)"],
         ),
         (["--pp", "2", "--fsdp", "--no-drop-last"], 1, ["--pp 2 with --no-drop-last"]),
+        (  # gloo's "Received data size doesn't match" at the first step of a new resolution (NCCL: undefined)
+            ["--pp", "2", "--fsdp", "--min-res", "32", "--max-res", "48", "--end-ramp", "1"],
+            1,
+            ["--pp 2 with --min-res: the stages send activations of the shape", "drop one of them"],
+        ),
         (["--pp", "2", "--fsdp", "--tp", "2", "--sequence-parallel"], 1, ["--pp 2 with --sequence-parallel"]),
         (["--pp", "2", "--fsdp", "--tp", "2"], 2, ["--pp 2 x --tp 2 = 4: this job has 2 rank(s), not a multiple of 4"]),
         (["--pp", "3", "--fsdp", "--pp-microbatches", "4"], 4, ["--pp 3: this job has 4 rank(s), not a multiple of 3"]),
