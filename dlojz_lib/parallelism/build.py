@@ -266,9 +266,10 @@ def whole_copies(distribution, module, ranks):
     their copies compared)."""
     if distribution.tp == 1:
         return None
-    from dlojz_lib.parallelism.tensor import WholeCopies
+    from dlojz_lib.parallelism.tensor import WholeCopies, token_sharded_weights
 
-    return WholeCopies(module, ranks.mesh["tensor"], distribution.check_replicas, ranks.all_gather)
+    summed = token_sharded_weights(module) if distribution.sequence_parallel else ()
+    return WholeCopies(module, ranks.mesh["tensor"], distribution.check_replicas, ranks.all_gather, summed)
 
 
 def check_micro_batches(module, arch, batch_size, grad_acc, pp, microbatches):

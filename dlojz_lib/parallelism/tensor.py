@@ -22,15 +22,18 @@ projections, as Linear layers or as 1x1 convolutions over NCHW maps):
   (one all-reduce of their few weights), and compares the copies' checksums (--check-replicas).
 Each block costs two all-reduces of its activations in the forward, and two in the backward (q, k and v read one
 DTensor input: their three input gradients are summed before one all-reduce); with sequence parallelism, two
-all-gathers and two reduce-scatters each way (`BLOCK_COLLECTIVES`, counted by the tests).
+all-gathers and two reduce-scatters each way (`BLOCK_COLLECTIVES`, counted by the tests), the norms' gradients
+(parts of a sum, one a rank's tokens) added up in the whole weights' one all-reduce a step.
 
 - `parallelize(module, tp_mesh)`: the plan applied in place; a model without one, or whose heads or MLP width do not
   split over the ranks, is one line (UserError).
 - `fused_state_dict(state)`, `fused_optimizer_state(state)`: a parallelised model's full state dict (q, k and v
   apart), and its optimizer's by parameter name (torch.distributed.checkpoint's form), with timm's fused `qkv` again:
   what an ordinary model and its optimizer load (`dlojz_fsdp.py consolidate`).
-- `WholeCopies(module, tp_mesh, check_every, gather)`: the weights the group holds whole (`held_whole`), their
-  gradients averaged over the group before each step, their copies compared every N steps (`replicas_differ`).
+- `WholeCopies(module, tp_mesh, check_every, gather, summed)`: the weights the group holds whole (`held_whole`),
+  their gradients averaged over the group before each step (summed, in the same all-reduce, for the norms that
+  sequence parallelism runs on each rank's tokens: `token_sharded_weights`), their copies compared every N steps
+  (`replicas_differ`).
 """
 
 import torch
@@ -41,6 +44,7 @@ from dlojz_lib.parallelism import families
 from dlojz_lib.torch_internals import flatten_dense, unflatten_dense
 
 PARTS = ("q", "k", "v")
+SEQUENCE_PARALLEL_LAYERS = ("norm1", "norm2", "ls1", "ls2")  # a ViT block's layers on a rank's tokens alone
 
 # What the plan sends per transformer block and step, each collective on one block's activations ([tokens, batch,
 # width], in the AMP dtype), as Megatron-LM's layout: without sequence parallelism the row-wise layers' outputs
@@ -303,12 +307,7 @@ def block_plan(block, sequence_parallel):
     """The plan of one block: Megatron-LM's, and with sequence parallelism the norms (and layer scales) on this
     rank's share of the tokens, the attention's and the MLP's input gathered, their outputs reduce-scattered."""
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        PrepareModuleInput,
-        RowwiseParallel,
-        SequenceParallel,
-    )
+    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
 
     qkv = [f"attn.qkv.{part}" for part in PARTS] if isinstance(block.attn.qkv, HeadShardedQKV) else ["attn.qkv"]
     plan = {name: ColwiseParallel() for name in (*qkv, "mlp.fc1")}
@@ -329,10 +328,23 @@ def block_plan(block, sequence_parallel):
             "mlp.fc2": RowwiseParallel(output_layouts=Shard(1)),
         }
     )
-    for name in ("norm1", "norm2", "ls1", "ls2"):
-        if not isinstance(getattr(block, name), nn.Identity):
-            plan[name] = SequenceParallel(use_local_output=True)  # a local shard, as the residual it joins
+    # The norms and layer scales run on this rank's tokens with plain weights (no style): their gradients are each
+    # rank's part of the sum, which WholeCopies adds up over the group in its one all-reduce a step
+    # (token_sharded_weights), where SequenceParallel's replicated DTensors sent one all-reduce a weight
     return plan
+
+
+def token_sharded_weights(module) -> set:
+    """Under sequence parallelism, the names of the blocks' norms' and layer scales' weights: each rank runs them on
+    its share of the tokens, so each holds a part of their gradient, to be summed over the tensor group (the other
+    weights the group holds whole have their whole gradient on every rank, to be averaged)."""
+    blocks = {id(block) for block in transformer_blocks(module)}
+    names = set()
+    for path, block in module.named_modules():
+        if id(block) in blocks:
+            for layer in SEQUENCE_PARALLEL_LAYERS:
+                names |= {f"{path}.{layer}.{name}" for name, _ in getattr(block, layer).named_parameters()}
+    return names
 
 
 def pointwise_layers(block):
@@ -454,18 +466,21 @@ class WholeCopies:
     compared across the group and the run ends in one line (UserError, on every rank: `gather` is the world's
     all_gather of Python objects) naming the first weight whose copies differ."""
 
-    def __init__(self, module, tp_mesh, check_every=0, gather=None):
+    def __init__(self, module, tp_mesh, check_every=0, gather=None, summed=()):
         self.named, self.mesh, self.check_every, self.gather = held_whole(module, tp_mesh), tp_mesh, check_every, gather
+        self.summed = set(summed)  # token_sharded_weights: each rank's gradient a part of the sum
 
     def average_gradients(self):
-        grads = [local(p.grad) for _, p in self.named if p.grad is not None]
-        if not grads:
+        """One all-reduce of every whole weight's gradient: averaged, or summed for a weight each rank ran on its
+        own tokens (sequence parallelism)."""
+        named = [(name, local(p.grad)) for name, p in self.named if p.grad is not None]
+        if not named:
             return
+        grads = [grad for _, grad in named]
         flat = flatten_dense(grads)
         torch.distributed.all_reduce(flat, group=self.mesh.get_group())
-        flat /= self.mesh.size()
-        for grad, averaged in zip(grads, unflatten_dense(flat, grads)):
-            grad.copy_(averaged)
+        for (name, grad), total in zip(named, unflatten_dense(flat, grads)):
+            grad.copy_(total if name in self.summed else total / self.mesh.size())
 
     def check(self, step):
         """At every check_every-th step: one line, on every rank, if some copies differ."""

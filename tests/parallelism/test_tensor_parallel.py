@@ -9,7 +9,14 @@ import torch
 
 from dlojz_lib.checks import UserError
 from dlojz_lib.model import create_model
-from dlojz_lib.parallelism.tensor import HeadShardedQKV, Pointwise, fused_state_dict, parallelize
+from dlojz_lib.parallelism.tensor import (
+    HeadShardedQKV,
+    Pointwise,
+    WholeCopies,
+    fused_state_dict,
+    parallelize,
+    token_sharded_weights,
+)
 
 ARCH = "timm:test_vit"  # 6 blocks, 2 heads of 32, MLP 192 wide
 # timm's CoAtNet and MaxViT at 64 px with heads in pairs (timm's test_coatnet and test_maxvit have odd counts):
@@ -49,7 +56,9 @@ def compare(rank, world, kind, size, sequence_parallel):
     torch.manual_seed(0)
     reference, parallel = tiny_model(kind, size), tiny_model(kind, size)
     parallel.load_state_dict(reference.state_dict())  # a fused qkv read into the three parts below
-    assert parallelize(parallel, init_device_mesh("cpu", (world,)), kind, sequence_parallel) == BLOCKS[kind]
+    mesh = init_device_mesh("cpu", (world,))
+    assert parallelize(parallel, mesh, kind, sequence_parallel) == BLOCKS[kind]
+    whole = WholeCopies(parallel, mesh, summed=token_sharded_weights(parallel) if sequence_parallel else ())
     images, labels = torch.randn(4, 3, size, size), torch.tensor([0, 1, 2, 1])
     optimizers = [torch.optim.SGD(m.parameters(), lr=0.5, momentum=0.9) for m in (reference, parallel)]
     for model, optimizer in zip((reference, parallel), optimizers):
@@ -57,6 +66,8 @@ def compare(rank, world, kind, size, sequence_parallel):
             loss = torch.nn.functional.cross_entropy(model(images), labels)
             optimizer.zero_grad()
             loss.backward()
+            if model is parallel:  # as dlojz.py steps: the whole weights' gradients over the group first
+                whole.average_gradients()
             optimizer.step()
         model.outputs = model(images).detach()
     torch.testing.assert_close(parallel.outputs, reference.outputs, rtol=1e-4, atol=1e-5)
@@ -77,12 +88,18 @@ def count_collectives(world, kind, size, sequence_parallel):
 
     torch.manual_seed(0)
     model = tiny_model(kind, size)
-    parallelize(model, init_device_mesh("cpu", (world,)), kind, sequence_parallel)
+    mesh = init_device_mesh("cpu", (world,))
+    parallelize(model, mesh, kind, sequence_parallel)
+    whole = WholeCopies(model, mesh, summed=token_sharded_weights(model) if sequence_parallel else ())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     with counting_mode() as forward:
         loss = model(torch.randn(4, 3, size, size)).sum()
     with counting_mode() as backward:
         loss.backward()
-    return {"forward": dict(forward.counts), "backward": dict(backward.counts)}
+    with counting_mode() as step:  # the whole weights' one all-reduce, then a step that sends nothing
+        whole.average_gradients()
+        optimizer.step()
+    return {"forward": dict(forward.counts), "backward": dict(backward.counts), "step": dict(step.counts)}
 
 
 def megatron_s_collectives(kind, sequence_parallel):
@@ -98,6 +115,7 @@ def megatron_s_collectives(kind, sequence_parallel):
             expected[step]["all_gather"] += 1
     if kind != "vit":
         expected["backward"]["all_gather"] = BLOCKS[kind]
+    expected["step"] = {"all_reduce": 1}  # WholeCopies: every whole weight's gradient, the norms' under SP too
     return expected
 
 
@@ -142,7 +160,9 @@ def test_the_parallel_model_trains_as_one_process(compared, kind, size, sequence
     table trained on one rank's heads would part from the single process's). And what it sends, counted per kind in
     one forward and one backward, is Megatron-LM's (BLOCK_COLLECTIVES a block, the table bench/parallel_memory.py
     sends by): 2 all-reduces each way a block (q, k and v summed before one), or with sequence parallelism 2
-    all-gathers and 2 reduce-scatters each way."""
+    all-gathers and 2 reduce-scatters each way; then the step's one all-reduce of the weights the group holds whole
+    (WholeCopies), which with sequence parallelism sums the norms' gradients too (a replicated DTensor each sent an
+    all-reduce of its own: 4 a block)."""
     errors = compared[(kind, size, sequence_parallel)]
     assert not errors, "\n".join(errors)
 
@@ -577,9 +597,14 @@ def test_check_replicas_reaches_the_model_s_whole_copies():
     from dlojz_lib.parallelism.build import whole_copies
 
     ranks = SimpleNamespace(mesh={"tensor": object()}, all_gather=None)
-    copies = whole_copies(SimpleNamespace(tp=2, check_replicas=3), torch.nn.Linear(2, 2), ranks)
+    copies = whole_copies(
+        SimpleNamespace(tp=2, check_replicas=3, sequence_parallel=False), torch.nn.Linear(2, 2), ranks
+    )
     assert copies.check_every == 3 and [name for name, _ in copies.named] == ["weight", "bias"]
-    assert whole_copies(SimpleNamespace(tp=1, check_replicas=0), torch.nn.Linear(2, 2), ranks) is None
+    assert (
+        whole_copies(SimpleNamespace(tp=1, check_replicas=0, sequence_parallel=False), torch.nn.Linear(2, 2), ranks)
+        is None
+    )
 
 
 def test_a_resume_across_the_qkv_namings_finds_each_entry_s_source():
