@@ -41,6 +41,7 @@ from dlojz_lib.data.datasets import class_counts
 from dlojz_lib.data.loaders import build_data, build_loaders, measure_loader_only
 from dlojz_lib.dist import (
     INTERRUPTED,
+    HostMemoryBound,
     LostPeerReport,
     PeerLost,
     RequeueFailed,
@@ -177,7 +178,8 @@ def main(argv=None, resources=None) -> dict:
     run.wandb_run = wandb_run = open_wandb(cfg, ranks, metrics, state)
     run.saver = make_saver(cfg, model, training, ranks, classes)
     profiler = make_profiler(cfg.section("profiler"), cfg.output_dir, ranks.rank, ranks.device, log)  # or None
-    hooks = LoopHooks(chrono, profiler, training.lr_finder, ranks.enabled)  # chronometer, profiler, LR range test
+    host_memory = HostMemoryBound() if ranks.device.type == "cpu" else None  # (a GPU's activations are not here)
+    hooks = LoopHooks(chrono, profiler, training.lr_finder, ranks.enabled, host_memory)  # chronometer, profiler...
     images_per_step = cfg.batch_size * ranks.data_size  # one micro-batch on every data replica
     progress = Progress(
         log, wandb_run, ranks.device, cfg.epochs, loaders.n_train_batches, cfg.grad_acc, images_per_step

@@ -16,7 +16,8 @@
 - `is_lost_peer(err)`, `lost_peer_line(...)`: an error that says another rank is gone (killed, out of memory, its node
   lost), and the one line naming it (the survivors check in through the job's store; the silent ones are lost).
 - `start_compile_workers()`: torch.compile's worker processes, started deaf to Slurm's signals.
-- `keep_freed_host_memory()`: glibc's allocator told to keep freed memory for reuse (training on a CPU).
+- `keep_freed_host_memory()`: glibc's allocator told to keep freed memory for reuse (training on a CPU);
+  `HostMemoryBound`: the free heap given back once the resident memory passes a bound (its fragmentation).
 """
 
 import dataclasses
@@ -360,6 +361,48 @@ def keep_freed_host_memory() -> bool:
         return False
     m_trim_threshold, m_mmap_max = -1, -4  # <malloc.h>
     return bool(mallopt(m_mmap_max, 0)) and bool(mallopt(m_trim_threshold, 2**31 - 1))  # C int: 2 GiB
+
+
+def resident_bytes():
+    """This process's resident memory (Linux's /proc/self/statm: one read, no wait for anything), or None."""
+    try:
+        with open("/proc/self/statm") as file:
+            return int(file.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def give_back_free_heap():
+    """glibc's malloc_trim(0): the heap's free pages returned to the system (False where the C library is not
+    glibc)."""
+    import ctypes
+
+    try:
+        return bool(ctypes.CDLL(None).malloc_trim(0))
+    except (AttributeError, OSError):
+        return False
+
+
+class HostMemoryBound:
+    """With freed host memory kept for reuse (keep_freed_host_memory), the heap still grows while its free pieces
+    do not fit the next step's allocations: FSDP on gloo grew ViT-B's rank 1 from 2.2 GiB after its first step to
+    3.6 GiB by its 19th, its live tensors the same 0.5 GiB throughout. After each step, once the resident memory
+    passes `factor` x what it was after the first, the free heap is given back (the next steps fault in only what
+    they use, as they would without the policy). `read` and `trim`: resident_bytes and give_back_free_heap."""
+
+    def __init__(self, factor=1.25, read=resident_bytes, trim=give_back_free_heap):
+        self.factor, self.read, self.trim = factor, read, trim
+        self.first = None  # the resident bytes after the first step
+        self.trims = 0
+
+    def step_done(self):
+        resident = self.read()
+        if resident is None:
+            return
+        if self.first is None:
+            self.first = resident
+        elif resident > self.factor * self.first and self.trim():
+            self.trims += 1
 
 
 def setup_distributed(cfg):

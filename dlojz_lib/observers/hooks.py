@@ -44,8 +44,9 @@ _CHRONO_CLOSES = {
 
 
 class LoopHooks:
-    def __init__(self, chrono, profiler=None, lr_finder=None, distributed=False):
+    def __init__(self, chrono, profiler=None, lr_finder=None, distributed=False, host_memory=None):
         self.chrono, self.profiler, self.lr_finder = chrono, profiler, lr_finder
+        self.host_memory = host_memory  # on a CPU device: the heap's growth bounded (dist.HostMemoryBound)
         self.distributed = distributed  # several ranks: the LR finder reads the loss averaged over all of them
         self.data_wait_s = 0.0  # host seconds spent waiting for the next batch, this run (a clock read: no sync)
 
@@ -81,6 +82,8 @@ class LoopHooks:
         if self.profiler is not None:
             self.profiler.step()
         self.chrono.first_step_done()  # once: start-up, cuDNN autotuning and torch.compile
+        if self.host_memory is not None:
+            self.host_memory.step_done()
 
     def optimizer_step_done(self, loss, correct, count):
         """Return True when the run should stop here (the LR finder has swept its range or diverged)."""
