@@ -395,6 +395,11 @@ class HostMemoryBound:
         self.first = None  # the resident bytes after the first step
         self.trims = 0
 
+    @classmethod
+    def on(cls, device):
+        """A bound for a CPU device's run, None on a GPU (its activations are not in host memory)."""
+        return cls() if device.type == "cpu" else None
+
     def step_done(self):
         resident = self.read()
         if resident is None:
