@@ -178,7 +178,7 @@ def main(argv=None, resources=None) -> dict:
     run.wandb_run = wandb_run = open_wandb(cfg, ranks, metrics, state)
     run.saver = make_saver(cfg, model, training, ranks, classes)
     profiler = make_profiler(cfg.section("profiler"), cfg.output_dir, ranks.rank, ranks.device, log)  # or None
-    hooks = LoopHooks(chrono, profiler, training.lr_finder, ranks.enabled, HostMemoryBound.on(ranks.device))  # CPU: heap bounded
+    hooks = LoopHooks(chrono, profiler, training.lr_finder, ranks.enabled, HostMemoryBound.on(ranks.device))
     images_per_step = cfg.batch_size * ranks.data_size  # one micro-batch on every data replica
     progress = Progress(
         log, wandb_run, ranks.device, cfg.epochs, loaders.n_train_batches, cfg.grad_acc, images_per_step
