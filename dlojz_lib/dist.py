@@ -387,12 +387,14 @@ class HostMemoryBound:
     """With freed host memory kept for reuse (keep_freed_host_memory), the heap still grows while its free pieces
     do not fit the next step's allocations: FSDP on gloo grew ViT-B's rank 1 from 2.2 GiB after its first step to
     3.6 GiB by its 19th, its live tensors the same 0.5 GiB throughout. After each step, once the resident memory
-    passes `factor` x what it was after the first, the free heap is given back (the next steps fault in only what
-    they use, as they would without the policy). `read` and `trim`: resident_bytes and give_back_free_heap."""
+    passes `factor` x what it was after the reference step (the first, then the one after each trim: a working
+    set that grows for good, compiled graphs or a validation's, moves the reference instead of being trimmed at
+    every step), the free heap is given back and the next steps fault in only what they use. `read` and `trim`:
+    resident_bytes and give_back_free_heap."""
 
     def __init__(self, factor=1.25, read=resident_bytes, trim=give_back_free_heap):
         self.factor, self.read, self.trim = factor, read, trim
-        self.first = None  # the resident bytes after the first step
+        self.first = None  # the resident bytes after the reference step
         self.trims = 0
 
     @classmethod
@@ -406,8 +408,9 @@ class HostMemoryBound:
             return
         if self.first is None:
             self.first = resident
-        elif resident > self.factor * self.first and self.trim():
-            self.trims += 1
+        elif resident > self.factor * self.first:
+            self.trims += self.trim()
+            self.first = None  # the next step, its memory faulted in again, is the reference
 
 
 def setup_distributed(cfg):
