@@ -507,7 +507,6 @@ def test_the_day_4_table_s_pipeline_rows_hold_the_stages_bytes(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------- dlojz.py --pp
-RESNET = ["--arch", "resnet18", "--train-subset", "16"]  # 48 images: 3 steps of 16
 
 
 @pytest.fixture(scope="module")
@@ -516,8 +515,8 @@ def runs(tiny_data, tmp_path_factory):
     as a pipeline of 2 ranks under 1F1B (4 micro-batches, cut by parameters), under GPipe (2 micro-batches, cut at
     layer 4), on 4 ranks as 2 pipelines x 2 data replicas of 8 images, the gradients' global norm clipped to 0.1
     (below a fresh ViT's; cut by the layers' times, summed over the world), beside one process clipping too, and as
-    PP 2 x TP 2 on 4 ranks (also cut after the stem: a stage without a block); a ResNet-18 (BatchNorm) as
-    one process accumulating 4 batches of 4 and as a pipeline of 4 micro-batches of 4."""
+    PP 2 x TP 2 on 4 ranks (also cut after the stem: a stage without a block). A ResNet-18's pipeline (BatchNorm:
+    one process accumulating 4 batches of 4) is a cell of tests/parallelism/test_family_matrix.py."""
     from conftest import run_dlojz, show
     from test_fsdp import BASE
 
@@ -534,8 +533,6 @@ def runs(tiny_data, tmp_path_factory):
         ("pp-tp", 4, ["-b", "16", "--fsdp", "--pp", "2", "--tp", "2"]),
         ("pp-tp-stem", 4, ["-b", "16", "--fsdp", "--pp", "2", "--tp", "2", "--pp-split", "1"]),
         ("interleaved", 2, ["-b", "16", "--fsdp", "--pp", "2", "--pp-schedule", "interleaved"]),
-        ("resnet-single", 1, [*RESNET, "-b", "4", "--grad-acc", "4", "--drop-last"]),
-        ("resnet-pp", 2, [*RESNET, "-b", "16", "--fsdp", "--pp", "2"]),
     ):  # fmt: skip
         proc = run_dlojz(
             *common, *flags, "--output-dir", out / name, "--metrics-json", out / f"{name}.json", ranks=ranks
@@ -588,21 +585,6 @@ def test_pp_trains_to_the_weights_of_one_process(runs, name, reference):
                 "pp-tp": "schedule 1f1b, 4 micro-batches of 4", "pp-tp-stem": "schedule 1f1b, 4 micro-batches of 4",
                 "interleaved": "4 stages, 2 a rank, schedule interleaved, 4 micro-batches of 4"}  # fmt: skip
     assert schedule.get(name, "schedule 1f1b, 2 micro-batches of 4") in log
-
-
-@pytest.mark.multirank
-def test_pp_trains_a_resnet_as_one_process_accumulating_its_micro_batches(runs):
-    """torchvision's ResNet-18 under --pp 2 (4 micro-batches of 4): each stage's BatchNorm normalises micro-batch by
-    micro-batch and updates its statistics in their order, as one process accumulating 4 batches of 4 does: the same
-    weights and BatchNorm statistics after 3 steps, the same validation."""
-    from conftest import read_json
-    from test_fsdp import assert_same_weights, weights
-
-    assert_same_weights(weights(runs / "resnet-pp"), weights(runs / "resnet-single"), atol=1e-5)
-    pipelined, single = read_json(runs / "resnet-pp.json"), read_json(runs / "resnet-single.json")
-    assert pipelined["steps"] == single["steps"] == 3 and pipelined["global_batch_size"] == 16
-    assert pipelined["val_accuracy"] == single["val_accuracy"]
-    assert pipelined["val_loss"] == pytest.approx(single["val_loss"], rel=1e-4)
 
 
 @pytest.mark.multirank
