@@ -161,10 +161,11 @@ def build_model(cfg, num_classes, ranks, log) -> Model:
         module = module.to(ranks.device)
     if cfg.channels_last:
         module = module.to(memory_format=torch.channels_last)
-    if cfg.activation_checkpointing == "full" and cfg.ac_every == 1 and cfg.pp == 1:
-        enable_grad_checkpointing(module, cfg.arch, [block for _, block in families.blocks_of(module) or ()])
-    elif cfg.activation_checkpointing != "none" and cfg.pp == 1:  # (--pp: each stage recomputes its own layers)
-        checkpoint_blocks(checkpointed_blocks(module, cfg.arch), cfg.activation_checkpointing, cfg.ac_every)
+    if cfg.activation_checkpointing != "none" and cfg.pp == 1:  # (--pp: each stage recomputes its own layers)
+        if cfg.activation_checkpointing == "full" and cfg.ac_every == 1:
+            enable_grad_checkpointing(module, cfg.arch, [block for _, block in families.blocks_of(module) or ()])
+        else:
+            checkpoint_blocks(checkpointed_blocks(module, cfg.arch), cfg.activation_checkpointing, cfg.ac_every)
     log(f"model: {cfg.arch}, {sum(p.numel() for p in module.parameters()):,} parameters")
     if cfg.amp and batch_norm_on_native_kernels(module, ranks.device.type, cfg.amp_dtype, cfg.compile):
         log(BFLOAT16_BATCH_NORM)
@@ -322,10 +323,10 @@ def build_pipeline_model(cfg, module, ema, num_classes, ranks, log) -> Model:
     def shard(stage):
         if cfg.tp > 1 and transformer_blocks(stage):  # 3-D: the blocks split over the tensor dimension, as 2-D's
             parallelize(stage, ranks.mesh["tensor"], cfg.arch)
-        if cfg.compile:  # each of the stage's blocks, between the plan and FSDP
-            compiled.append(compile_blocks(held_blocks(stage, block_paths), cfg.compile_mode))
-        # the stage's units are the family's blocks it holds (a Stage is of no family: no guess from class names)
+        # the family's blocks the stage holds: FSDP's units (a Stage is of no family: no guess from class names)
         units = held_blocks(stage, block_paths)
+        if cfg.compile:  # each of the stage's blocks, between the plan and FSDP
+            compiled.append(compile_blocks(units, cfg.compile_mode))
         blocks.append(
             shard_model(
                 stage, cfg.fsdp_reshard_after_forward, cfg.amp_torch_dtype, ranks.device, ranks.mesh["data"], units

@@ -48,13 +48,18 @@ NESTED_GROUPS = "optimizer.param_groups.0."
 KERNEL_CHOICE = ("fused", "foreach")  # an optimizer group's settings that say how it steps, not what it does
 
 
+def holding_parameters(blocks):
+    """The blocks that hold parameters (FSDP has nothing to shard in the others)."""
+    return [block for block in blocks if any(True for _ in block.parameters())]
+
+
 def sharding_units(module):
     """The blocks of `module`'s family (families.py) that hold parameters; for a model of no family, the outermost
     submodules whose class is a residual or transformer block (BLOCK_SUFFIXES), or if none, its children that hold
     parameters."""
     blocks = families.blocks_of(module)
     if blocks is not None:
-        return [block for _, block in blocks if any(True for _ in block.parameters())]
+        return holding_parameters(block for _, block in blocks)
     units = []
 
     def visit(parent):
@@ -66,7 +71,7 @@ def sharding_units(module):
 
     visit(module)
     if not units:
-        units = [child for child in module.children() if any(True for _ in child.parameters())]
+        units = holding_parameters(module.children())
     return units
 
 
@@ -81,7 +86,7 @@ def shard_model(module, reshard_after_forward, param_dtype, device, mesh=None, u
 
     mesh = mesh if mesh is not None else init_device_mesh(device.type, (dist.get_world_size(),))
     precision = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
-    units = sharding_units(module) if units is None else [u for u in units if any(True for _ in u.parameters())]
+    units = sharding_units(module) if units is None else holding_parameters(units)
     for unit in units:
         fully_shard(unit, mesh=mesh, mp_policy=precision, reshard_after_forward=reshard_after_forward)
     # The root's own parameters (stem, head) are needed again at once by the backward: kept gathered.
