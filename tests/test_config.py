@@ -392,6 +392,13 @@ def test_compile_mode_implies_compile_and_reaches_torch_compile(monkeypatch):
         ),
         (["--compile-mode", "max-autotune", "--grad-acc", "4"], "--grad-acc 4 accumulates"),
         (["--compile-mode", "fastest"], "--compile-mode: invalid choice: 'fastest'"),
+        (
+            ["--compile-mode", "reduce-overhead", "--fsdp"],
+            "--compile-mode reduce-overhead replays CUDA graphs, whose parameters must stay in place; under --fsdp "
+            "they are gathered anew every step: use --compile (compiled block by block)",
+        ),
+        (["--compile-mode", "max-autotune", "--fsdp", "--tp", "2"], "under --fsdp and --tp 2 they are gathered"),
+        (["--compile-mode", "max-autotune", "--fsdp", "--pp", "2"], "under --fsdp and --pp 2 they are gathered"),
     ],
 )
 def test_cuda_graph_modes_refuse_what_breaks_them_in_one_line(capsys, flags, fragment):

@@ -462,7 +462,7 @@ def local(tensor):
 class WholeCopies:
     """The weights every rank of a tensor group holds whole (held_whole): before each optimizer step their gradients
     are averaged over the group (one all-reduce of them all, flattened), so the group's copies take the same step
-    whatever each rank's kernels computed; with `check_every` N, every N steps a float64 checksum of each copy is
+    whatever each rank's kernels computed; with `check_every` N, every N steps two bit checksums of each copy are
     compared across the group and the run ends in one line (UserError, on every rank: `gather` is the world's
     all_gather of Python objects) naming the first weight whose copies differ."""
 
@@ -503,10 +503,33 @@ class WholeCopies:
 
 def replicas_differ(named, tp_mesh):
     """The name of the first of `named` (held_whole's) whose copies differ across the tensor group, with the two
-    group ranks, else None. One all-gather of a float64 checksum per tensor; the answer read on the host, the same
-    on every rank of the group."""
+    group ranks, else None. The copies are compared bit for bit (two integer checksums of each tensor's bits: a NaN
+    equals itself there, and no rounding of a float sum hides a difference); one all-gather of them, one flag read
+    on the host (the check's one wait), the checksums themselves only when the flag is set."""
     if not named:
         return None
+    sums = torch.stack([checksum for _, p in named for checksum in bit_checksums(local(p).detach())])
+    every = [torch.empty_like(sums) for _ in range(tp_mesh.size())]
+    torch.distributed.all_gather(every, sums, group=tp_mesh.get_group())
+    every = torch.stack(every)
+    if not (every != every[0]).any().item():  # the one wait of the check
+        return None
+    every = every.cpu()
+    for rank in range(1, len(every)):
+        differ = (every[rank] != every[0]).nonzero()
+        if len(differ):
+            return named[int(differ[0]) // 2][0], 0, rank
+    return None
+
+
+BITS_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # a float's bits as an integer
+
+
+def bit_checksums(tensor):
+    """Two int64 checksums of `tensor`'s bits: their sum, and the sum of their squares (wrapping: exact, and the
+    same on every rank for the same bits)."""
+    bits = tensor.contiguous().view(BITS_OF_SIZE[tensor.element_size()]).long()
+    return bits.sum(), (bits * bits).sum()
     sums = torch.stack(
         [local(p).detach().double().sum() for _, p in named]
         + [local(p).detach().double().abs().sum() for _, p in named]

@@ -232,6 +232,20 @@ def check_speed(values):
                 f"gradients --grad-acc {values['grad_acc']} accumulates; use --compile-mode "
                 "max-autotune-no-cudagraphs (or default) with --grad-acc, or --grad-acc 1"
             )
+        # A graph's parameters are static inputs: FSDP gathers them into new memory every step (cudagraph trees
+        # re-record, then stop replaying without a word), and a pipeline stage accumulates its micro-batches.
+        layouts = [
+            flag
+            for flag, given in (("--fsdp", values["fsdp"]), (f"--tp {values['tp']}", values["tp"] > 1),
+                                (f"--pp {values['pp']}", values["pp"] > 1))
+            if given
+        ]  # fmt: skip
+        if layouts:
+            fail(
+                f"--compile-mode {values['compile_mode']} replays CUDA graphs, whose parameters must stay in place; "
+                f"under {' and '.join(layouts)} they are gathered anew every step: use --compile (compiled block by block) or "
+                "--compile-mode max-autotune-no-cudagraphs"
+            )
     if values["global_batch"] is not None and values["grad_acc"] > 1:
         fail(
             f"--global-batch chooses --grad-acc from the ranks the job has: drop --grad-acc {values['grad_acc']} "

@@ -558,9 +558,13 @@ def whole_copies_on_rank(rank, world, store_path, results):
             outcome[averaged] = replicas_differ(copies.named, mesh)
         copies.check(1)  # not a checked step: no comparison
         with torch.no_grad():
+            model.norm.weight[0] = float("nan")  # the same NaN on both ranks: copies alike, bit for bit
+            model.head.weight[0, 0] = float("inf")
+        copies.check(2)
+        with torch.no_grad():
             model.head.bias[0] += rank  # rank 1's copy changed
         try:
-            copies.check(2)
+            copies.check(4)
             raised = None
         except UserError as err:
             raised = str(err)
@@ -573,7 +577,8 @@ def whole_copies_on_rank(rank, world, store_path, results):
 def test_the_weights_a_group_holds_whole_keep_one_value_and_a_drift_is_named(tmp_path):
     """The replicated weights (norms, embeddings, head, the row-wise layers' biases; not the split q, k, v, fc1,
     proj and fc2 weights): a gradient that differs on one rank leaves their copies apart unless averaged over the
-    group; --check-replicas names the first copy that differs, on every rank, in one line."""
+    group; --check-replicas names the first copy that differs, on every rank, in one line, and takes copies
+    that are alike bit for bit as alike, NaN included."""
     from conftest import spawn_ranks
 
     found = {rank: rest for rank, *rest in spawn_ranks(whole_copies_on_rank, 2, tmp_path)}
@@ -584,7 +589,7 @@ def test_the_weights_a_group_holds_whole_keep_one_value_and_a_drift_is_named(tmp
     assert outcome[True] is None and outcome[False] == ("norm.weight", 0, 1)  # averaged: equal; else apart
     for rank in (0, 1):
         assert found[rank][2] == (
-            "--check-replicas 2: at step 2 ranks 0 and 1 hold different copies of head.bias, which their tensor "
+            "--check-replicas 2: at step 4 ranks 0 and 1 hold different copies of head.bias, which their tensor "
             "group holds whole: the run stops here; resume it from its last checkpoint (--resume auto: one copy of "
             "each weight was saved) and report the GPUs and torch version"
         )
