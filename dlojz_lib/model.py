@@ -202,8 +202,9 @@ def classifier_name(module, num_classes):
 # ---------------------------------------------------------------------- activation checkpointing
 def selective_checkpoint_context():
     """The context of selective activation checkpointing (torchtitan's op-level policy): the outputs of the costly
-    ops (matrix products, convolutions, fused attentions: torch_internals.costly_ops) kept for the backward, every
-    other op (norms, activations, additions, reshapes) recomputed from them."""
+    ops (matrix products, convolutions, fused attentions: torch_internals.costly_ops) and tensor parallelism's
+    collectives (sent once, as Megatron-LM does) kept for the backward, every other op (norms, activations,
+    additions, reshapes) recomputed from them."""
     from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
     from dlojz_lib.torch_internals import costly_ops

@@ -23,8 +23,9 @@ Imports are inside the functions: importing this module imports no torch.
 - `held_after_forward(module, *inputs)`: the bytes a forward leaves alive (what it holds for the backward), its
   tensors' storages followed by weak reference (`UntypedStorage._weak_ref`, as torch's own memory tracker) under a
   dispatch mode (`torch.utils._python_dispatch`).
-- `costly_ops()`: the aten ops whose outputs selective activation checkpointing keeps: the matrix products, the
-  convolution and the fused attentions' kernels (`aten._scaled_dot_product_*`).
+- `costly_ops()`: the ops whose outputs selective activation checkpointing keeps: the matrix products, the
+  convolution and the fused attentions' kernels (`aten._scaled_dot_product_*`), and the collectives tensor
+  parallelism sends (`torch.ops._c10d_functional`: recomputed, they would be sent again in the backward).
 """
 
 import functools
@@ -130,6 +131,9 @@ def costly_ops():
         aten._scaled_dot_product_flash_attention_for_cpu,
     ):
         ops.add(attention.default)
+    functional = torch.ops._c10d_functional  # DTensor's collectives, and the wait that completes each
+    for collective in ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "wait_tensor"):
+        ops.add(getattr(functional, collective).default)
     return ops
 
 

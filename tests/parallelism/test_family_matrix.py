@@ -1,6 +1,7 @@
 """Every model family of day 4 under every layout it can take, against one process on the same data: the parameters
 and the buffers (BatchNorm's running statistics and batch counts) of a consolidated checkpoint, each layout with
-activation checkpointing (a recomputation is a forward the training loop does not own: it must count no batch).
+activation checkpointing (a recomputation is a forward the training loop does not own: it must count no batch;
+full, and selective under --tp).
 Families: timm's ViT, timm's CoAtNet (BatchNorm in its convolutional blocks, attention in the others),
 torchvision's ResNet (BatchNorm throughout); layouts: --fsdp over 2 data ranks, --fsdp --tp 2, --fsdp --pp 2 and
 3-D (--pp 2 --tp 2) on 4 ranks. A cell a family cannot run is refused in one line, and the refusal is its test;
@@ -36,7 +37,8 @@ AC = ["--activation-checkpointing", "full"]
 # -b 4 --grad-acc 4) or "plain" (the same layout without activation checkpointing))
 LAYOUTS = {
     "fsdp": (2, ["-b", "8", "--fsdp", *AC], "plain"),
-    "tp": (2, ["-b", "16", "--fsdp", "--tp", "2", *AC], "b16"),
+    "tp": (2, ["-b", "16", "--fsdp", "--tp", "2", "--activation-checkpointing", "selective"], "b16"),  # (the
+    # collectives' outputs kept: tests/parallelism/test_tensor_parallel.py counts them)
     "pp": (2, ["-b", "16", "--fsdp", "--pp", "2", *AC], "micro"),
     "3d": (4, ["-b", "16", "--fsdp", "--pp", "2", "--tp", "2", *AC], "micro"),
 }

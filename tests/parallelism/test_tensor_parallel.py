@@ -81,15 +81,20 @@ def compare(rank, world, kind, size, sequence_parallel):
         torch.testing.assert_close(state[key], expected[key], rtol=1e-4, atol=1e-5, msg=key)
 
 
-def count_collectives(world, kind, size, sequence_parallel):
-    """The collectives of one forward and one backward of the parallelised model, {pass: {kind: count}}."""
+def count_collectives(world, kind, size, sequence_parallel, checkpointing="none"):
+    """The collectives of one forward and one backward of the parallelised model, {pass: {kind: count}}, its blocks
+    recomputed as --activation-checkpointing `checkpointing` says."""
     from conftest import counting_mode
     from torch.distributed.device_mesh import init_device_mesh
+
+    from dlojz_lib.model import checkpoint_blocks
 
     torch.manual_seed(0)
     model = tiny_model(kind, size)
     mesh = init_device_mesh("cpu", (world,))
     parallelize(model, mesh, kind, sequence_parallel)
+    if checkpointing != "none":
+        checkpoint_blocks(list(model.blocks), checkpointing)  # (a ViT's blocks)
     whole = WholeCopies(model, mesh, summed=token_sharded_weights(model) if sequence_parallel else ())
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     with counting_mode() as forward:
@@ -131,6 +136,8 @@ def compare_on_rank(rank, world, store_path, failures, cases):
             compare(rank, world, *case)
             counted = count_collectives(world, *case)
             assert counted == megatron_s_collectives(case[0], case[2]), counted
+            if case[0] == "vit":  # the selective policy keeps the collectives' outputs: none sent again
+                assert count_collectives(world, *case, "selective") == counted
         except BaseException:
             failures.put((case, f"rank {rank}: {traceback.format_exc()}"))
         dist.barrier()  # the next case starts together, whatever this one did on the other rank
@@ -162,7 +169,8 @@ def test_the_parallel_model_trains_as_one_process(compared, kind, size, sequence
     sends by): 2 all-reduces each way a block (q, k and v summed before one), or with sequence parallelism 2
     all-gathers and 2 reduce-scatters each way; then the step's one all-reduce of the weights the group holds whole
     (WholeCopies), which with sequence parallelism sums the norms' gradients too (a replicated DTensor each sent an
-    all-reduce of its own: 4 a block)."""
+    all-reduce of its own: 4 a block). The ViT's blocks under --activation-checkpointing selective send the same:
+    the recomputation reuses the forward's collectives (recomputed: 5 all-reduces a block where Megatron sends 4)."""
     errors = compared[(kind, size, sequence_parallel)]
     assert not errors, "\n".join(errors)
 
