@@ -129,27 +129,36 @@ def head_and_tail(path, tail=4096):
         return head + file.read()
 
 
-def leave_out_cut_short(dataset):
-    """The validation images of a folder `dataset` that are not whole JPEG or PNG files (a truncated JPEG, which
-    DALI decodes with grey where its bytes are missing and PIL refuses), each warned about by name and left out of
-    it, so that DALI's validation counts and scores the images the pytorch backend does (which leaves them out as
-    unreadable). Their first and last bytes are read, not the files; packed shards hold the images dlojz_pack.py
-    decoded."""
+def cut_short(dataset) -> list:
+    """(index, reason) of the validation images of a folder `dataset` that are not whole JPEG or PNG files (a
+    truncated JPEG, which DALI decodes with grey where its bytes are missing and PIL refuses; an empty file). Their
+    first and last bytes are read, not the files; packed shards hold the images dlojz_pack.py decoded: none."""
     if not all(isinstance(where, str) for where, _ in dataset.samples):
-        return
-    kept = []
-    for where, target in dataset.samples:
+        return []
+    found = []
+    for index, (where, _) in enumerate(dataset.samples):
         try:
-            reason = None if whole_image(head_and_tail(where)) else "not a whole JPEG or PNG file"
+            if not whole_image(head_and_tail(where)):
+                found.append((index, "not a whole JPEG or PNG file"))
         except OSError as err:
-            reason = str(err)
-        if reason is None:
-            kept.append((where, target))
-        else:
-            print(f"WARNING: skipping unreadable image {where}: {reason}", file=sys.stderr, flush=True)
-    if len(kept) < len(dataset.samples):
-        dataset.samples = dataset.imgs = kept
-        dataset.targets = [target for _, target in kept]
+            found.append((index, str(err)))
+    return found
+
+
+def leave_out_cut_short(dataset, found, warn=True):
+    """`dataset` without the images cut_short found (each warned about by name when `warn`), so that DALI's
+    validation counts and scores the images the pytorch backend does (which leaves them out as unreadable)."""
+    if not found:
+        return
+    for index, reason in found:
+        if warn:
+            print(
+                f"WARNING: skipping unreadable image {dataset.samples[index][0]}: {reason}", file=sys.stderr, flush=True
+            )
+    left_out = {index for index, _ in found}
+    kept = [sample for index, sample in enumerate(dataset.samples) if index not in left_out]
+    dataset.samples = dataset.imgs = kept
+    dataset.targets = [target for _, target in kept]
 
 
 class SampleFeed:

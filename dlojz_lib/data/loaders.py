@@ -287,6 +287,8 @@ def build_loaders(cfg, train_set, val_set, num_classes, ranks, log) -> Loaders:
         train_sampler = EpochSampler(train_set, ranks.data_size, ranks.data_rank, shuffle=True, **sampling)
     if cfg.fsdp and len(val_set) < ranks.data_size:
         fail(f"--fsdp: the validation set has {len(val_set)} images for {ranks.data_size} ranks: each rank needs one")
+    if cfg.data_backend == "dali":  # before the stages split: every stage and rank counts the same images
+        validation_without_cut_short(val_set, ranks)
     reads_images = cfg.pp == 1 or ranks.mesh["pipe"].get_local_rank() == 0  # a later stage's input is the previous'
     if cfg.data_backend == "dali" and reads_images:
         return dali_loaders(cfg, train_set, val_set, train_sampler, ranks, log)
@@ -319,6 +321,18 @@ def build_loaders(cfg, train_set, val_set, num_classes, ranks, log) -> Loaders:
         *val_batches_per_rank(len(val_set), ranks.data_size, cfg.val_batch_size),
         owned=(train, val),
     )
+
+
+def validation_without_cut_short(val_set, ranks):
+    """DALI's validation set without the images that are not whole files, as the pytorch backend counts them
+    (training skips them when they fail): their ends read once, on the first rank, the indices shared with every
+    rank (one object gathered), so all the ranks and pipeline stages validate on the same images."""
+    from dlojz_lib.data.dali import cut_short, leave_out_cut_short
+
+    found = cut_short(val_set) if ranks.is_main else None
+    if ranks.enabled:
+        found = ranks.all_gather(found)[0]
+    leave_out_cut_short(val_set, found, warn=ranks.is_main)
 
 
 def balanced_sampler_line(sampler, classes):
@@ -354,7 +368,6 @@ def dali_loaders(cfg, train_set, val_set, train_sampler, ranks, log) -> Loaders:
         check_decodable,
         dali_settings,
         largest,
-        leave_out_cut_short,
         sampled_sizes,
         start_line,
         train_pipeline,
@@ -363,7 +376,6 @@ def dali_loaders(cfg, train_set, val_set, train_sampler, ranks, log) -> Loaders:
 
     for dataset in (train_set, val_set):
         check_decodable(dataset)
-    leave_out_cut_short(val_set)  # counted as the pytorch backend counts them (training skips them when they fail)
 
     device_id = ranks.device.index if ranks.device.type == "cuda" else None
     data = cfg.section("data")

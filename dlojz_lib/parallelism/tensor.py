@@ -530,15 +530,3 @@ def bit_checksums(tensor):
     same on every rank for the same bits)."""
     bits = tensor.contiguous().view(BITS_OF_SIZE[tensor.element_size()]).long()
     return bits.sum(), (bits * bits).sum()
-    sums = torch.stack(
-        [local(p).detach().double().sum() for _, p in named]
-        + [local(p).detach().double().abs().sum() for _, p in named]
-    )
-    every = [torch.empty_like(sums) for _ in range(tp_mesh.size())]
-    torch.distributed.all_gather(every, sums, group=tp_mesh.get_group())
-    every = torch.stack(every).cpu()  # the one wait of the check
-    for rank in range(1, len(every)):
-        differ = (every[rank] != every[0]).nonzero()
-        if len(differ):
-            return named[int(differ[0]) % len(named)][0], 0, rank
-    return None

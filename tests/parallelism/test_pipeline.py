@@ -789,7 +789,10 @@ def test_a_later_stage_reads_no_image(tiny_data, tmp_path, monkeypatch, backend)
     """--pp: the first stage's rank loads the images (through DALI too); a later stage's loads placeholders for the
     same sample keys (nothing read from disk: every file made unreadable, its batches still come; no DALI pipeline
     built), their shapes the same batch sizes, and its labels are the first stage's, broadcast at each batch
-    (FirstStageLabels)."""
+    (FirstStageLabels). Under DALI the validation images that are not whole files (one cut short, one empty) are
+    found once, by the first rank, and left out on every stage: both count the same images (a later stage sizing
+    its placeholders from the whole set would wait for batches the first never sends)."""
+    import shutil
     from types import SimpleNamespace
 
     from dlojz_lib.data.loaders import FirstStageLabels, Placeholders, build_data, build_loaders
@@ -798,15 +801,32 @@ def test_a_later_stage_reads_no_image(tiny_data, tmp_path, monkeypatch, backend)
 
     if backend == "dali":
         pytest.importorskip("nvidia.dali")
+    root = shutil.copytree(tiny_data, tmp_path / "data")
+    cut, empty = sorted((root / "val").rglob("*.JPEG"))[:2]
+    cut.write_bytes(cut.read_bytes()[: cut.stat().st_size // 2])
+    empty.write_bytes(b"")
     monkeypatch.chdir(tmp_path)
-    argv = ["--device", "cpu", "--fsdp", "--pp", "2", "--data-root", str(tiny_data), "-b", "4", "--num-workers", "0"]
+    argv = ["--device", "cpu", "--fsdp", "--pp", "2", "--data-root", str(root), "-b", "4", "--num-workers", "0"]
     cfg = resolve_config(get_args_parser().parse_args([*argv, "--data-backend", backend]))
     device = torch.device("cpu")
+    sent, counted = [], {}
+
+    def all_gather(obj):  # the first rank's object reaches the other
+        sent.append(obj)
+        return [sent[0], obj]
+
     for pipe_rank in (0, 1):
         mesh = {"pipe": SimpleNamespace(get_local_rank=lambda rank=pipe_rank: rank, get_group=lambda: None)}
-        ranks = SimpleNamespace(mesh=mesh, data_size=1, data_rank=0, device=device, is_main=True, enabled=False)
+        ranks = SimpleNamespace(
+            mesh=mesh, data_size=1, data_rank=0, device=device, is_main=pipe_rank == 0, enabled=True,
+            all_gather=all_gather,
+        )  # fmt: skip
         train_set, val_set, _ = build_data(cfg, ranks, lambda line: None)
-        loaders = build_loaders(cfg, train_set, val_set, 3, ranks, lambda line: None)
+        with monkeypatch.context() as patched:
+            if pipe_rank == 1:
+                patched.setattr("builtins.open", lambda *a, **k: pytest.fail("a later stage opened a file"))
+            loaders = build_loaders(cfg, train_set, val_set, 3, ranks, lambda line: None)
+        counted[pipe_rank] = loaders.n_val_images
         assert isinstance(loaders.train_batches, FirstStageLabels) and isinstance(loaders.val_batches, FirstStageLabels)
         assert isinstance(getattr(loaders.train, "dataset", None), Placeholders) is (pipe_rank == 1)
         assert (type(loaders.train).__name__ == "DaliBatches") is (backend == "dali" and pipe_rank == 0)
@@ -815,3 +835,5 @@ def test_a_later_stage_reads_no_image(tiny_data, tmp_path, monkeypatch, backend)
             loaders.start_epoch(0, 0)
             sizes = [images.shape[0] for images, _ in loaders.train]
             assert sizes == [4] * (len(train_set) // 4) and loaders.n_val_images == len(val_set)
+    files = len(list((root / "val").rglob("*.JPEG")))
+    assert counted[0] == counted[1] == files - 2 * (backend == "dali"), counted
