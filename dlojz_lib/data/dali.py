@@ -178,16 +178,27 @@ class SampleFeed:
         """The data set's indices, a batch at a time, from `start` = (epoch, samples already seen) on."""
         epoch, skip = start
         while True:
-            if hasattr(self.sampler, "set_epoch"):  # training: each pass is the next epoch
-                self.sampler.set_epoch(epoch)
-                self.sampler.skip = 0
-            indices = [index for _, index in iter(self.sampler)][skip:]
-            end = len(indices) - len(indices) % self.batch_size if self.drop_last else len(indices)
-            if end == 0 and skip == 0:
-                raise ValueError(f"DALI: no whole batch of {self.batch_size} in an epoch of {len(indices)} samples")
-            for first in range(0, end, self.batch_size):
-                yield [self.readable(index) for index in indices[first : first + self.batch_size]]
+            yield from self.epoch_batches(epoch, skip)
             epoch, skip = epoch + 1, 0
+
+    def epoch_batches(self, epoch, skip):
+        """One epoch's indices, a batch at a time, from its `skip` samples already seen on."""
+        if hasattr(self.sampler, "set_epoch"):  # training: each pass is the next epoch
+            self.sampler.set_epoch(epoch)
+            self.sampler.skip = 0
+        indices = [index for _, index in iter(self.sampler)][skip:]
+        end = len(indices) - len(indices) % self.batch_size if self.drop_last else len(indices)
+        if end == 0 and skip == 0:
+            raise ValueError(f"DALI: no whole batch of {self.batch_size} in an epoch of {len(indices)} samples")
+        for first in range(0, end, self.batch_size):
+            yield [self.readable(index) for index in indices[first : first + self.batch_size]]
+
+    def epoch_files(self, start) -> "EpochFiles":
+        """The files of `start`'s epoch from its samples already seen on, for DALI's file reader (a folder data
+        set's: packed shards have no paths)."""
+        indices = [index for batch in self.epoch_batches(*start) for index in batch]
+        samples = [self.dataset.samples[index] for index in indices]
+        return EpochFiles([path for path, _ in samples], [int(label) for _, label in samples], start[0])
 
     def readable(self, index):
         """`index`, or the next sample not found unreadable (as the pytorch backend skips a corrupt file)."""
@@ -250,6 +261,18 @@ class SampleFeed:
 
     def __getstate__(self):  # the thread pool stays in the process that made it
         return dict(self.__dict__, pool=None)
+
+
+@dataclasses.dataclass(frozen=True)
+class EpochFiles:
+    """One epoch's files (this rank's, in the sampler's order, from the samples already seen) and labels, read by
+    DALI's file reader: it sets each sample's source_info to its path, the key under which the decoder's cache keeps
+    the decoded image (an external source's bytes have none, and DALI caches nothing without a key). `epoch` seeds
+    the pipeline's draws: one pipeline an epoch."""
+
+    paths: list
+    labels: list
+    epoch: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -385,9 +408,13 @@ def pipeline_options(batch_size, device_id, settings, seed, threads):
 
 
 def encoded_samples(source, by_path):
-    """The pipeline's input: the files' bytes (read by DALI from SampleFeed's paths, or given by it) and labels."""
+    """The pipeline's input: the files' bytes (read by DALI from SampleFeed's paths, or given by it; or read by
+    DALI's file reader from EpochFiles, each keyed by its path) and labels."""
     from nvidia.dali import fn, types
 
+    if isinstance(source, EpochFiles):
+        data, labels = fn.readers.file(files=source.paths, labels=source.labels, random_shuffle=False)
+        return data, fn.cast(labels, dtype=types.INT64)
     data, labels = fn.external_source(source=source, num_outputs=2, batch=True, dtype=[types.UINT8, types.INT64])
     return (fn.io.file.read(data) if by_path else data), labels
 
@@ -410,9 +437,15 @@ def normalised(images, settings, device_id, **crop_and_flip):
     )
 
 
+EPOCH_SEED_STRIDE = 1_000_003  # a pipeline an epoch (EpochFiles): each epoch's draws from a seed of its own
+
+
 def train_pipeline(source, batch_size, image_size, device_id, settings, seed):
     """RandomResizedCrop, then the flip folded into the normalisation."""
     from nvidia.dali import fn, pipeline_def, types
+
+    if isinstance(source, EpochFiles):
+        seed += EPOCH_SEED_STRIDE * source.epoch
 
     @pipeline_def(**pipeline_options(batch_size, device_id, settings, seed, settings.threads))
     def pipeline():
@@ -513,11 +546,19 @@ class DaliBatches:
     DALI. Each iteration starts where the sampler says (its epoch and `skip`, set by the training loop); when that
     is where the pipeline already is (the previous iteration ran to its end, and DALI has been preparing the next
     one's batches since) it goes on, else (the first epoch, a resume, an iteration left before its end) the
-    pipeline is built anew at that place."""
+    pipeline is built anew at that place.
 
-    def __init__(self, dataset, sampler, batch_size, make_pipeline, device, drop_last=False, name="", log=None):
+    `by_epoch` (--dali-cache): the pipeline reads each epoch's files with DALI's file reader (EpochFiles), which
+    keys each image by its path for the decoder's cache; a pipeline an epoch, the next one built before the last is
+    let go (DALI keeps a GPU's cache while a decoder holds it), a partial last batch cut from the reader's full one.
+    """
+
+    def __init__(
+        self, dataset, sampler, batch_size, make_pipeline, device, drop_last=False, name="", log=None, by_epoch=False
+    ):
         self.dataset, self.sampler, self.batch_size = dataset, sampler, batch_size
         self.make_pipeline, self.device, self.drop_last = make_pipeline, device, drop_last
+        self.by_epoch = by_epoch
         self.name, self.log = name, log  # the first build's memory is said on `log`
         self.pipeline = self.source = None
         self.position = None  # (epoch, samples seen) of the pipeline's next batch; None mid-iteration
@@ -527,8 +568,12 @@ class DaliBatches:
         self.memory_taken = None  # (GPU bytes, host bytes) the first pipeline took, built and run once
 
     def __len__(self):
-        n = getattr(self.sampler, "trained", None) or getattr(self.sampler, "num_samples", None) or len(self.sampler)
+        n = self._samples()
         return n // self.batch_size if self.drop_last else math.ceil(n / self.batch_size)
+
+    def _samples(self):
+        """The samples an epoch of the sampler gives this rank."""
+        return getattr(self.sampler, "trained", None) or getattr(self.sampler, "num_samples", None) or len(self.sampler)
 
     def _wanted(self):
         return getattr(self.sampler, "epoch", 0), getattr(self.sampler, "skip", 0)
@@ -548,26 +593,32 @@ class DaliBatches:
     def _build(self, start, skipped=()):
         if self.rebuilds == 0:
             self.memory_before = self._memory()
-        self.pipeline = None  # its threads and buffers go before the new one's come
+        if not self.by_epoch:
+            self.pipeline = None  # its threads and buffers go before the new one's come
         self.source = SampleFeed(self.dataset, self.sampler, self.batch_size, start, self.drop_last)
         self.source.skipped |= set(skipped)
-        self.pipeline = self.make_pipeline(self.source)
-        self.pipeline.build()
+        pipeline = self.make_pipeline(self.source.epoch_files(start) if self.by_epoch else self.source)
+        pipeline.build()
+        self.pipeline = pipeline  # (by_epoch: the last one let go only now, its decoder's cache held by this one's)
         self.rebuilds += 1
 
     def __iter__(self):
         wanted = self._wanted()
-        if self.pipeline is None or self.position != wanted:
+        if self.pipeline is None or self.position != wanted or self.by_epoch:
             self._build(wanted, self.source.skipped if self.source is not None else ())
         self.position = None
         return self._batches(*wanted)
 
     def _batches(self, epoch, skip):
         first = skip // self.batch_size
+        samples = self._samples() if self.by_epoch else None
         for batch in range(first, len(self)):
             if batch == len(self) - 1:  # the next iteration's batches are the ones DALI is preparing
                 self.position = (epoch + 1 if hasattr(self.sampler, "set_epoch") else epoch, 0)
             images, labels = self._run(epoch, batch * self.batch_size)
+            if samples is not None and (batch + 1) * self.batch_size > samples:  # the reader's batch is full
+                kept = samples - batch * self.batch_size
+                images, labels = images[:kept], labels[:kept]
             yield images.permute(0, 3, 1, 2), labels.view(-1)  # NCHW's shape over NHWC memory: channels-last
 
     def _run(self, epoch, seen):

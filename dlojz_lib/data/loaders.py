@@ -381,6 +381,11 @@ def dali_loaders(cfg, train_set, val_set, train_sampler, ranks, log) -> Loaders:
     data = cfg.section("data")
     if data.dali_cache and device_id is None:
         fail("--dali-cache keeps decoded images in GPU memory: there is no GPU here; drop it")
+    if data.dali_cache and not all(isinstance(where, str) for where, _ in train_set.samples):
+        fail(
+            "--dali-cache keeps decoded images under their files' paths, which packed shards do not give DALI: "
+            "drop --dali-cache, or train from the image folder"
+        )
     sizes = sampled_sizes(train_set) if device_id is not None else []
     settings = dali_settings(data, cfg.num_workers, cfg.amp, device_id is not None, largest(sizes))
     seed = cfg.seed * 1_000 + ranks.data_rank
@@ -391,7 +396,8 @@ def dali_loaders(cfg, train_set, val_set, train_sampler, ranks, log) -> Loaders:
             f"DALI cache: {settings.cache_mib / 1024:g} GB of GPU memory holds about "
             + (f"{share:.0%}" if share is not None else "an unknown share")
             + f" of this rank's {len(train_sampler):,} training images (by {len(sizes)} images' sizes): those are "
-            "decoded in the first epoch only, the rest every epoch"
+            "decoded in the first epoch only, the rest every epoch (each epoch's files read by DALI's file reader, "
+            "which keys them by path)"
         )
     train = DaliBatches(
         train_set,
@@ -402,6 +408,7 @@ def dali_loaders(cfg, train_set, val_set, train_sampler, ranks, log) -> Loaders:
         drop_last=cfg.drop_last,
         name="training",
         log=log,
+        by_epoch=bool(settings.cache_mib),  # the cache keys images by path: DALI's file reader, an epoch at a time
     )
     val_sampler = ShardSampler(val_set, ranks.data_size, ranks.data_rank)
     val = DaliBatches(

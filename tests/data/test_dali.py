@@ -22,6 +22,7 @@ from test_transforms import (
     reference_geometry,  # noqa: F401
 )
 
+from dlojz_lib.checks import UserError  # noqa: E402
 from dlojz_lib.data.dali import DaliBatches, DaliSettings, train_pipeline, val_pipeline  # noqa: E402
 from dlojz_lib.data.datasets import build_datasets  # noqa: E402
 from dlojz_lib.data.samplers import EpochSampler, ShardSampler  # noqa: E402
@@ -75,6 +76,96 @@ def test_dali_follows_the_sampler_epoch_after_epoch_and_after_a_resume(tiny_data
     next(iter(batches))
     sampler.set_epoch(3)
     assert labels_of(batches) == in_batches(list(iter(sampler)), train.targets, 8)
+
+
+def test_the_decoder_cache_s_keys_are_the_files_paths(tiny_data):
+    """--dali-cache: DALI's decoder caches an image under its source_info, which its file reader sets to the path
+    and an external source leaves empty (nothing is ever cached then). The cached pipeline reads each epoch's files
+    with the reader: the keys reaching the decoder are this rank's paths in the sampler's order, from a resume's
+    place too."""
+    from nvidia.dali import fn, pipeline_def
+
+    from dlojz_lib.data.dali import SampleFeed, encoded_samples
+
+    train, _, _, _ = build_datasets(tiny_data, None, None)
+    sampler = EpochSampler(train, 2, 1, shuffle=True, seed=5)  # rank 1 of 2: 36 images
+    feed = SampleFeed(train, sampler, 4)
+
+    def keys_of(source, batches):
+        @pipeline_def(batch_size=4, num_threads=1, device_id=None, seed=0)
+        def keys():
+            encoded, labels = encoded_samples(source, True)
+            return fn.get_property(encoded, key="source_info"), labels
+
+        pipeline = keys()
+        pipeline.build()
+        found = []
+        for _ in range(batches):
+            info, labels = pipeline.run()
+            found += [(bytes(info.at(k)).decode(), int(labels.at(k)[0])) for k in range(len(labels))]
+        return found
+
+    sampler.set_epoch(1)
+    expected = [train.samples[index] for _, index in iter(sampler)][8:]
+    assert keys_of(feed.epoch_files((1, 8)), 7) == expected  # epoch 1 from its 9th sample: 28 images
+    assert {key for key, _ in keys_of(feed, 2)} == {""}  # the external source's bytes: no key, nothing cached
+
+
+def test_the_cached_pipeline_follows_the_sampler_a_pipeline_an_epoch(tiny_data):
+    """--dali-cache's pipeline (by_epoch): the sampler's order epoch after epoch and after a resume, the partial
+    last batch cut to its images, its draws an epoch's own; each epoch's pipeline built while the last one is still
+    held (the decoder's cache lives as long as one does)."""
+    train, _, _, _ = build_datasets(tiny_data, None, None)
+    sampler = EpochSampler(train, 1, 0, shuffle=True, seed=5)
+    held = []
+
+    def make(source):
+        held.append(batches.pipeline is not None)
+        return train_pipeline(source, 10, 16, None, ONE_THREAD, 7)
+
+    batches = DaliBatches(train, sampler, 10, make, torch.device("cpu"), by_epoch=True)
+    assert len(batches) == 8
+    firsts = []
+    for epoch in range(2):
+        sampler.set_epoch(epoch)
+        sampler.skip = 0
+        got = [(images, labels.tolist()) for images, labels in batches]
+        assert [labels for _, labels in got] == in_batches(list(iter(sampler)), train.targets, 10), epoch
+        assert [len(images) for images, _ in got] == [10] * 7 + [2]
+        firsts.append(got[0][0].clone())
+    assert not torch.equal(firsts[0], firsts[1])  # (the same pixels would be the same crops of other images)
+    sampler.set_epoch(1)
+    sampler.skip = 3 * 10
+    resumed = labels_of(batches)
+    sampler.skip = 0
+    assert resumed == in_batches(list(iter(sampler)), train.targets, 10)[3:]
+    assert batches.rebuilds == 3 and held == [False, True, True]
+
+
+def test_dali_cache_reads_the_files_an_epoch_at_a_time(tiny_data, tmp_path, monkeypatch):
+    """--dali-cache reaches the training batches (on a GPU, faked here: the cache is refused on the CPU) as the
+    pipeline an epoch that keys images by path; without it, the external source's one pipeline. Packed shards have
+    no paths: one line."""
+    import dataclasses
+
+    import dlojz_lib.data.loaders
+    from dlojz_lib.dist import Distribution
+    from dlojz_lib.settings.config import resolve_config
+    from dlojz_lib.settings.flags import get_args_parser
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    args = [*TINY, "--data-root", str(tiny_data), "--data-backend", "dali", "--num-workers", "1"]
+    plain = resolve_config(get_args_parser().parse_args(args))
+    ranks = Distribution(1, 0, 0, torch.device("cuda", 0))
+    for cfg, by_epoch in ((plain, False), (dataclasses.replace(plain, dali_cache=0.5, dali_decode="whole"), True)):
+        train_set, val_set, classes = dlojz_lib.data.loaders.build_data(cfg, ranks, lambda line: None)
+        loaders = dlojz_lib.data.loaders.build_loaders(cfg, train_set, val_set, len(classes), ranks, lambda line: None)
+        assert (loaders.train.by_epoch, loaders.val_batches.by_epoch) == (by_epoch, False)
+    shards = pack(tiny_data, tmp_path / "packed")
+    cfg = dataclasses.replace(cfg, data_root=str(shards))
+    train_set, val_set, classes = dlojz_lib.data.loaders.build_data(cfg, ranks, lambda line: None)
+    with pytest.raises(UserError, match="--dali-cache keeps decoded images under their files' paths, which packed"):
+        dlojz_lib.data.loaders.build_loaders(cfg, train_set, val_set, len(classes), ranks, lambda line: None)
 
 
 def test_batches_are_dalis_buffers_not_copies(tiny_data):
