@@ -1,6 +1,7 @@
 """The loader benchmark runs end to end (on tiny data) and builds ImageNet-like JPEGs: benchmarks must not rot."""
 
 import io
+import json
 import subprocess
 import sys
 
@@ -70,6 +71,33 @@ def test_gpu_seams_says_no_cuda_gpu_here(capsys):
 
     assert gpu_seams.main([]) == 1
     assert capsys.readouterr().out == "gpu_seams.py: no CUDA GPU visible\n"
+
+
+def test_gpu_checks_run_their_cpu_parts(tiny_data, tmp_path):
+    """bench/gpu_checks.py --device cpu: the checks a CPU can run pass (the selective policy recomputes no matrix
+    product or convolution and full checkpointing does, the meta-device fill, --fsdp --compile against eager, DALI's
+    loader rows); the GPU's are skipped, each with why; one row each and the JSON. Without a GPU --device cuda is one
+    line, exit 1."""
+    command = [sys.executable, str(ROOT / "bench" / "gpu_checks.py")]
+    out = tmp_path / "checks.json"
+    proc = subprocess.run(
+        [*command, "--device", "cpu", "--quick", "--data", str(tiny_data / "train"), "--json", str(out)],
+        capture_output=True, text=True, timeout=300, env=clean_env(), cwd=ROOT,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    checks = json.loads(out.read_text())["checks"]
+    assert {name: row["status"] for name, row in checks.items()} == {
+        "selective_policy": "ok", "meta_fill": "ok", "fsdp_compile": "ok", "dali_loader": "ok",
+        "dali_memory": "skipped", "dali_lifetimes": "skipped", "seams": "skipped",
+    }  # fmt: skip
+    policy = checks["selective_policy"]
+    for kind in ("vit", "resnet"):
+        recomputed = [policy[f"backward_costly_ops {kind} {mode}"] for mode in ("none", "selective", "full")]
+        assert recomputed[0] == recomputed[1] < recomputed[2], policy
+    assert checks["dali_loader"]["img_s roi threads 1"] > 0 and checks["dali_loader"]["img_s whole threads 1"] > 0
+    assert [line.split()[0] for line in proc.stdout.splitlines() if line[:1].isalpha()][-7:] == list(checks)
+    proc = subprocess.run([*command, "--device", "cuda"], capture_output=True, text=True, env=clean_env(), cwd=ROOT)
+    assert proc.returncode == 1 and "no CUDA GPU visible" in proc.stdout
 
 
 def test_gpu_acceptance_says_no_cuda_gpu_here():

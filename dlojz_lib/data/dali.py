@@ -150,11 +150,8 @@ def leave_out_cut_short(dataset, found, warn=True):
     validation counts and scores the images the pytorch backend does (which leaves them out as unreadable)."""
     if not found:
         return
-    for index, reason in found:
-        if warn:
-            print(
-                f"WARNING: skipping unreadable image {dataset.samples[index][0]}: {reason}", file=sys.stderr, flush=True
-            )
+    for index, reason in found if warn else ():
+        print(f"WARNING: skipping unreadable image {dataset.samples[index][0]}: {reason}", file=sys.stderr, flush=True)
     left_out = {index for index, _ in found}
     kept = [sample for index, sample in enumerate(dataset.samples) if index not in left_out]
     dataset.samples = dataset.imgs = kept
@@ -557,8 +554,7 @@ class DaliBatches:
         self, dataset, sampler, batch_size, make_pipeline, device, drop_last=False, name="", log=None, by_epoch=False
     ):
         self.dataset, self.sampler, self.batch_size = dataset, sampler, batch_size
-        self.make_pipeline, self.device, self.drop_last = make_pipeline, device, drop_last
-        self.by_epoch = by_epoch
+        self.make_pipeline, self.device, self.drop_last, self.by_epoch = make_pipeline, device, drop_last, by_epoch
         self.name, self.log = name, log  # the first build's memory is said on `log`
         self.pipeline = self.source = None
         self.position = None  # (epoch, samples seen) of the pipeline's next batch; None mid-iteration
