@@ -66,6 +66,7 @@ from dlojz_lib.parallelism.build import build_model
 from dlojz_lib.parallelism.fsdp import match_sharded_forwards
 from dlojz_lib.resume import (
     claim_output_dir,
+    find_checkpoint,
     make_saver,
     periodic_checkpoints,
     record_best,
@@ -152,6 +153,7 @@ def main(argv=None, resources=None) -> dict:
 
     # ================================ DATA SETS (the model needs the number of classes)
     train_set, val_set, classes = build_data(cfg, ranks, log)
+    resumed = find_checkpoint(cfg.section("logging"), cfg.eval_only, cfg.arch, len(classes), log)  # before the build
 
     # ================================ INSTANTIATION: model, loss, optimizer
     model = build_model(cfg, len(classes), ranks, log)
@@ -166,7 +168,7 @@ def main(argv=None, resources=None) -> dict:
     training = build_training(cfg, model, loaders.n_train_batches, len(classes), ranks, log, counts)
 
     # ================================ INITIALISATION: resume, W&B, hooks
-    state, resumed_from = restore(cfg, model, training, loaders.n_train_batches, ranks, log)
+    state, resumed_from = restore(cfg, model, training, loaders.n_train_batches, ranks, log, resumed)
     peer_report.state = state  # (the step a lost peer's line names)
     val_max_batches = TEST_VAL_BATCHES if cfg.test else None  # --test validates on a few batches
     run = Run(cfg, ranks, log, stop, chrono, model, training, loaders, state, metrics, val_max_batches)
@@ -179,10 +181,8 @@ def main(argv=None, resources=None) -> dict:
     run.saver = make_saver(cfg, model, training, ranks, classes)
     profiler = make_profiler(cfg.section("profiler"), cfg.output_dir, ranks.rank, ranks.device, log)  # or None
     hooks = LoopHooks(chrono, profiler, training.lr_finder, ranks.enabled, HostMemoryBound.on(ranks.device))
-    images_per_step = cfg.batch_size * ranks.data_size  # one micro-batch on every data replica
-    progress = Progress(
-        log, wandb_run, ranks.device, cfg.epochs, loaders.n_train_batches, cfg.grad_acc, images_per_step
-    )
+    progress = Progress(log, wandb_run, ranks.device, cfg.epochs, loaders.n_train_batches, cfg.grad_acc,
+                        cfg.batch_size * ranks.data_size)  # images a step: a micro-batch on each data replica  # fmt: skip
 
     # ================================ TRAINING
     chrono.start()

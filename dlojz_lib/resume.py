@@ -207,23 +207,35 @@ def saved_data_size(saved):
     return saved.get("data_size") or saved.get("world_size", 1) // (args.get("tp", 1) * args.get("pp", 1))
 
 
-def restore(cfg, model, training, n_train_batches, ranks, log):
-    """--resume: the weights (and EMA); unless --eval-only, also the optimizer, schedule, GradScaler, training
-    position and random generators. Returns (TrainState, the checkpoint's path or None)."""
-    if not cfg.resume:
-        return TrainState(), None
-    if cfg.resume == "auto":
-        saved, path = ckpt.load_latest(cfg.output_dir)
+def find_checkpoint(logging, eval_only, arch, num_classes, log):
+    """--resume's checkpoint (`logging`: --resume and --output-dir), read before the model is built: (its state, its
+    path), or (None, None) (no --resume, or --resume auto finding none). A checkpoint of another model (--arch) or
+    number of classes is refused here in one line, not after a build that can take minutes."""
+    if not logging.resume:
+        return None, None
+    if logging.resume == "auto":
+        saved, path = ckpt.load_latest(logging.output_dir)
         if saved is None:
-            if cfg.eval_only:
-                fail(f"--resume auto: no usable checkpoint in {cfg.output_dir}")
-            log(f"--resume auto: no checkpoint in {cfg.output_dir}, starting from scratch")
-            return TrainState(), None
+            if eval_only:
+                fail(f"--resume auto: no usable checkpoint in {logging.output_dir}")
+            log(f"--resume auto: no checkpoint in {logging.output_dir}, starting from scratch")
+            return None, None
     else:
         try:
-            saved, path = ckpt.load(cfg.resume), cfg.resume
+            saved, path = ckpt.load(logging.resume), logging.resume
         except ckpt.CheckpointError as err:
             fail(f"--resume: {err}")
+    check_same_model(arch, num_classes, saved, path)
+    return saved, path
+
+
+def restore(cfg, model, training, n_train_batches, ranks, log, found):
+    """--resume: the weights (and EMA) of `found` (find_checkpoint's); unless --eval-only, also the optimizer,
+    schedule, GradScaler, training position and random generators. Returns (TrainState, the checkpoint's path or
+    None)."""
+    saved, path = found
+    if saved is None:
+        return TrainState(), None
     restore_weights(cfg, model, training, saved, path, log)
     state = TrainState()
     if not cfg.eval_only:

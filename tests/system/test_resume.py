@@ -534,6 +534,7 @@ def zombie(pid):
 
 
 def test_a_checkpoint_of_another_model_or_number_of_classes_is_refused_in_one_line(tiny_data, tmp_path, run_inline):
+    """Refused in one line, the checkpoint's settings read before the model is built."""
     out = tmp_path / "run"
     assert run_inline(*TINY, "--data-root", tiny_data, "--output-dir", out, "-e", "1").returncode == 0
     checkpoint = out / (out / "latest").read_text().strip()
@@ -544,6 +545,7 @@ def test_a_checkpoint_of_another_model_or_number_of_classes_is_refused_in_one_li
         f"--resume {checkpoint}: a checkpoint of --arch {ARCH} with 3 classes; this run is --arch resnet34 with "
         "3 classes" in proc.stderr
     )
+    assert "model: resnet34" not in proc.stdout  # refused before the build (a minute for a large model)
     more_classes = make_classes(tmp_path / "four", 4)
     proc = run_inline(*TINY, "--data-root", more_classes, "--output-dir", tmp_path / "b", "--resume", checkpoint)
     assert proc.returncode == 2 and f"this run is --arch {ARCH} with 4 classes" in proc.stderr, proc.stderr
