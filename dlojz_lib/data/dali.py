@@ -560,8 +560,9 @@ class DaliBatches:
         self.position = None  # (epoch, samples seen) of the pipeline's next batch; None mid-iteration
         self.rebuilds = 0  # pipelines built: what the tests count
         self.lifetimes = BatchLifetimes() if device.type == "cuda" else None
-        self.memory_before = None  # (free GPU bytes, host RSS bytes) before the first build, until its first batch
-        self.memory_taken = None  # (GPU bytes, host bytes) the first pipeline took, built and run once
+        self.memory_before = None  # (free GPU bytes, host RSS bytes) before the first build, until read
+        self.memory_taken = None  # (GPU bytes, host bytes) the first pipeline took, its prefetch queue filled
+        self.handed = 0  # batches handed out
 
     def __len__(self):
         n = self._samples()
@@ -635,7 +636,11 @@ class DaliBatches:
         batch = tuple(torch.from_dlpack(output.as_tensor()) for output in outputs)
         if self.lifetimes is not None:
             self.lifetimes.handed_out(batch)
-        if self.memory_before is not None:  # the first pipeline, built and run once: what it took
+        self.handed += 1
+        if self.memory_before is not None and self.handed >= min(self.pipeline.prefetch_queue_depth + 1, len(self)):
+            # the first pipeline, its prefetch queue filled and a batch past it: what it took, read once (one wait)
+            if stream is not None:
+                torch.cuda.synchronize(self.device)
             (free, resident), (free_now, resident_now) = self.memory_before, self._memory()
             self.memory_taken, self.memory_before = (free - free_now, resident_now - resident), None
             if self.log is not None:

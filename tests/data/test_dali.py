@@ -653,16 +653,24 @@ def test_a_batch_is_kept_until_the_step_that_reads_it_has_run():
 
 def test_dali_batches_hold_their_batches_on_a_gpu_only(tiny_data):
     """On the CPU no stream runs behind the host: nothing is held. The run's log says the start-up line once, then
-    each pipeline's threads and memory at its first batch (measured once, not at each rebuild)."""
+    each pipeline's threads and memory once its prefetch queue is filled and a batch past it (measured once, not at
+    each rebuild)."""
     lines = []
     _, loaders = dali_loaders_for(tiny_data, "--dali-decode", "whole", log=lines.append)
     said = [line for line in lines if line.startswith("DALI")]
     assert len(said) == 1 and said[0].startswith("DALI: decoding on the CPU (no GPU); training 1 thread decoding")
     assert "whole images, then the crop" in said[0]
-    for epoch in range(2):
-        loaders.start_epoch(epoch, 0)
-        list(loaders.train_batches)
-    list(loaders.val_batches)
+    loaders.start_epoch(0, 0)
+    batches = iter(loaders.train_batches)
+    for _ in range(3):  # DALI's prefetch queue (3) still filling: nothing said yet
+        next(batches)
+    assert loaders.train.memory_taken is None and not any(line.startswith("DALI training") for line in lines)
+    next(batches)
+    assert loaders.train.memory_taken is not None and lines[-1].startswith("DALI training pipeline")
+    list(batches)
+    loaders.start_epoch(1, 0)
+    list(loaders.train_batches)
+    list(loaders.val_batches)  # (2 batches: said at the last)
     assert loaders.train.lifetimes is None and loaders.train.memory_taken is not None
     said = [line for line in lines if line.startswith("DALI ")]
     assert [line.split(":")[0] for line in said] == ["DALI training pipeline", "DALI validation pipeline"], said
