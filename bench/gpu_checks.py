@@ -230,24 +230,13 @@ def dali_loader(device, quick):
     return all(value > 0 for value in rows.values()), dict(rows, dali=version)
 
 
-def nvml_jpeg_utilisation(device):
-    """A reader of NVML's JPEG engine utilisation (%), or None where NVML or the reading is missing."""
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-        handle = pynvml.nvmlDeviceGetHandleByIndex(device.index or 0)
-        pynvml.nvmlDeviceGetJpgUtilization(handle)
-    except Exception:  # no NVML, no engines, an older driver: said as None
-        return None
-    return lambda: pynvml.nvmlDeviceGetJpgUtilization(handle)[0]
-
-
 def dali_memory(device, quick):
     if device.type != "cuda":
         raise Skipped("DALI's GPU memory needs a GPU")
     version = dali_or_skip()
     import psutil
+
+    from dlojz_lib.data.dali import jpeg_utilisation_reader
 
     folder = bench_images(quick)
     process = psutil.Process()
@@ -262,7 +251,7 @@ def dali_memory(device, quick):
     stream = endless(sampler, batches)
     batches._build((0, 0))
     figures = {}
-    readings, jpeg = [], nvml_jpeg_utilisation(device)
+    readings, jpeg = [], jpeg_utilisation_reader(device)
     for when, count in (("built", 0), ("batch 1", 1), ("batch 20", 19)):
         for _ in range(count):
             next(stream)

@@ -171,14 +171,15 @@ def finished(images):
         torch.cuda.synchronize(images.device)
 
 
-def measure_loader(loader, sampler, nsteps, num_workers, all_gather=None, log=print):
+def measure_loader(loader, sampler, nsteps, num_workers, all_gather=None, log=print, jpeg_utilisation=None):
     """Images/s of the DataLoader alone over `nsteps` batches after the workers' start-up, summed over the ranks
-    (`all_gather(obj) -> list`, None for one process). Returns the metrics of --loader-only."""
+    (`all_gather(obj) -> list`, None for one process). `jpeg_utilisation`: a reader of the GPU's JPEG engines' use
+    (%), read at each timed batch (DALI on a GPU). Returns the metrics of --loader-only."""
     # Not the steady state: the workers' start-up, and the batches they made meanwhile (num_workers x
     # prefetch_factor wait ready at the start: timed, they would inflate the rate).
     stock = num_workers * (getattr(loader, "prefetch_factor", None) or 0)
     warmup = max(1, min(10, nsteps // 5), stock)
-    images, epoch, t0, done = 0, 0, None, 0
+    images, epoch, t0, done, readings = 0, 0, None, 0, []
     while done < warmup + nsteps:
         sampler.set_epoch(epoch)
         for batch_images, _ in loader:
@@ -188,6 +189,8 @@ def measure_loader(loader, sampler, nsteps, num_workers, all_gather=None, log=pr
                 t0 = time.perf_counter()
             elif done > warmup:
                 images += batch_images.shape[0]
+                if jpeg_utilisation is not None:
+                    readings.append(jpeg_utilisation())
             if done >= warmup + nsteps:
                 break
         epoch += 1
@@ -202,7 +205,13 @@ def measure_loader(loader, sampler, nsteps, num_workers, all_gather=None, log=pr
     log(
         f">>> A GPU eating 2,500 images/s (ResNet-50, AMP, A100) needs about {math.ceil(2500 / per_worker)} such workers"
     )
+    if readings:
+        log(
+            f">>> the GPU's JPEG engines: {sum(readings) / len(readings):.0f}% busy on average, {max(readings)}% at "
+            f"most (NVML, {len(readings)} readings)"
+        )
     return dict(
+        jpeg_engine_utilisation=sum(readings) / len(readings) if readings else None,
         loader_images_per_second=total,
         loader_images_per_second_per_process=rate,
         loader_images_per_second_per_worker=per_worker,
@@ -327,7 +336,7 @@ def validation_without_cut_short(val_set, ranks):
     """DALI's validation set without the images that are not whole files, as the pytorch backend counts them
     (training skips them when they fail): their ends read once, on the first rank, the indices shared with every
     rank (one object gathered), so all the ranks and pipeline stages validate on the same images."""
-    from dlojz_lib.data.dali import cut_short, leave_out_cut_short
+    from dlojz_lib.data.dali_feed import cut_short, leave_out_cut_short
 
     found = cut_short(val_set) if ranks.is_main else None
     if ranks.enabled:
@@ -515,6 +524,15 @@ def build_data(cfg, ranks, log):
     return train_set, val_set, classes
 
 
+def jpeg_reader(train, device):
+    """The GPU's JPEG engines' use, read while DALI's batches are timed (dali.jpeg_utilisation_reader), or None."""
+    if type(train).__name__ != "DaliBatches":
+        return None
+    from dlojz_lib.data.dali import jpeg_utilisation_reader
+
+    return jpeg_utilisation_reader(device)
+
+
 def measure_loader_only(steps, num_workers, metrics_json, loaders, ranks, metrics, log) -> dict:
     """--loader-only: the training DataLoader alone over `steps` batches (--test-nsteps), images/s overall and per
     worker; the figures into `metrics_json` where given."""
@@ -528,6 +546,7 @@ def measure_loader_only(steps, num_workers, metrics_json, loaders, ranks, metric
             num_workers,
             ranks.all_gather if ranks.enabled else None,
             log,
+            jpeg_reader(loaders.train, ranks.device),
         ),
         world_size=ranks.world_size,
         global_batch_size=metrics["global_batch_size"],

@@ -85,7 +85,8 @@ def test_the_decoder_cache_s_keys_are_the_files_paths(tiny_data):
     place too."""
     from nvidia.dali import fn, pipeline_def
 
-    from dlojz_lib.data.dali import SampleFeed, encoded_samples
+    from dlojz_lib.data.dali import encoded_samples
+    from dlojz_lib.data.dali_feed import SampleFeed
 
     train, _, _, _ = build_datasets(tiny_data, None, None)
     sampler = EpochSampler(train, 2, 1, shuffle=True, seed=5)  # rank 1 of 2: 36 images
@@ -584,16 +585,47 @@ def test_the_start_up_line_says_the_decoder_threads_and_buffers():
 
     gpu = DaliSettings(6, size_hint=(500, 375))
     h100 = start_line(gpu, 0, "NVIDIA H100 80GB HBM3")
-    assert "NVIDIA H100 80GB HBM3: its JPEG engines take 99%" in h100 and "training 6 threads" in h100
+    assert "NVIDIA H100 80GB HBM3: its JPEG engines expected to take 99% (by the GPU's name" in h100
+    assert "training 6 threads" in h100
     assert "validation 3" in h100 and "preallocated at 500x375" in h100 and "the random crop's region" in h100
     l40 = start_line(gpu, 0, "NVIDIA L40S")
-    assert "not known to have JPEG engines" in l40 and "JPEG engines take" not in l40
+    assert "not known to have JPEG engines" in l40 and "JPEG engines expected" not in l40
     assert "--dali-hw-decoder-load 0" in start_line(DaliSettings(6, hw_decoder_load=0.0), 0, "NVIDIA H200")
     cpu = start_line(DaliSettings(2, decode="whole"), None, None)
     assert "the CPU (no GPU)" in cpu and "whole images, then the crop" in cpu and "preallocated" not in cpu
-    names = ["NVIDIA A100-SXM4-80GB", "NVIDIA H200", "NVIDIA GH200 480GB", "NVIDIA B200", "NVIDIA A30"]
-    assert [jpeg_engines(name) for name in names] == [True] * 5
+    names = ["NVIDIA A100-SXM4-80GB", "NVIDIA H200", "NVIDIA GH200 480GB", "NVIDIA B200", "NVIDIA A30", "NVIDIA GB300"]
+    assert [jpeg_engines(name) for name in names] == [True] * 6
     assert [jpeg_engines(name) for name in ("Tesla V100-SXM2-32GB", "NVIDIA L4", "NVIDIA RTX A6000")] == [False] * 3
+
+
+def test_loader_only_reports_the_jpeg_engines_use_that_nvml_reads(tiny_data, monkeypatch):
+    """The start-up line's JPEG engines are an expectation from the GPU's name; --loader-only on a GPU reads their
+    use through NVML at each timed batch (a fake NVML here: 30% then 50%), and says it. On the CPU, or without the
+    reading, nothing is said."""
+    import types
+
+    from dlojz_lib.data.dali import jpeg_utilisation_reader
+    from dlojz_lib.data.loaders import jpeg_reader, measure_loader
+
+    readings = iter([40, 30, 50, 30, 50])  # (the first: the reader's own check)
+    nvml = types.SimpleNamespace(
+        nvmlInit=lambda: None,
+        nvmlDeviceGetHandleByIndex=lambda index: f"gpu{index}",
+        nvmlDeviceGetJpgUtilization=lambda handle: (next(readings), 1_000_000),
+    )
+    monkeypatch.setitem(sys.modules, "pynvml", nvml)
+    assert jpeg_utilisation_reader(torch.device("cpu")) is None
+    reader = jpeg_utilisation_reader(torch.device("cuda", 0))
+    lines = []
+    train, _, _, _ = build_datasets(tiny_data, None, None)
+    sampler = EpochSampler(train, 1, 0)
+    metrics = measure_loader(train_batches(train, sampler), sampler, 4, 0, None, lines.append, reader)
+    assert metrics["jpeg_engine_utilisation"] == 40 and lines[-1] == (
+        ">>> the GPU's JPEG engines: 40% busy on average, 50% at most (NVML, 4 readings)"
+    )
+    assert jpeg_reader(object(), torch.device("cuda", 0)) is None  # the DataLoader's batches: no engine at work
+    nvml.nvmlDeviceGetJpgUtilization = lambda handle: (_ for _ in ()).throw(RuntimeError("not supported"))
+    assert jpeg_utilisation_reader(torch.device("cuda", 0)) is None
 
 
 def test_size_hints_and_the_cache_share_come_from_the_images_headers(tiny_data, tmp_path):
