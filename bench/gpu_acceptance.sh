@@ -18,7 +18,8 @@
 # 500 JPEGs of ImageNet's size and weight (500x375 px, quality 90, grain 0.6: ~110 KB each, ~2.8 GB; an epoch is 33
 # times DALI's prefetch) into $XDG_CACHE_HOME/dlojz (default ~/.cache/dlojz), reused by later runs;
 # DATA_ROOT=/path/to/imagenet uses that folder instead (train/ and val/). STEPS (default 300) training steps a run,
-# each run's unsynchronised img/s (--test's last half timed as a whole) beside the chronometer's.
+# each run's unsynchronised img/s (--test's last half timed as a whole, the window paused across a validation: the
+# real-data runs cross epochs of 100 steps and time as many steps as the synthetic one) beside the chronometer's.
 # Output: $OUT_DIR (default runs/gpu_acceptance_<epoch seconds>): metrics JSONs, chronometer traces, timelines.
 # Exit status: 0 when every step passed; 1 without a GPU or when a step failed; 2 when a package is missing.
 set -uo pipefail
@@ -254,7 +255,8 @@ for backend, label in (("pytorch", "DataLoader ({} workers)"), ("dali", "DALI on
         path = out / f"loader_{backend}_{span}.json"
         if path.exists():
             m = json.loads(path.read_text())
-            print(f"input pipeline alone, {label.format(m.get('num_workers'))}, {span} batches {where}: "
+            threads = m.get("dali_threads") if backend == "dali" else m.get("num_workers")
+            print(f"input pipeline alone, {label.format(threads)}, {span} batches {where}: "
                   f"{m['loader_images_per_second']:.0f} img/s (target for DALI: >= 7,000)")
 runs = {name: json.loads((out / f"{name}.json").read_text()) for name in ("synthetic", "dali", "data")
         if (out / f"{name}.json").exists()}

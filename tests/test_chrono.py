@@ -575,7 +575,7 @@ def test_the_steps_after_the_synced_ones_are_timed_as_a_whole_with_one_wait_at_t
     assert (sync.calls, clock.reads) == (waits, reads)
     assert chrono.steps == 3 and chrono.window_steps == 4
     chrono.end_window()
-    chrono.end_window()  # (validation and gather close it too: once)
+    chrono.end_window()  # (gather closes it too: once)
     assert (sync.calls, clock.reads) == (waits + 1, reads + 1)
     s = chrono.summary({"images_per_step": 10})
     assert s["unsync_window_steps"] == 4 and s["unsync_throughput_img_s"] == pytest.approx(40 / 4.0)
@@ -584,6 +584,33 @@ def test_the_steps_after_the_synced_ones_are_timed_as_a_whole_with_one_wait_at_t
     assert any(
         line.startswith("=>>> Throughput, unsynchronised: 10.0 images/s over the last 4 steps") for line in lines
     )
+
+
+def test_a_validation_pauses_the_window_and_the_steps_after_it_count():
+    """A window crossing an epoch's end: the validation's seconds are left out (two waits, at its ends, as always),
+    the steps after it counted, the window's one wait at its end: the same span as a run inside one epoch."""
+    chrono, clock, sync = make(synced_steps=2)
+    for _ in range(2):
+        run_step(chrono, clock, load=0.1, fwd=0.2, bwd=0.3)
+    for _ in range(3):
+        run_step(chrono, clock, load=0.1, fwd=0.2, bwd=0.3, untimed=0.4)
+    waits = sync.calls
+    chrono.validation()
+    clock.advance(5.0)  # the validation: not the training's
+    chrono.validation()
+    assert sync.calls == waits + 2 and chrono.val_time == pytest.approx(5.0)
+    for _ in range(2):
+        run_step(chrono, clock, load=0.1, fwd=0.2, bwd=0.3, untimed=0.4)
+    chrono.end_window()
+    s = chrono.summary({"images_per_step": 10})
+    assert s["unsync_window_steps"] == 5 and s["unsync_throughput_img_s"] == pytest.approx(50 / 5.0)
+    chrono, clock, _ = make(synced_steps=1)  # ended during a validation (a stop): the seconds before it
+    run_step(chrono, clock, load=0.1, fwd=0.2, bwd=0.3)
+    run_step(chrono, clock, load=0.1, fwd=0.2, bwd=0.3, untimed=0.4)
+    chrono.validation()
+    clock.advance(5.0)
+    chrono.end_window()
+    assert chrono.summary({"images_per_step": 10})["unsync_throughput_img_s"] == pytest.approx(10 / 1.0)
 
 
 def test_without_a_window_there_is_no_unsynchronised_figure():

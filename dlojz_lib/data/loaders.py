@@ -551,6 +551,8 @@ def measure_loader_only(steps, num_workers, metrics_json, loaders, ranks, metric
         world_size=ranks.world_size,
         global_batch_size=metrics["global_batch_size"],
     )
+    if type(loaders.train).__name__ == "DaliBatches":  # the threads DALI ran with, not the DataLoader's workers
+        metrics["dali_threads"] = loaders.train.pipeline.num_threads
     if ranks.is_main and metrics_json:
         write_json(metrics_json, metrics)
     return metrics

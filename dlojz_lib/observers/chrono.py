@@ -33,8 +33,9 @@ and ``validation()`` (the last two synchronise once, which costs nothing at that
 
 The unsynchronised window (``synced_steps``): after that many timed steps the chronometer goes quiet (no
 synchronisation, no clock read per phase) and times the steps that follow as a whole, wall clock, the device waited
-for once at its start and once at its end (``end_window()``, called after the last step; validation() and gather()
-close it too). That throughput, ``unsync_throughput_img_s``, counts every per-step cost (MixUp, the log points, EMA,
+for once at its start and once at its end (``end_window()``, called after the last step; gather() closes it too).
+A validation pauses it: its seconds are not the training's, and the window goes on after it, so that a run crossing
+epochs times as many steps as one that does not. That throughput, ``unsync_throughput_img_s``, counts every per-step cost (MixUp, the log points, EMA,
 the schedule) and none of the chronometer's waits: it is the figure to compare with MLPerf's training throughput.
 The per-phase figures come from the synchronised steps before it.
 
@@ -208,6 +209,8 @@ class Chronometer:
         self.synced_steps = synced_steps
         self._window_start = None  # clock at the start of the unsynchronised window, once open
         self._window_s = None  # its seconds, once closed
+        self._window_before_s = 0.0  # its seconds before the last pause (a validation)
+        self._window_paused = False
         self._window_steps = 0  # steps in it
         self._window_in_backward = False  # the window's backward toggle: opened, not closed yet
         self._enabled = bool(enabled)
@@ -315,8 +318,21 @@ class Chronometer:
         """After the last training step: the unsynchronised window ends (one wait for the device), if open."""
         if self._window_start is None or self._window_s is not None:
             return
+        if self._window_paused:
+            self._window_s = self._window_before_s
+            return
         self._sync()
-        self._window_s = self._clock() - self._window_start
+        self._window_s = self._window_before_s + self._clock() - self._window_start
+
+    def _pause_window(self, now):
+        """At a validation's start (the device just waited for): the window's seconds so far kept, the clock off."""
+        if self._window_start is not None and self._window_s is None and not self._window_paused:
+            self._window_before_s += now - self._window_start
+            self._window_paused = True
+
+    def _resume_window(self, now):
+        if self._window_paused:
+            self._window_start, self._window_paused = now, False
 
     @property
     def window_steps(self) -> int:
@@ -324,16 +340,18 @@ class Chronometer:
         return self._window_steps
 
     def validation(self):
-        """Toggle: the whole validation pass. Always measured (also when disabled), synchronised at both ends."""
-        self.end_window()
+        """Toggle: the whole validation pass. Always measured (also when disabled), synchronised at both ends; the
+        unsynchronised window paused across it."""
         self._sync()
         now = self._clock()
         if self._validation.opened_at is None:
             self._validation.opened_at = now
+            self._pause_window(now)
             self._energy.validation_start()
             return
         duration = now - self._validation.opened_at
         self._validation.opened_at = None
+        self._resume_window(now)
         self._val_time = duration
         if self._load.opened_at is not None:
             # A load phase open across the validation: the validation is not data loading.

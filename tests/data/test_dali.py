@@ -326,10 +326,13 @@ def test_loader_only_times_the_dali_pipeline(tiny_data, tmp_path):
         "5",
         "--metrics-json",
         tmp_path / "m.json",
+        "--dali-threads",
+        "2",
     )
     assert proc.returncode == 0 and "DALI: decoding on the CPU" in proc.stdout, show(proc)
     metrics = read_json(tmp_path / "m.json")
     assert metrics["loader_batches"] == 5 and metrics["loader_images_per_second"] > 0, metrics
+    assert metrics["dali_threads"] == 2 and metrics["jpeg_engine_utilisation"] is None  # (the threads DALI ran)
 
 
 @pytest.mark.parametrize("flags, dtype", [([], torch.float32), (["--amp"], torch.float16)])
