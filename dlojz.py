@@ -121,6 +121,9 @@ class Run:
     saver: object = None
     wandb_run: object = None
 
+    def __post_init__(self):
+        self.stop.watchdog.time_after_buffer_broadcast(self.model.net)  # (DDP: a straggler is not hidden there)
+
 
 def main(argv=None, resources=None) -> dict:
     """One run, in the course's order; returns its metrics. Bad input raises UserError (see cli). `resources`: the

@@ -25,7 +25,8 @@ named silent as in a loop, with where it was (`phase`), instead of holding the o
 Stragglers: a slow rank makes every rank's step as long as its own (the gradient all-reduce waits for it), so it
 shows in the part of a step before that all-reduce: the forward and the loss. Each rank times its own (host seconds
 on a CPU; CUDA events on a GPU, read once complete: no wait), and the log point's all-reduce, which the ranks make
-anyway, carries every rank's seconds since the last one. A rank slower than the median of the others by
+anyway, carries every rank's seconds since the last one. Under DDP with buffers the forward is timed from past
+DDP's broadcast of them, where the others wait for a late rank. A rank slower than the median of the others by
 --straggler-factor at STRAGGLER_POINTS log points in a row is named once in the log and in the metrics JSON.
 """
 
@@ -72,6 +73,7 @@ class Watchdog:
         self._cuda = ranks.device.type == "cuda"
         self._forward_s = 0.0  # this rank's forward seconds since the last log point (CPU)
         self._events = []  # (start, end) CUDA events of the forwards not read yet
+        self._open = None  # the timed forward's start (a clock reading, or a CUDA event) while one is open
         self.rank, self.world_size, self.hosts = ranks.rank, ranks.world_size, ranks.hosts
         self.hang_timeout = hang_timeout
         self.period = max(0.5, min(5.0, hang_timeout / 8))  # a beat every period; judged over hang_timeout
@@ -137,16 +139,39 @@ class Watchdog:
         """Around a micro-batch's forward and loss (not a loop's first: compilation, autotuning)."""
         if not (self.compares and self.armed):
             yield
-        elif self._cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
+            return
+        self._start()
+        try:
             yield
-            end.record()
-            self._events.append((start, end))
+        finally:
+            started, self._open = self._open, None
+            if self._cuda:
+                end = torch.cuda.Event(enable_timing=True)
+                end.record()
+                self._events.append((started, end))
+            else:
+                self._forward_s += time.perf_counter() - started
+
+    def _start(self):
+        if self._cuda:
+            self._open = torch.cuda.Event(enable_timing=True)
+            self._open.record()
         else:
-            started = time.perf_counter()
-            yield
-            self._forward_s += time.perf_counter() - started
+            self._open = time.perf_counter()
+
+    def time_after_buffer_broadcast(self, net):
+        """DDP broadcasts the model's buffers (BatchNorm's statistics) from rank 0 at the start of each training
+        forward: the others wait there for a rank that comes late, and their forwards would take as long as its own
+        (no straggler named). The timing of a forward restarts when the wrapped module starts, past that broadcast
+        (a forward hook; under --compile the forward is one graph and the timing stays whole)."""
+        ddp = isinstance(net, torch.nn.parallel.DistributedDataParallel)  # (compiled: an OptimizedModule)
+        if self.compares and ddp and net.broadcast_buffers and any(True for _ in net.buffers()):
+
+            def restart(module, args):
+                if self._open is not None:
+                    self._start()
+
+            net.module.register_forward_pre_hook(restart)
 
     def forward_seconds(self):
         """This rank's forward seconds since the last call; on a GPU, of the forwards whose events are complete

@@ -151,6 +151,47 @@ def test_straggler_factor_sets_how_much_slower_a_straggler_is():
     assert not watchdog_of(0).compares
 
 
+def forward_behind_a_late_rank(rank, world, store_path, results):
+    """One of 2 ranks training a BatchNorm model under DDP: rank 1 comes to each forward 0.3 s late (its loader,
+    say); rank 0 waits for it in DDP's broadcast of the buffers, at its forward's start. Each rank's timed forward
+    seconds, with and without the timing restarted past that broadcast."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
+    try:
+        found = {}
+        for restarted in (False, True):
+            model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.Flatten())
+            net = torch.nn.parallel.DistributedDataParallel(model)
+            watchdog = Watchdog(Distribution(world, rank, rank, torch.device("cpu")), 0, None, straggler_factor=1.5)
+            watchdog.armed = True
+            if restarted:
+                watchdog.time_after_buffer_broadcast(net)
+            for _ in range(2):
+                if rank == 1:
+                    time.sleep(0.3)
+                with watchdog.timing():
+                    loss = net(torch.randn(2, 3, 8, 8)).sum()
+                loss.backward()
+            found[restarted] = watchdog.forward_seconds()
+        results.put((rank, found))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.multirank
+def test_a_rank_s_forward_is_timed_past_ddp_s_broadcast_of_the_buffers(tmp_path):
+    """DDP broadcasts BatchNorm's buffers at each forward's start, where the others wait for a late rank: timed
+    from before it, rank 0's two forwards hold rank 1's 0.6 s of lateness (and it would be named the straggler);
+    timed from the wrapped module's start, its own forward alone."""
+    from conftest import spawn_ranks
+
+    found = dict(spawn_ranks(forward_behind_a_late_rank, 2, tmp_path))
+    assert found[0][False] > 0.5 and found[0][True] < 0.2, found
+    assert found[1][True] < 0.2, found  # (rank 1 never waits there: the others are already in)
+
+
 # ---------------------------------------------------------------- two ranks on this machine
 # torchvision's resnet18: the pulses and timeouts below are sized to its steps.
 RUN = [*SMALL, "--arch", "resnet18", "-b", "16", "--epochs", "6", "--no-wandb", "--num-workers", "0"]
