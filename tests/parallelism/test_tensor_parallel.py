@@ -227,7 +227,7 @@ def test_a_model_the_plan_cannot_split_is_one_line(arch, tp, fragment):
 @pytest.fixture(scope="module")
 def runs(tiny_data, tmp_path_factory):
     """The same training (global batch 16) as one process, as one tensor-parallel group of 2 ranks (one data
-    replica: both ranks take the 16 images), and 2-D on 4 ranks (2 groups of 2, 8 images each); then with 2
+    replica: both ranks take the 16 images; its blocks recomputed by the selective policy), and 2-D on 4 ranks (2 groups of 2, 8 images each); then with 2
     accumulated micro-batches and the gradients' global norm clipped to 0.1 (always below a fresh ViT's)."""
     from conftest import run_dlojz, show
     from test_fsdp import BASE
@@ -236,7 +236,8 @@ def runs(tiny_data, tmp_path_factory):
     common = [*BASE, "--data-root", tiny_data, "--num-workers", "0"]  # 4 ranks on 2 cores: no CPU for a worker
     for name, ranks, flags in (
         ("single", 1, ["-b", "16"]),
-        ("tp", 2, ["-b", "16", "--fsdp", "--tp", "2"]),
+        ("tp", 2, ["-b", "16", "--fsdp", "--tp", "2", "--activation-checkpointing", "selective"]),  # (the family
+        # matrix's ViT --tp cell: the collectives' outputs kept, a recomputation that equals the forward)
         ("tp-fsdp", 4, ["-b", "8", "--fsdp", "--tp", "2"]),
         ("single-clip", 1, ["-b", "8", "--grad-acc", "2", "--clip-grad-norm", "0.1"]),
         ("tp-clip", 2, ["-b", "8", "--grad-acc", "2", "--clip-grad-norm", "0.1", "--fsdp", "--tp", "2"]),
