@@ -79,6 +79,7 @@ from dlojz_lib.run_record import (
     close_hooks,
     initial_metrics,
     open_wandb,
+    record_settings,
     record_validation,
     report_run,
 )
@@ -145,11 +146,11 @@ def main(argv=None, resources=None) -> dict:
     stop = StopPoll(stop_signal, ranks, timedelta(seconds=cfg.dist_timeout), watchdog.start())
     resources.push(peer_report := LostPeerReport(ranks, cfg.output_dir, watchdog))  # a rank lost: one line from here
     log = Console(ranks.is_main)
-    if cfg.writes_checkpoints:
-        claim_output_dir(cfg.section("logging"), ranks, log, resources)  # one run a folder: checked before the data
+    if cfg.writes_checkpoints or cfg.eval_only:  # one run a folder (--eval-only writes its results there): its lock
+        claim_output_dir(cfg.section("logging"), ranks, log, resources, owns=cfg.writes_checkpoints)
     cfg = fit_to_ranks(cfg, ranks.data_size, log)  # (before the loaders and the schedule: batch, --grad-acc, --lr)
     idr_torch = load_idr_torch()  # the launch, as setup_distributed read it
-    announce_run(cfg, argv, ranks, log, f"{idr_torch.num_nodes} nodes", idr_torch.current_API)
+    announce_run(cfg.notes, ranks, log, f"{idr_torch.num_nodes} nodes", idr_torch.current_API)
     # --test: the chronometer times each phase of the first steps, then the last --test-unsync-steps as a whole
     synced = (cfg.test_nsteps - cfg.test_unsync_steps) * cfg.grad_acc if cfg.test_unsync_steps else None
     chrono = Chronometer(enabled=cfg.test, rank=ranks.rank, device=ranks.device, synced_steps=synced)
@@ -180,6 +181,7 @@ def main(argv=None, resources=None) -> dict:
     if resumed_from and state.epoch >= cfg.epochs and training.lr_finder is None:  # its metrics stay as they are
         log(f"nothing to train: the run has done its {state.epoch} epochs; give --epochs N > {state.epoch} to go on")
         return {}
+    record_settings(cfg, argv, ranks, log)  # (every check passed: the run's own record, args.toml)
     run.wandb_run = wandb_run = open_wandb(cfg, ranks, metrics, state)
     run.saver = make_saver(cfg, model, training, ranks, classes)
     profiler = make_profiler(cfg.section("profiler"), cfg.output_dir, ranks.rank, ranks.device, log)  # or None

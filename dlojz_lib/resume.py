@@ -21,6 +21,7 @@ import torch.distributed as dist
 import dlojz_lib.checkpoint as ckpt
 import dlojz_lib.optim.optimizers as optim
 from dlojz_lib.checks import UserError, fail
+from dlojz_lib.log import ARGS_FILE
 from dlojz_lib.optim.schedules import fast_forward
 from dlojz_lib.settings.flags import VALIDATION_METRICS
 
@@ -39,15 +40,17 @@ class TrainState:
     best_epoch: int = 0
 
 
-def claim_output_dir(logging, ranks, log, resources):
+def claim_output_dir(logging, ranks, log, resources, owns=True):
     """Make the output folder this run's, on rank 0; every rank learns the answer. Refused, in one line: while another
-    run holds its lock, or when it holds a run's checkpoints and neither --resume (continue it) nor --start-over
-    (its files moved aside into `previous-<time>/`) is given. The temporary files of a write that died are removed.
-    The lock is held until `resources` (the run's ExitStack) closes. `logging`: the run's logging settings."""
+    run holds its lock; where a run's own record (args.toml, latest, best) is a folder or a file of someone else's;
+    or when it holds a run's checkpoints and neither --resume (continue it) nor --start-over (its files moved aside
+    into `previous-<time>/`) is given. The temporary files of a write that died are removed. The lock is held until
+    `resources` (the run's ExitStack) closes. `logging`: the run's logging settings; `owns`: a training run, which
+    writes the run's records (--eval-only takes the lock alone: it writes its results beside a run's)."""
     problem = None
     if ranks.is_main:
         try:
-            problem = _claim(Path(logging.output_dir), logging, log, resources)
+            problem = _claim(Path(logging.output_dir), logging, log, resources, owns)
         except OSError as err:
             problem = f"--output-dir {logging.output_dir}: {err.strerror or err}; give a folder this run can write in"
     if ranks.enabled:
@@ -58,7 +61,31 @@ def claim_output_dir(logging, ranks, log, resources):
         fail(problem)  # (a lock taken is released as the run's ExitStack closes)
 
 
-def _claim(folder, logging, log, resources):
+def foreign_record(folder):
+    """The first of a run's own record files in `folder` (args.toml, latest, best) that is not one (a folder, or a
+    file whose content is not what dlojz writes there: the user's own file of that name), said as a phrase; None."""
+    for name, what in ((ARGS_FILE, "a run's settings"), (ckpt.LATEST, "a checkpoint's name"), (ckpt.BEST, "a checkpoint's name")):  # fmt: skip
+        path = folder / name
+        if not os.path.lexists(path):
+            continue
+        if not path.is_file():
+            return f"{path} is not a file"
+        try:
+            with open(path, "rb") as file:
+                head = file.read(256)
+        except OSError as err:
+            return f"{path} cannot be read ({err.strerror or err})"
+        ours = (
+            head.startswith(b"# dlojz.py")
+            if name == ARGS_FILE
+            else ckpt.NAME_RE.match(head.decode(errors="replace").strip())
+        )
+        if not ours:
+            return f"{path} is not dlojz's (it would hold {what})"
+    return None
+
+
+def _claim(folder, logging, log, resources, owns=True):
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / ckpt.RUN_LOCK
     path.touch()
@@ -76,6 +103,10 @@ def _claim(folder, logging, log, resources):
         pass
     path.write_text(f"pid {os.getpid()} on {socket.gethostname()}\n")  # who holds it, for the run refused
     resources.callback(lock.close)  # another run may write here once this one ends
+    if not owns:
+        return None
+    if (foreign := foreign_record(folder)) is not None:  # before anything is moved or removed
+        return f"--output-dir {folder}: {foreign}, and this run would replace it: move it, or give another --output-dir"
     for stale in folder.glob(".*.tmp"):  # a checkpoint write that died (only this run writes here now)
         shutil.rmtree(stale) if stale.is_dir() else stale.unlink()
     newest = ckpt.newest_checkpoint(folder)

@@ -1,8 +1,9 @@
 """The run's records as dlojz.py's main() fills them, between the writers of dlojz_lib/log.py and the run's pieces
 they read (the model's layout, the checkpoints, the data's resolution):
 
-- `announce_run(...)`: the run's first lines (the settings' notes, where it runs) and its flags saved as a recipe,
-  `args.toml` in the output folder (`dlojz.py --config FILE` runs them again).
+- `announce_run(...)`: the run's first lines (the settings' notes, where it runs); `record_settings(...)`: its flags
+  saved as a recipe, `args.toml` in the output folder (`dlojz.py --config FILE` runs them again), once every check
+  has passed.
 - `initial_metrics(...)`: the metrics JSON's keys before the run fills them.
 - `open_wandb(...)`: W&B on rank 0 (resumed under the checkpoint's run id), TensorBoard beside it.
 - `record_validation(...)`: an epoch's validation into the metrics, --val-history and W&B; --target-accuracy.
@@ -36,12 +37,18 @@ from dlojz_lib.settings.flags import get_args_parser
 from dlojz_lib.settings.recipe import recipe_text
 
 
-def announce_run(cfg, argv, ranks, log, nodes, launcher):
-    """The run's first lines, and every flag of it (recipe, command line and profile merged) saved as a recipe
-    file in its output folder: `args.toml`, written atomically, replaced by a resumed run."""
-    for note in cfg.notes:
+def announce_run(notes, ranks, log, nodes, launcher):
+    """The run's first lines: the settings' `notes`, where it runs."""
+    for note in notes:
         log(note)
     log(f">>> Training on {nodes} and {ranks.world_size} processes ({launcher}), device {ranks.device}")
+
+
+def record_settings(cfg, argv, ranks, log):
+    """Every flag of the run (recipe, command line and profile merged) saved as a recipe file in its output folder:
+    `args.toml`, written atomically, replaced by a resumed run. Written once every check has passed and the run
+    is about to train: a run refused (another model's checkpoint, a mistyped --data-root) leaves the record of the
+    run that is there as it was, and its documented rerun (`--config args.toml --resume auto`) still works."""
     if ranks.is_main:
         path = Path(cfg.output_dir) / ARGS_FILE
         command = " ".join(sys.argv[1:] if argv is None else argv)

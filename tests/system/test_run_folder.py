@@ -49,9 +49,7 @@ def test_a_folder_holding_a_run_is_refused_unless_resumed_or_started_over(tiny_d
     done = run_inline(*run_args(tiny_data, out, "-e", "1", "--metrics-json", metrics, "--resume", "auto"))
     assert done.returncode == 0, done.stderr
     assert "nothing to train: the run has done its 1 epochs; give --epochs N > 1 to go on" in done.stdout
-    assert {path: path.read_bytes() for path in saved if path.suffix != ".toml"} == {
-        path: data for path, data in saved.items() if path.suffix != ".toml"
-    }
+    assert {path: path.read_bytes() for path in saved} == saved  # args.toml too: it trained nothing
 
     over = run_inline(*run_args(tiny_data, out, "-e", "1", "--start-over"))
     assert over.returncode == 0, over.stderr
@@ -59,6 +57,66 @@ def test_a_folder_holding_a_run_is_refused_unless_resumed_or_started_over(tiny_d
     assert f"--start-over: the run that was in {out} is now in {aside}" in over.stdout
     assert sorted(p.name for p in aside.glob("ckpt_*.pt")) == sorted(p.name for p in first)
     assert ckpt.load(out / ckpt.latest_name(out))["global_step"] == 9  # trained from scratch: one epoch, not two
+
+
+def test_a_refused_run_leaves_the_run_s_record_and_its_rerun_goes_on(tiny_data, tmp_path, run_inline):
+    """A run refused once it has claimed the folder (a checkpoint of another --arch, another number of classes)
+    leaves the run's args.toml as it was: the documented rerun, --config args.toml --resume auto, goes on."""
+    from test_resume import make_classes
+
+    out = tmp_path / "run"
+    assert run_inline(*run_args(tiny_data, out, "-e", "1")).returncode == 0
+    record = (out / "args.toml").read_bytes()
+    for more in (["--arch", "resnet34"], ["--data-root", make_classes(tmp_path / "four", 4)]):
+        proc = run_inline(*run_args(tiny_data, out, "-e", "2", "--resume", "auto"), *more)
+        assert proc.returncode == 2 and "a checkpoint of --arch" in one_error_line(proc)
+        assert (out / "args.toml").read_bytes() == record, more
+    proc = run_inline("--config", out / "args.toml", "--resume", "auto", "-e", "2")
+    assert proc.returncode == 0, proc.stderr
+    assert "resumed from" in proc.stdout and b"-e 2" in (out / "args.toml").read_bytes()
+
+
+@pytest.mark.parametrize(
+    "name, content, fragment",
+    [
+        ("args.toml", b"my notes on this experiment\n", "args.toml is not dlojz's (it would hold a run's settings)"),
+        ("args.toml", None, "args.toml is not a file"),
+        ("latest", b"the latest figures: 76.1%\n", "latest is not dlojz's (it would hold a checkpoint's name)"),
+        ("best", None, "best is not a file"),
+    ],
+)
+def test_a_file_of_the_user_s_under_a_record_s_name_is_not_replaced(tiny_data, tmp_path, run_inline, name, content,
+                                                                     fragment):  # fmt: skip
+    """The folder's args.toml, latest and best are the run's own only when their content says so: the user's own
+    file (or a folder) of that name is refused in one line, and left as it was."""
+    out = tmp_path / "run"
+    out.mkdir()
+    if content is None:
+        (out / name).mkdir()
+    else:
+        (out / name).write_bytes(content)
+    proc = run_inline(*run_args(tiny_data, out, "-e", "1"))
+    assert proc.returncode == 2
+    line = one_error_line(proc)
+    assert f"--output-dir {out}: {out / name} " in line and fragment in line and "move it" in line, line
+    assert (out / name).is_dir() if content is None else (out / name).read_bytes() == content
+    assert not ckpt.list_checkpoints(out)
+
+
+def test_eval_only_into_a_folder_a_run_is_writing_in_is_refused(tiny_data, tmp_path, run_inline, trained_run):
+    """--eval-only writes its results (per_class.csv, confusion.png) into --output-dir: it takes the folder's lock,
+    and waits for no live run there (one line, nothing written)."""
+    out = tmp_path / "run"
+    shutil.copytree(trained_run, out)
+    before = {path: path.read_bytes() for path in out.iterdir() if path.is_file()}
+    with open(out / ".dlojz.lock") as held:
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        proc = run_inline(*run_args(tiny_data, out, "--arch", "resnet18", "--eval-only", "--resume", "auto"))
+        assert proc.returncode == 2 and "another run is writing there" in one_error_line(proc)
+    assert {path: path.read_bytes() for path in out.iterdir() if path.is_file()} == before
+    proc = run_inline(*run_args(tiny_data, out, "--arch", "resnet18", "--eval-only", "--resume", "auto"))
+    assert proc.returncode == 0, proc.stderr
+    assert (out / "per_class.csv").is_file() and (out / "args.toml").read_bytes() == before[out / "args.toml"]
 
 
 def test_a_second_run_into_a_folder_a_run_is_writing_in_is_refused(tiny_data, tmp_path, run_inline):
