@@ -15,6 +15,7 @@ import torch
 
 import dlojz_lib.checkpoint as ckpt
 from dlojz_lib.checks import OneLineArgumentParser
+from dlojz_lib.resume import foreign_record
 
 
 def ordinary_model_and_optimizer(saved):
@@ -102,6 +103,17 @@ def shard(source, target_dir):
     name = ckpt.checkpoint_name(saved["epoch"], saved["global_step"], sharded=True)
     if (target_dir / name).exists():
         raise ckpt.CheckpointError(f"{target_dir / name} exists: give another folder, or remove it")
+    # The folder becomes the resumed run's --output-dir, its `latest` naming this checkpoint: a run's folder (the
+    # source's own among them) would have its latest re-pointed, and its next --resume auto go astray.
+    held = ckpt.newest_checkpoint(target_dir)
+    if held is not None:
+        whose = "the source's own folder" if target_dir.resolve() == source.resolve().parent else "a run's folder"
+        raise ckpt.CheckpointError(
+            f"target {target_dir} is {whose} (its checkpoint {held.name}), whose latest would name the sharded copy: "
+            f"give a new folder (e.g. {target_dir.with_name(target_dir.name + '-sharded')})"
+        )
+    if (foreign := foreign_record(target_dir)) is not None:
+        raise ckpt.CheckpointError(f"target {target_dir}: {foreign}, and shard would replace it: give a new folder")
     module, optimizer = ordinary_model_and_optimizer(saved)
     module.load_state_dict(saved["model"])
     optimizer.load_state_dict(saved["optimizer"])

@@ -430,6 +430,32 @@ def test_sharded_checkpoints_are_pruned_like_files(tmp_path):
     assert (tmp_path / ckpt.LATEST).read_text().strip() == "ckpt_e0004_s000000040.dcp"
 
 
+def test_shard_into_a_run_s_folder_or_over_a_file_of_the_user_s_is_one_line(trained_run, tmp_path, capsys):
+    """dlojz_fsdp.py shard writes a folder whose `latest` names the sharded copy: into another run's folder (its
+    latest re-pointed) or the source's own (its next --resume auto gone astray), or over a file of the user's named
+    latest, it is refused in one line naming a new folder, and nothing is written."""
+    import dlojz_fsdp
+
+    source = ckpt.load_latest(trained_run)[1]
+    other = shutil.copytree(trained_run, tmp_path / "other")
+    own = shutil.copytree(trained_run, tmp_path / "own")
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "latest").write_text("my notes\n")
+    cases = (
+        (source, other, f"target {other} is a run's folder (its checkpoint {source.name})"),
+        (own / source.name, own, f"target {own} is the source's own folder (its checkpoint {source.name})"),
+        (source, mine, f"target {mine}: {mine / 'latest'} is not dlojz's"),
+    )
+    for given, target, fragment in cases:
+        before = sorted(path.name for path in target.iterdir())
+        assert dlojz_fsdp.main(["shard", str(given), str(target)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.count("\n") == 0 and fragment in err and "give a new folder" in err, err
+        assert sorted(path.name for path in target.iterdir()) == before
+    assert (mine / "latest").read_text() == "my notes\n"
+
+
 def test_consolidating_what_is_not_a_sharded_checkpoint_is_one_line(tmp_path, capsys):
     done = consolidate_inline(tmp_path / "nothing.dcp", tmp_path / "out.pt", capsys)
     assert done.returncode == 2 and done.stderr.count("\n") == 1 and "no such file" in done.stderr, done.stderr
