@@ -132,7 +132,7 @@ def claim_output(path, flag, kind, is_own, inputs=(), force=False, create_folder
     file, or an existing regular file that is already `kind` (a phrase: "a dlojz predictions CSV"), as
     `is_own(path)` tells by its content, or any regular file with `force` (the command's --force). Never, even with
     `force`: a folder, anything that is not a regular file (a device node, a pipe, a socket: the atomic rename would
-    replace it), one of the command's `inputs`. Then check_output_file. UserError naming `flag` otherwise, and
+    replace it), one of the command's `inputs`, or a file inside an input folder that is not the command's own. Then check_output_file. UserError naming `flag` otherwise, and
     `force_flag` where the command has one."""
     path = Path(path)
     if path.is_dir():
@@ -143,8 +143,10 @@ def claim_output(path, flag, kind, is_own, inputs=(), force=False, create_folder
                 f"{flag} {path}: not a regular file (a device, pipe or socket), which a command never replaces; give a file path"
             )
         for given in inputs:
-            if Path(given).exists() and os.path.samefile(path, given):
+            if Path(given).is_file() and os.path.samefile(path, given):
                 fail(f"{flag} {path}: also an input of this command ({given}); give a new path")
+            if Path(given).is_dir() and is_inside(path, given) and not is_own(path):  # (its images, its shards)
+                fail(f"{flag} {path}: a file inside {given}, an input of this command; give a path outside it")
         if path.stat().st_size and not force and not is_own(path):
             fail(
                 f"{flag} {path}: an existing file that is not {kind} (a checkpoint, its checksum, a run's args.toml, "
@@ -152,6 +154,11 @@ def claim_output(path, flag, kind, is_own, inputs=(), force=False, create_folder
                 f"give a new path, or {f'add {force_flag} to replace it' if force_flag else 'move that file away'}"
             )
     check_output_file(path, flag, create_folder=create_folder)
+
+
+def is_inside(path, folder) -> bool:
+    """Whether `path` lies inside `folder`, links followed."""
+    return Path(path).resolve().is_relative_to(Path(folder).resolve())
 
 
 def starts_with(path, prefix: bytes) -> bool:

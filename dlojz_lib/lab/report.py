@@ -288,7 +288,7 @@ def compare(sweeps, out: Path, metric: str = "top1", force: bool = False) -> int
     """Print the table and the best run by `metric`, write compare.csv and the plots into `out` (`force`: over any
     regular file of those names); 0 when at least one run has figures. UserError before any work when a file there
     is not compare's."""
-    claim_outputs_in(out, claimed_files(), "--out", force)
+    claim_outputs_in(out, claimed_files(), "--out", force)  # (its default: the first sweep's folder, its own files)
     rows_ = rows(sweeps)
     print(table(rows_))
     if line := best_run(rows_, metric):

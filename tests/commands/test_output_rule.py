@@ -15,6 +15,7 @@ import pytest
 import dlojz_avg
 import dlojz_export
 import dlojz_fsdp
+import dlojz_lib.checkpoint as ckpt
 import dlojz_predict
 from dlojz_lib.observers import chrono_report
 
@@ -118,6 +119,24 @@ def test_force_replaces_a_file_but_never_an_input_or_a_device(trained_run, victi
         assert dlojz_avg.main([*averaged, "-o", str(victim), "--force"]) == 2
         assert state_of(victim) == before
     assert "also an input of this command" in capsys.readouterr().err
+
+
+def test_force_never_replaces_a_file_inside_an_input_folder(trained_run, tiny_data, tmp_path, capsys):
+    """--force replaces a file of another kind, never one of the command's inputs, folders' contents included: an
+    image of the folder dlojz_predict.py reads, the .dcp folder's own dlojz.pt under consolidate."""
+    images = shutil.copytree(Path(tiny_data) / "val", tmp_path / "imgs")
+    victim = sorted(images.rglob("*.JPEG"))[0]
+    before = victim.read_bytes()
+    checkpoint = str(ckpt.load_latest(trained_run)[1])
+    assert dlojz_predict.main([checkpoint, str(images), "-o", str(victim), "--force", "--arch", "resnet18"]) == 2
+    assert victim.read_bytes() == before
+    assert f"-o {victim}: a file inside {images}, an input of this command" in capsys.readouterr().err
+    sharded = tmp_path / "ckpt_e0001_s000000009.dcp"
+    sharded.mkdir()
+    (sharded / "dlojz.pt").write_bytes(b"the sharded checkpoint's settings")
+    assert dlojz_fsdp.main(["consolidate", str(sharded), str(sharded / "dlojz.pt"), "--force"]) == 2
+    assert (sharded / "dlojz.pt").read_bytes() == b"the sharded checkpoint's settings"
+    assert "an input of this command; give a path outside it" in capsys.readouterr().err
 
 
 def test_a_command_replaces_its_own_output(trained_run, tiny_data, tmp_path, capsys):
