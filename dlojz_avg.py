@@ -17,10 +17,11 @@ import os
 import sys
 from pathlib import Path
 
-from dlojz_lib.checks import OneLineArgumentParser
+from dlojz_lib.checks import OneLineArgumentParser, interruptible
 from dlojz_lib.settings.flags import COUNT
 
 
+@interruptible("dlojz_avg.py")
 def main(argv=None) -> int:
     parser = OneLineArgumentParser(prog="dlojz_avg.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("checkpoints", nargs="+", help="a run's folder (with --last), or checkpoint files")

@@ -18,7 +18,7 @@ size free.
 import sys
 from pathlib import Path
 
-from dlojz_lib.checks import OneLineArgumentParser, UserError, check_output_folder, claim_output
+from dlojz_lib.checks import OneLineArgumentParser, UserError, check_output_folder, claim_output, interruptible
 from dlojz_lib.export import EXPORTERS, PREPROCESSING_FILE, is_exported
 from dlojz_lib.settings.flags import NON_NEGATIVE
 
@@ -51,6 +51,7 @@ def get_parser():
     return parser
 
 
+@interruptible("dlojz_export.py")
 def main(argv=None) -> int:
     args = get_parser().parse_args(argv)
     try:

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 import dlojz_lib.checkpoint as ckpt
-from dlojz_lib.checks import OneLineArgumentParser
+from dlojz_lib.checks import OneLineArgumentParser, interruptible
 from dlojz_lib.resume import foreign_record
 
 
@@ -127,6 +127,7 @@ def shard(source, target_dir):
     return ckpt.publish_folder(meta, staging, target_dir, name, keep=0)
 
 
+@interruptible("dlojz_fsdp.py")
 def main(argv=None):
     parser = OneLineArgumentParser(description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)

@@ -38,7 +38,7 @@ dlojz_lib/hpo/report.py; this file is the command line.
 import argparse
 import sys
 
-from dlojz_lib.checks import UserError, fail
+from dlojz_lib.checks import UserError, fail, interruptible
 from dlojz_lib.hpo.search import report, search
 from dlojz_lib.settings.flags import COUNT, NON_NEGATIVE, POSITIVE, VALIDATION_METRICS, Number
 
@@ -117,6 +117,7 @@ def get_parser():
     return parser
 
 
+@interruptible("dlojz_hpo.py")
 def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     shared = []

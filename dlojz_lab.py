@@ -23,7 +23,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from dlojz_lib.checks import OneLineArgumentParser, UserError
+from dlojz_lib.checks import OneLineArgumentParser, UserError, interruptible
 from dlojz_lib.lab.sweep import (
     SLURM_RESOURCES,
     LabError,
@@ -113,6 +113,7 @@ def get_parser():
     return p
 
 
+@interruptible("dlojz_lab.py")
 def main(argv=None) -> int:
     args = get_parser().parse_args(argv)
     if getattr(args, "dlojz_args", None) and args.dlojz_args[0] == "--":

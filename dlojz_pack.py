@@ -12,7 +12,7 @@ dlojz_lib/pack/writer.py's; docs/data.md says when packing pays.
 import argparse
 import sys
 
-from dlojz_lib.checks import DataError
+from dlojz_lib.checks import DataError, interruptible
 from dlojz_lib.pack.writer import default_workers, pack
 from dlojz_lib.settings.flags import COUNT
 
@@ -23,6 +23,7 @@ class _Parser(argparse.ArgumentParser):
         raise SystemExit(2)
 
 
+@interruptible("dlojz_pack.py")
 def main(argv=None) -> int:
     """0 done (or nothing to do), 2 bad input, 1 an I/O error while packing, 130 interrupted."""
     parser = _Parser(

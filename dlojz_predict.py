@@ -16,7 +16,7 @@ the end of the run. Rows follow the files: sorted within each folder, in the ord
 import os
 import sys
 
-from dlojz_lib.checks import OneLineArgumentParser, UserError, claim_output
+from dlojz_lib.checks import OneLineArgumentParser, UserError, claim_output, interruptible
 from dlojz_lib.settings.flags import COUNT, WHOLE
 
 
@@ -43,6 +43,7 @@ def get_parser():
     return parser
 
 
+@interruptible("dlojz_predict.py")
 def main(argv=None) -> int:
     args = get_parser().parse_intermixed_args(argv)  # the images after flags too: CKPT --ema photos/ --top-k 3
     if args.pretrained is not None and args.checkpoint is not None:  # then the first positional is an image

@@ -20,12 +20,18 @@ and a $DLOJZ_DATA that names no folder. The lowest of dlojz's modules: it import
   line naming the file and saying `fix`, never a traceback.
 - `DataError`: a problem with the data (dlojz_lib.data.datasets, dlojz_lib.data.shards), one line naming the path.
 - `missing_data_variable(environ)`: the line saying that $DLOJZ_DATA names no folder, or None.
+- `interruptible(name)`: a sibling command's main, Ctrl-C ending it in one line with the shell's 130;
+  `ended_on_interrupt(proc)`: a child process (a lab run, an HPO trial) told of the Ctrl-C and waited for.
 """
 
 import argparse
+import functools
 import json
 import os
+import signal
 import stat
+import subprocess
+import sys
 from pathlib import Path
 
 
@@ -265,3 +271,41 @@ def missing_data_variable(environ):
     if data and not os.path.isdir(data):
         return f"$DLOJZ_DATA={data}: no such folder (give the folder holding train/ and val/, or unset it)"
     return None
+
+
+INTERRUPTED_STATUS = 130  # the shell's status for a process ended by SIGINT (128 + 2)
+
+
+def interruptible(name):
+    """A sibling command's main(argv): Ctrl-C (KeyboardInterrupt, anywhere in it) ends it with one line naming the
+    command and exit status 130, not a traceback. What it writes is written whole or not at all (each output goes
+    to a temporary name, then is renamed), so nothing half-written is left; what it was in (an HPO trial, a lab run)
+    is marked stopped where it was caught first."""
+
+    def door(main):
+        @functools.wraps(main)
+        def run(argv=None):
+            try:
+                return main(argv)
+            except KeyboardInterrupt:
+                print(f"{name}: interrupted (Ctrl-C): stopped, nothing half-written left", file=sys.stderr, flush=True)
+                return INTERRUPTED_STATUS
+
+        return run
+
+    return door
+
+
+INTERRUPT_GRACE_S = 120  # what a run given Ctrl-C has to write its checkpoint before it is killed
+
+
+def ended_on_interrupt(proc, grace=INTERRUPT_GRACE_S):
+    """A child process at Ctrl-C: told (SIGINT; the terminal's reached it already, a `kill -INT` of this process
+    did not), then waited for while it checkpoints, killed past `grace` seconds. Its exit status."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+    try:
+        return proc.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return proc.wait()

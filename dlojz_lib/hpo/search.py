@@ -18,7 +18,7 @@ import time
 import warnings
 from pathlib import Path
 
-from dlojz_lib.checks import claim_output, claim_outputs_in, fail, starts_with
+from dlojz_lib.checks import claim_output, claim_outputs_in, ended_on_interrupt, fail, starts_with
 from dlojz_lib.hpo.report import best_trial, claimed_files, write_csv, write_plots, write_recipe
 from dlojz_lib.hpo.space import check_shared, flag_argv, read_space, split_shared
 from dlojz_lib.settings.flags import VALIDATION_METRICS
@@ -155,7 +155,11 @@ class Worker:
             )
             if self.stop_signal is not None:  # arrived while the trial was being set up
                 self.process.send_signal(signal.SIGUSR2)
-            pruned = self.follow(trial, folder / "val_history.jsonl")
+            try:
+                pruned = self.follow(trial, folder / "val_history.jsonl")
+            except KeyboardInterrupt:  # Ctrl-C: the trial checkpoints and stops, failed to be retried, not running
+                self.stopped_by_interrupt(trial, heartbeat)
+                raise
             status = self.process.returncode
         self.process = None
         heartbeat.stopped.set()
@@ -166,6 +170,20 @@ class Worker:
         energy_j = None if energy_start is None or energy_end is None else (energy_end - energy_start) / 1000
         record_costs(trial, frozen.user_attrs, metrics, wall, energy_j, self.on_gpu)
         self.tell(trial, pruned, status, metrics, folder)
+
+    def stopped_by_interrupt(self, trial, heartbeat):
+        """Ctrl-C during a trial: its run told (ended_on_interrupt: it checkpoints), the trial failed in the study
+        and queued to be retried from its checkpoint, as a stop signal's trial is (never left `running`)."""
+        from optuna.trial import TrialState
+
+        ended_on_interrupt(self.process)
+        self.process = None
+        heartbeat.stopped.set()
+        heartbeat.join()
+        trial.set_user_attr("error", "stopped by Ctrl-C (SIGINT)")
+        self.study.tell(trial, state=TrialState.FAIL)
+        retry_trial(self.study, trial._trial_id)
+        print(f"trial {trial.number}: stopped by Ctrl-C, checkpoint kept: failed, to be retried from it", flush=True)
 
     def tell(self, trial, pruned, status, metrics, folder):
         """The trial's end to the study: pruned, complete with its objective, failed to be retried from its

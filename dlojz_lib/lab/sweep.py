@@ -20,7 +20,7 @@ import time
 from contextlib import redirect_stderr
 from pathlib import Path
 
-from dlojz_lib.checks import UserError, check_output_folder
+from dlojz_lib.checks import UserError, check_output_folder, ended_on_interrupt
 
 ROOT = Path(__file__).resolve().parents[2]  # the project: dlojz.py, slurm/
 RUNS = Path("runs")
@@ -181,7 +181,12 @@ def run_one(sweep_dir: Path, index: int) -> int:
         )
         # `status` tells a run whose process is gone (the sweep killed with it) from one that runs
         write_status(run_dir, state="running", started=started, job=job, pid=proc.pid, host=socket.gethostname())
-        status = proc.wait()
+        try:
+            status = proc.wait()
+        except KeyboardInterrupt:  # Ctrl-C: the run (told too) checkpoints and stops; said stopped, not running
+            stopped = ended_on_interrupt(proc)  # (checks: the one door for Ctrl-C)
+            write_status(run_dir, state="stopped", exit=stopped, started=started, ended=time.time(), job=job)
+            raise
     write_status(
         run_dir, state="done" if status == 0 else "failed", exit=status, started=started, ended=time.time(), job=job
     )
@@ -384,6 +389,8 @@ def run_states(sweep_dir: Path, sweep: dict) -> list[tuple[dict, str]]:
         state = status.get("state")
         if state == "failed":
             state = f"failed (exit {status.get('exit')})"
+        elif state == "stopped":
+            state = "stopped (Ctrl-C; --resume auto goes on from its checkpoint)"
         elif state is None:
             if index in queue:
                 state = queue[index][0].lower()

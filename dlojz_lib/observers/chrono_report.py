@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dlojz_lib.checks import OneLineArgumentParser, is_png_drawn_by
+from dlojz_lib.checks import OneLineArgumentParser, interruptible, is_png_drawn_by
 
 # Loading is "significant" above this share of the compute step: then the report prints one line of advice.
 LOAD_ADVICE_THRESHOLD = 0.05
@@ -301,6 +301,7 @@ def is_timeline_plot(path) -> bool:
     return is_png_drawn_by(path, PLOT_SOFTWARE)
 
 
+@interruptible("dlojz_chrono.py")
 def main(argv=None):
     parser = OneLineArgumentParser(prog="dlojz_chrono.py", description="dlojz chronometer tools")
     sub = parser.add_subparsers(dest="command", required=True)

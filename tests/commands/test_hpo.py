@@ -441,11 +441,13 @@ def test_a_pruner_that_prunes_everything_stops_trials_after_their_first_validati
     assert proc.stdout.count("pruned at epoch 1") == trials, show(proc)
 
 
-@pytest.mark.parametrize("how", ["killed", "preempted"])
+@pytest.mark.parametrize("how", ["killed", "preempted", "interrupted"])
 def test_a_worker_lost_mid_trial_leaves_the_study_usable_and_the_trial_retried(
     tiny_data, tmp_path, how, preloaded_launch
 ):
-    """killed: SIGKILL, no word (the heartbeat goes stale); preempted: Slurm's warning (SIGUSR1) to the worker."""
+    """killed: SIGKILL, no word (the heartbeat goes stale); preempted: Slurm's warning (SIGUSR1) to the worker;
+    interrupted: Ctrl-C (SIGINT) to the worker: one line, exit 130, the trial failed and queued for its retry (never
+    left running)."""
     args = search_args(
         tmp_path,
         tiny_data,
@@ -467,7 +469,9 @@ def test_a_worker_lost_mid_trial_leaves_the_study_usable_and_the_trial_retried(
                 300,
                 "the first trial never validated",
             )
-            first.send_signal(signal.SIGKILL if how == "killed" else signal.SIGUSR1)
+            first.send_signal(
+                {"killed": signal.SIGKILL, "preempted": signal.SIGUSR1, "interrupted": signal.SIGINT}[how]
+            )
             lost_at = time.monotonic()
             first.wait(timeout=120)
         finally:
@@ -479,6 +483,14 @@ def test_a_worker_lost_mid_trial_leaves_the_study_usable_and_the_trial_retried(
     if how == "preempted":
         assert first.returncode == 0, worker_a
         assert "SIGUSR1 received: stopped; run `search` again" in worker_a, worker_a
+        assert [t.state.name for t in load(tmp_path / "j.log", "s").trials] == ["FAIL", "WAITING"]
+    elif how == "interrupted":
+        assert first.returncode == 130 and "Traceback" not in worker_a, worker_a
+        assert (
+            worker_a.strip().splitlines()[-1]
+            == "dlojz_hpo.py: interrupted (Ctrl-C): stopped, nothing half-written left"
+        )
+        assert "trial 0: stopped by Ctrl-C, checkpoint kept: failed, to be retried from it" in worker_a, worker_a
         assert [t.state.name for t in load(tmp_path / "j.log", "s").trials] == ["FAIL", "WAITING"]
     else:
         time.sleep(max(0.0, lost_at + 3.5 - time.monotonic()))  # the heartbeat goes stale (--stale-after 3)

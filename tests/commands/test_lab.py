@@ -7,6 +7,7 @@ Modules: dlojz_lib/lab/ (the sweeps and the comparison's report)."""
 import csv
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -212,3 +213,60 @@ def test_a_local_run_whose_process_is_gone_is_interrupted_not_running(tmp_path):
         ("batch-size=4", "interrupted (its process is gone)"),
         ("batch-size=8", "running"),
     ]
+
+
+def test_ctrl_c_during_a_local_run_stops_it_and_says_stopped(tmp_path, monkeypatch):
+    """Ctrl-C while the lab waits for a run: the run is told (SIGINT: it checkpoints), waited for, and its status is
+    `stopped`, not `running` for good; the KeyboardInterrupt goes on to the command's one line."""
+    sweep = tmp_path / "runs" / "ctrl-c"
+    sweep.mkdir(parents=True)
+    runs = [dict(name="batch-size=4", settings={"batch-size": "4"}, argv=[])]
+    (sweep / "sweep.json").write_text(json.dumps(dict(name="ctrl-c", runs=runs, python=sys.executable)))
+    (sweep / "batch-size=4").mkdir()
+    told = []
+
+    class Run:  # a dlojz.py run: Ctrl-C reaches the lab while it waits, the run then ends with 130
+        pid, returncode = os.getpid(), None
+
+        def __init__(self, *args, **kwargs):
+            self.waits = 0
+
+        def wait(self, timeout=None):
+            self.waits += 1
+            if self.waits == 1:
+                raise KeyboardInterrupt
+            self.returncode = 130
+            return 130
+
+        def poll(self):
+            return self.returncode
+
+        def send_signal(self, signum):
+            told.append(signum)
+
+    monkeypatch.setattr(sweeps.subprocess, "Popen", Run)  # (the same module as checks.subprocess)
+    with pytest.raises(KeyboardInterrupt):
+        sweeps.run_one(sweep, 0)
+    assert told == [signal.SIGINT]
+    assert sweeps.read_status(sweep / "batch-size=4")["state"] == "stopped"
+    assert sweeps.states(sweep) == [("batch-size=4", "stopped (Ctrl-C; --resume auto goes on from its checkpoint)")]
+
+
+def test_every_command_ends_on_ctrl_c_in_one_line_with_130(monkeypatch, capsys):
+    """Every sibling command (found by name: dlojz_*.py) goes through the one door: Ctrl-C anywhere in it (here in
+    its argument parsing) is one line naming it and exit status 130, never a traceback."""
+    import argparse
+    import importlib
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    for method in ("parse_args", "parse_intermixed_args", "parse_known_args"):
+        monkeypatch.setattr(argparse.ArgumentParser, method, interrupted)
+    commands = sorted(path.stem for path in ROOT.glob("dlojz_*.py"))
+    assert len(commands) >= 8, commands
+    for name in commands:
+        module = importlib.import_module("dlojz_lib.observers.chrono_report" if name == "dlojz_chrono" else name)
+        assert module.main(["--help"]) == 130, name
+        err = capsys.readouterr().err
+        assert err == f"{name}.py: interrupted (Ctrl-C): stopped, nothing half-written left\n", (name, err)
