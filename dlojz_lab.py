@@ -40,7 +40,7 @@ from dlojz_lib.settings.flags import COUNT, VALIDATION_METRICS, WHOLE
 
 
 def sweep_command(args) -> int:
-    resources = {key: getattr(args, key) for key, _ in SLURM_RESOURCES if getattr(args, key) is not None}
+    resources = {key: getattr(args, key) for key, _, _ in SLURM_RESOURCES if getattr(args, key) is not None}
     sweep_dir = sweep(
         args.name, args.grid, args.dlojz_args, args.launch, args.sbatch, args.python, args.nproc_per_node, **resources
     )
@@ -76,8 +76,13 @@ def get_parser():
     s.add_argument("--name", required=True, help="the sweep's folder under runs/")
     s.add_argument("--grid", action="append", default=[], metavar="FLAG=V1,V2", help="a dlojz.py flag and its values")
     s.add_argument("--launch", choices=("local", "slurm"), default="local")
-    for key, directive in SLURM_RESOURCES:
-        s.add_argument(f"--{key.replace('_', '-')}", default=None, help=f"Slurm: #SBATCH {directive}")
+    for key, directive, count in SLURM_RESOURCES:
+        s.add_argument(
+            f"--{key.replace('_', '-')}",
+            type=COUNT if count else None,
+            default=None,
+            help=f"Slurm: #SBATCH {directive}",
+        )
     s.add_argument("--sbatch", action="append", default=[], metavar="OPTION", help="any other #SBATCH option")
     s.add_argument(
         "--python",

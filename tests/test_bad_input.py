@@ -409,12 +409,10 @@ def test_wandb_online_without_a_key_is_one_line(tmp_path, run_inline, monkeypatc
 
 
 SCRIPTS = [
-    "dlojz_hpo.py",
-    "dlojz_lab.py",
-    "dlojz_pack.py",
-    "dlojz_fsdp.py",
-    "dlojz_avg.py",
-    "dlojz_lib/observers/chrono_report.py",  # dlojz_chrono.py's command line
+    *sorted(  # every sibling command, found by name (dlojz_chrono.py's command line is chrono_report's)
+        path.name if path.name != "dlojz_chrono.py" else "dlojz_lib/observers/chrono_report.py"
+        for path in ROOT.glob("dlojz_*.py")
+    ),
     *sorted(  # the benches that are commands (in_process.py is the loop they import)
         path.relative_to(ROOT).as_posix()
         for path in (ROOT / "bench").glob("*.py")
@@ -441,6 +439,7 @@ def parser_of(script, monkeypatch):
         raise Captured(self)
 
     monkeypatch.setattr(argparse.ArgumentParser, "parse_args", capture)
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_intermixed_args", capture)  # (dlojz_predict.py's)
     try:
         module.main([]) if "argv" in inspect.signature(module.main).parameters else module.main()
     except Captured as captured:

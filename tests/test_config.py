@@ -127,6 +127,8 @@ def out_of_bounds(action):
     if isinstance(action.type, Number):
         bounds = action.type
         values = ["one", "1.5" if bounds.kind is int else "inf", "nan"]
+        if bounds.kind is float and bounds.high is None:  # finite, and too large for what it feeds (a timedelta)
+            values.append("1e308")
         if bounds.low is not None:
             values.append(str(bounds.low if bounds.low_open else bounds.low - 1))
         if bounds.high is not None:

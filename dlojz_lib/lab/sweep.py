@@ -25,16 +25,16 @@ from dlojz_lib.checks import UserError, check_output_folder, ended_on_interrupt
 ROOT = Path(__file__).resolve().parents[2]  # the project: dlojz.py, slurm/
 RUNS = Path("runs")
 OWN_FLAGS = ("--output-dir", "--metrics-json", "--val-history")  # each run's, set by the lab
-SLURM_RESOURCES = (  # dlojz_lab.py's flag, its #SBATCH directive
-    ("partition", "--partition"),
-    ("account", "--account"),
-    ("qos", "--qos"),
-    ("time", "--time"),
-    ("nodes", "--nodes"),
-    ("ntasks_per_node", "--ntasks-per-node"),
-    ("gpus_per_node", "--gres=gpu"),
-    ("cpus_per_task", "--cpus-per-task"),
-    ("constraint", "--constraint"),
+SLURM_RESOURCES = (  # dlojz_lab.py's flag, its #SBATCH directive, and whether it is a count (at least 1)
+    ("partition", "--partition", False),
+    ("account", "--account", False),
+    ("qos", "--qos", False),
+    ("time", "--time", False),
+    ("nodes", "--nodes", True),
+    ("ntasks_per_node", "--ntasks-per-node", True),
+    ("gpus_per_node", "--gres=gpu", True),
+    ("cpus_per_task", "--cpus-per-task", True),
+    ("constraint", "--constraint", False),
 )
 
 
@@ -242,7 +242,7 @@ def array_script(sweep_dir: Path, sweep: dict, resources: dict) -> str:
         f"#SBATCH --output={sweep_dir.resolve()}/slurm_%A_%a.out",
         "#SBATCH --hint=nomultithread",
     ]
-    for key, directive in SLURM_RESOURCES:
+    for key, directive, _ in SLURM_RESOURCES:
         if resources.get(key) is not None:
             lines.append(f"#SBATCH {directive}{':' if directive.endswith('gpu') else '='}{resources[key]}")
     lines += [f"#SBATCH {extra}" for extra in resources.get("sbatch") or []]
@@ -286,9 +286,9 @@ def sweep(
     `python` the Python that runs each dlojz.py (by default the one that runs the lab, or the job's);
     `nproc_per_node`: each local run as that many processes (torchrun --standalone).
     Runs it here or submits it; returns its folder. Raises LabError on bad input, before anything runs."""
-    unknown = set(resources) - {key for key, _ in SLURM_RESOURCES}
+    unknown = set(resources) - {key for key, _, _ in SLURM_RESOURCES}
     if unknown:
-        raise LabError(f"unknown Slurm resources {sorted(unknown)}: give {[key for key, _ in SLURM_RESOURCES]}")
+        raise LabError(f"unknown Slurm resources {sorted(unknown)}: give {[key for key, _, _ in SLURM_RESOURCES]}")
     if not name or "/" in name or name.startswith("."):
         raise LabError(f"--name {name!r}: a folder name under runs/ (letters, digits, - and _)")
     texts = (

@@ -26,6 +26,7 @@ VALIDATION_METRICS = {
 
 
 INT_LIMIT = 2**31 - 1  # a count (of epochs, steps, images) beyond it is a typo, and its products overflow int64
+FLOAT_LIMIT = 1e15  # a finite float beyond it is a typo (1e308 seconds overflow a timedelta, epochs a step count)
 
 
 class Number:
@@ -55,6 +56,8 @@ class Number:
             raise argparse.ArgumentTypeError(f"must be {self.describe()} (got {value})")
         if self.kind is int and abs(value) > INT_LIMIT:  # torch keeps counts in 64-bit integers: products overflow
             raise argparse.ArgumentTypeError(f"must be at most {INT_LIMIT:,} (got {value:.3g})")
+        if abs(value) > FLOAT_LIMIT:
+            raise argparse.ArgumentTypeError(f"must be {self.describe()}, at most {FLOAT_LIMIT:g} (got {value:g})")
         return value
 
     def __call__(self, text):

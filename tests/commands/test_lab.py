@@ -270,3 +270,16 @@ def test_every_command_ends_on_ctrl_c_in_one_line_with_130(monkeypatch, capsys):
         assert module.main(["--help"]) == 130, name
         err = capsys.readouterr().err
         assert err == f"{name}.py: interrupted (Ctrl-C): stopped, nothing half-written left\n", (name, err)
+
+
+@pytest.mark.parametrize("flag", ["--nodes", "--ntasks-per-node", "--gpus-per-node", "--cpus-per-task"])
+def test_the_sweep_s_slurm_counts_are_whole_numbers_of_at_least_one(flag, capsys):
+    """What the sbatch script would get: 0, -1, nan, inf and 2.5 refused in one line naming the flag; 2 taken."""
+    for value in ("0", "-1", "nan", "inf", "2.5"):
+        with pytest.raises(SystemExit) as exit:
+            dlojz_lab.get_parser().parse_args(["sweep", "--name", "x", flag, value])
+        err = capsys.readouterr().err.strip()
+        assert exit.value.code == 2 and err.count("\n") == 0 and flag in err, (value, err)
+    assert (
+        getattr(dlojz_lab.get_parser().parse_args(["sweep", "--name", "x", flag, "2"]), flag[2:].replace("-", "_")) == 2
+    )
