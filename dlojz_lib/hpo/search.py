@@ -406,9 +406,30 @@ def open_storage(path):
     import optuna
 
     if "://" in path:  # a database URL (sqlite:///..., postgresql://...): Optuna's RDB storage
-        return optuna.storages.RDBStorage(path)
+        shown = redacted_url(path)
+        try:
+            return optuna.storages.RDBStorage(path)
+        except ImportError:  # SQLAlchemy's dialect without its driver module (PyMySQL, psycopg2, ...)
+            fail(
+                f"--storage {shown}: the Python driver of this database is not installed here (pip install PyMySQL "
+                "for mysql://, psycopg2-binary for postgresql://); or give a journal file path (shared file system)"
+            )
+        except Exception as err:  # SQLAlchemy's errors: a server that refuses, a name that does not resolve
+            first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+            fail(f"--storage {shown}: the database cannot be opened ({first[:200]}); check the URL and the server")
     Path(path).resolve().parent.mkdir(parents=True, exist_ok=True)
     return optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(str(path)))
+
+
+def redacted_url(url):
+    """A database URL as said in a line: its password left out."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.replace(f":{parts.password}@", ":***@")
+    return urlunsplit(parts._replace(netloc=netloc))
 
 
 def make_sampler(args, n_trials):

@@ -111,6 +111,21 @@ def split_shared(shared):
     return rest, known.output_dir
 
 
+def check_data_root(data_root, val_split):
+    """The shared --data-root (or the variables' folder) is a data set's: train/ and val/ found, as a trial's
+    build_data would find them; one line otherwise."""
+    from dlojz_lib.checks import DataError
+    from dlojz_lib.data.datasets import resolve_data_root
+    from dlojz_lib.data.layout import find_layout
+
+    try:
+        root, _ = resolve_data_root(data_root)
+        if root is not None:  # (None: the embedded data set, made by the first trial)
+            find_layout(root, val_split)
+    except DataError as err:
+        fail(f"after --: {err}")
+
+
 def check_shared(shared, space, direction, root):
     """Check the flags every trial shares, and each end of every range and every choice with them, as dlojz.py
     itself would: one line, before any trial. Returns the shared flags' Config."""
@@ -136,6 +151,8 @@ def check_shared(shared, space, direction, root):
             fail(f"{where}: {str(err).removeprefix(where + ': ')}")
 
     cfg = config([], "after --")
+    if not cfg.synthetic:  # the data every trial reads: there, once, before the first trial (not a failure a trial)
+        check_data_root(cfg.data_root, cfg.val_split)
     for dest, (action, dist) in space.items():
         ends = dist.choices if hasattr(dist, "choices") else (dist.low, dist.high)
         for value in ends:
