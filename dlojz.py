@@ -146,8 +146,7 @@ def main(argv=None, resources=None) -> dict:
     stop = StopPoll(stop_signal, ranks, timedelta(seconds=cfg.dist_timeout), watchdog.start())
     resources.push(peer_report := LostPeerReport(ranks, cfg.output_dir, watchdog))  # a rank lost: one line from here
     log = Console(ranks.is_main)
-    if cfg.writes_checkpoints or cfg.eval_only:  # one run a folder (--eval-only writes its results there): its lock
-        claim_output_dir(cfg.section("logging"), ranks, log, resources, owns=cfg.writes_checkpoints)
+    claim_output_dir(cfg.section("logging"), cfg.section("modes"), ranks, log, resources)  # one run a folder
     cfg = fit_to_ranks(cfg, ranks.data_size, log)  # (before the loaders and the schedule: batch, --grad-acc, --lr)
     idr_torch = load_idr_torch()  # the launch, as setup_distributed read it
     announce_run(cfg.notes, ranks, log, f"{idr_torch.num_nodes} nodes", idr_torch.current_API)

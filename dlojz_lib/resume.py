@@ -40,17 +40,20 @@ class TrainState:
     best_epoch: int = 0
 
 
-def claim_output_dir(logging, ranks, log, resources, owns=True):
-    """Make the output folder this run's, on rank 0; every rank learns the answer. Refused, in one line: while another
-    run holds its lock; where a run's own record (args.toml, latest, best) is a folder or a file of someone else's;
-    or when it holds a run's checkpoints and neither --resume (continue it) nor --start-over (its files moved aside
-    into `previous-<time>/`) is given. The temporary files of a write that died are removed. The lock is held until
-    `resources` (the run's ExitStack) closes. `logging`: the run's logging settings; `owns`: a training run, which
-    writes the run's records (--eval-only takes the lock alone: it writes its results beside a run's)."""
+def claim_output_dir(logging, modes, ranks, log, resources):
+    """Make the output folder this run's, on rank 0; every rank learns the answer. Refused, in one line: while
+    another run holds its lock; where a run's own record (args.toml, latest, best) is a folder or a file of someone else's; or when it
+    holds a run's checkpoints and neither --resume (continue it) nor --start-over (its files moved aside into
+    `previous-<time>/`) is given. The temporary files of a write that died are removed. The lock is held until
+    `resources` (the run's ExitStack) closes. `logging` and `modes`: the run's settings of those groups. A training
+    run owns the folder; --eval-only takes the lock alone (it writes its results beside a run's); --test and
+    --loader-only take none."""
+    owns = not (modes.test or modes.eval_only or modes.loader_only)
     problem = None
     if ranks.is_main:
         try:
-            problem = _claim(Path(logging.output_dir), logging, log, resources, owns)
+            if owns or modes.eval_only:
+                problem = _claim(Path(logging.output_dir), logging, log, resources, owns)
         except OSError as err:
             problem = f"--output-dir {logging.output_dir}: {err.strerror or err}; give a folder this run can write in"
     if ranks.enabled:

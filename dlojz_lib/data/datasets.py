@@ -53,6 +53,24 @@ def resolve_data_root(data_root):
     return None, "embedded"
 
 
+def written_inside_data(data_root, written):
+    """The line refusing a path a run writes (`written`: {flag: path}) that lies inside the data set it reads (its
+    next scan would take checkpoints and event files for images, or a split's folder for a class), or None."""
+    try:
+        root, _ = resolve_data_root(data_root)
+    except DataError:
+        return None  # (said by the data's own check)
+    if root is None:
+        return None  # the embedded data set, in dlojz's cache
+    for flag, path in written.items():
+        if path is not None and Path(path).resolve().is_relative_to(root.resolve()):
+            return (
+                f"{flag} {path} is inside the data set {root} (its next scan would read what the run writes there "
+                "as data): give a folder outside it"
+            )
+    return None
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Data sets
 class SeededSamples:

@@ -447,21 +447,40 @@ def check(cfg: Config):
     if cfg.amp:
         check_autocast(torch.device(cfg.torch_device), cfg.autocast_dtype)
     if load_idr_torch().rank == 0:  # what rank 0 writes, checked before the run rather than found after it
-        from dlojz_lib.checks import check_output_folder, check_side_outputs
+        check_run_outputs(cfg.section("logging"), cfg.section("modes"), cfg.data_root)
 
-        check_output_folder(cfg.output_dir, "--output-dir")  # --test too: the chronometer's trace and plot go there
-        if cfg.tensorboard:  # (its default, the output folder's tensorboard/, is made with the output folder)
-            check_output_folder(cfg.tensorboard, "--tensorboard")
-        for flag in ("metrics_json", "val_history", "predictions"):
-            if getattr(cfg, flag):  # (writable, not a folder: check_side_outputs below)
-                check_not_a_run_file(getattr(cfg, flag), f"--{flag.replace('_', '-')}", cfg.output_dir)
-        check_side_outputs(
-            {
-                "--metrics-json": (cfg.metrics_json, "metrics"),
-                "--val-history": (cfg.val_history, "history"),
-                "--predictions": (cfg.predictions, "predictions"),
-            }
-        )
+
+def check_run_outputs(logging, modes, data_root):
+    """The folders and files a run writes (`logging` and `modes`: the settings of those groups): outside the data
+    set it reads, writable, not a run's own file under another flag, no two the same."""
+    from dlojz_lib.checks import check_output_folder, check_side_outputs
+    from dlojz_lib.data.datasets import written_inside_data
+    from dlojz_lib.log import tensorboard_folder
+
+    if not modes.synthetic:  # before any folder is made: what the run writes is not in what it reads
+        written = {"--output-dir": logging.output_dir, "--predictions": modes.predictions}
+        if modes.tensorboard is not None:
+            written["--tensorboard"] = tensorboard_folder(modes.tensorboard, logging.output_dir)
+        if (problem := written_inside_data(data_root, written)) is not None:
+            fail(problem)
+    check_output_folder(logging.output_dir, "--output-dir")  # --test too: the chronometer's trace and plot go there
+    if modes.tensorboard:  # (its default, the output folder's tensorboard/, is made with the output folder)
+        check_output_folder(modes.tensorboard, "--tensorboard")
+    side = {
+        "--metrics-json": logging.metrics_json,
+        "--val-history": logging.val_history,
+        "--predictions": modes.predictions,
+    }
+    for flag, path in side.items():
+        if path:  # (writable, not a folder: check_side_outputs below)
+            check_not_a_run_file(path, flag, logging.output_dir)
+    check_side_outputs(
+        {
+            "--metrics-json": (logging.metrics_json, "metrics"),
+            "--val-history": (logging.val_history, "history"),
+            "--predictions": (modes.predictions, "predictions"),
+        }
+    )
 
 
 def check_not_a_run_file(path, flag, output_dir):

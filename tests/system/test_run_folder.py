@@ -103,6 +103,28 @@ def test_a_file_of_the_user_s_under_a_record_s_name_is_not_replaced(tiny_data, t
     assert not ckpt.list_checkpoints(out)
 
 
+@pytest.mark.parametrize(
+    "where, flags",
+    [
+        ("train/disc/run", []),  # a class folder of the training data
+        ("val", []),
+        ("runs", ["--test"]),  # (a --test run writes its traces there too)
+        ("elsewhere", ["--tensorboard", "{data}/val/disc/tb"]),
+    ],
+)
+def test_what_a_run_writes_is_never_inside_its_data_set(tiny_data, tmp_path, run_inline, where, flags):
+    """--output-dir, --tensorboard's folder inside the data set: refused in one line naming the data root, before
+    anything is written there (its next scan would read checkpoints and event files as images)."""
+    data = shutil.copytree(tiny_data, tmp_path / "data")
+    before = sorted(str(path) for path in data.rglob("*"))
+    out = data / where if where != "elsewhere" else tmp_path / "run"
+    proc = run_inline(*run_args(data, out, "-e", "1", *[flag.format(data=data) for flag in flags]))
+    assert proc.returncode == 2
+    line = one_error_line(proc)
+    assert f"is inside the data set {data}" in line and "give a folder outside it" in line, line
+    assert sorted(str(path) for path in data.rglob("*")) == before
+
+
 def test_eval_only_into_a_folder_a_run_is_writing_in_is_refused(tiny_data, tmp_path, run_inline, trained_run):
     """--eval-only writes its results (per_class.csv, confusion.png) into --output-dir: it takes the folder's lock,
     and waits for no live run there (one line, nothing written)."""
