@@ -15,6 +15,7 @@ the end of the run. Rows follow the files: sorted within each folder, in the ord
 
 import os
 import sys
+from pathlib import Path
 
 from dlojz_lib.checks import OneLineArgumentParser, UserError, claim_output, interruptible
 from dlojz_lib.settings.flags import COUNT, WHOLE
@@ -43,12 +44,20 @@ def get_parser():
     return parser
 
 
+CHECKPOINT_SUFFIXES = (".pt", ".pth", ".dcp", ".safetensors")  # what is weights, not an image
+
+
 @interruptible("dlojz_predict.py")
 def main(argv=None) -> int:
     args = get_parser().parse_intermixed_args(argv)  # the images after flags too: CKPT --ema photos/ --top-k 3
     if args.pretrained is not None and args.checkpoint is not None:  # then the first positional is an image
         args.images, args.checkpoint = [args.checkpoint, *args.images], None
     try:
+        if args.pretrained is not None and Path(args.images[0]).suffix in CHECKPOINT_SUFFIXES:
+            raise UserError(
+                f"{args.images[0]} is a checkpoint and --pretrained gives weights too: give one of them (the "
+                "checkpoint alone, or --pretrained and the images)"
+            )
         from dlojz_lib.inference import check_checkpoint_or_weights
 
         check_checkpoint_or_weights(args.checkpoint, args.arch, args.pretrained)

@@ -410,3 +410,38 @@ def test_cuda_graph_modes_refuse_what_breaks_them_in_one_line(capsys, flags, fra
 def test_gradient_accumulation_compiles_without_cuda_graphs():
     cfg = resolve("--arch", "resnet18", "--compile-mode", "max-autotune-no-cudagraphs", "--grad-acc", "2")
     assert cfg.compile and cfg.grad_acc == 2
+
+
+@pytest.mark.parametrize(
+    "flags, fragment",
+    [
+        (
+            ["--warmup-epochs", "3"],
+            "--warmup-epochs 3 shapes --lr-scheduler cosine or step or constant or poly; onecycle",
+        ),
+        (
+            ["--lr-scheduler", "cosine", "--lr-peak-epoch", "3"],
+            "--lr-peak-epoch 3 shapes --lr-scheduler linear; cosine",
+        ),
+        (["--lr-scheduler", "linear", "--lr-poly-power", "3"], "--lr-poly-power 3 shapes --lr-scheduler poly; linear"),
+        (
+            ["--eval-only", "--resume", "x.pt", "--activation-checkpointing", "full"],
+            "with --eval-only, which validates",
+        ),
+        (
+            ["--linear-probe", "--pretrained", "--grad-checkpointing"],
+            "with --linear-probe, which trains the head alone",
+        ),
+        (["--val-split", "2.5"], "--val-split 2.5: a share below 1 (0.1: a tenth), or a whole number"),
+    ],
+)
+def test_a_flag_that_cannot_act_on_this_run_is_refused_in_one_line(capsys, flags, fragment):
+    """A flag this run would ignore (a schedule's length another scheduler does not read, recomputation where no
+    backward runs through the blocks, a count that is not whole) is refused rather than accepted without a word."""
+    assert fragment in refusal(capsys, *flags)
+
+
+def test_the_schedule_s_own_flags_are_taken_with_their_scheduler():
+    for flags in (["--lr-scheduler", "cosine", "--warmup-epochs", "1"], ["--lr-scheduler", "linear", "--lr-peak-epoch", "1"],
+                  ["--lr-scheduler", "poly", "--lr-poly-power", "3"], ["--val-split", "3"], ["--val-split", "0.2"]):  # fmt: skip
+        resolve(*flags)

@@ -118,6 +118,9 @@ def check_sampling(values):
             fail(
                 f"--{flag.replace('_', '-')} balances the data's classes: --synthetic has none (leave one of them out)"
             )
+    split = values["val_split"]
+    if split is not None and split >= 1 and split != int(split):  # below 1 a share, from 1 a count of images
+        fail(f"--val-split {split:g}: a share below 1 (0.1: a tenth), or a whole number of images per class")
     if values["ra_reps"] and values["balanced_sampler"]:
         fail("--ra-reps and --balanced-sampler each choose the epoch's images: give one of them")
     if values["ra_reps"] and values["synthetic"]:
@@ -387,6 +390,13 @@ def check_run_mode(values):
         fail("--predictions names each image's file: --synthetic has none (leave one of them out)")
     if values["eval_only"] and not values["resume"]:
         fail("--eval-only needs --resume CHECKPOINT (or --resume auto with --output-dir)")
+    recomputes = values["grad_checkpointing"] or values["activation_checkpointing"] not in (None, "none")
+    for flag, why in (("eval_only", "validates without a backward"), ("linear_probe", "trains the head alone")):
+        if recomputes and values[flag]:  # nothing is kept for a backward that does not run through the blocks
+            fail(
+                f"--activation-checkpointing/--grad-checkpointing with --{flag.replace('_', '-')}, which {why}: "
+                "nothing to recompute; drop it"
+            )
 
 
 def augmentation_policies(values):
@@ -417,6 +427,22 @@ def check_schedule(values):
             fail(
                 f"--{name.replace('_', '-')} sets --lr-scheduler {' or '.join(schedulers)}, not {scheduler}"
                 + (" (its own warm-up starts at lr/25)" if scheduler == "onecycle" and "warmup" in name else "")
+                + ": give one of them with --lr-scheduler, or drop it"
+            )
+    # the schedule's lengths and shapes that have a default: refused when set and the scheduler does not read them
+    read_by = dict(warmup_epochs=("cosine", "step", "constant", "poly"), lr_peak_epoch=("linear",),
+                   lr_poly_power=("poly",))  # fmt: skip
+    defaults = {dest: built_in_defaults(get_args_parser(), dest)[dest] for dest in read_by}
+    for name, schedulers in read_by.items():
+        if values[name] != defaults[name] and scheduler not in schedulers:
+            fail(
+                f"--{name.replace('_', '-')} {values[name]:g} shapes --lr-scheduler {' or '.join(schedulers)}; "
+                f"{scheduler} does not read it"
+                + (
+                    " (its own warm-up: 30% of the steps, from lr/25)"
+                    if scheduler == "onecycle" and "warmup" in name
+                    else ""
+                )
                 + ": give one of them with --lr-scheduler, or drop it"
             )
     if values["lr_per_epoch"] and scheduler == "onecycle":

@@ -108,6 +108,11 @@ def test_a_checkpoint_without_class_names_takes_its_data_folders(trained, tiny_d
         (lambda p: None, [], "name the model"),
         (lambda p: None, ["{run}"], "give the images"),
         (lambda p: None, ["{p}", "--pretrained", "DEFAULT"], "name the model"),
+        (  # both weights: the checkpoint was read as an image and dropped
+            lambda p: None,
+            ["--arch", "resnet18", "--pretrained", "DEFAULT", "{run}/ckpt_e0001_s000000009.pt", "{val}"],
+            "ckpt_e0001_s000000009.pt is a checkpoint and --pretrained gives weights too: give one of them",
+        ),
     ],
 )
 def test_bad_input_is_one_line(trained, tiny_data, tmp_path, capsys, make, args, message):
