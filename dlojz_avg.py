@@ -46,7 +46,7 @@ def main(argv=None) -> int:
             args.output, "-o", "a checkpoint dlojz_avg.py wrote", lambda path: ckpt.written_by_command(path, "averaged_from"),
             [*paths, *args.checkpoints], args.force, create_folder=False,
         )  # fmt: skip
-        ckpt.write(ckpt.average(paths), args.output)
+        ckpt.write_whole(ckpt.average(paths), args.output)
     except (UserError, ckpt.CheckpointError) as err:  # a damaged or sharded checkpoint, another model: one line
         print(f"dlojz_avg.py: error: {err}", file=sys.stderr)
         return 2

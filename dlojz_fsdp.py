@@ -7,6 +7,7 @@ sharding itself and the sharded checkpoints are dlojz_lib/parallelism/fsdp.py's.
 """
 
 import os
+import shutil
 import sys
 import warnings
 from pathlib import Path
@@ -48,6 +49,7 @@ def ordinary_model_and_optimizer(saved):
 def consolidate(source, target):
     """Write `target`: the ordinary checkpoint (dlojz_lib.checkpoint's .pt) that a run without --fsdp would have
     written at the same point, from the sharded checkpoint folder `source`. One process reads every shard."""
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     from dlojz_lib.parallelism.fsdp import set_optimizer_state
@@ -72,8 +74,15 @@ def consolidate(source, target):
             warnings.simplefilter("ignore", UserWarning)
             dcp_to_torch_save(source, whole)
         state = torch.load(whole, map_location="cpu", weights_only=True)
+    except (OSError, RuntimeError, CheckpointException) as err:  # (the last: a BaseException)
+        said = ckpt.out_of_room(err, target, folder_bytes(source))
+        if said is None:
+            raise
+        state = None
     finally:
         whole.unlink(missing_ok=True)
+    if state is None:
+        raise said  # (outside the handler: the failed write's frames, and its open file, are let go first)
     if args.get("tp", 1) > 1:  # --tp held timm's fused qkv as q, k and v: an ordinary model's again
         from dlojz_lib.parallelism.tensor import fused_flat_optimizer_state, fused_optimizer_state, fused_state_dict
 
@@ -84,8 +93,13 @@ def consolidate(source, target):
     set_optimizer_state(module, optimizer, state["optimizer"])
     full = {key: value for key, value in saved.items() if key != "sharded_path"}
     full.update(model=module.state_dict(), optimizer=optimizer.state_dict(), ema=None, consolidated_from=str(source))
-    ckpt.write(full, target)
+    ckpt.write_whole(full, target)
     return target
+
+
+def folder_bytes(folder):
+    """The bytes of the files in `folder` (a sharded checkpoint): about what it takes written again as one file."""
+    return sum(path.stat().st_size for path in Path(folder).rglob("*") if path.is_file())
 
 
 def shard(source, target_dir):
@@ -120,11 +134,18 @@ def shard(source, target_dir):
     model_state, optimizer_state = get_state_dict(module, optimizer)  # by parameter name, a run's sharded layout
     target_dir.mkdir(parents=True, exist_ok=True)
     staging = target_dir / f".{name}.tmp"
-    with warnings.catch_warnings():  # "saving in a single process": it is
-        warnings.simplefilter("ignore", UserWarning)
-        dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=staging, no_dist=True)
     meta = {key: value for key, value in saved.items() if key not in ("model", "optimizer", "ema")}
-    return ckpt.publish_folder(meta, staging, target_dir, name, keep=0)
+    try:
+        with warnings.catch_warnings():  # "saving in a single process": it is
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=staging, no_dist=True)
+        return ckpt.publish_folder(meta, staging, target_dir, name, keep=0)
+    except (OSError, RuntimeError, dcp.api.CheckpointException) as err:  # (the last: a BaseException)
+        shutil.rmtree(staging, ignore_errors=True)  # nothing half-written left
+        said = ckpt.out_of_room(err, target_dir / name, ckpt.tensor_bytes(saved))
+        if said is None:
+            raise
+    raise said  # (outside the handler: the failed write's frames, and its open files, are let go first)
 
 
 @interruptible("dlojz_fsdp.py")

@@ -114,6 +114,56 @@ def write(state, path):
     return path
 
 
+NO_ROOM = (28, 122)  # ENOSPC, EDQUOT: the disk, or the user's quota on it, is full
+
+
+def out_of_room(err, path, needed_bytes):
+    """CheckpointError saying in one line that the disk holding `path` has no room for the `needed_bytes` of what a
+    command writes there (`err`: the write's OSError, or torch's zip writer's RuntimeError over it), or None when
+    `err` is another failure."""
+    failures = getattr(err, "failures", None)  # torch.distributed.checkpoint's CheckpointException: each rank's
+    if isinstance(failures, dict):
+        return next((said for exc, _ in failures.values() if (said := out_of_room(exc, path, needed_bytes))), None)
+    folder = Path(path).resolve().parent
+    try:
+        free_bytes = shutil.disk_usage(folder).free
+        free = f"{free_bytes / 2**20:,.0f} MiB free"
+    except OSError:
+        free_bytes, free = None, "its free space unknown"
+    found = os_error_in(err)
+    # torch's zip writer says a full disk in its own words ("file write failed", "iostream error"), no OSError kept
+    torch_writer = isinstance(err, RuntimeError) and free_bytes is not None and free_bytes < needed_bytes
+    if (found is None or found.errno not in NO_ROOM) and not torch_writer:
+        return None
+    return CheckpointError(
+        f"{path}: no room on the disk of {folder} ({free}, about {needed_bytes / 2**20:,.0f} MiB needed): free some "
+        "space there, or give a path on another disk; nothing half-written was left"
+    )
+
+
+def tensor_bytes(state):
+    """The bytes of the tensors in `state` (nested dicts and lists): about what its file takes."""
+    if isinstance(state, torch.Tensor):
+        return state.numel() * state.element_size()
+    if isinstance(state, dict):
+        return sum(tensor_bytes(value) for value in state.values())
+    if isinstance(state, (list, tuple)):
+        return sum(tensor_bytes(value) for value in state)
+    return 0
+
+
+def write_whole(state, path):
+    """write() for a command's own output (dlojz_avg.py's, consolidate's): a disk without room for it is one line
+    (out_of_room), and atomic_write has removed its temporary file."""
+    try:
+        return write(state, path)
+    except (OSError, RuntimeError) as err:
+        said = out_of_room(err, path, tensor_bytes(state))
+        if said is None:
+            raise
+    raise said  # (outside the handler: the failed write's frames, and its open file, are let go first)
+
+
 def os_error_in(err):
     """The OSError behind `err` (itself, or its cause: torch.save reports a full disk as a RuntimeError of its zip
     writer), or None."""

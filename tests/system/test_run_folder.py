@@ -179,9 +179,10 @@ def small_disk(tmp_path):
 
     class Disk:
         path = disk
+        real = mounted  # a tmpfs (else torch.save and the side files' writes fail by hand)
 
-        def fill(self):
-            self._set("size=" + str(max(shutil.disk_usage(disk).used, 4096)), errno.ENOSPC)
+        def fill(self, room=0):
+            self._set("size=" + str(max(shutil.disk_usage(disk).used + room, 4096)), errno.ENOSPC)
 
         def read_only(self):
             self._set("ro", errno.EROFS)
@@ -214,6 +215,37 @@ def small_disk(tmp_path):
             subprocess.run(["umount", "-l", str(disk)])
         else:
             mp.undo()
+
+
+def test_a_full_disk_under_avg_consolidate_and_shard_is_one_line_and_leaves_nothing_half_written(
+    trained_run, small_disk, tmp_path, capsys
+):
+    """dlojz_avg.py, dlojz_fsdp.py consolidate and shard writing on a full disk: one line naming the disk, the
+    space free and about what the checkpoint needs, exit 2; no temporary file or .dcp.tmp folder left there."""
+    from test_output_rule import two_checkpoints
+
+    import dlojz_avg
+    import dlojz_fsdp
+
+    checkpoints = [str(path) for path in ckpt.list_checkpoints(trained_run)]
+    sharded = tmp_path / "sharded"
+    assert dlojz_fsdp.main(["shard", checkpoints[-1], str(sharded)]) == 0
+    source = ckpt.load_latest(sharded)[1]
+    capsys.readouterr()
+    small_disk.fill(room=256 * 1024)  # a folder can be made and a probe written: the checkpoints do not fit
+    commands = [
+        (dlojz_avg.main, [*two_checkpoints(trained_run, tmp_path), "-o", str(small_disk.path / "avg.pt")]),
+        (dlojz_fsdp.main, ["consolidate", str(source), str(small_disk.path / "whole.pt")]),
+    ]
+    if small_disk.real:  # (torch.distributed.checkpoint writes with its own writer: a real full disk only)
+        commands.append((dlojz_fsdp.main, ["shard", checkpoints[-1], str(small_disk.path / "resharded")]))
+    for main, argv in commands:
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err.strip()
+        assert err.count("\n") == 0 and "no room on the disk of" in err and "MiB needed" in err, err
+        assert "nothing half-written was left" in err and "Traceback" not in err
+        left = [path.name for path in small_disk.path.rglob("*")]
+        assert not [name for name in left if name.endswith(".tmp") or name.endswith(".pt")], left
 
 
 def after_epochs(monkeypatch, n, then):
