@@ -40,7 +40,7 @@ import sys
 
 from dlojz_lib.checks import UserError, fail, interruptible
 from dlojz_lib.hpo.search import report, search
-from dlojz_lib.settings.flags import COUNT, NON_NEGATIVE, POSITIVE, VALIDATION_METRICS, Number
+from dlojz_lib.settings.flags import COUNT, POSITIVE, VALIDATION_METRICS, Number
 
 
 def get_parser():
@@ -88,7 +88,7 @@ def get_parser():
     )
     s.add_argument(
         "--prune-below",
-        type=NON_NEGATIVE,  # above 1: every trial is pruned at its first validation
+        type=Number(float, 0, 1),  # every --objective is a share: above 1 every trial is pruned at its first validation
         default=None,
         metavar="VALUE",
         help="threshold: prune below this value of --objective",

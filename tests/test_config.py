@@ -433,6 +433,9 @@ def test_gradient_accumulation_compiles_without_cuda_graphs():
             "with --linear-probe, which trains the head alone",
         ),
         (["--val-split", "2.5"], "--val-split 2.5: a share below 1 (0.1: a tenth), or a whole number"),
+        (["--timm-augment", "v0-zzz"], "--timm-augment v0-zzz: section 'zzz' is not one timm's v0 reads"),
+        (["--timm-augment", "rand-m9-q3"], "section 'q3' is not one timm's rand reads"),
+        (["--timm-augment", "augmix-m5-w"], "section 'w' is not one timm's augmix reads"),  # (no number: skipped)
     ],
 )
 def test_a_flag_that_cannot_act_on_this_run_is_refused_in_one_line(capsys, flags, fragment):
@@ -443,5 +446,6 @@ def test_a_flag_that_cannot_act_on_this_run_is_refused_in_one_line(capsys, flags
 
 def test_the_schedule_s_own_flags_are_taken_with_their_scheduler():
     for flags in (["--lr-scheduler", "cosine", "--warmup-epochs", "1"], ["--lr-scheduler", "linear", "--lr-peak-epoch", "1"],
-                  ["--lr-scheduler", "poly", "--lr-poly-power", "3"], ["--val-split", "3"], ["--val-split", "0.2"]):  # fmt: skip
+                  ["--lr-scheduler", "poly", "--lr-poly-power", "3"], ["--val-split", "3"], ["--val-split", "0.2"],
+                  ["--timm-augment", "rand-m9-mstd0.5-inc1"], ["--timm-augment", "augmix-m5-w3"]):  # fmt: skip
         resolve(*flags)

@@ -473,6 +473,10 @@ def search(args, shared):
             f"--objective {args.objective} is maximized; --direction minimize minimizes the time to "
             "--target-accuracy (a top-1): drop one of them"
         )
+    if args.prune_below is not None and args.pruner != "threshold":
+        fail(
+            f"--prune-below is the threshold pruner's: --pruner {args.pruner} does not read it; add --pruner threshold, or drop it"
+        )
     space = read_space(args.space)
     check_storage(args.storage)
     shared, output_dir = split_shared(shared)

@@ -14,6 +14,8 @@ from dlojz_lib.settings.launch import launch_world_size, model_copy_problem
 
 # timm's --aa strings: a kind, then options, each a letter key and its number (rand-m7-mstd0.5-inc1)
 TIMM_AUGMENT = re.compile(r"(rand|augmix|original|originalr|v0|v0r|3a)(-[a-z]+\d*(\.\d+)?)*")
+# the sections each timm policy reads (timm.data.auto_augment): a section without a number, it skips without a word
+TIMM_SECTIONS = {"rand": ("mstd", "mmax", "inc", "m", "n", "p"), "augmix": ("mstd", "m", "w", "d", "a", "b")}
 
 
 def check_flags(values):
@@ -139,8 +141,18 @@ def check_sampling(values):
 
 
 def check_timm_magnitude(config):
-    """timm clips an op's magnitude to [0, 10] (or to its `mmax`): rand-m100 would train as rand-m10, said nowhere."""
-    parts = dict(re.fullmatch(r"([a-z]+)([\d.]*)", part).groups() for part in config.split("-")[1:])
+    """Each section is one timm reads, with its number (v0-zzz trained as v0, said nowhere); timm clips an op's
+    magnitude to [0, 10] (or to its `mmax`): rand-m100 would train as rand-m10, said nowhere."""
+    policy, *sections = config.split("-")
+    known = TIMM_SECTIONS.get(policy, ("mstd",))  # (AutoAugment's policies read mstd alone)
+    for section in sections:
+        key, number = re.fullmatch(r"([a-z]+)([\d.]*)", section).groups()
+        if key not in known or not number:
+            fail(
+                f"--timm-augment {config}: section {section!r} is not one timm's {policy} reads ({', '.join(k + 'N' for k in known)}), "
+                "which it would skip without a word; give one of them with its number, or drop it"
+            )
+    parts = dict(re.fullmatch(r"([a-z]+)([\d.]*)", part).groups() for part in sections)
     if "m" not in parts or not parts["m"]:
         return
     ceiling = float(parts["mmax"]) if parts.get("mmax") else 10.0

@@ -360,6 +360,29 @@ def test_a_database_without_its_driver_is_one_line_without_its_password(tmp_path
     assert "--storage mysql://dlojz:***@db.example/hpo: the Python driver of this database is not installed" in err
 
 
+@pytest.mark.parametrize(
+    "options, needle",
+    [
+        (["--pruner", "threshold", "--prune-below", "1.5"], "argument --prune-below: must be in [0, 1] (got 1.5)"),
+        (["--pruner", "median", "--prune-below", "0.5"], "--prune-below is the threshold pruner's: --pruner median"),
+    ],
+)
+def test_a_prune_threshold_that_cannot_act_is_one_line(tmp_path, capsys, options, needle):
+    """Every --objective is a share (a threshold above 1 prunes every trial at its first validation), and only the
+    threshold pruner reads one."""
+    import dlojz_hpo
+
+    argv = ["search", "--study", "s", "--storage", str(tmp_path / "j.log"), "--space", str(write_space(tmp_path)),
+            "--trials", "1", *options, "--", *TRIAL]  # fmt: skip
+    try:
+        status = dlojz_hpo.main(argv)
+    except SystemExit as exit:  # (argparse's own line)
+        status = exit.code
+    err = capsys.readouterr().err
+    assert status == 2 and err.count("\n") == 1 and needle in err, err
+    assert not (tmp_path / "j.log").exists()  # nothing started
+
+
 def test_minimize_needs_a_target(tmp_path, capsys):
     import dlojz_hpo
 
@@ -436,7 +459,7 @@ def test_a_pruner_that_prunes_everything_stops_trials_after_their_first_validati
             "--pruner",
             "threshold",
             "--prune-below",
-            "1.01",
+            "1",  # (a top-1 below 1: every trial on these 15 images after an epoch)
             trial_flags=("--epochs", "30"),
             storage=storage,
             launch=preloaded_launch,
