@@ -8,6 +8,7 @@ leaves them out.
 import collections
 import copy
 import dataclasses
+import io
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
@@ -31,6 +32,20 @@ def head_and_tail(path, tail=4096):
         size = file.seek(0, 2)
         file.seek(max(8, size - tail))
         return head + file.read()
+
+
+def oversized(data):
+    """PIL's refusal of an image whose header gives more pixels than its decompression-bomb limit (a 65,000 x 65,000
+    JPEG), which the pytorch backend's decode skips as unreadable: the same rule for DALI's. None otherwise."""
+    from PIL import Image
+
+    try:
+        with Image.open(io.BytesIO(data)):
+            return None
+    except Image.DecompressionBombError as err:
+        return str(err)
+    except Exception:  # another header problem: the decoder's to find
+        return None
 
 
 def cut_short(dataset) -> list:
@@ -143,14 +158,18 @@ class SampleFeed:
         return [np.frombuffer(self.dataset.read_bytes(i), dtype=np.uint8) for i in indices]
 
     def unreadable(self, start, batches):
-        """The samples of `batches` batches from `start` on that are not whole JPEG or PNG files, each warned about
-        by name: what a failed DALI pipeline was preparing."""
+        """The samples of `batches` batches from `start` on that are not whole JPEG or PNG files, or whose header
+        gives more pixels than PIL takes (oversized), each warned about by name: what a failed DALI pipeline was
+        preparing."""
         found = set()
         for _, indices in zip(range(batches), self.index_batches(start)):
             for i in indices:
                 try:
-                    if not whole_image(self.dataset.read_bytes(i)):
+                    data = self.dataset.read_bytes(i)
+                    if not whole_image(data):
                         raise OSError("not a whole JPEG or PNG file")
+                    if (bomb := oversized(data)) is not None:  # the pytorch backend's PIL refuses it too
+                        raise OSError(bomb)
                 except OSError as err:
                     print(
                         f"WARNING: skipping unreadable image {self.dataset.describe(i)}: {err}",

@@ -169,6 +169,31 @@ def test_dali_cache_reads_the_files_an_epoch_at_a_time(tiny_data, tmp_path, monk
         dlojz_lib.data.loaders.build_loaders(cfg, train_set, val_set, len(classes), ranks, lambda line: None)
 
 
+def test_an_image_whose_header_is_too_large_is_skipped_as_the_pytorch_backend_skips_it(tiny_data, tmp_path):
+    """A whole JPEG whose header says 65,000 x 65,000: PIL refuses it (its decompression-bomb limit), so the pytorch
+    backend skips it; DALI's failed pipeline names it among the files it was preparing, to be skipped the same way."""
+    import shutil
+
+    from PIL import Image
+
+    from dlojz_lib.data.dali_feed import SampleFeed, oversized
+
+    root = shutil.copytree(tiny_data, tmp_path / "data")
+    victim = sorted((root / "train").rglob("*.JPEG"))[0]
+    data = bytearray(victim.read_bytes())
+    sof = data.index(b"\xff\xc0")  # baseline frame header: length (2), precision (1), height (2), width (2)
+    data[sof + 5 : sof + 9] = (65000).to_bytes(2, "big") * 2
+    victim.write_bytes(bytes(data))
+    assert "exceeds limit" in oversized(bytes(data))
+    assert oversized(sorted((root / "val").rglob("*.JPEG"))[0].read_bytes()) is None
+    with pytest.raises(Image.DecompressionBombError):  # what the pytorch backend's decode meets
+        Image.open(victim).load()
+    train, _, _, _ = build_datasets(root, None, None)
+    feed = SampleFeed(train, EpochSampler(train, 1, 0), 8)
+    found = feed.unreadable((0, 0), 9)  # the epoch's 9 batches
+    assert {train.samples[i][0] for i in found} == {str(victim)}
+
+
 def test_batches_are_dalis_buffers_not_copies(tiny_data):
     """The images and labels handed to training are DALI's output buffers seen through DLPack: no allocation and no
     copy per batch (on a GPU the same call binds them to the training's stream)."""
