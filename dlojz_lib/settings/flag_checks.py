@@ -403,7 +403,8 @@ def check_run_mode(values):
     if values["eval_only"] and not values["resume"]:
         fail("--eval-only needs --resume CHECKPOINT (or --resume auto with --output-dir)")
     recomputes = values["grad_checkpointing"] or values["activation_checkpointing"] not in (None, "none")
-    for flag, why in (("eval_only", "validates without a backward"), ("linear_probe", "trains the head alone")):
+    # (--eval-only with a run's own flags, recomputation among them, is how a run is evaluated: taken as it is)
+    for flag, why in (("linear_probe", "trains the head alone"),):
         if recomputes and values[flag]:  # nothing is kept for a backward that does not run through the blocks
             fail(
                 f"--activation-checkpointing/--grad-checkpointing with --{flag.replace('_', '-')}, which {why}: "

@@ -26,7 +26,8 @@ VALIDATION_METRICS = {
 
 
 INT_LIMIT = 2**31 - 1  # a count (of epochs, steps, images) beyond it is a typo, and its products overflow int64
-FLOAT_LIMIT = 1e15  # a finite float beyond it is a typo (1e308 seconds overflow a timedelta, epochs a step count)
+FLOAT_LIMIT = 1e30  # a finite float beyond it is a typo (1e308 epochs overflow a step count); timeouts: TIMEOUT_LIMIT_S
+TIMEOUT_LIMIT_S = 365 * 24 * 3600.0  # a year: beyond it a timeout is a typo (timedelta overflows near 1e14 s)
 
 
 class Number:
@@ -953,13 +954,15 @@ def get_args_parser():
     p = parser.add_argument_group("distribution")
     p.add_argument(
         "--dist-timeout",
-        type=Number(float, 10),  # below, the ranks of a busy node may not all have joined the process group
+        type=Number(
+            float, 10, TIMEOUT_LIMIT_S
+        ),  # below, the ranks of a busy node may not all have joined the process group
         default=600,
         help="seconds before a collective waiting for a dead rank fails (default: 600; at least 10)",
     )
     p.add_argument(
         "--hang-timeout",
-        type=Number(float, 0),
+        type=Number(float, 0, TIMEOUT_LIMIT_S),
         default=180,
         metavar="SECONDS",
         help="with several ranks: when no rank has moved on for this long, one line names the rank that hangs\n"
