@@ -53,7 +53,7 @@ def main(argv=None) -> int:
     if args.pretrained is not None and args.checkpoint is not None:  # then the first positional is an image
         args.images, args.checkpoint = [args.checkpoint, *args.images], None
     try:
-        if args.pretrained is not None and Path(args.images[0]).suffix in CHECKPOINT_SUFFIXES:
+        if args.pretrained is not None and args.images and Path(args.images[0]).suffix in CHECKPOINT_SUFFIXES:
             raise UserError(
                 f"{args.images[0]} is a checkpoint and --pretrained gives weights too: give one of them (the "
                 "checkpoint alone, or --pretrained and the images)"

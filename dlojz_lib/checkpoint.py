@@ -24,6 +24,7 @@ without the model and optimizer. They are written under a hidden staging name an
 shard file the metadata lists is there whole, and returns the dict with `sharded_path` set.
 """
 
+import errno
 import os
 import random
 import re
@@ -114,7 +115,7 @@ def write(state, path):
     return path
 
 
-NO_ROOM = (28, 122)  # ENOSPC, EDQUOT: the disk, or the user's quota on it, is full
+NO_ROOM = (errno.ENOSPC, errno.EDQUOT)  # the disk, or the user's quota on it, is full
 
 
 def out_of_room(err, path, needed_bytes):

@@ -138,8 +138,8 @@ def claim_output(path, flag, kind, is_own, inputs=(), force=False, create_folder
     file, or an existing regular file that is already `kind` (a phrase: "a dlojz predictions CSV"), as
     `is_own(path)` tells by its content, or any regular file with `force` (the command's --force). Never, even with
     `force`: a folder, anything that is not a regular file (a device node, a pipe, a socket: the atomic rename would
-    replace it), one of the command's `inputs`, or a file inside an input folder that is not the command's own. Then check_output_file. UserError naming `flag` otherwise, and
-    `force_flag` where the command has one."""
+    replace it), one of the command's `inputs`, or a file inside an input folder that is not the command's own.
+    Then check_output_file. UserError naming `flag` otherwise, and `force_flag` where the command has one."""
     path = Path(path)
     if path.is_dir():
         fail(f"{flag} {path} is a folder: give a file name")

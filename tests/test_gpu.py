@@ -355,10 +355,10 @@ def test_nvml_reads_the_energy_per_image(resnet50_test_metrics):
         pynvml.nvmlInit()
     except pynvml.NVMLError as err:
         pytest.skip(f"NVML does not start here ({err}): dlojz leaves the energy figures out")
-    from dlojz_lib.observers.chrono import _nvml_handle_for
+    from dlojz_lib.observers.chrono import nvml_handle_for
 
     try:
-        pynvml.nvmlDeviceGetTotalEnergyConsumption(_nvml_handle_for(pynvml, torch.device("cuda", 0)))
+        pynvml.nvmlDeviceGetTotalEnergyConsumption(nvml_handle_for(pynvml, torch.device("cuda", 0)))
     except pynvml.NVMLError as err:
         pytest.skip(f"this GPU has no energy counter ({err}): dlojz leaves the energy figures out")
     chrono = resnet50_test_metrics["chrono"]
@@ -704,8 +704,8 @@ def test_nvml_reads_the_gpu_cuda_visible_devices_names(tmp_path):
 
     last = torch.cuda.device_count() - 1
     code = (
-        "import pynvml, torch; from dlojz_lib.observers.chrono import _nvml_handle_for; pynvml.nvmlInit(); "
-        "uuid = pynvml.nvmlDeviceGetUUID(_nvml_handle_for(pynvml, torch.device('cuda', 0))); "
+        "import pynvml, torch; from dlojz_lib.observers.chrono import nvml_handle_for; pynvml.nvmlInit(); "
+        "uuid = pynvml.nvmlDeviceGetUUID(nvml_handle_for(pynvml, torch.device('cuda', 0))); "
         "print(uuid.decode() if isinstance(uuid, bytes) else uuid)"
     )
     seen = subprocess.run(

@@ -187,11 +187,13 @@ def jpeg_utilisation_reader(device):
     may be missing from JPEG_ENGINE_GPUS). None on the CPU, or where NVML or the reading is missing."""
     if device.type != "cuda":
         return None
+    from dlojz_lib.observers.chrono import nvml_handle_for
+
     try:
         import pynvml
 
         pynvml.nvmlInit()
-        handle = pynvml.nvmlDeviceGetHandleByIndex(device.index or 0)
+        handle = nvml_handle_for(pynvml, device)  # (by UUID: NVML's indexes ignore CUDA_VISIBLE_DEVICES)
         pynvml.nvmlDeviceGetJpgUtilization(handle)
     except Exception:  # no NVML, no engines, a driver without the reading: nothing to report
         return None

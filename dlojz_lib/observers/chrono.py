@@ -120,7 +120,7 @@ class EnergyMeter:
             return
         try:
             nvml.nvmlInit()
-            self.handle = _nvml_handle_for(nvml, device)
+            self.handle = nvml_handle_for(nvml, device)
             self.nvml = nvml
         except Exception:  # NVMLError (no driver, no GPU, not permitted) or anything odd: no power lines
             self.handle = None
@@ -500,7 +500,7 @@ def _default_sync(device: torch.device):
     return lambda: None
 
 
-def _nvml_handle_for(nvml, device: torch.device):
+def nvml_handle_for(nvml, device: torch.device):
     """NVML handle of the torch device: by UUID (NVML indexes ignore CUDA_VISIBLE_DEVICES), else by index."""
     if device.type == "cuda" and torch.cuda.is_available():
         index = device.index if device.index is not None else torch.cuda.current_device()

@@ -467,20 +467,14 @@ def check_run_outputs(logging, modes, data_root):
     if modes.tensorboard:  # (its default, the output folder's tensorboard/, is made with the output folder)
         check_output_folder(modes.tensorboard, "--tensorboard")
     side = {
-        "--metrics-json": logging.metrics_json,
-        "--val-history": logging.val_history,
-        "--predictions": modes.predictions,
+        "--metrics-json": (logging.metrics_json, "metrics"),
+        "--val-history": (logging.val_history, "history"),
+        "--predictions": (modes.predictions, "predictions"),
     }
-    for flag, path in side.items():
+    for flag, (path, _) in side.items():
         if path:  # (writable, not a folder: check_side_outputs below)
             check_not_a_run_file(path, flag, logging.output_dir)
-    check_side_outputs(
-        {
-            "--metrics-json": (logging.metrics_json, "metrics"),
-            "--val-history": (logging.val_history, "history"),
-            "--predictions": (modes.predictions, "predictions"),
-        }
-    )
+    check_side_outputs(side)
 
 
 def check_not_a_run_file(path, flag, output_dir):

@@ -404,12 +404,11 @@ def check_run_mode(values):
         fail("--eval-only needs --resume CHECKPOINT (or --resume auto with --output-dir)")
     recomputes = values["grad_checkpointing"] or values["activation_checkpointing"] not in (None, "none")
     # (--eval-only with a run's own flags, recomputation among them, is how a run is evaluated: taken as it is)
-    for flag, why in (("linear_probe", "trains the head alone"),):
-        if recomputes and values[flag]:  # nothing is kept for a backward that does not run through the blocks
-            fail(
-                f"--activation-checkpointing/--grad-checkpointing with --{flag.replace('_', '-')}, which {why}: "
-                "nothing to recompute; drop it"
-            )
+    if recomputes and values["linear_probe"]:  # nothing is kept for a backward that does not run through the blocks
+        fail(
+            "--activation-checkpointing/--grad-checkpointing with --linear-probe, which trains the head alone: "
+            "nothing to recompute; drop it"
+        )
 
 
 def augmentation_policies(values):
@@ -445,7 +444,7 @@ def check_schedule(values):
     # the schedule's lengths and shapes that have a default: refused when set and the scheduler does not read them
     read_by = dict(warmup_epochs=("cosine", "step", "constant", "poly"), lr_peak_epoch=("linear",),
                    lr_poly_power=("poly",))  # fmt: skip
-    defaults = {dest: built_in_defaults(get_args_parser(), dest)[dest] for dest in read_by}
+    defaults = built_in_defaults(get_args_parser(), "")  # (the parser built once: it has some 200 flags)
     for name, schedulers in read_by.items():
         if values[name] != defaults[name] and scheduler not in schedulers:
             fail(

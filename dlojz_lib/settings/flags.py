@@ -954,9 +954,8 @@ def get_args_parser():
     p = parser.add_argument_group("distribution")
     p.add_argument(
         "--dist-timeout",
-        type=Number(
-            float, 10, TIMEOUT_LIMIT_S
-        ),  # below, the ranks of a busy node may not all have joined the process group
+        # below 10 s, the ranks of a busy node may not all have joined the process group
+        type=Number(float, 10, TIMEOUT_LIMIT_S),
         default=600,
         help="seconds before a collective waiting for a dead rank fails (default: 600; at least 10)",
     )

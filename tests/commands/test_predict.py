@@ -107,6 +107,7 @@ def test_a_checkpoint_without_class_names_takes_its_data_folders(trained, tiny_d
         (lambda p: None, ["{run}", "{p}/missing"], "no such file or folder"),
         (lambda p: None, [], "name the model"),
         (lambda p: None, ["{run}"], "give the images"),
+        (lambda p: None, ["--arch", "resnet18", "--pretrained", "DEFAULT"], "give the images"),
         (lambda p: None, ["{p}", "--pretrained", "DEFAULT"], "name the model"),
         (  # both weights: the checkpoint was read as an image and dropped
             lambda p: None,
