@@ -18,7 +18,7 @@ size free.
 import sys
 from pathlib import Path
 
-from dlojz_lib.checks import OneLineArgumentParser, UserError, check_output_folder, claim_output, interruptible
+from dlojz_lib.checks import OneLineArgumentParser, UserError, check_output_folder, claim_output, fail, interruptible
 from dlojz_lib.export import EXPORTERS, PREPROCESSING_FILE, is_exported
 from dlojz_lib.settings.flags import NON_NEGATIVE
 
@@ -55,25 +55,28 @@ def get_parser():
 def main(argv=None) -> int:
     args = get_parser().parse_args(argv)
     try:
-        from dlojz_lib.inference import check_checkpoint_or_weights
+        from dlojz_lib.data.datasets import written_inside_data
+        from dlojz_lib.inference import check_checkpoint_or_weights, load_for_inference
 
         check_checkpoint_or_weights(args.checkpoint, args.arch, args.pretrained)
+        model = load_for_inference(args.checkpoint, args.arch, args.pretrained, args.ema)
+        print(f"model: {model.source}", flush=True)
+        if (problem := written_inside_data(model.settings.get("data_root"), {"-o": args.output})) is not None:
+            fail(problem)  # (before -o is made: the run's next scan would read the exports as a class's images)
         check_output_folder(args.output, "-o")
         given = [path for path in (args.checkpoint, *(args.check_images or ())) if path]
         for name in (PREPROCESSING_FILE, *(EXPORTERS[fmt].file for fmt in args.format)):
             claim_output(Path(args.output) / name, "-o", "a file dlojz_export.py wrote", is_exported, given, args.force)
-        return export_model(args)
+        return export_model(model, args)
     except UserError as err:
         print(f"dlojz_export.py: error: {err}", file=sys.stderr)
         return 2
 
 
-def export_model(args) -> int:
+def export_model(model, args) -> int:
     from dlojz_lib.export import check_images, export, max_difference, record_export, write_preprocessing
-    from dlojz_lib.inference import image_files, load_for_inference
+    from dlojz_lib.inference import image_files
 
-    model = load_for_inference(args.checkpoint, args.arch, args.pretrained, args.ema)
-    print(f"model: {model.source}", flush=True)
     images = check_images(model, image_files(args.check_images or [default_check_images(model, args)]))
     folder = Path(args.output)
     folder.mkdir(parents=True, exist_ok=True)
@@ -97,7 +100,6 @@ def export_model(args) -> int:
 
 def default_check_images(model, args):
     """The run's validation folder, when the checkpoint names a data set that is still there."""
-    from dlojz_lib.checks import fail
 
     data_root = model.settings.get("data_root")
     folder = Path(data_root) / "val" if data_root else None

@@ -51,6 +51,23 @@ def parameter_kind(module: nn.Module, full_name: str, name: str, timm_names=()) 
     return "bias" if name == "bias" else "other"
 
 
+def check_kinds_present(model: nn.Module, kind_decay: dict, arch: str):
+    """--norm-wd, --bias-wd, --embedding-wd name a kind of parameter; one that no trainable parameter of the model
+    (whole: before a layout cuts it) is of would do nothing: refused in one line."""
+    if not kind_decay:
+        return
+    timm_names = model.no_weight_decay() if hasattr(model, "no_weight_decay") else ()
+    present = {
+        parameter_kind(module, f"{module_name}.{name}" if module_name else name, name, timm_names)
+        for module_name, module in model.named_modules()
+        for name, param in module.named_parameters(recurse=False)
+        if param.requires_grad
+    }
+    for kind in kind_decay:
+        if kind not in present:
+            fail(f"--{kind}-wd: --arch {arch} has no trainable {kind} parameters, so it would do nothing; drop it")
+
+
 def param_groups(
     model: nn.Module,
     weight_decay: float,

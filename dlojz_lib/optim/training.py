@@ -14,7 +14,14 @@ from dlojz_lib.checks import fail
 from dlojz_lib.data.augment import batch_mixing
 from dlojz_lib.optim import OPTIMIZER_TABLE
 from dlojz_lib.optim.losses import BinaryCrossEntropy, balanced_class_weights
-from dlojz_lib.optim.optimizers import build_optimizer, fine_tuning_head, freeze_backbone, kind_decay, param_groups
+from dlojz_lib.optim.optimizers import (
+    build_optimizer,
+    check_kinds_present,
+    fine_tuning_head,
+    freeze_backbone,
+    kind_decay,
+    param_groups,
+)
 from dlojz_lib.optim.schedules import LRFinder, build_scheduler, lr_scaling_line, step_milestones, warmup_steps
 
 
@@ -100,6 +107,22 @@ def build_schedule(cfg, optimizer, steps_per_epoch, total_steps):
     return scheduler, lr_finder
 
 
+def check_ema_every(model_ema_steps, epochs, steps_per_epoch, set_by_recipe, log):
+    """An EMA updated every more optimizer steps than the run makes is never updated: it stays the starting
+    weights, which --ema-judges and the EMA's validation would then report. Refused in one line; said once where
+    a recipe file sets it (written for longer runs: a short trial of a recipe is meant)."""
+    if not model_ema_steps or model_ema_steps <= epochs * steps_per_epoch:
+        return
+    problem = (
+        f"--model-ema-steps {model_ema_steps}: the run makes {epochs * steps_per_epoch} optimizer steps "
+        f"({epochs} epochs x {steps_per_epoch}), so its EMA would never be updated"
+    )
+    if "model_ema_steps" in set_by_recipe:
+        log(f"WARNING: {problem} (set by --config: give --model-ema-steps to change it)")
+    else:
+        fail(f"{problem}: give at most {epochs * steps_per_epoch}, or more epochs")
+
+
 def build_training(cfg, model, n_train_batches, num_classes, ranks, log, class_counts=None) -> Training:
     """Loss, optimizer, per-step schedule (or the LR finder), GradScaler, autocast and MixUp/CutMix.
     `class_counts`: the training images of each class, for --class-weights."""
@@ -120,6 +143,7 @@ def build_training(cfg, model, n_train_batches, num_classes, ranks, log, class_c
     # Fused steps (sgd, adamw): no host synchronisation with the float16 GradScaler (see build_optimizer); FSDP's
     # sharded parameters have no fused SGD (its foreach step is used, and bfloat16 needs no scaler).
     fused = not cfg.fsdp or OPTIMIZER_TABLE[cfg.optimizer].fused_on_shards
+    check_kinds_present(model.unsharded, kind_decay(vars(cfg)), cfg.arch)
     head = fine_tuning_head(model.module, num_classes, vars(cfg))
     groups = param_groups(model.module, cfg.wd, cfg.no_wd_norm_bias, cfg.layer_decay, head, kind_decay(vars(cfg)))
     optimizer = build_optimizer(
@@ -147,6 +171,7 @@ def build_training(cfg, model, n_train_batches, num_classes, ranks, log, class_c
         )
     steps_per_epoch = math.ceil(n_train_batches / cfg.grad_acc)  # optimizer steps: what schedules and logs count
     total_steps = cfg.epochs * steps_per_epoch
+    check_ema_every(cfg.model_ema_steps if cfg.model_ema else None, cfg.epochs, steps_per_epoch, cfg.set_by_recipe, log)
     scheduler, lr_finder = build_schedule(cfg, optimizer, steps_per_epoch, total_steps)
     if model.ema is not None and cfg.model_ema_warmup_copy:  # torchvision's: the EMA follows the warm-up's weights
         model.ema.copy_updates = warmup_steps(cfg.section("optimizer"), steps_per_epoch) // model.ema.every

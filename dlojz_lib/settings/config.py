@@ -109,7 +109,10 @@ class RunSettings:
 
 # What follows from the machine, after the flags: no flag sets these.
 # (notes: the lines rank 0 prints once the run starts, profile values and warnings)
+# (set_by_recipe: the flags whose value is the one a --config file gives: a check of what a flag does on this run
+# says such a value once rather than refusing it, the recipe being written for other runs)
 DERIVED_FIELDS = [("torch_device", str), ("cpus_per_task", int), ("notes", tuple, dataclasses.field(default=()))]
+DERIVED_FIELDS += [("set_by_recipe", tuple, dataclasses.field(default=()))]
 _FLAGS = get_args_parser()  # the table Config and its sections are made from (read once, at import)
 Config = dataclasses.make_dataclass(
     "Config", flag_fields(_FLAGS._actions) + DERIVED_FIELDS, bases=(RunSettings,), frozen=True
@@ -248,11 +251,12 @@ def resolve_config(args) -> Config:
         job = os.environ.get("SLURM_JOB_NAME", "dlojz")
         job_id = os.environ.get("SLURM_JOB_ID") or datetime.now().strftime("%Y%m%d-%H%M%S")
         values["output_dir"] = os.path.join("runs", f"{job}_{job_id}")
+    set_by_recipe = []
     for recipe in values["config"] or ():
-        notes.append(
-            f"recipe {recipe}: " + ", ".join(f"{key}={values[key]}" for key in read_recipe(get_args_parser(), recipe))
-        )
-    cfg = Config(**values, torch_device=torch_device, cpus_per_task=cpus_per_task, notes=())
+        given = read_recipe(get_args_parser(), recipe)
+        notes.append(f"recipe {recipe}: " + ", ".join(f"{key}={values[key]}" for key in given))
+        set_by_recipe += [key for key, value in given.items() if values[key] == value]
+    cfg = Config(**values, torch_device=torch_device, cpus_per_task=cpus_per_task, set_by_recipe=tuple(set_by_recipe))
     check(cfg)
     if on_gpu:
         capability = torch.cuda.get_device_capability(torch_device)

@@ -123,6 +123,26 @@ def test_without_check_images_and_without_the_run_s_data_is_one_line(run, tmp_pa
     assert status == 2 and "give --check-images PATH" in captured.err, captured.err
 
 
+def test_exports_into_the_run_s_data_set_are_refused(run, tiny_data, tmp_path, capsys):
+    """-o inside the data set the checkpoint's run read (a class folder): one line naming the data root, nothing
+    written there (the run's next scan would read the exports as that class's images)."""
+    import shutil
+
+    import dlojz_lib.checkpoint as ckpt
+
+    data = shutil.copytree(tiny_data, tmp_path / "data")
+    saved, _ = ckpt.load_latest(run)
+    saved["args"]["data_root"] = str(data)
+    ckpt.write(saved, tmp_path / "ckpt_e0001_s000000009.pt")
+    before = sorted(data.rglob("*"))
+    inside = data / "train" / sorted(p.name for p in (data / "train").iterdir())[0] / "exports"
+    status = dlojz_export.main([str(tmp_path / "ckpt_e0001_s000000009.pt"), "-o", str(inside)])
+    error = capsys.readouterr().err
+    assert status == 2 and error.count("\n") == 1, error
+    assert f"-o {inside} is inside the data set {data}" in error and "give a folder outside it" in error, error
+    assert sorted(data.rglob("*")) == before
+
+
 @pytest.mark.parametrize("tolerance", ["nan", "inf", "-1"])
 def test_a_tolerance_that_checks_nothing_is_one_line(tolerance, tmp_path, capsys):
     """NaN compares false, so --tolerance nan turned the check off in silence; a negative one fails every export."""

@@ -736,6 +736,33 @@ def test_weight_decay_per_kind_of_parameter():
     assert by_name["heads.head.bias"] == by_name["conv_proj.weight"] == 0.3
 
 
+def test_a_weight_decay_for_a_kind_the_model_has_not_is_refused():
+    """--embedding-wd on a ResNet (no class token, no position embedding) would do nothing: one line naming it;
+    the kinds the model has are taken."""
+    from dlojz_lib.checks import UserError
+
+    with pytest.raises(UserError, match=r"^--embedding-wd: --arch resnet18 has no trainable embedding parameters"):
+        training_of("--embedding-wd", "0")
+    assert training_of("--norm-wd", "0", "--bias-wd", "0").optimizer.param_groups
+
+
+def test_an_ema_updated_less_often_than_the_run_steps_is_refused_or_said_for_a_recipe(tmp_path, capsys):
+    """--model-ema-steps over the run's optimizer steps (6 epochs x 5 here): the EMA would stay the starting
+    weights. On the command line: one line; from a recipe file, written for longer runs: said once, and the run
+    goes on. As many steps as the run makes is taken."""
+    from dlojz_lib.checks import UserError
+
+    with pytest.raises(UserError, match=r"^--model-ema-steps 31: the run makes 30 optimizer steps \(6 epochs x 5\)"):
+        training_of("--model-ema", "--model-ema-steps", "31")
+    assert training_of("--model-ema", "--model-ema-steps", "30").optimizer
+    assert "--model-ema-steps" not in capsys.readouterr().out
+    recipe = tmp_path / "long.toml"
+    recipe.write_text("model-ema = true\nmodel-ema-steps = 32\n")
+    assert training_of("--config", str(recipe)).optimizer
+    said = [line for line in capsys.readouterr().out.splitlines() if "--model-ema-steps 32" in line]
+    assert len(said) == 1 and said[0].startswith("WARNING: ") and "set by --config" in said[0], said
+
+
 def test_model_ema_warmup_copy_copies_the_weights_through_the_warm_up(tiny_data, tmp_path, run_inline):
     """torchvision's train.py resets the EMA after each update of the LR's warm-up: it holds the model's weights at
     the warm-up's end, and averages from there."""
