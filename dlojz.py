@@ -7,7 +7,7 @@ One command runs alone, under torchrun or under srun across nodes:
 optimizer), DataLoader, initialisation, training, validation, checkpoint and report. Each section calls one
 function, below it or in a helper module; `train_one_epoch` and `evaluate` are the loop's two phases. The flags
 live in dlojz_lib/settings/flags.py, the run's settings and their checks in dlojz_lib/settings/config.py, the process group in dlojz_lib/dist.py,
-the data sets and batches in dlojz_lib/data/loaders.py, the model as it trains (DDP, FSDP, compile) in dlojz_lib/parallelism/build.py,
+the data sets and batches in dlojz_lib/data/loaders.py, the model in dlojz_lib/model/build.py, its layout (DDP, FSDP, --tp, --pp, compile) in dlojz_lib/parallelism/layout.py,
 its loss, optimizer and schedule in dlojz_lib/optim/, checkpoints and resume in dlojz_lib/resume.py, the lines the run
 prints in dlojz_lib/log.py, the chronometer, profiler and LR finder hooks in dlojz_lib/observers/hooks.py.
 """
@@ -57,13 +57,14 @@ from dlojz_lib.global_batch import fit_to_ranks
 from dlojz_lib.log import LOG_EVERY, Console, Progress, finish, warn_unwritten
 from dlojz_lib.metrics import gather_predictions, write_per_class, write_predictions
 from dlojz_lib.metrics import summary as class_summary
+from dlojz_lib.model.build import build_model
 from dlojz_lib.observers.chrono import Chronometer
 from dlojz_lib.observers.hooks import LoopHooks, make_profiler
 from dlojz_lib.observers.watchdog import Watchdog
 from dlojz_lib.optim.losses import soft_target_accuracy
 from dlojz_lib.optim.training import build_training
-from dlojz_lib.parallelism.build import build_model
 from dlojz_lib.parallelism.fsdp import match_sharded_forwards
+from dlojz_lib.parallelism.layout import lay_out
 from dlojz_lib.resume import (
     claim_output_dir,
     find_checkpoint,
@@ -159,7 +160,8 @@ def main(argv=None, resources=None) -> dict:
     resumed = find_checkpoint(cfg.section("logging"), cfg.eval_only, cfg.arch, len(classes), log)  # before the build
 
     # ================================ INSTANTIATION: model, loss, optimizer
-    model = build_model(cfg, len(classes), ranks, log)
+    model = build_model(cfg, len(classes), ranks, log)  # whole: created, its weights, checkpointing, EMA
+    model = lay_out(model, cfg, ranks, log)  # then laid out: DDP, FSDP, --tp, --pp, torch.compile
 
     # ================================ DATALOADER
     loaders = build_loaders(cfg, train_set, val_set, len(classes), ranks, log)
@@ -229,7 +231,7 @@ def main(argv=None, resources=None) -> dict:
 
 def fetch_weights_only(args) -> dict:
     """--fetch-weights: the flags checked, the weights fetched into the cache, nothing trained."""
-    from dlojz_lib.pretrained import fetch_weights
+    from dlojz_lib.model.pretrained import fetch_weights
 
     check_flags(vars(args))
     print(fetch_weights(args.arch, args.pretrained), flush=True)

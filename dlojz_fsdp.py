@@ -23,7 +23,7 @@ def ordinary_model_and_optimizer(saved):
     """The model and optimizer a run without --fsdp builds for the checkpoint `saved` (fused where torch has it):
     their state dicts are an ordinary checkpoint's."""
     import dlojz_lib.optim.optimizers as optim
-    from dlojz_lib.model import apply_blurpool, create_model
+    from dlojz_lib.model.zoo import apply_blurpool, create_model
 
     args = saved["args"]
     module = create_model(

@@ -167,7 +167,7 @@ def cells(m: dict, device_name: str = "") -> dict:
 def mfu_16bit(flops_per_image, img_s, device_name: str, world_size: int):
     """The model FLOP/s at `img_s` over the GPU's dense 16-bit tensor peak (None off the known GPUs): one peak per
     GPU, whatever the row's dtype, so that the rows compare."""
-    from dlojz_lib.model import peak_flops  # (torch: after the flags are checked)
+    from dlojz_lib.model.zoo import peak_flops  # (torch: after the flags are checked)
 
     peak = peak_flops(device_name, "float16")
     if not (peak and flops_per_image and img_s):

@@ -8,7 +8,7 @@ in one run (the ratios to no checkpointing are what carry to a GPU; the bytes ar
 
 The bytes are the tensors the forward made that are still alive once it returns (autograd's saved tensors and
 selective checkpointing's cache alike, each storage once: dlojz_lib/torch_internals.py's held_after_forward), the
-output included; the modes are dlojz.py's (dlojz_lib/model.py: full recomputes each stage or block whole, selective
+output included; the modes are dlojz.py's (dlojz_lib/model/zoo.py: full recomputes each stage or block whole, selective
 keeps each block's matrix products', convolutions' and attentions' outputs and recomputes the rest).
 """
 
@@ -35,18 +35,19 @@ def get_args(argv=None):
 
 
 def checkpointed(arch, image_size, mode, every):
-    """The model as dlojz.py builds it for this mode (parallelism.build's choice of blocks), in training mode."""
+    """The model as dlojz.py builds it for this mode (model.build's choice of blocks), in training mode."""
     import torch
 
-    from dlojz_lib.model import checkpoint_blocks, create_model, enable_grad_checkpointing
-    from dlojz_lib.parallelism.build import checkpointed_blocks
+    from dlojz_lib.model.build import checkpointed_blocks
+    from dlojz_lib.model.families import family_of
+    from dlojz_lib.model.zoo import checkpoint_blocks, create_model, enable_grad_checkpointing
 
     torch.manual_seed(0)
     model = create_model(arch, 1000, None, image_size).train()
     if mode == "full" and every == 1:
         enable_grad_checkpointing(model, arch)
     elif mode != "none":
-        checkpoint_blocks(checkpointed_blocks(model, arch), mode, every)
+        checkpoint_blocks(checkpointed_blocks(model, family_of(model), arch), mode, every)
     return model
 
 

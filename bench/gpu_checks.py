@@ -39,7 +39,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from dlojz_lib.model import checkpoint_blocks, create_model  # noqa: E402
+from dlojz_lib.model.zoo import checkpoint_blocks, create_model  # noqa: E402
 
 
 class Skipped(Exception):
@@ -124,9 +124,9 @@ def meta_fill(device, quick):
 
 
 def fsdp_compile(device, quick):
-    from dlojz_lib.parallelism import families
-    from dlojz_lib.parallelism.build import compile_blocks
+    from dlojz_lib.model import families
     from dlojz_lib.parallelism.fsdp import shard_model
+    from dlojz_lib.parallelism.layout import compile_blocks
 
     torch.manual_seed(0)
     first = create_model("timm:test_vit", 10, False, 32)

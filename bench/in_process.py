@@ -14,10 +14,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # dlojz.py's fo
 from dlojz_lib.data.loaders import SYNTHETIC_CLASSES, synthetic_loaders  # noqa: E402
 from dlojz_lib.dist import StopPoll, StopSignal, setup_distributed  # noqa: E402
 from dlojz_lib.log import Console, NoWandb, Progress  # noqa: E402
+from dlojz_lib.model.build import build_model  # noqa: E402
 from dlojz_lib.observers.chrono import Chronometer  # noqa: E402
 from dlojz_lib.observers.hooks import LoopHooks  # noqa: E402
 from dlojz_lib.optim.training import build_training  # noqa: E402
-from dlojz_lib.parallelism.build import build_model  # noqa: E402
+from dlojz_lib.parallelism.layout import lay_out  # noqa: E402
 from dlojz_lib.resume import TrainState  # noqa: E402
 from dlojz_lib.settings.config import resolve_config  # noqa: E402
 from dlojz_lib.settings.flags import get_args_parser  # noqa: E402
@@ -29,7 +30,7 @@ def synthetic_loop(argv, n_batches):
     cfg = resolve_config(get_args_parser().parse_args([*argv, "--synthetic"]))
     ranks, cfg = setup_distributed(cfg)
     log = Console(ranks.is_main)
-    model = build_model(cfg, SYNTHETIC_CLASSES, ranks, log)
+    model = lay_out(build_model(cfg, SYNTHETIC_CLASSES, ranks, log), cfg, ranks, log)
     loaders = synthetic_loaders(
         cfg,
         SYNTHETIC_CLASSES,

@@ -142,7 +142,7 @@ def attention_shapes(module, image_size):
 def rows(args):
     import torch
 
-    from dlojz_lib.model import create_model
+    from dlojz_lib.model.zoo import create_model
     from dlojz_lib.parallelism.tensor import block_bytes_sent, is_vit_block, transformer_blocks
 
     with torch.device("meta"):
@@ -305,7 +305,7 @@ def main(argv=None) -> int:
             + ", ".join(f"{name} {share:.0%}" for name, share in bubbles.items())
         )
     if not planned:
-        from dlojz_lib.parallelism.families import names
+        from dlojz_lib.model.families import names
 
         print(
             f"{args.arch} has no tensor-parallel plan in dlojz (its TP rows and activations are left out): {names(True)} have one"

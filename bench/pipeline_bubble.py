@@ -78,7 +78,7 @@ def measure(args, rank, world, device):
     import torch
     import torch.distributed as dist
 
-    from dlojz_lib.model import create_model
+    from dlojz_lib.model.zoo import create_model
     from dlojz_lib.parallelism.pipeline import StageClock, build_pipeline, paused_toy, pipeline_step
 
     torch.manual_seed(0)

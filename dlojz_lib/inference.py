@@ -72,8 +72,8 @@ def load_for_inference(checkpoint=None, arch=None, pretrained=None, ema=False) -
 def _from_checkpoint(path, ema) -> InferenceModel:
     import dlojz_lib.checkpoint as ckpt
     from dlojz_lib.data.transforms import IMAGENET_MEAN, IMAGENET_STD
-    from dlojz_lib.model import apply_blurpool, create_model
-    from dlojz_lib.pretrained import strip_wrappers
+    from dlojz_lib.model.pretrained import strip_wrappers
+    from dlojz_lib.model.zoo import apply_blurpool, create_model
 
     if path.is_dir() and not ckpt.NAME_RE.match(path.name):  # a run's folder: its newest checkpoint
         saved, found = ckpt.load_latest(path)
@@ -138,19 +138,19 @@ def _classes_of_data(data_root, num_classes):
 
 
 def _from_published(arch, name) -> InferenceModel:
-    from dlojz_lib.model import check_arch, create_model
-    from dlojz_lib.pretrained import load_initial_weights, published_preprocessing, published_weights_file
+    from dlojz_lib.model.pretrained import load_initial_weights, published_preprocessing, published_weights_file
+    from dlojz_lib.model.zoo import check_arch, create_model
 
     check_arch(arch)
     preprocessing = published_preprocessing(arch, name)
     if preprocessing is None:
         fail(f"--pretrained {name}: no published weights of that name for --arch {arch}")
     if arch.startswith("timm:"):
-        from dlojz_lib.pretrained import timm_weights
+        from dlojz_lib.model.pretrained import timm_weights
 
         num_classes, classes = timm_weights(arch, name).num_classes, None
     else:
-        from dlojz_lib.pretrained import torchvision_weights
+        from dlojz_lib.model.pretrained import torchvision_weights
 
         classes = list(torchvision_weights(arch, name).meta["categories"])
         num_classes = len(classes)

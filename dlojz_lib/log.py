@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from dlojz_lib.model import peak_memory_bytes, plain_stages, saved_activation_bytes, train_flops_per_image
+from dlojz_lib.model.zoo import peak_memory_bytes, plain_stages, saved_activation_bytes, train_flops_per_image
 
 LOG_EVERY = 10  # optimizer steps between W&B points and between the ranks' checks for a stop signal or a NaN loss
 # The files a run writes in its output folder under fixed names, beside its checkpoints

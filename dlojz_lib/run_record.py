@@ -31,7 +31,7 @@ from dlojz_lib.log import (
     write_lr_finder,
     write_text,
 )
-from dlojz_lib.parallelism.build import state_bytes_per_rank
+from dlojz_lib.parallelism.layout import state_bytes_per_rank
 from dlojz_lib.resume import check_checkpoints_written
 from dlojz_lib.settings.flags import get_args_parser
 from dlojz_lib.settings.recipe import recipe_text

@@ -8,7 +8,7 @@ import torch
 import torchvision
 from test_flag_effects import loop_for
 
-from dlojz_lib.model import BlurConv2d, MaxBlurPool2d, apply_blurpool, binomial_kernel, blur
+from dlojz_lib.model.zoo import BlurConv2d, MaxBlurPool2d, apply_blurpool, binomial_kernel, blur
 
 
 def test_the_blur_is_the_binomial_kernel():

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from dlojz_lib.model import peak_flops, train_flops_per_image
+from dlojz_lib.model.zoo import peak_flops, train_flops_per_image
 from dlojz_lib.observers.chrono import Chronometer
 from dlojz_lib.observers.chrono_report import loading_advice, main, report_lines
 

@@ -361,16 +361,18 @@ def test_checkpoint_every_is_off_on_the_cpu_unless_asked():
 def test_compile_mode_implies_compile_and_reaches_torch_compile(monkeypatch):
     import torch
 
-    import dlojz_lib.parallelism.build
+    import dlojz_lib.parallelism.layout
     from dlojz_lib.dist import Distribution
+    from dlojz_lib.model.build import build_model
 
     given = []
-    monkeypatch.setattr(dlojz_lib.parallelism.build, "start_compile_workers", lambda: None)
+    monkeypatch.setattr(dlojz_lib.parallelism.layout, "start_compile_workers", lambda: None)
     monkeypatch.setattr(torch, "compile", lambda net, **options: given.append(options) or net)
     cfg = resolve("--arch", "resnet18", "--compile-mode", "max-autotune-no-cudagraphs")
     assert cfg.compile and cfg.drop_last
-    model = dlojz_lib.parallelism.build.build_model(
-        cfg, 3, Distribution(1, 0, 0, torch.device("cpu")), lambda line: None
+    cpu = Distribution(1, 0, 0, torch.device("cpu"))
+    model = dlojz_lib.parallelism.layout.lay_out(
+        build_model(cfg, 3, cpu, lambda line: None), cfg, cpu, lambda line: None
     )
     assert given == [{"mode": "max-autotune-no-cudagraphs"}] and not model.cuda_graphs
     assert not resolve("--arch", "resnet18").compile  # ... and without it, nothing is compiled

@@ -37,7 +37,7 @@ def test_every_recipe_with_a_published_batch_says_it():
 def test_a_recipe_trains_with_its_published_batch_lr_and_ema_on_any_number_of_gpus(path, gpus):
     """1 GPU, 1, 2, 4 and 8 nodes of 4: the published global batch, the file's lr, a per-GPU batch within the
     file's, and torchvision's EMA decay for the published images a step (what its 8 GPUs gave)."""
-    from dlojz_lib.parallelism.build import ema_decay
+    from dlojz_lib.model.build import ema_decay
 
     cfg = resolve("--config", path)
     run, block = fitted(cfg, gpus)
@@ -46,7 +46,7 @@ def test_a_recipe_trains_with_its_published_batch_lr_and_ema_on_any_number_of_gp
     assert f"= {cfg.global_batch} images a step, as given" in block and "as given (the global batch it is for)" in block
     if cfg.model_ema_adjust:
         published = 1 - (1 - cfg.model_ema_decay) * cfg.global_batch * cfg.model_ema_steps / cfg.epochs
-        assert ema_decay(run, gpus) == pytest.approx(published, abs=1e-12)
+        assert ema_decay(run.section("memory"), run.section("training"), gpus) == pytest.approx(published, abs=1e-12)
         header = float(re.search(r"on these images a step: ([0-9.]+)\.", path.read_text()).group(1))
         assert header == pytest.approx(published, abs=1e-6)  # the header's figure is the one the run uses
     # the header's split for this allocation is the one the run takes

@@ -340,7 +340,7 @@ def test_the_chronometer_phases_add_up_to_the_step(resnet50_test_metrics):
     phases_s = sum((load or 0.0) + step for load, step in zip(trace["load_s"][10:40], trace["step_s"][10:40]))
     wall_s = 30 * m["global_batch_size"] / m["images_per_second"]
     assert 0.8 * wall_s < phases_s < 1.02 * wall_s, (phases_s, wall_s, chrono)
-    from dlojz_lib.model import peak_flops
+    from dlojz_lib.model.zoo import peak_flops
 
     if peak_flops(torch.cuda.get_device_name(), "float16"):  # V100/A100/H100/H200: the MFU is reported
         assert 0 < chrono["mfu"] < 1, chrono

@@ -11,7 +11,7 @@ from conftest import spawn_ranks
 
 import dlojz_lib.settings.config
 from dlojz_lib.checks import UserError
-from dlojz_lib.model import saved_activation_bytes, train_flops_per_image
+from dlojz_lib.model.zoo import saved_activation_bytes, train_flops_per_image
 from dlojz_lib.settings.config import check_autocast, local_device
 
 
@@ -154,7 +154,7 @@ def test_flops_and_activation_bytes_of_a_syncbn_model_in_a_process_group(tmp_pat
 def test_batch_norm_gives_float16_to_cudnn_and_bfloat16_to_torch_s_own_kernels(dtype, channels_last, backend):
     """The rule dlojz's dtype advice rests on, asked of this torch on fake CUDA tensors (no GPU): a batch norm's
     input as autocast leaves it (the convolution's dtype; weights and statistics float32). A torch that changes the
-    rule fails here: then float16's default, the ablation's rows and dlojz_lib.model's warning are to be revisited."""
+    rule fails here: then float16's default, the ablation's rows and dlojz_lib.model.zoo's warning are to be revisited."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     with FakeTensorMode():
@@ -167,7 +167,7 @@ def test_batch_norm_gives_float16_to_cudnn_and_bfloat16_to_torch_s_own_kernels(d
 
 
 def test_a_batch_norm_model_in_eager_bfloat16_on_a_gpu_is_warned_of_the_cost():
-    from dlojz_lib.model import batch_norm_on_native_kernels
+    from dlojz_lib.model.zoo import batch_norm_on_native_kernels
 
     resnet, vit = torchvision.models.resnet18(), torchvision.models.vit_b_16(image_size=32, num_classes=3)
     assert batch_norm_on_native_kernels(resnet, "cuda", "bfloat16", compiled=False)

@@ -350,7 +350,7 @@ def loop_on_data(data_root, *flags):
     ranks, cfg = dlojz.setup_distributed(cfg)
     log = dlojz.Console(ranks.is_main)
     train_set, val_set, classes = dlojz.build_data(cfg, ranks, log)
-    model = dlojz.build_model(cfg, len(classes), ranks, log)
+    model = dlojz.lay_out(dlojz.build_model(cfg, len(classes), ranks, log), cfg, ranks, log)
     loaders = dlojz.build_loaders(cfg, train_set, val_set, len(classes), ranks, log)
     training = dlojz.build_training(cfg, model, loaders.n_train_batches, len(classes), ranks, log)
     progress = dlojz.Progress(
@@ -419,14 +419,14 @@ def test_checkpoints_every_few_minutes_wait_only_at_log_points(monkeypatch, tmp_
 
 def test_the_audit_catches_a_tensor_made_from_python_data_in_the_step(monkeypatch, tmp_path):
     """The BlurPool kernel as it was once made, from a Python list at every forward: on CUDA a blocking copy."""
-    import dlojz_lib.model
+    import dlojz_lib.model.zoo
 
     def blur_from_python_data(x, kernel, stride):
         kernel = torch.tensor([1.0, 2.0, 1.0], device=x.device, dtype=x.dtype)
         kernel = (kernel[:, None] * kernel[None, :] / 16).expand(x.shape[1], 1, 3, 3)
         return torch.nn.functional.conv2d(x, kernel, stride=stride, padding=1, groups=x.shape[1])
 
-    monkeypatch.setattr(dlojz_lib.model, "blur", blur_from_python_data)
+    monkeypatch.setattr(dlojz_lib.model.zoo, "blur", blur_from_python_data)
     monkeypatch.chdir(tmp_path)
     outside, _ = audit_epoch(loop_for("--blurpool", n_batches=4), monkeypatch)
     assert {(asker, why) for _, asker, why in unexpected(outside)} == {

@@ -153,7 +153,7 @@ def test_the_command_line_modules_import_no_torch():
     assert proc.stdout.strip() == "[]", proc.stdout
 
 
-@pytest.mark.parametrize("package", ["parallelism", "settings", "observers"])
+@pytest.mark.parametrize("package", ["model", "parallelism", "settings", "observers"])
 def test_a_package_s_init_names_each_of_its_modules_and_imports_nothing(package):
     """dlojz_lib/parallelism/__init__.py, dlojz_lib/settings/__init__.py and dlojz_lib/observers/__init__.py are
     their folders' doors: each docstring names every module in the folder, and imports none of them (a reader of one
@@ -205,7 +205,7 @@ def test_the_floor_rule_finds_an_import_that_runs_up():
     floors = listed_floors(ARCHITECTURE.read_text())
     graph = {"dlojz_lib.data.datasets": ["dlojz_lib.settings.flags"], "dlojz_lib.checks": [], "dlojz": ["dlojz_lib"]}
     assert imports_up_or_sideways(graph, floors) == [
-        "dlojz_lib.data.datasets (floor 4) imports dlojz_lib.settings.flags (floor 7)"
+        "dlojz_lib.data.datasets (floor 5) imports dlojz_lib.settings.flags (floor 8)"
     ]
     assert imports_up_or_sideways({"dlojz_lib.dist": ["dlojz_lib.lab.sweep"]}, floors)  # the same floor: sideways
     assert floors["dlojz"] > floors["dlojz_lib.run_record"] > floors["dlojz_lib.checks"] == 0
@@ -263,7 +263,7 @@ def test_builders_take_their_settings_not_the_whole_config():
     not the whole Config: at most MAX_WHOLE_CONFIG_TAKERS of them do (the run's sections that read many groups)."""
     takers = functions_taking_the_whole_config()
     assert len(takers) <= MAX_WHOLE_CONFIG_TAKERS, takers
-    assert "dlojz_lib/parallelism/build.py: build_model" in takers  # the finder finds them
+    assert "dlojz_lib/model/build.py: build_model" in takers  # the finder finds them
 
 
 def test_the_course_main_stays_on_a_few_screens():

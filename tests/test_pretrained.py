@@ -11,7 +11,7 @@ from conftest import TINY, read_json
 
 from dlojz_lib.checks import UserError
 from dlojz_lib.dist import Distribution
-from dlojz_lib.parallelism.build import build_model
+from dlojz_lib.model.build import build_model
 from dlojz_lib.settings.config import resolve_config
 from dlojz_lib.settings.flags import get_args_parser
 
@@ -86,7 +86,7 @@ def test_weights_of_another_architecture_are_one_line_naming_a_key(tmp_path):
 
 def _narrow(weights):
     """A model whose stem is narrower than the file's: a shape mismatch outside the head."""
-    from dlojz_lib.pretrained import load_initial_weights
+    from dlojz_lib.model.pretrained import load_initial_weights
 
     module = torchvision.models.resnet18(num_classes=3)
     module.conv1 = torch.nn.Conv2d(3, 32, 7, 2, 3, bias=False)
@@ -243,7 +243,7 @@ def test_fetch_weights_keeps_only_a_file_with_the_published_hash(tmp_path, monke
     assert len(errors) == 1 and "does not match its published SHA-256" in errors[0] and "Traceback" not in proc.stderr
     assert not list((tmp_path / "torch" / "hub" / "checkpoints").iterdir())  # not even the partial download
     # The same path with the right hash keeps the file.
-    from dlojz_lib.pretrained import fetch_file
+    from dlojz_lib.model.pretrained import fetch_file
 
     prefix = hashlib.sha256(b"not resnet18's weights").hexdigest()[:8]
     fetch_file(served, tmp_path / "kept" / f"w-{prefix}.pth", prefix)
@@ -256,11 +256,11 @@ def test_fetch_weights_keeps_only_a_file_with_the_published_hash(tmp_path, monke
     assert proc.returncode == 2 and asked == ["https://download.pytorch.org/models/resnet18-f37072fd.pth"]
     assert not cached.exists()
     # Already there, intact (its SHA-256 starts with the name's prefix): said, nothing fetched.
-    import dlojz_lib.pretrained
+    import dlojz_lib.model.pretrained
 
     intact = tmp_path / "torch" / "hub" / "checkpoints" / f"resnet18-{prefix}.pth"
     intact.write_bytes(b"not resnet18's weights")
-    monkeypatch.setattr(dlojz_lib.pretrained, "torchvision_weights_path", lambda weights: intact)
+    monkeypatch.setattr(dlojz_lib.model.pretrained, "torchvision_weights_path", lambda weights: intact)
     asked.clear()
     proc = run_inline("--arch", "resnet18", "--pretrained", "--fetch-weights")
     assert proc.returncode == 0 and f"{intact}: already in torch hub's cache" in proc.stdout and not asked
@@ -370,7 +370,7 @@ def test_quantised_weights_are_one_line(tmp_path):
 def test_a_damaged_cache_file_is_named_by_pretrained_with_what_to_do(tmp_path, monkeypatch):
     """The user gave --pretrained, not --initial-checkpoint: the error names the flag they gave and says how to
     get the file back."""
-    from dlojz_lib.pretrained import torchvision_weights, torchvision_weights_path
+    from dlojz_lib.model.pretrained import torchvision_weights, torchvision_weights_path
 
     monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch"))
     cached = torchvision_weights_path(torchvision_weights("resnet18", "DEFAULT"))
@@ -390,16 +390,16 @@ def test_a_damaged_cache_file_is_named_by_pretrained_with_what_to_do(tmp_path, m
 def test_a_truncated_timm_file_in_the_cache_is_fetched_again(tmp_path, monkeypatch, run_inline):
     """Hugging Face stores a large file under its SHA-256: a blob whose bytes no longer hash to its name is not
     "already in the cache"; it is removed and fetched again (here no network: one line)."""
-    import dlojz_lib.pretrained
+    import dlojz_lib.model.pretrained
 
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf"))
     asked = []
 
     def no_network(repo):  # (the hub's own client would log its connection errors with tracebacks)
         asked.append(repo)
-        dlojz_lib.pretrained.fail(f"--fetch-weights: cannot download {repo} (no network here)")
+        dlojz_lib.model.pretrained.fail(f"--fetch-weights: cannot download {repo} (no network here)")
 
-    monkeypatch.setattr(dlojz_lib.pretrained, "fetch_from_hugging_face", no_network)
+    monkeypatch.setattr(dlojz_lib.model.pretrained, "fetch_from_hugging_face", no_network)
     repo = tmp_path / "hf" / "models--timm--resnet10t.c3_in1k"
     blob = repo / "blobs" / ("a" * 64)
     blob.parent.mkdir(parents=True)

@@ -10,7 +10,7 @@ from conftest import SMALL, read_json
 from test_flag_effects import loop_for
 
 import dlojz
-import dlojz_lib.model
+import dlojz_lib.model.zoo
 
 
 class FixedLogits(torch.nn.Module):
@@ -72,8 +72,8 @@ def test_flip_tta_averages_the_logits_of_the_image_and_its_mirror():
 
 def test_zero_init_residual_starts_each_block_as_the_identity():
     for arch, last in (("resnet18", "bn2"), ("resnet50", "bn3")):
-        zero = dlojz_lib.model.create_model(arch, 10, zero_init_residual=True)
-        plain = dlojz_lib.model.create_model(arch, 10)
+        zero = dlojz_lib.model.zoo.create_model(arch, 10, zero_init_residual=True)
+        plain = dlojz_lib.model.zoo.create_model(arch, 10)
         blocks = [m for m in zero.modules() if hasattr(m, last) and hasattr(m, "conv1")]
         assert blocks and all(getattr(b, last).weight.abs().sum() == 0 for b in blocks)
         assert all(
@@ -89,9 +89,9 @@ def test_zero_init_residual_is_on_by_default_where_the_model_takes_it():
 
     for flags, expected in (([], True), (["--zero-init-residual"], True), (["--no-zero-init-residual"], False)):
         setting = get_args_parser().parse_args(flags).zero_init_residual
-        blocks = zeroed(dlojz_lib.model.create_model("resnet18", 10, setting))
+        blocks = zeroed(dlojz_lib.model.zoo.create_model("resnet18", 10, setting))
         assert blocks and all(z == expected for z in blocks), (flags, setting)
-    vit = dlojz_lib.model.create_model(
+    vit = dlojz_lib.model.zoo.create_model(
         "vit_b_32", 10, None
     )  # the default on a model without the option: built as it is
     assert sum(p.numel() for p in vit.parameters()) > 0

@@ -343,7 +343,7 @@ NO_ZERO_INIT = ("torchvision_resnet50_v2.toml", "race_rn50_16ep.toml", "race_rn5
 
 @pytest.mark.parametrize("name", NO_ZERO_INIT)
 def test_the_recipes_whose_source_does_not_zero_init_build_a_model_without_it(name):
-    from dlojz_lib.model import create_model
+    from dlojz_lib.model.zoo import create_model
 
     values = vars(get_args_parser().parse_args(["--config", str(ROOT / "recipes" / name)]))
     assert values["zero_init_residual"] is False
@@ -392,7 +392,8 @@ def test_every_flag_of_a_resolved_run_goes_through_args_toml_and_back(tmp_path):
     differ = {
         field.name: (getattr(cfg, field.name), getattr(again, field.name))
         for field in dataclasses.fields(cfg)
-        if field.name not in ("config", "notes", "set_by_recipe") and getattr(cfg, field.name) != getattr(again, field.name)
+        if field.name not in ("config", "notes", "set_by_recipe")
+        and getattr(cfg, field.name) != getattr(again, field.name)
     }
     assert differ == {}
 
@@ -470,13 +471,20 @@ def test_the_ema_decay_follows_the_gpus_as_torchvision_s_train_py_computes_it(gp
     x adjust; the recipe gives 0.99998 and --model-ema-adjust, and dlojz computes it from the GPUs of the job."""
     import dataclasses
 
-    from dlojz_lib.parallelism.build import ema_decay
+    from dlojz_lib.model.build import ema_decay
 
     cfg = resolve("--config", ROOT / "recipes" / "torchvision_resnet50_v2.toml")
     assert (cfg.model_ema_decay, cfg.model_ema_adjust) == (0.99998, True)
-    assert ema_decay(cfg, gpus) == pytest.approx(1 - 2e-5 * gpus * 128 * 32 / 600, abs=1e-12)
-    assert ema_decay(cfg, 8) == pytest.approx(0.998908, abs=1e-6)  # the value the recipe typed for 8 GPUs before
-    assert ema_decay(dataclasses.replace(cfg, model_ema_adjust=False), gpus) == 0.99998  # without the rule: as given
+    assert ema_decay(cfg.section("memory"), cfg.section("training"), gpus) == pytest.approx(
+        1 - 2e-5 * gpus * 128 * 32 / 600, abs=1e-12
+    )
+    assert ema_decay(cfg.section("memory"), cfg.section("training"), 8) == pytest.approx(
+        0.998908, abs=1e-6
+    )  # the value the recipe typed for 8 GPUs before
+    assert (
+        ema_decay(dataclasses.replace(cfg, model_ema_adjust=False).section("memory"), cfg.section("training"), gpus)
+        == 0.99998
+    )  # without the rule: as given
 
 
 @pytest.mark.parametrize("name", ["race_rn50_16ep.toml", "race_rn50_88ep.toml"])

@@ -31,7 +31,7 @@ def test_a_timm_model_trains_checkpoints_and_evaluates(tiny_data, tmp_path, arch
 
 
 def attention_calls(checkpointed):
-    from dlojz_lib.model import create_model, enable_grad_checkpointing
+    from dlojz_lib.model.zoo import create_model, enable_grad_checkpointing
 
     model = create_model("timm:vit_tiny_patch16_224", 3, image_size=32)
     attention, calls = model.blocks[0].attn, []
@@ -49,7 +49,7 @@ def test_timm_grad_checkpointing_recomputes_the_blocks():
 
 
 def test_timm_flops_are_counted():
-    from dlojz_lib.model import create_model, train_flops_per_image
+    from dlojz_lib.model.zoo import create_model, train_flops_per_image
 
     small, large = (train_flops_per_image(create_model("timm:resnet10t", 10), size) for size in (32, 64))
     assert small > 0 and 3.5 < large / small < 4.5  # a convolutional network: FLOPs grow with the pixels

@@ -5,7 +5,7 @@ a core decodes 250-290 at 224 px). DALI decodes on the GPU (nvJPEG, and the hard
 `device="mixed"`, 99% of the images to it as in MLPerf's pipelines), decoding only the random crop's region, then
 resizes, and one `crop_mirror_normalize` flips, normalises and writes the model's input: float16 under --amp
 (float32 without), HWC, optionally padded to 4 channels (--dali-pad-channels: the stem's weight is padded to match,
-see dlojz_lib/model.py). Without a GPU the same pipeline runs on DALI's CPU backend (what the CPU tests run).
+see dlojz_lib/model/zoo.py). Without a GPU the same pipeline runs on DALI's CPU backend (what the CPU tests run).
 
     train: file paths -> io.file.read -> decoders.image_random_crop (RandomResizedCrop's area 0.08-1 and ratio
            3/4-4/3, only the region decoded) -> resize to --image-size -> crop_mirror_normalize (random flip)

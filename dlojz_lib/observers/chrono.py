@@ -48,8 +48,8 @@ step boundary (peak W) and the GPU's energy counter between the end of the warm-
 passes taken out (J per image, energy per epoch estimate). Without NVML (not installed, no driver, no GPU, any NVML
 error) those figures are left out; nothing crashes.
 
-The MFU uses ``dlojz_lib.model.peak_flops(device_name, dtype)`` (the dense peak of V100/A100/H100/H200 GPUs) and the
-context's ``train_flops_per_image`` (``dlojz_lib.model.train_flops_per_image``). The report's lines, its advice and the
+The MFU uses ``dlojz_lib.model.zoo.peak_flops(device_name, dtype)`` (the dense peak of V100/A100/H100/H200 GPUs) and the
+context's ``train_flops_per_image`` (``dlojz_lib.model.zoo.train_flops_per_image``). The report's lines, its advice and the
 per-step timeline plot are dlojz_lib/observers/chrono_report.py's (``python dlojz_chrono.py plot TRACE.json -o timeline.png``,
 the course's command, a thin front to this module and that one).
 
@@ -67,7 +67,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dlojz_lib.model import peak_flops
+from dlojz_lib.model.zoo import peak_flops
 from dlojz_lib.observers.chrono_report import (
     energy_figures,
     flops_figures,

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from dlojz_lib.checks import fail
-from dlojz_lib.model import classifier_name
+from dlojz_lib.model.zoo import classifier_name
 from dlojz_lib.optim import OPTIMIZER_TABLE, check_hyperparameters
 
 # Layers whose affine parameters are normalisation scales/shifts: decaying them towards 0 only fights the

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 import dlojz_lib.checkpoint as ckpt
-from dlojz_lib.parallelism import families
+from dlojz_lib.model import families
 
 # Class names of the blocks sharded one by one: torchvision's and timm's residual and transformer blocks.
 BLOCK_SUFFIXES = (

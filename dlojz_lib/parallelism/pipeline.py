@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from dlojz_lib.checks import UserError
-from dlojz_lib.parallelism import families
+from dlojz_lib.model import families
 from dlojz_lib.torch_internals import schedule_microbatches, schedule_stages
 
 # --pp-schedule: PyTorch's class, and whether a rank holds several stages (looped: rank, rank + N, ...)
@@ -247,7 +247,7 @@ class Stage(nn.Module):
         model._parameters, model._buffers = self._parameters, self._buffers
         self.runs = [layer.run for layer in layers[first:last]]
         if recompute not in (False, "none"):
-            from dlojz_lib.model import recomputed
+            from dlojz_lib.model.zoo import recomputed
 
             # the recomputation leaves BatchNorm's statistics as the forward left them: a micro-batch counted once
             self.runs = [

@@ -40,7 +40,7 @@ import torch
 from torch import nn
 
 from dlojz_lib.checks import UserError
-from dlojz_lib.parallelism import families
+from dlojz_lib.model import families
 from dlojz_lib.torch_internals import flatten_dense, unflatten_dense
 
 PARTS = ("q", "k", "v")

@@ -127,7 +127,7 @@ SECTIONS = {
 def pretrained_preprocessing(values) -> list:
     """--pretrained: the validation resize and crop of the weights (and the training crop at that size) where not
     given on the command line; the note says what was taken and what dlojz does differently."""
-    from dlojz_lib.pretrained import published_preprocessing
+    from dlojz_lib.model.pretrained import published_preprocessing
 
     published = published_preprocessing(values["arch"], values["pretrained"])
     if published is None:
@@ -277,7 +277,7 @@ def resolve_config(args) -> Config:
 def precision_notes(device, compile, optimizer, capability):
     """What a float16 run on this GPU should know: bfloat16 needs no GradScaler where the GPU has it (compute
     capability 8.0 and newer), but in eager mode it costs a BatchNorm model cuDNN's batch norm (torch gives
-    bfloat16's to its own kernels: dlojz_lib.model.batch_norm_on_native_kernels); an optimizer without a fused step
+    bfloat16's to its own kernels: dlojz_lib.model.zoo.batch_norm_on_native_kernels); an optimizer without a fused step
     waits for the GPU at every float16 step."""
     notes = []
     # what bfloat16 costs where it is an option: nothing compiled; in eager mode, a BatchNorm model's batch norm
@@ -404,7 +404,7 @@ def check(cfg: Config):
             f"--compile-mode {cfg.compile_mode} records CUDA graphs, which need a GPU: on the CPU use "
             "--compile-mode default or max-autotune-no-cudagraphs"
         )
-    from dlojz_lib.model import check_arch, check_input_sizes
+    from dlojz_lib.model.zoo import check_arch, check_input_sizes
 
     check_arch(cfg.arch)  # before the data is scanned
     sizes = (cfg.image_size, cfg.val_crop_size, cfg.min_res, cfg.max_res)
@@ -418,8 +418,8 @@ def check(cfg: Config):
                 f"or use --optimizer {' or '.join(FUSED)}"
             )
     if cfg.teacher is not None and not Path(cfg.teacher).exists():  # a model name: known, and its weights cached
-        from dlojz_lib.model import check_arch
-        from dlojz_lib.pretrained import published_weights_file
+        from dlojz_lib.model.pretrained import published_weights_file
+        from dlojz_lib.model.zoo import check_arch
 
         try:
             check_arch(cfg.teacher)
@@ -430,11 +430,11 @@ def check(cfg: Config):
 
     starts_from_weights = not resumes_a_checkpoint(cfg.resume, cfg.output_dir)  # (a resumed run: its checkpoint's)
     if cfg.initial_checkpoint is not None and starts_from_weights:
-        from dlojz_lib.pretrained import check_weights_file
+        from dlojz_lib.model.pretrained import check_weights_file
 
         check_weights_file(cfg.initial_checkpoint)
     if cfg.pretrained is not None and starts_from_weights:
-        from dlojz_lib.pretrained import published_weights_file
+        from dlojz_lib.model.pretrained import published_weights_file
 
         published_weights_file(cfg.arch, cfg.pretrained)  # in the local cache, or one line saying how to fetch it
     if cfg.fsdp:

@@ -130,7 +130,7 @@ def test_published_weights_from_the_cache_predict_with_their_class_names(tiny_da
     class names (a file of random weights stands for the published one: nothing is downloaded)."""
     import torchvision
 
-    from dlojz_lib.pretrained import torchvision_weights, torchvision_weights_path
+    from dlojz_lib.model.pretrained import torchvision_weights, torchvision_weights_path
 
     monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch"))
     weights = torchvision_weights("resnet18", "DEFAULT")

@@ -434,7 +434,7 @@ def test_pad_channels_adds_a_zero_channel_and_the_stem_takes_it(tiny_data):
     stem's weight padded to take them, with the unpadded model's outputs and state dict."""
     import torchvision
 
-    from dlojz_lib.model import ChannelPaddedConv2d, pad_stem_channels
+    from dlojz_lib.model.zoo import ChannelPaddedConv2d, pad_stem_channels
 
     _, plain = dali_loaders_for(tiny_data)
     _, padded = dali_loaders_for(tiny_data, "--dali-pad-channels")

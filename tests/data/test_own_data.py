@@ -109,15 +109,18 @@ def test_class_weights_balanced_weighs_the_training_loss_of_an_imbalanced_folder
     assert "--class-weights balanced: the training loss weighs each class by 0.758 (the largest) to 2.78" in proc.stdout
 
     from dlojz_lib.dist import Distribution
+    from dlojz_lib.model.build import build_model
     from dlojz_lib.optim.training import build_training
-    from dlojz_lib.parallelism.build import build_model
+    from dlojz_lib.parallelism.layout import lay_out
     from dlojz_lib.settings.config import resolve_config
     from dlojz_lib.settings.flags import get_args_parser
 
     cpu = Distribution(1, 0, 0, torch.device("cpu"))
     for flags, expected in (([], None), (["--class-weights", "balanced"], [50 / 66, 50 / 66, 50 / 18])):
         cfg = resolve_config(get_args_parser().parse_args(["--device", "cpu", "--arch", "resnet18", *flags]))
-        training = build_training(cfg, build_model(cfg, 3, cpu, print), 10, 3, cpu, print, [22, 22, 6])
+        training = build_training(
+            cfg, lay_out(build_model(cfg, 3, cpu, print), cfg, cpu, print), 10, 3, cpu, print, [22, 22, 6]
+        )
         weight = training.criterion.weight
         assert weight is None if expected is None else torch.allclose(weight, torch.tensor(expected))
 

@@ -88,7 +88,7 @@ def test_a_teacher_by_name_takes_its_cached_weights_and_its_classes_are_checked(
 ):
     import torchvision
 
-    from dlojz_lib.pretrained import torchvision_weights, torchvision_weights_path
+    from dlojz_lib.model.pretrained import torchvision_weights, torchvision_weights_path
 
     monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch"))
     proc = run_inline(*RUN, "--data-root", tiny_data, "--teacher", "resnet18", "--output-dir", tmp_path / "a")

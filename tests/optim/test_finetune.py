@@ -12,8 +12,9 @@ import torchvision
 
 from dlojz_lib.checks import UserError
 from dlojz_lib.dist import Distribution
+from dlojz_lib.model.build import build_model
 from dlojz_lib.optim.training import build_training
-from dlojz_lib.parallelism.build import build_model
+from dlojz_lib.parallelism.layout import lay_out
 from dlojz_lib.settings.config import resolve_config
 from dlojz_lib.settings.flags import get_args_parser
 
@@ -33,7 +34,7 @@ def config(*flags):
 
 def lr_of_each_parameter(*flags, arch="resnet18", num_classes=3):
     cfg = config("--arch", arch, "--lr", "0.1", *flags)
-    model = build_model(cfg, num_classes, CPU, lambda line: None)
+    model = lay_out(build_model(cfg, num_classes, CPU, lambda line: None), cfg, CPU, lambda line: None)
     lines = []
     training = build_training(cfg, model, 10, num_classes, CPU, lines.append)
     names = {id(param): name for name, param in model.module.named_parameters()}
@@ -260,7 +261,7 @@ def test_a_linear_probe_trains_the_head_alone_on_the_frozen_backbone(tiny_data, 
 
 
 def test_a_linear_probe_keeps_the_backbone_in_eval_mode_and_computes_no_backbone_gradient():
-    from dlojz_lib.model import linear_probe
+    from dlojz_lib.model.zoo import linear_probe
 
     model = torchvision.models.resnet18(num_classes=3)
     assert linear_probe(model, "fc") == (1539, 11178051)

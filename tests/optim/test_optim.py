@@ -613,8 +613,9 @@ def test_schedule_flags_the_scheduler_would_not_use_are_refused(flags, message):
 
 def training_of(*flags):
     from dlojz_lib.dist import Distribution
+    from dlojz_lib.model.build import build_model
     from dlojz_lib.optim.training import build_training
-    from dlojz_lib.parallelism.build import build_model
+    from dlojz_lib.parallelism.layout import lay_out
     from dlojz_lib.settings.config import resolve_config
     from dlojz_lib.settings.flag_checks import checked_values
     from dlojz_lib.settings.flags import get_args_parser
@@ -623,7 +624,7 @@ def training_of(*flags):
     checked_values(argv)
     cfg = resolve_config(get_args_parser().parse_args(argv))
     cpu = Distribution(1, 0, 0, torch.device("cpu"))
-    return build_training(cfg, build_model(cfg, 3, cpu, print), 5, 3, cpu, print)
+    return build_training(cfg, lay_out(build_model(cfg, 3, cpu, print), cfg, cpu, print), 5, 3, cpu, print)
 
 
 def test_rmsprop_is_torchvision_s_and_nesterov_reaches_sgd():
@@ -666,7 +667,7 @@ def test_bce_loss_is_timm_s_with_smoothing_mixed_targets_and_threshold():
 
 
 def test_model_ema_every_n_steps_with_timm_s_warm_up():
-    from dlojz_lib.model import ModelEma
+    from dlojz_lib.model.zoo import ModelEma
 
     torch.manual_seed(0)
     model = nn.Linear(2, 1)
@@ -768,7 +769,7 @@ def test_model_ema_warmup_copy_copies_the_weights_through_the_warm_up(tiny_data,
     the warm-up's end, and averages from there."""
     from conftest import TINY
 
-    from dlojz_lib.model import ModelEma
+    from dlojz_lib.model.zoo import ModelEma
 
     model = nn.Linear(2, 1)
     ema = ModelEma(model, decay=0.9)

@@ -1,4 +1,4 @@
-"""The model families the parallel layouts know (dlojz_lib/parallelism/families.py): a new family is one row. A toy
+"""The model families the parallel layouts know (dlojz_lib/model/families.py): a new family is one row. A toy
 transformer whose block class no rule knows gets FSDP units, a pipeline cut and a tensor-parallel plan from its row
 alone, and trains under PP 2 x TP 2 to one process's weights (tests/parallelism/test_pipeline.py's 4-rank test)."""
 
@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 from dlojz_lib.checks import UserError
-from dlojz_lib.parallelism import families
-from dlojz_lib.parallelism.families import Family, Layer
+from dlojz_lib.model import families
+from dlojz_lib.model.families import Family, Layer
 from dlojz_lib.parallelism.fsdp import sharding_units
 from dlojz_lib.parallelism.pipeline import Stage, pipeline_layers
 from dlojz_lib.parallelism.tensor import check_plan
@@ -65,8 +65,7 @@ TOY = Family(
 
 def toy_with_its_row():
     """A ToyNet (seeded), its row added to this process's families (a pipeline rank's too: it builds its model here)."""
-    if TOY not in families.FAMILIES:
-        families.FAMILIES = (*families.FAMILIES, TOY)
+    families.register_family(TOY)
     torch.manual_seed(0)
     return ToyNet()
 
@@ -81,7 +80,8 @@ def test_a_new_family_is_one_row(monkeypatch):
         pipeline_layers(toy, "toy")
     assert sharding_units(toy) == [toy.embed, toy.mixers, toy.norm, toy.head]
 
-    monkeypatch.setattr(families, "FAMILIES", (*families.FAMILIES, TOY))
+    monkeypatch.setattr(families, "FAMILIES", families.FAMILIES)  # (the rows as they were, after the test)
+    assert families.register_family(TOY) is TOY and families.family_of(toy) is TOY
     assert sharding_units(toy) == list(toy.mixers)
     layers = pipeline_layers(toy, "toy")
     assert [layer.name for layer in layers] == ["stem", "mixers.0", "mixers.1", "mixers.2", "mixers.3", "head"]
@@ -95,7 +95,8 @@ def test_a_new_family_is_one_row(monkeypatch):
     assert TOY.name in families.names() and TOY.name in families.names(tensor_parallel=True)
 
     no_plan = Family(TOY.name, TOY.matches, TOY.blocks, TOY.stem, TOY.head, tensor_parallel=False)
-    monkeypatch.setattr(families, "FAMILIES", (*families.FAMILIES[:-1], no_plan))
+    families.register_family(no_plan)  # (the same name: it replaces the row)
+    assert [row for row in families.FAMILIES if row.name == TOY.name] == [no_plan]
     with pytest.raises(UserError, match="--tp: --arch toy has no tensor-parallel plan here"):
         check_plan(toy, 2, "toy")
     assert TOY.name in families.names() and TOY.name not in families.names(tensor_parallel=True)

@@ -148,9 +148,9 @@ def compiled_blocks_on_rank(rank, world, store_path, results):
     import torch
     import torch.distributed as dist
 
-    from dlojz_lib.model import create_model
-    from dlojz_lib.parallelism.build import compile_blocks
+    from dlojz_lib.model.zoo import create_model
     from dlojz_lib.parallelism.fsdp import shard_model
+    from dlojz_lib.parallelism.layout import compile_blocks
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)

@@ -16,7 +16,7 @@ from test_dlojz import assert_one_line_error
 from test_resume import start_ranks, wait_for_line
 
 import dlojz_lib.checkpoint as ckpt
-from dlojz_lib.model import create_model
+from dlojz_lib.model.zoo import create_model
 
 # A small vision transformer (timm's test_vit: no BatchNorm, no dropout). 72 training images: 5 steps of a global
 # batch of 16; 15 validation images in batches of 7: rank 0 has 2 batches, rank 1 one (8 and 7 images).

@@ -27,7 +27,7 @@ def full(tensor):
 
 def one_process(cfg):
     """The tensors and the generator's state of the model one process builds with `cfg`'s seed."""
-    from dlojz_lib.model import create_model
+    from dlojz_lib.model.zoo import create_model
     from dlojz_lib.parallelism.fsdp import named_tensors
 
     torch.manual_seed(cfg.seed)
@@ -42,8 +42,9 @@ def build_on_rank(rank, world, store_path, results, folder):
     import torch.distributed as dist
 
     from dlojz_lib.dist import Distribution, model_parallel_mesh
-    from dlojz_lib.parallelism import build
+    from dlojz_lib.model import build
     from dlojz_lib.parallelism.fsdp import named_tensors
+    from dlojz_lib.parallelism.layout import lay_out
     from dlojz_lib.parallelism.tensor import fused_state_dict
     from dlojz_lib.settings.config import resolve_config
     from dlojz_lib.settings.flags import get_args_parser
@@ -74,7 +75,7 @@ def build_on_rank(rank, world, store_path, results, folder):
             if cfg.tp > 1 or cfg.pp > 1:
                 model_parallel_mesh(ranks, cfg.pp, cfg.tp)
             torch.manual_seed(cfg.seed)
-            model = build.build_model(cfg, 3, ranks, lambda line: None)
+            model = lay_out(build.build_model(cfg, 3, ranks, lambda line: None), cfg, ranks, lambda line: None)
             held = fused_state_dict({path: full(t).detach() for path, t in named_tensors(model.module)})
             differ = [path for path, t in held.items() if path not in expected or not torch.equal(t, expected[path])]
             same_draws = torch.equal(torch.get_rng_state(), generator)

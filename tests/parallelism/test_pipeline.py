@@ -10,7 +10,7 @@ import torch
 import torchvision
 
 from dlojz_lib.checks import UserError
-from dlojz_lib.model import create_model
+from dlojz_lib.model.zoo import create_model
 from dlojz_lib.parallelism.pipeline import (
     Paused,
     Stage,
@@ -30,7 +30,7 @@ SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zero-bubble", 2)] 
 
 
 def small_model(arch):
-    if arch == "toy-family":  # a model known by the row a test adds (dlojz_lib/parallelism/families.py)
+    if arch == "toy-family":  # a model known by the row a test adds (dlojz_lib/model/families.py)
         from test_families import toy_with_its_row
 
         return toy_with_its_row()

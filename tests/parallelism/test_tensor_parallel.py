@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from dlojz_lib.checks import UserError
-from dlojz_lib.model import create_model
+from dlojz_lib.model.zoo import create_model
 from dlojz_lib.parallelism.tensor import (
     HeadShardedQKV,
     Pointwise,
@@ -87,7 +87,7 @@ def count_collectives(world, kind, size, sequence_parallel, checkpointing="none"
     from conftest import counting_mode
     from torch.distributed.device_mesh import init_device_mesh
 
-    from dlojz_lib.model import checkpoint_blocks
+    from dlojz_lib.model.zoo import checkpoint_blocks
 
     torch.manual_seed(0)
     model = tiny_model(kind, size)
@@ -608,7 +608,7 @@ def test_check_replicas_reaches_the_model_s_whole_copies():
     """--check-replicas N is the period of the comparison the run's WholeCopies makes; without --tp there is none."""
     from types import SimpleNamespace
 
-    from dlojz_lib.parallelism.build import whole_copies
+    from dlojz_lib.parallelism.layout import whole_copies
 
     ranks = SimpleNamespace(mesh={"tensor": object()}, all_gather=None)
     copies = whole_copies(

@@ -17,7 +17,7 @@ import torch
 
 from dlojz_lib.checks import UserError, check_input_file, check_output_folder, fail
 from dlojz_lib.durable import sha256_of
-from dlojz_lib.model import classifier_name
+from dlojz_lib.model.zoo import classifier_name
 
 # Prefixes that wrappers add to a saved state dict's keys: DDP's and torch.compile's.
 WRAPPER_PREFIXES = ("module.", "_orig_mod.")

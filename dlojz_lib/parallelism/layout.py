@@ -1,6 +1,7 @@
-"""The model as it trains: built from the flags (BlurPool, SyncBN, channels-last, gradient checkpointing, EMA),
-moved to the device and wrapped for the run (DDP, FSDP's sharding, torch.compile). `Model` keeps the wrapped and
-the bare module side by side: the loop trains the first, checkpoints and validation use the second.
+"""The model laid out for the run (torchtitan's order: the model is built whole by `dlojz_lib.model.build`, then
+laid out here): DDP, FSDP's sharding, tensor parallelism's plan, the pipeline's stages, torch.compile. `Model`
+keeps the wrapped and the bare module side by side: the loop trains the first, checkpoints and validation use the
+second.
 """
 
 import contextlib
@@ -10,20 +11,7 @@ import torch
 
 from dlojz_lib.checks import fail
 from dlojz_lib.dist import start_compile_workers
-from dlojz_lib.model import (
-    BFLOAT16_BATCH_NORM,
-    ModelEma,
-    apply_blurpool,
-    batch_norm_on_native_kernels,
-    checkpoint_blocks,
-    classifier_name,
-    create_model,
-    enable_grad_checkpointing,
-    linear_probe,
-    meta_copy,
-    pad_stem_channels,
-)
-from dlojz_lib.parallelism import families
+from dlojz_lib.model.zoo import meta_copy
 from dlojz_lib.parallelism.pipeline import (
     SCHEDULES,
     PipelineRun,
@@ -49,6 +37,7 @@ class Model:
     tensor_parallel: bool = False  # --tp: gradients on two meshes, (data, tensor) and data
     pipeline: object = None  # --pp: the PipelineRun (also `net`): this rank's stage is `module`
     whole_copies: object = None  # --tp: the weights a tensor group holds whole (tensor_parallel.WholeCopies)
+    family: object = None  # its row of model.families (None: a model of none)
 
     @property
     def evaluated(self):
@@ -92,97 +81,14 @@ class Model:
         return contextlib.nullcontext()
 
 
-def ema_decay(cfg, world_size) -> float:
-    """The EMA's decay per update: --model-ema-decay, or with --model-ema-adjust torchvision's rule (train.py):
-    1 - min(1, (1 - decay) x images a step x --model-ema-steps / --epochs), so that a recipe's EMA averages over the
-    same share of its training whatever the number of GPUs (images a step: world size x batch x --grad-acc)."""
-    if not cfg.model_ema_adjust:
-        return cfg.model_ema_decay
-    adjust = world_size * cfg.batch_size * cfg.grad_acc * (cfg.model_ema_steps or 1) / cfg.epochs
-    return 1.0 - min(1.0, (1.0 - cfg.model_ema_decay) * adjust)
-
-
-def adapt_module(training, pad_channels, module, num_classes, log):
-    """What the flags change in the model's own modules, in place (classes and flags only: the state dict keeps its
-    keys): --blurpool's blurred downsampling, --linear-probe's frozen backbone, --dali-pad-channels' 4-channel stem."""
-    if training.blurpool:
-        changed = apply_blurpool(module, maxpool=training.blurpool_maxpool)
-        layers = "strided convolutions and max-pools" if training.blurpool_maxpool else "strided convolutions (FFCV's)"
-        if changed == 0:
-            fail(f"--blurpool: --arch {training.arch} has no {layers} to blur")
-        log(f"BlurPool: {changed} {layers} blur their input first")
-    if training.linear_probe:
-        head = classifier_name(module, num_classes)
-        if head is None:
-            fail(
-                f"--linear-probe: --arch {training.arch} has no Linear layer with {num_classes} outputs to train alone"
-            )
-        trained, total = linear_probe(module, head)
-        log(
-            f"--linear-probe: only the head ({head}, {trained:,} of {total:,} parameters) trains, on the backbone's "
-            "features: the backbone frozen, in eval mode (its BatchNorm statistics kept), no backward through it"
-        )
-    if pad_channels:
-        stem = pad_stem_channels(module)
-        if stem is None:
-            fail(f"--dali-pad-channels: --arch {training.arch} has no 3-channel convolution to pad: drop the flag")
-        log(f"--dali-pad-channels: DALI writes 4 channels, {stem}'s weight is padded with zeros to take them")
-
-
-def load_starting_weights(training, resume, output_dir, module, num_classes, log):
-    """--pretrained's or --initial-checkpoint's weights into `module`, before any wrapper or copy; not read when the
-    run resumes from a checkpoint (`resume`, `output_dir`), whose weights replace them."""
-    if training.initial_checkpoint is None and training.pretrained is None:
-        return
-    from dlojz_lib.checkpoint import resumes_a_checkpoint
-    from dlojz_lib.pretrained import load_initial_weights, weights_source
-
-    if resumes_a_checkpoint(resume, output_dir):  # the file may be gone since: not read
-        log("initial weights: not read, the run resumes from its checkpoint, whose weights replace them")
-        return
-    weights, what, fix = weights_source(training)  # the file, the flag as given, what to do with a damaged cache file
-    log(load_initial_weights(module, weights, num_classes, what, fix))
-
-
-def build_model(cfg, num_classes, ranks, log) -> Model:
-    # --fsdp: the model's shapes on every rank but the first, which builds it whole, as one process would; its values
-    # fill each rank's own stage and shard once they are cut (fsdp.to_meta, fill_from_first_rank)
-    shapes_only = cfg.fsdp and not ranks.is_main
-    with torch.device("meta") if shapes_only else contextlib.nullcontext():
-        module = create_model(cfg.arch, num_classes, cfg.zero_init_residual, cfg.image_size, cfg.drop_path)
-    if not shapes_only:  # (the first rank reads them into the values it gives the others)
-        load_starting_weights(cfg.section("training"), cfg.resume, cfg.output_dir, module, num_classes, log)
-    adapt_module(
-        cfg.section("training"), cfg.dali_pad_channels, module, num_classes, log
-    )  # before the copies below (SyncBN, EMA): they keep its changes
-    if cfg.sync_bn and ranks.enabled:
-        module = torch.nn.SyncBatchNorm.convert_sync_batchnorm(module)
-    if not cfg.fsdp:  # FSDP moves each rank's shards only to the device
-        module = module.to(ranks.device)
-    if cfg.channels_last:
-        module = module.to(memory_format=torch.channels_last)
-    if cfg.activation_checkpointing != "none" and cfg.pp == 1:  # (--pp: each stage recomputes its own layers)
-        if cfg.activation_checkpointing == "full" and cfg.ac_every == 1:
-            enable_grad_checkpointing(module, cfg.arch, [block for _, block in families.blocks_of(module) or ()])
-        else:
-            checkpoint_blocks(checkpointed_blocks(module, cfg.arch), cfg.activation_checkpointing, cfg.ac_every)
-    log(f"model: {cfg.arch}, {sum(p.numel() for p in module.parameters()):,} parameters")
-    if cfg.amp and batch_norm_on_native_kernels(module, ranks.device.type, cfg.amp_dtype, cfg.compile):
-        log(BFLOAT16_BATCH_NORM)
-    ema = None
-    if cfg.model_ema:
-        decay = ema_decay(cfg, ranks.data_size)
-        if cfg.model_ema_adjust:
-            log(
-                f"EMA decay {decay:.6f} per update: torchvision's rule from --model-ema-decay {cfg.model_ema_decay} "
-                f"({ranks.data_size} x {cfg.batch_size * cfg.grad_acc} images x {cfg.model_ema_steps or 1} steps / "
-                f"{cfg.epochs} epochs)"
-            )
-        ema = ModelEma(module, decay, cfg.model_ema_steps or 1, cfg.model_ema_warmup)
+def lay_out(model, cfg, ranks, log) -> Model:
+    """`model` (a `model.build.BuiltModel`) laid out for the run: DDP, FSDP's shards, the --tp plan, the --pp stages,
+    torch.compile. Each layout reads the family the build resolved (`model.family`)."""
+    module, ema, num_classes = model.module, model.ema, model.num_classes
     net, parallel, unsharded = module, "none", module
     if cfg.pp > 1:
-        return build_pipeline_model(cfg, module, ema, num_classes, ranks, log)
-    compiled_blocks = families.blocks_of(module) if cfg.compile and cfg.fsdp else None  # FSDP's: block by block
+        return build_pipeline_model(cfg, model, ranks, log)
+    compiled_blocks = model.blocks if cfg.compile and cfg.fsdp else None  # FSDP's: block by block
     if cfg.fsdp:
         from dlojz_lib.parallelism.fsdp import fill_from_first_rank, shard_model, to_meta
 
@@ -221,7 +127,8 @@ def build_model(cfg, num_classes, ranks, log) -> Model:
         log(f"torch.compile: mode {cfg.compile_mode or 'default'}")
     cuda_graphs = cfg.compile_mode in CUDA_GRAPH_MODES  # (a --compile-mode implies --compile)
     whole = whole_copies(cfg.section("distribution"), module, ranks)
-    return Model(net, module, ema, num_classes, parallel, unsharded, cuda_graphs, cfg.tp > 1, whole_copies=whole)
+    tp = cfg.tp > 1
+    return Model(net, module, ema, num_classes, parallel, unsharded, cuda_graphs, tp, None, whole, model.family)
 
 
 def held_blocks(stage, paths) -> list:
@@ -248,18 +155,6 @@ def compile_blocks(blocks, mode) -> str:
         block.forward = torch.compile(block.forward, mode=mode, fullgraph=True, dynamic=False)
     n = len(blocks)
     return f"torch.compile: each of {n} block{'s' if n != 1 else ''} (fullgraph, mode {mode or 'default'}), around them eager"
-
-
-def checkpointed_blocks(module, arch):
-    """The blocks --activation-checkpointing selective (or --ac-every) recomputes: its family's (parallelism.families),
-    in forward order; a model of no family is one line."""
-    blocks = families.blocks_of(module)
-    if blocks is None:
-        fail(
-            f"--activation-checkpointing selective and --ac-every recompute a model family's blocks: --arch {arch} is "
-            f"none of {families.names()}; use --activation-checkpointing full (or --grad-checkpointing)"
-        )
-    return [block for _, block in blocks]
 
 
 def whole_copies(distribution, module, ranks):
@@ -294,9 +189,10 @@ def check_micro_batches(module, arch, batch_size, grad_acc, pp, microbatches):
         )
 
 
-def build_pipeline_model(cfg, module, ema, num_classes, ranks, log) -> Model:
-    """--pp: `module` cut into --pp stages, this rank's sharded by FSDP over the data dimension, run by the
+def build_pipeline_model(cfg, model, ranks, log) -> Model:
+    """--pp: `model` cut into --pp stages, this rank's sharded by FSDP over the data dimension, run by the
     schedule (dlojz_lib.parallelism.pipeline)."""
+    module, ema, num_classes = model.module, model.ema, model.num_classes
     from dlojz_lib.parallelism.fsdp import fill_from_first_rank, shard_model, to_meta
 
     check_micro_batches(module, cfg.arch, cfg.batch_size, cfg.grad_acc, cfg.pp, cfg.pp_microbatches)
@@ -317,7 +213,7 @@ def build_pipeline_model(cfg, module, ema, num_classes, ranks, log) -> Model:
         from dlojz_lib.parallelism.tensor import check_plan, parallelize, transformer_blocks
 
         check_plan(module, cfg.tp, cfg.arch)
-    block_paths = [path for path, _ in families.blocks_of(module) or ()]  # (none: build_pipeline refuses the model)
+    block_paths = [path for path, _ in model.blocks or ()]  # (none: build_pipeline refuses the model)
     compiled = []  # compile_blocks' lines, a stage each
 
     def shard(stage):
@@ -372,12 +268,12 @@ def build_pipeline_model(cfg, module, ema, num_classes, ranks, log) -> Model:
     )
     held = stages[0] if len(stages) == 1 else RankStages(stages)  # what the optimizer and the checkpoint see
     whole = whole_copies(cfg.section("distribution"), held, ranks)
-    return Model(run, held, ema, num_classes, "fsdp", unsharded, False, cfg.tp > 1, run, whole)
+    return Model(run, held, ema, num_classes, "fsdp", unsharded, False, cfg.tp > 1, run, whole, model.family)
 
 
 def state_bytes_per_rank(model, training, ranks) -> dict:
     """Bytes of parameters, gradients and optimizer state on each rank (the largest), and each rank's peak."""
-    from dlojz_lib.model import peak_memory_bytes
+    from dlojz_lib.model.zoo import peak_memory_bytes
     from dlojz_lib.parallelism.fsdp import state_bytes
 
     local = dict(state_bytes(model.module, training.optimizer), peak_memory_bytes=peak_memory_bytes(ranks.device))

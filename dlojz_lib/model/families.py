@@ -4,7 +4,7 @@ before the first block and after the last (the pipeline's first and last layers)
 plan splits its transformer blocks (timm's attention beside timm's MLP; q, k and v held apart where timm fuses
 them: `tensor.HeadShardedQKV`, whose state-dict hooks keep the fused names in an ordinary checkpoint).
 
-A new family is one row of FAMILIES (a test adds a toy one): `--fsdp` shards its blocks one by one, `--pp` cuts it
+A new family is one row, added by `register_family(Family(...))` (a test adds a toy one): `--fsdp` shards its blocks one by one, `--pp` cuts it
 between blocks, and `--tp` splits its blocks if it says so and they are timm's attention and MLP. A model of no
 family still shards under `--fsdp` (blocks found by their class names, `fsdp.BLOCK_SUFFIXES`); `--pp` and `--tp`
 refuse it in one line naming the families.
@@ -120,6 +120,15 @@ FAMILIES = (
         blocks=lambda model: list(model.named_children()),
     ),
 )
+
+
+def register_family(family: Family) -> Family:
+    """Add a model family's row for this process: the layouts know it from then on. A registered row is matched
+    before the built-in ones (a subclass of a known model may be a family of its own); one of the same name as a row
+    already there replaces it. Returns the row."""
+    global FAMILIES
+    FAMILIES = (family, *(row for row in FAMILIES if row.name != family.name))
+    return family
 
 
 def family_of(model):
