@@ -17,11 +17,11 @@ import os
 import sys
 from pathlib import Path
 
-from dlojz_lib.checks import OneLineArgumentParser, interruptible
+from dlojz_lib.checks import OneLineArgumentParser, command
 from dlojz_lib.settings.flags import COUNT
 
 
-@interruptible("dlojz_avg.py")
+@command("dlojz_avg.py")
 def main(argv=None) -> int:
     parser = OneLineArgumentParser(prog="dlojz_avg.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("checkpoints", nargs="+", help="a run's folder (with --last), or checkpoint files")
@@ -38,18 +38,14 @@ def main(argv=None) -> int:
     parser.add_argument("--force", action="store_true", help="replace -o even if dlojz_avg.py did not write it")
     args = parser.parse_args(argv)
     import dlojz_lib.checkpoint as ckpt  # (torch: after the command line is read)
-    from dlojz_lib.checks import UserError, claim_output
+    from dlojz_lib.checks import claim_output
 
-    try:
-        paths = checkpoints_to_average(args.checkpoints, args.last, args.improved)
-        claim_output(
-            args.output, "-o", "a checkpoint dlojz_avg.py wrote", lambda path: ckpt.written_by_command(path, "averaged_from"),
-            [*paths, *args.checkpoints], args.force, create_folder=False,
-        )  # fmt: skip
-        ckpt.write_whole(ckpt.average(paths), args.output)
-    except (UserError, ckpt.CheckpointError) as err:  # a damaged or sharded checkpoint, another model: one line
-        print(f"dlojz_avg.py: error: {err}", file=sys.stderr)
-        return 2
+    paths = checkpoints_to_average(args.checkpoints, args.last, args.improved)
+    claim_output(
+        args.output, "-o", "a checkpoint dlojz_avg.py wrote", lambda path: ckpt.written_by_command(path, "averaged_from"),
+        [*paths, *args.checkpoints], args.force, create_folder=False,
+    )  # fmt: skip
+    ckpt.write_whole(ckpt.average(paths), args.output)  # (a damaged or sharded checkpoint, another model: one line)
     print(
         f"written: {args.output} ({os.path.getsize(args.output) / 2**20:.1f} MiB), the mean of {len(paths)} "
         f"checkpoints: {', '.join(path.name for path in paths)}"

@@ -18,7 +18,7 @@ size free.
 import sys
 from pathlib import Path
 
-from dlojz_lib.checks import OneLineArgumentParser, UserError, check_output_folder, claim_output, fail, interruptible
+from dlojz_lib.checks import OneLineArgumentParser, check_output_folder, claim_output, command, fail
 from dlojz_lib.export import EXPORTERS, PREPROCESSING_FILE, is_exported
 from dlojz_lib.settings.flags import NON_NEGATIVE
 
@@ -33,7 +33,11 @@ def get_parser():
     parser.add_argument("--ema", action="store_true", help="the checkpoint's EMA weights (its run had --model-ema)")
     parser.add_argument("-o", "--output", required=True, help="the folder to write the exports in")
     parser.add_argument(
-        "--format", nargs="+", choices=FORMATS, default=list(FORMATS), help="what to write (default: all four)"
+        "--format",
+        nargs="+",
+        choices=FORMATS,
+        default=list(FORMATS),
+        help=f"what to write (default: all {len(FORMATS)})",
     )
     parser.add_argument(
         "--check-images",
@@ -51,26 +55,22 @@ def get_parser():
     return parser
 
 
-@interruptible("dlojz_export.py")
+@command("dlojz_export.py")
 def main(argv=None) -> int:
     args = get_parser().parse_args(argv)
-    try:
-        from dlojz_lib.data.datasets import written_inside_data
-        from dlojz_lib.inference import check_checkpoint_or_weights, load_for_inference
+    from dlojz_lib.data.datasets import written_inside_data
+    from dlojz_lib.inference import check_checkpoint_or_weights, load_for_inference
 
-        check_checkpoint_or_weights(args.checkpoint, args.arch, args.pretrained)
-        model = load_for_inference(args.checkpoint, args.arch, args.pretrained, args.ema)
-        print(f"model: {model.source}", flush=True)
-        if (problem := written_inside_data(model.settings.get("data_root"), {"-o": args.output})) is not None:
-            fail(problem)  # (before -o is made: the run's next scan would read the exports as a class's images)
-        check_output_folder(args.output, "-o")
-        given = [path for path in (args.checkpoint, *(args.check_images or ())) if path]
-        for name in (PREPROCESSING_FILE, *(EXPORTERS[fmt].file for fmt in args.format)):
-            claim_output(Path(args.output) / name, "-o", "a file dlojz_export.py wrote", is_exported, given, args.force)
-        return export_model(model, args)
-    except UserError as err:
-        print(f"dlojz_export.py: error: {err}", file=sys.stderr)
-        return 2
+    check_checkpoint_or_weights(args.checkpoint, args.arch, args.pretrained)
+    model = load_for_inference(args.checkpoint, args.arch, args.pretrained, args.ema)
+    print(f"model: {model.source}", flush=True)
+    if (problem := written_inside_data(model.settings.get("data_root"), {"-o": args.output})) is not None:
+        fail(problem)  # (before -o is made: the run's next scan would read the exports as a class's images)
+    check_output_folder(args.output, "-o")
+    given = [path for path in (args.checkpoint, *(args.check_images or ())) if path]
+    for name in (PREPROCESSING_FILE, *(EXPORTERS[fmt].file for fmt in args.format)):
+        claim_output(Path(args.output) / name, "-o", "a file dlojz_export.py wrote", is_exported, given, args.force)
+    return export_model(model, args)
 
 
 def export_model(model, args) -> int:

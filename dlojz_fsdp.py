@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 import dlojz_lib.checkpoint as ckpt
-from dlojz_lib.checks import OneLineArgumentParser, interruptible
+from dlojz_lib.checks import OneLineArgumentParser, command
 from dlojz_lib.resume import foreign_record
 
 
@@ -148,7 +148,7 @@ def shard(source, target_dir):
     raise said  # (outside the handler: the failed write's frames, and its open files, are let go first)
 
 
-@interruptible("dlojz_fsdp.py")
+@command("dlojz_fsdp.py")
 def main(argv=None):
     parser = OneLineArgumentParser(description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -160,22 +160,18 @@ def main(argv=None):
     command.add_argument("source", help="an ordinary checkpoint (ckpt_e*_s*.pt)")
     command.add_argument("target", help="the folder to write it in: the --output-dir of the run that resumes it")
     args = parser.parse_args(argv)
-    from dlojz_lib.checks import UserError, check_output_folder, claim_output
+    from dlojz_lib.checks import check_output_folder, claim_output
 
-    try:
-        if args.command == "shard":
-            check_output_folder(args.target, "target")
-            written = shard(args.source, args.target)
-        else:
-            claim_output(
-                args.target, "target", "a checkpoint dlojz_fsdp.py consolidate wrote",
-                lambda path: ckpt.written_by_command(path, "consolidated_from"), [args.source], args.force,
-                create_folder=False,
-            )  # fmt: skip
-            consolidate(args.source, args.target)
-    except (ckpt.CheckpointError, UserError) as err:
-        print(f"dlojz_fsdp.py: error: {err}", file=sys.stderr)
-        return 2
+    if args.command == "shard":
+        check_output_folder(args.target, "target")
+        written = shard(args.source, args.target)
+    else:
+        claim_output(
+            args.target, "target", "a checkpoint dlojz_fsdp.py consolidate wrote",
+            lambda path: ckpt.written_by_command(path, "consolidated_from"), [args.source], args.force,
+            create_folder=False,
+        )  # fmt: skip
+        consolidate(args.source, args.target)
     if args.command == "shard":
         print(
             f"written: {written}: resume it with --fsdp --resume auto --output-dir {args.target} (or --resume {written})"

@@ -38,7 +38,7 @@ dlojz_lib/hpo/report.py; this file is the command line.
 import argparse
 import sys
 
-from dlojz_lib.checks import UserError, fail, interruptible
+from dlojz_lib.checks import command, fail
 from dlojz_lib.hpo.search import report, search
 from dlojz_lib.settings.flags import COUNT, POSITIVE, VALIDATION_METRICS, Number
 
@@ -117,7 +117,7 @@ def get_parser():
     return parser
 
 
-@interruptible("dlojz_hpo.py")
+@command("dlojz_hpo.py")
 def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     shared = []
@@ -125,19 +125,15 @@ def main(argv=None):
         cut = argv.index("--")
         argv, shared = argv[:cut], argv[cut + 1 :]
     args = get_parser().parse_args(argv)
-    try:
-        if args.command == "search":
-            if args.stale_after <= args.heartbeat_interval:
-                fail(
-                    f"--stale-after {args.stale_after:g} must be longer than --heartbeat-interval {args.heartbeat_interval:g}"
-                )
-            return search(args, shared)
-        if shared:
-            fail("report takes no dlojz flags after --")
-        return report(args)
-    except UserError as err:
-        print(f"dlojz_hpo.py: error: {err}", file=sys.stderr, flush=True)
-        return 2
+    if args.command == "search":
+        if args.stale_after <= args.heartbeat_interval:
+            fail(
+                f"--stale-after {args.stale_after:g} must be longer than --heartbeat-interval {args.heartbeat_interval:g}"
+            )
+        return search(args, shared)
+    if shared:
+        fail("report takes no dlojz flags after --")
+    return report(args)
 
 
 if __name__ == "__main__":

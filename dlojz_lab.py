@@ -23,10 +23,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from dlojz_lib.checks import OneLineArgumentParser, UserError, interruptible
+from dlojz_lib.checks import OneLineArgumentParser, command
 from dlojz_lib.lab.sweep import (
     SLURM_RESOURCES,
-    LabError,
     last_line,
     load,
     read_plan,
@@ -118,22 +117,18 @@ def get_parser():
     return p
 
 
-@interruptible("dlojz_lab.py")
+@command("dlojz_lab.py")
 def main(argv=None) -> int:
     args = get_parser().parse_args(argv)
     if getattr(args, "dlojz_args", None) and args.dlojz_args[0] == "--":
         args.dlojz_args = args.dlojz_args[1:]
-    try:
-        if args.command == "sweep":
-            return sweep_command(args)
-        if args.command == "status":
-            return status_command(args)
-        if args.command == "compare":
-            return compare_command(args)
-        return run_one(Path(args.sweep_dir), args.index)
-    except (LabError, UserError) as err:
-        print(f"dlojz_lab.py: error: {err}", file=sys.stderr)
-        return 2
+    if args.command == "sweep":
+        return sweep_command(args)
+    if args.command == "status":
+        return status_command(args)
+    if args.command == "compare":
+        return compare_command(args)
+    return run_one(Path(args.sweep_dir), args.index)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ dlojz_lib/pack/writer.py's; docs/data.md says when packing pays.
 import argparse
 import sys
 
-from dlojz_lib.checks import DataError, interruptible
+from dlojz_lib.checks import command
 from dlojz_lib.pack.writer import default_workers, pack
 from dlojz_lib.settings.flags import COUNT
 
@@ -23,7 +23,7 @@ class _Parser(argparse.ArgumentParser):
         raise SystemExit(2)
 
 
-@interruptible("dlojz_pack.py")
+@command("dlojz_pack.py")
 def main(argv=None) -> int:
     """0 done (or nothing to do), 2 bad input, 1 an I/O error while packing, 130 interrupted."""
     parser = _Parser(
@@ -52,9 +52,6 @@ def main(argv=None) -> int:
         return err.code if isinstance(err.code, int) else 2
     try:
         pack(args.src, args.dst, shard_size=args.shard_size, workers=args.workers)
-    except DataError as err:
-        print(f"dlojz_pack.py: error: {' '.join(str(err).splitlines())}", file=sys.stderr, flush=True)
-        return 2
     except KeyboardInterrupt:
         print(
             "dlojz_pack: interrupted; rerun the same command to finish (finished shards are kept)",

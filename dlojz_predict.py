@@ -17,7 +17,7 @@ import os
 import sys
 from pathlib import Path
 
-from dlojz_lib.checks import OneLineArgumentParser, UserError, claim_output, interruptible
+from dlojz_lib.checks import OneLineArgumentParser, UserError, claim_output, command
 from dlojz_lib.settings.flags import COUNT, WHOLE
 
 
@@ -47,28 +47,24 @@ def get_parser():
 CHECKPOINT_SUFFIXES = (".pt", ".pth", ".dcp", ".safetensors")  # what is weights, not an image
 
 
-@interruptible("dlojz_predict.py")
+@command("dlojz_predict.py")
 def main(argv=None) -> int:
     args = get_parser().parse_intermixed_args(argv)  # the images after flags too: CKPT --ema photos/ --top-k 3
     if args.pretrained is not None and args.checkpoint is not None:  # then the first positional is an image
         args.images, args.checkpoint = [args.checkpoint, *args.images], None
-    try:
-        if args.pretrained is not None and args.images and Path(args.images[0]).suffix in CHECKPOINT_SUFFIXES:
-            raise UserError(
-                f"{args.images[0]} is a checkpoint and --pretrained gives weights too: give one of them (the "
-                "checkpoint alone, or --pretrained and the images)"
-            )
-        from dlojz_lib.inference import check_checkpoint_or_weights
+    if args.pretrained is not None and args.images and Path(args.images[0]).suffix in CHECKPOINT_SUFFIXES:
+        raise UserError(
+            f"{args.images[0]} is a checkpoint and --pretrained gives weights too: give one of them (the "
+            "checkpoint alone, or --pretrained and the images)"
+        )
+    from dlojz_lib.inference import check_checkpoint_or_weights
 
-        check_checkpoint_or_weights(args.checkpoint, args.arch, args.pretrained)
-        if not args.images:
-            raise UserError("give the images: files or folders after the checkpoint")
-        given = [path for path in (args.checkpoint, *args.images) if path]
-        claim_output(args.output, "-o", "a dlojz_predict.py CSV", is_predictions_csv, given, args.force)
-        return predict_images(args)
-    except UserError as err:
-        print(f"dlojz_predict.py: error: {err}", file=sys.stderr)
-        return 2
+    check_checkpoint_or_weights(args.checkpoint, args.arch, args.pretrained)
+    if not args.images:
+        raise UserError("give the images: files or folders after the checkpoint")
+    given = [path for path in (args.checkpoint, *args.images) if path]
+    claim_output(args.output, "-o", "a dlojz_predict.py CSV", is_predictions_csv, given, args.force)
+    return predict_images(args)
 
 
 def is_predictions_csv(path) -> bool:

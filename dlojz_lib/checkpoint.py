@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from dlojz_lib.checks import fail
+from dlojz_lib.checks import OneLineError, fail
 from dlojz_lib.durable import atomic_write, fsync_folder, sha256_of
 
 FORMAT_KEY = "dlojz_checkpoint_format"
@@ -48,7 +48,7 @@ NAME_RE = re.compile(r"^ckpt_e(\d+)_s(\d+)\.(pt|dcp)$")
 SHARDED_META = "dlojz.pt"
 
 
-class CheckpointError(Exception):
+class CheckpointError(OneLineError):
     """A checkpoint that cannot be used; the message is one line naming the file."""
 
 

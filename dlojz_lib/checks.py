@@ -20,7 +20,7 @@ and a $DLOJZ_DATA that names no folder. The lowest of dlojz's modules: it import
   line naming the file and saying `fix`, never a traceback.
 - `DataError`: a problem with the data (dlojz_lib.data.datasets, dlojz_lib.data.shards), one line naming the path.
 - `missing_data_variable(environ)`: the line saying that $DLOJZ_DATA names no folder, or None.
-- `interruptible(name)`: a sibling command's main, Ctrl-C ending it in one line with the shell's 130;
+- `command(name)`: every sibling command's door: a one-line error (`OneLineError`) exits 2, Ctrl-C 130, each in one line;
   `ended_on_interrupt(proc)`: a child process (a lab run, an HPO trial) told of the Ctrl-C and waited for.
 """
 
@@ -35,11 +35,16 @@ import sys
 from pathlib import Path
 
 
-class UserError(Exception):
+class OneLineError(Exception):
+    """What a command ends on with its message as one line and exit status 2 (`command`): bad input, bad data, a
+    checkpoint that cannot be used, a sweep's bad settings. The kinds below, and CheckpointError and LabError."""
+
+
+class UserError(OneLineError):
     """Bad input the user can fix: printed as one line, exit status 2."""
 
 
-class DataError(Exception):
+class DataError(OneLineError):
     """A problem with the data the user can fix; the message is one line and names the path."""
 
 
@@ -276,17 +281,21 @@ def missing_data_variable(environ):
 INTERRUPTED_STATUS = 130  # the shell's status for a process ended by SIGINT (128 + 2)
 
 
-def interruptible(name):
-    """A sibling command's main(argv): Ctrl-C (KeyboardInterrupt, anywhere in it) ends it with one line naming the
-    command and exit status 130, not a traceback. What it writes is written whole or not at all (each output goes
-    to a temporary name, then is renamed), so nothing half-written is left; what it was in (an HPO trial, a lab run)
-    is marked stopped where it was caught first."""
+def command(name):
+    """The one door of every sibling command's main(argv): a OneLineError (bad input, data, a checkpoint; anywhere
+    in it) ends it with `NAME: error: MESSAGE` on one line and exit status 2; Ctrl-C (KeyboardInterrupt) with one
+    line naming the command and exit status 130, not a traceback. What it writes is written whole or not at all
+    (each output goes to a temporary name, then is renamed), so nothing half-written is left; what it was in (an
+    HPO trial, a lab run) is marked stopped where it was caught first."""
 
     def door(main):
         @functools.wraps(main)
         def run(argv=None):
             try:
                 return main(argv)
+            except OneLineError as err:
+                print(f"{name}: error: {' '.join(one_line(err).splitlines())}", file=sys.stderr, flush=True)
+                return 2
             except KeyboardInterrupt:
                 print(f"{name}: interrupted (Ctrl-C): stopped, nothing half-written left", file=sys.stderr, flush=True)
                 return INTERRUPTED_STATUS

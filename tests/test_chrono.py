@@ -531,9 +531,9 @@ def test_plot_command_writes_a_png(tmp_path, capsys):
 
 
 def test_plot_command_rejects_a_missing_trace(tmp_path, capsys):
-    with pytest.raises(SystemExit):
-        main(["plot", str(tmp_path / "nope.json"), "-o", str(tmp_path / "x.png")])
-    assert "nope.json: no such file" in capsys.readouterr().err
+    assert main(["plot", str(tmp_path / "nope.json"), "-o", str(tmp_path / "x.png")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("dlojz_chrono.py: error: ") and "nope.json: no such file" in err
 
 
 # ------------------------------------------------------------------ FLOPs

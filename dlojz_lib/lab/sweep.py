@@ -20,7 +20,7 @@ import time
 from contextlib import redirect_stderr
 from pathlib import Path
 
-from dlojz_lib.checks import UserError, check_output_folder, ended_on_interrupt
+from dlojz_lib.checks import OneLineError, UserError, check_output_folder, ended_on_interrupt
 
 ROOT = Path(__file__).resolve().parents[2]  # the project: dlojz.py, slurm/
 RUNS = Path("runs")
@@ -38,7 +38,7 @@ SLURM_RESOURCES = (  # dlojz_lab.py's flag, its #SBATCH directive, and whether i
 )
 
 
-class LabError(Exception):
+class LabError(OneLineError):
     """Bad input: one line, exit 2."""
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dlojz_lib.checks import OneLineArgumentParser, interruptible, is_png_drawn_by
+from dlojz_lib.checks import OneLineArgumentParser, command, is_png_drawn_by
 
 # Loading is "significant" above this share of the compute step: then the report prints one line of advice.
 LOAD_ADVICE_THRESHOLD = 0.05
@@ -301,7 +301,7 @@ def is_timeline_plot(path) -> bool:
     return is_png_drawn_by(path, PLOT_SOFTWARE)
 
 
-@interruptible("dlojz_chrono.py")
+@command("dlojz_chrono.py")
 def main(argv=None):
     parser = OneLineArgumentParser(prog="dlojz_chrono.py", description="dlojz chronometer tools")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -310,15 +310,10 @@ def main(argv=None):
     plot.add_argument("-o", "--output", default="timeline.png", help="PNG to write (default: timeline.png)")
     plot.add_argument("--force", action="store_true", help="replace -o even if this command did not draw it")
     args = parser.parse_args(argv)
-    from dlojz_lib.checks import UserError, claim_output
+    from dlojz_lib.checks import claim_output
 
-    try:
-        trace = read_trace(args.trace)
-        claim_output(
-            args.output, "-o/--output", "a timeline this command drew", is_timeline_plot, [args.trace], args.force
-        )
-    except UserError as err:
-        parser.error(str(err))
+    trace = read_trace(args.trace)
+    claim_output(args.output, "-o/--output", "a timeline this command drew", is_timeline_plot, [args.trace], args.force)
     plot_trace(trace, args.output)
     print(f"timeline written to {args.output}")
     return 0
