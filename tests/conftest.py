@@ -14,10 +14,11 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(1, str(ROOT / "bench"))  # in_process.synthetic_loop: dlojz's loop in-process, for tests and benches
-# tests/ mirrors the package (data/, optim/, parallelism/, commands/, system/, the rest beside it): a test file's
+# tests/ mirrors the package (its wings: data/, optim/, model/, parallelism/, settings/, observers/; commands/,
+# system/; the rest beside it): a test file's
 # helpers are imported by name from another folder's (`from test_dlojz import assert_one_line_error`), whichever
 # folder pytest collected first.
-TEST_FOLDERS = ("data", "optim", "parallelism", "commands", "system")
+TEST_FOLDERS = ("data", "optim", "model", "parallelism", "settings", "observers", "commands", "system")
 sys.path[2:2] = [str(ROOT / "tests" / folder) for folder in TEST_FOLDERS]
 
 import file_seconds  # noqa: E402

@@ -430,7 +430,7 @@ def test_every_schedule_trains_to_the_weights_of_one_process(two_ranks):
 def test_four_ranks_train_to_the_weights_of_one_process_in_4_stages_and_in_2_of_2_ranks(tmp_path):
     """4 ranks: 1F1B over 4 stages (stem, blocks, head of a ViT), then over 2 stages each split over 2 ranks by the
     tensor-parallel plan (a (pipe, tensor) mesh): both reach one process's weights, and their eval logits its; so
-    does a toy model whose family is the one row tests/parallelism/test_families.py adds, under PP 2 x TP 2."""
+    does a toy model whose family is the one row tests/model/test_families.py adds, under PP 2 x TP 2."""
     cases = [("timm:test_vit", "1f1b", 1, 1), ("timm:test_vit", "1f1b", 1, 2), ("toy-family", "1f1b", 1, 2)]
     found = spawn(4, cases, tmp_path)
     names = {(rank, arch, schedule): stages for rank, arch, schedule, stages in found}

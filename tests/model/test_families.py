@@ -54,7 +54,7 @@ class ToyNet(nn.Module):
 
 
 TOY = Family(
-    "a toy family (tests/parallelism/test_families.py)",
+    "a toy family (tests/model/test_families.py)",
     lambda model: isinstance(model, ToyNet),
     blocks=lambda model: [(f"mixers.{i}", mixer) for i, mixer in enumerate(model.mixers)],
     stem=lambda model: Layer("stem", ("embed",), model.tokens),

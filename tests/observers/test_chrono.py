@@ -1,7 +1,7 @@
 """Tests of the chronometer (dlojz_lib/observers/chrono.py): Chronometer timings (fake clock), statistics, advice, NVML energy, trace plot, FLOP count.
 
 No training, no GPU: a fake clock and a fake sync stand in for the device; a fake pynvml module for NVML.
-Run from the repository root: ``python -m pytest tests/test_chrono.py`` (a few seconds).
+Run from the repository root: ``python -m pytest tests/observers/test_chrono.py`` (a few seconds).
 """
 
 import json

@@ -105,7 +105,7 @@ def test_each_bound_is_checked(capsys, flags, fragment):
 FREE = {
     "config": "a file path, read and checked by the recipe reader",
     "arch": "a model name, checked when the model is made",
-    "timm_augment": "timm's --aa string, checked by its pattern in flag_checks (tests/test_flag_effects.py)",
+    "timm_augment": "timm's --aa string, checked by its pattern in flag_checks (tests/settings/test_flag_effects.py)",
     "data_root": "a folder, checked when the data is read",
     "output_dir": "a folder, checked writable before the run",
     "metrics_json": "a file path, its folder checked writable before the run",
