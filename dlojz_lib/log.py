@@ -9,7 +9,7 @@ records with them, section by section: dlojz_lib/run_record.py).
 - `start_wandb(cfg, ...)`: W&B on rank 0, offline unless asked, resumed under the same run id; a `NoWandb` stands
   in when it is off, so that callers never test for it.
 - `finish(...)`: the report at the end of a run: the chronometer's figures gathered from every rank, then on rank 0
-  its report (`chrono_context` gives it the model's FLOPs and the run's shape), memory and throughput lines and the
+  its report (run_record's `chrono_context` gives it the model's FLOPs and the run's shape), memory and throughput lines and the
   metrics JSON (`write_json`, atomic); W&B closed. `write_lr_finder` writes the LR range test's CSV and plot.
 """
 
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from dlojz_lib.model.zoo import peak_memory_bytes, plain_stages, saved_activation_bytes, train_flops_per_image
+from dlojz_lib.observers.chrono import peak_memory_bytes
 
 LOG_EVERY = 10  # optimizer steps between W&B points and between the ranks' checks for a stop signal or a NaN loss
 # The files a run writes in its output folder under fixed names, beside its checkpoints
@@ -233,34 +233,6 @@ def write_lr_finder(lr_finder, output_dir) -> dict:
     )
     print(f">>> LR finder: {output_dir / 'findlr.csv'}, {output_dir / 'findlr.png'}")
     return dict(findlr_suggested_lr=suggested, findlr_csv=str(output_dir / FINDLR_CSV))
-
-
-def chrono_context(cfg, model, loaders, ranks, metrics, val_max_batches) -> dict:
-    """What the chronometer's report needs beyond its timings: the model's FLOPs, the run's shape, the machine."""
-    whole = model.unsharded  # with --fsdp, the shapes of the model before sharding
-    with plain_stages(whole):  # model FLOPs: the recomputation is not useful work
-        flops = train_flops_per_image(whole, cfg.image_size, cfg.channels_last)
-    if cfg.grad_checkpointing:  # what checkpointing saves, estimated from one image (float32)
-        plain, kept = (
-            saved_activation_bytes(whole, cfg.image_size, cfg.channels_last, c, cfg.arch) for c in (False, True)
-        )
-        metrics.update(activation_bytes_per_image=kept, activation_bytes_per_image_without_checkpointing=plain)
-    device = ranks.device
-    return dict(
-        images_per_step=cfg.batch_size * ranks.data_size,
-        world_size=ranks.world_size,
-        steps_per_epoch=loaders.n_train_batches,
-        val_batches_done=min(val_max_batches or loaders.n_val_batches, loaders.n_val_batches),
-        val_batches_total=loaders.n_val_batches,
-        num_workers=cfg.num_workers,
-        cpus_per_task=cfg.cpus_per_task,
-        pin_memory=cfg.pin_memory,
-        persistent_workers=cfg.persistent_workers,
-        train_flops_per_image=flops,
-        device_name=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        compute_dtype=cfg.compute_dtype,
-        peak_memory_bytes=peak_memory_bytes(device),
-    )
 
 
 def finish(cfg, metrics, chrono, ranks, wandb_run=None, ctx=None, n_batches=None, teardown=False) -> dict:

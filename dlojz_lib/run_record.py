@@ -17,6 +17,8 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+
 from dlojz_lib.data.augment import training_resolution
 from dlojz_lib.log import (
     ARGS_FILE,
@@ -24,13 +26,14 @@ from dlojz_lib.log import (
     NoWandb,
     TensorBoardRun,
     append_json_line,
-    chrono_context,
     finish,
     start_wandb,
     tensorboard_folder,
     write_lr_finder,
     write_text,
 )
+from dlojz_lib.model.zoo import plain_stages, saved_activation_bytes, train_flops_per_image
+from dlojz_lib.observers.chrono import peak_memory_bytes
 from dlojz_lib.parallelism.layout import state_bytes_per_rank
 from dlojz_lib.resume import check_checkpoints_written
 from dlojz_lib.settings.flags import get_args_parser
@@ -186,3 +189,31 @@ def report_run(run, progress, watchdog) -> dict:
     )
     check_checkpoints_written(cfg.output_dir, run.saver, run.log)  # a final model nowhere on disk ends the run non-zero
     return metrics
+
+
+def chrono_context(cfg, model, loaders, ranks, metrics, val_max_batches) -> dict:
+    """What the chronometer's report needs beyond its timings: the model's FLOPs, the run's shape, the machine."""
+    whole = model.unsharded  # with --fsdp, the shapes of the model before sharding
+    with plain_stages(whole):  # model FLOPs: the recomputation is not useful work
+        flops = train_flops_per_image(whole, cfg.image_size, cfg.channels_last)
+    if cfg.grad_checkpointing:  # what checkpointing saves, estimated from one image (float32)
+        plain, kept = (
+            saved_activation_bytes(whole, cfg.image_size, cfg.channels_last, c, cfg.arch) for c in (False, True)
+        )
+        metrics.update(activation_bytes_per_image=kept, activation_bytes_per_image_without_checkpointing=plain)
+    device = ranks.device
+    return dict(
+        images_per_step=cfg.batch_size * ranks.data_size,
+        world_size=ranks.world_size,
+        steps_per_epoch=loaders.n_train_batches,
+        val_batches_done=min(val_max_batches or loaders.n_val_batches, loaders.n_val_batches),
+        val_batches_total=loaders.n_val_batches,
+        num_workers=cfg.num_workers,
+        cpus_per_task=cfg.cpus_per_task,
+        pin_memory=cfg.pin_memory,
+        persistent_workers=cfg.persistent_workers,
+        train_flops_per_image=flops,
+        device_name=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        compute_dtype=cfg.compute_dtype,
+        peak_memory_bytes=peak_memory_bytes(device),
+    )

@@ -316,19 +316,23 @@ def build_loaders(cfg, train_set, val_set, num_classes, ranks, log) -> Loaders:
     normalize = normalisation(cfg.section("data"), cfg.channels_last, ranks)
     train_batches = DevicePrefetcher(train, ranks.device, normalize, non_blocking=cfg.non_blocking)
     val_batches = DevicePrefetcher(val, ranks.device, normalize, non_blocking=cfg.non_blocking)
-    if cfg.pp > 1:
+    batches = (train_batches, val_batches)
+    return finish_loaders(
+        train, val, train_sampler, batches, len(val_set), cfg.pp, cfg.val_batch_size, ranks, (train, val)
+    )
+
+
+def finish_loaders(train, val, train_sampler, batches, val_images, pp, val_batch_size, ranks, owned=()):
+    """The `Loaders` of a run's batches on the device (`batches`: training's and validation's, the DataLoaders' or
+    DALI's): under --pp the first stage's labels given to the later stages, which read no image; each rank's share
+    of the validation set counted."""
+    train_batches, val_batches = batches
+    if pp > 1:
         pipe = ranks.mesh["pipe"].get_group()
         train_batches, val_batches = FirstStageLabels(train_batches, pipe), FirstStageLabels(val_batches, pipe)
+    per_rank = val_batches_per_rank(val_images, ranks.data_size, val_batch_size)
     return Loaders(
-        train,
-        train_sampler,
-        train_batches,
-        val_batches,
-        len(train),
-        len(val),
-        len(val_set),
-        *val_batches_per_rank(len(val_set), ranks.data_size, cfg.val_batch_size),
-        owned=(train, val),
+        train, train_sampler, train_batches, val_batches, len(train), len(val), val_images, *per_rank, owned=owned
     )
 
 
@@ -431,20 +435,7 @@ def dali_loaders(cfg, train_set, val_set, train_sampler, ranks, log) -> Loaders:
         name="validation",
         log=log,
     )
-    train_batches, val_batches = train, val
-    if cfg.pp > 1:  # the first stage's: the later ones decode nothing and take its labels
-        pipe = ranks.mesh["pipe"].get_group()
-        train_batches, val_batches = FirstStageLabels(train, pipe), FirstStageLabels(val, pipe)
-    return Loaders(
-        train,
-        train_sampler,
-        train_batches,
-        val_batches,
-        len(train),
-        len(val),
-        len(val_set),
-        *val_batches_per_rank(len(val_set), ranks.data_size, cfg.val_batch_size),
-    )
+    return finish_loaders(train, val, train_sampler, (train, val), len(val_set), cfg.pp, cfg.val_batch_size, ranks)
 
 
 def synthetic_loaders(cfg, num_classes, ranks, train_images, val_images) -> Loaders:

@@ -25,7 +25,6 @@
   keeps for the backward, measured on a real forward of a CPU copy.
 - `train_flops_per_image(model, image_size)`: training FLOPs of one image (FlopCounterMode on a weightless copy);
   `peak_flops(device_name, dtype)`: the dense peak of V100/A100/H100/H200 GPUs, for the MFU.
-- `peak_memory_bytes(device)`: the most memory this process used (CUDA allocator peak, or the CPU's peak RSS).
 """
 
 from __future__ import annotations
@@ -492,14 +491,6 @@ def without_sync_batchnorm(module):
     for name, child in module.named_children():
         setattr(module, name, without_sync_batchnorm(child))
     return module
-
-
-def peak_memory_bytes(device):
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device)
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
 # ---------------------------------------------------------------------- FLOPs and peaks

@@ -492,6 +492,15 @@ class Chronometer:
 
 
 # ---------------------------------------------------------------------- helpers
+def peak_memory_bytes(device):
+    """The most memory this process used: the CUDA allocator's peak, or the CPU's peak resident set."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
 def _default_sync(device: torch.device):
     """Waits for the compute stream only: torch.cuda.synchronize would also wait for the prefetcher's copy of the
     next batch on its side stream, and count it in the step (the untimed run overlaps it)."""

@@ -273,7 +273,7 @@ def build_pipeline_model(cfg, model, ranks, log) -> Model:
 
 def state_bytes_per_rank(model, training, ranks) -> dict:
     """Bytes of parameters, gradients and optimizer state on each rank (the largest), and each rank's peak."""
-    from dlojz_lib.model.zoo import peak_memory_bytes
+    from dlojz_lib.observers.chrono import peak_memory_bytes
     from dlojz_lib.parallelism.fsdp import state_bytes
 
     local = dict(state_bytes(model.module, training.optimizer), peak_memory_bytes=peak_memory_bytes(ranks.device))
