@@ -38,9 +38,10 @@ import torch.distributed as dist
 import dlojz_lib.checkpoint as ckpt
 from dlojz_lib.checks import DataError, UserError, one_line
 from dlojz_lib.data.datasets import class_counts
-from dlojz_lib.data.loaders import build_data, build_loaders, measure_loader_only
+from dlojz_lib.data.loaders import Loaders, build_data, build_loaders, measure_loader_only
 from dlojz_lib.dist import (
     INTERRUPTED,
+    Distribution,
     HostMemoryBound,
     LostPeerReport,
     PeerLost,
@@ -62,10 +63,11 @@ from dlojz_lib.observers.chrono import Chronometer
 from dlojz_lib.observers.hooks import LoopHooks, make_profiler
 from dlojz_lib.observers.watchdog import Watchdog
 from dlojz_lib.optim.losses import soft_target_accuracy
-from dlojz_lib.optim.training import build_training
-from dlojz_lib.parallelism.fsdp import match_sharded_forwards
-from dlojz_lib.parallelism.layout import lay_out
+from dlojz_lib.optim.training import Training, build_training
+from dlojz_lib.parallelism.fsdp import ShardedCheckpointSaver, match_sharded_forwards
+from dlojz_lib.parallelism.layout import Model, lay_out
 from dlojz_lib.resume import (
+    TrainState,
     claim_output_dir,
     find_checkpoint,
     make_saver,
@@ -84,7 +86,7 @@ from dlojz_lib.run_record import (
     record_validation,
     report_run,
 )
-from dlojz_lib.settings.config import resolve_config
+from dlojz_lib.settings.config import Config, resolve_config
 from dlojz_lib.settings.flag_checks import check_flags
 from dlojz_lib.settings.flags import get_args_parser
 from dlojz_lib.settings.launch import load_idr_torch
@@ -108,20 +110,20 @@ class Run:
     """What main() has built once training can start, for the sections' functions below it: one record instead of
     a dozen parameters each. `started`: the clock at the run's start (a resumed run's first start)."""
 
-    cfg: object
-    ranks: object
-    log: object
-    stop: object
-    chrono: object
-    model: object
-    training: object
-    loaders: object
-    state: object
+    cfg: Config
+    ranks: Distribution
+    log: Console
+    stop: StopPoll
+    chrono: Chronometer
+    model: Model
+    training: Training
+    loaders: Loaders
+    state: TrainState
     metrics: dict
     val_max_batches: int | None
     started: float = 0.0
-    saver: object = None
-    wandb_run: object = None
+    saver: ckpt.CheckpointSaver | ShardedCheckpointSaver | None = None  # none for --test, --eval-only
+    wandb_run: object = None  # W&B's run, or a NoWandb that stands in for it
 
     def __post_init__(self):
         self.stop.watchdog.time_after_buffer_broadcast(self.model.net)  # (DDP: a straggler is not hidden there)
@@ -321,7 +323,7 @@ def train_one_epoch(
         if hooks.optimizer_step_done(loss, stats[1], count):  # the LR finder has swept its range
             break
         # a stop signal on any rank (asked without waiting for the GPU): all ranks stop here
-        if stop(state.global_step):
+        if stop.requested(state.global_step):
             stop_reason = stop.stop_signal.name or "signal on another rank"
             break
         end_of_test = cfg.test and state.global_step >= cfg.test_nsteps
@@ -459,7 +461,7 @@ def evaluate(
                 break
             forwards += 1
             # Asked only while every rank has a batch (the last may have one fewer): the same calls on all.
-            if stop is not None and batch_index < loaders.n_val_batches_every_rank and stop():
+            if stop is not None and batch_index < loaders.n_val_batches_every_rank and stop.requested():
                 return dict(stopped_by=stop.stop_signal.name or "signal on another rank")
             with training.autocast():
                 outputs = net(images).float()

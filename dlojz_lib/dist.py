@@ -5,7 +5,7 @@
 - `StopSignal().install()`: Slurm's preemption warning (`--signal=USR1@T`), SIGTERM or SIGUSR2 sets `.name`; the
   training loop finishes its step instead of dying. USR1 and TERM end in a requeue; USR2 is a plain stop (a
   checkpoint, no requeue): what a pruned hyper-parameter trial gets, and `scancel --signal=USR2 JOB` for a user.
-- `StopPoll(stop_signal, ranks)`: called at every optimizer step and between validation batches, says whether any rank
+- `StopPoll(stop_signal, ranks)`: `requested(step)` at every optimizer step and between validation batches, says whether any rank
   has received a stop signal, without waiting for the GPU (a one-number all-reduce on a CPU group, read one call
   later), so that every rank stops at the same step.
 - `agree_on_stop(stop, first_nonfinite, ranks, checkpoint_due)`: one small all-reduce at log points (it also
@@ -123,7 +123,9 @@ class StopPoll:
         self.watchdog = watchdog or Watchdog(ranks, 0, None)  # told of each call: the loop moves on
         self._pending = None  # (work, flag) of the all-reduce in flight
 
-    def __call__(self, step=None) -> bool:
+    def requested(self, step=None) -> bool:
+        """Whether any rank asked to stop, as every rank agrees at this call (see the class); `step`: where the
+        loop is, told to the watchdog."""
         self.watchdog.mark(step)
         if self.group is None:
             return self.stop_signal.name is not None
