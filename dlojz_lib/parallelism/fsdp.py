@@ -53,13 +53,13 @@ def holding_parameters(blocks):
     return [block for block in blocks if any(True for _ in block.parameters())]
 
 
-def sharding_units(module):
-    """The blocks of `module`'s family (families.py) that hold parameters; for a model of no family, the outermost
-    submodules whose class is a residual or transformer block (BLOCK_SUFFIXES), or if none, its children that hold
-    parameters."""
-    blocks = families.blocks_of(module)
-    if blocks is not None:
-        return holding_parameters(block for _, block in blocks)
+def sharding_units(module, family=None):
+    """The blocks of `module`'s family (`family`: its row of model.families as the build resolved it; None: looked
+    up) that hold parameters; for a model of no family, the outermost submodules whose class is a residual or
+    transformer block (BLOCK_SUFFIXES), or if none, its children that hold parameters."""
+    family = families.family_of(module) if family is None else family
+    if family is not None:
+        return holding_parameters(block for _, block in family.blocks(module))
     units = []
 
     def visit(parent):
@@ -75,18 +75,18 @@ def sharding_units(module):
     return units
 
 
-def shard_model(module, reshard_after_forward, param_dtype, device, mesh=None, units=None):
+def shard_model(module, reshard_after_forward, param_dtype, device, mesh=None, units=None, family=None):
     """Shard `module` in place across the process group's ranks (each block, then the root), or across `mesh` (with
     --tp, the data dimension of the (data, tensor) mesh: 2-D). Its parameters become DTensors holding this rank's
     shard, on `device`; `param_dtype`: what the gathered weights are cast to (the AMP dtype, or None: as held).
     `units`: the blocks to shard one by one (a pipeline stage's, which its family names on the whole model), or
-    None: `sharding_units(module)`. Returns the number of blocks."""
+    None: `sharding_units(module, family)`. Returns the number of blocks."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mesh = mesh if mesh is not None else init_device_mesh(device.type, (dist.get_world_size(),))
     precision = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
-    units = sharding_units(module) if units is None else holding_parameters(units)
+    units = sharding_units(module, family) if units is None else holding_parameters(units)
     for unit in units:
         fully_shard(unit, mesh=mesh, mp_policy=precision, reshard_after_forward=reshard_after_forward)
     # The root's own parameters (stem, head) are needed again at once by the backward: kept gathered.

@@ -97,7 +97,9 @@ def lay_out(model, cfg, ranks, log) -> Model:
         if cfg.tp > 1:
             from dlojz_lib.parallelism.tensor import parallelize
 
-            split = parallelize(module, ranks.mesh["tensor"], cfg.arch, cfg.sequence_parallel, cfg.val_crop_size)
+            split = parallelize(
+                module, ranks.mesh["tensor"], cfg.arch, cfg.sequence_parallel, cfg.val_crop_size, model.family
+            )
             log(
                 f"tensor parallelism: {split} blocks over groups of {cfg.tp} ranks (q, k, v and fc1 column-wise, proj "
                 f"and fc2 row-wise{'; the tokens split between them: sequence parallelism' if cfg.sequence_parallel else ''}), "
@@ -108,7 +110,10 @@ def lay_out(model, cfg, ranks, log) -> Model:
         if compiled_blocks is not None:  # each block, between the plan and FSDP
             log(compile_blocks([block for _, block in compiled_blocks], cfg.compile_mode))
         data_mesh = ranks.mesh["data"] if ranks.mesh is not None else None
-        blocks = shard_model(module, cfg.fsdp_reshard_after_forward, cfg.amp_torch_dtype, ranks.device, data_mesh)
+        precision = cfg.amp_torch_dtype
+        blocks = shard_model(
+            module, cfg.fsdp_reshard_after_forward, precision, ranks.device, data_mesh, None, model.family
+        )
         fill_from_first_rank([module], catalogue, values, ranks.device)
         parallel = "fsdp"
         log(
@@ -212,7 +217,7 @@ def build_pipeline_model(cfg, model, ranks, log) -> Model:
     if cfg.tp > 1:  # the plan checked once, on the whole model: the stages hold its blocks or none
         from dlojz_lib.parallelism.tensor import check_plan, parallelize, transformer_blocks
 
-        check_plan(module, cfg.tp, cfg.arch)
+        check_plan(module, cfg.tp, cfg.arch, model.family)
     block_paths = [path for path, _ in model.blocks or ()]  # (none: build_pipeline refuses the model)
     compiled = []  # compile_blocks' lines, a stage each
 

@@ -257,11 +257,12 @@ def is_vit_block(block):
     return type(block.attn) is Attention
 
 
-def check_plan(module, n, arch="this model") -> list:
+def check_plan(module, n, arch="this model", family=None) -> list:
     """`module`'s transformer blocks, each checked to split over `n` ranks; a model without any, or of a family whose
-    row has no plan (families.py), is one line. (--pp checks the whole model once: a stage without blocks, a stem
+    row has no plan (`family`: the model's row as the build resolved it; None: looked up, none for a pipeline's
+    stage, whose model was checked), is one line. (--pp checks the whole model once: a stage without blocks, a stem
     or a head, stays replicated over the group.)"""
-    family = families.family_of(module)  # none for a pipeline's stage: its model's was checked
+    family = families.family_of(module) if family is None else family
     blocks = transformer_blocks(module) if family is None or family.tensor_parallel else []
     if not blocks:
         raise UserError(f"--tp: --arch {arch} has no tensor-parallel plan here: {families.names(True)} have one")
@@ -371,16 +372,17 @@ def heads_of_this_rank(rel_pos, tp_mesh):
     rel_pos.get_bias = get_bias  # what the attention's forward and rel_pos's own forward call
 
 
-def parallelize(module, tp_mesh, arch="this model", sequence_parallel=False, val_crop_size=None) -> int:
+def parallelize(module, tp_mesh, arch="this model", sequence_parallel=False, val_crop_size=None, family=None) -> int:
     """The plan above applied to `module` in place over `tp_mesh` (a 1-D DeviceMesh, or the tensor dimension of a
     2-D one). `sequence_parallel` (ViT): between the blocks' matrix products the tokens are split over the group too
     (the norms, residuals and dropouts on 1/N of them; all-gather and reduce-scatter instead of all-reduce: the same
-    volume, 1/N of the activations). Returns the number of blocks parallelised."""
+    volume, 1/N of the activations). `family`: the model's row (check_plan). Returns the number of blocks
+    parallelised."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import PrepareModuleInput, PrepareModuleOutput, parallelize_module
 
     n = tp_mesh.size()
-    blocks = check_plan(module, n, arch)
+    blocks = check_plan(module, n, arch, family)
     if sequence_parallel and not all(is_vit_block(block) for block in blocks):
         raise UserError(
             f"--sequence-parallel: {arch}'s attention runs on windows or NCHW maps, whose tokens --sequence-parallel "
