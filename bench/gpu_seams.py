@@ -25,7 +25,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from dlojz_lib.parallelism.pipeline import Stage, build_pipeline, layer_seconds, pipeline_layers  # noqa: E402
+from dlojz_lib.model.build import BuiltModel  # noqa: E402
+from dlojz_lib.parallelism.pipeline import PipelineCut, Stage, build_pipeline, layer_seconds, pipeline_layers  # noqa: E402
 
 
 def stage_draws(device):
@@ -68,8 +69,8 @@ def cut_by_time(device):
     with torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False):
         seconds = layer_seconds(model, pipeline_layers(model), torch.randn(8, 3, 224, 224, device=device))
     timing_peak = torch.cuda.max_memory_allocated(device) - start
-    _, stages = build_pipeline(model, "vit", 0, 1, "gpipe", 2, torch.nn.functional.cross_entropy, device,
-                               split="time", sample=torch.randn(8, 3, 224, 224), autocast_dtype=torch.bfloat16)  # fmt: skip
+    cut = PipelineCut(1, "gpipe", 2, split="time", sample=torch.randn(8, 3, 224, 224), autocast_dtype=torch.bfloat16)
+    _, stages, _ = build_pipeline(BuiltModel.of(model, "vit"), cut, 0, device)
     held = torch.cuda.memory_allocated(device) - start
     home = {p.device.type for p in model.parameters()}
     ok = home == {"cpu"} and held < 1.5 * model_bytes and timing_peak < model_bytes / 2 and len(seconds) == 14

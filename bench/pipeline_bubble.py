@@ -78,8 +78,9 @@ def measure(args, rank, world, device):
     import torch
     import torch.distributed as dist
 
+    from dlojz_lib.model.build import BuiltModel
     from dlojz_lib.model.zoo import create_model
-    from dlojz_lib.parallelism.pipeline import StageClock, build_pipeline, paused_toy, pipeline_step
+    from dlojz_lib.parallelism.pipeline import PipelineCut, StageClock, build_pipeline, paused_toy, pipeline_step
 
     torch.manual_seed(0)
     if args.arch == "toy":
@@ -96,9 +97,10 @@ def measure(args, rank, world, device):
         for microbatches in args.microbatches:
             if microbatches < world:
                 continue  # a micro-batch for every stage at least: the schedules refuse fewer
-            runner, stages = build_pipeline(model, args.arch, rank, world, schedule, microbatches,
-                                            torch.nn.functional.cross_entropy, device, stages_per_rank=per_rank,
-                                            split=args.split, sample=images[: args.batch_size // microbatches])  # fmt: skip
+            sample = images[: args.batch_size // microbatches]
+            cut = PipelineCut(world, schedule, microbatches, per_rank, args.split, sample=sample)
+            runner, stages, loss = build_pipeline(BuiltModel.of(model, args.arch), cut, rank, device)
+            loss.criterion = torch.nn.functional.cross_entropy
             optimizer = torch.optim.SGD([p for s in stages for p in s.parameters()], lr=1e-3)
             clock = StageClock(runner, device)
             walls, idles = [], []

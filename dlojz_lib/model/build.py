@@ -35,6 +35,11 @@ class BuiltModel:
     family: families.Family | None  # its row of the families' table, None for a model of none
     shapes_only: bool = False  # its values are the first rank's, which the layout gives it once cut
 
+    @classmethod
+    def of(cls, module, arch="this model", num_classes=None) -> "BuiltModel":
+        """A module built elsewhere (a test's, a benchmark's) as the layouts take it: its family looked up."""
+        return cls(module, None, num_classes, arch, families.family_of(module))
+
     @property
     def blocks(self) -> list | None:
         """Its family's blocks, [(path, module)] in forward order, as the model stands now; None for no family."""

@@ -148,9 +148,10 @@ def names(tensor_parallel=False):
     return ", ".join(known[:-1]) + " and " + known[-1] if len(known) > 1 else known[0]
 
 
-def layers(model):
-    """`model`'s forward as the Layers of its family, whose composition is the forward; None for a model of none."""
-    family = family_of(model)
+def layers(model, family=None):
+    """`model`'s forward as the Layers of its family (`family`: its row where known; None: looked up), whose
+    composition is the forward; None for a model of none."""
+    family = family_of(model) if family is None else family
     if family is None:
         return None
     blocks = [Layer(path, (path,), block) for path, block in family.blocks(model)]

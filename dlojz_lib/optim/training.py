@@ -139,7 +139,7 @@ def build_training(cfg, model, n_train_batches, num_classes, ranks, log, class_c
         teacher = load_teacher(cfg, num_classes, ranks.device, log)
         criterion = DistillationLoss(criterion, cfg.distill_alpha, cfg.distill_temperature)
     if getattr(model, "pipeline", None) is not None:  # --pp: the schedule computes the loss on the last stage
-        model.pipeline.criterion = criterion
+        model.pipeline.give_loss(criterion)
     # Fused steps (sgd, adamw): no host synchronisation with the float16 GradScaler (see build_optimizer); FSDP's
     # sharded parameters have no fused SGD (its foreach step is used, and bfloat16 needs no scaler).
     fused = not cfg.fsdp or OPTIMIZER_TABLE[cfg.optimizer].fused_on_shards

@@ -14,6 +14,7 @@ from dlojz_lib.dist import start_compile_workers
 from dlojz_lib.model.zoo import meta_copy
 from dlojz_lib.parallelism.pipeline import (
     SCHEDULES,
+    PipelineCut,
     PipelineRun,
     RankStages,
     bubble_formula,
@@ -209,10 +210,10 @@ def build_pipeline_model(cfg, model, ranks, log) -> Model:
     if split == "time":  # a micro-batch as the run feeds it (its own draws: the run's stay one process's)
         sample = torch.randn(micro, 3, cfg.image_size, cfg.image_size, generator=torch.Generator().manual_seed(0))
         sample = sample.to(memory_format=torch.channels_last) if cfg.channels_last else sample
-        layer_weights = time_layers(module, cfg.arch, sample, ranks.device, cfg.amp_torch_dtype)  # (before to_meta)
+        # (before to_meta)
+        layer_weights = time_layers(module, cfg.arch, sample, ranks.device, cfg.amp_torch_dtype, model.family)
     catalogue, values = to_meta(module, ranks)
     blocks = []  # the FSDP units of each stage
-    run = None  # the PipelineRun, whose loss the schedule calls
 
     if cfg.tp > 1:  # the plan checked once, on the whole model: the stages hold its blocks or none
         from dlojz_lib.parallelism.tensor import check_plan, parallelize, transformer_blocks
@@ -235,14 +236,15 @@ def build_pipeline_model(cfg, model, ranks, log) -> Model:
         )
 
     per_rank = cfg.pp_stages_per_rank if SCHEDULES[cfg.pp_schedule][1] else 1
-    runner, stages = build_pipeline(
-        module, cfg.arch, pipe.get_local_rank(), cfg.pp, cfg.pp_schedule, cfg.pp_microbatches,
-        lambda outputs, targets: run.loss(outputs, targets), ranks.device, pipe.get_group(), per_rank, split=split,
-        layer_weights=layer_weights, wrap=shard, recompute=cfg.activation_checkpointing, recompute_every=cfg.ac_every,
-        autocast_dtype=cfg.amp_torch_dtype, seed=cfg.seed,
+    cut = PipelineCut(
+        cfg.pp, cfg.pp_schedule, cfg.pp_microbatches, per_rank, split, layer_weights, None,
+        cfg.activation_checkpointing, cfg.ac_every, cfg.amp_torch_dtype, cfg.seed, wrap=shard,
     )  # fmt: skip
+    runner, stages, loss = build_pipeline(model, cut, pipe.get_local_rank(), ranks.device, pipe.get_group())
     fill_from_first_rank(stages, catalogue, values, ranks.device)
-    run = PipelineRun(runner, stages, pipe.get_local_rank(), cfg.pp, pipe.get_group(), cfg.batch_size, num_classes)
+    run = PipelineRun(
+        runner, stages, loss, pipe.get_local_rank(), cfg.pp, pipe.get_group(), cfg.batch_size, num_classes
+    )
     if cfg.test:  # the chronometer's run: the stages' compute and idle time, for the bubble
         run.time_steps(ranks.device, cfg.pp_schedule, cfg.pp_microbatches, per_rank)
     mine = [

@@ -11,7 +11,7 @@ micro-batches flowing through them; the price is the bubble, the time a stage wa
 - `Stage(model, layers, first, last)`: layers [first, last) of `model` as a module of their own, holding them under
   the model's own names (a stage's state dict is the model's, less the other stages' entries: the stages' state
   dicts together are an ordinary model's), the rest of the model dropped.
-- `build_pipeline(model, arch, ...)`: this rank's stages (one, or several for the interleaved schedules: stages
+- `build_pipeline(model, cut, rank, device, group)`: this rank's stages (one, or several for the interleaved schedules: stages
   rank, rank + N, ...) as PyTorch's PipelineStages, and the schedule that runs them (`--pp-schedule`).
 - `pipeline_step(runner, rank, ranks, images, labels)`: one step, each rank giving the schedule what its stages
   need (the images on the first, the labels on the last).
@@ -29,6 +29,7 @@ micro-batches flowing through them; the price is the bubble, the time a stage wa
 
 import contextlib
 import copy
+import dataclasses
 import hashlib
 import itertools
 import time
@@ -49,10 +50,10 @@ SCHEDULES = {
 }
 
 
-def pipeline_layers(model, arch="this model") -> list:
+def pipeline_layers(model, arch="this model", family=None) -> list:
     """`model`'s forward as a list of Layers whose composition is the forward (eval or train mode alike): its
-    family's stem, blocks and head (families.py)."""
-    found = families.layers(model)
+    family's stem, blocks and head (`family`: its row of model.families as the build resolved it; None: looked up)."""
+    found = families.layers(model, family)
     if found is None:
         raise UserError(f"--pp: --arch {arch} has no pipeline split here: {families.names()} have one")
     return found
@@ -402,12 +403,12 @@ def state_kept(model, device):
                 buffer.copy_(value)
 
 
-def time_layers(model, arch, sample, device, autocast_dtype=None) -> list:
+def time_layers(model, arch, sample, device, autocast_dtype=None, family=None) -> list:
     """Each layer's forward time on `sample` (a micro-batch in the run's memory format, under autocast to
     `autocast_dtype` when given), measured on this rank and summed over the world: every rank of the world must cut
     alike, the other data replicas' and tensor peers' pipelines as this one, or their sends would not meet. A model
-    on the meta device (shapes only: --fsdp's ranks but the first) adds nothing."""
-    layers = pipeline_layers(model, arch)
+    on the meta device (shapes only: --fsdp's ranks but the first) adds nothing. `family`: as pipeline_layers'."""
+    layers = pipeline_layers(model, arch, family)
     if is_meta(model):
         seconds = [0.0] * len(layers)
     else:  # (no cache of the weights' casts: each layer's weights leave the device once timed)
@@ -422,58 +423,83 @@ def time_layers(model, arch, sample, device, autocast_dtype=None) -> list:
     return seconds.tolist()
 
 
-def build_pipeline(
-    model, arch, rank, pp, schedule, microbatches, loss_fn, device, group=None, stages_per_rank=1, split="params",
-    sample=None, wrap=None, recompute=False, autocast_dtype=None, seed=None, recompute_every=1, layer_weights=None,
-):  # fmt: skip
-    """This rank's stages of `model` cut into pp x stages_per_rank stages (each a copy of `model` pruned to its
-    layers), as PipelineStages over `group`, and the `schedule` running `microbatches` micro-batches through them
-    with `loss_fn` on the last, each micro-batch's loss divided by their number (its share of the step's mean: the
-    gradients need no scaling after the backward, a loop over the parameters that torch's `scale_grads` would run;
-    a step's gradients are the mean over its images, as one process's). `split`: "params" (balanced by parameters), "time" (by each layer's forward time on `sample`:
-    time_layers, summed over the world), or the layers where stages 2, 3... start; `layer_weights`: the layers'
-    weights to balance, measured beforehand (time_layers' before the model turned meta), instead. A model on the
-    meta device is cut as it is: its stages are given storage by the caller.
-    `seed`: each stage's random draws its own (Stage). `wrap`: called on each Stage before PyTorch's PipelineStage
-    takes it (dlojz.py shards it with FSDP over the data dimension); `recompute`, `recompute_every`: see Stage. Returns (the schedule, the
-    Stages)."""
+@dataclasses.dataclass(frozen=True)
+class PipelineCut:
+    """How a model is cut into stages and run: what --pp, --pp-schedule, --pp-microbatches, --pp-stages-per-rank and
+    --pp-split say, and what each stage does (see Stage). `split`: "params" (balanced by parameters), "time" (by
+    each layer's forward time on `sample`: time_layers, summed over the world), or the layers where stages 2, 3...
+    start; `layer_weights`: the layers' weights to balance, measured beforehand (time_layers' before the model
+    turned meta), instead. `wrap`: called on each Stage before PyTorch's PipelineStage takes it (dlojz.py shards it
+    with FSDP over the data dimension)."""
+
+    pp: int
+    schedule: str = "1f1b"
+    microbatches: int = 1
+    stages_per_rank: int = 1
+    split: object = "params"
+    layer_weights: list | None = None
+    sample: object = None
+    recompute: object = False
+    recompute_every: int = 1
+    autocast_dtype: object = None
+    seed: int | None = None
+    wrap: object = None
+
+
+class MicroBatchLoss:
+    """The schedule's loss on the last stage: `criterion` (the run's training loss, given once it is built, before
+    the first step), each micro-batch's loss divided by their number (its share of the step's mean: the gradients
+    need no scaling after the backward, a loop over the parameters that torch's `scale_grads` would run; a step's
+    gradients are the mean over its images, as one process's)."""
+
+    def __init__(self, microbatches, criterion=None):
+        self.microbatches, self.criterion = microbatches, criterion
+
+    def __call__(self, outputs, targets):
+        return self.criterion(outputs, targets) / self.microbatches
+
+
+def build_pipeline(model, cut, rank, device, group=None):
+    """This rank's stages of `model` (a `model.build.BuiltModel`: its module, name and family) cut into pp x
+    stages_per_rank stages (`cut`, a PipelineCut; each stage a copy of the module pruned to its layers), as
+    PipelineStages over `group`, and the schedule running `cut.microbatches` micro-batches through them. A model on
+    the meta device is cut as it is: its stages are given storage by the caller. Returns (the schedule, the Stages,
+    its MicroBatchLoss, whose criterion the caller gives before the first step)."""
     from torch.distributed import pipelining
 
-    class_name, looped = SCHEDULES[schedule]
-    per_rank = stages_per_rank if looped else 1
-    total = pp * per_rank
-    layers = pipeline_layers(model, arch)
+    module, arch, family = model.module, model.arch, model.family
+    class_name, looped = SCHEDULES[cut.schedule]
+    per_rank = cut.stages_per_rank if looped else 1
+    total = cut.pp * per_rank
+    layers = pipeline_layers(module, arch, family)
     if looped and total > len(layers):
         raise UserError(
-            f"--pp {pp} x --pp-stages-per-rank {per_rank} = {total} stages: the model has {len(layers)} layers "
+            f"--pp {cut.pp} x --pp-stages-per-rank {per_rank} = {total} stages: the model has {len(layers)} layers "
             "(stem, blocks, head): give fewer stages"
         )
-    if layer_weights is not None:
-        bounds = stage_bounds(layer_weights, total)
-    elif split == "params":
-        bounds = stage_bounds(layer_sizes(model, layers), total)
-    elif split == "time":
-        bounds = stage_bounds(time_layers(model, arch, sample, device, autocast_dtype), total)
+    if cut.layer_weights is not None:
+        bounds = stage_bounds(cut.layer_weights, total)
+    elif cut.split == "params":
+        bounds = stage_bounds(layer_sizes(module, layers), total)
+    elif cut.split == "time":
+        bounds = stage_bounds(time_layers(module, arch, cut.sample, device, cut.autocast_dtype, family), total)
     else:
-        bounds = bounds_at(split, len(layers), total)
+        bounds = bounds_at(cut.split, len(layers), total)
     modules, stages = [], []
-    for index in range(rank, total, pp):
-        copied = stage_copy(model, layers, *bounds[index])
-        own_layers = pipeline_layers(copied, arch)
-        module = Stage(copied, own_layers, *bounds[index], recompute, seed, index, recompute_every)
-        module = module if is_meta(module) else module.to(device)  # (a meta model: its owner gives it storage)
-        if wrap is not None:
-            wrap(module)
-        modules.append(module)
-        stages.append(pipelining.PipelineStage(module, index, total, device, group=group))
-        number_forwards(stages[-1], module)
-
-    def loss_share(outputs, targets):  # this micro-batch's share of the step's mean loss
-        return loss_fn(outputs, targets) / microbatches
-
+    for index in range(rank, total, cut.pp):
+        copied = stage_copy(module, layers, *bounds[index])
+        own_layers = pipeline_layers(copied, arch, family)
+        stage = Stage(copied, own_layers, *bounds[index], cut.recompute, cut.seed, index, cut.recompute_every)
+        stage = stage if is_meta(stage) else stage.to(device)  # (a meta model: its owner gives it storage)
+        if cut.wrap is not None:
+            cut.wrap(stage)
+        modules.append(stage)
+        stages.append(pipelining.PipelineStage(stage, index, total, device, group=group))
+        number_forwards(stages[-1], stage)
+    loss = MicroBatchLoss(cut.microbatches)
     runner = getattr(pipelining, class_name)
     held = stages if looped else stages[0]
-    return runner(held, microbatches, loss_fn=loss_share, scale_grads=False), modules
+    return runner(held, cut.microbatches, loss_fn=loss, scale_grads=False), modules, loss
 
 
 def pipeline_step(runner, rank, ranks, images, labels):
@@ -504,15 +530,14 @@ def pipeline_eval(runner, rank, ranks, images, batch_size):
 class PipelineRun(nn.Module):
     """The pipeline as dlojz.py trains and validates with it (--pp): this rank's stages (`stages`, FSDP-sharded over
     the data dimension: one, or several under the interleaved schedules) of a model cut over `pp` ranks, the
-    schedule running them (`runner`), the pipeline's process group. Validation calls it like a model; `train()`,
-    `eval()` and `buffers()` are its stages'."""
+    schedule running them (`runner`, with its MicroBatchLoss `loss`), the pipeline's process group. Validation calls
+    it like a model; `train()`, `eval()` and `buffers()` are its stages'."""
 
-    def __init__(self, runner, stages, pipe_rank, pp, group, batch_size, num_classes):
+    def __init__(self, runner, stages, loss, pipe_rank, pp, group, batch_size, num_classes):
         super().__init__()
         self.stages = nn.ModuleList(stages)
-        self.runner, self.pipe_rank, self.pp, self.group = runner, pipe_rank, pp, group
+        self.runner, self.micro_batch_loss, self.pipe_rank, self.pp, self.group = runner, loss, pipe_rank, pp, group
         self.batch_size, self.num_classes = batch_size, num_classes
-        self.criterion = None  # the training loss, set once built (dlojz_lib.optim.training); the schedule's loss_fn
         self.clock, self.steps = None, []  # time_steps(): the stage's compute, and each step's marks
 
     def time_steps(self, device, schedule, microbatches, stages_per_rank=1):
@@ -525,8 +550,10 @@ class PipelineRun(nn.Module):
     def last(self):
         return self.pipe_rank == self.pp - 1
 
-    def loss(self, outputs, targets):
-        return self.criterion(outputs, targets)
+    def give_loss(self, criterion):
+        """The training loss the schedule computes on the last stage, given once it is built (dlojz_lib.optim.training),
+        before the first step. (A method, not an attribute: nn.Module would keep a loss module as a submodule.)"""
+        self.micro_batch_loss.criterion = criterion
 
     def step(self, images, targets):
         """One training step of the schedule (forwards, backwards, gradients reduced over the data dimension by

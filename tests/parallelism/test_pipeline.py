@@ -10,9 +10,11 @@ import torch
 import torchvision
 
 from dlojz_lib.checks import UserError
+from dlojz_lib.model.build import BuiltModel
 from dlojz_lib.model.zoo import create_model
 from dlojz_lib.parallelism.pipeline import (
     Paused,
+    PipelineCut,
     Stage,
     bounds_at,
     build_pipeline,
@@ -184,8 +186,9 @@ def draws_on_rank(rank, world, store_path, results):
         for resumed in (False, True):
             torch.manual_seed(0)
             model = create_model("timm:test_vit", 3, False, 32, 0.3)
-            runner, stages = build_pipeline(model, "timm:test_vit", rank, world, "1f1b", 4,
-                                            torch.nn.functional.cross_entropy, torch.device("cpu"), seed=3)  # fmt: skip
+            cut = PipelineCut(world, "1f1b", 4, seed=3)
+            runner, stages, loss = build_pipeline(BuiltModel.of(model, "timm:test_vit"), cut, rank, torch.device("cpu"))
+            loss.criterion = torch.nn.functional.cross_entropy
             data = torch.Generator().manual_seed(1)
             for step in range(2, 4) if resumed else range(4):
                 if resumed and step == 2:
@@ -267,8 +270,9 @@ def train_on_rank(rank, world, store_path, results, cases):
             if tp > 1:
                 mesh = init_device_mesh("cpu", (world // tp, tp), mesh_dim_names=("pipe", "tensor"))
                 pipe, group = mesh["pipe"].get_local_rank(), mesh["pipe"].get_group()
-            runner, stages = build_pipeline(model, arch, pipe, world // tp, schedule, 4, loss_fn, torch.device("cpu"),
-                                            group, stages_per_rank=per_rank)  # fmt: skip
+            cut = PipelineCut(world // tp, schedule, 4, per_rank)
+            runner, stages, loss = build_pipeline(BuiltModel.of(model, arch), cut, pipe, torch.device("cpu"), group)
+            loss.criterion = loss_fn
             for stage in stages if tp > 1 else ():
                 parallelize(stage, mesh["tensor"], arch)
             optimizer = torch.optim.SGD([p for s in stages for p in s.parameters()], lr=0.1, momentum=0.9)
@@ -334,9 +338,10 @@ def gathers_on_rank(rank, world, store_path, results):
             def shard(stage):
                 units.append(shard_model(stage, reshard, None, torch.device("cpu"), mesh["data"]) + 1)  # and the root
 
-            runner, _ = build_pipeline(small_model("timm:test_vit"), "timm:test_vit", 0, 1, "1f1b", 4,
-                                       torch.nn.functional.cross_entropy, torch.device("cpu"), mesh["pipe"].get_group(),
-                                       wrap=shard)  # fmt: skip
+            model = BuiltModel.of(small_model("timm:test_vit"), "timm:test_vit")
+            cut = PipelineCut(1, "1f1b", 4, wrap=shard)
+            runner, _, loss = build_pipeline(model, cut, 0, torch.device("cpu"), mesh["pipe"].get_group())
+            loss.criterion = torch.nn.functional.cross_entropy
             images, labels = torch.randn(8, 3, 32, 32), torch.randint(0, 3, (8,))
             pipeline_step(runner, 0, 1, images, labels)
             with counting_mode() as counted:
@@ -378,9 +383,10 @@ def cut_on_rank(rank, world, store_path, results):
         pauses = (1e-3, 1e-3, 1e-3, 10e-3) if replica == 0 else (10e-3, 1e-3, 1e-3, 1e-3)
         toy = torch.nn.Sequential(*(Paused(4, seconds) for seconds in pauses))
         pipe = mesh["pipe"].get_local_rank()
-        _, stages = build_pipeline(toy, "toy", pipe, 2, "1f1b", 2, torch.nn.functional.cross_entropy,
-                                   torch.device("cpu"), mesh["pipe"].get_group(), split="time",
-                                   sample=torch.randn(2, 4))  # fmt: skip
+        cut = PipelineCut(2, "1f1b", 2, split="time", sample=torch.randn(2, 4))
+        _, stages, _ = build_pipeline(
+            BuiltModel.of(toy, "toy"), cut, pipe, torch.device("cpu"), mesh["pipe"].get_group()
+        )
         results.put((rank, stages[0].names))
         dist.barrier()
     finally:
