@@ -31,7 +31,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from dlojz_lib.checks import OneLineArgumentParser  # noqa: E402
-from dlojz_lib.parallelism.pipeline import SCHEDULES, expected_bubble  # noqa: E402
+from dlojz_lib.parallelism.bubble import expected_bubble  # noqa: E402
+from dlojz_lib.parallelism.pipeline import SCHEDULES  # noqa: E402
 from dlojz_lib.settings.flags import COUNT, PIXELS  # noqa: E402
 
 
@@ -80,7 +81,8 @@ def measure(args, rank, world, device):
 
     from dlojz_lib.model.build import BuiltModel
     from dlojz_lib.model.zoo import create_model
-    from dlojz_lib.parallelism.pipeline import PipelineCut, StageClock, build_pipeline, paused_toy, pipeline_step
+    from dlojz_lib.parallelism.bubble import StageClock, paused_toy
+    from dlojz_lib.parallelism.pipeline import PipelineCut, build_pipeline, pipeline_step
 
     torch.manual_seed(0)
     if args.arch == "toy":

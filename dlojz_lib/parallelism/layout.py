@@ -210,7 +210,6 @@ def build_pipeline_model(cfg, model, ranks, log) -> Model:
     if split == "time":  # a micro-batch as the run feeds it (its own draws: the run's stay one process's)
         sample = torch.randn(micro, 3, cfg.image_size, cfg.image_size, generator=torch.Generator().manual_seed(0))
         sample = sample.to(memory_format=torch.channels_last) if cfg.channels_last else sample
-        # (before to_meta)
         layer_weights = time_layers(module, cfg.arch, sample, ranks.device, cfg.amp_torch_dtype, model.family)
     catalogue, values = to_meta(module, ranks)
     blocks = []  # the FSDP units of each stage
@@ -229,11 +228,8 @@ def build_pipeline_model(cfg, model, ranks, log) -> Model:
         units = held_blocks(stage, block_paths)
         if cfg.compile:  # each of the stage's blocks, between the plan and FSDP
             compiled.append(compile_blocks(units, cfg.compile_mode))
-        blocks.append(
-            shard_model(
-                stage, cfg.fsdp_reshard_after_forward, cfg.amp_torch_dtype, ranks.device, ranks.mesh["data"], units
-            )
-        )
+        data_mesh, precision = ranks.mesh["data"], cfg.amp_torch_dtype
+        blocks.append(shard_model(stage, cfg.fsdp_reshard_after_forward, precision, ranks.device, data_mesh, units))
 
     per_rank = cfg.pp_stages_per_rank if SCHEDULES[cfg.pp_schedule][1] else 1
     cut = PipelineCut(
@@ -242,9 +238,8 @@ def build_pipeline_model(cfg, model, ranks, log) -> Model:
     )  # fmt: skip
     runner, stages, loss = build_pipeline(model, cut, pipe.get_local_rank(), ranks.device, pipe.get_group())
     fill_from_first_rank(stages, catalogue, values, ranks.device)
-    run = PipelineRun(
-        runner, stages, loss, pipe.get_local_rank(), cfg.pp, pipe.get_group(), cfg.batch_size, num_classes
-    )
+    rank, group = pipe.get_local_rank(), pipe.get_group()
+    run = PipelineRun(runner, stages, loss, rank, cfg.pp, group, cfg.batch_size, num_classes)
     if cfg.test:  # the chronometer's run: the stages' compute and idle time, for the bubble
         run.time_steps(ranks.device, cfg.pp_schedule, cfg.pp_microbatches, per_rank)
     mine = [

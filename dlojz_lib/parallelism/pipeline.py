@@ -18,13 +18,7 @@ micro-batches flowing through them; the price is the bubble, the time a stage wa
 - `pipeline_eval(runner, rank, ranks, images, batch_size)`: a forward-only pass of any number of images (a
   validation's last batch too) through the schedule, padded to the training batch's shape (the stages' buffers are
   made for its micro-batches): the last stage's logits of the real images, None elsewhere.
-- `StageClock(runner, device)`: the time this rank's stages compute in a step (each micro-batch's forward and
-  backward, and the weights' backward the zero-bubble schedules run apart): `busy_seconds()`; the rest of the step
-  they wait for the other stages (the bubble) or for their own sends.
-- `expected_bubble(ranks, microbatches, stages_per_rank)`: GPipe's and 1F1B's idle share of a step, (N - 1) /
-  (M + N - 1), the interleaved schedules' (N - 1) / (V M + N - 1).
-- `paused_toy(layers, width, seconds_per_image)`: a model whose compute takes a known time on any machine (each
-  layer pauses, twice as long in its backward): the bubble's formula seen on a laptop (bench/pipeline_bubble.py).
+- The bubble's clock, formula and toy: `dlojz_lib.parallelism.bubble`.
 """
 
 import contextlib
@@ -32,14 +26,14 @@ import copy
 import dataclasses
 import hashlib
 import itertools
-import time
 
 import torch
 from torch import nn
 
 from dlojz_lib.checks import UserError
 from dlojz_lib.model import families
-from dlojz_lib.torch_internals import schedule_microbatches, schedule_stages
+from dlojz_lib.parallelism.bubble import StageClock, bubble_formula, expected_bubble, seconds_between, time_mark
+from dlojz_lib.torch_internals import schedule_microbatches
 
 # --pp-schedule: PyTorch's class, and whether a rank holds several stages (looped: rank, rank + N, ...)
 SCHEDULES = {
@@ -74,20 +68,6 @@ def layer_sizes(model, layers) -> list:
     for path, parameter in model.named_parameters():
         sizes[owner(path, layers)] += parameter.numel()
     return sizes
-
-
-def time_mark(cuda):
-    """A point in time: a recorded CUDA event on a GPU (no wait), the host clock on the CPU."""
-    if not cuda:
-        return time.perf_counter()
-    event = torch.cuda.Event(enable_timing=True)
-    event.record()
-    return event
-
-
-def seconds_between(start, end, cuda):
-    """Seconds between two time_marks (on a GPU, once their events are done)."""
-    return start.elapsed_time(end) / 1e3 if cuda else end - start
 
 
 def layer_seconds(model, layers, sample, repeats=3) -> list:
@@ -338,52 +318,6 @@ class RankStages(nn.Module):
                 self.register_buffer(name, buffer, persistent=name not in stage._non_persistent_buffers_set)
 
 
-class StageClock:
-    """The compute time of the PipelineStages a schedule (`runner`) runs on this rank: each call of the
-    per-micro-batch methods the schedules run (forward, backward, the weights' backward) timed, on a GPU by CUDA
-    events read once a step (`busy_seconds`, after the step's synchronisation), on the CPU by the host clock."""
-
-    METHODS = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")
-
-    def __init__(self, runner, device):
-        self.cuda = device.type == "cuda"
-        self.spans = []  # this step's (start, end) time_marks
-        stages = schedule_stages(runner)  # PyTorch's schedules keep their stages privately
-        for stage in stages:
-            for name in self.METHODS:
-                setattr(stage, name, self.timed(getattr(stage, name)))  # this stage's own: the schedule calls it
-
-    def timed(self, method):
-        def run(*args, **kwargs):
-            start = time_mark(self.cuda)
-            try:
-                return method(*args, **kwargs)
-            finally:
-                self.spans.append((start, time_mark(self.cuda)))
-
-        return run
-
-    def take_spans(self):
-        """This step's (start, end) time marks, and a new step begins."""
-        spans, self.spans = self.spans, []
-        return spans
-
-    def busy_seconds(self):
-        """This step's compute seconds, and a new step begins (on a GPU, once the step's work is done)."""
-        return sum(seconds_between(start, end, self.cuda) for start, end in self.take_spans())
-
-
-def expected_bubble(ranks, microbatches, stages_per_rank=1):
-    """The idle share of a GPipe or 1F1B step over `ranks` stages (Huang et al. 2019; Narayanan et al. 2021),
-    (N - 1) / (M + N - 1); interleaved, V stages a rank: (N - 1) / (V M + N - 1)."""
-    return (ranks - 1) / (stages_per_rank * microbatches + ranks - 1)
-
-
-def bubble_formula(stages_per_rank=1):
-    """expected_bubble's formula, as the lines that print it write it."""
-    return "(N - 1) / (M + N - 1)" if stages_per_rank == 1 else "(N - 1) / (V M + N - 1)"
-
-
 def is_meta(module) -> bool:
     return any(tensor.is_meta for tensor in itertools.chain(module.parameters(), module.buffers()))
 
@@ -628,35 +562,3 @@ class PipelineRun(nn.Module):
         squared = norm.double() ** 2
         torch.distributed.all_reduce(squared, group=self.group)
         return squared.sqrt().to(norm.dtype)
-
-
-class Pause(torch.autograd.Function):
-    """Compute that takes a known time whatever the machine: a pause (no CPU used) of `seconds`, twice as long in
-    the backward."""
-
-    @staticmethod
-    def forward(ctx, x, seconds):
-        time.sleep(seconds)
-        ctx.seconds = seconds
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, grad):
-        time.sleep(2 * ctx.seconds)
-        return grad, None
-
-
-class Paused(nn.Linear):
-    """A Linear layer whose forward pauses `seconds_per_image` an image (its backward twice as long)."""
-
-    def __init__(self, width, seconds_per_image):
-        super().__init__(width, width)
-        self.seconds_per_image = seconds_per_image
-
-    def forward(self, x):
-        return Pause.apply(super().forward(x), self.seconds_per_image * x.shape[0])
-
-
-def paused_toy(layers, width, seconds_per_image):
-    """An nn.Sequential of `layers` Paused layers: `width` features in, `width` classes out."""
-    return nn.Sequential(*(Paused(width, seconds_per_image) for _ in range(layers)))

@@ -12,13 +12,12 @@ import torchvision
 from dlojz_lib.checks import UserError
 from dlojz_lib.model.build import BuiltModel
 from dlojz_lib.model.zoo import create_model
+from dlojz_lib.parallelism.bubble import Paused, expected_bubble
 from dlojz_lib.parallelism.pipeline import (
-    Paused,
     PipelineCut,
     Stage,
     bounds_at,
     build_pipeline,
-    expected_bubble,
     layer_seconds,
     layer_sizes,
     pipeline_eval,
