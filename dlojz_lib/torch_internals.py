@@ -23,12 +23,44 @@ Imports are inside the functions: importing this module imports no torch.
 - `held_after_forward(module, *inputs)`: the bytes a forward leaves alive (what it holds for the backward), its
   tensors' storages followed by weak reference (`UntypedStorage._weak_ref`, as torch's own memory tracker) under a
   dispatch mode (`torch.utils._python_dispatch`).
+- `child_slots(module)`, `own_slots(module)`, `is_persistent(module, name)`, `share_own_tensors(owner, holder)`:
+  nn.Module's registries (`_modules`, `_parameters`, `_buffers`, their None entries included;
+  `_non_persistent_buffers_set`), as a pipeline's stages are cut from a model and merged on a rank.
+- `move_forward_hook_last(module, handle)`: a forward hook run after the others (`_forward_hooks`, an ordered dict).
 - `costly_ops()`: the ops whose outputs selective activation checkpointing keeps: the matrix products, the
   convolution and the fused attentions' kernels (`aten._scaled_dot_product_*`), and the collectives tensor
   parallelism sends (`torch.ops._c10d_functional`: recomputed, they would be sent again in the backward).
 """
 
 import functools
+
+
+def child_slots(module) -> dict:
+    """`module`'s submodule registry, by name, None entries included (what a pruned model keeps as placeholders):
+    the dict itself (`nn.Module._modules`), which the caller may change in place."""
+    return module._modules
+
+
+def own_slots(module) -> tuple:
+    """`module`'s own parameter and buffer registries (`_parameters`, `_buffers`), None entries included: the dicts
+    themselves, which the caller may change in place."""
+    return module._parameters, module._buffers
+
+
+def is_persistent(module, name) -> bool:
+    """Whether `module`'s own buffer `name` goes into its state dict (`_non_persistent_buffers_set`)."""
+    return name not in module._non_persistent_buffers_set
+
+
+def share_own_tensors(owner, holder):
+    """`owner` reads its own parameters and buffers from `holder`'s registries from now on (one registry for both:
+    what a wrapper puts on `holder`, its shards or gathered parameters, is what `owner`'s code reads)."""
+    owner._parameters, owner._buffers = holder._parameters, holder._buffers
+
+
+def move_forward_hook_last(module, handle):
+    """The forward hook of `handle` runs after `module`'s other forward hooks (`_forward_hooks`, in order)."""
+    module._forward_hooks.move_to_end(handle.id)
 
 
 def default_store():

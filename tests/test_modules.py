@@ -66,6 +66,15 @@ def test_no_import_circle():
 
 # torch's private names dlojz reads (dlojz_lib/torch_internals.py), besides any `torch...._name`
 TORCH_PRIVATE = {"_stage", "_stages", "_n_microbatches", "_iterator", "_shutdown_workers", "_get_default_store"}
+# nn.Module's registries
+TORCH_PRIVATE |= {
+    "_modules",
+    "_parameters",
+    "_buffers",
+    "_forward_hooks",
+    "_forward_pre_hooks",
+    "_non_persistent_buffers_set",
+}
 
 
 def torch_private_uses(path):

@@ -33,7 +33,13 @@ from torch import nn
 from dlojz_lib.checks import UserError
 from dlojz_lib.model import families
 from dlojz_lib.parallelism.bubble import StageClock, bubble_formula, expected_bubble, seconds_between, time_mark
-from dlojz_lib.torch_internals import schedule_microbatches
+from dlojz_lib.torch_internals import (
+    child_slots,
+    is_persistent,
+    own_slots,
+    schedule_microbatches,
+    share_own_tensors,
+)
 
 # --pp-schedule: PyTorch's class, and whether a rank holds several stages (looped: rank, rank + N, ...)
 SCHEDULES = {
@@ -161,7 +167,8 @@ def prune(module, keep, prefix=""):
     """Drop from `module`, in place, every parameter and buffer for which keep(path) is False, and the submodules
     under which nothing is kept (entries set to None: state dicts and parameters() skip them); keep reads the
     paths of parameters and buffers only."""
-    for name, child in list(module._modules.items()):
+    children = child_slots(module)
+    for name, child in list(children.items()):
         if child is None:
             continue
         path = prefix + name
@@ -171,8 +178,8 @@ def prune(module, keep, prefix=""):
         if any(kept):
             prune(child, keep, path + ".")
         else:
-            module._modules[name] = None
-    for registry in (module._parameters, module._buffers):
+            children[name] = None
+    for registry in own_slots(module):
         for name in list(registry):
             if registry[name] is not None and not keep(prefix + name):
                 registry[name] = None
@@ -214,18 +221,19 @@ class Stage(nn.Module):
         self.numbered = None  # the draws of the micro-batch the schedule runs now (number_forwards), else None
         mine = range(first, last)
         prune(model, lambda path: owner(path, layers) in mine)
-        for name, child in model._modules.items():
+        for name, child in child_slots(model).items():
             if child is not None and any(True for _ in itertools.chain(child.parameters(), child.buffers())):
                 self.add_module(name, child)
-        for name, parameter in model._parameters.items():
+        parameters, buffers = own_slots(model)
+        for name, parameter in parameters.items():
             if parameter is not None:
                 self.register_parameter(name, parameter)
-        for name, buffer in model._buffers.items():
+        for name, buffer in buffers.items():
             if buffer is not None:
-                self.register_buffer(name, buffer, persistent=name not in model._non_persistent_buffers_set)
+                self.register_buffer(name, buffer, persistent=is_persistent(model, name))
         # The layers' forwards read the model's own parameters (a ViT's class token): one registry for both, so that
         # what FSDP puts on the stage (its shards, then the gathered parameters in a forward) is what they read.
-        model._parameters, model._buffers = self._parameters, self._buffers
+        share_own_tensors(model, self)
         self.runs = [layer.run for layer in layers[first:last]]
         if recompute not in (False, "none"):
             from dlojz_lib.model.zoo import recomputed
@@ -295,8 +303,8 @@ class RankStages(nn.Module):
     def __init__(self, stages):
         super().__init__()
         for stage in stages:
-            for name, child in stage._modules.items():
-                mine = self._modules.get(name)
+            for name, child in child_slots(stage).items():
+                mine = child_slots(self).get(name)
                 if mine is None:
                     self.add_module(name, child)
                     continue
@@ -306,16 +314,17 @@ class RankStages(nn.Module):
                     raise ValueError(f"stages hold two {name}s that are not containers of layers")
                 if not getattr(mine, "_merged", False):  # a merged copy of the first stage's, so as not to change it
                     merged = type(mine)()
-                    merged._modules.update(mine._modules)
+                    child_slots(merged).update(child_slots(mine))
                     merged._merged = True
-                    self._modules[name] = mine = merged
-                for key, entry in child._modules.items():
+                    child_slots(self)[name] = mine = merged
+                for key, entry in child_slots(child).items():
                     if entry is not None:
-                        mine._modules[key] = entry
-            for name, parameter in stage._parameters.items():
+                        child_slots(mine)[key] = entry
+            parameters, buffers = own_slots(stage)
+            for name, parameter in parameters.items():
                 self.register_parameter(name, parameter)
-            for name, buffer in stage._buffers.items():
-                self.register_buffer(name, buffer, persistent=name not in stage._non_persistent_buffers_set)
+            for name, buffer in buffers.items():
+                self.register_buffer(name, buffer, persistent=is_persistent(stage, name))
 
 
 def is_meta(module) -> bool:

@@ -41,7 +41,7 @@ from torch import nn
 
 from dlojz_lib.checks import UserError
 from dlojz_lib.model import families
-from dlojz_lib.torch_internals import flatten_dense, unflatten_dense
+from dlojz_lib.torch_internals import flatten_dense, move_forward_hook_last, unflatten_dense
 
 PARTS = ("q", "k", "v")
 SEQUENCE_PARALLEL_LAYERS = ("norm1", "norm2", "ls1", "ls2")  # a ViT block's layers on a rank's tokens alone
@@ -88,7 +88,7 @@ class Pointwise(nn.Linear):
         return nn.functional.linear(x, self.weight.squeeze(3).squeeze(2), self.bias)
 
     def hooks_last(self):
-        self._forward_hooks.move_to_end(self.output_hook.id)
+        move_forward_hook_last(self, self.output_hook)
 
 
 def channels_last_input(module, inputs):
