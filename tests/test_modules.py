@@ -275,6 +275,25 @@ def test_builders_take_their_settings_not_the_whole_config():
     assert "dlojz_lib/model/build.py: build_model" in takers  # the finder finds them
 
 
+def test_the_model_s_build_and_layout_stay_small():
+    """Build the model, then lay it out: each a page (60 lines at most), the pipeline's builder a few parameters
+    (a PipelineCut holds what the --pp flags say), the chronometer's class one that the course reads (250 lines)."""
+    found = {}
+    for path, names in (
+        ("dlojz_lib/model/build.py", ("build_model",)),
+        ("dlojz_lib/parallelism/layout.py", ("lay_out",)),
+        ("dlojz_lib/parallelism/pipeline.py", ("build_pipeline",)),
+        ("dlojz_lib/observers/chrono.py", ("Chronometer",)),
+    ):
+        for node in ast.walk(ast.parse((ROOT / path).read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and node.name in names:
+                found[node.name] = node
+    lines = {name: node.end_lineno - node.lineno + 1 for name, node in found.items()}
+    assert lines["build_model"] <= 60 and lines["lay_out"] <= 60 and lines["Chronometer"] <= 250, lines
+    pipeline = found["build_pipeline"].args
+    assert len(pipeline.posonlyargs + pipeline.args + pipeline.kwonlyargs) <= 6
+
+
 def test_the_course_main_stays_on_a_few_screens():
     """dlojz.py's main() reads top to bottom in the course's order: at most 100 lines, each section one call."""
     _, functions = sizes(ROOT / "dlojz.py")

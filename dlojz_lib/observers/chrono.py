@@ -72,6 +72,7 @@ from dlojz_lib.observers.chrono_report import (
     energy_figures,
     flops_figures,
     report_lines,
+    slowest_rank,
     step_figures,
     unsync_figures,
     validation_figures,
@@ -175,6 +176,96 @@ class EnergyMeter:
         self._val_open_mj = None
 
 
+class StepRecords:
+    """The seconds of each synchronised training step's phases: load, teacher, forward, backward (NaN where a step
+    had no such phase), each step's total, and those left once the warm-up steps are out."""
+
+    def __init__(self, warmup_steps):
+        self.warmup_steps = warmup_steps
+        self.loads, self.forwards, self.backwards, self.teachers = [], [], [], []
+
+    def __len__(self):
+        return len(self.backwards)
+
+    def append(self, load, forward, backward, teacher):
+        for values, value in ((self.loads, load), (self.forwards, forward), (self.teachers, teacher)):
+            values.append(math.nan if value is None else value)
+        self.backwards.append(backward)
+
+    def measured(self, values):
+        """The values after warm-up; if warm-up would leave nothing, all but the first step (which carries start-up,
+        cuDNN autotuning and torch.compile, and is reported apart as the time to the first step)."""
+        values = np.asarray(values, dtype=float)
+        if len(values) > self.warmup_steps:
+            return values[self.warmup_steps :]
+        return values[1:] if len(values) > 1 else values
+
+    def step_array(self):
+        """Per-step seconds: teacher + forward + backward (a step without a forward phase counts its backward only)."""
+        return (
+            np.nan_to_num(np.asarray(self.teachers, dtype=float))
+            + np.nan_to_num(np.asarray(self.forwards, dtype=float))
+            + np.asarray(self.backwards, dtype=float)
+        )
+
+    def as_trace(self) -> dict:
+        """The per-step seconds as a trace file holds them (NaN as null)."""
+        return {
+            "warmup_steps": self.warmup_steps,
+            "load_s": _nan_to_none(self.loads),
+            "forward_s": _nan_to_none(self.forwards),
+            "backward_s": _nan_to_none(self.backwards),
+            "teacher_s": _nan_to_none(self.teachers),
+            "step_s": self.step_array().tolist(),
+        }
+
+
+class UnsyncWindow:
+    """The steps after the synchronised ones (--test-unsync-steps), timed as a whole: the device waited for at its
+    start (the last synchronised step's end) and once at its end, the clock paused across a validation; each step
+    counted as its backward toggle closes, not timed."""
+
+    def __init__(self, clock, sync):
+        self._clock, self._sync = clock, sync
+        self.start = None  # clock at its start, once open
+        self.seconds = None  # its seconds, once closed
+        self.before_s = 0.0  # its seconds before the last pause (a validation)
+        self.paused = False
+        self.steps = 0
+        self.in_backward = False  # its backward toggle: opened, not closed yet
+
+    @property
+    def open(self) -> bool:
+        return self.start is not None
+
+    def begin(self):
+        self.start = self._clock()  # the device has just been waited for: the window's start
+
+    def toggle_backward(self):
+        self.in_backward = not self.in_backward
+        if not self.in_backward and self.seconds is None:
+            self.steps += 1
+
+    def end(self):
+        if self.start is None or self.seconds is not None:
+            return
+        if self.paused:
+            self.seconds = self.before_s
+            return
+        self._sync()
+        self.seconds = self.before_s + self._clock() - self.start
+
+    def pause(self, now):
+        """At a validation's start (the device just waited for): the seconds so far kept, the clock off."""
+        if self.start is not None and self.seconds is None and not self.paused:
+            self.before_s += now - self.start
+            self.paused = True
+
+    def resume(self, now):
+        if self.paused:
+            self.start, self.paused = now, False
+
+
 class Chronometer:
     """Times the load / forward / backward phases of each training step, the validation and the run.
 
@@ -207,37 +298,24 @@ class Chronometer:
         if synced_steps is not None and synced_steps < 1:
             raise ValueError(f"Chronometer: synced_steps must be >= 1, got {synced_steps}")
         self.synced_steps = synced_steps
-        self._window_start = None  # clock at the start of the unsynchronised window, once open
-        self._window_s = None  # its seconds, once closed
-        self._window_before_s = 0.0  # its seconds before the last pause (a validation)
-        self._window_paused = False
-        self._window_steps = 0  # steps in it
-        self._window_in_backward = False  # the window's backward toggle: opened, not closed yet
         self._enabled = bool(enabled)
         self.rank = rank
         self.device = torch.device(device)
         self.warmup_steps = int(warmup_steps)
         self._clock = clock
         self._sync = sync if sync is not None else _default_sync(self.device)
+        self._window = UnsyncWindow(clock, self._sync)
 
         self._run_start = None
         self._run_end = None  # frozen by gather(): every later report shows the same total
         self._time_to_first_step = None
         self._val_time = None
 
-        # Per-step records, appended only when enabled.
-        self._loads = []  # seconds, NaN when the step had no closed load phase
-        self._forwards = []
-        self._backwards = []
-        self._teachers = []  # --teacher: its forward, before the student's (NaN without one)
-        self._pending_load = None
-        self._pending_forward = None
-        self._pending_teacher = None
-        self._load = _Toggle()
-        self._forward = _Toggle()
-        self._teacher = _Toggle()
-        self._backward = _Toggle()
-        self._validation = _Toggle()
+        self.records = StepRecords(
+            self.warmup_steps
+        )  # appended only when enabled; a step's closed phases until its end:
+        self._pending_load = self._pending_forward = self._pending_teacher = None
+        self._load, self._forward, self._teacher, self._backward, self._validation = (_Toggle() for _ in range(5))
         self._energy = EnergyMeter(self.device, nvml, enabled=self._enabled)
 
         self._gathered = None
@@ -251,7 +329,7 @@ class Chronometer:
     @property
     def steps(self) -> int:
         """Number of recorded training steps (0 when disabled)."""
-        return len(self._backwards)
+        return len(self.records)
 
     @property
     def val_time(self):
@@ -265,7 +343,7 @@ class Chronometer:
 
     def dataload(self):
         """Toggle: waiting for the DataLoader + host->device copy."""
-        if not self._enabled or self._window_start is not None:
+        if not self._enabled or self._window.open:
             return
         duration = self._toggle(self._load)
         if duration is None:
@@ -275,7 +353,7 @@ class Chronometer:
 
     def forward(self):
         """Toggle: forward + loss (the course zeroes the gradients here; dlojz after the optimizer step)."""
-        if not self._enabled or self._window_start is not None:
+        if not self._enabled or self._window.open:
             return
         duration = self._toggle(self._forward)
         if duration is None:
@@ -285,7 +363,7 @@ class Chronometer:
 
     def teacher(self):
         """Toggle: --teacher's forward (its logits for the distillation loss), a phase of the step of its own."""
-        if not self._enabled or self._window_start is not None:
+        if not self._enabled or self._window.open:
             return
         duration = self._toggle(self._teacher)
         if duration is not None:
@@ -295,49 +373,26 @@ class Chronometer:
         """Toggle: backward + optimizer/scaler step. Closing it records the step."""
         if not self._enabled:
             return
-        if self._window_start is not None:  # the unsynchronised window: each step counted at its close, not timed
-            self._window_in_backward = not self._window_in_backward
-            if not self._window_in_backward and self._window_s is None:
-                self._window_steps += 1
+        if self._window.open:  # the unsynchronised window: each step counted at its close, not timed
+            self._window.toggle_backward()
             return
         duration = self._toggle(self._backward)
         if duration is None:
             return
-        self._loads.append(math.nan if self._pending_load is None else self._pending_load)
-        self._forwards.append(math.nan if self._pending_forward is None else self._pending_forward)
-        self._backwards.append(duration)
-        self._teachers.append(math.nan if self._pending_teacher is None else self._pending_teacher)
-        self._pending_load = None
-        self._pending_forward = None
-        self._pending_teacher = None
+        self.records.append(self._pending_load, self._pending_forward, duration, self._pending_teacher)
+        self._pending_load = self._pending_forward = self._pending_teacher = None
         self._energy.step_end()
-        if self.synced_steps is not None and len(self._backwards) == self.synced_steps:
-            self._window_start = self._clock()  # the device has just been waited for: the window's start
+        if self.synced_steps is not None and len(self.records) == self.synced_steps:
+            self._window.begin()
 
     def end_window(self):
         """After the last training step: the unsynchronised window ends (one wait for the device), if open."""
-        if self._window_start is None or self._window_s is not None:
-            return
-        if self._window_paused:
-            self._window_s = self._window_before_s
-            return
-        self._sync()
-        self._window_s = self._window_before_s + self._clock() - self._window_start
-
-    def _pause_window(self, now):
-        """At a validation's start (the device just waited for): the window's seconds so far kept, the clock off."""
-        if self._window_start is not None and self._window_s is None and not self._window_paused:
-            self._window_before_s += now - self._window_start
-            self._window_paused = True
-
-    def _resume_window(self, now):
-        if self._window_paused:
-            self._window_start, self._window_paused = now, False
+        self._window.end()
 
     @property
     def window_steps(self) -> int:
         """Steps in the unsynchronised window so far."""
-        return self._window_steps
+        return self._window.steps
 
     def validation(self):
         """Toggle: the whole validation pass. Always measured (also when disabled), synchronised at both ends; the
@@ -346,12 +401,12 @@ class Chronometer:
         now = self._clock()
         if self._validation.opened_at is None:
             self._validation.opened_at = now
-            self._pause_window(now)
+            self._window.pause(now)
             self._energy.validation_start()
             return
         duration = now - self._validation.opened_at
         self._validation.opened_at = None
-        self._resume_window(now)
+        self._window.resume(now)
         self._val_time = duration
         if self._load.opened_at is not None:
             # A load phase open across the validation: the validation is not data loading.
@@ -377,37 +432,21 @@ class Chronometer:
 
     def _maybe_start_energy(self):
         # The energy window opens with the first phase of the first measured (post warm-up) step.
-        if len(self._backwards) >= self.warmup_steps:
+        if len(self.records) >= self.warmup_steps:
             self._energy.start_window()
 
     # ------------------------------------------------------------------ reporting
-    def _measured(self, values):
-        """The values after warm-up; if warm-up would leave nothing, all but the first step (which carries start-up,
-        cuDNN autotuning and torch.compile, and is reported apart as the time to the first step)."""
-        values = np.asarray(values, dtype=float)
-        if len(values) > self.warmup_steps:
-            return values[self.warmup_steps :]
-        return values[1:] if len(values) > 1 else values
-
-    def _step_array(self):
-        """Per-step seconds: teacher + forward + backward (a step without a forward phase counts its backward only)."""
-        return (
-            np.nan_to_num(np.asarray(self._teachers, dtype=float))
-            + np.nan_to_num(np.asarray(self._forwards, dtype=float))
-            + np.asarray(self._backwards, dtype=float)
-        )
-
     def _local_record(self):
         return {
             "rank": self.rank,
-            "load_median_s": _nanmedian(self._measured(self._loads)),
-            "step_median_s": _nanmedian(self._measured(self._step_array())),
+            "load_median_s": _nanmedian(self.records.measured(self.records.loads)),
+            "step_median_s": _nanmedian(self.records.measured(self.records.step_array())),
             "train_energy_j": self._energy.window_j(),
             "energy_steps": self._energy.steps,
             "val_energy_j": self._energy.val_j,
             "peak_power_w": max(self._energy.power_w) if self._energy.power_w else None,
-            "window_s": self._window_s if self._window_steps else None,
-            "window_steps": self._window_steps,
+            "window_s": self._window.seconds if self._window.steps else None,
+            "window_steps": self._window.steps,
         }
 
     def gather(self, all_gather_object=None):
@@ -437,9 +476,11 @@ class Chronometer:
         if self._time_to_first_step is not None:
             out["time_to_first_step_s"] = self._time_to_first_step
         if self.steps:
-            measured = [self._measured(x) for x in (self._loads, self._forwards, self._backwards, self._step_array())]
-            out.update(step_figures(*measured, self.steps, self.warmup_steps, self._slowest_rank(), ctx))
-            teachers = self._measured(self._teachers)
+            records = self.records
+            phases = (records.loads, records.forwards, records.backwards, records.step_array())
+            measured = [records.measured(x) for x in phases]
+            out.update(step_figures(*measured, self.steps, self.warmup_steps, slowest_rank(self._gathered), ctx))
+            teachers = records.measured(records.teachers)
             if len(teachers) and not np.all(np.isnan(teachers)):
                 out["teacher_median_s"] = float(np.nanmedian(teachers))
                 out["teacher_share"] = out["teacher_median_s"] / out["step_median_s"]
@@ -453,22 +494,17 @@ class Chronometer:
             out["trace_path"] = str(ctx["trace_path"])
         return out
 
-    def _slowest_rank(self):
-        if not self._gathered or len(self._gathered) < 2:
-            return None
-        candidates = [r for r in self._gathered if r.get("load_median_s") is not None]
-        return max(candidates, key=lambda r: r["load_median_s"]) if candidates else None
-
     def display(self, ctx: dict | None = None) -> None:
         """Rank 0 prints the report, in the course's order. Lines whose figures are unknown are left out."""
         s = self.summary(ctx)
         if self.rank != 0:
             return
-        per_step = (self._step_times(), _nan_to_none(self._loads)) if self._enabled and self.steps else None
+        per_step = (
+            (self.records.step_array().tolist(), _nan_to_none(self.records.loads))
+            if self._enabled and self.steps
+            else None
+        )
         print("\n".join(report_lines(s, self.warmup_steps, per_step)), flush=True)
-
-    def _step_times(self):
-        return self._step_array().tolist()
 
     def write_trace(self, path, ctx: dict | None = None) -> None:
         """JSON trace: per-step load/forward/backward/step seconds, power samples and the summary.
@@ -476,16 +512,7 @@ class Chronometer:
         ctx: as for summary(); default: the last ctx given to summary()/display().
         """
         ctx = self._last_ctx if ctx is None else ctx
-        trace = {
-            "warmup_steps": self.warmup_steps,
-            "load_s": _nan_to_none(self._loads),
-            "forward_s": _nan_to_none(self._forwards),
-            "backward_s": _nan_to_none(self._backwards),
-            "teacher_s": _nan_to_none(self._teachers),
-            "step_s": self._step_times(),
-            "power_w": list(self._energy.power_w),
-            "summary": self.summary(ctx),
-        }
+        trace = {**self.records.as_trace(), "power_w": list(self._energy.power_w), "summary": self.summary(ctx)}
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(trace, indent=1))

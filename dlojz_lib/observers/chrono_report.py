@@ -15,6 +15,14 @@ from dlojz_lib.checks import OneLineArgumentParser, command, is_png_drawn_by
 LOAD_ADVICE_THRESHOLD = 0.05
 
 
+def slowest_rank(gathered):
+    """The rank whose median load phase was the longest, among several gathered (None for one rank)."""
+    if not gathered or len(gathered) < 2:
+        return None
+    candidates = [r for r in gathered if r.get("load_median_s") is not None]
+    return max(candidates, key=lambda r: r["load_median_s"]) if candidates else None
+
+
 def step_figures(loads, forwards, backwards, steps, n_steps, warmup_steps, slowest, ctx) -> dict:
     """Step, load, forward and backward figures from the measured (post warm-up) seconds of each phase (NaN where a
     step had no such phase), the throughput, and the advice when loading holds the step back. `slowest`: the

@@ -361,7 +361,12 @@ def test_disabled_records_nothing_and_never_syncs_in_training_steps(tmp_path):
         run_step(chrono, clock, 0.1, 0.1, 0.1)
     assert sync.calls == 0 and clock.reads == reads_after_start
     assert chrono.steps == 0 and not chrono.enabled
-    assert chrono._loads == [] and chrono._forwards == [] and chrono._backwards == [] and chrono._energy.power_w == []
+    assert (
+        chrono.records.loads == []
+        and chrono.records.forwards == []
+        and chrono.records.backwards == []
+        and chrono._energy.power_w == []
+    )
     s = chrono.summary({"images_per_step": 64, "steps_per_epoch": 10})
     assert "step_median_s" not in s and "peak_power_w" not in s and "epoch_time_estimate_s" not in s
     assert s["total_time_s"] == pytest.approx(30.0)
