@@ -28,12 +28,11 @@ from dlojz_lib.model.zoo import (
 
 @dataclasses.dataclass
 class BuiltModel:
-    module: torch.nn.Module  # the model whole (on the meta device where `shapes_only`)
+    module: torch.nn.Module  # the model whole (on the meta device on --fsdp's ranks but the first)
     ema: torch.nn.Module | None  # --model-ema's averaged copy
     num_classes: int
     arch: str
     family: families.Family | None  # its row of the families' table, None for a model of none
-    shapes_only: bool = False  # its values are the first rank's, which the layout gives it once cut
 
     @classmethod
     def of(cls, module, arch="this model", num_classes=None) -> "BuiltModel":
@@ -64,7 +63,7 @@ def build_model(cfg, num_classes, ranks, log) -> BuiltModel:
         module = module.to(ranks.device)
     if cfg.channels_last:
         module = module.to(memory_format=torch.channels_last)
-    model = BuiltModel(module, None, num_classes, cfg.arch, family, shapes_only)
+    model = BuiltModel(module, None, num_classes, cfg.arch, family)
     if cfg.activation_checkpointing != "none" and cfg.pp == 1:  # (--pp: each stage recomputes its own layers)
         if cfg.activation_checkpointing == "full" and cfg.ac_every == 1:
             enable_grad_checkpointing(module, cfg.arch, [block for _, block in model.blocks or ()])

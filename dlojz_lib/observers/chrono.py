@@ -311,10 +311,8 @@ class Chronometer:
         self._time_to_first_step = None
         self._val_time = None
 
-        self.records = StepRecords(
-            self.warmup_steps
-        )  # appended only when enabled; a step's closed phases until its end:
-        self._pending_load = self._pending_forward = self._pending_teacher = None
+        self.records = StepRecords(self.warmup_steps)  # appended only when enabled
+        self._pending_load = self._pending_forward = self._pending_teacher = None  # closed phases, until the step's end
         self._load, self._forward, self._teacher, self._backward, self._validation = (_Toggle() for _ in range(5))
         self._energy = EnergyMeter(self.device, nvml, enabled=self._enabled)
 

@@ -143,9 +143,10 @@ def build_training(cfg, model, n_train_batches, num_classes, ranks, log, class_c
     # Fused steps (sgd, adamw): no host synchronisation with the float16 GradScaler (see build_optimizer); FSDP's
     # sharded parameters have no fused SGD (its foreach step is used, and bfloat16 needs no scaler).
     fused = not cfg.fsdp or OPTIMIZER_TABLE[cfg.optimizer].fused_on_shards
-    check_kinds_present(model.unsharded, kind_decay(vars(cfg)), cfg.arch)
+    decays = kind_decay(vars(cfg))  # --norm-wd, --bias-wd, --embedding-wd given
+    check_kinds_present(model.unsharded, decays, cfg.arch)
     head = fine_tuning_head(model.module, num_classes, vars(cfg))
-    groups = param_groups(model.module, cfg.wd, cfg.no_wd_norm_bias, cfg.layer_decay, head, kind_decay(vars(cfg)))
+    groups = param_groups(model.module, cfg.wd, cfg.no_wd_norm_bias, cfg.layer_decay, head, decays)
     optimizer = build_optimizer(
         cfg.optimizer,
         groups,
@@ -160,7 +161,7 @@ def build_training(cfg, model, n_train_batches, num_classes, ranks, log, class_c
         f"optimizer: {cfg.optimizer}{' (fused step)' if fused else ''} (lr {cfg.lr}, "
         f"{'Nesterov ' if cfg.nesterov else ''}momentum {cfg.mom}, weight decay {cfg.wd}"
         f"{', none on norms and biases' if cfg.no_wd_norm_bias else ''}"
-        + "".join(f", {value:g} on {kind} parameters" for kind, value in kind_decay(vars(cfg)).items())
+        + "".join(f", {value:g} on {kind} parameters" for kind, value in decays.items())
         + f"); {lr_scaling_line(cfg.lr, step_images)}"
     )
     if cfg.layer_decay is not None:

@@ -38,7 +38,6 @@ class Model:
     tensor_parallel: bool = False  # --tp: gradients on two meshes, (data, tensor) and data
     pipeline: object = None  # --pp: the PipelineRun (also `net`): this rank's stage is `module`
     whole_copies: object = None  # --tp: the weights a tensor group holds whole (tensor_parallel.WholeCopies)
-    family: object = None  # its row of model.families (None: a model of none)
 
     @property
     def evaluated(self):
@@ -133,8 +132,7 @@ def lay_out(model, cfg, ranks, log) -> Model:
         log(f"torch.compile: mode {cfg.compile_mode or 'default'}")
     cuda_graphs = cfg.compile_mode in CUDA_GRAPH_MODES  # (a --compile-mode implies --compile)
     whole = whole_copies(cfg.section("distribution"), module, ranks)
-    tp = cfg.tp > 1
-    return Model(net, module, ema, num_classes, parallel, unsharded, cuda_graphs, tp, None, whole, model.family)
+    return Model(net, module, ema, num_classes, parallel, unsharded, cuda_graphs, cfg.tp > 1, whole_copies=whole)
 
 
 def held_blocks(stage, paths) -> list:
@@ -270,7 +268,7 @@ def build_pipeline_model(cfg, model, ranks, log) -> Model:
     )
     held = stages[0] if len(stages) == 1 else RankStages(stages)  # what the optimizer and the checkpoint see
     whole = whole_copies(cfg.section("distribution"), held, ranks)
-    return Model(run, held, ema, num_classes, "fsdp", unsharded, False, cfg.tp > 1, run, whole, model.family)
+    return Model(run, held, ema, num_classes, "fsdp", unsharded, False, cfg.tp > 1, run, whole)
 
 
 def state_bytes_per_rank(model, training, ranks) -> dict:

@@ -206,6 +206,18 @@ class ContiguousGradient(torch.autograd.Function):
         return gradient.contiguous()
 
 
+def take_own_tensors(holder, source):
+    """`source`'s own parameters and buffers (not its submodules'; a pruned one's None entries left out) registered
+    on `holder` under the same names, each buffer as persistent as it was."""
+    parameters, buffers = own_slots(source)
+    for name, parameter in parameters.items():
+        if parameter is not None:
+            holder.register_parameter(name, parameter)
+    for name, buffer in buffers.items():
+        if buffer is not None:
+            holder.register_buffer(name, buffer, persistent=is_persistent(source, name))
+
+
 class Stage(nn.Module):
     """Layers [first, last) of `model` (a model of its own: the rest of it is dropped) as one module, holding the
     model's top-level modules that kept parameters or buffers, and its own, under their own names. `recompute`
@@ -224,13 +236,7 @@ class Stage(nn.Module):
         for name, child in child_slots(model).items():
             if child is not None and any(True for _ in itertools.chain(child.parameters(), child.buffers())):
                 self.add_module(name, child)
-        parameters, buffers = own_slots(model)
-        for name, parameter in parameters.items():
-            if parameter is not None:
-                self.register_parameter(name, parameter)
-        for name, buffer in buffers.items():
-            if buffer is not None:
-                self.register_buffer(name, buffer, persistent=is_persistent(model, name))
+        take_own_tensors(self, model)
         # The layers' forwards read the model's own parameters (a ViT's class token): one registry for both, so that
         # what FSDP puts on the stage (its shards, then the gathered parameters in a forward) is what they read.
         share_own_tensors(model, self)
@@ -320,11 +326,7 @@ class RankStages(nn.Module):
                 for key, entry in child_slots(child).items():
                     if entry is not None:
                         child_slots(mine)[key] = entry
-            parameters, buffers = own_slots(stage)
-            for name, parameter in parameters.items():
-                self.register_parameter(name, parameter)
-            for name, buffer in buffers.items():
-                self.register_buffer(name, buffer, persistent=is_persistent(stage, name))
+            take_own_tensors(self, stage)
 
 
 def is_meta(module) -> bool:
