@@ -86,7 +86,7 @@ def get_args(argv=None):
 def layout(module):
     """(shape, tensor-parallel placement) of every parameter under dlojz's plan: "col" (split on dim 0), "row"
     (split on dim 1), or None (replicated)."""
-    from dlojz_lib.parallelism.tensor import transformer_blocks
+    from dlojz_lib.model.tensor_plans import transformer_blocks
 
     placement = {}
     for block in transformer_blocks(module):
@@ -115,7 +115,7 @@ def attention_shapes(module, image_size):
     (NCHW), a MaxViT block's attend within a window or a grid cell (its input: images x windows, tokens, channels)."""
     import torch
 
-    from dlojz_lib.parallelism.tensor import transformer_blocks
+    from dlojz_lib.model.tensor_plans import transformer_blocks
 
     shapes = []
     paths = {id(block): path for path, block in module.named_modules()}
@@ -142,8 +142,9 @@ def attention_shapes(module, image_size):
 def rows(args):
     import torch
 
+    from dlojz_lib.model.tensor_plans import is_vit_block, transformer_blocks
     from dlojz_lib.model.zoo import create_model
-    from dlojz_lib.parallelism.tensor import block_bytes_sent, is_vit_block, transformer_blocks
+    from dlojz_lib.parallelism.tensor import block_bytes_sent
 
     with torch.device("meta"):
         module = create_model(args.arch, args.num_classes, False, args.image_size)

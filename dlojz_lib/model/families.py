@@ -1,13 +1,13 @@
-"""The model families the parallel layouts know, one row each: how to tell a model of the family, its residual or
-transformer blocks in forward order (FSDP's units, the pipeline's layers between the stem and the head), what runs
-before the first block and after the last (the pipeline's first and last layers), and whether tensor parallelism's
-plan splits its transformer blocks (timm's attention beside timm's MLP; q, k and v held apart where timm fuses
-them: `tensor.HeadShardedQKV`, whose state-dict hooks keep the fused names in an ordinary checkpoint).
+"""The model families the parallel layouts know, one row each, as torchtitan's model spec carries its parallelize
+function and state adapter: how to tell a model of the family, its residual or transformer blocks in forward order
+(FSDP's units, the pipeline's layers between the stem and the head), what runs before the first block and after the
+last (the pipeline's first and last layers), and its tensor-parallel plan (`tensor_plans.TensorPlan`: which blocks
+--tp splits and how, and the state-dict adapter between its split names and an ordinary model's), or none.
 
-A new family is one row, added by `register_family(Family(...))` (a test adds a toy one): `--fsdp` shards its blocks one by one, `--pp` cuts it
-between blocks, and `--tp` splits its blocks if it says so and they are timm's attention and MLP. A model of no
-family still shards under `--fsdp` (blocks found by their class names, `fsdp.BLOCK_SUFFIXES`); `--pp` and `--tp`
-refuse it in one line naming the families.
+A new family is one row, added by `register_family(Family(...))` (a test adds a toy one): `--fsdp` shards its blocks
+one by one, `--pp` cuts it between blocks, and `--tp` splits its blocks by its plan. A model of no family still
+shards under `--fsdp` (blocks found by their class names, `fsdp.BLOCK_SUFFIXES`); `--pp` and `--tp` refuse it in
+one line naming the families.
 
 Written against timm 1.0.31 (`VisionTransformer._pos_embed`) and torchvision 0.29
 (`VisionTransformer._process_input`): the private attributes the stems read are here and nowhere else.
@@ -18,6 +18,8 @@ from typing import Callable
 
 import torch
 from torch import nn
+
+from dlojz_lib.model import tensor_plans
 
 
 @dataclasses.dataclass
@@ -36,7 +38,7 @@ class Family:
     blocks: Callable[[nn.Module], list]  # [(path, module)]: the blocks, in the order the forward runs them
     stem: Callable[[nn.Module], Layer] | None = None  # what runs before the first block (None: nothing)
     head: Callable[[nn.Module], Callable] | None = None  # what runs after the last block, activation to logits
-    tensor_parallel: bool = False  # its blocks are timm's attention beside timm's MLP: --tp splits them
+    tensor_plan: tensor_plans.TensorPlan | None = None  # how --tp splits its blocks (None: --tp refuses it)
 
 
 def is_class(module_path, name):
@@ -80,7 +82,7 @@ FAMILIES = (
         blocks=lambda model: [(f"blocks.{i}", block) for i, block in enumerate(model.blocks)],
         stem=timm_vit_stem,
         head=timm_head,
-        tensor_parallel=True,
+        tensor_plan=tensor_plans.TIMM,
     ),
     Family(
         "timm's CoAtNet/MaxViT family (timm:coatnet_*, timm:maxvit_*, timm:coatnet_7_224 ...)",
@@ -92,7 +94,7 @@ FAMILIES = (
         ],
         stem=lambda model: Layer("stem", ("stem",), model.stem),
         head=timm_head,
-        tensor_parallel=True,  # its transformer blocks; the MBConv stages stay whole on every rank
+        tensor_plan=tensor_plans.TIMM,  # its transformer blocks; the MBConv stages stay whole on every rank
     ),
     Family(
         "torchvision's ResNets",
@@ -113,6 +115,7 @@ FAMILIES = (
         ],
         stem=torchvision_vit_stem,
         head=lambda model: lambda x: model.heads(model.encoder.ln(x)[:, 0]),
+        tensor_plan=tensor_plans.TORCHVISION_VIT,
     ),
     Family(
         "an nn.Sequential (each child a layer)",
@@ -144,7 +147,7 @@ def blocks_of(model):
 
 def names(tensor_parallel=False):
     """The families (those whose blocks --tp splits), as a refusal lists them."""
-    known = [family.name for family in FAMILIES if family.tensor_parallel or not tensor_parallel]
+    known = [family.name for family in FAMILIES if family.tensor_plan is not None or not tensor_parallel]
     return ", ".join(known[:-1]) + " and " + known[-1] if len(known) > 1 else known[0]
 
 

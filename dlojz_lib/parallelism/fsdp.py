@@ -120,8 +120,8 @@ def fill_from_first_rank(parts, catalogue, values, device):
     """`parts` (this rank's modules on the meta device: a model sharded by FSDP, or its pipeline stages, cut,
     parallelised and sharded on meta) given storage on `device` for what they hold, then filled with the first rank's
     `values`: each tensor of `catalogue` broadcast in turn (one tensor's memory at a time), a rank keeping its stage's
-    tensors and, of a DTensor, its own shard. A tensor-parallel q, k or v part takes its third of timm's fused qkv.
-    Every rank calls it, with the same catalogue."""
+    tensors and, of a DTensor, its own shard. A tensor-parallel q, k or v part takes its third of the fused tensor
+    (timm's qkv, torchvision's in_proj_weight). Every rank calls it, with the same catalogue."""
     from torch.distributed.tensor import DTensor, distribute_tensor
 
     from dlojz_lib.parallelism.tensor import PARTS, fused_name
@@ -316,8 +316,8 @@ def saved_sources(key, saved):
             fused, part = fused_name(name)
             if part is not None and prefix + fused + suffix in saved:
                 return "part", [prefix + fused + suffix], PARTS.index(part)
-            parts = [prefix + part_name(name, p) + suffix for p in PARTS]
-            if all(k in saved for k in parts):
+            parts = [prefix + part_name(name, p) + suffix for p in PARTS if part_name(name, p) is not None]
+            if parts and all(k in saved for k in parts):
                 return "fuse", parts, None
     return None
 

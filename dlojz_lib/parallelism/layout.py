@@ -101,8 +101,8 @@ def lay_out(model, cfg, ranks, log) -> Model:
                 module, ranks.mesh["tensor"], cfg.arch, cfg.sequence_parallel, cfg.val_crop_size, model.family
             )
             log(
-                f"tensor parallelism: {split} blocks over groups of {cfg.tp} ranks (q, k, v and fc1 column-wise, proj "
-                f"and fc2 row-wise{'; the tokens split between them: sequence parallelism' if cfg.sequence_parallel else ''}), "
+                f"tensor parallelism: {split} blocks over groups of {cfg.tp} ranks ({model.family.tensor_plan.said}"
+                f"{'; the tokens split between them: sequence parallelism' if cfg.sequence_parallel else ''}), "
                 f"{ranks.data_size} data replica{'s' if ranks.data_size > 1 else ''}; the weights each group holds "
                 "whole get its average gradient"
                 f"{f', their copies compared every {cfg.check_replicas} steps' if cfg.check_replicas else ''}"
@@ -131,7 +131,7 @@ def lay_out(model, cfg, ranks, log) -> Model:
         net = torch.compile(net, mode=cfg.compile_mode)
         log(f"torch.compile: mode {cfg.compile_mode or 'default'}")
     cuda_graphs = cfg.compile_mode in CUDA_GRAPH_MODES  # (a --compile-mode implies --compile)
-    whole = whole_copies(cfg.section("distribution"), module, ranks)
+    whole = whole_copies(cfg.section("distribution"), module, ranks, model.family)
     return Model(net, module, ema, num_classes, parallel, unsharded, cuda_graphs, cfg.tp > 1, whole_copies=whole)
 
 
@@ -161,14 +161,14 @@ def compile_blocks(blocks, mode) -> str:
     return f"torch.compile: each of {n} block{'s' if n != 1 else ''} (fullgraph, mode {mode or 'default'}), around them eager"
 
 
-def whole_copies(distribution, module, ranks):
+def whole_copies(distribution, module, ranks, family):
     """--tp: the weights each tensor group holds whole, their gradients averaged over it (--check-replicas: and
     their copies compared)."""
     if distribution.tp == 1:
         return None
     from dlojz_lib.parallelism.tensor import WholeCopies, token_sharded_weights
 
-    summed = token_sharded_weights(module) if distribution.sequence_parallel else ()
+    summed = token_sharded_weights(module, family) if distribution.sequence_parallel else ()
     return WholeCopies(module, ranks.mesh["tensor"], distribution.check_replicas, ranks.all_gather, summed)
 
 
@@ -213,15 +213,15 @@ def build_pipeline_model(cfg, model, ranks, log) -> Model:
     blocks = []  # the FSDP units of each stage
 
     if cfg.tp > 1:  # the plan checked once, on the whole model: the stages hold its blocks or none
-        from dlojz_lib.parallelism.tensor import check_plan, parallelize, transformer_blocks
+        from dlojz_lib.parallelism.tensor import check_plan, parallelize, plan_blocks
 
         check_plan(module, cfg.tp, cfg.arch, model.family)
     block_paths = [path for path, _ in model.blocks or ()]  # (none: build_pipeline refuses the model)
     compiled = []  # compile_blocks' lines, a stage each
 
     def shard(stage):
-        if cfg.tp > 1 and transformer_blocks(stage):  # 3-D: the blocks split over the tensor dimension, as 2-D's
-            parallelize(stage, ranks.mesh["tensor"], cfg.arch)
+        if cfg.tp > 1 and plan_blocks(stage, model.family):  # 3-D: the blocks split over the tensor dimension
+            parallelize(stage, ranks.mesh["tensor"], cfg.arch, family=model.family)
         # the family's blocks the stage holds: FSDP's units (a Stage is of no family: no guess from class names)
         units = held_blocks(stage, block_paths)
         if cfg.compile:  # each of the stage's blocks, between the plan and FSDP
@@ -243,7 +243,7 @@ def build_pipeline_model(cfg, model, ranks, log) -> Model:
     mine = [
         f"{s.names[0] if len(s.names) == 1 else f'{s.names[0]} to {s.names[-1]}'} "
         f"({sum(p.numel() for p in s.parameters()):,} parameters"
-        f"{', no block: replicated over the tensor group' if cfg.tp > 1 and not transformer_blocks(s) else ''})"
+        f"{', no block: replicated over the tensor group' if cfg.tp > 1 and not plan_blocks(s, model.family) else ''})"
         for s in stages
     ]
     everyone = ranks.all_gather(" and ".join(mine))
@@ -267,7 +267,7 @@ def build_pipeline_model(cfg, model, ranks, log) -> Model:
         f"{'; ' + '; '.join(compiled) if compiled else ''}"
     )
     held = stages[0] if len(stages) == 1 else RankStages(stages)  # what the optimizer and the checkpoint see
-    whole = whole_copies(cfg.section("distribution"), held, ranks)
+    whole = whole_copies(cfg.section("distribution"), held, ranks, model.family)
     return Model(run, held, ema, num_classes, "fsdp", unsharded, False, cfg.tp > 1, run, whole)
 
 

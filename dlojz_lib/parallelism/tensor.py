@@ -1,35 +1,25 @@
 """Tensor parallelism (Megatron-LM's layout) on PyTorch's DTensor: each of the N ranks of a tensor group holds a
-slice of every transformer block's weights and computes a slice of each of its matrix products.
+slice of every transformer block's weights and computes a slice of each of its matrix products. What a block's split
+is, is its family's: the row's `TensorPlan` (`dlojz_lib/model/tensor_plans.py`: timm's ViT and CoAtNet/MaxViT,
+torchvision's ViT); here, what every plan shares.
 
-The plan, per transformer block: timm's ViT family (`Block`: `attn.qkv`, `attn.proj`, `mlp.fc1`, `mlp.fc2`) and the
-transformer blocks of timm's CoAtNet/MaxViT family (`TransformerBlock2d`, `PartitionAttentionCl`/`2d`: the same four
-projections, as Linear layers or as 1x1 convolutions over NCHW maps):
-- attention: q, k and v column-wise, so that each rank holds whole heads and computes them alone, then the output
-  projection row-wise (its partial sums all-reduced). timm's ViT fuses q, k and v in one `qkv` projection whose
-  weight is [q; k; v]: a column-wise split of it would give rank 0 all of q and half of k. `HeadShardedQKV` holds
-  the three apart instead, and reads a fused `qkv` from a checkpoint or published weights. CoAtNet's and MaxViT's
-  `qkv` is laid out head by head ([q, k, v] of head 0, then head 1...: timm's head_first): split as it is, each rank
-  gets whole heads; the TensorFlow ports' (head_first False) are held apart as ViT's;
-- a relative position bias (CoAtNet, MaxViT): computed whole on each rank (a table of a few thousand numbers per
-  head), each rank adding its own heads' slice; its gradient gathered over the group, so the table trains whole;
-- MLP: fc1 column-wise, fc2 row-wise (one all-reduce);
-- a 1x1 convolution becomes `Pointwise`, a Linear layer over the channels of the NCHW map with the convolution's
-  weight (same name, same shape: checkpoints and published weights are timm's), which PyTorch's styles split;
-- the norms, the stems, patch embeddings, position embeddings, the MBConv blocks, the head: replicated. They are small
-  next to the transformer blocks and their input is the same on every rank of the group; their gradients should be
-  too, but a GPU's kernels need not compute bit-identical gradients on two ranks (cuDNN's autotuned algorithms,
-  atomics), and copies that drift apart would stay apart: `WholeCopies` averages them over the group at every step
-  (one all-reduce of their few weights), and compares the copies' checksums (--check-replicas).
+The weights no plan splits (the norms, the stems, patch and position embeddings, the MBConv blocks, the head) are
+replicated: small next to the transformer blocks, their input the same on every rank of the group. Their gradients
+should be too, but a GPU's kernels need not compute bit-identical gradients on two ranks (cuDNN's autotuned
+algorithms, atomics), and copies that drift apart would stay apart: `WholeCopies` averages them over the group at
+every step (one all-reduce of their few weights), and compares the copies' checksums (--check-replicas).
 Each block costs two all-reduces of its activations in the forward, and two in the backward (q, k and v read one
 DTensor input: their three input gradients are summed before one all-reduce); with sequence parallelism, two
 all-gathers and two reduce-scatters each way (`BLOCK_COLLECTIVES`, counted by the tests), the norms' gradients
 (parts of a sum, one a rank's tokens) added up in the whole weights' one all-reduce a step.
 
-- `parallelize(module, tp_mesh)`: the plan applied in place; a model without one, or whose heads or MLP width do not
-  split over the ranks, is one line (UserError).
+- `parallelize(module, tp_mesh)`: the family's plan applied in place; a model without one, or whose heads or MLP
+  width do not split over the ranks, is one line (UserError).
 - `fused_state_dict(state)`, `fused_optimizer_state(state)`: a parallelised model's full state dict (q, k and v
-  apart), and its optimizer's by parameter name (torch.distributed.checkpoint's form), with timm's fused `qkv` again:
-  what an ordinary model and its optimizer load (`dlojz_fsdp.py consolidate`).
+  apart), and its optimizer's by parameter name (torch.distributed.checkpoint's form), with the fused tensors
+  again (timm's `qkv`, torchvision's `in_proj_weight`: each plan's `fused` names): what an ordinary model and its
+  optimizer load (`dlojz_fsdp.py consolidate`). A checkpoint's names say which family's adapter applies: the
+  functions here read every row's.
 - `WholeCopies(module, tp_mesh, check_every, gather, summed)`: the weights the group holds whole (`held_whole`),
   their gradients averaged over the group before each step (summed, in the same all-reduce, for the norms that
   sequence parallelism runs on each rank's tokens: `token_sharded_weights`), their copies compared every N steps
@@ -37,14 +27,11 @@ all-gathers and two reduce-scatters each way (`BLOCK_COLLECTIVES`, counted by th
 """
 
 import torch
-from torch import nn
 
 from dlojz_lib.checks import UserError
 from dlojz_lib.model import families
-from dlojz_lib.torch_internals import flatten_dense, move_forward_hook_last, unflatten_dense
-
-PARTS = ("q", "k", "v")
-SEQUENCE_PARALLEL_LAYERS = ("norm1", "norm2", "ls1", "ls2")  # a ViT block's layers on a rank's tokens alone
+from dlojz_lib.model.tensor_plans import PARTS
+from dlojz_lib.torch_internals import flatten_dense, unflatten_dense
 
 # What the plan sends per transformer block and step, each collective on one block's activations ([tokens, batch,
 # width], in the AMP dtype), as Megatron-LM's layout: without sequence parallelism the row-wise layers' outputs
@@ -66,101 +53,36 @@ def block_bytes_sent(sequence_parallel, tp, activation_bytes):
     return sends * (tp - 1) / tp * activation_bytes
 
 
-class Pointwise(nn.Linear):
-    """A 1x1 convolution of an NCHW map as a Linear layer over its pixels' channels, keeping the convolution's weight
-    ([out, in, 1, 1]: the same state dict), so that PyTorch's column- and row-wise styles, which take Linear layers,
-    split it as they split a Linear's last dimension. The map turns channels-last before every other forward
-    pre-hook (the styles' read their input as a Linear's), and back after every other forward hook
-    (`hooks_last()`, once a style has added its own)."""
-
-    def __init__(self, conv: nn.Conv2d):
-        nn.Module.__init__(self)
-        pointwise = conv.kernel_size == (1, 1) and conv.stride == (1, 1) and conv.groups == 1
-        if not pointwise or conv.padding not in ((0, 0), "valid"):
-            raise ValueError(f"not a pointwise convolution: {conv}")
-        self.in_features, self.out_features = conv.in_channels, conv.out_channels
-        self.weight = conv.weight
-        self.register_parameter("bias", conv.bias)
-        self.register_forward_pre_hook(channels_last_input, prepend=True)
-        self.output_hook = self.register_forward_hook(channels_first_output)
-
-    def forward(self, x):
-        return nn.functional.linear(x, self.weight.squeeze(3).squeeze(2), self.bias)
-
-    def hooks_last(self):
-        move_forward_hook_last(self, self.output_hook)
+def fused_endings():
+    """(a fused tensor's name ending, its parts' with {} for q, k or v) of every family's plan."""
+    return [pair for family in families.FAMILIES if family.tensor_plan for pair in family.tensor_plan.fused]
 
 
-def channels_last_input(module, inputs):
-    # contiguous: a matrix of pixels (DTensor's matrix product views it so); free for a channels-last map
-    return (inputs[0].movedim(1, -1).contiguous(),)
-
-
-def channels_first_output(module, inputs, output):
-    return output.movedim(-1, 1)
-
-
-def channel_dim(layer):
-    """Where a layer's output channels are: 1 for a Pointwise (NCHW), the last dimension for a Linear."""
-    return 1 if isinstance(layer, Pointwise) else -1
-
-
-class HeadShardedQKV(nn.Module):
-    """A fused `qkv` projection laid out [q; k; v] (timm's ViT, the TensorFlow ports of MaxViT) as three (q, k, v),
-    whose outputs are concatenated as the fused one's: split column-wise, each rank's concatenation is its own heads'
-    [q; k; v], which the attention's forward reshapes as it does the whole. A state dict with the fused
-    `qkv.weight` (and bias) loads into it."""
-
-    def __init__(self, qkv: nn.Linear):
-        super().__init__()
-        width, bias = qkv.out_features // 3, qkv.bias is not None
-        like = dict(device=qkv.weight.device, dtype=qkv.weight.dtype)
-        if isinstance(qkv, Pointwise):
-            parts = (Pointwise(nn.Conv2d(qkv.in_features, width, 1, bias=bias, **like)) for _ in PARTS)
-        else:
-            parts = (nn.Linear(qkv.in_features, width, bias=bias, **like) for _ in PARTS)
-        self.q, self.k, self.v = parts
-        self.dim = channel_dim(qkv)
-        with torch.no_grad():
-            for name in ("weight", "bias") if bias else ("weight",):
-                for part, chunk in zip(self.parts(), getattr(qkv, name).chunk(3)):
-                    getattr(part, name).copy_(chunk)
-        self.register_load_state_dict_pre_hook(split_fused_qkv)
-
-    def parts(self):
-        return self.q, self.k, self.v
-
-    def forward(self, x):
-        return torch.cat([part(x) for part in self.parts()], dim=self.dim)
-
-
-def split_fused_qkv(module, state_dict, prefix, *_):
-    """A fused `qkv.weight`/`qkv.bias` (an ordinary model's) read as the three parts."""
-    for name in ("weight", "bias"):
-        fused = state_dict.pop(prefix + name, None)
-        if fused is not None:
-            for part, chunk in zip(PARTS, fused.chunk(3)):
-                state_dict[f"{prefix}{part}.{name}"] = chunk
+def ends_with(key, ending):
+    return key == ending or key.endswith("." + ending)
 
 
 def fused_name(key):
-    """(the fused parameter's name, which part) for a HeadShardedQKV part's parameter name, else (key, None)."""
-    stem, _, leaf = key.rpartition(".")
-    base, _, part = stem.rpartition(".")
-    if part in PARTS and base.endswith("attn.qkv"):
-        return f"{base}.{leaf}", part
+    """(the fused tensor's name, which part) for the name of a part a plan holds apart, else (key, None)."""
+    for fused, parts in fused_endings():
+        for part in PARTS:
+            if ends_with(key, parts.format(part)):
+                return key[: len(key) - len(parts.format(part))] + fused, part
     return key, None
 
 
 def part_name(fused, part):
-    """The name of `part`'s parameter for the fused parameter's name `fused` (blocks.0.attn.qkv.weight, "k" ->
-    blocks.0.attn.qkv.k.weight)."""
-    base, _, leaf = fused.rpartition(".")
-    return f"{base}.{part}.{leaf}"
+    """The name of `part`'s tensor for the fused tensor's name `fused` (blocks.0.attn.qkv.weight, "k" ->
+    blocks.0.attn.qkv.k.weight), None for a name no plan fuses."""
+    for ending, parts in fused_endings():
+        if ends_with(fused, ending):
+            return fused[: len(fused) - len(ending)] + parts.format(part)
+    return None
 
 
 def fused_state_dict(state: dict) -> dict:
-    """`state` (full tensors) with each HeadShardedQKV's q, k and v fused into timm's `qkv` again, in order."""
+    """`state` (full tensors) with each part a plan holds apart fused again (timm's `qkv`, torchvision's
+    `in_proj_weight`), in order."""
     fused = {}
     for key, value in state.items():
         name, part = fused_name(key)
@@ -172,12 +94,12 @@ def fused_state_dict(state: dict) -> dict:
 
 
 def split_state_dict(state: dict, keys) -> dict:
-    """`state` (full tensors, timm's names: an ordinary checkpoint's) with each fused `qkv` weight and bias that
-    `keys` (a parallelised model's state dict keys) holds as a HeadShardedQKV's parts split into q, k and v: what
-    such a model loads parameter by parameter, each part distributed over its mesh."""
+    """`state` (full tensors, an ordinary checkpoint's names) with each fused tensor that `keys` (a parallelised
+    model's state dict keys) holds as parts split into q, k and v: what such a model loads parameter by parameter,
+    each part distributed over its mesh."""
     keys, split = set(keys), {}
     for key, value in state.items():
-        if key.rpartition(".")[0].endswith("attn.qkv") and part_name(key, "q") in keys:
+        if part_name(key, "q") in keys:
             split.update({part_name(key, part): chunk for part, chunk in zip(PARTS, value.chunk(3))})
         else:
             split[key] = value
@@ -185,8 +107,8 @@ def split_state_dict(state: dict, keys) -> dict:
 
 
 def qkv_layouts_differ(saved_keys, keys) -> bool:
-    """Whether a checkpoint's parameter names and a model's differ by a HeadShardedQKV (q, k and v held apart under
-    --tp, fused in timm's `qkv` otherwise): the one difference between the tensor-parallel layouts' names."""
+    """Whether a checkpoint's parameter names and a model's differ by a tensor a plan holds apart (q, k and v under
+    --tp, fused otherwise): the one difference between the tensor-parallel layouts' names."""
     saved_keys, keys = set(saved_keys), set(keys)
     return any(
         fused_name(key)[1] is not None and (fused_name(key)[0] in other)
@@ -233,66 +155,31 @@ def fused_flat_optimizer_state(state: dict) -> dict:
     return fused
 
 
-def attention_classes():
-    """timm's attention and MLP classes the plan knows: ViT's, and CoAtNet's/MaxViT's (NCHW and channels-last)."""
-    from timm.layers import Attention, ConvMlp, Mlp
-    from timm.models.maxxvit import Attention2d, AttentionCl
-
-    return (Attention, Attention2d, AttentionCl), (Mlp, ConvMlp)
-
-
-def transformer_blocks(module):
-    """The blocks the plan knows: a plain timm attention (`attn`) beside a plain timm MLP (`mlp`)."""
-    attentions, mlps = attention_classes()
-    return [
-        block
-        for block in module.modules()
-        if type(getattr(block, "attn", None)) in attentions and type(getattr(block, "mlp", None)) in mlps
-    ]
-
-
-def is_vit_block(block):
-    from timm.layers import Attention
-
-    return type(block.attn) is Attention
+def plan_of(module, arch, family=None):
+    """The tensor-parallel plan of `module`'s family (`family`: its row as the build resolved it, for a pipeline's
+    stage the whole model's; None: looked up), one line where the family has none."""
+    family = families.family_of(module) if family is None else family
+    if family is None or family.tensor_plan is None:
+        raise UserError(f"--tp: --arch {arch} has no tensor-parallel plan here: {families.names(True)} have one")
+    return family.tensor_plan
 
 
 def check_plan(module, n, arch="this model", family=None) -> list:
-    """`module`'s transformer blocks, each checked to split over `n` ranks; a model without any, or of a family whose
-    row has no plan (`family`: the model's row as the build resolved it; None: looked up, none for a pipeline's
-    stage, whose model was checked), is one line. (--pp checks the whole model once: a stage without blocks, a stem
+    """`module`'s blocks its family's plan splits, each checked to split over `n` ranks; a model without any, or of
+    a family whose row has no plan, is one line. (--pp checks the whole model once: a stage without blocks, a stem
     or a head, stays replicated over the group.)"""
-    family = families.family_of(module) if family is None else family
-    blocks = transformer_blocks(module) if family is None or family.tensor_parallel else []
+    plan = plan_of(module, arch, family)
+    blocks = plan.blocks(module)
     if not blocks:
         raise UserError(f"--tp: --arch {arch} has no tensor-parallel plan here: {families.names(True)} have one")
     for block in blocks:
-        check_splittable(block, n, arch)
+        plan.check(block, n, arch)
     return blocks
 
 
-def check_splittable(block, n, arch):
-    attn, mlp = block.attn, block.mlp
-    if is_vit_block(block):
-        if not isinstance(attn.norm, nn.Identity) or getattr(attn, "gate", None) is not None:
-            raise UserError(
-                f"--tp: {arch}'s attention normalises or gates its heads together, which --tp does not split"
-            )
-        if not hasattr(attn, "attn_dim"):  # older timm reshapes the heads' output to the input's width
-            raise UserError(
-                "--tp: this timm's Attention has no attn_dim to give each rank its heads: install a newer timm"
-            )
-    if not isinstance(getattr(mlp, "norm", nn.Identity()), nn.Identity):
-        raise UserError(f"--tp: {arch}'s MLP normalises its hidden layer as a whole, which --tp does not split")
-    if attn.num_heads % n:
-        raise UserError(f"--tp {n}: {arch} has {attn.num_heads} heads in a block; give a --tp that divides it")
-    if hidden_width(mlp) % n:
-        raise UserError(f"--tp {n}: {arch}'s MLP is {hidden_width(mlp)} wide; give a --tp that divides it")
-
-
-def hidden_width(mlp):
-    fc1 = mlp.fc1
-    return fc1.out_channels if isinstance(fc1, nn.Conv2d) else fc1.out_features
+def plan_blocks(module, family) -> list:
+    """The blocks of `module` (a whole model, or a pipeline's stage) that `family`'s plan splits."""
+    return family.tensor_plan.blocks(module) if family is not None and family.tensor_plan is not None else []
 
 
 def sequence_length(module, image_size=None):
@@ -304,76 +191,23 @@ def sequence_length(module, image_size=None):
     return grid[0] * grid[1] + getattr(module, "num_prefix_tokens", 0)
 
 
-def block_plan(block, sequence_parallel):
-    """The plan of one block: Megatron-LM's, and with sequence parallelism the norms (and layer scales) on this
-    rank's share of the tokens, the attention's and the MLP's input gathered, their outputs reduce-scattered."""
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
-
-    qkv = [f"attn.qkv.{part}" for part in PARTS] if isinstance(block.attn.qkv, HeadShardedQKV) else ["attn.qkv"]
-    plan = {name: ColwiseParallel() for name in (*qkv, "mlp.fc1")}
-    if not sequence_parallel:
-        if len(qkv) == 3:  # q, k and v read one DTensor: their input gradients summed, then one all-reduce
-            plan["attn.qkv"] = PrepareModuleInput(
-                input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),), use_local_output=False
-            )
-        return {**plan, "attn.proj": RowwiseParallel(), "mlp.fc2": RowwiseParallel()}
-    # The gathered tokens stay a DTensor: the attention's (or MLP's) input gradients, partial sums on each rank, are
-    # summed as one and reduce-scattered back to the tokens' shards (Megatron-LM's), rather than all-reduced whole.
-    gather = dict(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=False)
-    plan.update(
-        {
-            "attn": PrepareModuleInput(**gather),
-            "attn.proj": RowwiseParallel(output_layouts=Shard(1)),
-            "mlp": PrepareModuleInput(**gather),
-            "mlp.fc2": RowwiseParallel(output_layouts=Shard(1)),
-        }
-    )
-    # The norms and layer scales run on this rank's tokens with plain weights (no style): their gradients are each
-    # rank's part of the sum, which WholeCopies adds up over the group in its one all-reduce a step
-    # (token_sharded_weights), where SequenceParallel's replicated DTensors sent one all-reduce a weight
-    return plan
-
-
-def token_sharded_weights(module) -> set:
-    """Under sequence parallelism, the names of the blocks' norms' and layer scales' weights: each rank runs them on
-    its share of the tokens, so each holds a part of their gradient, to be summed over the tensor group (the other
-    weights the group holds whole have their whole gradient on every rank, to be averaged)."""
-    blocks = {id(block) for block in transformer_blocks(module)}
-    names = set()
-    for path, block in module.named_modules():
-        if id(block) in blocks:
-            for layer in SEQUENCE_PARALLEL_LAYERS:
-                names |= {f"{path}.{layer}.{name}" for name, _ in getattr(block, layer).named_parameters()}
-    return names
-
-
-def pointwise_layers(block):
-    """A CoAtNet block's 1x1 convolutions as Pointwise layers, in place."""
-    for owner, name in ((block.attn, "qkv"), (block.attn, "proj"), (block.mlp, "fc1"), (block.mlp, "fc2")):
-        layer = getattr(owner, name)
-        if isinstance(layer, nn.Conv2d):
-            setattr(owner, name, Pointwise(layer))
-
-
-def heads_of_this_rank(rel_pos, tp_mesh):
-    """`rel_pos`'s bias (every head's: [1,] heads, tokens, tokens) cut to this rank's heads. The cut is a DTensor
-    redistribution (replicated to sharded on the heads), whose backward gathers the heads' gradients: the table,
-    replicated, gets its whole gradient on every rank, as the norms do."""
-    from torch.distributed.tensor import DTensor, Replicate, Shard
-
-    whole = rel_pos.get_bias
-
-    def get_bias():
-        bias = whole()
-        replicated = DTensor.from_local(bias, tp_mesh, [Replicate()], run_check=False)
-        return replicated.redistribute(tp_mesh, [Shard(bias.dim() - 3)]).to_local()
-
-    rel_pos.get_bias = get_bias  # what the attention's forward and rel_pos's own forward call
+def token_sharded_weights(module, family=None) -> set:
+    """Under sequence parallelism, the names of the weights each rank runs on its share of the tokens (a ViT block's
+    norms and layer scales): each holds a part of their gradient, to be summed over the tensor group (the other
+    weights the group holds whole have their whole gradient on every rank, to be averaged). `family`: as
+    plan_of."""
+    plan = plan_of(module, "this model", family)
+    blocks = {id(block) for block in plan.blocks(module)}
+    return {
+        f"{path}.{name}"
+        for path, block in module.named_modules()
+        if id(block) in blocks
+        for name in plan.token_sharded(block)
+    }
 
 
 def parallelize(module, tp_mesh, arch="this model", sequence_parallel=False, val_crop_size=None, family=None) -> int:
-    """The plan above applied to `module` in place over `tp_mesh` (a 1-D DeviceMesh, or the tensor dimension of a
+    """`module`'s family's plan applied to it in place over `tp_mesh` (a 1-D DeviceMesh, or the tensor dimension of a
     2-D one). `sequence_parallel` (ViT): between the blocks' matrix products the tokens are split over the group too
     (the norms, residuals and dropouts on 1/N of them; all-gather and reduce-scatter instead of all-reduce: the same
     volume, 1/N of the activations). `family`: the model's row (check_plan). Returns the number of blocks
@@ -382,12 +216,11 @@ def parallelize(module, tp_mesh, arch="this model", sequence_parallel=False, val
     from torch.distributed.tensor.parallel import PrepareModuleInput, PrepareModuleOutput, parallelize_module
 
     n = tp_mesh.size()
-    blocks = check_plan(module, n, arch, family)
-    if sequence_parallel and not all(is_vit_block(block) for block in blocks):
-        raise UserError(
-            f"--sequence-parallel: {arch}'s attention runs on windows or NCHW maps, whose tokens --sequence-parallel "
-            "does not split (ViT's do): drop --sequence-parallel"
-        )
+    family = families.family_of(module) if family is None else family
+    blocks, plan = check_plan(module, n, arch, family), plan_of(module, arch, family)
+    unsplit = [reason for reason in map(plan.tokens_unsplit, blocks) if reason] if sequence_parallel else []
+    if unsplit:
+        raise UserError(f"--sequence-parallel: {arch}'s {unsplit[0]}: drop --sequence-parallel")
     if sequence_parallel and sequence_length(module) % n:
         raise UserError(
             f"--sequence-parallel: {arch} sees {sequence_length(module)} tokens at this image size, which do not "
@@ -400,20 +233,7 @@ def parallelize(module, tp_mesh, arch="this model", sequence_parallel=False, val
             f"them a multiple of {n}"
         )
     for block in blocks:
-        attn = block.attn
-        pointwise_layers(block)
-        if is_vit_block(block) or not attn.head_first:  # [q; k; v]: held apart to split by heads
-            attn.qkv = HeadShardedQKV(attn.qkv)
-        parallelize_module(block, tp_mesh, block_plan(block, sequence_parallel))
-        for layer in block.modules():
-            if isinstance(layer, Pointwise):
-                layer.hooks_last()
-        # timm's forward reshapes with these: this rank's heads only
-        attn.num_heads //= n
-        if is_vit_block(block):
-            attn.attn_dim //= n
-        if getattr(attn, "rel_pos", None) is not None:
-            heads_of_this_rank(attn.rel_pos, tp_mesh)
+        plan.split(block, tp_mesh, sequence_parallel)
     if sequence_parallel:  # the tokens split before the first block, gathered after the last
         parallelize_module(
             blocks[0],

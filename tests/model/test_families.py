@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from dlojz_lib.checks import UserError
-from dlojz_lib.model import families
+from dlojz_lib.model import families, tensor_plans
 from dlojz_lib.model.families import Family, Layer
 from dlojz_lib.parallelism.fsdp import sharding_units
 from dlojz_lib.parallelism.pipeline import Stage, pipeline_layers
@@ -59,7 +59,7 @@ TOY = Family(
     blocks=lambda model: [(f"mixers.{i}", mixer) for i, mixer in enumerate(model.mixers)],
     stem=lambda model: Layer("stem", ("embed",), model.tokens),
     head=lambda model: model.logits,
-    tensor_parallel=True,
+    tensor_plan=tensor_plans.TIMM,  # its blocks are timm's attention and MLP
 )
 
 
@@ -94,7 +94,7 @@ def test_a_new_family_is_one_row(monkeypatch):
     assert check_plan(toy, 2, "toy") == list(toy.mixers)
     assert TOY.name in families.names() and TOY.name in families.names(tensor_parallel=True)
 
-    no_plan = Family(TOY.name, TOY.matches, TOY.blocks, TOY.stem, TOY.head, tensor_parallel=False)
+    no_plan = Family(TOY.name, TOY.matches, TOY.blocks, TOY.stem, TOY.head, tensor_plan=None)
     families.register_family(no_plan)  # (the same name: it replaces the row)
     assert [row for row in families.FAMILIES if row.name == TOY.name] == [no_plan]
     with pytest.raises(UserError, match="--tp: --arch toy has no tensor-parallel plan here"):

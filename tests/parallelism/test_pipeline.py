@@ -10,6 +10,7 @@ import torch
 import torchvision
 
 from dlojz_lib.checks import UserError
+from dlojz_lib.model import families
 from dlojz_lib.model.build import BuiltModel
 from dlojz_lib.model.zoo import create_model
 from dlojz_lib.parallelism.bubble import Paused, expected_bubble
@@ -264,7 +265,7 @@ def train_on_rank(rank, world, store_path, results, cases):
         loss_fn = torch.nn.functional.cross_entropy
         for arch, schedule, per_rank, tp in cases:
             model = small_model(arch)
-            reference = copy.deepcopy(model)
+            reference, family = copy.deepcopy(model), families.family_of(model)
             pipe, group = rank, None
             if tp > 1:
                 mesh = init_device_mesh("cpu", (world // tp, tp), mesh_dim_names=("pipe", "tensor"))
@@ -273,7 +274,8 @@ def train_on_rank(rank, world, store_path, results, cases):
             runner, stages, loss = build_pipeline(BuiltModel.of(model, arch), cut, pipe, torch.device("cpu"), group)
             loss.criterion = loss_fn
             for stage in stages if tp > 1 else ():
-                parallelize(stage, mesh["tensor"], arch)
+                parallelize(stage, mesh["tensor"], arch, family=family)  # (a stage is of no family: the model's)
+                assert any(isinstance(p, DTensor) for p in stage.parameters()), f"{arch}: no block split"
             optimizer = torch.optim.SGD([p for s in stages for p in s.parameters()], lr=0.1, momentum=0.9)
             expected = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
             data = torch.Generator().manual_seed(1)
@@ -435,11 +437,13 @@ def test_every_schedule_trains_to_the_weights_of_one_process(two_ranks):
 def test_four_ranks_train_to_the_weights_of_one_process_in_4_stages_and_in_2_of_2_ranks(tmp_path):
     """4 ranks: 1F1B over 4 stages (stem, blocks, head of a ViT), then over 2 stages each split over 2 ranks by the
     tensor-parallel plan (a (pipe, tensor) mesh): both reach one process's weights, and their eval logits its; so
-    does a toy model whose family is the one row tests/model/test_families.py adds, under PP 2 x TP 2."""
-    cases = [("timm:test_vit", "1f1b", 1, 1), ("timm:test_vit", "1f1b", 1, 2), ("toy-family", "1f1b", 1, 2)]
+    does a toy model whose family is the one row tests/model/test_families.py adds, under PP 2 x TP 2, and
+    torchvision's ViT, whose blocks (nn.MultiheadAttention) its row's own plan splits."""
+    cases = [("timm:test_vit", "1f1b", 1, 1), ("timm:test_vit", "1f1b", 1, 2), ("toy-family", "1f1b", 1, 2),
+             ("torchvision-vit", "1f1b", 1, 2)]  # fmt: skip
     found = spawn(4, cases, tmp_path)
     names = {(rank, arch, schedule): stages for rank, arch, schedule, stages in found}
-    assert sorted(rank for rank, _, _ in names) == [0, 0, 0, 1, 1, 1, 2, 2, 2, 3, 3, 3]
+    assert sorted(rank for rank, _, _ in names) == [rank for rank in range(4) for _ in cases]
     vit = names[(1, "timm:test_vit", "1f1b tp 2")]
     assert vit == names[(0, "timm:test_vit", "1f1b tp 2")] == [["stem", "blocks.0", "blocks.1"]]  # one stage
     toy = names[(0, "toy-family", "1f1b tp 2")], names[(3, "toy-family", "1f1b tp 2")]

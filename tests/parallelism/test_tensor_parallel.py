@@ -1,6 +1,7 @@
-"""Tensor parallelism's plan (dlojz_lib/parallelism/tensor.py) on 2 gloo processes: the parallelised tiny ViT, CoAtNet
-and MaxViT give the single-process model's outputs, gradients and step, and their state dicts fused back are an
-ordinary model's."""
+"""Tensor parallelism's plans (dlojz_lib/parallelism/tensor.py, each family's in dlojz_lib/model/tensor_plans.py) on 2
+gloo processes: the parallelised tiny ViT, CoAtNet and MaxViT, and torchvision's ViT (a family whose blocks are not
+timm's: nn.MultiheadAttention, split by its row's own plan), give the single-process model's outputs, gradients and
+step, and their state dicts fused back are an ordinary model's."""
 
 import traceback
 
@@ -8,15 +9,9 @@ import pytest
 import torch
 
 from dlojz_lib.checks import UserError
+from dlojz_lib.model.tensor_plans import HeadShardedQKV, Pointwise
 from dlojz_lib.model.zoo import create_model
-from dlojz_lib.parallelism.tensor import (
-    HeadShardedQKV,
-    Pointwise,
-    WholeCopies,
-    fused_state_dict,
-    parallelize,
-    token_sharded_weights,
-)
+from dlojz_lib.parallelism.tensor import WholeCopies, fused_state_dict, parallelize, token_sharded_weights
 
 ARCH = "timm:test_vit"  # 6 blocks, 2 heads of 32, MLP 192 wide
 # timm's CoAtNet and MaxViT at 64 px with heads in pairs (timm's test_coatnet and test_maxvit have odd counts):
@@ -28,16 +23,19 @@ TINY = {
     "maxvit_tf": ("maxvit_tiny_tf_224", dict(embed_dim=(16, 32, 32, 32), depths=(1, 1, 1, 1), stem_width=16,
                                              transformer_dim_head=8)),
 }  # fmt: skip
-BLOCKS = {"vit": 6, "coatnet": 3, "maxvit_tf": 8}
-SPLIT = {"vit": 10, "coatnet": 6, "maxvit_tf": 10}  # a block's split parameters: q, k, v (or qkv), fc1 (and their
-# biases), proj and fc2 (their biases replicated)
+BLOCKS = {"vit": 6, "coatnet": 3, "maxvit_tf": 8, "torchvision_vit": 3}
+SPLIT = {"vit": 10, "coatnet": 6, "maxvit_tf": 10, "torchvision_vit": 10}  # a block's split parameters: q, k, v (or
+# qkv), fc1 or mlp.0 (and their biases), proj or out_proj and fc2 or mlp.3 (their biases replicated)
 
 
 def tiny_model(kind, size):
     import timm
+    import torchvision
 
     if kind == "vit":
         return create_model(ARCH, 3, False, size)
+    if kind == "torchvision_vit":  # a family whose blocks are not timm's: nn.MultiheadAttention, torchvision's MLP
+        return torchvision.models.VisionTransformer(size, 8, 3, 2, 32, 64, num_classes=3)
     name, layout = TINY[kind]
     return timm.create_model(name, img_size=size, num_classes=3, **layout)
 
@@ -118,7 +116,7 @@ def megatron_s_collectives(kind, sequence_parallel):
         expected[step] = {name: count * BLOCKS[kind] for name, count in collectives.items()}
         if sequence_parallel:
             expected[step]["all_gather"] += 1
-    if kind != "vit":
+    if kind in ("coatnet", "maxvit_tf"):
         expected["backward"]["all_gather"] = BLOCKS[kind]
     expected["step"] = {"all_reduce": 1}  # WholeCopies: every whole weight's gradient, the norms' under SP too
     return expected
@@ -144,7 +142,13 @@ def compare_on_rank(rank, world, store_path, failures, cases):
     dist.destroy_process_group()
 
 
-CASES = [("vit", 32, False), ("vit", 48, True), ("coatnet", 64, False), ("maxvit_tf", 64, False)]
+CASES = [
+    ("vit", 32, False),
+    ("vit", 48, True),
+    ("coatnet", 64, False),
+    ("maxvit_tf", 64, False),
+    ("torchvision_vit", 32, False),
+]
 
 
 @pytest.fixture(scope="module")
@@ -374,6 +378,33 @@ def test_checkpoint_names_map_between_the_fused_and_the_split_qkv():
     assert not qkv_layouts_differ(keys, keys) and not qkv_layouts_differ(fused, {**fused, "extra.weight": 0})
 
 
+def test_torchvision_s_fused_in_proj_maps_to_the_split_attention_and_back():
+    """torchvision's ViT row's state-dict adapter: the fused `in_proj_weight` and `in_proj_bias` of an ordinary
+    checkpoint load into HeadSplitAttention's q, k and v (by the module's own hook, and split by name), the split
+    model computes the same logits, and its state dict fuses back to the ordinary one, key for key."""
+    from dlojz_lib.model.tensor_plans import HeadSplitAttention
+    from dlojz_lib.parallelism.tensor import qkv_layouts_differ, split_state_dict
+
+    torch.manual_seed(0)
+    reference, parallel, other = (tiny_model("torchvision_vit", 32) for _ in range(3))
+    for model in (parallel, other):
+        for block in model.encoder.layers:
+            block.self_attention = HeadSplitAttention(block.self_attention)
+    fused, keys = reference.state_dict(), parallel.state_dict().keys()
+    prefix = "encoder.layers.encoder_layer_0.self_attention"
+    assert {f"{prefix}.{part}.{name}" for part in "qkv" for name in ("weight", "bias")} <= set(keys)
+    split = split_state_dict(fused, keys)
+    assert split.keys() == keys
+    parallel.load_state_dict(split)
+    other.load_state_dict(fused)  # (the fused names, split by HeadSplitAttention's load hook)
+    images = torch.randn(2, 3, 32, 32)
+    for model in (parallel, other):
+        torch.testing.assert_close(model(images), reference(images), rtol=1e-5, atol=1e-6)
+    back = fused_state_dict(parallel.state_dict())
+    assert list(back) == list(fused) and all(torch.equal(back[key], fused[key]) for key in fused)
+    assert qkv_layouts_differ(fused, keys) and not qkv_layouts_differ(keys, keys)
+
+
 @pytest.mark.multirank
 def test_a_consolidated_tp_2_checkpoint_evaluates_under_tp(runs, tiny_data, tmp_path):
     """The names differ between --tp 1 (timm's fused qkv) and --tp 2 (q, k and v apart): a consolidated --tp 2
@@ -477,16 +508,27 @@ def test_what_sequence_parallel_cannot_do_is_one_line(flags, ranks, fragment, ti
     assert_one_line_error(proc, fragment)
 
 
-def test_sequence_parallelism_on_windows_or_maps_is_one_line():
-    """--sequence-parallel splits a ViT's tokens; a CoAtNet's attention on NCHW maps is refused before any change."""
+@pytest.mark.parametrize(
+    "kind, size, fragment",
+    [
+        ("coatnet", 64, "--sequence-parallel: coatnet's attention runs on windows or NCHW maps"),
+        ("torchvision_vit", 32, "--sequence-parallel: torchvision_vit's blocks (torchvision's) have no sequence-par"),
+    ],
+)
+def test_sequence_parallelism_on_windows_or_maps_is_one_line(kind, size, fragment):
+    """--sequence-parallel splits a timm ViT's tokens; a CoAtNet's attention on NCHW maps, and a family whose plan
+    does not split tokens (torchvision's ViT), are refused before any change."""
 
     class Mesh:
         def size(self):
             return 2
 
+    model = tiny_model(kind, size)
+    before = {key: value.clone() for key, value in model.state_dict().items()}
     with pytest.raises(UserError) as err:
-        parallelize(tiny_model("coatnet", 64), Mesh(), "coatnet", sequence_parallel=True)
-    assert "--sequence-parallel: coatnet's attention runs on windows or NCHW maps" in str(err.value)
+        parallelize(model, Mesh(), kind, sequence_parallel=True)
+    assert fragment in str(err.value)
+    assert model.state_dict().keys() == before.keys()  # no block split
 
 
 def parallel_memory():
@@ -611,14 +653,10 @@ def test_check_replicas_reaches_the_model_s_whole_copies():
     from dlojz_lib.parallelism.layout import whole_copies
 
     ranks = SimpleNamespace(mesh={"tensor": object()}, all_gather=None)
-    copies = whole_copies(
-        SimpleNamespace(tp=2, check_replicas=3, sequence_parallel=False), torch.nn.Linear(2, 2), ranks
-    )
+    off, on = (SimpleNamespace(tp=tp, check_replicas=every, sequence_parallel=False) for tp, every in ((1, 0), (2, 3)))
+    copies = whole_copies(on, torch.nn.Linear(2, 2), ranks, None)
     assert copies.check_every == 3 and [name for name, _ in copies.named] == ["weight", "bias"]
-    assert (
-        whole_copies(SimpleNamespace(tp=1, check_replicas=0, sequence_parallel=False), torch.nn.Linear(2, 2), ranks)
-        is None
-    )
+    assert whole_copies(off, torch.nn.Linear(2, 2), ranks, None) is None
 
 
 def test_a_resume_across_the_qkv_namings_finds_each_entry_s_source():
@@ -642,3 +680,69 @@ def test_a_resume_across_the_qkv_namings_finds_each_entry_s_source():
     )
     assert saved_sources("optimizer.param_groups.b.attn.qkv.weight.lr", split)[0] == "fuse"
     assert saved_sources("model.b.attn.proj.weight", split) is None
+
+
+def laid_out_on_rank(rank, world, store_path, results):
+    """One of 4 ranks, 2 data replicas x 2 tensor ranks: torchvision's ViT laid out as dlojz.py lays out
+    `--fsdp --tp 2` (`lay_out`: its row's plan, then FSDP over the data dimension), two SGD steps with momentum on
+    its replica's half of a batch of 8, against one process on the whole batch: every weight, fused back."""
+    import torch.distributed as dist
+
+    from dlojz_lib.dist import Distribution, model_parallel_mesh
+    from dlojz_lib.model.build import BuiltModel
+    from dlojz_lib.parallelism.layout import lay_out
+    from dlojz_lib.settings.config import resolve_config
+    from dlojz_lib.settings.flags import get_args_parser
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
+    try:
+        cfg = resolve_config(get_args_parser().parse_args(["--device", "cpu", "--fsdp", "--tp", "2", "-b", "4"]))
+        ranks = Distribution(world, rank, rank, torch.device("cpu"))
+        model_parallel_mesh(ranks, 1, 2)
+        torch.manual_seed(0)
+        reference = tiny_model("torchvision_vit", 32)
+        built = BuiltModel.of(tiny_model("torchvision_vit", 32), "torchvision_vit")
+        built.module.load_state_dict(reference.state_dict())
+        said = []
+        model = lay_out(built, cfg, ranks, said.append)
+        split = [p for p in model.module.parameters() if p.placements[-1].is_shard() and p.device_mesh.ndim == 2]
+        optimizers = [torch.optim.SGD(m.parameters(), lr=0.5, momentum=0.9) for m in (reference, model.module)]
+        data = torch.Generator().manual_seed(1)
+        for _ in range(2):
+            images, labels = torch.randn(8, 3, 32, 32, generator=data), torch.randint(0, 3, (8,), generator=data)
+            mine = slice(4 * ranks.data_rank, 4 * ranks.data_rank + 4)
+            for net, optimizer, (x, y) in zip(
+                (reference, model.net), optimizers, ((images, labels), (images[mine], labels[mine]))
+            ):
+                optimizer.zero_grad()
+                torch.nn.functional.cross_entropy(net(x), y).backward()
+                if net is model.net:  # as dlojz.py steps: the whole weights' gradients over the tensor group first
+                    model.whole_copies.average_gradients()
+                optimizer.step()
+        state = fused_state_dict({key: full(value) for key, value in model.module.state_dict().items()})
+        expected = reference.state_dict()
+        assert state.keys() == expected.keys()
+        for key in expected:
+            torch.testing.assert_close(state[key], expected[key], rtol=1e-4, atol=1e-5, msg=key)
+        results.put((rank, said, len(split)))
+    except BaseException:
+        results.put((rank, traceback.format_exc(), None))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.multirank
+def test_a_family_whose_blocks_are_not_timm_s_trains_under_fsdp_and_tp_as_one_process(tmp_path):
+    """torchvision's ViT (nn.MultiheadAttention and torchvision's MLP: no timm class) under `--fsdp --tp 2` on 4
+    ranks reaches one process's weights, by its row's plan alone (q, k, v and mlp.0 column-wise, out_proj and
+    mlp.3 row-wise: 10 tensors a block split over the tensor dimension, 3 blocks), and the run's line says that
+    plan."""
+    from conftest import spawn_ranks
+
+    found = spawn_ranks(laid_out_on_rank, 4, tmp_path)
+    failures = [said for _, said, split in found if split is None]
+    assert not failures, "\n".join(failures)
+    for _, said, split in found:
+        assert split == 3 * 10, split
+        assert any("(q, k, v and mlp.0 column-wise, out_proj and mlp.3 row-wise)" in line for line in said), said
