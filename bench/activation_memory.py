@@ -35,11 +35,10 @@ def get_args(argv=None):
 
 
 def checkpointed(arch, image_size, mode, every):
-    """The model as dlojz.py builds it for this mode (model.build's choice of blocks), in training mode."""
+    """The model as dlojz.py builds it for this mode (its family's blocks, as model.build chooses them), in training mode."""
     import torch
 
-    from dlojz_lib.model.build import checkpointed_blocks
-    from dlojz_lib.model.families import family_of
+    from dlojz_lib.model.families import family_of, recomputed_blocks
     from dlojz_lib.model.zoo import checkpoint_blocks, create_model, enable_grad_checkpointing
 
     torch.manual_seed(0)
@@ -47,7 +46,7 @@ def checkpointed(arch, image_size, mode, every):
     if mode == "full" and every == 1:
         enable_grad_checkpointing(model, arch)
     elif mode != "none":
-        checkpoint_blocks(checkpointed_blocks(model, family_of(model), arch), mode, every)
+        checkpoint_blocks(recomputed_blocks(model, family_of(model), arch), mode, every)
     return model
 
 

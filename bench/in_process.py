@@ -30,7 +30,8 @@ def synthetic_loop(argv, n_batches):
     cfg = resolve_config(get_args_parser().parse_args([*argv, "--synthetic"]))
     ranks, cfg = setup_distributed(cfg)
     log = Console(ranks.is_main)
-    model = lay_out(build_model(cfg, SYNTHETIC_CLASSES, ranks, log), cfg, ranks, log)
+    built = build_model(cfg, SYNTHETIC_CLASSES, ranks, log)
+    model = lay_out(built, cfg, ranks, log)
     loaders = synthetic_loaders(
         cfg,
         SYNTHETIC_CLASSES,

@@ -25,7 +25,9 @@ Imports are inside the functions: importing this module imports no torch.
   dispatch mode (`torch.utils._python_dispatch`).
 - `child_slots(module)`, `own_slots(module)`, `is_persistent(module, name)`, `share_own_tensors(owner, holder)`:
   nn.Module's registries (`_modules`, `_parameters`, `_buffers`, their None entries included;
-  `_non_persistent_buffers_set`), as a pipeline's stages are cut from a model and merged on a rank.
+  `_non_persistent_buffers_set`), as a pipeline's stages are cut from a model and merged on a rank; with them,
+  `prune(module, keep)` (what a stage does not keep dropped, None entries left in its place) and
+  `take_own_tensors(holder, source)` (a module's own parameters and buffers registered on another).
 - `move_forward_hook_last(module, handle)`: a forward hook run after the others (`_forward_hooks`, an ordered dict).
 - `costly_ops()`: the ops whose outputs selective activation checkpointing keeps: the matrix products, the
   convolution and the fused attentions' kernels (`aten._scaled_dot_product_*`), and the collectives tensor
@@ -56,6 +58,40 @@ def share_own_tensors(owner, holder):
     """`owner` reads its own parameters and buffers from `holder`'s registries from now on (one registry for both:
     what a wrapper puts on `holder`, its shards or gathered parameters, is what `owner`'s code reads)."""
     owner._parameters, owner._buffers = holder._parameters, holder._buffers
+
+
+def prune(module, keep, prefix=""):
+    """Drop from `module`, in place, every parameter and buffer for which keep(path) is False, and the submodules
+    under which nothing is kept (entries set to None: state dicts and parameters() skip them); keep reads the
+    paths of parameters and buffers only."""
+    children = child_slots(module)
+    for name, child in list(children.items()):
+        if child is None:
+            continue
+        path = prefix + name
+        kept = [keep(f"{path}.{sub}") for sub, _ in (*child.named_parameters(), *child.named_buffers())]
+        if all(kept):  # all of it, or stateless (an activation, a pooling, a dropout: the forwards still call it)
+            continue
+        if any(kept):
+            prune(child, keep, path + ".")
+        else:
+            children[name] = None
+    for registry in own_slots(module):
+        for name in list(registry):
+            if registry[name] is not None and not keep(prefix + name):
+                registry[name] = None
+
+
+def take_own_tensors(holder, source):
+    """`source`'s own parameters and buffers (not its submodules'; a pruned one's None entries left out) registered
+    on `holder` under the same names, each buffer as persistent as it was."""
+    parameters, buffers = own_slots(source)
+    for name, parameter in parameters.items():
+        if parameter is not None:
+            holder.register_parameter(name, parameter)
+    for name, buffer in buffers.items():
+        if buffer is not None:
+            holder.register_buffer(name, buffer, persistent=is_persistent(source, name))
 
 
 def move_forward_hook_last(module, handle):

@@ -37,7 +37,7 @@ def test_every_recipe_with_a_published_batch_says_it():
 def test_a_recipe_trains_with_its_published_batch_lr_and_ema_on_any_number_of_gpus(path, gpus):
     """1 GPU, 1, 2, 4 and 8 nodes of 4: the published global batch, the file's lr, a per-GPU batch within the
     file's, and torchvision's EMA decay for the published images a step (what its 8 GPUs gave)."""
-    from dlojz_lib.model.build import ema_decay
+    from dlojz_lib.model.zoo import ema_decay
 
     cfg = resolve("--config", path)
     run, block = fitted(cfg, gpus)

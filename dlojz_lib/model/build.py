@@ -10,19 +10,17 @@ import dataclasses
 
 import torch
 
-from dlojz_lib.checks import fail
 from dlojz_lib.model import families
+from dlojz_lib.model.pretrained import load_starting_weights
 from dlojz_lib.model.zoo import (
     BFLOAT16_BATCH_NORM,
     ModelEma,
-    apply_blurpool,
+    adapt_module,
     batch_norm_on_native_kernels,
     checkpoint_blocks,
-    classifier_name,
     create_model,
+    ema_decay,
     enable_grad_checkpointing,
-    linear_probe,
-    pad_stem_channels,
 )
 
 
@@ -68,7 +66,8 @@ def build_model(cfg, num_classes, ranks, log) -> BuiltModel:
         if cfg.activation_checkpointing == "full" and cfg.ac_every == 1:
             enable_grad_checkpointing(module, cfg.arch, [block for _, block in model.blocks or ()])
         else:
-            checkpoint_blocks(checkpointed_blocks(module, family, cfg.arch), cfg.activation_checkpointing, cfg.ac_every)
+            blocks = families.recomputed_blocks(module, family, cfg.arch)
+            checkpoint_blocks(blocks, cfg.activation_checkpointing, cfg.ac_every)
     log(f"model: {cfg.arch}, {sum(p.numel() for p in module.parameters()):,} parameters")
     if cfg.amp and batch_norm_on_native_kernels(module, ranks.device.type, cfg.amp_dtype, cfg.compile):
         log(BFLOAT16_BATCH_NORM)
@@ -82,67 +81,3 @@ def build_model(cfg, num_classes, ranks, log) -> BuiltModel:
             )
         model.ema = ModelEma(module, decay, cfg.model_ema_steps or 1, cfg.model_ema_warmup)
     return model
-
-
-def ema_decay(memory, training, world_size) -> float:
-    """The EMA's decay per update: --model-ema-decay, or with --model-ema-adjust torchvision's rule (train.py):
-    1 - min(1, (1 - decay) x images a step x --model-ema-steps / --epochs), so that a recipe's EMA averages over the
-    same share of its training whatever the number of GPUs (images a step: world size x batch x --grad-acc).
-    `memory`, `training`: the settings of those groups."""
-    if not memory.model_ema_adjust:
-        return memory.model_ema_decay
-    adjust = world_size * training.batch_size * memory.grad_acc * (memory.model_ema_steps or 1) / training.epochs
-    return 1.0 - min(1.0, (1.0 - memory.model_ema_decay) * adjust)
-
-
-def adapt_module(training, pad_channels, module, num_classes, log):
-    """What the flags change in the model's own modules, in place (classes and flags only: the state dict keeps its
-    keys): --blurpool's blurred downsampling, --linear-probe's frozen backbone, --dali-pad-channels' 4-channel stem."""
-    if training.blurpool:
-        changed = apply_blurpool(module, maxpool=training.blurpool_maxpool)
-        layers = "strided convolutions and max-pools" if training.blurpool_maxpool else "strided convolutions (FFCV's)"
-        if changed == 0:
-            fail(f"--blurpool: --arch {training.arch} has no {layers} to blur")
-        log(f"BlurPool: {changed} {layers} blur their input first")
-    if training.linear_probe:
-        head = classifier_name(module, num_classes)
-        if head is None:
-            fail(
-                f"--linear-probe: --arch {training.arch} has no Linear layer with {num_classes} outputs to train alone"
-            )
-        trained, total = linear_probe(module, head)
-        log(
-            f"--linear-probe: only the head ({head}, {trained:,} of {total:,} parameters) trains, on the backbone's "
-            "features: the backbone frozen, in eval mode (its BatchNorm statistics kept), no backward through it"
-        )
-    if pad_channels:
-        stem = pad_stem_channels(module)
-        if stem is None:
-            fail(f"--dali-pad-channels: --arch {training.arch} has no 3-channel convolution to pad: drop the flag")
-        log(f"--dali-pad-channels: DALI writes 4 channels, {stem}'s weight is padded with zeros to take them")
-
-
-def load_starting_weights(training, resume, output_dir, module, num_classes, log):
-    """--pretrained's or --initial-checkpoint's weights into `module`, before any wrapper or copy; not read when the
-    run resumes from a checkpoint (`resume`, `output_dir`), whose weights replace them."""
-    if training.initial_checkpoint is None and training.pretrained is None:
-        return
-    from dlojz_lib.checkpoint import resumes_a_checkpoint
-    from dlojz_lib.model.pretrained import load_initial_weights, weights_source
-
-    if resumes_a_checkpoint(resume, output_dir):  # the file may be gone since: not read
-        log("initial weights: not read, the run resumes from its checkpoint, whose weights replace them")
-        return
-    weights, what, fix = weights_source(training)  # the file, the flag as given, what to do with a damaged cache file
-    log(load_initial_weights(module, weights, num_classes, what, fix))
-
-
-def checkpointed_blocks(module, family, arch) -> list:
-    """The blocks --activation-checkpointing selective (or --ac-every) recomputes: its family's (model.families),
-    in forward order; a model of no family is one line."""
-    if family is None:
-        fail(
-            f"--activation-checkpointing selective and --ac-every recompute a model family's blocks: --arch {arch} is "
-            f"none of {families.names()}; use --activation-checkpointing full (or --grad-checkpointing)"
-        )
-    return [block for _, block in family.blocks(module)]

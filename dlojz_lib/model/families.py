@@ -19,6 +19,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from dlojz_lib.checks import fail
 from dlojz_lib.model import tensor_plans
 
 
@@ -161,3 +162,14 @@ def layers(model, family=None):
     if family.stem is None:
         return blocks
     return [family.stem(model), *blocks, Layer("head", (), family.head(model))]
+
+
+def recomputed_blocks(module, family, arch) -> list:
+    """The blocks --activation-checkpointing selective (or --ac-every) recomputes: its family's,
+    in forward order; a model of no family is one line."""
+    if family is None:
+        fail(
+            f"--activation-checkpointing selective and --ac-every recompute a model family's blocks: --arch {arch} is "
+            f"none of {names()}; use --activation-checkpointing full (or --grad-checkpointing)"
+        )
+    return [block for _, block in family.blocks(module)]

@@ -7,6 +7,7 @@ classes differs from the file's. A fresh optimizer, schedule and epoch count fol
 
 One start-up line says how many tensors were loaded and which layers are new; a key that does not match outside the
 head is one line naming it, exit status 2 (another architecture's weights), never a partly loaded model.
+`load_starting_weights` is the build's one call: the flags' weights, or none when the run resumes.
 """
 
 import math
@@ -297,3 +298,17 @@ def strip_wrappers(key):
             if key.startswith(prefix):
                 key, changed = key[len(prefix) :], True
     return key
+
+
+def load_starting_weights(training, resume, output_dir, module, num_classes, log):
+    """--pretrained's or --initial-checkpoint's weights into `module`, before any wrapper or copy; not read when the
+    run resumes from a checkpoint (`resume`, `output_dir`), whose weights replace them."""
+    if training.initial_checkpoint is None and training.pretrained is None:
+        return
+    from dlojz_lib.checkpoint import resumes_a_checkpoint
+
+    if resumes_a_checkpoint(resume, output_dir):  # the file may be gone since: not read
+        log("initial weights: not read, the run resumes from its checkpoint, whose weights replace them")
+        return
+    weights, what, fix = weights_source(training)  # the file, the flag as given, what to do with a damaged cache file
+    log(load_initial_weights(module, weights, num_classes, what, fix))

@@ -19,8 +19,11 @@
 - `linear_probe(model, head)`: `--linear-probe`: every parameter but the head's frozen (`requires_grad=False`: no
   backward through the backbone) and the backbone kept in eval mode whatever `train()` says (its BatchNorm
   statistics and dropout fixed: the features are the pretrained backbone's); only the class changes.
+- `adapt_module(training, pad_channels, model, num_classes, log)`: the three above as the flags ask for them, each
+  said in one line (or refused in one where the model has nothing to change).
 - `ModelEma(model, decay)`: `--model-ema`'s exponential moving average of the weights and buffers, updated without
-  waiting for the device (torch's AveragedModel reads its step count back from the GPU every step).
+  waiting for the device (torch's AveragedModel reads its step count back from the GPU every step);
+  `ema_decay(memory, training, world_size)`: its decay per update, torchvision's rule with `--model-ema-adjust`.
 - `saved_activation_bytes(model, image_size, channels_last, checkpointing, arch)`: bytes per image that autograd
   keeps for the backward, measured on a real forward of a CPU copy.
 - `train_flops_per_image(model, image_size)`: training FLOPs of one image (FlopCounterMode on a weightless copy);
@@ -452,6 +455,44 @@ class ModelEma(torch.optim.swa_utils.AveragedModel):
         result = super().load_state_dict(state_dict, strict=strict, assign=assign)
         self.updates = int(self.n_averaged)  # once, at resume
         return result
+
+
+def ema_decay(memory, training, world_size) -> float:
+    """The EMA's decay per update: --model-ema-decay, or with --model-ema-adjust torchvision's rule (train.py):
+    1 - min(1, (1 - decay) x images a step x --model-ema-steps / --epochs), so that a recipe's EMA averages over the
+    same share of its training whatever the number of GPUs (images a step: world size x batch x --grad-acc).
+    `memory`, `training`: the settings of those groups."""
+    if not memory.model_ema_adjust:
+        return memory.model_ema_decay
+    adjust = world_size * training.batch_size * memory.grad_acc * (memory.model_ema_steps or 1) / training.epochs
+    return 1.0 - min(1.0, (1.0 - memory.model_ema_decay) * adjust)
+
+
+def adapt_module(training, pad_channels, module, num_classes, log):
+    """What the flags change in the model's own modules, in place (classes and flags only: the state dict keeps its
+    keys): --blurpool's blurred downsampling, --linear-probe's frozen backbone, --dali-pad-channels' 4-channel stem."""
+    if training.blurpool:
+        changed = apply_blurpool(module, maxpool=training.blurpool_maxpool)
+        layers = "strided convolutions and max-pools" if training.blurpool_maxpool else "strided convolutions (FFCV's)"
+        if changed == 0:
+            fail(f"--blurpool: --arch {training.arch} has no {layers} to blur")
+        log(f"BlurPool: {changed} {layers} blur their input first")
+    if training.linear_probe:
+        head = classifier_name(module, num_classes)
+        if head is None:
+            fail(
+                f"--linear-probe: --arch {training.arch} has no Linear layer with {num_classes} outputs to train alone"
+            )
+        trained, total = linear_probe(module, head)
+        log(
+            f"--linear-probe: only the head ({head}, {trained:,} of {total:,} parameters) trains, on the backbone's "
+            "features: the backbone frozen, in eval mode (its BatchNorm statistics kept), no backward through it"
+        )
+    if pad_channels:
+        stem = pad_stem_channels(module)
+        if stem is None:
+            fail(f"--dali-pad-channels: --arch {training.arch} has no 3-channel convolution to pad: drop the flag")
+        log(f"--dali-pad-channels: DALI writes 4 channels, {stem}'s weight is padded with zeros to take them")
 
 
 def saved_activation_bytes(model, image_size, channels_last, checkpointing, arch):

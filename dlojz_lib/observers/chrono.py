@@ -187,7 +187,7 @@ class StepRecords:
     def __len__(self):
         return len(self.backwards)
 
-    def append(self, load, forward, backward, teacher):
+    def add(self, load, forward, backward, teacher):
         for values, value in ((self.loads, load), (self.forwards, forward), (self.teachers, teacher)):
             values.append(math.nan if value is None else value)
         self.backwards.append(backward)
@@ -311,7 +311,7 @@ class Chronometer:
         self._time_to_first_step = None
         self._val_time = None
 
-        self.records = StepRecords(self.warmup_steps)  # appended only when enabled
+        self.records = StepRecords(self.warmup_steps)  # added to only when enabled
         self._pending_load = self._pending_forward = self._pending_teacher = None  # closed phases, until the step's end
         self._load, self._forward, self._teacher, self._backward, self._validation = (_Toggle() for _ in range(5))
         self._energy = EnergyMeter(self.device, nvml, enabled=self._enabled)
@@ -377,7 +377,7 @@ class Chronometer:
         duration = self._toggle(self._backward)
         if duration is None:
             return
-        self.records.append(self._pending_load, self._pending_forward, duration, self._pending_teacher)
+        self.records.add(self._pending_load, self._pending_forward, duration, self._pending_teacher)
         self._pending_load = self._pending_forward = self._pending_teacher = None
         self._energy.step_end()
         if self.synced_steps is not None and len(self.records) == self.synced_steps:

@@ -33,13 +33,7 @@ from torch import nn
 from dlojz_lib.checks import UserError
 from dlojz_lib.model import families
 from dlojz_lib.parallelism.bubble import StageClock, bubble_formula, expected_bubble, seconds_between, time_mark
-from dlojz_lib.torch_internals import (
-    child_slots,
-    is_persistent,
-    own_slots,
-    schedule_microbatches,
-    share_own_tensors,
-)
+from dlojz_lib.torch_internals import child_slots, prune, schedule_microbatches, share_own_tensors, take_own_tensors
 
 # --pp-schedule: PyTorch's class, and whether a rank holds several stages (looped: rank, rank + N, ...)
 SCHEDULES = {
@@ -163,28 +157,6 @@ def stage_copy(model, layers, first, last):
     return copy.deepcopy(model, memo)
 
 
-def prune(module, keep, prefix=""):
-    """Drop from `module`, in place, every parameter and buffer for which keep(path) is False, and the submodules
-    under which nothing is kept (entries set to None: state dicts and parameters() skip them); keep reads the
-    paths of parameters and buffers only."""
-    children = child_slots(module)
-    for name, child in list(children.items()):
-        if child is None:
-            continue
-        path = prefix + name
-        kept = [keep(f"{path}.{sub}") for sub, _ in (*child.named_parameters(), *child.named_buffers())]
-        if all(kept):  # all of it, or stateless (an activation, a pooling, a dropout: the forwards still call it)
-            continue
-        if any(kept):
-            prune(child, keep, path + ".")
-        else:
-            children[name] = None
-    for registry in own_slots(module):
-        for name in list(registry):
-            if registry[name] is not None and not keep(prefix + name):
-                registry[name] = None
-
-
 def stage_seed(seed, index, call):
     """The seed of stage `index`'s `call`-th training forward: every stage draws its own random numbers (dropout,
     stochastic depth), where ranks seeded alike would draw the same masks on every stage; a function of the run's
@@ -204,18 +176,6 @@ class ContiguousGradient(torch.autograd.Function):
     @staticmethod
     def backward(ctx, gradient):
         return gradient.contiguous()
-
-
-def take_own_tensors(holder, source):
-    """`source`'s own parameters and buffers (not its submodules'; a pruned one's None entries left out) registered
-    on `holder` under the same names, each buffer as persistent as it was."""
-    parameters, buffers = own_slots(source)
-    for name, parameter in parameters.items():
-        if parameter is not None:
-            holder.register_parameter(name, parameter)
-    for name, buffer in buffers.items():
-        if buffer is not None:
-            holder.register_buffer(name, buffer, persistent=is_persistent(source, name))
 
 
 class Stage(nn.Module):

@@ -471,7 +471,7 @@ def test_the_ema_decay_follows_the_gpus_as_torchvision_s_train_py_computes_it(gp
     x adjust; the recipe gives 0.99998 and --model-ema-adjust, and dlojz computes it from the GPUs of the job."""
     import dataclasses
 
-    from dlojz_lib.model.build import ema_decay
+    from dlojz_lib.model.zoo import ema_decay
 
     cfg = resolve("--config", ROOT / "recipes" / "torchvision_resnet50_v2.toml")
     assert (cfg.model_ema_decay, cfg.model_ema_adjust) == (0.99998, True)
