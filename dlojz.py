@@ -393,6 +393,8 @@ def step_optimizer(model, training, clip_grad_norm, next_step):
     training.scaler.step(training.optimizer)  # skipped by the float16 scaler when gradients overflowed
     training.scaler.update()
     training.optimizer.zero_grad(set_to_none=True)
+    if model.after_step is not None:  # --float8 under --fsdp: the new weights' scales, for the next all-gathers
+        model.after_step()
     if model.whole_copies is not None:
         model.whole_copies.check(next_step)  # --check-replicas N: every N steps (a wait for the device then)
     if model.ema is not None and model.ema.due(next_step):

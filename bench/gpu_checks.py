@@ -14,6 +14,8 @@ torch and DALI versions and the date. Exit 1 if a check failed.
   parameters and buffers exactly.
 - fsdp_compile: --fsdp --compile (each block compiled, FSDP's hooks around them) on a group of one: two SGD steps'
   losses and weights equal eager FSDP's (within float32 tolerance).
+- fsdp_offload (GPU): --fsdp-offload (FSDP2's CPUOffloadPolicy) against --fsdp on a group of one, a ViT-B/16 a few
+  SGD steps: the same losses, a smaller GPU peak, and each one's step time.
 - dali_loader: loader-only img/s of DALI's training pipeline for --dali-decode roi and whole, --dali-threads 6 and
   12 (the rows that decide --dali-decode's GPU default and --dali-pad-channels'); on the CPU 1 thread, roi and whole.
 - dali_memory (GPU): DALI's GPU bytes and this process's resident host bytes (pinned buffers included) after the
@@ -153,6 +155,53 @@ def fsdp_compile(device, quick):
     gap = max((weights[name] - eager[name]).abs().max().item() for name in eager)
     ok = torch.allclose(losses, eager_losses, rtol=1e-4, atol=1e-5) and gap < 1e-4
     return ok, dict(eager_losses=eager_losses.tolist(), compiled_losses=losses.tolist(), largest_weight_gap=gap)
+
+
+def fsdp_offload(device, quick):
+    """--fsdp-offload against --fsdp on a group of one: a ViT's losses over a few SGD steps (the same within float32
+    tolerance: the offloaded step runs on the CPU), the GPU's peak bytes and the step time of each."""
+    from types import SimpleNamespace
+
+    from dlojz_lib.parallelism.fsdp import fill_from_first_rank, shard_model, to_meta
+
+    if device.type != "cuda":
+        raise Skipped("GPU only: on the CPU the shards are in host memory already (dlojz refuses --fsdp-offload)")
+    arch, size, steps = ("timm:test_vit", 32, 3) if quick else ("timm:vit_base_patch16_224", 224, 6)
+    torch.manual_seed(0)
+    first = create_model(arch, 10, False, size)
+    images = torch.randn(16, 3, size, size, device=device)
+    labels = torch.arange(16, device=device) % 10
+    runs = {}
+    with group_of_one(device):
+        for offload in (False, True):
+            model = create_model(arch, 10, False, size)
+            model.load_state_dict(first.state_dict())
+            catalogue, values = to_meta(model, SimpleNamespace(is_main=True))
+            shard_model(model, True, torch.bfloat16, device, offload=offload)
+            fill_from_first_rank([model], catalogue, values, device, offload)
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            losses, start = [], time.perf_counter()
+            for step in range(steps):
+                if step == 1:  # the first step's allocations and copies set up, then the timed ones
+                    torch.cuda.synchronize(device)
+                    start = time.perf_counter()
+                loss = torch.nn.functional.cross_entropy(model(images).float(), labels)
+                optimizer.zero_grad()
+                loss.backward()
+                optimizer.step()
+                losses.append(loss.detach())
+            torch.cuda.synchronize(device)
+            seconds = (time.perf_counter() - start) / (steps - 1)
+            runs[offload] = torch.stack(losses).cpu(), torch.cuda.max_memory_allocated(device), seconds
+    (plain, plain_bytes, plain_s), (offloaded, offload_bytes, offload_s) = runs[False], runs[True]
+    ok = torch.allclose(offloaded, plain, rtol=1e-3, atol=1e-4) and offload_bytes < plain_bytes
+    return ok, dict(
+        arch=arch, losses=plain.tolist(), offloaded_losses=offloaded.tolist(),
+        peak_gib=plain_bytes / 2**30, offloaded_peak_gib=offload_bytes / 2**30,
+        step_s=plain_s, offloaded_step_s=offload_s,
+    )  # fmt: skip
 
 
 def dali_or_skip():
@@ -305,6 +354,7 @@ CHECKS = {  # name: the check, run in this order
     "selective_policy": selective_policy,
     "meta_fill": meta_fill,
     "fsdp_compile": fsdp_compile,
+    "fsdp_offload": fsdp_offload,
     "dali_loader": dali_loader,
     "dali_memory": dali_memory,
     "dali_lifetimes": dali_lifetimes,

@@ -38,7 +38,7 @@ import dlojz_lib.checkpoint as ckpt
 from dlojz_lib.checks import fail
 from dlojz_lib.observers.watchdog import Watchdog, continue_advice
 from dlojz_lib.settings.launch import load_idr_torch, model_copy_problem
-from dlojz_lib.torch_internals import default_store, warm_compile_workers
+from dlojz_lib.torch_internals import default_store, flatten_mesh, warm_compile_workers
 
 
 @dataclasses.dataclass
@@ -66,6 +66,13 @@ class Distribution:
     @property
     def is_main(self):
         return self.rank == 0
+
+    def sharding_mesh(self):
+        """The mesh FSDP shards over: the data dimension, or with --fsdp-replicate (replicate, shard), HSDP's; None
+        without a mesh (FSDP over every rank)."""
+        if self.mesh is None:
+            return None
+        return self.mesh["replicate", "shard"] if "replicate" in self.mesh.mesh_dim_names else self.mesh["data"]
 
     def all_gather(self, obj):
         out = [None] * self.world_size
@@ -461,27 +468,31 @@ def setup_distributed(cfg):
             world_size=1,
             device_id=device if device.type == "cuda" else None,
         )
-    if cfg.tp > 1 or cfg.pp > 1:
-        model_parallel_mesh(ranks, cfg.pp, cfg.tp)
+    if cfg.tp > 1 or cfg.pp > 1 or cfg.fsdp_replicate > 1:
+        model_parallel_mesh(ranks, cfg.pp, cfg.tp, cfg.fsdp_replicate)
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
     return ranks, cfg
 
 
-def model_parallel_mesh(ranks, pp, tp):
-    """--pp and --tp: the ranks as a DeviceMesh (data, pipe, tensor) without the dimensions of size 1, the tensor
-    dimension innermost (a tensor-parallel group: `tp` consecutive ranks, on a node over its fast links when tp
-    divides the GPUs per node), then the pipeline's stages, the data replicas outermost."""
+def model_parallel_mesh(ranks, pp, tp, replicate=1):
+    """--pp, --tp and --fsdp-replicate: the ranks as a DeviceMesh (data, pipe, tensor) without the dimensions of size
+    1, the tensor dimension innermost (a tensor-parallel group: `tp` consecutive ranks, on a node over its fast links
+    when tp divides the GPUs per node), then the pipeline's stages, the data replicas outermost. With `replicate` R
+    (HSDP) the data dimension is two, (replicate, shard): R copies of the model, each sharded over consecutive data
+    ranks (one node's when R is the number of nodes), flattened into one for the samplers and the metrics."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    if (problem := model_copy_problem(ranks.world_size, pp, tp)) is not None:
+    if (problem := model_copy_problem(ranks.world_size, pp, tp, replicate)) is not None:
         fail(problem)
     copy = pp * tp  # the ranks that hold one copy of the model
-    dims = [("data", ranks.world_size // copy), ("pipe", pp), ("tensor", tp)]
-    dims = [dims[0]] + [(name, size) for name, size in dims[1:] if size > 1]
+    data = ranks.world_size // copy
+    dims = [("replicate", replicate), ("shard", data // replicate)] if replicate > 1 else [("data", data)]
+    dims += [(name, size) for name, size in (("pipe", pp), ("tensor", tp)) if size > 1]
     ranks.mesh = init_device_mesh(
         ranks.device.type, tuple(size for _, size in dims), mesh_dim_names=tuple(name for name, _ in dims)
     )
-    ranks.data_rank, ranks.data_size = ranks.mesh["data"].get_local_rank(), ranks.world_size // copy
-    ranks.data_group = ranks.mesh["data"].get_group()
+    data_mesh = flatten_mesh(ranks.mesh, ("replicate", "shard"), "data") if replicate > 1 else ranks.mesh["data"]
+    ranks.data_rank, ranks.data_size = data_mesh.get_local_rank(), data
+    ranks.data_group = data_mesh.get_group()

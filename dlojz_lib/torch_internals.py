@@ -3,6 +3,7 @@ and nowhere else (`tests/test_modules.py` holds it). Written against torch 2.11;
 Imports are inside the functions: importing this module imports no torch.
 
 - `default_store()`: the default process group's key-value store (`distributed_c10d._get_default_store`).
+- `flatten_mesh(mesh, dims, name)`: a DeviceMesh's dimensions as one more, by name (`DeviceMesh._flatten`).
 - `flatten_dense(tensors)`, `unflatten_dense(flat, tensors)`: one buffer of many tensors and back
   (`torch._utils._flatten_dense_tensors`, DDP's bucketing).
 - `flatten_state_dict(state)`, `unflatten_state_dict(flat, mapping)`: DCP's own flattening of a nested state dict
@@ -97,6 +98,12 @@ def take_own_tensors(holder, source):
 def move_forward_hook_last(module, handle):
     """The forward hook of `handle` runs after `module`'s other forward hooks (`_forward_hooks`, in order)."""
     module._forward_hooks.move_to_end(handle.id)
+
+
+def flatten_mesh(mesh, dims, name):
+    """Dimensions `dims` of `mesh` as one more, `name` (`DeviceMesh._flatten`, as torchtitan names its data-parallel
+    ranks across HSDP's replicate and shard dimensions): `mesh[name]` from then on."""
+    return mesh[dims]._flatten(name)
 
 
 def default_store():

@@ -66,6 +66,7 @@ def test_no_import_circle():
 
 # torch's private names dlojz reads (dlojz_lib/torch_internals.py), besides any `torch...._name`
 TORCH_PRIVATE = {"_stage", "_stages", "_n_microbatches", "_iterator", "_shutdown_workers", "_get_default_store"}
+TORCH_PRIVATE |= {"_flatten"}  # DeviceMesh's
 # nn.Module's registries
 TORCH_PRIVATE |= {
     "_modules",

@@ -10,7 +10,7 @@ import dataclasses
 
 import torch
 
-from dlojz_lib.model import families
+from dlojz_lib.model import families, float8
 from dlojz_lib.model.pretrained import load_starting_weights
 from dlojz_lib.model.zoo import (
     BFLOAT16_BATCH_NORM,
@@ -55,6 +55,8 @@ def build_model(cfg, num_classes, ranks, log) -> BuiltModel:
         load_starting_weights(cfg.section("training"), cfg.resume, cfg.output_dir, module, num_classes, log)
     # before the copies below (SyncBN, EMA): they keep its changes
     adapt_module(cfg.section("training"), cfg.dali_pad_channels, module, num_classes, log)
+    if cfg.float8 is not None:
+        log(float8_line(cfg.float8, cfg.arch, float8.convert(module, family, cfg.float8, cfg.fsdp)))
     if cfg.sync_bn and ranks.enabled:
         module = torch.nn.SyncBatchNorm.convert_sync_batchnorm(module)
     if not cfg.fsdp:  # FSDP moves each rank's shards only to the device
@@ -81,3 +83,14 @@ def build_model(cfg, num_classes, ranks, log) -> BuiltModel:
             )
         model.ema = ModelEma(module, decay, cfg.model_ema_steps or 1, cfg.model_ema_warmup)
     return model
+
+
+def float8_line(recipe, arch, converted) -> str:
+    """What --float8 converted, in one line (none: said, and why)."""
+    if not converted:
+        return (
+            f"--float8 {recipe}: none of {arch}'s block linears is large enough for float8 to pay (torchao's sizes, "
+            "measured on an H100): the run trains as without --float8"
+        )
+    shown = ", ".join(converted[:3]) + (f" and {len(converted) - 3} more" if len(converted) > 3 else "")
+    return f"--float8 {recipe}: {len(converted)} linears in float8 ({shown}); the others, the stem and the head as they were"

@@ -75,22 +75,25 @@ def sharding_units(module, family=None):
     return units
 
 
-def shard_model(module, reshard_after_forward, param_dtype, device, mesh=None, units=None, family=None):
-    """Shard `module` in place across the process group's ranks (each block, then the root), or across `mesh` (with
-    --tp, the data dimension of the (data, tensor) mesh: 2-D). Its parameters become DTensors holding this rank's
-    shard, on `device`; `param_dtype`: what the gathered weights are cast to (the AMP dtype, or None: as held).
-    `units`: the blocks to shard one by one (a pipeline stage's, which its family names on the whole model), or
-    None: `sharding_units(module, family)`. Returns the number of blocks."""
+def shard_model(module, reshard_after_forward, param_dtype, device, mesh=None, units=None, family=None, offload=False):
+    """Shard `module` in place across the process group's ranks (each block, then the root), or across `mesh` (the
+    data dimension of a (data, tensor) mesh: 2-D; HSDP's (replicate, shard): sharded along the second, replicated
+    along the first). Its parameters become DTensors holding this rank's shard, on `device` (`offload`: in pinned
+    host memory, copied to `device` for each block's forward and backward); `param_dtype`: what the gathered weights
+    are cast to (the AMP dtype, or None: as held). `units`: the blocks to shard one by one (a pipeline stage's,
+    which its family names on the whole model), or None: `sharding_units(module, family)`. Returns the number of
+    blocks."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     mesh = mesh if mesh is not None else init_device_mesh(device.type, (dist.get_world_size(),))
-    precision = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    kept = dict(mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32))
+    kept["offload_policy"] = CPUOffloadPolicy(pin_memory=True) if offload else OffloadPolicy()
     units = sharding_units(module, family) if units is None else holding_parameters(units)
     for unit in units:
-        fully_shard(unit, mesh=mesh, mp_policy=precision, reshard_after_forward=reshard_after_forward)
+        fully_shard(unit, mesh=mesh, reshard_after_forward=reshard_after_forward, **kept)
     # The root's own parameters (stem, head) are needed again at once by the backward: kept gathered.
-    fully_shard(module, mesh=mesh, mp_policy=precision, reshard_after_forward=False)
+    fully_shard(module, mesh=mesh, reshard_after_forward=False, **kept)
     return len(units)
 
 
@@ -116,19 +119,23 @@ def to_meta(module, ranks):
 
 
 @torch.no_grad()
-def fill_from_first_rank(parts, catalogue, values, device):
+def fill_from_first_rank(parts, catalogue, values, device, offloaded=False):
     """`parts` (this rank's modules on the meta device: a model sharded by FSDP, or its pipeline stages, cut,
-    parallelised and sharded on meta) given storage on `device` for what they hold, then filled with the first rank's
-    `values`: each tensor of `catalogue` broadcast in turn (one tensor's memory at a time), a rank keeping its stage's
-    tensors and, of a DTensor, its own shard. A tensor-parallel q, k or v part takes its third of the fused tensor
-    (timm's qkv, torchvision's in_proj_weight). Every rank calls it, with the same catalogue."""
+    parallelised and sharded on meta) given storage on `device` for what they hold (`offloaded`: the parameters in
+    host memory, where FSDP's CPU offload keeps them), then filled with the first rank's `values`: each tensor of
+    `catalogue` broadcast in turn (one tensor's memory at a time), a rank keeping its stage's tensors and, of a
+    DTensor, its own shard. A tensor-parallel q, k or v part takes its third of the fused tensor (timm's qkv,
+    torchvision's in_proj_weight). Every rank calls it, with the same catalogue."""
     from torch.distributed.tensor import DTensor, distribute_tensor
 
     from dlojz_lib.parallelism.tensor import PARTS, fused_name
 
     targets = {}  # the catalogue's path -> [(this rank's tensor, the part of a fused qkv or None)]
     for part in parts:
-        part.to_empty(device=device)
+        part.to_empty(device=torch.device("cpu") if offloaded else device)
+        for holder in part.modules() if offloaded else ():  # the buffers run where the forward does
+            for name, buffer in list(holder.named_buffers(recurse=False)):
+                setattr(holder, name, buffer.to(device))
         for path, tensor in named_tensors(part):
             whole, piece = fused_name(path)
             targets.setdefault(whole, []).append((tensor, piece))

@@ -6,6 +6,7 @@ second.
 
 import contextlib
 import dataclasses
+import functools
 
 import torch
 
@@ -38,6 +39,7 @@ class Model:
     tensor_parallel: bool = False  # --tp: gradients on two meshes, (data, tensor) and data
     pipeline: object = None  # --pp: the PipelineRun (also `net`): this rank's stage is `module`
     whole_copies: object = None  # --tp: the weights a tensor group holds whole (tensor_parallel.WholeCopies)
+    after_step: object = None  # called after each optimizer step (--float8 under --fsdp: the weights' scales)
 
     @property
     def evaluated(self):
@@ -109,17 +111,19 @@ def lay_out(model, cfg, ranks, log) -> Model:
             )
         if compiled_blocks is not None:  # each block, between the plan and FSDP
             log(compile_blocks([block for _, block in compiled_blocks], cfg.compile_mode))
-        data_mesh = ranks.mesh["data"] if ranks.mesh is not None else None
         precision = cfg.amp_torch_dtype
         blocks = shard_model(
-            module, cfg.fsdp_reshard_after_forward, precision, ranks.device, data_mesh, None, model.family
-        )
-        fill_from_first_rank([module], catalogue, values, ranks.device)
+            module, cfg.fsdp_reshard_after_forward, precision, ranks.device, ranks.sharding_mesh(), None, model.family,
+            cfg.fsdp_offload,
+        )  # fmt: skip
+        fill_from_first_rank([module], catalogue, values, ranks.device, cfg.fsdp_offload)
         parallel = "fsdp"
         log(
-            f"FSDP: {blocks} blocks and the root sharded over {ranks.data_size} rank{'s' if ranks.data_size > 1 else ''}, parameters gathered in "
-            f"{cfg.amp_dtype if cfg.amp else 'float32'}, gradients reduced in float32, "
+            f"FSDP: {blocks} blocks and the root sharded over {sharded_over(ranks, cfg.fsdp_replicate)}, parameters "
+            f"gathered in {cfg.amp_dtype if cfg.amp else 'float32'}, gradients reduced in float32, "
             f"{'resharded' if cfg.fsdp_reshard_after_forward else 'kept gathered'} after each block's forward"
+            f"{'; the shards, their gradients and the optimizer in pinned host memory (--fsdp-offload)' if cfg.fsdp_offload else ''}"
+            f"{hsdp_hint(ranks, cfg.fsdp_replicate)}"
         )
     elif ranks.enabled:
         net = torch.nn.parallel.DistributedDataParallel(
@@ -132,7 +136,35 @@ def lay_out(model, cfg, ranks, log) -> Model:
         log(f"torch.compile: mode {cfg.compile_mode or 'default'}")
     cuda_graphs = cfg.compile_mode in CUDA_GRAPH_MODES  # (a --compile-mode implies --compile)
     whole = whole_copies(cfg.section("distribution"), module, ranks, model.family)
-    return Model(net, module, ema, num_classes, parallel, unsharded, cuda_graphs, cfg.tp > 1, whole_copies=whole)
+    after_step = None
+    if cfg.float8 == "tensorwise" and cfg.fsdp:  # FSDP gathers float8 weights: their scales ready before
+        from dlojz_lib.model.float8 import scales_for_fsdp
+
+        after_step = functools.partial(scales_for_fsdp, module)
+    return Model(net, module, ema, num_classes, parallel, unsharded, cuda_graphs, cfg.tp > 1, None, whole, after_step)
+
+
+def sharded_over(ranks, replicate, what="rank") -> str:
+    """Who holds the shards, in words: the data ranks, or with --fsdp-replicate R, R groups of them (HSDP)."""
+    shards = ranks.data_size // replicate
+    ranks_said = f"{shards} {what}{'s' if shards > 1 else ''}"
+    if replicate == 1:
+        return ranks_said
+    return (
+        f"{ranks_said} in each of {replicate} replicas (HSDP: gathered within a replica, gradients all-reduced "
+        "across the replicas once a step)"
+    )
+
+
+def hsdp_hint(ranks, replicate) -> str:
+    """On several nodes without --fsdp-replicate: what HSDP would change, in words (else nothing)."""
+    nodes = len(set(ranks.hosts))
+    if replicate > 1 or nodes < 2 or ranks.data_size % nodes:
+        return ""
+    return (
+        f"; over {nodes} nodes every all-gather crosses them: --fsdp-replicate {nodes} would gather within each "
+        f"node and send only the gradients' all-reduce across nodes (HSDP: {nodes}x the shards' memory a rank)"
+    )
 
 
 def held_blocks(stage, paths) -> list:
@@ -226,8 +258,11 @@ def build_pipeline_model(cfg, model, ranks, log) -> Model:
         units = held_blocks(stage, block_paths)
         if cfg.compile:  # each of the stage's blocks, between the plan and FSDP
             compiled.append(compile_blocks(units, cfg.compile_mode))
-        data_mesh, precision = ranks.mesh["data"], cfg.amp_torch_dtype
-        blocks.append(shard_model(stage, cfg.fsdp_reshard_after_forward, precision, ranks.device, data_mesh, units))
+        mesh, precision = ranks.sharding_mesh(), cfg.amp_torch_dtype
+        offload = cfg.fsdp_offload
+        blocks.append(
+            shard_model(stage, cfg.fsdp_reshard_after_forward, precision, ranks.device, mesh, units, None, offload)
+        )
 
     per_rank = cfg.pp_stages_per_rank if SCHEDULES[cfg.pp_schedule][1] else 1
     cut = PipelineCut(
@@ -235,7 +270,7 @@ def build_pipeline_model(cfg, model, ranks, log) -> Model:
         cfg.activation_checkpointing, cfg.ac_every, cfg.amp_torch_dtype, cfg.seed, wrap=shard,
     )  # fmt: skip
     runner, stages, loss = build_pipeline(model, cut, pipe.get_local_rank(), ranks.device, pipe.get_group())
-    fill_from_first_rank(stages, catalogue, values, ranks.device)
+    fill_from_first_rank(stages, catalogue, values, ranks.device, cfg.fsdp_offload)
     rank, group = pipe.get_local_rank(), pipe.get_group()
     run = PipelineRun(runner, stages, loss, rank, cfg.pp, group, cfg.batch_size, num_classes)
     if cfg.test:  # the chronometer's run: the stages' compute and idle time, for the bubble
@@ -261,8 +296,7 @@ def build_pipeline_model(cfg, model, ranks, log) -> Model:
         f"stages: {'; '.join(replicas[0])}"
         f"{f', the same cut on each of {ranks.data_size} data replicas' if ranks.data_size > 1 else ''}; each"
         f"{f' split over {cfg.tp} ranks by the tensor-parallel plan and' if cfg.tp > 1 else ''} sharded by FSDP "
-        f"({blocks[0]} blocks) over "
-        f"{ranks.data_size} data replica{'s' if ranks.data_size > 1 else ''}"
+        f"({blocks[0]} blocks) over {sharded_over(ranks, cfg.fsdp_replicate, 'data replica')}"
         f"{'; each layer recomputed in the backward (--grad-checkpointing)' if cfg.grad_checkpointing else ''}"
         f"{'; ' + '; '.join(compiled) if compiled else ''}"
     )

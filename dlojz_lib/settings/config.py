@@ -443,6 +443,13 @@ def check(cfg: Config):
         check_wandb_login()
     if cfg.sync_bn and cfg.torch_device == "cpu":
         fail("--sync-bn needs CUDA: torch's SyncBatchNorm works with GPU modules only")
+    if cfg.fsdp_offload and cfg.torch_device == "cpu":
+        fail(
+            "--fsdp-offload keeps the shards in host memory and copies each block's to the GPU for its forward and "
+            "backward: this run is on the CPU, whose shards are in host memory already; drop --fsdp-offload"
+        )
+    if cfg.float8 is not None:
+        check_float8(cfg.float8, cfg.torch_device)
     if cfg.data_backend == "dali":
         from dlojz_lib.data.dali import check_available
 
@@ -536,6 +543,31 @@ def check_fsdp(memory, device):
         fail(
             "--fsdp with --amp-dtype float16: the loss scaler would have to agree on overflows across shards; "
             "use --amp-dtype bfloat16 (the default with --fsdp) or --no-amp"
+        )
+
+
+def check_float8(recipe, torch_device):
+    """--float8 where it runs: a GPU of compute capability 8.9 or more, torchao installed; else one line."""
+    import importlib.util
+
+    import torch
+
+    if torch_device == "cpu":
+        fail(
+            f"--float8 {recipe}: float8 matrix products need a GPU of compute capability 8.9 or more (L4, H100, "
+            "H200, B200); this run is on the CPU: drop --float8"
+        )
+    capability = torch.cuda.get_device_capability(torch.device(torch_device))
+    if capability < (8, 9):
+        name = torch.cuda.get_device_name(torch.device(torch_device))
+        fail(
+            f"--float8 {recipe}: {name} (compute capability {capability[0]}.{capability[1]}) has no float8 matrix "
+            "products (8.9 or more: L4, H100, H200, B200); drop --float8"
+        )
+    if importlib.util.find_spec("torchao") is None:
+        fail(
+            f"--float8 {recipe}: float8 training is torchao's, which is not installed here (pip install torchao, "
+            f"a release built for torch {torch.__version__.split('+')[0]}); or drop --float8"
         )
 
 

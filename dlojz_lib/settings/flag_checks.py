@@ -281,12 +281,35 @@ def check_speed(values):
     if values["tp"] > 1 and values["loader_only"]:
         fail(f"--tp {values['tp']} splits the model, which --loader-only does not build: drop one of them")
     check_pipeline(values)
-    if values["fsdp_reshard_after_forward"] is not None and not values["fsdp"]:
-        fail("--fsdp-reshard-after-forward/--no-fsdp-reshard-after-forward set how --fsdp shards: add --fsdp")
+    check_sharding(values)
     if 0 < values["straggler_factor"] <= 1:
         fail(f"--straggler-factor {values['straggler_factor']:g}: above 1 (times the others' median), or 0 (off)")
     if 0 < values["hang_timeout"] < 5:
         fail(f"--hang-timeout {values['hang_timeout']:g}: at least 5 seconds (the ranks beat every few), or 0 (off)")
+
+
+def check_sharding(values):
+    """--fsdp's own flags, each with --fsdp; --float8 with --fsdp or alone; --fsdp-replicate's replicas out of the
+    ranks the launcher gives (a single process is told at start-up)."""
+    own = {
+        "--fsdp-reshard-after-forward/--no-fsdp-reshard-after-forward": values["fsdp_reshard_after_forward"]
+        is not None,
+        f"--fsdp-replicate {values['fsdp_replicate']}": values["fsdp_replicate"] > 1,
+        "--fsdp-offload": values["fsdp_offload"],
+    }
+    for flag, given in own.items():
+        if given and not values["fsdp"]:
+            fail(f"{flag} without --fsdp: it says how --fsdp shards; add --fsdp")
+    for flag, given in ((f"--tp {values['tp']}", values["tp"] > 1), (f"--pp {values['pp']}", values["pp"] > 1)):
+        if given and values["float8"] is not None:  # torchao's float8 styles and stages: not applied here yet
+            fail(
+                f"--float8 {values['float8']} with {flag}: dlojz trains float8 linears without --tp and --pp (alone or with --fsdp); drop one"
+            )
+    launched = launch_world_size(os.environ)
+    if launched > 1:
+        problem = model_copy_problem(launched, values["pp"], values["tp"], values["fsdp_replicate"])
+        if problem is not None:
+            fail(problem)
 
 
 # torch infers a pipeline stage's shapes again only after an eval -> train switch: a new resolution between two

@@ -993,6 +993,32 @@ def get_args_parser():
         "a step instead of 1, as torchtitan): --fsdp-reshard-after-forward forces it",
     )
     p.add_argument(
+        "--fsdp-replicate",
+        type=COUNT,
+        default=1,
+        metavar="R",
+        help="--fsdp: hybrid sharding (HSDP): R copies of the model, each sharded over 1/R of the data ranks\n"
+        "(R = the number of nodes: parameters gathered within a node, over its fast links; only the gradients'\n"
+        "all-reduce crosses the nodes, once a step). R must divide the data ranks (default: 1, plain FSDP)",
+    )
+    p.add_argument(
+        "--fsdp-offload",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="--fsdp: parameters, gradients and optimizer state in pinned host memory (FSDP2's CPUOffloadPolicy),\n"
+        "each block's copied to the GPU for its forward and backward, the optimizer's step on the CPU: a model\n"
+        "that does not fit on the GPUs otherwise, at the cost of host-device copies (GPU runs only)",
+    )
+    p.add_argument(
+        "--float8",
+        default=None,
+        choices=("tensorwise", "rowwise"),
+        help="train the linears of the model family's blocks in float8 (torchao's float8 training, scaled per\n"
+        "tensor or per row; linears whose sizes are not multiples of 16, small ones and the head stay in\n"
+        "bfloat16), FSDP's all-gathers in float8 with --fsdp; an H100/H200-class GPU (compute capability 8.9+)\n"
+        "and torchao needed; with --compile to be fast (default: off)",
+    )
+    p.add_argument(
         "--tp",
         type=COUNT,
         default=1,

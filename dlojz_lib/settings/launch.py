@@ -90,12 +90,19 @@ def launch_world_size(environ):
     return int(environ["WORLD_SIZE"]) if "TORCHELASTIC_RUN_ID" in environ else 1
 
 
-def model_copy_problem(world_size, pp, tp):
-    """The line saying that `world_size` ranks do not hold whole copies of a model cut by --pp and split by --tp,
-    else None."""
+def model_copy_problem(world_size, pp, tp, replicate=1):
+    """The line saying that `world_size` ranks do not hold whole copies of a model cut by --pp and split by --tp, or
+    that their data ranks do not make --fsdp-replicate's equal replicas, else None."""
     copy = pp * tp  # the ranks that hold one copy of the model
     if world_size % copy == 0:
-        return None
+        data = world_size // copy
+        if data % replicate == 0:
+            return None
+        ranks = f"{data} data rank(s) ({world_size} / --pp x --tp)" if copy > 1 else f"{data} rank(s)"
+        return (
+            f"--fsdp-replicate {replicate}: this job's {ranks} do not make {replicate} equal replicas; give an R "
+            f"that divides {data} (its number of nodes, usually)"
+        )
     if pp > 1 and tp > 1:
         flag, what = f"--pp {pp} x --tp {tp} = {copy}", "a --pp and a --tp whose product divides it"
     else:

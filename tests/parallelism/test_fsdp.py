@@ -471,7 +471,14 @@ def test_consolidating_what_is_not_a_sharded_checkpoint_is_one_line(tmp_path, ca
         (["--fsdp", "--sync-bn"], "--fsdp with --sync-bn"),
         (["--fsdp", "--model-ema"], "--fsdp with --model-ema"),
         (["--fsdp", "--amp", "--amp-dtype", "float16"], "--fsdp with --amp-dtype float16"),
-        (["--no-fsdp-reshard-after-forward"], "set how --fsdp shards: add --fsdp"),
+        (["--no-fsdp-reshard-after-forward"], "without --fsdp: it says how --fsdp shards; add --fsdp"),
+        (["--fsdp-replicate", "2"], "--fsdp-replicate 2 without --fsdp: it says how --fsdp shards; add --fsdp"),
+        (["--fsdp-offload"], "--fsdp-offload without --fsdp: it says how --fsdp shards; add --fsdp"),
+        (["--fsdp", "--fsdp-offload"], "--fsdp-offload keeps the shards in host memory and copies each block's"),
+        (["--fsdp", "--fsdp-replicate", "2"], "--fsdp-replicate 2: this job's 1 rank(s) do not make 2 equal replicas"),
+        (["--float8", "tensorwise"], "--float8 tensorwise: float8 matrix products need a GPU of compute capability"),
+        (["--fsdp", "--tp", "2", "--float8", "rowwise"], "--float8 rowwise with --tp 2: dlojz trains float8 linears"),
+        (["--fsdp", "--pp", "2", "--float8", "rowwise"], "--float8 rowwise with --pp 2: dlojz trains float8 linears"),
     ],
 )
 def test_what_fsdp_cannot_take_is_one_line(flags, message, run_inline):
@@ -487,3 +494,100 @@ def test_a_sharded_checkpoint_resumed_at_another_image_size_is_one_line(tiny_dat
     assert proc.returncode == 0, show(proc)
     proc = run_dlojz(*vit, "--image-size", "48", "--output-dir", out, "--epochs", "2", "--resume", "auto")
     assert_one_line_error(proc, "the checkpoint's pos_embed is [1, 5, 64], this run's [1, 10, 64]", "--image-size 32")
+
+
+def hsdp_on_rank(rank, world, store_path, results):
+    """One of 4 ranks, `--fsdp --fsdp-replicate 2` laid out as dlojz.py lays it out (`lay_out`): 2 replicas of a ViT,
+    each sharded over 2 ranks; two SGD steps with momentum on this rank's 2 images of 8 against one process on all
+    8, then every weight gathered; and the collectives of a third step, by kind and by the ranks of their group."""
+    import copy
+    import traceback
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from dlojz_lib.dist import Distribution, model_parallel_mesh
+    from dlojz_lib.model.build import BuiltModel
+    from dlojz_lib.model.zoo import create_model
+    from dlojz_lib.parallelism.layout import lay_out
+    from dlojz_lib.settings.config import resolve_config
+    from dlojz_lib.settings.flags import get_args_parser
+
+    def process_group(arg):  # a c10d op's ProcessGroup argument (a TorchScript object, as its ReduceOp is)
+        if type(arg).__name__ != "ScriptObject":
+            return None
+        try:
+            return dist.ProcessGroup.unbox(arg)
+        except RuntimeError:
+            return None
+
+    class SentIn(TorchDispatchMode):  # each collective's kind and the ranks of the group it is sent in
+        def __init__(self):
+            super().__init__()
+            self.sent = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.__name__.split(".")[0]
+            if func.namespace == "c10d" and not name.startswith(("wait", "_wrap")):
+                groups = [group for arg in args if (group := process_group(arg)) is not None]
+                self.sent.append((name, tuple(dist.get_process_group_ranks(groups[0])) if groups else None))
+            return func(*args, **(kwargs or {}))
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
+    try:
+        argv = ["--device", "cpu", "--fsdp", "--fsdp-replicate", "2", "-b", "2", "--no-amp"]
+        cfg = resolve_config(get_args_parser().parse_args(argv))
+        ranks = Distribution(world, rank, rank, torch.device("cpu"))
+        model_parallel_mesh(ranks, 1, 1, cfg.fsdp_replicate)
+        torch.manual_seed(0)
+        reference = create_model("timm:test_vit", 3, False, 32)
+        said = []
+        model = lay_out(BuiltModel.of(copy.deepcopy(reference), "timm:test_vit"), cfg, ranks, said.append)
+        placements = {tuple(map(str, p.placements)) for p in model.module.parameters() if isinstance(p, DTensor)}
+        optimizers = [torch.optim.SGD(m.parameters(), lr=0.5, momentum=0.9) for m in (reference, model.module)]
+        data = torch.Generator().manual_seed(1)
+        mine = slice(2 * ranks.data_rank, 2 * ranks.data_rank + 2)
+        for _ in range(2):
+            images, labels = torch.randn(8, 3, 32, 32, generator=data), torch.randint(0, 3, (8,), generator=data)
+            for net, optimizer, (x, y) in zip(
+                (reference, model.net), optimizers, ((images, labels), (images[mine], labels[mine]))
+            ):
+                optimizer.zero_grad()
+                torch.nn.functional.cross_entropy(net(x), y).backward()
+                optimizer.step()
+        state = {key: value.full_tensor() for key, value in model.module.state_dict().items()}
+        expected = reference.state_dict()
+        for key in expected:
+            torch.testing.assert_close(state[key], expected[key], rtol=1e-4, atol=1e-5, msg=key)
+        with SentIn() as counted:  # a third step's forward and backward
+            torch.nn.functional.cross_entropy(model.net(images[mine]), labels[mine]).backward()
+        results.put((rank, (ranks.data_rank, ranks.data_size), sorted(placements), counted.sent, said))
+    except BaseException:
+        results.put((rank, traceback.format_exc(), None, None, None))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.multirank
+def test_hsdp_shards_within_a_replica_and_trains_as_one_process(tmp_path):
+    """--fsdp --fsdp-replicate 2 on 4 ranks: each parameter replicated over 2 replicas and sharded over the 2 ranks
+    of its own (placements Replicate, Shard(0)); the 4 ranks are still 4 data ranks (each its own images), and after
+    two steps every weight is one process's on the whole batch. A step's all-gathers are sent within a replica's 2
+    ranks only, its gradients reduce-scattered there and then all-reduced across the 2 replicas; the run's line says
+    so."""
+    from conftest import spawn_ranks
+
+    found = spawn_ranks(hsdp_on_rank, 4, tmp_path)
+    failures = [where for _, where, placements, _, _ in found if placements is None]
+    assert not failures, "\n".join(failures)
+    for rank, where, placements, sent, said in found:
+        assert where == (rank, 4), where
+        assert placements == [("R", "S(0)")], placements  # (Replicate(), Shard(0)): DTensor's short names
+        replica, peers = [0, 1] if rank < 2 else [2, 3], (rank % 2, rank % 2 + 2)
+        groups = {kind: {group for name, group in sent if name == kind} for kind, _ in sent}
+        assert groups == {"_allgather_base_": {tuple(replica)}, "_reduce_scatter_base_": {tuple(replica)},
+                          "allreduce_": {peers}}, groups  # fmt: skip
+        assert any("sharded over 2 ranks in each of 2 replicas (HSDP" in line for line in said), said
