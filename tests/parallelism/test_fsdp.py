@@ -496,10 +496,11 @@ def test_a_sharded_checkpoint_resumed_at_another_image_size_is_one_line(tiny_dat
     assert_one_line_error(proc, "the checkpoint's pos_embed is [1, 5, 64], this run's [1, 10, 64]", "--image-size 32")
 
 
-def hsdp_on_rank(rank, world, store_path, results):
-    """One of 4 ranks, `--fsdp --fsdp-replicate 2` laid out as dlojz.py lays it out (`lay_out`): 2 replicas of a ViT,
-    each sharded over 2 ranks; two SGD steps with momentum on this rank's 2 images of 8 against one process on all
-    8, then every weight gathered; and the collectives of a third step, by kind and by the ranks of their group."""
+def hsdp_on_rank(rank, world, store_path, results, cases):
+    """One of 4 ranks, for each case `--fsdp --fsdp-replicate 2` and its flags laid out as dlojz.py lays it out
+    (`lay_out`): 2 replicas of a ViT, each sharded over 2 ranks (or with --tp 2, over 1, split over 2); two SGD steps
+    with momentum on this data rank's share of 8 images against one process on all 8, then every weight gathered;
+    and the collectives of a third step, by kind and by the ranks of their group."""
     import copy
     import traceback
 
@@ -512,6 +513,7 @@ def hsdp_on_rank(rank, world, store_path, results):
     from dlojz_lib.model.build import BuiltModel
     from dlojz_lib.model.zoo import create_model
     from dlojz_lib.parallelism.layout import lay_out
+    from dlojz_lib.parallelism.tensor import fused_state_dict
     from dlojz_lib.settings.config import resolve_config
     from dlojz_lib.settings.flags import get_args_parser
 
@@ -537,38 +539,42 @@ def hsdp_on_rank(rank, world, store_path, results):
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
-    try:
-        argv = ["--device", "cpu", "--fsdp", "--fsdp-replicate", "2", "-b", "2", "--no-amp"]
-        cfg = resolve_config(get_args_parser().parse_args(argv))
-        ranks = Distribution(world, rank, rank, torch.device("cpu"))
-        model_parallel_mesh(ranks, 1, 1, cfg.fsdp_replicate)
-        torch.manual_seed(0)
-        reference = create_model("timm:test_vit", 3, False, 32)
-        said = []
-        model = lay_out(BuiltModel.of(copy.deepcopy(reference), "timm:test_vit"), cfg, ranks, said.append)
-        placements = {tuple(map(str, p.placements)) for p in model.module.parameters() if isinstance(p, DTensor)}
-        optimizers = [torch.optim.SGD(m.parameters(), lr=0.5, momentum=0.9) for m in (reference, model.module)]
-        data = torch.Generator().manual_seed(1)
-        mine = slice(2 * ranks.data_rank, 2 * ranks.data_rank + 2)
-        for _ in range(2):
-            images, labels = torch.randn(8, 3, 32, 32, generator=data), torch.randint(0, 3, (8,), generator=data)
-            for net, optimizer, (x, y) in zip(
-                (reference, model.net), optimizers, ((images, labels), (images[mine], labels[mine]))
-            ):
-                optimizer.zero_grad()
-                torch.nn.functional.cross_entropy(net(x), y).backward()
-                optimizer.step()
-        state = {key: value.full_tensor() for key, value in model.module.state_dict().items()}
-        expected = reference.state_dict()
-        for key in expected:
-            torch.testing.assert_close(state[key], expected[key], rtol=1e-4, atol=1e-5, msg=key)
-        with SentIn() as counted:  # a third step's forward and backward
-            torch.nn.functional.cross_entropy(model.net(images[mine]), labels[mine]).backward()
-        results.put((rank, (ranks.data_rank, ranks.data_size), sorted(placements), counted.sent, said))
-    except BaseException:
-        results.put((rank, traceback.format_exc(), None, None, None))
-    finally:
-        dist.destroy_process_group()
+    for case, flags in cases.items():
+        try:
+            argv = ["--device", "cpu", "--fsdp", "--fsdp-replicate", "2", *flags, "-b", "2", "--no-amp"]
+            cfg = resolve_config(get_args_parser().parse_args(argv))
+            ranks = Distribution(world, rank, rank, torch.device("cpu"))
+            model_parallel_mesh(ranks, 1, cfg.tp, cfg.fsdp_replicate)
+            torch.manual_seed(0)
+            reference = create_model("timm:test_vit", 3, False, 32)
+            said = []
+            model = lay_out(BuiltModel.of(copy.deepcopy(reference), "timm:test_vit"), cfg, ranks, said.append)
+            placements = {tuple(map(str, p.placements)) for p in model.module.parameters() if isinstance(p, DTensor)}
+            optimizers = [torch.optim.SGD(m.parameters(), lr=0.5, momentum=0.9) for m in (reference, model.module)]
+            data = torch.Generator().manual_seed(1)
+            per_rank = 8 // ranks.data_size
+            mine = slice(per_rank * ranks.data_rank, per_rank * (ranks.data_rank + 1))
+            for _ in range(2):
+                images, labels = torch.randn(8, 3, 32, 32, generator=data), torch.randint(0, 3, (8,), generator=data)
+                for net, optimizer, (x, y) in zip(
+                    (reference, model.net), optimizers, ((images, labels), (images[mine], labels[mine]))
+                ):
+                    optimizer.zero_grad()
+                    torch.nn.functional.cross_entropy(net(x), y).backward()
+                    if net is model.net and model.whole_copies is not None:  # --tp: as dlojz.py steps
+                        model.whole_copies.average_gradients()
+                    optimizer.step()
+            state = fused_state_dict({key: value.full_tensor() for key, value in model.module.state_dict().items()})
+            expected = reference.state_dict()
+            for key in expected:
+                torch.testing.assert_close(state[key], expected[key], rtol=1e-4, atol=1e-5, msg=key)
+            with SentIn() as counted:  # a third step's forward and backward
+                torch.nn.functional.cross_entropy(model.net(images[mine]), labels[mine]).backward()
+            found = ((ranks.data_rank, ranks.data_size), sorted(placements), counted.sent, said)
+            results.put((rank, case, *found))
+        except BaseException:
+            results.put((rank, case, traceback.format_exc(), None, None, None))
+    dist.destroy_process_group()
 
 
 @pytest.mark.multirank
@@ -577,17 +583,37 @@ def test_hsdp_shards_within_a_replica_and_trains_as_one_process(tmp_path):
     of its own (placements Replicate, Shard(0)); the 4 ranks are still 4 data ranks (each its own images), and after
     two steps every weight is one process's on the whole batch. A step's all-gathers are sent within a replica's 2
     ranks only, its gradients reduce-scattered there and then all-reduced across the 2 replicas; the run's line says
-    so."""
+    so. With --tp 2 (a (replicate, shard, tensor) mesh of 2 x 1 x 2: 2 data ranks), the same weights."""
     from conftest import spawn_ranks
 
-    found = spawn_ranks(hsdp_on_rank, 4, tmp_path)
-    failures = [where for _, where, placements, _, _ in found if placements is None]
+    cases = {"hsdp": [], "hsdp-tp": ["--tp", "2"]}
+    found = spawn_ranks(hsdp_on_rank, 4, tmp_path, cases)
+    failures = [where for _, _, where, placements, _, _ in found if placements is None]
     assert not failures, "\n".join(failures)
-    for rank, where, placements, sent, said in found:
+    assert len(found) == 4 * len(cases)
+    for rank, case, where, placements, sent, said in found:
+        if case == "hsdp-tp":
+            split = [p for p in placements if len(p) == 3 and p[0] == "R" and p[2].startswith("S(")]  # (3-D)
+            assert where == (rank // 2, 2) and ("R", "S(0)", "R") in placements and split, (where, placements)
+            continue
         assert where == (rank, 4), where
         assert placements == [("R", "S(0)")], placements  # (Replicate(), Shard(0)): DTensor's short names
-        replica, peers = [0, 1] if rank < 2 else [2, 3], (rank % 2, rank % 2 + 2)
+        replica, peers = (0, 1) if rank < 2 else (2, 3), (rank % 2, rank % 2 + 2)
         groups = {kind: {group for name, group in sent if name == kind} for kind, _ in sent}
-        assert groups == {"_allgather_base_": {tuple(replica)}, "_reduce_scatter_base_": {tuple(replica)},
+        assert groups == {"_allgather_base_": {replica}, "_reduce_scatter_base_": {replica},
                           "allreduce_": {peers}}, groups  # fmt: skip
         assert any("sharded over 2 ranks in each of 2 replicas (HSDP" in line for line in said), said
+
+
+def test_on_several_nodes_the_fsdp_line_says_what_hsdp_would_change():
+    """Plain FSDP over ranks on 2 nodes: its line names --fsdp-replicate 2 and what it would change; on one node, or
+    with HSDP on, nothing is added; HSDP's own line counts a replica's ranks."""
+    from types import SimpleNamespace
+
+    from dlojz_lib.parallelism.layout import hsdp_hint, sharded_over
+
+    two_nodes = SimpleNamespace(hosts=("a", "a", "b", "b"), data_size=4)
+    assert "--fsdp-replicate 2 would gather within each node" in hsdp_hint(two_nodes, 1)
+    assert hsdp_hint(two_nodes, 2) == "" and hsdp_hint(SimpleNamespace(hosts=("a",) * 4, data_size=4), 1) == ""
+    assert sharded_over(two_nodes, 1) == "4 ranks"
+    assert sharded_over(two_nodes, 2).startswith("2 ranks in each of 2 replicas (HSDP")
