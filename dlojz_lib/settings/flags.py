@@ -1024,8 +1024,8 @@ def get_args_parser():
         default=1,
         metavar="N",
         help="tensor parallelism over groups of N ranks (with --fsdp over the rest: 2-D): each rank of a group\n"
-        "holds 1/N of every transformer block's weights and heads (timm's ViT and CoAtNet/MaxViT families); the\n"
-        "group shares a batch",
+        "holds 1/N of every transformer block's weights and heads (timm's ViT and CoAtNet/MaxViT families,\n"
+        "torchvision's ViT); the group shares a batch",
     )
     p.add_argument(
         "--sequence-parallel",
