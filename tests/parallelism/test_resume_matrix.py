@@ -62,6 +62,8 @@ def saved(tiny_data, tmp_path_factory):
         proc = run_dlojz(*common(tiny_data), *flags, "--checkpoint-every", "1e-9", "--keep-checkpoints", "0",
                          "--output-dir", out / name, ranks=ranks)  # fmt: skip
         assert proc.returncode == 0, show(proc)
+        if name == "hsdp":  # 2 replicas of 2 shards, as the flag says (not FSDP over the 4 ranks)
+            assert "sharded over 2 ranks in each of 2 replicas (HSDP" in proc.stdout, show(proc)
     return out
 
 
