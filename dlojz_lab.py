@@ -7,6 +7,7 @@ search_log), for dlojz.
     python dlojz_lab.py sweep --name pp --nproc-per-node 2 --grid pp-microbatches=2,4,8 -- --test --fsdp --pp 2
     python dlojz_lab.py status bs                 # the sweep's jobs in the queue, the last line of each run's log
     python dlojz_lab.py compare runs/bs [runs/other ...]   # table, compare.csv and PNG plots (dlojz_lib/lab/report.py)
+    python dlojz_lab.py plan --arch timm:coatnet_7_224 --nodes 2 [--gpu h100 --gpu-memory 80 -b 16]  # which layout
 
 A sweep is the cross product of its grids: `--grid FLAG=V1,V2,...` with FLAG one of dlojz.py's long flags (without
 its dashes), `on`/`off` for a switch. Each run is a dlojz.py command line (the flags after `--`, then the run's
@@ -35,7 +36,8 @@ from dlojz_lib.lab.sweep import (
     sweep,
     sweep_dir_of,
 )
-from dlojz_lib.settings.flags import COUNT, VALIDATION_METRICS, WHOLE
+from dlojz_lib.parallelism.plan import STATE_PER_PARAMETER
+from dlojz_lib.settings.flags import COUNT, PIXELS, VALIDATION_METRICS, WHOLE, Number
 
 
 def sweep_command(args) -> int:
@@ -65,6 +67,45 @@ def compare_command(args) -> int:
 
     sweeps = load(*args.sweeps)
     return compare(sweeps, Path(args.out) if args.out else sweeps[0][0], args.metric, args.force)
+
+
+def plan_command(args) -> int:
+    from dlojz_lib.parallelism.plan import GPUS, Allocation, LayoutTable, pick_line, plan
+
+    preset = GPUS[args.gpu]
+    figures = {key: getattr(args, key) if getattr(args, key) is not None else preset[key] for key in preset}
+    allocation = Allocation(args.nodes, **figures)
+    settings = LayoutTable(
+        args.arch, args.image_size, args.num_classes, args.batch_size, pp_microbatches=args.pp_microbatches,
+        optimizer=args.optimizer,
+    )  # fmt: skip
+    rows, total, planned = plan(settings, allocation)
+    gib, gb = 2**30, 1e9
+    print(
+        f"{args.arch}: {total / 1e6:,.1f} M parameters, {args.image_size} px, -b {args.batch_size} a GPU, "
+        f"{args.optimizer}; {args.nodes} node(s) of {allocation.gpus_per_node} {args.gpu.upper()}-class GPUs "
+        f"({allocation.gpu_memory_gib:g} GiB, {allocation.tflops:g} TFLOP/s, NVLink {allocation.nvlink_gbs:g} GB/s, "
+        f"network {allocation.network_gbs:g} GB/s a GPU)"
+    )
+    print(f"{'layout':<24}{'state':>8}{'activ.':>8}{'fits':>6}{'in node':>9}{'across':>9}{'bubble':>8}"
+          f"{'step ms':>9}{'img/s/GPU':>11}")  # fmt: skip
+    for row in rows:
+        activations = "n/a" if row["activation_bytes"] is None else f"{row['activation_bytes'] / gib:.2f}"
+        state = row["used_bytes"] - (row["activation_bytes"] or 0)
+        print(
+            f"{row['layout']:<24}{state / gib:>8.2f}{activations:>8}{'yes' if row['fits'] else 'no':>6}"
+            f"{row['intra_bytes'] / gb:>9.2f}{row['inter_bytes'] / gb:>9.2f}{row.get('bubble', 0.0):>8.0%}"
+            f"{row['step_s'] * 1e3:>9.2f}{row['images_per_gpu_s']:>11,.0f}"
+        )
+    print(
+        "GiB a GPU (float32 state; activations: Megatron-LM's count for transformer blocks), GB sent a GPU a step "
+        "inside a node and across nodes; step: the longer of the compute at peak FLOP/s and the sends at the "
+        "links' bandwidths, / (1 - bubble)"
+    )
+    if not planned:
+        print(f"{args.arch}: no tensor-parallel plan (its TP rows are left out) and no activation count")
+    print(pick_line(rows, allocation))
+    return 0 if rows[0]["fits"] else 1
 
 
 # ------------------------------------------------------------------ command line
@@ -109,6 +150,20 @@ def get_parser():
         default="top1",
         help="the validation figure that names the best run and that accuracy.png draws (default: top1)",
     )
+    pl = sub.add_parser("plan", help="which parallel layout for a model on an allocation: bytes, sends, a pick")
+    pl.add_argument("--arch", required=True, help="the model, as dlojz.py's --arch (built on the meta device)")
+    pl.add_argument("--nodes", type=COUNT, default=1)
+    pl.add_argument("--gpu", choices=("h100", "a100"), default="h100", help="the figures below' defaults: Jean Zay's")
+    pl.add_argument("--gpus-per-node", type=COUNT, default=None, help="(default: 4 H100s, 8 A100s)")
+    pl.add_argument("--gpu-memory", dest="gpu_memory_gib", type=Number(float, 0), default=None, metavar="GIB")
+    pl.add_argument("--tflops", type=Number(float, 0), default=None, help="dense bfloat16 TFLOP/s a GPU")
+    pl.add_argument("--nvlink-gbs", type=Number(float, 0), default=None, help="GB/s a GPU sends inside its node")
+    pl.add_argument("--network-gbs", type=Number(float, 0), default=None, help="GB/s a GPU sends across nodes")
+    pl.add_argument("-b", "--batch-size", type=COUNT, default=16, help="images a GPU (a tensor group shares them)")
+    pl.add_argument("--image-size", type=PIXELS, default=224)
+    pl.add_argument("--num-classes", type=COUNT, default=1000)
+    pl.add_argument("--optimizer", default="adamw", choices=sorted(STATE_PER_PARAMETER))
+    pl.add_argument("--pp-microbatches", type=COUNT, default=8, help="1F1B's micro-batches a step (default: 8)")
     st = sub.add_parser("status", help="the sweep's jobs in the queue and the last line of each run's log")
     st.add_argument("sweep")
     t = sub.add_parser("run-task", help=argparse.SUPPRESS)  # what an array task runs
@@ -128,6 +183,8 @@ def main(argv=None) -> int:
         return status_command(args)
     if args.command == "compare":
         return compare_command(args)
+    if args.command == "plan":
+        return plan_command(args)
     return run_one(Path(args.sweep_dir), args.index)
 
 

@@ -34,17 +34,17 @@ travels and for activations):
   The price these bytes do not show is the bubble, (p - 1) / (M + p - 1) of the step idle, said under the table.
 """
 
+import dataclasses
 import json
-import math
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from dlojz_lib.checks import OneLineArgumentParser  # noqa: E402
+from dlojz_lib.parallelism.plan import STATE_PER_PARAMETER  # noqa: E402  (no torch: the flags are checked first)
 from dlojz_lib.settings.flags import COUNT, PIXELS  # noqa: E402
 
 GiB = 2**30
-STATE_PER_PARAMETER = {"sgd": 1, "adamw": 2, "lamb": 2, "lars": 1, "lion": 1, "rmsprop": 2}
 
 
 def get_args(argv=None):
@@ -83,210 +83,18 @@ def get_args(argv=None):
     return args
 
 
-def layout(module):
-    """(shape, tensor-parallel placement) of every parameter under dlojz's plan: "col" (split on dim 0), "row"
-    (split on dim 1), or None (replicated)."""
-    from dlojz_lib.model.tensor_plans import transformer_blocks
-
-    placement = {}
-    for block in transformer_blocks(module):
-        attn, mlp = block.attn, block.mlp
-        for linear, kind in ((attn.qkv, "col"), (mlp.fc1, "col"), (attn.proj, "row"), (mlp.fc2, "row")):
-            placement[id(linear.weight)] = kind
-            if linear.bias is not None:
-                placement[id(linear.bias)] = "col" if kind == "col" else None  # a row-wise bias is replicated
-    return [(tuple(p.shape), placement.get(id(p))) for p in module.parameters()]
-
-
-def local_numel(shape, kind, tp, replicas):
-    """Elements of one parameter on the largest rank: split 1/tp by the plan, then its dim 0 over the replicas."""
-    shape = list(shape)
-    if kind == "col":
-        shape[0] //= tp
-    elif kind == "row":
-        shape[1] //= tp
-    shape[0] = math.ceil(shape[0] / replicas)
-    return math.prod(shape)
-
-
-def attention_shapes(module, image_size):
-    """(tokens per image, tokens each one attends to, attention width, heads, the block's path) of every block of the
-    plan, read from a forward of the meta model: a ViT's tokens all attend to each other, a CoAtNet block's map too
-    (NCHW), a MaxViT block's attend within a window or a grid cell (its input: images x windows, tokens, channels)."""
-    import torch
-
-    from dlojz_lib.model.tensor_plans import transformer_blocks
-
-    shapes = []
-    paths = {id(block): path for path, block in module.named_modules()}
-
-    def recorder(block):
-        def record(attn, inputs):
-            x = inputs[0]
-            if x.dim() == 4:
-                tokens = span = x.shape[2] * x.shape[3]
-            else:
-                tokens, span = x.shape[0] * x.shape[1], x.shape[1]  # one image: its windows' tokens
-            shapes.append((tokens, span, attn.qkv.weight.shape[0] // 3, attn.num_heads, paths[id(block)]))
-
-        return record
-
-    hooks = [block.attn.register_forward_pre_hook(recorder(block)) for block in transformer_blocks(module)]
-    with torch.no_grad():
-        module.eval()(torch.empty(1, 3, image_size, image_size, device="meta"))
-    for hook in hooks:
-        hook.remove()
-    return shapes
-
-
-def rows(args):
-    import torch
-
-    from dlojz_lib.model.tensor_plans import is_vit_block, transformer_blocks
-    from dlojz_lib.model.zoo import create_model
-    from dlojz_lib.parallelism.tensor import block_bytes_sent
-
-    with torch.device("meta"):
-        module = create_model(args.arch, args.num_classes, False, args.image_size)
-    blocks = transformer_blocks(module)
-    planned = bool(blocks)  # a model without a plan: DDP's and FSDP's rows only
-    if args.sequence_parallel and not all(is_vit_block(block) for block in blocks):
-        sys.exit(f"--sequence-parallel: {args.arch} has no sequence-parallel plan (ViT's tokens only): drop it")
-    params = layout(module)
-    total = sum(math.prod(shape) for shape, _ in params)
-    shapes = attention_shapes(module, args.image_size) if planned else []
-    state = STATE_PER_PARAMETER[args.optimizer]
-    out = []
-    for gpus in args.gpus:
-        layouts = [("DDP", 1, 1), ("FSDP", 1, gpus)]
-        sp = " + SP" if args.sequence_parallel else ""
-        if planned:
-            layouts += [
-                (f"TP {tp}{sp} x FSDP {gpus // tp}", tp, gpus // tp) for tp in args.tp if gpus % tp == 0 and tp > 1
-            ]
-        for name, tp, replicas in layouts:
-            if name == "DDP":
-                local = total
-            else:
-                local = sum(local_numel(shape, kind, tp, replicas) for shape, kind in params)
-            b = args.batch_size
-            if not planned:  # Megatron-LM's count is a transformer's
-                activations = None
-            else:  # per block: s b h (34 + 5 a s / h) at 16 bits, s the tokens and, in the scores, those attended to
-                activations = 0
-                for tokens, span, h, a, _ in shapes:
-                    if tp == 1:
-                        per_layer = block_activations(tokens, span, h, a, b)
-                    elif args.sequence_parallel:  # the norms' and dropouts' activations split too
-                        per_layer = tokens * b * h * (34 + 5 * a * span / h) / tp
-                    else:
-                        per_layer = tokens * b * h * (10 + 24 / tp + 5 * a * span / (h * tp))
-                    activations += per_layer * args.amp_bytes / 2
-            if name == "DDP":
-                sent = 2 * (gpus - 1) / gpus * 4 * total
-            else:
-                held = sum(local_numel(shape, kind, tp, 1) for shape, kind in params)  # the group rank's part
-                n = replicas
-                sent = (n - 1) / n * held * (2 * args.amp_bytes + 4)  # 2 all-gathers + 1 reduce-scatter
-                if tp > 1:  # the plan's collectives on each block's activations (BLOCK_COLLECTIVES)
-                    sent += sum(
-                        block_bytes_sent(args.sequence_parallel, tp, tokens * b * h * args.amp_bytes)
-                        for tokens, _, h, *_ in shapes
-                    )
-            out.append(
-                dict(
-                    gpus=gpus,
-                    layout=name,
-                    parameters=total,
-                    parameter_bytes=4 * local,
-                    gradient_bytes=4 * local,
-                    optimizer_bytes=4 * state * local,
-                    activation_bytes=activations,
-                    sent_bytes_per_step=sent,
-                )
-            )
-        out += pipeline_rows(args, module, params, gpus, shapes, state)
-    return out, total, planned
-
-
-def block_activations(tokens, span, h, a, images):
-    """Megatron-LM's count for one transformer block without tensor parallelism, in bytes at 16 bits."""
-    return tokens * images * h * (34 + 5 * a * span / h)
-
-
-def pipeline_rows(args, module, params, gpus, shapes, state):
-    """PP p x FSDP d rows: the stages cut by parameters as dlojz_lib/parallelism/pipeline.py cuts them, FSDP over the d
-    pipelines; the largest stage's state, and under 1F1B the first stage's activations (min(p, M) micro-batches in
-    flight, each of b p / M images: a pipeline takes b images a GPU), and each GPU's sends: its stage's output
-    forward and its input's gradient backward, for every micro-batch, with FSDP's on its stage. A model without a
-    pipeline split gets none."""
-    import torch
-
-    from dlojz_lib.checks import UserError
-    from dlojz_lib.parallelism.pipeline import layer_sizes, owner, pipeline_layers, stage_bounds
-    from dlojz_lib.parallelism.tensor import block_bytes_sent
-
-    try:
-        layers = pipeline_layers(module, args.arch)
-    except UserError:
-        return []
-    names = [name for name, _ in module.named_parameters()]  # (the order of `params`, layout's)
-    # each layer's output, per image (the activations a stage sends on), from a forward of the meta model
-    x, sent_per_image = torch.empty(1, 3, args.image_size, args.image_size, device="meta"), []
-    with torch.no_grad():
-        for layer in layers:
-            x = layer.run(x)
-            sent_per_image.append(x.numel())
-    rows, m, b = [], args.pp_microbatches, args.batch_size
-    splits = [1, *(tp for tp in args.tp if tp > 1 and shapes)]  # PP x TP x FSDP where the model has a TP plan
-    for pp, tp in ((pp, tp) for pp in args.pp for tp in splits):
-        if pp < 2 or gpus % (pp * tp) or pp > len(layers):
-            continue
-        replicas = gpus // (pp * tp)
-        bounds = stage_bounds(layer_sizes(module, layers), pp)
-        stage_of_layer = [k for k, (first, last) in enumerate(bounds) for _ in range(first, last)]
-        stage_of = [stage_of_layer[owner(name, layers)] for name in names]
-        local = [0] * pp
-        held = [0] * pp
-        for stage, (shape, kind) in zip(stage_of, params):
-            local[stage] += local_numel(shape, kind if tp > 1 else None, tp, replicas)
-            held[stage] += local_numel(shape, kind if tp > 1 else None, tp, 1)  # the group rank's part
-        images = b * pp / m  # a micro-batch (a tensor-parallel group shares it)
-        per_stage = [0.0] * pp  # activations held, under 1F1B
-        sent = [0.0] * pp  # each GPU's sends a step
-        for tokens, span, h, a, path in shapes:
-            stage = stage_of_layer[owner(path, layers)]
-            if tp == 1:
-                per_layer = block_activations(tokens, span, h, a, images)
-            else:
-                per_layer = tokens * images * h * (10 + 24 / tp + 5 * a * span / (h * tp))
-                sent[stage] += block_bytes_sent(args.sequence_parallel, tp, tokens * b * pp * h * args.amp_bytes)
-            per_stage[stage] += per_layer * min(pp - stage, m)
-        activations = max(per_stage) * args.amp_bytes / 2 if shapes else None
-        for stage, (first, last) in enumerate(bounds):  # its input's gradient back, its output on
-            ends = [sent_per_image[i] for i in (first - 1, last - 1) if 0 <= i < len(layers) - 1]
-            sent[stage] += sum(ends) * b * pp * args.amp_bytes
-            sent[stage] += (replicas - 1) / replicas * held[stage] * (2 * args.amp_bytes + 4)  # FSDP on the stage
-        largest = max(local)
-        rows.append(
-            dict(
-                gpus=gpus,
-                layout=f"PP {pp}{f' x TP {tp}' if tp > 1 else ''} x FSDP {replicas}",
-                parameters=sum(held),
-                parameter_bytes=4 * largest,
-                gradient_bytes=4 * largest,
-                optimizer_bytes=4 * state * largest,
-                activation_bytes=activations,
-                sent_bytes_per_step=max(sent),
-                bubble=(pp - 1) / (m + pp - 1),
-            )
-        )
-    return rows
-
-
 def main(argv=None) -> int:
     args = get_args(argv)
-    table, total, planned = rows(args)
+    from dlojz_lib.checks import UserError
+    from dlojz_lib.parallelism.plan import LayoutTable, layout_rows
+
+    fields = {field.name for field in dataclasses.fields(LayoutTable)}
+    try:
+        table, total, planned = layout_rows(
+            LayoutTable(**{key: value for key, value in vars(args).items() if key in fields})
+        )
+    except UserError as err:
+        sys.exit(str(err))
     unit, name = (GiB, "GiB") if table[0]["parameter_bytes"] >= GiB / 16 else (2**20, "MiB")  # a small model: MiB
     print(
         f"{args.arch}: {total / 1e6:,.1f} M parameters, {args.image_size} px, {args.batch_size} images per GPU, "

@@ -283,3 +283,43 @@ def test_the_sweep_s_slurm_counts_are_whole_numbers_of_at_least_one(flag, capsys
     assert (
         getattr(dlojz_lab.get_parser().parse_args(["sweep", "--name", "x", flag, "2"]), flag[2:].replace("-", "_")) == 2
     )
+
+
+PLANNED = ["plan", "--arch", "timm:test_vit", "--image-size", "32", "--num-classes", "3", "--nodes", "2",
+           "--gpus-per-node", "2", "-b", "8"]  # fmt: skip
+
+
+def test_the_planner_prints_every_layout_it_can_run_and_picks_the_fastest_that_fits(capsys):
+    """dlojz_lab.py plan (dlojz_lib/parallelism/plan.py) on 2 nodes of 2 GPUs: a row for DDP, FSDP, HSDP over the
+    nodes, TP 2 and PP 2 and 4 with FSDP, PP 2 x TP 2; the layouts that fit first, fastest first; the pick names the
+    first. HSDP holds what FSDP within one node holds, and sends less across nodes than FSDP over all 4."""
+    from dlojz_lib.parallelism.plan import GPUS, Allocation, LayoutTable, plan
+
+    assert dlojz_lab.main(PLANNED) == 0
+    out = capsys.readouterr().out
+    layouts = [line.split("  ")[0] for line in out.splitlines()[2:] if line[:1].isupper() and "  " in line]
+    assert set(layouts) >= {"DDP", "FSDP", "HSDP 2 x FSDP 2", "TP 2 x FSDP 2", "PP 2 x FSDP 2", "PP 4 x FSDP 1",
+                            "PP 2 x TP 2 x FSDP 1"}, out  # fmt: skip
+    assert out.splitlines()[-1].startswith(f"pick: {layouts[0]} ("), out
+    settings, allocation = LayoutTable("timm:test_vit", 32, 3, 8), Allocation(2, **dict(GPUS["h100"], gpus_per_node=2))
+    rows = {row["layout"]: row for row in plan(settings, allocation)[0]}
+    speeds = [row["images_per_gpu_s"] for row in rows.values()]
+    assert speeds == sorted(speeds, reverse=True) and list(rows) == layouts  # (all fit: fastest first)
+    one_node = plan(settings, Allocation(1, **dict(GPUS["h100"], gpus_per_node=2)))[0]
+    fsdp_in_a_node = next(row for row in one_node if row["layout"] == "FSDP")
+    for key in ("parameter_bytes", "gradient_bytes", "optimizer_bytes"):
+        assert rows["HSDP 2 x FSDP 2"][key] == fsdp_in_a_node[key] > rows["FSDP"][key], key  # (about 2x)
+    assert rows["HSDP 2 x FSDP 2"]["inter_bytes"] < rows["FSDP"]["inter_bytes"]
+    # the ranks laid out as dlojz.py's mesh: a tensor group inside a node, a pipeline of 2 x 2 across the two
+    three_d = rows["PP 2 x TP 2 x FSDP 1"]
+    assert three_d["intra_bytes"] == three_d["sent_by_group"]["tensor"] > 0
+    assert three_d["inter_bytes"] == three_d["sent_by_group"]["pipe"] + three_d["sent_by_group"]["data"] > 0
+    assert rows["TP 2 x FSDP 2"]["inter_bytes"] == rows["TP 2 x FSDP 2"]["sent_by_group"]["data"] > 0
+
+
+def test_the_planner_says_when_no_layout_fits(capsys):
+    """With 1 MiB a GPU nothing fits: one line names the smallest layout and how far over it is; exit 1."""
+    assert dlojz_lab.main([*PLANNED, "--gpu-memory", str(1 / 1024)]) == 1
+    last = capsys.readouterr().out.splitlines()[-1]
+    assert last.startswith("no layout fits in 0.000976562 GiB a GPU: the smallest, "), last
+    assert "GiB over); add GPUs or activation checkpointing, or take a smaller -b" in last

@@ -570,10 +570,11 @@ def hsdp_on_rank(rank, world, store_path, results, cases):
                 torch.testing.assert_close(state[key], expected[key], rtol=1e-4, atol=1e-5, msg=key)
             with SentIn() as counted:  # a third step's forward and backward
                 torch.nn.functional.cross_entropy(model.net(images[mine]), labels[mine]).backward()
-            found = ((ranks.data_rank, ranks.data_size), sorted(placements), counted.sent, said)
+            held = sum(4 * p.to_local().numel() for p in model.module.parameters())  # float32 bytes
+            found = ((ranks.data_rank, ranks.data_size), sorted(placements), counted.sent, said, held)
             results.put((rank, case, *found))
         except BaseException:
-            results.put((rank, case, traceback.format_exc(), None, None, None))
+            results.put((rank, case, traceback.format_exc(), None, None, None, None))
     dist.destroy_process_group()
 
 
@@ -583,15 +584,16 @@ def test_hsdp_shards_within_a_replica_and_trains_as_one_process(tmp_path):
     of its own (placements Replicate, Shard(0)); the 4 ranks are still 4 data ranks (each its own images), and after
     two steps every weight is one process's on the whole batch. A step's all-gathers are sent within a replica's 2
     ranks only, its gradients reduce-scattered there and then all-reduced across the 2 replicas; the run's line says
-    so. With --tp 2 (a (replicate, shard, tensor) mesh of 2 x 1 x 2: 2 data ranks), the same weights."""
+    so. With --tp 2 (a (replicate, shard, tensor) mesh of 2 x 1 x 2: 2 data ranks), the same weights. The planner's
+    HSDP row gives the parameter bytes a rank holds, exactly."""
     from conftest import spawn_ranks
 
     cases = {"hsdp": [], "hsdp-tp": ["--tp", "2"]}
     found = spawn_ranks(hsdp_on_rank, 4, tmp_path, cases)
-    failures = [where for _, _, where, placements, _, _ in found if placements is None]
+    failures = [where for _, _, where, placements, *_ in found if placements is None]
     assert not failures, "\n".join(failures)
     assert len(found) == 4 * len(cases)
-    for rank, case, where, placements, sent, said in found:
+    for rank, case, where, placements, sent, said, _ in found:
         if case == "hsdp-tp":
             split = [p for p in placements if len(p) == 3 and p[0] == "R" and p[2].startswith("S(")]  # (3-D)
             assert where == (rank // 2, 2) and ("R", "S(0)", "R") in placements and split, (where, placements)
@@ -603,6 +605,13 @@ def test_hsdp_shards_within_a_replica_and_trains_as_one_process(tmp_path):
         assert groups == {"_allgather_base_": {replica}, "_reduce_scatter_base_": {replica},
                           "allreduce_": {peers}}, groups  # fmt: skip
         assert any("sharded over 2 ranks in each of 2 replicas (HSDP" in line for line in said), said
+
+    # the planner's HSDP row (dlojz_lib/parallelism/plan.py) on 2 nodes of 2: the bytes a rank holds, exactly
+    from dlojz_lib.parallelism.plan import GPUS, Allocation, LayoutTable, plan
+
+    rows, _, _ = plan(LayoutTable("timm:test_vit", 32, 3, 2), Allocation(2, **dict(GPUS["h100"], gpus_per_node=2)))
+    predicted = next(row for row in rows if row["layout"] == "HSDP 2 x FSDP 2")["parameter_bytes"]
+    assert predicted == max(held for _, case, *_, held in found if case == "hsdp")
 
 
 def test_on_several_nodes_the_fsdp_line_says_what_hsdp_would_change():

@@ -317,8 +317,8 @@ def test_what_tp_cannot_do_is_one_line(flags, ranks, fragments, tiny_data, tmp_p
 
 @pytest.mark.multirank
 def test_the_day_4_table_gives_the_bytes_a_run_measures(runs, tmp_path):
-    """bench/parallel_memory.py's parameter, gradient and optimizer bytes per rank for TP 2 (2 ranks) and TP 2 x
-    FSDP 2 (4 ranks) are what those runs measured (the metrics JSON's *_bytes_per_rank), to the byte; FSDP's and
+    """bench/parallel_memory.py's (dlojz_lib/parallelism/plan.py's rows) parameter, gradient and optimizer bytes per
+    rank for TP 2 (2 ranks) and TP 2 x FSDP 2 (4 ranks) are what those runs measured (the metrics JSON's *_bytes_per_rank), to the byte; FSDP's and
     DDP's rows follow their rule (a half, a whole)."""
     from conftest import read_json
 

@@ -1,0 +1,358 @@
+"""The layouts' bytes, computed on a model built on the meta device (no memory, no GPU: a 2.4 B-parameter model is
+read in seconds): per GPU, the parameters, gradients, optimizer state and activations, and the bytes each GPU sends
+per step, under DDP, FSDP, tensor parallelism with FSDP (2-D), pipeline parallelism with FSDP and all three (3-D).
+`bench/parallel_memory.py` prints them as the course's day-4 table; what each figure is, is said there.
+
+- `layout_rows(settings)`: the rows, `settings` the table's (`LayoutTable`: the model, its image size, the images a
+  GPU takes, the world sizes, tensor and pipeline degrees, the optimizer...); returns (rows, parameters, planned).
+"""
+
+import dataclasses
+import math
+
+from dlojz_lib.checks import UserError
+
+STATE_PER_PARAMETER = {"sgd": 1, "adamw": 2, "lamb": 2, "lars": 1, "lion": 1, "rmsprop": 2}
+
+
+@dataclasses.dataclass(frozen=True)
+class LayoutTable:
+    """What the rows are computed for."""
+
+    arch: str
+    image_size: int = 224
+    num_classes: int = 1000
+    batch_size: int = 16  # images a GPU takes (a tensor-parallel group shares them; a pipeline takes b p)
+    gpus: tuple = (8,)  # world sizes
+    tp: tuple = (4,)  # tensor-parallel degrees
+    pp: tuple = (4,)  # pipeline stage counts
+    pp_microbatches: int = 8  # 1F1B's micro-batches a step
+    optimizer: str = "adamw"
+    amp_bytes: int = 2  # bytes of the AMP dtype (what travels, the activations)
+    sequence_parallel: bool = False
+
+
+def placements(module):
+    """(shape, tensor-parallel placement) of every parameter under dlojz's plan: "col" (split on dim 0), "row"
+    (split on dim 1), or None (replicated)."""
+    from dlojz_lib.model.tensor_plans import transformer_blocks
+
+    placement = {}
+    for block in transformer_blocks(module):
+        attn, mlp = block.attn, block.mlp
+        for linear, kind in ((attn.qkv, "col"), (mlp.fc1, "col"), (attn.proj, "row"), (mlp.fc2, "row")):
+            placement[id(linear.weight)] = kind
+            if linear.bias is not None:
+                placement[id(linear.bias)] = "col" if kind == "col" else None  # a row-wise bias is replicated
+    return [(tuple(p.shape), placement.get(id(p))) for p in module.parameters()]
+
+
+def local_numel(shape, kind, tp, replicas):
+    """Elements of one parameter on the largest rank: split 1/tp by the plan, then its dim 0 over the replicas."""
+    shape = list(shape)
+    if kind == "col":
+        shape[0] //= tp
+    elif kind == "row":
+        shape[1] //= tp
+    shape[0] = math.ceil(shape[0] / replicas)
+    return math.prod(shape)
+
+
+def attention_shapes(module, image_size):
+    """(tokens per image, tokens each one attends to, attention width, heads, the block's path) of every block of the
+    plan, read from a forward of the meta model: a ViT's tokens all attend to each other, a CoAtNet block's map too
+    (NCHW), a MaxViT block's attend within a window or a grid cell (its input: images x windows, tokens, channels)."""
+    import torch
+
+    from dlojz_lib.model.tensor_plans import transformer_blocks
+
+    shapes = []
+    paths = {id(block): path for path, block in module.named_modules()}
+
+    def recorder(block):
+        def record(attn, inputs):
+            x = inputs[0]
+            if x.dim() == 4:
+                tokens = span = x.shape[2] * x.shape[3]
+            else:
+                tokens, span = x.shape[0] * x.shape[1], x.shape[1]  # one image: its windows' tokens
+            shapes.append((tokens, span, attn.qkv.weight.shape[0] // 3, attn.num_heads, paths[id(block)]))
+
+        return record
+
+    hooks = [block.attn.register_forward_pre_hook(recorder(block)) for block in transformer_blocks(module)]
+    with torch.no_grad():
+        module.eval()(torch.empty(1, 3, image_size, image_size, device="meta"))
+    for hook in hooks:
+        hook.remove()
+    return shapes
+
+
+def layout_rows(settings):
+    import torch
+
+    from dlojz_lib.model.tensor_plans import is_vit_block, transformer_blocks
+    from dlojz_lib.model.zoo import create_model
+    from dlojz_lib.parallelism.tensor import block_bytes_sent
+
+    with torch.device("meta"):
+        module = create_model(settings.arch, settings.num_classes, False, settings.image_size)
+    blocks = transformer_blocks(module)
+    planned = bool(blocks)  # a model without a plan: DDP's and FSDP's rows only
+    if settings.sequence_parallel and not all(is_vit_block(block) for block in blocks):
+        raise UserError(
+            f"--sequence-parallel: {settings.arch} has no sequence-parallel plan (ViT's tokens only): drop it"
+        )
+    params = placements(module)
+    total = sum(math.prod(shape) for shape, _ in params)
+    shapes = attention_shapes(module, settings.image_size) if planned else []
+    state = STATE_PER_PARAMETER[settings.optimizer]
+    out = []
+    for gpus in settings.gpus:
+        layouts = [("DDP", 1, 1), ("FSDP", 1, gpus)]
+        sp = " + SP" if settings.sequence_parallel else ""
+        if planned:
+            layouts += [
+                (f"TP {tp}{sp} x FSDP {gpus // tp}", tp, gpus // tp) for tp in settings.tp if gpus % tp == 0 and tp > 1
+            ]
+        for name, tp, replicas in layouts:
+            if name == "DDP":
+                local = total
+            else:
+                local = sum(local_numel(shape, kind, tp, replicas) for shape, kind in params)
+            b = settings.batch_size
+            if not planned:  # Megatron-LM's count is a transformer's
+                activations = None
+            else:  # per block: s b h (34 + 5 a s / h) at 16 bits, s the tokens and, in the scores, those attended to
+                activations = 0
+                for tokens, span, h, a, _ in shapes:
+                    if tp == 1:
+                        per_layer = block_activations(tokens, span, h, a, b)
+                    elif settings.sequence_parallel:  # the norms' and dropouts' activations split too
+                        per_layer = tokens * b * h * (34 + 5 * a * span / h) / tp
+                    else:
+                        per_layer = tokens * b * h * (10 + 24 / tp + 5 * a * span / (h * tp))
+                    activations += per_layer * settings.amp_bytes / 2
+            if name == "DDP":
+                by_group = {"data": 2 * (gpus - 1) / gpus * 4 * total}
+            else:
+                held = sum(local_numel(shape, kind, tp, 1) for shape, kind in params)  # the group rank's part
+                n = replicas
+                by_group = {"data": (n - 1) / n * held * (2 * settings.amp_bytes + 4)}  # 2 all-gathers, 1 r-s
+                if tp > 1:  # the plan's collectives on each block's activations (BLOCK_COLLECTIVES)
+                    by_group["tensor"] = sum(
+                        block_bytes_sent(settings.sequence_parallel, tp, tokens * b * h * settings.amp_bytes)
+                        for tokens, _, h, *_ in shapes
+                    )
+            sent = sum(by_group.values())
+            out.append(
+                dict(
+                    gpus=gpus,
+                    layout=name,
+                    parameters=total,
+                    parameter_bytes=4 * local,
+                    gradient_bytes=4 * local,
+                    optimizer_bytes=4 * state * local,
+                    activation_bytes=activations,
+                    sent_bytes_per_step=sent,
+                    sent_by_group=by_group,
+                    tp=tp,
+                    pp=1,
+                )
+            )
+        out += pipeline_rows(settings, module, params, gpus, shapes, state)
+    return out, total, planned
+
+
+def block_activations(tokens, span, h, a, images):
+    """Megatron-LM's count for one transformer block without tensor parallelism, in bytes at 16 bits."""
+    return tokens * images * h * (34 + 5 * a * span / h)
+
+
+def pipeline_rows(settings, module, params, gpus, shapes, state):
+    """PP p x FSDP d rows: the stages cut by parameters as dlojz_lib/parallelism/pipeline.py cuts them, FSDP over the d
+    pipelines; the largest stage's state, and under 1F1B the first stage's activations (min(p, M) micro-batches in
+    flight, each of b p / M images: a pipeline takes b images a GPU), and each GPU's sends: its stage's output
+    forward and its input's gradient backward, for every micro-batch, with FSDP's on its stage. A model without a
+    pipeline split gets none."""
+    import torch
+
+    from dlojz_lib.parallelism.pipeline import layer_sizes, owner, pipeline_layers, stage_bounds
+    from dlojz_lib.parallelism.tensor import block_bytes_sent
+
+    try:
+        layers = pipeline_layers(module, settings.arch)
+    except UserError:
+        return []
+    names = [name for name, _ in module.named_parameters()]  # (the order of `params`, placements')
+    # each layer's output, per image (the activations a stage sends on), from a forward of the meta model
+    x, sent_per_image = torch.empty(1, 3, settings.image_size, settings.image_size, device="meta"), []
+    with torch.no_grad():
+        for layer in layers:
+            x = layer.run(x)
+            sent_per_image.append(x.numel())
+    rows, m, b = [], settings.pp_microbatches, settings.batch_size
+    splits = [1, *(tp for tp in settings.tp if tp > 1 and shapes)]  # PP x TP x FSDP where the model has a TP plan
+    for pp, tp in ((pp, tp) for pp in settings.pp for tp in splits):
+        if pp < 2 or gpus % (pp * tp) or pp > len(layers):
+            continue
+        replicas = gpus // (pp * tp)
+        bounds = stage_bounds(layer_sizes(module, layers), pp)
+        stage_of_layer = [k for k, (first, last) in enumerate(bounds) for _ in range(first, last)]
+        stage_of = [stage_of_layer[owner(name, layers)] for name in names]
+        local = [0] * pp
+        held = [0] * pp
+        for stage, (shape, kind) in zip(stage_of, params):
+            local[stage] += local_numel(shape, kind if tp > 1 else None, tp, replicas)
+            held[stage] += local_numel(shape, kind if tp > 1 else None, tp, 1)  # the group rank's part
+        images = b * pp / m  # a micro-batch (a tensor-parallel group shares it)
+        per_stage = [0.0] * pp  # activations held, under 1F1B
+        sent = [{"data": 0.0, "pipe": 0.0, "tensor": 0.0} for _ in range(pp)]  # each GPU's sends, by group
+        for tokens, span, h, a, path in shapes:
+            stage = stage_of_layer[owner(path, layers)]
+            if tp == 1:
+                per_layer = block_activations(tokens, span, h, a, images)
+            else:
+                per_layer = tokens * images * h * (10 + 24 / tp + 5 * a * span / (h * tp))
+                activation_bytes = tokens * b * pp * h * settings.amp_bytes
+                sent[stage]["tensor"] += block_bytes_sent(settings.sequence_parallel, tp, activation_bytes)
+            per_stage[stage] += per_layer * min(pp - stage, m)
+        activations = max(per_stage) * settings.amp_bytes / 2 if shapes else None
+        for stage, (first, last) in enumerate(bounds):  # its input's gradient back, its output on
+            ends = [sent_per_image[i] for i in (first - 1, last - 1) if 0 <= i < len(layers) - 1]
+            sent[stage]["pipe"] += sum(ends) * b * pp * settings.amp_bytes
+            fsdp = (replicas - 1) / replicas * held[stage] * (2 * settings.amp_bytes + 4)  # FSDP on the stage
+            sent[stage]["data"] += fsdp
+        largest = max(local)
+        rows.append(
+            dict(
+                gpus=gpus,
+                layout=f"PP {pp}{f' x TP {tp}' if tp > 1 else ''} x FSDP {replicas}",
+                parameters=sum(held),
+                parameter_bytes=4 * largest,
+                gradient_bytes=4 * largest,
+                optimizer_bytes=4 * state * largest,
+                activation_bytes=activations,
+                sent_bytes_per_step=max(sum(groups.values()) for groups in sent),
+                sent_by_group=max(sent, key=lambda groups: sum(groups.values())),
+                tp=tp,
+                pp=pp,
+                bubble=(pp - 1) / (m + pp - 1),
+            )
+        )
+    return rows
+
+
+# ------------------------------------------------------------------ the planner: which layout for an allocation
+# Jean Zay's GPU partitions, nominal figures (IDRIS's descriptions; each one a flag of `dlojz_lab.py plan`): GPUs a
+# node, memory, dense bfloat16 TFLOP/s, GB/s a GPU sends over NVLink inside its node and over InfiniBand across nodes
+GPUS = {
+    "h100": dict(gpus_per_node=4, gpu_memory_gib=80.0, tflops=989.0, nvlink_gbs=450.0, network_gbs=50.0),
+    "a100": dict(gpus_per_node=8, gpu_memory_gib=80.0, tflops=312.0, nvlink_gbs=300.0, network_gbs=12.5),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Allocation:
+    """The GPUs a job has, and the roofline's figures for them."""
+
+    nodes: int
+    gpus_per_node: int
+    gpu_memory_gib: float
+    tflops: float  # dense bfloat16 TFLOP/s a GPU
+    nvlink_gbs: float  # GB/s a GPU sends to the others of its node
+    network_gbs: float  # GB/s a GPU sends to other nodes
+
+    @property
+    def gpus(self):
+        return self.nodes * self.gpus_per_node
+
+
+def spans_nodes(group, tp, pp, allocation) -> bool:
+    """Whether a row's `group` (tensor, pipe or data) holds ranks of several nodes, the ranks laid out as dlojz.py's
+    mesh lays them (tensor innermost, then the pipeline's stages, the data replicas outermost)."""
+    inside = {"tensor": tp, "pipe": tp * pp, "data": allocation.gpus, "shard": allocation.gpus_per_node}[group]
+    return allocation.gpus_per_node % inside != 0 if inside <= allocation.gpus_per_node else True
+
+
+def hsdp_row(node_fsdp, allocation, settings):
+    """HSDP over the allocation's nodes: FSDP within each node (the one-node FSDP row's bytes and sends), then each
+    rank's float32 gradient shard all-reduced across the nodes (a ring: 2 (R - 1) / R of it)."""
+    nodes = allocation.nodes
+    across = 2 * (nodes - 1) / nodes * node_fsdp["gradient_bytes"]
+    sent = {"shard": node_fsdp["sent_by_group"]["data"], "data": across}
+    return dict(
+        node_fsdp,
+        gpus=allocation.gpus,
+        layout=f"HSDP {nodes} x FSDP {allocation.gpus_per_node}",
+        sent_by_group=sent,
+        sent_bytes_per_step=sum(sent.values()),
+    )
+
+
+def estimate(row, allocation, settings, flops_per_image) -> dict:
+    """`row` with what it needs on the allocation: its bytes a GPU (state and activations), whether they fit, the
+    bytes sent inside a node and across nodes, and the roofline's step: the longer of the compute at the GPU's peak
+    and the sends at the links' bandwidths (they overlap at best), stretched by the pipeline's bubble; and the
+    images a GPU then trains a second. Activations a model family's count leaves out (a CNN's) count as 0."""
+    state = row["parameter_bytes"] + row["gradient_bytes"] + row["optimizer_bytes"]
+    used = state + (row["activation_bytes"] or 0)
+    intra = inter = 0.0
+    for group, sent in row["sent_by_group"].items():
+        if spans_nodes(group, row["tp"], row["pp"], allocation):
+            inter += sent
+        else:
+            intra += sent
+    images = settings.batch_size / row["tp"]  # a GPU's share of a step (a tensor group shares its images)
+    compute = flops_per_image * images / (allocation.tflops * 1e12)
+    sends = intra / (allocation.nvlink_gbs * 1e9) + inter / (allocation.network_gbs * 1e9)
+    step = max(compute, sends) / (1 - row.get("bubble", 0.0))
+    fits = used <= allocation.gpu_memory_gib * 2**30
+    return dict(
+        row, used_bytes=used, fits=fits, intra_bytes=intra, inter_bytes=inter, compute_s=compute, sends_s=sends,
+        step_s=step, images_per_gpu_s=images / step,
+    )  # fmt: skip
+
+
+def plan(settings, allocation):
+    """Every layout dlojz can run on `allocation` for `settings`' model, each row estimated, the ones that fit
+    first, fastest first (images a GPU trains a second). Returns (rows, parameters, planned)."""
+    import torch
+
+    from dlojz_lib.model.zoo import create_model, train_flops_per_image
+
+    gpus, per_node = allocation.gpus, allocation.gpus_per_node
+    tps = tuple(t for t in (2, 4, 8) if t <= per_node and per_node % t == 0)
+    pps = tuple(p for p in (2, 4, 8) if gpus % p == 0)
+    table = dataclasses.replace(settings, gpus=(gpus,), tp=tps, pp=pps)
+    rows, total, planned = layout_rows(table)
+    if allocation.nodes > 1:  # HSDP: FSDP within a node, as a one-node table computes it
+        node = layout_rows(dataclasses.replace(table, gpus=(per_node,), tp=(), pp=()))[0]
+        rows.append(hsdp_row(next(row for row in node if row["layout"] == "FSDP"), allocation, settings))
+    with torch.device("meta"):
+        model = create_model(settings.arch, settings.num_classes, False, settings.image_size)
+    flops = train_flops_per_image(model, settings.image_size)
+    rows = [estimate(row, allocation, settings, flops) for row in rows]
+    rows.sort(key=lambda row: (not row["fits"], -row["images_per_gpu_s"]))
+    return rows, total, planned
+
+
+def pick_line(rows, allocation) -> str:
+    """The planner's choice and why, in one line; or that no layout fits, with the smallest one's overflow."""
+    gib = 2**30
+    best = rows[0]
+    if not best["fits"]:
+        least = min(rows, key=lambda row: row["used_bytes"])
+        over = (least["used_bytes"] - allocation.gpu_memory_gib * gib) / gib
+        return (
+            f"no layout fits in {allocation.gpu_memory_gib:g} GiB a GPU: the smallest, {least['layout']}, needs "
+            f"{least['used_bytes'] / gib:.1f} GiB ({over:.1f} GiB over); add GPUs or activation checkpointing, or "
+            "take a smaller -b"
+        )
+    bound = "compute" if best["compute_s"] >= best["sends_s"] else "communication"
+    bubble = f", a bubble of {best['bubble']:.0%}" if best.get("bubble") else ""
+    return (
+        f"pick: {best['layout']} ({best['used_bytes'] / gib:.1f} of {allocation.gpu_memory_gib:g} GiB a GPU, "
+        f"{best['images_per_gpu_s']:,.0f} images a second a GPU by the roofline, {bound}-bound{bubble}): the fastest "
+        f"of the {sum(row['fits'] for row in rows)} layouts that fit"
+    )
