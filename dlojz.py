@@ -65,7 +65,7 @@ from dlojz_lib.observers.watchdog import Watchdog
 from dlojz_lib.optim.losses import soft_target_accuracy
 from dlojz_lib.optim.training import Training, build_training
 from dlojz_lib.parallelism.fsdp import ShardedCheckpointSaver, match_sharded_forwards
-from dlojz_lib.parallelism.layout import Model, lay_out
+from dlojz_lib.parallelism.layout import Model, lay_out, resolved_with_layout
 from dlojz_lib.resume import (
     TrainState,
     claim_output_dir,
@@ -86,7 +86,7 @@ from dlojz_lib.run_record import (
     record_validation,
     report_run,
 )
-from dlojz_lib.settings.config import Config, resolve_config
+from dlojz_lib.settings.config import Config
 from dlojz_lib.settings.flag_checks import check_flags
 from dlojz_lib.settings.flags import get_args_parser
 from dlojz_lib.settings.launch import load_idr_torch
@@ -140,7 +140,7 @@ def main(argv=None, resources=None) -> dict:
     args = get_args_parser().parse_args(argv)
     if args.fetch_weights:  # on a login node, before any check that wants the weights already there
         return fetch_weights_only(args)
-    cfg = resolve_config(args)
+    cfg = resolved_with_layout(args)  # (--layout auto: the planner's layout, as if its flags were given)
     stop_signal = StopSignal().install()  # installed first: a signal arriving during start-up must not kill the job
 
     # ================================ INSTANTIATION: distribution

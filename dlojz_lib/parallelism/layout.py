@@ -167,6 +167,20 @@ def hsdp_hint(ranks, replicate) -> str:
     )
 
 
+def resolved_with_layout(args):
+    """dlojz.py's flags resolved (settings.config.resolve_config), with --layout auto's choice made first (the
+    planner's, parallelism.plan.choose_layout) and said among the run's notes."""
+    from dlojz_lib.settings.config import resolve_config
+
+    if args.layout != "auto":
+        return resolve_config(args)
+    from dlojz_lib.parallelism.plan import choose_layout
+
+    args, said = choose_layout(args)
+    cfg = resolve_config(args)
+    return dataclasses.replace(cfg, notes=(*cfg.notes, said))
+
+
 def held_blocks(stage, paths) -> list:
     """The blocks of `paths` (the whole model's) that `stage` holds."""
     held = []

@@ -10,7 +10,7 @@ per step, under DDP, FSDP, tensor parallelism with FSDP (2-D), pipeline parallel
 import dataclasses
 import math
 
-from dlojz_lib.checks import UserError
+from dlojz_lib.checks import UserError, fail
 
 STATE_PER_PARAMETER = {"sgd": 1, "adamw": 2, "lamb": 2, "lars": 1, "lion": 1, "rmsprop": 2}
 
@@ -187,6 +187,7 @@ def pipeline_rows(settings, module, params, gpus, shapes, state):
     names = [name for name, _ in module.named_parameters()]  # (the order of `params`, placements')
     # each layer's output, per image (the activations a stage sends on), from a forward of the meta model
     x, sent_per_image = torch.empty(1, 3, settings.image_size, settings.image_size, device="meta"), []
+    module.eval()  # (the planner's own meta model: BatchNorm takes one image's shapes in eval mode)
     with torch.no_grad():
         for layer in layers:
             x = layer.run(x)
@@ -345,14 +346,63 @@ def pick_line(rows, allocation) -> str:
         least = min(rows, key=lambda row: row["used_bytes"])
         over = (least["used_bytes"] - allocation.gpu_memory_gib * gib) / gib
         return (
-            f"no layout fits in {allocation.gpu_memory_gib:g} GiB a GPU: the smallest, {least['layout']}, needs "
+            f"no layout fits in {allocation.gpu_memory_gib:.4g} GiB a GPU: the smallest, {least['layout']}, needs "
             f"{least['used_bytes'] / gib:.1f} GiB ({over:.1f} GiB over); add GPUs or activation checkpointing, or "
             "take a smaller -b"
         )
+    return f"pick: {best['layout']} ({why(best, rows, allocation)})"
+
+
+def why(best, rows, allocation) -> str:
+    """Why `best`, the first of `rows`, is the pick, in words."""
     bound = "compute" if best["compute_s"] >= best["sends_s"] else "communication"
     bubble = f", a bubble of {best['bubble']:.0%}" if best.get("bubble") else ""
     return (
-        f"pick: {best['layout']} ({best['used_bytes'] / gib:.1f} of {allocation.gpu_memory_gib:g} GiB a GPU, "
-        f"{best['images_per_gpu_s']:,.0f} images a second a GPU by the roofline, {bound}-bound{bubble}): the fastest "
+        f"{best['used_bytes'] / 2**30:.1f} of {allocation.gpu_memory_gib:.4g} GiB a GPU, "
+        f"{best['images_per_gpu_s']:,.0f} images a second a GPU by the roofline, {bound}-bound{bubble}; the fastest "
         f"of the {sum(row['fits'] for row in rows)} layouts that fit"
     )
+
+
+def choose_layout(args):
+    """--layout auto: `args` (dlojz.py's parsed flags) with the layout the planner picks for this job's ranks (the
+    launcher's nodes and ranks a node), the device's memory (a GPU's, or on the CPU the host's shared by the node's
+    ranks) and H100 figures for the roofline, among the layouts dlojz.py runs without a pipeline (DDP, FSDP, HSDP
+    over the nodes, TP x FSDP inside a node); and the line that says so. The model is counted with 1000 classes (its
+    data is not read yet: the head is small beside the rest)."""
+    import os
+
+    import torch
+
+    from dlojz_lib.settings.config import local_device
+    from dlojz_lib.settings.flag_checks import check_sharding
+    from dlojz_lib.settings.launch import load_idr_torch
+
+    check_sharding(vars(args))  # a layout flag given beside --layout auto: one line, before the choice replaces it
+    launch = load_idr_torch()
+    nodes = max(1, launch.num_nodes)
+    per_node = max(1, launch.world_size // nodes)
+    device = torch.device(local_device(args.device, launch.local_rank))
+    if device.type == "cuda":
+        memory = torch.cuda.get_device_properties(device).total_memory / 2**30
+    else:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / per_node / 2**30
+    allocation = Allocation(nodes, **dict(GPUS["h100"], gpus_per_node=per_node, gpu_memory_gib=memory))
+    settings = LayoutTable(
+        args.arch, args.image_size or 224, 1000, args.batch_size or 16,
+        optimizer=args.optimizer if args.optimizer in STATE_PER_PARAMETER else "adamw",
+    )  # fmt: skip
+    rows = [row for row in plan(settings, allocation)[0] if row["pp"] == 1]
+    chosen = rows[0]
+    if not chosen["fits"]:
+        fail(f"--layout auto: {pick_line(rows, allocation)}")
+    layout = chosen["layout"]
+    replicate = allocation.nodes if layout.startswith("HSDP") else 1
+    args.fsdp, args.tp, args.fsdp_replicate = layout != "DDP", chosen["tp"], replicate
+    args.layout = None  # chosen: the run (and its args.toml) holds the layout's own flags
+    flags = {"DDP": "no layout flag"}.get(layout, " ".join(
+        flag for flag, on in (("--fsdp", True), (f"--fsdp-replicate {replicate}", replicate > 1),
+                              (f"--tp {chosen['tp']}", chosen["tp"] > 1)) if on
+    ))  # fmt: skip
+    said = f"--layout auto: {layout} ({flags}; {why(chosen, rows, allocation)}; the pipelines are left to --pp)"
+    return args, said

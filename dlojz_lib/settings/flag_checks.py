@@ -300,6 +300,12 @@ def check_sharding(values):
     for flag, given in own.items():
         if given and not values["fsdp"]:
             fail(f"{flag} without --fsdp: it says how --fsdp shards; add --fsdp")
+    if values["layout"] == "auto":
+        chosen = {"--fsdp": values["fsdp"], "--tp": values["tp"] > 1, "--pp": values["pp"] > 1,
+                  "--fsdp-replicate": values["fsdp_replicate"] > 1}  # fmt: skip
+        if any(chosen.values()):
+            given = " and ".join(flag for flag, on in chosen.items() if on)
+            fail(f"--layout auto chooses {given} itself: drop {given}, or --layout auto")
     for flag, given in ((f"--tp {values['tp']}", values["tp"] > 1), (f"--pp {values['pp']}", values["pp"] > 1)):
         if given and values["float8"] is not None:  # torchao's float8 styles and stages: not applied here yet
             fail(

@@ -993,6 +993,13 @@ def get_args_parser():
         "a step instead of 1, as torchtitan): --fsdp-reshard-after-forward forces it",
     )
     p.add_argument(
+        "--layout",
+        default=None,
+        choices=("auto",),
+        help="auto: the planner's pick for this job's ranks and memory (dlojz_lab.py plan: DDP, FSDP, HSDP over\n"
+        "the nodes or --tp with --fsdp; the pipeline's layouts are left to --pp), said in one line at start-up",
+    )
+    p.add_argument(
         "--fsdp-replicate",
         type=COUNT,
         default=1,

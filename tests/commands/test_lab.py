@@ -321,5 +321,5 @@ def test_the_planner_says_when_no_layout_fits(capsys):
     """With 1 MiB a GPU nothing fits: one line names the smallest layout and how far over it is; exit 1."""
     assert dlojz_lab.main([*PLANNED, "--gpu-memory", str(1 / 1024)]) == 1
     last = capsys.readouterr().out.splitlines()[-1]
-    assert last.startswith("no layout fits in 0.000976562 GiB a GPU: the smallest, "), last
+    assert last.startswith("no layout fits in 0.0009766 GiB a GPU: the smallest, "), last
     assert "GiB over); add GPUs or activation checkpointing, or take a smaller -b" in last

@@ -626,3 +626,22 @@ def test_on_several_nodes_the_fsdp_line_says_what_hsdp_would_change():
     assert hsdp_hint(two_nodes, 2) == "" and hsdp_hint(SimpleNamespace(hosts=("a",) * 4, data_size=4), 1) == ""
     assert sharded_over(two_nodes, 1) == "4 ranks"
     assert sharded_over(two_nodes, 2).startswith("2 ranks in each of 2 replicas (HSDP")
+
+
+@pytest.mark.multirank
+def test_layout_auto_runs_the_layout_the_planner_picks(tiny_data, tmp_path):
+    """dlojz.py --layout auto on 2 ranks: the planner's line at start-up names a layout and its flags
+    (dlojz_lib/parallelism/plan.py's choose_layout), and the run is that layout (its metrics say how the model was
+    laid out); given with a layout flag of its own, one line."""
+    out = tmp_path / "run"
+    common = [*BASE, "--data-root", tiny_data, "--num-workers", "0", "-b", "8", "--epochs", "1", "--train-subset", "16"]
+    proc = run_dlojz(*common, "--layout", "auto", "--output-dir", out, "--metrics-json", tmp_path / "m.json", ranks=2)
+    assert proc.returncode == 0, show(proc)
+    line = next(line for line in proc.stdout.splitlines() if "--layout auto: " in line)
+    picked = line.split("--layout auto: ", 1)[1].split(" (", 1)[0]
+    laid_out = {"DDP": ("ddp", 1), "FSDP": ("fsdp", 1), "TP 2 x FSDP 1": ("tp", 2)}
+    assert picked in laid_out, line
+    metrics = read_json(tmp_path / "m.json")
+    assert (metrics["parallel"], metrics["tensor_parallel_size"]) == laid_out[picked], (line, metrics)
+    refused = run_dlojz(*common, "--layout", "auto", "--fsdp", "--output-dir", tmp_path / "again")
+    assert_one_line_error(refused, "--layout auto chooses --fsdp itself: drop --fsdp, or --layout auto")
