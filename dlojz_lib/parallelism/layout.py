@@ -141,7 +141,11 @@ def lay_out(model, cfg, ranks, log) -> Model:
         from dlojz_lib.model.float8 import scales_for_fsdp
 
         after_step = functools.partial(scales_for_fsdp, module)
-    return Model(net, module, ema, num_classes, parallel, unsharded, cuda_graphs, cfg.tp > 1, None, whole, after_step)
+    tensor_parallel = cfg.tp > 1
+    return Model(
+        net, module, ema, num_classes, parallel, unsharded, cuda_graphs, tensor_parallel,
+        whole_copies=whole, after_step=after_step,
+    )  # fmt: skip
 
 
 def sharded_over(ranks, replicate, what="rank") -> str:
