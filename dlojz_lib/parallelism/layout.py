@@ -136,16 +136,18 @@ def lay_out(model, cfg, ranks, log) -> Model:
         log(f"torch.compile: mode {cfg.compile_mode or 'default'}")
     cuda_graphs = cfg.compile_mode in CUDA_GRAPH_MODES  # (a --compile-mode implies --compile)
     whole = whole_copies(cfg.section("distribution"), module, ranks, model.family)
-    after_step = None
-    if cfg.float8 == "tensorwise" and cfg.fsdp:  # FSDP gathers float8 weights: their scales ready before
-        from dlojz_lib.model.float8 import scales_for_fsdp
+    steps = dict(whole_copies=whole, after_step=float8_scales(cfg.float8, cfg.fsdp, module))
+    return Model(net, module, ema, num_classes, parallel, unsharded, cuda_graphs, cfg.tp > 1, **steps)
 
-        after_step = functools.partial(scales_for_fsdp, module)
-    tensor_parallel = cfg.tp > 1
-    return Model(
-        net, module, ema, num_classes, parallel, unsharded, cuda_graphs, tensor_parallel,
-        whole_copies=whole, after_step=after_step,
-    )  # fmt: skip
+
+def float8_scales(float8, fsdp, module):
+    """What runs after each optimizer step for --float8: under --fsdp with tensorwise scaling, FSDP gathers float8
+    weights, whose scales are then computed for all of them at once; else nothing (None)."""
+    if float8 != "tensorwise" or not fsdp:
+        return None
+    from dlojz_lib.model.float8 import scales_for_fsdp
+
+    return functools.partial(scales_for_fsdp, module)
 
 
 def sharded_over(ranks, replicate, what="rank") -> str:

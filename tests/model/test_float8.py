@@ -57,3 +57,15 @@ def test_float8_is_refused_where_it_cannot_run(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *rest: None)
     with pytest.raises(UserError, match="float8 training is torchao's, which is not installed here"):
         check_float8("rowwise", "cuda:0")
+
+
+def test_fsdp_s_float8_scales_run_after_each_step_under_tensorwise_scaling_only():
+    """Under --fsdp with tensorwise scaling FSDP gathers float8 weights: the run's model calls torchao's scale
+    computation after each optimizer step (Model.after_step); rowwise, or without --fsdp, nothing."""
+    from dlojz_lib.parallelism.layout import float8_scales
+
+    module = torch.nn.Linear(2, 2)
+    assert float8_scales(None, True, module) is None and float8_scales("rowwise", True, module) is None
+    assert float8_scales("tensorwise", False, module) is None
+    after_step = float8_scales("tensorwise", True, module)
+    assert after_step.func.__name__ == "scales_for_fsdp" and after_step.args == (module,)
