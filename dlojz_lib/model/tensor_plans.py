@@ -120,7 +120,7 @@ class HeadShardedQKV(nn.Module):
             for name in ("weight", "bias") if bias else ("weight",):
                 for part, chunk in zip(self.parts(), getattr(qkv, name).chunk(3)):
                     getattr(part, name).copy_(chunk)
-        self.register_load_state_dict_pre_hook(split_fused_qkv)
+        self.register_load_state_dict_pre_hook(split_on_load("{}"))
 
     def parts(self):
         return self.q, self.k, self.v
@@ -129,13 +129,18 @@ class HeadShardedQKV(nn.Module):
         return torch.cat([part(x) for part in self.parts()], dim=self.dim)
 
 
-def split_fused_qkv(module, state_dict, prefix, *_):
-    """A fused `qkv.weight`/`qkv.bias` (an ordinary model's) read as the three parts."""
-    for name in ("weight", "bias"):
-        fused = state_dict.pop(prefix + name, None)
-        if fused is not None:
-            for part, chunk in zip(PARTS, fused.chunk(3)):
-                state_dict[f"{prefix}{part}.{name}"] = chunk
+def split_on_load(fused):
+    """A load_state_dict pre-hook reading a fused weight and bias (an ordinary model's; `fused` their name in the
+    module, {} for weight or bias) as the three parts' q, k and v."""
+
+    def split(module, state_dict, prefix, *_):
+        for name in ("weight", "bias"):
+            tensor = state_dict.pop(prefix + fused.format(name), None)
+            if tensor is not None:
+                for part, chunk in zip(PARTS, tensor.chunk(3)):
+                    state_dict[f"{prefix}{part}.{name}"] = chunk
+
+    return split
 
 
 def attention_classes():
@@ -305,22 +310,13 @@ class HeadSplitAttention(nn.Module):
                     getattr(part, name).copy_(chunk)
         self.out_proj = attention.out_proj
         self.num_heads, self.dropout = attention.num_heads, attention.dropout
-        self.register_load_state_dict_pre_hook(split_in_proj)
+        self.register_load_state_dict_pre_hook(split_on_load("in_proj_{}"))
 
     def forward(self, query, key=None, value=None, need_weights=False):
         # (the encoder block passes its input as query, key and value: the query alone is read)
         q, k, v = (part(query).unflatten(-1, (self.num_heads, -1)).transpose(1, 2) for part in (self.q, self.k, self.v))
         x = nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0)
         return self.out_proj(x.transpose(1, 2).flatten(2)), None
-
-
-def split_in_proj(module, state_dict, prefix, *_):
-    """A fused `in_proj_weight`/`in_proj_bias` (an ordinary model's) read as the three parts."""
-    for name in ("weight", "bias"):
-        fused = state_dict.pop(f"{prefix}in_proj_{name}", None)
-        if fused is not None:
-            for part, chunk in zip(PARTS, fused.chunk(3)):
-                state_dict[f"{prefix}{part}.{name}"] = chunk
 
 
 def encoder_blocks(module):

@@ -323,7 +323,8 @@ def saved_sources(key, saved):
             fused, part = fused_name(name)
             if part is not None and prefix + fused + suffix in saved:
                 return "part", [prefix + fused + suffix], PARTS.index(part)
-            parts = [prefix + part_name(name, p) + suffix for p in PARTS if part_name(name, p) is not None]
+            names = [part_name(name, p) for p in PARTS]
+            parts = [] if None in names else [prefix + part + suffix for part in names]
             if parts and all(k in saved for k in parts):
                 return "fuse", parts, None
     return None

@@ -273,10 +273,10 @@ def spans_nodes(group, tp, pp, allocation) -> bool:
     """Whether a row's `group` (tensor, pipe or data) holds ranks of several nodes, the ranks laid out as dlojz.py's
     mesh lays them (tensor innermost, then the pipeline's stages, the data replicas outermost)."""
     inside = {"tensor": tp, "pipe": tp * pp, "data": allocation.gpus, "shard": allocation.gpus_per_node}[group]
-    return allocation.gpus_per_node % inside != 0 if inside <= allocation.gpus_per_node else True
+    return inside > allocation.gpus_per_node or allocation.gpus_per_node % inside != 0
 
 
-def hsdp_row(node_fsdp, allocation, settings):
+def hsdp_row(node_fsdp, allocation):
     """HSDP over the allocation's nodes: FSDP within each node (the one-node FSDP row's bytes and sends), then each
     rank's float32 gradient shard all-reduced across the nodes (a ring: 2 (R - 1) / R of it)."""
     nodes = allocation.nodes
@@ -325,11 +325,11 @@ def plan(settings, allocation):
     gpus, per_node = allocation.gpus, allocation.gpus_per_node
     tps = tuple(t for t in (2, 4, 8) if t <= per_node and per_node % t == 0)
     pps = tuple(p for p in (2, 4, 8) if gpus % p == 0)
-    table = dataclasses.replace(settings, gpus=(gpus,), tp=tps, pp=pps)
-    rows, total, planned = layout_rows(table)
-    if allocation.nodes > 1:  # HSDP: FSDP within a node, as a one-node table computes it
-        node = layout_rows(dataclasses.replace(table, gpus=(per_node,), tp=(), pp=()))[0]
-        rows.append(hsdp_row(next(row for row in node if row["layout"] == "FSDP"), allocation, settings))
+    sizes = (gpus, per_node) if allocation.nodes > 1 else (gpus,)  # (one node's rows: HSDP's FSDP within a node)
+    rows, total, planned = layout_rows(dataclasses.replace(settings, gpus=sizes, tp=tps, pp=pps))
+    if allocation.nodes > 1:
+        node_fsdp = next(row for row in rows if row["gpus"] == per_node and row["layout"] == "FSDP")
+        rows = [row for row in rows if row["gpus"] == gpus] + [hsdp_row(node_fsdp, allocation)]
     with torch.device("meta"):
         model = create_model(settings.arch, settings.num_classes, False, settings.image_size)
     flops = train_flops_per_image(model, settings.image_size)
