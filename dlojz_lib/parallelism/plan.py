@@ -104,6 +104,7 @@ def layout_rows(settings):
             f"--sequence-parallel: {settings.arch} has no sequence-parallel plan (ViT's tokens only): drop it"
         )
     params = placements(module)
+    gathers = fsdp_gathers(module)
     total = sum(math.prod(shape) for shape, _ in params)
     shapes = attention_shapes(module, settings.image_size) if planned else []
     state = STATE_PER_PARAMETER[settings.optimizer]
@@ -136,11 +137,9 @@ def layout_rows(settings):
             if name == "DDP":
                 by_group = {"data": 2 * (gpus - 1) / gpus * 4 * total}
             else:
-                held = sum(local_numel(shape, kind, tp, 1) for shape, kind in params)  # the group rank's part
-                n = replicas
-                by_group = {"data": (n - 1) / n * held * (2 * settings.amp_bytes + 4)}  # 2 all-gathers, 1 r-s
-                if tp > 1:  # the plan's collectives on each block's activations (BLOCK_COLLECTIVES)
-                    by_group["tensor"] = sum(
+                by_group = {"data": fsdp_bytes_sent(params, gathers, tp, replicas, settings.amp_bytes)}
+                if tp > 1:  # the plan's collectives on each block's activations (BLOCK_COLLECTIVES), the whole copies'
+                    by_group["tensor"] = whole_copies_bytes_sent(params, tp, replicas) + sum(
                         block_bytes_sent(settings.sequence_parallel, tp, tokens * b * h * settings.amp_bytes)
                         for tokens, _, h, *_ in shapes
                     )
@@ -162,6 +161,33 @@ def layout_rows(settings):
             )
         out += pipeline_rows(settings, module, params, gpus, shapes, state)
     return out, total, planned
+
+
+def fsdp_gathers(module) -> list:
+    """How many times FSDP gathers each parameter of `module` in a step, as dlojz shards it (fsdp.shard_model): a
+    block's twice (before its forward, and again before its backward: resharded in between), the root's once (kept
+    gathered from its forward to its backward)."""
+    from dlojz_lib.parallelism.fsdp import sharding_units
+
+    in_blocks = {id(p) for unit in sharding_units(module) for p in unit.parameters()}
+    return [2 if id(p) in in_blocks else 1 for p in module.parameters()]
+
+
+def fsdp_bytes_sent(params, gathers, tp, replicas, amp_bytes):
+    """The bytes a rank sends in a step for FSDP over `replicas` ranks (ring algorithms: a rank sends n - 1 times its
+    shard in an all-gather and in a reduce-scatter): each parameter's padded shard (local_numel) gathered `gathers`
+    times in the AMP dtype, its float32 gradient reduce-scattered once."""
+    return sum(
+        (replicas - 1) * local_numel(shape, kind, tp, replicas) * (count * amp_bytes + 4)
+        for (shape, kind), count in zip(params, gathers)
+    )
+
+
+def whole_copies_bytes_sent(params, tp, replicas):
+    """The bytes a rank sends in a step averaging, over its tensor group, the float32 gradients of the weights the
+    group holds whole (tensor.WholeCopies: one all-reduce, a ring's 2 (n - 1) / n of them), FSDP's shards of them."""
+    whole = sum(local_numel(shape, None, tp, replicas) for shape, kind in params if kind is None)
+    return 2 * (tp - 1) / tp * whole * 4
 
 
 def block_activations(tokens, span, h, a, images):
@@ -203,9 +229,11 @@ def pipeline_rows(settings, module, params, gpus, shapes, state):
         stage_of = [stage_of_layer[owner(name, layers)] for name in names]
         local = [0] * pp
         held = [0] * pp
+        stage_params = [[] for _ in range(pp)]
         for stage, (shape, kind) in zip(stage_of, params):
             local[stage] += local_numel(shape, kind if tp > 1 else None, tp, replicas)
             held[stage] += local_numel(shape, kind if tp > 1 else None, tp, 1)  # the group rank's part
+            stage_params[stage].append((shape, kind if tp > 1 else None))
         images = b * pp / m  # a micro-batch (a tensor-parallel group shares it)
         per_stage = [0.0] * pp  # activations held, under 1F1B
         sent = [{"data": 0.0, "pipe": 0.0, "tensor": 0.0} for _ in range(pp)]  # each GPU's sends, by group
@@ -222,8 +250,11 @@ def pipeline_rows(settings, module, params, gpus, shapes, state):
         for stage, (first, last) in enumerate(bounds):  # its input's gradient back, its output on
             ends = [sent_per_image[i] for i in (first - 1, last - 1) if 0 <= i < len(layers) - 1]
             sent[stage]["pipe"] += sum(ends) * b * pp * settings.amp_bytes
-            fsdp = (replicas - 1) / replicas * held[stage] * (2 * settings.amp_bytes + 4)  # FSDP on the stage
-            sent[stage]["data"] += fsdp
+            # FSDP on the stage: the schedule keeps each part gathered from a step's first forward to its last backward
+            ones = [1] * len(stage_params[stage])
+            sent[stage]["data"] += fsdp_bytes_sent(stage_params[stage], ones, tp, replicas, settings.amp_bytes)
+            if tp > 1:
+                sent[stage]["tensor"] += whole_copies_bytes_sent(stage_params[stage], tp, replicas)
         largest = max(local)
         rows.append(
             dict(

@@ -1,0 +1,158 @@
+"""The planner (dlojz_lib/parallelism/plan.py, `dlojz_lab.py plan`, `--layout auto`) against runs: for 7 layouts on 4
+CPU ranks, laid out as dlojz.py lays them out, the bytes of parameters, gradients and optimizer state a rank holds and
+the bytes it sends in a step, by group, are the planner's rows, exactly."""
+
+import pytest
+
+ARCH = "timm:test_vit"  # 6 blocks of width 64, 2 heads, 5 tokens at 32 px
+
+# (the planner's row, dlojz.py's flags, -b): the planner's images a GPU are 2, a tensor group shares them, a pipeline
+# of p stages takes 2 p, in 4 micro-batches
+LAYOUTS = {
+    "DDP": ([], 2),
+    "FSDP": (["--fsdp"], 2),
+    "HSDP 2 x FSDP 2": (["--fsdp", "--fsdp-replicate", "2"], 2),
+    "TP 2 x FSDP 2": (["--fsdp", "--tp", "2"], 2),
+    "PP 2 x FSDP 2": (["--fsdp", "--pp", "2", "--pp-microbatches", "4"], 4),
+    "PP 2 x TP 2 x FSDP 1": (["--fsdp", "--pp", "2", "--tp", "2", "--pp-microbatches", "4"], 4),
+    "PP 4 x FSDP 1": (["--fsdp", "--pp", "4", "--pp-microbatches", "4"], 8),
+}
+# the planner's name of each mesh dimension's group (HSDP's within a replica: "shard"; its replicas: "data")
+GROUP_OF_DIMENSION = {"data": "data", "replicate": "data", "shard": "shard", "pipe": "pipe", "tensor": "tensor"}
+
+
+def bytes_sent(name, args, group_ranks):
+    """(the ranks of the group, bytes) this rank sends for one c10d op, by the ring algorithms the planner counts
+    with (an all-gather sends n - 1 times this rank's input, a reduce-scatter n - 1 times its output, an all-reduce
+    2 (n - 1) / n of the buffer, a send its tensors); None for what sends nothing (a receive, a wait). `group_ranks`:
+    the ranks of an op's group argument (a ProcessGroup, or a functional collective's group name), else None."""
+
+    def nbytes(tensors):
+        tensors = tensors if isinstance(tensors, (list, tuple)) else [tensors]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    if name == "recv_" or name.startswith(("wait", "_wrap")):
+        return None
+    where = {"_allgather_base_": 2, "_reduce_scatter_base_": 2, "allreduce_": 1, "all_reduce": 2, "send": 1}
+    if name not in where:
+        return f"not counted: {name}", 0  # (raising here would leave the other ranks waiting in the collective)
+    ranks = group_ranks(args[where[name]])
+    n = len(ranks)
+    sent = {
+        "_allgather_base_": lambda: (n - 1) * nbytes(args[1]),  # (output, input, group, ...)
+        "_reduce_scatter_base_": lambda: (n - 1) * nbytes(args[0]),  # (output, input, group, ...)
+        "allreduce_": lambda: 2 * (n - 1) / n * nbytes(args[0]),  # (tensors, group, ...)
+        "all_reduce": lambda: 2 * (n - 1) / n * nbytes(args[0]),  # DTensor's: (tensor, op, group name)
+        "send": lambda: nbytes(args[0]),  # (tensors, group, peer, tag)
+    }[name]()
+    return ranks, sent
+
+
+def layouts_on_rank(rank, world, store_path, results, layouts):
+    """One of 4 ranks: each layout of `layouts` laid out as dlojz.py lays it out (`lay_out`), three steps of SGD with
+    momentum (the schedule's under --pp); the bytes this rank holds after them, and those it sends in the third step
+    (the first sends a pipeline's shapes too, the second DDP's rebuilt buckets), by the planner's group names."""
+    import traceback
+
+    import torch
+    import torch.distributed as dist
+    from torch._C._distributed_c10d import _resolve_process_group as resolve_process_group
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from dlojz_lib.dist import Distribution, model_parallel_mesh
+    from dlojz_lib.model.build import BuiltModel
+    from dlojz_lib.model.zoo import create_model
+    from dlojz_lib.parallelism.fsdp import state_bytes
+    from dlojz_lib.parallelism.layout import lay_out
+    from dlojz_lib.parallelism.pipeline import pipeline_step
+    from dlojz_lib.settings.config import resolve_config
+    from dlojz_lib.settings.flags import get_args_parser
+
+    def group_ranks(arg):  # a c10d op's ProcessGroup (a TorchScript object), or a functional op's group name
+        group = resolve_process_group(arg) if isinstance(arg, str) else dist.ProcessGroup.unbox(arg)
+        return frozenset(dist.get_process_group_ranks(group))
+
+    class Sends(TorchDispatchMode):  # the bytes this rank sends, by the ranks of the group they go in
+        def __init__(self):
+            super().__init__()
+            self.sent = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.namespace in ("c10d", "_c10d_functional"):
+                try:
+                    found = bytes_sent(func.__name__.split(".")[0], args, group_ranks)
+                except Exception as error:  # (raising here would leave the other ranks waiting in the collective)
+                    found = f"not counted: {func} ({error})", 0
+                if found is not None:
+                    self.sent.append(found)
+            return func(*args, **(kwargs or {}))
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
+    for layout, (flags, batch) in layouts.items():
+        try:
+            argv = ["--device", "cpu", *flags, "-b", str(batch), "--no-amp"]
+            cfg = resolve_config(get_args_parser().parse_args(argv))
+            ranks = Distribution(world, rank, rank, torch.device("cpu"))
+            if cfg.fsdp:
+                model_parallel_mesh(ranks, cfg.pp, cfg.tp, cfg.fsdp_replicate)
+            torch.manual_seed(0)
+            model = lay_out(BuiltModel.of(create_model(ARCH, 3, False, 32), ARCH), cfg, ranks, lambda line: None)
+            optimizer = torch.optim.SGD(model.module.parameters(), lr=0.1, momentum=0.9)
+            groups = {}  # the ranks of a group -> the planner's name for it
+            for dimension in ranks.mesh.mesh_dim_names if ranks.mesh is not None else ():
+                group = frozenset(dist.get_process_group_ranks(ranks.mesh[dimension].get_group()))
+                groups.setdefault(group, GROUP_OF_DIMENSION[dimension])
+            groups.setdefault(frozenset(range(world)), "data")  # DDP's
+            torch.manual_seed(1)
+            images, labels = torch.randn(batch, 3, 32, 32), torch.randint(0, 3, (batch,))
+            for _ in range(3):
+                with Sends() as counted:
+                    if model.pipeline is not None:
+                        run = model.pipeline
+                        run.give_loss(torch.nn.CrossEntropyLoss())
+                        pipeline_step(run.runner, run.pipe_rank, run.pp, images, labels)
+                    else:
+                        torch.nn.functional.cross_entropy(model.net(images), labels).backward()
+                    if model.whole_copies is not None:  # --tp: as dlojz.py steps
+                        model.whole_copies.average_gradients()
+                optimizer.step()
+                optimizer.zero_grad()
+            sent = {}
+            for group, count in counted.sent:
+                key = group if isinstance(group, str) else groups.get(group, f"not a mesh group: {sorted(group)}")
+                sent[key] = sent.get(key, 0.0) + count
+            results.put((rank, layout, state_bytes(model.module, optimizer), sent))
+        except BaseException:
+            results.put((rank, layout, traceback.format_exc(), None))
+    dist.destroy_process_group()
+
+
+@pytest.mark.multirank
+def test_the_planner_s_bytes_held_and_sent_are_a_run_s(tmp_path):
+    """On 4 CPU ranks (2 "nodes" of 2 for the planner), DDP, FSDP 4, HSDP 2 x 2, TP 2 x FSDP 2, PP 2 x FSDP 2,
+    PP 2 x TP 2 and PP 4: the planner's parameter, gradient and optimizer bytes a GPU are the largest rank's, to the
+    byte (FSDP's shards padded to a multiple of the ranks), and its bytes sent a step, group by group (FSDP's
+    all-gathers and reduce-scatters, HSDP's all-reduce across replicas, the tensor plan's all-reduces and the whole
+    copies', the pipeline's sends), those of the rank that sends most, as the collectives a step sends count them."""
+    from conftest import spawn_ranks
+
+    from dlojz_lib.parallelism.plan import GPUS, Allocation, LayoutTable, plan
+
+    found = spawn_ranks(layouts_on_rank, 4, tmp_path, LAYOUTS)
+    failures = [where for _, _, where, sent in found if sent is None]
+    assert not failures, "\n".join(failures)
+    settings = LayoutTable(ARCH, 32, 3, 2, pp_microbatches=4, optimizer="sgd", amp_bytes=4)  # --no-amp: float32
+    rows, _, _ = plan(settings, Allocation(2, **dict(GPUS["h100"], gpus_per_node=2)))
+    rows = {row["layout"]: row for row in rows}
+    assert set(LAYOUTS) <= set(rows), sorted(rows)
+    for layout in LAYOUTS:
+        ranks = [(held, sent) for _, name, held, sent in found if name == layout]
+        assert len(ranks) == 4, layout
+        row = rows[layout]
+        for kind in ("parameter", "gradient", "optimizer"):
+            assert max(held[f"{kind}_bytes"] for held, _ in ranks) == row[f"{kind}_bytes"], (layout, kind)
+        most = max((sent for _, sent in ranks), key=lambda sent: sum(sent.values()))
+        expected = {group: sent for group, sent in row["sent_by_group"].items() if sent}
+        assert most == pytest.approx(expected, rel=1e-9), layout
+        assert sum(most.values()) == pytest.approx(row["sent_bytes_per_step"], rel=1e-9), layout
