@@ -98,7 +98,7 @@ def plan_command(args) -> int:
             f"{row['step_s'] * 1e3:>9.2f}{row['images_per_gpu_s']:>11,.0f}"
         )
     print(
-        "GiB a GPU (float32 state; activations: Megatron-LM's count for transformer blocks), GB sent a GPU a step "
+        "GiB a GPU (float32 state; activations: Megatron-LM's count for transformer blocks, fused attention), GB sent a GPU a step "
         "inside a node and across nodes; step: the longer of the compute at peak FLOP/s and the sends at the "
         "links' bandwidths, / (1 - bubble)"
     )

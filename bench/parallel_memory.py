@@ -14,22 +14,26 @@ travels and for activations):
   then every parameter sharded over the data replicas as FSDP does: the exact local shapes of dlojz's plan, which a
   real run's metrics JSON measures (parameter_bytes_per_rank; tests/parallelism/test_tensor_parallel.py compares them);
 - optimizer state: 1 float32 per parameter for SGD's momentum, 2 for AdamW, LAMB and Lion's... (its table's number);
-- activations (an estimate): Megatron-LM's count per transformer layer, s b h (34 + 5 a s / h) bytes at 16 bits, and
-  with tensor parallelism s b h (10 + 24 / t + 5 a s / (h t)) (Korthikanti et al. 2022, "Reducing Activation
-  Recomputation in Large Transformer Models"), and with --sequence-parallel s b h (34 + 5 a s / h) / t, summed over
-  the transformer blocks for the per-GPU batch; s is a block's tokens per image, and in the attention scores' term
-  the tokens each one attends to (a MaxViT block's window or grid cell); a CoAtNet's MBConv blocks are not counted;
+- activations (an estimate): Megatron-LM's count per transformer layer with fused attention (the scores, 5 a s / h
+  more, are not kept: scaled_dot_product_attention), s b h 34 bytes at 16 bits, and with tensor parallelism
+  s b h (10 + 24 / t) (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models"), and
+  with --sequence-parallel s b h 34 / t, summed over the transformer blocks for the per-GPU batch, s a block's tokens
+  per image; DDP's adds autocast's 16-bit copy of the weights, kept for the backward (FSDP's gathered weights are
+  not counted); a CoAtNet's MBConv blocks are not counted. Within 5 % of a ViT-S/16's forward on the CPU
+  (tests/parallelism/test_planner.py);
 - sent per step (ring algorithms: an all-reduce sends 2 (n-1)/n of its buffer, an all-gather or a reduce-scatter
-  (n-1)/n): DDP all-reduces the float32 gradients; FSDP all-gathers the parameters in the AMP dtype twice (forward and
-  backward) and reduce-scatters float32 gradients; TP sends what dlojz_lib/parallelism/tensor.py's
-  BLOCK_COLLECTIVES counts on each block's activations, in the AMP dtype, within its group (2 all-reduces each way;
-  with --sequence-parallel 2 all-gathers and 2 reduce-scatters each way: the same bytes), and FSDP runs over the
-  replicas on what the group's rank holds;
+  n - 1 times a rank's shard): DDP all-reduces the float32 gradients; FSDP all-gathers each block's padded shards in
+  the AMP dtype twice (forward and backward; the root's once: kept gathered) and reduce-scatters float32 gradients;
+  TP sends what dlojz_lib/parallelism/tensor.py's BLOCK_COLLECTIVES counts on each block's activations, in the AMP
+  dtype, within its group (2 all-reduces each way; with --sequence-parallel 2 all-gathers and 2 reduce-scatters each
+  way: the same bytes), and one float32 all-reduce of the weights the group holds whole; FSDP runs over the
+  replicas on what the group's rank holds. Counted against 7 layouts' runs in tests/parallelism/test_planner.py;
 - PP p x FSDP d: the layers cut into p stages balanced by parameters (dlojz_lib/parallelism/pipeline.py's cut), FSDP over the d
   pipelines; the largest stage's state; under 1F1B with --pp-microbatches M, the first stage's blocks hold min(p, M)
   micro-batches of b p / M images (a pipeline takes b images a GPU, as the other rows); each GPU sends its stage's
   output forward and its input's gradient backward for every micro-batch (the AMP dtype; the first stage the first
-  alone, the last the second alone), and FSDP's on its stage: the busiest stage's figure. PP p x TP t x FSDP d
+  alone, the last the second alone), and FSDP's on its stage (each part gathered once a step: the schedule keeps it
+  gathered): the busiest stage's figure. PP p x TP t x FSDP d
   (3-D, dlojz.py --pp p --tp t --fsdp): each stage's blocks split as the TP rows', its group's all-reduces added.
   The price these bytes do not show is the bubble, (p - 1) / (M + p - 1) of the step idle, said under the table.
 """

@@ -124,16 +124,18 @@ def layout_rows(settings):
             b = settings.batch_size
             if not planned:  # Megatron-LM's count is a transformer's
                 activations = None
-            else:  # per block: s b h (34 + 5 a s / h) at 16 bits, s the tokens and, in the scores, those attended to
+            else:  # per block: s b h 34 at 16 bits, s the tokens (block_activations)
                 activations = 0
                 for tokens, span, h, a, _ in shapes:
                     if tp == 1:
                         per_layer = block_activations(tokens, span, h, a, b)
                     elif settings.sequence_parallel:  # the norms' and dropouts' activations split too
-                        per_layer = tokens * b * h * (34 + 5 * a * span / h) / tp
+                        per_layer = tokens * b * h * 34 / tp
                     else:
-                        per_layer = tokens * b * h * (10 + 24 / tp + 5 * a * span / (h * tp))
+                        per_layer = tokens * b * h * (10 + 24 / tp)
                     activations += per_layer * settings.amp_bytes / 2
+                if name == "DDP" and settings.amp_bytes < 4:  # autocast's 16-bit weights, kept for the backward
+                    activations += total * settings.amp_bytes
             if name == "DDP":
                 by_group = {"data": 2 * (gpus - 1) / gpus * 4 * total}
             else:
@@ -191,8 +193,10 @@ def whole_copies_bytes_sent(params, tp, replicas):
 
 
 def block_activations(tokens, span, h, a, images):
-    """Megatron-LM's count for one transformer block without tensor parallelism, in bytes at 16 bits."""
-    return tokens * images * h * (34 + 5 * a * span / h)
+    """Megatron-LM's count for one transformer block without tensor parallelism, in bytes at 16 bits, with fused
+    attention (scaled_dot_product_attention, which dlojz's families call: the scores, 5 a s / h more, are not kept
+    for the backward). `span` (the tokens each attends to) and `a` (the heads) would size the scores."""
+    return tokens * images * h * 34
 
 
 def pipeline_rows(settings, module, params, gpus, shapes, state):
@@ -242,7 +246,7 @@ def pipeline_rows(settings, module, params, gpus, shapes, state):
             if tp == 1:
                 per_layer = block_activations(tokens, span, h, a, images)
             else:
-                per_layer = tokens * images * h * (10 + 24 / tp + 5 * a * span / (h * tp))
+                per_layer = tokens * images * h * (10 + 24 / tp)
                 activation_bytes = tokens * b * pp * h * settings.amp_bytes
                 sent[stage]["tensor"] += block_bytes_sent(settings.sequence_parallel, tp, activation_bytes)
             per_stage[stage] += per_layer * min(pp - stage, m)
