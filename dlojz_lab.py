@@ -24,7 +24,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from dlojz_lib.checks import OneLineArgumentParser, command
+from dlojz_lib.checks import OneLineArgumentParser, command, fail
 from dlojz_lib.lab.sweep import (
     SLURM_RESOURCES,
     last_line,
@@ -70,7 +70,7 @@ def compare_command(args) -> int:
 
 
 def plan_command(args) -> int:
-    from dlojz_lib.parallelism.plan import GPUS, Allocation, LayoutTable, pick_line, plan
+    from dlojz_lib.parallelism.plan import GPUS, Allocation, LayoutTable, named_layout_line, pick_line, plan
 
     preset = GPUS[args.gpu]
     figures = {key: getattr(args, key) if getattr(args, key) is not None else preset[key] for key in preset}
@@ -80,6 +80,8 @@ def plan_command(args) -> int:
         optimizer=args.optimizer,
     )  # fmt: skip
     rows, total, planned = plan(settings, allocation)
+    if args.layout is not None and args.layout not in (names := [row["layout"] for row in rows]):
+        fail(f"--layout {args.layout}: not a layout of this allocation's table; give one of: {', '.join(names)}")
     gib, gb = 2**30, 1e9
     print(
         f"{args.arch}: {total / 1e6:,.1f} M parameters, {args.image_size} px, -b {args.batch_size} a GPU, "
@@ -87,24 +89,27 @@ def plan_command(args) -> int:
         f"({allocation.gpu_memory_gib:g} GiB, {allocation.tflops:g} TFLOP/s, NVLink {allocation.nvlink_gbs:g} GB/s, "
         f"network {allocation.network_gbs:g} GB/s a GPU)"
     )
-    print(f"{'layout':<24}{'state':>8}{'activ.':>8}{'fits':>6}{'in node':>9}{'across':>9}{'bubble':>8}"
-          f"{'step ms':>9}{'img/s/GPU':>11}")  # fmt: skip
+    print(f"{'layout':<32}{'state':>8}{'activ.':>8}{'fits':>6}{'in node':>9}{'across':>9}{'bubble':>8}"
+          f"{'step ms':>10}{'img/s/GPU':>14}")  # fmt: skip
     for row in rows:
         activations = "n/a" if row["activation_bytes"] is None else f"{row['activation_bytes'] / gib:.2f}"
         state = row["used_bytes"] - (row["activation_bytes"] or 0)
         print(
-            f"{row['layout']:<24}{state / gib:>8.2f}{activations:>8}{'yes' if row['fits'] else 'no':>6}"
+            f"{row['layout']:<32}{state / gib:>8.2f}{activations:>8}{'yes' if row['fits'] else 'no':>6}"
             f"{row['intra_bytes'] / gb:>9.2f}{row['inter_bytes'] / gb:>9.2f}{row.get('bubble', 0.0):>8.0%}"
-            f"{row['step_s'] * 1e3:>9.2f}{row['images_per_gpu_s']:>11,.0f}"
+            f"{row['step_s'] * 1e3:>10.2f}{row['images_per_gpu_s']:>14,.0f}"
         )
     print(
         "GiB a GPU (float32 state; activations: Megatron-LM's count for transformer blocks, fused attention), GB sent a GPU a step "
         "inside a node and across nodes; step: the longer of the compute at peak FLOP/s and the sends at the "
-        "links' bandwidths, / (1 - bubble)"
+        "links' bandwidths, / (1 - bubble); + AC: with --activation-checkpointing, where the layout does not fit "
+        "without (full: a third more FLOPs)"
     )
     if not planned:
         print(f"{args.arch}: no tensor-parallel plan (its TP rows are left out) and no activation count")
     print(pick_line(rows, allocation))
+    if args.layout is not None:
+        print(named_layout_line(args.layout, rows, allocation))
     return 0 if rows[0]["fits"] else 1
 
 
@@ -164,6 +169,9 @@ def get_parser():
     pl.add_argument("--num-classes", type=COUNT, default=1000)
     pl.add_argument("--optimizer", default="adamw", choices=sorted(STATE_PER_PARAMETER))
     pl.add_argument("--pp-microbatches", type=COUNT, default=8, help="1F1B's micro-batches a step (default: 8)")
+    pl.add_argument(
+        "--layout", default=None, help="a layout of the table, as it names it: whether it fits, and by how much not"
+    )
     st = sub.add_parser("status", help="the sweep's jobs in the queue and the last line of each run's log")
     st.add_argument("sweep")
     t = sub.add_parser("run-task", help=argparse.SUPPRESS)  # what an array task runs

@@ -30,6 +30,7 @@ class LayoutTable:
     optimizer: str = "adamw"
     amp_bytes: int = 2  # bytes of the AMP dtype (what travels, the activations)
     sequence_parallel: bool = False
+    checkpointing: str = "none"  # --activation-checkpointing: the activations a row counts (BLOCK_BYTES' modes)
 
 
 def placements(module):
@@ -122,20 +123,12 @@ def layout_rows(settings):
             else:
                 local = sum(local_numel(shape, kind, tp, replicas) for shape, kind in params)
             b = settings.batch_size
-            if not planned:  # Megatron-LM's count is a transformer's
-                activations = None
-            else:  # per block: s b h 34 at 16 bits, s the tokens (block_activations)
-                activations = 0
-                for tokens, span, h, a, _ in shapes:
-                    if tp == 1:
-                        per_layer = block_activations(tokens, span, h, a, b)
-                    elif settings.sequence_parallel:  # the norms' and dropouts' activations split too
-                        per_layer = tokens * b * h * 34 / tp
-                    else:
-                        per_layer = tokens * b * h * (10 + 24 / tp)
-                    activations += per_layer * settings.amp_bytes / 2
-                if name == "DDP" and settings.amp_bytes < 4:  # autocast's 16-bit weights, kept for the backward
-                    activations += total * settings.amp_bytes
+            by_mode = None  # Megatron-LM's count is a transformer's
+            if planned:
+                copies = total * settings.amp_bytes if name == "DDP" and settings.amp_bytes < 4 else 0  # autocast's
+                by_mode = {
+                    mode: copies + sum(blocks_activations(shapes, b, tp, settings, mode)) for mode in CHECKPOINTING
+                }
             if name == "DDP":
                 by_group = {"data": 2 * (gpus - 1) / gpus * 4 * total}
             else:
@@ -154,7 +147,8 @@ def layout_rows(settings):
                     parameter_bytes=4 * local,
                     gradient_bytes=4 * local,
                     optimizer_bytes=4 * state * local,
-                    activation_bytes=activations,
+                    activation_bytes=by_mode and by_mode[settings.checkpointing],
+                    activations_by_checkpointing=by_mode,
                     sent_bytes_per_step=sent,
                     sent_by_group=by_group,
                     tp=tp,
@@ -192,11 +186,37 @@ def whole_copies_bytes_sent(params, tp, replicas):
     return 2 * (tp - 1) / tp * whole * 4
 
 
-def block_activations(tokens, span, h, a, images):
-    """Megatron-LM's count for one transformer block without tensor parallelism, in bytes at 16 bits, with fused
-    attention (scaled_dot_product_attention, which dlojz's families call: the scores, 5 a s / h more, are not kept
-    for the backward). `span` (the tokens each attends to) and `a` (the heads) would size the scores."""
-    return tokens * images * h * 34
+# What a transformer block keeps for its backward, in bytes a token and unit of width at 16 bits, as functions of the
+# tensor-parallel degree t: Megatron-LM's count (Korthikanti et al. 2022) with fused attention (dlojz's families call
+# scaled_dot_product_attention: the scores, 5 a s / h more, are not kept): 10 whole (the norms' inputs and outputs,
+# the dropouts') and 24 split; --activation-checkpointing selective keeps the costly ops' outputs (q, k, v 6, the
+# attention's 2, fc1's 8 split; proj's and fc2's 4 whole) and the block's input (2); full, the block's input alone.
+# With sequence parallelism every term is split. Held to a ViT-S/16's forward in tests/parallelism/test_planner.py.
+BLOCK_BYTES = {
+    "none": (10, 24),
+    "selective": (6, 16),
+    "full": (2, 0),
+}
+CHECKPOINTING = tuple(BLOCK_BYTES)  # --activation-checkpointing's modes
+
+
+def blocks_activations(shapes, images, tp, settings, mode, blocks=None):
+    """(bytes kept, bytes of the recomputation's peak) of the transformer blocks `shapes` (attention_shapes', or
+    `blocks`: those of them a stage holds) for `images` images under --activation-checkpointing `mode`: what each
+    keeps from its forward to its backward, and under `full` one block's whole activations while it is recomputed.
+    In the AMP dtype (`settings.amp_bytes`)."""
+
+    def per_token(bytes_of_mode):
+        whole, split = BLOCK_BYTES[bytes_of_mode]
+        return (whole + split) / tp if settings.sequence_parallel else whole + split / tp
+
+    widths = [
+        tokens * images * h for index, (tokens, _, h, *_) in enumerate(shapes) if blocks is None or index in blocks
+    ]
+    scale = settings.amp_bytes / 2
+    kept = sum(widths) * per_token(mode) * scale
+    recomputed = max(widths, default=0) * per_token("none") * scale if mode == "full" else 0.0
+    return kept, recomputed
 
 
 def pipeline_rows(settings, module, params, gpus, shapes, state):
@@ -239,18 +259,15 @@ def pipeline_rows(settings, module, params, gpus, shapes, state):
             held[stage] += local_numel(shape, kind if tp > 1 else None, tp, 1)  # the group rank's part
             stage_params[stage].append((shape, kind if tp > 1 else None))
         images = b * pp / m  # a micro-batch (a tensor-parallel group shares it)
-        per_stage = [0.0] * pp  # activations held, under 1F1B
         sent = [{"data": 0.0, "pipe": 0.0, "tensor": 0.0} for _ in range(pp)]  # each GPU's sends, by group
-        for tokens, span, h, a, path in shapes:
+        stage_blocks = [set() for _ in range(pp)]  # each stage's blocks (their index in `shapes`)
+        for index, (tokens, _, h, _, path) in enumerate(shapes):
             stage = stage_of_layer[owner(path, layers)]
-            if tp == 1:
-                per_layer = block_activations(tokens, span, h, a, images)
-            else:
-                per_layer = tokens * images * h * (10 + 24 / tp)
+            stage_blocks[stage].add(index)
+            if tp > 1:
                 activation_bytes = tokens * b * pp * h * settings.amp_bytes
                 sent[stage]["tensor"] += block_bytes_sent(settings.sequence_parallel, tp, activation_bytes)
-            per_stage[stage] += per_layer * min(pp - stage, m)
-        activations = max(per_stage) * settings.amp_bytes / 2 if shapes else None
+        by_mode = pipeline_activations(shapes, stage_blocks, images, tp, settings) if shapes else None
         for stage, (first, last) in enumerate(bounds):  # its input's gradient back, its output on
             ends = [sent_per_image[i] for i in (first - 1, last - 1) if 0 <= i < len(layers) - 1]
             sent[stage]["pipe"] += sum(ends) * b * pp * settings.amp_bytes
@@ -268,7 +285,8 @@ def pipeline_rows(settings, module, params, gpus, shapes, state):
                 parameter_bytes=4 * largest,
                 gradient_bytes=4 * largest,
                 optimizer_bytes=4 * state * largest,
-                activation_bytes=activations,
+                activation_bytes=by_mode and by_mode[settings.checkpointing],
+                activations_by_checkpointing=by_mode,
                 sent_bytes_per_step=max(sum(groups.values()) for groups in sent),
                 sent_by_group=max(sent, key=lambda groups: sum(groups.values())),
                 tp=tp,
@@ -277,6 +295,21 @@ def pipeline_rows(settings, module, params, gpus, shapes, state):
             )
         )
     return rows
+
+
+def pipeline_activations(shapes, stage_blocks, images, tp, settings) -> dict:
+    """The activations of a pipeline's busiest stage under 1F1B, by --activation-checkpointing mode: stage k of p
+    holds min(p - k, M) micro-batches of `images` in its blocks (`stage_blocks[k]`), and recomputes one block."""
+    pp, m = len(stage_blocks), settings.pp_microbatches
+    plain = dataclasses.replace(settings, sequence_parallel=False)
+    return {
+        mode: max(
+            kept * min(pp - stage, m) + recomputed
+            for stage in range(pp)
+            for kept, recomputed in [blocks_activations(shapes, images, tp, plain, mode, stage_blocks[stage])]
+        )
+        for mode in CHECKPOINTING
+    }
 
 
 # ------------------------------------------------------------------ the planner: which layout for an allocation
@@ -368,9 +401,35 @@ def plan(settings, allocation):
     with torch.device("meta"):
         model = create_model(settings.arch, settings.num_classes, False, settings.image_size)
     flops = train_flops_per_image(model, settings.image_size)
-    rows = [estimate(row, allocation, settings, flops) for row in rows]
+    rows = [estimate(row, allocation, settings, flops * (1 + RECOMPUTED_FLOPS[settings.checkpointing])) for row in rows]
+    rows += checkpointed_rows(rows, allocation, settings, flops)
     rows.sort(key=lambda row: (not row["fits"], -row["images_per_gpu_s"]))
     return rows, total, planned
+
+
+# The share of a training step's FLOPs activation checkpointing adds: full runs the blocks' forwards again (a forward
+# is a third of a step), selective only their cheap ops (norms, activations: memory-bound, no FLOPs on the roofline)
+RECOMPUTED_FLOPS = {"none": 0.0, "selective": 0.0, "full": 1 / 3}
+
+
+def checkpointed_rows(rows, allocation, settings, flops_per_image):
+    """Each of `rows` (estimated) that does not fit with the activations `settings.checkpointing` keeps, again with
+    --activation-checkpointing selective (where that keeps less) and, if that does not fit either, full: its
+    activations under that mode and the recomputation's FLOPs on the roofline. Rows without an activation count get
+    none."""
+    found = []
+    for row in rows:
+        by_mode = row.get("activations_by_checkpointing")
+        if row["fits"] or not by_mode:
+            continue
+        for mode in CHECKPOINTING[CHECKPOINTING.index(settings.checkpointing) + 1 :]:
+            variant = dict(
+                row, layout=f"{row['layout']} + AC {mode}", activation_bytes=by_mode[mode], checkpointing=mode
+            )
+            found.append(estimate(variant, allocation, settings, flops_per_image * (1 + RECOMPUTED_FLOPS[mode])))
+            if found[-1]["fits"]:
+                break
+    return found
 
 
 def pick_line(rows, allocation) -> str:
@@ -386,6 +445,22 @@ def pick_line(rows, allocation) -> str:
             "take a smaller -b"
         )
     return f"pick: {best['layout']} ({why(best, rows, allocation)})"
+
+
+def named_layout_line(name, rows, allocation) -> str:
+    """Whether the layout of `rows` named `name` fits, in one line: its bytes a GPU, and where it does not, how many
+    over the GPU's memory and the planner's pick instead."""
+    row, gib = next(row for row in rows if row["layout"] == name), 2**30
+    used, memory = row["used_bytes"] / gib, allocation.gpu_memory_gib
+    if row["fits"]:
+        return (
+            f"{name}: fits, {used:.1f} of {memory:.4g} GiB a GPU, {row['images_per_gpu_s']:,.0f} images a second a GPU"
+        )
+    activations = (row["activation_bytes"] or 0) / gib
+    return (
+        f"{name}: does not fit: {used:.1f} GiB a GPU ({used - activations:.1f} of state, {activations:.1f} of "
+        f"activations), {used - memory:.1f} GiB over the {memory:.4g} GiB of a GPU; {pick_line(rows, allocation)}"
+    )
 
 
 def why(best, rows, allocation) -> str:
@@ -427,17 +502,28 @@ def choose_layout(args):
         args.arch, args.image_size or 224, 1000, args.batch_size or 16,
         optimizer=args.optimizer if args.optimizer in STATE_PER_PARAMETER else "adamw",
     )  # fmt: skip
-    rows = [row for row in plan(settings, allocation)[0] if row["pp"] == 1]
+    own = args.activation_checkpointing or ("full" if args.grad_checkpointing else "none")  # the user's: kept
+    settings = dataclasses.replace(settings, checkpointing=own)
+    rows = [
+        row
+        for row in plan(settings, allocation)[0]
+        if row["pp"] == 1 and not (own != "none" and "checkpointing" in row)
+    ]
     chosen = rows[0]
     if not chosen["fits"]:
         fail(f"--layout auto: {pick_line(rows, allocation)}")
-    layout = chosen["layout"]
+    layout, checkpointing = chosen["layout"].split(" + AC ")[0], chosen.get("checkpointing")
     replicate = allocation.nodes if layout.startswith("HSDP") else 1
     args.fsdp, args.tp, args.fsdp_replicate = layout != "DDP", chosen["tp"], replicate
     args.layout = None  # chosen: the run (and its args.toml) holds the layout's own flags
-    flags = {"DDP": "no layout flag"}.get(layout, " ".join(
-        flag for flag, on in (("--fsdp", True), (f"--fsdp-replicate {replicate}", replicate > 1),
-                              (f"--tp {chosen['tp']}", chosen["tp"] > 1)) if on
-    ))  # fmt: skip
-    said = f"--layout auto: {layout} ({flags}; {why(chosen, rows, allocation)}; the pipelines are left to --pp)"
+    if checkpointing:
+        args.activation_checkpointing = checkpointing
+    flags = " ".join(
+        flag for flag, on in (("--fsdp", layout != "DDP"), (f"--fsdp-replicate {replicate}", replicate > 1),
+                              (f"--tp {chosen['tp']}", chosen["tp"] > 1),
+                              (f"--activation-checkpointing {checkpointing}", checkpointing)) if on
+    ) or "no layout flag"  # fmt: skip
+    said = (
+        f"--layout auto: {chosen['layout']} ({flags}; {why(chosen, rows, allocation)}; the pipelines are left to --pp)"
+    )
     return args, said

@@ -323,3 +323,33 @@ def test_the_planner_says_when_no_layout_fits(capsys):
     last = capsys.readouterr().out.splitlines()[-1]
     assert last.startswith("no layout fits in 0.0009766 GiB a GPU: the smallest, "), last
     assert "GiB over); add GPUs or activation checkpointing, or take a smaller -b" in last
+
+
+def test_the_planner_adds_activation_checkpointing_where_a_layout_does_not_fit_without(capsys):
+    """With 150 MiB a GPU and -b 4096, no layout fits with every activation kept: each comes again with
+    --activation-checkpointing selective, then full where selective does not fit either (its activations smaller,
+    its step a third longer on the roofline); the pick is one of them. A layout named with --layout says whether it
+    fits and by how much not; a name not in the table is one line, exit 2."""
+    from dlojz_lib.parallelism.plan import GPUS, Allocation, LayoutTable, plan
+
+    argv = [*PLANNED[:-2], "-b", "4096", "--gpu-memory", str(150 / 1024)]
+    assert dlojz_lab.main(argv) == 0
+    out = capsys.readouterr().out
+    rows = {line.split("  ")[0]: line.split() for line in out.splitlines()[2:] if line[:1].isupper() and "  " in line}
+    assert {"DDP + AC selective", "DDP + AC full", "FSDP + AC full"} <= set(rows), out
+    assert [rows[name][-6] for name in ("DDP", "DDP + AC selective", "DDP + AC full")] == ["no", "no", "yes"], out
+    settings = LayoutTable("timm:test_vit", 32, 3, 4096)
+    allocation = Allocation(2, **dict(GPUS["h100"], gpus_per_node=2, gpu_memory_gib=150 / 1024))
+    found = {row["layout"]: row for row in plan(settings, allocation)[0]}
+    kept, selective, full = (found[name] for name in ("DDP", "DDP + AC selective", "DDP + AC full"))
+    assert kept["activation_bytes"] > selective["activation_bytes"] > full["activation_bytes"]
+    assert full["compute_s"] == pytest.approx(kept["compute_s"] * 4 / 3) and selective["compute_s"] == kept["compute_s"]
+    assert dlojz_lab.main([*argv, "--layout", "DDP"]) == 0
+    last = capsys.readouterr().out.splitlines()[-1]
+    assert last.startswith("DDP: does not fit: ") and "GiB over the 0.1465 GiB of a GPU; pick: " in last, last
+    assert dlojz_lab.main([*argv, "--layout", "DDP + AC full"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1].startswith("DDP + AC full: fits, ")
+    assert dlojz_lab.main([*argv, "--layout", "ZeRO-3"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("dlojz_lab.py: error: --layout ZeRO-3: not a layout of this allocation's table; give one of:")
+    assert ", DDP + AC full," in err and "\n" not in err, err

@@ -158,24 +158,53 @@ def test_the_planner_s_bytes_held_and_sent_are_a_run_s(tmp_path):
         assert sum(most.values()) == pytest.approx(row["sent_bytes_per_step"], rel=1e-9), layout
 
 
-@pytest.mark.parametrize("amp_bytes", [4, 2])
-def test_the_planner_s_activations_are_a_forward_s_within_a_quarter(amp_bytes):
+@pytest.mark.parametrize("amp_bytes, checkpointing", [(4, "none"), (2, "none"), (4, "selective"), (4, "full")])
+def test_the_planner_s_activations_are_a_forward_s_within_a_quarter(amp_bytes, checkpointing):
     """A ViT-S/16 at 224 px, 2 images, in training mode: the planner's activations a GPU (one process: DDP's row) are
     within 25 % of what its forward leaves held for the backward (torch_internals.held_after_forward: every tensor the
     forward made and still alive, each storage once), in float32 and under bfloat16 autocast (which keeps a 16-bit
-    copy of each weight too). The attention is fused: counting its scores (Megatron-LM's 5 a s / h) would be 50 %
-    over."""
+    copy of each weight too), with every activation kept and under --activation-checkpointing selective (each block
+    keeps its matrix products' and attention's outputs) and full (each block its input; the peak adds one block's
+    whole activations, measured on a block's own forward, while the backward recomputes it). The attention is fused:
+    counting its scores (Megatron-LM's 5 a s / h) would be 50 % over."""
     import torch
 
-    from dlojz_lib.model.zoo import create_model
+    from dlojz_lib.model.zoo import checkpoint_blocks, create_model
     from dlojz_lib.parallelism.plan import LayoutTable, layout_rows
     from dlojz_lib.torch_internals import held_after_forward
 
     arch = "timm:vit_small_patch16_224"
     torch.manual_seed(0)
     model = create_model(arch, 10, False, 224).train()
+    recomputed = 0
+    if checkpointing == "full":  # the recomputation's peak: one block's activations, as its own forward holds them
+        recomputed = held_after_forward(model.blocks[0], torch.randn(2, 197, 384))
+    checkpoint_blocks(list(model.blocks), checkpointing)
     with torch.autocast("cpu", torch.bfloat16, enabled=amp_bytes == 2):
-        measured = held_after_forward(model, torch.randn(2, 3, 224, 224))
+        measured = held_after_forward(model, torch.randn(2, 3, 224, 224)) + recomputed
     rows, _, _ = layout_rows(LayoutTable(arch, 224, 10, 2, gpus=(2,), tp=(2,), pp=(2,), amp_bytes=amp_bytes))
-    predicted = next(row for row in rows if row["layout"] == "DDP")["activation_bytes"]
+    predicted = next(row for row in rows if row["layout"] == "DDP")["activations_by_checkpointing"][checkpointing]
     assert 0.75 <= predicted / measured <= 1.25, (predicted, measured)
+
+
+def test_layout_auto_adds_activation_checkpointing_where_nothing_fits_without(monkeypatch):
+    """--layout auto on one rank of a host of 100 MiB, timm:test_vit at -b 4096: no layout fits with every activation
+    kept, nor with selective checkpointing; the planner picks DDP with --activation-checkpointing full, which the
+    run's flags then hold and its line says. A user's own checkpointing is theirs: the planner keeps it and picks
+    among the layouts without its own (here none fits: one line)."""
+    import os
+
+    from dlojz_lib.checks import UserError
+    from dlojz_lib.parallelism.plan import choose_layout
+    from dlojz_lib.settings.flags import get_args_parser
+
+    sysconf = os.sysconf
+    pages = {"SC_PAGE_SIZE": 4096, "SC_PHYS_PAGES": 100 * 2**20 // 4096}
+    monkeypatch.setattr(os, "sysconf", lambda name: pages.get(name) or sysconf(name))
+    argv = ["--arch", ARCH, "--image-size", "32", "--layout", "auto", "-b", "4096", "--device", "cpu"]
+    args, said = choose_layout(get_args_parser().parse_args(argv))
+    assert said.startswith("--layout auto: DDP + AC full (--activation-checkpointing full; "), said
+    assert args.activation_checkpointing == "full" and not args.fsdp and args.layout is None
+    with pytest.raises(UserError) as err:
+        choose_layout(get_args_parser().parse_args([*argv, "--activation-checkpointing", "selective"]))
+    assert str(err.value).startswith("--layout auto: no layout fits in 0.09766 GiB a GPU"), err.value
