@@ -2,7 +2,10 @@
 CPU ranks, laid out as dlojz.py lays them out, the bytes of parameters, gradients and optimizer state a rank holds and
 the bytes it sends in a step, by group, are the planner's rows, exactly."""
 
+import sys
+
 import pytest
+from conftest import ROOT
 
 ARCH = "timm:test_vit"  # 6 blocks of width 64, 2 heads, 5 tokens at 32 px
 
@@ -49,7 +52,8 @@ def bytes_sent(name, args, group_ranks):
 
 
 def layouts_on_rank(rank, world, store_path, results, layouts):
-    """One of 4 ranks: each layout of `layouts` laid out as dlojz.py lays it out (`lay_out`), three steps of SGD with
+    """One of 4 ranks: each layout of `layouts` laid out as dlojz.py lays it out (`lay_out`, through
+    bench/plan_vs_runs.py's `laid_out`, which times the same layouts against the roofline), three steps of SGD with
     momentum (the schedule's under --pp); the bytes this rank holds after them, and those it sends in the third step
     (the first sends a pipeline's shapes too, the second DDP's rebuilt buckets), by the planner's group names."""
     import traceback
@@ -59,14 +63,10 @@ def layouts_on_rank(rank, world, store_path, results, layouts):
     from torch._C._distributed_c10d import _resolve_process_group as resolve_process_group
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from dlojz_lib.dist import Distribution, model_parallel_mesh
-    from dlojz_lib.model.build import BuiltModel
-    from dlojz_lib.model.zoo import create_model
     from dlojz_lib.parallelism.fsdp import state_bytes
-    from dlojz_lib.parallelism.layout import lay_out
-    from dlojz_lib.parallelism.pipeline import pipeline_step
-    from dlojz_lib.settings.config import resolve_config
-    from dlojz_lib.settings.flags import get_args_parser
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    from plan_vs_runs import laid_out
 
     def group_ranks(arg):  # a c10d op's ProcessGroup (a TorchScript object), or a functional op's group name
         group = resolve_process_group(arg) if isinstance(arg, str) else dist.ProcessGroup.unbox(arg)
@@ -91,14 +91,7 @@ def layouts_on_rank(rank, world, store_path, results, layouts):
     dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
     for layout, (flags, batch) in layouts.items():
         try:
-            argv = ["--device", "cpu", *flags, "-b", str(batch), "--no-amp"]
-            cfg = resolve_config(get_args_parser().parse_args(argv))
-            ranks = Distribution(world, rank, rank, torch.device("cpu"))
-            if cfg.fsdp:
-                model_parallel_mesh(ranks, cfg.pp, cfg.tp, cfg.fsdp_replicate)
-            torch.manual_seed(0)
-            model = lay_out(BuiltModel.of(create_model(ARCH, 3, False, 32), ARCH), cfg, ranks, lambda line: None)
-            optimizer = torch.optim.SGD(model.module.parameters(), lr=0.1, momentum=0.9)
+            model, optimizer, step, ranks = laid_out(ARCH, 32, flags, batch, world, rank, torch.device("cpu"))
             groups = {}  # the ranks of a group -> the planner's name for it
             for dimension in ranks.mesh.mesh_dim_names if ranks.mesh is not None else ():
                 group = frozenset(dist.get_process_group_ranks(ranks.mesh[dimension].get_group()))
@@ -108,14 +101,7 @@ def layouts_on_rank(rank, world, store_path, results, layouts):
             images, labels = torch.randn(batch, 3, 32, 32), torch.randint(0, 3, (batch,))
             for _ in range(3):
                 with Sends() as counted:
-                    if model.pipeline is not None:
-                        run = model.pipeline
-                        run.give_loss(torch.nn.CrossEntropyLoss())
-                        pipeline_step(run.runner, run.pipe_rank, run.pp, images, labels)
-                    else:
-                        torch.nn.functional.cross_entropy(model.net(images), labels).backward()
-                    if model.whole_copies is not None:  # --tp: as dlojz.py steps
-                        model.whole_copies.average_gradients()
+                    step(images, labels)
                 optimizer.step()
                 optimizer.zero_grad()
             sent = {}
@@ -208,3 +194,19 @@ def test_layout_auto_adds_activation_checkpointing_where_nothing_fits_without(mo
     with pytest.raises(UserError) as err:
         choose_layout(get_args_parser().parse_args([*argv, "--activation-checkpointing", "selective"]))
     assert str(err.value).startswith("--layout auto: no layout fits in 0.09766 GiB a GPU"), err.value
+
+
+def test_the_bench_says_where_the_roofline_and_the_runs_disagree():
+    """bench/plan_vs_runs.py's verdict: a pair of layouts whose speed ratio the roofline and the runs put more than
+    2x apart is named with both ratios; a pair 2x apart exactly, or closer, is not."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    from plan_vs_runs import disagreements
+
+    predicted = {"DDP": 20.0, "FSDP": 20.0, "TP": 20.0, "PP": 16.0}
+    measured = {"DDP": 15.0, "FSDP": 10.0, "TP": 7.5, "PP": 13.0, "not planned": 1.0}  # (DDP / TP: 2x exactly)
+    assert disagreements(predicted, measured) == ["TP against PP: the roofline says 1.25x as fast, the runs 0.58x"]
+    assert disagreements(predicted, measured, factor=1.5) == [
+        "DDP against TP: the roofline says 1.00x as fast, the runs 2.00x",
+        "FSDP against PP: the roofline says 1.25x as fast, the runs 0.77x",
+        "TP against PP: the roofline says 1.25x as fast, the runs 0.58x",
+    ]
