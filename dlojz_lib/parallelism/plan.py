@@ -26,11 +26,12 @@ class LayoutTable:
     gpus: tuple = (8,)  # world sizes
     tp: tuple = (4,)  # tensor-parallel degrees
     pp: tuple = (4,)  # pipeline stage counts
-    pp_microbatches: int = 8  # 1F1B's micro-batches a step
+    pp_microbatches: int | None = 8  # 1F1B's micro-batches a step (None: 2 p, dlojz.py's default)
     optimizer: str = "adamw"
     amp_bytes: int = 2  # bytes of the AMP dtype (what travels, the activations)
     sequence_parallel: bool = False
     checkpointing: str = "none"  # --activation-checkpointing: the activations a row counts (BLOCK_BYTES' modes)
+    batch_per_copy: bool = False  # batch_size counts a model copy's images (a pipeline's too), as dlojz.py's -b
 
 
 def placements(module):
@@ -242,7 +243,7 @@ def pipeline_rows(settings, module, params, gpus, shapes, state):
         for layer in layers:
             x = layer.run(x)
             sent_per_image.append(x.numel())
-    rows, m, b = [], settings.pp_microbatches, settings.batch_size
+    rows = []
     splits = [1, *(tp for tp in settings.tp if tp > 1 and shapes)]  # PP x TP x FSDP where the model has a TP plan
     for pp, tp in ((pp, tp) for pp in settings.pp for tp in splits):
         if pp < 2 or gpus % (pp * tp) or pp > len(layers):
@@ -258,19 +259,21 @@ def pipeline_rows(settings, module, params, gpus, shapes, state):
             local[stage] += local_numel(shape, kind if tp > 1 else None, tp, replicas)
             held[stage] += local_numel(shape, kind if tp > 1 else None, tp, 1)  # the group rank's part
             stage_params[stage].append((shape, kind if tp > 1 else None))
-        images = b * pp / m  # a micro-batch (a tensor-parallel group shares it)
+        m = settings.pp_microbatches or 2 * pp
+        b = settings.batch_size if settings.batch_per_copy else settings.batch_size * pp  # the pipeline's images
+        images = b / m  # a micro-batch (a tensor-parallel group shares it)
         sent = [{"data": 0.0, "pipe": 0.0, "tensor": 0.0} for _ in range(pp)]  # each GPU's sends, by group
         stage_blocks = [set() for _ in range(pp)]  # each stage's blocks (their index in `shapes`)
         for index, (tokens, _, h, _, path) in enumerate(shapes):
             stage = stage_of_layer[owner(path, layers)]
             stage_blocks[stage].add(index)
             if tp > 1:
-                activation_bytes = tokens * b * pp * h * settings.amp_bytes
+                activation_bytes = tokens * b * h * settings.amp_bytes
                 sent[stage]["tensor"] += block_bytes_sent(settings.sequence_parallel, tp, activation_bytes)
-        by_mode = pipeline_activations(shapes, stage_blocks, images, tp, settings) if shapes else None
+        by_mode = pipeline_activations(shapes, stage_blocks, images, m, tp, settings) if shapes else None
         for stage, (first, last) in enumerate(bounds):  # its input's gradient back, its output on
             ends = [sent_per_image[i] for i in (first - 1, last - 1) if 0 <= i < len(layers) - 1]
-            sent[stage]["pipe"] += sum(ends) * b * pp * settings.amp_bytes
+            sent[stage]["pipe"] += sum(ends) * b * settings.amp_bytes
             # FSDP on the stage: the schedule keeps each part gathered from a step's first forward to its last backward
             ones = [1] * len(stage_params[stage])
             sent[stage]["data"] += fsdp_bytes_sent(stage_params[stage], ones, tp, replicas, settings.amp_bytes)
@@ -297,10 +300,10 @@ def pipeline_rows(settings, module, params, gpus, shapes, state):
     return rows
 
 
-def pipeline_activations(shapes, stage_blocks, images, tp, settings) -> dict:
+def pipeline_activations(shapes, stage_blocks, images, m, tp, settings) -> dict:
     """The activations of a pipeline's busiest stage under 1F1B, by --activation-checkpointing mode: stage k of p
-    holds min(p - k, M) micro-batches of `images` in its blocks (`stage_blocks[k]`), and recomputes one block."""
-    pp, m = len(stage_blocks), settings.pp_microbatches
+    holds min(p - k, M) micro-batches (`m`) of `images` in its blocks (`stage_blocks[k]`), and recomputes one block."""
+    pp = len(stage_blocks)
     plain = dataclasses.replace(settings, sequence_parallel=False)
     return {
         mode: max(
@@ -372,7 +375,8 @@ def estimate(row, allocation, settings, flops_per_image) -> dict:
             inter += sent
         else:
             intra += sent
-    images = settings.batch_size / row["tp"]  # a GPU's share of a step (a tensor group shares its images)
+    # a GPU's share of a step: a tensor group shares its images, and a pipeline where -b is a model copy's
+    images = settings.batch_size / row["tp"] / (row["pp"] if settings.batch_per_copy else 1)
     compute = flops_per_image * images / (allocation.tflops * 1e12)
     sends = intra / (allocation.nvlink_gbs * 1e9) + inter / (allocation.network_gbs * 1e9)
     step = max(compute, sends) / (1 - row.get("bubble", 0.0))
@@ -477,9 +481,7 @@ def why(best, rows, allocation) -> str:
 def choose_layout(args):
     """--layout auto: `args` (dlojz.py's parsed flags) with the layout the planner picks for this job's ranks (the
     launcher's nodes and ranks a node), the device's memory (a GPU's, or on the CPU the host's shared by the node's
-    ranks) and H100 figures for the roofline, among the layouts dlojz.py runs without a pipeline (DDP, FSDP, HSDP
-    over the nodes, TP x FSDP inside a node); and the line that says so. The model is counted with 1000 classes (its
-    data is not read yet: the head is small beside the rest)."""
+    ranks) and H100 figures for the roofline (auto_layout); and the line that says so."""
     import os
 
     import torch
@@ -497,33 +499,48 @@ def choose_layout(args):
         memory = torch.cuda.get_device_properties(device).total_memory / 2**30
     else:
         memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / per_node / 2**30
-    allocation = Allocation(nodes, **dict(GPUS["h100"], gpus_per_node=per_node, gpu_memory_gib=memory))
-    settings = LayoutTable(
-        args.arch, args.image_size or 224, 1000, args.batch_size or 16,
-        optimizer=args.optimizer if args.optimizer in STATE_PER_PARAMETER else "adamw",
-    )  # fmt: skip
+    return auto_layout(args, Allocation(nodes, **dict(GPUS["h100"], gpus_per_node=per_node, gpu_memory_gib=memory)))
+
+
+def auto_layout(args, allocation):
+    """`args` with the layout the planner picks on `allocation` among those dlojz.py can run with the run's other
+    flags: DDP, FSDP, HSDP over the nodes, TP x FSDP inside a node, and the pipelines (PP x FSDP, PP x TP) the run's
+    -b, micro-batches and flags allow (a pipeline takes -b images, as dlojz.py's); with the activation
+    checkpointing the pick needs, unless the run gives its own (whose activations the rows then count); and the line
+    that says so. The model is counted with 1000 classes (its data is not read yet: the head is small beside the
+    rest)."""
+    from dlojz_lib.checks import UserError
+    from dlojz_lib.settings.flag_checks import check_pipeline
+
+    def pipeline_runs(pp, tp):  # dlojz.py's own checks of --pp with the run's other flags
+        try:
+            check_pipeline(dict(vars(args), pp=pp, tp=tp, fsdp=True))
+        except UserError:
+            return False
+        return args.teacher is None
+
     own = args.activation_checkpointing or ("full" if args.grad_checkpointing else "none")  # the user's: kept
-    settings = dataclasses.replace(settings, checkpointing=own)
+    settings = LayoutTable(
+        args.arch, args.image_size or 224, 1000, args.batch_size or 16, pp_microbatches=args.pp_microbatches,
+        optimizer=args.optimizer if args.optimizer in STATE_PER_PARAMETER else "adamw", checkpointing=own,
+        batch_per_copy=True,
+    )  # fmt: skip
     rows = [
-        row
-        for row in plan(settings, allocation)[0]
-        if row["pp"] == 1 and not (own != "none" and "checkpointing" in row)
-    ]
+        row for row in plan(settings, allocation)[0]
+        if (row["pp"] == 1 or pipeline_runs(row["pp"], row["tp"])) and not (own != "none" and "checkpointing" in row)
+    ]  # fmt: skip
     chosen = rows[0]
     if not chosen["fits"]:
         fail(f"--layout auto: {pick_line(rows, allocation)}")
     layout, checkpointing = chosen["layout"].split(" + AC ")[0], chosen.get("checkpointing")
     replicate = allocation.nodes if layout.startswith("HSDP") else 1
-    args.fsdp, args.tp, args.fsdp_replicate = layout != "DDP", chosen["tp"], replicate
+    args.fsdp, args.tp, args.pp, args.fsdp_replicate = layout != "DDP", chosen["tp"], chosen["pp"], replicate
     args.layout = None  # chosen: the run (and its args.toml) holds the layout's own flags
     if checkpointing:
         args.activation_checkpointing = checkpointing
     flags = " ".join(
         flag for flag, on in (("--fsdp", layout != "DDP"), (f"--fsdp-replicate {replicate}", replicate > 1),
-                              (f"--tp {chosen['tp']}", chosen["tp"] > 1),
+                              (f"--pp {chosen['pp']}", chosen["pp"] > 1), (f"--tp {chosen['tp']}", chosen["tp"] > 1),
                               (f"--activation-checkpointing {checkpointing}", checkpointing)) if on
     ) or "no layout flag"  # fmt: skip
-    said = (
-        f"--layout auto: {chosen['layout']} ({flags}; {why(chosen, rows, allocation)}; the pipelines are left to --pp)"
-    )
-    return args, said
+    return args, f"--layout auto: {chosen['layout']} ({flags}; {why(chosen, rows, allocation)})"

@@ -997,7 +997,8 @@ def get_args_parser():
         default=None,
         choices=("auto",),
         help="auto: the planner's pick for this job's ranks and memory (dlojz_lab.py plan: DDP, FSDP, HSDP over\n"
-        "the nodes or --tp with --fsdp; the pipeline's layouts are left to --pp), said in one line at start-up",
+        "the nodes, --tp with --fsdp, or --pp where -b and the other flags allow a pipeline; with the activation\n"
+        "checkpointing it needs unless given), said in one line at start-up",
     )
     p.add_argument(
         "--fsdp-replicate",

@@ -632,16 +632,23 @@ def test_on_several_nodes_the_fsdp_line_says_what_hsdp_would_change():
 def test_layout_auto_runs_the_layout_the_planner_picks(tiny_data, tmp_path):
     """dlojz.py --layout auto on 2 ranks: the planner's line at start-up names a layout and its flags
     (dlojz_lib/parallelism/plan.py's choose_layout), and the run is that layout (its metrics say how the model was
-    laid out); given with a layout flag of its own, one line."""
+    laid out: on this tiny ViT the roofline picks the pipeline of 2 stages, which sends the least); given with a
+    layout flag of its own, one line."""
     out = tmp_path / "run"
     common = [*BASE, "--data-root", tiny_data, "--num-workers", "0", "-b", "8", "--epochs", "1", "--train-subset", "16"]
     proc = run_dlojz(*common, "--layout", "auto", "--output-dir", out, "--metrics-json", tmp_path / "m.json", ranks=2)
     assert proc.returncode == 0, show(proc)
     line = next(line for line in proc.stdout.splitlines() if "--layout auto: " in line)
     picked = line.split("--layout auto: ", 1)[1].split(" (", 1)[0]
-    laid_out = {"DDP": ("ddp", 1), "FSDP": ("fsdp", 1), "TP 2 x FSDP 1": ("tp", 2)}
+    laid_out = {
+        "DDP": ("ddp", 1, 1),
+        "FSDP": ("fsdp", 1, 1),
+        "TP 2 x FSDP 1": ("tp", 2, 1),
+        "PP 2 x FSDP 1": ("pp", 1, 2),
+    }
     assert picked in laid_out, line
     metrics = read_json(tmp_path / "m.json")
-    assert (metrics["parallel"], metrics["tensor_parallel_size"]) == laid_out[picked], (line, metrics)
+    found = (metrics["parallel"], metrics["tensor_parallel_size"], metrics["pipeline_size"])
+    assert found == laid_out[picked], (line, metrics)
     refused = run_dlojz(*common, "--layout", "auto", "--fsdp", "--output-dir", tmp_path / "again")
     assert_one_line_error(refused, "--layout auto chooses --fsdp itself: drop --fsdp, or --layout auto")

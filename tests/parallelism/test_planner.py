@@ -210,3 +210,21 @@ def test_the_bench_says_where_the_roofline_and_the_runs_disagree():
         "FSDP against PP: the roofline says 1.25x as fast, the runs 0.77x",
         "TP against PP: the roofline says 1.25x as fast, the runs 0.58x",
     ]
+
+
+def test_layout_auto_picks_a_pipeline_where_the_run_allows_one():
+    """--layout auto (plan.auto_layout) on a node of 2 GPUs of 0.1 GiB, timm:test_vit at -b 4096: the pipeline of 2
+    stages (a pipeline takes -b images, as dlojz.py's, in 2 p micro-batches) is the fastest layout that fits, and the
+    run's flags become --fsdp --pp 2; with --grad-acc 2, which dlojz.py refuses beside --pp, the pick is among the
+    others (DDP with full activation checkpointing)."""
+    from dlojz_lib.parallelism.plan import GPUS, Allocation, auto_layout
+    from dlojz_lib.settings.flags import get_args_parser
+
+    allocation = Allocation(1, **dict(GPUS["h100"], gpus_per_node=2, gpu_memory_gib=0.1))
+    argv = ["--arch", ARCH, "--image-size", "32", "--layout", "auto", "-b", "4096", "--device", "cpu"]
+    args, said = auto_layout(get_args_parser().parse_args(argv), allocation)
+    assert said.startswith("--layout auto: PP 2 x FSDP 1 (--fsdp --pp 2; "), said
+    assert (args.pp, args.fsdp, args.tp, args.activation_checkpointing) == (2, True, 1, None)
+    args, said = auto_layout(get_args_parser().parse_args([*argv, "--grad-acc", "2"]), allocation)
+    assert said.startswith("--layout auto: DDP + AC full (--activation-checkpointing full; "), said
+    assert (args.pp, args.fsdp) == (1, False)
