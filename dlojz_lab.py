@@ -100,13 +100,13 @@ def plan_command(args) -> int:
             f"{row['step_s'] * 1e3:>10.2f}{row['images_per_gpu_s']:>14,.0f}"
         )
     print(
-        "GiB a GPU (float32 state; activations: Megatron-LM's count for transformer blocks, fused attention), GB sent a GPU a step "
+        "GiB a GPU (float32 state; activations: Megatron-LM's count for transformer blocks, fused attention; the rest as saved), GB sent a GPU a step "
         "inside a node and across nodes; step: the longer of the compute at peak FLOP/s and the sends at the "
         "links' bandwidths, / (1 - bubble); + AC: with --activation-checkpointing, where the layout does not fit "
         "without (full: a third more FLOPs)"
     )
     if not planned:
-        print(f"{args.arch}: no tensor-parallel plan (its TP rows are left out) and no activation count")
+        print(f"{args.arch}: no tensor-parallel plan (its TP rows are left out, its activations counted unsplit)")
     print(pick_line(rows, allocation))
     if args.layout is not None:
         print(named_layout_line(args.layout, rows, allocation))

@@ -19,8 +19,9 @@ travels and for activations):
   s b h (10 + 24 / t) (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models"), and
   with --sequence-parallel s b h 34 / t, summed over the transformer blocks for the per-GPU batch, s a block's tokens
   per image; DDP's adds autocast's 16-bit copy of the weights, kept for the backward (FSDP's gathered weights are
-  not counted); a CoAtNet's MBConv blocks are not counted. Within 5 % of a ViT-S/16's forward on the CPU
-  (tests/parallelism/test_planner.py);
+  not counted); outside the transformer blocks (a ViT's stem and head, a CoAtNet's MBConv stages, a CNN's whole),
+  what the meta model's training forward saves for the backward, each storage once. Within 7 % of a ViT-S/16's, a
+  CoAtNet's and a ResNet's forwards on the CPU (tests/parallelism/test_planner.py);
 - sent per step (ring algorithms: an all-reduce sends 2 (n-1)/n of its buffer, an all-gather or a reduce-scatter
   n - 1 times a rank's shard): DDP all-reduces the float32 gradients; FSDP all-gathers each block's padded shards in
   the AMP dtype twice (forward and backward; the root's once: kept gathered) and reduce-scatters float32 gradients;
@@ -120,9 +121,7 @@ def main(argv=None) -> int:
     if not planned:
         from dlojz_lib.model.families import names
 
-        print(
-            f"{args.arch} has no tensor-parallel plan in dlojz (its TP rows and activations are left out): {names(True)} have one"
-        )
+        print(f"{args.arch} has no tensor-parallel plan in dlojz (its TP rows are left out): {names(True)} have one")
     if args.json:
         Path(args.json).write_text(json.dumps(table, indent=1))
     return 0

@@ -24,6 +24,9 @@ Imports are inside the functions: importing this module imports no torch.
 - `held_after_forward(module, *inputs)`: the bytes a forward leaves alive (what it holds for the backward), its
   tensors' storages followed by weak reference (`UntypedStorage._weak_ref`, as torch's own memory tracker) under a
   dispatch mode (`torch.utils._python_dispatch`).
+- `saved_storage_bytes(run, x, paused, seen)`: the bytes of the distinct storages autograd saves for the backward
+  while `run(x)` runs, on the meta device too (storages told apart by their handles, `UntypedStorage._weak_ref`,
+  not their addresses); `storage_handles(tensors)`, `forget_handles(handles)`.
 - `child_slots(module)`, `own_slots(module)`, `is_persistent(module, name)`, `share_own_tensors(owner, holder)`:
   nn.Module's registries (`_modules`, `_parameters`, `_buffers`, their None entries included;
   `_non_persistent_buffers_set`), as a pipeline's stages are cut from a model and merged on a rank; with them,
@@ -238,3 +241,61 @@ def held_after_forward(module, *inputs):
         torch.UntypedStorage._free_weak_ref(ref)
     del output
     return sum(alive.values())
+
+
+def saved_storage_bytes(run, x, paused=(), seen=None):
+    """(bytes, output): the bytes of the storages autograd saves for the backward while `run(x)` runs, each storage
+    once and none of `seen` (handle -> bytes, filled in: storages already counted, the parameters' among them; a
+    meta tensor's storage has no address, its handle tells it apart), nothing saved inside the forwards of the
+    modules `paused`; and `run(x)`."""
+    import torch
+
+    seen = {} if seen is None else seen
+    depth = 0  # > 0 inside a paused module's forward
+    found = 0
+
+    def pack(tensor):
+        nonlocal found
+        if depth == 0:
+            storage = tensor.untyped_storage()
+            handle = storage._weak_ref()
+            if handle in seen:
+                torch.UntypedStorage._free_weak_ref(handle)
+            else:
+                seen[handle] = storage.nbytes()
+                found += storage.nbytes()
+        return tensor
+
+    def enter(*_):
+        nonlocal depth
+        depth += 1
+
+    def leave(*_):
+        nonlocal depth
+        depth -= 1
+
+    hooks = [h for m in paused for h in (m.register_forward_pre_hook(enter), m.register_forward_hook(leave))]
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            out = run(x)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return found, out
+
+
+def storage_handles(tensors) -> dict:
+    """handle -> bytes of the storages of `tensors` (a model's parameters: for saved_storage_bytes' `seen`)."""
+    found = {}
+    for tensor in tensors:
+        storage = tensor.untyped_storage()
+        found[storage._weak_ref()] = storage.nbytes()
+    return found
+
+
+def forget_handles(handles):
+    """Release the storage handles of `handles` (saved_storage_bytes' `seen`, storage_handles')."""
+    import torch
+
+    for handle in handles:
+        torch.UntypedStorage._free_weak_ref(handle)

@@ -109,6 +109,8 @@ def layout_rows(settings):
     gathers = fsdp_gathers(module)
     total = sum(math.prod(shape) for shape, _ in params)
     shapes = attention_shapes(module, settings.image_size) if planned else []
+    rest = kept_outside_blocks(module, settings, blocks)  # a pipeline layer's bytes an image, outside the blocks
+    outside = sum(rest) * settings.amp_bytes / 4
     state = STATE_PER_PARAMETER[settings.optimizer]
     out = []
     for gpus in settings.gpus:
@@ -124,12 +126,11 @@ def layout_rows(settings):
             else:
                 local = sum(local_numel(shape, kind, tp, replicas) for shape, kind in params)
             b = settings.batch_size
-            by_mode = None  # Megatron-LM's count is a transformer's
-            if planned:
-                copies = total * settings.amp_bytes if name == "DDP" and settings.amp_bytes < 4 else 0  # autocast's
-                by_mode = {
-                    mode: copies + sum(blocks_activations(shapes, b, tp, settings, mode)) for mode in CHECKPOINTING
-                }
+            copies = total * settings.amp_bytes if name == "DDP" and settings.amp_bytes < 4 else 0  # autocast's
+            by_mode = {  # (checkpointing counted on the transformer blocks alone)
+                mode: copies + outside * b + sum(blocks_activations(shapes, b, tp, settings, mode))
+                for mode in (CHECKPOINTING if planned else ("none",))
+            }
             if name == "DDP":
                 by_group = {"data": 2 * (gpus - 1) / gpus * 4 * total}
             else:
@@ -148,7 +149,7 @@ def layout_rows(settings):
                     parameter_bytes=4 * local,
                     gradient_bytes=4 * local,
                     optimizer_bytes=4 * state * local,
-                    activation_bytes=by_mode and by_mode[settings.checkpointing],
+                    activation_bytes=by_mode.get(settings.checkpointing, by_mode["none"]),
                     activations_by_checkpointing=by_mode,
                     sent_bytes_per_step=sent,
                     sent_by_group=by_group,
@@ -156,8 +157,34 @@ def layout_rows(settings):
                     pp=1,
                 )
             )
-        out += pipeline_rows(settings, module, params, gpus, shapes, state)
+        out += pipeline_rows(settings, module, params, gpus, shapes, state, rest)
     return out, total, planned
+
+
+def kept_outside_blocks(module, settings, blocks) -> list:
+    """The bytes a float32 training forward keeps for the backward per image outside the transformer `blocks` (whose
+    count is BLOCK_BYTES'): a ViT's stem and head, a CoAtNet's MBConv stages, a CNN's whole; one figure per pipeline
+    layer (pipeline.pipeline_layers; for a model without a pipeline split, one for the whole). Counted on the meta
+    model (2 images: BatchNorm's training forward wants two), each storage once (torch_internals.saved_storage_bytes);
+    within 4 % of a CPU forward's held bytes for a ResNet-18 and a CoAtNet."""
+    import torch
+
+    from dlojz_lib.parallelism.pipeline import pipeline_layers
+    from dlojz_lib.torch_internals import forget_handles, saved_storage_bytes, storage_handles
+
+    try:
+        runs = [layer.run for layer in pipeline_layers(module, settings.arch)]
+    except UserError:
+        runs = [module]
+    x = torch.empty(2, 3, settings.image_size, settings.image_size, device="meta")
+    seen = storage_handles(module.parameters())
+    found = []
+    module.train()
+    for run in runs:
+        kept, x = saved_storage_bytes(run, x, blocks, seen)
+        found.append(kept / 2)
+    forget_handles(seen)
+    return found
 
 
 def fsdp_gathers(module) -> list:
@@ -220,7 +247,7 @@ def blocks_activations(shapes, images, tp, settings, mode, blocks=None):
     return kept, recomputed
 
 
-def pipeline_rows(settings, module, params, gpus, shapes, state):
+def pipeline_rows(settings, module, params, gpus, shapes, state, rest):
     """PP p x FSDP d rows: the stages cut by parameters as dlojz_lib/parallelism/pipeline.py cuts them, FSDP over the d
     pipelines; the largest stage's state, and under 1F1B the first stage's activations (min(p, M) micro-batches in
     flight, each of b p / M images: a pipeline takes b images a GPU), and each GPU's sends: its stage's output
@@ -270,7 +297,8 @@ def pipeline_rows(settings, module, params, gpus, shapes, state):
             if tp > 1:
                 activation_bytes = tokens * b * h * settings.amp_bytes
                 sent[stage]["tensor"] += block_bytes_sent(settings.sequence_parallel, tp, activation_bytes)
-        by_mode = pipeline_activations(shapes, stage_blocks, images, m, tp, settings) if shapes else None
+        outside = [sum(rest[first:last]) * settings.amp_bytes / 4 for first, last in bounds]  # a stage's, an image
+        by_mode = pipeline_activations(shapes, stage_blocks, outside, images, m, tp, settings)
         for stage, (first, last) in enumerate(bounds):  # its input's gradient back, its output on
             ends = [sent_per_image[i] for i in (first - 1, last - 1) if 0 <= i < len(layers) - 1]
             sent[stage]["pipe"] += sum(ends) * b * settings.amp_bytes
@@ -288,7 +316,7 @@ def pipeline_rows(settings, module, params, gpus, shapes, state):
                 parameter_bytes=4 * largest,
                 gradient_bytes=4 * largest,
                 optimizer_bytes=4 * state * largest,
-                activation_bytes=by_mode and by_mode[settings.checkpointing],
+                activation_bytes=by_mode.get(settings.checkpointing, by_mode["none"]),
                 activations_by_checkpointing=by_mode,
                 sent_bytes_per_step=max(sum(groups.values()) for groups in sent),
                 sent_by_group=max(sent, key=lambda groups: sum(groups.values())),
@@ -300,18 +328,19 @@ def pipeline_rows(settings, module, params, gpus, shapes, state):
     return rows
 
 
-def pipeline_activations(shapes, stage_blocks, images, m, tp, settings) -> dict:
+def pipeline_activations(shapes, stage_blocks, outside, images, m, tp, settings) -> dict:
     """The activations of a pipeline's busiest stage under 1F1B, by --activation-checkpointing mode: stage k of p
-    holds min(p - k, M) micro-batches (`m`) of `images` in its blocks (`stage_blocks[k]`), and recomputes one block."""
+    holds min(p - k, M) micro-batches (`m`) of `images` in its blocks (`stage_blocks[k]`) and outside them
+    (`outside[k]` bytes an image), and recomputes one block."""
     pp = len(stage_blocks)
     plain = dataclasses.replace(settings, sequence_parallel=False)
     return {
         mode: max(
-            kept * min(pp - stage, m) + recomputed
+            (kept + outside[stage] * images) * min(pp - stage, m) + recomputed
             for stage in range(pp)
             for kept, recomputed in [blocks_activations(shapes, images, tp, plain, mode, stage_blocks[stage])]
         )
-        for mode in CHECKPOINTING
+        for mode in (CHECKPOINTING if shapes else ("none",))
     }
 
 
@@ -426,7 +455,7 @@ def checkpointed_rows(rows, allocation, settings, flops_per_image):
         by_mode = row.get("activations_by_checkpointing")
         if row["fits"] or not by_mode:
             continue
-        for mode in CHECKPOINTING[CHECKPOINTING.index(settings.checkpointing) + 1 :]:
+        for mode in (m for m in CHECKPOINTING[CHECKPOINTING.index(settings.checkpointing) + 1 :] if m in by_mode):
             variant = dict(
                 row, layout=f"{row['layout']} + AC {mode}", activation_bytes=by_mode[mode], checkpointing=mode
             )

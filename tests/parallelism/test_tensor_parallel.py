@@ -560,8 +560,8 @@ def test_the_table_of_the_course_coatnet_7_has_its_tp_rows(tmp_path, capsys):
 
 
 def test_the_table_of_a_model_without_a_plan_has_ddp_and_fsdp_only(tmp_path, capsys):
-    """A convolutional model (timm's test_resnet): DDP's and FSDP's state per GPU, no TP row, no activation estimate
-    (Megatron-LM's count is a transformer's), and a line saying which models have a plan."""
+    """A convolutional model (timm's test_resnet): DDP's and FSDP's state per GPU, no TP row, its activations as its
+    meta model's forward saves them (DDP's with autocast's copy of the weights), and a line saying which models have a plan."""
     from conftest import read_json
 
     bench = parallel_memory()
@@ -569,7 +569,9 @@ def test_the_table_of_a_model_without_a_plan_has_ddp_and_fsdp_only(tmp_path, cap
     assert bench.main(["--arch", "timm:test_resnet", "--image-size", "32", "--gpus", "2,4", "--json", str(table)]) == 0
     rows = read_json(table)
     assert [row["layout"] for row in rows] == ["DDP", "FSDP"] * 2
-    assert all(row["activation_bytes"] is None for row in rows)
+    assert rows[1]["activation_bytes"] == rows[3]["activation_bytes"] > 0  # FSDP's on 2 and 4 GPUs
+    copies = 2 * rows[0]["parameters"]  # DDP's: autocast's bfloat16 copy of the weights too
+    assert rows[0]["activation_bytes"] == rows[2]["activation_bytes"] == rows[1]["activation_bytes"] + copies
     assert rows[3]["parameter_bytes"] < rows[1]["parameter_bytes"] < rows[0]["parameter_bytes"]
     assert "timm:test_resnet has no tensor-parallel plan in dlojz" in capsys.readouterr().out
 
