@@ -73,7 +73,8 @@ def plan_command(args) -> int:
     from dlojz_lib.parallelism.plan import GPUS, Allocation, LayoutTable, named_layout_line, pick_line, plan
 
     preset = GPUS[args.gpu]
-    figures = {key: getattr(args, key) if getattr(args, key) is not None else preset[key] for key in preset}
+    keys = ("gpus_per_node", "gpu_memory_gib", "tflops", "nvlink_gbs", "network_gbs", "float8_tflops")
+    figures = {key: getattr(args, key) if getattr(args, key) is not None else preset.get(key) for key in keys}
     allocation = Allocation(args.nodes, **figures)
     settings = LayoutTable(
         args.arch, args.image_size, args.num_classes, args.batch_size, pp_microbatches=args.pp_microbatches,
@@ -103,7 +104,8 @@ def plan_command(args) -> int:
         "GiB a GPU (float32 state; activations: Megatron-LM's count for transformer blocks, fused attention; the rest as saved), GB sent a GPU a step "
         "inside a node and across nodes; step: the longer of the compute at peak FLOP/s and the sends at the "
         "links' bandwidths, / (1 - bubble); + AC: with --activation-checkpointing, where the layout does not fit "
-        "without (full: a third more FLOPs)"
+        "without (full: a third more FLOPs); + float8: --float8 tensorwise's linears at the float8 peak, gathered "
+        "in 1 byte under FSDP (dlojz.py --layout auto leaves --float8, which needs torchao, to the run's flags)"
     )
     if not planned:
         print(f"{args.arch}: no tensor-parallel plan (its TP rows are left out, its activations counted unsplit)")
@@ -162,6 +164,12 @@ def get_parser():
     pl.add_argument("--gpus-per-node", type=COUNT, default=None, help="(default: 4 H100s, 8 A100s)")
     pl.add_argument("--gpu-memory", dest="gpu_memory_gib", type=Number(float, 0), default=None, metavar="GIB")
     pl.add_argument("--tflops", type=Number(float, 0), default=None, help="dense bfloat16 TFLOP/s a GPU")
+    pl.add_argument(
+        "--float8-tflops",
+        type=Number(float, 0),
+        default=None,
+        help="dense float8 TFLOP/s a GPU (default: H100's; none on an A100)",
+    )
     pl.add_argument("--nvlink-gbs", type=Number(float, 0), default=None, help="GB/s a GPU sends inside its node")
     pl.add_argument("--network-gbs", type=Number(float, 0), default=None, help="GB/s a GPU sends across nodes")
     pl.add_argument("-b", "--batch-size", type=COUNT, default=16, help="images a GPU (a tensor group shares them)")

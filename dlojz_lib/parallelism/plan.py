@@ -348,7 +348,9 @@ def pipeline_activations(shapes, stage_blocks, outside, images, m, tp, settings)
 # Jean Zay's GPU partitions, nominal figures (IDRIS's descriptions; each one a flag of `dlojz_lab.py plan`): GPUs a
 # node, memory, dense bfloat16 TFLOP/s, GB/s a GPU sends over NVLink inside its node and over InfiniBand across nodes
 GPUS = {
-    "h100": dict(gpus_per_node=4, gpu_memory_gib=80.0, tflops=989.0, nvlink_gbs=450.0, network_gbs=50.0),
+    "h100": dict(
+        gpus_per_node=4, gpu_memory_gib=80.0, tflops=989.0, nvlink_gbs=450.0, network_gbs=50.0, float8_tflops=1979.0
+    ),
     "a100": dict(gpus_per_node=8, gpu_memory_gib=80.0, tflops=312.0, nvlink_gbs=300.0, network_gbs=12.5),
 }
 
@@ -363,6 +365,7 @@ class Allocation:
     tflops: float  # dense bfloat16 TFLOP/s a GPU
     nvlink_gbs: float  # GB/s a GPU sends to the others of its node
     network_gbs: float  # GB/s a GPU sends to other nodes
+    float8_tflops: float | None = None  # dense float8 TFLOP/s a GPU (None: no float8, an A100's case)
 
     @property
     def gpus(self):
@@ -436,8 +439,53 @@ def plan(settings, allocation):
     flops = train_flops_per_image(model, settings.image_size)
     rows = [estimate(row, allocation, settings, flops * (1 + RECOMPUTED_FLOPS[settings.checkpointing])) for row in rows]
     rows += checkpointed_rows(rows, allocation, settings, flops)
+    rows += float8_rows(rows, model, allocation, settings, flops)
     rows.sort(key=lambda row: (not row["fits"], -row["images_per_gpu_s"]))
     return rows, total, planned
+
+
+def float8_rows(rows, model, allocation, settings, flops_per_image) -> list:
+    """Each of `rows` dlojz.py runs with --float8 tensorwise (DDP, FSDP, HSDP: not with --tp or --pp), again with the
+    linears --float8 converts (model.float8.float8_linears) computing at the GPU's float8 peak, and under FSDP their
+    weights gathered in float8 (1 byte, not the AMP dtype's); none where the GPU has no float8 or the model no such
+    linear. Their activations and state are counted as without float8."""
+    import torch
+
+    from dlojz_lib.model import families
+    from dlojz_lib.model.float8 import float8_linears
+
+    chosen = [model.get_submodule(path) for path in float8_linears(model, families.family_of(model), "tensorwise")]
+    if allocation.float8_tflops is None or not chosen:
+        return []
+    rows_of = {}  # a linear -> the rows (tokens of an image) it multiplies
+
+    def record(linear, inputs, _):
+        rows_of[linear] = inputs[0].numel() // linear.in_features
+
+    hooks = [linear.register_forward_hook(record) for linear in chosen]
+    with torch.no_grad():
+        model.eval()(torch.empty(1, 3, settings.image_size, settings.image_size, device="meta"))
+    for hook in hooks:
+        hook.remove()
+    converted = sum(6 * rows_of[m] * m.in_features * m.out_features for m in chosen)  # forward 2, backward 4
+    flops = flops_per_image - converted + converted * allocation.tflops / allocation.float8_tflops
+    found = []
+    for row in rows:
+        if row["tp"] > 1 or row["pp"] > 1 or "checkpointing" in row:
+            continue
+        group = "shard" if "shard" in row["sent_by_group"] else "data"
+        n = allocation.gpus_per_node if group == "shard" else allocation.gpus
+        saved = (
+            0
+            if row["layout"] == "DDP"
+            else sum(  # a block's 2 gathers a step, each byte fewer an element
+                (n - 1) * math.ceil(m.out_features / n) * m.in_features * 2 * (settings.amp_bytes - 1) for m in chosen
+            )
+        )
+        sent = dict(row["sent_by_group"], **{group: row["sent_by_group"][group] - saved})
+        variant = dict(row, layout=f"{row['layout']} + float8", sent_by_group=sent, float8="tensorwise")
+        found.append(estimate(dict(variant, sent_bytes_per_step=sum(sent.values())), allocation, settings, flops))
+    return found
 
 
 # The share of a training step's FLOPs activation checkpointing adds: full runs the blocks' forwards again (a forward
@@ -557,6 +605,7 @@ def auto_layout(args, allocation):
     rows = [
         row for row in plan(settings, allocation)[0]
         if (row["pp"] == 1 or pipeline_runs(row["pp"], row["tp"])) and not (own != "none" and "checkpointing" in row)
+        and "float8" not in row  # (--float8 needs torchao: the user's to give)
     ]  # fmt: skip
     chosen = rows[0]
     if not chosen["fits"]:

@@ -353,3 +353,29 @@ def test_the_planner_adds_activation_checkpointing_where_a_layout_does_not_fit_w
     err = capsys.readouterr().err.strip()
     assert err.startswith("dlojz_lab.py: error: --layout ZeRO-3: not a layout of this allocation's table; give one of:")
     assert ", DDP + AC full," in err and "\n" not in err, err
+
+
+def test_the_planner_adds_float8_rows_where_the_gpu_has_float8(capsys):
+    """ViT-H/14 (its block linears above torchao's sizes): on A100s no float8 row (no float8 there); given
+    --float8-tflops, DDP and FSDP come again with --float8, faster (their linears at that peak), and no TP or PP row
+    does (dlojz.py refuses --float8 beside --tp and --pp)."""
+    argv = [
+        "plan",
+        "--arch",
+        "timm:vit_huge_patch14_224",
+        "--image-size",
+        "28",
+        "--gpu",
+        "a100",
+        "--gpus-per-node",
+        "2",
+    ]
+    assert dlojz_lab.main(argv) == 0
+    assert "+ float8  " not in capsys.readouterr().out
+    assert dlojz_lab.main([*argv, "--float8-tflops", "624"]) == 0
+    out = capsys.readouterr().out
+    rows = {line.split("  ")[0]: line.split() for line in out.splitlines()[2:] if line[:1].isupper() and "  " in line}
+    assert {"DDP + float8", "FSDP + float8"} <= set(rows) and not any(
+        name.startswith(("TP", "PP")) and "float8" in name for name in rows
+    ), out
+    assert float(rows["FSDP + float8"][-2]) < float(rows["FSDP"][-2]), out  # step ms

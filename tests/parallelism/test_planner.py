@@ -242,3 +242,31 @@ def test_layout_auto_picks_a_pipeline_where_the_run_allows_one():
     args, said = auto_layout(get_args_parser().parse_args([*argv, "--grad-acc", "2"]), allocation)
     assert said.startswith("--layout auto: DDP + AC full (--activation-checkpointing full; "), said
     assert (args.pp, args.fsdp) == (1, False)
+
+
+def test_the_float8_rows_gather_the_converted_weights_in_a_byte():
+    """The planner's FSDP + float8 row on 2 H100s for ViT-H/14: the linears --float8 tensorwise converts
+    (model.float8.float8_linears: its blocks' qkv, proj, fc1, fc2) computed at the float8 peak (the step's compute
+    between half and all of bfloat16's) and gathered in 1 byte instead of 2: the data group's bytes fewer by 2
+    gathers x each rank's shard of those weights x the 1 byte saved; DDP's sends (float32 gradients) unchanged."""
+    import math
+
+    import torch
+
+    from dlojz_lib.model import families
+    from dlojz_lib.model.float8 import float8_linears
+    from dlojz_lib.model.zoo import create_model
+    from dlojz_lib.parallelism.plan import GPUS, Allocation, LayoutTable, plan
+
+    arch = "timm:vit_huge_patch14_224"
+    rows, _, _ = plan(LayoutTable(arch, 28, 1000, 16), Allocation(1, **dict(GPUS["h100"], gpus_per_node=2)))
+    rows = {row["layout"]: row for row in rows}
+    with torch.device("meta"):
+        model = create_model(arch, 1000, False, 28)
+    paths = float8_linears(model, families.family_of(model), "tensorwise")
+    assert {path.rsplit(".", 1)[-1] for path in paths} == {"qkv", "proj", "fc1", "fc2"}
+    shards = sum(math.ceil(w.shape[0] / 2) * w.shape[1] for w in (model.get_submodule(p).weight for p in paths))
+    fsdp, float8 = rows["FSDP"], rows["FSDP + float8"]
+    assert fsdp["sent_by_group"]["data"] - float8["sent_by_group"]["data"] == (2 - 1) * shards * 2 * 1
+    assert 0.5 < float8["compute_s"] / fsdp["compute_s"] < 1
+    assert rows["DDP + float8"]["sent_by_group"] == rows["DDP"]["sent_by_group"]
