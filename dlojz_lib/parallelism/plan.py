@@ -5,6 +5,14 @@ per step, under DDP, FSDP, tensor parallelism with FSDP (2-D), pipeline parallel
 
 - `layout_rows(settings)`: the rows, `settings` the table's (`LayoutTable`: the model, its image size, the images a
   GPU takes, the world sizes, tensor and pipeline degrees, the optimizer...); returns (rows, parameters, planned).
+- `plan(settings, allocation)`: `dlojz_lab.py plan`'s answer: every layout dlojz can run on an `Allocation` (nodes,
+  GPUs a node, their memory, the roofline's FLOP/s and bandwidths), with activation checkpointing where a layout
+  does not fit without it and float8 where the GPU has it, each estimated (`estimate`: whether it fits, the bytes
+  sent inside and across nodes, a roofline step), the ones that fit first, fastest first; `pick_line`,
+  `named_layout_line`: what it says.
+- `choose_layout(args)`, `auto_layout(args, allocation)`: dlojz.py's `--layout auto`, the pick made the run's flags.
+The bytes held and sent are a run's, to the byte, for 7 layouts (tests/parallelism/test_planner.py); the
+activations within 7 % of a CPU forward's; the roofline's step is compared with runs by bench/plan_vs_runs.py.
 """
 
 import dataclasses
@@ -250,7 +258,8 @@ def blocks_activations(shapes, images, tp, settings, mode, blocks=None):
 def pipeline_rows(settings, module, params, gpus, shapes, state, rest):
     """PP p x FSDP d rows: the stages cut by parameters as dlojz_lib/parallelism/pipeline.py cuts them, FSDP over the d
     pipelines; the largest stage's state, and under 1F1B the first stage's activations (min(p, M) micro-batches in
-    flight, each of b p / M images: a pipeline takes b images a GPU), and each GPU's sends: its stage's output
+    flight, each of b p / M images, a pipeline taking b images a GPU; with `batch_per_copy` b / M, the pipeline b),
+    and each GPU's sends: its stage's output
     forward and its input's gradient backward, for every micro-batch, with FSDP's on its stage. A model without a
     pipeline split gets none."""
     import torch
@@ -437,9 +446,10 @@ def plan(settings, allocation):
     with torch.device("meta"):
         model = create_model(settings.arch, settings.num_classes, False, settings.image_size)
     flops = train_flops_per_image(model, settings.image_size)
-    rows = [estimate(row, allocation, settings, flops * (1 + RECOMPUTED_FLOPS[settings.checkpointing])) for row in rows]
+    recomputed = flops * (1 + RECOMPUTED_FLOPS[settings.checkpointing])  # (the run's own checkpointing)
+    rows = [estimate(row, allocation, settings, recomputed) for row in rows]
     rows += checkpointed_rows(rows, allocation, settings, flops)
-    rows += float8_rows(rows, model, allocation, settings, flops)
+    rows += float8_rows(rows, model, allocation, settings, recomputed)
     rows.sort(key=lambda row: (not row["fits"], -row["images_per_gpu_s"]))
     return rows, total, planned
 
