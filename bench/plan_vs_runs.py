@@ -162,7 +162,8 @@ def report(args, world, device, seconds):
                            optimizer="sgd", amp_bytes=4)  # fmt: skip
     rows = {row["layout"]: row for row in plan(settings, allocation)[0]}
     predicted, measured = {}, {}
-    print(f"{args.arch}: {world} ranks ({device.type}), {args.image_size} px, -b {args.batch_size} a rank, float32; "
+    print(f"{args.arch}: {world} ranks ({device.type}), {args.image_size} px, -b {args.batch_size} a rank, float32, "
+          f"{args.microbatches} micro-batches a pipeline's step, the median of {args.steps} timed steps a layout; "
           f"the roofline's figures measured here: {allocation.tflops * 1e3:.1f} GFLOP/s a rank (one rank's plain "
           f"step), {bandwidth:.2f} GB/s (a 64 MB all-reduce)")  # fmt: skip
     print(f"{'layout':<18}{'roofline img/s':>16}{'measured img/s':>16}{'measured/roofline':>19}")

@@ -270,3 +270,34 @@ def test_the_float8_rows_gather_the_converted_weights_in_a_byte():
     assert fsdp["sent_by_group"]["data"] - float8["sent_by_group"]["data"] == (2 - 1) * shards * 2 * 1
     assert 0.5 < float8["compute_s"] / fsdp["compute_s"] < 1
     assert rows["DDP + float8"]["sent_by_group"] == rows["DDP"]["sent_by_group"]
+
+
+@pytest.mark.multirank
+def test_the_roofline_bench_times_each_layout_beside_its_estimate():
+    """bench/plan_vs_runs.py on 2 CPU ranks (timm:test_vit, 32 px): its header names the model, the size, -b, the
+    micro-batches and the timed steps it was given and the FLOP/s and bandwidth it measured; a row for DDP, FSDP,
+    TP 2 and PP 2 with both speeds and their ratio; then its verdict on every pair (named, or all within 2x)."""
+    import subprocess
+
+    from conftest import clean_env
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         str(ROOT / "bench" / "plan_vs_runs.py"), "--arch", ARCH, "--image-size", "32", "-b", "4", "--steps", "1",
+         "--microbatches", "2"],
+        capture_output=True, text=True, timeout=300, env=clean_env(), cwd=ROOT,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    header = next(line for line in lines if line.startswith(f"{ARCH}: 2 ranks (cpu), 32 px, -b 4 a rank"))
+    assert "2 micro-batches a pipeline's step, the median of 1 timed steps a layout" in header, header
+    rows = {line[:18].strip(): line[18:].split() for line in lines if line.startswith(("DDP", "FSDP", "TP ", "PP "))}
+    assert set(rows) == {"DDP", "FSDP", "TP 2 x FSDP 1", "PP 2 x FSDP 1"}, proc.stdout
+    for roofline, measured, ratio in ((float(a), float(b), float(c)) for a, b, c in rows.values()):
+        assert roofline > 0 and measured > 0 and ratio == pytest.approx(measured / roofline, abs=0.01)
+    verdict = lines[lines.index(next(line for line in lines if line.startswith("PP 2"))) + 1 :]
+    assert (
+        verdict
+        and all(line.startswith("disagree: ") for line in verdict)
+        or verdict == ["the roofline and the runs agree within 2x on every pair"]
+    ), proc.stdout
