@@ -98,15 +98,12 @@ def attention_shapes(module, image_size):
     return shapes
 
 
-def layout_rows(settings):
-    import torch
-
+def layout_rows(settings, module=None):
+    """The rows of `settings`' table, for `module` (its model on the meta device: built here if None)."""
     from dlojz_lib.model.tensor_plans import is_vit_block, transformer_blocks
-    from dlojz_lib.model.zoo import create_model
     from dlojz_lib.parallelism.tensor import block_bytes_sent
 
-    with torch.device("meta"):
-        module = create_model(settings.arch, settings.num_classes, False, settings.image_size)
+    module = meta_model(settings) if module is None else module
     blocks = transformer_blocks(module)
     planned = bool(blocks)  # a model without a plan: DDP's and FSDP's rows only
     if settings.sequence_parallel and not all(is_vit_block(block) for block in blocks):
@@ -167,6 +164,16 @@ def layout_rows(settings):
             )
         out += pipeline_rows(settings, module, params, gpus, shapes, state, rest)
     return out, total, planned
+
+
+def meta_model(settings):
+    """`settings`' model, built on the meta device (shapes, no memory)."""
+    import torch
+
+    from dlojz_lib.model.zoo import create_model
+
+    with torch.device("meta"):
+        return create_model(settings.arch, settings.num_classes, False, settings.image_size)
 
 
 def kept_outside_blocks(module, settings, blocks) -> list:
@@ -431,20 +438,17 @@ def estimate(row, allocation, settings, flops_per_image) -> dict:
 def plan(settings, allocation):
     """Every layout dlojz can run on `allocation` for `settings`' model, each row estimated, the ones that fit
     first, fastest first (images a GPU trains a second). Returns (rows, parameters, planned)."""
-    import torch
-
-    from dlojz_lib.model.zoo import create_model, train_flops_per_image
+    from dlojz_lib.model.zoo import train_flops_per_image
 
     gpus, per_node = allocation.gpus, allocation.gpus_per_node
     tps = tuple(t for t in (2, 4, 8) if t <= per_node and per_node % t == 0)
     pps = tuple(p for p in (2, 4, 8) if gpus % p == 0)
     sizes = (gpus, per_node) if allocation.nodes > 1 else (gpus,)  # (one node's rows: HSDP's FSDP within a node)
-    rows, total, planned = layout_rows(dataclasses.replace(settings, gpus=sizes, tp=tps, pp=pps))
+    model = meta_model(settings)  # (one for the rows, the FLOPs and the float8 linears)
+    rows, total, planned = layout_rows(dataclasses.replace(settings, gpus=sizes, tp=tps, pp=pps), model)
     if allocation.nodes > 1:
         node_fsdp = next(row for row in rows if row["gpus"] == per_node and row["layout"] == "FSDP")
         rows = [row for row in rows if row["gpus"] == gpus] + [hsdp_row(node_fsdp, allocation)]
-    with torch.device("meta"):
-        model = create_model(settings.arch, settings.num_classes, False, settings.image_size)
     flops = train_flops_per_image(model, settings.image_size)
     recomputed = flops * (1 + RECOMPUTED_FLOPS[settings.checkpointing])  # (the run's own checkpointing)
     rows = [estimate(row, allocation, settings, recomputed) for row in rows]
