@@ -145,13 +145,15 @@ def measure(args, rank, world, device):
     return rows
 
 
-def main(argv=None) -> int:
-    args = get_args(argv)
+def joined_ranks(script, processes):
+    """(rank, world, device) of this process of a torchrun (or srun) launch, its process group started: on its local
+    GPU (NCCL) where there is one, else on the CPU (gloo, one thread a rank); without a launcher, one line naming
+    `script` and the `processes` it wants."""
     import torch
     import torch.distributed as dist
 
     if "RANK" not in os.environ:
-        sys.exit("pipeline_bubble.py: start it with torchrun (or srun), one process a stage: --help shows how")
+        sys.exit(f"{script}: start it with torchrun (or srun), {processes}: --help shows how")
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
@@ -161,6 +163,14 @@ def main(argv=None) -> int:
         device = torch.device("cpu")
         torch.set_num_threads(1)  # a rank a core
         dist.init_process_group("gloo")
+    return rank, world, device
+
+
+def main(argv=None) -> int:
+    args = get_args(argv)
+    import torch.distributed as dist
+
+    rank, world, device = joined_ranks("pipeline_bubble.py", "one process a stage")
     rows = measure(args, rank, world, device)
     dist.barrier()  # every rank's last sends received before the group goes
     dist.destroy_process_group()

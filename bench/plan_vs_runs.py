@@ -180,20 +180,10 @@ def report(args, world, device, seconds):
 
 def main(argv=None) -> int:
     args = get_args(argv)
-    import torch
     import torch.distributed as dist
+    from pipeline_bubble import joined_ranks  # (this folder's: the process group a torchrun launch starts)
 
-    if "RANK" not in os.environ:
-        sys.exit("plan_vs_runs.py: start it with torchrun (or srun), 2 processes: --help shows how")
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    if torch.cuda.is_available():
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-        torch.cuda.set_device(device)
-        dist.init_process_group("nccl", device_id=device)
-    else:
-        device = torch.device("cpu")
-        torch.set_num_threads(1)  # a rank a core
-        dist.init_process_group("gloo")
+    rank, world, device = joined_ranks("plan_vs_runs.py", "2 processes")
     seconds = [None] * world
     dist.all_gather_object(seconds, measure(args, rank, world, device))
     dist.destroy_process_group()
