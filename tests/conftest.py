@@ -138,11 +138,17 @@ def spawn_ranks(target, world, tmp_path, *args, timeout=300):
 def counting_mode():
     """A dispatch mode that counts the collectives sent in it, DTensor's and FSDP's (by kind: all_reduce, all_gather,
     reduce_scatter, send...), without the module hooks of torch's CommDebugMode (whose view of a block's input breaks
-    timm's in-place SiLU)."""
+    timm's in-place SiLU); and in `sent`, each one's (ranks of its group, bytes this rank sends: bytes_sent)."""
     from collections import Counter
 
+    import torch.distributed as dist
+    from torch._C._distributed_c10d import _resolve_process_group as resolve_process_group
     from torch.distributed.tensor import DTensor
     from torch.utils._python_dispatch import TorchDispatchMode
+
+    def group_ranks(arg):  # a c10d op's ProcessGroup (a TorchScript object), or a functional op's group name
+        group = resolve_process_group(arg) if isinstance(arg, str) else dist.ProcessGroup.unbox(arg)
+        return frozenset(dist.get_process_group_ranks(group))
 
     kinds = {"all_gather_into_tensor": "all_gather", "_allgather_base_": "all_gather", "allreduce_": "all_reduce",
              "reduce_scatter_tensor": "reduce_scatter", "_reduce_scatter_base_": "reduce_scatter"}  # fmt: skip
@@ -150,7 +156,7 @@ def counting_mode():
     class Collectives(TorchDispatchMode):
         def __init__(self):
             super().__init__()
-            self.counts = Counter()
+            self.counts, self.sent = Counter(), []
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             if any(kind is DTensor for kind in types):
@@ -158,9 +164,42 @@ def counting_mode():
             name = func.__name__.split(".")[0]
             if func.namespace in ("_c10d_functional", "c10d") and not name.startswith(("wait", "_wrap")):
                 self.counts[kinds.get(name, name)] += 1
+                try:
+                    found = bytes_sent(name, args, group_ranks)
+                except Exception as error:  # (raising here would leave the other ranks waiting in the collective)
+                    found = f"not counted: {func} ({error})", 0
+                if found is not None:
+                    self.sent.append(found)
             return func(*args, **(kwargs or {}))
 
     return Collectives()
+
+
+def bytes_sent(name, args, group_ranks):
+    """(the ranks of the group, bytes) this rank sends for one c10d op, by the ring algorithms the planner counts
+    with (an all-gather sends n - 1 times this rank's input, a reduce-scatter n - 1 times its output, an all-reduce
+    2 (n - 1) / n of the buffer, a send its tensors); None for what sends nothing (a receive, a wait). `group_ranks`:
+    the ranks of an op's group argument (a ProcessGroup, or a functional collective's group name), else None."""
+
+    def nbytes(tensors):
+        tensors = tensors if isinstance(tensors, (list, tuple)) else [tensors]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    if name == "recv_" or name.startswith(("wait", "_wrap")):
+        return None
+    where = {"_allgather_base_": 2, "_reduce_scatter_base_": 2, "allreduce_": 1, "all_reduce": 2, "send": 1}
+    if name not in where:
+        return f"not counted: {name}", 0  # (raising here would leave the other ranks waiting in the collective)
+    ranks = group_ranks(args[where[name]])
+    n = len(ranks)
+    sent = {
+        "_allgather_base_": lambda: (n - 1) * nbytes(args[1]),  # (output, input, group, ...)
+        "_reduce_scatter_base_": lambda: (n - 1) * nbytes(args[0]),  # (output, input, group, ...)
+        "allreduce_": lambda: 2 * (n - 1) / n * nbytes(args[0]),  # (tensors, group, ...)
+        "all_reduce": lambda: 2 * (n - 1) / n * nbytes(args[0]),  # DTensor's: (tensor, op, group name)
+        "send": lambda: nbytes(args[0]),  # (tensors, group, peer, tag)
+    }[name]()
+    return ranks, sent
 
 
 def read_json(path):

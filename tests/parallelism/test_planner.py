@@ -24,33 +24,6 @@ LAYOUTS = {
 GROUP_OF_DIMENSION = {"data": "data", "replicate": "data", "shard": "shard", "pipe": "pipe", "tensor": "tensor"}
 
 
-def bytes_sent(name, args, group_ranks):
-    """(the ranks of the group, bytes) this rank sends for one c10d op, by the ring algorithms the planner counts
-    with (an all-gather sends n - 1 times this rank's input, a reduce-scatter n - 1 times its output, an all-reduce
-    2 (n - 1) / n of the buffer, a send its tensors); None for what sends nothing (a receive, a wait). `group_ranks`:
-    the ranks of an op's group argument (a ProcessGroup, or a functional collective's group name), else None."""
-
-    def nbytes(tensors):
-        tensors = tensors if isinstance(tensors, (list, tuple)) else [tensors]
-        return sum(t.numel() * t.element_size() for t in tensors)
-
-    if name == "recv_" or name.startswith(("wait", "_wrap")):
-        return None
-    where = {"_allgather_base_": 2, "_reduce_scatter_base_": 2, "allreduce_": 1, "all_reduce": 2, "send": 1}
-    if name not in where:
-        return f"not counted: {name}", 0  # (raising here would leave the other ranks waiting in the collective)
-    ranks = group_ranks(args[where[name]])
-    n = len(ranks)
-    sent = {
-        "_allgather_base_": lambda: (n - 1) * nbytes(args[1]),  # (output, input, group, ...)
-        "_reduce_scatter_base_": lambda: (n - 1) * nbytes(args[0]),  # (output, input, group, ...)
-        "allreduce_": lambda: 2 * (n - 1) / n * nbytes(args[0]),  # (tensors, group, ...)
-        "all_reduce": lambda: 2 * (n - 1) / n * nbytes(args[0]),  # DTensor's: (tensor, op, group name)
-        "send": lambda: nbytes(args[0]),  # (tensors, group, peer, tag)
-    }[name]()
-    return ranks, sent
-
-
 def layouts_on_rank(rank, world, store_path, results, layouts):
     """One of 4 ranks: each layout of `layouts` laid out as dlojz.py lays it out (`lay_out`, through
     bench/plan_vs_runs.py's `laid_out`, which times the same layouts against the roofline), three steps of SGD with
@@ -60,32 +33,12 @@ def layouts_on_rank(rank, world, store_path, results, layouts):
 
     import torch
     import torch.distributed as dist
-    from torch._C._distributed_c10d import _resolve_process_group as resolve_process_group
-    from torch.utils._python_dispatch import TorchDispatchMode
+    from conftest import counting_mode
 
     from dlojz_lib.parallelism.fsdp import state_bytes
 
     sys.path.insert(0, str(ROOT / "bench"))
     from plan_vs_runs import laid_out
-
-    def group_ranks(arg):  # a c10d op's ProcessGroup (a TorchScript object), or a functional op's group name
-        group = resolve_process_group(arg) if isinstance(arg, str) else dist.ProcessGroup.unbox(arg)
-        return frozenset(dist.get_process_group_ranks(group))
-
-    class Sends(TorchDispatchMode):  # the bytes this rank sends, by the ranks of the group they go in
-        def __init__(self):
-            super().__init__()
-            self.sent = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func.namespace in ("c10d", "_c10d_functional"):
-                try:
-                    found = bytes_sent(func.__name__.split(".")[0], args, group_ranks)
-                except Exception as error:  # (raising here would leave the other ranks waiting in the collective)
-                    found = f"not counted: {func} ({error})", 0
-                if found is not None:
-                    self.sent.append(found)
-            return func(*args, **(kwargs or {}))
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
@@ -100,7 +53,7 @@ def layouts_on_rank(rank, world, store_path, results, layouts):
             torch.manual_seed(1)
             images, labels = torch.randn(batch, 3, 32, 32), torch.randint(0, 3, (batch,))
             for _ in range(3):
-                with Sends() as counted:
+                with counting_mode() as counted:
                     step(images, labels)
                 optimizer.step()
                 optimizer.zero_grad()
