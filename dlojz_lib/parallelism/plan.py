@@ -114,7 +114,7 @@ def layout_rows(settings, module=None):
     gathers = fsdp_gathers(module)
     total = sum(math.prod(shape) for shape, _ in params)
     shapes = attention_shapes(module, settings.image_size) if planned else []
-    rest = kept_outside_blocks(module, settings, blocks)  # a pipeline layer's bytes an image, outside the blocks
+    rest, outputs = layer_figures(module, settings, blocks)  # a pipeline layer's bytes an image, and its output
     outside = sum(rest) * settings.amp_bytes / 4
     state = STATE_PER_PARAMETER[settings.optimizer]
     out = []
@@ -162,7 +162,7 @@ def layout_rows(settings, module=None):
                     pp=1,
                 )
             )
-        out += pipeline_rows(settings, module, params, gpus, shapes, state, rest)
+        out += pipeline_rows(settings, module, params, gpus, shapes, state, (rest, outputs))
     return out, total, planned
 
 
@@ -176,10 +176,11 @@ def meta_model(settings):
         return create_model(settings.arch, settings.num_classes, False, settings.image_size)
 
 
-def kept_outside_blocks(module, settings, blocks) -> list:
-    """The bytes a float32 training forward keeps for the backward per image outside the transformer `blocks` (whose
-    count is BLOCK_BYTES'): a ViT's stem and head, a CoAtNet's MBConv stages, a CNN's whole; one figure per pipeline
-    layer (pipeline.pipeline_layers; for a model without a pipeline split, one for the whole). Counted on the meta
+def layer_figures(module, settings, blocks) -> tuple:
+    """(kept, outputs), one figure of each per pipeline layer (pipeline.pipeline_layers; for a model without a pipeline
+    split, one for the whole): the bytes a float32 training forward keeps for the backward per image outside the
+    transformer `blocks` (whose count is BLOCK_BYTES'): a ViT's stem and head, a CoAtNet's MBConv stages, a CNN's
+    whole; and the elements of the layer's output per image (what a pipeline stage sends on). Counted on the meta
     model (2 images: BatchNorm's training forward wants two), each storage once (torch_internals.saved_storage_bytes);
     within 4 % of a CPU forward's held bytes for a ResNet-18 and a CoAtNet."""
     import torch
@@ -193,13 +194,14 @@ def kept_outside_blocks(module, settings, blocks) -> list:
         runs = [module]
     x = torch.empty(2, 3, settings.image_size, settings.image_size, device="meta")
     seen = storage_handles(module.parameters())
-    found = []
+    kept, outputs = [], []
     module.train()
     for run in runs:
-        kept, x = saved_storage_bytes(run, x, blocks, seen)
-        found.append(kept / 2)
+        saved, x = saved_storage_bytes(run, x, blocks, seen)
+        kept.append(saved / 2)
+        outputs.append(x.numel() // 2)
     forget_handles(seen)
-    return found
+    return kept, outputs
 
 
 def fsdp_gathers(module) -> list:
@@ -262,15 +264,13 @@ def blocks_activations(shapes, images, tp, settings, mode, blocks=None):
     return kept, recomputed
 
 
-def pipeline_rows(settings, module, params, gpus, shapes, state, rest):
+def pipeline_rows(settings, module, params, gpus, shapes, state, per_layer):
     """PP p x FSDP d rows: the stages cut by parameters as dlojz_lib/parallelism/pipeline.py cuts them, FSDP over the d
     pipelines; the largest stage's state, and under 1F1B the first stage's activations (min(p, M) micro-batches in
     flight, each of b p / M images, a pipeline taking b images a GPU; with `batch_per_copy` b / M, the pipeline b),
     and each GPU's sends: its stage's output
     forward and its input's gradient backward, for every micro-batch, with FSDP's on its stage. A model without a
-    pipeline split gets none."""
-    import torch
-
+    pipeline split gets none. `per_layer`: layer_figures'."""
     from dlojz_lib.parallelism.pipeline import layer_sizes, owner, pipeline_layers, stage_bounds
     from dlojz_lib.parallelism.tensor import block_bytes_sent
 
@@ -279,13 +279,7 @@ def pipeline_rows(settings, module, params, gpus, shapes, state, rest):
     except UserError:
         return []
     names = [name for name, _ in module.named_parameters()]  # (the order of `params`, placements')
-    # each layer's output, per image (the activations a stage sends on), from a forward of the meta model
-    x, sent_per_image = torch.empty(1, 3, settings.image_size, settings.image_size, device="meta"), []
-    module.eval()  # (the planner's own meta model: BatchNorm takes one image's shapes in eval mode)
-    with torch.no_grad():
-        for layer in layers:
-            x = layer.run(x)
-            sent_per_image.append(x.numel())
+    rest, sent_per_image = per_layer  # each layer's kept bytes and output (the activations a stage sends on), an image
     rows = []
     splits = [1, *(tp for tp in settings.tp if tp > 1 and shapes)]  # PP x TP x FSDP where the model has a TP plan
     for pp, tp in ((pp, tp) for pp in settings.pp for tp in splits):
