@@ -35,18 +35,16 @@ def get_args(argv=None):
 
 
 def checkpointed(arch, image_size, mode, every):
-    """The model as dlojz.py builds it for this mode (its family's blocks, as model.build chooses them), in training mode."""
+    """The model as dlojz.py lays it out for this mode (the unit pass's checkpointing step, model.families'
+    apply_checkpointing), in training mode."""
     import torch
 
-    from dlojz_lib.model.families import family_of, recomputed_blocks
-    from dlojz_lib.model.zoo import checkpoint_blocks, create_model, enable_grad_checkpointing
+    from dlojz_lib.model.families import apply_checkpointing, family_of
+    from dlojz_lib.model.zoo import create_model
 
     torch.manual_seed(0)
     model = create_model(arch, 1000, None, image_size).train()
-    if mode == "full" and every == 1:
-        enable_grad_checkpointing(model, arch)
-    elif mode != "none":
-        checkpoint_blocks(recomputed_blocks(model, family_of(model), arch), mode, every)
+    apply_checkpointing(model, mode, every, family_of(model), arch)
     return model
 
 

@@ -123,7 +123,9 @@ def main(argv=None) -> int:
 
         print(f"{args.arch} has no tensor-parallel plan in dlojz (its TP rows are left out): {names(True)} have one")
     if args.json:
-        Path(args.json).write_text(json.dumps(table, indent=1))
+        Path(args.json).write_text(
+            json.dumps(table, indent=1, default=dataclasses.asdict)
+        )  # (a row's Layout: its fields)
     return 0
 
 

@@ -460,7 +460,9 @@ def setup_distributed(cfg):
         cfg = dataclasses.replace(cfg, output_dir=holder[0])
         host = os.environ.get("SLURMD_NODENAME") or socket.gethostname()  # Slurm's name of the node, else its own
         ranks.hosts = tuple(ranks.all_gather(host))  # to name a lost rank's node
-    elif cfg.fsdp:  # sharding over one process: a group of one (the same code path, and the GPU tests, on one GPU)
+    elif (
+        cfg.parallelism.fsdp
+    ):  # sharding over one process: a group of one (the same code path, and the GPU tests, on one GPU)
         dist.init_process_group(
             backend="nccl" if device.type == "cuda" else "gloo",
             store=dist.HashStore(),
@@ -468,8 +470,9 @@ def setup_distributed(cfg):
             world_size=1,
             device_id=device if device.type == "cuda" else None,
         )
-    if cfg.tp > 1 or cfg.pp > 1 or cfg.fsdp_replicate > 1:
-        model_parallel_mesh(ranks, cfg.pp, cfg.tp, cfg.fsdp_replicate)
+    layout = cfg.parallelism
+    if layout.tp > 1 or layout.pp > 1 or layout.replicate > 1:
+        model_parallel_mesh(ranks, layout.pp, layout.tp, layout.replicate)
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)

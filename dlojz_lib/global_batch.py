@@ -56,8 +56,10 @@ def fit_global_batch(cfg, world_size, log):
             f"--global-batch {target}: this job has {world_size} ranks, more than the images of a step; "
             f"give a --global-batch of at least {world_size}, or fewer ranks"
         )
-    if cfg.pp > 1:  # the schedule's micro-batches accumulate in place of --grad-acc: -b takes the whole step
-        per_rank, grad_acc = pipeline_split(target, world_size, cfg.pp_microbatches), 1
+    layout = cfg.parallelism
+    pp, microbatches = layout.pp, layout.microbatches if layout.pp > 1 else None
+    if pp > 1:  # the schedule's micro-batches accumulate in place of --grad-acc: -b takes the whole step
+        per_rank, grad_acc = pipeline_split(target, world_size, microbatches), 1
     else:
         per_rank, grad_acc = split_global_batch(target, world_size, cfg.batch_size)
     actual = world_size * per_rank * grad_acc
@@ -67,15 +69,15 @@ def fit_global_batch(cfg, world_size, log):
         f"--global-batch {target}: fitted to {world_size} rank{'s' if world_size > 1 else ''} "
         + (
             f"(--batch-size {cfg.batch_size} is the most a rank holds at once):"
-            if cfg.pp == 1
-            else f"of data (--pp {cfg.pp}: each step's batch in --pp-microbatches {cfg.pp_microbatches}, which "
+            if pp == 1
+            else f"of data (--pp {pp}: each step's batch in --pp-microbatches {microbatches}, which "
             "accumulate in place of --grad-acc):"
         ),
         f"  {world_size} x {per_rank} images x --grad-acc {grad_acc} = {actual} images a step"
         + (
             ", as given"
             if actual == target
-            else f", the nearest to {target} ({inexact_why(target, world_size, cfg.batch_size, cfg.pp_microbatches)})"
+            else f", the nearest to {target} ({inexact_why(target, world_size, cfg.batch_size, microbatches)})"
         ),
     ]
     if per_rank != cfg.batch_size:
@@ -96,10 +98,10 @@ def fit_global_batch(cfg, world_size, log):
             if cfg.model_ema_adjust
             else f"  --model-ema-decay {cfg.model_ema_decay:g} per update, as given"
         )
-    compile_mode = graph_free_mode(cfg.compile_mode, grad_acc)
-    if compile_mode != cfg.compile_mode:
+    compile_mode = graph_free_mode(layout.compile_mode, grad_acc)
+    if compile_mode != layout.compile_mode:
         lines.append(
-            f"  --compile-mode {cfg.compile_mode} -> {compile_mode} (a CUDA graph's next replay overwrites the "
+            f"  --compile-mode {layout.compile_mode} -> {compile_mode} (a CUDA graph's next replay overwrites the "
             f"gradients --grad-acc {grad_acc} accumulates)"
         )
     log("\n".join(lines))
@@ -164,8 +166,8 @@ def keep_global_batch(cfg, world_size, log):
         f"--keep-global-batch: {ranks_of(world_size)} x {cfg.batch_size} images x --grad-acc {grad_acc} keep {written}: "
         f"the same steps per epoch and learning rates"
     )
-    compile_mode = graph_free_mode(cfg.compile_mode, grad_acc)
-    if compile_mode != cfg.compile_mode:
+    compile_mode = graph_free_mode(cfg.parallelism.compile_mode, grad_acc)
+    if compile_mode != cfg.parallelism.compile_mode:
         # A CUDA graph's next replay overwrites the gradients being accumulated: the restart keeps its global batch
         # (what --keep-global-batch asks) and compiles without graphs, slower per step but the same run.
         log(

@@ -324,12 +324,13 @@ def restore_weights(cfg, model, training, saved, path, log):
     """The model's weights, the EMA's and (unless --eval-only) the optimizer's state, from a checkpoint file
     or, with --fsdp, from a sharded checkpoint or a file."""
     sharded = saved.get("sharded_path")
-    if sharded and not cfg.fsdp:
+    fsdp = cfg.parallelism.fsdp
+    if sharded and not fsdp:
         fail(
             f"--resume {path}: a sharded checkpoint (written with --fsdp): add --fsdp, or make one ordinary "
             f"checkpoint of it: python dlojz_fsdp.py consolidate {path} OUT.pt"
         )
-    if cfg.fsdp and not sharded and not cfg.eval_only:
+    if fsdp and not sharded and not cfg.eval_only:
         fail(
             f"--resume {path}: --fsdp resumes training from sharded checkpoints (.dcp folders); make one of this "
             f"ordinary checkpoint: python dlojz_fsdp.py shard {path} NEW_DIR, then --resume auto --output-dir NEW_DIR "
@@ -345,7 +346,7 @@ def restore_weights(cfg, model, training, saved, path, log):
             from dlojz_lib.parallelism.fsdp import load_sharded
 
             load_sharded(sharded, model.module, None if cfg.eval_only else training.optimizer)
-        elif cfg.fsdp:
+        elif fsdp:
             from dlojz_lib.parallelism.fsdp import load_full_weights
             from dlojz_lib.parallelism.tensor import split_state_dict
 

@@ -265,7 +265,7 @@ def functions_taking_the_whole_config():
     return sorted(found)
 
 
-MAX_WHOLE_CONFIG_TAKERS = 29  # (59 before the builders took their sections)
+MAX_WHOLE_CONFIG_TAKERS = 28  # (59 before the builders took their sections, 29 before the layout's record)
 
 
 def test_builders_take_their_settings_not_the_whole_config():
@@ -274,6 +274,28 @@ def test_builders_take_their_settings_not_the_whole_config():
     takers = functions_taking_the_whole_config()
     assert len(takers) <= MAX_WHOLE_CONFIG_TAKERS, takers
     assert "dlojz_lib/model/build.py: build_model" in takers  # the finder finds them
+
+
+MAX_COMPLEXITY = 15  # mccabe's, as ruff counts it (pyproject.toml's max-complexity): the layout's and settings' rooms
+SIMPLE_ROOMS = ("dlojz_lib/parallelism", "dlojz_lib/settings")
+
+
+def over_complexity(paths, bound=MAX_COMPLEXITY) -> list:
+    """ruff's C901 findings (`path:line: function`) over `bound` in `paths`."""
+    import subprocess
+    import sys
+
+    command = [sys.executable, "-m", "ruff", "check", "--select", "C901", "--output-format", "concise", "--quiet"]
+    command += ["--config", f"lint.mccabe.max-complexity={bound}", "--exit-zero", *paths]
+    found = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=60, check=True).stdout
+    return [line for line in found.splitlines() if "C901" in line]
+
+
+def test_the_layout_and_the_settings_have_no_function_over_mccabe_s_bound():
+    """No function of dlojz_lib/parallelism/ and dlojz_lib/settings/ over complexity 15 (the resolver and the
+    layout's rules one check a topic); the count sees a function over a lower bound."""
+    assert not over_complexity(SIMPLE_ROOMS), over_complexity(SIMPLE_ROOMS)
+    assert any("resolve_config" in line for line in over_complexity(["dlojz_lib/settings/config.py"], bound=5))
 
 
 def test_the_model_s_build_and_layout_stay_small():

@@ -294,11 +294,13 @@ def build_loaders(cfg, train_set, val_set, num_classes, ranks, log) -> Loaders:
         log(balanced_sampler_line(train_sampler, train_set.classes))
     else:
         train_sampler = EpochSampler(train_set, ranks.data_size, ranks.data_rank, shuffle=True, **sampling)
-    if cfg.fsdp and len(val_set) < ranks.data_size:
+    if cfg.parallelism.fsdp and len(val_set) < ranks.data_size:
         fail(f"--fsdp: the validation set has {len(val_set)} images for {ranks.data_size} ranks: each rank needs one")
     if cfg.data_backend == "dali":  # before the stages split: every stage and rank counts the same images
         validation_without_cut_short(val_set, ranks)
-    reads_images = cfg.pp == 1 or ranks.mesh["pipe"].get_local_rank() == 0  # a later stage's input is the previous'
+    reads_images = (
+        cfg.parallelism.pp == 1 or ranks.mesh["pipe"].get_local_rank() == 0
+    )  # a later stage's input is the previous'
     if cfg.data_backend == "dali" and reads_images:
         return dali_loaders(cfg, train_set, val_set, train_sampler, ranks, log)
     options = dict(
@@ -318,7 +320,7 @@ def build_loaders(cfg, train_set, val_set, num_classes, ranks, log) -> Loaders:
     val_batches = DevicePrefetcher(val, ranks.device, normalize, non_blocking=cfg.non_blocking)
     batches = (train_batches, val_batches)
     return finish_loaders(
-        train, val, train_sampler, batches, len(val_set), cfg.pp, cfg.val_batch_size, ranks, (train, val)
+        train, val, train_sampler, batches, len(val_set), cfg.parallelism.pp, cfg.val_batch_size, ranks, (train, val)
     )
 
 
@@ -435,7 +437,9 @@ def dali_loaders(cfg, train_set, val_set, train_sampler, ranks, log) -> Loaders:
         name="validation",
         log=log,
     )
-    return finish_loaders(train, val, train_sampler, (train, val), len(val_set), cfg.pp, cfg.val_batch_size, ranks)
+    return finish_loaders(
+        train, val, train_sampler, (train, val), len(val_set), cfg.parallelism.pp, cfg.val_batch_size, ranks
+    )
 
 
 def synthetic_loaders(cfg, num_classes, ranks, train_images, val_images) -> Loaders:

@@ -1,8 +1,10 @@
 """The model of a run, built whole before any layout cuts it (torchtitan's order: build, then lay out): created by
 name, on the meta device where a layout fills it from the first rank (`--fsdp` on every rank but the first), its
 starting weights, what the flags change in its own modules (BlurPool, a linear probe's frozen backbone, DALI's
-4-channel stem), SyncBN, its device and memory format, activation checkpointing and the EMA. Its family
-(`model.families`) is resolved here, once: the layouts read `BuiltModel.family`.
+4-channel stem), float8's linears, SyncBN, its device and memory format and the EMA. Its family
+(`model.families`) is resolved here, once: the layouts read `BuiltModel.family`. It reads two facts of the run's
+layout (`Config.parallelism`): whether this rank builds on the meta device, and float8's recipe; what each unit
+recomputes is the layout's unit pass's (parallelism.layout.parallelize_unit).
 """
 
 import contextlib
@@ -17,10 +19,8 @@ from dlojz_lib.model.zoo import (
     ModelEma,
     adapt_module,
     batch_norm_on_native_kernels,
-    checkpoint_blocks,
     create_model,
     ema_decay,
-    enable_grad_checkpointing,
 )
 
 
@@ -47,7 +47,8 @@ def build_model(cfg, num_classes, ranks, log) -> BuiltModel:
     """The run's model before its layout (`parallelism.layout.lay_out` wraps, shards or cuts it)."""
     # --fsdp: the model's shapes on every rank but the first, which builds it whole, as one process would; its values
     # fill each rank's own stage and shard once they are cut (fsdp.to_meta, fill_from_first_rank)
-    shapes_only = cfg.fsdp and not ranks.is_main
+    layout = cfg.parallelism
+    shapes_only = layout.builds_on_meta(ranks.is_main)
     with torch.device("meta") if shapes_only else contextlib.nullcontext():
         module = create_model(cfg.arch, num_classes, cfg.zero_init_residual, cfg.image_size, cfg.drop_path)
     family = families.family_of(module)
@@ -55,21 +56,15 @@ def build_model(cfg, num_classes, ranks, log) -> BuiltModel:
         load_starting_weights(cfg.section("training"), cfg.resume, cfg.output_dir, module, num_classes, log)
     # before the copies below (SyncBN, EMA): they keep its changes
     adapt_module(cfg.section("training"), cfg.dali_pad_channels, module, num_classes, log)
-    if cfg.float8 is not None:
-        log(float8_line(cfg.float8, cfg.arch, float8.convert(module, family, cfg.float8, cfg.fsdp)))
+    if layout.float8 is not None:
+        log(float8_line(layout.float8, cfg.arch, float8.convert(module, family, layout.float8, layout.fsdp)))
     if cfg.sync_bn and ranks.enabled:
         module = torch.nn.SyncBatchNorm.convert_sync_batchnorm(module)
-    if not cfg.fsdp:  # FSDP moves each rank's shards only to the device
+    if not layout.fsdp:  # FSDP moves each rank's shards only to the device
         module = module.to(ranks.device)
     if cfg.channels_last:
         module = module.to(memory_format=torch.channels_last)
     model = BuiltModel(module, None, num_classes, cfg.arch, family)
-    if cfg.activation_checkpointing != "none" and cfg.pp == 1:  # (--pp: each stage recomputes its own layers)
-        if cfg.activation_checkpointing == "full" and cfg.ac_every == 1:
-            enable_grad_checkpointing(module, cfg.arch, [block for _, block in model.blocks or ()])
-        else:
-            blocks = families.recomputed_blocks(module, family, cfg.arch)
-            checkpoint_blocks(blocks, cfg.activation_checkpointing, cfg.ac_every)
     log(f"model: {cfg.arch}, {sum(p.numel() for p in module.parameters()):,} parameters")
     if cfg.amp and batch_norm_on_native_kernels(module, ranks.device.type, cfg.amp_dtype, cfg.compile):
         log(BFLOAT16_BATCH_NORM)

@@ -142,7 +142,7 @@ def build_training(cfg, model, n_train_batches, num_classes, ranks, log, class_c
         model.pipeline.give_loss(criterion)
     # Fused steps (sgd, adamw): no host synchronisation with the float16 GradScaler (see build_optimizer); FSDP's
     # sharded parameters have no fused SGD (its foreach step is used, and bfloat16 needs no scaler).
-    fused = not cfg.fsdp or OPTIMIZER_TABLE[cfg.optimizer].fused_on_shards
+    fused = not cfg.parallelism.fsdp or OPTIMIZER_TABLE[cfg.optimizer].fused_on_shards
     decays = kind_decay(vars(cfg))  # --norm-wd, --bias-wd, --embedding-wd given
     check_kinds_present(model.unsharded, decays, cfg.arch)
     head = fine_tuning_head(model.module, num_classes, vars(cfg))

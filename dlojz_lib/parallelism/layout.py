@@ -12,18 +12,19 @@ import torch
 
 from dlojz_lib.checks import fail
 from dlojz_lib.dist import start_compile_workers
+from dlojz_lib.model.families import apply_checkpointing
 from dlojz_lib.model.zoo import meta_copy
 from dlojz_lib.parallelism.pipeline import (
-    SCHEDULES,
     PipelineCut,
     PipelineRun,
     RankStages,
+    Stage,
     bubble_formula,
     build_pipeline,
     expected_bubble,
     time_layers,
 )
-from dlojz_lib.settings.flags import CUDA_GRAPH_MODES
+from dlojz_lib.parallelism.tensor import check_plan, parallelize, plan_blocks
 from dlojz_lib.torch_internals import allow_recompiles
 
 
@@ -84,60 +85,117 @@ class Model:
 
 
 def lay_out(model, cfg, ranks, log) -> Model:
-    """`model` (a `model.build.BuiltModel`) laid out for the run: DDP, FSDP's shards, the --tp plan, the --pp stages,
-    torch.compile. Each layout reads the family the build resolved (`model.family`)."""
-    module, ema, num_classes = model.module, model.ema, model.num_classes
-    net, parallel, unsharded = module, "none", module
-    if cfg.pp > 1:
-        return build_pipeline_model(cfg, model, ranks, log)
-    compiled_blocks = model.blocks if cfg.compile and cfg.fsdp else None  # FSDP's: block by block
-    if cfg.fsdp:
-        from dlojz_lib.parallelism.fsdp import fill_from_first_rank, shard_model, to_meta
-
-        catalogue, values = to_meta(module, ranks)
-        unsharded = meta_copy(module)
-        if cfg.tp > 1:
-            from dlojz_lib.parallelism.tensor import parallelize
-
-            split = parallelize(
-                module, ranks.mesh["tensor"], cfg.arch, cfg.sequence_parallel, cfg.val_crop_size, model.family
-            )
-            log(
-                f"tensor parallelism: {split} blocks over groups of {cfg.tp} ranks ({model.family.tensor_plan.said}"
-                f"{'; the tokens split between them: sequence parallelism' if cfg.sequence_parallel else ''}), "
-                f"{ranks.data_size} data replica{'s' if ranks.data_size > 1 else ''}; the weights each group holds "
-                "whole get its average gradient"
-                f"{f', their copies compared every {cfg.check_replicas} steps' if cfg.check_replicas else ''}"
-            )
-        if compiled_blocks is not None:  # each block, between the plan and FSDP
-            log(compile_blocks([block for _, block in compiled_blocks], cfg.compile_mode))
-        precision = cfg.amp_torch_dtype
-        blocks = shard_model(
-            module, cfg.fsdp_reshard_after_forward, precision, ranks.device, ranks.sharding_mesh(), None, model.family,
-            cfg.fsdp_offload,
-        )  # fmt: skip
-        fill_from_first_rank([module], catalogue, values, ranks.device, cfg.fsdp_offload)
-        parallel = "fsdp"
-        log(
-            f"FSDP: {blocks} blocks and the root sharded over {sharded_over(ranks, cfg.fsdp_replicate)}, parameters "
-            f"gathered in {cfg.amp_dtype if cfg.amp else 'float32'}, gradients reduced in float32, "
-            f"{'resharded' if cfg.fsdp_reshard_after_forward else 'kept gathered'} after each block's forward"
-            f"{'; the shards, their gradients and the optimizer in pinned host memory (--fsdp-offload)' if cfg.fsdp_offload else ''}"
-            f"{hsdp_hint(ranks, cfg.fsdp_replicate)}"
+    """`model` (a `model.build.BuiltModel`) laid out as the run's Layout says (`cfg.parallelism`): the unit pass on
+    the model (tensor plan, activation checkpointing, torch.compile block by block, FSDP), or on each pipeline stage
+    (--pp), inside the meta build's one bracket; then DDP, or torch.compile of the whole model where no block was."""
+    layout = cfg.parallelism
+    module, family = model.module, model.family
+    unsharded = meta_copy(module) if layout.fsdp else module  # the model whole, for FLOP counts
+    if layout.pp > 1:
+        training = cfg.section("training")
+        return build_pipeline_model(
+            model, layout, unsharded, ranks, log, training, cfg.grad_acc, cfg.channels_last, cfg.test
         )
-    elif ranks.enabled:
+    with filled_from_first_rank(module, layout, ranks) as laid_out:
+        done = parallelize_unit(module, layout, ranks, family, arch=cfg.arch, val_crop_size=cfg.val_crop_size)
+        laid_out.append(module)
+    if layout.fsdp and layout.checkpointing != "none":  # the copy recomputes as the model does (the report's bytes)
+        apply_checkpointing(unsharded, layout.checkpointing, layout.checkpoint_every, family, cfg.arch)
+    log_unit_pass(done, layout, ranks, family, log)
+    net, parallel = module, "fsdp" if layout.fsdp else "none"
+    if ranks.enabled and not layout.fsdp:
         net = torch.nn.parallel.DistributedDataParallel(
             net, device_ids=[ranks.device.index] if ranks.device.type == "cuda" else None, gradient_as_bucket_view=True
         )
         parallel = "ddp"
-    if cfg.compile and compiled_blocks is None:
+    if layout.compile and done.compiled is None:  # the whole model (its DDP wrapper too) as one graph
         start_compile_workers()  # deaf to Slurm's preemption signal, which this process handles
-        net = torch.compile(net, mode=cfg.compile_mode)
-        log(f"torch.compile: mode {cfg.compile_mode or 'default'}")
-    cuda_graphs = cfg.compile_mode in CUDA_GRAPH_MODES  # (a --compile-mode implies --compile)
-    whole = whole_copies(cfg.section("distribution"), module, ranks, model.family)
-    steps = dict(whole_copies=whole, after_step=float8_scales(cfg.float8, cfg.fsdp, module))
-    return Model(net, module, ema, num_classes, parallel, unsharded, cuda_graphs, cfg.tp > 1, **steps)
+        net = torch.compile(net, mode=layout.compile_mode)
+        log(f"torch.compile: mode {layout.compile_mode or 'default'}")
+    steps = dict(
+        whole_copies=whole_copies(layout, module, ranks, family),
+        after_step=float8_scales(layout.float8, layout.fsdp, module),
+    )
+    return Model(
+        net, module, model.ema, model.num_classes, parallel, unsharded, layout.cuda_graphs, layout.tp > 1, **steps
+    )
+
+
+@dataclasses.dataclass
+class UnitPass:
+    """What the unit pass did to one unit (the model, or a pipeline stage)."""
+
+    split: int = 0  # blocks the tensor plan split over the tensor group
+    compiled: str | None = None  # compile_blocks' line, None where the blocks were not compiled one by one
+    sharded: int | None = None  # FSDP's blocks (each sharded apart, the unit's root after them), None without FSDP
+
+
+def parallelize_unit(unit, layout, ranks, family, arch="this model", val_crop_size=None, blocks=None) -> UnitPass:
+    """One unit of the model laid out in place, torchtitan's order: the family's tensor plan on its blocks (a
+    stage without blocks stays whole over the tensor group), activation checkpointing (a stage recomputes its
+    layers, a model its blocks), torch.compile of each block where FSDP or a stage holds them, then FSDP's shards
+    (each block, then the unit). `blocks`: the unit's blocks (a stage's, which the family names on the whole
+    model), else its family's. The flat model's one call and the pipeline builder's call for each stage."""
+    done = UnitPass()
+    is_stage = isinstance(unit, Stage)
+    if blocks is None and family is not None:  # (read before the plan and the checkpointing change them)
+        blocks = [block for _, block in family.blocks(unit)]
+    if layout.tp > 1 and (not is_stage or plan_blocks(unit, family)):
+        sequence_parallel = layout.sequence_parallel
+        done.split = parallelize(unit, ranks.mesh["tensor"], arch, sequence_parallel, val_crop_size, family)
+    if is_stage:
+        unit.recompute_layers(layout.checkpointing, layout.checkpoint_every)
+    else:
+        apply_checkpointing(unit, layout.checkpointing, layout.checkpoint_every, family, arch)
+    if layout.compiled_by_block and blocks is not None:  # between the plan and FSDP
+        done.compiled = compile_blocks(blocks, layout.compile_mode)
+    if layout.fsdp:
+        from dlojz_lib.parallelism.fsdp import shard_model
+
+        precision = None if layout.param_dtype is None else getattr(torch, layout.param_dtype)
+        units, row = (blocks, None) if is_stage else (None, family)  # (a Stage is of no family)
+        mesh, reshard = ranks.sharding_mesh(), layout.reshard_after_forward
+        done.sharded = shard_model(unit, reshard, precision, ranks.device, mesh, units, row, layout.offload)
+    return done
+
+
+@contextlib.contextmanager
+def filled_from_first_rank(module, layout, ranks):
+    """The meta build's one bracket, around either branch: under --fsdp, `module` (whole on the first rank, on the
+    meta device on the others) turned to the meta device on every rank before the body lays it out, and the parts
+    the body appends to the list it is given (the model, or this rank's stages) filled from the first rank's values
+    once it is done (fsdp.to_meta, fill_from_first_rank); without --fsdp, nothing."""
+    parts = []
+    if not layout.fsdp:
+        yield parts
+        return
+    from dlojz_lib.parallelism.fsdp import fill_from_first_rank, to_meta
+
+    catalogue, values = to_meta(module, ranks)
+    yield parts
+    fill_from_first_rank(parts, catalogue, values, ranks.device, layout.offload)
+
+
+def log_unit_pass(done, layout, ranks, family, log):
+    """The flat model's unit pass in lines: the tensor plan, the blocks compiled, FSDP's shards."""
+    if layout.tp > 1:
+        log(
+            f"tensor parallelism: {done.split} blocks over groups of {layout.tp} ranks ({family.tensor_plan.said}"
+            f"{'; the tokens split between them: sequence parallelism' if layout.sequence_parallel else ''}), "
+            f"{ranks.data_size} data replica{'s' if ranks.data_size > 1 else ''}; the weights each group holds "
+            "whole get its average gradient"
+            f"{f', their copies compared every {layout.check_replicas} steps' if layout.check_replicas else ''}"
+        )
+    if done.compiled is not None:
+        log(done.compiled)
+    if layout.fsdp:
+        log(
+            f"FSDP: {done.sharded} blocks and the root sharded over {sharded_over(ranks, layout.replicate)}, "
+            f"parameters gathered in {layout.param_dtype or 'float32'}, gradients reduced in float32, "
+            f"{'resharded' if layout.reshard_after_forward else 'kept gathered'} after each block's forward"
+            f"{'; the shards, their gradients and the optimizer in pinned host memory (--fsdp-offload)' if layout.offload else ''}"
+            f"{hsdp_hint(ranks, layout.replicate)}"
+        )
 
 
 def float8_scales(float8, fsdp, module):
@@ -175,15 +233,15 @@ def hsdp_hint(ranks, replicate) -> str:
 
 def resolved_with_layout(args):
     """dlojz.py's flags resolved (settings.config.resolve_config), with --layout auto's choice made first (the
-    planner's, parallelism.plan.choose_layout) and said among the run's notes."""
+    planner's Layout, parallelism.plan.choose_layout: the run's as it is) and said among the run's notes."""
     from dlojz_lib.settings.config import resolve_config
 
     if args.layout != "auto":
         return resolve_config(args)
     from dlojz_lib.parallelism.plan import choose_layout
 
-    args, said = choose_layout(args)
-    cfg = resolve_config(args)
+    chosen, said = choose_layout(args)
+    cfg = resolve_config(args, chosen)
     return dataclasses.replace(cfg, notes=(*cfg.notes, said))
 
 
@@ -213,15 +271,15 @@ def compile_blocks(blocks, mode) -> str:
     return f"torch.compile: each of {n} block{'s' if n != 1 else ''} (fullgraph, mode {mode or 'default'}), around them eager"
 
 
-def whole_copies(distribution, module, ranks, family):
+def whole_copies(layout, module, ranks, family):
     """--tp: the weights each tensor group holds whole, their gradients averaged over it (--check-replicas: and
-    their copies compared)."""
-    if distribution.tp == 1:
+    their copies compared). `layout`: the run's Layout (its tp, sequence_parallel, check_replicas)."""
+    if layout.tp == 1:
         return None
     from dlojz_lib.parallelism.tensor import WholeCopies, token_sharded_weights
 
-    summed = token_sharded_weights(module, family) if distribution.sequence_parallel else ()
-    return WholeCopies(module, ranks.mesh["tensor"], distribution.check_replicas, ranks.all_gather, summed)
+    summed = token_sharded_weights(module, family) if layout.sequence_parallel else ()
+    return WholeCopies(module, ranks.mesh["tensor"], layout.check_replicas, ranks.all_gather, summed)
 
 
 def check_micro_batches(module, arch, batch_size, grad_acc, pp, microbatches):
@@ -245,84 +303,89 @@ def check_micro_batches(module, arch, batch_size, grad_acc, pp, microbatches):
         )
 
 
-def build_pipeline_model(cfg, model, ranks, log) -> Model:
-    """--pp: `model` cut into --pp stages, this rank's sharded by FSDP over the data dimension, run by the
-    schedule (dlojz_lib.parallelism.pipeline)."""
-    module, ema, num_classes = model.module, model.ema, model.num_classes
-    from dlojz_lib.parallelism.fsdp import fill_from_first_rank, shard_model, to_meta
-
-    check_micro_batches(module, cfg.arch, cfg.batch_size, cfg.grad_acc, cfg.pp, cfg.pp_microbatches)
+def build_pipeline_model(
+    model, layout, unsharded, ranks, log, training, grad_acc=1, channels_last=False, test=False
+) -> Model:
+    """--pp: `model` cut into the `layout`'s stages, the unit pass on each of this rank's (its tensor plan, its
+    layers' recomputation, its blocks compiled, FSDP over the data dimension) inside the meta build's one bracket,
+    run by the schedule (dlojz_lib.parallelism.pipeline). `unsharded`: the model whole on the meta device;
+    `training`: the training group's settings (the batch, the image size, the seed); `grad_acc`: the micro-batches
+    a step accumulates besides the schedule's (a resume's --keep-global-batch: refused); `test`: the chronometer's
+    run, which times the stages."""
+    module, family, arch, batch_size = model.module, model.family, model.arch, training.batch_size
+    check_micro_batches(module, arch, batch_size, grad_acc, layout.pp, layout.microbatches)
     pipe = ranks.mesh["pipe"]
-    unsharded = meta_copy(module)
-    split = cfg.pp_split if cfg.pp_split in ("params", "time") else [int(i) for i in cfg.pp_split.split(",")]
-    micro = cfg.batch_size // cfg.pp_microbatches
+    micro = batch_size // layout.microbatches
+    precision = None if layout.param_dtype is None else getattr(torch, layout.param_dtype)
     layer_weights = None
-    if split == "time":  # a micro-batch as the run feeds it (its own draws: the run's stay one process's)
-        sample = torch.randn(micro, 3, cfg.image_size, cfg.image_size, generator=torch.Generator().manual_seed(0))
-        sample = sample.to(memory_format=torch.channels_last) if cfg.channels_last else sample
-        layer_weights = time_layers(module, cfg.arch, sample, ranks.device, cfg.amp_torch_dtype, model.family)
-    catalogue, values = to_meta(module, ranks)
-    blocks = []  # the FSDP units of each stage
-
-    if cfg.tp > 1:  # the plan checked once, on the whole model: the stages hold its blocks or none
-        from dlojz_lib.parallelism.tensor import check_plan, parallelize, plan_blocks
-
-        check_plan(module, cfg.tp, cfg.arch, model.family)
+    if layout.split == "time":  # a micro-batch as the run feeds it (its own draws: the run's stay one process's)
+        size = training.image_size
+        sample = torch.randn(micro, 3, size, size, generator=torch.Generator().manual_seed(0))
+        sample = sample.to(memory_format=torch.channels_last) if channels_last else sample
+        layer_weights = time_layers(module, arch, sample, ranks.device, precision, family)
+    if layout.tp > 1:  # the plan checked once, on the whole model: the stages hold its blocks or none
+        check_plan(module, layout.tp, arch, family)
     block_paths = [path for path, _ in model.blocks or ()]  # (none: build_pipeline refuses the model)
-    compiled = []  # compile_blocks' lines, a stage each
+    passes = []  # the unit pass's record of each stage
 
-    def shard(stage):
-        if cfg.tp > 1 and plan_blocks(stage, model.family):  # 3-D: the blocks split over the tensor dimension
-            parallelize(stage, ranks.mesh["tensor"], cfg.arch, family=model.family)
-        # the family's blocks the stage holds: FSDP's units (a Stage is of no family: no guess from class names)
-        units = held_blocks(stage, block_paths)
-        if cfg.compile:  # each of the stage's blocks, between the plan and FSDP
-            compiled.append(compile_blocks(units, cfg.compile_mode))
-        mesh, precision = ranks.sharding_mesh(), cfg.amp_torch_dtype
-        offload = cfg.fsdp_offload
-        blocks.append(
-            shard_model(stage, cfg.fsdp_reshard_after_forward, precision, ranks.device, mesh, units, None, offload)
-        )
+    def unit_pass(stage):  # the family's blocks the stage holds: FSDP's units (no guess from class names)
+        passes.append(parallelize_unit(stage, layout, ranks, family, arch, blocks=held_blocks(stage, block_paths)))
 
-    per_rank = cfg.pp_stages_per_rank if SCHEDULES[cfg.pp_schedule][1] else 1
     cut = PipelineCut(
-        cfg.pp, cfg.pp_schedule, cfg.pp_microbatches, per_rank, split, layer_weights, None,
-        cfg.activation_checkpointing, cfg.ac_every, cfg.amp_torch_dtype, cfg.seed, wrap=shard,
-    )  # fmt: skip
-    runner, stages, loss = build_pipeline(model, cut, pipe.get_local_rank(), ranks.device, pipe.get_group())
-    fill_from_first_rank(stages, catalogue, values, ranks.device, cfg.fsdp_offload)
+        pp=layout.pp,
+        schedule=layout.schedule,
+        microbatches=layout.microbatches,
+        stages_per_rank=layout.stages_per_rank,
+        split=layout.split,
+        layer_weights=layer_weights,
+        autocast_dtype=precision,
+        seed=training.seed,
+        wrap=unit_pass,
+    )
+    with filled_from_first_rank(module, layout, ranks) as laid_out:
+        runner, stages, loss = build_pipeline(model, cut, pipe.get_local_rank(), ranks.device, pipe.get_group())
+        laid_out.extend(stages)
     rank, group = pipe.get_local_rank(), pipe.get_group()
-    run = PipelineRun(runner, stages, loss, rank, cfg.pp, group, cfg.batch_size, num_classes)
-    if cfg.test:  # the chronometer's run: the stages' compute and idle time, for the bubble
-        run.time_steps(ranks.device, cfg.pp_schedule, cfg.pp_microbatches, per_rank)
+    run = PipelineRun(runner, stages, loss, rank, layout.pp, group, batch_size, model.num_classes)
+    if test:  # the chronometer's run: the stages' compute and idle time, for the bubble
+        run.time_steps(ranks.device, layout.schedule, layout.microbatches, layout.stages_per_rank)
+    log(pipeline_line(layout, ranks, stages, passes, family, micro))
+    held = stages[0] if len(stages) == 1 else RankStages(stages)  # what the optimizer and the checkpoint see
+    whole = whole_copies(layout, held, ranks, family)
+    return Model(run, held, model.ema, model.num_classes, "fsdp", unsharded, False, layout.tp > 1, run, whole)
+
+
+def pipeline_line(layout, ranks, stages, passes, family, micro) -> str:
+    """The pipeline in one line: its stages, each rank's (the same cut on every data replica, or one line to stop
+    at once), its schedule and bubble, the unit pass's work on each stage."""
+    pp, tp, per_rank = layout.pp, layout.tp, layout.stages_per_rank
     mine = [
         f"{s.names[0] if len(s.names) == 1 else f'{s.names[0]} to {s.names[-1]}'} "
         f"({sum(p.numel() for p in s.parameters()):,} parameters"
-        f"{', no block: replicated over the tensor group' if cfg.tp > 1 and not plan_blocks(s, model.family) else ''})"
+        f"{', no block: replicated over the tensor group' if tp > 1 and not plan_blocks(s, family) else ''})"
         for s in stages
     ]
     everyone = ranks.all_gather(" and ".join(mine))
     # the world's ranks as the mesh lays them out: data replicas outermost, then stages, tensor peers innermost
-    replicas = [everyone[r * cfg.pp * cfg.tp : (r + 1) * cfg.pp * cfg.tp : cfg.tp] for r in range(ranks.data_size)]
+    replicas = [everyone[r * pp * tp : (r + 1) * pp * tp : tp] for r in range(ranks.data_size)]
     if any(cut != replicas[0] for cut in replicas):  # their sends would never meet: stop now, not at --dist-timeout
+        split = layout.split if isinstance(layout.split, str) else ",".join(map(str, layout.split))
         fail(
-            f"--pp-split {cfg.pp_split}: the data replicas cut the model differently ({' | '.join(map('; '.join, replicas))})"
+            f"--pp-split {split}: the data replicas cut the model differently ({' | '.join(map('; '.join, replicas))})"
         )
     looped = f", {per_rank} a rank" if per_rank > 1 else ""
-    bubble = expected_bubble(cfg.pp, cfg.pp_microbatches, per_rank)
-    log(
-        f"pipeline: {cfg.pp * per_rank} stages{looped}, schedule {cfg.pp_schedule}, {cfg.pp_microbatches} micro-batches"
+    bubble = expected_bubble(pp, layout.microbatches, per_rank)
+    compiled = [done.compiled for done in passes if done.compiled is not None]
+    return (
+        f"pipeline: {pp * per_rank} stages{looped}, schedule {layout.schedule}, {layout.microbatches} micro-batches"
         f" of {micro} images a step (bubble {bubble_formula(per_rank)} = {bubble:.0%}); "
         f"stages: {'; '.join(replicas[0])}"
         f"{f', the same cut on each of {ranks.data_size} data replicas' if ranks.data_size > 1 else ''}; each"
-        f"{f' split over {cfg.tp} ranks by the tensor-parallel plan and' if cfg.tp > 1 else ''} sharded by FSDP "
-        f"({blocks[0]} blocks) over {sharded_over(ranks, cfg.fsdp_replicate, 'data replica')}"
-        f"{'; each layer recomputed in the backward (--grad-checkpointing)' if cfg.grad_checkpointing else ''}"
+        f"{f' split over {tp} ranks by the tensor-parallel plan and' if tp > 1 else ''} sharded by FSDP "
+        f"({passes[0].sharded} blocks) over {sharded_over(ranks, layout.replicate, 'data replica')}"
+        f"{'; each layer recomputed in the backward (--grad-checkpointing)' if layout.checkpointing != 'none' else ''}"
         f"{'; ' + '; '.join(compiled) if compiled else ''}"
     )
-    held = stages[0] if len(stages) == 1 else RankStages(stages)  # what the optimizer and the checkpoint see
-    whole = whole_copies(cfg.section("distribution"), held, ranks, model.family)
-    return Model(run, held, ema, num_classes, "fsdp", unsharded, False, cfg.tp > 1, run, whole)
 
 
 def state_bytes_per_rank(model, training, ranks) -> dict:

@@ -201,16 +201,23 @@ class Stage(nn.Module):
         # what FSDP puts on the stage (its shards, then the gathered parameters in a forward) is what they read.
         share_own_tensors(model, self)
         self.runs = [layer.run for layer in layers[first:last]]
-        if recompute not in (False, "none"):
-            from dlojz_lib.model.zoo import recomputed
-
-            # the recomputation leaves BatchNorm's statistics as the forward left them: a micro-batch counted once
-            self.runs = [
-                recomputed(run, model, selective=recompute == "selective") if k % every == 0 else run
-                for k, run in enumerate(self.runs)
-            ]
         self.names = [layer.name for layer in layers[first:last]]
         object.__setattr__(self, "model", model)  # the layers' forwards read it; not a submodule (no name prefix)
+        self.recompute_layers(recompute, every)
+
+    def recompute_layers(self, mode, every=1):
+        """Each layer (the 1st, the every+1-th...) recomputed in the backward from its input (True or "full"), or
+        all but its costly ops' outputs ("selective"); False or "none": kept. The unit pass's checkpointing of a
+        stage (parallelism.layout.parallelize_unit)."""
+        if mode in (False, "none"):
+            return
+        from dlojz_lib.model.zoo import recomputed
+
+        # the recomputation leaves BatchNorm's statistics as the forward left them: a micro-batch counted once
+        self.runs = [
+            recomputed(run, self.model, selective=mode == "selective") if k % every == 0 else run
+            for k, run in enumerate(self.runs)
+        ]
 
     def forward(self, x):
         if self.seed is None or not self.training:
@@ -334,8 +341,8 @@ class PipelineCut:
     --pp-split say, and what each stage does (see Stage). `split`: "params" (balanced by parameters), "time" (by
     each layer's forward time on `sample`: time_layers, summed over the world), or the layers where stages 2, 3...
     start; `layer_weights`: the layers' weights to balance, measured beforehand (time_layers' before the model
-    turned meta), instead. `wrap`: called on each Stage before PyTorch's PipelineStage takes it (dlojz.py shards it
-    with FSDP over the data dimension)."""
+    turned meta), instead. `wrap`: called on each Stage before PyTorch's PipelineStage takes it (dlojz.py's unit pass:
+    the tensor plan, the stage's recomputation, compile and FSDP over the data dimension)."""
 
     pp: int
     schedule: str = "1f1b"
@@ -344,8 +351,6 @@ class PipelineCut:
     split: object = "params"
     layer_weights: list | None = None
     sample: object = None
-    recompute: object = False
-    recompute_every: int = 1
     autocast_dtype: object = None
     seed: int | None = None
     wrap: object = None
@@ -394,7 +399,7 @@ def build_pipeline(model, cut, rank, device, group=None):
     for index in range(rank, total, cut.pp):
         copied = stage_copy(module, layers, *bounds[index])
         own_layers = pipeline_layers(copied, arch, family)
-        stage = Stage(copied, own_layers, *bounds[index], cut.recompute, cut.seed, index, cut.recompute_every)
+        stage = Stage(copied, own_layers, *bounds[index], seed=cut.seed, index=index)
         stage = stage if is_meta(stage) else stage.to(device)  # (a meta model: its owner gives it storage)
         if cut.wrap is not None:
             cut.wrap(stage)

@@ -19,6 +19,7 @@ import dataclasses
 import math
 
 from dlojz_lib.checks import UserError, fail
+from dlojz_lib.settings.layout import Layout
 
 STATE_PER_PARAMETER = {"sgd": 1, "adamw": 2, "lamb": 2, "lars": 1, "lion": 1, "rmsprop": 2}
 
@@ -160,6 +161,12 @@ def layout_rows(settings, module=None):
                     sent_by_group=by_group,
                     tp=tp,
                     pp=1,
+                    spec=Layout(
+                        fsdp=name != "DDP",
+                        tp=tp,
+                        sequence_parallel=tp > 1 and settings.sequence_parallel,
+                        checkpointing=settings.checkpointing,
+                    ),
                 )
             )
         out += pipeline_rows(settings, module, params, gpus, shapes, state, (rest, outputs))
@@ -333,6 +340,7 @@ def pipeline_rows(settings, module, params, gpus, shapes, state, per_layer):
                 tp=tp,
                 pp=pp,
                 bubble=(pp - 1) / (m + pp - 1),
+                spec=Layout(fsdp=True, tp=tp, pp=pp, microbatches=m, checkpointing=settings.checkpointing),
             )
         )
     return rows
@@ -399,6 +407,7 @@ def hsdp_row(node_fsdp, allocation):
         node_fsdp,
         gpus=allocation.gpus,
         layout=f"HSDP {nodes} x FSDP {allocation.gpus_per_node}",
+        spec=dataclasses.replace(node_fsdp["spec"], replicate=nodes),
         sent_by_group=sent,
         sent_bytes_per_step=sum(sent.values()),
     )
@@ -491,7 +500,8 @@ def float8_rows(rows, model, allocation, settings, flops_per_image) -> list:
             )
         )
         sent = dict(row["sent_by_group"], **{group: row["sent_by_group"][group] - saved})
-        variant = dict(row, layout=f"{row['layout']} + float8", sent_by_group=sent, float8="tensorwise")
+        spec = dataclasses.replace(row["spec"], float8="tensorwise")
+        variant = dict(row, layout=f"{row['layout']} + float8", sent_by_group=sent, float8="tensorwise", spec=spec)
         found.append(estimate(dict(variant, sent_bytes_per_step=sum(sent.values())), allocation, settings, flops))
     return found
 
@@ -513,7 +523,11 @@ def checkpointed_rows(rows, allocation, settings, flops_per_image):
             continue
         for mode in (m for m in CHECKPOINTING[CHECKPOINTING.index(settings.checkpointing) + 1 :] if m in by_mode):
             variant = dict(
-                row, layout=f"{row['layout']} + AC {mode}", activation_bytes=by_mode[mode], checkpointing=mode
+                row,
+                layout=f"{row['layout']} + AC {mode}",
+                activation_bytes=by_mode[mode],
+                checkpointing=mode,
+                spec=dataclasses.replace(row["spec"], checkpointing=mode),
             )
             found.append(estimate(variant, allocation, settings, flops_per_image * (1 + RECOMPUTED_FLOPS[mode])))
             if found[-1]["fits"]:
@@ -564,18 +578,19 @@ def why(best, rows, allocation) -> str:
 
 
 def choose_layout(args):
-    """--layout auto: `args` (dlojz.py's parsed flags) with the layout the planner picks for this job's ranks (the
-    launcher's nodes and ranks a node), the device's memory (a GPU's, or on the CPU the host's shared by the node's
-    ranks) and H100 figures for the roofline (auto_layout); and the line that says so."""
+    """--layout auto: the Layout the planner picks for this job's ranks (the launcher's nodes and ranks a node), the
+    device's memory (a GPU's, or on the CPU the host's shared by the node's ranks) and H100 figures for the roofline
+    (auto_layout), with the run's other flags `args` (dlojz.py's parsed flags, left as they are); and the line that
+    says so."""
     import os
 
     import torch
 
     from dlojz_lib.settings.config import local_device
-    from dlojz_lib.settings.flag_checks import check_sharding
     from dlojz_lib.settings.launch import load_idr_torch
+    from dlojz_lib.settings.layout import check_layout
 
-    check_sharding(vars(args))  # a layout flag given beside --layout auto: one line, before the choice replaces it
+    check_layout(vars(args))  # a layout flag given beside --layout auto: one line, before the choice replaces it
     launch = load_idr_torch()
     nodes = max(1, launch.num_nodes)
     per_node = max(1, launch.world_size // nodes)
@@ -588,45 +603,32 @@ def choose_layout(args):
 
 
 def auto_layout(args, allocation):
-    """`args` with the layout the planner picks on `allocation` among those dlojz.py can run with the run's other
-    flags: DDP, FSDP, HSDP over the nodes, TP x FSDP inside a node, and the pipelines (PP x FSDP, PP x TP) the run's
-    -b, micro-batches and flags allow (a pipeline takes -b images, as dlojz.py's); with the activation
-    checkpointing the pick needs, unless the run gives its own (whose activations the rows then count); and the line
-    that says so. The model is counted with 1000 classes (its data is not read yet: the head is small beside the
-    rest)."""
-    from dlojz_lib.checks import UserError
-    from dlojz_lib.settings.flag_checks import check_pipeline
-
-    def pipeline_runs(pp, tp):  # dlojz.py's own checks of --pp with the run's other flags
-        try:
-            check_pipeline(dict(vars(args), pp=pp, tp=tp, fsdp=True))
-        except UserError:
-            return False
-        return args.teacher is None
-
+    """The Layout the planner picks on `allocation` among those dlojz.py runs with the run's other flags (`args`,
+    parsed: each row's record asked for its problems with them): DDP, FSDP, HSDP over the nodes, TP x FSDP inside
+    a node, and the pipelines (PP x FSDP, PP x TP) the run's -b, micro-batches and flags allow (a pipeline takes -b
+    images, as dlojz.py's); with the activation checkpointing the pick needs, unless the run gives its own (whose
+    activations the rows then count); and the line that says so. The model is counted with 1000 classes (its data
+    is not read yet: the head is small beside the rest)."""
     own = args.activation_checkpointing or ("full" if args.grad_checkpointing else "none")  # the user's: kept
     settings = LayoutTable(
         args.arch, args.image_size or 224, 1000, args.batch_size or 16, pp_microbatches=args.pp_microbatches,
         optimizer=args.optimizer if args.optimizer in STATE_PER_PARAMETER else "adamw", checkpointing=own,
         batch_per_copy=True,
     )  # fmt: skip
+    values = vars(args)
     rows = [
         row for row in plan(settings, allocation)[0]
-        if (row["pp"] == 1 or pipeline_runs(row["pp"], row["tp"])) and not (own != "none" and "checkpointing" in row)
+        if not row["spec"].problems(values) and (row["pp"] == 1 or args.teacher is None)
+        and not (own != "none" and "checkpointing" in row)
         and "float8" not in row  # (--float8 needs torchao: the user's to give)
     ]  # fmt: skip
     chosen = rows[0]
     if not chosen["fits"]:
         fail(f"--layout auto: {pick_line(rows, allocation)}")
-    layout, checkpointing = chosen["layout"].split(" + AC ")[0], chosen.get("checkpointing")
-    replicate = allocation.nodes if layout.startswith("HSDP") else 1
-    args.fsdp, args.tp, args.pp, args.fsdp_replicate = layout != "DDP", chosen["tp"], chosen["pp"], replicate
-    args.layout = None  # chosen: the run (and its args.toml) holds the layout's own flags
-    if checkpointing:
-        args.activation_checkpointing = checkpointing
+    spec = chosen["spec"]
     flags = " ".join(
-        flag for flag, on in (("--fsdp", layout != "DDP"), (f"--fsdp-replicate {replicate}", replicate > 1),
-                              (f"--pp {chosen['pp']}", chosen["pp"] > 1), (f"--tp {chosen['tp']}", chosen["tp"] > 1),
-                              (f"--activation-checkpointing {checkpointing}", checkpointing)) if on
+        flag for flag, on in (("--fsdp", spec.fsdp), (f"--fsdp-replicate {spec.replicate}", spec.replicate > 1),
+                              (f"--pp {spec.pp}", spec.pp > 1), (f"--tp {spec.tp}", spec.tp > 1),
+                              (f"--activation-checkpointing {spec.checkpointing}", "checkpointing" in chosen)) if on
     ) or "no layout flag"  # fmt: skip
-    return args, f"--layout auto: {chosen['layout']} ({flags}; {why(chosen, rows, allocation)})"
+    return spec, f"--layout auto: {chosen['layout']} ({flags}; {why(chosen, rows, allocation)})"

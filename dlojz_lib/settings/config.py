@@ -11,14 +11,16 @@ Importing this module imports no torch (the functions that need it import it).
 
 import argparse
 import dataclasses
+import functools
 import os
 from datetime import datetime
 from pathlib import Path
 
 from dlojz_lib.checks import UserError, fail
 from dlojz_lib.settings.flag_checks import check_data_variable, check_flags
-from dlojz_lib.settings.flags import CUDA_GRAPH_MODES, FROM_TIMM, FUSED, LOOPED_SCHEDULES, get_args_parser
+from dlojz_lib.settings.flags import FROM_TIMM, FUSED, get_args_parser
 from dlojz_lib.settings.launch import load_idr_torch
+from dlojz_lib.settings.layout import Layout, resolve_layout
 from dlojz_lib.settings.recipe import read_recipe
 
 # GPU defaults are the course's; without a GPU the CPU profile keeps `--test` to a few minutes on a laptop, with the
@@ -84,6 +86,13 @@ class RunSettings:
         needs one topic's flags takes, rather than the whole Config."""
         section = SECTIONS[name]
         return section(**{field.name: getattr(self, field.name) for field in dataclasses.fields(section)})
+
+    @functools.cached_property
+    def parallelism(self) -> Layout:
+        """The run's layout as one record (settings.layout.Layout), read once from the layout flags that
+        `resolve_layout` filled and checked: what the build, the unit pass and the pipeline ask, never the flags. A
+        Config made anew (`dataclasses.replace`: the global batch's compile mode) reads its own."""
+        return Layout.of(self)
 
     @property
     def autocast_dtype(self):
@@ -172,34 +181,37 @@ def fill_num_workers(values, cpus_per_task, notes):
         )
 
 
-def fill_checkpointing(values):
-    """--grad-checkpointing is --activation-checkpointing full: each says the other."""
-    if values["activation_checkpointing"] is None:
-        values["activation_checkpointing"] = "full" if values["grad_checkpointing"] else "none"
-    values["grad_checkpointing"] = values["activation_checkpointing"] != "none"
+def fill_device_defaults(values, torch_device, notes):
+    """What follows from the device where not given: page-locked buffers and periodic checkpoints on a GPU, AMP
+    (float16 on a GPU without --fsdp, else bfloat16), TF32 from compute capability 8.0 (never on the CPU)."""
+    import torch
+
+    on_gpu = torch_device != "cpu"
+    values["pin_memory"] = values["pin_memory"] and on_gpu  # page-locked buffers serve host-to-GPU copies only
+    if values["checkpoint_every"] is None:  # a dead node loses 15 minutes on average, for a copy of the state
+        values["checkpoint_every"] = 30.0 if on_gpu and values["requeue"] else 0.0
+    if values["amp"] is None:
+        values["amp"] = on_gpu
+    if values["amp_dtype"] is None:  # FSDP: bfloat16, which needs no loss scaler across the shards
+        values["amp_dtype"] = "float16" if on_gpu and not values["fsdp"] else "bfloat16"
+    if values["tf32"] is None:
+        values["tf32"] = on_gpu and torch.cuda.get_device_capability(torch_device)[0] >= 8
+    elif values["tf32"] and not on_gpu:
+        values["tf32"] = False
+        notes.append("--tf32: no effect on the CPU (TF32 is a format of NVIDIA GPUs' matrix units); float32 it is")
 
 
-def fill_parallel_defaults(values, notes):
-    """--fsdp's and --pp's defaults, where not given."""
-    if values["fsdp"] and values["fsdp_reshard_after_forward"] is None:  # a stage's blocks serve every micro-batch
-        values["fsdp_reshard_after_forward"] = values["pp"] == 1
-    if values["pp"] > 1 and values["pp_microbatches"] is None:  # a bubble of (N - 1) / (3 N - 1): about a third
-        values["pp_microbatches"] = 2 * values["pp"]
-    if values["pp_schedule"] in LOOPED_SCHEDULES and values["pp_stages_per_rank"] is None:
-        values["pp_stages_per_rank"] = 2
-    if values["pp"] > 1 and values["drop_last"] is None:
-        values["drop_last"] = True
-        notes.append("--pp: the last incomplete batch of each epoch is dropped (the stages' buffers hold one shape)")
-
-
-def resolve_config(args) -> Config:
-    """Fill the defaults that depend on the machine and check every flag; raise UserError on bad input."""
+def resolve_config(args, chosen=None) -> Config:
+    """Fill the defaults that depend on the machine and check every flag; raise UserError on bad input. `chosen`:
+    the Layout --layout auto picked (its flags replace the layout flags'), or None."""
     import torch
 
     check_launch()  # before idr_torch reads the launcher's variables
     check_flags(vars(args))  # as given (check_command_line's checks, for a caller that skipped it), then once filled
     idr_torch = load_idr_torch()
     values = vars(args).copy()
+    if chosen is not None:  # --layout auto's pick: the run (and its args.toml) holds the layout's own flags
+        values.update(chosen.flags(), layout=None)
     notes = []
     torch_device = local_device(args.device, idr_torch.local_rank)
     on_gpu = torch_device != "cpu"
@@ -221,22 +233,8 @@ def resolve_config(args) -> Config:
         )
     cpus_per_task = idr_torch.cpus_per_task
     fill_num_workers(values, cpus_per_task, notes)
-    values["pin_memory"] = values["pin_memory"] and on_gpu  # page-locked buffers serve host-to-GPU copies only
-    if values["checkpoint_every"] is None:  # a dead node loses 15 minutes on average, for a copy of the state
-        values["checkpoint_every"] = 30.0 if on_gpu and values["requeue"] else 0.0
-    if values["amp"] is None:
-        values["amp"] = on_gpu
-    if values["amp_dtype"] is None:  # FSDP: bfloat16, which needs no loss scaler across the shards
-        values["amp_dtype"] = "float16" if on_gpu and not values["fsdp"] else "bfloat16"
-    fill_parallel_defaults(values, notes)
-    fill_checkpointing(values)
-    if values["tf32"] is None:
-        values["tf32"] = on_gpu and torch.cuda.get_device_capability(torch_device)[0] >= 8
-    elif values["tf32"] and not on_gpu:
-        values["tf32"] = False
-        notes.append("--tf32: no effect on the CPU (TF32 is a format of NVIDIA GPUs' matrix units); float32 it is")
-    if values["compile_mode"] is not None:
-        values["compile"] = True
+    fill_device_defaults(values, torch_device, notes)
+    resolve_layout(values, notes)  # the layout flags filled and checked: Config.parallelism's record
     if values["drop_last"] is None:
         # A last, smaller batch is a new input shape: a new cuDNN autotuning and, compiled, a recompilation.
         values["drop_last"] = bool(values["compile"])
@@ -394,71 +392,84 @@ def check_launch():
 
 def check(cfg: Config):
     """What needs the machine or the files: the device, the libraries a flag needs, the output paths."""
-    import torch
-
     values = dataclasses.asdict(cfg)
     check_flags(values)
     check_data_variable(values)
-    if cfg.torch_device == "cpu" and cfg.compile_mode in CUDA_GRAPH_MODES:
+    if cfg.torch_device == "cpu" and cfg.parallelism.cuda_graphs:
         fail(
             f"--compile-mode {cfg.compile_mode} records CUDA graphs, which need a GPU: on the CPU use "
             "--compile-mode default or max-autotune-no-cudagraphs"
         )
-    from dlojz_lib.model.zoo import check_arch, check_input_sizes
-
-    check_arch(cfg.arch)  # before the data is scanned
-    sizes = (cfg.image_size, cfg.val_crop_size, cfg.min_res, cfg.max_res)
-    check_input_sizes(cfg.arch, cfg.zero_init_residual, [size for size in sizes if size], cfg.drop_path)
-    if cfg.optimizer in FROM_TIMM:  # timm is imported only for them
-        try:
-            import timm.optim  # noqa: F401
-        except ImportError as err:
-            fail(
-                f"--optimizer {cfg.optimizer} needs timm, which does not import here ({err}): pip install timm, "
-                f"or use --optimizer {' or '.join(FUSED)}"
-            )
-    if cfg.teacher is not None and not Path(cfg.teacher).exists():  # a model name: known, and its weights cached
-        from dlojz_lib.model.pretrained import published_weights_file
-        from dlojz_lib.model.zoo import check_arch
-
-        try:
-            check_arch(cfg.teacher)
-            published_weights_file(cfg.teacher, "DEFAULT")
-        except UserError as err:
-            fail(f"--teacher {cfg.teacher}: no such checkpoint, and as a model name: {err}")
     from dlojz_lib.checkpoint import resumes_a_checkpoint
 
     starts_from_weights = not resumes_a_checkpoint(cfg.resume, cfg.output_dir)  # (a resumed run: its checkpoint's)
-    if cfg.initial_checkpoint is not None and starts_from_weights:
-        from dlojz_lib.model.pretrained import check_weights_file
-
-        check_weights_file(cfg.initial_checkpoint)
-    if cfg.pretrained is not None and starts_from_weights:
-        from dlojz_lib.model.pretrained import published_weights_file
-
-        published_weights_file(cfg.arch, cfg.pretrained)  # in the local cache, or one line saying how to fetch it
-    if cfg.fsdp:
-        check_fsdp(cfg.section("memory"), cfg.section("device"))
+    sizes = [size for size in (cfg.image_size, cfg.val_crop_size, cfg.min_res, cfg.max_res) if size]
+    check_model_sources(cfg.section("training"), sizes, cfg.optimizer, starts_from_weights)
+    check_on_device(cfg.parallelism, cfg.torch_device, cfg.section("memory"), cfg.section("device"))
     if cfg.wandb and cfg.wandb_mode == "online" and not (cfg.test or cfg.eval_only or cfg.findlr):
         check_wandb_login()
-    if cfg.sync_bn and cfg.torch_device == "cpu":
-        fail("--sync-bn needs CUDA: torch's SyncBatchNorm works with GPU modules only")
-    if cfg.fsdp_offload and cfg.torch_device == "cpu":
-        fail(
-            "--fsdp-offload keeps the shards in host memory and copies each block's to the GPU for its forward and "
-            "backward: this run is on the CPU, whose shards are in host memory already; drop --fsdp-offload"
-        )
-    if cfg.float8 is not None:
-        check_float8(cfg.float8, cfg.torch_device)
     if cfg.data_backend == "dali":
         from dlojz_lib.data.dali import check_available
 
         if (reason := check_available()) is not None:
             fail(reason)
-    if cfg.amp:
-        check_autocast(torch.device(cfg.torch_device), cfg.autocast_dtype)
     if load_idr_torch().rank == 0:  # what rank 0 writes, checked before the run rather than found after it
         check_run_outputs(cfg.section("logging"), cfg.section("modes"), cfg.data_root)
+
+
+def check_on_device(layout, torch_device, memory, device):
+    """What the run's device takes: FSDP's own settings, SyncBN's CUDA modules, FSDP's offload and float8 on a GPU,
+    the AMP dtype's kernels. `layout`: the run's Layout; `memory`, `device`: those --help groups' settings."""
+    import torch
+
+    on_cpu = torch_device == "cpu"
+    if layout.fsdp:
+        check_fsdp(memory, device)
+    if memory.sync_bn and on_cpu:
+        fail("--sync-bn needs CUDA: torch's SyncBatchNorm works with GPU modules only")
+    if layout.offload and on_cpu:
+        fail(
+            "--fsdp-offload keeps the shards in host memory and copies each block's to the GPU for its forward and "
+            "backward: this run is on the CPU, whose shards are in host memory already; drop --fsdp-offload"
+        )
+    if layout.float8 is not None:
+        check_float8(layout.float8, torch_device)
+    if device.amp:
+        check_autocast(torch.device(torch_device), getattr(torch, device.amp_dtype))
+
+
+def check_model_sources(training, sizes, optimizer, starts_from_weights):
+    """The model and what it starts from, before the data is scanned: its name and input `sizes`, timm for timm's
+    optimizers, the teacher, the --initial-checkpoint file and the --pretrained weights (unless the run resumes a
+    checkpoint, whose weights it takes). `training`: the training group's settings."""
+    from dlojz_lib.model.zoo import check_arch, check_input_sizes
+
+    check_arch(training.arch)
+    check_input_sizes(training.arch, training.zero_init_residual, sizes, training.drop_path)
+    if optimizer in FROM_TIMM:  # timm is imported only for them
+        try:
+            import timm.optim  # noqa: F401
+        except ImportError as err:
+            fail(
+                f"--optimizer {optimizer} needs timm, which does not import here ({err}): pip install timm, "
+                f"or use --optimizer {' or '.join(FUSED)}"
+            )
+    if training.teacher is not None and not Path(training.teacher).exists():  # a model name: known, weights cached
+        from dlojz_lib.model.pretrained import published_weights_file
+
+        try:
+            check_arch(training.teacher)
+            published_weights_file(training.teacher, "DEFAULT")
+        except UserError as err:
+            fail(f"--teacher {training.teacher}: no such checkpoint, and as a model name: {err}")
+    if training.initial_checkpoint is not None and starts_from_weights:
+        from dlojz_lib.model.pretrained import check_weights_file
+
+        check_weights_file(training.initial_checkpoint)
+    if training.pretrained is not None and starts_from_weights:
+        from dlojz_lib.model.pretrained import published_weights_file
+
+        published_weights_file(training.arch, training.pretrained)  # in the local cache, or one line saying how
 
 
 def check_run_outputs(logging, modes, data_root):

@@ -9,8 +9,8 @@ import os
 import re
 
 from dlojz_lib.checks import UserError, fail, missing_data_variable
-from dlojz_lib.settings.flags import CUDA_GRAPH_MODES, LOOPED_SCHEDULES, built_in_defaults, get_args_parser
-from dlojz_lib.settings.launch import launch_world_size, model_copy_problem
+from dlojz_lib.settings.flags import CUDA_GRAPH_MODES, built_in_defaults, get_args_parser
+from dlojz_lib.settings.layout import check_layout
 
 # timm's --aa strings: a kind, then options, each a letter key and its number (rand-m7-mstd0.5-inc1)
 TIMM_AUGMENT = re.compile(r"(rand|augmix|original|originalr|v0|v0r|3a)(-[a-z]+\d*(\.\d+)?)*")
@@ -30,6 +30,7 @@ def check_flags(values):
         check_augmentation,
         check_optimisation,
         check_speed,
+        check_layout,
         check_run_mode,
     ):
         check(values)
@@ -268,143 +269,10 @@ def check_speed(values):
         )
     if values["lr_scaling"] is not None and values["global_batch"] is None:
         fail("--lr-scaling says how --lr follows --global-batch: add --global-batch, the global batch --lr is for")
-    if values["tp"] > 1 and not values["fsdp"]:
-        # FSDP2 over the data dimension is PyTorch's way to replicate a model whose parameters are DTensors
-        fail(
-            f"--tp {values['tp']} runs with --fsdp over the data dimension (2-D; a data dimension of 1 rank is "
-            "plain tensor parallelism): add --fsdp (PyTorch's DDP does not take tensor-parallel parameters)"
-        )
-    if values["sequence_parallel"] and values["tp"] == 1:
-        fail("--sequence-parallel splits the tokens over a tensor-parallel group: add --tp N (and --fsdp)")
-    if values["check_replicas"] and values["tp"] == 1:
-        fail("--check-replicas compares the weights a tensor-parallel group holds whole: add --tp N (and --fsdp)")
-    if values["tp"] > 1 and values["loader_only"]:
-        fail(f"--tp {values['tp']} splits the model, which --loader-only does not build: drop one of them")
-    check_pipeline(values)
-    check_sharding(values)
     if 0 < values["straggler_factor"] <= 1:
         fail(f"--straggler-factor {values['straggler_factor']:g}: above 1 (times the others' median), or 0 (off)")
     if 0 < values["hang_timeout"] < 5:
         fail(f"--hang-timeout {values['hang_timeout']:g}: at least 5 seconds (the ranks beat every few), or 0 (off)")
-
-
-def check_sharding(values):
-    """--fsdp's own flags, each with --fsdp; --float8 with --fsdp or alone; --fsdp-replicate's replicas out of the
-    ranks the launcher gives (a single process is told at start-up)."""
-    own = {
-        "--fsdp-reshard-after-forward/--no-fsdp-reshard-after-forward": values["fsdp_reshard_after_forward"]
-        is not None,
-        f"--fsdp-replicate {values['fsdp_replicate']}": values["fsdp_replicate"] > 1,
-        "--fsdp-offload": values["fsdp_offload"],
-    }
-    for flag, given in own.items():
-        if given and not values["fsdp"]:
-            fail(f"{flag} without --fsdp: it says how --fsdp shards; add --fsdp")
-    if values["layout"] == "auto":
-        chosen = {"--fsdp": values["fsdp"], "--tp": values["tp"] > 1, "--pp": values["pp"] > 1,
-                  "--fsdp-replicate": values["fsdp_replicate"] > 1}  # fmt: skip
-        if any(chosen.values()):
-            given = " and ".join(flag for flag, on in chosen.items() if on)
-            fail(f"--layout auto chooses {given} itself: drop {given}, or --layout auto")
-    for flag, given in ((f"--tp {values['tp']}", values["tp"] > 1), (f"--pp {values['pp']}", values["pp"] > 1)):
-        if given and values["float8"] is not None:  # torchao's float8 styles and stages: not applied here yet
-            fail(
-                f"--float8 {values['float8']} with {flag}: dlojz trains float8 linears without --tp and --pp (alone or with --fsdp); drop one"
-            )
-    launched = launch_world_size(os.environ)
-    if launched > 1:
-        problem = model_copy_problem(launched, values["pp"], values["tp"], values["fsdp_replicate"])
-        if problem is not None:
-            fail(problem)
-
-
-# torch infers a pipeline stage's shapes again only after an eval -> train switch: a new resolution between two
-# validations sends activations of another size than the next stage's buffers (gloo aborts; NCCL need not notice)
-PIPELINE_RESIZING = (
-    "the stages send activations of the shape they inferred at the first step, and progressive resizing changes it; "
-    "train at one --image-size"
-)
-
-
-def check_pipeline(values):
-    """--pp: what composes with the pipeline in dlojz.py, and the micro-batches."""
-    pp, split = values["pp"], values["pp_split"]
-    if pp == 1:
-        counts = values["pp_microbatches"], values["pp_stages_per_rank"]
-        if counts != (None, None) or split != "params" or values["pp_schedule"] != "1f1b":
-            fail("--pp-schedule, --pp-microbatches, --pp-stages-per-rank and --pp-split set how --pp N cuts the "
-                 "model: add --pp N")  # fmt: skip
-        return
-    if values["pp_schedule"] == "zero-bubble":  # its split backward runs after FSDP's reduction of the weights'
-        fail(
-            f"--pp {pp} --pp-schedule zero-bubble computes the weights' gradients apart, after FSDP has reduced them: "
-            "use --pp-schedule interleaved (bench/pipeline_bubble.py measures zero-bubble without FSDP)"
-        )
-    looped = values["pp_schedule"] in LOOPED_SCHEDULES
-    if values["pp_stages_per_rank"] is not None and not looped:
-        fail(
-            f"--pp-stages-per-rank is the interleaved schedules' (several stages a rank): --pp-schedule "
-            f"{values['pp_schedule']} holds one; add --pp-schedule interleaved or zero-bubble"
-        )
-    stages = pp * ((values["pp_stages_per_rank"] or 2) if looped else 1)
-    if not values["fsdp"]:
-        # FSDP2 over the data dimension is the replication PyTorch's pipeline stages support (torchtitan's layout)
-        fail(
-            f"--pp {pp} runs with --fsdp over the data dimension (a data dimension of 1 rank is the pipeline "
-            "alone): add --fsdp"
-        )
-    refused = {
-        "sequence_parallel": (values["sequence_parallel"], "the stages send whole activations, not token shards"),
-        "loader_only": (values["loader_only"], "--loader-only does not build the model"),
-        "min_res": (values["min_res"] is not None, PIPELINE_RESIZING),
-        "mixup_alpha": (
-            values["mixup_alpha"] > 0 or values["cutmix_alpha"] > 0,
-            "the first and last stages would have to mix alike",
-        ),
-        "findlr": (values["findlr"], "the LR range test is not wired to the schedule's step"),
-        "freeze_backbone_epochs": (bool(values["freeze_backbone_epochs"]), "the head is on the last stage alone"),
-        "layer_decay": (values["layer_decay"] is not None, "the layers' depths are counted on one stage alone"),
-    }
-    for name, (given, why) in refused.items():
-        if given:
-            fail(f"--pp {pp} with --{name.replace('_', '-')}: {why}; drop one of them")
-    if values["drop_last"] is False:
-        fail(f"--pp {pp} with --no-drop-last: the stages' buffers hold one batch shape; drop --no-drop-last")
-    if values["grad_acc"] > 1:
-        fail(
-            f"--pp {pp} with --grad-acc {values['grad_acc']}: the schedule already accumulates its micro-batches; for "
-            f"the same global batch and memory give -b {values['batch_size']} x {values['grad_acc']} and "
-            f"--pp-microbatches {values['grad_acc']} x M"
-        )
-    launched = launch_world_size(os.environ)  # (a single process is told at start-up, after the other flags)
-    if launched > 1 and (problem := model_copy_problem(launched, pp, values["tp"])) is not None:
-        fail(problem)  # first: the micro-batches' default follows --pp
-    microbatches = values["pp_microbatches"] or 2 * pp
-    if microbatches < pp:
-        fail(
-            f"--pp-microbatches {microbatches}: at least --pp {pp}, or the last stages never start before the first ends"
-        )
-    if values["batch_size"] is not None and values["batch_size"] % microbatches:
-        fail(f"--pp-microbatches {microbatches} must divide -b {values['batch_size']} (each micro-batch the same size)")
-    rounds = max(1, microbatches // pp)  # PyTorch's looped schedules run the micro-batches in rounds of equal size
-    if looped and microbatches % rounds:
-        size = values["batch_size"]
-        fits = [m for m in range(pp, (size or 0) + 1, pp) if size % m == 0]
-        example = f" (e.g. {min(fits, key=lambda m: abs(m - microbatches))})" if fits else ""
-        fail(
-            f"--pp-microbatches {microbatches}: --pp-schedule {values['pp_schedule']} over --pp {pp} runs them in "
-            f"{rounds} rounds of equal size; give a multiple of --pp {pp} that divides -b{example}"
-        )
-    if split not in ("params", "time"):
-        try:
-            cuts = [int(part) for part in split.split(",")]
-        except ValueError:
-            cuts = None
-        if cuts is None or len(cuts) != stages - 1:
-            fail(
-                f"--pp-split {split}: params, time, or {stages - 1} layer indices separated by commas "
-                f"(where stages 2 to {stages} start)"
-            )
 
 
 def check_run_mode(values):

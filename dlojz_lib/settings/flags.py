@@ -1,7 +1,9 @@
-"""dlojz's command line: the flags (`get_args_parser`), each with its bounds beside it (`Number`), recipe files
-read first (`--config FILE.toml`, several merged in order; dlojz_lib/settings/recipe.py), and the checks of flags taken together (`check_flags`). No torch, no file but the recipe read: `check_command_line()`,
-dlojz.py's first step, answers `--help`, a mistyped flag or a value out of bounds in a fraction of a second, before
-torch is imported. What needs the machine (the device, libraries, output paths) is dlojz_lib/settings/config.py's.
+"""dlojz's command line: the flags (`get_args_parser`), each with its bounds beside it (`Number`), and recipe files
+read first (`--config FILE.toml`, several merged in order: `OneLineParser`, over dlojz_lib/settings/recipe.py). No
+torch, no file but the recipe read: a mistyped flag or a value out of bounds is one line in a fraction of a second,
+before torch is imported. The flags taken together are dlojz_lib/settings/flag_checks.py's (`check_flags`, and
+dlojz.py's first step, `check_command_line`), the layout flags' dlojz_lib/settings/layout.py's; what needs the
+machine (the device, libraries, output paths) is dlojz_lib/settings/config.py's.
 """
 
 import argparse

@@ -155,9 +155,11 @@ def test_layout_auto_adds_activation_checkpointing_where_nothing_fits_without(mo
     pages = {"SC_PAGE_SIZE": 4096, "SC_PHYS_PAGES": 100 * 2**20 // 4096}
     monkeypatch.setattr(os, "sysconf", lambda name: pages.get(name) or sysconf(name))
     argv = ["--arch", ARCH, "--image-size", "32", "--layout", "auto", "-b", "4096", "--device", "cpu"]
-    args, said = choose_layout(get_args_parser().parse_args(argv))
+    args = get_args_parser().parse_args(argv)
+    chosen, said = choose_layout(args)
     assert said.startswith("--layout auto: DDP + AC full (--activation-checkpointing full; "), said
-    assert args.activation_checkpointing == "full" and not args.fsdp and args.layout is None
+    assert chosen.checkpointing == "full" and not chosen.fsdp and chosen.name == "DDP"
+    assert args.layout == "auto" and args.activation_checkpointing is None  # the flags left as given
     with pytest.raises(UserError) as err:
         choose_layout(get_args_parser().parse_args([*argv, "--activation-checkpointing", "selective"]))
     assert str(err.value).startswith("--layout auto: no layout fits in 0.09766 GiB a GPU"), err.value
@@ -189,12 +191,12 @@ def test_layout_auto_picks_a_pipeline_where_the_run_allows_one():
 
     allocation = Allocation(1, **dict(GPUS["h100"], gpus_per_node=2, gpu_memory_gib=0.1))
     argv = ["--arch", ARCH, "--image-size", "32", "--layout", "auto", "-b", "4096", "--device", "cpu"]
-    args, said = auto_layout(get_args_parser().parse_args(argv), allocation)
+    chosen, said = auto_layout(get_args_parser().parse_args(argv), allocation)
     assert said.startswith("--layout auto: PP 2 x FSDP 1 (--fsdp --pp 2; "), said
-    assert (args.pp, args.fsdp, args.tp, args.activation_checkpointing) == (2, True, 1, None)
-    args, said = auto_layout(get_args_parser().parse_args([*argv, "--grad-acc", "2"]), allocation)
+    assert (chosen.pp, chosen.fsdp, chosen.tp, chosen.checkpointing, chosen.microbatches) == (2, True, 1, "none", 4)
+    chosen, said = auto_layout(get_args_parser().parse_args([*argv, "--grad-acc", "2"]), allocation)
     assert said.startswith("--layout auto: DDP + AC full (--activation-checkpointing full; "), said
-    assert (args.pp, args.fsdp) == (1, False)
+    assert (chosen.pp, chosen.fsdp, chosen.checkpointing) == (1, False, "full")
 
 
 def test_the_float8_rows_gather_the_converted_weights_in_a_byte():
