@@ -36,7 +36,7 @@ from dlojz_lib.lab.sweep import (
     sweep,
     sweep_dir_of,
 )
-from dlojz_lib.parallelism.plan import STATE_PER_PARAMETER
+from dlojz_lib.optim import OPTIMIZER_TABLE
 from dlojz_lib.settings.flags import COUNT, PIXELS, VALIDATION_METRICS, WHOLE, Number
 
 
@@ -175,7 +175,7 @@ def get_parser():
     pl.add_argument("-b", "--batch-size", type=COUNT, default=16, help="images a GPU (a tensor group shares them)")
     pl.add_argument("--image-size", type=PIXELS, default=224)
     pl.add_argument("--num-classes", type=COUNT, default=1000)
-    pl.add_argument("--optimizer", default="adamw", choices=sorted(STATE_PER_PARAMETER))
+    pl.add_argument("--optimizer", default="adamw", choices=sorted(OPTIMIZER_TABLE))
     pl.add_argument("--pp-microbatches", type=COUNT, default=8, help="1F1B's micro-batches a step (default: 8)")
     pl.add_argument(
         "--layout", default=None, help="a layout of the table, as it names it: whether it fits, and by how much not"

@@ -46,7 +46,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from dlojz_lib.checks import OneLineArgumentParser  # noqa: E402
-from dlojz_lib.parallelism.plan import STATE_PER_PARAMETER  # noqa: E402  (no torch: the flags are checked first)
+from dlojz_lib.optim import OPTIMIZER_TABLE  # noqa: E402  (no torch: the flags are checked first)
 from dlojz_lib.settings.flags import COUNT, PIXELS  # noqa: E402
 
 GiB = 2**30
@@ -70,7 +70,7 @@ def get_args(argv=None):
     p.add_argument(
         "--pp-microbatches", type=COUNT, default=8, help="micro-batches of a pipeline step, 1F1B (default: 8)"
     )
-    p.add_argument("--optimizer", default="adamw", choices=sorted(STATE_PER_PARAMETER))
+    p.add_argument("--optimizer", default="adamw", choices=sorted(OPTIMIZER_TABLE))
     p.add_argument("--amp-bytes", type=COUNT, default=2, help="bytes of the AMP dtype (default: 2, bfloat16)")
     p.add_argument(
         "--sequence-parallel", action="store_true", help="the TP rows with --sequence-parallel (activations 1/tp)"

@@ -29,13 +29,15 @@ from typing import Callable
 class OptimizerRow:
     """One `--optimizer` value: the class (`module.Name`, imported when built: timm's import costs seconds that
     sgd/adamw runs do not pay), whether torch has a fused step for it, and its keyword arguments from `--mom`,
-    `--wd` and `--nesterov`; whether that fused step takes sharded (DTensor) parameters (--fsdp: else the foreach
-    step is used)."""
+    `--wd` and `--nesterov`; the float32 tensors of state it keeps a parameter (the planner's optimizer bytes:
+    momentum, or Adam's two moments); whether that fused step takes sharded (DTensor) parameters (--fsdp: else the
+    foreach step is used)."""
 
     source: str
     fused: bool
     options: Callable[[float, float, bool], dict]
     about: str
+    state_per_parameter: int
     fused_on_shards: bool = True
 
 
@@ -62,20 +64,34 @@ OPTIMIZER_TABLE = {
         True,
         lambda mom, wd, nesterov: dict(momentum=mom, nesterov=nesterov),
         "torch's SGD",
+        state_per_parameter=1,  # the momentum buffer
         fused_on_shards=False,
     ),
-    "adamw": OptimizerRow("torch.optim.AdamW", True, lambda mom, wd, nesterov: dict(betas=(mom, 0.999)), "torch's"),
+    "adamw": OptimizerRow(
+        "torch.optim.AdamW", True, lambda mom, wd, nesterov: dict(betas=(mom, 0.999)), "torch's", state_per_parameter=2
+    ),
     "rmsprop": OptimizerRow(  # torchvision's MobileNet recipes' (TensorFlow's constants)
         "torch.optim.RMSprop",
         False,
         lambda mom, wd, nesterov: dict(alpha=0.9, eps=0.0316, momentum=mom),
         "torch's, torchvision's constants",
+        state_per_parameter=2,  # the square average and the momentum buffer
     ),
     "lamb": OptimizerRow(
-        "timm.optim.Lamb", False, lambda mom, wd, nesterov: dict(betas=(mom, 0.999), always_adapt=wd == 0), "timm's"
+        "timm.optim.Lamb",
+        False,
+        lambda mom, wd, nesterov: dict(betas=(mom, 0.999), always_adapt=wd == 0),
+        "timm's",
+        state_per_parameter=2,
     ),
     "lars": OptimizerRow(
-        "timm.optim.Lars", False, lambda mom, wd, nesterov: dict(momentum=mom, always_adapt=wd == 0), "timm's"
+        "timm.optim.Lars",
+        False,
+        lambda mom, wd, nesterov: dict(momentum=mom, always_adapt=wd == 0),
+        "timm's",
+        state_per_parameter=1,
     ),
-    "lion": OptimizerRow("timm.optim.Lion", False, lambda mom, wd, nesterov: dict(betas=(mom, 0.99)), "timm's"),
+    "lion": OptimizerRow(
+        "timm.optim.Lion", False, lambda mom, wd, nesterov: dict(betas=(mom, 0.99)), "timm's", state_per_parameter=1
+    ),
 }

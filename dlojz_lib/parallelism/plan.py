@@ -19,9 +19,8 @@ import dataclasses
 import math
 
 from dlojz_lib.checks import UserError, fail
+from dlojz_lib.optim import OPTIMIZER_TABLE
 from dlojz_lib.settings.layout import Layout
-
-STATE_PER_PARAMETER = {"sgd": 1, "adamw": 2, "lamb": 2, "lars": 1, "lion": 1, "rmsprop": 2}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,7 +116,7 @@ def layout_rows(settings, module=None):
     shapes = attention_shapes(module, settings.image_size) if planned else []
     rest, outputs = layer_figures(module, settings, blocks)  # a pipeline layer's bytes an image, and its output
     outside = sum(rest) * settings.amp_bytes / 4
-    state = STATE_PER_PARAMETER[settings.optimizer]
+    state = OPTIMIZER_TABLE[settings.optimizer].state_per_parameter  # (the run's own table)
     out = []
     for gpus in settings.gpus:
         layouts = [("DDP", 1, 1), ("FSDP", 1, gpus)]
@@ -612,7 +611,7 @@ def auto_layout(args, allocation):
     own = args.activation_checkpointing or ("full" if args.grad_checkpointing else "none")  # the user's: kept
     settings = LayoutTable(
         args.arch, args.image_size or 224, 1000, args.batch_size or 16, pp_microbatches=args.pp_microbatches,
-        optimizer=args.optimizer if args.optimizer in STATE_PER_PARAMETER else "adamw", checkpointing=own,
+        optimizer=args.optimizer, checkpointing=own,
         batch_per_copy=True,
     )  # fmt: skip
     values = vars(args)

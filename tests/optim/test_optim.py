@@ -126,7 +126,7 @@ def test_an_optimizer_is_one_row_of_the_table(monkeypatch):
     from dlojz_lib.settings.flags import FUSED, get_args_parser
 
     row = dlojz_lib.optim.OptimizerRow(
-        "torch.optim.Adagrad", False, lambda mom, wd, nesterov: dict(lr_decay=mom / 100), "torch's"
+        "torch.optim.Adagrad", False, lambda mom, wd, nesterov: dict(lr_decay=mom / 100), "torch's", 1
     )
     monkeypatch.setitem(dlojz_lib.optim.OPTIMIZER_TABLE, "adagrad", row)
     optimizer = build_optimizer("adagrad", nn.Linear(2, 2).parameters(), lr=0.01, momentum=0.5, weight_decay=0.0)

@@ -256,3 +256,22 @@ def test_the_roofline_bench_times_each_layout_beside_its_estimate():
         and all(line.startswith("disagree: ") for line in verdict)
         or verdict == ["the roofline and the runs agree within 2x on every pair"]
     ), proc.stdout
+
+
+def test_the_planner_prices_the_optimizer_state_from_the_optimizer_table(monkeypatch):
+    """The rows' optimizer bytes are the optimizer table's state column (dlojz_lib.optim.OPTIMIZER_TABLE, the run's
+    own rows) times the parameter bytes: AdamW's two moments, SGD's momentum, and a row changed in the table changes
+    the plan (no copy of the table in the planner)."""
+    import dataclasses
+
+    import dlojz_lib.optim
+    from dlojz_lib.parallelism.plan import LayoutTable, layout_rows
+
+    def optimizer_bytes(name):
+        rows = layout_rows(LayoutTable(ARCH, image_size=32, gpus=(2,), tp=(2,), pp=(2,), optimizer=name))[0]
+        return {row["layout"]: row["optimizer_bytes"] / row["parameter_bytes"] for row in rows}
+
+    assert set(optimizer_bytes("adamw").values()) == {2} and set(optimizer_bytes("sgd").values()) == {1}
+    three = dataclasses.replace(dlojz_lib.optim.OPTIMIZER_TABLE["sgd"], state_per_parameter=3)
+    monkeypatch.setitem(dlojz_lib.optim.OPTIMIZER_TABLE, "sgd", three)
+    assert set(optimizer_bytes("sgd").values()) == {3}
