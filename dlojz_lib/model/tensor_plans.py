@@ -59,6 +59,11 @@ class TensorPlan:
     tokens_unsplit: Callable[[nn.Module], str | None] = lambda block: "blocks have no sequence-parallel plan here"
     token_sharded: Callable[[nn.Module], list] = no_names  # under sequence parallelism: a block's weights each rank
     # runs on its own tokens (their gradients parts of a sum over the group)
+    # what the planner prices (parallelism.plan): a block's parameters the split cuts, each "col" (its dim 0 split)
+    # or "row" (dim 1), the others whole (a row-wise layer's bias among them)...
+    placements: Callable[[nn.Module], list] = no_names
+    # ...and its attention: (the module whose input is the tokens, its width, its heads)
+    attention: Callable[[nn.Module], tuple] | None = None
 
 
 class Pointwise(nn.Linear):
@@ -280,6 +285,22 @@ def split_timm_block(block, tp_mesh, sequence_parallel):
         heads_of_this_rank(attn.rel_pos, tp_mesh)
 
 
+def linear_placements(pairs) -> list:
+    """(parameter, "col" or "row") of each (layer, kind) of `pairs`: its weight split so, its bias with a column-wise
+    weight (a row-wise layer's bias is added whole, after the reduction)."""
+    found = []
+    for layer, kind in pairs:
+        found.append((layer.weight, kind))
+        if layer.bias is not None and kind == "col":
+            found.append((layer.bias, kind))
+    return found
+
+
+def timm_placements(block) -> list:
+    attn, mlp = block.attn, block.mlp
+    return linear_placements(((attn.qkv, "col"), (mlp.fc1, "col"), (attn.proj, "row"), (mlp.fc2, "row")))
+
+
 TIMM = TensorPlan(
     transformer_blocks,
     check_splittable,
@@ -288,6 +309,8 @@ TIMM = TensorPlan(
     fused=(("attn.qkv.weight", "attn.qkv.{}.weight"), ("attn.qkv.bias", "attn.qkv.{}.bias")),
     tokens_unsplit=tokens_unsplit,
     token_sharded=token_sharded_layers,
+    placements=timm_placements,
+    attention=lambda block: (block.attn, block.attn.qkv.weight.shape[0] // 3, block.attn.num_heads),
 )
 
 
@@ -364,6 +387,15 @@ def split_encoder_block(block, tp_mesh, sequence_parallel):
     block.self_attention.num_heads //= tp_mesh.size()
 
 
+def encoder_placements(block) -> list:
+    """A torchvision encoder block's split parameters: the fused q, k and v (`in_proj_weight` and its bias: each
+    third split column-wise, the whole split on dim 0), mlp.0 column-wise, out_proj and mlp.3 row-wise."""
+    attention = block.self_attention
+    fused = [(attention.in_proj_weight, "col")]
+    fused += [(attention.in_proj_bias, "col")] if attention.in_proj_bias is not None else []
+    return fused + linear_placements(((block.mlp[0], "col"), (attention.out_proj, "row"), (block.mlp[3], "row")))
+
+
 TORCHVISION_VIT = TensorPlan(
     encoder_blocks,
     check_encoder_block,
@@ -374,4 +406,6 @@ TORCHVISION_VIT = TensorPlan(
         ("self_attention.in_proj_bias", "self_attention.{}.bias"),
     ),
     tokens_unsplit=lambda block: "blocks (torchvision's) have no sequence-parallel plan here (timm's ViT's do)",
+    placements=encoder_placements,
+    attention=lambda block: (block.self_attention, block.self_attention.embed_dim, block.self_attention.num_heads),
 )

@@ -42,18 +42,27 @@ class LayoutTable:
     batch_per_copy: bool = False  # batch_size counts a model copy's images (a pipeline's too), as dlojz.py's -b
 
 
-def placements(module):
-    """(shape, tensor-parallel placement) of every parameter under dlojz's plan: "col" (split on dim 0), "row"
-    (split on dim 1), or None (replicated)."""
-    from dlojz_lib.model.tensor_plans import transformer_blocks
+def tensor_plan(module):
+    """`module`'s family's tensor plan (model.tensor_plans' `TensorPlan`, the one `--tp` applies), None for a model
+    of no family or of a family without one."""
+    from dlojz_lib.model.families import family_of
 
-    placement = {}
-    for block in transformer_blocks(module):
-        attn, mlp = block.attn, block.mlp
-        for linear, kind in ((attn.qkv, "col"), (mlp.fc1, "col"), (attn.proj, "row"), (mlp.fc2, "row")):
-            placement[id(linear.weight)] = kind
-            if linear.bias is not None:
-                placement[id(linear.bias)] = "col" if kind == "col" else None  # a row-wise bias is replicated
+    family = family_of(module)
+    return None if family is None else family.tensor_plan
+
+
+def plan_blocks(module) -> list:
+    """The blocks `module`'s tensor plan splits (none without a plan)."""
+    plan = tensor_plan(module)
+    return [] if plan is None else plan.blocks(module)
+
+
+def placements(module):
+    """(shape, tensor-parallel placement) of every parameter under its family's tensor plan (the run's: its
+    `placements`): "col" (split on dim 0), "row" (split on dim 1), or None (replicated)."""
+    plan, placement = tensor_plan(module), {}
+    for block in plan_blocks(module):
+        placement.update((id(parameter), kind) for parameter, kind in plan.placements(block))
     return [(tuple(p.shape), placement.get(id(p))) for p in module.parameters()]
 
 
@@ -71,26 +80,28 @@ def local_numel(shape, kind, tp, replicas):
 def attention_shapes(module, image_size):
     """(tokens per image, tokens each one attends to, attention width, heads, the block's path) of every block of the
     plan, read from a forward of the meta model: a ViT's tokens all attend to each other, a CoAtNet block's map too
-    (NCHW), a MaxViT block's attend within a window or a grid cell (its input: images x windows, tokens, channels)."""
+    (NCHW), a MaxViT block's attend within a window or a grid cell (its input: images x windows, tokens, channels).
+    The plan's `attention` names each block's attention module, width and heads."""
     import torch
 
-    from dlojz_lib.model.tensor_plans import transformer_blocks
-
-    shapes = []
+    plan, shapes = tensor_plan(module), []
     paths = {id(block): path for path, block in module.named_modules()}
 
-    def recorder(block):
-        def record(attn, inputs):
+    def recorder(block, width, heads):
+        def record(attention, inputs):
             x = inputs[0]
             if x.dim() == 4:
                 tokens = span = x.shape[2] * x.shape[3]
             else:
                 tokens, span = x.shape[0] * x.shape[1], x.shape[1]  # one image: its windows' tokens
-            shapes.append((tokens, span, attn.qkv.weight.shape[0] // 3, attn.num_heads, paths[id(block)]))
+            shapes.append((tokens, span, width, heads, paths[id(block)]))
 
         return record
 
-    hooks = [block.attn.register_forward_pre_hook(recorder(block)) for block in transformer_blocks(module)]
+    hooks = []
+    for block in plan_blocks(module):
+        attention, width, heads = plan.attention(block)
+        hooks.append(attention.register_forward_pre_hook(recorder(block, width, heads)))
     with torch.no_grad():
         module.eval()(torch.empty(1, 3, image_size, image_size, device="meta"))
     for hook in hooks:
@@ -100,13 +111,12 @@ def attention_shapes(module, image_size):
 
 def layout_rows(settings, module=None):
     """The rows of `settings`' table, for `module` (its model on the meta device: built here if None)."""
-    from dlojz_lib.model.tensor_plans import is_vit_block, transformer_blocks
     from dlojz_lib.parallelism.tensor import block_bytes_sent
 
     module = meta_model(settings) if module is None else module
-    blocks = transformer_blocks(module)
+    blocks = plan_blocks(module)  # the family's tensor plan's, as --tp splits them
     planned = bool(blocks)  # a model without a plan: DDP's and FSDP's rows only
-    if settings.sequence_parallel and not all(is_vit_block(block) for block in blocks):
+    if settings.sequence_parallel and any(tensor_plan(module).tokens_unsplit(block) for block in blocks):
         raise UserError(
             f"--sequence-parallel: {settings.arch} has no sequence-parallel plan (ViT's tokens only): drop it"
         )

@@ -109,6 +109,7 @@ VIT_S = "timm:vit_small_patch16_224"
         (VIT_S, 224, 4, "full"),
         ("timm:test_coatnet", 64, 4, "none"),
         ("resnet18", 64, 4, "none"),
+        ("vit_b_16", 224, 4, "none"),
     ],
 )
 def test_the_planner_s_activations_are_a_forward_s_within_a_quarter(arch, size, amp_bytes, checkpointing):
@@ -119,7 +120,8 @@ def test_the_planner_s_activations_are_a_forward_s_within_a_quarter(arch, size, 
     keeps its matrix products' and attention's outputs) and full (each block its input; the peak adds one block's
     whole activations, measured on a block's own forward, while the backward recomputes it). The attention is fused:
     counting its scores (Megatron-LM's 5 a s / h) would be 50 % over. A CoAtNet (its MBConv stages as the meta
-    model's forward saves them, beside its transformer blocks' count) and a ResNet-18 (all of it counted so) too."""
+    model's forward saves them, beside its transformer blocks' count), a ResNet-18 (all of it counted so) and
+    torchvision's ViT-B/16 (its encoder blocks counted as its tensor plan's, as timm's) too."""
     import torch
 
     from dlojz_lib.model.zoo import checkpoint_blocks, create_model

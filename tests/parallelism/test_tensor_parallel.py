@@ -692,6 +692,7 @@ def laid_out_on_rank(rank, world, store_path, results):
 
     from dlojz_lib.dist import Distribution, model_parallel_mesh
     from dlojz_lib.model.build import BuiltModel
+    from dlojz_lib.parallelism.fsdp import state_bytes
     from dlojz_lib.parallelism.layout import lay_out
     from dlojz_lib.settings.config import resolve_config
     from dlojz_lib.settings.flags import get_args_parser
@@ -722,14 +723,15 @@ def laid_out_on_rank(rank, world, store_path, results):
                 if net is model.net:  # as dlojz.py steps: the whole weights' gradients over the tensor group first
                     model.whole_copies.average_gradients()
                 optimizer.step()
+        held = state_bytes(model.module, optimizers[1])
         state = fused_state_dict({key: full(value) for key, value in model.module.state_dict().items()})
         expected = reference.state_dict()
         assert state.keys() == expected.keys()
         for key in expected:
             torch.testing.assert_close(state[key], expected[key], rtol=1e-4, atol=1e-5, msg=key)
-        results.put((rank, said, len(split)))
+        results.put((rank, said, len(split), held))
     except BaseException:
-        results.put((rank, traceback.format_exc(), None))
+        results.put((rank, traceback.format_exc(), None, None))
     finally:
         dist.destroy_process_group()
 
@@ -739,12 +741,22 @@ def test_a_family_whose_blocks_are_not_timm_s_trains_under_fsdp_and_tp_as_one_pr
     """torchvision's ViT (nn.MultiheadAttention and torchvision's MLP: no timm class) under `--fsdp --tp 2` on 4
     ranks reaches one process's weights, by its row's plan alone (q, k, v and mlp.0 column-wise, out_proj and
     mlp.3 row-wise: 10 tensors a block split over the tensor dimension, 3 blocks), and the run's line says that
-    plan."""
+    plan. The planner prices it by the same row: its TP 2 x FSDP 2 row holds the largest rank's parameter and
+    optimizer bytes to the byte."""
+    import torch
     from conftest import spawn_ranks
 
+    from dlojz_lib.parallelism.plan import LayoutTable, layout_rows
+
     found = spawn_ranks(laid_out_on_rank, 4, tmp_path)
-    failures = [said for _, said, split in found if split is None]
+    failures = [said for _, said, split, _ in found if split is None]
     assert not failures, "\n".join(failures)
-    for _, said, split in found:
+    for _, said, split, _ in found:
         assert split == 3 * 10, split
         assert any("(q, k, v and mlp.0 column-wise, out_proj and mlp.3 row-wise)" in line for line in said), said
+    with torch.device("meta"):
+        module = tiny_model("torchvision_vit", 32)
+    table = LayoutTable("torchvision_vit", 32, 3, 4, gpus=(4,), tp=(2,), pp=(), optimizer="sgd")
+    row = next(row for row in layout_rows(table, module)[0] if row["layout"] == "TP 2 x FSDP 2")
+    for key in ("parameter_bytes", "optimizer_bytes"):
+        assert row[key] == max(held[key] for *_, held in found), (key, row[key], [held for *_, held in found])
