@@ -58,7 +58,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 from dlojz_lib.checks import OneLineArgumentParser  # noqa: E402
 from dlojz_lib.data import IMAGENET_TRAIN_IMAGES  # noqa: E402  (the size of dlojz's synthetic epoch)
-from dlojz_lib.settings.flags import COUNT, PIXELS, POSITIVE, WHOLE  # noqa: E402
+from dlojz_lib.settings.flags import COUNT, POSITIVE, flag_like  # noqa: E402
 
 TARGET_RATIO = 0.97
 WARMUP_STEPS = 10  # dlojz's LOG_EVERY: its first synchronised log point, where its steady-state timing starts
@@ -70,37 +70,20 @@ def parse_args(argv=None):
     parser = OneLineArgumentParser(
         description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--arch", default="resnet50", help="torchvision model name (default: resnet50)")
-    parser.add_argument(
-        "--batch-size", type=COUNT, default=None, help="per process (default: 128 on GPU, 32 on CPU, like dlojz)"
-    )
-    parser.add_argument(
-        "--image-size", type=PIXELS, default=None, help="px (default: 224 on GPU, 64 on CPU, like dlojz)"
-    )
+    # dlojz.py's own flags, from its flag table's rows (their types, bounds and choices): the runs take them as given
+    flag_like(parser, "--arch", help="torchvision model name (default: resnet50)")
+    flag_like(parser, "--batch-size", help="per process (default: 128 on GPU, 32 on CPU, like dlojz)")
+    flag_like(parser, "--image-size", help="px (default: 224 on GPU, 64 on CPU, like dlojz)")
     parser.add_argument(
         "--steps",
         type=COUNT,
         default=60,
         help=f"training steps per run, the first {WARMUP_STEPS} untimed; a multiple of {WARMUP_STEPS} (default: 60)",
     )
-    parser.add_argument(
-        "--device", choices=("auto", "cpu", "cuda"), default="auto", help="(default: auto = cuda if available)"
-    )
-    parser.add_argument(
-        "--amp",
-        default=None,
-        action=argparse.BooleanOptionalAction,
-        help="autocast (default: on with CUDA, off on CPU)",
-    )
-    parser.add_argument(
-        "--amp-dtype", choices=("float16", "bfloat16"), default=None, help="(default: float16 on CUDA, bfloat16 on CPU)"
-    )
-    parser.add_argument(
-        "--channels-last",
-        default=False,
-        action=argparse.BooleanOptionalAction,
-        help="NHWC model and input (default: off)",
-    )
+    flag_like(parser, "--device", help="(default: auto = cuda if available)")
+    flag_like(parser, "--amp", help="autocast (default: on with CUDA, off on CPU)")
+    flag_like(parser, "--amp-dtype", help="(default: float16 on CUDA, bfloat16 on CPU)")
+    flag_like(parser, "--channels-last", help="NHWC model and input (default: off)")
     parser.add_argument(
         "--repeats", type=COUNT, default=1, help="rounds of interleaved runs; medians reported (default: 1)"
     )
@@ -124,13 +107,11 @@ def parse_args(argv=None):
     parser.add_argument(
         "--json", type=Path, default=None, help="also write the medians and ratios here (bench/gpu_acceptance.sh)"
     )
-    parser.add_argument(
-        "--seed", type=WHOLE, default=123, help="dlojz's default seed: same weights and batch on both sides"
-    )
+    flag_like(parser, "--seed", help="dlojz's default seed: same weights and batch on both sides")
     # Internal: the subprocess entry points (hidden from --help).
     parser.add_argument("--run-bare", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--schedule-steps", type=COUNT, default=None, help=argparse.SUPPRESS)  # dlojz's OneCycle length
-    parser.add_argument("--tf32", default=None, action=argparse.BooleanOptionalAction, help=argparse.SUPPRESS)
+    flag_like(parser, "--tf32", help=argparse.SUPPRESS)
     return parser.parse_args(argv), parser
 
 

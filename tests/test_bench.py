@@ -401,3 +401,33 @@ def test_the_activation_memory_bench_orders_the_modes(tmp_path):
     assert held["full", 1] < held["selective", 1] < held["none", 1], held
     assert held["full", 1] < held["full", 2] < held["none", 1] and held["selective", 1] < held["selective", 2], held
     assert "none             1" in result.stdout and "x none" in result.stdout
+
+
+def test_the_train_bench_takes_dlojz_s_flags_from_its_flag_table():
+    """bench/bench_train.py's flags that are dlojz.py's (--arch, -b, --image-size, --device, AMP, channels-last, the
+    seed, TF32) are the flag table's rows (settings.flags.flag_like): the same type and bounds, choices and switch,
+    so a value dlojz.py refuses the bench refuses in the same words, and a row changed in the table changes the
+    bench."""
+    import argparse
+
+    import bench_train
+
+    from dlojz_lib.settings.flags import flag_like, get_args_parser
+
+    table = {flag: action for action in get_args_parser()._actions for flag in action.option_strings}
+    _, parser = bench_train.parse_args(["--device", "cpu"])
+    shared = [action for action in parser._actions if action.option_strings[0] in table and action.dest != "help"]
+    assert {action.dest for action in shared} >= {"arch", "batch_size", "image_size", "device", "amp", "seed", "tf32"}
+
+    def same_type(a, b):  # (a Number is made anew with each parser: the same kind and bounds)
+        return a == b or (type(a) is type(b) and vars(a) == vars(b))
+
+    for action in shared:
+        row = table[action.option_strings[0]]
+        assert type(action) is type(row) and action.choices == row.choices, action.dest
+        assert same_type(action.type, row.type), action.dest
+    changed = argparse.ArgumentParser()
+    flag_like(changed, "--batch-size", default=7)
+    assert changed.parse_args([]).batch_size == 7 and changed.parse_args(["--batch-size", "3"]).batch_size == 3
+    with pytest.raises(SystemExit):
+        changed.parse_args(["--batch-size", "0"])  # the row's bounds

@@ -51,7 +51,7 @@ def tensor_plan(module):
     return None if family is None else family.tensor_plan
 
 
-def plan_blocks(module) -> list:
+def planned_blocks(module) -> list:
     """The blocks `module`'s tensor plan splits (none without a plan)."""
     plan = tensor_plan(module)
     return [] if plan is None else plan.blocks(module)
@@ -61,7 +61,7 @@ def placements(module):
     """(shape, tensor-parallel placement) of every parameter under its family's tensor plan (the run's: its
     `placements`): "col" (split on dim 0), "row" (split on dim 1), or None (replicated)."""
     plan, placement = tensor_plan(module), {}
-    for block in plan_blocks(module):
+    for block in planned_blocks(module):
         placement.update((id(parameter), kind) for parameter, kind in plan.placements(block))
     return [(tuple(p.shape), placement.get(id(p))) for p in module.parameters()]
 
@@ -99,7 +99,7 @@ def attention_shapes(module, image_size):
         return record
 
     hooks = []
-    for block in plan_blocks(module):
+    for block in planned_blocks(module):
         attention, width, heads = plan.attention(block)
         hooks.append(attention.register_forward_pre_hook(recorder(block, width, heads)))
     with torch.no_grad():
@@ -114,7 +114,7 @@ def layout_rows(settings, module=None):
     from dlojz_lib.parallelism.tensor import block_bytes_sent
 
     module = meta_model(settings) if module is None else module
-    blocks = plan_blocks(module)  # the family's tensor plan's, as --tp splits them
+    blocks = planned_blocks(module)  # the family's tensor plan's, as --tp splits them
     planned = bool(blocks)  # a model without a plan: DDP's and FSDP's rows only
     if settings.sequence_parallel and any(tensor_plan(module).tokens_unsplit(block) for block in blocks):
         raise UserError(

@@ -162,6 +162,20 @@ def built_in_defaults(parser, prefix) -> dict:
     }
 
 
+def flag_like(parser, flag, **changes):
+    """dlojz.py's `flag` added to another command's `parser` (a bench's) from its row in the flag table: its type and
+    bounds, choices, default and kind of switch, as dlojz.py takes them; `changes` (a default, the help) are that
+    command's own."""
+    row = next(action for action in get_args_parser()._actions if flag in action.option_strings)
+    if isinstance(row, argparse.BooleanOptionalAction):
+        options = dict(action=argparse.BooleanOptionalAction)
+    elif isinstance(row, argparse._StoreTrueAction):
+        options = dict(action="store_true")
+    else:
+        options = dict(type=row.type, choices=row.choices, nargs=row.nargs, metavar=row.metavar)
+    return parser.add_argument(flag, **options, **dict(dict(default=row.default, help=row.help), **changes))
+
+
 def get_args_parser():
     # One flat list, grouped as --help shows it: split into functions, the flags would be harder to find.
     parser = OneLineParser(
