@@ -25,12 +25,18 @@ from test_fsdp import BASE, assert_same_weights, checkpoint
 
 import dlojz_lib.checkpoint as ckpt
 
-FAMILIES = {  # name: (--arch and the sizes it trains at)
+FAMILIES = {  # a row of the family table (dlojz_lib/model/families.py): the --arch of its cells, the sizes it trains at
     "vit": ["--arch", "timm:test_vit"],
     "coatnet": ["--arch", "timm:coatnet_pico_rw_224", "--image-size", "64", "--val-resize-size", "72",
                 "--val-crop-size", "64"],
     "resnet": ["--arch", "resnet18"],
 }  # fmt: skip
+# the table's rows other tests cover, and where (their layouts against one process, or for a row no --arch names,
+# the pipeline's cut and draws)
+ELSEWHERE = {
+    "torchvision's ViT": "tests/parallelism/test_tensor_parallel.py (--fsdp --tp 2), test_pipeline.py (PP 2 x TP 2)",
+    "an nn.Sequential (each child a layer)": "tests/parallelism/test_pipeline.py (its cut, the stages' draws)",
+}
 AC = ["--activation-checkpointing", "full"]
 # layout: (ranks, its flags, the run a BatchNorm family's equals: "b16" (one process, -b 16), "micro" (one process,
 # -b 4 --grad-acc 4) or "plain" (the same layout without activation checkpointing))
@@ -54,6 +60,29 @@ REFUSED = {
 # cell (a minute on 4 CPU ranks at 64 px: its --pp cell and the ViT's 3-D cell stand for it), and the ViT's --tp
 # cell: test_tensor_parallel.py's "tp" run, under --activation-checkpointing selective, against one process
 CELLS = [(family, layout) for family in FAMILIES for layout in LAYOUTS if (family, layout) not in LEFT]
+
+
+def family_of_cells(flags) -> str:
+    """The family table's row of the model a cell's flags train (built on the meta device)."""
+    import torch
+
+    from dlojz_lib.model.families import family_of
+    from dlojz_lib.model.zoo import create_model
+
+    size = int(flags[flags.index("--image-size") + 1]) if "--image-size" in flags else 32
+    with torch.device("meta"):
+        return family_of(create_model(flags[flags.index("--arch") + 1], 3, False, size)).name
+
+
+def test_the_matrix_has_cells_for_every_family_of_the_table():
+    """The matrix's families are the family table's rows: each of its models is of the row it stands for, one a row,
+    and every row of the table has its cells here or names the tests that cover it (a family added to the table
+    without either fails here)."""
+    from dlojz_lib.model.families import FAMILIES as TABLE
+
+    rows = [family_of_cells(flags) for flags in FAMILIES.values()]
+    assert len(set(rows)) == len(rows), rows
+    assert set(rows).isdisjoint(ELSEWHERE) and set(rows) | set(ELSEWHERE) == {row.name for row in TABLE}
 
 
 def common(tiny_data):
