@@ -152,11 +152,15 @@ def parallelize_unit(unit, layout, ranks, family, arch="this model", val_crop_si
     if layout.fsdp:
         from dlojz_lib.parallelism.fsdp import shard_model
 
-        precision = None if layout.param_dtype is None else getattr(torch, layout.param_dtype)
         units, row = (blocks, None) if is_stage else (None, family)  # (a Stage is of no family)
         mesh, reshard = ranks.sharding_mesh(), layout.reshard_after_forward
-        done.sharded = shard_model(unit, reshard, precision, ranks.device, mesh, units, row, layout.offload)
+        done.sharded = shard_model(unit, reshard, param_dtype(layout), ranks.device, mesh, units, row, layout.offload)
     return done
+
+
+def param_dtype(layout):
+    """The torch dtype of the layout's `param_dtype` (FSDP's gathers, autocast's), None for float32."""
+    return None if layout.param_dtype is None else getattr(torch, layout.param_dtype)
 
 
 @contextlib.contextmanager
@@ -316,7 +320,7 @@ def build_pipeline_model(
     check_micro_batches(module, arch, batch_size, grad_acc, layout.pp, layout.microbatches)
     pipe = ranks.mesh["pipe"]
     micro = batch_size // layout.microbatches
-    precision = None if layout.param_dtype is None else getattr(torch, layout.param_dtype)
+    precision = param_dtype(layout)
     layer_weights = None
     if layout.split == "time":  # a micro-batch as the run feeds it (its own draws: the run's stay one process's)
         size = training.image_size

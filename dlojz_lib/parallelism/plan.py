@@ -42,26 +42,21 @@ class LayoutTable:
     batch_per_copy: bool = False  # batch_size counts a model copy's images (a pipeline's too), as dlojz.py's -b
 
 
-def tensor_plan(module):
-    """`module`'s family's tensor plan (model.tensor_plans' `TensorPlan`, the one `--tp` applies), None for a model
-    of no family or of a family without one."""
+def tensor_plan(module) -> tuple:
+    """(`module`'s family's tensor plan, the one `--tp` applies (model.tensor_plans' `TensorPlan`), the blocks it
+    splits, as `tensor.plan_blocks` finds them): (None, []) for a model of no family or of a family without one."""
     from dlojz_lib.model.families import family_of
+    from dlojz_lib.parallelism.tensor import plan_blocks
 
     family = family_of(module)
-    return None if family is None else family.tensor_plan
-
-
-def planned_blocks(module) -> list:
-    """The blocks `module`'s tensor plan splits (none without a plan)."""
-    plan = tensor_plan(module)
-    return [] if plan is None else plan.blocks(module)
+    return (None if family is None else family.tensor_plan), plan_blocks(module, family)
 
 
 def placements(module):
     """(shape, tensor-parallel placement) of every parameter under its family's tensor plan (the run's: its
     `placements`): "col" (split on dim 0), "row" (split on dim 1), or None (replicated)."""
-    plan, placement = tensor_plan(module), {}
-    for block in planned_blocks(module):
+    (plan, blocks), placement = tensor_plan(module), {}
+    for block in blocks:
         placement.update((id(parameter), kind) for parameter, kind in plan.placements(block))
     return [(tuple(p.shape), placement.get(id(p))) for p in module.parameters()]
 
@@ -84,7 +79,7 @@ def attention_shapes(module, image_size):
     The plan's `attention` names each block's attention module, width and heads."""
     import torch
 
-    plan, shapes = tensor_plan(module), []
+    (plan, blocks), shapes = tensor_plan(module), []
     paths = {id(block): path for path, block in module.named_modules()}
 
     def recorder(block, width, heads):
@@ -99,7 +94,7 @@ def attention_shapes(module, image_size):
         return record
 
     hooks = []
-    for block in planned_blocks(module):
+    for block in blocks:
         attention, width, heads = plan.attention(block)
         hooks.append(attention.register_forward_pre_hook(recorder(block, width, heads)))
     with torch.no_grad():
@@ -114,9 +109,9 @@ def layout_rows(settings, module=None):
     from dlojz_lib.parallelism.tensor import block_bytes_sent
 
     module = meta_model(settings) if module is None else module
-    blocks = planned_blocks(module)  # the family's tensor plan's, as --tp splits them
+    plan, blocks = tensor_plan(module)  # the family's tensor plan's, as --tp splits them
     planned = bool(blocks)  # a model without a plan: DDP's and FSDP's rows only
-    if settings.sequence_parallel and any(tensor_plan(module).tokens_unsplit(block) for block in blocks):
+    if settings.sequence_parallel and any(plan.tokens_unsplit(block) for block in blocks):
         raise UserError(
             f"--sequence-parallel: {settings.arch} has no sequence-parallel plan (ViT's tokens only): drop it"
         )

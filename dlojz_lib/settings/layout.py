@@ -1,6 +1,6 @@
 """The run's layout as one typed record, torchtitan's parallelism section: `Layout` (the data, tensor and pipeline
-degrees, how FSDP shards, what each unit recomputes and compiles, float8), made once from the flags by
-`resolve_layout` (the layout flags' defaults filled, their combination rules checked) and read as
+degrees, how FSDP shards, what each unit recomputes and compiles, float8), read from the flags once
+`resolve_layout` has filled their defaults and checked their combination rules, as
 `Config.parallelism` by the model's build, the unit pass (`parallelism.layout.parallelize_unit`), the pipeline's
 builder and the planner, which ask it what a layout question needs instead of reading the flags.
 
@@ -62,7 +62,7 @@ class Layout:
 
     @classmethod
     def of(cls, values) -> "Layout":
-        """The record of resolved flag values (a dict, or a Config: its flags' names)."""
+        """The record of resolved flag values (`resolve_layout`'s: a dict, or a Config, by its flags' names)."""
         get = values.get if isinstance(values, dict) else lambda name: getattr(values, name)
         pp, looped = get("pp"), get("pp_schedule") in LOOPED_SCHEDULES
         split = get("pp_split")
@@ -82,7 +82,7 @@ class Layout:
             float8=get("float8"),
             checkpointing=get("activation_checkpointing") or "none",
             checkpoint_every=get("ac_every"),
-            compile=bool(get("compile") or get("compile_mode")),
+            compile=get("compile"),
             compile_mode=get("compile_mode"),
             param_dtype=get("amp_dtype") if get("amp") else None,
         )
@@ -105,22 +105,9 @@ class Layout:
         own = {"float8": self.float8} if self.float8 is not None else {}
         return list(layout_problems(dict(values, **self.flags(), **own, layout=None)))
 
-    def data_degree(self, world_size) -> int:
-        """The data ranks among `world_size`: the copies of the model (replicas, or FSDP's shards and replicas)."""
-        return world_size // (self.tp * self.pp)
-
-    def shard_degree(self, world_size) -> int:
-        """The ranks each replica shards the model over (1 without --fsdp: DDP's whole copies)."""
-        return self.data_degree(world_size) // self.replicate if self.fsdp else 1
-
     def builds_on_meta(self, is_main) -> bool:
         """Whether this rank builds the model's shapes only, its values filled from the first rank once laid out."""
         return self.fsdp and not is_main
-
-    @property
-    def stages_recompute(self) -> bool:
-        """Whether the pipeline's stages recompute their own layers (else the model's units do, if any)."""
-        return self.pp > 1 and self.checkpointing != "none"
 
     @property
     def compiled_by_block(self) -> bool:
@@ -161,12 +148,11 @@ def fill_layout_defaults(values, notes):
         values["compile"] = True
 
 
-def resolve_layout(values, notes) -> Layout:
-    """The run's Layout from its flag values (a dict, filled in place): the defaults, then the rules (the first
-    problem is one line, exit 2)."""
+def resolve_layout(values, notes):
+    """The layout flags of a run's values (a dict, filled in place) resolved for its record (`Layout.of`, which
+    Config.parallelism reads): the defaults, then the rules (the first problem is one line, exit 2)."""
     fill_layout_defaults(values, notes)
     check_layout(values)
-    return Layout.of(values)
 
 
 def check_layout(values):

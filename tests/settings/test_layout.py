@@ -54,7 +54,7 @@ def test_the_config_carries_the_layout_its_flags_resolve_to():
         fsdp=True, pp=2, microbatches=4, reshard_after_forward=False, checkpointing="full", compile=True,
         compile_mode="max-autotune-no-cudagraphs", param_dtype=None,
     )  # fmt: skip
-    assert cfg.parallelism.stages_recompute and cfg.parallelism.compiled_by_block and not cfg.parallelism.cuda_graphs
+    assert cfg.parallelism.compiled_by_block and not cfg.parallelism.cuda_graphs
     assert cfg.parallelism.builds_on_meta(is_main=False) and not cfg.parallelism.builds_on_meta(is_main=True)
     assert cfg.parallelism.name == "PP 2 x FSDP"
     cut = resolve("--fsdp", "--pp", "2", "--pp-schedule", "interleaved", "--pp-split", "1,2,3", "-b", "8")
