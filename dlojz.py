@@ -196,11 +196,12 @@ def main(argv=None, resources=None) -> dict:
     chrono.start()
     run.started = run_start - state.elapsed_s  # a resumed run goes on counting from the first run's start
     periodic = periodic_checkpoints(cfg, run.saver, run.started, loaders.n_train_batches, training.lr_finder, log)
+    epoch_end = (cfg.test_nsteps if cfg.test else None, cfg.output_dir)  # (--test's steps; a divergence's folder)
     for epoch in range(state.epoch, cfg.epochs):
         epoch_start = time.perf_counter()
         if cfg.min_res is not None:  # the data set's workers crop at this resolution (the sample keys carry the epoch)
             announce_resolution(cfg, epoch, log, wandb_run, state.global_step)
-        result = train_one_epoch(model, training, loaders, state, cfg, ranks, hooks, progress, stop, periodic)
+        result = train_one_epoch(model, training, loaders, state, ranks, hooks, progress, stop, periodic, *epoch_end)
         train_seconds = time.perf_counter() - epoch_start
         if result.train_loss is not None:  # None: resumed after this epoch's training, before its validation
             metrics.update(train_loss=result.train_loss, train_accuracy=result.train_accuracy)
@@ -219,7 +220,6 @@ def main(argv=None, resources=None) -> dict:
             validation = validate(run, epoch, train_seconds)
             if validation.get("stopped_by"):  # resumed, the run validates this epoch first
                 return stop_run(run, validation["stopped_by"])
-
         # ================================ CHECKPOINT
         if save_epoch(run, epoch, validation, periodic):  # True: the end of --test, or --target-accuracy reached
             break
@@ -284,11 +284,11 @@ def evaluate_only(run, resumed_from, classes, val_set) -> dict:
 
 
 def train_one_epoch(
-    model, training, loaders, state, cfg, ranks, hooks, progress, stop, checkpoints=None
+    model, training, loaders, state, ranks, hooks, progress, stop, checkpoints=None, test_steps=None, output_dir="."
 ) -> EpochResult:
-    """Train on what is left of epoch `state.epoch` (from micro-batch `state.batch`), stopping early at the end of
-    --test, on a stop signal (any rank) or when the LR finder is done; `checkpoints` (--checkpoint-every) saves
-    mid-epoch. The metrics stay on the device: the host waits for them only at log points (every LOG_EVERY
+    """Train on what is left of epoch `state.epoch` (from micro-batch `state.batch`), stopping early after
+    `test_steps` optimizer steps (--test), on a stop signal (any rank) or when the LR finder is done; `checkpoints`
+    (--checkpoint-every) saves mid-epoch; a non-finite loss stops the run, naming `output_dir`'s last checkpoint. The metrics stay on the device: the host waits for them only at log points (every LOG_EVERY
     optimizer steps and at console lines). The hot loop, on one screen: a step's operations in their order."""
     loaders.start_epoch(state.epoch, state.batch)
     progress.new_epoch(hooks.data_wait_s)
@@ -303,8 +303,8 @@ def train_one_epoch(
         batch_index = state.batch
         # MixUp/CutMix: soft labels, which the loss and the train accuracy take as they are
         images, targets = training.mix(images, labels) if training.mix is not None else (images, labels)
-        optimizer_step = (batch_index + 1) % cfg.grad_acc == 0 or batch_index == loaders.n_train_batches - 1
-        loss, accuracy = forward_backward(model, training, images, targets, cfg.grad_acc, hooks, stop, optimizer_step)
+        optimizer_step = (batch_index + 1) % training.grad_acc == 0 or batch_index == loaders.n_train_batches - 1
+        loss, accuracy = forward_backward(model, training, images, targets, hooks, stop, optimizer_step)
         if optimizer_step:
             with hooks.phase("optimizer_step"):  # (frozen layers dropped, clip, scaler step, zero_grad, EMA)
                 step_optimizer(model, training, training.clip_grad_norm, state.global_step + 1)
@@ -326,7 +326,7 @@ def train_one_epoch(
         if stop.requested(state.global_step):
             stop_reason = stop.stop_signal.name or "signal on another rank"
             break
-        end_of_test = cfg.test and state.global_step >= cfg.test_nsteps
+        end_of_test = test_steps is not None and state.global_step >= test_steps
         console_line = progress.is_console_line(batch_index) or end_of_test
         if state.global_step % LOG_EVERY == 0 or console_line:
             due = checkpoints is not None and checkpoints.due()  # rank 0's clock; the all-reduce tells the others
@@ -335,7 +335,7 @@ def train_one_epoch(
                 progress.console(straggler)
             progress.mark(hooks.data_wait_s)
             if bad_step >= 0:
-                diverged(cfg.output_dir, bad_step, state.epoch)
+                diverged(output_dir, bad_step, state.epoch)
             lr = training.optimizer.param_groups[0]["lr"]  # the next step's (the scheduler has stepped)
             if state.global_step % LOG_EVERY == 0:
                 progress.log_train(state.global_step, loss, lr)
@@ -356,7 +356,7 @@ def train_one_epoch(
     return epoch_result(epoch_totals, stop_reason, ranks, stop)
 
 
-def forward_backward(model, training, images, targets, grad_acc, hooks, stop, optimizer_step):
+def forward_backward(model, training, images, targets, hooks, stop, optimizer_step):
     """A micro-batch's forward, loss and backward, its gradients reduced across ranks at an optimizer step's; under
     --pp the schedule's step (every micro-batch's forward and backward through the stages). Returns the loss and,
     at an optimizer step, the accuracy (under --pp both the last stage's, on every stage)."""
@@ -374,7 +374,7 @@ def forward_backward(model, training, images, targets, grad_acc, hooks, stop, op
             with hooks.phase("loss"):
                 loss = training.criterion(outputs, targets, *teacher)
         with hooks.phase("backward"), stop.collective("the gradient all-reduce", optimizer_step):
-            training.scaler.scale(loss / grad_acc).backward()
+            training.scaler.scale(loss / training.grad_acc).backward()
     if not optimizer_step:
         return loss, None
     with torch.no_grad():

@@ -261,15 +261,15 @@ def onecycle_values(max_lr, total_steps, steps):
 def run_dlojz_short_epoch(steps, dlojz_argv):
     """dlojz's normal (non --test) training loop, its own train_one_epoch, over a synthetic epoch of `steps` batches
     (in_process.synthetic_loop), writing the metrics the driver reads."""
-    from in_process import synthetic_loop
+    from in_process import synthetic_run
 
     import dlojz
     from dlojz_lib.log import write_json
 
-    loop = synthetic_loop(dlojz_argv, n_batches=steps)
+    cfg, loop = synthetic_run(dlojz_argv, n_batches=steps)
     result = dlojz.train_one_epoch(**loop)
     write_json(
-        loop["cfg"].metrics_json,
+        cfg.metrics_json,
         dict(
             steps=loop["state"].global_step,
             train_loss=result.train_loss,

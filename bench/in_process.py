@@ -27,6 +27,11 @@ from dlojz_lib.settings.flags import get_args_parser  # noqa: E402
 def synthetic_loop(argv, n_batches):
     """The arguments of train_one_epoch for `argv` on --synthetic batches, `n_batches` per epoch and rank: the
     training loop run in-process by benchmarks and tests, without data, W&B, checkpoints or signal handlers."""
+    return synthetic_run(argv, n_batches)[1]
+
+
+def synthetic_run(argv, n_batches):
+    """(the run's Config, synthetic_loop's arguments of train_one_epoch): for a caller that also reads the flags."""
     cfg = resolve_config(get_args_parser().parse_args([*argv, "--synthetic"]))
     ranks, cfg = setup_distributed(cfg)
     log = Console(ranks.is_main)
@@ -49,14 +54,15 @@ def synthetic_loop(argv, n_batches):
         cfg.grad_acc,
         cfg.batch_size * ranks.world_size,
     )
-    return dict(
+    return cfg, dict(
         model=model,
         training=training,
         loaders=loaders,
         state=TrainState(),
-        cfg=cfg,
         ranks=ranks,
         hooks=LoopHooks(Chronometer(enabled=cfg.test, device=ranks.device), None, training.lr_finder, ranks.enabled),
         progress=progress,
         stop=StopPoll(StopSignal(), ranks),
+        test_steps=cfg.test_nsteps if cfg.test else None,
+        output_dir=cfg.output_dir,
     )

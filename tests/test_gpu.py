@@ -28,7 +28,7 @@ import time
 import pytest
 import torch
 from conftest import read_json, run_dlojz, show
-from in_process import synthetic_loop
+from in_process import synthetic_loop, synthetic_run
 
 import dlojz
 import dlojz_lib.optim.optimizers
@@ -454,7 +454,7 @@ def test_training_steps_never_wait_for_the_gpu(flags, monkeypatch):
     if "bfloat16" in flags:
         skip_without_bfloat16()
     loop = synthetic_loop([*CUDA, "--arch", "resnet18", "--epochs", "2", "--amp", *flags], n_batches=9)
-    steps = 9 // loop["cfg"].grad_acc
+    steps = 9 // loop["training"].grad_acc
     result = epoch_without_waits(loop, monkeypatch)
     assert loop["state"].global_step == 2 * steps and math.isfinite(result.train_loss)
     if "--model-ema" in flags:
@@ -511,8 +511,8 @@ def test_an_epoch_through_the_dataloader_and_prefetcher_never_waits_for_the_gpu(
 @pytest.mark.parametrize("flags", [["--tta-flip"], ["--blurpool", "--channels-last"]])
 def test_validation_batches_never_wait_for_the_gpu(flags):
     """evaluate() waits once, for its totals after the last batch."""
-    loop = loop_for("--arch", "resnet18", "--amp", *flags)
-    cfg, ranks = loop["cfg"], loop["ranks"]
+    cfg, loop = synthetic_run([*CUDA, "--arch", "resnet18", "--amp", *flags], n_batches=3)
+    ranks = loop["ranks"]
     loaders = synthetic_loaders(cfg, SYNTHETIC_CLASSES, ranks, 32, 4 * cfg.val_batch_size)
     dlojz.evaluate(loop["model"].module, loaders, loop["training"], ranks, tta_flip=cfg.tta_flip)  # warm-up
     totals = []

@@ -20,8 +20,8 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 from conftest import ROOT
-from in_process import synthetic_loop
-from test_flag_effects import BASE, loop_for
+from in_process import synthetic_run
+from test_flag_effects import BASE, loop_for, run_for
 from test_preemption import as_rank_of_two
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -342,6 +342,11 @@ def test_a_training_epoch_waits_for_the_device_only_at_log_points(flags, monkeyp
 def loop_on_data(data_root, *flags):
     """train_one_epoch's arguments as main() builds them, on the images of `data_root` through the DataLoader
     (one worker: the batches reach this process as they do in a run)."""
+    return run_on_data(data_root, *flags)[1]
+
+
+def run_on_data(data_root, *flags):
+    """(Config, loop_on_data's loop): for a test that also reads the flags."""
     from dlojz_lib.settings.config import resolve_config
     from dlojz_lib.settings.flags import get_args_parser
 
@@ -358,8 +363,9 @@ def loop_on_data(data_root, *flags):
     )
     hooks = dlojz.LoopHooks(dlojz.Chronometer(enabled=False, device=ranks.device))
     stop = dlojz.StopPoll(dlojz.StopSignal(), ranks)
-    return dict(model=model, training=training, loaders=loaders, state=TrainState(), cfg=cfg, ranks=ranks, hooks=hooks,
-                progress=progress, stop=stop)  # fmt: skip
+    test_steps = cfg.test_nsteps if cfg.test else None
+    return cfg, dict(model=model, training=training, loaders=loaders, state=TrainState(), ranks=ranks, hooks=hooks,
+                     progress=progress, stop=stop, test_steps=test_steps, output_dir=cfg.output_dir)  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -375,11 +381,11 @@ def loop_on_data(data_root, *flags):
 )
 def test_an_epoch_on_images_through_the_dataloader_waits_only_at_log_points(flags, tiny_data, monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)
-    loop = loop_on_data(tiny_data, *flags)
+    cfg, loop = run_on_data(tiny_data, *flags)
     outside, _ = audit_epoch(loop, monkeypatch)
     assert loop["state"].batch == loop["loaders"].n_train_batches >= 9  # 72 images, 8 a batch
     assert unexpected(outside) == []
-    loaders, cfg = loop["loaders"], loop["cfg"]
+    loaders = loop["loaders"]
     validation = audit_validation(loop["model"], loaders, loop["training"], loop["ranks"], cfg.tta_flip)
     assert unexpected(validation) == []
 
@@ -407,8 +413,7 @@ def test_checkpoints_every_few_minutes_wait_only_at_log_points(monkeypatch, tmp_
     from dlojz_lib.resume import make_saver, periodic_checkpoints
 
     monkeypatch.chdir(tmp_path)
-    loop = loop_for("--checkpoint-every", "0.0001", "--output-dir", tmp_path / "run", n_batches=4)
-    cfg = loop["cfg"]
+    cfg, loop = run_for("--checkpoint-every", "0.0001", "--output-dir", tmp_path / "run", n_batches=4)
     saver = make_saver(cfg, loop["model"], loop["training"], loop["ranks"])
     checkpoints = periodic_checkpoints(cfg, saver, 0.0, loop["loaders"].n_train_batches, None, lambda line: None)
     outside, _ = audit_epoch(loop, monkeypatch, checkpoints)
@@ -493,8 +498,8 @@ def audit_validation(model, loaders, training, ranks, tta_flip):
 @pytest.mark.parametrize("flags", [["--tta-flip"], ["--blurpool", "--amp", "--amp-dtype", "bfloat16"]])
 def test_validation_waits_for_the_device_only_at_its_end(flags, monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)
-    loop = loop_for(*flags)
-    cfg, ranks = loop["cfg"], loop["ranks"]
+    cfg, loop = run_for(*flags)
+    ranks = loop["ranks"]
     loaders = synthetic_loaders(cfg, SYNTHETIC_CLASSES, ranks, 8, 3 * cfg.val_batch_size)
     assert unexpected(audit_validation(loop["model"], loaders, loop["training"], ranks, cfg.tta_flip)) == []
 
@@ -506,7 +511,7 @@ def audited_ranks(rank, port, out_dir, results):
 
     flags = ["--amp", "--amp-dtype", "float16", "--grad-acc", "2", "--model-ema", "--clip-grad-norm", "1.0"]
     # (BlurPool, a ResNet's, is audited in one process above: DDP adds nothing to it)
-    loop = synthetic_loop([*BASE, *flags, *FLOAT16_MODEL, "--tta-flip", "--mixup-alpha", "0.2"], n_batches=4)
+    cfg, loop = synthetic_run([*BASE, *flags, *FLOAT16_MODEL, "--tta-flip", "--mixup-alpha", "0.2"], n_batches=4)
     from dlojz_lib.observers.watchdog import Watchdog
 
     # the ranks' forward seconds compared at each log point, as --straggler-factor's default does in a run
@@ -514,7 +519,7 @@ def audited_ranks(rank, port, out_dir, results):
     monkeypatch = pytest.MonkeyPatch()
     try:
         outside, _ = audit_epoch(loop, monkeypatch)
-        cfg, ranks = loop["cfg"], loop["ranks"]
+        ranks = loop["ranks"]
         loaders = synthetic_loaders(cfg, SYNTHETIC_CLASSES, ranks, 8, 3 * 2 * cfg.val_batch_size)
         validation = audit_validation(loop["model"], loaders, loop["training"], ranks, True)
         results[rank] = (unexpected(outside), unexpected(validation), loop["model"].parallel)

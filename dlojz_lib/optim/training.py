@@ -45,6 +45,7 @@ class Training:
     drop_frozen_gradients: object = None
     teacher: object = None  # --teacher: images -> its logits, which the criterion (a DistillationLoss) then takes
     clip_grad_norm: float | None = None  # the global norm the loop clips the gradients to (--clip-grad-norm)
+    grad_acc: int = 1  # the micro-batches an optimizer step accumulates (--grad-acc)
 
 
 def build_losses(training, class_counts, device, log):
@@ -198,6 +199,7 @@ def build_training(cfg, model, n_train_batches, num_classes, ranks, log, class_c
         drop_frozen_gradients,
         teacher,
         clip,
+        cfg.grad_acc,
     )
 
 

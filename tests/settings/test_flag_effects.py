@@ -5,7 +5,7 @@ hooks on the model see the batch and the activations it gets."""
 
 import pytest
 import torch
-from in_process import synthetic_loop
+from in_process import synthetic_run
 
 import dlojz
 from dlojz_lib.settings.config import resolve_config
@@ -15,7 +15,12 @@ BASE = ["--device", "cpu", "--arch", "resnet18", "--image-size", "32", "-b", "4"
 
 
 def loop_for(*flags, n_batches=2):
-    return synthetic_loop([*BASE, *map(str, flags)], n_batches=n_batches)
+    return run_for(*flags, n_batches=n_batches)[1]
+
+
+def run_for(*flags, n_batches=2):
+    """(Config, loop_for's loop): for a test that also reads the flags."""
+    return synthetic_run([*BASE, *map(str, flags)], n_batches=n_batches)
 
 
 @pytest.fixture(autouse=True)
@@ -293,14 +298,14 @@ def test_grad_acc_gives_the_same_update_as_one_big_batch():
         ("one", ["-b", "4"], [(images, labels)]),
         ("acc", ["-b", "2", "--grad-acc", "2"], [(images[:2], labels[:2]), (images[2:], labels[2:])]),
     ):
-        loop = synthetic_loop(common + flags, n_batches=len(batches))
+        cfg, loop = synthetic_run(common + flags, n_batches=len(batches))
         torch.manual_seed(1)  # the same initial weights for both
         loop["model"].module.load_state_dict(torchvision_vit_state())
         loop["loaders"].train_batches = batches
         dlojz.train_one_epoch(**loop)
         assert loop["state"].global_step == 1, name  # one optimizer step in each
         weights[name] = {k: v.clone() for k, v in loop["model"].module.state_dict().items()}
-    assert loop["cfg"].batch_size * loop["cfg"].grad_acc == 4
+    assert cfg.batch_size * cfg.grad_acc == 4
     for key, value in weights["one"].items():
         assert torch.allclose(value, weights["acc"][key], rtol=1e-5, atol=1e-6), key
     assert not torch.equal(weights["one"]["heads.head.weight"], torchvision_vit_state()["heads.head.weight"])

@@ -14,7 +14,7 @@ import textwrap
 import preloaded
 import pytest
 from conftest import ROOT, SMALL, clean_env, read_json, spawn_ranks
-from in_process import synthetic_loop
+from in_process import synthetic_loop, synthetic_run
 from test_flag_effects import BASE
 
 import dlojz
@@ -67,13 +67,13 @@ def two_ranks(rank, world, store, results, port, out_dir):
     as_rank_of_two(rank, port, out_dir)
     import torch.distributed as dist
 
-    loop = synthetic_loop([*BASE, "--no-amp"], n_batches=8)
+    cfg, loop = synthetic_run([*BASE, "--no-amp"], n_batches=8)
     try:
         no_log_points(loop, pytest.MonkeyPatch())
         if rank == 1:  # only rank 1 receives it: rank 0 must stop at the same step, or DDP would hang
             signal_at_step(loop, 3)
         result = dlojz.train_one_epoch(**loop)
-        cfg, ranks = loop["cfg"], loop["ranks"]
+        ranks = loop["ranks"]
         loaders = synthetic_loaders(cfg, SYNTHETIC_CLASSES, ranks, 8, 6 * 2 * cfg.val_batch_size)
         validation = dlojz.evaluate(loop["model"].module, loaders, loop["training"], ranks, stop=loop["stop"])
         results.put((rank, (result.stop_reason, loop["state"].global_step, validation)))
