@@ -39,7 +39,8 @@ def checkpointed(arch, image_size, mode, every):
     apply_checkpointing), in training mode."""
     import torch
 
-    from dlojz_lib.model.families import apply_checkpointing, family_of
+    from dlojz_lib.model.families import family_of
+    from dlojz_lib.model.recompute import apply_checkpointing
     from dlojz_lib.model.zoo import create_model
 
     torch.manual_seed(0)

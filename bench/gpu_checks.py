@@ -41,7 +41,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from dlojz_lib.model.zoo import checkpoint_blocks, create_model  # noqa: E402
+from dlojz_lib.model.recompute import checkpoint_blocks  # noqa: E402
+from dlojz_lib.model.zoo import create_model  # noqa: E402
 
 
 class Skipped(Exception):

@@ -32,7 +32,8 @@ from dlojz_lib.log import (
     write_lr_finder,
     write_text,
 )
-from dlojz_lib.model.zoo import plain_stages, saved_activation_bytes, train_flops_per_image
+from dlojz_lib.model.recompute import plain_stages
+from dlojz_lib.model.zoo import saved_activation_bytes, train_flops_per_image
 from dlojz_lib.observers.chrono import peak_memory_bytes
 from dlojz_lib.parallelism.layout import state_bytes_per_rank
 from dlojz_lib.resume import check_checkpoints_written

@@ -19,7 +19,6 @@ from typing import Callable
 import torch
 from torch import nn
 
-from dlojz_lib.checks import fail
 from dlojz_lib.model import tensor_plans
 
 
@@ -162,30 +161,3 @@ def layers(model, family=None):
     if family.stem is None:
         return blocks
     return [family.stem(model), *blocks, Layer("head", (), family.head(model))]
-
-
-def recomputed_blocks(module, family, arch) -> list:
-    """The blocks --activation-checkpointing selective (or --ac-every) recomputes: its family's,
-    in forward order; a model of no family is one line."""
-    if family is None:
-        fail(
-            f"--activation-checkpointing selective and --ac-every recompute a model family's blocks: --arch {arch} is "
-            f"none of {names()}; use --activation-checkpointing full (or --grad-checkpointing)"
-        )
-    return [block for _, block in family.blocks(module)]
-
-
-def apply_checkpointing(module, mode, every, family, arch):
-    """`module` (a whole model) recomputing its activations in the backward (`mode` full or selective, the 1st,
-    every+1-th... block; none: as it is): full on every block through the model's own stages (a ResNet's layer1..4,
-    a `.features` Sequential, else its family's blocks: zoo.enable_grad_checkpointing), else its family's blocks
-    (recomputed_blocks). The unit pass's checkpointing of a model (parallelism.layout.parallelize_unit), and what
-    bench/activation_memory.py measures."""
-    from dlojz_lib.model.zoo import checkpoint_blocks, enable_grad_checkpointing
-
-    if mode == "none":
-        return
-    if mode == "full" and every == 1:
-        enable_grad_checkpointing(module, arch, [] if family is None else [block for _, block in family.blocks(module)])
-    else:
-        checkpoint_blocks(recomputed_blocks(module, family, arch), mode, every)

@@ -1,14 +1,9 @@
-"""The model and what dlojz knows about it: creation by name, activation checkpointing, FLOPs, GPU peaks.
+"""The model and what dlojz knows about it: creation by name, its adaptations, FLOPs, GPU peaks (activation
+checkpointing: model.recompute).
 
 - `create_model(arch, num_classes)`: any torchvision classification model by name, or any timm one as `timm:NAME`,
   random weights (no download), with `--drop-path`'s stochastic depth where the model has it;
   an unknown name is a `UserError` with the closest names. `classifier_name(model, num_classes)`: its head.
-- `enable_grad_checkpointing(model, arch)`: recompute each stage's activations in the backward (`--grad-checkpointing`,
-  `--activation-checkpointing full`), BatchNorm running statistics updated once per step as without it;
-  `checkpoint_blocks(blocks, mode, every)`: the same on given blocks, `selective` keeping each block's costly
-  outputs (matrix products, convolutions, attentions) and recomputing the rest, every N-th block only with
-  `every` (`--activation-checkpointing selective`, `--ac-every`); `plain_stages(model)` undoes either for as long
-  as a `with` lasts (FLOP counts exclude the recomputation).
 - `apply_blurpool(model)`: anti-aliased downsampling (`--blurpool`, Zhang 2019, as FFCV and Composer apply it): a
   3x3 binomial blur before each strided convolution of 16+ input channels, and max-pools that take the max at
   stride 1 then blur with the stride. Only classes change and the blur filter is a constant: the state dict keeps
@@ -40,6 +35,7 @@ import torch
 import torchvision
 
 from dlojz_lib.checks import UserError, fail
+from dlojz_lib.model.recompute import CheckpointedStage, enable_grad_checkpointing, plain_stages
 from dlojz_lib.torch_internals import batch_norm_base, foreach_copy_, foreach_lerp_
 
 
@@ -199,120 +195,6 @@ def classifier_name(module, num_classes):
         if isinstance(layer, torch.nn.Linear) and layer.out_features == num_classes:
             found = name
     return found
-
-
-# ---------------------------------------------------------------------- activation checkpointing
-def selective_checkpoint_context():
-    """The context of selective activation checkpointing (torchtitan's op-level policy): the outputs of the costly
-    ops (matrix products, convolutions, fused attentions: torch_internals.costly_ops) and tensor parallelism's
-    collectives (sent once, as Megatron-LM does) kept for the backward, every other op (norms, activations,
-    additions, reshapes) recomputed from them."""
-    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
-
-    from dlojz_lib.torch_internals import costly_ops
-
-    costly = costly_ops()
-
-    def policy(ctx, op, *args, **kwargs):
-        return CheckpointPolicy.MUST_SAVE if op in costly else CheckpointPolicy.PREFER_RECOMPUTE
-
-    return create_selective_checkpoint_contexts(policy)
-
-
-class CheckpointedStage:
-    """Mixed into a stage's class: its activations are recomputed in the backward instead of being kept (`selective`:
-    all but its costly ops' outputs)."""
-
-    selective = False
-
-    def forward(self, *inputs):
-        return recomputed(super().forward, self, self.selective)(*inputs)
-
-
-def recomputed(forward, module, selective=False):
-    """`forward` (of `module`, or of a part of it) whose activations are recomputed in the backward instead of being
-    kept (PyTorch's non-reentrant checkpoint; `selective`: all but its costly ops' outputs), the recomputation run
-    with `module`'s BatchNorm statistics frozen (running_stats_frozen): a batch counted once."""
-
-    def run_checkpointed(*inputs):
-        if not torch.is_grad_enabled():
-            return forward(*inputs)
-        calls = 0
-
-        def run(*args):
-            nonlocal calls
-            calls += 1
-            if calls == 1:
-                return forward(*args)
-            with running_stats_frozen(module):  # the recomputation in the backward: same batch statistics, no update
-                return forward(*args)
-
-        context = dict(context_fn=selective_checkpoint_context) if selective else {}
-        return torch.utils.checkpoint.checkpoint(run, *inputs, use_reentrant=False, **context)
-
-    return run_checkpointed
-
-
-@contextlib.contextmanager
-def running_stats_frozen(module):
-    """BatchNorm layers of `module` normalise with the batch's statistics, as in training, and save the same
-    tensors for the backward, but leave their running statistics and batch count as they were: a recomputed
-    forward must not count the batch twice. Momentum 0 keeps the running statistics exactly, and without its
-    batch count a norm counts nothing: the recomputation runs no op the forward did not (selective checkpointing
-    replays the forward's ops, and refuses a new one)."""
-    norms = [m for m in module.modules() if isinstance(m, batch_norm_base()) and m.training and m.track_running_stats]
-    kept = [(norm.momentum, norm.num_batches_tracked) for norm in norms]
-    for norm in norms:
-        norm.momentum, norm.num_batches_tracked = 0.0, None
-    try:
-        yield
-    finally:
-        for norm, (momentum, count) in zip(norms, kept):
-            norm.momentum, norm.num_batches_tracked = momentum, count
-
-
-def enable_grad_checkpointing(model, arch, blocks=()):
-    """Recompute each stage's activations in the backward instead of keeping them (ResNet-like layer1..4, or the
-    children of `.features`, else `blocks`: a model family's, e.g. a ViT's or a CoAtNet's). Only the stages' classes
-    change: parameters and checkpoint keys stay, copies work. Other timm models use their own
-    `set_grad_checkpointing`, which does not freeze BatchNorm's running statistics in the recomputation (a
-    CoAtNet's convolutional blocks counted each batch twice: hence its family's blocks first)."""
-    stages = [getattr(model, name) for name in ("layer1", "layer2", "layer3", "layer4") if hasattr(model, name)]
-    if not stages and isinstance(getattr(model, "features", None), torch.nn.Sequential):
-        stages = list(model.features)
-    stages = stages or list(blocks)
-    if not stages and hasattr(model, "set_grad_checkpointing"):  # other timm models: their own block checkpointing
-        model.set_grad_checkpointing(True)
-        return
-    if not stages:
-        fail(f"--grad-checkpointing: --arch {arch} has neither layer1..layer4 nor a .features Sequential to checkpoint")
-    checkpoint_blocks(stages)
-
-
-def checkpoint_blocks(blocks, mode="full", every=1):
-    """Each of `blocks` (the 1st, the every+1-th...) recomputed in the backward: whole (`full`), or all but its
-    costly ops' outputs (`selective`). Only the blocks' classes change: parameters and checkpoint keys stay."""
-    for index, block in enumerate(blocks):
-        if mode != "none" and index % every == 0:
-            mixin = CheckpointedStage if mode == "full" else SelectivelyCheckpointed
-            block.__class__ = type(f"Checkpointed{type(block).__name__}", (mixin, type(block)), {})
-
-
-class SelectivelyCheckpointed(CheckpointedStage):
-    selective = True
-
-
-@contextlib.contextmanager
-def plain_stages(model):
-    """Temporarily without activation checkpointing: model FLOPs count no recomputation."""
-    stages = [(m, type(m)) for m in model.modules() if isinstance(m, CheckpointedStage)]
-    for module, cls in stages:
-        module.__class__ = cls.__bases__[1]
-    try:
-        yield model
-    finally:
-        for module, cls in stages:
-            module.__class__ = cls
 
 
 # ---------------------------------------------------------------------- a 4-channel stem

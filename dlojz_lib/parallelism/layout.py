@@ -12,7 +12,7 @@ import torch
 
 from dlojz_lib.checks import fail
 from dlojz_lib.dist import start_compile_workers
-from dlojz_lib.model.families import apply_checkpointing
+from dlojz_lib.model.recompute import apply_checkpointing
 from dlojz_lib.model.zoo import meta_copy
 from dlojz_lib.parallelism.pipeline import (
     PipelineCut,

@@ -211,7 +211,7 @@ class Stage(nn.Module):
         stage (parallelism.layout.parallelize_unit)."""
         if mode in (False, "none"):
             return
-        from dlojz_lib.model.zoo import recomputed
+        from dlojz_lib.model.recompute import recomputed
 
         # the recomputation leaves BatchNorm's statistics as the forward left them: a micro-batch counted once
         self.runs = [

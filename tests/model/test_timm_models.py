@@ -31,7 +31,8 @@ def test_a_timm_model_trains_checkpoints_and_evaluates(tiny_data, tmp_path, arch
 
 
 def attention_calls(checkpointed):
-    from dlojz_lib.model.zoo import create_model, enable_grad_checkpointing
+    from dlojz_lib.model.recompute import enable_grad_checkpointing
+    from dlojz_lib.model.zoo import create_model
 
     model = create_model("timm:vit_tiny_patch16_224", 3, image_size=32)
     attention, calls = model.blocks[0].attn, []

@@ -124,7 +124,8 @@ def test_the_planner_s_activations_are_a_forward_s_within_a_quarter(arch, size, 
     torchvision's ViT-B/16 (its encoder blocks counted as its tensor plan's, as timm's) too."""
     import torch
 
-    from dlojz_lib.model.zoo import checkpoint_blocks, create_model
+    from dlojz_lib.model.recompute import checkpoint_blocks
+    from dlojz_lib.model.zoo import create_model
     from dlojz_lib.parallelism.plan import LayoutTable, layout_rows
     from dlojz_lib.torch_internals import held_after_forward
 

@@ -85,7 +85,7 @@ def count_collectives(world, kind, size, sequence_parallel, checkpointing="none"
     from conftest import counting_mode
     from torch.distributed.device_mesh import init_device_mesh
 
-    from dlojz_lib.model.zoo import checkpoint_blocks
+    from dlojz_lib.model.recompute import checkpoint_blocks
 
     torch.manual_seed(0)
     model = tiny_model(kind, size)
