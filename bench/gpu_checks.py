@@ -16,6 +16,9 @@ torch and DALI versions and the date. Exit 1 if a check failed.
   losses and weights equal eager FSDP's (within float32 tolerance).
 - fsdp_offload (GPU): --fsdp-offload (FSDP2's CPUOffloadPolicy) against --fsdp on a group of one, a ViT-B/16 a few
   SGD steps: the same losses, a smaller GPU peak, and each one's step time.
+- float8: --float8 against bfloat16 on a ViT-L/16 at 224 px, batch 64 (GPU), both under --compile: unsynchronised
+  img/s, the peak GPU bytes and the losses of a few SGD steps for bfloat16, tensorwise and rowwise (the losses within
+  10 % of bfloat16's); on the CPU a ViT-B/16 at 32 px in eager mode, tensorwise only (a check of the numerics).
 - dali_loader: loader-only img/s of DALI's training pipeline for --dali-decode roi and whole, --dali-threads 6 and
   12 (the rows that decide --dali-decode's GPU default and --dali-pad-channels'); on the CPU 1 thread, roi and whole.
 - dali_memory (GPU): DALI's GPU bytes and this process's resident host bytes (pinned buffers included) after the
@@ -351,11 +354,70 @@ def seams(device, quick):
     return all(row["ok"] for row in figures.values()), figures
 
 
+def float8(device, quick):
+    """--float8's linears (model.float8: the family's, torchao's Float8Linear) against bfloat16 autocast on the same
+    weights and batches, compiled on a GPU: img/s after the first steps (compilation, warm-up), without a sync per
+    step, the peak bytes and each step's loss."""
+    import importlib.util
+
+    from dlojz_lib.model.families import family_of
+    from dlojz_lib.model.float8 import convert, float8_linears
+
+    if importlib.util.find_spec("torchao") is None:
+        raise Skipped("torchao is not installed (pip install torchao==0.18.0)")
+    on_gpu = device.type == "cuda"
+    if on_gpu and torch.cuda.get_device_capability(device) < (8, 9):
+        raise Skipped(f"{torch.cuda.get_device_name(device)} has no float8 matrix products (compute capability < 8.9)")
+    arch, size, batch, steps = (
+        ("timm:vit_large_patch16_224", 224, 64, 12) if on_gpu else ("timm:vit_base_patch16_224", 32, 4, 3)
+    )
+    recipes = ("none", "tensorwise", "rowwise") if on_gpu else ("none", "tensorwise")
+    torch.manual_seed(0)
+    first = create_model(arch, 1000, False, size).state_dict()
+    images = torch.randn(batch, 3, size, size, device=device)
+    labels = torch.arange(batch, device=device) % 1000
+    figures = dict(arch=arch, image_size=size, batch=batch, steps=steps, compiled=on_gpu)
+    for recipe in recipes:
+        model = create_model(arch, 1000, False, size)
+        model.load_state_dict(first)
+        if recipe != "none":
+            chosen = float8_linears(model, family_of(model), recipe)
+            convert(model, chosen, recipe, fsdp=False)
+            figures[f"converted {recipe}"] = len(chosen)
+        model = model.to(device)
+        net = torch.compile(model) if on_gpu else model
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.001, momentum=0.9)
+        if on_gpu:
+            torch.cuda.reset_peak_memory_stats(device)
+        losses, start = [], None
+        for step in range(steps):
+            if step == 2:  # compiled and warmed up: the timed steps
+                if on_gpu:
+                    torch.cuda.synchronize(device)
+                start = time.perf_counter()
+            with torch.autocast(device.type, dtype=torch.bfloat16):
+                loss = torch.nn.functional.cross_entropy(net(images).float(), labels)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            losses.append(loss.detach())
+        if on_gpu:
+            torch.cuda.synchronize(device)
+            figures[f"peak_gib {recipe}"] = torch.cuda.max_memory_allocated(device) / 2**30
+        figures[f"img_s {recipe}"] = batch * (steps - 2) / (time.perf_counter() - start)
+        figures[f"losses {recipe}"] = torch.stack(losses).float().cpu().tolist()
+        del model, net, optimizer
+    plain = torch.tensor(figures["losses none"])
+    ok = all(torch.allclose(torch.tensor(figures[f"losses {recipe}"]), plain, rtol=0.1) for recipe in recipes[1:])
+    return ok, figures
+
+
 CHECKS = {  # name: the check, run in this order
     "selective_policy": selective_policy,
     "meta_fill": meta_fill,
     "fsdp_compile": fsdp_compile,
     "fsdp_offload": fsdp_offload,
+    "float8": float8,
     "dali_loader": dali_loader,
     "dali_memory": dali_memory,
     "dali_lifetimes": dali_lifetimes,

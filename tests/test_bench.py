@@ -81,7 +81,8 @@ def test_gpu_checks_run_their_cpu_parts(tiny_data, tmp_path, capsys):
     import gpu_checks
 
     out = tmp_path / "checks.json"
-    names = ["selective_policy", "meta_fill", "fsdp_offload", "dali_loader", "dali_memory", "dali_lifetimes", "seams"]
+    names = ["selective_policy", "meta_fill", "fsdp_offload", "float8", "dali_loader", "dali_memory", "dali_lifetimes"]
+    names.append("seams")
     command = [str(ROOT / "bench" / "gpu_checks.py"), "--device", "cpu", "--quick", "--only", ",".join(names)]
     proc = subprocess.run(
         [sys.executable, *command, "--data", str(tiny_data / "train"), "--json", str(out)],
@@ -90,7 +91,7 @@ def test_gpu_checks_run_their_cpu_parts(tiny_data, tmp_path, capsys):
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     checks = json.loads(out.read_text())["checks"]
     assert {name: row["status"] for name, row in checks.items()} == {
-        "selective_policy": "ok", "meta_fill": "ok", "fsdp_offload": "skipped", "dali_loader": "ok",
+        "selective_policy": "ok", "meta_fill": "ok", "fsdp_offload": "skipped", "float8": "ok", "dali_loader": "ok",
         "dali_memory": "skipped", "dali_lifetimes": "skipped", "seams": "skipped",
     }  # fmt: skip
     policy = checks["selective_policy"]
@@ -98,7 +99,11 @@ def test_gpu_checks_run_their_cpu_parts(tiny_data, tmp_path, capsys):
         recomputed = [policy[f"backward_costly_ops {kind} {mode}"] for mode in ("none", "selective", "full")]
         assert recomputed[0] == recomputed[1] < recomputed[2], policy
     assert checks["dali_loader"]["img_s roi threads 1"] > 0 and checks["dali_loader"]["img_s whole threads 1"] > 0
-    assert [line.split()[0] for line in proc.stdout.splitlines() if line[:1].isalpha()][-7:] == list(checks)
+    assert (
+        checks["float8"]["converted tensorwise"] == 24
+        and checks["float8"]["losses tensorwise"] != checks["float8"]["losses none"]
+    )
+    assert [line.split()[0] for line in proc.stdout.splitlines() if line[:1].isalpha()][-8:] == list(checks)
     assert set(gpu_checks.CHECKS) == {*names, "fsdp_compile"}
     assert gpu_checks.main(["--device", "cuda"]) == 1 and "no CUDA GPU visible" in capsys.readouterr().out
 

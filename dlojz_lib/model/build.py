@@ -9,6 +9,7 @@ recomputes is the layout's unit pass's (parallelism.layout.parallelize_unit).
 
 import contextlib
 import dataclasses
+import math
 
 import torch
 
@@ -21,6 +22,7 @@ from dlojz_lib.model.zoo import (
     batch_norm_on_native_kernels,
     create_model,
     ema_decay,
+    meta_copy,
 )
 
 
@@ -57,7 +59,7 @@ def build_model(cfg, num_classes, ranks, log) -> BuiltModel:
     # before the copies below (SyncBN, EMA): they keep its changes
     adapt_module(cfg.section("training"), cfg.dali_pad_channels, module, num_classes, log)
     if layout.float8 is not None:
-        log(float8_line(layout.float8, cfg.arch, float8.convert(module, family, layout.float8, layout.fsdp)))
+        convert_to_float8(module, family, layout, cfg.arch, cfg.batch_size, cfg.image_size, ranks.device.type, log)
     if cfg.sync_bn and ranks.enabled:
         module = torch.nn.SyncBatchNorm.convert_sync_batchnorm(module)
     if not layout.fsdp:  # FSDP moves each rank's shards only to the device
@@ -80,12 +82,32 @@ def build_model(cfg, num_classes, ranks, log) -> BuiltModel:
     return model
 
 
-def float8_line(recipe, arch, converted) -> str:
-    """What --float8 converted, in one line (none: said, and why)."""
+def convert_to_float8(module, family, layout, arch, batch_size, image_size, device_type, log):
+    """--float8: the family's large block linears converted (model.float8), said in a line, and a second where a
+    micro-batch's rows are not a multiple of 16 (torchao pads each product's then)."""
+    chosen = float8.float8_linears(module, family, layout.float8)
+    uneven = float8.uneven_rows(meta_copy(module), chosen, layout.float8, batch_size, image_size)
+    float8.convert(module, chosen, layout.float8, layout.fsdp, pad=uneven is not None)
+    log(float8_line(layout.float8, arch, chosen, device_type))
+    if uneven is not None:
+        path, tokens = uneven
+        step = 16 // math.gcd(tokens, 16)
+        log(
+            f"--float8 {layout.float8}: {path} sees {batch_size} images x {tokens} tokens = {batch_size * tokens} rows "
+            f"a micro-batch, not a multiple of 16: torchao pads each float8 product's with zeros (a copy; -b a "
+            f"multiple of {step} needs none)"
+        )
+
+
+def float8_line(recipe, arch, converted, device_type="cuda") -> str:
+    """What --float8 converted, in one line (none: said, and why; on the CPU: a check, not a speed-up)."""
     if not converted:
         return (
-            f"--float8 {recipe}: none of {arch}'s block linears is large enough for float8 to pay (torchao's sizes, "
-            "measured on an H100): the run trains as without --float8"
+            f"--float8 {recipe}: no linear converted: none of {arch}'s block linears is large enough for float8 to "
+            "pay (torchao's sizes, measured on an H100): the run trains as without --float8"
         )
     shown = ", ".join(converted[:3]) + (f" and {len(converted) - 3} more" if len(converted) > 3 else "")
-    return f"--float8 {recipe}: {len(converted)} linears in float8 ({shown}); the others, the stem and the head as they were"
+    line = f"--float8 {recipe}: {len(converted)} linears in float8 ({shown}); the others, the stem and the head as they were"
+    if device_type == "cpu":
+        line += "; on the CPU float8 checks the numerics (torchao's float8 products, on CPU kernels) and is not faster"
+    return line

@@ -1,27 +1,33 @@
 """`--float8`: the linears of a model family's blocks trained in float8 (torchao's float8 training: each matrix
-product's inputs cast to float8 with a scale per tensor, "tensorwise", or per row, "rowwise"; the weights, their
-gradients and the optimizer in float32 or bfloat16 as before), as torchtitan converts its models. Which linears:
-those of the family's blocks (the stem, the head and a model of no family stay as they are) whose sizes are
-multiples of 16 (float8 tensor cores' tiles) and above the sizes below which torchao measured float8 slower than
-bfloat16 on an H100 (its `_auto_filter_for_recipe`, repeated here so that `float8_linears` says which without
-torchao). With `--fsdp` and tensorwise scaling, FSDP gathers the weights in float8 (half the bytes of bfloat16), their
-scales computed for all of them in one operation after each optimizer step (`scales_for_fsdp`).
+product's inputs cast to float8 with a scale per tensor, "tensorwise", or per row, "rowwise", "rowwise_with_gw_hp"
+keeping the weight gradient's product in high precision; the weights, their gradients and the optimizer in float32
+or bfloat16 as before), as torchtitan converts its models. Which linears: those of the family's blocks (the stem,
+the head and a model of no family stay as they are) whose sizes are multiples of 16 (float8 tensor cores' tiles) and
+above the sizes below which torchao measured float8 slower than bfloat16 on an H100 (its `_auto_filter_for_recipe`,
+repeated here so that the planner says which without torchao, and held to torchao's by a test). With `--fsdp` and
+tensorwise scaling, FSDP gathers the weights in float8 (half the bytes of bfloat16), their scales computed for all
+of them in one operation after each optimizer step (`scales_for_fsdp`); the rowwise recipes gather in the AMP dtype.
 
-float8 runs on a GPU of compute capability 8.9 or more (L4, H100, H200, B200) with torchao installed:
-`settings.config` refuses it elsewhere in one line, before the model is built.
+float8 trains on a GPU of compute capability 8.9 or more (L4, H100, H200, B200), and on the CPU as a check of the
+numerics (torchao's float8 matrix products run there too, not faster); `settings.config` refuses an older GPU, or a
+site without torchao, in one line before the model is built. The weights stay plain tensors: a float8 run's
+checkpoint loads without torchao and resumes with or without `--float8`.
 """
 
 import dataclasses
 
 from torch import nn
 
-# (out_features, in_features) at or below which torchao leaves a linear alone, as its auto filters (torchao.float8,
-# 2026): tensorwise skips K <= 4096 and N <= 1024; rowwise skips N <= 2048, K <= 1024, or N <= 4096 and K <= 2048,
-# where K, N = the weight's shape (out, in)
+RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")  # torchao 0.18's float8 training recipes
+
+# the sizes at or below which torchao leaves a linear alone, as its auto filters (torchao 0.18,
+# float8_linear_utils): with (N, K) = the weight's shape, (out_features, in_features), tensorwise skips K <= 4096 and
+# N <= 1024; rowwise skips N <= 2048, K <= 1024, or N <= 4096 and K <= 2048. torchao has no filter of its own for
+# rowwise_with_gw_hp, whose forward and input-gradient products are rowwise's: its sizes are rowwise's.
 
 
 def too_small(recipe, out_features, in_features) -> bool:
-    k, n = out_features, in_features
+    n, k = out_features, in_features
     if recipe == "tensorwise":
         return k <= 4096 and n <= 1024
     return n <= 2048 or k <= 1024 or (n <= 4096 and k <= 2048)
@@ -43,17 +49,51 @@ def float8_linears(model, family, recipe) -> list:
     return chosen
 
 
-def convert(model, family, recipe, fsdp) -> list:
-    """`model`'s float8_linears swapped in place for torchao's Float8Linear (before any layout: FSDP then gathers
-    their weights in float8 under tensorwise scaling). Returns their paths."""
+def convert(model, paths, recipe, fsdp, pad=False):
+    """`model`'s linears `paths` (float8_linears') swapped in place for torchao's Float8Linear (before any layout:
+    FSDP then gathers their weights in float8 under tensorwise scaling); `pad`: their products' inner dimension
+    padded with zeros to a multiple of 16 (uneven_rows)."""
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
-    config = Float8LinearConfig.from_recipe_name(recipe)
+    config = dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), pad_inner_dim=pad)
     if fsdp and recipe == "tensorwise":
         config = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
-    chosen = set(float8_linears(model, family, recipe))
+    chosen = set(paths)
     convert_to_float8_training(model, config=config, module_filter_fn=lambda layer, path: path in chosen)
-    return sorted(chosen)
+
+
+def as_plain_linears(module):
+    """`module`'s float8 linears (a copy's) made torch's Linear again, in place: the same parameters and FLOPs, for a
+    count on the meta device, where float8's products check sizes a count's batch need not have."""
+    for layer in module.modules():
+        if isinstance(layer, nn.Linear) and type(layer).__module__.startswith("torchao."):
+            layer.__class__ = nn.Linear
+    return module
+
+
+def uneven_rows(meta_module, paths, recipe, batch_size, image_size):
+    """(path, tokens an image) of the first of `paths` (linears of `meta_module`, a meta copy before conversion) whose
+    rows in a micro-batch of `batch_size` images (images x tokens) are not a multiple of 16, or None. The weight
+    gradient's float8 product (tensorwise, rowwise) sums over those rows, and float8's matrix products on a GPU take
+    them in multiples of 16: torchao then pads them with zeros (`convert`'s `pad`)."""
+    import torch
+
+    if recipe == "rowwise_with_gw_hp" or not paths:  # (its weight gradient's product is in high precision)
+        return None
+    rows = {}
+
+    def count(path):
+        def seen(layer, args):
+            rows.setdefault(path, args[0].shape[:-1].numel())
+
+        return seen
+
+    hooks = [meta_module.get_submodule(path).register_forward_pre_hook(count(path)) for path in paths]
+    with torch.no_grad():
+        meta_module.eval()(torch.empty(batch_size, 3, image_size, image_size, device="meta"))
+    for hook in hooks:
+        hook.remove()
+    return next(((path, n // batch_size) for path, n in rows.items() if n % 16), None)
 
 
 def scales_for_fsdp(module):

@@ -35,6 +35,7 @@ import torch
 import torchvision
 
 from dlojz_lib.checks import UserError, fail
+from dlojz_lib.model.float8 import as_plain_linears
 from dlojz_lib.model.recompute import CheckpointedStage, enable_grad_checkpointing, plain_stages
 from dlojz_lib.torch_internals import batch_norm_base, foreach_copy_, foreach_lerp_
 
@@ -433,7 +434,7 @@ def train_flops_per_image(
     if isinstance(model, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)):
         model = model.module
     # Eval mode: conv/matmul FLOPs are the same, and SyncBatchNorm does not reach for a process group.
-    meta_model = meta_copy(model).eval()
+    meta_model = as_plain_linears(meta_copy(model)).eval()  # (float8's: the same products, counted plain)
     images = torch.empty(batch_size, in_channels, image_size, image_size, device="meta")
     if channels_last:
         images = images.contiguous(memory_format=torch.channels_last)

@@ -433,7 +433,7 @@ def check_on_device(layout, torch_device, memory, device):
             "backward: this run is on the CPU, whose shards are in host memory already; drop --fsdp-offload"
         )
     if layout.float8 is not None:
-        check_float8(layout.float8, torch_device)
+        check_float8(layout.float8, torch_device, device.amp)
     if device.amp:
         check_autocast(torch.device(torch_device), getattr(torch, device.amp_dtype))
 
@@ -557,28 +557,34 @@ def check_fsdp(memory, device):
         )
 
 
-def check_float8(recipe, torch_device):
-    """--float8 where it runs: a GPU of compute capability 8.9 or more, torchao installed; else one line."""
+TORCHAO_VERSION = "0.18.0"  # requirements.txt's pin (a test holds them equal)
+
+
+def check_float8(recipe, torch_device, amp=False):
+    """--float8 where it runs: torchao installed, and a GPU of compute capability 8.9 or more or the CPU (a check of
+    the numerics there: model.build says so); rowwise_with_gw_hp without autocast; else one line."""
     import importlib.util
 
     import torch
 
-    if torch_device == "cpu":
+    if importlib.util.find_spec("torchao") is None:
         fail(
-            f"--float8 {recipe}: float8 matrix products need a GPU of compute capability 8.9 or more (L4, H100, "
-            "H200, B200); this run is on the CPU: drop --float8"
+            f"--float8 {recipe}: float8 training is torchao's, which is not installed here: pip install "
+            f"torchao=={TORCHAO_VERSION} (for torch 2.11 or later); or drop --float8"
         )
+    if recipe == "rowwise_with_gw_hp" and amp:
+        fail(
+            "--float8 rowwise_with_gw_hp: torchao computes its weight gradients from the saved input and the output's "
+            "gradient as they are, which autocast leaves in two dtypes: use --float8 rowwise, or --no-amp"
+        )
+    if torch_device == "cpu":
+        return
     capability = torch.cuda.get_device_capability(torch.device(torch_device))
     if capability < (8, 9):
         name = torch.cuda.get_device_name(torch.device(torch_device))
         fail(
             f"--float8 {recipe}: {name} (compute capability {capability[0]}.{capability[1]}) has no float8 matrix "
             "products (8.9 or more: L4, H100, H200, B200); drop --float8"
-        )
-    if importlib.util.find_spec("torchao") is None:
-        fail(
-            f"--float8 {recipe}: float8 training is torchao's, which is not installed here (pip install torchao, "
-            f"a release built for torch {torch.__version__.split('+')[0]}); or drop --float8"
         )
 
 

@@ -1036,11 +1036,12 @@ def get_args_parser():
     p.add_argument(
         "--float8",
         default=None,
-        choices=("tensorwise", "rowwise"),
+        choices=("tensorwise", "rowwise", "rowwise_with_gw_hp"),
         help="train the linears of the model family's blocks in float8 (torchao's float8 training, scaled per\n"
-        "tensor or per row; linears whose sizes are not multiples of 16, small ones and the head stay in\n"
-        "bfloat16), FSDP's all-gathers in float8 with --fsdp; an H100/H200-class GPU (compute capability 8.9+)\n"
-        "and torchao needed; with --compile to be fast (default: off)",
+        "tensor, per row, or per row with the weight gradient in high precision; linears whose sizes are not\n"
+        "multiples of 16, small ones and the head stay as they were), FSDP's all-gathers in float8 with --fsdp\n"
+        "and tensorwise; a GPU of compute capability 8.9+ (H100/H200 class) to be faster, with --compile; on the\n"
+        "CPU a check of the numerics, not faster (default: off)",
     )
     p.add_argument(
         "--tp",

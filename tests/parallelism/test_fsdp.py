@@ -476,7 +476,7 @@ def test_consolidating_what_is_not_a_sharded_checkpoint_is_one_line(tmp_path, ca
         (["--fsdp-offload"], "--fsdp-offload without --fsdp: it says how --fsdp shards; add --fsdp"),
         (["--fsdp", "--fsdp-offload"], "--fsdp-offload keeps the shards in host memory and copies each block's"),
         (["--fsdp", "--fsdp-replicate", "2"], "--fsdp-replicate 2: this job's 1 rank(s) do not make 2 equal replicas"),
-        (["--float8", "tensorwise"], "--float8 tensorwise: float8 matrix products need a GPU of compute capability"),
+        (["--float8", "rowwise_with_gw_hp", "--amp"], "--float8 rowwise_with_gw_hp: torchao computes its weight"),
         (["--fsdp", "--tp", "2", "--float8", "rowwise"], "--float8 rowwise with --tp 2: dlojz trains float8 linears"),
         (["--fsdp", "--pp", "2", "--float8", "rowwise"], "--float8 rowwise with --pp 2: dlojz trains float8 linears"),
     ],
