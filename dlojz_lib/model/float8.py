@@ -33,6 +33,22 @@ def too_small(recipe, out_features, in_features) -> bool:
     return n <= 2048 or k <= 1024 or (n <= 4096 and k <= 2048)
 
 
+def torchao_float8(*names):
+    """`names` from torchao.float8, imported without the warning torch's pytree logs when torchao 0.18 registers an
+    enum newer torch versions take natively (a line on every rank's stderr, about nothing the run does)."""
+    import importlib
+    import logging
+
+    pytree = logging.getLogger("torch.utils._pytree")
+    level = pytree.level
+    pytree.setLevel(logging.ERROR)
+    try:
+        module = importlib.import_module("torchao.float8")
+    finally:
+        pytree.setLevel(level)
+    return tuple(getattr(module, name) for name in names)
+
+
 def float8_linears(model, family, recipe) -> list:
     """The paths of the linears of `model` that --float8 `recipe` converts: in its `family`'s blocks, sizes multiples
     of 16, not too small for float8 to pay (too_small); [] for a model of no family."""
@@ -53,8 +69,7 @@ def convert(model, paths, recipe, fsdp, pad=False):
     """`model`'s linears `paths` (float8_linears') swapped in place for torchao's Float8Linear (before any layout:
     FSDP then gathers their weights in float8 under tensorwise scaling); `pad`: their products' inner dimension
     padded with zeros to a multiple of 16 (uneven_rows)."""
-    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
-
+    Float8LinearConfig, convert_to_float8_training = torchao_float8("Float8LinearConfig", "convert_to_float8_training")
     config = dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), pad_inner_dim=pad)
     if fsdp and recipe == "tensorwise":
         config = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
@@ -99,6 +114,5 @@ def uneven_rows(meta_module, paths, recipe, batch_size, image_size):
 def scales_for_fsdp(module):
     """After an optimizer step under --fsdp with tensorwise scaling: every float8 weight's scale for the next
     all-gathers, in one operation (torchao's), where each would otherwise compute its own."""
-    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
-
-    precompute_float8_dynamic_scale_for_fsdp(module)
+    (precompute,) = torchao_float8("precompute_float8_dynamic_scale_for_fsdp")
+    precompute(module)

@@ -183,7 +183,7 @@ def test_float8_compiled_trains_as_eager_float8(tmp_path, monkeypatch, capsys):
 
 def test_a_float8_run_s_checkpoint_holds_plain_weights_that_load_without_float8(tiny_data, tmp_path):
     """A --float8 run's checkpoint has the keys and dtypes of the same run without --float8 (no torchao tensor in
-    it), and a run without --float8 resumes it."""
+    it); a run without --float8 resumes it, and a run with --float8 resumes the plain run's."""
     from conftest import run_dlojz
 
     import dlojz_lib.checkpoint as ckpt
@@ -200,9 +200,50 @@ def test_a_float8_run_s_checkpoint_holds_plain_weights_that_load_without_float8(
         k: (v.dtype, v.shape) for k, v in saved["plain"].items()
     }
     assert all(type(v) is torch.Tensor for v in saved["float8"].values())
-    resumed = run_dlojz(*common, "-e", "2", "--resume", "auto", "--output-dir", tmp_path / "float8")
-    assert resumed.returncode == 0, resumed.stderr[-2000:]
-    assert "Epoch 2/2" in resumed.stdout
+    for name, flags in (("float8", []), ("plain", ["--float8", "tensorwise"])):  # each resumed the other way
+        resumed = run_dlojz(*common, *flags, "-e", "2", "--resume", "auto", "--output-dir", tmp_path / name)
+        assert resumed.returncode == 0, resumed.stderr[-2000:]
+        assert "Epoch 2/2" in resumed.stdout and ("24 linears in float8" in resumed.stdout) == bool(flags)
+
+
+@pytest.mark.multirank
+def test_an_fsdp_float8_run_consolidates_and_predicts_without_torchao(tiny_data, tmp_path):
+    """A 2-rank --fsdp --float8 tensorwise run's sharded checkpoint (its weights torchao's float8 all-gather tensors
+    while it trains) consolidates into plain tensors, which dlojz_predict.py reads where torchao cannot be imported."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT, clean_env, run_dlojz
+
+    import dlojz_lib.checkpoint as ckpt
+
+    common = ["--device", "cpu", "--data-root", tiny_data, "--arch", "timm:vit_base_patch16_224", "--image-size", "32"]
+    common += ["-b", "8", "--train-subset", "16", "-e", "1", "--no-wandb", "--num-workers", "0"]
+    run = tmp_path / "run"
+    result = run_dlojz(*common, "--fsdp", "--float8", "tensorwise", "--output-dir", run, ranks=2)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "--float8 tensorwise: 24 linears in float8" in result.stdout
+    sharded = ckpt.newest_checkpoint(run)
+    whole = tmp_path / "whole.pt"
+    env = clean_env()
+    consolidated = subprocess.run(
+        [sys.executable, str(ROOT / "dlojz_fsdp.py"), "consolidate", str(sharded), str(whole)],
+        capture_output=True, text=True, env=env, timeout=300,
+    )  # fmt: skip
+    assert consolidated.returncode == 0, consolidated.stdout + consolidated.stderr[-3000:]
+    weights = torch.load(whole, map_location="cpu", weights_only=True)["model"]
+    assert all(type(v) is torch.Tensor and v.dtype == torch.float32 for v in weights.values())
+    blocked = tmp_path / "no_torchao" / "torchao"  # a torchao that cannot be imported
+    blocked.mkdir(parents=True)
+    (blocked / "__init__.py").write_text("raise ImportError('torchao is not installed here')\n")
+    env["PYTHONPATH"] = str(blocked.parent)
+    predicted = subprocess.run(
+        [sys.executable, str(ROOT / "dlojz_predict.py"), str(whole), str(tiny_data / "val"), "-o",
+         str(tmp_path / "predictions.csv"), "--device", "cpu", "--num-workers", "0"],
+        capture_output=True, text=True, env=env, timeout=300,
+    )  # fmt: skip
+    assert predicted.returncode == 0, predicted.stdout + predicted.stderr[-3000:]
+    assert len((tmp_path / "predictions.csv").read_text().splitlines()) == 1 + 15  # a header, the 15 images
 
 
 def test_float8_is_refused_where_it_cannot_run(monkeypatch):
