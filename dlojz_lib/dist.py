@@ -254,8 +254,13 @@ def report_crash(err, rank) -> int:
     import traceback
 
     traceback.print_exc()
-    first = str(err).splitlines()[0] if str(err) else ""
-    print(f"dlojz: rank {rank} failed: {type(err).__name__}: {first}", file=sys.stderr, flush=True)
+    lines = str(err).strip().splitlines()
+    if lines:
+        said = lines[0]
+    else:  # an error without a message (a pipeline stage's, re-raised empty): where it was raised instead
+        where = traceback.extract_tb(err.__traceback__)[-1:] if err.__traceback__ else []
+        said = f"(no message) at {where[0].filename}:{where[0].lineno}, in {where[0].name}" if where else "(no message)"
+    print(f"dlojz: rank {rank} failed: {type(err).__name__}: {said}", file=sys.stderr, flush=True)
     return 1
 
 

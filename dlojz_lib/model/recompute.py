@@ -109,11 +109,24 @@ def enable_grad_checkpointing(model, arch, blocks=()):
 
 def checkpoint_blocks(blocks, mode="full", every=1):
     """Each of `blocks` (the 1st, the every+1-th...) recomputed in the backward: whole (`full`), or all but its
-    costly ops' outputs (`selective`). Only the blocks' classes change: parameters and checkpoint keys stay."""
+    costly ops' outputs (`selective`, its activations made out-of-place: `without_inplace_activations`). Only the
+    blocks' classes change: parameters and checkpoint keys stay."""
     for index, block in enumerate(blocks):
         if mode != "none" and index % every == 0:
             mixin = CheckpointedStage if mode == "full" else SelectivelyCheckpointed
             block.__class__ = type(f"Checkpointed{type(block).__name__}", (mixin, type(block)), {})
+            if mode == "selective":
+                without_inplace_activations(block)
+
+
+def without_inplace_activations(module):
+    """`module`'s in-place activations (ReLU, SiLU, GELU... with `inplace=True`: a CoAtNet's squeeze-excitation, a
+    ResNet's ReLUs) made out-of-place, the same values: selective checkpointing keeps a convolution's or a matrix
+    product's output for the backward, and an activation written into it in place would change what it kept (torch
+    refuses it at the first backward: "Tensor cached during selective activation checkpoint has been mutated")."""
+    for layer in module.modules():
+        if getattr(layer, "inplace", None) is True:
+            layer.inplace = False
 
 
 class SelectivelyCheckpointed(CheckpointedStage):

@@ -384,7 +384,12 @@ def saved_activation_bytes(model, image_size, channels_last, checkpointing, arch
     with contextlib.nullcontext() if checkpointing else plain_stages(model):
         net = without_sync_batchnorm(copy.deepcopy(model))
     # a meta copy (--fsdp's unsharded shapes) gets uninitialised CPU memory: only sizes are counted
-    net = (net.to_empty(device="cpu") if any(p.is_meta for p in net.parameters()) else net.cpu()).float().train()
+    if any(p.is_meta for p in net.parameters()):
+        net = net.to_empty(device="cpu")
+        for buffer in net.buffers():  # (an index table, a CoAtNet's relative positions: indices in range)
+            if not buffer.is_floating_point():
+                buffer.zero_()
+    net = net.cpu().float().train()
     if checkpointing and not any(isinstance(m, CheckpointedStage) for m in net.modules()):
         enable_grad_checkpointing(net, arch)
     image = torch.randn(2, 3, image_size, image_size)  # 2: BatchNorm refuses a batch of 1 in training mode

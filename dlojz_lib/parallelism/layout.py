@@ -22,6 +22,7 @@ from dlojz_lib.parallelism.pipeline import (
     bubble_formula,
     build_pipeline,
     expected_bubble,
+    micro_batch_problem,
     time_layers,
 )
 from dlojz_lib.parallelism.tensor import check_plan, parallelize, plan_blocks
@@ -296,15 +297,9 @@ def check_micro_batches(module, arch, batch_size, grad_acc, pp, microbatches):
             f"--pp-microbatches {microbatches} (which must divide -b) instead of --grad-acc: give a --global-batch "
             "or -b that one step of the pipeline takes"
         )
-    if batch_size // microbatches > 1:
-        return
-    norms = (torch.nn.BatchNorm1d, torch.nn.BatchNorm2d, torch.nn.BatchNorm3d, torch.nn.SyncBatchNorm)
-    if any(isinstance(m, norms) for m in module.modules()):
-        fail(
-            f"-b {batch_size} in --pp-microbatches {microbatches}: micro-batches of 1 image, whose statistics "
-            f"{arch}'s BatchNorm cannot take; give -b {2 * microbatches} or more, or --pp-microbatches "
-            f"{batch_size // 2 if batch_size >= 2 else 1} (2 images or more a micro-batch)"
-        )
+    problem = micro_batch_problem(module, arch, batch_size, microbatches)
+    if problem is not None:
+        fail(problem)
 
 
 def build_pipeline_model(

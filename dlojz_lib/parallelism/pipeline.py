@@ -211,8 +211,10 @@ class Stage(nn.Module):
         stage (parallelism.layout.parallelize_unit)."""
         if mode in (False, "none"):
             return
-        from dlojz_lib.model.recompute import recomputed
+        from dlojz_lib.model.recompute import recomputed, without_inplace_activations
 
+        if mode == "selective":  # (what selective keeps, an in-place activation would write into)
+            without_inplace_activations(self)
         # the recomputation leaves BatchNorm's statistics as the forward left them: a micro-batch counted once
         self.runs = [
             recomputed(run, self.model, selective=mode == "selective") if k % every == 0 else run
@@ -538,3 +540,19 @@ class PipelineRun(nn.Module):
         squared = norm.double() ** 2
         torch.distributed.all_reduce(squared, group=self.group)
         return squared.sqrt().to(norm.dtype)
+
+
+def micro_batch_problem(module, arch, batch_size, microbatches):
+    """Why a pipeline cannot take -b `batch_size` in `microbatches` for `module` (a meta model will do), or None: a
+    BatchNorm model's micro-batches hold 2 images or more (its training statistics of one image fail in its first
+    forward). What the run refuses and what `--layout auto` leaves out."""
+    if batch_size // microbatches > 1:
+        return None
+    norms = (torch.nn.BatchNorm1d, torch.nn.BatchNorm2d, torch.nn.BatchNorm3d, torch.nn.SyncBatchNorm)
+    if not any(isinstance(m, norms) for m in module.modules()):
+        return None
+    return (
+        f"-b {batch_size} in --pp-microbatches {microbatches}: micro-batches of 1 image, whose statistics "
+        f"{arch}'s BatchNorm cannot take; give -b {2 * microbatches} or more, or --pp-microbatches "
+        f"{batch_size // 2 if batch_size >= 2 else 1} (2 images or more a micro-batch)"
+    )

@@ -619,10 +619,15 @@ def auto_layout(args, allocation):
         optimizer=args.optimizer, checkpointing=own,
         batch_per_copy=True,
     )  # fmt: skip
+    from dlojz_lib.parallelism.pipeline import micro_batch_problem
+
     values = vars(args)
+    model = meta_model(settings)  # (the run's own model checks: a BatchNorm pipeline's micro-batches)
     rows = [
         row for row in plan(settings, allocation)[0]
         if not row["spec"].problems(values) and (row["pp"] == 1 or args.teacher is None)
+        and (row["pp"] == 1 or micro_batch_problem(model, args.arch, settings.batch_size,
+                                                   row["spec"].microbatches) is None)
         and not (own != "none" and "checkpointing" in row)
         and "float8" not in row  # (--float8 needs torchao: the user's to give)
     ]  # fmt: skip

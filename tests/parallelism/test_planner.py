@@ -278,3 +278,17 @@ def test_the_planner_prices_the_optimizer_state_from_the_optimizer_table(monkeyp
     three = dataclasses.replace(dlojz_lib.optim.OPTIMIZER_TABLE["sgd"], state_per_parameter=3)
     monkeypatch.setitem(dlojz_lib.optim.OPTIMIZER_TABLE, "sgd", three)
     assert set(optimizer_bytes("sgd").values()) == {3}
+
+
+@pytest.mark.parametrize("arch, size", [("resnet18", 32), ("timm:coatnet_pico_rw_224", 64)])
+def test_layout_auto_names_no_pipeline_whose_micro_batches_batchnorm_refuses(arch, size):
+    """--layout auto on a node of 4 H100s at -b 8 (the planner ranks PP 4 x FSDP 1 first, in 2 p = 8 micro-batches):
+    a BatchNorm model is never given a pipeline whose micro-batches hold 1 image, which dlojz.py then refuses on
+    every rank; the pick's micro-batches hold 2 images or more, or the pick is no pipeline."""
+    from dlojz_lib.parallelism.plan import GPUS, Allocation, auto_layout
+    from dlojz_lib.settings.flags import get_args_parser
+
+    allocation = Allocation(1, **dict(GPUS["h100"], gpus_per_node=4))
+    argv = ["--arch", arch, "--image-size", str(size), "--layout", "auto", "-b", "8", "--device", "cpu"]
+    chosen, said = auto_layout(get_args_parser().parse_args(argv), allocation)
+    assert chosen.pp == 1 or 8 // chosen.microbatches >= 2, said

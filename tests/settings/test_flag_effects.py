@@ -139,17 +139,18 @@ CHECKPOINTING = {
 }
 
 
-@pytest.mark.parametrize("arch", ["timm:test_vit", "resnet18"])
-def test_activation_checkpointing_keeps_less_and_trains_as_the_plain_model(arch):
+@pytest.mark.parametrize("arch, size", [("timm:test_vit", 32), ("resnet18", 32), ("timm:coatnet_pico_rw_224", 64)])
+def test_activation_checkpointing_keeps_less_and_trains_as_the_plain_model(arch, size):
     """--activation-checkpointing full | selective and --ac-every 2: after 2 steps the weights and buffers are the
     plain model's (BatchNorm's running statistics counted once), and the bytes its forward holds for the backward
     (measured on the CPU) order as the modes say: full the least, selective more (the matrix products' and
-    convolutions' outputs kept), every 2nd block between each mode and none."""
+    convolutions' outputs kept), every 2nd block between each mode and none. CoAtNet's squeeze-excitation writes an
+    activation in place into a convolution's output, which selective keeps: made out-of-place, not refused."""
     from dlojz_lib.torch_internals import held_after_forward
 
     held, states = {}, {}
     for mode, flags in CHECKPOINTING.items():
-        loop = loop_for("--no-amp", "--arch", arch, *flags, n_batches=2)
+        loop = loop_for("--no-amp", "--arch", arch, "--image-size", size, *flags, n_batches=2)
         dlojz.train_one_epoch(**loop)
         states[mode] = loop["model"].module.state_dict()
         images = next(iter(loop["loaders"].train_batches))[0]

@@ -726,3 +726,19 @@ def test_a_peer_lost_during_start_up_is_one_line_too(tmp_path, monkeypatch, caps
         f"last checkpoint: {tmp_path}/ckpt_e0000_s000000007.pt; continue with --resume auto --output-dir {tmp_path}"
         in err
     )
+
+
+def test_a_rank_s_error_without_a_message_says_where_it_was_raised(capsys):
+    """A failure whose exception has no message (a pipeline stage's RuntimeError re-raised empty) still gets a line
+    that says something: the file, line and function it was raised in."""
+    from dlojz_lib.dist import report_crash
+
+    def stage_forward():
+        raise RuntimeError()
+
+    try:
+        stage_forward()
+    except RuntimeError as err:
+        assert report_crash(err, 1) == 1
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("dlojz: rank 1 failed: RuntimeError: (no message) at ") and "in stage_forward" in last, last
