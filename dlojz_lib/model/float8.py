@@ -86,15 +86,12 @@ def as_plain_linears(module):
     return module
 
 
-def uneven_rows(meta_module, paths, recipe, batch_size, image_size):
-    """(path, tokens an image) of the first of `paths` (linears of `meta_module`, a meta copy before conversion) whose
-    rows in a micro-batch of `batch_size` images (images x tokens) are not a multiple of 16, or None. The weight
-    gradient's float8 product (tensorwise, rowwise) sums over those rows, and float8's matrix products on a GPU take
-    them in multiples of 16: torchao then pads them with zeros (`convert`'s `pad`)."""
+def tokens_per_image(meta_module, paths, image_size) -> dict:
+    """{path: the rows (tokens) of one image each of `paths` (linears of `meta_module`, a meta copy) multiplies}, from
+    one forward on the meta device, in forward order: what float8's products take (uneven_rows) and the planner
+    prices (parallelism.plan.float8_rows)."""
     import torch
 
-    if recipe == "rowwise_with_gw_hp" or not paths:  # (its weight gradient's product is in high precision)
-        return None
     rows = {}
 
     def count(path):
@@ -105,10 +102,21 @@ def uneven_rows(meta_module, paths, recipe, batch_size, image_size):
 
     hooks = [meta_module.get_submodule(path).register_forward_pre_hook(count(path)) for path in paths]
     with torch.no_grad():
-        meta_module.eval()(torch.empty(batch_size, 3, image_size, image_size, device="meta"))
+        meta_module.eval()(torch.empty(1, 3, image_size, image_size, device="meta"))
     for hook in hooks:
         hook.remove()
-    return next(((path, n // batch_size) for path, n in rows.items() if n % 16), None)
+    return rows
+
+
+def uneven_rows(meta_module, paths, recipe, batch_size, image_size):
+    """(path, tokens an image) of the first of `paths` (linears of `meta_module`, a meta copy before conversion) whose
+    rows in a micro-batch of `batch_size` images (images x tokens) are not a multiple of 16, or None. The weight
+    gradient's float8 product (tensorwise, rowwise) sums over those rows, and float8's matrix products on a GPU take
+    them in multiples of 16: torchao then pads them with zeros (`convert`'s `pad`)."""
+    if recipe == "rowwise_with_gw_hp" or not paths:  # (its weight gradient's product is in high precision)
+        return None
+    tokens = tokens_per_image(meta_module, paths, image_size)
+    return next(((path, n) for path, n in tokens.items() if batch_size * n % 16), None)
 
 
 def scales_for_fsdp(module):

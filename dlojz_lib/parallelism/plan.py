@@ -470,25 +470,15 @@ def float8_rows(rows, model, allocation, settings, flops_per_image) -> list:
     linears --float8 converts (model.float8.float8_linears) computing at the GPU's float8 peak, and under FSDP their
     weights gathered in float8 (1 byte, not the AMP dtype's); none where the GPU has no float8 or the model no such
     linear. Their activations and state are counted as without float8."""
-    import torch
-
     from dlojz_lib.model import families
-    from dlojz_lib.model.float8 import float8_linears
+    from dlojz_lib.model.float8 import float8_linears, tokens_per_image
 
-    chosen = [model.get_submodule(path) for path in float8_linears(model, families.family_of(model), "tensorwise")]
-    if allocation.float8_tflops is None or not chosen:
+    paths = float8_linears(model, families.family_of(model), "tensorwise")
+    if allocation.float8_tflops is None or not paths:
         return []
-    rows_of = {}  # a linear -> the rows (tokens of an image) it multiplies
-
-    def record(linear, inputs, _):
-        rows_of[linear] = inputs[0].numel() // linear.in_features
-
-    hooks = [linear.register_forward_hook(record) for linear in chosen]
-    with torch.no_grad():
-        model.eval()(torch.empty(1, 3, settings.image_size, settings.image_size, device="meta"))
-    for hook in hooks:
-        hook.remove()
-    converted = sum(6 * rows_of[m] * m.in_features * m.out_features for m in chosen)  # forward 2, backward 4
+    chosen = [model.get_submodule(path) for path in paths]
+    tokens = tokens_per_image(model, paths, settings.image_size)  # the rows of an image each linear multiplies
+    converted = sum(6 * tokens[p] * m.in_features * m.out_features for p, m in zip(paths, chosen))  # forward 2, back 4
     flops = flops_per_image - converted + converted * allocation.tflops / allocation.float8_tflops
     found = []
     for row in rows:
