@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 import dlojz_lib.checkpoint as ckpt
-from dlojz_lib.checks import DataError, UserError, one_line
+from dlojz_lib.checks import DataError, UserError, one_line, say_refusal
 from dlojz_lib.data.datasets import class_counts
 from dlojz_lib.data.loaders import Loaders, build_data, build_loaders, measure_loader_only
 from dlojz_lib.dist import (
@@ -50,6 +50,7 @@ from dlojz_lib.dist import (
     StopSignal,
     agree_on_stop,
     checkpoint_for_stop,
+    refusal_claim,
     report_crash,
     requeue,
     setup_distributed,
@@ -616,9 +617,8 @@ def cli(argv=None) -> int:
         status = err.status
     except SystemExit as err:  # argparse: --help, or a bad flag already reported in one line
         status = err.code if isinstance(err.code, int) else 2
-    except (UserError, DataError) as err:
-        if rank == 0 or idr_torch.world_size == 1:
-            print(f"dlojz: error: {one_line(err)}", file=sys.stderr, flush=True)
+    except (UserError, DataError) as err:  # said once, by the first rank to refuse (the others may be waiting)
+        say_refusal(f"dlojz: error: {one_line(err)}", rank, idr_torch.world_size, refusal_claim())
         status = 2
     except TrainingDiverged as err:
         if rank == 0:

@@ -20,6 +20,8 @@ and a $DLOJZ_DATA that names no folder. The lowest of dlojz's modules: it import
   line naming the file and saying `fix`, never a traceback.
 - `DataError`: a problem with the data (dlojz_lib.data.datasets, dlojz_lib.data.shards), one line naming the path.
 - `missing_data_variable(environ)`: the line saying that $DLOJZ_DATA names no folder, or None.
+- `say_refusal(line, rank, world_size, first)`: a refusal's line said once by whichever rank of a job finds it first,
+  never lost to the launcher ending the job at another rank's exit.
 - `command(name)`: every sibling command's door: a one-line error (`OneLineError`) exits 2, Ctrl-C 130, each in one line;
   `ended_on_interrupt(proc)`: a child process (a lab run, an HPO trial) told of the Ctrl-C and waited for.
 """
@@ -32,6 +34,7 @@ import signal
 import stat
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 
@@ -276,6 +279,33 @@ def missing_data_variable(environ):
     if data and not os.path.isdir(data):
         return f"$DLOJZ_DATA={data}: no such folder (give the folder holding train/ and val/, or unset it)"
     return None
+
+
+# How long a rank other than 0 waits, before the process group forms, for rank 0 to say a refusal that every rank
+# reads alike (the command line, the shared file system) and end the job; rank 0 may be held back by a data scan.
+REFUSAL_GRACE_S = 5.0
+
+
+def say_refusal(line, rank, world_size, first=None, grace_s=None):
+    """Print a refusal's one `line` so that it reaches the user whichever rank of a job finds it first. A launcher
+    (torchrun, srun --kill-on-bad-exit) ends every rank at the first one's exit, so a line left to rank 0 is lost
+    when another rank ends first. `first`: once the process group has formed, a callable saying whether this rank is
+    the job's first to refuse (the job's store counts the refusals): that rank says it, the others do not. Before it
+    (None), rank 0 says it; any other rank waits `grace_s` for the launcher to end the job at rank 0's exit (its
+    stop ends the wait: SIGTERM's own action is put back), then says it itself, naming its rank."""
+    if first is not None:
+        try:
+            said_first = first()
+        except Exception:  # the store's host is gone: better said twice than lost
+            said_first = True
+        if said_first:
+            print(line, file=sys.stderr, flush=True)
+        return
+    if world_size > 1 and rank != 0:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        time.sleep(REFUSAL_GRACE_S if grace_s is None else grace_s)
+        line = f"{line} (said by rank {rank}: rank 0 had not ended the job)"
+    print(line, file=sys.stderr, flush=True)
 
 
 INTERRUPTED_STATUS = 130  # the shell's status for a process ended by SIGINT (128 + 2)

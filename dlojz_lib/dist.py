@@ -15,6 +15,9 @@
   asks Slurm to requeue the job (resume with --resume auto).
 - `is_lost_peer(err)`, `lost_peer_line(...)`: an error that says another rank is gone (killed, out of memory, its node
   lost), and the one line naming it (the survivors check in through the job's store; the silent ones are lost).
+- `first_to_refuse()`: whether this rank is the job's first to refuse its input, the one whose line is said
+  (`refusal_claim()`: that question, once the process group has formed); `refused_elsewhere()`: whether a rank has,
+  so that the others' broken connections are no lost rank.
 - `start_compile_workers()`: torch.compile's worker processes, started deaf to Slurm's signals.
 - `keep_freed_host_memory()`: glibc's allocator told to keep freed memory for reuse (training on a CPU);
   `HostMemoryBound`: the free heap given back once the resident memory passes a bound (its fragmentation).
@@ -292,11 +295,38 @@ class LostPeerReport:
         return False
 
 
+REFUSED_KEY = "dlojz/refused"  # the job's store counts the ranks that refused their input
+REFUSED_STATUS = 2  # exit status: bad input (UserError), said in one line
+
+
+def first_to_refuse() -> bool:
+    """Whether this rank is the job's first to refuse its input: the one that says the line (the process group
+    has formed; the store's counter is atomic)."""
+    return default_store().add(REFUSED_KEY, 1) == 1
+
+
+def refusal_claim():
+    """What tells a refusing rank whether it says the line (checks.say_refusal's `first`): first_to_refuse once the
+    process group has formed, None before."""
+    return first_to_refuse if dist.is_available() and dist.is_initialized() else None
+
+
+def refused_elsewhere() -> bool:
+    """Whether a rank of the job has refused its input (its line is said); False when the store is unreachable."""
+    try:
+        return dist.is_initialized() and default_store().check([REFUSED_KEY])
+    except Exception:
+        return False
+
+
 def report_lost_peer(ranks, output_dir, state) -> int:
     """Another rank is gone: one line from the lowest survivor naming it, the step (`state` None: during start-up)
-    and the last checkpoint."""
+    and the last checkpoint. A rank that ended on a refusal is not lost: its line is said, and the survivors end
+    with its status, quietly (a lost rank's status would have Slurm's restart try other nodes)."""
     from dlojz_lib.checkpoint import newest_checkpoint
 
+    if refused_elsewhere():
+        return REFUSED_STATUS
     step = None if state is None else state.global_step
     line = lost_peer_line(ranks, step, output_dir, newest_checkpoint(output_dir))
     if line is not None:

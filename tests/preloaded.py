@@ -19,6 +19,7 @@ import contextlib
 import json
 import locale
 import multiprocessing
+import multiprocessing.connection
 import multiprocessing.forkserver
 import os
 import select
@@ -189,19 +190,40 @@ def _read(path):
         return f.read()
 
 
+# What torchrun does when a rank ends on a refusal: the others are sent SIGTERM, then killed past its grace.
+REFUSED_STATUS = 2
+TORCHRUN_STOP_GRACE_S = 10
+
+
 def _finish(processes, timeout):
-    """Wait for every process; kill what is left at `timeout`. Whether the deadline passed."""
+    """Wait for every process, as torchrun waits for its ranks: once one ends on a refusal (exit status 2), the
+    others are stopped (SIGTERM, then SIGKILL past TORCHRUN_STOP_GRACE_S); kill what is left at `timeout`.
+    (whether the deadline passed, the processes in the order they ended)."""
     deadline = None if timeout is None else time.monotonic() + timeout
+    ended, stopped_at = [], None
     try:
-        for process in processes:
-            process.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        while True:
+            ended += [p for p in processes if p.exitcode is not None and p not in ended]
+            running = [p for p in processes if p.exitcode is None]
+            now = time.monotonic()
+            if not running or (deadline is not None and now > deadline):
+                break
+            if stopped_at is None and any(p.exitcode == REFUSED_STATUS for p in ended):
+                for process in running:
+                    process.terminate()
+                stopped_at = now
+            elif stopped_at is not None and now - stopped_at > TORCHRUN_STOP_GRACE_S:
+                for process in running:
+                    process.kill()
+            multiprocessing.connection.wait([p.sentinel for p in running], timeout=0.2)
     finally:
         timed_out = any(process.exitcode is None for process in processes)  # or the test was interrupted
         for process in processes:
             if process.exitcode is None:
                 process.kill()
                 process.join()
-    return timed_out
+        ended += [p for p in processes if p not in ended]
+    return timed_out, ended
 
 
 def free_port():
@@ -250,20 +272,21 @@ def rank_processes(argv, env, cwd, world_size, outputs, affinity=None):
 def run_ranks(argv, env, cwd, timeout, world_size):
     """Like subprocess.run([python, dlojz.py, *argv], capture_output=True, text=True, ...), in forks of the server;
     with world_size > 1, that many ranks on this node, started as `torchrun --standalone --nproc-per-node N`
-    starts them. The result is shaped like torchrun's: every rank's stdout (then stderr) in rank order, and
-    exit status 0 if every rank ended with 0, else the first rank's non-zero status."""
+    starts them (and stops them at a refusal: _finish). The result is shaped like torchrun's: every rank's stdout
+    (then stderr) in rank order, and exit status 0 if every rank ended with 0, else the status of the first rank to
+    end with another."""
     cmd = [sys.executable, str(DLOJZ), *argv]
     with tempfile.TemporaryDirectory(prefix="dlojz-run-") as tmp:
         paths = [(os.path.join(tmp, f"{rank}.out"), os.path.join(tmp, f"{rank}.err")) for rank in range(world_size)]
         processes = rank_processes(argv, env, cwd, world_size, paths.__getitem__)
         for process in processes:
             process.start()
-        timed_out = _finish(processes, timeout)
+        timed_out, ended = _finish(processes, timeout)
         out = "".join(_read(path) for path, _ in paths)
         err = "".join(_read(path) for _, path in paths)
         if timed_out:
             raise subprocess.TimeoutExpired(cmd, timeout, output=out, stderr=err)
-        status = next((p.exitcode for p in processes if p.exitcode != 0), 0)
+        status = next((p.exitcode for p in ended if p.exitcode != 0), 0)  # the first failure, as torchrun says it
         return subprocess.CompletedProcess(cmd, status, out, err)
 
 

@@ -396,7 +396,8 @@ def check_command_line(argv=None):
     main() parses again."""
     import sys
 
-    from dlojz_lib.settings.launch import launch_problem, launch_rank
+    from dlojz_lib.checks import say_refusal
+    from dlojz_lib.settings.launch import launch_problem, launch_rank, launch_world_size
 
     if (problem := launch_problem(os.environ)) is not None:
         print(f"dlojz: error: {problem}", file=sys.stderr, flush=True)  # every copy: which rank it is is unknown
@@ -404,6 +405,6 @@ def check_command_line(argv=None):
     try:
         checked_values(argv)
     except UserError as err:
-        if launch_rank(os.environ) == 0:  # every rank reads the same command line: one of them says it
-            print(f"dlojz: error: {err}", file=sys.stderr, flush=True)
+        # every rank reads the same command line: rank 0 says it, unless the launcher ended the job first
+        say_refusal(f"dlojz: error: {err}", launch_rank(os.environ), launch_world_size(os.environ))
         sys.exit(2)
