@@ -62,6 +62,8 @@ class TensorPlan:
     # what the planner prices (parallelism.plan): a block's parameters the split cuts, each "col" (its dim 0 split)
     # or "row" (dim 1), the others whole (a row-wise layer's bias among them)...
     placements: Callable[[nn.Module], list] = no_names
+    # ...the fused parameters the split holds as q, k and v apart (three tensors each, each with its optimizer state)...
+    held_apart: Callable[[nn.Module], list] = no_names
     # ...and its attention: (the module whose input is the tokens, its width, its heads)
     attention: Callable[[nn.Module], tuple] | None = None
 
@@ -264,6 +266,16 @@ def tokens_unsplit(block):
     return "attention runs on windows or NCHW maps, whose tokens --sequence-parallel does not split (ViT's do)"
 
 
+def qkv_held_apart(block) -> bool:
+    """Whether a timm block's `qkv` is laid out [q; k; v] (not head by head), so held as three to split by heads."""
+    return is_vit_block(block) or not block.attn.head_first
+
+
+def timm_held_apart(block) -> list:
+    qkv = block.attn.qkv
+    return [p for p in (qkv.weight, qkv.bias) if p is not None] if qkv_held_apart(block) else []
+
+
 def split_timm_block(block, tp_mesh, sequence_parallel):
     """One timm transformer block split over `tp_mesh` in place (block_plan), its attention left with this rank's
     heads."""
@@ -271,7 +283,7 @@ def split_timm_block(block, tp_mesh, sequence_parallel):
 
     attn = block.attn
     pointwise_layers(block)
-    if is_vit_block(block) or not attn.head_first:  # [q; k; v]: held apart to split by heads
+    if qkv_held_apart(block):
         attn.qkv = HeadShardedQKV(attn.qkv)
     parallelize_module(block, tp_mesh, block_plan(block, sequence_parallel))
     for layer in block.modules():
@@ -310,6 +322,7 @@ TIMM = TensorPlan(
     tokens_unsplit=tokens_unsplit,
     token_sharded=token_sharded_layers,
     placements=timm_placements,
+    held_apart=timm_held_apart,
     attention=lambda block: (block.attn, block.attn.qkv.weight.shape[0] // 3, block.attn.num_heads),
 )
 
@@ -407,5 +420,8 @@ TORCHVISION_VIT = TensorPlan(
     ),
     tokens_unsplit=lambda block: "blocks (torchvision's) have no sequence-parallel plan here (timm's ViT's do)",
     placements=encoder_placements,
+    held_apart=lambda block: [
+        p for p in (block.self_attention.in_proj_weight, block.self_attention.in_proj_bias) if p is not None
+    ],
     attention=lambda block: (block.self_attention, block.self_attention.embed_dim, block.self_attention.num_heads),
 )

@@ -30,8 +30,9 @@ class OptimizerRow:
     """One `--optimizer` value: the class (`module.Name`, imported when built: timm's import costs seconds that
     sgd/adamw runs do not pay), whether torch has a fused step for it, and its keyword arguments from `--mom`,
     `--wd` and `--nesterov`; the float32 tensors of state it keeps a parameter (the planner's optimizer bytes:
-    momentum, or Adam's two moments); whether that fused step takes sharded (DTensor) parameters (--fsdp: else the
-    foreach step is used)."""
+    momentum, or Adam's two moments) and the bytes of the step count it keeps beside them for each parameter tensor
+    (torch's AdamW and RMSprop: a float32 scalar tensor; timm's keep theirs in the group, or none); whether that
+    fused step takes sharded (DTensor) parameters (--fsdp: else the foreach step is used)."""
 
     source: str
     fused: bool
@@ -39,6 +40,7 @@ class OptimizerRow:
     about: str
     state_per_parameter: int
     fused_on_shards: bool = True
+    step_bytes_per_tensor: int = 0
 
 
 # The accepted values of --lr-scheduler (their shapes: schedules.py's decay_factor).
@@ -68,7 +70,12 @@ OPTIMIZER_TABLE = {
         fused_on_shards=False,
     ),
     "adamw": OptimizerRow(
-        "torch.optim.AdamW", True, lambda mom, wd, nesterov: dict(betas=(mom, 0.999)), "torch's", state_per_parameter=2
+        "torch.optim.AdamW",
+        True,
+        lambda mom, wd, nesterov: dict(betas=(mom, 0.999)),
+        "torch's",
+        state_per_parameter=2,
+        step_bytes_per_tensor=4,
     ),
     "rmsprop": OptimizerRow(  # torchvision's MobileNet recipes' (TensorFlow's constants)
         "torch.optim.RMSprop",
@@ -76,6 +83,7 @@ OPTIMIZER_TABLE = {
         lambda mom, wd, nesterov: dict(alpha=0.9, eps=0.0316, momentum=mom),
         "torch's, torchvision's constants",
         state_per_parameter=2,  # the square average and the momentum buffer
+        step_bytes_per_tensor=4,
     ),
     "lamb": OptimizerRow(
         "timm.optim.Lamb",

@@ -61,6 +61,15 @@ def placements(module):
     return [(tuple(p.shape), placement.get(id(p))) for p in module.parameters()]
 
 
+def split_tensors(module) -> list:
+    """How many tensors each parameter of `module` is held as once --tp splits it (the order of placements'): 3
+    for a fused q, k and v held apart, else 1 (each tensor keeps its own optimizer step count)."""
+    (plan, blocks), apart = tensor_plan(module), set()
+    for block in blocks:
+        apart.update(id(parameter) for parameter in plan.held_apart(block))
+    return [3 if id(p) in apart else 1 for p in module.parameters()]
+
+
 def local_numel(shape, kind, tp, replicas):
     """Elements of one parameter on the largest rank: split 1/tp by the plan, then its dim 0 over the replicas."""
     shape = list(shape)
@@ -116,12 +125,14 @@ def layout_rows(settings, module=None):
             f"--sequence-parallel: {settings.arch} has no sequence-parallel plan (ViT's tokens only): drop it"
         )
     params = placements(module)
+    split = split_tensors(module)
     gathers = fsdp_gathers(module)
     total = sum(math.prod(shape) for shape, _ in params)
     shapes = attention_shapes(module, settings.image_size) if planned else []
     rest, outputs = layer_figures(module, settings, blocks)  # a pipeline layer's bytes an image, and its output
     outside = sum(rest) * settings.amp_bytes / 4
-    state = OPTIMIZER_TABLE[settings.optimizer].state_per_parameter  # (the run's own table)
+    optimizer = OPTIMIZER_TABLE[settings.optimizer]  # (the run's own table)
+    state = (optimizer.state_per_parameter, optimizer.step_bytes_per_tensor)
     out = []
     for gpus in settings.gpus:
         layouts = [("DDP", 1, 1), ("FSDP", 1, gpus)]
@@ -158,7 +169,7 @@ def layout_rows(settings, module=None):
                     parameters=total,
                     parameter_bytes=4 * local,
                     gradient_bytes=4 * local,
-                    optimizer_bytes=4 * state * local,
+                    optimizer_bytes=optimizer_bytes(state, local, sum(split) if tp > 1 else len(params)),
                     activation_bytes=by_mode.get(settings.checkpointing, by_mode["none"]),
                     activations_by_checkpointing=by_mode,
                     sent_bytes_per_step=sent,
@@ -173,8 +184,15 @@ def layout_rows(settings, module=None):
                     ),
                 )
             )
-        out += pipeline_rows(settings, module, params, gpus, shapes, state, (rest, outputs))
+        out += pipeline_rows(settings, module, (params, split), gpus, shapes, state, (rest, outputs))
     return out, total, planned
+
+
+def optimizer_bytes(state, numel, tensors):
+    """The optimizer state a GPU holds for `numel` elements of `tensors` parameter tensors: `state` (its float32
+    tensors an element, the bytes of its step count a tensor), as the optimizer table gives it."""
+    per_element, step_bytes = state
+    return 4 * per_element * numel + step_bytes * tensors
 
 
 def meta_model(settings):
@@ -281,10 +299,11 @@ def pipeline_rows(settings, module, params, gpus, shapes, state, per_layer):
     flight, each of b p / M images, a pipeline taking b images a GPU; with `batch_per_copy` b / M, the pipeline b),
     and each GPU's sends: its stage's output
     forward and its input's gradient backward, for every micro-batch, with FSDP's on its stage. A model without a
-    pipeline split gets none. `per_layer`: layer_figures'."""
+    pipeline split gets none. `params`: (placements', split_tensors'); `per_layer`: layer_figures'."""
     from dlojz_lib.parallelism.pipeline import layer_sizes, owner, pipeline_layers, stage_bounds
     from dlojz_lib.parallelism.tensor import block_bytes_sent
 
+    params, split = params
     try:
         layers = pipeline_layers(module, settings.arch)
     except UserError:
@@ -303,7 +322,9 @@ def pipeline_rows(settings, module, params, gpus, shapes, state, per_layer):
         local = [0] * pp
         held = [0] * pp
         stage_params = [[] for _ in range(pp)]
-        for stage, (shape, kind) in zip(stage_of, params):
+        tensors = [0] * pp  # (each rank holds a part of each of its stage's tensors)
+        for stage, (shape, kind), parts in zip(stage_of, params, split):
+            tensors[stage] += parts if tp > 1 else 1
             local[stage] += local_numel(shape, kind if tp > 1 else None, tp, replicas)
             held[stage] += local_numel(shape, kind if tp > 1 else None, tp, 1)  # the group rank's part
             stage_params[stage].append((shape, kind if tp > 1 else None))
@@ -336,7 +357,7 @@ def pipeline_rows(settings, module, params, gpus, shapes, state, per_layer):
                 parameters=sum(held),
                 parameter_bytes=4 * largest,
                 gradient_bytes=4 * largest,
-                optimizer_bytes=4 * state * largest,
+                optimizer_bytes=max(map(optimizer_bytes, [state] * pp, local, tensors)),
                 activation_bytes=by_mode.get(settings.checkpointing, by_mode["none"]),
                 activations_by_checkpointing=by_mode,
                 sent_bytes_per_step=max(sum(groups.values()) for groups in sent),

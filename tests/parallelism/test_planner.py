@@ -20,6 +20,9 @@ LAYOUTS = {
     "PP 2 x TP 2 x FSDP 1": (["--fsdp", "--pp", "2", "--tp", "2", "--pp-microbatches", "4"], 4),
     "PP 4 x FSDP 1": (["--fsdp", "--pp", "4", "--pp-microbatches", "4"], 8),
 }
+# the optimizers whose state is held to runs' on every layout: torch's (AdamW's and RMSprop's count their step in a
+# tensor a parameter; timm's keep theirs in the group, and their global norms gather across the mesh)
+TORCH_OPTIMIZERS = ("sgd", "adamw", "rmsprop")
 # the planner's name of each mesh dimension's group (HSDP's within a replica: "shard"; its replicas: "data")
 GROUP_OF_DIMENSION = {"data": "data", "replicate": "data", "shard": "shard", "pipe": "pipe", "tensor": "tensor"}
 
@@ -28,13 +31,15 @@ def layouts_on_rank(rank, world, store_path, results, layouts):
     """One of 4 ranks: each layout of `layouts` laid out as dlojz.py lays it out (`lay_out`, through
     bench/plan_vs_runs.py's `laid_out`, which times the same layouts against the roofline), three steps of SGD with
     momentum (the schedule's under --pp); the bytes this rank holds after them, and those it sends in the third step
-    (the first sends a pipeline's shapes too, the second DDP's rebuilt buckets), by the planner's group names."""
+    (the first sends a pipeline's shapes too, the second DDP's rebuilt buckets), by the planner's group names; then
+    the optimizer state each of torch's optimizers holds after a step of its own."""
     import traceback
 
     import torch
     import torch.distributed as dist
     from conftest import counting_mode
 
+    from dlojz_lib.optim.optimizers import build_optimizer
     from dlojz_lib.parallelism.fsdp import state_bytes
 
     sys.path.insert(0, str(ROOT / "bench"))
@@ -61,7 +66,15 @@ def layouts_on_rank(rank, world, store_path, results, layouts):
             for group, count in counted.sent:
                 key = group if isinstance(group, str) else groups.get(group, f"not a mesh group: {sorted(group)}")
                 sent[key] = sent.get(key, 0.0) + count
-            results.put((rank, layout, state_bytes(model.module, optimizer), sent))
+            held = state_bytes(model.module, optimizer)
+            held["optimizer_bytes_by"] = {}  # torch's optimizers of the table, one step on the same layout
+            for name in TORCH_OPTIMIZERS:
+                other = build_optimizer(name, model.module.parameters(), 0.01, 0.9, 0.0)
+                step(images, labels)
+                other.step()
+                other.zero_grad()
+                held["optimizer_bytes_by"][name] = state_bytes(model.module, other)["optimizer_bytes"]
+            results.put((rank, layout, held, sent))
         except BaseException:
             results.put((rank, layout, traceback.format_exc(), None))
     dist.destroy_process_group()
@@ -74,6 +87,8 @@ def test_the_planner_s_bytes_held_and_sent_are_a_run_s(tmp_path):
     byte (FSDP's shards padded to a multiple of the ranks), and its bytes sent a step, group by group (FSDP's
     all-gathers and reduce-scatters, HSDP's all-reduce across replicas, the tensor plan's all-reduces and the whole
     copies', the pipeline's sends), those of the rank that sends most, as the collectives a step sends count them."""
+    import dataclasses
+
     from conftest import spawn_ranks
 
     from dlojz_lib.parallelism.plan import GPUS, Allocation, LayoutTable, plan
@@ -82,15 +97,23 @@ def test_the_planner_s_bytes_held_and_sent_are_a_run_s(tmp_path):
     failures = [where for _, _, where, sent in found if sent is None]
     assert not failures, "\n".join(failures)
     settings = LayoutTable(ARCH, 32, 3, 2, pp_microbatches=4, optimizer="sgd", amp_bytes=4)  # --no-amp: float32
-    rows, _, _ = plan(settings, Allocation(2, **dict(GPUS["h100"], gpus_per_node=2)))
+    allocation = Allocation(2, **dict(GPUS["h100"], gpus_per_node=2))
+    rows, _, _ = plan(settings, allocation)
     rows = {row["layout"]: row for row in rows}
     assert set(LAYOUTS) <= set(rows), sorted(rows)
+    optimizer_rows = {
+        name: {row["layout"]: row for row in plan(dataclasses.replace(settings, optimizer=name), allocation)[0]}
+        for name in TORCH_OPTIMIZERS
+    }
     for layout in LAYOUTS:
         ranks = [(held, sent) for _, name, held, sent in found if name == layout]
         assert len(ranks) == 4, layout
         row = rows[layout]
         for kind in ("parameter", "gradient", "optimizer"):
             assert max(held[f"{kind}_bytes"] for held, _ in ranks) == row[f"{kind}_bytes"], (layout, kind)
+        for name, planned in optimizer_rows.items():  # AdamW's and RMSprop's step count a tensor too
+            held = max(held["optimizer_bytes_by"][name] for held, _ in ranks)
+            assert held == planned[layout]["optimizer_bytes"], (layout, name)
         most = max((sent for _, sent in ranks), key=lambda sent: sum(sent.values()))
         expected = {group: sent for group, sent in row["sent_by_group"].items() if sent}
         assert most == pytest.approx(expected, rel=1e-9), layout
@@ -263,7 +286,7 @@ def test_the_roofline_bench_times_each_layout_beside_its_estimate():
 
 def test_the_planner_prices_the_optimizer_state_from_the_optimizer_table(monkeypatch):
     """The rows' optimizer bytes are the optimizer table's state column (dlojz_lib.optim.OPTIMIZER_TABLE, the run's
-    own rows) times the parameter bytes: AdamW's two moments, SGD's momentum, and a row changed in the table changes
+    own rows) times the parameter bytes: AdamW's two moments (and its step count), SGD's momentum, and a row changed in the table changes
     the plan (no copy of the table in the planner)."""
     import dataclasses
 
@@ -274,7 +297,9 @@ def test_the_planner_prices_the_optimizer_state_from_the_optimizer_table(monkeyp
         rows = layout_rows(LayoutTable(ARCH, image_size=32, gpus=(2,), tp=(2,), pp=(2,), optimizer=name))[0]
         return {row["layout"]: row["optimizer_bytes"] / row["parameter_bytes"] for row in rows}
 
-    assert set(optimizer_bytes("adamw").values()) == {2} and set(optimizer_bytes("sgd").values()) == {1}
+    assert set(optimizer_bytes("sgd").values()) == {1}
+    adamw = optimizer_bytes("adamw").values()  # two moments, and a 4-byte step count a parameter tensor
+    assert all(2 < ratio < 2.01 for ratio in adamw), adamw
     three = dataclasses.replace(dlojz_lib.optim.OPTIMIZER_TABLE["sgd"], state_per_parameter=3)
     monkeypatch.setitem(dlojz_lib.optim.OPTIMIZER_TABLE, "sgd", three)
     assert set(optimizer_bytes("sgd").values()) == {3}
