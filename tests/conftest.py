@@ -178,7 +178,7 @@ def counting_mode():
 def bytes_sent(name, args, group_ranks):
     """(the ranks of the group, bytes) this rank sends for one c10d op, by the ring algorithms the planner counts
     with (an all-gather sends n - 1 times this rank's input, a reduce-scatter n - 1 times its output, an all-reduce
-    2 (n - 1) / n of the buffer, a send its tensors); None for what sends nothing (a receive, a wait). `group_ranks`:
+    2 (n - 1) / n of the buffer, a send its tensors, a broadcast its tensors once); None for what sends nothing (a receive, a wait). `group_ranks`:
     the ranks of an op's group argument (a ProcessGroup, or a functional collective's group name), else None."""
 
     def nbytes(tensors):
@@ -188,6 +188,7 @@ def bytes_sent(name, args, group_ranks):
     if name == "recv_" or name.startswith(("wait", "_wrap")):
         return None
     where = {"_allgather_base_": 2, "_reduce_scatter_base_": 2, "allreduce_": 1, "all_reduce": 2, "send": 1}
+    where["broadcast_"] = 1  # (tensors, group, root, ...)
     if name not in where:
         return f"not counted: {name}", 0  # (raising here would leave the other ranks waiting in the collective)
     ranks = group_ranks(args[where[name]])
@@ -198,6 +199,7 @@ def bytes_sent(name, args, group_ranks):
         "allreduce_": lambda: 2 * (n - 1) / n * nbytes(args[0]),  # (tensors, group, ...)
         "all_reduce": lambda: 2 * (n - 1) / n * nbytes(args[0]),  # DTensor's: (tensor, op, group name)
         "send": lambda: nbytes(args[0]),  # (tensors, group, peer, tag)
+        "broadcast_": lambda: nbytes(args[0]) if n > 1 else 0,  # a chain: every rank but the last passes it on
     }[name]()
     return ranks, sent
 

@@ -128,6 +128,7 @@ def layout_rows(settings, module=None):
     split = split_tensors(module)
     gathers = fsdp_gathers(module)
     total = sum(math.prod(shape) for shape, _ in params)
+    buffers = sum(buffer.numel() * buffer.element_size() for buffer in module.buffers())  # (BatchNorm's statistics)
     shapes = attention_shapes(module, settings.image_size) if planned else []
     rest, outputs = layer_figures(module, settings, blocks)  # a pipeline layer's bytes an image, and its output
     outside = sum(rest) * settings.amp_bytes / 4
@@ -152,8 +153,8 @@ def layout_rows(settings, module=None):
                 mode: copies + outside * b + sum(blocks_activations(shapes, b, tp, settings, mode))
                 for mode in (CHECKPOINTING if planned else ("none",))
             }
-            if name == "DDP":
-                by_group = {"data": 2 * (gpus - 1) / gpus * 4 * total}
+            if name == "DDP":  # the gradients' all-reduce, and the buffers broadcast from rank 0 at each forward
+                by_group = {"data": 2 * (gpus - 1) / gpus * 4 * total + (buffers if gpus > 1 else 0)}
             else:
                 by_group = {"data": fsdp_bytes_sent(params, gathers, tp, replicas, settings.amp_bytes)}
                 if tp > 1:  # the plan's collectives on each block's activations (BLOCK_COLLECTIVES), the whole copies'

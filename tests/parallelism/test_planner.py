@@ -20,6 +20,9 @@ LAYOUTS = {
     "PP 2 x TP 2 x FSDP 1": (["--fsdp", "--pp", "2", "--tp", "2", "--pp-microbatches", "4"], 4),
     "PP 4 x FSDP 1": (["--fsdp", "--pp", "4", "--pp-microbatches", "4"], 8),
 }
+# and a BatchNorm model's, whose buffers DDP broadcasts from rank 0 at every step's forward
+BUFFERS_ARCH = "resnet18"
+RUNS = {**{(ARCH, name): run for name, run in LAYOUTS.items()}, (BUFFERS_ARCH, "DDP"): ([], 2)}
 # the optimizers whose state is held to runs' on every layout: torch's (AdamW's and RMSprop's count their step in a
 # tensor a parameter; timm's keep theirs in the group, and their global norms gather across the mesh)
 TORCH_OPTIMIZERS = ("sgd", "adamw", "rmsprop")
@@ -47,9 +50,9 @@ def layouts_on_rank(rank, world, store_path, results, layouts):
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
-    for layout, (flags, batch) in layouts.items():
+    for (arch, layout), (flags, batch) in layouts.items():
         try:
-            model, optimizer, step, ranks = laid_out(ARCH, 32, flags, batch, world, rank, torch.device("cpu"))
+            model, optimizer, step, ranks = laid_out(arch, 32, flags, batch, world, rank, torch.device("cpu"))
             groups = {}  # the ranks of a group -> the planner's name for it
             for dimension in ranks.mesh.mesh_dim_names if ranks.mesh is not None else ():
                 group = frozenset(dist.get_process_group_ranks(ranks.mesh[dimension].get_group()))
@@ -74,46 +77,46 @@ def layouts_on_rank(rank, world, store_path, results, layouts):
                 other.step()
                 other.zero_grad()
                 held["optimizer_bytes_by"][name] = state_bytes(model.module, other)["optimizer_bytes"]
-            results.put((rank, layout, held, sent))
+            results.put((rank, (arch, layout), held, sent))
         except BaseException:
-            results.put((rank, layout, traceback.format_exc(), None))
+            results.put((rank, (arch, layout), traceback.format_exc(), None))
     dist.destroy_process_group()
 
 
 @pytest.mark.multirank
 def test_the_planner_s_bytes_held_and_sent_are_a_run_s(tmp_path):
     """On 4 CPU ranks (2 "nodes" of 2 for the planner), DDP, FSDP 4, HSDP 2 x 2, TP 2 x FSDP 2, PP 2 x FSDP 2,
-    PP 2 x TP 2 and PP 4: the planner's parameter, gradient and optimizer bytes a GPU are the largest rank's, to the
+    PP 2 x TP 2 and PP 4 (and a ResNet-18 under DDP): the planner's parameter, gradient and optimizer bytes a GPU are the largest rank's, to the
     byte (FSDP's shards padded to a multiple of the ranks), and its bytes sent a step, group by group (FSDP's
     all-gathers and reduce-scatters, HSDP's all-reduce across replicas, the tensor plan's all-reduces and the whole
-    copies', the pipeline's sends), those of the rank that sends most, as the collectives a step sends count them."""
-    import dataclasses
+    copies', the pipeline's sends, DDP's broadcast of BatchNorm's buffers), those of the rank that sends most, as the
+    collectives a step sends count them."""
 
     from conftest import spawn_ranks
 
     from dlojz_lib.parallelism.plan import GPUS, Allocation, LayoutTable, plan
 
-    found = spawn_ranks(layouts_on_rank, 4, tmp_path, LAYOUTS)
+    found = spawn_ranks(layouts_on_rank, 4, tmp_path, RUNS)
     failures = [where for _, _, where, sent in found if sent is None]
     assert not failures, "\n".join(failures)
-    settings = LayoutTable(ARCH, 32, 3, 2, pp_microbatches=4, optimizer="sgd", amp_bytes=4)  # --no-amp: float32
     allocation = Allocation(2, **dict(GPUS["h100"], gpus_per_node=2))
-    rows, _, _ = plan(settings, allocation)
-    rows = {row["layout"]: row for row in rows}
-    assert set(LAYOUTS) <= set(rows), sorted(rows)
-    optimizer_rows = {
-        name: {row["layout"]: row for row in plan(dataclasses.replace(settings, optimizer=name), allocation)[0]}
-        for name in TORCH_OPTIMIZERS
-    }
-    for layout in LAYOUTS:
+
+    def planned(arch, optimizer):  # --no-amp: float32
+        settings = LayoutTable(arch, 32, 3, 2, pp_microbatches=4, optimizer=optimizer, amp_bytes=4)
+        return {(arch, row["layout"]): row for row in plan(settings, allocation)[0]}
+
+    rows = {**planned(ARCH, "sgd"), **planned(BUFFERS_ARCH, "sgd")}
+    assert set(RUNS) <= set(rows), sorted(rows)
+    optimizer_rows = {name: {**planned(ARCH, name), **planned(BUFFERS_ARCH, name)} for name in TORCH_OPTIMIZERS}
+    for layout in RUNS:
         ranks = [(held, sent) for _, name, held, sent in found if name == layout]
         assert len(ranks) == 4, layout
         row = rows[layout]
         for kind in ("parameter", "gradient", "optimizer"):
             assert max(held[f"{kind}_bytes"] for held, _ in ranks) == row[f"{kind}_bytes"], (layout, kind)
-        for name, planned in optimizer_rows.items():  # AdamW's and RMSprop's step count a tensor too
+        for name, table in optimizer_rows.items():  # AdamW's and RMSprop's step count a tensor too
             held = max(held["optimizer_bytes_by"][name] for held, _ in ranks)
-            assert held == planned[layout]["optimizer_bytes"], (layout, name)
+            assert held == table[layout]["optimizer_bytes"], (layout, name)
         most = max((sent for _, sent in ranks), key=lambda sent: sum(sent.values()))
         expected = {group: sent for group, sent in row["sent_by_group"].items() if sent}
         assert most == pytest.approx(expected, rel=1e-9), layout
