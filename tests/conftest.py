@@ -188,7 +188,7 @@ def bytes_sent(name, args, group_ranks):
     if name == "recv_" or name.startswith(("wait", "_wrap")):
         return None
     where = {"_allgather_base_": 2, "_reduce_scatter_base_": 2, "allreduce_": 1, "all_reduce": 2, "send": 1}
-    where["broadcast_"] = 1  # (tensors, group, root, ...)
+    where.update(broadcast_=1, all_gather_into_tensor=2)  # (tensors, group, root, ...), (input, n, group name)
     if name not in where:
         return f"not counted: {name}", 0  # (raising here would leave the other ranks waiting in the collective)
     ranks = group_ranks(args[where[name]])
@@ -200,6 +200,7 @@ def bytes_sent(name, args, group_ranks):
         "all_reduce": lambda: 2 * (n - 1) / n * nbytes(args[0]),  # DTensor's: (tensor, op, group name)
         "send": lambda: nbytes(args[0]),  # (tensors, group, peer, tag)
         "broadcast_": lambda: nbytes(args[0]) if n > 1 else 0,  # a chain: every rank but the last passes it on
+        "all_gather_into_tensor": lambda: (n - 1) * nbytes(args[0]),  # DTensor's
     }[name]()
     return ranks, sent
 

@@ -66,6 +66,8 @@ class TensorPlan:
     held_apart: Callable[[nn.Module], list] = no_names
     # ...and its attention: (the module whose input is the tokens, its width, its heads)
     attention: Callable[[nn.Module], tuple] | None = None
+    # ...and the elements of a tensor the split gathers over the heads once a step (a relative position bias)
+    gathered: Callable[[nn.Module], int] = lambda attention: 0
 
 
 class Pointwise(nn.Linear):
@@ -276,6 +278,13 @@ def timm_held_apart(block) -> list:
     return [p for p in (qkv.weight, qkv.bias) if p is not None] if qkv_held_apart(block) else []
 
 
+def rel_pos_numel(attention) -> int:
+    """The elements of `attention`'s relative position bias (every head's), whose gradient heads_of_this_rank
+    gathers over the heads once a step; 0 without one."""
+    rel_pos = getattr(attention, "rel_pos", None)
+    return 0 if rel_pos is None else rel_pos.get_bias().numel()
+
+
 def split_timm_block(block, tp_mesh, sequence_parallel):
     """One timm transformer block split over `tp_mesh` in place (block_plan), its attention left with this rank's
     heads."""
@@ -324,6 +333,7 @@ TIMM = TensorPlan(
     placements=timm_placements,
     held_apart=timm_held_apart,
     attention=lambda block: (block.attn, block.attn.qkv.weight.shape[0] // 3, block.attn.num_heads),
+    gathered=rel_pos_numel,
 )
 
 

@@ -82,10 +82,12 @@ def local_numel(shape, kind, tp, replicas):
 
 
 def attention_shapes(module, image_size):
-    """(tokens per image, tokens each one attends to, attention width, heads, the block's path) of every block of the
-    plan, read from a forward of the meta model: a ViT's tokens all attend to each other, a CoAtNet block's map too
-    (NCHW), a MaxViT block's attend within a window or a grid cell (its input: images x windows, tokens, channels).
-    The plan's `attention` names each block's attention module, width and heads."""
+    """(tokens per image, tokens each one attends to, attention width, heads, the block's path, the widths of the
+    tensors its collectives move summed, the elements its split gathers a step) of every block of the plan, read
+    from a forward of the meta model: a ViT's tokens all attend to each other, a CoAtNet block's map too (NCHW), a
+    MaxViT block's attend within a window or a grid cell (its input: images x windows, tokens, channels). The plan's
+    `attention` names each block's attention module, width and heads; its `placements`, the layers whose inputs
+    (column-wise) and outputs (row-wise) the collectives move; its `gathered`, a relative position bias."""
     import torch
 
     (plan, blocks), shapes = tensor_plan(module), []
@@ -98,7 +100,10 @@ def attention_shapes(module, image_size):
                 tokens = span = x.shape[2] * x.shape[3]
             else:
                 tokens, span = x.shape[0] * x.shape[1], x.shape[1]  # one image: its windows' tokens
-            shapes.append((tokens, span, width, heads, paths[id(block)]))
+            moved = sum(
+                p.shape[1] if kind == "col" else p.shape[0] for p, kind in plan.placements(block) if p.dim() > 1
+            )
+            shapes.append((tokens, span, width, heads, paths[id(block)], moved, plan.gathered(attention)))
 
         return record
 
@@ -115,7 +120,6 @@ def attention_shapes(module, image_size):
 
 def layout_rows(settings, module=None):
     """The rows of `settings`' table, for `module` (its model on the meta device: built here if None)."""
-    from dlojz_lib.parallelism.tensor import block_bytes_sent
 
     module = meta_model(settings) if module is None else module
     plan, blocks = tensor_plan(module)  # the family's tensor plan's, as --tp splits them
@@ -159,8 +163,7 @@ def layout_rows(settings, module=None):
                 by_group = {"data": fsdp_bytes_sent(params, gathers, tp, replicas, settings.amp_bytes)}
                 if tp > 1:  # the plan's collectives on each block's activations (BLOCK_COLLECTIVES), the whole copies'
                     by_group["tensor"] = whole_copies_bytes_sent(params, tp, replicas) + sum(
-                        block_bytes_sent(settings.sequence_parallel, tp, tokens * b * h * settings.amp_bytes)
-                        for tokens, _, h, *_ in shapes
+                        block_sent(shape, b, tp, settings) for shape in shapes
                     )
             sent = sum(by_group.values())
             out.append(
@@ -275,6 +278,17 @@ BLOCK_BYTES = {
 CHECKPOINTING = tuple(BLOCK_BYTES)  # --activation-checkpointing's modes
 
 
+def block_sent(shape, images, tp, settings):
+    """The bytes a rank of a `tp` group sends in a step for one block of the plan (`shape`: attention_shapes') of
+    `images` images: the collectives on the tensors its split layers read and write, each at its own width, in the
+    AMP dtype; and a relative position bias's float32 gradient gathered over the heads (a ring: n - 1 shards)."""
+    from dlojz_lib.parallelism.tensor import block_bytes_sent
+
+    tokens, *_, moved, gathered = shape
+    moved_bytes = tokens * images * moved * settings.amp_bytes
+    return block_bytes_sent(settings.sequence_parallel, tp, moved_bytes) + (tp - 1) * 4 * gathered / tp
+
+
 def blocks_activations(shapes, images, tp, settings, mode, blocks=None):
     """(bytes kept, bytes of the recomputation's peak) of the transformer blocks `shapes` (attention_shapes', or
     `blocks`: those of them a stage holds) for `images` images under --activation-checkpointing `mode`: what each
@@ -302,7 +316,6 @@ def pipeline_rows(settings, module, params, gpus, shapes, state, per_layer):
     forward and its input's gradient backward, for every micro-batch, with FSDP's on its stage. A model without a
     pipeline split gets none. `params`: (placements', split_tensors'); `per_layer`: layer_figures'."""
     from dlojz_lib.parallelism.pipeline import layer_sizes, owner, pipeline_layers, stage_bounds
-    from dlojz_lib.parallelism.tensor import block_bytes_sent
 
     params, split = params
     try:
@@ -334,12 +347,11 @@ def pipeline_rows(settings, module, params, gpus, shapes, state, per_layer):
         images = b / m  # a micro-batch (a tensor-parallel group shares it)
         sent = [{"data": 0.0, "pipe": 0.0, "tensor": 0.0} for _ in range(pp)]  # each GPU's sends, by group
         stage_blocks = [set() for _ in range(pp)]  # each stage's blocks (their index in `shapes`)
-        for index, (tokens, _, h, _, path) in enumerate(shapes):
-            stage = stage_of_layer[owner(path, layers)]
+        for index, shape in enumerate(shapes):
+            stage = stage_of_layer[owner(shape[4], layers)]
             stage_blocks[stage].add(index)
             if tp > 1:
-                activation_bytes = tokens * b * h * settings.amp_bytes
-                sent[stage]["tensor"] += block_bytes_sent(settings.sequence_parallel, tp, activation_bytes)
+                sent[stage]["tensor"] += block_sent(shape, b, tp, settings)
         outside = [sum(rest[first:last]) * settings.amp_bytes / 4 for first, last in bounds]  # a stage's, an image
         by_mode = pipeline_activations(shapes, stage_blocks, outside, images, m, tp, settings)
         for stage, (first, last) in enumerate(bounds):  # its input's gradient back, its output on

@@ -43,14 +43,18 @@ BLOCK_COLLECTIVES = {
     True: {"forward": {"all_gather": 2, "reduce_scatter": 2}, "backward": {"all_gather": 2, "reduce_scatter": 2}},
 }
 RING_SENDS = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1}  # a ring sends this x (n - 1) / n of the buffer
+# The tensors those collectives move: the two column-wise layers' inputs and the two row-wise layers' outputs, each
+# once each way under sequence parallelism, else once (forward or backward); of one width in a ViT, not in a
+# CoAtNet stage's first block (its attention reads the narrower input, its proj and MLP write the wider output).
+BLOCK_TENSORS = 4
 
 
-def block_bytes_sent(sequence_parallel, tp, activation_bytes):
-    """The bytes one rank of a `tp` group sends per transformer block and step, `activation_bytes` the block's
-    activations (BLOCK_COLLECTIVES, ring algorithms)."""
+def block_bytes_sent(sequence_parallel, tp, moved_bytes):
+    """The bytes one rank of a `tp` group sends per transformer block and step (BLOCK_COLLECTIVES, ring algorithms),
+    `moved_bytes` the bytes of the BLOCK_TENSORS tensors its collectives move, summed (4 x the activations in a ViT)."""
     passes = BLOCK_COLLECTIVES[sequence_parallel].values()
     sends = sum(RING_SENDS[kind] * count for collectives in passes for kind, count in collectives.items())
-    return sends * (tp - 1) / tp * activation_bytes
+    return sends / BLOCK_TENSORS * (tp - 1) / tp * moved_bytes
 
 
 def fused_endings():

@@ -5,6 +5,7 @@ the bytes it sends in a step, by group, are the planner's rows, exactly."""
 import sys
 
 import pytest
+import timm
 from conftest import ROOT
 
 ARCH = "timm:test_vit"  # 6 blocks of width 64, 2 heads, 5 tokens at 32 px
@@ -22,12 +23,29 @@ LAYOUTS = {
 }
 # and a BatchNorm model's, whose buffers DDP broadcasts from rank 0 at every step's forward
 BUFFERS_ARCH = "resnet18"
-RUNS = {**{(ARCH, name): run for name, run in LAYOUTS.items()}, (BUFFERS_ARCH, "DDP"): ([], 2)}
+# and a CoAtNet's under TP (its stages' first blocks widen the channels; its relative position tables' gradients
+# gathered over the heads)
+COATNET = "timm:dlojz_tiny_coatnet"  # (registered below: 3 transformer blocks of 4 heads, at 64 px)
+SIZE = {COATNET: 64}  # (the others' images: 32 px)
+RUNS = {
+    **{(ARCH, name): run for name, run in LAYOUTS.items()},
+    (BUFFERS_ARCH, "DDP"): ([], 2),
+    (COATNET, "TP 2 x FSDP 2"): (["--fsdp", "--tp", "2"], 2),
+}
 # the optimizers whose state is held to runs' on every layout: torch's (AdamW's and RMSprop's count their step in a
 # tensor a parameter; timm's keep theirs in the group, and their global norms gather across the mesh)
 TORCH_OPTIMIZERS = ("sgd", "adamw", "rmsprop")
 # the planner's name of each mesh dimension's group (HSDP's within a replica: "shard"; its replicas: "data")
 GROUP_OF_DIMENSION = {"data": "data", "replicate": "data", "shard": "shard", "pipe": "pipe", "tensor": "tensor"}
+
+
+@timm.models.register_model
+def dlojz_tiny_coatnet(pretrained=False, **kwargs):
+    """The course's CoAtNet family small: stages of 16, 32, 64 and 64 channels, 3 transformer blocks of 4 heads."""
+    for key in ("pretrained_cfg", "pretrained_cfg_overlay", "cache_dir"):  # (timm's, for published weights)
+        kwargs.pop(key, None)
+    layout = dict(embed_dim=(16, 32, 64, 64), depths=(1, 1, 2, 1), stem_width=(8, 16), transformer_dim_head=16)
+    return timm.create_model("coatnet_pico_rw_224", **layout, **kwargs)
 
 
 def layouts_on_rank(rank, world, store_path, results, layouts):
@@ -52,14 +70,15 @@ def layouts_on_rank(rank, world, store_path, results, layouts):
     dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
     for (arch, layout), (flags, batch) in layouts.items():
         try:
-            model, optimizer, step, ranks = laid_out(arch, 32, flags, batch, world, rank, torch.device("cpu"))
+            size = SIZE.get(arch, 32)
+            model, optimizer, step, ranks = laid_out(arch, size, flags, batch, world, rank, torch.device("cpu"))
             groups = {}  # the ranks of a group -> the planner's name for it
             for dimension in ranks.mesh.mesh_dim_names if ranks.mesh is not None else ():
                 group = frozenset(dist.get_process_group_ranks(ranks.mesh[dimension].get_group()))
                 groups.setdefault(group, GROUP_OF_DIMENSION[dimension])
             groups.setdefault(frozenset(range(world)), "data")  # DDP's
             torch.manual_seed(1)
-            images, labels = torch.randn(batch, 3, 32, 32), torch.randint(0, 3, (batch,))
+            images, labels = torch.randn(batch, 3, size, size), torch.randint(0, 3, (batch,))
             for _ in range(3):
                 with counting_mode() as counted:
                     step(images, labels)
@@ -102,12 +121,15 @@ def test_the_planner_s_bytes_held_and_sent_are_a_run_s(tmp_path):
     allocation = Allocation(2, **dict(GPUS["h100"], gpus_per_node=2))
 
     def planned(arch, optimizer):  # --no-amp: float32
-        settings = LayoutTable(arch, 32, 3, 2, pp_microbatches=4, optimizer=optimizer, amp_bytes=4)
+        settings = LayoutTable(arch, SIZE.get(arch, 32), 3, 2, pp_microbatches=4, optimizer=optimizer, amp_bytes=4)
         return {(arch, row["layout"]): row for row in plan(settings, allocation)[0]}
 
-    rows = {**planned(ARCH, "sgd"), **planned(BUFFERS_ARCH, "sgd")}
+    rows = {**planned(ARCH, "sgd"), **planned(BUFFERS_ARCH, "sgd"), **planned(COATNET, "sgd")}
     assert set(RUNS) <= set(rows), sorted(rows)
-    optimizer_rows = {name: {**planned(ARCH, name), **planned(BUFFERS_ARCH, name)} for name in TORCH_OPTIMIZERS}
+    optimizer_rows = {
+        name: {**planned(ARCH, name), **planned(BUFFERS_ARCH, name), **planned(COATNET, name)}
+        for name in TORCH_OPTIMIZERS
+    }
     for layout in RUNS:
         ranks = [(held, sent) for _, name, held, sent in found if name == layout]
         assert len(ranks) == 4, layout
