@@ -68,6 +68,8 @@ class TensorPlan:
     attention: Callable[[nn.Module], tuple] | None = None
     # ...and the elements of a tensor the split gathers over the heads once a step (a relative position bias)
     gathered: Callable[[nn.Module], int] = lambda attention: 0
+    # ...and the width of its MLP's hidden layer (fc1's outputs: 4 x the tokens' in Megatron-LM's count)
+    mlp_width: Callable[[nn.Module], int] | None = None
 
 
 class Pointwise(nn.Linear):
@@ -334,6 +336,7 @@ TIMM = TensorPlan(
     held_apart=timm_held_apart,
     attention=lambda block: (block.attn, block.attn.qkv.weight.shape[0] // 3, block.attn.num_heads),
     gathered=rel_pos_numel,
+    mlp_width=lambda block: block.mlp.fc1.weight.shape[0],
 )
 
 
@@ -434,4 +437,5 @@ TORCHVISION_VIT = TensorPlan(
         p for p in (block.self_attention.in_proj_weight, block.self_attention.in_proj_bias) if p is not None
     ],
     attention=lambda block: (block.self_attention, block.self_attention.embed_dim, block.self_attention.num_heads),
+    mlp_width=lambda block: block.mlp[0].out_features,
 )

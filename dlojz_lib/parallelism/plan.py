@@ -17,6 +17,7 @@ activations within 7 % of a CPU forward's; the roofline's step is compared with 
 
 import dataclasses
 import math
+import typing
 
 from dlojz_lib.checks import UserError, fail
 from dlojz_lib.optim import OPTIMIZER_TABLE
@@ -81,13 +82,28 @@ def local_numel(shape, kind, tp, replicas):
     return math.prod(shape)
 
 
+class BlockShape(typing.NamedTuple):
+    """A block of the tensor plan as the planner prices it (attention_shapes)."""
+
+    tokens: int  # an image's
+    span: int  # the tokens each one attends to
+    width: int  # the attention's
+    heads: int
+    path: str  # the block's, in the model
+    moved: int  # the widths of the tensors its collectives move, summed (tensor.BLOCK_TENSORS of them)
+    gathered: int  # the elements its split gathers over the heads a step (a relative position bias)
+    hidden: int  # its MLP's hidden width
+
+
 def attention_shapes(module, image_size):
-    """(tokens per image, tokens each one attends to, attention width, heads, the block's path, the widths of the
-    tensors its collectives move summed, the elements its split gathers a step) of every block of the plan, read
+    """A BlockShape (tokens per image, tokens each one attends to, attention width, heads, the block's path, the
+    widths of the tensors its collectives move summed, the elements its split gathers a step, the MLP's hidden
+    width) of every block of the plan, read
     from a forward of the meta model: a ViT's tokens all attend to each other, a CoAtNet block's map too (NCHW), a
     MaxViT block's attend within a window or a grid cell (its input: images x windows, tokens, channels). The plan's
     `attention` names each block's attention module, width and heads; its `placements`, the layers whose inputs
-    (column-wise) and outputs (row-wise) the collectives move; its `gathered`, a relative position bias."""
+    (column-wise) and outputs (row-wise) the collectives move; its `gathered`, a relative position bias; its
+    `mlp_width`, fc1's outputs."""
     import torch
 
     (plan, blocks), shapes = tensor_plan(module), []
@@ -103,7 +119,8 @@ def attention_shapes(module, image_size):
             moved = sum(
                 p.shape[1] if kind == "col" else p.shape[0] for p, kind in plan.placements(block) if p.dim() > 1
             )
-            shapes.append((tokens, span, width, heads, paths[id(block)], moved, plan.gathered(attention)))
+            gathered, hidden = plan.gathered(attention), plan.mlp_width(block)
+            shapes.append(BlockShape(tokens, span, width, heads, paths[id(block)], moved, gathered, hidden))
 
         return record
 
@@ -265,15 +282,18 @@ def whole_copies_bytes_sent(params, tp, replicas):
 
 
 # What a transformer block keeps for its backward, in bytes a token and unit of width at 16 bits, as functions of the
-# tensor-parallel degree t: Megatron-LM's count (Korthikanti et al. 2022) with fused attention (dlojz's families call
-# scaled_dot_product_attention: the scores, 5 a s / h more, are not kept): 10 whole (the norms' inputs and outputs,
-# the dropouts') and 24 split; --activation-checkpointing selective keeps the costly ops' outputs (q, k, v 6, the
-# attention's 2, fc1's 8 split; proj's and fc2's 4 whole) and the block's input (2); full, the block's input alone.
-# With sequence parallelism every term is split. Held to a ViT-S/16's forward in tests/parallelism/test_planner.py.
+# tensor-parallel degree t and the MLP's ratio r (its hidden width over the tokens'): Megatron-LM's count (Korthikanti
+# et al. 2022, r = 4) with fused attention (dlojz's families call scaled_dot_product_attention: the scores, 5 a s / h
+# more, are not kept): 8 whole (the norms' inputs and outputs; Megatron-LM's 10 add the dropouts' two masks, which a
+# block keeps only with its dropouts on: dlojz's families' are off by default) and 8 + 4 r split (q, k, v and
+# proj's input 8; the activation's input and fc2's 2 r each); --activation-checkpointing selective keeps the costly
+# ops' outputs (q, k, v 6, the attention's 2, fc1's 2 r split; proj's and fc2's 4 whole) and the block's input (2);
+# full, the block's input alone. With sequence parallelism every term is split. (whole, split, split a unit of r):
+# held to a ViT-S/16's forward (r = 4) and the tests' ViT's (r = 3) in tests/parallelism/test_planner.py.
 BLOCK_BYTES = {
-    "none": (10, 24),
-    "selective": (6, 16),
-    "full": (2, 0),
+    "none": (8, 8, 4),
+    "selective": (6, 8, 2),
+    "full": (2, 0, 0),
 }
 CHECKPOINTING = tuple(BLOCK_BYTES)  # --activation-checkpointing's modes
 
@@ -284,9 +304,8 @@ def block_sent(shape, images, tp, settings):
     AMP dtype; and a relative position bias's float32 gradient gathered over the heads (a ring: n - 1 shards)."""
     from dlojz_lib.parallelism.tensor import block_bytes_sent
 
-    tokens, *_, moved, gathered = shape
-    moved_bytes = tokens * images * moved * settings.amp_bytes
-    return block_bytes_sent(settings.sequence_parallel, tp, moved_bytes) + (tp - 1) * 4 * gathered / tp
+    moved_bytes = shape.tokens * images * shape.moved * settings.amp_bytes
+    return block_bytes_sent(settings.sequence_parallel, tp, moved_bytes) + (tp - 1) * 4 * shape.gathered / tp
 
 
 def blocks_activations(shapes, images, tp, settings, mode, blocks=None):
@@ -295,16 +314,16 @@ def blocks_activations(shapes, images, tp, settings, mode, blocks=None):
     keeps from its forward to its backward, and under `full` one block's whole activations while it is recomputed.
     In the AMP dtype (`settings.amp_bytes`)."""
 
-    def per_token(bytes_of_mode):
-        whole, split = BLOCK_BYTES[bytes_of_mode]
+    def per_token(bytes_of_mode, shape):
+        whole, split, per_ratio = BLOCK_BYTES[bytes_of_mode]
+        split += per_ratio * shape.hidden / shape.width
         return (whole + split) / tp if settings.sequence_parallel else whole + split / tp
 
-    widths = [
-        tokens * images * h for index, (tokens, _, h, *_) in enumerate(shapes) if blocks is None or index in blocks
-    ]
+    held = [shape for index, shape in enumerate(shapes) if blocks is None or index in blocks]
     scale = settings.amp_bytes / 2
-    kept = sum(widths) * per_token(mode) * scale
-    recomputed = max(widths, default=0) * per_token("none") * scale if mode == "full" else 0.0
+    kept = sum(s.tokens * images * s.width * per_token(mode, s) for s in held) * scale
+    peaks = [s.tokens * images * s.width * per_token("none", s) for s in held]
+    recomputed = max(peaks, default=0) * scale if mode == "full" else 0.0
     return kept, recomputed
 
 
@@ -348,7 +367,7 @@ def pipeline_rows(settings, module, params, gpus, shapes, state, per_layer):
         sent = [{"data": 0.0, "pipe": 0.0, "tensor": 0.0} for _ in range(pp)]  # each GPU's sends, by group
         stage_blocks = [set() for _ in range(pp)]  # each stage's blocks (their index in `shapes`)
         for index, shape in enumerate(shapes):
-            stage = stage_of_layer[owner(shape[4], layers)]
+            stage = stage_of_layer[owner(shape.path, layers)]
             stage_blocks[stage].add(index)
             if tp > 1:
                 sent[stage]["tensor"] += block_sent(shape, b, tp, settings)

@@ -155,21 +155,27 @@ VIT_S = "timm:vit_small_patch16_224"
         (VIT_S, 224, 2, "none"),
         (VIT_S, 224, 4, "selective"),
         (VIT_S, 224, 4, "full"),
+        (ARCH, 32, 4, "none"),  # an MLP 3 times as wide as its tokens (Megatron-LM's count assumes 4)
+        (ARCH, 32, 4, "selective"),
         ("timm:test_coatnet", 64, 4, "none"),
         ("resnet18", 64, 4, "none"),
         ("vit_b_16", 224, 4, "none"),
     ],
 )
-def test_the_planner_s_activations_are_a_forward_s_within_a_quarter(arch, size, amp_bytes, checkpointing):
+def test_the_planner_s_activations_are_a_forward_s_within_5_percent_10_under_bfloat16(
+    arch, size, amp_bytes, checkpointing
+):
     """A ViT-S/16 at 224 px, 2 images, in training mode: the planner's activations a GPU (one process: DDP's row) are
-    within 25 % of what its forward leaves held for the backward (torch_internals.held_after_forward: every tensor the
-    forward made and still alive, each storage once), in float32 and under bfloat16 autocast (which keeps a 16-bit
+    within 5 % of what its forward leaves held for the backward (torch_internals.held_after_forward: every tensor the
+    forward made and still alive, each storage once; and the images, which the stem keeps), in float32, and within
+    10 % under bfloat16 autocast (which keeps a 16-bit
     copy of each weight too), with every activation kept and under --activation-checkpointing selective (each block
     keeps its matrix products' and attention's outputs) and full (each block its input; the peak adds one block's
     whole activations, measured on a block's own forward, while the backward recomputes it). The attention is fused:
     counting its scores (Megatron-LM's 5 a s / h) would be 50 % over. A CoAtNet (its MBConv stages as the meta
-    model's forward saves them, beside its transformer blocks' count), a ResNet-18 (all of it counted so) and
-    torchvision's ViT-B/16 (its encoder blocks counted as its tensor plan's, as timm's) too."""
+    model's forward saves them, beside its transformer blocks' count), a ResNet-18 (all of it counted so),
+    torchvision's ViT-B/16 (its encoder blocks counted as its tensor plan's, as timm's) and the tests' ViT (an MLP 3
+    times its width: the count scales with fc1's width) too."""
     import torch
 
     from dlojz_lib.model.recompute import checkpoint_blocks
@@ -181,14 +187,16 @@ def test_the_planner_s_activations_are_a_forward_s_within_a_quarter(arch, size, 
     model = create_model(arch, 10, False, size).train()
     recomputed = 0
     if checkpointing == "full":  # the recomputation's peak: one block's activations, as its own forward holds them
-        recomputed = held_after_forward(model.blocks[0], torch.randn(2, 197, 384))
+        recomputed = held_after_forward(model.blocks[0], torch.randn(2, 197, 384))  # (ViT-S/16's)
     if checkpointing != "none":
         checkpoint_blocks(list(model.blocks), checkpointing)
-    with torch.autocast("cpu", torch.bfloat16, enabled=amp_bytes == 2):
-        measured = held_after_forward(model, torch.randn(2, 3, size, size)) + recomputed
+    images = torch.randn(2, 3, size, size)
+    with torch.autocast("cpu", torch.bfloat16, enabled=amp_bytes == 2):  # (the stem keeps the images too)
+        measured = held_after_forward(model, images) + images.nbytes + recomputed
     rows, _, _ = layout_rows(LayoutTable(arch, size, 10, 2, gpus=(2,), tp=(2,), pp=(2,), amp_bytes=amp_bytes))
     predicted = next(row for row in rows if row["layout"] == "DDP")["activations_by_checkpointing"][checkpointing]
-    assert 0.75 <= predicted / measured <= 1.25, (predicted, measured)
+    within = 0.05 if amp_bytes == 4 else 0.1  # (measured 0.97-1.01 in float32, 0.92 under bfloat16)
+    assert abs(predicted / measured - 1) <= within, (predicted, measured)
 
 
 def test_layout_auto_adds_activation_checkpointing_where_nothing_fits_without(monkeypatch):
