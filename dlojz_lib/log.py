@@ -293,8 +293,8 @@ def print_report(cfg, metrics, chrono, ctx, n_batches):
 
 
 def memory_line(metrics):
-    """What each rank holds of the model's state (DDP: everything; FSDP: a 1/N shard; TP x FSDP: its blocks' 1/tp,
-    sharded over the replicas), and each rank's peak."""
+    """What each rank holds of the model's state (DDP: everything; FSDP: a 1/N shard, HSDP: a 1/N shard of one of R
+    copies; TP x FSDP: its blocks' 1/tp, sharded over the data replicas), and each rank's peak."""
     mib = 2**20
     state = (
         metrics["parameter_bytes_per_rank"],
@@ -304,15 +304,19 @@ def memory_line(metrics):
     peaks = metrics["peak_memory_bytes_per_rank"]
     ranks = f"{len(peaks)} rank{'s' if len(peaks) > 1 else ''}"
     tp, pp = metrics.get("tensor_parallel_size", 1), metrics.get("pipeline_size", 1)
+    replicas = metrics.get("fsdp_replicas", 1)
+    data = len(peaks) // (pp * tp)  # the data replicas FSDP shards over, in `replicas` groups
+    shards = sharded_said(data, replicas)
     split = f" x TP {tp}" if tp > 1 else ""
+    fsdp = f"FSDP {data}" if replicas == 1 else f"HSDP {replicas} x FSDP {data // replicas}"
     how = {
-        "pp": f"PP {pp}{split} x FSDP {len(peaks) // (pp * tp)}: a stage each"
+        "pp": f"PP {pp}{split} x {fsdp}: a stage each"
         + (f", its blocks split over groups of {tp}" if tp > 1 else "")
-        + ", sharded over the replicas",
-        "fsdp": f"FSDP, sharded over {ranks}",
+        + f", {shards}",
+        "fsdp": f"FSDP, {shards}" if replicas == 1 else f"{fsdp}, {shards}",
         "ddp": f"DDP, a full copy on each of {ranks}",
         "none": "one process",
-        "tp": f"TP {tp} x FSDP {len(peaks) // tp}: blocks split over groups of {tp}, sharded over the replicas",
+        "tp": f"TP {tp} x {fsdp}: blocks split over groups of {tp}, {shards}",
     }[metrics["parallel"]]
     return (
         f">>> Model state per rank ({how}): parameters {state[0] / mib:,.1f} MiB, gradients {state[1] / mib:,.1f} "
@@ -320,6 +324,15 @@ def memory_line(metrics):
         + ", ".join(f"{peak / mib:,.0f}" for peak in peaks)
         + " MiB"
     )
+
+
+def sharded_said(data, replicas):
+    """How FSDP holds a model copy's part on `data` data replicas in `replicas` HSDP groups, in words."""
+    shards = data // replicas
+    if shards == 1:
+        return "not sharded (one data replica)" if data == 1 else f"not sharded (HSDP: {replicas} whole copies)"
+    said = f"sharded over {shards} ranks"
+    return said if replicas == 1 else f"{said} in each of {replicas} replicas (HSDP)"
 
 
 def warn_unwritten(path, err):

@@ -3,6 +3,7 @@ data-loading wait, the run's arguments as a recipe file, pin_memory as it is, th
 
 import re
 
+import pytest
 from conftest import SMALL, TINY, read_json, run_dlojz, show
 
 
@@ -175,3 +176,34 @@ def test_tensorboard_in_a_folder_of_its_own_and_the_chronometer_s_summary(tiny_d
     assert proc.returncode == 0, show(proc)
     scalars = tensorboard_scalars(tmp_path / "tb")
     assert any(tag.startswith("chrono/") for tag in scalars), sorted(scalars)
+
+
+@pytest.mark.parametrize(
+    "layout, said",
+    [
+        (dict(parallel="fsdp"), "(FSDP, sharded over 4 ranks)"),
+        (
+            dict(parallel="fsdp", fsdp_replicas=2),
+            "(HSDP 2 x FSDP 2, sharded over 2 ranks in each of 2 replicas (HSDP))",
+        ),
+        (dict(parallel="fsdp", fsdp_replicas=4), "(HSDP 4 x FSDP 1, not sharded (HSDP: 4 whole copies))"),
+        (dict(parallel="tp", tensor_parallel_size=2), "(TP 2 x FSDP 2: blocks split over groups of 2, sharded over 2"),
+        (
+            dict(parallel="tp", tensor_parallel_size=2, fsdp_replicas=2),
+            "x FSDP 1: blocks split over groups of 2, not sharded (HSDP: 2 whole copies)",
+        ),
+        (
+            dict(parallel="pp", pipeline_size=2, fsdp_replicas=2),
+            "(PP 2 x HSDP 2 x FSDP 1: a stage each, not sharded (HSDP",
+        ),
+        (dict(parallel="pp", pipeline_size=4), "(PP 4 x FSDP 1: a stage each, not sharded (one data replica))"),
+    ],
+)
+def test_the_end_of_run_line_says_how_each_layout_holds_the_state(layout, said):
+    """The end-of-run state line of 4 ranks names the shards each replica's ranks hold (HSDP's are 1/N of a copy,
+    not of all ranks), and says "not sharded" where the data replicas hold their part whole."""
+    from dlojz_lib.log import memory_line
+
+    sizes = dict(parameter_bytes_per_rank=1, gradient_bytes_per_rank=1, optimizer_bytes_per_rank=1)
+    line = memory_line({**sizes, "peak_memory_bytes_per_rank": [1, 1, 1, 1], **layout})
+    assert said in line, line

@@ -400,4 +400,6 @@ def state_bytes_per_rank(model, training, ranks) -> dict:
     result["parallel"] = "pp" if pp > 1 else "tp" if model.tensor_parallel else model.parallel
     result["tensor_parallel_size"] = ranks.world_size // ranks.data_size // pp
     result["pipeline_size"] = pp
+    hsdp = ranks.mesh is not None and "replicate" in ranks.mesh.mesh_dim_names
+    result["fsdp_replicas"] = ranks.mesh["replicate"].size() if hsdp else 1  # (--fsdp-replicate's copies)
     return result
