@@ -291,7 +291,7 @@ class LostPeerReport:
         if exc is None:
             self.watchdog.finish()
         elif self.ranks.world_size > 1 and isinstance(exc, Exception) and is_lost_peer(exc):
-            raise PeerLost(report_lost_peer(self.ranks, self.output_dir, self.state)) from None
+            raise PeerLost(report_lost_peer(self.ranks, self.output_dir, self.state, self.watchdog)) from None
         return False
 
 
@@ -319,34 +319,44 @@ def refused_elsewhere() -> bool:
         return False
 
 
-def report_lost_peer(ranks, output_dir, state) -> int:
+def report_lost_peer(ranks, output_dir, state, watchdog=None) -> int:
     """Another rank is gone: one line from the lowest survivor naming it, the step (`state` None: during start-up)
     and the last checkpoint. A rank that ended on a refusal is not lost: its line is said, and the survivors end
-    with its status, quietly (a lost rank's status would have Slurm's restart try other nodes)."""
+    with its status, quietly (a lost rank's status would have Slurm's restart try other nodes). A rank whose
+    heartbeat (`watchdog`'s) still moves before its first step is not lost either: it outlasted --dist-timeout
+    there (a long compile), and the line says to raise it (exit status 2: a setting, not a node to leave out)."""
     from dlojz_lib.checkpoint import newest_checkpoint
 
     if refused_elsewhere():
         return REFUSED_STATUS
     step = None if state is None else state.global_step
-    line = lost_peer_line(ranks, step, output_dir, newest_checkpoint(output_dir))
+    line, status = lost_peer_line(ranks, step, output_dir, newest_checkpoint(output_dir), watchdog)
     if line is not None:
         print(f"dlojz: error: {line}", file=sys.stderr, flush=True)
-    return LOST_PEER_STATUS
+    return status
 
 
-def lost_peer_line(ranks, step, output_dir, latest):
-    """The one line a survivor prints, or None on a survivor that leaves it to a lower rank."""
+def lost_peer_line(ranks, step, output_dir, latest, watchdog=None):
+    """(the one line a survivor prints, or None on a survivor that leaves it to a lower rank; the exit status)."""
     lost = lost_ranks(ranks)
     if lost is None:  # the store's host is gone: with two ranks, the other one
         lost = [1 - ranks.rank] if ranks.world_size == 2 else []
     if any(r < ranks.rank for r in range(ranks.world_size) if r not in lost):
-        return None
-    names = ", ".join(f"rank {r} ({ranks.hosts[r]})" if r < len(ranks.hosts) else f"rank {r}" for r in lost)
+        return None, LOST_PEER_STATUS
+    starting = watchdog.beating_before_first_step(lost) if watchdog is not None else []
+    names = ", ".join(f"rank {r} ({ranks.hosts[r]})" if r < len(ranks.hosts) else f"rank {r}" for r in starting or lost)
+    if starting:
+        return (
+            f"{names} is alive but had not reached its first step's collective within --dist-timeout (still starting, "
+            "or compiling: torch.compile takes minutes on a large model, the first step on every rank); give a "
+            "longer --dist-timeout (1800 with --compile), then "
+            + ("start the run again" if latest is None else f"continue with --resume auto --output-dir {output_dir}")
+        ), REFUSED_STATUS
     where = "during start-up, before the first step" if step is None else f"at step {step}"
     return (
         f"{names or 'another rank'} stopped answering {where} (killed, out of memory, or its node lost); "
         + continue_advice(latest, output_dir)
-    )
+    ), LOST_PEER_STATUS
 
 
 class RequeueFailed(Exception):

@@ -263,6 +263,24 @@ class Watchdog:
             if verdict is not None and verdict.reporter == self.rank:
                 self._end(verdict.describe(self._host))
 
+    def beating_before_first_step(self, ranks, wait_s=None) -> list:
+        """Those of `ranks` whose heartbeat still moves (read twice, `wait_s` apart: a beat's period and a half) but
+        whose loop has not marked its first step: alive, in start-up or their first step (where torch.compile
+        compiles), not lost. [] with the watchdog off or the store unreachable."""
+        if not self.enabled or self._store is None or not ranks:
+            return []
+        try:
+            before = self._read()
+            time.sleep(1.5 * self.period if wait_s is None else wait_s)
+            after = self._read()
+        except Exception:
+            return []
+        return [
+            r
+            for r in ranks
+            if r in before and r in after and after[r]["beat"] > before[r]["beat"] and after[r]["progress"] == 0
+        ]
+
     def _host(self, rank):
         return self.hosts[rank] if rank < len(self.hosts) else "?"
 

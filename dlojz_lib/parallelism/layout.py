@@ -85,11 +85,20 @@ class Model:
         return contextlib.nullcontext()
 
 
+COMPILE_DIST_TIMEOUT_S = 600  # --dist-timeout's default: a compiled first step's wait, said below it
+
+
 def lay_out(model, cfg, ranks, log) -> Model:
     """`model` (a `model.build.BuiltModel`) laid out as the run's Layout says (`cfg.parallelism`): the unit pass on
     the model (tensor plan, activation checkpointing, torch.compile block by block, FSDP), or on each pipeline stage
     (--pp), inside the meta build's one bracket; then DDP, or torch.compile of the whole model where no block was."""
     layout = cfg.parallelism
+    if layout.compile and ranks.enabled and cfg.dist_timeout < COMPILE_DIST_TIMEOUT_S:
+        log(
+            f"torch.compile on {ranks.world_size} ranks: each compiles in its first step (minutes for a large model) "
+            f"while the others wait at most --dist-timeout {cfg.dist_timeout:g} s: give "
+            f"{COMPILE_DIST_TIMEOUT_S} or more if the compile outlasts it"
+        )
     module, family = model.module, model.family
     unsharded = meta_copy(module) if layout.fsdp else module  # the model whole, for FLOP counts
     if layout.pp > 1:

@@ -11,16 +11,23 @@ per step, under DDP, FSDP, tensor parallelism with FSDP (2-D), pipeline parallel
   sent inside and across nodes, a roofline step), the ones that fit first, fastest first; `pick_line`,
   `named_layout_line`: what it says.
 - `choose_layout(args)`, `auto_layout(args, allocation)`: dlojz.py's `--layout auto`, the pick made the run's flags.
-The bytes held and sent are a run's, to the byte, for 7 layouts (tests/parallelism/test_planner.py); the
-activations within 7 % of a CPU forward's; the roofline's step is compared with runs by bench/plan_vs_runs.py.
+What a transformer block of the tensor plan keeps and sends: `dlojz_lib.parallelism.block_figures`. The bytes
+held and sent are a run's, to the byte, for 9 layouts (tests/parallelism/test_planner.py); the activations within
+5 % of a CPU forward's in float32; the roofline's step is compared with runs by bench/plan_vs_runs.py.
 """
 
 import dataclasses
 import math
-import typing
 
 from dlojz_lib.checks import UserError, fail
 from dlojz_lib.optim import OPTIMIZER_TABLE
+from dlojz_lib.parallelism.block_figures import (
+    CHECKPOINTING,
+    attention_shapes,
+    block_sent,
+    blocks_activations,
+    tensor_plan,
+)
 from dlojz_lib.settings.layout import Layout
 
 
@@ -41,16 +48,6 @@ class LayoutTable:
     sequence_parallel: bool = False
     checkpointing: str = "none"  # --activation-checkpointing: the activations a row counts (BLOCK_BYTES' modes)
     batch_per_copy: bool = False  # batch_size counts a model copy's images (a pipeline's too), as dlojz.py's -b
-
-
-def tensor_plan(module) -> tuple:
-    """(`module`'s family's tensor plan, the one `--tp` applies (model.tensor_plans' `TensorPlan`), the blocks it
-    splits, as `tensor.plan_blocks` finds them): (None, []) for a model of no family or of a family without one."""
-    from dlojz_lib.model.families import family_of
-    from dlojz_lib.parallelism.tensor import plan_blocks
-
-    family = family_of(module)
-    return (None if family is None else family.tensor_plan), plan_blocks(module, family)
 
 
 def placements(module):
@@ -80,59 +77,6 @@ def local_numel(shape, kind, tp, replicas):
         shape[1] //= tp
     shape[0] = math.ceil(shape[0] / replicas)
     return math.prod(shape)
-
-
-class BlockShape(typing.NamedTuple):
-    """A block of the tensor plan as the planner prices it (attention_shapes)."""
-
-    tokens: int  # an image's
-    span: int  # the tokens each one attends to
-    width: int  # the attention's
-    heads: int
-    path: str  # the block's, in the model
-    moved: int  # the widths of the tensors its collectives move, summed (tensor.BLOCK_TENSORS of them)
-    gathered: int  # the elements its split gathers over the heads a step (a relative position bias)
-    hidden: int  # its MLP's hidden width
-
-
-def attention_shapes(module, image_size):
-    """A BlockShape (tokens per image, tokens each one attends to, attention width, heads, the block's path, the
-    widths of the tensors its collectives move summed, the elements its split gathers a step, the MLP's hidden
-    width) of every block of the plan, read
-    from a forward of the meta model: a ViT's tokens all attend to each other, a CoAtNet block's map too (NCHW), a
-    MaxViT block's attend within a window or a grid cell (its input: images x windows, tokens, channels). The plan's
-    `attention` names each block's attention module, width and heads; its `placements`, the layers whose inputs
-    (column-wise) and outputs (row-wise) the collectives move; its `gathered`, a relative position bias; its
-    `mlp_width`, fc1's outputs."""
-    import torch
-
-    (plan, blocks), shapes = tensor_plan(module), []
-    paths = {id(block): path for path, block in module.named_modules()}
-
-    def recorder(block, width, heads):
-        def record(attention, inputs):
-            x = inputs[0]
-            if x.dim() == 4:
-                tokens = span = x.shape[2] * x.shape[3]
-            else:
-                tokens, span = x.shape[0] * x.shape[1], x.shape[1]  # one image: its windows' tokens
-            moved = sum(
-                p.shape[1] if kind == "col" else p.shape[0] for p, kind in plan.placements(block) if p.dim() > 1
-            )
-            gathered, hidden = plan.gathered(attention), plan.mlp_width(block)
-            shapes.append(BlockShape(tokens, span, width, heads, paths[id(block)], moved, gathered, hidden))
-
-        return record
-
-    hooks = []
-    for block in blocks:
-        attention, width, heads = plan.attention(block)
-        hooks.append(attention.register_forward_pre_hook(recorder(block, width, heads)))
-    with torch.no_grad():
-        module.eval()(torch.empty(1, 3, image_size, image_size, device="meta"))
-    for hook in hooks:
-        hook.remove()
-    return shapes
 
 
 def layout_rows(settings, module=None):
@@ -279,52 +223,6 @@ def whole_copies_bytes_sent(params, tp, replicas):
     group holds whole (tensor.WholeCopies: one all-reduce, a ring's 2 (n - 1) / n of them), FSDP's shards of them."""
     whole = sum(local_numel(shape, None, tp, replicas) for shape, kind in params if kind is None)
     return 2 * (tp - 1) / tp * whole * 4
-
-
-# What a transformer block keeps for its backward, in bytes a token and unit of width at 16 bits, as functions of the
-# tensor-parallel degree t and the MLP's ratio r (its hidden width over the tokens'): Megatron-LM's count (Korthikanti
-# et al. 2022, r = 4) with fused attention (dlojz's families call scaled_dot_product_attention: the scores, 5 a s / h
-# more, are not kept): 8 whole (the norms' inputs and outputs; Megatron-LM's 10 add the dropouts' two masks, which a
-# block keeps only with its dropouts on: dlojz's families' are off by default) and 8 + 4 r split (q, k, v and
-# proj's input 8; the activation's input and fc2's 2 r each); --activation-checkpointing selective keeps the costly
-# ops' outputs (q, k, v 6, the attention's 2, fc1's 2 r split; proj's and fc2's 4 whole) and the block's input (2);
-# full, the block's input alone. With sequence parallelism every term is split. (whole, split, split a unit of r):
-# held to a ViT-S/16's forward (r = 4) and the tests' ViT's (r = 3) in tests/parallelism/test_planner.py.
-BLOCK_BYTES = {
-    "none": (8, 8, 4),
-    "selective": (6, 8, 2),
-    "full": (2, 0, 0),
-}
-CHECKPOINTING = tuple(BLOCK_BYTES)  # --activation-checkpointing's modes
-
-
-def block_sent(shape, images, tp, settings):
-    """The bytes a rank of a `tp` group sends in a step for one block of the plan (`shape`: attention_shapes') of
-    `images` images: the collectives on the tensors its split layers read and write, each at its own width, in the
-    AMP dtype; and a relative position bias's float32 gradient gathered over the heads (a ring: n - 1 shards)."""
-    from dlojz_lib.parallelism.tensor import block_bytes_sent
-
-    moved_bytes = shape.tokens * images * shape.moved * settings.amp_bytes
-    return block_bytes_sent(settings.sequence_parallel, tp, moved_bytes) + (tp - 1) * 4 * shape.gathered / tp
-
-
-def blocks_activations(shapes, images, tp, settings, mode, blocks=None):
-    """(bytes kept, bytes of the recomputation's peak) of the transformer blocks `shapes` (attention_shapes', or
-    `blocks`: those of them a stage holds) for `images` images under --activation-checkpointing `mode`: what each
-    keeps from its forward to its backward, and under `full` one block's whole activations while it is recomputed.
-    In the AMP dtype (`settings.amp_bytes`)."""
-
-    def per_token(bytes_of_mode, shape):
-        whole, split, per_ratio = BLOCK_BYTES[bytes_of_mode]
-        split += per_ratio * shape.hidden / shape.width
-        return (whole + split) / tp if settings.sequence_parallel else whole + split / tp
-
-    held = [shape for index, shape in enumerate(shapes) if blocks is None or index in blocks]
-    scale = settings.amp_bytes / 2
-    kept = sum(s.tokens * images * s.width * per_token(mode, s) for s in held) * scale
-    peaks = [s.tokens * images * s.width * per_token("none", s) for s in held]
-    recomputed = max(peaks, default=0) * scale if mode == "full" else 0.0
-    return kept, recomputed
 
 
 def pipeline_rows(settings, module, params, gpus, shapes, state, per_layer):

@@ -165,7 +165,8 @@ VIT_S = "timm:vit_small_patch16_224"
 def test_the_planner_s_activations_are_a_forward_s_within_5_percent_10_under_bfloat16(
     arch, size, amp_bytes, checkpointing
 ):
-    """A ViT-S/16 at 224 px, 2 images, in training mode: the planner's activations a GPU (one process: DDP's row) are
+    """A ViT-S/16 at 224 px, 2 images, in training mode: the planner's activations a GPU (one process: DDP's row; its
+    transformer blocks' count dlojz_lib.parallelism.block_figures') are
     within 5 % of what its forward leaves held for the backward (torch_internals.held_after_forward: every tensor the
     forward made and still alive, each storage once; and the images, which the stem keeps), in float32, and within
     10 % under bfloat16 autocast (which keeps a 16-bit

@@ -742,3 +742,58 @@ def test_a_rank_s_error_without_a_message_says_where_it_was_raised(capsys):
         assert report_crash(err, 1) == 1
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert last.startswith("dlojz: rank 1 failed: RuntimeError: (no message) at ") and "in stage_forward" in last, last
+
+
+def test_a_rank_alive_in_its_first_step_past_the_dist_timeout_is_not_called_lost(tmp_path, monkeypatch, capsys):
+    """A rank whose heartbeat still moves but has not marked its first step (compiling it, under --compile, past
+    --dist-timeout) is named alive, the line says to raise --dist-timeout, and the status is 2 (a setting: dlojz_srun
+    restarts on status 4, leaving a node out); a rank whose heartbeat stopped is lost, as before. The watchdog reads
+    a heartbeat twice from the job's store; --compile below --dist-timeout's default says so at start-up."""
+    from types import SimpleNamespace
+
+    import dlojz_lib.dist
+    from dlojz_lib.dist import Distribution, report_lost_peer
+    from dlojz_lib.observers.watchdog import Watchdog
+
+    monkeypatch.setattr(dlojz_lib.dist, "lost_ranks", lambda ranks: [1])
+    ranks = Distribution(2, 0, 0, torch.device("cpu"), ("node0", "node1"))
+    beats = iter([{1: dict(beat=3, progress=0)}, {1: dict(beat=4, progress=0)}])
+    watchdog = Watchdog(ranks, 8.0, tmp_path)
+    watchdog._store, watchdog._read = object(), lambda: next(beats)
+    assert watchdog.beating_before_first_step([1], wait_s=0) == [1]
+    starting = SimpleNamespace(beating_before_first_step=lambda lost: lost)
+    assert report_lost_peer(ranks, tmp_path, None, starting) == 2
+    err = capsys.readouterr().err
+    assert "rank 1 (node1) is alive but had not reached its first step's collective within --dist-timeout" in err
+    assert "give a longer --dist-timeout (1800 with --compile), then start the run again" in err
+    gone = SimpleNamespace(beating_before_first_step=lambda lost: [])
+    assert report_lost_peer(ranks, tmp_path, None, gone) == 4
+    assert "rank 1 (node1) stopped answering during start-up" in capsys.readouterr().err
+    stopped = iter([{1: dict(beat=3, progress=0)}, {1: dict(beat=3, progress=0)}])
+    watchdog._read = lambda: next(stopped)
+    assert watchdog.beating_before_first_step([1], wait_s=0) == []
+
+
+@pytest.mark.parametrize("dist_timeout, said", [(120, True), (600, False)])
+def test_compile_on_several_ranks_below_the_default_dist_timeout_says_so_at_start_up(dist_timeout, said):
+    """--compile with several ranks and a --dist-timeout below its default: a line before the layout says the
+    first step compiles on each rank while the others wait at most that long."""
+    from dlojz_lib.dist import Distribution
+    from dlojz_lib.model.build import BuiltModel
+    from dlojz_lib.model.zoo import create_model
+    from dlojz_lib.parallelism.layout import lay_out
+    from dlojz_lib.settings.config import resolve_config
+    from dlojz_lib.settings.flags import get_args_parser
+
+    class Said(Exception):
+        pass
+
+    def log(line):
+        raise Said(line)
+
+    argv = ["--device", "cpu", "--compile", "--dist-timeout", str(dist_timeout), "--arch", "resnet18"]
+    cfg = resolve_config(get_args_parser().parse_args(argv))
+    built = BuiltModel.of(create_model("resnet18", 3, False, 32), "resnet18")
+    with pytest.raises(Exception) as raised:  # (no process group here: DDP's wrapper fails after the line)
+        lay_out(built, cfg, Distribution(2, 0, 0, torch.device("cpu")), log)
+    assert (f"--dist-timeout {dist_timeout} s" in str(raised.value)) == said, raised.value
