@@ -76,16 +76,18 @@ def plan_command(args) -> int:
     keys = ("gpus_per_node", "gpu_memory_gib", "tflops", "nvlink_gbs", "network_gbs", "float8_tflops")
     figures = {key: getattr(args, key) if getattr(args, key) is not None else preset.get(key) for key in keys}
     allocation = Allocation(args.nodes, **figures)
+    microbatches = args.pp_microbatches or (None if args.batch_per_copy else 8)  # (None: 2 p, dlojz.py's)
     settings = LayoutTable(
-        args.arch, args.image_size, args.num_classes, args.batch_size, pp_microbatches=args.pp_microbatches,
-        optimizer=args.optimizer,
+        args.arch, args.image_size, args.num_classes, args.batch_size, pp_microbatches=microbatches,
+        optimizer=args.optimizer, batch_per_copy=args.batch_per_copy,
     )  # fmt: skip
     rows, total, planned = plan(settings, allocation)
     if args.layout is not None and args.layout not in (names := [row["layout"] for row in rows]):
         fail(f"--layout {args.layout}: not a layout of this allocation's table; give one of: {', '.join(names)}")
     gib, gb = 2**30, 1e9
     print(
-        f"{args.arch}: {total / 1e6:,.1f} M parameters, {args.image_size} px, -b {args.batch_size} a GPU, "
+        f"{args.arch}: {total / 1e6:,.1f} M parameters, {args.image_size} px, "
+        f"-b {args.batch_size} {'a model copy (as dlojz.py)' if args.batch_per_copy else 'a GPU'}, "
         f"{args.optimizer}; {args.nodes} node(s) of {allocation.gpus_per_node} {args.gpu.upper()}-class GPUs "
         f"({allocation.gpu_memory_gib:g} GiB, {allocation.tflops:g} TFLOP/s, NVLink {allocation.nvlink_gbs:g} GB/s, "
         f"network {allocation.network_gbs:g} GB/s a GPU)"
@@ -176,7 +178,15 @@ def get_parser():
     pl.add_argument("--image-size", type=PIXELS, default=224)
     pl.add_argument("--num-classes", type=COUNT, default=1000)
     pl.add_argument("--optimizer", default="adamw", choices=sorted(OPTIMIZER_TABLE))
-    pl.add_argument("--pp-microbatches", type=COUNT, default=8, help="1F1B's micro-batches a step (default: 8)")
+    pl.add_argument(
+        "--pp-microbatches", type=COUNT, default=None,
+        help="1F1B's micro-batches a step (default: 8; with --batch-per-copy, 2 p as dlojz.py's)",
+    )  # fmt: skip
+    pl.add_argument(
+        "--batch-per-copy", action="store_true",
+        help="-b counts a model copy's images, as dlojz.py's -b and --layout auto: a pipeline of p stages takes -b "
+        "(not -b x p), a tensor group shares it",
+    )  # fmt: skip
     pl.add_argument(
         "--layout", default=None, help="a layout of the table, as it names it: whether it fits, and by how much not"
     )

@@ -379,3 +379,25 @@ def test_the_planner_adds_float8_rows_where_the_gpu_has_float8(capsys):
         name.startswith(("TP", "PP")) and "float8" in name for name in rows
     ), out
     assert float(rows["FSDP + float8"][-2]) < float(rows["FSDP"][-2]), out  # step ms
+
+
+def test_batch_per_copy_gives_the_planner_dlojz_py_s_meaning_of_b(capsys):
+    """dlojz_lab.py plan's -b counts a GPU's images (a pipeline of p stages takes -b x p, in 8 micro-batches);
+    with --batch-per-copy it counts a model copy's, as dlojz.py's -b and --layout auto do (a pipeline takes -b, in
+    2 p micro-batches): the pipelines' rows then are the rows --layout auto ranks, and differ from the per-GPU ones."""
+    from dlojz_lib.parallelism.plan import GPUS, Allocation, LayoutTable, plan
+
+    def pipeline_rows(extra):
+        assert dlojz_lab.main([*PLANNED, *extra]) == 0
+        lines = capsys.readouterr().out.splitlines()
+        return {line.split("  ")[0]: line.split()[-3:] for line in lines if line.startswith("PP ")}, lines[0]
+
+    per_gpu, said_gpu = pipeline_rows([])
+    per_copy, said_copy = pipeline_rows(["--batch-per-copy"])
+    assert "-b 8 a GPU" in said_gpu and "-b 8 a model copy (as dlojz.py)" in said_copy
+    assert per_gpu.keys() == per_copy.keys() and per_gpu != per_copy
+    settings = LayoutTable("timm:test_vit", 32, 3, 8, pp_microbatches=None, batch_per_copy=True)
+    rows = plan(settings, Allocation(2, **dict(GPUS["h100"], gpus_per_node=2)))[0]
+    for row in rows:
+        if row["layout"] in per_copy:
+            assert per_copy[row["layout"]][1] == f"{row['step_s'] * 1e3:.2f}", row["layout"]
