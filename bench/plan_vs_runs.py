@@ -4,8 +4,10 @@ for the same machine, both ranked; each pair of layouts whose speed ratio the tw
 
 The roofline is given this machine's figures, measured first: its compute leg one rank's step of the plain model
 alone (the FLOPs of `-b` images over that time: the FLOP/s the model reaches here, not a data sheet's peak), its
-links' bandwidth an all-reduce of 64 MB between the ranks. What it leaves out is then what the runs show: the
-overlap it assumes perfect, the pipeline's schedule beyond its bubble, the many small collectives' latency.
+links' bandwidth an all-reduce of 64 MB between the ranks, and the share of that all-reduce a step hides when both
+run at once (the overlap the roofline gives the data groups' and a pipeline's sends; TP's wait for the compute).
+What it leaves out is then what the runs show: the pipeline's schedule beyond its bubble, the many small
+collectives' latency, the smaller matrix products of a tensor-parallel rank.
 
     python -m torch.distributed.run --standalone --nproc-per-node 2 bench/plan_vs_runs.py   # ViT-S/16 at 112 px
     torchrun --standalone --nproc-per-node 2 bench/plan_vs_runs.py --arch timm:vit_base_patch16_224 --image-size 224
@@ -115,6 +117,13 @@ def measure(args, rank, world, device):
     found = {"plain": timed(plain_step, args.steps, device)}
     buffer = torch.zeros(16 * 2**20, device=device)
     found["all_reduce"] = timed(lambda: dist.all_reduce(buffer), 3, device)
+
+    def both():  # the all-reduce in flight while the step computes: how much of it the compute hides
+        work = dist.all_reduce(buffer, async_op=True)
+        plain_step()
+        work.wait()
+
+    found["both"] = timed(both, 3, device)
     for layout, (flags, share) in LAYOUTS.items():
         flags = [*flags, "--pp-microbatches", str(args.microbatches)] if "--pp" in flags else flags
         batch = args.batch_size * share
@@ -156,7 +165,9 @@ def report(args, world, device, seconds):
     with torch.device("meta"):
         flops = train_flops_per_image(create_model(args.arch, 3, False, args.image_size), args.image_size)
     bandwidth = 2 * (world - 1) / world * 64 * 2**20 / slowest["all_reduce"] / 1e9  # GB/s a rank sends
-    figures = dict(gpu_memory_gib=1e6, tflops=flops * args.batch_size / slowest["plain"] / 1e12)
+    hidden = slowest["plain"] + slowest["all_reduce"] - slowest["both"]
+    overlap = min(1.0, max(0.0, hidden / min(slowest["plain"], slowest["all_reduce"])))
+    figures = dict(gpu_memory_gib=1e6, tflops=flops * args.batch_size / slowest["plain"] / 1e12, overlap=overlap)
     allocation = Allocation(1, world, nvlink_gbs=bandwidth, network_gbs=bandwidth, **figures)
     settings = LayoutTable(args.arch, args.image_size, 3, args.batch_size, pp_microbatches=args.microbatches,
                            optimizer="sgd", amp_bytes=4)  # fmt: skip
@@ -165,7 +176,8 @@ def report(args, world, device, seconds):
     print(f"{args.arch}: {world} ranks ({device.type}), {args.image_size} px, -b {args.batch_size} a rank, float32, "
           f"{args.microbatches} micro-batches a pipeline's step, the median of {args.steps} timed steps a layout; "
           f"the roofline's figures measured here: {allocation.tflops * 1e3:.1f} GFLOP/s a rank (one rank's plain "
-          f"step), {bandwidth:.2f} GB/s (a 64 MB all-reduce)")  # fmt: skip
+          f"step), {bandwidth:.2f} GB/s (a 64 MB all-reduce), {overlap:.0%} of an all-reduce hidden behind a "
+          "step (both at once)")  # fmt: skip
     print(f"{'layout':<18}{'roofline img/s':>16}{'measured img/s':>16}{'measured/roofline':>19}")
     for layout in LAYOUTS:
         tp = rows[layout]["tp"]

@@ -339,6 +339,11 @@ class Allocation:
     nvlink_gbs: float  # GB/s a GPU sends to the others of its node
     network_gbs: float  # GB/s a GPU sends to other nodes
     float8_tflops: float | None = None  # dense float8 TFLOP/s a GPU (None: no float8, an A100's case)
+    # the share of the sends beside the compute (DDP's bucketed all-reduces, FSDP's prefetched gathers and
+    # reduce-scatters, a pipeline's asynchronous sends between micro-batches) hidden behind it: a GPU's copy engines
+    # hide them all; a CPU rank computing with its cores hides less (bench/plan_vs_runs.py measures it). TP's
+    # all-reduces sit between a block's products, which wait for them: never hidden.
+    overlap: float = 1.0
 
     @property
     def gpus(self):
@@ -371,21 +376,28 @@ def hsdp_row(node_fsdp, allocation):
 def estimate(row, allocation, settings, flops_per_image) -> dict:
     """`row` with what it needs on the allocation: its bytes a GPU (state and activations), whether they fit, the
     bytes sent inside a node and across nodes, and the roofline's step: the longer of the compute at the GPU's peak
-    and the sends at the links' bandwidths (they overlap at best), stretched by the pipeline's bubble; and the
+    and the sends at the links' bandwidths, the data and pipeline groups' hidden behind the compute as the
+    allocation's `overlap` says and the tensor group's after it (its products wait for them), stretched by the
+    pipeline's bubble; and the
     images a GPU then trains a second. Activations a model family's count leaves out (a CNN's) count as 0."""
     state = row["parameter_bytes"] + row["gradient_bytes"] + row["optimizer_bytes"]
     used = state + (row["activation_bytes"] or 0)
     intra = inter = 0.0
+    seconds = {"hidden": 0.0, "waited": 0.0}  # the sends' seconds, by whether the compute can hide them
     for group, sent in row["sent_by_group"].items():
-        if spans_nodes(group, row["tp"], row["pp"], allocation):
+        across = spans_nodes(group, row["tp"], row["pp"], allocation)
+        if across:
             inter += sent
         else:
             intra += sent
+        link = allocation.network_gbs if across else allocation.nvlink_gbs
+        seconds["waited" if group == "tensor" else "hidden"] += sent / (link * 1e9)
     # a GPU's share of a step: a tensor group shares its images, and a pipeline where -b is a model copy's
     images = settings.batch_size / row["tp"] / (row["pp"] if settings.batch_per_copy else 1)
     compute = flops_per_image * images / (allocation.tflops * 1e12)
-    sends = intra / (allocation.nvlink_gbs * 1e9) + inter / (allocation.network_gbs * 1e9)
-    step = max(compute, sends) / (1 - row.get("bubble", 0.0))
+    sends = seconds["hidden"] + seconds["waited"]
+    hidden = allocation.overlap * min(compute, seconds["hidden"])
+    step = (compute + sends - hidden) / (1 - row.get("bubble", 0.0))
     fits = used <= allocation.gpu_memory_gib * 2**30
     return dict(
         row, used_bytes=used, fits=fits, intra_bytes=intra, inter_bytes=inter, compute_s=compute, sends_s=sends,
