@@ -158,6 +158,8 @@ VIT_S = "timm:vit_small_patch16_224"
         (ARCH, 32, 4, "none"),  # an MLP 3 times as wide as its tokens (Megatron-LM's count assumes 4)
         (ARCH, 32, 4, "selective"),
         ("timm:test_coatnet", 64, 4, "none"),
+        ("timm:test_coatnet", 64, 2, "none"),
+        ("timm:coatnet_pico_rw_224", 64, 2, "none"),  # the course's, under bfloat16: its weights' copies counted
         ("resnet18", 64, 4, "none"),
         ("vit_b_16", 224, 4, "none"),
     ],
@@ -196,7 +198,7 @@ def test_the_planner_s_activations_are_a_forward_s_within_5_percent_10_under_bfl
         measured = held_after_forward(model, images) + images.nbytes + recomputed
     rows, _, _ = layout_rows(LayoutTable(arch, size, 10, 2, gpus=(2,), tp=(2,), pp=(2,), amp_bytes=amp_bytes))
     predicted = next(row for row in rows if row["layout"] == "DDP")["activations_by_checkpointing"][checkpointing]
-    within = 0.05 if amp_bytes == 4 else 0.1  # (measured 0.97-1.01 in float32, 0.92 under bfloat16)
+    within = 0.05 if amp_bytes == 4 else 0.1  # (measured 0.97-1.01 in float32, 0.92-0.98 under bfloat16)
     assert abs(predicted / measured - 1) <= within, (predicted, measured)
 
 
