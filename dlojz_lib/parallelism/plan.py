@@ -405,16 +405,17 @@ def estimate(row, allocation, settings, flops_per_image) -> dict:
     )  # fmt: skip
 
 
-def plan(settings, allocation):
-    """Every layout dlojz can run on `allocation` for `settings`' model, each row estimated, the ones that fit
-    first, fastest first (images a GPU trains a second). Returns (rows, parameters, planned)."""
+def plan(settings, allocation, model=None):
+    """Every layout dlojz can run on `allocation` for `settings`' model (`model`: it on the meta device, built here
+    if None), each row estimated, the ones that fit first, fastest first (images a GPU trains a second). Returns
+    (rows, parameters, planned)."""
     from dlojz_lib.model.zoo import train_flops_per_image
 
     gpus, per_node = allocation.gpus, allocation.gpus_per_node
     tps = tuple(t for t in (2, 4, 8) if t <= per_node and per_node % t == 0)
     pps = tuple(p for p in (2, 4, 8) if gpus % p == 0)
     sizes = (gpus, per_node) if allocation.nodes > 1 else (gpus,)  # (one node's rows: HSDP's FSDP within a node)
-    model = meta_model(settings)  # (one for the rows, the FLOPs and the float8 linears)
+    model = meta_model(settings) if model is None else model  # (one for the rows, the FLOPs, the float8 linears)
     rows, total, planned = layout_rows(dataclasses.replace(settings, gpus=sizes, tp=tps, pp=pps), model)
     if allocation.nodes > 1:
         node_fsdp = next(row for row in rows if row["gpus"] == per_node and row["layout"] == "FSDP")
@@ -575,9 +576,9 @@ def auto_layout(args, allocation):
     from dlojz_lib.parallelism.pipeline import micro_batch_problem
 
     values = vars(args)
-    model = meta_model(settings)  # (the run's own model checks: a BatchNorm pipeline's micro-batches)
+    model = meta_model(settings)  # (the rows', and the run's own checks: a BatchNorm pipeline's micro-batches)
     rows = [
-        row for row in plan(settings, allocation)[0]
+        row for row in plan(settings, allocation, model)[0]
         if not row["spec"].problems(values) and (row["pp"] == 1 or args.teacher is None)
         and (row["pp"] == 1 or micro_batch_problem(model, args.arch, settings.batch_size,
                                                    row["spec"].microbatches) is None)
