@@ -321,6 +321,13 @@ TRAINING_FLAGS = [
     pytest.param(["--optimizer", "lars", "--amp", "--amp-dtype", "bfloat16"], id="lars-bfloat16"),
     pytest.param(["--optimizer", "lion", "--amp", "--amp-dtype", "bfloat16"], id="lion-bfloat16"),
     pytest.param(["--findlr"], id="findlr"),
+    # torchao's float8 linears (ViT-B/16's qkv and fc1 are above tensorwise's sizes; rowwise's take none of its
+    # linears): their scales computed on the device
+    pytest.param(["--arch", "timm:vit_base_patch16_224", "--float8", "tensorwise"], id="float8-tensorwise"),
+    pytest.param(
+        ["--arch", "timm:vit_base_patch16_224", "--float8", "tensorwise", "--amp", "--amp-dtype", "bfloat16"],
+        id="float8-tensorwise-bfloat16",
+    ),
 ]
 
 
@@ -328,6 +335,8 @@ TRAINING_FLAGS = [
 def test_a_training_epoch_waits_for_the_device_only_at_log_points(flags, monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)
     loop = loop_for(*flags, n_batches=4 * (2 if "--grad-acc" in flags else 1))
+    if "--float8" in flags:  # (the audited step runs torchao's linears)
+        assert any(type(m).__name__ == "Float8Linear" for m in loop["model"].module.modules())
     outside, at_log_points = audit_epoch(loop, monkeypatch)
     assert unexpected(outside) == []
     if "--findlr" in flags:  # the warned exception is seen at every step
