@@ -138,7 +138,9 @@ def spawn_ranks(target, world, tmp_path, *args, timeout=300):
 def counting_mode():
     """A dispatch mode that counts the collectives sent in it, DTensor's and FSDP's (by kind: all_reduce, all_gather,
     reduce_scatter, send...), without the module hooks of torch's CommDebugMode (whose view of a block's input breaks
-    timm's in-place SiLU); and in `sent`, each one's (ranks of its group, bytes this rank sends: bytes_sent)."""
+    timm's in-place SiLU); in `sent`, each one's (ranks of its group, bytes this rank sends: bytes_sent); in
+    `calls`, each one as called (namespace, op name, its ProcessGroup's ranks or None, its first tensor's dtype and
+    elements)."""
     from collections import Counter
 
     import torch.distributed as dist
@@ -153,16 +155,27 @@ def counting_mode():
     kinds = {"all_gather_into_tensor": "all_gather", "_allgather_base_": "all_gather", "allreduce_": "all_reduce",
              "reduce_scatter_tensor": "reduce_scatter", "_reduce_scatter_base_": "reduce_scatter"}  # fmt: skip
 
+    def call_ranks(args):  # the ranks of a c10d op's ProcessGroup argument (a TorchScript object), in its order
+        for arg in args:
+            if type(arg).__name__ == "ScriptObject":
+                try:
+                    return tuple(dist.get_process_group_ranks(dist.ProcessGroup.unbox(arg)))
+                except RuntimeError:  # (another TorchScript object: a ReduceOp)
+                    continue
+        return None
+
     class Collectives(TorchDispatchMode):
         def __init__(self):
             super().__init__()
-            self.counts, self.sent = Counter(), []
+            self.counts, self.sent, self.calls = Counter(), [], []
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             if any(kind is DTensor for kind in types):
                 return NotImplemented  # DTensor first turns its op into local ops and collectives, seen here
             name = func.__name__.split(".")[0]
             if func.namespace in ("_c10d_functional", "c10d") and not name.startswith(("wait", "_wrap")):
+                first = args[0][0] if isinstance(args[0], (list, tuple)) else args[0]
+                self.calls.append((func.namespace, name, call_ranks(args), str(first.dtype), first.numel()))
                 self.counts[kinds.get(name, name)] += 1
                 try:
                     found = bytes_sent(name, args, group_ranks)

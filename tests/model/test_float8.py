@@ -288,24 +288,13 @@ def fsdp_float8_on_rank(rank, world, store_path, results, replicas):
     import traceback
 
     import torch.distributed as dist
-    from torch.utils._python_dispatch import TorchDispatchMode
+    from conftest import counting_mode
 
     from dlojz_lib.dist import Distribution, model_parallel_mesh
     from dlojz_lib.model.build import build_model
     from dlojz_lib.parallelism.layout import lay_out
     from dlojz_lib.settings.config import resolve_config
     from dlojz_lib.settings.flags import get_args_parser
-
-    class Sent(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.sent = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func.namespace in ("c10d", "_c10d_functional") and not func.__name__.startswith(("wait", "_wrap")):
-                first = args[0][0] if isinstance(args[0], (list, tuple)) else args[0]
-                self.sent.append((func.__name__.split(".")[0], str(first.dtype), first.numel()))
-            return func(*args, **(kwargs or {}))
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
@@ -327,11 +316,11 @@ def fsdp_float8_on_rank(rank, world, store_path, results, replicas):
             images, labels = torch.randn(8, 3, 32, 32, generator=data), torch.randint(0, 10, (8,), generator=data)
             for net, optimizer in zip((sharded.net, reference), optimizers):
                 optimizer.zero_grad()
-                with Sent() as counted:
+                with counting_mode() as counted:
                     torch.nn.functional.cross_entropy(net(images), labels).backward()
                 optimizer.step()
                 if net is sharded.net:
-                    steps.append(counted.sent)
+                    steps.append([(name, dtype, numel) for _, name, _, dtype, numel in counted.calls])
                     sharded.after_step()
         state = {key: value.full_tensor() for key, value in sharded.module.state_dict().items()}
         for key, expected in reference.state_dict().items():
@@ -339,9 +328,9 @@ def fsdp_float8_on_rank(rank, world, store_path, results, replicas):
         cfg = resolve_config(get_args_parser().parse_args([*common[:-1], "--fsdp", "--fsdp-replicate", str(replicas)]))
         torch.manual_seed(0)
         plain = lay_out(build_model(cfg, 10, ranks, print), cfg, ranks, print)  # the same FSDP without float8
-        with Sent() as counted:
+        with counting_mode() as counted:
             torch.nn.functional.cross_entropy(plain.net(images), labels).backward()
-        results.put((rank, [*steps, counted.sent]))
+        results.put((rank, [*steps, [(name, dtype, numel) for _, name, _, dtype, numel in counted.calls]]))
     except BaseException:
         results.put((rank, traceback.format_exc()))
     dist.destroy_process_group()

@@ -506,8 +506,8 @@ def hsdp_on_rank(rank, world, store_path, results, cases):
 
     import torch
     import torch.distributed as dist
+    from conftest import counting_mode
     from torch.distributed.tensor import DTensor
-    from torch.utils._python_dispatch import TorchDispatchMode
 
     from dlojz_lib.dist import Distribution, model_parallel_mesh
     from dlojz_lib.model.build import BuiltModel
@@ -516,26 +516,6 @@ def hsdp_on_rank(rank, world, store_path, results, cases):
     from dlojz_lib.parallelism.tensor import fused_state_dict
     from dlojz_lib.settings.config import resolve_config
     from dlojz_lib.settings.flags import get_args_parser
-
-    def process_group(arg):  # a c10d op's ProcessGroup argument (a TorchScript object, as its ReduceOp is)
-        if type(arg).__name__ != "ScriptObject":
-            return None
-        try:
-            return dist.ProcessGroup.unbox(arg)
-        except RuntimeError:
-            return None
-
-    class SentIn(TorchDispatchMode):  # each collective's kind and the ranks of the group it is sent in
-        def __init__(self):
-            super().__init__()
-            self.sent = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            name = func.__name__.split(".")[0]
-            if func.namespace == "c10d" and not name.startswith(("wait", "_wrap")):
-                groups = [group for arg in args if (group := process_group(arg)) is not None]
-                self.sent.append((name, tuple(dist.get_process_group_ranks(groups[0])) if groups else None))
-            return func(*args, **(kwargs or {}))
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
@@ -568,10 +548,11 @@ def hsdp_on_rank(rank, world, store_path, results, cases):
             expected = reference.state_dict()
             for key in expected:
                 torch.testing.assert_close(state[key], expected[key], rtol=1e-4, atol=1e-5, msg=key)
-            with SentIn() as counted:  # a third step's forward and backward
+            with counting_mode() as counted:  # a third step's forward and backward
                 torch.nn.functional.cross_entropy(model.net(images[mine]), labels[mine]).backward()
             held = sum(4 * p.to_local().numel() for p in model.module.parameters())  # float32 bytes
-            found = ((ranks.data_rank, ranks.data_size), sorted(placements), counted.sent, said, held)
+            sent = [(name, group) for namespace, name, group, *_ in counted.calls if namespace == "c10d"]
+            found = ((ranks.data_rank, ranks.data_size), sorted(placements), sent, said, held)
             results.put((rank, case, *found))
         except BaseException:
             results.put((rank, case, traceback.format_exc(), None, None, None, None))
