@@ -286,13 +286,13 @@ def missing_data_variable(environ):
 REFUSAL_GRACE_S = 5.0
 
 
-def say_refusal(line, rank, world_size, first=None, grace_s=None):
+def say_refusal(line, rank, world_size, first=None):
     """Print a refusal's one `line` so that it reaches the user whichever rank of a job finds it first. A launcher
     (torchrun, srun --kill-on-bad-exit) ends every rank at the first one's exit, so a line left to rank 0 is lost
     when another rank ends first. `first`: once the process group has formed, a callable saying whether this rank is
     the job's first to refuse (the job's store counts the refusals): that rank says it, the others do not. Before it
-    (None), rank 0 says it; any other rank waits `grace_s` for the launcher to end the job at rank 0's exit (its
-    stop ends the wait: SIGTERM's own action is put back), then says it itself, naming its rank."""
+    (None), rank 0 says it; any other rank waits REFUSAL_GRACE_S for the launcher to end the job at rank 0's exit
+    (its stop ends the wait: SIGTERM's own action is put back), then says it itself, naming its rank."""
     if first is not None:
         try:
             said_first = first()
@@ -303,7 +303,7 @@ def say_refusal(line, rank, world_size, first=None, grace_s=None):
         return
     if world_size > 1 and rank != 0:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        time.sleep(REFUSAL_GRACE_S if grace_s is None else grace_s)
+        time.sleep(REFUSAL_GRACE_S)
         line = f"{line} (said by rank {rank}: rank 0 had not ended the job)"
     print(line, file=sys.stderr, flush=True)
 

@@ -45,17 +45,13 @@ def attention_shapes(module, image_size):
     (plan, blocks), shapes = tensor_plan(module), []
     paths = {id(block): path for path, block in module.named_modules()}
 
-    def recorder(block, width, heads):
+    def recorder(block, width, heads, moved, gathered, hidden):
         def record(attention, inputs):
             x = inputs[0]
             if x.dim() == 4:
                 tokens = span = x.shape[2] * x.shape[3]
             else:
                 tokens, span = x.shape[0] * x.shape[1], x.shape[1]  # one image: its windows' tokens
-            moved = sum(
-                p.shape[1] if kind == "col" else p.shape[0] for p, kind in plan.placements(block) if p.dim() > 1
-            )
-            gathered, hidden = plan.gathered(attention), plan.mlp_width(block)
             shapes.append(BlockShape(tokens, span, width, heads, paths[id(block)], moved, gathered, hidden))
 
         return record
@@ -63,7 +59,9 @@ def attention_shapes(module, image_size):
     hooks = []
     for block in blocks:
         attention, width, heads = plan.attention(block)
-        hooks.append(attention.register_forward_pre_hook(recorder(block, width, heads)))
+        moved = sum(p.shape[1] if kind == "col" else p.shape[0] for p, kind in plan.placements(block) if p.dim() > 1)
+        figures = (moved, plan.gathered(attention), plan.mlp_width(block))  # (the block's own: not the forward's)
+        hooks.append(attention.register_forward_pre_hook(recorder(block, width, heads, *figures)))
     with torch.no_grad():
         module.eval()(torch.empty(1, 3, image_size, image_size, device="meta"))
     for hook in hooks:

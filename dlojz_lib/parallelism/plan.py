@@ -375,11 +375,11 @@ def hsdp_row(node_fsdp, allocation):
 
 def estimate(row, allocation, settings, flops_per_image) -> dict:
     """`row` with what it needs on the allocation: its bytes a GPU (state and activations), whether they fit, the
-    bytes sent inside a node and across nodes, and the roofline's step: the longer of the compute at the GPU's peak
-    and the sends at the links' bandwidths, the data and pipeline groups' hidden behind the compute as the
-    allocation's `overlap` says and the tensor group's after it (its products wait for them), stretched by the
-    pipeline's bubble; and the
-    images a GPU then trains a second. Activations a model family's count leaves out (a CNN's) count as 0."""
+    bytes sent inside a node and across nodes, and the roofline's step: the compute at the GPU's peak plus the sends
+    at the links' bandwidths, less what the compute hides of the data and pipeline groups' sends (the allocation's
+    `overlap` share of the shorter of the two; the tensor group's, which its products wait for, never), stretched by
+    the pipeline's bubble; and the images a GPU then trains a second. Activations a model family's count leaves
+    out (a CNN's) count as 0."""
     state = row["parameter_bytes"] + row["gradient_bytes"] + row["optimizer_bytes"]
     used = state + (row["activation_bytes"] or 0)
     intra = inter = 0.0
