@@ -21,6 +21,7 @@ lines and the environment from slurm/dlojz_env.sh, submits it and prints the job
 """
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -72,15 +73,25 @@ def compare_command(args) -> int:
 def plan_command(args) -> int:
     from dlojz_lib.parallelism.plan import GPUS, Allocation, LayoutTable, named_layout_line, pick_line, plan
 
-    preset = GPUS[args.gpu]
-    keys = ("gpus_per_node", "gpu_memory_gib", "tflops", "nvlink_gbs", "network_gbs", "float8_tflops")
-    figures = {key: getattr(args, key) if getattr(args, key) is not None else preset.get(key) for key in keys}
-    allocation = Allocation(args.nodes, **figures)
     microbatches = args.pp_microbatches or (None if args.batch_per_copy else 8)  # (None: 2 p, dlojz.py's)
     settings = LayoutTable(
         args.arch, args.image_size, args.num_classes, args.batch_size, pp_microbatches=microbatches,
         optimizer=args.optimizer, batch_per_copy=args.batch_per_copy,
     )  # fmt: skip
+    preset = dict(GPUS[args.gpu])
+    if args.probe is not None:  # what the job's ranks measure, over the data sheet's
+        from dlojz_lib.parallelism.probe import measure_job, probed
+
+        world, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
+        preset.update(probed(args.probe, settings, world, lambda: measure_job(settings)[0], rank=rank))
+        if rank != 0:
+            return 0  # (rank 0 says the plan)
+    keys = ("gpus_per_node", "gpu_memory_gib", "tflops", "nvlink_gbs", "network_gbs", "float8_tflops", "overlap")
+    keys += ("latency_us", "network_latency_us")
+    figures = {
+        key: getattr(args, key, None) if getattr(args, key, None) is not None else preset.get(key) for key in keys
+    }
+    allocation = Allocation(args.nodes, **{key: value for key, value in figures.items() if value is not None})
     rows, total, planned = plan(settings, allocation)
     if args.layout is not None and args.layout not in (names := [row["layout"] for row in rows]):
         fail(f"--layout {args.layout}: not a layout of this allocation's table; give one of: {', '.join(names)}")
@@ -89,8 +100,9 @@ def plan_command(args) -> int:
         f"{args.arch}: {total / 1e6:,.1f} M parameters, {args.image_size} px, "
         f"-b {args.batch_size} {'a model copy (as dlojz.py)' if args.batch_per_copy else 'a GPU'}, "
         f"{args.optimizer}; {args.nodes} node(s) of {allocation.gpus_per_node} {args.gpu.upper()}-class GPUs "
-        f"({allocation.gpu_memory_gib:g} GiB, {allocation.tflops:g} TFLOP/s, NVLink {allocation.nvlink_gbs:g} GB/s, "
-        f"network {allocation.network_gbs:g} GB/s a GPU)"
+        f"({allocation.gpu_memory_gib:g} GiB, {allocation.tflops:.4g} TFLOP/s, NVLink {allocation.nvlink_gbs:.4g} GB/s, "
+        f"network {allocation.network_gbs:.4g} GB/s a GPU; a collective {allocation.latency_us:.3g} µs inside a node, "
+        f"{allocation.network_latency_us:.3g} µs across{'; probed' if args.probe else ''})"
     )
     print(f"{'layout':<32}{'state':>8}{'activ.':>8}{'fits':>6}{'in node':>9}{'across':>9}{'bubble':>8}"
           f"{'step ms':>10}{'img/s/GPU':>14}")  # fmt: skip
@@ -104,8 +116,8 @@ def plan_command(args) -> int:
         )
     print(
         "GiB a GPU (float32 state; activations: Megatron-LM's count for transformer blocks, fused attention; the rest as saved), GB sent a GPU a step "
-        "inside a node and across nodes; step: the longer of the compute at peak FLOP/s and the sends at the "
-        "links' bandwidths, / (1 - bubble); + AC: with --activation-checkpointing, where the layout does not fit "
+        "inside a node and across nodes; step: the compute at peak FLOP/s (--probe: the model's own) plus the sends "
+        "at the links' bandwidths and each collective's latency, less what the compute hides, / (1 - bubble); + AC: with --activation-checkpointing, where the layout does not fit "
         "without (full: a third more FLOPs); + float8: --float8 tensorwise's linears at the float8 peak, gathered "
         "in 1 byte under FSDP (dlojz.py --layout auto leaves --float8, which needs torchao, to the run's flags)"
     )
@@ -118,6 +130,49 @@ def plan_command(args) -> int:
 
 
 # ------------------------------------------------------------------ command line
+def add_plan_parser(sub):
+    """`plan`'s flags: the model, the allocation and the roofline's figures (each a data sheet's unless given or
+    probed)."""
+    pl = sub.add_parser("plan", help="which parallel layout for a model on an allocation: bytes, sends, a pick")
+    pl.add_argument("--arch", required=True, help="the model, as dlojz.py's --arch (built on the meta device)")
+    pl.add_argument("--nodes", type=COUNT, default=1)
+    pl.add_argument("--gpu", choices=("h100", "a100"), default="h100", help="the figures below' defaults: Jean Zay's")
+    pl.add_argument("--gpus-per-node", type=COUNT, default=None, help="(default: 4 H100s, 8 A100s)")
+    pl.add_argument("--gpu-memory", dest="gpu_memory_gib", type=Number(float, 0), default=None, metavar="GIB")
+    pl.add_argument("--tflops", type=Number(float, 0), default=None, help="dense bfloat16 TFLOP/s a GPU")
+    pl.add_argument(
+        "--float8-tflops",
+        type=Number(float, 0),
+        default=None,
+        help="dense float8 TFLOP/s a GPU (default: H100's; none on an A100)",
+    )
+    pl.add_argument("--nvlink-gbs", type=Number(float, 0), default=None, help="GB/s a GPU sends inside its node")
+    pl.add_argument("--network-gbs", type=Number(float, 0), default=None, help="GB/s a GPU sends across nodes")
+    pl.add_argument("--latency-us", type=Number(float, 0), default=None, help="a collective's latency inside a node")
+    pl.add_argument("--network-latency-us", type=Number(float, 0), default=None, help="and across nodes")
+    pl.add_argument(
+        "--probe", default=None, metavar="FILE",
+        help="measure the figures where this runs (the model's step: its FLOP/s; under torchrun or srun the links' "
+        "bandwidth, latency and overlap too), saved in FILE and reused while the model, -b and ranks match",
+    )  # fmt: skip
+    pl.add_argument("-b", "--batch-size", type=COUNT, default=16, help="images a GPU (a tensor group shares them)")
+    pl.add_argument("--image-size", type=PIXELS, default=224)
+    pl.add_argument("--num-classes", type=COUNT, default=1000)
+    pl.add_argument("--optimizer", default="adamw", choices=sorted(OPTIMIZER_TABLE))
+    pl.add_argument(
+        "--pp-microbatches", type=COUNT, default=None,
+        help="1F1B's micro-batches a step (default: 8; with --batch-per-copy, 2 p as dlojz.py's)",
+    )  # fmt: skip
+    pl.add_argument(
+        "--batch-per-copy", action="store_true",
+        help="-b counts a model copy's images, as dlojz.py's -b and --layout auto: a pipeline of p stages takes -b "
+        "(not -b x p), a tensor group shares it",
+    )  # fmt: skip
+    pl.add_argument(
+        "--layout", default=None, help="a layout of the table, as it names it: whether it fits, and by how much not"
+    )
+
+
 def get_parser():
     p = OneLineArgumentParser(prog="dlojz_lab.py", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
@@ -159,37 +214,7 @@ def get_parser():
         default="top1",
         help="the validation figure that names the best run and that accuracy.png draws (default: top1)",
     )
-    pl = sub.add_parser("plan", help="which parallel layout for a model on an allocation: bytes, sends, a pick")
-    pl.add_argument("--arch", required=True, help="the model, as dlojz.py's --arch (built on the meta device)")
-    pl.add_argument("--nodes", type=COUNT, default=1)
-    pl.add_argument("--gpu", choices=("h100", "a100"), default="h100", help="the figures below' defaults: Jean Zay's")
-    pl.add_argument("--gpus-per-node", type=COUNT, default=None, help="(default: 4 H100s, 8 A100s)")
-    pl.add_argument("--gpu-memory", dest="gpu_memory_gib", type=Number(float, 0), default=None, metavar="GIB")
-    pl.add_argument("--tflops", type=Number(float, 0), default=None, help="dense bfloat16 TFLOP/s a GPU")
-    pl.add_argument(
-        "--float8-tflops",
-        type=Number(float, 0),
-        default=None,
-        help="dense float8 TFLOP/s a GPU (default: H100's; none on an A100)",
-    )
-    pl.add_argument("--nvlink-gbs", type=Number(float, 0), default=None, help="GB/s a GPU sends inside its node")
-    pl.add_argument("--network-gbs", type=Number(float, 0), default=None, help="GB/s a GPU sends across nodes")
-    pl.add_argument("-b", "--batch-size", type=COUNT, default=16, help="images a GPU (a tensor group shares them)")
-    pl.add_argument("--image-size", type=PIXELS, default=224)
-    pl.add_argument("--num-classes", type=COUNT, default=1000)
-    pl.add_argument("--optimizer", default="adamw", choices=sorted(OPTIMIZER_TABLE))
-    pl.add_argument(
-        "--pp-microbatches", type=COUNT, default=None,
-        help="1F1B's micro-batches a step (default: 8; with --batch-per-copy, 2 p as dlojz.py's)",
-    )  # fmt: skip
-    pl.add_argument(
-        "--batch-per-copy", action="store_true",
-        help="-b counts a model copy's images, as dlojz.py's -b and --layout auto: a pipeline of p stages takes -b "
-        "(not -b x p), a tensor group shares it",
-    )  # fmt: skip
-    pl.add_argument(
-        "--layout", default=None, help="a layout of the table, as it names it: whether it fits, and by how much not"
-    )
+    add_plan_parser(sub)
     st = sub.add_parser("status", help="the sweep's jobs in the queue and the last line of each run's log")
     st.add_argument("sweep")
     t = sub.add_parser("run-task", help=argparse.SUPPRESS)  # what an array task runs

@@ -16,9 +16,7 @@ Each rank takes its local GPU (NCCL) where there is one; else the CPU (gloo, one
 """
 
 import os
-import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -83,48 +81,36 @@ def laid_out(arch, image_size, flags, batch, world, rank, device):
     return model, optimizer, step, ranks
 
 
-def timed(run, steps, device):
-    """The median seconds of `run()` over `steps` calls after one (the device waited for at each end)."""
-    import torch
+def layouts(world):
+    """LAYOUTS named as the planner names them on `world` ranks, with HSDP's on 4 (two "nodes" of 2)."""
+    found = {name.replace("FSDP 1", f"FSDP {world // 2}"): run for name, run in LAYOUTS.items()}
+    if world == 4:
+        found["HSDP 2 x FSDP 2"] = (["--fsdp", "--fsdp-replicate", "2"], 1)
+    return found
 
-    seconds = []
-    for _ in range(steps + 1):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        run()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        seconds.append(time.perf_counter() - start)
-    return statistics.median(seconds[1:])
+
+def table(args):
+    """The planner's table for the run's model, images and -b (float32, SGD)."""
+    from dlojz_lib.parallelism.plan import LayoutTable
+
+    return LayoutTable(args.arch, args.image_size, 3, args.batch_size, pp_microbatches=args.microbatches,
+                       optimizer="sgd", amp_bytes=4)  # fmt: skip
 
 
 def measure(args, rank, world, device):
-    """This rank's seconds: a plain step of the model alone, a 64 MB all-reduce, and each layout's step."""
+    """This rank's figures, as `dlojz_lab.py plan --probe` measures them (its model's step, its links' bandwidth
+    and latency, the overlap), and the seconds of each layout's step."""
     import torch
     import torch.distributed as dist
 
-    from dlojz_lib.model.zoo import create_model
+    from dlojz_lib.parallelism.probe import measure as probe
+    from dlojz_lib.parallelism.probe import timed
 
+    found = {"figures": probe(table(args), device, {"node": (None, world)}, steps=args.steps)}
     torch.manual_seed(rank)
     images = torch.randn(args.batch_size * 2, 3, args.image_size, args.image_size, device=device)
     labels = torch.randint(0, 3, (args.batch_size * 2,), device=device)
-    plain = create_model(args.arch, 3, False, args.image_size).to(device)
-
-    def plain_step():
-        torch.nn.functional.cross_entropy(plain(images[: args.batch_size]), labels[: args.batch_size]).backward()
-
-    found = {"plain": timed(plain_step, args.steps, device)}
-    buffer = torch.zeros(16 * 2**20, device=device)
-    found["all_reduce"] = timed(lambda: dist.all_reduce(buffer), 3, device)
-
-    def both():  # the all-reduce in flight while the step computes: how much of it the compute hides
-        work = dist.all_reduce(buffer, async_op=True)
-        plain_step()
-        work.wait()
-
-    found["both"] = timed(both, 3, device)
-    for layout, (flags, share) in LAYOUTS.items():
+    for layout, (flags, share) in layouts(world).items():
         flags = [*flags, "--pp-microbatches", str(args.microbatches)] if "--pp" in flags else flags
         batch = args.batch_size * share
         model, optimizer, step, _ = laid_out(args.arch, args.image_size, flags, batch, world, rank, device)
@@ -155,36 +141,35 @@ def disagreements(predicted, measured, factor=2.0) -> list:
 
 
 def report(args, world, device, seconds):
-    """The table of both speeds and the pairs they disagree on, from the ranks' `seconds` (the slowest rank's)."""
-    import torch
+    """The table of both speeds, each layout's error and the pairs they disagree on, from the ranks' `seconds` (the
+    slowest rank's step, its compute and links); returns (predicted, measured) images a GPU a second."""
+    from dlojz_lib.parallelism.plan import Allocation, plan
 
-    from dlojz_lib.model.zoo import create_model, train_flops_per_image
-    from dlojz_lib.parallelism.plan import Allocation, LayoutTable, plan
-
-    slowest = {key: max(rank[key] for rank in seconds) for key in seconds[0]}
-    with torch.device("meta"):
-        flops = train_flops_per_image(create_model(args.arch, 3, False, args.image_size), args.image_size)
-    bandwidth = 2 * (world - 1) / world * 64 * 2**20 / slowest["all_reduce"] / 1e9  # GB/s a rank sends
-    hidden = slowest["plain"] + slowest["all_reduce"] - slowest["both"]
-    overlap = min(1.0, max(0.0, hidden / min(slowest["plain"], slowest["all_reduce"])))
-    figures = dict(gpu_memory_gib=1e6, tflops=flops * args.batch_size / slowest["plain"] / 1e12, overlap=overlap)
-    allocation = Allocation(1, world, nvlink_gbs=bandwidth, network_gbs=bandwidth, **figures)
-    settings = LayoutTable(args.arch, args.image_size, 3, args.batch_size, pp_microbatches=args.microbatches,
-                           optimizer="sgd", amp_bytes=4)  # fmt: skip
-    rows = {row["layout"]: row for row in plan(settings, allocation)[0]}
+    slowest = {key: max(rank[key] for rank in seconds) for key in seconds[0] if key != "figures"}
+    figures = {key: (max if "latency" in key else min)(rank["figures"][key] for rank in seconds)
+               for key in seconds[0]["figures"]}  # fmt: skip
+    figures.update(network_gbs=figures["nvlink_gbs"], network_latency_us=figures["latency_us"])
+    nodes = 2 if world == 4 else 1  # (4 ranks: two "nodes" of 2, for HSDP's row)
+    allocation = Allocation(nodes, world // nodes, gpu_memory_gib=1e6, **figures)
+    rows = {row["layout"]: row for row in plan(table(args), allocation)[0]}
     predicted, measured = {}, {}
     print(f"{args.arch}: {world} ranks ({device.type}), {args.image_size} px, -b {args.batch_size} a rank, float32, "
           f"{args.microbatches} micro-batches a pipeline's step, the median of {args.steps} timed steps a layout; "
-          f"the roofline's figures measured here: {allocation.tflops * 1e3:.1f} GFLOP/s a rank (one rank's plain "
-          f"step), {bandwidth:.2f} GB/s (a 64 MB all-reduce), {overlap:.0%} of an all-reduce hidden behind a "
+          f"the roofline's figures probed here (dlojz_lab.py plan --probe's): {allocation.tflops * 1e3:.1f} GFLOP/s "
+          f"a rank (one rank's plain step), {allocation.nvlink_gbs:.2f} GB/s and {allocation.latency_us:.0f} µs a "
+          f"collective (all-reduces of 64 MiB and 1 KiB), {allocation.overlap:.0%} of an all-reduce hidden behind a "
           "step (both at once)")  # fmt: skip
     print(f"{'layout':<18}{'roofline img/s':>16}{'measured img/s':>16}{'measured/roofline':>19}")
-    for layout in LAYOUTS:
+    for layout in layouts(world):
         tp = rows[layout]["tp"]
         predicted[layout] = rows[layout]["images_per_gpu_s"]
         measured[layout] = args.batch_size / tp / slowest[layout]  # (the world's images a step, over its ranks)
         print(f"{layout:<18}{predicted[layout]:>16.1f}{measured[layout]:>16.1f}"
               f"{measured[layout] / predicted[layout]:>19.2f}")  # fmt: skip
+    errors = [abs(measured[name] / predicted[name] - 1) for name in predicted]
+    first = max(predicted, key=predicted.get), max(measured, key=measured.get)
+    print(f"largest error {max(errors):.0%} ({sum(e <= 0.25 for e in errors)} of {len(errors)} layouts within 25 %); "
+          f"the roofline ranks first {first[0]}, the runs {first[1]}")  # fmt: skip
     found = disagreements(predicted, measured)
     print("\n".join(f"disagree: {line}" for line in found) or "the roofline and the runs agree within 2x on every pair")
     return predicted, measured
@@ -195,7 +180,7 @@ def main(argv=None) -> int:
     import torch.distributed as dist
     from pipeline_bubble import joined_ranks  # (this folder's: the process group a torchrun launch starts)
 
-    rank, world, device = joined_ranks("plan_vs_runs.py", "2 processes")
+    rank, world, device = joined_ranks("plan_vs_runs.py", "2 or 4 processes")
     seconds = [None] * world
     dist.all_gather_object(seconds, measure(args, rank, world, device))
     dist.destroy_process_group()

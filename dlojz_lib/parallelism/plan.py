@@ -11,7 +11,8 @@ per step, under DDP, FSDP, tensor parallelism with FSDP (2-D), pipeline parallel
   sent inside and across nodes, a roofline step), the ones that fit first, fastest first; `pick_line`,
   `named_layout_line`: what it says.
 - `choose_layout(args)`, `auto_layout(args, allocation)`: dlojz.py's `--layout auto`, the pick made the run's flags.
-What a transformer block of the tensor plan keeps and sends: `dlojz_lib.parallelism.block_figures`. The bytes
+What a transformer block of the tensor plan keeps and sends: `dlojz_lib.parallelism.block_figures`; the bytes
+and collectives a layout sends: `dlojz_lib.parallelism.sends`. The bytes
 held and sent are a run's, to the byte, for 9 layouts (tests/parallelism/test_planner.py); the activations within
 5 % of a CPU forward's in float32; the roofline's step is compared with runs by bench/plan_vs_runs.py.
 """
@@ -27,6 +28,16 @@ from dlojz_lib.parallelism.block_figures import (
     block_sent,
     blocks_activations,
     tensor_plan,
+)
+from dlojz_lib.parallelism.sends import (
+    ddp_collectives,
+    fsdp_bytes_sent,
+    fsdp_collectives,
+    fsdp_units,
+    local_numel,
+    stage_sends,
+    tensor_collectives,
+    whole_copies_bytes_sent,
 )
 from dlojz_lib.settings.layout import Layout
 
@@ -68,17 +79,6 @@ def split_tensors(module) -> list:
     return [3 if id(p) in apart else 1 for p in module.parameters()]
 
 
-def local_numel(shape, kind, tp, replicas):
-    """Elements of one parameter on the largest rank: split 1/tp by the plan, then its dim 0 over the replicas."""
-    shape = list(shape)
-    if kind == "col":
-        shape[0] //= tp
-    elif kind == "row":
-        shape[1] //= tp
-    shape[0] = math.ceil(shape[0] / replicas)
-    return math.prod(shape)
-
-
 def layout_rows(settings, module=None):
     """The rows of `settings`' table, for `module` (its model on the meta device: built here if None)."""
 
@@ -91,7 +91,9 @@ def layout_rows(settings, module=None):
         )
     params = placements(module)
     split = split_tensors(module)
-    gathers = fsdp_gathers(module)
+    units = fsdp_units(module)
+    gathers = [1 if unit is None else 2 for unit in units]
+    whole = any(kind is None for _, kind in params)  # (weights a tensor group holds whole)
     total = sum(math.prod(shape) for shape, _ in params)
     buffers = sum(buffer.numel() * buffer.element_size() for buffer in module.buffers())  # (BatchNorm's statistics)
     shapes = attention_shapes(module, settings.image_size) if planned else []
@@ -120,12 +122,15 @@ def layout_rows(settings, module=None):
             }
             if name == "DDP":  # the gradients' all-reduce, and the buffers broadcast from rank 0 at each forward
                 by_group = {"data": 2 * (gpus - 1) / gpus * 4 * total + (buffers if gpus > 1 else 0)}
+                calls = {"data": ddp_collectives(module, gpus)}
             else:
                 by_group = {"data": fsdp_bytes_sent(params, gathers, tp, replicas, settings.amp_bytes)}
+                calls = {"data": fsdp_collectives(units, 2) if replicas > 1 else 0}
                 if tp > 1:  # the plan's collectives on each block's activations (BLOCK_COLLECTIVES), the whole copies'
                     by_group["tensor"] = whole_copies_bytes_sent(params, tp, replicas) + sum(
                         block_sent(shape, b, tp, settings) for shape in shapes
                     )
+                    calls["tensor"] = tensor_collectives(shapes, 1, settings.sequence_parallel, whole)
             sent = sum(by_group.values())
             out.append(
                 dict(
@@ -139,6 +144,8 @@ def layout_rows(settings, module=None):
                     activations_by_checkpointing=by_mode,
                     sent_bytes_per_step=sent,
                     sent_by_group=by_group,
+                    collectives_by_group=calls,
+                    fsdp_units=len(set(units)),
                     tp=tp,
                     pp=1,
                     spec=Layout(
@@ -149,7 +156,7 @@ def layout_rows(settings, module=None):
                     ),
                 )
             )
-        out += pipeline_rows(settings, module, (params, split), gpus, shapes, state, (rest, outputs))
+        out += pipeline_rows(settings, module, (params, split, units), gpus, shapes, state, (rest, outputs))
     return out, total, planned
 
 
@@ -198,43 +205,16 @@ def layer_figures(module, settings, blocks) -> tuple:
     return kept, outputs
 
 
-def fsdp_gathers(module) -> list:
-    """How many times FSDP gathers each parameter of `module` in a step, as dlojz shards it (fsdp.shard_model): a
-    block's twice (before its forward, and again before its backward: resharded in between), the root's once (kept
-    gathered from its forward to its backward)."""
-    from dlojz_lib.parallelism.fsdp import sharding_units
-
-    in_blocks = {id(p) for unit in sharding_units(module) for p in unit.parameters()}
-    return [2 if id(p) in in_blocks else 1 for p in module.parameters()]
-
-
-def fsdp_bytes_sent(params, gathers, tp, replicas, amp_bytes):
-    """The bytes a rank sends in a step for FSDP over `replicas` ranks (ring algorithms: a rank sends n - 1 times its
-    shard in an all-gather and in a reduce-scatter): each parameter's padded shard (local_numel) gathered `gathers`
-    times in the AMP dtype, its float32 gradient reduce-scattered once."""
-    return sum(
-        (replicas - 1) * local_numel(shape, kind, tp, replicas) * (count * amp_bytes + 4)
-        for (shape, kind), count in zip(params, gathers)
-    )
-
-
-def whole_copies_bytes_sent(params, tp, replicas):
-    """The bytes a rank sends in a step averaging, over its tensor group, the float32 gradients of the weights the
-    group holds whole (tensor.WholeCopies: one all-reduce, a ring's 2 (n - 1) / n of them), FSDP's shards of them."""
-    whole = sum(local_numel(shape, None, tp, replicas) for shape, kind in params if kind is None)
-    return 2 * (tp - 1) / tp * whole * 4
-
-
 def pipeline_rows(settings, module, params, gpus, shapes, state, per_layer):
     """PP p x FSDP d rows: the stages cut by parameters as dlojz_lib/parallelism/pipeline.py cuts them, FSDP over the d
     pipelines; the largest stage's state, and under 1F1B the first stage's activations (min(p, M) micro-batches in
     flight, each of b p / M images, a pipeline taking b images a GPU; with `batch_per_copy` b / M, the pipeline b),
     and each GPU's sends: its stage's output
     forward and its input's gradient backward, for every micro-batch, with FSDP's on its stage. A model without a
-    pipeline split gets none. `params`: (placements', split_tensors'); `per_layer`: layer_figures'."""
+    pipeline split gets none. `params`: (placements', split_tensors', fsdp_units'); `per_layer`: layer_figures'."""
     from dlojz_lib.parallelism.pipeline import layer_sizes, owner, pipeline_layers, stage_bounds
 
-    params, split = params
+    params, split, units = params
     try:
         layers = pipeline_layers(module, settings.arch)
     except UserError:
@@ -253,8 +233,10 @@ def pipeline_rows(settings, module, params, gpus, shapes, state, per_layer):
         local = [0] * pp
         held = [0] * pp
         stage_params = [[] for _ in range(pp)]
+        stage_units = [[] for _ in range(pp)]  # (the FSDP unit of each of its parameters)
         tensors = [0] * pp  # (each rank holds a part of each of its stage's tensors)
-        for stage, (shape, kind), parts in zip(stage_of, params, split):
+        for stage, (shape, kind), parts, unit in zip(stage_of, params, split, units):
+            stage_units[stage].append(unit)
             tensors[stage] += parts if tp > 1 else 1
             local[stage] += local_numel(shape, kind if tp > 1 else None, tp, replicas)
             held[stage] += local_numel(shape, kind if tp > 1 else None, tp, 1)  # the group rank's part
@@ -263,6 +245,7 @@ def pipeline_rows(settings, module, params, gpus, shapes, state, per_layer):
         b = settings.batch_size if settings.batch_per_copy else settings.batch_size * pp  # the pipeline's images
         images = b / m  # a micro-batch (a tensor-parallel group shares it)
         sent = [{"data": 0.0, "pipe": 0.0, "tensor": 0.0} for _ in range(pp)]  # each GPU's sends, by group
+        calls = [dict.fromkeys(sent[0], 0) for _ in range(pp)]  # and the collectives that send them
         stage_blocks = [set() for _ in range(pp)]  # each stage's blocks (their index in `shapes`)
         for index, shape in enumerate(shapes):
             stage = stage_of_layer[owner(shape.path, layers)]
@@ -274,12 +257,13 @@ def pipeline_rows(settings, module, params, gpus, shapes, state, per_layer):
         for stage, (first, last) in enumerate(bounds):  # its input's gradient back, its output on
             ends = [sent_per_image[i] for i in (first - 1, last - 1) if 0 <= i < len(layers) - 1]
             sent[stage]["pipe"] += sum(ends) * b * settings.amp_bytes
-            # FSDP on the stage: the schedule keeps each part gathered from a step's first forward to its last backward
-            ones = [1] * len(stage_params[stage])
-            sent[stage]["data"] += fsdp_bytes_sent(stage_params[stage], ones, tp, replicas, settings.amp_bytes)
-            if tp > 1:
-                sent[stage]["tensor"] += whole_copies_bytes_sent(stage_params[stage], tp, replicas)
-        largest = max(local)
+            calls[stage]["pipe"] = len(ends) * m
+            its = stage_params[stage], stage_units[stage], [shapes[index] for index in sorted(stage_blocks[stage])]
+            its_sent, its_calls = stage_sends(*its, (tp, replicas, m), settings)
+            sent[stage] = {group: sent[stage][group] + its_sent.get(group, 0.0) for group in sent[stage]}
+            calls[stage].update(its_calls)
+        busiest = max(range(pp), key=lambda stage: sum(sent[stage].values()))
+        largest = max(local)  # (the stage holding most)
         rows.append(
             dict(
                 gpus=gpus,
@@ -290,8 +274,9 @@ def pipeline_rows(settings, module, params, gpus, shapes, state, per_layer):
                 optimizer_bytes=max(map(optimizer_bytes, [state] * pp, local, tensors)),
                 activation_bytes=by_mode.get(settings.checkpointing, by_mode["none"]),
                 activations_by_checkpointing=by_mode,
-                sent_bytes_per_step=max(sum(groups.values()) for groups in sent),
-                sent_by_group=max(sent, key=lambda groups: sum(groups.values())),
+                sent_bytes_per_step=sum(sent[busiest].values()),
+                sent_by_group=sent[busiest],
+                collectives_by_group=calls[busiest],
                 tp=tp,
                 pp=pp,
                 bubble=(pp - 1) / (m + pp - 1),
@@ -319,13 +304,17 @@ def pipeline_activations(shapes, stage_blocks, outside, images, m, tp, settings)
 
 # ------------------------------------------------------------------ the planner: which layout for an allocation
 # Jean Zay's GPU partitions, nominal figures (IDRIS's descriptions; each one a flag of `dlojz_lab.py plan`): GPUs a
-# node, memory, dense bfloat16 TFLOP/s, GB/s a GPU sends over NVLink inside its node and over InfiniBand across nodes
+# node, memory, dense bfloat16 TFLOP/s, GB/s a GPU sends over NVLink inside its node and over InfiniBand across nodes;
+# and a collective's latency, inside a node and across (NCCL's small messages, an order of magnitude: `--probe`
+# measures all of them on the allocation itself)
+LATENCIES_US = dict(latency_us=10.0, network_latency_us=25.0)
 GPUS = {
     "h100": dict(
-        gpus_per_node=4, gpu_memory_gib=80.0, tflops=989.0, nvlink_gbs=450.0, network_gbs=50.0, float8_tflops=1979.0
+        gpus_per_node=4, gpu_memory_gib=80.0, tflops=989.0, nvlink_gbs=450.0, network_gbs=50.0, float8_tflops=1979.0,
+        **LATENCIES_US,
     ),
-    "a100": dict(gpus_per_node=8, gpu_memory_gib=80.0, tflops=312.0, nvlink_gbs=300.0, network_gbs=12.5),
-}
+    "a100": dict(gpus_per_node=8, gpu_memory_gib=80.0, tflops=312.0, nvlink_gbs=300.0, network_gbs=12.5, **LATENCIES_US),
+}  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -335,7 +324,7 @@ class Allocation:
     nodes: int
     gpus_per_node: int
     gpu_memory_gib: float
-    tflops: float  # dense bfloat16 TFLOP/s a GPU
+    tflops: float  # dense bfloat16 TFLOP/s a GPU (a data sheet's peak, or what --probe measures at the model's shapes)
     nvlink_gbs: float  # GB/s a GPU sends to the others of its node
     network_gbs: float  # GB/s a GPU sends to other nodes
     float8_tflops: float | None = None  # dense float8 TFLOP/s a GPU (None: no float8, an A100's case)
@@ -344,6 +333,8 @@ class Allocation:
     # hide them all; a CPU rank computing with its cores hides less (bench/plan_vs_runs.py measures it). TP's
     # all-reduces sit between a block's products, which wait for them: never hidden.
     overlap: float = 1.0
+    latency_us: float = 0.0  # a collective's fixed cost inside a node, whatever its size
+    network_latency_us: float = 0.0  # and across nodes
 
     @property
     def gpus(self):
@@ -363,12 +354,14 @@ def hsdp_row(node_fsdp, allocation):
     nodes = allocation.nodes
     across = 2 * (nodes - 1) / nodes * node_fsdp["gradient_bytes"]
     sent = {"shard": node_fsdp["sent_by_group"]["data"], "data": across}
+    calls = {"shard": node_fsdp["collectives_by_group"]["data"], "data": node_fsdp["fsdp_units"] if nodes > 1 else 0}
     return dict(
         node_fsdp,
         gpus=allocation.gpus,
         layout=f"HSDP {nodes} x FSDP {allocation.gpus_per_node}",
         spec=dataclasses.replace(node_fsdp["spec"], replicate=nodes),
         sent_by_group=sent,
+        collectives_by_group=calls,  # (across the replicas: one all-reduce a unit)
         sent_bytes_per_step=sum(sent.values()),
     )
 
@@ -376,7 +369,7 @@ def hsdp_row(node_fsdp, allocation):
 def estimate(row, allocation, settings, flops_per_image) -> dict:
     """`row` with what it needs on the allocation: its bytes a GPU (state and activations), whether they fit, the
     bytes sent inside a node and across nodes, and the roofline's step: the compute at the GPU's peak plus the sends
-    at the links' bandwidths, less what the compute hides of the data and pipeline groups' sends (the allocation's
+    at the links' bandwidths and each collective's latency, less what the compute hides of the data and pipeline groups' sends (the allocation's
     `overlap` share of the shorter of the two; the tensor group's, which its products wait for, never), stretched by
     the pipeline's bubble; and the images a GPU then trains a second. Activations a model family's count leaves
     out (a CNN's) count as 0."""
@@ -391,7 +384,9 @@ def estimate(row, allocation, settings, flops_per_image) -> dict:
         else:
             intra += sent
         link = allocation.network_gbs if across else allocation.nvlink_gbs
-        seconds["waited" if group == "tensor" else "hidden"] += sent / (link * 1e9)
+        latency = allocation.network_latency_us if across else allocation.latency_us
+        calls = row["collectives_by_group"].get(group, 0)
+        seconds["waited" if group == "tensor" else "hidden"] += sent / (link * 1e9) + calls * latency * 1e-6
     # a GPU's share of a step: a tensor group shares its images, and a pipeline where -b is a model copy's
     images = settings.batch_size / row["tp"] / (row["pp"] if settings.batch_per_copy else 1)
     compute = flops_per_image * images / (allocation.tflops * 1e12)

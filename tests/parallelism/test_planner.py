@@ -1,7 +1,9 @@
 """The planner (dlojz_lib/parallelism/plan.py, `dlojz_lab.py plan`, `--layout auto`) against runs: for 7 layouts on 4
 CPU ranks, laid out as dlojz.py lays them out, the bytes of parameters, gradients and optimizer state a rank holds and
-the bytes it sends in a step, by group, are the planner's rows, exactly."""
+the bytes it sends in a step and the collectives that send them, by group (dlojz_lib/parallelism/sends.py), are the
+planner's rows, exactly."""
 
+import re
 import sys
 
 import pytest
@@ -84,11 +86,12 @@ def layouts_on_rank(rank, world, store_path, results, layouts):
                     step(images, labels)
                 optimizer.step()
                 optimizer.zero_grad()
-            sent = {}
+            sent, calls = {}, {}  # the bytes, and the collectives that send them, by group
             for group, count in counted.sent:
                 key = group if isinstance(group, str) else groups.get(group, f"not a mesh group: {sorted(group)}")
                 sent[key] = sent.get(key, 0.0) + count
-            held = state_bytes(model.module, optimizer)
+                calls[key] = calls.get(key, 0) + (count > 0)
+            held = dict(state_bytes(model.module, optimizer), calls=calls)
             held["optimizer_bytes_by"] = {}  # torch's optimizers of the table, one step on the same layout
             for name in TORCH_OPTIMIZERS:
                 other = build_optimizer(name, model.module.parameters(), 0.01, 0.9, 0.0)
@@ -139,10 +142,12 @@ def test_the_planner_s_bytes_held_and_sent_are_a_run_s(tmp_path):
         for name, table in optimizer_rows.items():  # AdamW's and RMSprop's step count a tensor too
             held = max(held["optimizer_bytes_by"][name] for held, _ in ranks)
             assert held == table[layout]["optimizer_bytes"], (layout, name)
-        most = max((sent for _, sent in ranks), key=lambda sent: sum(sent.values()))
+        busiest, most = max(ranks, key=lambda rank: sum(rank[1].values()))  # (the rank that sends most, its bytes)
         expected = {group: sent for group, sent in row["sent_by_group"].items() if sent}
         assert most == pytest.approx(expected, rel=1e-9), layout
         assert sum(most.values()) == pytest.approx(row["sent_bytes_per_step"], rel=1e-9), layout
+        calls = {group: count for group, count in row["collectives_by_group"].items() if count}
+        assert busiest["calls"] == calls, layout  # (its collectives: what each pays a latency for)
 
 
 VIT_S = "timm:vit_small_patch16_224"
@@ -251,7 +256,8 @@ def test_layout_auto_picks_a_pipeline_where_the_run_allows_one():
     from dlojz_lib.parallelism.plan import GPUS, Allocation, auto_layout
     from dlojz_lib.settings.flags import get_args_parser
 
-    allocation = Allocation(1, **dict(GPUS["h100"], gpus_per_node=2, gpu_memory_gib=0.1))
+    # (collectives without latency: at a toy model's microseconds a step, a pipeline's 8 sends would outweigh it)
+    allocation = Allocation(1, **dict(GPUS["h100"], gpus_per_node=2, gpu_memory_gib=0.1, latency_us=0.0))
     argv = ["--arch", ARCH, "--image-size", "32", "--layout", "auto", "-b", "4096", "--device", "cpu"]
     chosen, said = auto_layout(get_args_parser().parse_args(argv), allocation)
     assert said.startswith("--layout auto: PP 2 x FSDP 1 (--fsdp --pp 2; "), said
@@ -292,8 +298,9 @@ def test_the_float8_rows_gather_the_converted_weights_in_a_byte():
 @pytest.mark.multirank
 def test_the_roofline_bench_times_each_layout_beside_its_estimate():
     """bench/plan_vs_runs.py on 2 CPU ranks (timm:test_vit, 32 px): its header names the model, the size, -b, the
-    micro-batches and the timed steps it was given and the FLOP/s and bandwidth it measured; a row for DDP, FSDP,
-    TP 2 and PP 2 with both speeds and their ratio; then its verdict on every pair (named, or all within 2x)."""
+    micro-batches and the timed steps it was given and the FLOP/s, bandwidth and latency it probed; a row for DDP,
+    FSDP, TP 2 and PP 2 with both speeds and their ratio; the largest error and each side's fastest layout; then its
+    verdict on every pair (named, or all within 2x)."""
     import subprocess
 
     from conftest import clean_env
@@ -312,7 +319,12 @@ def test_the_roofline_bench_times_each_layout_beside_its_estimate():
     assert set(rows) == {"DDP", "FSDP", "TP 2 x FSDP 1", "PP 2 x FSDP 1"}, proc.stdout
     for roofline, measured, ratio in ((float(a), float(b), float(c)) for a, b, c in rows.values()):
         assert roofline > 0 and measured > 0 and ratio == pytest.approx(measured / roofline, abs=0.01)
-    verdict = lines[lines.index(next(line for line in lines if line.startswith("PP 2"))) + 1 :]
+    errors = next(line for line in lines if line.startswith("largest error "))
+    assert re.fullmatch(
+        r"largest error \d+% \(\d of 4 layouts within 25 %\); the roofline ranks first (.+), the runs (.+)", errors
+    )
+    assert "µs a collective (all-reduces of 64 MiB and 1 KiB)" in header, header  # (the probe's latency)
+    verdict = lines[lines.index(errors) + 1 :]
     assert (
         verdict
         and all(line.startswith("disagree: ") for line in verdict)
