@@ -30,6 +30,7 @@ import argparse
 import functools
 import json
 import os
+import re
 import signal
 import stat
 import subprocess
@@ -140,13 +141,29 @@ def is_side_output(path, kind) -> bool:
         return False
 
 
+# A run folder's own files (dlojz_lib.checkpoint's names): a checkpoint, its checksum, the `latest` and `best`
+# pointers, the run's args.toml. Resuming reads them; no command replaces one, even with --force.
+RUN_FILE_RE = re.compile(r"^(ckpt_e\d+_s\d+\.(pt|dcp)(\.sha256)?|latest|best|args\.toml)$")
+
+
+def is_run_file(path) -> bool:
+    """Whether `path` is one of a run folder's own files (RUN_FILE_RE) in a folder that holds a run's checkpoint or
+    its args.toml."""
+    path = Path(path)
+    if not RUN_FILE_RE.match(path.name):
+        return False
+    folder = path.parent
+    return (folder / "args.toml").is_file() or any(RUN_FILE_RE.match(p.name) for p in folder.glob("ckpt_e*_s*.*"))
+
+
 def claim_output(path, flag, kind, is_own, inputs=(), force=False, create_folder=True, force_flag="--force"):
     """The rule for every file a dlojz command writes (dlojz.py's side outputs, dlojz_predict.py's CSV,
     dlojz_avg.py's and dlojz_fsdp.py consolidate's checkpoints, dlojz_export.py's files): `path` is a new (or empty)
     file, or an existing regular file that is already `kind` (a phrase: "a dlojz predictions CSV"), as
     `is_own(path)` tells by its content, or any regular file with `force` (the command's --force). Never, even with
     `force`: a folder, anything that is not a regular file (a device node, a pipe, a socket: the atomic rename would
-    replace it), one of the command's `inputs`, or a file inside an input folder that is not the command's own.
+    replace it), a run's own file (is_run_file: a checkpoint, its checksum, latest, best, args.toml), one of the
+    command's `inputs`, or a file inside an input folder that is not the command's own.
     Then check_output_file. UserError naming `flag` otherwise, and `force_flag` where the command has one."""
     path = Path(path)
     if path.is_dir():
@@ -161,6 +178,11 @@ def claim_output(path, flag, kind, is_own, inputs=(), force=False, create_folder
                 fail(f"{flag} {path}: also an input of this command ({given}); give a new path")
             if Path(given).is_dir() and is_inside(path, given) and not is_own(path):  # (its images, its shards)
                 fail(f"{flag} {path}: a file inside {given}, an input of this command; give a path outside it")
+        if is_run_file(path):
+            fail(
+                f"{flag} {path}: a run's own file (a checkpoint, its checksum, latest, best or args.toml), which "
+                "resuming reads: no command replaces it, even with --force; give a path outside the run's files"
+            )
         if path.stat().st_size and not force and not is_own(path):
             fail(
                 f"{flag} {path}: an existing file that is not {kind} (a checkpoint, its checksum, a run's args.toml, "

@@ -252,6 +252,12 @@ def find_checkpoint(logging, eval_only, arch, num_classes, log):
         if saved is None:
             if eval_only:
                 fail(f"--resume auto: no usable checkpoint in {logging.output_dir}")
+            if damaged := ckpt.list_checkpoints(logging.output_dir):  # (a fresh run's would be written over them)
+                fail(
+                    f"--resume auto: every checkpoint in {logging.output_dir} fails its check "
+                    f"({', '.join(path.name for path in damaged)}; the warnings above say why): move them aside to "
+                    "start this run from scratch, or give --resume the path of a good copy"
+                )
             log(f"--resume auto: no checkpoint in {logging.output_dir}, starting from scratch")
             return None, None
     else:

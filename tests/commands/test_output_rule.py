@@ -374,3 +374,28 @@ def test_hpo_storage_is_a_study_s_or_new(small_study, tmp_path, capsys):
 
     sqlite3.connect(tmp_path / "real.db").execute("create table t (x)").connection.commit()
     check_storage(f"sqlite:///{tmp_path / 'real.db'}")
+
+
+@pytest.mark.parametrize(
+    "command", ["dlojz_predict.py", "dlojz_avg.py", "dlojz_fsdp.py consolidate", "dlojz_chrono.py plot"]
+)
+def test_force_never_replaces_a_run_s_own_files(command, trained_run, trace, tiny_data, tmp_path, capsys):
+    """With --force, a command still refuses a run's own files (a checkpoint, its checksum, latest, best,
+    args.toml: what a resume reads) in one line naming the flag, and leaves each untouched: a copy of the run here
+    (dlojz_predict.py --force RUN/ckpt.pt IMAGES -o RUN/ckpt.pt.sha256 once replaced the checksum it had just read)."""
+    run = shutil.copytree(trained_run, tmp_path / "run")
+    image = sorted(Path(tiny_data).rglob("*.JPEG"))[0]
+    main, argv, flag = commands(run, image, trace, tmp_path)[command]
+    checkpoint = sorted(run.glob("ckpt_e*.pt"))[-1]
+    if command == "dlojz_predict.py":  # (the checkpoint read, not the run's folder: the folder's files are inputs)
+        argv = lambda v: [str(checkpoint), str(image), "-o", str(v)]  # noqa: E731
+    own = [checkpoint, checkpoint.with_name(checkpoint.name + ".sha256"), run / "latest", run / "args.toml"]
+    own += [run / "best"] if (run / "best").exists() else []
+    for victim in own:
+        before = state_of(victim)
+        assert status_of(main, [*argv(victim), "--force"]) == 2, victim.name
+        error = capsys.readouterr().err.strip()
+        assert len(error.splitlines()) == 1 and flag in error and str(victim) in error, (victim.name, error)
+        if "an input of this command" not in error:  # (dlojz_avg.py's checkpoint: one it reads)
+            assert "a run's own file" in error and "even with --force" in error, error
+        assert state_of(victim) == before, f"{command} changed {victim.name}"

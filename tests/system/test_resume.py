@@ -276,6 +276,14 @@ def test_resume_auto_with_nothing_to_resume(tiny_data, tmp_path, run_inline):
     assert proc.returncode == 0, proc.stderr
     assert f"--resume auto: no checkpoint in {out}, starting from scratch" in proc.stdout
     assert latest_state(out)["global_step"] == 9
+    # its only checkpoint damaged (a byte appended): refused in one line naming it, never written over by a fresh run
+    (saved,) = out.glob("ckpt_*.pt")
+    saved.write_bytes(damaged := saved.read_bytes() + b"\0")
+    proc = run_inline(*TINY, "--data-root", tiny_data, "--output-dir", out, "--resume", "auto", "-e", "2")
+    assert proc.returncode == 2, proc.stderr
+    refusal = proc.stderr.strip().splitlines()[-1]
+    assert f"error: --resume auto: every checkpoint in {out} fails its check ({saved.name};" in refusal, proc.stderr
+    assert "move them aside" in refusal and saved.read_bytes() == damaged and list(out.glob("ckpt_*.pt")) == [saved]
     proc = run_inline(
         *TINY, "--data-root", tiny_data, "--output-dir", tmp_path / "none", "--resume", "auto", "--eval-only"
     )
