@@ -7,9 +7,9 @@ its report and plot dlojz_lib/observers/chrono_report.py; docs/chronometer.md re
 
 import sys
 
-from dlojz_lib.observers.chrono import Chronometer, EnergyMeter  # noqa: F401  (the course's import)
-
-if __name__ == "__main__":
+if __name__ == "__main__":  # the command: its one door open before torch is imported (a Ctrl-C there: one line)
     from dlojz_lib.observers.chrono_report import main
 
     sys.exit(main())
+
+from dlojz_lib.observers.chrono import Chronometer, EnergyMeter  # noqa: E402, F401  (the course's import)

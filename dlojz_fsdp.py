@@ -12,11 +12,10 @@ import sys
 import warnings
 from pathlib import Path
 
-import torch
-
-import dlojz_lib.checkpoint as ckpt
 from dlojz_lib.checks import OneLineArgumentParser, command
-from dlojz_lib.resume import foreign_record
+
+# torch and what imports it come inside the functions: the command's one door (`command`) is open first, so a
+# Ctrl-C in the seconds torch takes to import is one line, not a traceback
 
 
 def ordinary_model_and_optimizer(saved):
@@ -49,9 +48,11 @@ def ordinary_model_and_optimizer(saved):
 def consolidate(source, target):
     """Write `target`: the ordinary checkpoint (dlojz_lib.checkpoint's .pt) that a run without --fsdp would have
     written at the same point, from the sharded checkpoint folder `source`. One process reads every shard."""
+    import torch
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
+    import dlojz_lib.checkpoint as ckpt
     from dlojz_lib.parallelism.fsdp import set_optimizer_state
 
     source = Path(source)
@@ -110,6 +111,9 @@ def shard(source, target_dir):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
+    import dlojz_lib.checkpoint as ckpt
+    from dlojz_lib.resume import foreign_record
+
     source, target_dir = Path(source), Path(target_dir)
     saved = ckpt.load(source)
     if saved.get("sharded_path"):
@@ -160,6 +164,7 @@ def main(argv=None):
     command.add_argument("source", help="an ordinary checkpoint (ckpt_e*_s*.pt)")
     command.add_argument("target", help="the folder to write it in: the --output-dir of the run that resumes it")
     args = parser.parse_args(argv)
+    import dlojz_lib.checkpoint as ckpt
     from dlojz_lib.checks import check_output_folder, claim_output
 
     if args.command == "shard":

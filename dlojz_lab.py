@@ -38,7 +38,7 @@ from dlojz_lib.lab.sweep import (
     sweep_dir_of,
 )
 from dlojz_lib.optim import OPTIMIZER_TABLE
-from dlojz_lib.settings.flags import COUNT, PIXELS, VALIDATION_METRICS, WHOLE, Number
+from dlojz_lib.settings.flags import COUNT, PIXELS, POSITIVE, VALIDATION_METRICS, WHOLE, Number
 
 
 def sweep_command(args) -> int:
@@ -71,14 +71,21 @@ def compare_command(args) -> int:
 
 
 def plan_command(args) -> int:
+    from dlojz_lib.model.zoo import check_arch, check_input_sizes
     from dlojz_lib.parallelism.plan import GPUS, Allocation, LayoutTable, named_layout_line, pick_line, plan
 
+    check_arch(args.arch)  # (dlojz.py's checks, in its words)
+    check_input_sizes(args.arch, False, [args.image_size])
     microbatches = args.pp_microbatches or (None if args.batch_per_copy else 8)  # (None: 2 p, dlojz.py's)
     settings = LayoutTable(
         args.arch, args.image_size, args.num_classes, args.batch_size, pp_microbatches=microbatches,
         optimizer=args.optimizer, batch_per_copy=args.batch_per_copy,
     )  # fmt: skip
     preset = dict(GPUS[args.gpu])
+    if args.float8_tflops is not None and preset.get("float8_tflops") is None:  # (dlojz.py's --float8 refuses it)
+        fail(
+            f"--float8-tflops: an {args.gpu.upper()} has no float8 (dlojz.py's --float8 needs an H100 or newer); drop it"
+        )
     if args.probe is not None:  # what the job's ranks measure, over the data sheet's
         from dlojz_lib.parallelism.probe import measure_job, probed
 
@@ -138,16 +145,16 @@ def add_plan_parser(sub):
     pl.add_argument("--nodes", type=COUNT, default=1)
     pl.add_argument("--gpu", choices=("h100", "a100"), default="h100", help="the figures below' defaults: Jean Zay's")
     pl.add_argument("--gpus-per-node", type=COUNT, default=None, help="(default: 4 H100s, 8 A100s)")
-    pl.add_argument("--gpu-memory", dest="gpu_memory_gib", type=Number(float, 0), default=None, metavar="GIB")
-    pl.add_argument("--tflops", type=Number(float, 0), default=None, help="dense bfloat16 TFLOP/s a GPU")
+    pl.add_argument("--gpu-memory", dest="gpu_memory_gib", type=POSITIVE, default=None, metavar="GIB")
+    pl.add_argument("--tflops", type=POSITIVE, default=None, help="dense bfloat16 TFLOP/s a GPU")
     pl.add_argument(
         "--float8-tflops",
-        type=Number(float, 0),
+        type=POSITIVE,
         default=None,
         help="dense float8 TFLOP/s a GPU (default: H100's; none on an A100)",
     )
-    pl.add_argument("--nvlink-gbs", type=Number(float, 0), default=None, help="GB/s a GPU sends inside its node")
-    pl.add_argument("--network-gbs", type=Number(float, 0), default=None, help="GB/s a GPU sends across nodes")
+    pl.add_argument("--nvlink-gbs", type=POSITIVE, default=None, help="GB/s a GPU sends inside its node")
+    pl.add_argument("--network-gbs", type=POSITIVE, default=None, help="GB/s a GPU sends across nodes")
     pl.add_argument("--latency-us", type=Number(float, 0), default=None, help="a collective's latency inside a node")
     pl.add_argument("--network-latency-us", type=Number(float, 0), default=None, help="and across nodes")
     pl.add_argument(

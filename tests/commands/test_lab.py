@@ -401,3 +401,58 @@ def test_batch_per_copy_gives_the_planner_dlojz_py_s_meaning_of_b(capsys):
     for row in rows:
         if row["layout"] in per_copy:
             assert per_copy[row["layout"]][1] == f"{row['step_s'] * 1e3:.2f}", row["layout"]
+
+
+def test_ctrl_c_while_a_command_imports_torch_is_one_line(tmp_path):
+    """Ctrl-C in the seconds a command takes to import torch (a torch here whose import raises KeyboardInterrupt):
+    every sibling command run as a script, given flags that reach its work, ends in one line (130, or its one-line
+    refusal of the missing inputs), never a traceback; dlojz_fsdp.py's and dlojz_chrono.py's imported torch before
+    their door was open."""
+    fake = tmp_path / "fake" / "torch"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("raise KeyboardInterrupt\n")
+    env = dict(clean_env(), PYTHONPATH=f"{fake.parent}{os.pathsep}{ROOT}")
+    given = {"dlojz_fsdp.py": ["consolidate", "ckpt_e0001_s000000001.dcp", "out.pt"],
+             "dlojz_chrono.py": ["plot", "trace.json", "-o", "t.png"], "dlojz_lab.py": ["plan", "--arch", "resnet18"],
+             "dlojz_predict.py": ["ckpt.pt", "imgs"], "dlojz_export.py": ["ckpt.pt", "-o", "out"]}  # fmt: skip
+    reached = []
+    for path in sorted(ROOT.glob("dlojz_*.py")):
+        proc = subprocess.run([sys.executable, str(path), *given.get(path.name, [])], capture_output=True, text=True,
+                              cwd=tmp_path, env=env, timeout=120)  # fmt: skip
+        assert "Traceback" not in proc.stderr and proc.returncode in (2, 130), (path.name, proc.stderr[-2000:])
+        assert len(proc.stderr.strip().splitlines()) == 1, (path.name, proc.stderr)
+        if proc.returncode == 130:
+            assert proc.stderr == f"{path.name}: interrupted (Ctrl-C): stopped, nothing half-written left\n"
+            reached.append(path.name)
+    assert {"dlojz_fsdp.py", "dlojz_lab.py", "dlojz_predict.py", "dlojz_export.py"} <= set(reached), reached
+
+
+@pytest.mark.parametrize("flag", ["--tflops", "--float8-tflops", "--nvlink-gbs", "--network-gbs", "--gpu-memory"])
+def test_the_planner_s_speeds_and_memory_are_above_zero(flag, capsys):
+    """0 (a division by it once) and -1 refused in one line naming the flag, exit 2; 1 taken."""
+    for value in ("0", "-1"):
+        with pytest.raises(SystemExit) as exit:
+            dlojz_lab.get_parser().parse_args([*PLANNED, flag, value])
+        err = capsys.readouterr().err.strip()
+        assert exit.value.code == 2 and "\n" not in err and f"argument {flag}: must be > 0" in err, (value, err)
+    assert dlojz_lab.main([*PLANNED, flag, "1"]) in (0, 1)  # (1 GiB a GPU may fit nothing: exit 1, said)
+
+
+def test_the_planner_refuses_what_dlojz_py_refuses_in_its_words(capsys):
+    """A model that cannot take the images (torchvision's ViT-B/16 at 30 px), an unknown model, float8 on an A100
+    (dlojz.py's --float8 refuses it): one line each, exit 2, before any row; the first two in dlojz.py's words."""
+    from dlojz_lib.checks import UserError
+    from dlojz_lib.model.zoo import check_input_sizes
+
+    with pytest.raises(UserError) as dlojz_py_says:
+        check_input_sizes("vit_b_16", False, [30])
+    cases = [
+        (["--arch", "vit_b_16", "--image-size", "30"], str(dlojz_py_says.value)),
+        (["--arch", "vit_b_1"], "--arch vit_b_1: not a torchvision classification model"),
+        (["--arch", "resnet18", "--gpu", "a100", "--float8-tflops", "500"], "--float8-tflops: an A100 has no float8"),
+    ]
+    for argv, said in cases:
+        assert dlojz_lab.main(["plan", *argv]) == 2, argv
+        captured = capsys.readouterr()
+        assert captured.out == "" and captured.err.startswith(f"dlojz_lab.py: error: {said}"), captured.err
+        assert len(captured.err.strip().splitlines()) == 1
