@@ -14,6 +14,10 @@ from pathlib import Path
 
 from dlojz_lib.checks import OneLineArgumentParser, command
 
+# What a run's folder (args.toml, its pointers, its metrics) or a lab sweep's (sweep.json, each run's status.json)
+# holds: shard writes only into a folder of none of them
+RUN_AND_SWEEP_FILES = ("args.toml", "latest", "best", "metrics.json", "sweep.json", "status.json")
+
 # torch and what imports it come inside the functions: the command's one door (`command`) is open first, so a
 # Ctrl-C in the seconds torch takes to import is one line, not a traceback
 
@@ -132,6 +136,17 @@ def shard(source, target_dir):
         )
     if (foreign := foreign_record(target_dir)) is not None:
         raise ckpt.CheckpointError(f"target {target_dir}: {foreign}, and shard would replace it: give a new folder")
+    if ckpt.NAME_RE.match(target_dir.name) or (target_dir / ".metadata").exists():
+        raise ckpt.CheckpointError(
+            f"target {target_dir} is a sharded checkpoint's folder, not a run's: give a new folder, the --output-dir "
+            "of the run that resumes it"
+        )
+    held = [name for name in RUN_AND_SWEEP_FILES if os.path.lexists(target_dir / name)]
+    if held:  # (a run not checkpointed yet, a lab sweep or one of its runs)
+        raise ckpt.CheckpointError(
+            f"target {target_dir} holds a run's or a sweep's files ({', '.join(held)}), which shard would mix with "
+            "the copy's: give a new folder"
+        )
     module, optimizer = ordinary_model_and_optimizer(saved)
     module.load_state_dict(saved["model"])
     optimizer.load_state_dict(saved["optimizer"])

@@ -598,3 +598,43 @@ def test_a_full_disk_leaves_each_side_output_as_it_was(tmp_path, monkeypatch, ca
     append_json_line(history, {"epoch": 2})  # a warning, the run goes on
     assert "not written (No space left on device)" in capsys.readouterr().err
     assert {path: path.read_bytes() for path in tmp_path.iterdir()} == before
+
+
+@pytest.mark.parametrize(
+    "flag", ["--data-root", "--output-dir", "--initial-checkpoint", "--teacher", "--metrics-json", "--val-history",
+             "--resume"]
+)  # fmt: skip
+def test_an_empty_path_is_refused_in_one_line(flag):
+    """`--output-dir ""` once wrote the run into the current folder: an empty (or blank) path is one line naming
+    the flag, before torch."""
+    from dlojz_lib.checks import UserError
+    from dlojz_lib.settings.flag_checks import checked_values
+
+    for value in ("", "  "):
+        with pytest.raises(UserError) as refused:
+            checked_values(["--device", "cpu", flag, value])
+        assert str(refused.value) == f"{flag} is empty: give a path (or leave {flag} out for its default)"
+
+
+def test_a_run_s_settings_record_its_paths_absolute(tmp_path, monkeypatch):
+    """args.toml holds --data-root, --output-dir, --metrics-json and --resume PATH absolute (from the folder the run
+    started in), so `--config RUN/args.toml --resume auto` reads the same folders from anywhere; `--resume auto`
+    stays auto."""
+    import types
+
+    from dlojz_lib.run_record import record_settings
+    from dlojz_lib.settings.config import resolve_config
+    from dlojz_lib.settings.flags import get_args_parser
+    from dlojz_lib.settings.recipe import read_recipe
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "run").mkdir()
+    for resume, recorded in (("ckpt.pt", str(tmp_path / "ckpt.pt")), ("auto", "auto")):
+        argv = ["--device", "cpu", "--data-root", "data", "--output-dir", "run", "--metrics-json", "m.json",
+                "--resume", resume]  # fmt: skip
+        cfg = resolve_config(get_args_parser().parse_args(argv))
+        record_settings(cfg, argv, types.SimpleNamespace(is_main=True), lambda line: None)
+        saved = read_recipe(get_args_parser(), tmp_path / "run" / "args.toml")
+        assert saved["data_root"] == str(tmp_path / "data") and saved["output_dir"] == str(tmp_path / "run")
+        assert saved["metrics_json"] == str(tmp_path / "m.json") and saved["resume"] == recorded
+        assert cfg.output_dir == "run"  # (the run's own settings unchanged)

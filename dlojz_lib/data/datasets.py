@@ -54,20 +54,31 @@ def resolve_data_root(data_root):
 
 
 def written_inside_data(data_root, written):
-    """The line refusing a path a run writes (`written`: {flag: path}) that lies inside the data set it reads (its
-    next scan would take checkpoints and event files for images, or a split's folder for a class), or None."""
+    """The line refusing a path a run writes (`written`: {flag: path}) that lies inside the data set it reads, or
+    in a split of any other (data_set_holding): its next scan would take checkpoints and event files for images,
+    or a split's folder for a class. None where there is none."""
     try:
         root, _ = resolve_data_root(data_root)
     except DataError:
         return None  # (said by the data's own check)
-    if root is None:
-        return None  # the embedded data set, in dlojz's cache
-    for flag, path in written.items():
-        if path is not None and Path(path).resolve().is_relative_to(root.resolve()):
+    for flag, path in written.items():  # (root None: the embedded data set, in dlojz's cache)
+        if path is None:
+            continue
+        inside = root if root is not None and Path(path).resolve().is_relative_to(root.resolve()) else None
+        if (inside := inside or data_set_holding(path)) is not None:
             return (
-                f"{flag} {path} is inside the data set {root} (its next scan would read what the run writes there "
+                f"{flag} {path} is inside the data set {inside} (its next scan would read what the run writes there "
                 "as data): give a folder outside it"
             )
+    return None
+
+
+def data_set_holding(path):
+    """The data set (a folder with train/ and val/, ImageFolder's or ImageNet's layout) whose split `path` lies in,
+    whichever data set it is, or None."""
+    for folder in Path(path).resolve().parents:
+        if folder.name in ("train", "val") and (folder.parent / "train").is_dir() and (folder.parent / "val").is_dir():
+            return folder.parent
     return None
 
 

@@ -411,6 +411,10 @@ def pack(src, dst, shard_size=None, workers=None, log=print):
     all_paths = [path for split in SPLITS for path, _ in samples[split]]
     all_sizes = stat_sizes(all_paths)
     sizes = {"train": all_sizes[: counts["train"]], "val": all_sizes[counts["train"] :]}
+    if empty := [path for path, size in zip(all_paths, all_sizes) if size == 0]:  # (a run fails on reading one)
+        shown = ", ".join(map(str, empty[:3])) + (f" and {len(empty) - 3} more" if len(empty) > 3 else "")
+        log(f"dlojz_pack: WARNING: {len(empty)} empty image file(s) (0 bytes), packed as they are, which a run cannot "
+            f"decode: {shown}; replace or remove them and pack again")  # fmt: skip
     sizes_digest = hashlib.sha256(np.asarray(all_sizes, dtype="<u8").tobytes()).hexdigest()
     plans = {split: plan_split(src, split, classes, samples[split], sizes[split], shard_size) for split in SPLITS}
 

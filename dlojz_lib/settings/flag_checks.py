@@ -277,6 +277,10 @@ def check_speed(values):
 
 def check_run_mode(values):
     """What the run does: train, resume or start over, find the LR, validate a checkpoint, or time the loader."""
+    for flag in ("data_root", "output_dir", "initial_checkpoint", "teacher", "metrics_json", "val_history", "resume"):
+        if values.get(flag) is not None and not str(values[flag]).strip():  # ("": the current folder, silently)
+            name = "--" + flag.replace("_", "-")
+            fail(f"{name} is empty: give a path (or leave {name} out for its default)")
     if values["start_over"] and values["resume"]:
         fail("--start-over trains from scratch, --resume continues a run: give one of them")
     if values["resume"] == "auto" and values["output_dir"] is None and not os.environ.get("SLURM_JOB_ID"):

@@ -124,8 +124,9 @@ def test_without_check_images_and_without_the_run_s_data_is_one_line(run, tmp_pa
 
 
 def test_exports_into_the_run_s_data_set_are_refused(run, tiny_data, tmp_path, capsys):
-    """-o inside the data set the checkpoint's run read (a class folder): one line naming the data root, nothing
-    written there (the run's next scan would read the exports as that class's images)."""
+    """-o inside the data set the checkpoint's run read (a class folder), or another data set's class folder: one
+    line naming the data set, nothing written there (a run's next scan would read the exports as that class's
+    images)."""
     import shutil
 
     import dlojz_lib.checkpoint as ckpt
@@ -141,6 +142,13 @@ def test_exports_into_the_run_s_data_set_are_refused(run, tiny_data, tmp_path, c
     assert status == 2 and error.count("\n") == 1, error
     assert f"-o {inside} is inside the data set {data}" in error and "give a folder outside it" in error, error
     assert sorted(data.rglob("*")) == before
+    other = shutil.copytree(tiny_data, tmp_path / "other")  # a data set the run did not read: its class folder
+    inside = other / "val" / sorted(p.name for p in (other / "val").iterdir())[0]
+    before = sorted(other.rglob("*"))
+    status = dlojz_export.main([str(tmp_path / "ckpt_e0001_s000000009.pt"), "-o", str(inside)])
+    error = capsys.readouterr().err
+    assert status == 2 and f"-o {inside} is inside the data set {other}" in error, error
+    assert sorted(other.rglob("*")) == before
 
 
 @pytest.mark.parametrize("tolerance", ["nan", "inf", "-1"])

@@ -463,3 +463,19 @@ def test_the_reader_survives_pickling_and_dataloader_workers(src, reference):
             got[i] = data
     assert [got[i] for i in range(len(sources))] == sources
     assert split.read_bytes(7) == sources[7] and split._files.pid == os.getpid()  # the parent's own still work
+
+
+def test_an_empty_image_file_is_named_in_one_warning(tmp_path):
+    """A 0-byte JPEG (a copy cut short) is packed as it is, which a run cannot decode: one warning line names it
+    and says what to do; a pack without one has no warning."""
+    root = make_embedded_dataset(tmp_path / "src", n_classes=2, train_per_class=2, val_per_class=1, size=(16, 12))
+    said = []
+    pack(root, tmp_path / "clean", log=said.append)
+    assert not [line for line in said if "WARNING" in line], said
+    empty = root / "train" / sorted(p.name for p in (root / "train").iterdir())[0] / "cut_short.JPEG"
+    empty.write_bytes(b"")
+    said = []
+    pack(root, tmp_path / "packed", log=said.append)
+    warnings = [line for line in said if "WARNING" in line]
+    assert len(warnings) == 1 and str(empty) in warnings[0] and "1 empty image file(s) (0 bytes)" in warnings[0]
+    assert "replace or remove them and pack again" in warnings[0], warnings

@@ -432,8 +432,9 @@ def test_sharded_checkpoints_are_pruned_like_files(tmp_path):
 
 def test_shard_into_a_run_s_folder_or_over_a_file_of_the_user_s_is_one_line(trained_run, tmp_path, capsys):
     """dlojz_fsdp.py shard writes a folder whose `latest` names the sharded copy: into another run's folder (its
-    latest re-pointed) or the source's own (its next --resume auto gone astray), or over a file of the user's named
-    latest, it is refused in one line naming a new folder, and nothing is written."""
+    latest re-pointed) or the source's own (its next --resume auto gone astray), a lab sweep's folder or one of its
+    runs', a sharded checkpoint's own folder, or over a file of the user's named latest, it is refused in one line
+    naming a new folder, and nothing is written."""
     import dlojz_fsdp
 
     source = ckpt.load_latest(trained_run)[1]
@@ -442,8 +443,18 @@ def test_shard_into_a_run_s_folder_or_over_a_file_of_the_user_s_is_one_line(trai
     mine = tmp_path / "mine"
     mine.mkdir()
     (mine / "latest").write_text("my notes\n")
+    sweep_run = tmp_path / "sweep" / "batch-size=4"  # (a lab sweep's run not checkpointed yet)
+    sweep_run.mkdir(parents=True)
+    (sweep_run / "status.json").write_text('{"state": "running"}')
+    (sweep_run.parent / "sweep.json").write_text("{}")
+    sharded = tmp_path / "ckpt_e0001_s000000009.dcp"
+    sharded.mkdir()
+    (sharded / ".metadata").write_bytes(b"not read")
     cases = (
         (source, other, f"target {other} is a run's folder (its checkpoint {source.name})"),
+        (source, sweep_run, f"target {sweep_run} holds a run's or a sweep's files (status.json)"),
+        (source, sweep_run.parent, f"target {sweep_run.parent} holds a run's or a sweep's files (sweep.json)"),
+        (source, sharded, f"target {sharded} is a sharded checkpoint's folder, not a run's"),
         (own / source.name, own, f"target {own} is the source's own folder (its checkpoint {source.name})"),
         (source, mine, f"target {mine}: {mine / 'latest'} is not dlojz's"),
     )
