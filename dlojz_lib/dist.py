@@ -517,6 +517,10 @@ def setup_distributed(cfg):
         )
     layout = cfg.parallelism
     if layout.tp > 1 or layout.pp > 1 or layout.replicate > 1:
+        if (problem := model_copy_problem(ranks.world_size, layout.pp, layout.tp, layout.replicate)) is not None:
+            from dlojz_lib.settings.config import set_in_recipe
+
+            fail(set_in_recipe(problem, cfg.config))  # (a run's args.toml read back on fewer ranks)
         model_parallel_mesh(ranks, layout.pp, layout.tp, layout.replicate)
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)

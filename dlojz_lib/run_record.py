@@ -57,7 +57,9 @@ def record_settings(cfg, argv, ranks, log):
         path = Path(cfg.output_dir) / ARGS_FILE
         command = " ".join(sys.argv[1:] if argv is None else argv)
         header = [f"dlojz.py {command}", time.strftime("%Y-%m-%d %H:%M:%S"), "paths recorded absolute"]
-        write_text(path, recipe_text(absolute_paths(cfg), get_args_parser(), header=header))
+        paths = {name: getattr(cfg, name, None) for name in (*PATH_FIELDS, "resume")}
+        recorded = dataclasses.replace(cfg, **absolute_paths(paths))
+        write_text(path, recipe_text(recorded, get_args_parser(), header=header))
         log(f"arguments: {path} (dlojz.py --config FILE runs them again)")
 
 
@@ -66,20 +68,16 @@ def record_settings(cfg, argv, ranks, log):
 PATH_FIELDS = ("data_root", "output_dir", "initial_checkpoint", "teacher", "metrics_json", "val_history")
 
 
-def absolute_paths(cfg):
-    """`cfg` with each relative path of PATH_FIELDS made absolute (from the folder the run started in); `--resume`'s
-    path too (not `auto`)."""
-    import dataclasses
+def absolute_paths(paths: dict) -> dict:
+    """Of `paths` ({field: value} of PATH_FIELDS and resume), each relative one made absolute (from the folder the
+    run started in); `--resume auto` stays auto."""
     import os
 
-    changes = {
+    return {
         name: os.path.abspath(value)
-        for name in PATH_FIELDS
-        if isinstance(value := getattr(cfg, name, None), str) and value and not os.path.isabs(value)
+        for name, value in paths.items()
+        if isinstance(value, str) and value and value != "auto" and not os.path.isabs(value)
     }
-    if cfg.resume and cfg.resume != "auto" and not os.path.isabs(cfg.resume):
-        changes["resume"] = os.path.abspath(cfg.resume)
-    return dataclasses.replace(cfg, **changes)
 
 
 def initial_metrics(batch_size, grad_acc, compute_dtype, ranks) -> dict:

@@ -382,14 +382,21 @@ def _ready_dst(dst, src_abs, manifest, digests, log):
     return manifest
 
 
+def warn_of_empty_files(paths, sizes, log):
+    """One warning naming the 0-byte files among `paths` (a copy cut short), which a run cannot decode."""
+    if empty := [path for path, size in zip(paths, sizes) if size == 0]:
+        shown = ", ".join(map(str, empty[:3])) + (f" and {len(empty) - 3} more" if len(empty) > 3 else "")
+        log(f"dlojz_pack: WARNING: {len(empty)} empty image file(s) (0 bytes), packed as they are, which a run cannot "
+            f"decode: {shown}; replace or remove them and pack again")  # fmt: skip
+
+
 def pack(src, dst, shard_size=None, workers=None, log=print):
     """Pack SRC into DST (see the module's docstring). `shard_size`: bytes or a string such as '1GB'; None for 1 GB,
     or the size of the interrupted pack being finished. Returns a summary dict."""
     t_start = time.monotonic()
     requested, workers = _checked_options(shard_size, workers)
     src, dst = Path(src), Path(dst)
-    layout, classes, samples = list_source(src)
-    src_abs = src.resolve()
+    (layout, classes, samples), src_abs = list_source(src), src.resolve()
     manifest = _inspect_dst(dst, src_abs, [(src_abs / s).resolve() for s in SPLITS])
     listing = listing_digest(src, classes, samples)
     counts = {split: len(samples[split]) for split in SPLITS}
@@ -411,10 +418,7 @@ def pack(src, dst, shard_size=None, workers=None, log=print):
     all_paths = [path for split in SPLITS for path, _ in samples[split]]
     all_sizes = stat_sizes(all_paths)
     sizes = {"train": all_sizes[: counts["train"]], "val": all_sizes[counts["train"] :]}
-    if empty := [path for path, size in zip(all_paths, all_sizes) if size == 0]:  # (a run fails on reading one)
-        shown = ", ".join(map(str, empty[:3])) + (f" and {len(empty) - 3} more" if len(empty) > 3 else "")
-        log(f"dlojz_pack: WARNING: {len(empty)} empty image file(s) (0 bytes), packed as they are, which a run cannot "
-            f"decode: {shown}; replace or remove them and pack again")  # fmt: skip
+    warn_of_empty_files(all_paths, all_sizes, log)
     sizes_digest = hashlib.sha256(np.asarray(all_sizes, dtype="<u8").tobytes()).hexdigest()
     plans = {split: plan_split(src, split, classes, samples[split], sizes[split], shard_size) for split in SPLITS}
 

@@ -607,3 +607,20 @@ def check_autocast(device, dtype):
             conv(torch.randn(1, 3, 8, 8, device=device)).float().sum().backward()
     except RuntimeError as err:
         fail(f"--amp-dtype {str(dtype).split('.')[-1]} cannot run on {device.type}: {str(err).splitlines()[0]}")
+
+
+def set_in_recipe(message, configs) -> str:
+    """`message` (a refusal) with the recipe file among `configs` (--config's, in order) that set a layout flag it
+    names, where one did (the last: a later file's key wins): `--tp 2` read back from a run's args.toml."""
+    import re
+
+    from dlojz_lib.settings.recipe import read_recipe
+
+    parser = get_args_parser()
+    for config in reversed(configs or ()):
+        keys = read_recipe(parser, config)
+        for dest in keys:
+            flag = "--" + dest.replace("_", "-")
+            if re.search(re.escape(flag) + r"(?![\w-])", message):
+                return f"{message} ({flag} is set by --config {config}: change it there, or give it here)"
+    return message

@@ -147,8 +147,18 @@ class FlagGroup(argparse._ArgumentGroup):
         return action
 
 
+def turns_a_feature_on(action) -> bool:
+    """Whether a row of the flag table is a feature its value turns on: a flag that takes a value, off (None) by
+    default, its help giving no default that fills None in (a profile's, one worked out from other flags)."""
+    switch = isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction, argparse.BooleanOptionalAction))
+    named = action.option_strings and action.option_strings[-1].startswith("--")
+    said = (action.help or "").replace("\n", " ")
+    filled = ("default" in said and "default: off" not in said) or action.dest in ("help", "config")
+    return bool(named) and not switch and action.default is None and not filled and action.help != argparse.SUPPRESS
+
+
 def clearable_flags(parser) -> list:
-    """The dests of the flags a row marks `clearable`."""
+    """The dests of the flags with a --no- form: the rows marked `clearable`, and those that turn a feature on."""
     return [action.dest for action in parser._actions if getattr(action, "clearable", False)]
 
 
@@ -751,6 +761,7 @@ def get_args_parser():
         nargs="?",
         const="",
         default=None,
+        clearable=True,
         metavar="DIR",
         help="also log W&B's scalars as TensorBoard event files (torch's SummaryWriter), rank 0: in DIR\n"
         "(default: the output folder's tensorboard/); a resumed run appends there",
@@ -1180,9 +1191,11 @@ def get_args_parser():
     )
     p.add_argument("--wandb-group", default=None, help="W&B group of the run (dlojz_hpo.py: the study)")
     # A feature a recipe turns on, turned off again from the command line: --no-FLAG (not listed in --help: the
-    # --config help says it once).
+    # --config help says it once), for the rows marked clearable and every flag whose value turns a feature on
+    # (turns_a_feature_on: read from the table).
     for action in list(parser._actions):
-        if getattr(action, "clearable", False):
+        action.clearable = getattr(action, "clearable", False) or turns_a_feature_on(action)
+        if action.clearable:
             name = action.option_strings[-1].removeprefix("--")
             parser.add_argument(
                 f"--no-{name}", dest=action.dest, action="store_const", const=None, help=argparse.SUPPRESS

@@ -164,6 +164,9 @@ def check_layout(values):
 def layout_problems(values):
     """Each problem of the layout flags with the run's other flags (a dict of values), as the line that says it:
     the tensor group's, the pipeline's, the sharding's."""
+    if values["layout"] == "auto":
+        yield from auto_layout_problems(values)
+        return
     tp = values["tp"]
     if tp > 1 and not values["fsdp"]:
         # FSDP2 over the data dimension is PyTorch's way to replicate a model whose parameters are DTensors
@@ -181,8 +184,39 @@ def layout_problems(values):
     yield from sharding_problems(values)
 
 
+# What --layout auto chooses, what it takes from the run, said in each of its refusals
+AUTO_CHOOSES = "--layout auto chooses --fsdp, --fsdp-replicate, --tp and --pp (it takes -b, --pp-microbatches and --activation-checkpointing from the run)"
+
+
+def auto_layout_problems(values):
+    """--layout auto beside the flags it chooses (each its own to set), and beside those that only say how a chosen
+    layout runs (--sequence-parallel, --fsdp-offload, a pipeline's schedule...), which it may not choose: the line
+    says what it chooses and takes. The other layout rules apply to the layout it picks (Layout.problems)."""
+    chosen = {"--fsdp": values["fsdp"], "--tp": values["tp"] > 1, "--pp": values["pp"] > 1,
+              "--fsdp-replicate": values["fsdp_replicate"] > 1}  # fmt: skip
+    if any(chosen.values()):
+        given = " and ".join(flag for flag, on in chosen.items() if on)
+        yield f"{AUTO_CHOOSES}: drop {given}, or --layout auto and give the layout yourself"
+    dependent = {
+        "--sequence-parallel": values["sequence_parallel"],
+        "--check-replicas": values["check_replicas"],
+        "--fsdp-offload": values["fsdp_offload"],
+        "--fsdp-reshard-after-forward/--no-fsdp-reshard-after-forward": values["fsdp_reshard_after_forward"]
+        is not None,
+        "--pp-schedule": values["pp_schedule"] != "1f1b",
+        "--pp-stages-per-rank": values["pp_stages_per_rank"] is not None,
+        "--pp-split": values["pp_split"] != "params",
+    }
+    for flag, given in dependent.items():
+        if given:
+            yield (
+                f"{flag} says how a layout runs that --layout auto may not choose; {AUTO_CHOOSES}: drop {flag}, or "
+                "--layout auto and give the layout yourself"
+            )
+
+
 def sharding_problems(values):
-    """--fsdp's own flags, each with --fsdp; --layout auto beside a layout flag; --float8 with --fsdp or alone;
+    """--fsdp's own flags, each with --fsdp; --float8 with --fsdp or alone;
     --fsdp-replicate's replicas out of the ranks the launcher gives (a single process is told at start-up)."""
     own = {
         "--fsdp-reshard-after-forward/--no-fsdp-reshard-after-forward": values["fsdp_reshard_after_forward"]
@@ -193,12 +227,6 @@ def sharding_problems(values):
     for flag, given in own.items():
         if given and not values["fsdp"]:
             yield f"{flag} without --fsdp: it says how --fsdp shards; add --fsdp"
-    if values["layout"] == "auto":
-        chosen = {"--fsdp": values["fsdp"], "--tp": values["tp"] > 1, "--pp": values["pp"] > 1,
-                  "--fsdp-replicate": values["fsdp_replicate"] > 1}  # fmt: skip
-        if any(chosen.values()):
-            given = " and ".join(flag for flag, on in chosen.items() if on)
-            yield f"--layout auto chooses {given} itself: drop {given}, or --layout auto"
     for flag, given in ((f"--tp {values['tp']}", values["tp"] > 1), (f"--pp {values['pp']}", values["pp"] > 1)):
         if given and values["float8"] is not None:  # torchao's float8 styles and stages: not applied here yet
             yield (

@@ -643,4 +643,5 @@ def test_layout_auto_runs_the_layout_the_planner_picks(tiny_data, tmp_path):
     found = (metrics["parallel"], metrics["tensor_parallel_size"], metrics["pipeline_size"])
     assert found == laid_out[picked], (line, metrics)
     refused = run_dlojz(*common, "--layout", "auto", "--fsdp", "--output-dir", tmp_path / "again")
-    assert_one_line_error(refused, "--layout auto chooses --fsdp itself: drop --fsdp, or --layout auto")
+    assert_one_line_error(refused, "--layout auto chooses --fsdp, --fsdp-replicate, --tp and --pp (it takes -b, ")
+    assert "drop --fsdp, or --layout auto and give the layout yourself" in refused.stderr, refused.stderr

@@ -107,3 +107,30 @@ def test_the_rules_are_problems_the_run_refuses_and_the_planner_reads():
 def test_the_layout_record_imports_no_torch():
     code = "import sys, dlojz_lib.settings.layout; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=clean_env(), check=True, timeout=60)
+
+
+@pytest.mark.parametrize(
+    "flags, named",
+    [
+        (["--fsdp-replicate", "2"], "drop --fsdp-replicate"),
+        (["--tp", "2"], "drop --tp"),
+        (["--pp", "2"], "drop --pp"),
+        (["--fsdp", "--tp", "2"], "drop --fsdp and --tp"),
+        (["--fsdp-offload"], "--fsdp-offload says how a layout runs that --layout auto may not choose"),
+        (["--sequence-parallel"], "--sequence-parallel says how a layout runs"),
+        (["--check-replicas", "10"], "--check-replicas says how a layout runs"),
+        (["--pp-schedule", "interleaved"], "--pp-schedule says how a layout runs"),
+    ],
+)
+def test_a_layout_flag_beside_layout_auto_says_how_it_goes_with_it(flags, named):
+    """Each layout flag beside --layout auto is one line saying what --layout auto chooses and takes (never "add
+    --fsdp", which --layout auto then refuses); --pp-microbatches, which it takes, is no refusal."""
+    from dlojz_lib.settings.flag_checks import checked_values
+    from dlojz_lib.settings.layout import check_layout
+
+    with pytest.raises(UserError) as refused:
+        check_layout(checked_values(["--device", "cpu", "--layout", "auto", *flags]))
+    said = str(refused.value)
+    assert named in said and "--layout auto chooses --fsdp, --fsdp-replicate, --tp and --pp" in said, said
+    assert "add --fsdp" not in said and "or --layout auto and give the layout yourself" in said, said
+    check_layout(checked_values(["--device", "cpu", "--layout", "auto", "--pp-microbatches", "4"]))

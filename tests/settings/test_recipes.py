@@ -1,6 +1,7 @@
 """Recipe files (--config FILE.toml): precedence (command line > file > defaults and profile), one-line errors
 naming the file and the key, and every recipe shipped in recipes/ parses and starts."""
 
+import argparse
 import math
 
 import pytest
@@ -446,7 +447,8 @@ def test_no_warm_up_on_the_command_line_leaves_a_recipe_s_warm_up_shape_out(tmp_
 
 def test_a_recipe_s_feature_is_cleared_with_its_no_form(tmp_path):
     """--randaugment, --ra-reps, --lr-milestones, --lr-step-size and the others a recipe sets: --no-FLAG turns each
-    off (its value None, as without the recipe)."""
+    off (its value None, as without the recipe); every flag off by default that a value turns on has one
+    (--no-float8, --no-layout, --no-dali-cache: generated from the flag table), a flag with a default (--lr) none."""
     from dlojz_lib.settings.flags import clearable_flags
 
     path = recipe(tmp_path, "randaugment = [2, 9]\nra-reps = 3\nlr-scheduler = 'step'\nlr-milestones = [2]\n"
@@ -456,10 +458,16 @@ def test_a_recipe_s_feature_is_cleared_with_its_no_form(tmp_path):
     cfg = resolve("--config", path, "--no-randaugment", "--no-ra-reps", "--no-lr-milestones", "--no-drop-path")
     assert (cfg.randaugment, cfg.ra_reps, cfg.lr_milestones, cfg.drop_path) == (None, None, None, None)
     parser = get_args_parser()
-    clearable = clearable_flags(parser)  # the rows marked clearable=True
-    assert len(clearable) == 34 and {"ra_reps", "norm_wd", "bias_wd", "checkpoint_every", "timm_augment"} <= {
-        *clearable
-    }
+    clearable = clearable_flags(parser)  # the rows marked clearable=True, and every flag that turns a feature on
+    assert {"ra_reps", "norm_wd", "bias_wd", "checkpoint_every", "timm_augment", "float8", "layout", "dali_cache",
+            "tensorboard", "teacher", "resume", "metrics_json"} <= {*clearable}  # fmt: skip
+    off_by_default = [  # a value flag off (None) unless given, its help naming no default that fills it in
+        action.dest for action in parser._actions
+        if action.option_strings and action.default is None and action.nargs != 0 and action.help != argparse.SUPPRESS
+        and not isinstance(action, argparse.BooleanOptionalAction) and action.dest != "config"
+        and ("default" not in action.help.replace("\n", " ") or "default: off" in action.help.replace("\n", " "))
+    ]  # fmt: skip
+    assert off_by_default and set(off_by_default) <= set(clearable), sorted(set(off_by_default) - set(clearable))
     assert all(parser.parse_args([f"--no-{dest.replace('_', '-')}"]).__dict__[dest] is None for dest in clearable)
     with pytest.raises(SystemExit):  # a flag not marked has no --no- form
         parser.parse_args(["--no-lr"])
@@ -502,3 +510,17 @@ def test_the_race_headers_say_the_epochs_the_resolution_changes(name):
     ramp = [values[key] for key in ("min_res", "max_res", "start_ramp", "end_ramp", "res_step")]
     sizes = [resolution_at(epoch, *ramp) for epoch in range(values["epochs"])]
     assert sizes.index(192) == first_high and sizes[last_low] == 160 and first_high == last_low + 1
+
+
+def test_a_layout_refused_on_fewer_ranks_names_the_recipe_that_set_it(tmp_path, run_inline):
+    """--tp 2 read back from a run's args.toml on one process: the refusal names the file that set it, as the other
+    recipe refusals do; the same for --fsdp-replicate."""
+    for key, flag in (("tp = 2", "--tp"), ("fsdp-replicate = 2", "--fsdp-replicate")):
+        path = tmp_path / f"{flag[2:]}.toml"
+        path.write_text(f"fsdp = true\n{key}\n")
+        proc = run_inline("--device", "cpu", "--synthetic", "--arch", "timm:test_vit", "--image-size", "32",
+                          "--test", "--test-nsteps", "1", "--no-wandb", "--config", path,
+                          "--output-dir", tmp_path / flag[2:])  # fmt: skip
+        assert proc.returncode == 2, proc.stderr
+        line = proc.stderr.strip().splitlines()[-1]
+        assert f"({flag} is set by --config {path}: change it there, or give it here)" in line, line

@@ -350,13 +350,18 @@ def test_unwritable_output_dir(tiny_data, tmp_path, run_inline):
 
 
 def test_nan_loss_stops_with_step_and_keeps_checkpoint(tiny_data, tmp_path, trained_checkpoint):
+    import dlojz_lib.checkpoint as ckpt
+
     out = tmp_path / "run"
     out.mkdir()
-    shutil.copy(trained_checkpoint, out / trained_checkpoint.name)
+    # The trained checkpoint resumed with its schedule's learning rates at 1e30: the loss is not finite at once.
+    saved = ckpt.load(trained_checkpoint)
+    for group in saved["optimizer"]["param_groups"]:
+        group.update({key: 1e30 for key in ("lr", "initial_lr", "max_lr", "min_lr") if key in group})
+    ckpt.write(saved, out / trained_checkpoint.name)  # (with its checksum)
     (out / "latest").write_text(trained_checkpoint.name + "\n")
     before = (out / trained_checkpoint.name).read_bytes()
-    # Resumed for one more epoch, on a schedule rebuilt for 2 epochs with --lr 1e30: the loss is not finite at once.
-    flags = ["-b", "8", "--lr", "1e30", "--epochs", "2", "--no-wandb", "--output-dir", out, "--resume", "auto"]
+    flags = ["-b", "8", "--epochs", "2", "--no-wandb", "--output-dir", out, "--resume", "auto"]
     proc = run_dlojz(*SMALL, "--data-root", tiny_data, *flags)
     assert_one_line_error(proc, "not finite", "at step", trained_checkpoint.name, status=3)
     assert (out / trained_checkpoint.name).read_bytes() == before
