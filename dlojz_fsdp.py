@@ -60,7 +60,7 @@ def consolidate(source, target):
     from dlojz_lib.parallelism.fsdp import set_optimizer_state
 
     source = Path(source)
-    if source.is_dir() and not ckpt.NAME_RE.match(source.name):  # a run's folder: name its sharded checkpoints
+    if source.is_dir() and not ckpt.is_sharded_folder(source):  # a run's folder: name its sharded checkpoints
         found = [path for path in ckpt.list_checkpoints(source) if path.suffix == ".dcp"]
         raise ckpt.CheckpointError(
             f"{source} is a run's folder, not a sharded checkpoint: "

@@ -219,6 +219,14 @@ def _point_latest_and_prune(output_dir, name, keep, best=False):
                     checksum_path(old).unlink(missing_ok=True)
 
 
+def is_sharded_folder(path) -> bool:
+    """Whether the folder `path` is a sharded checkpoint, by its name (ckpt_e*_s*.dcp, any *.dcp, an unfinished
+    *.dcp.tmp) or its contents (a copy under another name: DCP's .metadata, or dlojz's SHARDED_META)."""
+    path = Path(path)
+    named = NAME_RE.match(path.name) or path.name.endswith((".dcp", ".dcp.tmp"))
+    return bool(named) or (path / ".metadata").exists() or (path / SHARDED_META).exists()
+
+
 def check_shards(path):
     """Raise CheckpointError unless the sharded checkpoint folder `path` has its metadata and every shard file
     it lists, long enough for every piece it holds."""
@@ -254,7 +262,7 @@ def load(path):
             f"checkpoint: give {path.parent / named if named else 'a checkpoint file'}, or --resume auto "
             f"--output-dir {path.parent}"
         )
-    if path.is_dir() and not NAME_RE.match(path.name):  # not a sharded checkpoint (ckpt_e*_s*.dcp): a run's folder?
+    if path.is_dir() and not is_sharded_folder(path):  # not a sharded checkpoint, by name or contents: a run's folder?
         found = list_checkpoints(path)
         raise CheckpointError(
             f"checkpoint {path} is a folder, not a checkpoint: "
@@ -265,7 +273,17 @@ def load(path):
             )
         )
     if path.is_dir():
+        if path.name.endswith(".tmp"):
+            raise CheckpointError(
+                f"checkpoint {path}: an unfinished write (a sharded checkpoint's folder while it is written: its run "
+                "or command stopped before the rename); give the run's previous checkpoint, or --resume auto"
+            )
         check_shards(path)
+        if not (path / SHARDED_META).is_file():
+            raise CheckpointError(
+                f"checkpoint {path}: its {SHARDED_META} (the run's state beside the shards) is missing: it was not "
+                "written completely, or not by dlojz"
+            )
         state = load(path / SHARDED_META)
         state["sharded_path"] = str(path)
         return state

@@ -645,3 +645,35 @@ def test_layout_auto_runs_the_layout_the_planner_picks(tiny_data, tmp_path):
     refused = run_dlojz(*common, "--layout", "auto", "--fsdp", "--output-dir", tmp_path / "again")
     assert_one_line_error(refused, "--layout auto chooses --fsdp, --fsdp-replicate, --tp and --pp (it takes -b, ")
     assert "drop --fsdp, or --layout auto and give the layout yourself" in refused.stderr, refused.stderr
+
+
+def test_a_sharded_checkpoint_is_known_by_its_contents_and_its_damage_said(tmp_path):
+    """A sharded checkpoint copied under another name (final.dcp, a folder "copy") loads as one; a damaged one says
+    what is wrong (a shard missing or truncated, a .metadata that is not DCP's, dlojz.pt missing, an unfinished
+    .dcp.tmp), never "is a folder, not a checkpoint"; a run's folder still is one."""
+    import os
+    import shutil
+
+    good = write_sharded(tmp_path / "run", 1, 10, 1.0)
+    for name in ("final.dcp", "copy"):
+        state = ckpt.load(shutil.copytree(good, tmp_path / name))
+        assert state["global_step"] == 10 and state["sharded_path"] == str(tmp_path / name)
+
+    def damaged(name, harm):
+        folder = shutil.copytree(good, tmp_path / name)
+        harm(folder)
+        with pytest.raises(ckpt.CheckpointError) as refused:
+            ckpt.load(folder)
+        assert "is a folder, not a checkpoint" not in str(refused.value)
+        return str(refused.value)
+
+    assert "shard file" in damaged("missing", lambda f: next(f.glob("*.distcp")).unlink())
+    truncated = damaged("truncated", lambda f: next(f.glob("*.distcp")).write_bytes(b"\0" * 10))
+    assert "is missing or truncated" in truncated, truncated
+    assert "no readable shard metadata" in damaged("random", lambda f: (f / ".metadata").write_bytes(os.urandom(64)))
+    assert f"its {ckpt.SHARDED_META} (the run's state beside the shards) is missing" in damaged(
+        "no_state", lambda f: (f / ckpt.SHARDED_META).unlink()
+    )
+    assert "an unfinished write" in damaged(".ckpt_e0002_s000000020.dcp.tmp", lambda f: None)
+    with pytest.raises(ckpt.CheckpointError, match="is a folder, not a checkpoint: its newest is"):
+        ckpt.load(tmp_path / "run")
