@@ -270,7 +270,7 @@ def read_text(path, what, fix):
     except OSError as err:  # gone or unreadable since the check
         fail(f"{what} {path}: cannot be read ({err.strerror or err}); {fix}")
     try:
-        return data.decode("utf-8")
+        return data.decode("utf-8-sig")  # (a byte-order mark, which some editors write first, left out)
     except UnicodeDecodeError as err:
         fail(f"{what} {path}: not a text file (byte 0x{data[err.start]:02x} at offset {err.start} is not UTF-8); {fix}")
 

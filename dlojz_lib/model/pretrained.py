@@ -273,6 +273,11 @@ def load_initial_weights(module, path, num_classes, what="--initial-checkpoint",
                 f"{what} {path}: {key} is {str(value.dtype).removeprefix('torch.')} there, not floating point "
                 "(quantised weights?): give the floating-point weights to train from"
             )
+        if value.is_floating_point() and not bool(value.isfinite().all()):  # (else the loss, and --lr, is blamed)
+            raise UserError(
+                f"{what} {path}: {key} holds NaN or infinite values (weights saved after a diverged step?): give "
+                "weights from before it"
+            )
         loaded[key] = value
     untracked = [key for key in own if key.endswith(".num_batches_tracked") and key not in loaded]
     missing = [key for key in own if key not in loaded and key not in new and key not in untracked]

@@ -263,7 +263,9 @@ def get_args_parser():
         default="resnet50",
         help="any torchvision classification model name, or timm:NAME\nfor any timm model (default: resnet50)",
     )
-    p.add_argument("--seed", type=Number(int, 0, 2**32 - 1), default=123, help="random seed (default: 123)")
+    p.add_argument(
+        "--seed", type=Number(int, 0, 2**31 - 1), default=123, help="random seed, 0 to 2,147,483,647 (default: 123)"
+    )
     p.add_argument(
         "--deterministic",
         action=argparse.BooleanOptionalAction,

@@ -367,6 +367,17 @@ def test_quantised_weights_are_one_line(tmp_path):
         model_from(tmp_path / "int8.pth")
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_weights_that_are_not_finite_are_one_line_naming_the_file(tmp_path, bad):
+    """A NaN (weights saved after a diverged step) once trained and was blamed on --lr: one line naming the file
+    and the tensor, before any step."""
+    saved = imagenet_resnet18()
+    saved["layer1.0.conv1.weight"][0, 0, 0, 0] = bad
+    torch.save(saved, tmp_path / "diverged.pth")
+    with pytest.raises(UserError, match=r"diverged\.pth: layer1\.0\.conv1\.weight holds NaN or infinite values"):
+        model_from(tmp_path / "diverged.pth")
+
+
 def test_a_damaged_cache_file_is_named_by_pretrained_with_what_to_do(tmp_path, monkeypatch):
     """The user gave --pretrained, not --initial-checkpoint: the error names the flag they gave and says how to
     get the file back."""

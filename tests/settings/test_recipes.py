@@ -524,3 +524,11 @@ def test_a_layout_refused_on_fewer_ranks_names_the_recipe_that_set_it(tmp_path, 
         assert proc.returncode == 2, proc.stderr
         line = proc.stderr.strip().splitlines()[-1]
         assert f"({flag} is set by --config {path}: change it there, or give it here)" in line, line
+
+
+def test_a_recipe_written_with_a_byte_order_mark_is_read(tmp_path):
+    """An editor's UTF-8 byte-order mark before the first key was "not valid TOML" at column 1: it is left out."""
+    path = tmp_path / "bom.toml"
+    path.write_bytes(b"\xef\xbb\xbf" + b"lr = 0.5\nlabel-smoothing = 0.1\n")
+    cfg = resolve("--config", path)
+    assert (cfg.lr, cfg.label_smoothing) == (0.5, 0.1)
