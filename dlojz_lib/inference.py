@@ -182,10 +182,27 @@ def image_files(paths) -> list[str]:
         elif given.is_file():
             found.append(str(given))
         else:
-            fail(f"{given}: no such file or folder")
+            fail(f"{given}: {what_is_not_there(given)}")
     if not found:
         fail(f"no images in {', '.join(map(str, paths))} (looked for {', '.join(IMAGE_SUFFIXES)}, in sub-folders too)")
     return list(dict.fromkeys(found))
+
+
+def what_is_not_there(path) -> str:
+    """Why `path`, neither a folder nor a regular file, holds no image, in words: a pipe or device, a link that
+    leads nowhere or round in a loop, or nothing at all."""
+    import errno
+    import os
+
+    try:
+        path.stat()
+    except OSError as err:
+        if err.errno == errno.ELOOP:
+            return "a symbolic link that leads round in a loop (each link names another): give the file it should name"
+        if os.path.islink(path):
+            return f"a symbolic link to {os.readlink(path)}, which does not exist: give an image file or a folder"
+        return "no such file or folder"
+    return "not an image file nor a folder (a named pipe, a device or a socket): give an image file or a folder"
 
 
 class ImageFiles(torch.utils.data.Dataset):

@@ -42,6 +42,7 @@ import errno
 import io
 import os
 import stat
+import warnings
 
 import numpy as np
 import torch
@@ -165,15 +166,37 @@ def image_from_bytes(name: str, data: bytes):
                     f"{name}: {width}x{height} pixels in its header, more than PIL decodes ({2 * limit:,}): a "
                     "decompression bomb, or a damaged header"
                 )
+            if limit and width * height > limit:
+                warn_of_a_large_image(name, width, height)
             return EncodedJpeg(name, data, (width, height))
     return _pil_from_bytes(name, data)
 
 
+def warn_of_a_large_image(name: str, width: int, height: int) -> None:
+    """PIL's DecompressionBombWarning, naming the file (PIL's own names none): an image of more pixels than PIL's
+    limit, decoded all the same, at that much memory."""
+    warnings.warn(
+        f"{name}: {width}x{height} = {width * height:,} pixels, more than PIL's limit of {Image.MAX_IMAGE_PIXELS:,} "
+        "(a decompression bomb, or a very large photo): decoded, at that much memory",
+        Image.DecompressionBombWarning,
+        stacklevel=3,
+    )
+
+
 def _pil_from_bytes(name: str, data: bytes) -> Image.Image:
+    large = False
     try:
-        img = Image.open(io.BytesIO(data))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            try:
+                img = Image.open(io.BytesIO(data))
+            except Image.DecompressionBombWarning:  # (raised, to name the file): opened again, quietly
+                warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+                img, large = Image.open(io.BytesIO(data)), True
     except _PIL_READ_ERRORS as error:
         raise UnreadableImageError(f"{name}: cannot be read as an image ({error})") from error
+    if large:
+        warn_of_a_large_image(name, *img.size)
     img.filename = name  # names the sample in messages; its bytes stay in img.fp for the faster decoders
     return img
 

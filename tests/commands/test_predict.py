@@ -2,6 +2,7 @@
 flip TTA, EMA weights), top-k, AMP, unreadable files skipped and counted, and the one-line errors."""
 
 import csv
+import os
 import shutil
 from pathlib import Path
 
@@ -105,6 +106,17 @@ def test_a_checkpoint_without_class_names_takes_its_data_folders(trained, tiny_d
         (lambda p: torch.save({"weights": 1}, p / "w.pt"), ["{p}/w.pt", "{val}"], "not written by dlojz"),
         (lambda p: (p / "empty").mkdir(), ["{run}", "{p}/empty"], "no images in"),
         (lambda p: None, ["{run}", "{p}/missing"], "no such file or folder"),
+        (lambda p: os.mkfifo(p / "pipe"), ["{run}", "{p}/pipe"], "not an image file nor a folder (a named pipe"),
+        (
+            lambda p: (p / "a").symlink_to(p / "b") or (p / "b").symlink_to(p / "a"),
+            ["{run}", "{p}/a"],
+            "a symbolic link that leads round in a loop",
+        ),
+        (
+            lambda p: (p / "dangling").symlink_to(p / "gone.jpg"),
+            ["{run}", "{p}/dangling"],
+            "which does not exist: give an image file or a folder",
+        ),
         (lambda p: None, [], "name the model"),
         (lambda p: None, ["{run}"], "give the images"),
         (lambda p: None, ["--arch", "resnet18", "--pretrained", "DEFAULT"], "give the images"),

@@ -549,3 +549,24 @@ def test_imagefolder_dataloader_batches_are_uint8(tmp_path):
     images, labels = next(iter(loader))
     assert images.dtype == torch.uint8 and images.shape == (6, 3, 32, 32)
     assert sorted(labels.tolist()) == [0, 0, 0, 1, 1, 1]
+
+
+@pytest.mark.parametrize("fmt", ["PNG", "JPEG"])
+def test_a_very_large_image_s_warning_names_its_file(tmp_path, monkeypatch, fmt):
+    """PIL's DecompressionBombWarning names no file: an image over PIL's pixel limit (here lowered to 1,000) is
+    decoded with one warning naming it, through PIL (a PNG) and through the faster JPEG path alike."""
+    import warnings
+
+    from PIL import Image
+
+    from dlojz_lib.data.transforms import lazy_image_loader, lazy_pil_loader
+
+    path = tmp_path / f"big.{fmt.lower()}"
+    Image.new("RGB", (50, 40), (200, 10, 10)).save(path, fmt)
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 1000)
+    for loader in (lazy_pil_loader, lazy_image_loader):  # (the second: libjpeg-turbo's header read, for a JPEG)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            loader(str(path))
+        said = [str(w.message) for w in caught if issubclass(w.category, Image.DecompressionBombWarning)]
+        assert len(said) == 1 and said[0].startswith(f"{path}: 50x40 = 2,000 pixels, more than PIL's limit"), said
