@@ -40,12 +40,14 @@ dlojz_lib/data/shards.py: this file is the writer, dlojz_lib/pack/source.py list
 out the shards, and dlojz_pack.py is the command line.
 """
 
+import errno
 import hashlib
 import io
 import json
 import multiprocessing
 import os
 import re
+import shutil
 import tarfile
 import tempfile
 import time
@@ -324,13 +326,40 @@ def _new_manifest(src_abs, layout, classes, class_names, shard_size, listing, si
     )
 
 
+NO_ROOM = (errno.ENOSPC, errno.EDQUOT)  # the disk, or the user's quota on it, is full
+
+
+class OutOfRoom(OSError):
+    """A full disk (or quota) under DST, said with the disk's free space and the bytes still to write."""
+
+    def __str__(self):
+        return self.strerror
+
+
+def out_of_room(err, dst, still_to_write):
+    """`err` (a write's OSError) as an OutOfRoom naming DST's disk, its free space and what is left to write, where
+    it is a full disk or quota; else `err` itself."""
+    if err.errno not in NO_ROOM:
+        return err
+    try:
+        free = f"{shutil.disk_usage(dst).free / 2**20:,.0f} MiB free"
+    except OSError:
+        free = "its free space unknown"
+    return OutOfRoom(
+        err.errno,
+        f"DST {dst}: no room on its disk ({free}, about {still_to_write / 2**20:,.0f} MiB of shards still to write): "
+        "free some space there, or give a DST on another disk",
+    )
+
+
 def _write_with_progress(dst, todo, n_shards, kept, workers, log):
-    """Write the shards `todo` with `workers` processes, a progress line every few seconds; the bytes written."""
+    """Write the shards `todo` with `workers` processes, a progress line every few seconds; the bytes written. A
+    full disk is an OutOfRoom that says how much is left to write."""
     t0, last, written_bytes, done_images = time.monotonic(), time.monotonic(), 0, 0
     images_todo = sum(len(s["members"]) for s in todo)
     results = _write_shards(dst, todo, workers)
     try:
-        for k, (name, nbytes, images) in enumerate(results, 1):
+        for k, (name, nbytes, images) in _counted(results, lambda: sum(s["size"] for s in todo) - written_bytes, dst):
             written_bytes += nbytes
             done_images += images
             now = time.monotonic()
@@ -344,6 +373,20 @@ def _write_with_progress(dst, todo, n_shards, kept, workers, log):
         results.close()  # stops the pool's other shards at once if one failed
         _remove_temps(dst)
     return written_bytes
+
+
+def _counted(results, still_to_write, dst):
+    """enumerate(results, 1), a full disk raised as out_of_room's (`still_to_write()`: the bytes left then)."""
+    k = 0
+    while True:
+        try:
+            item = next(results)
+        except StopIteration:
+            return
+        except OSError as err:
+            raise out_of_room(err, dst, still_to_write()) from None
+        k += 1
+        yield k, item
 
 
 def _checked_options(shard_size, workers):

@@ -479,3 +479,23 @@ def test_an_empty_image_file_is_named_in_one_warning(tmp_path):
     warnings = [line for line in said if "WARNING" in line]
     assert len(warnings) == 1 and str(empty) in warnings[0] and "1 empty image file(s) (0 bytes)" in warnings[0]
     assert "replace or remove them and pack again" in warnings[0], warnings
+
+
+def test_a_full_disk_names_the_disk_and_the_room_still_needed(tmp_path, monkeypatch, capsys):
+    """No room left under DST (ENOSPC from a shard's write): one line naming DST's disk, its free space and the MiB
+    still to write, exit 1, the finished shards kept."""
+    import errno
+
+    import dlojz_pack
+
+    root = make_embedded_dataset(tmp_path / "src", n_classes=2, train_per_class=2, val_per_class=1, size=(16, 12))
+
+    def full(dst, shard):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(dlojz_lib.pack.writer, "_write_shard", full)
+    assert dlojz_pack.main([str(root), str(tmp_path / "packed"), "--workers", "1"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"DST {tmp_path / 'packed'}: no room on its disk (" in err, err
+    assert "MiB free, about 0 MiB of shards still to write): free some space there" in err, err
+    assert "rerun the same command to finish (finished shards are kept)" in err
