@@ -356,9 +356,9 @@ def test_the_planner_adds_activation_checkpointing_where_a_layout_does_not_fit_w
 
 
 def test_the_planner_adds_float8_rows_where_the_gpu_has_float8(capsys):
-    """ViT-H/14 (its block linears above torchao's sizes): on A100s no float8 row (no float8 there); given
-    --float8-tflops, DDP and FSDP come again with --float8, faster (their linears at that peak), and no TP or PP row
-    does (dlojz.py refuses --float8 beside --tp and --pp)."""
+    """ViT-H/14 (its block linears above torchao's sizes): on A100s no float8 row (no float8 there: --float8-tflops
+    refused); on H100s given --float8-tflops, DDP and FSDP come again with --float8, faster (their linears at that
+    peak), and no TP or PP row does (dlojz.py refuses --float8 beside --tp and --pp)."""
     argv = [
         "plan",
         "--arch",
@@ -372,7 +372,10 @@ def test_the_planner_adds_float8_rows_where_the_gpu_has_float8(capsys):
     ]
     assert dlojz_lab.main(argv) == 0
     assert "+ float8  " not in capsys.readouterr().out
-    assert dlojz_lab.main([*argv, "--float8-tflops", "624"]) == 0
+    assert dlojz_lab.main([*argv, "--float8-tflops", "624"]) == 2  # (dlojz.py's --float8 refuses an A100)
+    assert "--float8-tflops: an A100 has no float8" in capsys.readouterr().err
+    argv[argv.index("a100")] = "h100"  # (a GPU with float8, at the figures given)
+    assert dlojz_lab.main([*argv, "--tflops", "312", "--float8-tflops", "624"]) == 0
     out = capsys.readouterr().out
     rows = {line.split("  ")[0]: line.split() for line in out.splitlines()[2:] if line[:1].isupper() and "  " in line}
     assert {"DDP + float8", "FSDP + float8"} <= set(rows) and not any(
