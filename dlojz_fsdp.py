@@ -136,7 +136,7 @@ def shard(source, target_dir):
         )
     if (foreign := foreign_record(target_dir)) is not None:
         raise ckpt.CheckpointError(f"target {target_dir}: {foreign}, and shard would replace it: give a new folder")
-    if ckpt.NAME_RE.match(target_dir.name) or (target_dir / ".metadata").exists():
+    if ckpt.is_sharded_folder(target_dir):
         raise ckpt.CheckpointError(
             f"target {target_dir} is a sharded checkpoint's folder, not a run's: give a new folder, the --output-dir "
             "of the run that resumes it"

@@ -24,7 +24,6 @@ without the model and optimizer. They are written under a hidden staging name an
 shard file the metadata lists is there whole, and returns the dict with `sharded_path` set.
 """
 
-import errno
 import os
 import random
 import re
@@ -36,7 +35,7 @@ from pathlib import Path
 import torch
 
 from dlojz_lib.checks import OneLineError, fail
-from dlojz_lib.durable import atomic_write, fsync_folder, sha256_of
+from dlojz_lib.durable import NO_ROOM, atomic_write, fsync_folder, sha256_of
 
 FORMAT_KEY = "dlojz_checkpoint_format"
 FORMAT_VERSION = 2  # 2: a SHA-256 file beside each checkpoint file; 1 (no checksum) is still read
@@ -113,9 +112,6 @@ def write(state, path):
 
     atomic_write(path, lambda f: torch.save(state, f), before_rename=write_checksum)
     return path
-
-
-NO_ROOM = (errno.ENOSPC, errno.EDQUOT)  # the disk, or the user's quota on it, is full
 
 
 def out_of_room(err, path, needed_bytes):

@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 import dlojz_lib.checkpoint as ckpt
-from dlojz_lib.checks import fail
+from dlojz_lib.checks import UserError, fail
 from dlojz_lib.observers.watchdog import Watchdog, continue_advice
 from dlojz_lib.settings.launch import load_idr_torch, model_copy_problem
 from dlojz_lib.torch_internals import default_store, flatten_mesh, warm_compile_workers
@@ -517,11 +517,12 @@ def setup_distributed(cfg):
         )
     layout = cfg.parallelism
     if layout.tp > 1 or layout.pp > 1 or layout.replicate > 1:
-        if (problem := model_copy_problem(ranks.world_size, layout.pp, layout.tp, layout.replicate)) is not None:
+        try:
+            model_parallel_mesh(ranks, layout.pp, layout.tp, layout.replicate)
+        except UserError as refused:  # (a run's args.toml read back on fewer ranks: the line names the file)
             from dlojz_lib.settings.config import set_in_recipe
 
-            fail(set_in_recipe(problem, cfg.config))  # (a run's args.toml read back on fewer ranks)
-        model_parallel_mesh(ranks, layout.pp, layout.tp, layout.replicate)
+            raise UserError(set_in_recipe(str(refused), cfg.config)) from None
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)

@@ -4,10 +4,13 @@ folder (flushed, fsynced) and renames it into place; `fsync_folder(folder)` make
 folder's record). Checkpoints (dlojz_lib/checkpoint.py) and packed data sets (dlojz_pack.py) are written with them.
 No torch here."""
 
+import errno
 import hashlib
 import os
 import tempfile
 from pathlib import Path
+
+NO_ROOM = (errno.ENOSPC, errno.EDQUOT)  # the disk, or the user's quota on it, is full (checkpoints, packs)
 
 
 def sha256_of(path) -> str:

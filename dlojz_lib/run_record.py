@@ -37,7 +37,7 @@ from dlojz_lib.model.zoo import saved_activation_bytes, train_flops_per_image
 from dlojz_lib.observers.chrono import peak_memory_bytes
 from dlojz_lib.parallelism.layout import state_bytes_per_rank
 from dlojz_lib.resume import check_checkpoints_written
-from dlojz_lib.settings.flags import get_args_parser
+from dlojz_lib.settings.flags import PATH_FLAGS, get_args_parser
 from dlojz_lib.settings.recipe import recipe_text
 
 
@@ -57,27 +57,22 @@ def record_settings(cfg, argv, ranks, log):
         path = Path(cfg.output_dir) / ARGS_FILE
         command = " ".join(sys.argv[1:] if argv is None else argv)
         header = [f"dlojz.py {command}", time.strftime("%Y-%m-%d %H:%M:%S"), "paths recorded absolute"]
-        paths = {name: getattr(cfg, name, None) for name in (*PATH_FIELDS, "resume")}
+        paths = {name: getattr(cfg, name, None) for name in PATH_FLAGS}
         recorded = dataclasses.replace(cfg, **absolute_paths(paths))
         write_text(path, recipe_text(recorded, get_args_parser(), header=header))
         log(f"arguments: {path} (dlojz.py --config FILE runs them again)")
 
 
-# The flags that name a file or a folder: recorded absolute, so `--config RUN/args.toml --resume auto` runs the same
-# from any folder
-PATH_FIELDS = ("data_root", "output_dir", "initial_checkpoint", "teacher", "metrics_json", "val_history")
-
-
 def absolute_paths(paths: dict) -> dict:
-    """Of `paths` ({field: value} of PATH_FIELDS and resume), each relative one made absolute (from the folder the
-    run started in); `--resume auto` stays auto."""
+    """Of `paths` ({dest: value} of flags.PATH_FLAGS), each relative one made absolute (from the folder the run
+    started in), so `--config RUN/args.toml --resume auto` runs the same from any folder; `--resume auto` stays
+    auto."""
     import os
 
-    return {
-        name: os.path.abspath(value)
-        for name, value in paths.items()
-        if isinstance(value, str) and value and value != "auto" and not os.path.isabs(value)
-    }
+    def relative(name, value):
+        return isinstance(value, str) and value and not os.path.isabs(value) and (name, value) != ("resume", "auto")
+
+    return {name: os.path.abspath(value) for name, value in paths.items() if relative(name, value)}
 
 
 def initial_metrics(batch_size, grad_acc, compute_dtype, ranks) -> dict:

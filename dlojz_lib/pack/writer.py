@@ -40,7 +40,6 @@ dlojz_lib/data/shards.py: this file is the writer, dlojz_lib/pack/source.py list
 out the shards, and dlojz_pack.py is the command line.
 """
 
-import errno
 import hashlib
 import io
 import json
@@ -56,7 +55,7 @@ from pathlib import Path
 import numpy as np
 
 from dlojz_lib.data.shards import FORMAT, FORMAT_VERSION, MANIFEST, PackError, pack_files, read_manifest
-from dlojz_lib.durable import atomic_write, fsync_folder
+from dlojz_lib.durable import NO_ROOM, atomic_write, fsync_folder
 from dlojz_lib.pack.plan import SHUFFLE_SEED, padded, plan_split
 from dlojz_lib.pack.source import SPLITS, class_names_of, list_source, listing_digest, stat_sizes
 
@@ -326,9 +325,6 @@ def _new_manifest(src_abs, layout, classes, class_names, shard_size, listing, si
     )
 
 
-NO_ROOM = (errno.ENOSPC, errno.EDQUOT)  # the disk, or the user's quota on it, is full
-
-
 class OutOfRoom(OSError):
     """A full disk (or quota) under DST, said with the disk's free space and the bytes still to write."""
 
@@ -359,7 +355,7 @@ def _write_with_progress(dst, todo, n_shards, kept, workers, log):
     images_todo = sum(len(s["members"]) for s in todo)
     results = _write_shards(dst, todo, workers)
     try:
-        for k, (name, nbytes, images) in _counted(results, lambda: sum(s["size"] for s in todo) - written_bytes, dst):
+        for k, (name, nbytes, images) in enumerate(results, 1):
             written_bytes += nbytes
             done_images += images
             now = time.monotonic()
@@ -369,24 +365,12 @@ def _write_with_progress(dst, todo, n_shards, kept, workers, log):
                     f"dlojz_pack: {kept + k}/{n_shards} shards ({name}), {done_images:,}/{images_todo:,} images "
                     f"this run, {written_bytes / 1e6 / max(now - t0, 1e-9):,.1f} MB/s"
                 )
+    except OSError as err:  # (a worker's write, raised here as its shard is waited for)
+        raise out_of_room(err, dst, sum(s["size"] for s in todo) - written_bytes) from None
     finally:
         results.close()  # stops the pool's other shards at once if one failed
         _remove_temps(dst)
     return written_bytes
-
-
-def _counted(results, still_to_write, dst):
-    """enumerate(results, 1), a full disk raised as out_of_room's (`still_to_write()`: the bytes left then)."""
-    k = 0
-    while True:
-        try:
-            item = next(results)
-        except StopIteration:
-            return
-        except OSError as err:
-            raise out_of_room(err, dst, still_to_write()) from None
-        k += 1
-        yield k, item
 
 
 def _checked_options(shard_size, workers):

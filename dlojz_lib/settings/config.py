@@ -610,17 +610,9 @@ def check_autocast(device, dtype):
 
 
 def set_in_recipe(message, configs) -> str:
-    """`message` (a refusal) with the recipe file among `configs` (--config's, in order) that set a layout flag it
-    names, where one did (the last: a later file's key wins): `--tp 2` read back from a run's args.toml."""
-    import re
-
-    from dlojz_lib.settings.recipe import read_recipe
-
+    """`message` (a refusal) with the recipe file among `configs` (--config's, in order) that set a flag it names,
+    as the parser's own refusals say it (`from_recipe`): `--tp 2` read back from a run's args.toml."""
     parser = get_args_parser()
-    for config in reversed(configs or ()):
-        keys = read_recipe(parser, config)
-        for dest in keys:
-            flag = "--" + dest.replace("_", "-")
-            if re.search(re.escape(flag) + r"(?![\w-])", message):
-                return f"{message} ({flag} is set by --config {config}: change it there, or give it here)"
-    return message
+    argv = [arg for config in configs or () for arg in ("--config", str(config))]
+    parser.parse_args(argv)  # (its recipe files, flag by flag)
+    return parser.from_recipe(message, argv)

@@ -9,7 +9,7 @@ import os
 import re
 
 from dlojz_lib.checks import UserError, fail, missing_data_variable
-from dlojz_lib.settings.flags import CUDA_GRAPH_MODES, built_in_defaults, get_args_parser
+from dlojz_lib.settings.flags import CUDA_GRAPH_MODES, PATH_FLAGS, built_in_defaults, get_args_parser
 from dlojz_lib.settings.layout import check_layout
 
 # timm's --aa strings: a kind, then options, each a letter key and its number (rand-m7-mstd0.5-inc1)
@@ -277,7 +277,7 @@ def check_speed(values):
 
 def check_run_mode(values):
     """What the run does: train, resume or start over, find the LR, validate a checkpoint, or time the loader."""
-    for flag in ("data_root", "output_dir", "initial_checkpoint", "teacher", "metrics_json", "val_history", "resume"):
+    for flag in PATH_FLAGS:
         if values.get(flag) is not None and not str(values[flag]).strip():  # ("": the current folder, silently)
             name = "--" + flag.replace("_", "-")
             fail(f"{name} is empty: give a path (or leave {name} out for its default)")

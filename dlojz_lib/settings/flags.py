@@ -147,6 +147,11 @@ class FlagGroup(argparse._ArgumentGroup):
         return action
 
 
+# The dests of the flags that name a file or a folder (--resume's unless `auto`): none may be empty, and a run records
+# them absolute
+PATH_FLAGS = ("data_root", "output_dir", "initial_checkpoint", "teacher", "metrics_json", "val_history", "resume")
+
+
 def turns_a_feature_on(action) -> bool:
     """Whether a row of the flag table is a feature its value turns on: a flag that takes a value, off (None) by
     default, its help giving no default that fills None in (a profile's, one worked out from other flags)."""
