@@ -71,13 +71,14 @@ def link_seconds(group, device, elements, steps):
 
 
 def link_figures(group, size, device, steps=5) -> tuple:
-    """(GB/s a rank sends, a collective's latency in µs) over `group` of `size` ranks: a ring all-reduce sends
-    2 (n - 1) / n of its buffer; the latency is the small all-reduce's time less its bytes at that bandwidth."""
+    """(GB/s a rank sends, a collective's latency in µs, the large all-reduce's seconds) over `group` of `size`
+    ranks: a ring all-reduce sends 2 (n - 1) / n of its buffer; the latency is the small all-reduce's time less its
+    bytes at that bandwidth."""
     large = link_seconds(group, device, LARGE_ELEMENTS, steps)
     small = link_seconds(group, device, SMALL_ELEMENTS, steps * 4)
     ring = 2 * (size - 1) / size
     gbs = ring * 4 * LARGE_ELEMENTS / large / 1e9
-    return gbs, max(0.0, small - ring * 4 * SMALL_ELEMENTS / (gbs * 1e9)) * 1e6
+    return gbs, max(0.0, small - ring * 4 * SMALL_ELEMENTS / (gbs * 1e9)) * 1e6, large
 
 
 def measure(settings, device, groups=None, steps=3) -> dict:
@@ -96,18 +97,19 @@ def measure(settings, device, groups=None, steps=3) -> dict:
     step = training_step(model, images, labels, device, amp=settings.amp_bytes == 2 and device.type == "cuda")
     seconds = timed(step, steps, device)
     figures = {"tflops": train_flops_per_image(model, settings.image_size) * b / seconds / 1e12}
+    large = {}  # each group's large all-reduce, in seconds
     for name, (gbs, latency) in (
         ("node", ("nvlink_gbs", "latency_us")),
         ("world", ("network_gbs", "network_latency_us")),
     ):
         if groups and name in groups:
-            figures[gbs], figures[latency] = link_figures(*groups[name], device)
+            figures[gbs], figures[latency], large[name] = link_figures(*groups[name], device)
     if groups:
         import torch.distributed as dist
 
-        group, _ = groups.get("world", groups.get("node"))
+        name = "world" if "world" in groups else "node"
+        (group, _), alone = groups[name], large[name]  # (the overlap over the widest group's links)
         buffer = torch.zeros(LARGE_ELEMENTS, device=device)
-        alone = link_seconds(group, device, LARGE_ELEMENTS, steps)
 
         def both():  # the all-reduce in flight while the step computes
             work = dist.all_reduce(buffer, group=group, async_op=True)
