@@ -14,7 +14,8 @@ workers). Columns: img/s, the run's unsynchronised throughput (its last --steps/
 device waited for at their start and end only, every per-step cost in: the figure to set beside MLPerf's);
 chrono img/s, the chronometer's (the medians of the first steps, each phase synchronised: the figure that splits the
 step into its phases); MFU (the unsynchronised throughput's model FLOP/s over the GPU's dense 16-bit tensor peak,
-one peak per GPU so that rows compare); J/image (NVML); peak memory; and the real pipeline's data-loading share.
+one peak per GPU so that rows compare); J/image (NVML, over the unsynchronised img/s's own window, with its mean power,
+flagged when the pair exceeds the GPU's power limit); peak memory; and the real pipeline's data-loading share.
 Table 2, cores per GPU: training img/s on the real pipeline with 2, 4, 8 and all workers for the pytorch backend,
 and DALI (--data-backend dali, as many threads) with the same CPU budget: the run is pinned to workers + 1 CPUs
 (the training process's own), so each column is what a job asking for that many cores would get.
@@ -42,6 +43,7 @@ sys.path.insert(
     0, str(ROOT)
 )  # the flags' bounds and one-line errors: dlojz_lib.settings.flags, dlojz_lib.checks (no torch)
 from dlojz_lib.checks import OneLineArgumentParser  # noqa: E402
+from dlojz_lib.observers.chrono_report import unsync_energy_cell  # noqa: E402
 from dlojz_lib.settings.flags import COUNT, PIXELS  # noqa: E402
 
 # One optimisation more per row: (name, what it adds, dlojz.py's flags for the row as a whole).
@@ -158,7 +160,7 @@ def cells(m: dict, device_name: str = "") -> dict:
         "img_s": img_s,
         "chrono_img_s": chrono.get("throughput_img_s"),
         "mfu": mfu_16bit(chrono.get("train_flops_per_image"), img_s, device_name, m.get("world_size") or 1),
-        "j_per_image": chrono.get("energy_per_image_j"),
+        "energy": unsync_energy_cell(chrono),
         "peak_gib": None if peak is None else peak / 2**30,
         "load_share": chrono.get("load_share"),
     }
@@ -180,7 +182,7 @@ def fmt(value, spec: str) -> str:
 
 
 def ablation_table(results: dict, rows, with_data: bool, device_name: str = "") -> list[str]:
-    head = "| row | adds | synthetic img/s | chrono img/s | MFU | J/image | peak GiB |"
+    head = "| row | adds | synthetic img/s | chrono img/s | MFU | J/image (mean W) | peak GiB |"
     rule = "|---|---|---:|---:|---:|---:|---:|"
     if with_data:
         head += " real img/s | chrono img/s | load share | peak GiB |"
@@ -195,7 +197,7 @@ def ablation_table(results: dict, rows, with_data: bool, device_name: str = "") 
             elif kind == "synthetic":
                 line += (
                     f" {fmt(c['img_s'], ',.0f')} | {fmt(c['chrono_img_s'], ',.0f')} | {fmt(c['mfu'], '.1%')} |"
-                    f" {fmt(c['j_per_image'], '.3f')} | {fmt(c['peak_gib'], '.1f')} |"
+                    f" {c['energy']} | {fmt(c['peak_gib'], '.1f')} |"
                 )
             else:
                 line += (

@@ -222,8 +222,8 @@ except ImportError:
     dali = ""
 print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}{dali}: ResNet-50, 224 px, batch 256, AMP "
       f"float16, channels-last")
-print(f"{'run':<22}{'img/s':>9}{'unsync img/s':>14}{'chrono img/s':>14}{'MFU':>8}{'J/image':>9}{'step ms':>9}"
-      f"{'load ms':>9}")
+print(f"{'run':<22}{'img/s':>9}{'unsync img/s':>14}{'chrono img/s':>14}{'MFU':>8}{'J/image':>9}{'mean W':>8}"
+      f"{'step ms':>9}{'load ms':>9}")
 
 
 def cell(value, fmt):
@@ -246,10 +246,13 @@ for name, label in ROWS:
     print(f"{label:<22}{cell(m.get('images_per_second'), '.0f'):>9}"
           f"{cell(chrono.get('unsync_throughput_img_s'), '.0f'):>14}{cell(chrono.get('throughput_img_s'), '.0f'):>14}"
           f"{cell(None if mfu is None else 100 * mfu, '.1f') + (' %' if mfu is not None else ''):>8}"
-          f"{cell(chrono.get('energy_per_image_j'), '.3f'):>9}{cell(None if step is None else 1e3 * step, '.1f'):>9}"
-          f"{cell(None if load is None else 1e3 * load, '.1f'):>9}")
+          f"{cell(chrono.get('unsync_energy_per_image_j'), '.3f'):>9}{cell(chrono.get('unsync_mean_power_w'), '.0f'):>8}"
+          f"{cell(None if step is None else 1e3 * step, '.1f'):>9}{cell(None if load is None else 1e3 * load, '.1f'):>9}"
+          + ("  over the GPU's power limit" if any(f["window"] == "unsynchronised"
+                                                  for f in chrono.get("over_power_limit", ())) else ""))
 print("img/s: steady state, wall clock between synchronised log points; unsync img/s: the last half of the steps "
-      "timed as a whole (no per-step wait); chrono img/s: batch / median(step + load); MFU: model FLOPs / dense peak")
+      "timed as a whole (no per-step wait); chrono img/s: batch / median(step + load); MFU: model FLOPs / dense peak; "
+      "J/image and mean W: NVML over the unsync img/s's own window")
 for backend, label in (("pytorch", "DataLoader ({} workers)"), ("dali", "DALI on the GPU ({} threads)")):
     for span, where in ((90, "inside an epoch"), (300, "across 2 epoch boundaries")):
         path = out / f"loader_{backend}_{span}.json"

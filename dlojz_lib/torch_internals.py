@@ -10,6 +10,11 @@ Imports are inside the functions: importing this module imports no torch.
   (`torch.distributed.checkpoint._nested_dict`), so that keys match what DCP wrote.
 - `schedule_stages(schedule)`, `schedule_microbatches(schedule)`: a pipelining schedule's stages (`_stage`, or
   `_stages` for the looped schedules) and its micro-batch count (`_n_microbatches`).
+- `schedule_forward_prepared(schedule)`, `recv_buffers_for_backward(schedule)`: whether a schedule has built its
+  receive buffers (`_stage_forward_initialized`), and those buffers made to require gradients (`args_recv_info`):
+  torch before 2.13 sets that once, at the first step, which a first step in `eval` leaves off.
+- `cpu_float8_takes_row_scales()`: whether the CPU's float8 matrix product (`torch._scaled_mm`) takes a scale per
+  row, as the row-wise float8 recipes ask: 2.11's does not.
 - `init_optimizer_state(optimizer)`: a fresh optimizer's state and the settings its first step adds to a group
   (LAMB's tensor `step`), as DCP's own loading makes them (`state_dict._init_optim_state`: one step of zero
   gradients at a learning rate of 0).
@@ -142,6 +147,40 @@ def unflatten_state_dict(flat, mapping):
 def schedule_stages(schedule):
     """One stage, or several for the looped schedules."""
     return getattr(schedule, "_stages", None) or [schedule._stage]
+
+
+def schedule_forward_prepared(schedule) -> bool:
+    """Whether a schedule has run its first step, which builds its stages' receive buffers
+    (`_stage_forward_initialized`, `_stages_forward_initialized` for the looped schedules)."""
+    return bool(getattr(schedule, "_stage_forward_initialized", False)) or bool(
+        getattr(schedule, "_stages_forward_initialized", False)
+    )
+
+
+def recv_buffers_for_backward(schedule):
+    """The receive buffers of a schedule's stages made to require gradients (`args_recv_info`'s `buffer`): torch
+    before 2.13 decides it once, as it builds them at the first step, so a schedule whose first step is a forward-only
+    `eval` (a validation before any training step, a resumed run's first) has buffers no gradient flows back through;
+    2.13 and later decide it at each forward, from the step's grad mode, and need no change."""
+    import torch
+    from torch.distributed.pipelining.stage import _RecvInfo
+
+    for stage in schedule_stages(schedule):
+        for infos in getattr(stage, "args_recv_info", {}).values():
+            for info in infos:
+                if isinstance(info, _RecvInfo) and isinstance(info.buffer, torch.Tensor) and info.buffer.is_leaf:
+                    info.buffer.requires_grad_(True)
+
+
+def cpu_float8_takes_row_scales() -> bool:
+    import torch
+
+    a = torch.ones(2, 16).to(torch.float8_e4m3fn)
+    try:
+        torch._scaled_mm(a, a.t(), scale_a=torch.ones(2, 1), scale_b=torch.ones(1, 2), out_dtype=torch.bfloat16)
+    except RuntimeError:
+        return False
+    return True
 
 
 def schedule_microbatches(schedule):

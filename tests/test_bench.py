@@ -325,7 +325,7 @@ def test_ablation_prints_both_tables_from_the_runs_metrics(tiny_data, tmp_path):
     lines = result.stdout.splitlines()
     header = next(line for line in lines if line.startswith("| row |"))
     assert [c.strip() for c in header.strip("|").split("|")] == [
-        *("row", "adds", "synthetic img/s", "chrono img/s", "MFU", "J/image", "peak GiB"),
+        *("row", "adds", "synthetic img/s", "chrono img/s", "MFU", "J/image (mean W)", "peak GiB"),
         *("real img/s", "chrono img/s", "load share", "peak GiB"),
     ]
     fp32 = [c.strip() for c in next(line for line in lines if line.startswith("| fp32 |")).strip("|").split("|")]

@@ -71,11 +71,13 @@ from dlojz_lib.model.zoo import peak_flops
 from dlojz_lib.observers.chrono_report import (
     energy_figures,
     flops_figures,
+    over_power_limit,
     report_lines,
     slowest_rank,
     step_figures,
     unsync_figures,
     validation_figures,
+    window_energy_figures,
 )
 
 # ``nvml`` default: import pynvml lazily, and only for CUDA devices.
@@ -96,16 +98,22 @@ class EnergyMeter:
     from the end of the warm-up to the last step with the validation passes taken out, and each validation's energy.
     Without NVML (not installed, no driver, no GPU, any NVML error) the figures are None; nothing fails."""
 
-    def __init__(self, device, nvml=_TRY_PYNVML, enabled=True):
+    def __init__(self, device, nvml=_TRY_PYNVML, enabled=True, clock=time.perf_counter):
         self.nvml = self.handle = None
+        self._clock = clock
         self.power_w = []  # W, one sample per step
+        self.power_limit_w = None  # the GPU's enforced power limit (NVML), None where it cannot say
         self.start_mj = self.last_mj = None  # the window's first and latest readings
-        self.excluded_mj = 0.0  # validation energy inside the window
-        self.pending_mj = 0.0  # a validation's energy, taken out once a later step's reading covers it
+        self.start_s = self.last_s = None  # the clock at those readings: the window's seconds and mean power
+        self.excluded_mj = self.excluded_s = 0.0  # validations inside the window
+        self.pending_mj = self.pending_s = 0.0  # a validation's, taken out once a later step's reading covers it
         self.steps = 0  # steps in the window
         self.ok = True  # False once the counter failed: energy figures dropped
         self.val_j = None  # the last validation pass's energy
-        self._val_open_mj = None
+        self._val_open = None  # (mJ, s) at the open validation's start
+        # The unsynchronised window's own energy (the throughput's window, validations out): J/image beside its img/s
+        self.unsync_start_mj = self.unsync_j = None
+        self.unsync_excluded_mj = 0.0
         if enabled:
             self._init(device, nvml)
 
@@ -125,6 +133,11 @@ class EnergyMeter:
             self.nvml = nvml
         except Exception:  # NVMLError (no driver, no GPU, not permitted) or anything odd: no power lines
             self.handle = None
+            return
+        try:
+            self.power_limit_w = nvml.nvmlDeviceGetEnforcedPowerLimit(self.handle) / 1000.0
+        except Exception:  # not reported by this GPU or driver: no limit check
+            self.power_limit_w = None
 
     def read(self):
         """GPU energy counter in mJ, or None (and energy figures dropped) if the GPU cannot report it."""
@@ -139,6 +152,7 @@ class EnergyMeter:
     def start_window(self):
         if self.handle is not None and self.start_mj is None:
             self.start_mj = self.last_mj = self.read()
+            self.start_s = self.last_s = self._clock()
             self.steps = 0
 
     def step_end(self):
@@ -151,29 +165,67 @@ class EnergyMeter:
         if self.start_mj is not None:
             reading = self.read()
             if reading is not None:
-                self.last_mj = reading
+                self.last_mj, self.last_s = reading, self._clock()
                 self.steps += 1
                 self.excluded_mj += self.pending_mj
-                self.pending_mj = 0.0
+                self.excluded_s += self.pending_s
+                self.pending_mj = self.pending_s = 0.0
 
     def window_j(self):
         if self.start_mj is None or not self.ok or self.steps == 0:
             return None
         return (self.last_mj - self.start_mj - self.excluded_mj) / 1000.0
 
-    def validation_start(self):
-        self._val_open_mj = self.read() if self.handle is not None else None
+    def window_s(self):
+        """The seconds the energy window's joules were drawn over (its validations out), None without a window."""
+        if self.window_j() is None:
+            return None
+        return self.last_s - self.start_s - self.excluded_s
 
-    def validation_end(self):
-        if self._val_open_mj is None:
+    def unsync_begin(self):
+        """The unsynchronised window opens (the device just waited for): its first reading."""
+        if self.handle is not None and self.unsync_start_mj is None:
+            self.unsync_start_mj = self.read()
+
+    def unsync_end(self):
+        """The unsynchronised window closes (the device just waited for): its joules, validations taken out."""
+        if self.unsync_start_mj is None or self.unsync_j is not None:
             return
         closed_mj = self.read()
         if closed_mj is not None:
-            self.val_j = (closed_mj - self._val_open_mj) / 1000.0
+            self.unsync_j = (closed_mj - self.unsync_start_mj - self.unsync_excluded_mj) / 1000.0
+
+    def record(self) -> dict:
+        """This rank's energy figures, as the chronometer's record gathers them."""
+        return {
+            "train_energy_j": self.window_j(),
+            "energy_window_s": self.window_s(),
+            "unsync_energy_j": self.unsync_j,
+            "power_limit_w": self.power_limit_w,
+            "energy_steps": self.steps,
+            "val_energy_j": self.val_j,
+            "peak_power_w": max(self.power_w) if self.power_w else None,
+        }
+
+    def validation_start(self):
+        self._val_open = (self.read(), self._clock()) if self.handle is not None else None
+        if self._val_open is not None and self._val_open[0] is None:
+            self._val_open = None
+
+    def validation_end(self):
+        if self._val_open is None:
+            return
+        closed_mj = self.read()
+        if closed_mj is not None:
+            val_mj, val_s = closed_mj - self._val_open[0], self._clock() - self._val_open[1]
+            self.val_j = val_mj / 1000.0
             if self.start_mj is not None:
                 # taken out of the window only once a later step's reading covers this validation
-                self.pending_mj += closed_mj - self._val_open_mj
-        self._val_open_mj = None
+                self.pending_mj += val_mj
+                self.pending_s += val_s
+            if self.unsync_start_mj is not None and self.unsync_j is None:
+                self.unsync_excluded_mj += val_mj
+        self._val_open = None
 
 
 class StepRecords:
@@ -246,14 +298,16 @@ class UnsyncWindow:
         if not self.in_backward and self.seconds is None:
             self.steps += 1
 
-    def end(self):
+    def end(self) -> bool:
+        """Closes the window if open: True when this call closed it."""
         if self.start is None or self.seconds is not None:
-            return
+            return False
         if self.paused:
             self.seconds = self.before_s
-            return
+            return True
         self._sync()
         self.seconds = self.before_s + self._clock() - self.start
+        return True
 
     def pause(self, now):
         """At a validation's start (the device just waited for): the seconds so far kept, the clock off."""
@@ -314,7 +368,7 @@ class Chronometer:
         self.records = StepRecords(self.warmup_steps)  # added to only when enabled
         self._pending_load = self._pending_forward = self._pending_teacher = None  # closed phases, until the step's end
         self._load, self._forward, self._teacher, self._backward, self._validation = (_Toggle() for _ in range(5))
-        self._energy = EnergyMeter(self.device, nvml, enabled=self._enabled)
+        self._energy = EnergyMeter(self.device, nvml, enabled=self._enabled, clock=clock)
 
         self._gathered = None
         self._last_ctx = {}
@@ -382,10 +436,12 @@ class Chronometer:
         self._energy.step_end()
         if self.synced_steps is not None and len(self.records) == self.synced_steps:
             self._window.begin()
+            self._energy.unsync_begin()
 
     def end_window(self):
         """After the last training step: the unsynchronised window ends (one wait for the device), if open."""
-        self._window.end()
+        if self._window.end():
+            self._energy.unsync_end()
 
     @property
     def window_steps(self) -> int:
@@ -439,10 +495,7 @@ class Chronometer:
             "rank": self.rank,
             "load_median_s": _nanmedian(self.records.measured(self.records.loads)),
             "step_median_s": _nanmedian(self.records.measured(self.records.step_array())),
-            "train_energy_j": self._energy.window_j(),
-            "energy_steps": self._energy.steps,
-            "val_energy_j": self._energy.val_j,
-            "peak_power_w": max(self._energy.power_w) if self._energy.power_w else None,
+            **self._energy.record(),
             "window_s": self._window.seconds if self._window.steps else None,
             "window_steps": self._window.steps,
         }
@@ -487,7 +540,10 @@ class Chronometer:
         peak = peak_flops(ctx.get("device_name") or "", ctx.get("compute_dtype") or "")
         out.update(flops_figures(out.get("throughput_img_s"), peak, ctx))
         gathered = bool(self._gathered) and len(self._gathered) > 1  # else rank 0's energy x the world size
-        out.update(energy_figures(self._gathered or [self._local_record()], gathered, ctx))
+        records = self._gathered or [self._local_record()]
+        out.update(energy_figures(records, gathered, ctx), **window_energy_figures(records, gathered, ctx))
+        if flagged := over_power_limit(out, ctx.get("world_size") or 1):
+            out["over_power_limit"] = flagged
         if ctx.get("trace_path"):
             out["trace_path"] = str(ctx["trace_path"])
         return out

@@ -123,6 +123,59 @@ def energy_figures(records, gathered, ctx) -> dict:
     return out
 
 
+def window_energy_figures(records, gathered, ctx) -> dict:
+    """Each energy window's mean power per GPU, and the unsynchronised window's J per image: the joules drawn over
+    the very steps and seconds its img/s is measured on (validations taken out of both), so that the two figures
+    multiply into a power the GPU drew; the GPU's enforced power limit (the lowest rank's), where NVML gives it."""
+    out = {}
+    limits = [r["power_limit_w"] for r in records if r.get("power_limit_w")]
+    if limits:
+        out["power_limit_w"] = min(limits)
+    spans = [(r.get("train_energy_j"), r.get("energy_window_s")) for r in records]
+    if all(j is not None and s for j, s in spans):
+        out["train_mean_power_w"] = sum(j / s for j, s in spans) / len(spans)
+    unsync = [(r.get("unsync_energy_j"), r.get("window_s")) for r in records]
+    batch, n_steps = ctx.get("images_per_step"), records[0].get("window_steps") or 0
+    if batch and n_steps and all(j is not None and s for j, s in unsync):
+        scale = 1 if gathered else (ctx.get("world_size") or 1)
+        out["unsync_energy_j"] = sum(j for j, _ in unsync) * scale
+        out["unsync_energy_per_image_j"] = out["unsync_energy_j"] / (n_steps * batch)
+        out["unsync_mean_power_w"] = sum(j / s for j, s in unsync) / len(unsync)
+    return out
+
+
+def over_power_limit(s: dict, world_size: int) -> list:
+    """The (J/image, img/s) pairs of summary `s` whose product, per GPU, exceeds the GPU's enforced power limit: a
+    pair not measured over one window (a J/image printed beside another window's img/s), or a meter that is wrong.
+    Each as {"window": name, "watts": watts}."""
+    limit = s.get("power_limit_w")
+    if not limit:
+        return []
+    pairs = (
+        ("synchronised", "energy_per_image_j", "throughput_img_s"),
+        ("unsynchronised", "unsync_energy_per_image_j", "unsync_throughput_img_s"),
+    )
+    flagged = []
+    for name, j_key, img_key in pairs:
+        if s.get(j_key) is not None and s.get(img_key) is not None:
+            watts = s[j_key] * s[img_key] / max(world_size, 1)
+            if watts > limit:
+                flagged.append({"window": name, "watts": watts})
+    return flagged
+
+
+def unsync_energy_cell(s: dict) -> str:
+    """A table's energy cell for summary `s`'s unsynchronised throughput: its J per image and mean power, from that
+    throughput's own window, flagged when the pair exceeds the GPU's power limit; "n/a" without NVML."""
+    if s.get("unsync_energy_per_image_j") is None:
+        return "n/a"
+    cell = f"{s['unsync_energy_per_image_j']:.3f} ({s['unsync_mean_power_w']:.0f} W)"
+    for flagged in s.get("over_power_limit", ()):
+        if flagged["window"] == "unsynchronised":
+            cell += f" over the {s['power_limit_w']:.0f} W limit"
+    return cell
+
+
 def report_lines(s: dict, warmup_steps: int, per_step=None) -> list:
     """The report's lines from a summary `s` (Chronometer.summary), in the course's order; a line whose figures
     are unknown is left out. `per_step`: (step seconds, load seconds or None) of every step, for the course's
@@ -219,11 +272,24 @@ def cost_lines(s: dict, per_step=None) -> list:
         lines.append(f"=>>> Peak memory: {s['peak_memory_bytes'] / 2**30:.2f} GiB ({s['peak_memory_bytes']} bytes)")
     if "peak_power_w" in s:
         lines.append(f"=>>> Peak power: {s['peak_power_w']:.0f} W")
+    limit = f", the GPU's limit {s['power_limit_w']:.0f} W" if "power_limit_w" in s else ""
     if "energy_per_image_j" in s:
-        line = f"=>>> Energy: {s['energy_per_image_j']:.3f} J per image"
+        line = f"=>>> Energy: {s['energy_per_image_j']:.3f} J per image over the synchronised steps"
+        if "train_mean_power_w" in s:
+            line += f" (mean power {s['train_mean_power_w']:.0f} W per GPU{limit})"
         if "epoch_energy_estimate_j" in s:
             line += f", {s['epoch_energy_estimate_j'] / 3600:.1f} Wh per epoch (estimate, all GPUs)"
         lines.append(line)
+    if "unsync_energy_per_image_j" in s:
+        lines.append(
+            f"=>>> Energy, unsynchronised: {s['unsync_energy_per_image_j']:.3f} J per image over the unsynchronised "
+            f"throughput's own window (mean power {s['unsync_mean_power_w']:.0f} W per GPU{limit})"
+        )
+    for flagged in s.get("over_power_limit", ()):
+        lines.append(
+            f"=>>> WARNING: the {flagged['window']} J per image x images/s is {flagged['watts']:.0f} W per GPU, over "
+            f"the GPU's {s['power_limit_w']:.0f} W limit: the two are not from one window, or the meter is wrong"
+        )
     if per_step is not None:
         # the course's line, rounded to the microsecond to stay readable (the trace file keeps full precision)
         steps = [round(x, 6) for x in per_step[0]]

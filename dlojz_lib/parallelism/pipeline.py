@@ -33,7 +33,15 @@ from torch import nn
 from dlojz_lib.checks import UserError
 from dlojz_lib.model import families
 from dlojz_lib.parallelism.bubble import StageClock, bubble_formula, expected_bubble, seconds_between, time_mark
-from dlojz_lib.torch_internals import child_slots, prune, schedule_microbatches, share_own_tensors, take_own_tensors
+from dlojz_lib.torch_internals import (
+    child_slots,
+    prune,
+    recv_buffers_for_backward,
+    schedule_forward_prepared,
+    schedule_microbatches,
+    share_own_tensors,
+    take_own_tensors,
+)
 
 # --pp-schedule: PyTorch's class, and whether a rank holds several stages (looped: rank, rank + N, ...)
 SCHEDULES = {
@@ -435,7 +443,10 @@ def pipeline_eval(runner, rank, ranks, images, batch_size):
     last = rank == ranks - 1
     # the schedule computes its loss on the last stage: placeholder labels, a loss nobody reads
     target = torch.zeros(batch_size, dtype=torch.long, device=images.device) if last else None
+    first_step = not schedule_forward_prepared(runner)
     outputs = runner.eval(*(images,) if rank == 0 else (), target=target)
+    if first_step and torch.torch_version.TorchVersion(torch.__version__) < "2.13":
+        recv_buffers_for_backward(runner)  # the training steps after it send gradients back through them
     return outputs[:count] if last else None
 
 

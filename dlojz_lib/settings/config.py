@@ -433,7 +433,7 @@ def check_on_device(layout, torch_device, memory, device):
             "backward: this run is on the CPU, whose shards are in host memory already; drop --fsdp-offload"
         )
     if layout.float8 is not None:
-        check_float8(layout.float8, torch_device, device.amp)
+        check_float8(layout.float8, torch_device, device.amp, compiled=memory.compile)
     if device.amp:
         check_autocast(torch.device(torch_device), getattr(torch, device.amp_dtype))
 
@@ -560,9 +560,10 @@ def check_fsdp(memory, device):
 TORCHAO_VERSION = "0.18.0"  # requirements.txt's pin (a test holds them equal)
 
 
-def check_float8(recipe, torch_device, amp=False):
+def check_float8(recipe, torch_device, amp=False, compiled=False):
     """--float8 where it runs: torchao installed, and a GPU of compute capability 8.9 or more or the CPU (a check of
-    the numerics there: model.build says so); rowwise_with_gw_hp without autocast; else one line."""
+    the numerics there: model.build says so, on a torch whose CPU kernels take the recipe and whose compiler builds
+    float8 there); rowwise_with_gw_hp without autocast; else one line."""
     import importlib.util
 
     import torch
@@ -578,6 +579,7 @@ def check_float8(recipe, torch_device, amp=False):
             "gradient as they are, which autocast leaves in two dtypes: use --float8 rowwise, or --no-amp"
         )
     if torch_device == "cpu":
+        check_float8_on_cpu(recipe, compiled)
         return
     capability = torch.cuda.get_device_capability(torch.device(torch_device))
     if capability < (8, 9):
@@ -585,6 +587,25 @@ def check_float8(recipe, torch_device, amp=False):
         fail(
             f"--float8 {recipe}: {name} (compute capability {capability[0]}.{capability[1]}) has no float8 matrix "
             "products (8.9 or more: L4, H100, H200, B200); drop --float8"
+        )
+
+
+def check_float8_on_cpu(recipe, compiled):
+    """--float8 on the CPU as this torch takes it: row-wise where its product takes row scales, --compile from 2.14
+    (2.11's inductor writes float8 C++ that does not build); else one line naming the version."""
+    import torch
+
+    from dlojz_lib.torch_internals import cpu_float8_takes_row_scales
+
+    if recipe != "tensorwise" and not cpu_float8_takes_row_scales():
+        fail(
+            f"--float8 {recipe} on the CPU: this torch {torch.__version__} has no CPU float8 product with a scale "
+            "per row (requirements.txt's 2.14.1 has; GPUs from 2.11): use --float8 tensorwise here, or a GPU"
+        )
+    if compiled and torch.torch_version.TorchVersion(torch.__version__) < "2.14":
+        fail(
+            f"--float8 {recipe} --compile on the CPU: this torch {torch.__version__}'s compiler writes CPU float8 "
+            "code that does not build (requirements.txt's 2.14.1 builds it; GPUs from 2.11): drop --compile, or a GPU"
         )
 
 

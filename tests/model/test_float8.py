@@ -155,6 +155,15 @@ def test_float8_trains_near_bfloat16_and_not_as_bfloat16(recipe, converted, prec
     the same weights, but not equal to it (float8's products really ran)."""
     from torchao.float8.float8_linear import Float8Linear
 
+    from dlojz_lib.torch_internals import cpu_float8_takes_row_scales
+
+    # (torch 2.11): refused in one line, before any work
+    if recipe != "tensorwise" and not cpu_float8_takes_row_scales():
+        tmp_path.joinpath("refused").mkdir()
+        monkeypatch.chdir(tmp_path / "refused")
+        with pytest.raises(UserError, match=rf"--float8 {recipe} on the CPU: this torch .* has no CPU float8"):
+            synthetic_run(["--device", "cpu", "--arch", WIDE_VIT, "--image-size", "32", "--float8", recipe], 1)
+        return
     plain, _ = losses(tmp_path / "plain", monkeypatch, precision)
     capsys.readouterr()
     in_float8, module = losses(tmp_path / "f8", monkeypatch, precision, "--float8", recipe)
@@ -172,6 +181,12 @@ def test_float8_compiled_trains_as_eager_float8(tmp_path, monkeypatch, capsys):
     """--float8 tensorwise with --compile: torch.compile traces torchao's float8 casts and products, and 2 steps'
     losses are eager float8's within 0.1 % (inductor fuses the casts: last bits differ); the loss of the first
     step, before any update, to 1e-5."""
+    if torch.torch_version.TorchVersion(torch.__version__) < "2.14":  # refused on the CPU, before any work
+        tmp_path.joinpath("refused").mkdir()
+        monkeypatch.chdir(tmp_path / "refused")
+        with pytest.raises(UserError, match="--float8 tensorwise --compile on the CPU: this torch"):
+            synthetic_run(["--device", "cpu", "--arch", WIDE_VIT, "--float8", "tensorwise", "--compile"], 1)
+        return
     eager, _ = losses(tmp_path / "eager", monkeypatch, "--no-amp", "--float8", "tensorwise", steps=2)
     compiled, module = losses(
         tmp_path / "compiled", monkeypatch, "--no-amp", "--float8", "tensorwise", "--compile", steps=2
@@ -266,6 +281,31 @@ def test_float8_is_refused_where_it_cannot_run(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *rest: None)
     with pytest.raises(UserError, match=r"torchao's, which is not installed here: pip install torchao==0\.18\.0"):
         check_float8("rowwise", "cpu")
+
+
+def test_float8_on_the_cpu_is_refused_where_this_torch_cannot_run_it(monkeypatch):
+    """On the CPU, a torch whose float8 product takes no row scales (2.11) refuses the row-wise recipes, and one
+    older than 2.14 refuses --compile, each in one line naming its version; tensorwise runs on any; a GPU never
+    asks either."""
+    from dlojz_lib import torch_internals
+    from dlojz_lib.settings import config
+
+    version = torch.torch_version.TorchVersion(torch.__version__)
+    assert torch_internals.cpu_float8_takes_row_scales() or version < "2.14"  # (True on 2.14.1, False on 2.11.0)
+    assert not torch_internals.cpu_float8_takes_row_scales() or version >= "2.12"
+    monkeypatch.setattr(torch_internals, "cpu_float8_takes_row_scales", lambda: False)
+    monkeypatch.setattr(torch, "__version__", "2.11.0+cu130")
+    for recipe in ("rowwise", "rowwise_with_gw_hp"):
+        with pytest.raises(UserError, match=rf"--float8 {recipe} on the CPU: this torch 2\.11\.0\+cu130 has no CPU"):
+            config.check_float8(recipe, "cpu")
+    config.check_float8("tensorwise", "cpu")
+    with pytest.raises(UserError, match=r"--float8 tensorwise --compile on the CPU: this torch 2\.11\.0\+cu130's"):
+        config.check_float8("tensorwise", "cpu", compiled=True)
+    monkeypatch.setattr(torch, "__version__", "2.14.1")
+    config.check_float8("tensorwise", "cpu", compiled=True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(torch, "__version__", "2.11.0+cu130")
+    config.check_float8("rowwise", "cuda:0", amp=True, compiled=True)
 
 
 def test_fsdp_s_float8_scales_run_after_each_step_under_tensorwise_scaling_only():

@@ -51,8 +51,9 @@ class FakeNVMLError(Exception):
 class FakeNVML:
     """pynvml stand-in: a GPU drawing `watts` (callable of the clock time), energy counter integrated from it."""
 
-    def __init__(self, clock, watts, energy_supported=True, fail_init=False):
+    def __init__(self, clock, watts, energy_supported=True, fail_init=False, limit_w=None):
         self.clock = clock
+        self.limit_w = limit_w
         self.watts = watts
         self.energy_supported = energy_supported
         self.fail_init = fail_init
@@ -74,6 +75,11 @@ class FakeNVML:
 
     def nvmlDeviceGetPowerUsage(self, handle):
         return int(self.watts(self.clock.now) * 1000)  # mW
+
+    def nvmlDeviceGetEnforcedPowerLimit(self, handle):
+        if self.limit_w is None:
+            raise FakeNVMLError("Not Supported")
+        return int(self.limit_w * 1000)  # mW
 
     def nvmlDeviceGetTotalEnergyConsumption(self, handle):
         if not self.energy_supported:
@@ -436,6 +442,67 @@ def test_gathered_energy_is_summed_over_ranks():
     assert s["train_energy_j"] == pytest.approx(400.0 + 600.0)
     assert s["energy_per_image_j"] == pytest.approx(1000.0 / 16)
     assert s["peak_power_w"] == pytest.approx(350.0)
+
+
+def windowed_run(watts, limit_w, untimed=0.0):
+    """Two synchronised steps of 10 images (t 100 -> 104 without `untimed`), then the unsynchronised window: a step,
+    a validation of 3 s, two steps, its end."""
+    clock = FakeClock()
+    nvml = FakeNVML(clock, watts, limit_w=limit_w)
+    chrono = Chronometer(True, warmup_steps=0, clock=clock, sync=lambda: None, nvml=nvml, synced_steps=2)
+    for _ in range(2):
+        run_step(chrono, clock, 0.5, 0.5, 1.0, untimed=untimed)
+    window_start = clock.now
+    run_step(chrono, clock, 0.5, 0.5, 1.0)
+    chrono.validation()
+    clock.advance(3.0)
+    chrono.validation()
+    for _ in range(2):
+        run_step(chrono, clock, 0.5, 0.5, 1.0)
+    chrono.end_window()
+    return chrono, window_start
+
+
+def test_the_unsynchronised_j_per_image_is_drawn_over_its_throughput_s_own_window(capsys):
+    # 200 W over the synchronised steps, 600 W in the unsynchronised window, 100 W in its validation (t 106 -> 109)
+    def watts(t):
+        return 200.0 if t < 104.0 else (100.0 if 106.0 <= t < 109.0 else 600.0)
+
+    chrono, window_start = windowed_run(watts, limit_w=700.0)
+    assert window_start == pytest.approx(104.0)
+    ctx = {"images_per_step": 10, "world_size": 1}
+    s = chrono.summary(ctx)
+    assert s["unsync_throughput_img_s"] == pytest.approx(30 / 6.0)  # 3 steps in 6 s, the validation out
+    assert s["unsync_energy_per_image_j"] == pytest.approx(600.0 * 6.0 / 30)
+    assert s["unsync_mean_power_w"] == pytest.approx(600.0)
+    # the pair multiplies into the power drawn over that window
+    assert s["unsync_energy_per_image_j"] * s["unsync_throughput_img_s"] == pytest.approx(600.0)
+    assert s["energy_per_image_j"] == pytest.approx(200.0 * 4.0 / 20)  # the synchronised steps' own
+    assert s["train_mean_power_w"] == pytest.approx(200.0)
+    assert s["power_limit_w"] == pytest.approx(700.0) and "over_power_limit" not in s
+    chrono.display(ctx)
+    out = capsys.readouterr().out
+    assert "Energy, unsynchronised: 120.000 J per image" in out and "mean power 600 W" in out
+    assert "limit 700 W" in out and "WARNING" not in out
+
+
+def test_a_j_per_image_and_images_per_second_over_the_power_limit_are_flagged(capsys):
+    # 450 W throughout, under the 500 W limit; but the synchronised steps are 2 s timed + 2 s untimed, so their J per
+    # image (the energy window's 6 s: both steps and the untimed time between them) times the chronometer's img/s
+    # (the timed phases only, 4 s) is 675 W
+    chrono, _ = windowed_run(lambda t: 450.0, limit_w=500.0, untimed=2.0)
+    ctx = {"images_per_step": 10, "world_size": 1}
+    s = chrono.summary(ctx)
+    assert s["energy_per_image_j"] * s["throughput_img_s"] == pytest.approx(450.0 * 6.0 / 4.0)
+    assert s["unsync_energy_per_image_j"] * s["unsync_throughput_img_s"] == pytest.approx(450.0)
+    assert s["over_power_limit"] == [{"window": "synchronised", "watts": pytest.approx(675.0)}]
+    chrono.display(ctx)
+    warnings = [line for line in capsys.readouterr().out.splitlines() if "WARNING" in line]
+    assert len(warnings) == 1 and "synchronised J per image" in warnings[0] and "500 W limit" in warnings[0]
+    # without the limit (a GPU that does not report it) nothing is flagged
+    chrono, _ = windowed_run(lambda t: 450.0, limit_w=None, untimed=2.0)
+    s = chrono.summary(ctx)
+    assert "power_limit_w" not in s and "over_power_limit" not in s
 
 
 @pytest.mark.parametrize("nvml", ["missing", "init-fails", "default-on-cpu"])
