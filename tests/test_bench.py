@@ -4,6 +4,8 @@ import io
 import json
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import preloaded
 import pytest
@@ -379,7 +381,12 @@ def test_the_bare_loop_steps_with_dlojz_s_fused_sgd():
 
 @pytest.mark.parametrize(
     "script, flag",
-    [("ablation.py", "--data-root"), ("bench_plain_loop.py", "--data"), ("bench_storage.py", "--data")],
+    [
+        ("ablation.py", "--data-root"),
+        ("bench_plain_loop.py", "--data"),
+        ("bench_storage.py", "--data"),
+        ("gpu_session.py", "--data"),
+    ],
 )
 def test_a_bench_given_a_missing_data_folder_says_so_before_any_run(script, flag, tmp_path):
     missing = tmp_path / "nonexistent"
@@ -436,3 +443,145 @@ def test_the_train_bench_takes_dlojz_s_flags_from_its_flag_table():
     assert changed.parse_args([]).batch_size == 7 and changed.parse_args(["--batch-size", "3"]).batch_size == 3
     with pytest.raises(SystemExit):
         changed.parse_args(["--batch-size", "0"])  # the row's bounds
+
+
+class FakeClock:
+    """The budget's clock, moved by the rows' fake runners only."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def session_of(tmp_path, clock, budget_s):
+    import gpu_session
+
+    session = gpu_session.Session("cpu", budget_s, tmp_path, steps=6, clock=clock)
+    session._environment = {"date": "2026-12-03", "device_name": "NVIDIA H200", "driver": "580.1", "torch": "2.11.0"}
+    session._environment.update(dali="2.4.0", torchao=None)
+    return session
+
+
+def test_the_gpu_session_runs_its_rows_in_priority_order_and_skips_what_the_time_left_cannot_hold(tmp_path):
+    """Rows in ROWS' order whatever order --only gives; a row whose estimate exceeds the time left is skipped with a
+    line saying both, a later cheaper row still runs, the clock never passes the budget, and the JSON and the
+    markdown table (rewritten after each row) hold every row with the DALI / synthetic and MLPerf ratios."""
+    import gpu_session
+
+    clock, ran, lines = FakeClock(), [], []
+    spent = {"data": 30, "dali": 60, "synthetic": 50, "cpu_pipeline": 55, "dali_memory": 20, "float8": 10}
+    costs = {name: 40 for name in gpu_session.ROWS} | {"cpu_pipeline": 200, "ablation": 300}
+
+    def runner(name):
+        def run(session):
+            ran.append(name)
+            clock.now += spent.get(name, 35)
+            return {"status": "ok", "unsync_throughput_img_s": {"dali": 7900.0, "synthetic": 8000.0}.get(name)}
+
+        return run
+
+    session = session_of(tmp_path, clock, budget_s=300)
+    names = ["float8", "synthetic", "ablation", "dali_memory", "cpu_pipeline", "dali", "data"]
+    rows = gpu_session.run_session(session, names, {name: runner(name) for name in names}, costs, lines.append)
+    assert ran == ["data", "dali", "synthetic", "dali_memory", "float8"]  # cpu_pipeline (200 s) no longer fitted
+    assert list(rows) == ["data", "dali", "synthetic", "cpu_pipeline", "dali_memory", "float8", "ablation"]
+    assert rows["cpu_pipeline"]["status"] == "skipped" and "needs ~200 s, 155 s left" in lines[3]
+    assert rows["ablation"]["why"] == "needs ~300 s, 125 s left" and clock.now == 170 <= session.budget_s
+    report = json.loads((tmp_path / "session.json").read_text())
+    assert report["rows"]["dali"]["seconds"] == 60 and report["budget_s"] == 300
+    assert "DALI / synthetic, unsynchronised img/s: 0.988" in report["ratios"]
+    assert "DALI row / MLPerf's 7,950 img/s per H200: 0.994" in report["ratios"]
+    table = (tmp_path / "session.md").read_text()
+    assert "| dali | ok | 60 (40) | 7,900 | n/a |  |" in table and "| ablation | skipped | - (300) |" in table
+
+
+def test_the_gpu_session_stops_a_row_when_its_budget_ends(tmp_path):
+    """A row still running when the budget ends is stopped, its process group with it (a child it started too),
+    and says so: the session does not run past its budget whatever a row's estimate said."""
+    import gpu_session
+
+    session = session_of(tmp_path, time.monotonic, budget_s=gpu_session.TAIL_S + 2)
+    session.start = time.monotonic()
+    grandchild = tmp_path / "grandchild.pid"
+    script = (
+        "import subprocess, sys, time; child = subprocess.Popen(['sleep', '120']); "
+        f"open({str(grandchild)!r}, 'w').write(str(child.pid)); time.sleep(120)"
+    )
+    begun = time.monotonic()
+    result = gpu_session.Session.run(session, "sleeper", [sys.executable, "-c", script])
+    assert result == {"status": "stopped", "why": "the budget ended while it ran"}
+    assert time.monotonic() - begun < 60  # (2 s of budget; 120 s had it not been stopped)
+    pid = int(grandchild.read_text())
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and not process_gone(pid):
+        time.sleep(0.1)
+    assert process_gone(pid)
+
+
+def process_gone(pid) -> bool:
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return True
+    return "State:\tZ" in status
+
+
+def test_the_gpu_session_refuses_an_unknown_row_in_one_line(tmp_path):
+    command = [sys.executable, str(ROOT / "bench" / "gpu_session.py"), "--only", "dali,mfu", "--out", str(tmp_path)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120, env=clean_env())
+    assert result.returncode == 2 and "--only mfu: not a row; the rows are data,dali," in result.stderr.splitlines()[-1]
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.slow
+def test_the_gpu_session_runs_end_to_end_on_the_cpu(tmp_path):
+    """--device cpu within a 75 s budget: the data row writes JPEGs; DALI's CPU backend, --synthetic and the
+    DataLoader train on them, each row's unsynchronised img/s read from its run's metrics; the ratios printed; the
+    ablation (~60 s) no longer fits and is skipped; the session ends inside its budget, exit 0 unless a row was
+    stopped at the budget's end (a machine slower than its estimates)."""
+    out = tmp_path / "session"
+    command = [sys.executable, str(ROOT / "bench" / "gpu_session.py"), "--device", "cpu", "--out", str(out)]
+    command += ["--budget-s", "75", "--only", "ablation,meta_fill,dali_loader,cpu_pipeline,synthetic,dali,data"]
+    begun = time.monotonic()
+    env = clean_env() | {"XDG_CACHE_HOME": str(tmp_path / "cache")}
+    result = subprocess.run(command, capture_output=True, text=True, timeout=400, env=env, cwd=tmp_path)
+    assert time.monotonic() - begun < 75 + 30, result.stdout[-3000:]  # (its start and end beside the budget)
+    rows = json.loads((out / "session.json").read_text())["rows"]
+    assert list(rows) == ["data", "dali", "synthetic", "cpu_pipeline", "dali_loader", "meta_fill", "ablation"]
+    stopped = [name for name, row in rows.items() if row["status"] == "stopped"]
+    assert result.returncode == (1 if stopped else 0), result.stdout[-3000:] + result.stderr[-3000:]
+    assert rows["data"]["status"] == rows["dali"]["status"] == "ok" and rows["data"]["train_images"] == 10 * 24
+    assert rows["ablation"]["status"] == "skipped" and rows["ablation"]["why"].startswith("needs ~60 s, ")
+    for name in ("dali", "synthetic", "cpu_pipeline"):
+        if rows[name]["status"] == "ok":
+            metrics = json.loads((out / f"{name}.json").read_text())
+            assert rows[name]["unsync_throughput_img_s"] == metrics["chrono"]["unsync_throughput_img_s"] > 0
+        else:
+            assert rows[name]["status"] in ("skipped", "stopped"), rows[name]
+    assert 'data-backend = "dali"' in (out / "dali" / "args.toml").read_text()
+    assert (tmp_path / "cache" / "dlojz" / "gpu-session-96x80-24" / ".complete").exists()  # (XDG_CACHE_HOME's)
+    if rows["synthetic"]["status"] == "ok":
+        assert "DALI / synthetic, unsynchronised img/s:" in result.stdout
+    assert "| dali | ok |" in (out / "session.md").read_text()
+
+
+def test_the_gpu_carry_s_install_refuses_missing_or_cut_pieces_in_one_line(tmp_path):
+    """bench/gpu_carry.sh install, on the GPU machine: without the pieces, or with one cut short (the checksums of
+    the joined wheels differ), one line saying what to carry, exit 2, nothing installed."""
+    script = ["bash", str(ROOT / "bench" / "gpu_carry.sh"), "install"]
+    result = subprocess.run(script, capture_output=True, text=True, env=clean_env(DLOJZ_CARRY=tmp_path / "none"))
+    assert result.returncode == 2 and "carry each part first" in result.stdout.splitlines()[-1], result.stdout
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    (wheels / "a-1.0-py3-none-any.whl").write_bytes(bytes(range(256)) * 400)
+    subprocess.run(["tar", "-cf", str(tmp_path / "w.tar"), "-C", str(wheels), "."], check=True)
+    data = (tmp_path / "w.tar").read_bytes()
+    for n, piece in enumerate((data[: len(data) // 2], data[len(data) // 2 : -30000]), start=1):  # the last cut short
+        (tmp_path / "carry" / f"part{n}").mkdir(parents=True)
+        (tmp_path / "carry" / f"part{n}" / f"piece.{n - 1:02d}").write_bytes(piece)
+    digest = subprocess.run(["sha256sum", "./a-1.0-py3-none-any.whl"], cwd=wheels, capture_output=True, text=True)
+    (tmp_path / "carry" / "part2" / "SHA256SUMS").write_text(digest.stdout)
+    result = subprocess.run(script, capture_output=True, text=True, env=clean_env(DLOJZ_CARRY=tmp_path / "carry"))
+    assert result.returncode == 2 and "checksums differ" in result.stdout.splitlines()[-1], result.stdout

@@ -112,8 +112,8 @@ def test_float8_linears_of_a_model_of_no_family_are_none():
 
 def test_a_model_whose_linears_are_all_too_small_says_none_is_converted(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
-    synthetic_run(["--device", "cpu", "--arch", "timm:test_vit", "--image-size", "32", "--float8", "rowwise"], 2)
-    assert "--float8 rowwise: no linear converted: none of timm:test_vit's block linears" in capsys.readouterr().out
+    synthetic_run(["--device", "cpu", "--arch", "timm:test_vit", "--image-size", "32", "--float8", "tensorwise"], 2)
+    assert "--float8 tensorwise: no linear converted: none of timm:test_vit's block linears" in capsys.readouterr().out
 
 
 def losses(tmp_path, monkeypatch, *flags, steps=3):
