@@ -33,7 +33,6 @@ each run's own metrics JSON and log. Exit 1 when a row failed or was stopped; sk
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import importlib.util
 import json
@@ -42,7 +41,6 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -89,19 +87,14 @@ GPU_CHECKS += ("selective_policy",)
 ROWS = ("data", "dali", "synthetic", "cpu_pipeline", *GPU_CHECKS, "float8", "ablation")
 
 
-@dataclass
 class Session:
     """What the rows share: the device, the budget's clock, the output folder, the rows' results so far."""
 
-    device: str
-    budget_s: float
-    out: Path
-    steps: int
-    data: Path | None = None
-    clock: object = time.monotonic
-    python: str = sys.executable
-    start: float = 0.0
-    rows: dict = field(default_factory=dict)
+    def __init__(self, device, budget_s, out, steps, data=None, clock=time.monotonic, python=sys.executable):
+        self.device, self.budget_s, self.out, self.steps, self.data = device, budget_s, Path(out), steps, data
+        self.clock, self.python = clock, python
+        self.start = 0.0
+        self.rows = {}  # name: result, in the order they ran or were skipped
 
     def left_s(self) -> float:
         return self.budget_s - (self.clock() - self.start) - TAIL_S
@@ -360,23 +353,27 @@ def environment(session) -> dict:
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    sys.path.insert(0, str(ROOT))  # the flags' bounds and one-line refusals (no torch)
+    from dlojz_lib.checks import OneLineArgumentParser
+    from dlojz_lib.settings.flags import TIMEOUT_LIMIT_S, Number
+
+    parser = OneLineArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
-    parser.add_argument("--budget-s", type=float, default=float(os.environ.get("BUDGET_S", 720)))
+    budget = Number(float, TAIL_S, TIMEOUT_LIMIT_S, low_open=True)  # (TAIL_S: the files after the rows)
+    parser.add_argument("--budget-s", type=budget, default=os.environ.get("BUDGET_S", "720"), help="default: $BUDGET_S")
     parser.add_argument("--out", type=Path, default=None, help="default: $OUT, else runs/gpu_session_<time>")
     parser.add_argument(
         "--data", type=Path, default=None, help="an image folder (train/, val/) instead of the data row"
     )
     parser.add_argument("--only", default=None, help=f"the rows to run, separated by commas ({','.join(ROWS)})")
-    parser.add_argument("--steps", type=int, default=None, help="a training row's steps (default: 200 GPU, 6 CPU)")
+    steps = Number(int, 2)  # (its last half unsynchronised: one step at least)
+    parser.add_argument("--steps", type=steps, default=None, help="a training row's steps (default: 200 GPU, 6 CPU)")
     args = parser.parse_args(argv)
     names = args.only.split(",") if args.only else list(ROWS)
     if unknown := [name for name in names if name not in ROWS]:
         parser.error(f"--only {','.join(unknown)}: not a row; the rows are {','.join(ROWS)}")
     if args.data is not None and not (args.data / "train").is_dir():
         parser.error(f"--data {args.data}: no train/ folder there; give the data set's folder (train/, val/)")
-    if args.budget_s <= TAIL_S:
-        parser.error(f"--budget-s {args.budget_s:g}: more than {TAIL_S} s, the time the files take after the rows")
     out = args.out or (
         Path(os.environ["OUT"]) if os.environ.get("OUT") else ROOT / "runs" / f"gpu_session_{time.time():.0f}"
     )
