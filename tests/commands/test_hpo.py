@@ -27,8 +27,10 @@ from conftest import ROOT, SMALL, TINY, clean_env, read_json, run_dlojz, show
 from slurm_cluster import slurm_cluster  # noqa: F401  (the session fixture)
 
 # torchvision's resnet18: the Slurm job array's trials are fresh interpreters, where timm's import costs more than
-# it saves at 16 px
+# it saves at 16 px; the trials forked from the preloaded server (timm imported) train timm's test ResNet, the
+# smallest model that shows a trial validate, fail, get pruned and resume
 TRIAL = [*TINY, "--arch", "resnet18"]
+PRELOADED_TRIAL = TINY
 SPACE = "[lr]\nlow = 0.01\nhigh = 0.3\nlog = true\n[label-smoothing]\nlow = 0.0\nhigh = 0.2\n"
 
 
@@ -66,8 +68,11 @@ def load(storage, study):
     return optuna.load_study(study_name=study, storage=optuna.storages.JournalStorage(backend))
 
 
-def search_args(tmp_path, data, *options, study="s", trial_flags=("--epochs", "1"), storage=None, launch=None):
-    """`launch`: the trials' launcher prefix (preloaded_launch: forks of the tests' preloaded server)."""
+def search_args(
+    tmp_path, data, *options, study="s", trial_flags=("--epochs", "1"), storage=None, launch=None, trial=None
+):
+    """`launch`: the trials' launcher prefix (preloaded_launch: forks of the tests' preloaded server); `trial`: the
+    trials' model flags (default: PRELOADED_TRIAL for forked trials, else TRIAL)."""
     return [
         "search",
         *(["--launch", launch] if launch else []),
@@ -81,7 +86,7 @@ def search_args(tmp_path, data, *options, study="s", trial_flags=("--epochs", "1
         "0.2",
         *options,
         "--",
-        *TRIAL,
+        *(trial or (PRELOADED_TRIAL if launch else TRIAL)),
         "--data-root",
         data,
         "--output-dir",
@@ -498,7 +503,7 @@ def test_a_worker_lost_mid_trial_leaves_the_study_usable_and_the_trial_retried(
         "0.5",
         "--stale-after",
         "3",
-        trial_flags=("--epochs", "4", "--train-subset", "0.5"),
+        trial_flags=("--epochs", "8", "--train-subset", "0.5"),  # (a trial still running when its worker goes)
         launch=preloaded_launch,
     )
     history = tmp_path / "out" / "s" / "trial-0000" / "val_history.jsonl"
@@ -544,7 +549,7 @@ def test_a_worker_lost_mid_trial_leaves_the_study_usable_and_the_trial_retried(
     assert retried.user_attrs["output_dir"] == str(history.parent)  # the same folder...
     assert "resumed from" in trial_log.read_text().split("==== trial 1")[1]  # ...and its checkpoint
     assert 1 in retried.intermediate_values  # the first validation, inherited
-    assert read_json(history.parent / "metrics.json")["epochs"] == 4
+    assert read_json(history.parent / "metrics.json")["epochs"] == 8
     if how == "killed":
         assert "trial 0: no heartbeat" in second.stdout, show(second)
 
@@ -600,7 +605,7 @@ def test_report_writes_plots_csv_and_a_recipe_that_dlojz_runs(finished_study, tm
 
     recipe = vars(get_args_parser().parse_args(["--config", str(out / "best.toml")]))
     assert recipe["lr"] == best.params["lr"] and recipe["label_smoothing"] == best.params["label_smoothing"]
-    assert recipe["train_subset"] == 0.5 and recipe["image_size"] == 16 and recipe["arch"] == "resnet18"
+    assert recipe["train_subset"] == 0.5 and recipe["image_size"] == 16 and recipe["arch"] == "timm:test_resnet"
     assert "output-dir" not in (out / "best.toml").read_text()
     run = run_dlojz(
         "--config", out / "best.toml", "--output-dir", tmp_path / "rerun", "--metrics-json", tmp_path / "m.json"
@@ -674,6 +679,7 @@ def test_a_study_keeps_its_shared_flags(finished_study, tiny_data, capsys):
         "--objective",
         "top1",
         trial_flags=("--epochs", "1", "--train-subset", "0.5"),
+        trial=PRELOADED_TRIAL,  # (finished_study's)
     )
     status = dlojz_hpo.main([str(arg) for arg in same_flags])
     err = capsys.readouterr().err
