@@ -468,6 +468,7 @@ def test_a_pruner_that_prunes_everything_stops_trials_after_their_first_validati
             trial_flags=("--epochs", "30"),
             storage=storage,
             launch=preloaded_launch,
+            trial=TRIAL,  # (resnet18's epochs, long enough for the worker's verdict to come after the first)
         )
     )
     assert proc.returncode == 0, show(proc)
