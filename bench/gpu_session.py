@@ -95,6 +95,7 @@ class Session:
         self.clock, self.python = clock, python
         self.start = 0.0
         self.rows = {}  # name: result, in the order they ran or were skipped
+        self._environment = None  # environment()'s, read once
 
     def left_s(self) -> float:
         return self.budget_s - (self.clock() - self.start) - TAIL_S
@@ -143,7 +144,7 @@ def data_row(session) -> dict:
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dlojz"
     folder = cache / f"gpu-session-{size}-{per_class[0]}"  # kept for the next session on this machine
     script = (
-        "import sys; from bench.gpu_session import write_jpegs; "
+        "from bench.gpu_session import write_jpegs; "
         f"write_jpegs({str(folder)!r}, {per_class[0]}, {per_class[1]}, {size.split('x')!r})"
     )
     result = session.run("data", [session.python, "-c", script], env={"PYTHONPATH": str(ROOT)})
@@ -217,10 +218,12 @@ ROW_DATA_FLAGS = {
 
 
 def figures_of(metrics) -> dict:
+    from dlojz_lib.observers.chrono_report import unsync_energy_cell  # (no torch)
+
     chrono = metrics.get("chrono", {})
     keys = ("unsync_throughput_img_s", "throughput_img_s", "unsync_energy_per_image_j", "unsync_mean_power_w")
     figures = {key: chrono.get(key) for key in keys}
-    figures["over_power_limit"] = bool(chrono.get("over_power_limit"))
+    figures["energy"] = unsync_energy_cell(chrono)  # the table's cell, as bench/ablation.py's
     return figures
 
 
@@ -318,11 +321,7 @@ def write_files(session):
         "|---|---|---|---|---|---|",
     ]
     for name, r in session.rows.items():
-        img_s = r.get("unsync_throughput_img_s")
-        energy = "n/a"
-        if r.get("unsync_energy_per_image_j") is not None:
-            energy = f"{r['unsync_energy_per_image_j']:.3f} ({r['unsync_mean_power_w']:.0f} W)"
-            energy += " over the power limit" if r.get("over_power_limit") else ""
+        img_s, energy = r.get("unsync_throughput_img_s"), r.get("energy", "n/a")
         seconds = f"{r['seconds']:.0f} ({r['estimate_s']})" if "seconds" in r else f"- ({r['estimate_s']})"
         cell = f"{img_s:,.0f}" if img_s else ""
         lines.append(f"| {name} | {r['status']} | {seconds} | {cell} | {energy} | {r.get('why', '')} |")
@@ -332,7 +331,7 @@ def write_files(session):
 
 def environment(session) -> dict:
     """The date, the device, its driver and the versions that make the figures, read in a child (no torch here)."""
-    if hasattr(session, "_environment"):
+    if session._environment is not None:
         return session._environment
     probe = (
         "import json, torch, importlib.metadata as m\n"

@@ -161,8 +161,11 @@ def recv_buffers_for_backward(schedule):
     """The receive buffers of a schedule's stages made to require gradients (`args_recv_info`'s `buffer`): torch
     before 2.13 decides it once, as it builds them at the first step, so a schedule whose first step is a forward-only
     `eval` (a validation before any training step, a resumed run's first) has buffers no gradient flows back through;
-    2.13 and later decide it at each forward, from the step's grad mode, and need no change."""
+    2.13 and later decide it at each forward, from the step's grad mode: nothing done there."""
     import torch
+
+    if torch.torch_version.TorchVersion(torch.__version__) >= "2.13":
+        return
     from torch.distributed.pipelining.stage import _RecvInfo
 
     for stage in schedule_stages(schedule):

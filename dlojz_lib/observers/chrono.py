@@ -208,9 +208,8 @@ class EnergyMeter:
         }
 
     def validation_start(self):
-        self._val_open = (self.read(), self._clock()) if self.handle is not None else None
-        if self._val_open is not None and self._val_open[0] is None:
-            self._val_open = None
+        reading = self.read() if self.handle is not None else None
+        self._val_open = None if reading is None else (reading, self._clock())
 
     def validation_end(self):
         if self._val_open is None:

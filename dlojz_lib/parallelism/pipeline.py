@@ -445,7 +445,7 @@ def pipeline_eval(runner, rank, ranks, images, batch_size):
     target = torch.zeros(batch_size, dtype=torch.long, device=images.device) if last else None
     first_step = not schedule_forward_prepared(runner)
     outputs = runner.eval(*(images,) if rank == 0 else (), target=target)
-    if first_step and torch.torch_version.TorchVersion(torch.__version__) < "2.13":
+    if first_step:
         recv_buffers_for_backward(runner)  # the training steps after it send gradients back through them
     return outputs[:count] if last else None
 
