@@ -11,16 +11,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 key=$(cat "$0" requirements.txt requirements-test.txt | sha256sum | cut -c1-16)
 VENV="${DLOJZ_VENV_2_11:-$HOME/.cache/dlojz/venv-torch2.11-$key}"
-if [ ! -x "$VENV/bin/python" ] || [ ! -f "$VENV/.complete" ]; then
-    echo "creating venv $VENV (torch 2.11.0, torchvision 0.26.0)"
-    rm -rf "$VENV"
-    python3 -m venv "$VENV"
-    "$VENV/bin/pip" install --quiet --upgrade pip
-    grep -v -E '^(torch|torchvision)==' requirements.txt > "$VENV/requirements-2.11.txt"
-    "$VENV/bin/pip" install --quiet torch==2.11.0 torchvision==0.26.0 -r "$VENV/requirements-2.11.txt" \
-        -r requirements-test.txt
-    touch "$VENV/.complete"
-fi
+rest=$(mktemp)  # requirements.txt but its torch and torchvision pins
+trap 'rm -f "$rest"' EXIT
+grep -v -E '^(torch|torchvision)==' requirements.txt > "$rest"
+source .ci/make_venv.sh
+make_venv "$VENV" torch==2.11.0 torchvision==0.26.0 -r "$rest" -r requirements-test.txt
 export PATH="$VENV/bin:$PATH"
 python -c "import torch, torchvision, torchao; print('torch', torch.__version__, 'torchvision', torchvision.__version__, 'torchao', torchao.__version__)"
 start=$(date +%s)

@@ -2,14 +2,8 @@
 set -eu
 req_hash=$(sha256sum requirements.txt | cut -c1-16)
 VENV="${DLOJZ_VENV:-$HOME/.cache/dlojz/venv-$req_hash}"
-if [ ! -x "$VENV/bin/python" ] || [ ! -f "$VENV/.complete" ]; then
-    echo "creating venv $VENV (torch is large: a few minutes)"
-    rm -rf "$VENV"
-    python3 -m venv "$VENV"
-    "$VENV/bin/pip" install --quiet --upgrade pip
-    "$VENV/bin/pip" install --quiet -r requirements.txt
-    touch "$VENV/.complete"
-fi
+source .ci/make_venv.sh
+make_venv "$VENV" -r requirements.txt
 # The tests' own packages (requirements-test.txt), into the same venv: once per version of that file.
 test_hash=$(sha256sum requirements-test.txt | cut -c1-16)
 if [ ! -f "$VENV/.complete-test-$test_hash" ]; then
