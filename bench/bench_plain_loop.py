@@ -67,6 +67,7 @@ def parse_args(argv=None):
     parser.add_argument("--data", type=Path, default=None, help="an ImageFolder with train/ (default: generated)")
     parser.add_argument("--seed", type=WHOLE, default=123, help="dlojz's default seed")
     parser.add_argument("--timeout", type=POSITIVE, default=1800, help="seconds allowed per run (default: 1800)")
+    parser.add_argument("--python", default=sys.executable, help="the Python that starts both runs (default: this one)")
     parser.add_argument(
         "--dlojz-flags", default="", help="more flags for the dlojz side, e.g. '--prefetch-factor 2' (quoted)"
     )
@@ -180,7 +181,7 @@ def run(command, args, env):
 
 
 def run_plain(args, data, env):
-    command = [sys.executable, __file__, *passed_args(args), "--data", str(data), "--run-plain"]
+    command = [args.python, __file__, *passed_args(args), "--data", str(data), "--run-plain"]
     proc, wall = run(command, args, env)
     line = next(x for x in proc.stdout.splitlines() if x.startswith(RESULT_TAG))
     return dict(json.loads(line[len(RESULT_TAG) :]), wall_s=wall), command
@@ -189,7 +190,7 @@ def run_plain(args, data, env):
 def run_dlojz(args, data, env, scratch):
     metrics = scratch / "dlojz.json"
     command = [
-        sys.executable,
+        args.python,
         "dlojz.py",
         "--data-root",
         str(data),

@@ -6,7 +6,8 @@ the same way: the device is synchronised after the first 10 (warm-up) steps and 
 throughput is images / wall time between those two points. That is how dlojz measures ``images_per_second`` in
 ``--metrics-json`` (steady state between synchronised log points, every 10 steps, the first 10 excluded).
 
-Measured, each in its own fresh subprocess (so that no run inherits another's allocator, caches or threads):
+Measured, each in its own fresh subprocess (so that no run inherits another's allocator, caches or threads), started
+by ``--python`` (default: this Python; the tests give a fork of a server that imported torch and did nothing else):
 
 * ``dlojz --test``: ``python dlojz.py --synthetic --test --test-nsteps STEPS --no-wandb --metrics-json ...``, as a
   user runs it, its 20 validation batches (not timed) at the training image size. ``--test`` turns the chronometer
@@ -99,6 +100,9 @@ def parse_args(argv=None):
         help="CPU threads of every run (OMP_NUM_THREADS); 1 resists a busy machine best (default: torch's)",
     )
     parser.add_argument("--timeout", type=POSITIVE, default=1800, help="seconds allowed per subprocess (default: 1800)")
+    parser.add_argument(
+        "--python", default=sys.executable, help="the Python that starts every measured run (default: this one)"
+    )
     parser.add_argument(
         "--bare-keeps-freed-memory",
         action="store_true",
@@ -303,7 +307,7 @@ def run(cmd, timeout, label, threads=None):
 
 def dlojz_commands(args, tmp):
     """The user-facing command line of each dlojz variant (paths inside `tmp`)."""
-    base = [sys.executable, "dlojz.py", "--synthetic", "--no-wandb"] + common_flags(args)
+    base = [args.python, "dlojz.py", "--synthetic", "--no-wandb"] + common_flags(args)
     cmds = {}
     if "test" in args.variants:
         cmds["test"] = base + [
@@ -329,7 +333,7 @@ def dlojz_commands(args, tmp):
         )
         # The hidden entry point runs dlojz's train_one_epoch on a synthetic epoch of --steps batches.
         cmds["epoch"] = [
-            sys.executable,
+            args.python,
             str(Path(__file__).resolve()),
             "--run-dlojz-epoch",
             str(args.steps),
@@ -349,7 +353,7 @@ def measure(args):
     """Interleave the runs `args.repeats` times; return img/s and load average per run name, and the commands."""
     bare_base = (
         [
-            sys.executable,
+            args.python,
             str(Path(__file__).resolve()),
             "--run-bare",
             "--steps",

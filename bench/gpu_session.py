@@ -365,6 +365,7 @@ def main(argv=None):
         "--data", type=Path, default=None, help="an image folder (train/, val/) instead of the data row"
     )
     parser.add_argument("--only", default=None, help=f"the rows to run, separated by commas ({','.join(ROWS)})")
+    parser.add_argument("--python", default=sys.executable, help="the Python that starts each row (default: this one)")
     steps = Number(int, 2)  # (its last half unsynchronised: one step at least)
     parser.add_argument("--steps", type=steps, default=None, help="a training row's steps (default: 200 GPU, 6 CPU)")
     args = parser.parse_args(argv)
@@ -378,7 +379,7 @@ def main(argv=None):
     )
     out.mkdir(parents=True, exist_ok=True)
     steps = args.steps or (200 if args.device == "cuda" else 6)
-    session = Session(args.device, args.budget_s, out.resolve(), steps, data=args.data)
+    session = Session(args.device, args.budget_s, out.resolve(), steps, data=args.data, python=args.python)
     print(f"gpu_session.py: {', '.join(names)} within {args.budget_s:.0f} s; output in {session.out}", flush=True)
     rows = run_session(session, names, say=lambda line: print(line, flush=True))
     for line in ratio_lines(rows, environment(session)["device_name"]):

@@ -22,6 +22,7 @@ import multiprocessing
 import multiprocessing.connection
 import multiprocessing.forkserver
 import os
+import runpy
 import select
 import shlex
 import shutil
@@ -38,12 +39,14 @@ from pathlib import Path
 DLOJZ = Path(__file__).resolve().parent.parent / "dlojz.py"
 # Read by the interpreter, torch or the libraries it loads when the process starts, not when dlojz runs.
 STARTUP_PREFIXES = ("PYTHON", "TORCH", "ATEN_", "LD_", "MKL_", "KMP_", "GOMP_", "CUDA_", "NCCL_", "GLOO_")
-# Harmless to a fork: output is line-buffered here and flushed at exit; the thread count is set in the child;
+# Harmless to a fork: output is line-buffered here and flushed at exit; the thread count is set in the child
+# (torch.set_num_threads sets MKL's with OpenMP's);
 # inductor reads its cache folder when it compiles (and sets it in os.environ: a run after a compile sees it).
 RUN_TIME = (
     "PYTHONUNBUFFERED",
     "PYTHONDONTWRITEBYTECODE",
     "OMP_NUM_THREADS",
+    "MKL_NUM_THREADS",
     "TORCHINDUCTOR_CACHE_DIR",
     "TRITON_CACHE_DIR",
 )
@@ -111,9 +114,10 @@ def _detach(duplicate):
     return duplicate.detach()
 
 
-def _child(argv, env, cwd, out, err, affinity=None):
+def _child(argv, env, cwd, out, err, affinity=None, script=None):
     """The forked process: `out` and `err` are a path or a file descriptor; err None is stderr=STDOUT; `affinity`
-    the CPUs it may run on (those of the process it stands for), by default the server's."""
+    the CPUs it may run on (those of the process it stands for), by default the server's; `script` a file to run as
+    __main__ (`python SCRIPT ARGV`: a benchmark's measuring run) in place of dlojz.py."""
     if affinity is not None:
         os.sched_setaffinity(0, affinity)
     as_spawned(env)
@@ -126,11 +130,16 @@ def _child(argv, env, cwd, out, err, affinity=None):
             os.close(target)
     sys.stdout = open(1, "w", buffering=1, closefd=False)
     sys.stderr = open(2, "w", buffering=1, closefd=False)
-    sys.argv = [str(DLOJZ), *argv]
+    sys.argv = [str(script or DLOJZ), *argv]
     import dlojz
 
     try:
-        status = _exit_status(dlojz.cli(argv))
+        if script:
+            sys.path.insert(0, os.path.dirname(script))  # as `python SCRIPT` puts its folder first
+            runpy.run_path(script, run_name="__main__")
+            status = 0
+        else:
+            status = _exit_status(dlojz.cli(argv))
     except SystemExit as err:
         status = _exit_status(err.code)
     except BaseException:
@@ -253,9 +262,9 @@ def rank_env(env, rank, world_size, port):
     }
 
 
-def rank_processes(argv, env, cwd, world_size, outputs, affinity=None):
-    """`world_size` forks of the server running dlojz.py `argv` (not started yet): one with `env`, or several given
-    torchrun's variables on one node (rank_env); `outputs(rank)` gives a rank's (out, err) for _child."""
+def rank_processes(argv, env, cwd, world_size, outputs, affinity=None, script=None):
+    """`world_size` forks of the server running dlojz.py `argv` (not started yet), or `script`: one with `env`, or
+    several given torchrun's variables on one node (rank_env); `outputs(rank)` gives a rank's (out, err) for _child."""
     port = free_port()
     processes = []
     for rank in range(world_size):
@@ -263,7 +272,9 @@ def rank_processes(argv, env, cwd, world_size, outputs, affinity=None):
         out, err = outputs(rank)
         processes.append(
             _context.Process(
-                target=_child, args=(argv, rank_environ, str(cwd), out, err), kwargs={"affinity": affinity}
+                target=_child,
+                args=(argv, rank_environ, str(cwd), out, err),
+                kwargs={"affinity": affinity, "script": script},
             )
         )
     return processes
@@ -346,6 +357,7 @@ class Started:
 
 # ---------------------------------------------------------------- for other processes: a launcher prefix
 CLIENT = Path(__file__).resolve().parent / "preloaded_client.py"
+SERVED = []  # the scripts (dlojz.py, bench/*.py) of the requests launch_prefix's clients made
 _launch_socket = None  # where this process serves launch_prefix's clients, once it does
 
 
@@ -370,8 +382,8 @@ def launch_prefix(env):
 
 
 def python_executable(folder, env):
-    """An executable that stands for this Python where a tool runs `PYTHON dlojz.py ARGS` (bench/ablation.py's
-    --python): dlojz.py runs through launch_prefix, anything else in this Python. Each call's arguments are
+    """An executable that stands for this Python where a tool runs `PYTHON dlojz.py ARGS` or `PYTHON bench/X.py
+    ARGS` (the benches' --python): those run through launch_prefix, anything else in this Python. Each call's arguments are
     appended to FOLDER/python.calls, one line each, for the test to see which runs it started."""
     path, calls = Path(folder) / "python", shlex.quote(str(Path(folder) / "python.calls"))
     prefix = f"{shlex.join(launch_prefix(env))} {shlex.quote(sys.executable)}"
@@ -394,6 +406,7 @@ def _serve(connection):
     with connection:
         message, fds, _, _ = socket.recv_fds(connection, 1 << 20, 2)
         request = json.loads(message)
+        SERVED.append(request.get("script") or str(DLOJZ))
         ranks = request.get("ranks", 1)
         try:
             if not can_run(request["env"]):
@@ -401,7 +414,7 @@ def _serve(connection):
                 return
             processes = rank_processes(
                 request["argv"], request["env"], request["cwd"], ranks,
-                lambda rank: (_FdForChild(fds[0]), _FdForChild(fds[1])), request["affinity"],
+                lambda rank: (_FdForChild(fds[0]), _FdForChild(fds[1])), request["affinity"], request.get("script"),
             )  # fmt: skip
             for process in processes:
                 process.start()

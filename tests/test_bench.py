@@ -9,7 +9,7 @@ from pathlib import Path
 
 import preloaded
 import pytest
-from conftest import ROOT, clean_env, importtime
+from conftest import ROOT, bench_python, clean_env, importtime
 from PIL import Image
 
 sys.path.insert(0, str(ROOT / "bench"))
@@ -21,7 +21,7 @@ def test_bench_loader_prints_every_pipeline(tiny_data, tmp_path):
 
     pack(tiny_data, tmp_path / "packed", log=lambda *a, **k: None)
     command = [
-        sys.executable,
+        *bench_python(),
         str(ROOT / "bench" / "bench_loader.py"),
         "--data",
         str(tiny_data),
@@ -87,7 +87,7 @@ def test_gpu_checks_run_their_cpu_parts(tiny_data, tmp_path, capsys):
     names.append("seams")
     command = [str(ROOT / "bench" / "gpu_checks.py"), "--device", "cpu", "--quick", "--only", ",".join(names)]
     proc = subprocess.run(
-        [sys.executable, *command, "--data", str(tiny_data / "train"), "--json", str(out)],
+        [*bench_python(), *command, "--data", str(tiny_data / "train"), "--json", str(out)],
         capture_output=True, text=True, timeout=300, env=clean_env(), cwd=ROOT,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
@@ -143,7 +143,7 @@ def test_gpu_acceptance_imports_from_dlojz_what_dlojz_has():
 def test_bench_time_to_accuracy_prints_both_recipes(embedded_cache, tmp_path):
     result = subprocess.run(
         [
-            sys.executable,
+            *bench_python(clean_env(XDG_CACHE_HOME=embedded_cache)),
             str(ROOT / "bench" / "bench_time_to_accuracy.py"),
             "--epochs",
             "1",
@@ -175,7 +175,7 @@ def test_bench_storage_counts_opens_and_times_both_formats(tiny_data, tmp_path):
 
     data = shutil.copytree(tiny_data, tmp_path / "tree")
     command = [
-        sys.executable,
+        *bench_python(),
         str(ROOT / "bench" / "bench_storage.py"),
         "--data",
         str(data),
@@ -200,10 +200,11 @@ def test_bench_storage_counts_opens_and_times_both_formats(tiny_data, tmp_path):
     assert float(rows["files"][1]) > 0 and float(rows["shards"][1]) > 0 and "not measured" in rows["shards"][2]
 
 
-def test_bench_plain_loop_compares_dlojz_with_a_plain_loop_on_jpegs(tiny_data):
-    """Both sides run on the same JPEGs and the table reports both rates, their ratio and both data waits."""
+def test_bench_plain_loop_compares_dlojz_with_a_plain_loop_on_jpegs(tiny_data, tmp_path):
+    """Both sides run on the same JPEGs and the table reports both rates, their ratio and both data waits; both
+    started by --python (forks of the tests' preloaded server)."""
     command = [
-        sys.executable,
+        *bench_python(),
         str(ROOT / "bench" / "bench_plain_loop.py"),
         "--data",
         str(tiny_data),
@@ -219,9 +220,13 @@ def test_bench_plain_loop_compares_dlojz_with_a_plain_loop_on_jpegs(tiny_data):
         "1",
         "--threads",
         "1",
+        "--python",
+        str(preloaded.python_executable(tmp_path, clean_env())),
     ]
     result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=clean_env(), cwd=ROOT)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    calls = sorted(call.split()[0] for call in (tmp_path / "python.calls").read_text().splitlines())
+    assert calls == [str(ROOT / "bench" / "bench_plain_loop.py"), "dlojz.py"], calls
     row = next(line for line in result.stdout.splitlines() if line.startswith("| 1 |"))
     ours, theirs, ratio, our_wait, their_wait = (float(cell) for cell in row.strip("|").split("|")[1:6])
     assert ours > 0 and theirs > 0 and our_wait >= 0 and their_wait >= 0
@@ -231,12 +236,13 @@ def test_bench_plain_loop_compares_dlojz_with_a_plain_loop_on_jpegs(tiny_data):
 
 def test_bench_train_writes_the_ratio_the_gpu_acceptance_run_prints(tmp_path):
     """bench/bench_train.py on a tiny model: both variants timed against the bare loop, medians and ratios written
-    to --json as bench/gpu_acceptance.sh reads them."""
+    to --json as bench/gpu_acceptance.sh reads them; its four runs started by --python (forks of the tests'
+    preloaded server)."""
     import json
 
     out = tmp_path / "bench_train.json"
     command = [
-        sys.executable,
+        *bench_python(),
         str(ROOT / "bench" / "bench_train.py"),
         "--device",
         "cpu",
@@ -253,6 +259,8 @@ def test_bench_train_writes_the_ratio_the_gpu_acceptance_run_prints(tmp_path):
         "--bare-keeps-freed-memory",
         "--json",
         str(out),
+        "--python",
+        str(preloaded.python_executable(tmp_path, clean_env())),
     ]
     result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=clean_env(), cwd=ROOT)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
@@ -263,6 +271,8 @@ def test_bench_train_writes_the_ratio_the_gpu_acceptance_run_prints(tmp_path):
         assert abs(row["ratio"] - row["dlojz"] / row["bare"]) < 1e-9  # one round: the ratio of its two runs
     assert "--bare-keeps-freed-memory" in result.stdout  # the bare loop's command says it
     assert "--test-nsteps 20 --val-crop-size 32 --val-resize-size 36 " in result.stdout  # validated at 32 px
+    calls = sorted(call.split()[0] for call in (tmp_path / "python.calls").read_text().splitlines())
+    assert calls == sorted(["dlojz.py", *[str(ROOT / "bench" / "bench_train.py")] * 3]), calls
 
 
 def test_bench_checkpoint_times_a_foreground_and_a_background_save(tmp_path):
@@ -315,7 +325,7 @@ def test_ablation_prints_both_tables_from_the_runs_metrics(tiny_data, tmp_path):
 
     out = tmp_path / "abl"
     command = [
-        sys.executable,
+        *bench_python(),
         str(ROOT / "bench" / "ablation.py"),
         *("--device", "cpu", "--arch", "resnet18", "--image-size", "32", "-b", "8", "--steps", "4"),
         *("--rows", "fp32,cuda-graphs", "--cores", "1", "--no-dali", "--data-root", str(tiny_data), "--out", str(out)),
@@ -405,7 +415,7 @@ def test_the_activation_memory_bench_orders_the_modes(tmp_path):
     import json
 
     table = tmp_path / "rows.json"
-    command = [sys.executable, str(ROOT / "bench" / "activation_memory.py"), "--arch", "timm:test_vit",
+    command = [*bench_python(), str(ROOT / "bench" / "activation_memory.py"), "--arch", "timm:test_vit",
                "--image-size", "32", "-b", "4", "--repeats", "1", "--json", str(table)]  # fmt: skip
     result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=clean_env(), cwd=ROOT)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -542,10 +552,11 @@ def test_the_gpu_session_runs_end_to_end_on_the_cpu(tmp_path):
     ablation (~60 s) no longer fits and is skipped; the session ends inside its budget, exit 0 unless a row was
     stopped at the budget's end (a machine slower than its estimates)."""
     out = tmp_path / "session"
-    command = [sys.executable, str(ROOT / "bench" / "gpu_session.py"), "--device", "cpu", "--out", str(out)]
-    command += ["--budget-s", "75", "--only", "ablation,meta_fill,cpu_pipeline,synthetic,dali,data"]
-    begun = time.monotonic()
     env = clean_env() | {"XDG_CACHE_HOME": str(tmp_path / "cache")}
+    command = [*bench_python(env), str(ROOT / "bench" / "gpu_session.py"), "--device", "cpu", "--out", str(out)]
+    command += ["--budget-s", "75", "--only", "ablation,meta_fill,cpu_pipeline,synthetic,dali,data"]
+    command += ["--python", str(preloaded.python_executable(tmp_path, env))]  # its rows: forks of the tests' server
+    begun = time.monotonic()
     result = subprocess.run(command, capture_output=True, text=True, timeout=400, env=env, cwd=tmp_path)
     assert time.monotonic() - begun < 75 + 30, result.stdout[-3000:]  # (its start and end beside the budget)
     rows = json.loads((out / "session.json").read_text())["rows"]
@@ -565,6 +576,8 @@ def test_the_gpu_session_runs_end_to_end_on_the_cpu(tmp_path):
     if rows["synthetic"]["status"] == "ok":
         assert "DALI / synthetic, unsynchronised img/s:" in result.stdout
     assert "| dali | ok |" in (out / "session.md").read_text()
+    started = [call.split()[:2] for call in (tmp_path / "python.calls").read_text().splitlines()]
+    assert ["dlojz.py", "--test"] in started and ["bench/gpu_checks.py", "--device"] in started, started
 
 
 def test_the_gpu_carry_s_install_refuses_missing_or_cut_pieces_in_one_line(tmp_path):

@@ -138,3 +138,21 @@ def test_the_launch_prefix_serves_torchrun_s_ranks_and_its_exit_status(tmp_path)
     proc = subprocess.run([*torchrun, "--epochs", "0"], capture_output=True, text=True, env=clean_env(), timeout=120)
     # (the rank that fails first has the other ended, as torchrun does: one rank's line or both)
     assert proc.returncode == 1 and "argument -e/--epochs: must be >= 1" in proc.stderr, proc.stderr
+
+
+def test_the_launch_prefix_runs_a_bench_script_as_a_fork_and_anything_else_as_given(tmp_path):
+    """`python bench/SCRIPT.py ARGS` through launch_prefix runs in a fork of the preloaded server (its request
+    reaches the server), with the script's exit status and output; `python -c` is executed as given."""
+    preloaded.SERVED.clear()
+    script = ROOT / "bench" / "bench_loader.py"
+    proc = subprocess.run(
+        [*preloaded.launch_prefix(clean_env()), sys.executable, str(script), "--data", str(tmp_path / "nowhere")],
+        capture_output=True, text=True, env=clean_env(), timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 2 and f"--data {tmp_path / 'nowhere'}: not a folder" in proc.stderr, proc.stderr
+    assert preloaded.SERVED == [str(script)]
+    proc = subprocess.run(
+        [*preloaded.launch_prefix(clean_env()), sys.executable, "-c", "print('as given')"],
+        capture_output=True, text=True, env=clean_env(), timeout=120,
+    )  # fmt: skip
+    assert proc.stdout == "as given\n" and preloaded.SERVED == [str(script)]

@@ -233,6 +233,7 @@ def test_an_fsdp_float8_run_consolidates_and_predicts_without_torchao(tiny_data,
 
     from conftest import ROOT, clean_env, run_dlojz
 
+    import dlojz_fsdp
     import dlojz_lib.checkpoint as ckpt
 
     common = ["--device", "cpu", "--data-root", tiny_data, "--arch", SMALL_VIT, "--image-size", "32"]
@@ -243,18 +244,13 @@ def test_an_fsdp_float8_run_consolidates_and_predicts_without_torchao(tiny_data,
     assert "--float8 tensorwise: 14 linears in float8" in result.stdout
     sharded = ckpt.newest_checkpoint(run)
     whole = tmp_path / "whole.pt"
-    env = clean_env()
-    consolidated = subprocess.run(
-        [sys.executable, str(ROOT / "dlojz_fsdp.py"), "consolidate", str(sharded), str(whole)],
-        capture_output=True, text=True, env=env, timeout=300,
-    )  # fmt: skip
-    assert consolidated.returncode == 0, consolidated.stdout + consolidated.stderr[-3000:]
+    assert dlojz_fsdp.main(["consolidate", str(sharded), str(whole)]) == 0  # (the command's own main, here)
     weights = torch.load(whole, map_location="cpu", weights_only=True)["model"]
     assert all(type(v) is torch.Tensor and v.dtype == torch.float32 for v in weights.values())
     blocked = tmp_path / "no_torchao" / "torchao"  # a torchao that cannot be imported
     blocked.mkdir(parents=True)
     (blocked / "__init__.py").write_text("raise ImportError('torchao is not installed here')\n")
-    env["PYTHONPATH"] = str(blocked.parent)
+    env = clean_env(PYTHONPATH=blocked.parent)
     predicted = subprocess.run(
         [sys.executable, str(ROOT / "dlojz_predict.py"), str(whole), str(tiny_data / "val"), "-o",
          str(tmp_path / "predictions.csv"), "--device", "cpu", "--num-workers", "0"],
