@@ -49,16 +49,15 @@ def test_the_probe_measures_the_model_s_flops_saves_them_and_reuses_them(tmp_pat
     assert [p.name for p in path.parent.iterdir()] == ["probe.json"]  # (no temporary file left)
 
 
-def test_a_probe_file_that_is_not_one_is_refused_in_one_line(tmp_path):
+def test_a_probe_file_that_is_not_one_is_refused_in_one_line(tmp_path, capsys):
     """A FILE that is not a probe's (damaged, another tool's) is refused in one line naming it, exit 2, and kept."""
     path = tmp_path / "probe.json"
     for text in ("{not json", json.dumps({"format": 1, "figures": {"speed": 1}}), "[]"):
         path.write_text(text)
-        proc = subprocess.run([sys.executable, str(ROOT / "dlojz_lab.py"), *PLANNED, "--probe", str(path)],
-                              capture_output=True, text=True, env=clean_env(), cwd=tmp_path, timeout=120)  # fmt: skip
-        assert proc.returncode == 2, proc.stderr
-        assert proc.stderr.startswith(f"dlojz_lab.py: error: --probe {path}: not a probe file ("), proc.stderr
-        assert len(proc.stderr.splitlines()) == 1 and path.read_text() == text
+        assert dlojz_lab.main([*PLANNED, "--probe", str(path)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"dlojz_lab.py: error: --probe {path}: not a probe file ("), err
+        assert len(err.splitlines()) == 1 and path.read_text() == text
 
 
 def test_each_collective_pays_its_latency_in_the_roofline_s_step():
