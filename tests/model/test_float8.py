@@ -20,6 +20,7 @@ from dlojz_lib.model.zoo import create_model
 # runs in other processes, which cannot see a model registered here, at a quarter of ViT-B/16's checkpoint bytes
 SMALL_VIT = "timm:vit_little_patch16_reg1_gap_256"
 WIDE_VIT = "timm:dlojz_wide_vit"  # (registered below: a ViT whose block linears float8 converts, small enough here)
+MLP_VIT = "timm:dlojz_mlp_vit"  # (registered below: a narrow ViT whose fc1 alone float8 converts, under tensorwise)
 
 
 @timm.models.register_model
@@ -31,6 +32,17 @@ def dlojz_wide_vit(pretrained=False, **kwargs):
     for key in ("pretrained_cfg", "pretrained_cfg_overlay", "cache_dir"):  # (timm's, for published weights)
         kwargs.pop(key, None)
     return VisionTransformer(patch_size=16, embed_dim=1088, depth=2, num_heads=8, mlp_ratio=4.0, **kwargs)
+
+
+@timm.models.register_model
+def dlojz_mlp_vit(pretrained=False, **kwargs):
+    """Two blocks 64 wide with a 1040-wide MLP: under tensorwise each fc1 (1040 outputs, over torchao's 1024) is
+    converted and no other linear is; 50 times fewer weights than dlojz_wide_vit, for the runs on several ranks."""
+    from timm.models.vision_transformer import VisionTransformer
+
+    for key in ("pretrained_cfg", "pretrained_cfg_overlay", "cache_dir"):
+        kwargs.pop(key, None)
+    return VisionTransformer(patch_size=16, embed_dim=64, depth=2, num_heads=2, mlp_ratio=1040 / 64, **kwargs)
 
 
 def meta_model(arch, image_size=224):
@@ -320,7 +332,7 @@ def test_fsdp_s_float8_scales_run_after_each_step_under_tensorwise_scaling_only(
 
 
 def fsdp_float8_on_rank(rank, world, store_path, results, replicas):
-    """One of 2 ranks: the wide ViT built and laid out as dlojz.py does with --fsdp --float8 tensorwise --no-amp (built
+    """One of 2 ranks: the narrow ViT (MLP_VIT) built and laid out as dlojz.py does with --fsdp --float8 tensorwise --no-amp (built
     on rank 0, filled from it), and one process's --float8 tensorwise run beside it; both take the same 8 images, 2
     SGD steps, the float8 weights' scales precomputed after each (Model.after_step). What each step sends (kind,
     dtype, elements), and every weight gathered against one process's."""
@@ -340,7 +352,7 @@ def fsdp_float8_on_rank(rank, world, store_path, results, replicas):
     try:
         ranks = Distribution(world, rank, rank, torch.device("cpu"))
         model_parallel_mesh(ranks, 1, 1, replicas)
-        common = ["--device", "cpu", "--arch", WIDE_VIT, "--image-size", "32", "-b", "8", "--no-amp", "--float8"]
+        common = ["--device", "cpu", "--arch", MLP_VIT, "--image-size", "32", "-b", "8", "--no-amp", "--float8"]
         models = []
         for flags in (["tensorwise", "--fsdp", "--fsdp-replicate", str(replicas)], ["tensorwise"]):
             cfg = resolve_config(get_args_parser().parse_args([*common, *flags]))
@@ -394,8 +406,9 @@ def test_fsdp_gathers_float8_weights_with_scales_computed_once_a_step_and_trains
     failures = [steps for _, steps in found if isinstance(steps, str)]
     assert not failures, "\n".join(failures)
     assert len(found) == world
-    model = meta_model(WIDE_VIT, 32)
+    model = meta_model(MLP_VIT, 32)
     converted = {f"{path}.weight" for path in float8_linears(model, family_of(model), "tensorwise")}
+    assert converted == {"blocks.0.mlp.fc1.weight", "blocks.1.mlp.fc1.weight"}, converted
     expected = []  # each block's bytes gathered: float8 weights in 1 byte, the rest (norms, biases) in float32's 4
     for path, block in family_of(model).blocks(model):
         sizes = {f"{path}.{name}": p.numel() for name, p in block.named_parameters()}
@@ -423,7 +436,7 @@ def test_fsdp_gathers_float8_weights_with_scales_computed_once_a_step_and_trains
         return gathered * (world - 1) // world
 
     rows, _, _ = plan(
-        LayoutTable(WIDE_VIT, 32, 10, 8, gpus=(2,), amp_bytes=4), Allocation(1, **dict(GPUS["h100"], gpus_per_node=2))
+        LayoutTable(MLP_VIT, 32, 10, 8, gpus=(2,), amp_bytes=4), Allocation(1, **dict(GPUS["h100"], gpus_per_node=2))
     )
     rows = {row["layout"]: row for row in rows}
     predicted = rows["FSDP"]["sent_by_group"]["data"] - rows["FSDP + float8"]["sent_by_group"]["data"]
