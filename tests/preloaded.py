@@ -41,7 +41,9 @@ DLOJZ = Path(__file__).resolve().parent.parent / "dlojz.py"
 STARTUP_PREFIXES = ("PYTHON", "TORCH", "ATEN_", "LD_", "MKL_", "KMP_", "GOMP_", "CUDA_", "NCCL_", "GLOO_")
 # Harmless to a fork: output is line-buffered here and flushed at exit; the thread count is set in the child
 # (torch.set_num_threads sets MKL's with OpenMP's);
-# inductor reads its cache folder when it compiles (and sets it in os.environ: a run after a compile sees it).
+# inductor reads its cache folder when it compiles (and sets it in os.environ: a run after a compile sees it);
+# torchrun's run id says "launched by torchrun" to idr_torch and torch.distributed when the run sets up its ranks
+# (the ranks a test starts by hand, as torchrun would: rank_env).
 RUN_TIME = (
     "PYTHONUNBUFFERED",
     "PYTHONDONTWRITEBYTECODE",
@@ -49,6 +51,7 @@ RUN_TIME = (
     "MKL_NUM_THREADS",
     "TORCHINDUCTOR_CACHE_DIR",
     "TRITON_CACHE_DIR",
+    "TORCHELASTIC_RUN_ID",
 )
 
 _context = multiprocessing.get_context("forkserver")

@@ -5,8 +5,9 @@ a lab's runs), the 4-5 s of imports a fresh interpreter pays are paid once per t
 the run: the signals it receives go to the run, and it exits as the run exits (with its status, or killed by its
 signal). `python [-u] -m torch.distributed.run --standalone --nproc-per-node N dlojz.py ARGS` (a lab's local
 multi-rank run) is served as N forks given torchrun's variables (preloaded.rank_env), ended together as torchrun
-ends its workers when one fails; `python [-u] bench/SCRIPT.py ARGS` (a benchmark's own measuring runs) as one fork
-running that script as __main__. It imports no torch. A command that is none of these, or an environment the server
+ends its workers when one fails; `python [-u] bench/SCRIPT.py ARGS` (a benchmark's own measuring runs) and
+`python [-u] dlojz_NAME.py ARGS` (the sibling commands: an HPO worker, a lab) as one fork running that script as
+__main__. It imports no torch. A command that is none of these, or an environment the server
 cannot give, is executed as given.
 """
 
@@ -20,8 +21,10 @@ FORWARDED = (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM, signal.SIGINT, sign
 
 
 TORCHRUN = ("-m", "torch.distributed.run")
-# The benchmarks the server runs as scripts: their imports are dlojz's and torch's, which it preloaded.
-BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
+# The scripts the server runs: the benchmarks and the sibling commands, whose imports are dlojz's and torch's, which
+# it preloaded (dlojz.py itself is served as ranks: dlojz_ranks).
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BENCH = os.path.join(ROOT, "bench")
 
 
 def dlojz_ranks(command):
@@ -45,8 +48,9 @@ def dlojz_ranks(command):
     return None
 
 
-def bench_script(command):
-    """(the script's absolute path, its arguments) of `python [-u] bench/SCRIPT.py ARGS`, else None."""
+def served_script(command):
+    """(the script's absolute path, its arguments) of `python [-u] bench/SCRIPT.py ARGS` or of a sibling command's
+    `python [-u] dlojz_NAME.py ARGS`, else None."""
     words = list(command)
     if not words or not os.path.basename(words[0]).startswith("python"):
         return None
@@ -56,13 +60,15 @@ def bench_script(command):
     if not words or not words[0].endswith(".py"):
         return None
     script = os.path.abspath(words[0])
-    return (script, words[1:]) if os.path.dirname(script) == BENCH and os.path.isfile(script) else None
+    folder, name = os.path.split(script)
+    served = folder == BENCH or (folder == ROOT and name.startswith("dlojz_"))
+    return (script, words[1:]) if served and os.path.isfile(script) else None
 
 
 def main(path, command):
     run, script = dlojz_ranks(command), None
-    if run is None and bench_script(command) is not None:
-        script, argv = bench_script(command)
+    if run is None and served_script(command) is not None:
+        script, argv = served_script(command)
         run = argv, 1
     if run is None:
         os.execvp(command[0], command)

@@ -141,8 +141,9 @@ def test_the_launch_prefix_serves_torchrun_s_ranks_and_its_exit_status(tmp_path)
 
 
 def test_the_launch_prefix_runs_a_bench_script_as_a_fork_and_anything_else_as_given(tmp_path):
-    """`python bench/SCRIPT.py ARGS` through launch_prefix runs in a fork of the preloaded server (its request
-    reaches the server), with the script's exit status and output; `python -c` is executed as given."""
+    """`python bench/SCRIPT.py ARGS` and a sibling command's `python dlojz_NAME.py ARGS` through launch_prefix run
+    in a fork of the preloaded server (their request reaches the server), with the script's exit status and output;
+    `python -c` is executed as given."""
     preloaded.SERVED.clear()
     script = ROOT / "bench" / "bench_loader.py"
     proc = subprocess.run(
@@ -150,9 +151,25 @@ def test_the_launch_prefix_runs_a_bench_script_as_a_fork_and_anything_else_as_gi
         capture_output=True, text=True, env=clean_env(), timeout=120,
     )  # fmt: skip
     assert proc.returncode == 2 and f"--data {tmp_path / 'nowhere'}: not a folder" in proc.stderr, proc.stderr
-    assert preloaded.SERVED == [str(script)]
+    command = ROOT / "dlojz_hpo.py"
+    proc = subprocess.run(
+        [*preloaded.launch_prefix(clean_env()), sys.executable, str(command), "report", "--study", "s", "--storage",
+         str(tmp_path / "nowhere.log"), "--out", str(tmp_path / "out")],
+        capture_output=True, text=True, env=clean_env(), timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 2 and proc.stderr.startswith("dlojz_hpo.py: error: --storage"), proc.stderr
+    assert preloaded.SERVED == [str(script), str(command)]
     proc = subprocess.run(
         [*preloaded.launch_prefix(clean_env()), sys.executable, "-c", "print('as given')"],
         capture_output=True, text=True, env=clean_env(), timeout=120,
     )  # fmt: skip
-    assert proc.stdout == "as given\n" and preloaded.SERVED == [str(script)]
+    assert proc.stdout == "as given\n" and preloaded.SERVED == [str(script), str(command)]
+
+
+def test_the_ranks_a_test_starts_by_hand_as_torchrun_would_are_forks_of_the_server():
+    """A rank given torchrun's variables by a test (preloaded.rank_env: TORCHELASTIC_RUN_ID, RANK...) is a fork of
+    the preloaded server (those variables are read when the run sets up its ranks, not when Python starts); a
+    variable read at start-up (PYTHONHASHSEED) still asks for a fresh interpreter."""
+    ranks = preloaded.rank_env(clean_env(), 1, 2, preloaded.free_port())
+    assert ranks["TORCHELASTIC_RUN_ID"] and preloaded.can_run(ranks)
+    assert not preloaded.can_run(dict(ranks, PYTHONHASHSEED="7"))
