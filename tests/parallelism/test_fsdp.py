@@ -5,13 +5,12 @@ number of ranks, survive a crash mid-write and consolidate into one ordinary che
 import shutil
 import signal
 import subprocess
-import sys
 
 import preloaded
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import ROOT, clean_env, read_json, run_dlojz, show
+from conftest import ROOT, bench_python, clean_env, read_json, run_dlojz, show
 from test_dlojz import assert_one_line_error
 from test_resume import start_ranks, wait_for_line
 
@@ -69,8 +68,9 @@ def weights(path):
 
 
 def consolidate_command(source, target):
+    """dlojz_fsdp.py consolidate as a command (a fork of the preloaded server where it can be: bench_python)."""
     return subprocess.run(
-        [sys.executable, str(ROOT / "dlojz_fsdp.py"), "consolidate", str(source), str(target)],
+        [*bench_python(), str(ROOT / "dlojz_fsdp.py"), "consolidate", str(source), str(target)],
         capture_output=True,
         text=True,
         env=clean_env(),
