@@ -27,22 +27,32 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(ROOT, "bench")
 
 
-def dlojz_ranks(command):
-    """(the dlojz.py arguments, the number of ranks) of `python [-u] .../dlojz.py ARGS` (1 rank) or of
-    `python [-u] -m torch.distributed.run --standalone --nproc-per-node N [-u] .../dlojz.py ARGS` (N), else None."""
+def python_arguments(command):
+    """What follows `python [-u]` in `command` (the unbuffered flag, which the server's forks do not need, left
+    out), or None where `command` does not start with a Python."""
     words = list(command)
     if not words or not os.path.basename(words[0]).startswith("python"):
         return None
-    words, ranks = words[1:], 1
+    return unbuffered_left_out(words[1:])
+
+
+def unbuffered_left_out(words):
     while words and words[0] == "-u":
         words = words[1:]
+    return words
+
+
+def dlojz_ranks(command):
+    """(the dlojz.py arguments, the number of ranks) of `python [-u] .../dlojz.py ARGS` (1 rank) or of
+    `python [-u] -m torch.distributed.run --standalone --nproc-per-node N [-u] .../dlojz.py ARGS` (N), else None."""
+    words, ranks = python_arguments(command), 1
+    if words is None:
+        return None
     if tuple(words[:2]) == TORCHRUN:
         words = words[2:]
         if words[:1] != ["--standalone"] or words[1:2] != ["--nproc-per-node"] or not words[2:3][0].isdigit():
             return None  # another torchrun: run as given
-        ranks, words = int(words[2]), words[3:]
-        while words and words[0] == "-u":
-            words = words[1:]
+        ranks, words = int(words[2]), unbuffered_left_out(words[3:])
     if words and os.path.basename(words[0]) == "dlojz.py":
         return words[1:], ranks
     return None
@@ -51,12 +61,7 @@ def dlojz_ranks(command):
 def served_script(command):
     """(the script's absolute path, its arguments) of `python [-u] bench/SCRIPT.py ARGS` or of a sibling command's
     `python [-u] dlojz_NAME.py ARGS`, else None."""
-    words = list(command)
-    if not words or not os.path.basename(words[0]).startswith("python"):
-        return None
-    words = words[1:]
-    while words and words[0] == "-u":
-        words = words[1:]
+    words = python_arguments(command)
     if not words or not words[0].endswith(".py"):
         return None
     script = os.path.abspath(words[0])
