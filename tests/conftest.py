@@ -86,10 +86,10 @@ def run_dlojz(*args, env=None, timeout=600, launcher=None, cwd=None, ranks=1, fr
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd or ROOT)
 
 
-def bench_python(env=None):
-    """What stands for `python` in a test's `python bench/SCRIPT.py ARGS`: tests/preloaded_client.py, which runs the
-    script as a fork of the preloaded server (its imports of torch and dlojz paid once a session), or, in an
-    environment the server cannot give, execs this Python."""
+def script_python(env=None):
+    """What stands for `python` in a test's `python bench/SCRIPT.py ARGS` or `python dlojz_NAME.py ARGS` (a sibling
+    command): tests/preloaded_client.py, which runs the script as a fork of the preloaded server (its imports of torch
+    and dlojz paid once a session), or, in an environment the server cannot give, execs this Python."""
     return [*preloaded.launch_prefix(env or clean_env()), sys.executable]
 
 

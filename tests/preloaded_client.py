@@ -72,8 +72,9 @@ def served_script(command):
 
 def main(path, command):
     run, script = dlojz_ranks(command), None
-    if run is None and served_script(command) is not None:
-        script, argv = served_script(command)
+    served = served_script(command) if run is None else None
+    if served is not None:
+        script, argv = served
         run = argv, 1
     if run is None:
         os.execvp(command[0], command)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import preloaded
 import pytest
-from conftest import ROOT, bench_python, clean_env, importtime
+from conftest import ROOT, clean_env, importtime, script_python
 from PIL import Image
 
 sys.path.insert(0, str(ROOT / "bench"))
@@ -21,7 +21,7 @@ def test_bench_loader_prints_every_pipeline(tiny_data, tmp_path):
 
     pack(tiny_data, tmp_path / "packed", log=lambda *a, **k: None)
     command = [
-        *bench_python(),
+        *script_python(),
         str(ROOT / "bench" / "bench_loader.py"),
         "--data",
         str(tiny_data),
@@ -87,7 +87,7 @@ def test_gpu_checks_run_their_cpu_parts(tiny_data, tmp_path, capsys):
     names.append("seams")
     command = [str(ROOT / "bench" / "gpu_checks.py"), "--device", "cpu", "--quick", "--only", ",".join(names)]
     proc = subprocess.run(
-        [*bench_python(), *command, "--data", str(tiny_data / "train"), "--json", str(out)],
+        [*script_python(), *command, "--data", str(tiny_data / "train"), "--json", str(out)],
         capture_output=True, text=True, timeout=300, env=clean_env(), cwd=ROOT,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
@@ -143,7 +143,7 @@ def test_gpu_acceptance_imports_from_dlojz_what_dlojz_has():
 def test_bench_time_to_accuracy_prints_both_recipes(embedded_cache, tmp_path):
     result = subprocess.run(
         [
-            *bench_python(clean_env(XDG_CACHE_HOME=embedded_cache)),
+            *script_python(clean_env(XDG_CACHE_HOME=embedded_cache)),
             str(ROOT / "bench" / "bench_time_to_accuracy.py"),
             "--epochs",
             "1",
@@ -175,7 +175,7 @@ def test_bench_storage_counts_opens_and_times_both_formats(tiny_data, tmp_path):
 
     data = shutil.copytree(tiny_data, tmp_path / "tree")
     command = [
-        *bench_python(),
+        *script_python(),
         str(ROOT / "bench" / "bench_storage.py"),
         "--data",
         str(data),
@@ -204,7 +204,7 @@ def test_bench_plain_loop_compares_dlojz_with_a_plain_loop_on_jpegs(tiny_data, t
     """Both sides run on the same JPEGs and the table reports both rates, their ratio and both data waits; both
     started by --python (forks of the tests' preloaded server)."""
     command = [
-        *bench_python(),
+        *script_python(),
         str(ROOT / "bench" / "bench_plain_loop.py"),
         "--data",
         str(tiny_data),
@@ -242,7 +242,7 @@ def test_bench_train_writes_the_ratio_the_gpu_acceptance_run_prints(tmp_path):
 
     out = tmp_path / "bench_train.json"
     command = [
-        *bench_python(),
+        *script_python(),
         str(ROOT / "bench" / "bench_train.py"),
         "--device",
         "cpu",
@@ -325,7 +325,7 @@ def test_ablation_prints_both_tables_from_the_runs_metrics(tiny_data, tmp_path):
 
     out = tmp_path / "abl"
     command = [
-        *bench_python(),
+        *script_python(),
         str(ROOT / "bench" / "ablation.py"),
         *("--device", "cpu", "--arch", "resnet18", "--image-size", "32", "-b", "8", "--steps", "4"),
         *("--rows", "fp32,cuda-graphs", "--cores", "1", "--no-dali", "--data-root", str(tiny_data), "--out", str(out)),
@@ -415,7 +415,7 @@ def test_the_activation_memory_bench_orders_the_modes(tmp_path):
     import json
 
     table = tmp_path / "rows.json"
-    command = [*bench_python(), str(ROOT / "bench" / "activation_memory.py"), "--arch", "timm:test_vit",
+    command = [*script_python(), str(ROOT / "bench" / "activation_memory.py"), "--arch", "timm:test_vit",
                "--image-size", "32", "-b", "4", "--repeats", "1", "--json", str(table)]  # fmt: skip
     result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=clean_env(), cwd=ROOT)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -553,7 +553,7 @@ def test_the_gpu_session_runs_end_to_end_on_the_cpu(tmp_path):
     stopped at the budget's end (a machine slower than its estimates)."""
     out = tmp_path / "session"
     env = clean_env() | {"XDG_CACHE_HOME": str(tmp_path / "cache")}
-    command = [*bench_python(env), str(ROOT / "bench" / "gpu_session.py"), "--device", "cpu", "--out", str(out)]
+    command = [*script_python(env), str(ROOT / "bench" / "gpu_session.py"), "--device", "cpu", "--out", str(out)]
     command += ["--budget-s", "75", "--only", "ablation,meta_fill,cpu_pipeline,synthetic,dali,data"]
     command += ["--python", str(preloaded.python_executable(tmp_path, env))]  # its rows: forks of the tests' server
     begun = time.monotonic()

@@ -23,7 +23,7 @@ from types import SimpleNamespace
 import optuna
 import preloaded
 import pytest
-from conftest import ROOT, SMALL, TINY, bench_python, clean_env, read_json, run_dlojz, show
+from conftest import ROOT, SMALL, TINY, clean_env, read_json, run_dlojz, script_python, show
 from slurm_cluster import slurm_cluster  # noqa: F401  (the session fixture)
 
 # torchvision's resnet18: the Slurm job array's trials are fresh interpreters, where timm's import costs more than
@@ -41,11 +41,11 @@ def write_space(folder, text=SPACE):
 
 
 def hpo(*args, timeout=600, env=None):
-    """dlojz_hpo.py ARGS run to its end, as a fork of the preloaded server (bench_python) where the environment
+    """dlojz_hpo.py ARGS run to its end, as a fork of the preloaded server (script_python) where the environment
     allows; hpo_popen's workers, which the tests kill, are fresh interpreters (a fork outlives its client's SIGKILL)."""
     env = env or clean_env()
     return subprocess.run(
-        [*bench_python(env), str(ROOT / "dlojz_hpo.py"), *map(str, args)],
+        [*script_python(env), str(ROOT / "dlojz_hpo.py"), *map(str, args)],
         capture_output=True,
         text=True,
         timeout=timeout,

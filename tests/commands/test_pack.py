@@ -27,7 +27,7 @@ from PIL import Image
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-from conftest import bench_python, importtime  # noqa: E402
+from conftest import importtime, script_python  # noqa: E402
 
 import dlojz_lib.pack.writer  # noqa: E402
 from dlojz_lib.checks import DataError  # noqa: E402
@@ -356,7 +356,7 @@ def test_cli_refuses_a_foreign_dst_and_a_non_data_src_in_one_line(src, tmp_path)
     # Side by side: the foreign DST's process imports torch to list its (valid) SRC first.
     procs = {
         name: subprocess.Popen(
-            [*bench_python(), str(ROOT / "dlojz_pack.py"), *args],
+            [*script_python(), str(ROOT / "dlojz_pack.py"), *args],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,

@@ -23,26 +23,28 @@ WIDE_VIT = "timm:dlojz_wide_vit"  # (registered below: a ViT whose block linears
 MLP_VIT = "timm:dlojz_mlp_vit"  # (registered below: a narrow ViT whose fc1 alone float8 converts, under tensorwise)
 
 
+def two_block_vit(kwargs, width, heads, mlp_ratio):
+    """timm's VisionTransformer of 2 blocks, 16-px patches, with create_model's `kwargs` (less timm's own, for
+    published weights)."""
+    from timm.models.vision_transformer import VisionTransformer
+
+    for key in ("pretrained_cfg", "pretrained_cfg_overlay", "cache_dir"):
+        kwargs.pop(key, None)
+    return VisionTransformer(patch_size=16, embed_dim=width, depth=2, num_heads=heads, mlp_ratio=mlp_ratio, **kwargs)
+
+
 @timm.models.register_model
 def dlojz_wide_vit(pretrained=False, **kwargs):
     """Two blocks 1088 wide with a 4352-wide MLP: under tensorwise every block linear is above torchao's sizes,
     under rowwise fc1 alone (its qkv, proj and fc2 are below them)."""
-    from timm.models.vision_transformer import VisionTransformer
-
-    for key in ("pretrained_cfg", "pretrained_cfg_overlay", "cache_dir"):  # (timm's, for published weights)
-        kwargs.pop(key, None)
-    return VisionTransformer(patch_size=16, embed_dim=1088, depth=2, num_heads=8, mlp_ratio=4.0, **kwargs)
+    return two_block_vit(kwargs, 1088, 8, 4.0)
 
 
 @timm.models.register_model
 def dlojz_mlp_vit(pretrained=False, **kwargs):
     """Two blocks 64 wide with a 1040-wide MLP: under tensorwise each fc1 (1040 outputs, over torchao's 1024) is
     converted and no other linear is; 50 times fewer weights than dlojz_wide_vit, for the runs on several ranks."""
-    from timm.models.vision_transformer import VisionTransformer
-
-    for key in ("pretrained_cfg", "pretrained_cfg_overlay", "cache_dir"):
-        kwargs.pop(key, None)
-    return VisionTransformer(patch_size=16, embed_dim=64, depth=2, num_heads=2, mlp_ratio=1040 / 64, **kwargs)
+    return two_block_vit(kwargs, 64, 2, 1040 / 64)
 
 
 def meta_model(arch, image_size=224):
@@ -332,10 +334,10 @@ def test_fsdp_s_float8_scales_run_after_each_step_under_tensorwise_scaling_only(
 
 
 def fsdp_float8_on_rank(rank, world, store_path, results, replicas):
-    """One of 2 ranks: the narrow ViT (MLP_VIT) built and laid out as dlojz.py does with --fsdp --float8 tensorwise --no-amp (built
-    on rank 0, filled from it), and one process's --float8 tensorwise run beside it; both take the same 8 images, 2
-    SGD steps, the float8 weights' scales precomputed after each (Model.after_step). What each step sends (kind,
-    dtype, elements), and every weight gathered against one process's."""
+    """One of 2 ranks: the narrow ViT (MLP_VIT) built and laid out as dlojz.py does with --fsdp --float8 tensorwise
+    --no-amp (built on rank 0, filled from it), and one process's --float8 tensorwise run beside it; both take the
+    same 8 images, 2 SGD steps, the float8 weights' scales precomputed after each (Model.after_step). What each step
+    sends (kind, dtype, elements), and every weight gathered against one process's."""
     import traceback
 
     import torch.distributed as dist

@@ -10,7 +10,7 @@ import preloaded
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import ROOT, bench_python, clean_env, read_json, run_dlojz, show
+from conftest import ROOT, clean_env, read_json, run_dlojz, script_python, show
 from test_dlojz import assert_one_line_error
 from test_resume import start_ranks, wait_for_line
 
@@ -68,9 +68,9 @@ def weights(path):
 
 
 def consolidate_command(source, target):
-    """dlojz_fsdp.py consolidate as a command (a fork of the preloaded server where it can be: bench_python)."""
+    """dlojz_fsdp.py consolidate as a command (a fork of the preloaded server where it can be: script_python)."""
     return subprocess.run(
-        [*bench_python(), str(ROOT / "dlojz_fsdp.py"), "consolidate", str(source), str(target)],
+        [*script_python(), str(ROOT / "dlojz_fsdp.py"), "consolidate", str(source), str(target)],
         capture_output=True,
         text=True,
         env=clean_env(),

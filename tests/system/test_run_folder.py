@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, SMALL, bench_python
+from conftest import ROOT, SMALL, script_python
 
 import dlojz_lib.checkpoint as ckpt
 
@@ -326,7 +326,7 @@ def test_a_named_pipe_with_an_image_s_name_is_skipped_never_waited_on(tiny_data,
     assert f"WARNING: skipping unreadable image {pipe}" in proc.stderr and "not a regular file" in proc.stderr
 
     packed = subprocess.run(
-        [*bench_python(), str(ROOT / "dlojz_pack.py"), str(data), str(tmp_path / "packed")],
+        [*script_python(), str(ROOT / "dlojz_pack.py"), str(data), str(tmp_path / "packed")],
         capture_output=True,
         text=True,
         timeout=120,
