@@ -12,6 +12,10 @@ from types import SimpleNamespace
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+# The bytecode of the test modules as pytest rewrites them, and of dlojz_lib, is written in their __pycache__ folders
+# (ignored by git) whatever PYTHONDONTWRITEBYTECODE says: without it each xdist worker rewrites the hundred test
+# modules again (6 s of its 16 s collection here) and each new interpreter compiles dlojz_lib again.
+sys.dont_write_bytecode = False
 sys.path.insert(0, str(ROOT))
 sys.path.insert(1, str(ROOT / "bench"))  # in_process.synthetic_loop: dlojz's loop in-process, for tests and benches
 # tests/ mirrors the package (its wings: data/, optim/, model/, parallelism/, settings/, observers/; commands/,

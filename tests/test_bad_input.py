@@ -360,6 +360,23 @@ def test_a_model_of_one_input_size_at_another_is_refused_before_the_data(tmp_pat
     assert_one_line_error(proc, "--arch vit_b_16 cannot take 32 px images (Wrong image height! Expected 224")
 
 
+def test_a_model_s_input_sizes_are_checked_once_a_process_and_refused_each_time(monkeypatch):
+    """The planner's layouts and HPO's trials resolve the same model again: its meta build and forward run once for
+    a model and its sizes, its refusal said again each time it is asked; other sizes are checked anew."""
+    from dlojz_lib.checks import UserError
+    from dlojz_lib.model import zoo
+
+    built, create = [], zoo.create_model
+    monkeypatch.setattr(zoo, "create_model", lambda *args: built.append(args[0::3]) or create(*args))
+    zoo.input_sizes_refusal.cache_clear()
+    for sizes in ([29], [29, 29]):
+        with pytest.raises(UserError, match="--arch vit_b_16 cannot take 29 px images"):
+            zoo.check_input_sizes("vit_b_16", False, sizes)
+    for _ in range(2):
+        zoo.check_input_sizes("timm:test_resnet", False, [27, 31])
+    assert built == [("vit_b_16", 29), ("timm:test_resnet", 31)]
+
+
 def test_synthetic_with_a_data_root_is_refused(tmp_path, run_inline):
     proc = run_inline(*SMALL, "--synthetic", "--data-root", tmp_path)
     assert_one_line_error(proc, "--synthetic trains on random tensors and reads no data: drop --data-root")

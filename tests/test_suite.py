@@ -3,6 +3,7 @@ from them, and the guard that holds the `multirank` marker true."""
 
 import subprocess
 import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import conftest
@@ -101,6 +102,16 @@ def test_torchrun_with_several_processes_is_noted_and_an_unmarked_test_refused()
         assert conftest.ranks_without_marker(marked) is None
     finally:
         conftest.SEVERAL_RANKS.clear()
+
+
+def test_the_test_modules_as_pytest_rewrote_them_are_kept_for_the_next_worker():
+    """Each xdist worker, and the next run, reads this module's bytecode as pytest rewrote it (its asserts), written
+    once whatever PYTHONDONTWRITEBYTECODE says: rewriting the test modules is 6 s of a worker's collection."""
+    from _pytest.assertion.rewrite import PYTEST_TAG, get_cache_dir
+
+    source = Path(__file__)
+    rewritten = get_cache_dir(source) / f"{source.stem}.{PYTEST_TAG}.pyc"
+    assert rewritten.exists() and rewritten.stat().st_mtime >= source.stat().st_mtime, rewritten
 
 
 def test_each_test_starts_from_the_same_torch_state_part_one():
