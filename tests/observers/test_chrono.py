@@ -628,6 +628,25 @@ def test_train_flops_per_image_by_hand_and_model_untouched():
     assert model.training
 
 
+def test_train_flops_leave_batch_norm_out_and_count_what_its_model_with_it_counts(monkeypatch):
+    """FlopCounterMode counts no normalisation: the count runs without BatchNorm (its meta kernel is most of a
+    ResNet's count) and finds the FLOPs that counting the model as it is finds, timm's BatchNorm with its activation
+    too; the model keeps its BatchNorm layers."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from dlojz_lib.model.zoo import create_model, meta_copy
+
+    for arch in ("resnet18", "timm:test_resnet"):
+        model = create_model(arch, 10)
+        counter, meta = FlopCounterMode(display=False), meta_copy(model).eval()
+        with counter:
+            meta(torch.empty(2, 3, 32, 32, device="meta")).sum().backward()
+        with monkeypatch.context() as patched:
+            patched.setattr(nn.BatchNorm2d, "forward", lambda *args: pytest.fail("a BatchNorm forward was counted"))
+            assert train_flops_per_image(model, image_size=32) == counter.get_total_flops() / 2, arch
+        assert any(isinstance(module, nn.BatchNorm2d) for module in model.modules())
+
+
 def test_train_flops_unwraps_data_parallel_wrappers():
     model = nn.Sequential(nn.Flatten(), nn.Linear(3 * 2 * 2, 4))
     wrapped = nn.DataParallel(model)  # same .module unwrapping as DistributedDataParallel
