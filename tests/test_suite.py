@@ -106,7 +106,7 @@ def test_torchrun_with_several_processes_is_noted_and_an_unmarked_test_refused()
 
 def test_the_test_modules_as_pytest_rewrote_them_are_kept_for_the_next_worker():
     """Each xdist worker, and the next run, reads this module's bytecode as pytest rewrote it (its asserts), written
-    once whatever PYTHONDONTWRITEBYTECODE says: rewriting the test modules is 6 s of a worker's collection."""
+    once whatever PYTHONDONTWRITEBYTECODE says: rewriting the test modules is 7 s of a worker's collection."""
     from _pytest.assertion.rewrite import PYTEST_TAG, get_cache_dir
 
     source = Path(__file__)
