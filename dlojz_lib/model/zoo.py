@@ -425,14 +425,23 @@ def saved_activation_bytes(model, image_size, channels_last, checkpointing, arch
 def without_sync_batchnorm(module):
     """`module` with each SyncBatchNorm turned back into a BatchNorm2d (same weights and statistics), which a
     forward in training mode outside the process group and on the CPU accepts."""
-    if isinstance(module, torch.nn.SyncBatchNorm):
-        plain = torch.nn.BatchNorm2d(
-            module.num_features, module.eps, module.momentum, module.affine, module.track_running_stats
+
+    def plain(sync):
+        batch_norm = torch.nn.BatchNorm2d(
+            sync.num_features, sync.eps, sync.momentum, sync.affine, sync.track_running_stats
         )
-        plain.load_state_dict(module.state_dict())
-        return plain.train(module.training)
+        batch_norm.load_state_dict(sync.state_dict())
+        return batch_norm.train(sync.training)
+
+    return with_each_replaced(module, torch.nn.SyncBatchNorm, plain)
+
+
+def with_each_replaced(module, kind, replacement):
+    """`module` with each module of class `kind` in it (itself included) put back as replacement(that module)."""
+    if isinstance(module, kind):
+        return replacement(module)
     for name, child in module.named_children():
-        setattr(module, name, without_sync_batchnorm(child))
+        setattr(module, name, with_each_replaced(child, kind, replacement))
     return module
 
 
@@ -470,11 +479,7 @@ def without_batch_norm(module: torch.nn.Module) -> torch.nn.Module:
     """`module` with each BatchNorm (timm's with its activation too) an Identity: FlopCounterMode counts no
     normalisation or activation, the shapes stay, and BatchNorm's meta kernel, a Python decomposition, is most of a
     ResNet's count (ResNet-18: 0.31 s against 0.02 s on a CPU core)."""
-    if isinstance(module, batch_norm_base()):
-        return torch.nn.Identity()
-    for name, child in module.named_children():
-        setattr(module, name, without_batch_norm(child))
-    return module
+    return with_each_replaced(module, batch_norm_base(), lambda batch_norm: torch.nn.Identity())
 
 
 def meta_copy(model: torch.nn.Module) -> torch.nn.Module:
