@@ -25,6 +25,12 @@ sys.path.insert(1, str(ROOT / "bench"))  # in_process.synthetic_loop: dlojz's lo
 TEST_FOLDERS = ("data", "optim", "model", "parallelism", "settings", "observers", "commands", "system")
 sys.path[2:2] = [str(ROOT / "tests" / folder) for folder in TEST_FOLDERS]
 
+# torch.compile compiles its kernels in the compiling process, with no pool of compile workers: the pool is a
+# fresh interpreter importing torch, then its workers, 6 CPU seconds a --compile run here (its test's 21 s become
+# 15), and it buys nothing on 2 cores that the suite's workers already fill. Set before torch, the fork server and
+# the runs' environments read it; the test about that pool sets its own count.
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+
 import file_seconds  # noqa: E402
 import preloaded  # noqa: E402  (after the path that finds dlojz)
 

@@ -16,6 +16,7 @@ the tests that are about torchrun itself run it.
 
 import atexit
 import contextlib
+import gc
 import json
 import locale
 import multiprocessing
@@ -177,6 +178,11 @@ def as_spawned(env):
     env None (a spawned process): nothing to do."""
     if env is None:
         return
+    # The server's objects (torch's, timm's and dlojz's, some 420,000) go to the collector's permanent
+    # generation, which no collection walks: a collection that walked them would write to each one's page, a copy of
+    # it for this process (measured: a forked ResNet's 5 steps and one collection, 32,000 page faults and 0.40 CPU
+    # seconds; frozen, 6,000 and 0.12). The move links two lists: it writes to two objects, not to every one.
+    gc.freeze()
     os.environ.clear()
     os.environ.update(env)
     # A child of the fork server inherits its start method: a fresh interpreter's is the platform's default, which

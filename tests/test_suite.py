@@ -107,11 +107,16 @@ def test_torchrun_with_several_processes_is_noted_and_an_unmarked_test_refused()
 def test_the_test_modules_as_pytest_rewrote_them_are_kept_for_the_next_worker():
     """Each xdist worker, and the next run, reads this module's bytecode as pytest rewrote it (its asserts), written
     once whatever PYTHONDONTWRITEBYTECODE says: rewriting the test modules is 7 s of a worker's collection."""
+    import importlib.util
+
     from _pytest.assertion.rewrite import PYTEST_TAG, get_cache_dir
 
     source = Path(__file__)
     rewritten = get_cache_dir(source) / f"{source.stem}.{PYTEST_TAG}.pyc"
-    assert rewritten.exists() and rewritten.stat().st_mtime >= source.stat().st_mtime, rewritten
+    assert rewritten.exists(), rewritten
+    # pytest's bytecode is checked by the source's hash (its header's bytes 8-16), not by a time: a source touched
+    # and left as it was keeps it
+    assert rewritten.read_bytes()[8:16] == importlib.util.source_hash(source.read_bytes())[:8], rewritten
 
 
 def test_each_test_starts_from_the_same_torch_state_part_one():
@@ -184,3 +189,28 @@ def test_the_ranks_a_test_starts_by_hand_as_torchrun_would_are_forks_of_the_serv
     ranks = preloaded.rank_env(clean_env(), 1, 2, preloaded.free_port())
     assert ranks["TORCHELASTIC_RUN_ID"] and preloaded.can_run(ranks)
     assert not preloaded.can_run(dict(ranks, PYTHONHASHSEED="7"))
+
+
+def what_a_fork_of_the_server_holds(rank, world, store_path, found):
+    """One process: how many objects its collector never walks, and the processes a --compile run's start of the
+    compile workers left beside it (dlojz_lib.dist.start_compile_workers, as --compile calls it)."""
+    import gc
+    import os
+
+    from dlojz_lib.dist import start_compile_workers
+
+    frozen = gc.get_freeze_count()
+    start_compile_workers()
+    children = open(f"/proc/{os.getpid()}/task/{os.getpid()}/children").read().split()
+    found.put((frozen, children))
+
+
+def test_a_fork_of_the_server_walks_none_of_its_objects_and_compiles_without_a_pool_of_workers(tmp_path):
+    """In a process the tests start (a fork of the preloaded server), the server's imports are in the collector's
+    permanent generation, and torch.compile starts no compile worker: both are CPU seconds the suite saves in every
+    run (tests/preloaded.py's as_spawned, conftest's TORCHINDUCTOR_COMPILE_THREADS)."""
+    from conftest import spawn_ranks
+
+    [(frozen, children)] = spawn_ranks(what_a_fork_of_the_server_holds, 1, tmp_path)
+    assert frozen > 100_000, frozen  # torch's and dlojz's modules, functions and classes
+    assert children == [], children
