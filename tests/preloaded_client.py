@@ -7,8 +7,8 @@ signal). `python [-u] -m torch.distributed.run --standalone --nproc-per-node N d
 multi-rank run) is served as N forks given torchrun's variables (preloaded.rank_env), ended together as torchrun
 ends its workers when one fails; `python [-u] bench/SCRIPT.py ARGS` (a benchmark's own measuring runs) and
 `python [-u] dlojz_NAME.py ARGS` (the sibling commands: an HPO worker, a lab) as one fork running that script as
-__main__. It imports no torch. A command that is none of these, or an environment the server
-cannot give, is executed as given.
+__main__, or as N such forks under that torchrun (a benchmark, or a lab's probe, on 2 ranks). It imports no torch.
+A command that is none of these, or an environment the server cannot give, is executed as given.
 """
 
 import json
@@ -42,9 +42,11 @@ def unbuffered_left_out(words):
     return words
 
 
-def dlojz_ranks(command):
-    """(the dlojz.py arguments, the number of ranks) of `python [-u] .../dlojz.py ARGS` (1 rank) or of
-    `python [-u] -m torch.distributed.run --standalone --nproc-per-node N [-u] .../dlojz.py ARGS` (N), else None."""
+def served_run(command):
+    """(the script to run as __main__, or None for dlojz.py; its arguments; the number of ranks) of
+    `python [-u] SCRIPT ARGS` (1 rank) or of `python [-u] -m torch.distributed.run --standalone --nproc-per-node N
+    [-u] SCRIPT ARGS` (N), where SCRIPT is dlojz.py, a benchmark (bench/*.py) or a sibling command (dlojz_NAME.py);
+    else None."""
     words, ranks = python_arguments(command), 1
     if words is None:
         return None
@@ -53,32 +55,21 @@ def dlojz_ranks(command):
         if words[:1] != ["--standalone"] or words[1:2] != ["--nproc-per-node"] or not words[2:3][0].isdigit():
             return None  # another torchrun: run as given
         ranks, words = int(words[2]), unbuffered_left_out(words[3:])
-    if words and os.path.basename(words[0]) == "dlojz.py":
-        return words[1:], ranks
-    return None
-
-
-def served_script(command):
-    """(the script's absolute path, its arguments) of `python [-u] bench/SCRIPT.py ARGS` or of a sibling command's
-    `python [-u] dlojz_NAME.py ARGS`, else None."""
-    words = python_arguments(command)
-    if not words or not words[0].endswith(".py"):
+    if not words:
         return None
+    if os.path.basename(words[0]) == "dlojz.py":
+        return None, words[1:], ranks
     script = os.path.abspath(words[0])
     folder, name = os.path.split(script)
-    served = folder == BENCH or (folder == ROOT and name.startswith("dlojz_"))
-    return (script, words[1:]) if served and os.path.isfile(script) else None
+    served = script.endswith(".py") and (folder == BENCH or (folder == ROOT and name.startswith("dlojz_")))
+    return (script, words[1:], ranks) if served and os.path.isfile(script) else None
 
 
 def main(path, command):
-    run, script = dlojz_ranks(command), None
-    served = served_script(command) if run is None else None
-    if served is not None:
-        script, argv = served
-        run = argv, 1
+    run = served_run(command)
     if run is None:
         os.execvp(command[0], command)
-    argv, ranks = run
+    script, argv, ranks = run
     connection = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     connection.connect(path)
     request = {

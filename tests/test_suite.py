@@ -153,10 +153,12 @@ def test_the_launch_prefix_serves_torchrun_s_ranks_and_its_exit_status(tmp_path)
     assert proc.returncode == 1 and "argument -e/--epochs: must be >= 1" in proc.stderr, proc.stderr
 
 
+@pytest.mark.multirank
 def test_the_launch_prefix_runs_a_bench_script_as_a_fork_and_anything_else_as_given(tmp_path):
     """`python bench/SCRIPT.py ARGS` and a sibling command's `python dlojz_NAME.py ARGS` through launch_prefix run
     in a fork of the preloaded server (their request reaches the server), with the script's exit status and output;
-    `python -c` is executed as given."""
+    under `torchrun --standalone --nproc-per-node 2`, in two such forks given torchrun's variables; `python -c` is
+    executed as given."""
     preloaded.SERVED.clear()
     script = ROOT / "bench" / "bench_loader.py"
     proc = subprocess.run(
@@ -172,11 +174,21 @@ def test_the_launch_prefix_runs_a_bench_script_as_a_fork_and_anything_else_as_gi
     )  # fmt: skip
     assert proc.returncode == 2 and proc.stderr.startswith("dlojz_hpo.py: error: --storage"), proc.stderr
     assert preloaded.SERVED == [str(script), str(command)]
+    preloaded.SEVERAL_RANKS.clear()
+    proc = subprocess.run(
+        [*preloaded.launch_prefix(clean_env()), sys.executable, "-m", "torch.distributed.run", "--standalone",
+         "--nproc-per-node", "2", str(script), "--data", str(tmp_path / "nowhere")],
+        capture_output=True, text=True, env=clean_env(), timeout=120,
+    )  # fmt: skip
+    # (torchrun's status when its workers fail, 1; the rank that fails first has the other ended: one line or two)
+    assert proc.returncode == 1 and f"--data {tmp_path / 'nowhere'}: not a folder" in proc.stderr, proc.stderr
+    assert preloaded.SERVED == [str(script), str(command), str(script)]
+    assert "dlojz.py on 2 ranks" in preloaded.SEVERAL_RANKS  # two forks given torchrun's variables, not a torchrun
     proc = subprocess.run(
         [*preloaded.launch_prefix(clean_env()), sys.executable, "-c", "print('as given')"],
         capture_output=True, text=True, env=clean_env(), timeout=120,
     )  # fmt: skip
-    assert proc.stdout == "as given\n" and preloaded.SERVED == [str(script), str(command)]
+    assert proc.stdout == "as given\n" and preloaded.SERVED == [str(script), str(command), str(script)]
 
 
 def test_the_ranks_a_test_starts_by_hand_as_torchrun_would_are_forks_of_the_server():

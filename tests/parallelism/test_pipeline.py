@@ -458,13 +458,12 @@ def test_the_pipeline_lab_prints_the_bubble_beside_its_formula(tmp_path):
     step takes at least 16 x 12 ms / (1 - the formula's bubble) however loaded the machine is. How near the
     measured bubble comes to the formula is the lab's to show (a share of wall-clock time), not this test's."""
     import subprocess
-    import sys
 
-    from conftest import ROOT, clean_env, read_json
+    from conftest import ROOT, clean_env, read_json, script_python
 
     table = tmp_path / "rows.json"
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+    proc = subprocess.run(  # (the ranks: forks of the tests' preloaded server, as torchrun starts them)
+        [*script_python(), "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
          str(ROOT / "bench" / "pipeline_bubble.py"), "--arch", "toy", "--schedules", "gpipe,interleaved",
          "--microbatches", "2,8", "-b", "16", "--steps", "2", "--json", str(table)],
         capture_output=True, text=True, timeout=300, env=clean_env(), cwd=ROOT,

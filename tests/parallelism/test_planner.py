@@ -304,10 +304,10 @@ def test_the_roofline_bench_times_each_layout_beside_its_estimate():
     verdict on every pair (named, or all within 2x)."""
     import subprocess
 
-    from conftest import clean_env
+    from conftest import clean_env, script_python
 
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+    proc = subprocess.run(  # (the ranks: forks of the tests' preloaded server, as torchrun starts them)
+        [*script_python(), "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
          str(ROOT / "bench" / "plan_vs_runs.py"), "--arch", ARCH, "--image-size", "32", "-b", "4", "--steps", "1",
          "--microbatches", "2"],
         capture_output=True, text=True, timeout=300, env=clean_env(), cwd=ROOT,

@@ -4,10 +4,9 @@ runs, saved in FILE and reused while the model, image size, -b, dtype and ranks 
 
 import json
 import subprocess
-import sys
 
 import pytest
-from conftest import ROOT, clean_env
+from conftest import ROOT, clean_env, script_python
 
 import dlojz_lab  # noqa: E402
 
@@ -108,8 +107,8 @@ def test_a_probe_under_torchrun_measures_the_links_and_one_rank_says_the_plan(tm
     """torchrun, 2 CPU ranks: FILE holds the slowest rank's FLOP/s and its node's bandwidth, latency and overlap
     (all-reduces between the ranks); the plan is printed once, with those figures."""
     path = tmp_path / "probe.json"
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+    proc = subprocess.run(  # (the ranks: forks of the tests' preloaded server, as torchrun starts them)
+        [*script_python(), "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
          str(ROOT / "dlojz_lab.py"), *PLANNED, "--gpus-per-node", "2", "--probe", str(path)],
         capture_output=True, text=True, env=clean_env(), cwd=tmp_path, timeout=300,
     )  # fmt: skip
