@@ -201,25 +201,31 @@ def test_the_ranks_a_test_starts_by_hand_as_torchrun_would_are_forks_of_the_serv
 
 
 def what_a_fork_of_the_server_holds(rank, world, store_path, found):
-    """One process: how many objects its collector never walks, and the processes a --compile run's start of the
-    compile workers left beside it (dlojz_lib.dist.start_compile_workers, as --compile calls it)."""
+    """One process: how many objects its collector never walks, the modules of the server's preload it lacks, and
+    the processes a --compile run's start of the compile workers left beside it (dlojz_lib.dist.start_compile_workers,
+    as --compile calls it)."""
     import gc
     import os
+    import sys
 
     from dlojz_lib.dist import start_compile_workers
 
     frozen = gc.get_freeze_count()
+    lacking = [name for name in preloaded.PRELOAD if name not in sys.modules]
     start_compile_workers()
     children = open(f"/proc/{os.getpid()}/task/{os.getpid()}/children").read().split()
-    found.put((frozen, children))
+    found.put((frozen, lacking, children))
 
 
 def test_a_fork_of_the_server_walks_none_of_its_objects_and_compiles_without_a_pool_of_workers(tmp_path):
     """In a process the tests start (a fork of the preloaded server), the server's imports are in the collector's
-    permanent generation, and torch.compile starts no compile worker: both are CPU seconds the suite saves in every
-    run (tests/preloaded.py's as_spawned, conftest's TORCHINDUCTOR_COMPILE_THREADS)."""
+    permanent generation, every module of its preload is imported (the server's imports fail silently: a module
+    renamed by an upgrade would be imported again by every run), and torch.compile starts no compile worker: CPU
+    seconds the suite saves in every run (tests/preloaded.py's PRELOAD and as_spawned, conftest's
+    TORCHINDUCTOR_COMPILE_THREADS)."""
     from conftest import spawn_ranks
 
-    [(frozen, children)] = spawn_ranks(what_a_fork_of_the_server_holds, 1, tmp_path)
+    [(frozen, lacking, children)] = spawn_ranks(what_a_fork_of_the_server_holds, 1, tmp_path)
     assert frozen > 100_000, frozen  # torch's and dlojz's modules, functions and classes
+    assert lacking == [], lacking
     assert children == [], children
