@@ -266,19 +266,20 @@ def test_noisy_randaugment_s_finer_bins_are_torchvision_s_bins():
 
 
 def test_grad_acc_gives_the_same_update_as_one_big_batch():
-    """ViT-B/32 (LayerNorm, no dropout: a batch of 4 and 2 x 2 accumulated are the same computation), in-process:
-    nothing written to disk. lr 1 makes the update large: a missing 1/N loss scaling or an extra step would show."""
+    """timm's test ViT (LayerNorm, no dropout: a batch of 4 and 2 x 2 accumulated are the same computation),
+    in-process: nothing written to disk. lr 1 makes the update large: a missing 1/N loss scaling or an extra step
+    would show."""
     common = [
         "--device",
         "cpu",
         "--arch",
-        "vit_b_32",
+        "timm:test_vit",
         "--image-size",
-        "224",
+        "32",
         "--val-resize-size",
-        "256",
+        "36",
         "--val-crop-size",
-        "224",
+        "32",
         "--epochs",
         "2",
         "--optimizer",
@@ -293,36 +294,24 @@ def test_grad_acc_gives_the_same_update_as_one_big_batch():
         "0",
     ]
     generator = torch.Generator().manual_seed(0)
-    images, labels = torch.randn(4, 3, 224, 224, generator=generator), torch.randint(0, 1000, (4,), generator=generator)
-    weights = {}
+    images, labels = torch.randn(4, 3, 32, 32, generator=generator), torch.randint(0, 1000, (4,), generator=generator)
+    initial, weights = {}, {}
     for name, flags, batches in (
         ("one", ["-b", "4"], [(images, labels)]),
         ("acc", ["-b", "2", "--grad-acc", "2"], [(images[:2], labels[:2]), (images[2:], labels[2:])]),
     ):
         cfg, loop = synthetic_run(common + flags, n_batches=len(batches))
-        torch.manual_seed(1)  # the same initial weights for both
-        loop["model"].module.load_state_dict(torchvision_vit_state())
+        module = loop["model"].module
+        initial = initial or {k: v.clone() for k, v in module.state_dict().items()}
+        module.load_state_dict(initial)  # the same initial weights for both
         loop["loaders"].train_batches = batches
         dlojz.train_one_epoch(**loop)
         assert loop["state"].global_step == 1, name  # one optimizer step in each
-        weights[name] = {k: v.clone() for k, v in loop["model"].module.state_dict().items()}
+        weights[name] = {k: v.clone() for k, v in module.state_dict().items()}
     assert cfg.batch_size * cfg.grad_acc == 4
     for key, value in weights["one"].items():
         assert torch.allclose(value, weights["acc"][key], rtol=1e-5, atol=1e-6), key
-    assert not torch.equal(weights["one"]["heads.head.weight"], torchvision_vit_state()["heads.head.weight"])
-
-
-_VIT_STATE = {}
-
-
-def torchvision_vit_state():
-    """One set of initial ViT-B/32 weights shared by the runs compared."""
-    if not _VIT_STATE:
-        import torchvision
-
-        torch.manual_seed(0)
-        _VIT_STATE.update(torchvision.models.vit_b_32(num_classes=1000).state_dict())
-    return _VIT_STATE
+    assert not torch.equal(weights["one"]["head.weight"], initial["head.weight"])
 
 
 def test_random_erase_fills_with_the_mean_colour_which_normalises_to_zero():
