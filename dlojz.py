@@ -158,9 +158,9 @@ def main(argv=None, resources=None) -> dict:
     synced = (cfg.test_nsteps - cfg.test_unsync_steps) * cfg.grad_acc if cfg.test_unsync_steps else None
     chrono = Chronometer(enabled=cfg.test, rank=ranks.rank, device=ranks.device, synced_steps=synced)
 
-    # ================================ DATA SETS (the model needs the number of classes)
+    # ================================ DATA SETS (the model needs the number of classes), --resume's checkpoint
     train_set, val_set, classes = build_data(cfg, ranks, log)
-    resumed = find_checkpoint(cfg.section("logging"), cfg.eval_only, cfg.arch, len(classes), log)  # before the build
+    resumed = find_checkpoint(cfg.section("logging"), cfg.eval_only, cfg.arch, len(classes), log, cfg.parallelism.fsdp)
 
     # ================================ INSTANTIATION: model, loss, optimizer
     model = build_model(cfg, len(classes), ranks, log)  # whole: created, its weights, checkpointing, EMA

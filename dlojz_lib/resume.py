@@ -241,10 +241,11 @@ def saved_data_size(saved):
     return saved.get("data_size") or saved.get("world_size", 1) // (args.get("tp", 1) * args.get("pp", 1))
 
 
-def find_checkpoint(logging, eval_only, arch, num_classes, log):
+def find_checkpoint(logging, eval_only, arch, num_classes, log, fsdp=False):
     """--resume's checkpoint (`logging`: --resume and --output-dir), read before the model is built: (its state, its
     path), or (None, None) (no --resume, or --resume auto finding none). A checkpoint of another model (--arch) or
-    number of classes is refused here in one line, not after a build that can take minutes."""
+    number of classes, or of the other kind than `fsdp` (--fsdp) resumes, is refused here in one line, not after a
+    build and lay-out that can take minutes."""
     if not logging.resume:
         return None, None
     if logging.resume == "auto":
@@ -266,7 +267,25 @@ def find_checkpoint(logging, eval_only, arch, num_classes, log):
         except ckpt.CheckpointError as err:
             fail(f"--resume: {err}")
     check_same_model(arch, num_classes, saved, path)
+    check_checkpoint_kind(saved, path, fsdp, eval_only)
     return saved, path
+
+
+def check_checkpoint_kind(saved, path, fsdp, eval_only):
+    """One line unless the checkpoint at `path` is of the kind this run resumes: sharded ones (written with --fsdp)
+    with --fsdp; ordinary ones without it, or with --fsdp to evaluate (--eval-only)."""
+    sharded = saved.get("sharded_path")
+    if sharded and not fsdp:
+        fail(
+            f"--resume {path}: a sharded checkpoint (written with --fsdp): add --fsdp, or make one ordinary "
+            f"checkpoint of it: python dlojz_fsdp.py consolidate {path} OUT.pt"
+        )
+    if fsdp and not sharded and not eval_only:
+        fail(
+            f"--resume {path}: --fsdp resumes training from sharded checkpoints (.dcp folders); make one of this "
+            f"ordinary checkpoint: python dlojz_fsdp.py shard {path} NEW_DIR, then --resume auto --output-dir NEW_DIR "
+            f"(or resume it without --fsdp)"
+        )
 
 
 def restore(cfg, model, training, n_train_batches, ranks, log, found):
@@ -331,17 +350,7 @@ def restore_weights(cfg, model, training, saved, path, log):
     or, with --fsdp, from a sharded checkpoint or a file."""
     sharded = saved.get("sharded_path")
     fsdp = cfg.parallelism.fsdp
-    if sharded and not fsdp:
-        fail(
-            f"--resume {path}: a sharded checkpoint (written with --fsdp): add --fsdp, or make one ordinary "
-            f"checkpoint of it: python dlojz_fsdp.py consolidate {path} OUT.pt"
-        )
-    if fsdp and not sharded and not cfg.eval_only:
-        fail(
-            f"--resume {path}: --fsdp resumes training from sharded checkpoints (.dcp folders); make one of this "
-            f"ordinary checkpoint: python dlojz_fsdp.py shard {path} NEW_DIR, then --resume auto --output-dir NEW_DIR "
-            f"(or resume it without --fsdp)"
-        )
+    check_checkpoint_kind(saved, path, fsdp, cfg.eval_only)  # (find_checkpoint's check, for any other caller)
     check_same_model(cfg.arch, model.num_classes, saved, path)
     weights = saved.get("model")
     if cfg.eval_ema:

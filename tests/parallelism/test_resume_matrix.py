@@ -1,8 +1,9 @@
 """Resume across layouts: a run saved in one layout (DDP, --fsdp, --fsdp --tp 2, --fsdp --pp 2, and on 4 ranks
---fsdp --pp 2 --tp 2 and HSDP, --fsdp --fsdp-replicate 2) goes on in another, from the end of an epoch and from the middle of one, to the weights, the
-step count and the learning rate of the same training in one process; between ordinary and sharded checkpoints it is
-refused in one line saying what to run, and the checkpoint the command it names makes goes on. Every layout trains
-16 images a step (the data-parallel width times -b).
+--fsdp --pp 2 --tp 2 and HSDP, --fsdp --fsdp-replicate 2) goes on in another, from the end of an epoch and from the
+middle of one, to the weights, the step count and the learning rate of the same training in one process; between
+ordinary and sharded checkpoints it is refused in one line saying what to run, before the model is built, and the
+checkpoint the command it names makes goes on. Every layout trains 16 images a step (the data-parallel width times
+-b).
 
 The suite takes each ordered pair once, from the end of an epoch or the middle of one by turns (each layout saves and
 resumes at both points), HSDP with --fsdp and DDP only; DLOJZ_RESUME_MATRIX=full takes every pair at both points
@@ -87,8 +88,9 @@ def test_a_run_goes_on_in_another_layout(saved, tiny_data, tmp_path, capsys, bef
     ranks, flags = LAYOUTS[after]
     out = tmp_path / "run"
     proc = run_dlojz(*common(tiny_data), *flags, "--resume", source, "--output-dir", out, ranks=ranks)
-    if before == "ddp":  # refused, then done as the line says
+    if before == "ddp":  # refused before the model is built, then done as the line says
         assert_one_line_error(proc, f"--resume {source}: --fsdp resumes training from sharded", "dlojz_fsdp.py shard")
+        assert "model: timm:test_vit, " not in proc.stdout, proc.stdout  # (the build's line)
         assert dlojz_fsdp.main(["shard", str(source), str(out)]) == 0
         source = ckpt.load_latest(out)[1]
         assert capsys.readouterr().out.startswith(f"written: {source}: resume it with --fsdp --resume auto")
@@ -100,6 +102,7 @@ def test_a_run_goes_on_in_another_layout(saved, tiny_data, tmp_path, capsys, bef
         proc = run_dlojz(*common(tiny_data), *flags, "--resume", "auto", "--output-dir", out, ranks=ranks)
     elif after == "ddp":
         assert_one_line_error(proc, f"python dlojz_fsdp.py consolidate {source} OUT.pt")
+        assert "model: timm:test_vit, " not in proc.stdout, proc.stdout
         assert dlojz_fsdp.main(["shard", str(source), str(tmp_path / "again")]) == 2
         assert "is already sharded: --resume it with --fsdp" in capsys.readouterr().err
         source = dlojz_fsdp.consolidate(source, tmp_path / "consolidated.pt")

@@ -12,6 +12,8 @@ import pytest
 import torch
 from conftest import ROOT, SMALL, TINY, clean_env, read_json, run_dlojz, show
 
+TORCHRUN2 = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+
 
 def assert_one_line_error(proc, *fragments, status=2):
     assert proc.returncode == status, show(proc)
@@ -85,7 +87,7 @@ def test_eval_one_vs_two_processes_identical(trained_checkpoint, tiny_data, tmp_
     import csv
 
     results, rows = [], []
-    for ranks in (1, 2):  # (2: forks of the tests' preloaded server, as torchrun starts them)
+    for launcher in (None, TORCHRUN2):  # (torchrun itself: the suite's one training or evaluation run under it)
         metrics = tmp_path / f"eval{len(results)}.json"
         predictions = tmp_path / f"predictions{len(results)}.csv"
         proc = run_dlojz(
@@ -103,7 +105,7 @@ def test_eval_one_vs_two_processes_identical(trained_checkpoint, tiny_data, tmp_
             predictions,
             "--output-dir",
             tmp_path / f"o{len(results)}",
-            ranks=ranks,
+            launcher=launcher,
         )
         assert proc.returncode == 0, show(proc)
         results.append(read_json(metrics))
