@@ -241,7 +241,7 @@ def saved_data_size(saved):
     return saved.get("data_size") or saved.get("world_size", 1) // (args.get("tp", 1) * args.get("pp", 1))
 
 
-def find_checkpoint(logging, eval_only, arch, num_classes, log, fsdp=False):
+def find_checkpoint(logging, eval_only, arch, num_classes, log, fsdp):
     """--resume's checkpoint (`logging`: --resume and --output-dir), read before the model is built: (its state, its
     path), or (None, None) (no --resume, or --resume auto finding none). A checkpoint of another model (--arch) or
     number of classes, or of the other kind than `fsdp` (--fsdp) resumes, is refused here in one line, not after a
@@ -350,7 +350,6 @@ def restore_weights(cfg, model, training, saved, path, log):
     or, with --fsdp, from a sharded checkpoint or a file."""
     sharded = saved.get("sharded_path")
     fsdp = cfg.parallelism.fsdp
-    check_checkpoint_kind(saved, path, fsdp, cfg.eval_only)  # (find_checkpoint's check, for any other caller)
     check_same_model(cfg.arch, model.num_classes, saved, path)
     weights = saved.get("model")
     if cfg.eval_ema:
