@@ -7,6 +7,7 @@ Run only these tests:  python -m pytest tests/system/test_slurm.py -v -rs   (abo
 
 import json
 import re
+import shlex
 import subprocess
 import sys
 import time
@@ -56,9 +57,11 @@ def directives(script: Path) -> dict:
     return found
 
 
-def job_env(cluster):
-    """The cluster's environment plus this interpreter's venv, which slurm/dlojz_env.sh activates
-    (sbatch exports the submitting environment to the job)."""
+def job_env(cluster, fresh_interpreters=False):
+    """The cluster's environment plus this interpreter's venv, which slurm/dlojz_env.sh activates (sbatch exports
+    the submitting environment to the job). The job's `python` is served_python's (its dlojz.py, sibling commands
+    and benches forks of the tests' preloaded server), unless `fresh_interpreters` asks for this Python as a
+    user's job has it."""
     env = dict(cluster.env, PYTHONUNBUFFERED="1")
     for name in (
         "DLOJZ_DATA",
@@ -71,7 +74,9 @@ def job_env(cluster):
         "MASTER_PORT",
     ):
         env.pop(name, None)  # the embedded data set, and idr_torch reading Slurm, not a leaked launcher
-    if sys.prefix != sys.base_prefix:
+    if not fresh_interpreters:
+        env["DLOJZ_VENV"] = str(served_python(env))
+    elif sys.prefix != sys.base_prefix:
         env["DLOJZ_VENV"] = sys.prefix
     else:  # not a venv: put this python first in PATH, and tell dlojz_env.sh an environment is active
         env["PATH"] = f"{Path(sys.executable).parent}:{env['PATH']}"
@@ -79,10 +84,44 @@ def job_env(cluster):
     return env
 
 
-def submit_cpu_job(cluster, tmp_path, *dlojz_args, wandb=False, **extra_env):
+_served_python = None  # the folder served_python made, once this process made it
+
+
+def served_python(env):
+    """A folder that slurm/dlojz_env.sh activates as the job's venv: this Python's, then `python` first in PATH
+    as preloaded.python_executable's stand-in, whose `python -u dlojz.py ARGS` (and sibling commands, benches) a
+    job's task runs as a fork of this process's preloaded server, given the task's environment, CPUs, output and
+    signals, and killed with it (the 4-5 s of imports a fresh interpreter pays, once a session); any other command
+    runs in this Python. A task whose environment the server cannot give (GLOO_*, ...) runs as given. The calls are
+    appended to FOLDER/bin/python.calls."""
+    global _served_python
+    if _served_python is None:
+        import atexit
+        import shutil
+        import tempfile
+
+        import preloaded
+
+        folder = Path(tempfile.mkdtemp(prefix="dlojz-job-python-"))
+        atexit.register(shutil.rmtree, folder, True)
+        (folder / "bin").mkdir()
+        preloaded.python_executable(folder / "bin", env)
+        real = Path(sys.prefix) / "bin" / "activate"
+        activate = f"source {shlex.quote(str(real))}\n" if sys.prefix != sys.base_prefix and real.is_file() else (
+            f"VIRTUAL_ENV={shlex.quote(sys.prefix)}; export VIRTUAL_ENV\n"
+            f"PATH={shlex.quote(str(Path(sys.executable).parent))}:\"$PATH\"\n"
+        )  # fmt: skip
+        (folder / "bin" / "activate").write_text(
+            f'{activate}PATH={shlex.quote(str(folder / "bin"))}:"$PATH"\nexport PATH\n'
+        )
+        _served_python = folder
+    return _served_python
+
+
+def submit_cpu_job(cluster, tmp_path, *dlojz_args, wandb=False, fresh_interpreters=False, **extra_env):
     """sbatch slurm/dlojz_cpu.slurm from the project directory (the script cds to the submit dir),
     its log in tmp_path instead of the project."""
-    env = dict(job_env(cluster), **{k: str(v) for k, v in extra_env.items()})
+    env = dict(job_env(cluster, fresh_interpreters), **{k: str(v) for k, v in extra_env.items()})
     return cluster.submit(
         [f"--output={tmp_path}/%x_%j.out", CPU_SCRIPT, *([] if wandb else ["--no-wandb"]), *dlojz_args],
         cwd=ROOT,
@@ -183,7 +222,8 @@ def test_cluster_runs_a_two_task_job(slurm_cluster, tmp_path):
 
 def test_cpu_script_trains_with_two_ddp_ranks(slurm_cluster, tmp_path):
     metrics_path = tmp_path / "metrics.json"
-    # A fresh cache: a new user's first job, where both ranks find no embedded data set and make it at once.
+    # A fresh cache: a new user's first job, where both ranks find no embedded data set and make it at once; the
+    # job's Pythons are fresh interpreters, as a user's are (the other jobs' are forks of the preloaded server).
     job = submit_cpu_job(
         slurm_cluster,
         tmp_path,
@@ -196,6 +236,7 @@ def test_cpu_script_trains_with_two_ddp_ranks(slurm_cluster, tmp_path):
         "--output-dir",
         tmp_path / "run",
         XDG_CACHE_HOME=tmp_path / "cache",
+        fresh_interpreters=True,
     )
     result = slurm_cluster.wait(job, timeout=300)
     assert result.state == "COMPLETED", show(result)
@@ -250,6 +291,9 @@ def test_usr1_checkpoints_requeues_and_resumes(slurm_cluster, tmp_path):
         assert trace not in text, show(result)
     runs = list((tmp_path / "run" / "wandb").glob("offline-run-*"))
     assert len(runs) == 2 and len({run.name.split("-")[-1] for run in runs}) == 1, runs  # one W&B run, continued
+    # both starts of both ranks were the served Python's: forks of the preloaded server, requeued as a job's tasks
+    calls = (served_python(None) / "bin" / "python.calls").read_text().splitlines()
+    assert sum(call.startswith("-u dlojz.py ") and str(tmp_path) in call for call in calls) == 4, calls
 
 
 # ---------------------------------------------------------------- dlojz_lab.py's sweeps as a job array

@@ -1,7 +1,9 @@
 """dlojz on two Slurm nodes: `sbatch -N 2 --ntasks-per-node 1` of slurm/dlojz_cpu.slurm on the two-node test
 cluster of tests/slurm_cluster.py (two slurmd in network namespaces of their own on this machine): one gloo process
 group across both "nodes", and a validation identical to one process's. Without Slurm, root or iproute2 it is
-skipped with the reason (under CI=true: fails). About 40 s: the cluster's start and one short training job.
+skipped with the reason (under CI=true: fails). About 40 s: the cluster's start and one short training job. The jobs'
+Pythons are fresh interpreters, each in its node's namespace (a fork of the tests' preloaded server would run in this
+machine's, with the other node's network).
 """
 
 import json
@@ -16,7 +18,7 @@ def test_two_nodes_train_in_one_process_group_and_validate_like_one_process(
 ):
     cluster = slurm_two_nodes
     metrics_path, out = tmp_path / "metrics.json", tmp_path / "run"
-    env = dict(job_env(cluster), GLOO_SOCKET_IFNAME="eth0", OMP_NUM_THREADS="1")
+    env = dict(job_env(cluster, fresh_interpreters=True), GLOO_SOCKET_IFNAME="eth0", OMP_NUM_THREADS="1")
     job = cluster.submit(
         [
             "--nodes=2",
@@ -69,7 +71,12 @@ def test_a_lost_node_is_left_out_and_the_same_job_finishes_on_the_other_from_its
     rank), within 2 minutes of the loss. Last in this file: node 2 is started again after it."""
     cluster = slurm_two_nodes
     out, metrics_path = tmp_path / "run", tmp_path / "metrics.json"
-    env = dict(job_env(cluster), GLOO_SOCKET_IFNAME="eth0", OMP_NUM_THREADS="1", DLOJZ_NODE_CHECK_S="10")
+    env = dict(
+        job_env(cluster, fresh_interpreters=True),
+        GLOO_SOCKET_IFNAME="eth0",
+        OMP_NUM_THREADS="1",
+        DLOJZ_NODE_CHECK_S="10",
+    )
     flags = ["--no-wandb", "--epochs", "4", "--data-root", tiny_data, "--num-workers", "0", "--output-dir", out]
     job = cluster.submit(
         ["--nodes=2", "--ntasks=2", "--ntasks-per-node=1", "--no-requeue", f"--output={tmp_path}/job.out"]
