@@ -56,7 +56,7 @@ def layouts_on_rank(rank, world, store_path, results, layouts):
     bench/plan_vs_runs.py's `laid_out`, which times the same layouts against the roofline), three steps of SGD with
     momentum (the schedule's under --pp); the bytes this rank holds after them, and those it sends in the third step
     (the first sends a pipeline's shapes too, the second DDP's rebuilt buckets), by the planner's group names; then
-    the optimizer state each of torch's optimizers holds after a step of its own."""
+    the optimizer state each of torch's optimizers holds after a step of its own (from one step's gradients)."""
     import traceback
 
     import torch
@@ -93,13 +93,13 @@ def layouts_on_rank(rank, world, store_path, results, layouts):
                 sent[key] = sent.get(key, 0.0) + count
                 calls[key] = calls.get(key, 0) + (count > 0)
             held = dict(state_bytes(model.module, optimizer), calls=calls)
-            held["optimizer_bytes_by"] = {}  # torch's optimizers of the table, one step on the same layout
+            held["optimizer_bytes_by"] = {}  # torch's optimizers of the table, a step each on the same layout
+            step(images, labels)  # (the gradients the three step from: their state is sized by the parameters)
             for name in TORCH_OPTIMIZERS:
                 other = build_optimizer(name, model.module.parameters(), 0.01, 0.9, 0.0)
-                step(images, labels)
                 other.step()
-                other.zero_grad()
                 held["optimizer_bytes_by"][name] = state_bytes(model.module, other)["optimizer_bytes"]
+            optimizer.zero_grad()
             results.put((rank, (arch, layout), held, sent))
         except BaseException:
             results.put((rank, (arch, layout), traceback.format_exc(), None))

@@ -20,13 +20,15 @@ import dlojz_fsdp
 import dlojz_lib.checkpoint as ckpt
 
 # name: (ranks, flags), each 2 epochs of 4 steps of 16 images (72 images, the last incomplete batch dropped); "ddp"
-# resumes on 2 ranks, and its checkpoints (ordinary files, one rank writes them) are one process's
+# resumes on 2 ranks, and its checkpoints (ordinary files, one rank writes them) are one process's; a pipeline's
+# step in 2 micro-batches of 8 (the schedules' own micro-batches against one process: tests/parallelism/
+# test_pipeline.py), half the sends and tensor-parallel all-reduces of 4
 LAYOUTS = {
     "ddp": (2, ["-b", "8"]),
     "fsdp": (2, ["-b", "8", "--fsdp"]),
     "tp": (2, ["-b", "16", "--fsdp", "--tp", "2"]),
-    "pp": (2, ["-b", "16", "--fsdp", "--pp", "2"]),
-    "pp-tp": (4, ["-b", "16", "--fsdp", "--pp", "2", "--tp", "2"]),
+    "pp": (2, ["-b", "16", "--fsdp", "--pp", "2", "--pp-microbatches", "2"]),
+    "pp-tp": (4, ["-b", "16", "--fsdp", "--pp", "2", "--tp", "2", "--pp-microbatches", "2"]),
     "hsdp": (4, ["-b", "4", "--fsdp", "--fsdp-replicate", "2"]),  # 2 replicas, each sharded over 2 ranks
 }
 # the data ranks x each one's batch a layout writes its checkpoints with ("ddp"'s: one process's, 1 x 16)
