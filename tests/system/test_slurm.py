@@ -106,13 +106,11 @@ def served_python(env):
         atexit.register(shutil.rmtree, folder, True)
         (folder / "bin").mkdir()
         preloaded.python_executable(folder / "bin", env)
-        real = Path(sys.prefix) / "bin" / "activate"
-        activate = f"source {shlex.quote(str(real))}\n" if sys.prefix != sys.base_prefix and real.is_file() else (
-            f"VIRTUAL_ENV={shlex.quote(sys.prefix)}; export VIRTUAL_ENV\n"
-            f"PATH={shlex.quote(str(Path(sys.executable).parent))}:\"$PATH\"\n"
-        )  # fmt: skip
+        # what a venv's activate does for dlojz_env.sh (this Python first in PATH, an environment said active),
+        # then the stand-in before it
+        first = ":".join(shlex.quote(str(path)) for path in (folder / "bin", Path(sys.executable).parent))
         (folder / "bin" / "activate").write_text(
-            f'{activate}PATH={shlex.quote(str(folder / "bin"))}:"$PATH"\nexport PATH\n'
+            f'VIRTUAL_ENV={shlex.quote(sys.prefix)}\nPATH={first}:"$PATH"\nexport VIRTUAL_ENV PATH\n'
         )
         _served_python = folder
     return _served_python
