@@ -58,8 +58,9 @@ RUN_TIME = (
 _context = multiprocessing.get_context("forkserver")
 # dlojz, timm (the tests' small model, SMALL), and what a run imports when it gets there, here once and not in every
 # run: the timeline plot's matplotlib (its pyplot and Agg), idr_torch (the ranks' set-up), the image loader's PIL
-# plugins, the pipeline's and the FLOP counter's torch modules. A forked test_vit run of 2 steps: 0.91 CPU s with
-# dlojz and timm alone, 0.54 with these.
+# plugins, the pipeline's and the FLOP counter's torch modules, and the sharded checkpoints' torch.distributed.checkpoint
+# (each rank of an --fsdp run imported it at its first checkpoint: 6 % of a 2-rank run's CPU). A forked test_vit run
+# of 2 steps: 0.91 CPU s with dlojz and timm alone, 0.54 with these.
 PRELOAD = (
     "dlojz",
     "timm",
@@ -78,6 +79,7 @@ PRELOAD = (
     "torch.distributed.pipelining",
     "torch.distributed._composable.replicate_with_fsdp",
     "torch.nn.attention.flex_attention",
+    "torch.distributed.checkpoint",
 )
 _context.set_forkserver_preload(list(PRELOAD))
 _server_env = None  # the start-up variables of the server's environment, once it runs
@@ -172,10 +174,23 @@ def _child(argv, env, cwd, out, err, affinity=None, script=None):
     except BaseException:
         traceback.print_exc()
         status = 1
+    _forget_operator_libraries()
     atexit._run_exitfuncs()  # as the interpreter's exit would
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(status)
+
+
+def _forget_operator_libraries():
+    """The exit of a fork leaves torch's operator libraries registered: their finalizers unregister every operator
+    from the dispatcher one by one (9 % of a 2-rank --fsdp run's CPU), which a process about to end does for nothing
+    anyone sees; the run's own exit functions still run."""
+    import weakref
+
+    library = sys.modules.get("torch.library")
+    for finalizer in list(getattr(weakref.finalize, "_registry", {})):
+        if library is not None and finalizer.peek() is not None and finalizer.peek()[1] is library._del_library:
+            finalizer.atexit = False
 
 
 def fork_context():
