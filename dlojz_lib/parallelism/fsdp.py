@@ -24,6 +24,7 @@ Mixed precision (chosen here): parameters gathered and computed in the --amp-dty
 (its loss scaler would have to agree on overflows across the shards, which the fused optimizers cannot take).
 """
 
+import math
 import shutil
 from pathlib import Path
 
@@ -45,6 +46,9 @@ BLOCK_SUFFIXES = (
 )
 # A sharded checkpoint's optimizer groups saved as a list (the first group's keys), not parameter by parameter
 NESTED_GROUPS = "optimizer.param_groups.0."
+# fill_from_first_rank's broadcasts: few enough collectives for a model's hundreds of tensors, and a bucket's copy
+# small beside any GPU's memory
+BROADCAST_BUCKET_BYTES = 64 << 20
 KERNEL_CHOICE = ("fused", "foreach")  # an optimizer group's settings that say how it steps, not what it does
 
 
@@ -123,8 +127,8 @@ def fill_from_first_rank(parts, catalogue, values, device, offloaded=False):
     """`parts` (this rank's modules on the meta device: a model sharded by FSDP, or its pipeline stages, cut,
     parallelised and sharded on meta) given storage on `device` for what they hold (`offloaded`: the parameters in
     host memory, where FSDP's CPU offload keeps them), then filled with the first rank's `values`: each tensor of
-    `catalogue` broadcast in turn (one tensor's memory at a time), a rank keeping its stage's tensors and, of a
-    DTensor, its own shard. A tensor-parallel q, k or v part takes its third of the fused tensor (timm's qkv,
+    `catalogue` broadcast in turn (in buckets of one dtype, one bucket's memory at a time), a rank keeping its
+    stage's tensors and, of a DTensor, its own shard. A tensor-parallel q, k or v part takes its third of the fused tensor (timm's qkv,
     torchvision's in_proj_weight). Every rank calls it, with the same catalogue."""
     from torch.distributed.tensor import DTensor, distribute_tensor
 
@@ -139,12 +143,7 @@ def fill_from_first_rank(parts, catalogue, values, device, offloaded=False):
         for path, tensor in named_tensors(part):
             whole, piece = fused_name(path)
             targets.setdefault(whole, []).append((tensor, piece))
-    for path, shape, dtype in catalogue:
-        if values is not None:
-            full = values.pop(path).to(device).contiguous()  # (the first rank's copy freed as it goes)
-        else:
-            full = torch.empty(shape, dtype=dtype, device=device)
-        dist.broadcast(full.view(torch.uint8) if full.dtype == torch.bool else full, src=0)  # (gloo sends no bool)
+    for path, full in _broadcast_in_buckets(catalogue, values, device):
         for tensor, piece in targets.pop(path, ()):
             value = full if piece is None else full.chunk(len(PARTS))[PARTS.index(piece)]
             if isinstance(tensor, DTensor):  # this rank's shard: a slice of the value, no message
@@ -153,6 +152,36 @@ def fill_from_first_rank(parts, catalogue, values, device, offloaded=False):
             tensor.copy_(value)
     if targets:
         raise ValueError(f"no value for {', '.join(sorted(targets))}: the ranks built different models")
+
+
+def _broadcast_in_buckets(catalogue, values, device):
+    """(path, the first rank's tensor) for each entry of `catalogue`, sent by the first rank in buckets of up to
+    BROADCAST_BUCKET_BYTES of one dtype: one broadcast a bucket, not one a tensor (each pays a collective's latency),
+    and one bucket's memory at a time (a tensor larger than a bucket goes alone)."""
+    bucket, size = [], 0
+    for path, shape, dtype in catalogue:
+        nbytes = math.prod(shape) * dtype.itemsize
+        if bucket and (dtype != bucket[0][2] or size + nbytes > BROADCAST_BUCKET_BYTES):
+            yield from _broadcast_bucket(bucket, values, device)
+            bucket, size = [], 0
+        bucket.append((path, shape, dtype))
+        size += nbytes
+    if bucket:
+        yield from _broadcast_bucket(bucket, values, device)
+
+
+def _broadcast_bucket(bucket, values, device):
+    dtype = bucket[0][2]
+    if values is not None:  # (the first rank's copies freed as they go into the bucket)
+        flat = torch.cat([values.pop(path).to(device, dtype).reshape(-1) for path, _, _ in bucket])
+    else:
+        flat = torch.empty(sum(math.prod(shape) for _, shape, _ in bucket), dtype=dtype, device=device)
+    dist.broadcast(flat.view(torch.uint8) if dtype == torch.bool else flat, src=0)  # (gloo sends no bool)
+    offset = 0
+    for path, shape, _ in bucket:
+        count = math.prod(shape)
+        yield path, flat[offset : offset + count].view(shape)
+        offset += count
 
 
 def reshard(module):
