@@ -58,9 +58,9 @@ RUN_TIME = (
 _context = multiprocessing.get_context("forkserver")
 # dlojz, timm (the tests' small model, SMALL), and what a run imports when it gets there, here once and not in every
 # run: the timeline plot's matplotlib (its pyplot and Agg), idr_torch (the ranks' set-up), the image loader's PIL
-# plugins, the pipeline's and the FLOP counter's torch modules, and the sharded checkpoints' torch.distributed.checkpoint
-# (each rank of an --fsdp run imported it at its first checkpoint: 6 % of a 2-rank run's CPU). A forked test_vit run
-# of 2 steps: 0.91 CPU s with dlojz and timm alone, 0.54 with these.
+# plugins, the pipeline's and the FLOP counter's torch modules, and the sharded checkpoints' module (each rank of an
+# --fsdp run imported it at its first checkpoint: 6 % of a 2-rank run's CPU). A forked test_vit run of 2 steps:
+# 0.91 CPU s with dlojz and timm alone, 0.54 with these.
 PRELOAD = (
     "dlojz",
     "timm",
@@ -188,8 +188,11 @@ def _forget_operator_libraries():
     import weakref
 
     library = sys.modules.get("torch.library")
+    if library is None:
+        return
     for finalizer in list(getattr(weakref.finalize, "_registry", {})):
-        if library is not None and finalizer.peek() is not None and finalizer.peek()[1] is library._del_library:
+        held = finalizer.peek()  # (the object, the function, its arguments), or None once it ran
+        if held is not None and held[1] is library._del_library:
             finalizer.atexit = False
 
 

@@ -128,8 +128,8 @@ def fill_from_first_rank(parts, catalogue, values, device, offloaded=False):
     parallelised and sharded on meta) given storage on `device` for what they hold (`offloaded`: the parameters in
     host memory, where FSDP's CPU offload keeps them), then filled with the first rank's `values`: each tensor of
     `catalogue` broadcast in turn (in buckets of one dtype, one bucket's memory at a time), a rank keeping its
-    stage's tensors and, of a DTensor, its own shard. A tensor-parallel q, k or v part takes its third of the fused tensor (timm's qkv,
-    torchvision's in_proj_weight). Every rank calls it, with the same catalogue."""
+    stage's tensors and, of a DTensor, its own shard. A tensor-parallel q, k or v part takes its third of the fused
+    tensor (timm's qkv, torchvision's in_proj_weight). Every rank calls it, with the same catalogue."""
     from torch.distributed.tensor import DTensor, distribute_tensor
 
     from dlojz_lib.parallelism.tensor import PARTS, fused_name
@@ -173,7 +173,7 @@ def _broadcast_in_buckets(catalogue, values, device):
 def _broadcast_bucket(bucket, values, device):
     dtype = bucket[0][2]
     if values is not None:  # (the first rank's copies freed as they go into the bucket)
-        flat = torch.cat([values.pop(path).to(device, dtype).reshape(-1) for path, _, _ in bucket])
+        flat = torch.cat([values.pop(path).to(device).reshape(-1) for path, _, _ in bucket])
     else:
         flat = torch.empty(sum(math.prod(shape) for _, shape, _ in bucket), dtype=dtype, device=device)
     dist.broadcast(flat.view(torch.uint8) if dtype == torch.bool else flat, src=0)  # (gloo sends no bool)
