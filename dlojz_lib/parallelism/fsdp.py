@@ -12,8 +12,8 @@ all-gather more per block and step.
 - `to_meta`, `fill_from_first_rank`: models built on the meta device. Every rank but the first builds the model's
   shapes only; the first builds it whole, with the seed a single process uses, keeps its values and turns meta too;
   every rank then cuts, splits and shards its meta model and gives storage to its own part only, which the first
-  rank's values fill, one tensor at a time: a rank's host memory holds its stage and shard, not the model (the
-  first rank: the model once more, while it starts).
+  rank's values fill, one bucket of up to 64 MiB at a time: a rank's host memory holds its stage and shard, not the
+  model (the first rank: the model once more, while it starts).
 - `state_bytes(module, optimizer)`: this rank's bytes of parameters, gradients and optimizer state.
 - `ShardedCheckpointSaver`, `load_sharded`: checkpoints written by every rank, each its own shards, with
   torch.distributed.checkpoint (DCP), into a folder `ckpt_eEEEE_sSSSSSSSSS.dcp` that appears complete or not at
