@@ -19,10 +19,12 @@ from test_fsdp import BASE, assert_same_weights, checkpoint
 import dlojz_fsdp
 import dlojz_lib.checkpoint as ckpt
 
-# name: (ranks, flags), each 2 epochs of 4 steps of 16 images (72 images, the last incomplete batch dropped); "ddp"
-# resumes on 2 ranks, and its checkpoints (ordinary files, one rank writes them) are one process's; a pipeline's
-# step in 2 micro-batches of 8 (the schedules' own micro-batches against one process: tests/parallelism/
-# test_pipeline.py), half the sends and tensor-parallel all-reduces of 4
+# name: (ranks, flags), each 2 epochs of 2 steps of 16 images (--train-subset 0.5: 36 of the 72 images, the last
+# incomplete batch dropped): a resume's seams, the end of an epoch and a step into the next, at half the steps of the
+# whole set, whose steps on 4 ranks are most of the matrix's time; "ddp" resumes on 2 ranks, and its checkpoints
+# (ordinary files, one rank writes them) are one process's; a pipeline's step in 2 micro-batches of 8 (the
+# schedules' own micro-batches against one process: tests/parallelism/test_pipeline.py), half the sends and
+# tensor-parallel all-reduces of 4
 LAYOUTS = {
     "ddp": (2, ["-b", "8"]),
     "fsdp": (2, ["-b", "8", "--fsdp"]),
@@ -36,13 +38,15 @@ WRITTEN = {"ddp": "1 x 16", "fsdp": "2 x 8", "tp": "1 x 16", "pp": "1 x 16", "pp
 # the layouts HSDP is taken into and out of in the suite: its own sharded checkpoint read by plain FSDP and back,
 # and the ordinary one's refusal both ways (DLOJZ_RESUME_MATRIX=full: every layout)
 HSDP_PEERS = ("fsdp", "ddp")
-# where a saved run is picked up: the end of epoch 1, and the middle of epoch 2
-POINTS = {"end": 4, "mid": 6}
+STEPS = 2  # an epoch's
+# where a saved run is picked up: the end of epoch 1, and a step into epoch 2
+POINTS = {"end": STEPS, "mid": STEPS + 1}
 
 
 def common(tiny_data):
     # 4 ranks on 2 cores: no CPU for a DataLoader worker; a cosine schedule: the learning rate moves every step
-    return [*BASE, "--data-root", tiny_data, "--num-workers", "0", "--drop-last", "--epochs", "2"]
+    flags = ["--num-workers", "0", "--drop-last", "--epochs", "2", "--train-subset", "0.5"]
+    return [*BASE, "--data-root", tiny_data, *flags]
 
 
 def pairs():
@@ -110,15 +114,16 @@ def test_a_run_goes_on_in_another_layout(saved, tiny_data, tmp_path, capsys, bef
         source = dlojz_fsdp.consolidate(source, tmp_path / "consolidated.pt")
         proc = run_dlojz(*common(tiny_data), *flags, "--resume", source, "--output-dir", out, ranks=ranks)
     assert proc.returncode == 0, show(proc)
-    assert f"resumed from {source} (epoch {step // 4 + 1}, step {step % 4}/4, global step {step})" in proc.stdout, (
-        proc.stdout
-    )
+    assert (
+        f"resumed from {source} (epoch {step // STEPS + 1}, step {step % STEPS}/{STEPS}, global step {step})"
+        in proc.stdout
+    ), proc.stdout
     written = WRITTEN[before]
     if point == "mid" and written != ("2 x 8" if after == "ddp" else WRITTEN[after]):  # ("ddp" resumes on 2 ranks)
-        assert f"a checkpoint written on {written}: the epoch goes on after its first 32 images" in proc.stdout
+        assert f"a checkpoint written on {written}: the epoch goes on after its first 16 images" in proc.stdout
     assert all(ckpt.load(path)["global_step"] > step for path in ckpt.list_checkpoints(out) if path != source)
     weights, steps, lrs = final(out)
     expected, expected_steps, expected_lrs = final(saved / "ddp")
     assert_same_weights(weights, expected, atol=1e-5)
-    assert steps == expected_steps == 8
+    assert steps == expected_steps == 2 * STEPS
     assert lrs == pytest.approx(expected_lrs)
