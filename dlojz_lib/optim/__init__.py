@@ -32,7 +32,9 @@ class OptimizerRow:
     `--wd` and `--nesterov`; the float32 tensors of state it keeps a parameter (the planner's optimizer bytes:
     momentum, or Adam's two moments) and the bytes of the step count it keeps beside them for each parameter tensor
     (torch's AdamW and RMSprop: a float32 scalar tensor; timm's keep theirs in the group, or none); whether that
-    fused step takes sharded (DTensor) parameters (--fsdp: else the foreach step is used)."""
+    fused step takes sharded (DTensor) parameters (--fsdp: else the foreach step is used); whether the class has
+    torch's foreach step, asked for where the fused one is not used (a GPU's default, but not the CPU's, whose step
+    one tensor at a time pays DTensor's sharding propagation op by op)."""
 
     source: str
     fused: bool
@@ -41,6 +43,7 @@ class OptimizerRow:
     state_per_parameter: int
     fused_on_shards: bool = True
     step_bytes_per_tensor: int = 0
+    foreach: bool = False
 
 
 # The accepted values of --lr-scheduler (their shapes: schedules.py's decay_factor).
@@ -68,6 +71,7 @@ OPTIMIZER_TABLE = {
         "torch's SGD",
         state_per_parameter=1,  # the momentum buffer
         fused_on_shards=False,
+        foreach=True,
     ),
     "adamw": OptimizerRow(
         "torch.optim.AdamW",
@@ -76,6 +80,7 @@ OPTIMIZER_TABLE = {
         "torch's",
         state_per_parameter=2,
         step_bytes_per_tensor=4,
+        foreach=True,
     ),
     "rmsprop": OptimizerRow(  # torchvision's MobileNet recipes' (TensorFlow's constants)
         "torch.optim.RMSprop",
@@ -84,6 +89,7 @@ OPTIMIZER_TABLE = {
         "torch's, torchvision's constants",
         state_per_parameter=2,  # the square average and the momentum buffer
         step_bytes_per_tensor=4,
+        foreach=True,
     ),
     "lamb": OptimizerRow(
         "timm.optim.Lamb",

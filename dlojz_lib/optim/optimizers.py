@@ -155,7 +155,8 @@ def build_optimizer(
     1.0), as does LARS (trust coefficient 1e-3: its LR is much larger than SGD's). ``nesterov``: SGD's Nesterov
     momentum. With ``fused``, torch's fused step where the row has one and this torch has it for the parameters'
     device (``optimizer.defaults["fused"]`` says which): one kernel per step, and GradScaler hands it the scale and
-    the inf flag as tensors instead of reading the inf flag on the host every step.
+    the inf flag as tensors instead of reading the inf flag on the host every step. Otherwise torch's foreach step
+    where the row has one (``optimizer.defaults["foreach"]``).
     """
     row = OPTIMIZER_TABLE.get(name)
     if row is None:
@@ -175,6 +176,8 @@ def build_optimizer(
         else:
             zero_momentum_buffers(optimizer)
             return optimizer
+    if row.foreach:
+        options["foreach"] = True
     return cls(params, **options)
 
 

@@ -142,7 +142,8 @@ def build_training(cfg, model, n_train_batches, num_classes, ranks, log, class_c
     if getattr(model, "pipeline", None) is not None:  # --pp: the schedule computes the loss on the last stage
         model.pipeline.give_loss(criterion)
     # Fused steps (sgd, adamw): no host synchronisation with the float16 GradScaler (see build_optimizer); FSDP's
-    # sharded parameters have no fused SGD (its foreach step is used, and bfloat16 needs no scaler).
+    # sharded parameters have no fused SGD (its foreach step is used, and bfloat16 needs no scaler); the log says
+    # which step.
     fused = not cfg.parallelism.fsdp or OPTIMIZER_TABLE[cfg.optimizer].fused_on_shards
     decays = kind_decay(vars(cfg))  # --norm-wd, --bias-wd, --embedding-wd given
     check_kinds_present(model.unsharded, decays, cfg.arch)
@@ -157,9 +158,9 @@ def build_training(cfg, model, n_train_batches, num_classes, ranks, log, class_c
         fused=fused,
         nesterov=cfg.nesterov,
     )
-    fused = optimizer.defaults.get("fused")
+    step = "fused" if optimizer.defaults.get("fused") else "foreach" if optimizer.defaults.get("foreach") else ""
     log(
-        f"optimizer: {cfg.optimizer}{' (fused step)' if fused else ''} (lr {cfg.lr}, "
+        f"optimizer: {cfg.optimizer}{f' ({step} step)' if step else ''} (lr {cfg.lr}, "
         f"{'Nesterov ' if cfg.nesterov else ''}momentum {cfg.mom}, weight decay {cfg.wd}"
         f"{', none on norms and biases' if cfg.no_wd_norm_bias else ''}"
         + "".join(f", {value:g} on {kind} parameters" for kind, value in decays.items())

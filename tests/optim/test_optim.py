@@ -198,6 +198,22 @@ def test_fused_step_skips_overflowed_steps_as_the_unfused_one(name, monkeypatch)
         assert difference.median() <= 1e-5, difference.median()
 
 
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_without_the_fused_step_torchs_rows_ask_for_the_foreach_step(name):
+    """Where the fused step is not used (not asked for, as for --fsdp's sharded SGD, or the row has none), torch's
+    rows ask for the foreach step: the CPU's default steps one tensor at a time (over DTensors, a sharding
+    propagation per op); timm's rows keep their defaults."""
+    import dlojz_lib.optim
+
+    optimizer = build_optimizer(name, tiny_classifier().parameters(), GOOD_LR[name], 0.9, 1e-4, fused=False)
+    expected = dlojz_lib.optim.OPTIMIZER_TABLE[name].source.startswith("torch.")
+    assert bool(optimizer.defaults.get("foreach")) is expected, optimizer.defaults
+    assert dlojz_lib.optim.OPTIMIZER_TABLE[name].foreach is expected
+    if name in ("sgd", "adamw"):
+        fused = build_optimizer(name, tiny_classifier().parameters(), GOOD_LR[name], 0.9, 1e-4, fused=True)
+        assert fused.defaults["fused"] and not fused.defaults.get("foreach"), fused.defaults
+
+
 def test_unknown_optimizer_or_bad_lr_gives_one_line_naming_the_flag():
     with pytest.raises(ValueError) as error:
         build_optimizer("adam", nn.Linear(2, 2).parameters(), 0.1, 0.9, 0.0)

@@ -388,7 +388,7 @@ def test_test_mode_reports_flops_of_the_unsharded_model(tiny_data, tmp_path):
         tmp_path / "o",
     )
     assert proc.returncode == 0, show(proc)
-    assert "optimizer: sgd (lr" in proc.stdout, proc.stdout
+    assert "optimizer: sgd (foreach step) (lr" in proc.stdout, proc.stdout
     metrics = read_json(tmp_path / "m.json")
     assert metrics["chrono"]["train_flops_per_image"] > 0 and metrics["activation_bytes_per_image"] > 0, metrics
 
