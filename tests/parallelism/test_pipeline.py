@@ -517,19 +517,27 @@ def test_the_day_4_table_s_pipeline_rows_hold_the_stages_bytes(tmp_path):
 # ---------------------------------------------------------------------------------------------- dlojz.py --pp
 
 
+STEPS = 2  # the steps of the runs below: half the 4 of an epoch of the tiny images in batches of 16
+
+
 @pytest.fixture(scope="module")
 def runs(tiny_data, tmp_path_factory):
-    """The same training (global batch 16, 4 steps: the last incomplete batch dropped, as --pp does) as one process,
+    """The same training (global batch 16 of half the images, 2 steps: the last incomplete batch dropped, as --pp
+    does) as one process,
     as a pipeline of 2 ranks under 1F1B (4 micro-batches, cut by parameters), under GPipe (2 micro-batches, cut at
     layer 4), on 4 ranks as 2 pipelines x 2 data replicas of 8 images, the gradients' global norm clipped to 0.1
     (below a fresh ViT's; cut by the layers' times, summed over the world), beside one process clipping too, and as
     PP 2 x TP 2 on 4 ranks (also cut after the stem: a stage without a block). A ResNet-18's pipeline (BatchNorm:
-    one process accumulating 4 batches of 4) is a cell of tests/parallelism/test_family_matrix.py."""
+    one process accumulating 4 batches of 4) is a cell of tests/parallelism/test_family_matrix.py. One process also
+    trains the whole epoch (4 steps), the weights a run stopped mid-epoch and resumed ends on."""
     from conftest import run_dlojz, show
     from test_fsdp import BASE
 
     out = tmp_path_factory.mktemp("pp")
     common = [*BASE, "--data-root", tiny_data, "--num-workers", "0"]  # 4 ranks on 2 cores: no CPU for a worker
+    proc = run_dlojz(*common, "-b", "16", "--drop-last", "--output-dir", out / "single-epoch")
+    assert proc.returncode == 0, show(proc)
+    common += ["--train-subset", str(STEPS / 4)]
     for name, ranks, flags in (
         ("single", 1, ["-b", "16", "--drop-last"]),
         ("1f1b", 2, ["-b", "16", "--fsdp", "--pp", "2"]),
@@ -558,7 +566,7 @@ def runs(tiny_data, tmp_path_factory):
 @pytest.mark.multirank
 def test_pp_trains_to_the_weights_of_one_process(runs, name, reference):
     """`dlojz.py --fsdp --pp 2` under either schedule, and with 2 data replicas, reaches one process's weights after
-    4 SGD steps (float32 sums in another order); its checkpoint (each stage's shards) consolidates into an ordinary
+    2 SGD steps (float32 sums in another order); its checkpoint (each stage's shards) consolidates into an ordinary
     model's, key for key; the loss and accuracy the log prints are the last stage's; validation sees each of the 15
     images once, with one process's figures."""
     from conftest import read_json
@@ -574,7 +582,7 @@ def test_pp_trains_to_the_weights_of_one_process(runs, name, reference):
                 for c in (consolidated, one)]  # fmt: skip
     assert settings[0] == settings[1]
     metrics, single = read_json(runs / f"{name}.json"), read_json(runs / f"{reference}.json")
-    assert (metrics["steps"], metrics["global_batch_size"], metrics["val_images"]) == (4, 16, 15)
+    assert (metrics["steps"], metrics["global_batch_size"], metrics["val_images"]) == (STEPS, 16, 15)
     assert metrics["train_loss"] == pytest.approx(single["train_loss"], rel=1e-4)
     assert metrics["val_accuracy"] == single["val_accuracy"]
     assert metrics["val_loss"] == pytest.approx(single["val_loss"], rel=1e-4)
@@ -671,7 +679,7 @@ def test_a_pp_run_stopped_mid_epoch_resumes_to_the_same_weights(runs, tiny_data,
     stopped_mid_epoch(common, out, steps=4)
     proc = run_dlojz(*common, "--output-dir", out, "--resume", "auto", ranks=2)
     assert proc.returncode == 0, show(proc)
-    assert_same_weights(weights(out), weights(runs / "single"), atol=1e-5)
+    assert_same_weights(weights(out), weights(runs / "single-epoch"), atol=1e-5)
 
 
 @pytest.mark.parametrize(
