@@ -22,6 +22,7 @@ import torch.multiprocessing as mp
 from conftest import ROOT
 from in_process import synthetic_run
 from test_flag_effects import BASE, loop_for, run_for
+from test_float8 import MLP_VIT
 from test_preemption import as_rank_of_two
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -321,19 +322,11 @@ TRAINING_FLAGS = [
     pytest.param(["--optimizer", "lars", "--amp", "--amp-dtype", "bfloat16"], id="lars-bfloat16"),
     pytest.param(["--optimizer", "lion", "--amp", "--amp-dtype", "bfloat16"], id="lion-bfloat16"),
     pytest.param(["--findlr"], id="findlr"),
-    # torchao's float8 linears (the smallest published timm ViT with linears over tensorwise's sizes, its blocks'
-    # fc1, 22 M parameters to ViT-B/16's 86; rowwise's take none of them): their scales computed on the device
-    pytest.param(["--arch", "timm:vit_little_patch16_reg1_gap_256", "--float8", "tensorwise"], id="float8-tensorwise"),
+    # torchao's float8 linears (tests/model/test_float8.py's narrow ViT, registered there: each block's fc1 over
+    # tensorwise's sizes; rowwise's take none of them): their scales computed on the device
+    pytest.param(["--arch", MLP_VIT, "--float8", "tensorwise"], id="float8-tensorwise"),
     pytest.param(
-        [
-            "--arch",
-            "timm:vit_little_patch16_reg1_gap_256",
-            "--float8",
-            "tensorwise",
-            "--amp",
-            "--amp-dtype",
-            "bfloat16",
-        ],
+        ["--arch", MLP_VIT, "--float8", "tensorwise", "--amp", "--amp-dtype", "bfloat16"],
         id="float8-tensorwise-bfloat16",
     ),
 ]
