@@ -523,9 +523,8 @@ STEPS = 2  # the steps of the runs below: half the 4 of an epoch of the tiny ima
 @pytest.fixture(scope="module")
 def runs(tiny_data, tmp_path_factory):
     """The same training (global batch 16 of half the images, 2 steps: the last incomplete batch dropped, as --pp
-    does) as one process,
-    as a pipeline of 2 ranks under 1F1B (4 micro-batches, cut by parameters), under GPipe (2 micro-batches, cut at
-    layer 4), on 4 ranks as 2 pipelines x 2 data replicas of 8 images, the gradients' global norm clipped to 0.1
+    does) as one process, as a pipeline of 2 ranks under 1F1B (4 micro-batches, cut by parameters), under GPipe (2
+    micro-batches, cut at layer 4), on 4 ranks as 2 pipelines x 2 data replicas of 8 images, the gradients' global norm clipped to 0.1
     (below a fresh ViT's; cut by the layers' times, summed over the world), beside one process clipping too, and as
     PP 2 x TP 2 on 4 ranks (also cut after the stem: a stage without a block). A ResNet-18's pipeline (BatchNorm:
     one process accumulating 4 batches of 4) is a cell of tests/parallelism/test_family_matrix.py. One process also
