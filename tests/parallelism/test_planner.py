@@ -25,7 +25,7 @@ LAYOUTS = {
     "PP 4 x FSDP 1": (["--fsdp", "--pp", "4", "--pp-microbatches", "4"], 8),
 }
 # and a BatchNorm model's, whose buffers DDP broadcasts from rank 0 at every step's forward
-BUFFERS_ARCH = "resnet18"
+BUFFERS_ARCH = "timm:test_resnet"
 # and a CoAtNet's under TP (its stages' first blocks widen the channels; its relative position tables' gradients
 # gathered over the heads)
 COATNET = "timm:dlojz_tiny_coatnet"  # (registered below: 3 transformer blocks of 4 heads, at 64 px)
@@ -53,10 +53,11 @@ def dlojz_tiny_coatnet(pretrained=False, **kwargs):
 
 def layouts_on_rank(rank, world, store_path, results, layouts):
     """One of 4 ranks: each layout of `layouts` laid out as dlojz.py lays it out (`lay_out`, through
-    bench/plan_vs_runs.py's `laid_out`, which times the same layouts against the roofline), three steps of SGD with
-    momentum (the schedule's under --pp); the bytes this rank holds after them, and those it sends in the third step
-    (the first sends a pipeline's shapes too, the second DDP's rebuilt buckets), by the planner's group names; then
-    the optimizer state each of torch's optimizers holds after a step of its own (from one step's gradients)."""
+    bench/plan_vs_runs.py's `laid_out`, which times the same layouts against the roofline), steps of SGD with
+    momentum (the schedule's under --pp); the bytes this rank holds after them, and those it sends in the last: a
+    sharded layout's second (the first sends a pipeline's shapes too), DDP's third (the second sends its rebuilt
+    buckets), by the planner's group names; then the optimizer state each of torch's optimizers holds after a step of
+    its own (from one step's gradients)."""
     import traceback
 
     import torch
@@ -82,8 +83,9 @@ def layouts_on_rank(rank, world, store_path, results, layouts):
             groups.setdefault(frozenset(range(world)), "data")  # DDP's
             torch.manual_seed(1)
             images, labels = torch.randn(batch, 3, size, size), torch.randint(0, 3, (batch,))
-            for index in range(3):  # the third step's collectives counted: a dispatch mode that sees every op
-                with counting_mode() if index == 2 else contextlib.nullcontext() as counted:
+            counted_step = 2 if "--fsdp" in flags else 3  # DDP's second step sends its rebuilt buckets
+            for index in range(counted_step):  # the last one's collectives counted: a dispatch mode sees every op
+                with counting_mode() if index == counted_step - 1 else contextlib.nullcontext() as counted:
                     step(images, labels)
                 optimizer.step()
                 optimizer.zero_grad()
@@ -109,11 +111,11 @@ def layouts_on_rank(rank, world, store_path, results, layouts):
 @pytest.mark.multirank
 def test_the_planner_s_bytes_held_and_sent_are_a_run_s(tmp_path):
     """On 4 CPU ranks (2 "nodes" of 2 for the planner), DDP, FSDP 4, HSDP 2 x 2, TP 2 x FSDP 2, PP 2 x FSDP 2,
-    PP 2 x TP 2 and PP 4 (and a ResNet-18 under DDP): the planner's parameter, gradient and optimizer bytes a GPU are the largest rank's, to the
-    byte (FSDP's shards padded to a multiple of the ranks), and its bytes sent a step, group by group (FSDP's
-    all-gathers and reduce-scatters, HSDP's all-reduce across replicas, the tensor plan's all-reduces and the whole
-    copies', the pipeline's sends, DDP's broadcast of BatchNorm's buffers), those of the rank that sends most, as the
-    collectives a step sends count them."""
+    PP 2 x TP 2 and PP 4 (and timm's test ResNet under DDP): the planner's parameter, gradient and optimizer bytes
+    a GPU are the largest rank's, to the byte (FSDP's shards padded to a multiple of the ranks), and its bytes sent a
+    step, group by group (FSDP's all-gathers and reduce-scatters, HSDP's all-reduce across replicas, the tensor
+    plan's all-reduces and the whole copies', the pipeline's sends, DDP's broadcast of BatchNorm's buffers), those of
+    the rank that sends most, as the collectives a step sends count them."""
 
     from conftest import spawn_ranks
 
