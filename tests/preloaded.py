@@ -55,6 +55,10 @@ RUN_TIME = (
     "TORCHELASTIC_RUN_ID",
 )
 
+# The variable in which python_executable's stand-in names itself to the client, which takes it out of the run's
+# environment and gives it to the run as its sys.executable.
+STAND_IN = "PRELOADED_STAND_IN"
+
 _context = multiprocessing.get_context("forkserver")
 # dlojz, timm (the tests' small model, SMALL), and what a run imports when it gets there, here once and not in every
 # run: the timeline plot's matplotlib (its pyplot and Agg), idr_torch (the ranks' set-up), the image loader's PIL
@@ -143,12 +147,16 @@ def _detach(duplicate):
     return duplicate.detach()
 
 
-def _child(argv, env, cwd, out, err, affinity=None, script=None):
+def _child(argv, env, cwd, out, err, affinity=None, script=None, executable=None):
     """The forked process: `out` and `err` are a path or a file descriptor; err None is stderr=STDOUT; `affinity`
     the CPUs it may run on (those of the process it stands for), by default the server's; `script` a file to run as
-    __main__ (`python SCRIPT ARGV`: a benchmark's measuring run) in place of dlojz.py."""
+    __main__ (`python SCRIPT ARGV`: a benchmark's measuring run) in place of dlojz.py; `executable` the Python it
+    was started as (a stand-in of python_executable's), its sys.executable as a fresh interpreter's would be: what
+    it starts with sys.executable (a sweep task's dlojz.py, an HPO worker's trials) goes through that stand-in."""
     if affinity is not None:
         os.sched_setaffinity(0, affinity)
+    if executable is not None:
+        sys.executable = executable
     as_spawned(env)
     os.chdir(cwd)
     for fd, target in ((1, out), (2, out if err is None else err)):
@@ -312,7 +320,7 @@ def rank_env(env, rank, world_size, port):
     }
 
 
-def rank_processes(argv, env, cwd, world_size, outputs, affinity=None, script=None):
+def rank_processes(argv, env, cwd, world_size, outputs, affinity=None, script=None, executable=None):
     """`world_size` forks of the server running dlojz.py `argv` (not started yet), or `script`: one with `env`, or
     several given torchrun's variables on one node (rank_env); `outputs(rank)` gives a rank's (out, err) for _child."""
     port = free_port()
@@ -324,7 +332,7 @@ def rank_processes(argv, env, cwd, world_size, outputs, affinity=None, script=No
             _context.Process(
                 target=_child,
                 args=(argv, rank_environ, str(cwd), out, err),
-                kwargs={"affinity": affinity, "script": script},
+                kwargs={"affinity": affinity, "script": script, "executable": executable},
             )
         )
     return processes
@@ -433,11 +441,14 @@ def launch_prefix(env):
 
 def python_executable(folder, env):
     """An executable that stands for this Python where a tool runs `PYTHON dlojz.py ARGS` or `PYTHON bench/X.py
-    ARGS` (the benches' --python): those run through launch_prefix, anything else in this Python. Each call's arguments are
-    appended to FOLDER/python.calls, one line each, for the test to see which runs it started."""
+    ARGS` (the benches' --python): those run through launch_prefix, anything else in this Python; a run it serves
+    has it as sys.executable, as a Python started by its path would (a sweep task's `srun sys.executable dlojz.py`
+    is served too). Each call's arguments are appended to FOLDER/python.calls, one line each, for the test to see
+    which runs it started."""
     path, calls = Path(folder) / "python", shlex.quote(str(Path(folder) / "python.calls"))
     prefix = f"{shlex.join(launch_prefix(env))} {shlex.quote(sys.executable)}"
-    path.write_text(f'#!/bin/sh\nprintf "%s\\n" "$*" >> {calls}\nexec {prefix} "$@"\n')
+    stand_in = f"export {STAND_IN}={shlex.quote(str(path))}"  # (the client's, not passed on to the run)
+    path.write_text(f'#!/bin/sh\nprintf "%s\\n" "$*" >> {calls}\n{stand_in}\nexec {prefix} "$@"\n')
     path.chmod(0o755)
     return path
 
@@ -465,6 +476,7 @@ def _serve(connection):
             processes = rank_processes(
                 request["argv"], request["env"], request["cwd"], ranks,
                 lambda rank: (_FdForChild(fds[0]), _FdForChild(fds[1])), request["affinity"], request.get("script"),
+                request.get("executable"),
             )  # fmt: skip
             for process in processes:
                 process.start()

@@ -21,6 +21,7 @@ FORWARDED = (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM, signal.SIGINT, sign
 
 
 TORCHRUN = ("-m", "torch.distributed.run")
+STAND_IN = "PRELOADED_STAND_IN"  # (preloaded.STAND_IN: this client imports no torch, and so not preloaded)
 # The scripts the server runs: the benchmarks and the sibling commands, whose imports are dlojz's and torch's, which
 # it preloaded (dlojz.py itself is served as ranks: dlojz_ranks).
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -66,6 +67,7 @@ def served_run(command):
 
 
 def main(path, command):
+    stand_in = os.environ.pop(STAND_IN, None)  # the stand-in Python that started this client, if one did
     run = served_run(command)
     if run is None:
         os.execvp(command[0], command)
@@ -78,6 +80,7 @@ def main(path, command):
         "ranks": ranks,
         "env": dict(os.environ),
         "cwd": os.getcwd(),
+        "executable": stand_in,
         "affinity": sorted(os.sched_getaffinity(0)),
     }
     socket.send_fds(connection, [json.dumps(request).encode()], [1, 2])

@@ -337,6 +337,11 @@ def test_a_slurm_sweep_is_one_job_array_whose_tasks_are_the_runs(slurm_cluster, 
         metrics = json.loads((sweep / row["run"] / "metrics.json").read_text())
         assert float(row["img_s"]) == metrics["chrono"]["throughput_img_s"]
         assert metrics["global_batch_size"] == int(row["batch-size"])  # the grid's value reached the run
+    # each task's `srun PYTHON -u dlojz.py` ran the Python the task was started as (sys.executable): the job's
+    # venv's, here the served stand-in's, whose calls it writes down
+    dlojz = f"-u {ROOT / 'dlojz.py'} "
+    calls = (served_python(None) / "bin" / "python.calls").read_text().splitlines()
+    assert sum(call.startswith(dlojz) and str(tmp_path) in call for call in calls) == 4, calls
 
 
 # ---------------------------------------------------------------- dlojz_srun's restarts, with a stand-in srun
